@@ -1,0 +1,30 @@
+"""Per-request errors, kept free of Triton imports so the batching logic can be tested without a server."""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class ErrorCode(str, Enum):
+    """The subset of ``pb_utils.TritonError`` codes this project answers with."""
+
+    INVALID_ARG = "INVALID_ARG"
+    INTERNAL = "INTERNAL"
+    UNAVAILABLE = "UNAVAILABLE"
+    CANCELLED = "CANCELLED"
+
+
+class RequestError(Exception):
+    """An error that belongs to one request and is sent back on that request's stream only."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+    def __str__(self) -> str:
+        return f"{self.code.value}: {self.message}"
+
+
+def invalid_field(field: str, message: str) -> RequestError:
+    return RequestError(ErrorCode.INVALID_ARG, f"{field}: {message}")

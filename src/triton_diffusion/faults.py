@@ -1,0 +1,42 @@
+"""Test-only fault injection, enabled by the ``fault_injection`` config parameter (off by default).
+
+``{"fail_on_prompt": "boom", "oom_above_rows": 4}`` makes any pipeline call raise when one of its
+prompts contains "boom", and raise a simulated out-of-memory when it holds more than 4 rows. This lets
+integration tests exercise failure isolation through the real server and the real pipeline.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+class InjectedFault(RuntimeError):
+    pass
+
+
+class SimulatedOutOfMemoryError(MemoryError):
+    pass
+
+
+@dataclass(frozen=True)
+class FaultInjection:
+    fail_on_prompt: str | None = None
+    oom_above_rows: int | None = None
+
+    @classmethod
+    def from_config(cls, text: str | None) -> FaultInjection | None:
+        if not text:
+            return None
+        raw = json.loads(text)
+        unknown = set(raw) - {"fail_on_prompt", "oom_above_rows"}
+        if unknown:
+            raise ValueError(f"fault_injection: unknown keys {sorted(unknown)}")
+        return cls(**raw)
+
+    def before_call(self, prompts: Sequence[str]) -> None:
+        if self.oom_above_rows is not None and len(prompts) > self.oom_above_rows:
+            raise SimulatedOutOfMemoryError(f"simulated out of memory: {len(prompts)} rows > {self.oom_above_rows}")
+        if self.fail_on_prompt and any(self.fail_on_prompt in p for p in prompts):
+            raise InjectedFault(f"injected failure for a prompt containing {self.fail_on_prompt!r}")

@@ -1,0 +1,204 @@
+"""Request fields, declared once.
+
+A :class:`Field` says what a request may send (name, type, default, limits) and how it takes part in
+batching (:class:`Role`). Parsing, validation, the compatibility key, the Triton input declarations and
+the README table are all derived from these declarations. Strict by default: a field is part of the
+compatibility key unless it is declared per-row or applied after the split.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, replace
+from enum import Enum
+from typing import Any
+
+from triton_diffusion.errors import invalid_field
+
+
+class _Required:
+    def __repr__(self) -> str:
+        return "REQUIRED"
+
+
+REQUIRED: Any = _Required()
+
+
+class Role(str, Enum):
+    KEY = "key"  # one value for the whole fused call: requests differing here never share a call
+    ROW = "row"  # differs per row inside one fused call (prompt, seed, ...)
+    AFTER_SPLIT = "after_split"  # applied to each request's own output after the call (output format)
+
+
+_TRITON_TYPES = {str: "TYPE_STRING", int: "TYPE_INT32", float: "TYPE_FP32", bool: "TYPE_BOOL"}
+_TYPE_NAMES = {str: "string", int: "integer", float: "number", bool: "boolean"}
+
+
+@dataclass(frozen=True)
+class Field:
+    name: str
+    type: type
+    default: Any = None  # REQUIRED, None (may be absent) or a value
+    role: Role = Role.KEY
+    minimum: float | None = None
+    maximum: float | None = None
+    multiple_of: int | None = None
+    choices: tuple[Any, ...] | None = None
+    max_length: int | None = None  # characters, for strings
+    allow_empty: bool = True
+    # A ROW field whose mere presence switches the behaviour of a whole pipeline call (Flux true CFG
+    # turns on when any row has a negative prompt): requests with and without it never share a call.
+    key_on_presence: bool = False
+    triton_type: str | None = None
+    supported: bool = True  # False when the loaded pipeline cannot honour it
+    doc: str = ""
+
+    @property
+    def input_name(self) -> str:
+        return self.name.upper()
+
+    @property
+    def triton_data_type(self) -> str:
+        return self.triton_type or _TRITON_TYPES[self.type]
+
+    def configured(self, params: Mapping[str, str]) -> Field:
+        """Apply ``default_<name>``, ``min_<name>``, ``max_<name>``, ``<name>_choices``,
+        ``<name>_multiple_of`` and ``max_<name>_length`` from the model config's parameters."""
+        changes: dict[str, Any] = {}
+        if f"default_{self.name}" in params:
+            changes["default"] = self._from_text(params[f"default_{self.name}"])
+        for attr, param in (("minimum", f"min_{self.name}"), ("maximum", f"max_{self.name}")):
+            if param in params:
+                changes[attr] = float(params[param]) if self.type is float else int(params[param])
+        if f"{self.name}_multiple_of" in params:
+            changes["multiple_of"] = int(params[f"{self.name}_multiple_of"])
+        if f"max_{self.name}_length" in params:
+            changes["max_length"] = int(params[f"max_{self.name}_length"])
+        if f"{self.name}_choices" in params:
+            items = [c.strip() for c in params[f"{self.name}_choices"].split(",") if c.strip()]
+            changes["choices"] = tuple(self._from_text(c) for c in items)
+        field = replace(self, **changes)
+        if field.default is not None and field.default is not REQUIRED:
+            field.validate(field.default)  # a bad default is a config error, found at load time
+        return field
+
+    def _from_text(self, text: str) -> Any:
+        if self.type is bool:
+            return text.strip().lower() in ("1", "true", "yes", "on")
+        return self.type(text)
+
+    def allowed(self) -> str:
+        """The allowed range in words, used in error messages and in the docs."""
+        if self.choices is not None:
+            return "one of " + ", ".join(repr(c) for c in self.choices)
+        parts = []
+        if self.minimum is not None and self.maximum is not None:
+            parts.append(f"{_num(self.minimum)}..{_num(self.maximum)}")
+        elif self.minimum is not None:
+            parts.append(f">= {_num(self.minimum)}")
+        elif self.maximum is not None:
+            parts.append(f"<= {_num(self.maximum)}")
+        if self.multiple_of:
+            parts.append(f"multiple of {self.multiple_of}")
+        if self.type is str:
+            if not self.allow_empty:
+                parts.append("non-empty")
+            if self.max_length is not None:
+                parts.append(f"at most {self.max_length} characters")
+        return ", ".join(parts) or "any " + _TYPE_NAMES[self.type]
+
+    def validate(self, value: Any) -> Any:
+        """Return the value in its canonical Python type, or raise an INVALID_ARG RequestError."""
+        if not self.supported:
+            raise invalid_field(self.name, "is not supported by this model's pipeline")
+        value = self._check_type(value)
+        if self.type is str:
+            if not self.allow_empty and not value.strip():
+                raise invalid_field(self.name, f"must not be empty (allowed: {self.allowed()})")
+            if self.max_length is not None and len(value) > self.max_length:
+                raise invalid_field(
+                    self.name, f"is {len(value)} characters long (allowed: {self.allowed()})"
+                )
+        if self.type is float and not math.isfinite(value):
+            raise invalid_field(self.name, f"must be a finite number, got {value} (allowed: {self.allowed()})")
+        if self.choices is not None and value not in self.choices:
+            raise invalid_field(self.name, f"got {value!r} (allowed: {self.allowed()})")
+        out_of_range = (self.minimum is not None and value < self.minimum) or (
+            self.maximum is not None and value > self.maximum
+        )
+        not_multiple = bool(self.multiple_of) and value % self.multiple_of != 0
+        if out_of_range or not_multiple:
+            raise invalid_field(self.name, f"got {value} (allowed: {self.allowed()})")
+        return value
+
+    def _check_type(self, value: Any) -> Any:
+        ok = {
+            str: isinstance(value, str),
+            bool: isinstance(value, bool),
+            int: isinstance(value, int) and not isinstance(value, bool),
+            float: isinstance(value, (int, float)) and not isinstance(value, bool),
+        }[self.type]
+        if not ok:
+            raise invalid_field(
+                self.name, f"must be a {_TYPE_NAMES[self.type]}, got {type(value).__name__} {value!r:.40}"
+            )
+        return float(value) if self.type is float else value
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() and abs(x) < 2**63 else str(x)
+
+
+class FieldSet:
+    """The fields one model accepts, in declaration order."""
+
+    def __init__(self, fields: Iterable[Field]) -> None:
+        self._fields = {f.name: f for f in fields}
+
+    def __iter__(self) -> Iterator[Field]:
+        return iter(self._fields.values())
+
+    def __getitem__(self, name: str) -> Field:
+        return self._fields[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._fields
+
+    def configured(self, params: Mapping[str, str], unsupported: Iterable[str] = ()) -> FieldSet:
+        """Defaults and limits from the model config; ``unsupported`` fields are refused when sent."""
+        unsupported = set(unsupported)
+        fields = [f.configured(params) for f in self]
+        return FieldSet(replace(f, supported=False) if f.name in unsupported else f for f in fields)
+
+    def parse(self, raw: Mapping[str, Any]) -> dict[str, Any]:
+        """Validate what a request sent and fill in defaults. Raises RequestError(INVALID_ARG)."""
+        for name in raw:
+            if name not in self._fields:
+                hint = difflib.get_close_matches(name, list(self._fields), n=1)
+                suggestion = f"; did you mean {hint[0]!r}?" if hint else ""
+                raise invalid_field(name, f"unknown field{suggestion} (known: {', '.join(self._fields)})")
+        values: dict[str, Any] = {}
+        for field in self:
+            if raw.get(field.name) is not None:
+                values[field.name] = field.validate(raw[field.name])
+            elif field.default is REQUIRED:
+                raise invalid_field(field.name, f"is required ({field.allowed()})")
+            else:
+                values[field.name] = field.default
+        return values
+
+    def markdown_table(self) -> str:
+        """The request-field reference for README, straight from the declarations."""
+        lines = [
+            "| field (parameter / input tensor) | type | default | allowed | batching role |",
+            "|---|---|---|---|---|",
+        ]
+        for f in self:
+            default = "required" if f.default is REQUIRED else ("none" if f.default is None else repr(f.default))
+            role = f.role.value + (" (presence is in the key)" if f.key_on_presence else "")
+            lines.append(
+                f"| `{f.name}` / `{f.input_name}` | {f.triton_data_type} | {default} | {f.allowed()} | {role} |"
+            )
+        return "\n".join(lines)

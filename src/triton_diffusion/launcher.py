@@ -1,0 +1,117 @@
+"""Start a real ``tritonserver`` on the project's model repository.
+
+Uses a ``tritonserver`` found on PATH (the NGC container) or else the one bundled in the
+``nvidia-pytriton`` wheel. The bundled server needs a private backend directory holding the Python
+backend library, its utils module and the stub built for the running Python, and it needs this
+interpreter's ``bin`` first on PATH: the stub finds its interpreter and site-packages through
+``python3``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
+
+
+class LauncherError(RuntimeError):
+    """A problem that stops the server from starting, with a message meant for the user."""
+
+
+@dataclass(frozen=True)
+class ServerCommand:
+    argv: list[str]
+    env: dict[str, str]
+
+
+def bundled_server_root() -> Path:
+    try:
+        import pytriton  # noqa: PLC0415  (optional: only needed without a tritonserver on PATH)
+    except ImportError as exc:
+        raise LauncherError(
+            "no tritonserver on PATH and nvidia-pytriton is not installed: "
+            "`pip install nvidia-pytriton==0.7.0` or run inside the NGC Triton container"
+        ) from exc
+    return Path(pytriton.__file__).resolve().parent / "tritonserver"
+
+
+def python_version_tag() -> str:
+    return f"{sys.version_info.major}.{sys.version_info.minor}"
+
+
+def make_backend_directory(server_root: Path, target: Path) -> Path:
+    """Build ``target/python`` from symlinks: the backend library, its utils and this Python's stub."""
+    stubs = server_root / "python_backend_stubs"
+    stub = stubs / python_version_tag() / "triton_python_backend_stub"
+    if not stub.is_file():
+        available = sorted(p.name for p in stubs.iterdir()) if stubs.is_dir() else []
+        raise LauncherError(
+            f"the bundled Triton has no Python backend stub for Python {python_version_tag()} "
+            f"(available: {', '.join(available) or 'none'}); create the venv with one of those versions"
+        )
+    python_dir = target / "python"
+    python_dir.mkdir(parents=True, exist_ok=True)
+    sources = {
+        "libtriton_python.so": server_root / "backends" / "python" / "libtriton_python.so",
+        "triton_python_backend_utils.py": server_root / "backends" / "python" / "triton_python_backend_utils.py",
+        "triton_python_backend_stub": stub,
+    }
+    for name, source in sources.items():
+        link = python_dir / name
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(source)
+    return target
+
+
+def server_command(model_repository: Path, extra_args: list[str], backend_cache: Path) -> ServerCommand:
+    env = dict(os.environ)
+    venv_bin = str(Path(sys.executable).parent)
+    env["PATH"] = venv_bin + os.pathsep + env.get("PATH", "")
+    # The stub embeds libpython; make sure the dynamic loader finds this interpreter's copy.
+    libdir = sysconfig.get_config_var("LIBDIR")
+    if libdir:
+        env["LD_LIBRARY_PATH"] = libdir + os.pathsep + env.get("LD_LIBRARY_PATH", "")
+
+    args = ["--model-repository", str(model_repository), *extra_args]
+    on_path = shutil.which("tritonserver", path=os.environ.get("PATH", ""))
+    if on_path:
+        return ServerCommand([on_path, *args], env)
+
+    root = bundled_server_root()
+    backends = make_backend_directory(root, backend_cache)
+    if not any(a.startswith("--backend-directory") for a in extra_args):
+        args = ["--backend-directory", str(backends), *args]
+    return ServerCommand([str(root / "bin" / "tritonserver"), *args], env)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description="Run tritonserver on a triton-diffusion model repository. "
+        "Arguments after the known ones go to tritonserver unchanged (e.g. --log-verbose=1).",
+    )
+    parser.add_argument("--model-repository", type=Path, default=DEFAULT_MODEL_REPOSITORY)
+    parser.add_argument(
+        "--backend-cache",
+        type=Path,
+        default=Path(sys.prefix) / "triton-backends",
+        help="where the private backend directory for the bundled server is written",
+    )
+    known, extra = parser.parse_known_args(argv)
+    try:
+        command = server_command(known.model_repository.resolve(), extra, known.backend_cache)
+    except LauncherError as exc:
+        sys.exit(f"triton-diffusion-serve: {exc}")
+    print("+ " + " ".join(command.argv), file=sys.stderr, flush=True)
+    os.execvpe(command.argv[0], command.argv, command.env)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""Plan the fused pipeline calls for one ``execute()`` batch.
+
+Requests are grouped by compatibility key (keys are never mixed), each group is cut into calls of at
+most ``cap`` rows (images, not requests; a request with several images may span calls), arrival order is
+kept inside a group, and calls are served oldest-first (by the oldest request they hold), so an
+incompatible request at the head of the batch is never starved and never blocks the ones behind it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from triton_diffusion.compatibility import CompatibilityKey
+
+
+@dataclass(frozen=True)
+class PlannedRequest:
+    index: int  # position in the list execute() received: the arrival order
+    key: CompatibilityKey
+    rows: int  # images this request asks for
+
+
+@dataclass(frozen=True)
+class Row:
+    request_index: int
+    image_index: int
+
+
+@dataclass
+class FusedCall:
+    key: CompatibilityKey
+    rows: list[Row]
+    cap: int
+    cut_reason: str  # why this call holds no more rows: "row_cap", "resolution_cap" or "drained"
+    split_by: str | None = None  # first key field differing from the previous group's key
+    request_indices: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.request_indices:
+            self.request_indices = list(dict.fromkeys(r.request_index for r in self.rows))
+
+
+@dataclass(frozen=True)
+class RowCaps:
+    """Rows per fused call: a global cap and optional lower caps per resolution ("WxH")."""
+
+    max_rows: int
+    by_resolution: Mapping[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def from_config(cls, max_rows: int, resolution_json: str | None) -> RowCaps:
+        by_resolution: dict[str, int] = {}
+        if resolution_json:
+            raw = json.loads(resolution_json)
+            for res, cap in raw.items():
+                width, _, height = res.lower().partition("x")
+                if not (width.isdigit() and height.isdigit()) or int(cap) < 1:
+                    raise ValueError(f"row cap {res!r}: {cap!r}: expected 'WIDTHxHEIGHT': positive int")
+                by_resolution[f"{int(width)}x{int(height)}"] = int(cap)
+        if max_rows < 1:
+            raise ValueError(f"max rows per call must be >= 1, got {max_rows}")
+        return cls(max_rows, by_resolution)
+
+    def cap_for(self, key: CompatibilityKey) -> tuple[int, str]:
+        """The cap for a key and the reason to name when it cuts a group: the lower rule wins."""
+        resolution = f"{key.get('width')}x{key.get('height')}"
+        res_cap = self.by_resolution.get(resolution)
+        if res_cap is not None and res_cap < self.max_rows:
+            return res_cap, "resolution_cap"
+        return self.max_rows, "row_cap"
+
+
+def plan_groups(
+    requests: Sequence[PlannedRequest], cap_for: Callable[[CompatibilityKey], tuple[int, str]]
+) -> list[FusedCall]:
+    groups: dict[CompatibilityKey, list[Row]] = {}
+    for request in sorted(requests, key=lambda r: r.index):
+        rows = groups.setdefault(request.key, [])
+        rows.extend(Row(request.index, i) for i in range(request.rows))
+
+    calls: list[FusedCall] = []
+    previous_key: CompatibilityKey | None = None
+    for key, rows in groups.items():
+        cap, cap_reason = cap_for(key)
+        split_by = key.first_difference(previous_key) if previous_key is not None else None
+        for start in range(0, len(rows), cap):
+            chunk = rows[start : start + cap]
+            cut = cap_reason if start + cap < len(rows) else "drained"
+            calls.append(FusedCall(key, chunk, cap, cut, split_by))
+        previous_key = key
+    calls.sort(key=lambda c: c.rows[0].request_index)
+    return calls

@@ -1,0 +1,155 @@
+"""Text-to-image: the fields it accepts and the one place the diffusers pipeline is called.
+
+Works with any diffusers text-to-image pipeline that takes a list of prompts and a list of generators
+(Stable Diffusion 1.x/2.x/XL, SD3, FLUX.1, PixArt, Sana, ...): optional arguments are passed only when
+the pipeline's ``__call__`` has them, and fields it lacks are refused per request.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+import torch
+
+from triton_diffusion.compatibility import CompatibilityKey
+from triton_diffusion.diffusers_pipeline import (
+    SchedulerChoices,
+    call_parameters,
+    default_size,
+    load_pipeline,
+    row_generator,
+    row_seed,
+    signature_default,
+    size_multiple,
+)
+from triton_diffusion.executor import CallRecord
+from triton_diffusion.faults import FaultInjection
+from triton_diffusion.fields import REQUIRED, Field, FieldSet, Role
+from triton_diffusion.image_codec import IMAGE_FORMATS, OUTPUT_ENCODINGS, encode_image
+from triton_diffusion.settings import ModelSettings
+from triton_diffusion.triton_model import BatchedDiffusionModel, ParsedRequest, RowInput
+
+# Defaults and limits here are fallbacks: config.pbtxt parameters override them (default_<field>,
+# min_<field>, max_<field>, ...), and size/step/guidance defaults are read from the pipeline itself.
+TEXT_TO_IMAGE_FIELDS = FieldSet(
+    [
+        Field("prompt", str, REQUIRED, Role.ROW, allow_empty=False, max_length=2000, doc="what to draw"),
+        Field(
+            "negative_prompt",
+            str,
+            None,
+            Role.ROW,
+            max_length=2000,
+            # Strict by default: see NEGATIVE_PROMPT_NONE_IS_EMPTY for the pipelines that relax it.
+            key_on_presence=True,
+            doc="what to steer away from",
+        ),
+        Field("seed", int, None, Role.ROW, minimum=0, maximum=2**63 - 1, triton_type="TYPE_INT64",
+              doc="random seed of the first image; image i uses seed + i; drawn and returned when absent"),
+        Field("num_images_per_prompt", int, 1, Role.ROW, minimum=1, maximum=4,
+              doc="images for this prompt; each is one row of the fused call"),
+        Field("height", int, None, minimum=64, maximum=2048, doc="image height in pixels"),
+        Field("width", int, None, minimum=64, maximum=2048, doc="image width in pixels"),
+        Field("num_inference_steps", int, None, minimum=1, maximum=150, doc="denoising steps"),
+        Field("guidance_scale", float, None, minimum=0.0, maximum=30.0, doc="classifier-free guidance"),
+        Field("true_cfg_scale", float, None, minimum=0.0, maximum=30.0,
+              doc="true CFG (Flux, Qwen-Image); on when > 1 and a negative prompt is given"),
+        Field("scheduler", str, None, doc="scheduler class name, from scheduler_choices"),
+        Field("output_format", str, "png", Role.AFTER_SPLIT, choices=IMAGE_FORMATS, doc="image file format"),
+        Field("output_encoding", str, "binary", Role.AFTER_SPLIT, choices=OUTPUT_ENCODINGS,
+              doc="base64 keeps the image intact in HTTP generate's JSON"),
+    ]
+)
+
+# Pipelines whose encode_prompt treats a missing negative prompt exactly like "" (checked in their
+# source), so requests with and without one can share a call. Every other pipeline keeps them apart:
+# Flux/Qwen-Image switch true CFG on for the whole call, SDXL zeroes the negative embeddings only for None.
+NEGATIVE_PROMPT_NONE_IS_EMPTY = frozenset({"StableDiffusionPipeline", "StableDiffusion3Pipeline"})
+
+# Arguments passed only when the pipeline's __call__ has them.
+OPTIONAL_CALL_FIELDS = ("negative_prompt", "guidance_scale", "true_cfg_scale")
+
+
+class TextToImageModel(BatchedDiffusionModel):
+    FIELDS = TEXT_TO_IMAGE_FIELDS
+    OUTPUTS = [
+        ("IMAGE", "TYPE_STRING", [-1]),  # one encoded image per generated image
+        ("SEED", "TYPE_INT64", [-1]),  # the seed of each image
+        ("BATCH", "TYPE_STRING", [1]),  # JSON: the key and the fused calls this request went through
+    ]
+
+    def load(self, settings: ModelSettings) -> FieldSet:
+        self.pipe = load_pipeline(settings)
+        self.faults = FaultInjection.from_config(settings.get("fault_injection"))
+        self.schedulers = SchedulerChoices(self.pipe, settings.get("scheduler_choices"))
+        params = call_parameters(self.pipe)
+        missing = [p for p in ("prompt", "generator", "height", "width", "num_inference_steps") if p not in params]
+        if missing:
+            raise ValueError(f"{type(self.pipe).__name__} is not a text-to-image pipeline: no {missing} arguments")
+        self.call_extras: dict[str, Any] = {}
+        if "max_sequence_length" in params and settings.get("max_sequence_length"):
+            self.call_extras["max_sequence_length"] = int(settings.get("max_sequence_length"))
+
+        size, multiple = default_size(self.pipe), size_multiple(self.pipe)
+        derived = {
+            "default_height": str(size),
+            "default_width": str(size),
+            "height_multiple_of": str(multiple),
+            "width_multiple_of": str(multiple),
+            "default_num_inference_steps": str(signature_default(self.pipe, "num_inference_steps") or 30),
+            "default_scheduler": self.schedulers.default,
+            "scheduler_choices": ",".join(self.schedulers.names),
+        }
+        for name in ("guidance_scale", "true_cfg_scale"):
+            default = signature_default(self.pipe, name)
+            derived[f"default_{name}"] = str(float(default if default is not None else 1.0))
+
+        fields = self.FIELDS
+        if type(self.pipe).__name__ in NEGATIVE_PROMPT_NONE_IS_EMPTY:
+            fields = FieldSet(replace(f, key_on_presence=False) if f.name == "negative_prompt" else f for f in fields)
+        unsupported = [name for name in OPTIONAL_CALL_FIELDS if name not in params]
+        return fields.configured({**derived, **settings.params}, unsupported)
+
+    def rows_for(self, values: dict[str, Any]) -> int:
+        return values["num_images_per_prompt"]
+
+    def run_rows(self, key: CompatibilityKey, rows: list[RowInput]) -> list[Any]:
+        shared = key.as_dict()
+        prompts = [r.values["prompt"] for r in rows]
+        if self.faults:
+            self.faults.before_call(prompts)
+        kwargs: dict[str, Any] = {
+            "prompt": prompts,
+            "height": shared["height"],
+            "width": shared["width"],
+            "num_inference_steps": shared["num_inference_steps"],
+            "generator": [row_generator(r.values["seed"], r.image_index) for r in rows],
+            "output_type": "pil",
+            **self.call_extras,
+        }
+        for name in ("guidance_scale", "true_cfg_scale"):
+            if self.fields[name].supported:
+                kwargs[name] = shared[name]
+        negatives = [r.values["negative_prompt"] for r in rows]
+        if any(n is not None for n in negatives):
+            # The key keeps rows with and without a negative prompt apart unless None means "" anyway.
+            kwargs["negative_prompt"] = [n or "" for n in negatives]
+        self.pipe.scheduler = self.schedulers[shared["scheduler"]]
+        with torch.inference_mode():
+            return list(self.pipe(**kwargs).images)
+
+    def respond(self, request: ParsedRequest, outputs: list[Any], calls: list[CallRecord]) -> dict[str, np.ndarray]:
+        values = request.values
+        images = [encode_image(img, values["output_format"], values["output_encoding"]) for img in outputs]
+        batch = {
+            "key": request.key.as_dict(),
+            "fused_calls": [{"id": c.call_id, "rows": c.rows, "requests": c.requests} for c in calls],
+        }
+        return {
+            "IMAGE": np.array([images], dtype=object),
+            "SEED": np.array([[row_seed(values["seed"], i) for i in range(len(outputs))]], dtype=np.int64),
+            "BATCH": np.array([[json.dumps(batch).encode()]], dtype=object),
+        }

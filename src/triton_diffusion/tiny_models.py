@@ -1,0 +1,190 @@
+"""Build the tiny default models: real diffusers/transformers classes, seeded random weights.
+
+No weights can be downloaded, so each family is built from its real classes with small configs (as in
+diffusers' own ``get_dummy_components``), with a tokenizer vocabulary written here, and saved with
+``save_pretrained`` (safetensors). The server then loads them through ``from_pretrained``, exactly like
+real weights. Both use a VAE with scale factor 8, like the real models, so sizes behave the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import string
+from collections.abc import Callable
+from pathlib import Path
+
+from triton_diffusion.launcher import REPO_ROOT
+
+DEFAULT_WEIGHTS_DIR = REPO_ROOT / "weights"
+_CHARS = string.ascii_lowercase + string.digits + string.punctuation
+
+
+def clip_tokenizer():
+    from transformers import CLIPTokenizer
+
+    # Character-level BPE (no merges): every character, and every character ending a word.
+    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
+    for c in _CHARS:
+        vocab[c] = len(vocab)
+        vocab[c + "</w>"] = len(vocab)
+    return CLIPTokenizer(vocab=vocab, merges=[], model_max_length=77)
+
+
+def t5_tokenizer():
+    from transformers import T5Tokenizer
+
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -1.0)]
+    pieces += [(c, -2.0) for c in _CHARS] + [("▁" + c, -1.5) for c in _CHARS]
+    return T5Tokenizer(vocab=pieces, extra_ids=0)
+
+
+def clip_text_encoder(vocab_size: int):
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    config = CLIPTextConfig(
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=1,
+        hidden_size=32,
+        intermediate_size=37,
+        num_attention_heads=4,
+        num_hidden_layers=2,
+        vocab_size=vocab_size,
+        projection_dim=32,
+        max_position_embeddings=77,
+    )
+    return CLIPTextModel(config)
+
+
+def vae(latent_channels: int, **kwargs):
+    from diffusers import AutoencoderKL
+
+    # Four blocks: scale factor 8, like the real Stable Diffusion and Flux autoencoders.
+    return AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        block_out_channels=(8, 8, 16, 16),
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        layers_per_block=1,
+        latent_channels=latent_channels,
+        norm_num_groups=4,
+        sample_size=64,
+        **kwargs,
+    )
+
+
+def build_tiny_sd(target: Path) -> None:
+    """A Stable-Diffusion-1.x-style pipeline: CLIP text encoder, UNet with cross-attention, DDIM."""
+    import torch
+    from diffusers import DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+
+    torch.manual_seed(0)
+    tokenizer = clip_tokenizer()
+    unet = UNet2DConditionModel(
+        block_out_channels=(32, 64),
+        layers_per_block=1,
+        sample_size=8,
+        in_channels=4,
+        out_channels=4,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        cross_attention_dim=32,
+        attention_head_dim=8,
+        norm_num_groups=8,
+    )
+    scheduler = DDIMScheduler(
+        beta_start=0.00085,
+        beta_end=0.012,
+        beta_schedule="scaled_linear",
+        clip_sample=False,
+        set_alpha_to_one=False,
+    )
+    pipe = StableDiffusionPipeline(
+        unet=unet,
+        scheduler=scheduler,
+        vae=vae(latent_channels=4),
+        text_encoder=clip_text_encoder(len(tokenizer)),
+        tokenizer=tokenizer,
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
+    pipe.save_pretrained(target, safe_serialization=True)
+
+
+def build_tiny_flux(target: Path) -> None:
+    """A FLUX.1-dev-style flow-matching pipeline: CLIP + T5 encoders, MMDiT transformer, guidance embeds."""
+    import torch
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from transformers import T5Config, T5EncoderModel
+
+    torch.manual_seed(0)
+    tokenizer = clip_tokenizer()
+    tokenizer_2 = t5_tokenizer()
+    text_encoder_2 = T5EncoderModel(
+        T5Config(
+            vocab_size=len(tokenizer_2),
+            d_model=32,
+            d_ff=37,
+            d_kv=8,
+            num_layers=2,
+            num_heads=4,
+            relative_attention_num_buckets=8,
+            decoder_start_token_id=0,
+            pad_token_id=0,
+            eos_token_id=1,
+        )
+    )
+    latent_channels = 4
+    transformer = FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=latent_channels * 4,  # 2x2 latent patches are packed into channels
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=32,
+        pooled_projection_dim=32,
+        axes_dims_rope=[4, 4, 8],
+        guidance_embeds=True,
+    )
+    pipe = FluxPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        vae=vae(latent_channels, shift_factor=0.0609, scaling_factor=1.5035),
+        text_encoder=clip_text_encoder(len(tokenizer)),
+        tokenizer=tokenizer,
+        text_encoder_2=text_encoder_2,
+        tokenizer_2=tokenizer_2,
+        transformer=transformer,
+    )
+    pipe.save_pretrained(target, safe_serialization=True)
+
+
+TINY_MODELS: dict[str, Callable[[Path], None]] = {
+    "tiny-sd": build_tiny_sd,
+    "tiny-flux": build_tiny_flux,
+}
+
+
+def build_missing(weights_dir: Path = DEFAULT_WEIGHTS_DIR, force: bool = False) -> list[Path]:
+    built = []
+    for name, build in TINY_MODELS.items():
+        target = weights_dir / name
+        if force or not (target / "model_index.json").is_file():
+            build(target)
+            built.append(target)
+    return built
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Build the tiny random-weight default pipelines.")
+    parser.add_argument("--weights-dir", type=Path, default=DEFAULT_WEIGHTS_DIR)
+    parser.add_argument("--force", action="store_true", help="rebuild even if present")
+    args = parser.parse_args(argv)
+    for path in build_missing(args.weights_dir, args.force):
+        print(f"built {path}")
+
+
+if __name__ == "__main__":
+    main()
