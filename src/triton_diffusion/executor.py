@@ -103,11 +103,13 @@ class FusedCallExecutor:
                         attempt(call, rows[half:], True)
                 else:
                     code = ErrorCode.UNAVAILABLE if oom else ErrorCode.INTERNAL
-                    fail(requests[0], RequestError(code, f"pipeline call failed: {type(exc).__name__}: {exc}"))
+                    fail(
+                        requests[0], RequestError(code, f"pipeline call failed: {type(exc).__name__}: {exc}")
+                    )
                 return
             self._log_call(call_id, call, rows, requests, started, retry)
             record = CallRecord(call_id, len(rows), len(requests), call.key)
-            for row, output in zip(rows, outputs):
+            for row, output in zip(rows, outputs, strict=True):
                 state = pending[row.request_index]
                 state.outputs[row.image_index] = output
                 if not state.calls or state.calls[-1].call_id != call_id:

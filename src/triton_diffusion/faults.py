@@ -37,6 +37,8 @@ class FaultInjection:
 
     def before_call(self, prompts: Sequence[str]) -> None:
         if self.oom_above_rows is not None and len(prompts) > self.oom_above_rows:
-            raise SimulatedOutOfMemoryError(f"simulated out of memory: {len(prompts)} rows > {self.oom_above_rows}")
+            raise SimulatedOutOfMemoryError(
+                f"simulated out of memory: {len(prompts)} rows > {self.oom_above_rows}"
+            )
         if self.fail_on_prompt and any(self.fail_on_prompt in p for p in prompts):
             raise InjectedFault(f"injected failure for a prompt containing {self.fail_on_prompt!r}")

@@ -118,11 +118,11 @@ class Field:
             if not self.allow_empty and not value.strip():
                 raise invalid_field(self.name, f"must not be empty (allowed: {self.allowed()})")
             if self.max_length is not None and len(value) > self.max_length:
-                raise invalid_field(
-                    self.name, f"is {len(value)} characters long (allowed: {self.allowed()})"
-                )
+                raise invalid_field(self.name, f"is {len(value)} characters long (allowed: {self.allowed()})")
         if self.type is float and not math.isfinite(value):
-            raise invalid_field(self.name, f"must be a finite number, got {value} (allowed: {self.allowed()})")
+            raise invalid_field(
+                self.name, f"must be a finite number, got {value} (allowed: {self.allowed()})"
+            )
         if self.choices is not None and value not in self.choices:
             raise invalid_field(self.name, f"got {value!r} (allowed: {self.allowed()})")
         out_of_range = (self.minimum is not None and value < self.minimum) or (
@@ -196,9 +196,12 @@ class FieldSet:
             "|---|---|---|---|---|",
         ]
         for f in self:
-            default = "required" if f.default is REQUIRED else ("none" if f.default is None else repr(f.default))
+            default = (
+                "required" if f.default is REQUIRED else ("none" if f.default is None else repr(f.default))
+            )
             role = f.role.value + (" (presence is in the key)" if f.key_on_presence else "")
             lines.append(
-                f"| `{f.name}` / `{f.input_name}` | {f.triton_data_type} | {default} | {f.allowed()} | {role} |"
+                f"| `{f.name}` / `{f.input_name}` | {f.triton_data_type} | {default} "
+                f"| {f.allowed()} | {role} |"
             )
         return "\n".join(lines)

@@ -60,7 +60,10 @@ def make_backend_directory(server_root: Path, target: Path) -> Path:
     python_dir.mkdir(parents=True, exist_ok=True)
     sources = {
         "libtriton_python.so": server_root / "backends" / "python" / "libtriton_python.so",
-        "triton_python_backend_utils.py": server_root / "backends" / "python" / "triton_python_backend_utils.py",
+        "triton_python_backend_utils.py": server_root
+        / "backends"
+        / "python"
+        / "triton_python_backend_utils.py",
         "triton_python_backend_stub": stub,
     }
     for name, source in sources.items():

@@ -50,7 +50,7 @@ class ModelSettings:
         return _flag(self.params.get(key))
 
     def model_source(self) -> str:
-        """``model``: a local diffusers folder (relative paths are relative to the model's folder) or a hub id."""
+        """``model``: a local diffusers folder (relative to the model's folder) or a hub id."""
         source = self.get("model")
         if source is None:
             raise ValueError(f"model {self.name}: config.pbtxt needs a 'model' parameter (path or hub id)")
@@ -80,7 +80,9 @@ class ModelSettings:
             return torch.bfloat16 if device.startswith("cuda") else torch.float32
         dtypes = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
         if choice not in dtypes:
-            raise ValueError(f"model {self.name}: dtype must be auto or one of {', '.join(dtypes)}, got {choice}")
+            raise ValueError(
+                f"model {self.name}: dtype must be auto or one of {', '.join(dtypes)}, got {choice}"
+            )
         return dtypes[choice]
 
     def max_rows_per_call(self) -> int:

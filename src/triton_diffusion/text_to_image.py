@@ -47,20 +47,47 @@ TEXT_TO_IMAGE_FIELDS = FieldSet(
             key_on_presence=True,
             doc="what to steer away from",
         ),
-        Field("seed", int, None, Role.ROW, minimum=0, maximum=2**63 - 1, triton_type="TYPE_INT64",
-              doc="random seed of the first image; image i uses seed + i; drawn and returned when absent"),
-        Field("num_images_per_prompt", int, 1, Role.ROW, minimum=1, maximum=4,
-              doc="images for this prompt; each is one row of the fused call"),
+        Field(
+            "seed",
+            int,
+            None,
+            Role.ROW,
+            minimum=0,
+            maximum=2**63 - 1,
+            triton_type="TYPE_INT64",
+            doc="random seed of the first image; image i uses seed + i; drawn and returned when absent",
+        ),
+        Field(
+            "num_images_per_prompt",
+            int,
+            1,
+            Role.ROW,
+            minimum=1,
+            maximum=4,
+            doc="images for this prompt; each is one row of the fused call",
+        ),
         Field("height", int, None, minimum=64, maximum=2048, doc="image height in pixels"),
         Field("width", int, None, minimum=64, maximum=2048, doc="image width in pixels"),
         Field("num_inference_steps", int, None, minimum=1, maximum=150, doc="denoising steps"),
         Field("guidance_scale", float, None, minimum=0.0, maximum=30.0, doc="classifier-free guidance"),
-        Field("true_cfg_scale", float, None, minimum=0.0, maximum=30.0,
-              doc="true CFG (Flux, Qwen-Image); on when > 1 and a negative prompt is given"),
+        Field(
+            "true_cfg_scale",
+            float,
+            None,
+            minimum=0.0,
+            maximum=30.0,
+            doc="true CFG (Flux, Qwen-Image); on when > 1 and a negative prompt is given",
+        ),
         Field("scheduler", str, None, doc="scheduler class name, from scheduler_choices"),
         Field("output_format", str, "png", Role.AFTER_SPLIT, choices=IMAGE_FORMATS, doc="image file format"),
-        Field("output_encoding", str, "binary", Role.AFTER_SPLIT, choices=OUTPUT_ENCODINGS,
-              doc="base64 keeps the image intact in HTTP generate's JSON"),
+        Field(
+            "output_encoding",
+            str,
+            "binary",
+            Role.AFTER_SPLIT,
+            choices=OUTPUT_ENCODINGS,
+            doc="base64 keeps the image intact in HTTP generate's JSON",
+        ),
     ]
 )
 
@@ -86,9 +113,13 @@ class TextToImageModel(BatchedDiffusionModel):
         self.faults = FaultInjection.from_config(settings.get("fault_injection"))
         self.schedulers = SchedulerChoices(self.pipe, settings.get("scheduler_choices"))
         params = call_parameters(self.pipe)
-        missing = [p for p in ("prompt", "generator", "height", "width", "num_inference_steps") if p not in params]
+        missing = [
+            p for p in ("prompt", "generator", "height", "width", "num_inference_steps") if p not in params
+        ]
         if missing:
-            raise ValueError(f"{type(self.pipe).__name__} is not a text-to-image pipeline: no {missing} arguments")
+            raise ValueError(
+                f"{type(self.pipe).__name__} is not a text-to-image pipeline: no {missing} arguments"
+            )
         self.call_extras: dict[str, Any] = {}
         if "max_sequence_length" in params and settings.get("max_sequence_length"):
             self.call_extras["max_sequence_length"] = int(settings.get("max_sequence_length"))
@@ -109,7 +140,9 @@ class TextToImageModel(BatchedDiffusionModel):
 
         fields = self.FIELDS
         if type(self.pipe).__name__ in NEGATIVE_PROMPT_NONE_IS_EMPTY:
-            fields = FieldSet(replace(f, key_on_presence=False) if f.name == "negative_prompt" else f for f in fields)
+            fields = FieldSet(
+                replace(f, key_on_presence=False) if f.name == "negative_prompt" else f for f in fields
+            )
         unsupported = [name for name in OPTIONAL_CALL_FIELDS if name not in params]
         return fields.configured({**derived, **settings.params}, unsupported)
 
@@ -141,7 +174,9 @@ class TextToImageModel(BatchedDiffusionModel):
         with torch.inference_mode():
             return list(self.pipe(**kwargs).images)
 
-    def respond(self, request: ParsedRequest, outputs: list[Any], calls: list[CallRecord]) -> dict[str, np.ndarray]:
+    def respond(
+        self, request: ParsedRequest, outputs: list[Any], calls: list[CallRecord]
+    ) -> dict[str, np.ndarray]:
         values = request.values
         images = [encode_image(img, values["output_format"], values["output_encoding"]) for img in outputs]
         batch = {

@@ -58,7 +58,9 @@ class BatchedDiffusionModel:
         """One fused pipeline call; one output per row, in row order."""
         raise NotImplementedError
 
-    def respond(self, request: ParsedRequest, outputs: list[Any], calls: list[CallRecord]) -> dict[str, np.ndarray]:
+    def respond(
+        self, request: ParsedRequest, outputs: list[Any], calls: list[CallRecord]
+    ) -> dict[str, np.ndarray]:
         raise NotImplementedError
 
     # ---- Triton entry points ----------------------------------------------------------------------
@@ -142,4 +144,6 @@ class BatchedDiffusionModel:
         self.executor.run(calls, {p.index: p.rows for p in planned}, on_complete, answer_error)
 
     def _run_planned_rows(self, key: CompatibilityKey, rows: list[Row]) -> list[Any]:
-        return self.run_rows(key, [RowInput(self._batch[r.request_index].values, r.image_index) for r in rows])
+        return self.run_rows(
+            key, [RowInput(self._batch[r.request_index].values, r.image_index) for r in rows]
+        )

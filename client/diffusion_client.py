@@ -1,0 +1,201 @@
+"""A small client for triton-diffusion models over gRPC streaming (the models are decoupled).
+
+Python:
+    from diffusion_client import generate
+    results = generate(["a red cat", "a blue dog"], seed=7, height=64, width=64)
+    results[0].save("out")
+
+CLI:
+    python client/diffusion_client.py "a red cat" "a blue dog" --seed 7 --out out/
+
+Every prompt is its own Triton request (own seed, own error), sent concurrently so the server's dynamic
+batcher can fuse them. Only PROMPT travels as an input tensor; every other field is sent as a request
+parameter, so all requests carry the same set of inputs and Triton may batch them together.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import queue
+import sys
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+
+OUTPUTS = ("IMAGE", "SEED", "BATCH")
+
+
+@dataclass
+class GenerateResult:
+    request_id: str
+    prompt: str
+    images: list[bytes] = field(default_factory=list)  # encoded image files (PNG by default)
+    seeds: list[int] = field(default_factory=list)  # seed of each image
+    batch: dict[str, Any] | None = None  # the compatibility key and fused calls, as the server reports
+    error: str | None = None
+    latency_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def save(self, directory: str | Path, extension: str = "png") -> list[Path]:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        paths = []
+        for image, seed in zip(self.images, self.seeds, strict=True):
+            path = directory / f"{self.request_id}_{seed}.{extension}"
+            path.write_bytes(image)
+            paths.append(path)
+        return paths
+
+
+def generate_one(
+    request: dict[str, Any],
+    request_id: str,
+    url: str = "localhost:8001",
+    model: str = "text_to_image",
+    timeout_s: float = 300.0,
+) -> GenerateResult:
+    """Send one request on its own stream and wait for its FINAL response."""
+    fields = dict(request)
+    prompt = fields.pop("prompt")
+    out = GenerateResult(request_id=request_id, prompt=prompt)
+    responses: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(url)
+    started = time.perf_counter()
+    try:
+        client.start_stream(callback=lambda result, error: responses.put((result, error)))
+        prompt_tensor = grpcclient.InferInput("PROMPT", [1, 1], "BYTES")
+        prompt_tensor.set_data_from_numpy(np.array([[prompt.encode("utf-8")]], dtype=object))
+        client.async_stream_infer(
+            model,
+            [prompt_tensor],
+            outputs=[grpcclient.InferRequestedOutput(name) for name in OUTPUTS],
+            request_id=request_id,
+            parameters={k: v for k, v in fields.items() if v is not None},
+            enable_empty_final_response=True,
+        )
+        while True:
+            response, error = responses.get(timeout=timeout_s)
+            if error is not None:
+                out.error = str(error)
+                break
+            if response.as_numpy("IMAGE") is not None:
+                _read_outputs(response, fields.get("output_encoding"), out)
+            if response.get_response().parameters["triton_final_response"].bool_param:
+                break
+    except queue.Empty:
+        out.error = f"no final response within {timeout_s} s"
+    finally:
+        client.stop_stream()
+        client.close()
+    out.latency_s = time.perf_counter() - started
+    return out
+
+
+def _read_outputs(response: Any, encoding: str | None, result: GenerateResult) -> None:
+    images = response.as_numpy("IMAGE").reshape(-1)
+    result.images = [base64.b64decode(x) if encoding == "base64" else bytes(x) for x in images]
+    result.seeds = [int(s) for s in response.as_numpy("SEED").reshape(-1)]
+    batch = response.as_numpy("BATCH")
+    result.batch = json.loads(batch.reshape(-1)[0]) if batch is not None else None
+
+
+def generate_many(
+    requests: Sequence[dict[str, Any]],
+    url: str = "localhost:8001",
+    model: str = "text_to_image",
+    timeout_s: float = 300.0,
+) -> list[GenerateResult]:
+    """Send each request (a dict with ``prompt`` and any other fields) concurrently; results in order."""
+    if not requests:
+        return []
+    with ThreadPoolExecutor(max_workers=len(requests)) as pool:
+        futures = [
+            pool.submit(generate_one, req, str(i), url, model, timeout_s) for i, req in enumerate(requests)
+        ]
+        return [f.result() for f in futures]
+
+
+def generate(
+    prompts: str | Sequence[str],
+    url: str = "localhost:8001",
+    model: str = "text_to_image",
+    timeout_s: float = 300.0,
+    **fields: Any,
+) -> list[GenerateResult]:
+    """One request per prompt, all with the same fields (seed, height, width, num_inference_steps, ...)."""
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    return generate_many([{"prompt": p, **fields} for p in prompts], url, model, timeout_s)
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Generate images with a triton-diffusion model.")
+    parser.add_argument("prompts", nargs="+", help="one request per prompt, sent concurrently")
+    parser.add_argument("--url", default="localhost:8001", help="Triton gRPC address")
+    parser.add_argument("--model", default="text_to_image")
+    parser.add_argument("--out", default="out", help="folder for the images")
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--height", type=int)
+    parser.add_argument("--width", type=int)
+    parser.add_argument("--steps", type=int, dest="num_inference_steps")
+    parser.add_argument("--guidance", type=float, dest="guidance_scale")
+    parser.add_argument("--negative", dest="negative_prompt")
+    parser.add_argument("-n", "--images", type=int, dest="num_images_per_prompt")
+    parser.add_argument("--format", dest="output_format", choices=["png", "jpeg", "webp"])
+    parser.add_argument(
+        "--param",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="any other field, e.g. --param scheduler=EulerDiscreteScheduler",
+    )
+    parser.add_argument("--timeout", type=float, default=300.0)
+    args = parser.parse_args(argv)
+
+    named = (
+        "seed",
+        "height",
+        "width",
+        "num_inference_steps",
+        "guidance_scale",
+        "negative_prompt",
+        "num_images_per_prompt",
+        "output_format",
+    )
+    fields = {name: getattr(args, name) for name in named if getattr(args, name) is not None}
+    for item in args.param:
+        name, _, value = item.partition("=")
+        fields[name] = _parse_value(value)
+    extension = {"jpeg": "jpg"}.get(fields.get("output_format", "png"), fields.get("output_format", "png"))
+
+    failed = 0
+    for result in generate(args.prompts, args.url, args.model, args.timeout, **fields):
+        if result.ok:
+            for path in result.save(args.out, extension):
+                print(f"{path}  ({result.latency_s:.2f} s, prompt {result.prompt!r})")
+        else:
+            failed += 1
+            print(f"error for prompt {result.prompt!r}: {result.error}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""The executor with a fake pipeline object: bisection retry, OOM splits, one report per request."""
+
+from triton_diffusion.compatibility import CompatibilityKey
+from triton_diffusion.errors import ErrorCode
+from triton_diffusion.executor import FusedCallExecutor
+from triton_diffusion.faults import SimulatedOutOfMemoryError
+from triton_diffusion.planner import PlannedRequest, RowCaps, plan_groups
+
+KEY = CompatibilityKey((("height", 64),))
+
+
+class FakePipeline:
+    """Fails any call holding a 'bad' request; runs out of memory above `max_rows` rows."""
+
+    def __init__(self, bad=(), max_rows=None):
+        self.bad, self.max_rows, self.calls = set(bad), max_rows, []
+
+    def __call__(self, key, rows):
+        self.calls.append([(r.request_index, r.image_index) for r in rows])
+        if self.max_rows is not None and len(rows) > self.max_rows:
+            raise SimulatedOutOfMemoryError("too many rows")
+        if any(r.request_index in self.bad for r in rows):
+            raise ValueError("bad prompt")
+        return [f"img{r.request_index}.{r.image_index}" for r in rows]
+
+
+def run(pipeline, rows_per_request, max_rows=8):
+    requests = [PlannedRequest(i, KEY, n) for i, n in enumerate(rows_per_request)]
+    calls = plan_groups(requests, RowCaps(max_rows).cap_for)
+    executor = FusedCallExecutor(pipeline)
+    done, failed = {}, {}
+    executor.run(
+        calls,
+        {r.index: r.rows for r in requests},
+        lambda i, outputs, records: done.setdefault(i, (outputs, records)) and None,
+        lambda i, error: failed.setdefault(i, error) and None,
+    )
+    return done, failed, executor.stats
+
+
+def test_one_call_for_a_compatible_batch():
+    pipeline = FakePipeline()
+    done, failed, stats = run(pipeline, [1, 2, 1])
+    assert not failed and stats.fused_calls == 1 and stats.bisections == 0
+    assert done[1][0] == ["img1.0", "img1.1"]
+    assert done[1][1][0].rows == 4 and done[1][1][0].requests == 3
+
+
+def test_a_failing_request_fails_alone_after_bisection():
+    pipeline = FakePipeline(bad={5})
+    done, failed, stats = run(pipeline, [1] * 8)
+    assert set(failed) == {5} and set(done) == {0, 1, 2, 3, 4, 6, 7}
+    assert failed[5].code is ErrorCode.INTERNAL and "bad prompt" in failed[5].message
+    assert stats.bisections == 3  # 8 -> 4 -> 2 -> 1
+    assert done[0][0] == ["img0.0"]
+
+
+def test_two_failing_requests_both_fail_and_the_rest_succeed():
+    done, failed, _ = run(FakePipeline(bad={0, 7}), [1] * 8)
+    assert set(failed) == {0, 7} and len(done) == 6
+
+
+def test_out_of_memory_halves_the_call_until_it_fits():
+    pipeline = FakePipeline(max_rows=2)
+    done, failed, stats = run(pipeline, [1] * 6)
+    assert not failed and len(done) == 6
+    assert stats.oom_splits >= 2
+    assert max(len(c) for c in pipeline.calls if c) > 2  # the first try held all rows
+
+
+def test_out_of_memory_splits_the_rows_of_a_single_request():
+    pipeline = FakePipeline(max_rows=1)
+    done, failed, _ = run(pipeline, [4])
+    assert not failed and done[0][0] == ["img0.0", "img0.1", "img0.2", "img0.3"]
+
+
+def test_out_of_memory_on_one_row_is_reported_as_unavailable():
+    done, failed, _ = run(FakePipeline(max_rows=0), [1, 1])
+    assert set(failed) == {0, 1} and failed[0].code is ErrorCode.UNAVAILABLE
+
+
+def test_a_failed_request_spanning_calls_is_reported_once_and_not_run_again():
+    pipeline = FakePipeline(bad={1})
+    done, failed, _ = run(pipeline, [2, 3, 2], max_rows=3)
+    assert set(failed) == {1} and set(done) == {0, 2}
+    assert all(1 not in {i for i, _ in call} for call in pipeline.calls[-1:])
+
+
+def test_a_wrong_output_count_is_a_failure():
+    def short(key, rows):
+        return ["x"] * (len(rows) - 1) if len(rows) > 1 else ["x"]
+
+    done, failed, _ = run(short, [1, 1, 1])
+    assert set(done) == {0, 1, 2}  # bisected down to single rows, which return one output each

@@ -1,0 +1,43 @@
+import pytest
+
+from triton_diffusion import launcher
+
+
+def fake_server_root(tmp_path, versions):
+    root = tmp_path / "tritonserver"
+    (root / "backends" / "python").mkdir(parents=True)
+    (root / "backends" / "python" / "libtriton_python.so").write_text("")
+    (root / "backends" / "python" / "triton_python_backend_utils.py").write_text("")
+    for version in versions:
+        (root / "python_backend_stubs" / version).mkdir(parents=True)
+        (root / "python_backend_stubs" / version / "triton_python_backend_stub").write_text("")
+    return root
+
+
+def test_backend_directory_links_the_stub_of_the_running_python(tmp_path):
+    root = fake_server_root(tmp_path, [launcher.python_version_tag()])
+    target = launcher.make_backend_directory(root, tmp_path / "backends")
+    stub = target / "python" / "triton_python_backend_stub"
+    assert stub.is_symlink() and launcher.python_version_tag() in str(stub.resolve())
+    assert (target / "python" / "libtriton_python.so").is_symlink()
+    launcher.make_backend_directory(root, tmp_path / "backends")  # idempotent
+
+
+def test_missing_stub_is_a_clear_error(tmp_path):
+    root = fake_server_root(tmp_path, ["2.7"])
+    with pytest.raises(
+        launcher.LauncherError, match=r"no Python backend stub for Python \S+ \(available: 2\.7\)"
+    ):
+        launcher.make_backend_directory(root, tmp_path / "backends")
+
+
+def test_bundled_server_command_puts_this_python_first_on_path(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")  # no tritonserver here
+    command = launcher.server_command(tmp_path / "repo", ["--log-verbose=1"], tmp_path / "backends")
+    assert command.argv[0].endswith("bin/tritonserver")
+    assert command.argv[-1] == "--log-verbose=1"
+    assert "--backend-directory" in command.argv and "--model-repository" in command.argv
+    import sys
+    from pathlib import Path
+
+    assert command.env["PATH"].split(":")[0] == str(Path(sys.executable).parent)
