@@ -176,8 +176,8 @@ class FieldSet:
         """Validate what a request sent and fill in defaults. Raises RequestError(INVALID_ARG)."""
         for name in raw:
             if name not in self._fields:
-                hint = difflib.get_close_matches(name, list(self._fields), n=1)
-                suggestion = f"; did you mean {hint[0]!r}?" if hint else ""
+                hint = self.closest_name(name)
+                suggestion = f"; did you mean {hint!r}?" if hint else ""
                 raise invalid_field(name, f"unknown field{suggestion} (known: {', '.join(self._fields)})")
         values: dict[str, Any] = {}
         for field in self:
@@ -189,6 +189,16 @@ class FieldSet:
                 values[field.name] = field.default
         return values
 
+    def closest_name(self, name: str) -> str | None:
+        """The declared name a misspelt one most likely meant: close as a whole ("heigth"), or close to
+        one of its parts ("steps" -> "num_inference_steps")."""
+        whole = difflib.get_close_matches(name.lower(), list(self._fields), n=1)
+        if whole:
+            return whole[0]
+        parts = {part: f.name for f in self for part in f.name.split("_") if len(part) > 3}
+        close = difflib.get_close_matches(name.lower(), list(parts), n=1, cutoff=0.75)
+        return parts[close[0]] if close else None
+
     def markdown_table(self) -> str:
         """The request-field reference for README, straight from the declarations."""
         lines = [
@@ -196,9 +206,13 @@ class FieldSet:
             "|---|---|---|---|---|",
         ]
         for f in self:
-            default = (
-                "required" if f.default is REQUIRED else ("none" if f.default is None else repr(f.default))
-            )
+            if f.default is REQUIRED:
+                default = "required"
+            elif f.default is None:
+                # KEY fields always get a value at load time: from config.pbtxt or the pipeline itself.
+                default = "from config / pipeline" if f.role is Role.KEY else "none"
+            else:
+                default = repr(f.default)
             role = f.role.value + (" (presence is in the key)" if f.key_on_presence else "")
             lines.append(
                 f"| `{f.name}` / `{f.input_name}` | {f.triton_data_type} | {default} "

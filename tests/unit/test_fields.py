@@ -73,6 +73,19 @@ def test_unknown_field_suggests_the_closest_name():
     assert message.startswith("heigth: unknown field; did you mean 'height'?")
 
 
+@pytest.mark.parametrize(
+    "typo, meant",
+    [
+        ("steps", "num_inference_steps"),
+        ("stepz", "num_inference_steps"),
+        ("Height", "height"),
+        ("negative", "negative_prompt"),
+    ],
+)
+def test_suggestions_match_parts_of_names(typo, meant):
+    assert TEXT_TO_IMAGE_FIELDS.closest_name(typo) == meant
+
+
 def test_config_parameters_override_defaults_and_limits():
     configured = FIELDS.configured(
         {

@@ -1,0 +1,42 @@
+import pytest
+
+from triton_diffusion.tiny_models import build_missing
+
+from .server import WEIGHTS, copy_model, set_queue_delay, start_server
+
+# A long queue delay makes the dynamic batcher reliably collect concurrently sent requests into one
+# execute() call, so the tests can see fusing; the shipped configs use a short one.
+QUEUE_DELAY_US = 300_000
+FAULT_INJECTION = '{\\"fail_on_prompt\\": \\"__explode__\\", \\"oom_above_rows\\": 3}'
+
+FAMILIES = {
+    "text_to_image": {"source": "text_to_image", "weights": "tiny-sd"},
+    "text_to_image_flux": {"source": "text_to_image_flux", "weights": "tiny-flux"},
+}
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory):
+    build_missing(WEIGHTS)
+    repo = tmp_path_factory.mktemp("model_repository")
+    for name, spec in FAMILIES.items():
+        copy_model(spec["source"], repo, name, {"model": str(WEIGHTS / spec["weights"])})
+        set_queue_delay(repo, name, QUEUE_DELAY_US)
+    # Same pipeline as text_to_image, with the test-only failure hooks switched on.
+    copy_model(
+        "text_to_image",
+        repo,
+        "text_to_image_faults",
+        {"model": str(WEIGHTS / "tiny-sd"), "fault_injection": FAULT_INJECTION},
+    )
+    set_queue_delay(repo, "text_to_image_faults", QUEUE_DELAY_US)
+    log_path = tmp_path_factory.mktemp("logs") / "tritonserver.log"
+    running = start_server(repo, log_path, [*FAMILIES, "text_to_image_faults"])
+    yield running
+    running.stop()
+
+
+@pytest.fixture(params=list(FAMILIES))
+def family(request):
+    """Each integration test runs on the UNet (tiny SD) and the flow-matching (tiny Flux) family."""
+    return request.param

@@ -1,0 +1,106 @@
+"""Start and stop a real tritonserver (through the project's launcher) for integration tests."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+WEIGHTS = REPO_ROOT / "weights"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class RunningServer:
+    process: subprocess.Popen
+    http_port: int
+    grpc_port: int
+    metrics_port: int
+    log_path: Path
+
+    @property
+    def grpc_url(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+
+
+def copy_model(source: str, target_repo: Path, name: str, edits: dict[str, str], extra: str = "") -> None:
+    """Copy model_repository/<source> as <name>, replacing parameter values and appending config text."""
+    target = target_repo / name
+    shutil.copytree(REPO_ROOT / "model_repository" / source, target)
+    config = (target / "config.pbtxt").read_text()
+    for key, value in edits.items():
+        pattern = rf'(key: "{re.escape(key)}" value: {{ string_value: )"[^"]*"'
+        config, count = re.subn(pattern, lambda m, v=value: f'{m.group(1)}"{v}"', config)
+        if count == 0:
+            config += f'\nparameters {{ key: "{key}" value: {{ string_value: "{value}" }} }}\n'
+    (target / "config.pbtxt").write_text(config + extra)
+
+
+def set_queue_delay(target_repo: Path, name: str, microseconds: int) -> None:
+    path = target_repo / name / "config.pbtxt"
+    text = re.sub(
+        r"max_queue_delay_microseconds: \d+",
+        f"max_queue_delay_microseconds: {microseconds}",
+        path.read_text(),
+    )
+    path.write_text(text)
+
+
+def start_server(repo: Path, log_path: Path, models: list[str], timeout_s: float = 180) -> RunningServer:
+    http, grpc, metrics = free_port(), free_port(), free_port()
+    launcher = Path(sys.executable).parent / "triton-diffusion-serve"
+    command = [
+        str(launcher),
+        "--model-repository",
+        str(repo),
+        f"--http-port={http}",
+        f"--grpc-port={grpc}",
+        f"--metrics-port={metrics}",
+    ]
+    log_file = open(log_path, "w")  # noqa: SIM115  (kept open for the server's lifetime)
+    process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+    server = RunningServer(process, http, grpc, metrics, log_path)
+    deadline = time.monotonic() + timeout_s
+    pending = list(models)
+    while pending:
+        if process.poll() is not None:
+            raise RuntimeError(f"tritonserver exited with {process.returncode}:\n{server.log()[-4000:]}")
+        if time.monotonic() > deadline:
+            server.stop()
+            raise RuntimeError(f"models {pending} not ready in {timeout_s} s:\n{server.log()[-4000:]}")
+        try:
+            with urllib.request.urlopen(f"{server.http_url}/v2/models/{pending[0]}/ready", timeout=2):
+                pending.pop(0)
+        except OSError:
+            time.sleep(0.5)
+    return server
