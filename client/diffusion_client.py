@@ -21,7 +21,7 @@ import json
 import queue
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +30,18 @@ from typing import Any
 import numpy as np
 import tritonclient.grpc as grpcclient
 
-OUTPUTS = ("IMAGE", "SEED", "BATCH")
+OUTPUTS = ("IMAGE", "SEED", "BATCH", "STEP", "TOTAL_STEPS", "PREVIEW")
+
+
+@dataclass(frozen=True)
+class Progress:
+    step: int
+    total: int
+    preview: bytes | None  # a low-resolution PNG when the request set preview_every
+
+
+# Called for every progress response; return True to cancel the request.
+OnProgress = Callable[[Progress], "bool | None"]
 
 
 @dataclass
@@ -42,6 +53,9 @@ class GenerateResult:
     batch: dict[str, Any] | None = None  # the compatibility key and fused calls, as the server reports
     error: str | None = None
     latency_s: float = 0.0
+    steps: list[int] = field(default_factory=list)  # STEP of each progress response, in arrival order
+    first_progress_s: float | None = None  # time to the first progress response
+    cancelled: bool = False  # cancelled by this client
 
     @property
     def ok(self) -> bool:
@@ -64,9 +78,16 @@ def generate_one(
     url: str = "localhost:8001",
     model: str = "text_to_image",
     timeout_s: float = 300.0,
+    on_progress: OnProgress | None = None,
 ) -> GenerateResult:
-    """Send one request on its own stream and wait for its FINAL response."""
+    """Send one request on its own stream and wait for its FINAL response.
+
+    With ``on_progress`` the request asks for per-step progress; the callback may return True to cancel
+    the request (the stream is closed with cancel_requests=True, which Triton passes to the model).
+    """
     fields = dict(request)
+    if on_progress is not None:
+        fields.setdefault("progress", True)
     prompt = fields.pop("prompt")
     out = GenerateResult(request_id=request_id, prompt=prompt)
     responses: queue.Queue = queue.Queue()
@@ -89,6 +110,16 @@ def generate_one(
             if error is not None:
                 out.error = str(error)
                 break
+            step = response.as_numpy("STEP")
+            if step is not None:
+                progress = _progress(response)
+                out.steps.append(progress.step)
+                if out.first_progress_s is None:
+                    out.first_progress_s = time.perf_counter() - started
+                if on_progress is not None and on_progress(progress):
+                    client.stop_stream(cancel_requests=True)
+                    out.cancelled, out.error = True, "cancelled by the client"
+                    break
             if response.as_numpy("IMAGE") is not None:
                 _read_outputs(response, fields.get("output_encoding"), out)
             if response.get_response().parameters["triton_final_response"].bool_param:
@@ -100,6 +131,15 @@ def generate_one(
         client.close()
     out.latency_s = time.perf_counter() - started
     return out
+
+
+def _progress(response: Any) -> Progress:
+    preview = response.as_numpy("PREVIEW")
+    return Progress(
+        step=int(response.as_numpy("STEP").reshape(-1)[0]),
+        total=int(response.as_numpy("TOTAL_STEPS").reshape(-1)[0]),
+        preview=bytes(preview.reshape(-1)[0]) if preview is not None else None,
+    )
 
 
 def _read_outputs(response: Any, encoding: str | None, result: GenerateResult) -> None:
@@ -115,13 +155,20 @@ def generate_many(
     url: str = "localhost:8001",
     model: str = "text_to_image",
     timeout_s: float = 300.0,
+    on_progress: Callable[[int, Progress], bool | None] | None = None,
 ) -> list[GenerateResult]:
-    """Send each request (a dict with ``prompt`` and any other fields) concurrently; results in order."""
+    """Send each request (a dict with ``prompt`` and any other fields) concurrently; results in order.
+    ``on_progress(index, progress)`` is called per progress response; return True to cancel that request."""
     if not requests:
         return []
+
+    def callback_for(index: int) -> OnProgress | None:
+        return None if on_progress is None else lambda progress: on_progress(index, progress)
+
     with ThreadPoolExecutor(max_workers=len(requests)) as pool:
         futures = [
-            pool.submit(generate_one, req, str(i), url, model, timeout_s) for i, req in enumerate(requests)
+            pool.submit(generate_one, req, str(i), url, model, timeout_s, callback_for(i))
+            for i, req in enumerate(requests)
         ]
         return [f.result() for f in futures]
 
@@ -131,12 +178,13 @@ def generate(
     url: str = "localhost:8001",
     model: str = "text_to_image",
     timeout_s: float = 300.0,
+    on_progress: Callable[[int, Progress], bool | None] | None = None,
     **fields: Any,
 ) -> list[GenerateResult]:
     """One request per prompt, all with the same fields (seed, height, width, num_inference_steps, ...)."""
     if isinstance(prompts, str):
         prompts = [prompts]
-    return generate_many([{"prompt": p, **fields} for p in prompts], url, model, timeout_s)
+    return generate_many([{"prompt": p, **fields} for p in prompts], url, model, timeout_s, on_progress)
 
 
 def _parse_value(text: str) -> Any:
@@ -168,6 +216,13 @@ def main(argv: list[str] | None = None) -> int:
         help="any other field, e.g. --param scheduler=EulerDiscreteScheduler",
     )
     parser.add_argument("--timeout", type=float, default=300.0)
+    parser.add_argument("--no-progress", action="store_true", help="no per-request progress bars")
+    parser.add_argument(
+        "--preview-every",
+        type=int,
+        default=0,
+        help="save a low-resolution preview every N steps (needs progress)",
+    )
     args = parser.parse_args(argv)
 
     named = (
@@ -186,8 +241,31 @@ def main(argv: list[str] | None = None) -> int:
         fields[name] = _parse_value(value)
     extension = {"jpeg": "jpg"}.get(fields.get("output_format", "png"), fields.get("output_format", "png"))
 
+    on_progress = None
+    bars: list[Any] = []
+    if not args.no_progress:
+        from tqdm import tqdm
+
+        bars = [
+            tqdm(total=None, desc=f"[{i}] {p[:30]}", position=i, unit="step", leave=True)
+            for i, p in enumerate(args.prompts)
+        ]
+        if args.preview_every:
+            fields["preview_every"] = args.preview_every
+
+        def on_progress(index: int, progress: Progress) -> None:
+            bars[index].total = progress.total
+            bars[index].update(progress.step - bars[index].n)
+            if progress.preview is not None:
+                folder = Path(args.out) / "previews"
+                folder.mkdir(parents=True, exist_ok=True)
+                (folder / f"{index}_step{progress.step}.png").write_bytes(progress.preview)
+
+    results = generate(args.prompts, args.url, args.model, args.timeout, on_progress, **fields)
+    for bar in bars:
+        bar.close()
     failed = 0
-    for result in generate(args.prompts, args.url, args.model, args.timeout, **fields):
+    for result in results:
         if result.ok:
             for path in result.save(args.out, extension):
                 print(f"{path}  ({result.latency_s:.2f} s, prompt {result.prompt!r})")

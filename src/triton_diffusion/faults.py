@@ -1,13 +1,15 @@
 """Test-only fault injection, enabled by the ``fault_injection`` config parameter (off by default).
 
-``{"fail_on_prompt": "boom", "oom_above_rows": 4}`` makes any pipeline call raise when one of its
-prompts contains "boom", and raise a simulated out-of-memory when it holds more than 4 rows. This lets
+``{"fail_on_prompt": "boom", "oom_above_rows": 4, "step_delay_ms": 100}`` makes any pipeline call raise
+when one of its prompts contains "boom", raise a simulated out-of-memory when it holds more than 4 rows,
+and sleep 100 ms after every denoising step (a stalled step, so a test can cancel mid-call). This lets
 integration tests exercise failure isolation through the real server and the real pipeline.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -24,13 +26,14 @@ class SimulatedOutOfMemoryError(MemoryError):
 class FaultInjection:
     fail_on_prompt: str | None = None
     oom_above_rows: int | None = None
+    step_delay_ms: float = 0.0
 
     @classmethod
     def from_config(cls, text: str | None) -> FaultInjection | None:
         if not text:
             return None
         raw = json.loads(text)
-        unknown = set(raw) - {"fail_on_prompt", "oom_above_rows"}
+        unknown = set(raw) - {"fail_on_prompt", "oom_above_rows", "step_delay_ms"}
         if unknown:
             raise ValueError(f"fault_injection: unknown keys {sorted(unknown)}")
         return cls(**raw)
@@ -42,3 +45,7 @@ class FaultInjection:
             )
         if self.fail_on_prompt and any(self.fail_on_prompt in p for p in prompts):
             raise InjectedFault(f"injected failure for a prompt containing {self.fail_on_prompt!r}")
+
+    def after_step(self) -> None:
+        if self.step_delay_ms:
+            time.sleep(self.step_delay_ms / 1000)

@@ -88,7 +88,8 @@ def plan_groups(
         for start in range(0, len(rows), cap):
             chunk = rows[start : start + cap]
             cut = cap_reason if start + cap < len(rows) else "drained"
-            calls.append(FusedCall(key, chunk, cap, cut, split_by))
+            # split_by names why a new group began, so only its first call carries it.
+            calls.append(FusedCall(key, chunk, cap, cut, split_by if start == 0 else None))
         previous_key = key
     calls.sort(key=lambda c: c.rows[0].request_index)
     return calls

@@ -29,8 +29,16 @@ from triton_diffusion.executor import CallRecord
 from triton_diffusion.faults import FaultInjection
 from triton_diffusion.fields import REQUIRED, Field, FieldSet, Role
 from triton_diffusion.image_codec import IMAGE_FORMATS, OUTPUT_ENCODINGS, encode_image
+from triton_diffusion.latent_preview import preview_png
 from triton_diffusion.settings import ModelSettings
-from triton_diffusion.triton_model import BatchedDiffusionModel, ParsedRequest, RowInput
+from triton_diffusion.triton_model import (
+    PROGRESS_FIELDS,
+    PROGRESS_OUTPUTS,
+    BatchedDiffusionModel,
+    ParsedRequest,
+    RowInput,
+    StepReporter,
+)
 
 # Defaults and limits here are fallbacks: config.pbtxt parameters override them (default_<field>,
 # min_<field>, max_<field>, ...), and size/step/guidance defaults are read from the pipeline itself.
@@ -88,6 +96,7 @@ TEXT_TO_IMAGE_FIELDS = FieldSet(
             choices=OUTPUT_ENCODINGS,
             doc="base64 keeps the image intact in HTTP generate's JSON",
         ),
+        *PROGRESS_FIELDS,
     ]
 )
 
@@ -99,6 +108,13 @@ NEGATIVE_PROMPT_NONE_IS_EMPTY = frozenset({"StableDiffusionPipeline", "StableDif
 # Arguments passed only when the pipeline's __call__ has them.
 OPTIONAL_CALL_FIELDS = ("negative_prompt", "guidance_scale", "true_cfg_scale")
 
+# Where a cancelled row can be dropped between two steps without changing the other rows: the loop must
+# read every per-row tensor back from callback_on_step_end (SD reads latents and both CFG halves of
+# prompt_embeds) and the scheduler must keep no per-row history (multistep solvers do; Flux's loop keeps
+# per-row locals such as the guidance vector that the callback cannot reach). Elsewhere a cancelled
+# row keeps computing, but its response still goes out at once.
+ROW_COMPACTION = {"StableDiffusionPipeline": frozenset({"DDIMScheduler", "EulerDiscreteScheduler"})}
+
 
 class TextToImageModel(BatchedDiffusionModel):
     FIELDS = TEXT_TO_IMAGE_FIELDS
@@ -106,6 +122,7 @@ class TextToImageModel(BatchedDiffusionModel):
         ("IMAGE", "TYPE_STRING", [-1]),  # one encoded image per generated image
         ("SEED", "TYPE_INT64", [-1]),  # the seed of each image
         ("BATCH", "TYPE_STRING", [1]),  # JSON: the key and the fused calls this request went through
+        *PROGRESS_OUTPUTS,
     ]
 
     def load(self, settings: ModelSettings) -> FieldSet:
@@ -144,12 +161,17 @@ class TextToImageModel(BatchedDiffusionModel):
                 replace(f, key_on_presence=False) if f.name == "negative_prompt" else f for f in fields
             )
         unsupported = [name for name in OPTIONAL_CALL_FIELDS if name not in params]
+        self.has_step_callback = "callback_on_step_end" in params
+        if not self.has_step_callback:
+            unsupported += [f.name for f in PROGRESS_FIELDS]
+        self.compacting_schedulers = ROW_COMPACTION.get(type(self.pipe).__name__, frozenset())
+        self.callback_tensors = ["latents"] + (["prompt_embeds"] if self.compacting_schedulers else [])
         return fields.configured({**derived, **settings.params}, unsupported)
 
     def rows_for(self, values: dict[str, Any]) -> int:
         return values["num_images_per_prompt"]
 
-    def run_rows(self, key: CompatibilityKey, rows: list[RowInput]) -> list[Any]:
+    def run_rows(self, key: CompatibilityKey, rows: list[RowInput], steps: StepReporter) -> list[Any]:
         shared = key.as_dict()
         prompts = [r.values["prompt"] for r in rows]
         if self.faults:
@@ -170,9 +192,52 @@ class TextToImageModel(BatchedDiffusionModel):
         if any(n is not None for n in negatives):
             # The key keeps rows with and without a negative prompt apart unless None means "" anyway.
             kwargs["negative_prompt"] = [n or "" for n in negatives]
+        if self.has_step_callback:
+            kwargs["callback_on_step_end"] = self._step_callback(steps, shared)
+            kwargs["callback_on_step_end_tensor_inputs"] = self.callback_tensors
         self.pipe.scheduler = self.schedulers[shared["scheduler"]]
         with torch.inference_mode():
-            return list(self.pipe(**kwargs).images)
+            images = list(self.pipe(**kwargs).images)
+        return steps.scatter(images)
+
+    def _step_callback(self, steps: StepReporter, shared: dict[str, Any]):
+        compacts = shared["scheduler"] in self.compacting_schedulers
+
+        def callback(pipe: Any, i: int, t: Any, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            if self.faults:
+                self.faults.after_step()
+            latents = tensors["latents"]
+            total = getattr(pipe, "_num_timesteps", None) or shared["num_inference_steps"]
+            ended = steps.on_step(i + 1, total, lambda position: self._preview(latents, position, shared))
+            if not ended:
+                return {}
+            if steps.all_ended(ended):
+                pipe._interrupt = True  # skip the remaining steps; the (cheap) decode still runs
+                return {}
+            if not compacts:
+                return {}
+            dropped = set(ended)
+            keep = [p for p in range(latents.shape[0]) if p not in dropped]
+            changed = {"latents": latents[keep]}
+            embeds = tensors.get("prompt_embeds")
+            if embeds is not None:
+                rows = latents.shape[0]
+                # With CFG the loop holds [negative; positive] embeddings: drop the row in both halves.
+                changed["prompt_embeds"] = embeds[
+                    keep + [rows + p for p in keep] if embeds.shape[0] == 2 * rows else keep
+                ]
+            steps.compact(ended, after_step=i + 1)
+            return changed
+
+        return callback
+
+    def _preview(self, latents: torch.Tensor, position: int, shared: dict[str, Any]) -> bytes:
+        latent = latents[position : position + 1]
+        if latent.ndim == 3 and hasattr(self.pipe, "_unpack_latents"):  # Flux packs 2x2 latent patches
+            latent = self.pipe._unpack_latents(
+                latent, shared["height"], shared["width"], self.pipe.vae_scale_factor
+            )
+        return preview_png(latent[0])
 
     def respond(
         self, request: ParsedRequest, outputs: list[Any], calls: list[CallRecord]

@@ -99,6 +99,7 @@ def build_tiny_sd(target: Path) -> None:
         beta_schedule="scaled_linear",
         clip_sample=False,
         set_alpha_to_one=False,
+        steps_offset=1,
     )
     pipe = StableDiffusionPipeline(
         unet=unet,

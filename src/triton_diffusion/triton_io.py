@@ -16,6 +16,7 @@ import triton_python_backend_utils as pb_utils
 
 from triton_diffusion.errors import RequestError, invalid_field
 from triton_diffusion.fields import REQUIRED, FieldSet
+from triton_diffusion.metrics import BatchingMetrics
 
 
 def read_raw_fields(request: Any, fields: FieldSet) -> dict[str, Any]:
@@ -57,6 +58,17 @@ def send_final(request: Any, outputs: Mapping[str, np.ndarray]) -> None:
     )
 
 
+def send_progress(request: Any, step: int, total: int, preview: bytes | None) -> None:
+    """A non-final response between two denoising steps."""
+    tensors = [
+        pb_utils.Tensor("STEP", np.array([[step]], dtype=np.int32)),
+        pb_utils.Tensor("TOTAL_STEPS", np.array([[total]], dtype=np.int32)),
+    ]
+    if preview is not None:
+        tensors.append(pb_utils.Tensor("PREVIEW", np.array([[preview]], dtype=object)))
+    request.get_response_sender().send(pb_utils.InferenceResponse(output_tensors=tensors), flags=0)
+
+
 def send_error(request: Any, error: RequestError) -> None:
     code = getattr(pb_utils.TritonError, error.code.value)
     request.get_response_sender().send(
@@ -82,6 +94,10 @@ def add_io_to_config(
         auto_complete_model_config.add_output({"name": name, "data_type": data_type, "dims": dims})
     auto_complete_model_config.set_model_transaction_policy({"decoupled": True})
     return auto_complete_model_config
+
+
+def batching_metrics(model: str) -> BatchingMetrics:
+    return BatchingMetrics(pb_utils, model)
 
 
 class TritonLogHandler(logging.Handler):

@@ -8,6 +8,7 @@ from .server import WEIGHTS, copy_model, set_queue_delay, start_server
 # execute() call, so the tests can see fusing; the shipped configs use a short one.
 QUEUE_DELAY_US = 300_000
 FAULT_INJECTION = '{\\"fail_on_prompt\\": \\"__explode__\\", \\"oom_above_rows\\": 3}'
+STEP_DELAY = '{\\"step_delay_ms\\": 80}'
 
 FAMILIES = {
     "text_to_image": {"source": "text_to_image", "weights": "tiny-sd"},
@@ -30,8 +31,18 @@ def server(tmp_path_factory):
         {"model": str(WEIGHTS / "tiny-sd"), "fault_injection": FAULT_INJECTION},
     )
     set_queue_delay(repo, "text_to_image_faults", QUEUE_DELAY_US)
+    # Each family again with a stalled step, so a test can cancel a request in the middle of a call.
+    for name, spec in FAMILIES.items():
+        copy_model(
+            spec["source"],
+            repo,
+            f"{name}_slow",
+            {"model": str(WEIGHTS / spec["weights"]), "fault_injection": STEP_DELAY},
+        )
+        set_queue_delay(repo, f"{name}_slow", QUEUE_DELAY_US)
     log_path = tmp_path_factory.mktemp("logs") / "tritonserver.log"
-    running = start_server(repo, log_path, [*FAMILIES, "text_to_image_faults"])
+    models = [*FAMILIES, "text_to_image_faults", *(f"{name}_slow" for name in FAMILIES)]
+    running = start_server(repo, log_path, models)
     yield running
     running.stop()
 

@@ -104,3 +104,15 @@ def start_server(repo: Path, log_path: Path, models: list[str], timeout_s: float
         except OSError:
             time.sleep(0.5)
     return server
+
+
+def read_metrics(server: RunningServer) -> dict[str, float]:
+    """Prometheus text from the metrics port as {'name{labels}': value}."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            values[name] = float(value)
+    return values

@@ -1,7 +1,7 @@
 """The executor with a fake pipeline object: bisection retry, OOM splits, one report per request."""
 
 from triton_diffusion.compatibility import CompatibilityKey
-from triton_diffusion.errors import ErrorCode
+from triton_diffusion.errors import ErrorCode, RequestError
 from triton_diffusion.executor import FusedCallExecutor
 from triton_diffusion.faults import SimulatedOutOfMemoryError
 from triton_diffusion.planner import PlannedRequest, RowCaps, plan_groups
@@ -24,18 +24,31 @@ class FakePipeline:
         return [f"img{r.request_index}.{r.image_index}" for r in rows]
 
 
+class Stats:
+    def __init__(self, reports):
+        self.fused_calls = len(reports)
+        self.bisections = sum(r.bisected for r in reports)
+        self.oom_splits = sum(r.oom_split for r in reports)
+
+
 def run(pipeline, rows_per_request, max_rows=8):
     requests = [PlannedRequest(i, KEY, n) for i, n in enumerate(rows_per_request)]
     calls = plan_groups(requests, RowCaps(max_rows).cap_for)
-    executor = FusedCallExecutor(pipeline)
+    reports = []
+    executor = FusedCallExecutor(pipeline, reports.append)
     done, failed = {}, {}
-    executor.run(
-        calls,
-        {r.index: r.rows for r in requests},
-        lambda i, outputs, records: done.setdefault(i, (outputs, records)) and None,
-        lambda i, error: failed.setdefault(i, error) and None,
-    )
-    return done, failed, executor.stats
+
+    def on_complete(i, outputs, records):
+        assert i not in done and i not in failed  # exactly one answer per request
+        done[i] = (outputs, records)
+
+    def on_error(i, error):
+        assert i not in done and i not in failed
+        failed[i] = error
+
+    executor.run(calls, {r.index: r.rows for r in requests}, on_complete, on_error)
+    assert set(done) | set(failed) == set(range(len(rows_per_request)))
+    return done, failed, Stats(reports)
 
 
 def test_one_call_for_a_compatible_batch():
@@ -92,3 +105,24 @@ def test_a_wrong_output_count_is_a_failure():
 
     done, failed, _ = run(short, [1, 1, 1])
     assert set(done) == {0, 1, 2}  # bisected down to single rows, which return one output each
+
+
+def test_a_request_ended_during_a_call_is_answered_once_and_its_rows_are_ignored():
+    executor = None
+
+    def pipeline(key, rows):
+        if any(r.request_index == 1 for r in rows):
+            executor.fail(1, RequestError(ErrorCode.CANCELLED, "cancelled after step 2/4"))
+        return [None if r.request_index == 1 else "img" for r in rows]
+
+    done, failed = {}, {}
+    requests = [PlannedRequest(i, KEY, 2) for i in range(3)]
+    executor = FusedCallExecutor(pipeline)
+    calls = plan_groups(requests, RowCaps(4).cap_for)  # request 1 spans both calls
+    executor.run(
+        calls,
+        {r.index: r.rows for r in requests},
+        lambda i, o, c: done.setdefault(i, o),
+        lambda i, e: failed.setdefault(i, e),
+    )
+    assert set(done) == {0, 2} and failed[1].code is ErrorCode.CANCELLED

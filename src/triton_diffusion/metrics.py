@@ -1,0 +1,66 @@
+"""Batching metrics exported through Triton's custom metrics API (``pb_utils.MetricFamily``).
+
+They appear on Triton's metrics port (``:8002/metrics``) next to Triton's own, labelled by model.
+Every family and metric object is kept referenced here: the Python backend drops a metric whose Python
+object is collected, and later calls on it raise.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+ROWS_BUCKETS = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64]
+SECONDS_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120]
+
+# name -> (kind, description); the README's metrics table lists the same names.
+FAMILIES = {
+    "triton_diffusion_fused_call_rows": ("HISTOGRAM", "Rows (images) per fused pipeline call"),
+    "triton_diffusion_execute_requests": ("HISTOGRAM", "Requests per execute() call"),
+    "triton_diffusion_fused_calls_total": ("COUNTER", "Fused pipeline calls, retries included"),
+    "triton_diffusion_groups_cut_total": ("COUNTER", "Fused calls cut short, by reason"),
+    "triton_diffusion_first_step_seconds": (
+        "HISTOGRAM",
+        "Per request: time from execute() entry to its first finished denoising step",
+    ),
+    "triton_diffusion_pipeline_seconds": ("HISTOGRAM", "Pipeline time per fused call"),
+    "triton_diffusion_rows_cancelled_total": ("COUNTER", "Rows whose request was cancelled while running"),
+    "triton_diffusion_requests_failed_total": ("COUNTER", "Requests answered with an error, by error code"),
+    "triton_diffusion_bisection_retries_total": ("COUNTER", "Failed fused calls split in two and retried"),
+    "triton_diffusion_oom_splits_total": ("COUNTER", "Fused calls split after running out of memory"),
+    "triton_diffusion_rows_in_flight": ("GAUGE", "Rows in the fused call running now"),
+}
+
+
+class BatchingMetrics:
+    def __init__(self, pb_utils: Any, model: str) -> None:
+        self._pb = pb_utils
+        self._labels = {"model": model}
+        self._families = {
+            name: pb_utils.MetricFamily(
+                name=name, description=text, kind=getattr(pb_utils.MetricFamily, kind)
+            )
+            for name, (kind, text) in FAMILIES.items()
+        }
+        self._metrics: dict[tuple[str, tuple[tuple[str, str], ...]], Any] = {}
+
+    def _metric(self, name: str, **labels: str) -> Any:
+        key = (name, tuple(sorted(labels.items())))
+        if key not in self._metrics:
+            family = self._families[name]
+            all_labels = {**self._labels, **labels}
+            kind = FAMILIES[name][0]
+            if kind == "HISTOGRAM":
+                buckets = SECONDS_BUCKETS if name.endswith("_seconds") else ROWS_BUCKETS
+                self._metrics[key] = family.Metric(labels=all_labels, buckets=buckets)
+            else:
+                self._metrics[key] = family.Metric(labels=all_labels)
+        return self._metrics[key]
+
+    def observe(self, name: str, value: float, **labels: str) -> None:
+        self._metric(name, **labels).observe(value)
+
+    def increment(self, name: str, value: float = 1, **labels: str) -> None:
+        self._metric(name, **labels).increment(value)
+
+    def set(self, name: str, value: float) -> None:
+        self._metric(name).set(value)
