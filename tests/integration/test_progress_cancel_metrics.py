@@ -1,8 +1,11 @@
 """Progress responses, cancellation between denoising steps, and the batching metrics, on a real server."""
 
+import json
 import queue
 import re
+import threading
 import time
+import urllib.request
 import uuid
 
 import numpy as np
@@ -113,8 +116,6 @@ def test_a_request_cancelled_in_the_queue_never_reaches_the_model(server):
     model = "text_to_image_slow"
     running_id, queued_id = f"running-{uuid.uuid4().hex[:8]}", f"queued-{uuid.uuid4().hex[:8]}"
     first_step = queue.Queue()
-    import threading
-
     runner = threading.Thread(
         target=lambda: first_step.put(
             generate_one(
@@ -175,3 +176,58 @@ def test_metrics_match_what_was_sent(server):
     assert delta("triton_diffusion_pipeline_seconds_count") == 2
     assert delta("triton_diffusion_first_step_seconds_count") == 7
     assert after[f'triton_diffusion_rows_in_flight{{model="{model}"}}'] == 0
+
+
+def test_http_generate_stream_sends_progress_events_then_the_image(server, family):
+    body = {
+        "PROMPT": "sse",
+        "parameters": {"seed": 3, "progress": True, "num_inference_steps": 3, "output_encoding": "base64"},
+    }
+    request = urllib.request.Request(
+        f"{server.http_url}/v2/models/{family}/generate_stream", data=json.dumps(body).encode(), method="POST"
+    )
+    with urllib.request.urlopen(request, timeout=120) as response:
+        events = [
+            json.loads(line[len(b"data: ") :])
+            for line in response.read().splitlines()
+            if line.startswith(b"data: ")
+        ]
+    assert [e["STEP"] for e in events[:-1]] == [1, 2, 3]
+    assert all(e["TOTAL_STEPS"] == 3 for e in events[:-1])
+    assert "IMAGE" in events[-1] and "STEP" not in events[-1]
+
+
+def test_every_request_gets_exactly_one_final_response(server, family):
+    responses = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    ids = [f"final-{i}" for i in range(5)]
+    for i, request_id in enumerate(ids):
+        prompt = grpcclient.InferInput("PROMPT", [1, 1], "BYTES")
+        prompt.set_data_from_numpy(np.array([[f"final {i}".encode()]], dtype=object))
+        client.async_stream_infer(
+            family,
+            [prompt],
+            request_id=request_id,
+            enable_empty_final_response=True,
+            parameters={"seed": i, "progress": True, "num_inference_steps": 3},
+        )
+    finals, steps = {}, {request_id: [] for request_id in ids}
+    deadline = time.monotonic() + 120
+    while len(finals) < len(ids) and time.monotonic() < deadline:
+        result, error = responses.get(timeout=120)
+        assert error is None, error
+        response = result.get_response()
+        if result.as_numpy("STEP") is not None:
+            steps[response.id].append(int(result.as_numpy("STEP")[0][0]))
+        if response.parameters["triton_final_response"].bool_param:
+            finals[response.id] = finals.get(response.id, 0) + 1
+    time.sleep(1.0)  # anything still arriving now would be a duplicate
+    while not responses.empty():
+        result, _ = responses.get()
+        response = result.get_response()
+        assert not response.parameters["triton_final_response"].bool_param, f"second FINAL for {response.id}"
+    client.stop_stream()
+    client.close()
+    assert finals == {request_id: 1 for request_id in ids}
+    assert all(s == [1, 2, 3] for s in steps.values()), steps
