@@ -72,6 +72,94 @@ class GenerateResult:
         return paths
 
 
+class StreamSession:
+    """One gRPC connection and stream, reused for requests sent one after another.
+
+    One request at a time per stream: tritonclient reports an error response without its request id,
+    so the error then belongs to the request in flight. Concurrency comes from several sessions.
+    """
+
+    def __init__(self, url: str = "localhost:8001", model: str = "text_to_image") -> None:
+        self.model = model
+        self.client = grpcclient.InferenceServerClient(url)
+        self._responses: queue.Queue = queue.Queue()
+        self._streaming = False
+
+    def __enter__(self) -> StreamSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._streaming:
+            self.client.stop_stream()
+        self.client.close()
+
+    def _stop_stream(self, cancel: bool) -> None:
+        self.client.stop_stream(cancel_requests=cancel)
+        self._streaming = False
+        self._responses = queue.Queue()
+
+    def generate(
+        self,
+        request: dict[str, Any],
+        request_id: str,
+        timeout_s: float = 300.0,
+        on_progress: OnProgress | None = None,
+    ) -> GenerateResult:
+        """Send one request and wait for its FINAL response.
+
+        With ``on_progress`` the request asks for per-step progress; the callback may return True to
+        cancel the request (the stream is closed with cancel_requests=True, which Triton passes on to
+        the model).
+        """
+        fields = dict(request)
+        if on_progress is not None:
+            fields.setdefault("progress", True)
+        prompt = fields.pop("prompt")
+        out = GenerateResult(request_id=request_id, prompt=prompt)
+        if not self._streaming:
+            responses = self._responses
+            self.client.start_stream(callback=lambda result, error: responses.put((result, error)))
+            self._streaming = True
+        prompt_tensor = grpcclient.InferInput("PROMPT", [1, 1], "BYTES")
+        prompt_tensor.set_data_from_numpy(np.array([[prompt.encode("utf-8")]], dtype=object))
+        started = time.perf_counter()
+        self.client.async_stream_infer(
+            self.model,
+            [prompt_tensor],
+            outputs=[grpcclient.InferRequestedOutput(name) for name in OUTPUTS],
+            request_id=request_id,
+            parameters={k: v for k, v in fields.items() if v is not None},
+            enable_empty_final_response=True,
+        )
+        try:
+            while True:
+                response, error = self._responses.get(timeout=timeout_s)
+                if error is not None:
+                    out.error = str(error)
+                    break
+                if response.as_numpy("STEP") is not None:
+                    progress = _progress(response)
+                    out.steps.append(progress.step)
+                    if out.first_progress_s is None:
+                        out.first_progress_s = time.perf_counter() - started
+                    if on_progress is not None and on_progress(progress):
+                        self._stop_stream(cancel=True)
+                        out.cancelled, out.error = True, "cancelled by the client"
+                        break
+                if response.as_numpy("IMAGE") is not None:
+                    _read_outputs(response, fields.get("output_encoding"), out)
+                if response.get_response().parameters["triton_final_response"].bool_param:
+                    break
+        except queue.Empty:
+            out.error = f"no final response within {timeout_s} s"
+            self._stop_stream(cancel=True)
+        out.latency_s = time.perf_counter() - started
+        return out
+
+
 def generate_one(
     request: dict[str, Any],
     request_id: str,
@@ -80,57 +168,9 @@ def generate_one(
     timeout_s: float = 300.0,
     on_progress: OnProgress | None = None,
 ) -> GenerateResult:
-    """Send one request on its own stream and wait for its FINAL response.
-
-    With ``on_progress`` the request asks for per-step progress; the callback may return True to cancel
-    the request (the stream is closed with cancel_requests=True, which Triton passes to the model).
-    """
-    fields = dict(request)
-    if on_progress is not None:
-        fields.setdefault("progress", True)
-    prompt = fields.pop("prompt")
-    out = GenerateResult(request_id=request_id, prompt=prompt)
-    responses: queue.Queue = queue.Queue()
-    client = grpcclient.InferenceServerClient(url)
-    started = time.perf_counter()
-    try:
-        client.start_stream(callback=lambda result, error: responses.put((result, error)))
-        prompt_tensor = grpcclient.InferInput("PROMPT", [1, 1], "BYTES")
-        prompt_tensor.set_data_from_numpy(np.array([[prompt.encode("utf-8")]], dtype=object))
-        client.async_stream_infer(
-            model,
-            [prompt_tensor],
-            outputs=[grpcclient.InferRequestedOutput(name) for name in OUTPUTS],
-            request_id=request_id,
-            parameters={k: v for k, v in fields.items() if v is not None},
-            enable_empty_final_response=True,
-        )
-        while True:
-            response, error = responses.get(timeout=timeout_s)
-            if error is not None:
-                out.error = str(error)
-                break
-            step = response.as_numpy("STEP")
-            if step is not None:
-                progress = _progress(response)
-                out.steps.append(progress.step)
-                if out.first_progress_s is None:
-                    out.first_progress_s = time.perf_counter() - started
-                if on_progress is not None and on_progress(progress):
-                    client.stop_stream(cancel_requests=True)
-                    out.cancelled, out.error = True, "cancelled by the client"
-                    break
-            if response.as_numpy("IMAGE") is not None:
-                _read_outputs(response, fields.get("output_encoding"), out)
-            if response.get_response().parameters["triton_final_response"].bool_param:
-                break
-    except queue.Empty:
-        out.error = f"no final response within {timeout_s} s"
-    finally:
-        client.stop_stream()
-        client.close()
-    out.latency_s = time.perf_counter() - started
-    return out
+    """Send one request on a stream of its own and wait for its FINAL response."""
+    with StreamSession(url, model) as session:
+        return session.generate(request, request_id, timeout_s, on_progress)
 
 
 def _progress(response: Any) -> Progress:

@@ -13,7 +13,9 @@ def main() -> None:
     text = README.read_text()
     for name, fields in TABLES.items():
         pattern = rf"(<!-- fields:{name} -->\n).*?(\n<!-- /fields:{name} -->)"
-        text = re.sub(pattern, lambda m, f=fields: m.group(1) + f.markdown_table() + m.group(2), text, flags=re.S)
+        text = re.sub(
+            pattern, lambda m, f=fields: m.group(1) + f.markdown_table() + m.group(2), text, flags=re.S
+        )
     README.write_text(text)
 
 

@@ -34,6 +34,7 @@ class Role(str, Enum):
 
 _TRITON_TYPES = {str: "TYPE_STRING", int: "TYPE_INT32", float: "TYPE_FP32", bool: "TYPE_BOOL"}
 _TYPE_NAMES = {str: "string", int: "integer", float: "number", bool: "boolean"}
+_ARTICLE = {str: "a", int: "an", float: "a", bool: "a"}
 
 
 @dataclass(frozen=True)
@@ -142,7 +143,9 @@ class Field:
         }[self.type]
         if not ok:
             raise invalid_field(
-                self.name, f"must be a {_TYPE_NAMES[self.type]}, got {type(value).__name__} {value!r:.40}"
+                self.name,
+                f"must be {_ARTICLE[self.type]} {_TYPE_NAMES[self.type]}, "
+                f"got {type(value).__name__} {value!r:.40}",
             )
         return float(value) if self.type is float else value
 

@@ -162,28 +162,92 @@ def build_tiny_flux(target: Path) -> None:
     pipe.save_pretrained(target, safe_serialization=True)
 
 
-TINY_MODELS: dict[str, Callable[[Path], None]] = {
+def build_sd15(target: Path) -> None:
+    """Full-size Stable Diffusion 1.5 architecture (860M-parameter UNet, CLIP ViT-L/14 text encoder) with
+    random weights, for GPU benchmarks without downloading weights. Saved in fp16 (about 2 GB)."""
+    import torch
+    from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    torch.manual_seed(0)
+    text_encoder = CLIPTextModel(
+        CLIPTextConfig(
+            vocab_size=49408,
+            hidden_size=768,
+            intermediate_size=3072,
+            num_hidden_layers=12,
+            num_attention_heads=12,
+            max_position_embeddings=77,
+            hidden_act="quick_gelu",
+            projection_dim=768,
+            bos_token_id=0,
+            eos_token_id=1,
+            pad_token_id=1,
+        )
+    )
+    unet = UNet2DConditionModel(sample_size=64, cross_attention_dim=768, attention_head_dim=8)
+    autoencoder = AutoencoderKL(
+        block_out_channels=(128, 256, 512, 512),
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        layers_per_block=2,
+        latent_channels=4,
+        sample_size=512,
+    )
+    scheduler = DDIMScheduler(
+        beta_start=0.00085,
+        beta_end=0.012,
+        beta_schedule="scaled_linear",
+        clip_sample=False,
+        set_alpha_to_one=False,
+        steps_offset=1,
+    )
+    pipe = StableDiffusionPipeline(
+        unet=unet,
+        scheduler=scheduler,
+        vae=autoencoder,
+        text_encoder=text_encoder,
+        tokenizer=clip_tokenizer(),
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
+    pipe.to(torch.float16).save_pretrained(target, safe_serialization=True)
+
+
+# name -> builder. The tiny ones are the defaults the model repository serves.
+ARCHITECTURES: dict[str, Callable[[Path], None]] = {
     "tiny-sd": build_tiny_sd,
     "tiny-flux": build_tiny_flux,
+    "sd15": build_sd15,
 }
+TINY_DEFAULTS = ["tiny-sd", "tiny-flux"]
 
 
-def build_missing(weights_dir: Path = DEFAULT_WEIGHTS_DIR, force: bool = False) -> list[Path]:
+def build_missing(
+    weights_dir: Path = DEFAULT_WEIGHTS_DIR, force: bool = False, only: list[str] | None = None
+) -> list[Path]:
     built = []
-    for name, build in TINY_MODELS.items():
+    for name in only or TINY_DEFAULTS:
         target = weights_dir / name
         if force or not (target / "model_index.json").is_file():
-            build(target)
+            ARCHITECTURES[name](target)
             built.append(target)
     return built
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Build the tiny random-weight default pipelines.")
+    parser = argparse.ArgumentParser(
+        description="Build random-weight pipelines (the tiny defaults unless named)."
+    )
+    parser.add_argument("names", nargs="*", help=f"any of {list(ARCHITECTURES)}; default: {TINY_DEFAULTS}")
     parser.add_argument("--weights-dir", type=Path, default=DEFAULT_WEIGHTS_DIR)
     parser.add_argument("--force", action="store_true", help="rebuild even if present")
     args = parser.parse_args(argv)
-    for path in build_missing(args.weights_dir, args.force):
+    unknown = set(args.names) - set(ARCHITECTURES)
+    if unknown:
+        parser.error(f"unknown architectures {sorted(unknown)}; choose from {list(ARCHITECTURES)}")
+    for path in build_missing(args.weights_dir, args.force, args.names or None):
         print(f"built {path}")
 
 

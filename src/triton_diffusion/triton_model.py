@@ -94,8 +94,12 @@ class StepReporter:
     def compact(self, positions: list[int], after_step: int) -> None:
         drop = set(positions)
         self.alive = [row for position, row in enumerate(self.alive) if position not in drop]
-        log.info("compacted fused call after step %d: dropped %d row(s), %d go on",
-                 after_step, len(drop), len(self.alive))
+        log.info(
+            "compacted fused call after step %d: dropped %d row(s), %d go on",
+            after_step,
+            len(drop),
+            len(self.alive),
+        )
 
     def scatter(self, outputs: Sequence[Any]) -> list[Any]:
         """Outputs for the alive rows, placed back in the call's row order (None for dropped rows)."""

@@ -1,8 +1,7 @@
 import pytest
 
+from triton_diffusion.server_process import WEIGHTS, copy_model, set_batching, start_server
 from triton_diffusion.tiny_models import build_missing
-
-from .server import WEIGHTS, copy_model, set_queue_delay, start_server
 
 # A long queue delay makes the dynamic batcher reliably collect concurrently sent requests into one
 # execute() call, so the tests can see fusing; the shipped configs use a short one.
@@ -22,7 +21,7 @@ def server(tmp_path_factory):
     repo = tmp_path_factory.mktemp("model_repository")
     for name, spec in FAMILIES.items():
         copy_model(spec["source"], repo, name, {"model": str(WEIGHTS / spec["weights"])})
-        set_queue_delay(repo, name, QUEUE_DELAY_US)
+        set_batching(repo, name, QUEUE_DELAY_US)
     # Same pipeline as text_to_image, with the test-only failure hooks switched on.
     copy_model(
         "text_to_image",
@@ -30,7 +29,7 @@ def server(tmp_path_factory):
         "text_to_image_faults",
         {"model": str(WEIGHTS / "tiny-sd"), "fault_injection": FAULT_INJECTION},
     )
-    set_queue_delay(repo, "text_to_image_faults", QUEUE_DELAY_US)
+    set_batching(repo, "text_to_image_faults", QUEUE_DELAY_US)
     # Each family again with a stalled step, so a test can cancel a request in the middle of a call.
     for name, spec in FAMILIES.items():
         copy_model(
@@ -39,7 +38,7 @@ def server(tmp_path_factory):
             f"{name}_slow",
             {"model": str(WEIGHTS / spec["weights"]), "fault_injection": STEP_DELAY},
         )
-        set_queue_delay(repo, f"{name}_slow", QUEUE_DELAY_US)
+        set_batching(repo, f"{name}_slow", QUEUE_DELAY_US)
     log_path = tmp_path_factory.mktemp("logs") / "tritonserver.log"
     models = [*FAMILIES, "text_to_image_faults", *(f"{name}_slow" for name in FAMILIES)]
     running = start_server(repo, log_path, models)

@@ -12,7 +12,8 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 from diffusion_client import generate_many, generate_one
 
-from .server import read_metrics
+from triton_diffusion.server_process import read_metrics
+
 from .test_text_to_image import max_diff, send
 
 STEPS = 10  # with the *_slow models' 80 ms stall per step: about a second per call

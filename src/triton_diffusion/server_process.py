@@ -66,13 +66,18 @@ def copy_model(source: str, target_repo: Path, name: str, edits: dict[str, str],
     (target / "config.pbtxt").write_text(config + extra)
 
 
-def set_queue_delay(target_repo: Path, name: str, microseconds: int) -> None:
+def set_batching(
+    target_repo: Path, name: str, queue_delay_us: int, max_batch_size: int | None = None
+) -> None:
+    """Set the dynamic batcher's queue delay and, optionally, max_batch_size of a copied model."""
     path = target_repo / name / "config.pbtxt"
     text = re.sub(
         r"max_queue_delay_microseconds: \d+",
-        f"max_queue_delay_microseconds: {microseconds}",
+        f"max_queue_delay_microseconds: {queue_delay_us}",
         path.read_text(),
     )
+    if max_batch_size is not None:
+        text = re.sub(r"(?m)^max_batch_size: \d+", f"max_batch_size: {max_batch_size}", text)
     path.write_text(text)
 
 

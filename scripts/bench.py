@@ -1,0 +1,596 @@
+"""Benchmark: served throughput and latency with batching against without, and against the ceiling.
+
+Variants, on the same model and machine:
+  singleton  the real server with max_batch_size 1 (no fused calls)
+  dynamic    the real server with the configured max batch size and queue delay
+  raw        the same diffusers pipeline called in-process, batch 1 and batch = max batch size, no server
+
+Each server variant is started by this script (a temporary copy of the model repository), driven with the
+project's gRPC client at each concurrency (closed loop) or at a Poisson rate (--rate), then stopped.
+Writes bench.json, bench.md and bench.png (throughput and p95 latency against concurrency) to --out;
+--sweep adds sweep.png (max batch size x queue delay), --mixed compares mixed-key with homogeneous traffic.
+
+    .venv/bin/python scripts/bench.py --concurrency 1,2,4,8 --requests 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import queue
+import random
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import psutil
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT / "client"))
+
+from diffusion_client import GenerateResult, StreamSession, generate_one  # noqa: E402
+
+from triton_diffusion.server_process import (  # noqa: E402
+    WEIGHTS,
+    copy_model,
+    read_metrics,
+    set_batching,
+    start_server,
+)
+from triton_diffusion.tiny_models import ARCHITECTURES, build_missing  # noqa: E402
+
+PROMPTS = [
+    line.strip()
+    for line in (REPO_ROOT / "client" / "prompts.txt").read_text().splitlines()
+    if line.strip() and not line.startswith("#")
+]
+MODEL_FOR_ARCH = {"tiny-sd": "text_to_image", "tiny-flux": "text_to_image_flux", "sd15": "text_to_image"}
+
+
+@dataclass
+class RunStats:
+    variant: str
+    concurrency: int | None
+    rate: float | None
+    requests: int
+    images: int
+    errors: int
+    duration_s: float
+    requests_per_s: float
+    images_per_s: float
+    latency_mean_s: float
+    latency_p50_s: float
+    latency_p95_s: float
+    latency_p99_s: float
+    first_progress_mean_s: float | None
+    peak_memory_mb: float
+    mean_rows_per_call: float | None
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    position = (len(ordered) - 1) * q
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+class MemorySampler:
+    """Peak RSS of a process and its children (the server and its Python backend stubs)."""
+
+    def __init__(self, pid: int, interval_s: float = 0.1) -> None:
+        self.process = psutil.Process(pid)
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                processes = [self.process, *self.process.children(recursive=True)]
+                self.peak = max(self.peak, sum(p.memory_info().rss for p in processes))
+            except psutil.Error:
+                pass
+            self._stop.wait(0.1)
+
+    def __enter__(self) -> MemorySampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def make_requests(
+    count: int, shapes: list[tuple[int, int, int]], progress: bool, seed: int = 0
+) -> list[dict]:
+    """``count`` requests over the shipped prompts; shape (height, width, steps) drawn from ``shapes``."""
+    rng = random.Random(seed)
+    requests = []
+    for i in range(count):
+        height, width, steps = shapes[0] if len(shapes) == 1 else rng.choice(shapes)
+        request = {
+            "prompt": PROMPTS[i % len(PROMPTS)],
+            "seed": i,
+            "height": height,
+            "width": width,
+            "num_inference_steps": steps,
+        }
+        if progress:
+            request["progress"] = True
+        requests.append(request)
+    return requests
+
+
+def drive(url: str, model: str, requests: list[dict], concurrency: int | None, rate: float | None):
+    """Closed loop (``concurrency`` workers, each sends its next request when the last one is answered) or
+    open loop (Poisson arrivals at ``rate`` requests/s). Returns the results and the duration."""
+    results: list[GenerateResult | None] = [None] * len(requests)
+    todo: queue.Queue = queue.Queue()
+    for item in enumerate(requests):
+        todo.put(item)
+
+    def send(index: int, request: dict) -> None:
+        results[index] = generate_one(request, f"bench-{index}", url, model, 600.0)
+
+    sessions = [StreamSession(url, model) for _ in range(concurrency or 0)]  # connected before the clock
+    started = time.perf_counter()
+    if rate is None:
+
+        def worker(session: StreamSession) -> None:
+            with session:
+                while True:
+                    try:
+                        index, request = todo.get_nowait()
+                    except queue.Empty:
+                        return
+                    results[index] = session.generate(request, f"bench-{index}", 600.0)
+
+        threads = [threading.Thread(target=worker, args=(session,)) for session in sessions]
+    else:
+        rng = random.Random(1)
+        threads, at = [], 0.0
+        for index, request in enumerate(requests):
+            at += rng.expovariate(rate)
+
+            def delayed(index: int = index, request: dict = request, at: float = at) -> None:
+                time.sleep(max(0.0, started + at - time.perf_counter()))
+                send(index, request)
+
+            threads.append(threading.Thread(target=delayed))
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return [r for r in results if r is not None], time.perf_counter() - started
+
+
+def summarize(
+    variant: str,
+    concurrency: int | None,
+    rate: float | None,
+    results: list[GenerateResult],
+    duration: float,
+    peak_bytes: float,
+    rows_per_call: float | None,
+) -> RunStats:
+    ok = [r for r in results if r.ok]
+    latencies = [r.latency_s for r in ok]
+    firsts = [r.first_progress_s for r in ok if r.first_progress_s is not None]
+    images = sum(len(r.images) for r in ok)
+    return RunStats(
+        variant=variant,
+        concurrency=concurrency,
+        rate=rate,
+        requests=len(results),
+        images=images,
+        errors=len(results) - len(ok),
+        duration_s=duration,
+        requests_per_s=len(ok) / duration,
+        images_per_s=images / duration,
+        latency_mean_s=statistics.fmean(latencies) if latencies else float("nan"),
+        latency_p50_s=percentile(latencies, 0.5),
+        latency_p95_s=percentile(latencies, 0.95),
+        latency_p99_s=percentile(latencies, 0.99),
+        first_progress_mean_s=statistics.fmean(firsts) if firsts else None,
+        peak_memory_mb=peak_bytes / 2**20,
+        mean_rows_per_call=rows_per_call,
+    )
+
+
+def metric_delta(before: dict, after: dict, name: str, model: str) -> float:
+    key = f'{name}{{model="{model}"}}'
+    return after.get(key, 0.0) - before.get(key, 0.0)
+
+
+class ServerVariant:
+    """One model configuration on a real server, started for the runs and stopped afterwards."""
+
+    def __init__(
+        self,
+        name: str,
+        model: str,
+        weights: Path,
+        max_batch_size: int,
+        queue_delay_us: int,
+        extra_edits: dict[str, str] | None = None,
+    ) -> None:
+        self.name, self.model = name, model
+        self.tmp = tempfile.TemporaryDirectory(prefix=f"bench-{name}-")
+        repo = Path(self.tmp.name) / "repo"
+        repo.mkdir()
+        edits = {"model": str(weights), "max_rows_per_call": str(max_batch_size), **(extra_edits or {})}
+        copy_model(model, repo, model, edits)
+        set_batching(repo, model, queue_delay_us, max_batch_size)
+        self.server = start_server(repo, Path(self.tmp.name) / "tritonserver.log", [model])
+
+    def warm_up(self, request: dict, batch: int) -> None:
+        drive(self.server.grpc_url, self.model, [dict(request, seed=i) for i in range(batch)], batch, None)
+
+    def run(self, requests: list[dict], concurrency: int | None, rate: float | None) -> RunStats:
+        before = read_metrics(self.server)
+        with MemorySampler(self.server.process.pid) as memory:
+            results, duration = drive(self.server.grpc_url, self.model, requests, concurrency, rate)
+        after = read_metrics(self.server)
+        calls = metric_delta(before, after, "triton_diffusion_fused_call_rows_count", self.model)
+        rows = metric_delta(before, after, "triton_diffusion_fused_call_rows_sum", self.model)
+        stats = summarize(
+            self.name, concurrency, rate, results, duration, memory.peak, rows / calls if calls else None
+        )
+        print(
+            f"  {self.name:10s} c={concurrency} rate={rate}: {stats.requests_per_s:.2f} req/s, "
+            f"p95 {stats.latency_p95_s:.3f} s, rows/call {stats.mean_rows_per_call}, errors {stats.errors}",
+            flush=True,
+        )
+        return stats
+
+    def stop(self) -> None:
+        self.server.stop()
+        self.tmp.cleanup()
+
+
+def run_raw(
+    weights: Path, batch_sizes: list[int], images: int, height: int, width: int, steps: int, extra: dict
+) -> list[dict]:
+    """The ceiling: the same pipeline called in-process, no server."""
+    import resource
+
+    import torch
+    from diffusers import DiffusionPipeline
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    pipe = DiffusionPipeline.from_pretrained(weights, torch_dtype=dtype, use_safetensors=True).to(device)
+    pipe.set_progress_bar_config(disable=True)
+    out = []
+    for batch in batch_sizes:
+
+        def call(offset: int, batch: int = batch) -> None:
+            prompts = [PROMPTS[(offset + i) % len(PROMPTS)] for i in range(batch)]
+            generators = [torch.Generator("cpu").manual_seed(offset + i) for i in range(batch)]
+            with torch.inference_mode():
+                pipe(
+                    prompt=prompts,
+                    generator=generators,
+                    height=height,
+                    width=width,
+                    num_inference_steps=steps,
+                    output_type="pil",
+                    **extra,
+                )
+
+        call(0)  # warm-up (torch.compile-free, but first calls allocate)
+        if device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        calls = max(1, images // batch)
+        started = time.perf_counter()
+        for n in range(calls):
+            call(n * batch)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        duration = time.perf_counter() - started
+        peak = (
+            torch.cuda.max_memory_allocated() / 2**20
+            if device == "cuda"
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        )
+        out.append(
+            {
+                "variant": f"raw-batch{batch}",
+                "batch": batch,
+                "images": calls * batch,
+                "duration_s": duration,
+                "images_per_s": calls * batch / duration,
+                "latency_per_call_s": duration / calls,
+                "peak_memory_mb": peak,
+            }
+        )
+        print(f"  raw batch {batch}: {calls * batch / duration:.2f} images/s", flush=True)
+    return out
+
+
+def write_plot(runs: list[RunStats], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for variant in dict.fromkeys(r.variant for r in runs):
+        points = sorted((r.concurrency, r) for r in runs if r.variant == variant and r.concurrency)
+        xs = [c for c, _ in points]
+        left.plot(xs, [r.requests_per_s for _, r in points], marker="o", label=variant)
+        right.plot(xs, [r.latency_p95_s for _, r in points], marker="o", label=variant)
+    left.set(xlabel="concurrency", ylabel="requests/s", title="Throughput")
+    right.set(xlabel="concurrency", ylabel="p95 latency (s)", title="p95 latency")
+    for axis in (left, right):
+        axis.grid(alpha=0.3)
+        axis.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_heatmap(
+    cells: dict[tuple[int, int], float], sizes: list[int], delays: list[int], path: Path
+) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    grid = [[cells[(size, delay)] for delay in delays] for size in sizes]
+    fig, axis = plt.subplots(figsize=(6, 4))
+    image = axis.imshow(grid, cmap="viridis", origin="lower")
+    axis.set_xticks(range(len(delays)), [f"{d / 1000:g} ms" for d in delays])
+    axis.set_yticks(range(len(sizes)), [str(s) for s in sizes])
+    axis.set(xlabel="max_queue_delay", ylabel="max_batch_size", title="Throughput (requests/s)")
+    for i, row in enumerate(grid):
+        for j, value in enumerate(row):
+            axis.text(j, i, f"{value:.1f}", ha="center", va="center", color="white")
+    fig.colorbar(image)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def markdown(report: dict) -> str:
+    lines = [
+        f"Machine: {report['machine']}; model {report['model']} ({report['arch']}), "
+        f"{report['height']}x{report['width']}, {report['steps']} steps, "
+        f"max batch {report['max_batch_size']}, "
+        f"queue delay {report['queue_delay_us'] / 1000:g} ms, {report['requests']} requests per run.",
+        "",
+        "| variant | concurrency | req/s | images/s | mean (s) | p50 (s) | p95 (s) | p99 (s) "
+        "| first progress (s) | rows/call | peak memory (MB) | errors |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in report["runs"]:
+        first = f"{r['first_progress_mean_s']:.3f}" if r["first_progress_mean_s"] is not None else "-"
+        rows = f"{r['mean_rows_per_call']:.2f}" if r["mean_rows_per_call"] is not None else "-"
+        lines.append(
+            f"| {r['variant']} | {r['concurrency'] or 'rate ' + str(r['rate'])} | {r['requests_per_s']:.2f} "
+            f"| {r['images_per_s']:.2f} | {r['latency_mean_s']:.3f} | {r['latency_p50_s']:.3f} "
+            f"| {r['latency_p95_s']:.3f} | {r['latency_p99_s']:.3f} | {first} | {rows} "
+            f"| {r['peak_memory_mb']:.0f} | {r['errors']} |"
+        )
+    for raw in report["raw"]:
+        lines.append(
+            f"| {raw['variant']} (in-process) | - | {raw['images_per_s']:.2f} | {raw['images_per_s']:.2f} "
+            f"| {raw['latency_per_call_s']:.3f} per call | - | - | - | - | {raw['batch']} "
+            f"| {raw['peak_memory_mb']:.0f} | 0 |"
+        )
+    lines += ["", "| ratio | value | target |", "|---|---|---|"]
+    for name, (value, target) in report["ratios"].items():
+        lines.append(f"| {name} | {value:.3f} | {target} |")
+    if report.get("mixed"):
+        m = report["mixed"]
+        lines += [
+            "",
+            f"Mixed traffic ({m['keys']} keys, concurrency {m['concurrency']}): "
+            f"{m['mixed_requests_per_s']:.2f} req/s against {m['homogeneous_requests_per_s']:.2f} req/s "
+            f"for the same requests served key by key at concurrency {m['per_key_concurrency']} "
+            f"(same group sizes): ratio {m['ratio']:.3f} (target >= 0.9).",
+        ]
+    if report.get("sweep"):
+        s = report["sweep"]
+        lines += [
+            "",
+            f"Sweep at concurrency {s['concurrency']}: best max_batch_size={s['best']['max_batch_size']}, "
+            f"max_queue_delay={s['best']['queue_delay_us'] / 1000:g} ms "
+            f"({s['best']['requests_per_s']:.2f} req/s).",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--arch",
+        choices=sorted(ARCHITECTURES),
+        default="tiny-sd",
+        help="random-weight architecture to build and serve (full-size ones for GPUs)",
+    )
+    parser.add_argument("--concurrency", default="1,2,4,8", help="comma-separated closed-loop concurrencies")
+    parser.add_argument("--rate", type=float, help="Poisson arrival rate (requests/s) instead of concurrency")
+    parser.add_argument("--requests", type=int, default=64, help="requests per run")
+    parser.add_argument("--max-batch-size", type=int, default=8)
+    parser.add_argument("--queue-delay-us", type=int, default=20000)
+    parser.add_argument("--height", type=int, default=64)
+    parser.add_argument("--width", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--progress", action="store_true", help="stream progress (reports time to first)")
+    parser.add_argument("--sweep", action="store_true", help="also sweep max batch size x queue delay")
+    parser.add_argument(
+        "--mixed", action="store_true", help="also compare mixed-key with homogeneous traffic"
+    )
+    parser.add_argument("--no-raw", action="store_true", help="skip the in-process ceiling")
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench_results")
+    args = parser.parse_args(argv)
+
+    build_missing(WEIGHTS, only=[args.arch])
+    weights = WEIGHTS / args.arch
+    model = MODEL_FOR_ARCH[args.arch]
+    concurrencies = [int(c) for c in args.concurrency.split(",")] if args.rate is None else [None]
+    shape = (args.height, args.width, args.steps)
+    requests = make_requests(args.requests, [shape], args.progress)
+    size_edits = {
+        "default_height": str(args.height),
+        "default_width": str(args.width),
+        "max_height": str(max(args.height, 2048)),
+        "max_width": str(max(args.width, 2048)),
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    runs: list[RunStats] = []
+    for name, max_batch in (("singleton", 1), ("dynamic", args.max_batch_size)):
+        print(f"[{name}] starting the server (max_batch_size={max_batch})", flush=True)
+        variant = ServerVariant(name, model, weights, max_batch, args.queue_delay_us, size_edits)
+        try:
+            variant.warm_up(requests[0], max_batch)
+            for concurrency in concurrencies:
+                runs.append(variant.run(requests, concurrency, args.rate))
+        finally:
+            variant.stop()
+
+    raw = []
+    if not args.no_raw:
+        print("[raw] in-process pipeline", flush=True)
+        extra = {"max_sequence_length": 64} if "flux" in args.arch else {}
+        raw = run_raw(
+            weights, [1, args.max_batch_size], args.requests, args.height, args.width, args.steps, extra
+        )
+
+    top = max(c for c in concurrencies if c is not None) if args.rate is None else None
+    pick = {r.variant: r for r in runs if r.concurrency == top}
+    ratios: dict[str, tuple[float, str]] = {
+        "dynamic / singleton throughput": (
+            pick["dynamic"].images_per_s / pick["singleton"].images_per_s,
+            "-",
+        ),
+    }
+    if raw:
+        raw_single, raw_batched = raw[0]["images_per_s"], raw[-1]["images_per_s"]
+        ratios["dynamic / raw batched (server cost)"] = (
+            pick["dynamic"].images_per_s / raw_batched,
+            ">= 0.95",
+        )
+        ratios["raw batched / raw single (most batching can give)"] = (raw_batched / raw_single, "-")
+        ratios["(dynamic/singleton) / (raw batched/raw single)"] = (
+            ratios["dynamic / singleton throughput"][0] / (raw_batched / raw_single),
+            ">= 0.95",
+        )
+
+    report = {
+        "machine": f"{platform.machine()} {psutil.cpu_count()} CPUs, "
+        f"{psutil.virtual_memory().total / 2**30:.0f} GiB ({platform.processor() or platform.platform()})",
+        "arch": args.arch,
+        "model": model,
+        "height": args.height,
+        "width": args.width,
+        "steps": args.steps,
+        "max_batch_size": args.max_batch_size,
+        "queue_delay_us": args.queue_delay_us,
+        "requests": args.requests,
+        "runs": [asdict(r) for r in runs],
+        "raw": raw,
+        "ratios": ratios,
+    }
+
+    if args.mixed:
+        report["mixed"] = run_mixed(args, model, weights, size_edits, top or 8)
+    if args.sweep:
+        report["sweep"] = run_sweep(args, model, weights, size_edits, requests, top or 8)
+
+    (args.out / "bench.json").write_text(json.dumps(report, indent=2))
+    (args.out / "bench.md").write_text(markdown(report))
+    if args.rate is None:
+        write_plot(runs, args.out / "bench.png")
+    print(markdown(report))
+    print(f"wrote {args.out}/bench.json, bench.md" + (", bench.png" if args.rate is None else ""))
+
+
+def run_mixed(
+    args: argparse.Namespace, model: str, weights: Path, size_edits: dict, concurrency: int
+) -> dict:
+    """Mixed keys (2 resolutions x 2 step counts) against the same requests served key by key at
+    concurrency / keys, which gives each fused call the same group size the mixed run can reach."""
+    shapes = [
+        (h, w, s)
+        for h in (args.height, args.height * 2)
+        for w in (args.width,)
+        for s in (args.steps, args.steps * 2)
+    ]
+    requests = make_requests(args.requests, shapes, False, seed=3)
+    per_key = max(1, concurrency // len(shapes))
+    variant = ServerVariant("mixed", model, weights, args.max_batch_size, args.queue_delay_us, size_edits)
+    try:
+        for shape in shapes:
+            variant.warm_up(
+                dict(requests[0], height=shape[0], width=shape[1], num_inference_steps=shape[2]), 2
+            )
+        mixed = variant.run(requests, concurrency, None)
+        homogeneous_time = 0.0
+        for shape in shapes:
+            subset = [r for r in requests if (r["height"], r["width"], r["num_inference_steps"]) == shape]
+            homogeneous_time += variant.run(subset, per_key, None).duration_s
+    finally:
+        variant.stop()
+    homogeneous = len(requests) / homogeneous_time
+    return {
+        "keys": len(shapes),
+        "concurrency": concurrency,
+        "per_key_concurrency": per_key,
+        "mixed_requests_per_s": mixed.requests_per_s,
+        "homogeneous_requests_per_s": homogeneous,
+        "ratio": mixed.requests_per_s / homogeneous,
+    }
+
+
+def run_sweep(
+    args: argparse.Namespace,
+    model: str,
+    weights: Path,
+    size_edits: dict,
+    requests: list[dict],
+    concurrency: int,
+) -> dict:
+    sizes = sorted({1, 2, 4, args.max_batch_size})
+    delays = [0, 5000, 20000, 50000]
+    cells: dict[tuple[int, int], float] = {}
+    results = []
+    for size in sizes:
+        for delay in delays:
+            variant = ServerVariant(f"b{size}-d{delay}", model, weights, size, delay, size_edits)
+            try:
+                variant.warm_up(requests[0], size)
+                stats = variant.run(requests, concurrency, None)
+            finally:
+                variant.stop()
+            cells[(size, delay)] = stats.requests_per_s
+            results.append(
+                {
+                    "max_batch_size": size,
+                    "queue_delay_us": delay,
+                    "requests_per_s": stats.requests_per_s,
+                    "latency_p95_s": stats.latency_p95_s,
+                }
+            )
+    write_heatmap(cells, sizes, delays, args.out / "sweep.png")
+    best = max(results, key=lambda r: (r["requests_per_s"], -r["latency_p95_s"]))
+    return {"concurrency": concurrency, "cells": results, "best": best}
+
+
+if __name__ == "__main__":
+    main()

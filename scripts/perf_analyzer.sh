@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# perf_analyzer (from tritonclient[all]==2.50) against a running triton-diffusion server.
+# The models are decoupled, so it runs over gRPC streaming; client/perf_input.json holds prompts only
+# (one uniform input set, so Triton can batch the requests). Writes a CSV.
+#
+#   scripts/perf_analyzer.sh                                  # text_to_image on localhost:8001
+#   MODEL=text_to_image_flux CONCURRENCY=1:16:1 OUT=pa.csv scripts/perf_analyzer.sh
+#   scripts/perf_analyzer.sh --request-parameter num_inference_steps:8:int   # extra args go to perf_analyzer
+set -euo pipefail
+REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="$REPO_ROOT/.venv"
+MODEL="${MODEL:-text_to_image}"
+URL="${URL:-localhost:8001}"
+CONCURRENCY="${CONCURRENCY:-1:8:1}"
+INTERVAL_MS="${INTERVAL_MS:-5000}"
+OUT="${OUT:-$REPO_ROOT/bench_results/perf_analyzer.csv}"
+
+# The binary wants libb64.so.0d and libcudart.so.12 (even on CPU). Both ship, under other names, in the
+# nvidia-pytriton wheel the project already installs: link them into a private folder.
+LIBS="$VENV/perf-analyzer-libs"
+SITE="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+mkdir -p "$LIBS"
+for pair in "libb64.so.0d:libb64-*.so.0d" "libcudart.so.12:libcudart-*.so.12*"; do
+  name="${pair%%:*}"
+  pattern="${pair#*:}"
+  if [ ! -e "$LIBS/$name" ]; then
+    source_lib="$(ls "$SITE"/nvidia_pytriton.libs/$pattern 2>/dev/null | head -n 1 || true)"
+    [ -n "$source_lib" ] || { echo "perf_analyzer.sh: $pattern not found in nvidia_pytriton.libs" >&2; exit 1; }
+    ln -sf "$source_lib" "$LIBS/$name"
+  fi
+done
+export LD_LIBRARY_PATH="$LIBS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+
+mkdir -p "$(dirname "$OUT")"
+cd "$(dirname "$OUT")"  # perf_analyzer writes a few side files into the working directory
+exec "$VENV/bin/perf_analyzer" -m "$MODEL" -u "$URL" -i grpc --streaming --async \
+  --input-data "$REPO_ROOT/client/perf_input.json" --concurrency-range "$CONCURRENCY" \
+  --measurement-interval "$INTERVAL_MS" -f "$OUT" "$@"
