@@ -145,7 +145,7 @@ class Field:
             raise invalid_field(
                 self.name,
                 f"must be {_ARTICLE[self.type]} {_TYPE_NAMES[self.type]}, "
-                f"got {type(value).__name__} {value!r:.40}",
+                f"got {type(value).__name__} {value!r:.40} (allowed: {self.allowed()})",
             )
         return float(value) if self.type is float else value
 

@@ -81,7 +81,9 @@ def set_batching(
     path.write_text(text)
 
 
-def start_server(repo: Path, log_path: Path, models: list[str], timeout_s: float = 180) -> RunningServer:
+def start_server(
+    repo: Path, log_path: Path, models: list[str], timeout_s: float = 180, extra_args: list[str] = ()
+) -> RunningServer:
     http, grpc, metrics = free_port(), free_port(), free_port()
     launcher = Path(sys.executable).parent / "triton-diffusion-serve"
     command = [
@@ -91,6 +93,7 @@ def start_server(repo: Path, log_path: Path, models: list[str], timeout_s: float
         f"--http-port={http}",
         f"--grpc-port={grpc}",
         f"--metrics-port={metrics}",
+        *extra_args,
     ]
     log_file = open(log_path, "w")  # noqa: SIM115  (kept open for the server's lifetime)
     process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)

@@ -1,0 +1,271 @@
+"""Bad input, queue policy, shutdown and request-side security, on the real server."""
+
+import json
+import queue
+import signal
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import np_to_triton_dtype
+
+from triton_diffusion.server_process import WEIGHTS, copy_model, set_batching, start_server
+
+VALID = b"a valid prompt"
+
+
+def send_raw(url, model, prompt, tensors=None, parameters=None, timeout_s=60.0):
+    """One request on its own stream: PROMPT (bytes, or None to leave it out), extra input tensors and
+    request parameters exactly as given. Returns (ok, error message)."""
+    client = grpcclient.InferenceServerClient(url)
+    responses = queue.Queue()
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    inputs = []
+    arrays = dict(tensors or {})
+    if prompt is not None:
+        arrays = {"PROMPT": np.array([[prompt]], dtype=object), **arrays}
+    for name, array in arrays.items():
+        tensor = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    try:
+        client.async_stream_infer(
+            model, inputs, parameters=parameters or {}, enable_empty_final_response=True
+        )
+        while True:
+            result, error = responses.get(timeout=timeout_s)
+            if error is not None:
+                return False, str(error)
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                return True, None
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+# Valid values of the same inputs, so batch-mates carry the same set of inputs as the bad request.
+VALID_TENSORS = {
+    "HEIGHT": np.array([[64]], dtype=np.int32),
+    "WIDTH": np.array([[64]], dtype=np.int32),
+    "NUM_INFERENCE_STEPS": np.array([[4]], dtype=np.int32),
+    "NEGATIVE_PROMPT": np.array([[b"blurry"]], dtype=object),
+}
+
+
+SD, FLUX = "text_to_image", "text_to_image_flux"
+I32 = np.int32
+# (case id, model, prompt, tensors, parameters, field the error must name)
+BAD_INPUT = [
+    ("missing-prompt", SD, None, None, {"seed": 1}, "PROMPT"),
+    ("empty-prompt", SD, b"", None, None, "prompt"),
+    ("blank-prompt", SD, b"   ", None, None, "prompt"),
+    ("prompt-too-long", SD, b"x" * 2001, None, None, "prompt"),
+    ("prompt-not-utf8", SD, b"\xff\xfe cat", None, None, "prompt"),
+    (
+        "negative-prompt-not-utf8",
+        SD,
+        VALID,
+        {"NEGATIVE_PROMPT": np.array([[b"\xc3\x28"]], dtype=object)},
+        None,
+        "negative_prompt",
+    ),
+    ("negative-prompt-too-long", SD, VALID, None, {"negative_prompt": "n" * 2001}, "negative_prompt"),
+    ("unknown-parameter", SD, VALID, None, {"heigth": 64}, "heigth"),
+    ("unknown-parameter-part", SD, VALID, None, {"steps": 4}, "steps"),
+    ("request-names-a-model-path", SD, VALID, None, {"model": "/etc/passwd"}, "model"),
+    ("request-names-a-lora", SD, VALID, None, {"lora": "../../weights/x.safetensors"}, "lora"),
+    ("height-string", SD, VALID, None, {"height": "64"}, "height"),
+    ("height-float", SD, VALID, None, {"height": 64.5}, "height"),
+    ("height-bool", SD, VALID, None, {"height": True}, "height"),
+    ("height-not-multiple", SD, VALID, None, {"height": 100}, "height"),
+    ("height-zero", SD, VALID, None, {"height": 0}, "height"),
+    ("height-negative", SD, VALID, None, {"height": -64}, "height"),
+    ("height-over-limit", SD, VALID, None, {"height": 100000}, "height"),
+    ("width-not-multiple", SD, VALID, None, {"width": 68}, "width"),
+    ("width-zero", SD, VALID, None, {"width": 0}, "width"),
+    ("width-negative", SD, VALID, None, {"width": -8}, "width"),
+    ("width-over-limit", SD, VALID, None, {"width": 4096}, "width"),
+    ("flux-height-not-multiple-of-16", FLUX, VALID, None, {"height": 72}, "height"),
+    ("steps-zero", SD, VALID, None, {"num_inference_steps": 0}, "num_inference_steps"),
+    ("steps-negative", SD, VALID, None, {"num_inference_steps": -1}, "num_inference_steps"),
+    ("steps-over-limit", SD, VALID, None, {"num_inference_steps": 51}, "num_inference_steps"),
+    ("guidance-nan", SD, VALID, None, {"guidance_scale": float("nan")}, "guidance_scale"),
+    ("guidance-inf", SD, VALID, None, {"guidance_scale": float("inf")}, "guidance_scale"),
+    ("guidance-negative", SD, VALID, None, {"guidance_scale": -1.0}, "guidance_scale"),
+    ("guidance-over-limit", SD, VALID, None, {"guidance_scale": 31.0}, "guidance_scale"),
+    ("guidance-string", SD, VALID, None, {"guidance_scale": "high"}, "guidance_scale"),
+    ("true-cfg-on-a-pipeline-without-it", SD, VALID, None, {"true_cfg_scale": 2.0}, "true_cfg_scale"),
+    ("flux-true-cfg-negative", FLUX, VALID, None, {"true_cfg_scale": -1.0}, "true_cfg_scale"),
+    ("seed-negative", SD, VALID, None, {"seed": -1}, "seed"),
+    ("seed-float", SD, VALID, None, {"seed": 1.5}, "seed"),
+    ("images-per-prompt-zero", SD, VALID, None, {"num_images_per_prompt": 0}, "num_images_per_prompt"),
+    ("images-per-prompt-over-cap", SD, VALID, None, {"num_images_per_prompt": 5}, "num_images_per_prompt"),
+    ("unknown-scheduler", SD, VALID, None, {"scheduler": "PNDMScheduler"}, "scheduler"),
+    ("scheduler-path", SD, VALID, None, {"scheduler": "../../etc/passwd"}, "scheduler"),
+    ("unknown-output-format", SD, VALID, None, {"output_format": "gif"}, "output_format"),
+    ("unknown-output-encoding", SD, VALID, None, {"output_encoding": "hex"}, "output_encoding"),
+    ("progress-not-bool", SD, VALID, None, {"progress": "yes"}, "progress"),
+    ("preview-every-negative", SD, VALID, None, {"preview_every": -1}, "preview_every"),
+    ("tensor-and-parameter", SD, VALID, {"HEIGHT": np.array([[64]], dtype=I32)}, {"height": 64}, "height"),
+    ("tensor-wrong-dtype", SD, VALID, {"HEIGHT": np.array([[64.0]], dtype=np.float32)}, None, "HEIGHT"),
+    ("tensor-wrong-shape", SD, VALID, {"WIDTH": np.array([[64, 64]], dtype=I32)}, None, "WIDTH"),
+    (
+        "tensor-out-of-range",
+        SD,
+        VALID,
+        {"NUM_INFERENCE_STEPS": np.array([[0]], dtype=I32)},
+        None,
+        "num_inference_steps",
+    ),
+]
+EXPLANATIONS = (
+    "allowed",
+    "known:",
+    "did you mean",
+    "not supported",
+    "UTF-8",
+    "both as an input",
+    "expects",
+    "shape",
+    "missing required",
+)
+
+
+@pytest.mark.parametrize("case", BAD_INPUT, ids=[c[0] for c in BAD_INPUT])
+def test_bad_input_fails_alone_with_a_clear_error(server, case):
+    _, model, prompt, tensors, parameters, field = case
+    mates_tensors = {name: VALID_TENSORS[name] for name in tensors or {}}
+    mates_parameters = {"seed": 1} if parameters and "seed" in parameters else {}
+    outcomes = [None] * 4
+
+    def run(slot, *args):
+        outcomes[slot] = send_raw(server.grpc_url, model, *args)
+
+    threads = [threading.Thread(target=run, args=(0, prompt, tensors, parameters))]
+    threads += [
+        threading.Thread(target=run, args=(slot, VALID, mates_tensors, mates_parameters))
+        for slot in (1, 2, 3)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    ok, error = outcomes[0]
+    assert not ok and field in error and any(word in error for word in EXPLANATIONS), error
+    assert [o[0] for o in outcomes[1:]] == [True] * 3, outcomes
+    assert send_raw(server.grpc_url, model, b"the next request")[0]  # the server answers normally
+
+
+@pytest.mark.parametrize(
+    "parameters, field",
+    [
+        ({"height": 100000}, "height"),
+        ({"seed": 2**63}, "seed"),
+        ({"num_images_per_prompt": 9}, "num_images_per_prompt"),
+    ],
+)
+def test_bad_input_over_http_is_a_400_naming_the_field(server, parameters, field):
+    body = json.dumps({"PROMPT": "x", "parameters": parameters}).encode()
+    request = urllib.request.Request(
+        f"{server.http_url}/v2/models/text_to_image/generate", data=body, method="POST"
+    )
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(request, timeout=60)
+    assert info.value.code == 400
+    error = json.loads(info.value.read())["error"]
+    assert error.startswith(f"{field}: ") and "allowed" in error
+
+
+@pytest.fixture(scope="module")
+def small_queue_server(tmp_path_factory):
+    """The slow SD model with one request at a time and a queue of two, rejecting overflow at once."""
+    repo = tmp_path_factory.mktemp("queue_repo")
+    copy_model(
+        "text_to_image",
+        repo,
+        "text_to_image",
+        {
+            "model": str(WEIGHTS / "tiny-sd"),
+            "fault_injection": '{\\"step_delay_ms\\": 50}',
+        },
+    )
+    set_batching(repo, "text_to_image", 0, max_batch_size=1)
+    config = repo / "text_to_image" / "config.pbtxt"
+    config.write_text(
+        config.read_text().replace(
+            "max_queue_delay_microseconds: 0",
+            "max_queue_delay_microseconds: 0\n  default_queue_policy { max_queue_size: 2 "
+            "default_timeout_microseconds: 3000000 timeout_action: REJECT }",
+        )
+    )
+    running = start_server(repo, tmp_path_factory.mktemp("queue_logs") / "server.log", ["text_to_image"])
+    yield running
+    running.stop()
+
+
+def test_overload_is_rejected_quickly_by_the_queue_policy(small_queue_server):
+    outcomes = []
+    lock = threading.Lock()
+
+    def run(i):
+        started = time.perf_counter()
+        result = send_raw(
+            small_queue_server.grpc_url,
+            "text_to_image",
+            b"overload",
+            parameters={"seed": i, "num_inference_steps": 10},
+        )
+        with lock:
+            outcomes.append((result, time.perf_counter() - started))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(10)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    rejected = [(error, seconds) for (ok, error), seconds in outcomes if not ok]
+    served = [seconds for (ok, _), seconds in outcomes if ok]
+    assert len(outcomes) == 10 and served and rejected
+    assert all("queue" in error.lower() for error, _ in rejected), rejected
+    assert min(seconds for _, seconds in rejected) < 0.5  # refused at once, not after waiting in line
+
+
+def test_shutdown_with_a_request_in_flight_gives_the_client_an_error_not_a_hang(tmp_path):
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    copy_model(
+        "text_to_image",
+        repo,
+        "text_to_image",
+        {
+            "model": str(WEIGHTS / "tiny-sd"),
+            "fault_injection": '{\\"step_delay_ms\\": 100}',
+        },
+    )
+    running = start_server(
+        repo, tmp_path / "server.log", ["text_to_image"], extra_args=["--exit-timeout-secs=2"]
+    )
+    outcome = queue.Queue()
+    threading.Thread(
+        target=lambda: outcome.put(
+            send_raw(
+                running.grpc_url,
+                "text_to_image",
+                b"long",
+                parameters={"num_inference_steps": 50},
+                timeout_s=60,
+            )
+        ),
+        daemon=True,
+    ).start()
+    time.sleep(2.0)  # the request is now running (50 stalled steps: 5 s)
+    started = time.perf_counter()
+    running.process.send_signal(signal.SIGTERM)
+    ok, error = outcome.get(timeout=30)
+    assert not ok and error, "a request cut off by shutdown must fail, not succeed silently"
+    assert time.perf_counter() - started < 30
+    running.process.wait(timeout=30)
