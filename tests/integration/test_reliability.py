@@ -3,6 +3,8 @@
 import json
 import queue
 import signal
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -13,6 +15,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import np_to_triton_dtype
 
+from triton_diffusion.launcher import REPO_ROOT
 from triton_diffusion.server_process import WEIGHTS, copy_model, set_batching, start_server
 
 VALID = b"a valid prompt"
@@ -269,3 +272,29 @@ def test_shutdown_with_a_request_in_flight_gives_the_client_an_error_not_a_hang(
     assert not ok and error, "a request cut off by shutdown must fail, not succeed silently"
     assert time.perf_counter() - started < 30
     running.process.wait(timeout=30)
+
+
+def test_short_soak_loses_nothing_and_leaks_nothing(tmp_path):
+    report_path = tmp_path / "soak.json"
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(REPO_ROOT / "scripts" / "soak.py"),
+            "--duration",
+            "15",
+            "--warmup",
+            "4",
+            "--concurrency",
+            "6",
+            "--json",
+            str(report_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    report = json.loads(report_path.read_text())
+    assert result.returncode == 0, report
+    assert report["sent"] > 30 and report.get("lost", 0) == 0 and report.get("unexpected", 0) == 0
+    assert report["sent_http"] > 0 and report["sent_grpc"] > 0 and report["provoked_errors"] > 0
+    assert all(report["checks"].values()), report["checks"]
