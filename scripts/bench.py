@@ -39,6 +39,7 @@ from triton_diffusion.server_process import (  # noqa: E402
     WEIGHTS,
     copy_model,
     read_metrics,
+    remove_queue_policy,
     set_batching,
     start_server,
 )
@@ -229,6 +230,7 @@ class ServerVariant:
         repo.mkdir()
         edits = {"model": str(weights), "max_rows_per_call": str(max_batch_size), **(extra_edits or {})}
         copy_model(model, repo, model, edits)
+        remove_queue_policy(repo, model)
         set_batching(repo, model, queue_delay_us, max_batch_size)
         self.server = start_server(repo, Path(self.tmp.name) / "tritonserver.log", [model])
 

@@ -13,13 +13,18 @@ from triton_diffusion.settings import ModelSettings
 SEED_MODULUS = 2**63  # SEED is an INT64 output
 
 
-def load_pipeline(settings: ModelSettings) -> Any:
-    """``DiffusionPipeline.from_pretrained`` the configured folder or hub id: safetensors only, and
-    ``trust_remote_code`` only when the model config opts in."""
-    from diffusers import DiffusionPipeline
+def load_pipeline(settings: ModelSettings, loader: str = "DiffusionPipeline") -> Any:
+    """``<loader>.from_pretrained`` the configured folder or hub id: safetensors only, and
+    ``trust_remote_code`` only when the model config opts in. The ``pipeline_class`` parameter names
+    another diffusers class to load with (e.g. StableDiffusionInstructPix2PixPipeline)."""
+    import diffusers
 
+    name = settings.get("pipeline_class", loader)
+    pipeline_class = getattr(diffusers, name, None)
+    if pipeline_class is None or not hasattr(pipeline_class, "from_pretrained"):
+        raise ValueError(f"model {settings.name}: pipeline_class {name!r} is not a diffusers pipeline class")
     device = settings.device()
-    pipe = DiffusionPipeline.from_pretrained(
+    pipe = pipeline_class.from_pretrained(
         settings.model_source(),
         torch_dtype=settings.torch_dtype(device),
         use_safetensors=True,

@@ -32,9 +32,15 @@ class Role(str, Enum):
     AFTER_SPLIT = "after_split"  # applied to each request's own output after the call (output format)
 
 
-_TRITON_TYPES = {str: "TYPE_STRING", int: "TYPE_INT32", float: "TYPE_FP32", bool: "TYPE_BOOL"}
-_TYPE_NAMES = {str: "string", int: "integer", float: "number", bool: "boolean"}
-_ARTICLE = {str: "a", int: "an", float: "a", bool: "a"}
+_TRITON_TYPES = {
+    str: "TYPE_STRING",
+    bytes: "TYPE_STRING",
+    int: "TYPE_INT32",
+    float: "TYPE_FP32",
+    bool: "TYPE_BOOL",
+}
+_TYPE_NAMES = {str: "string", bytes: "byte string", int: "integer", float: "number", bool: "boolean"}
+_ARTICLE = {str: "a", bytes: "a", int: "an", float: "a", bool: "a"}
 
 
 @dataclass(frozen=True)
@@ -103,11 +109,11 @@ class Field:
             parts.append(f"<= {_num(self.maximum)}")
         if self.multiple_of:
             parts.append(f"multiple of {self.multiple_of}")
-        if self.type is str:
+        if self.type in (str, bytes):
             if not self.allow_empty:
                 parts.append("non-empty")
             if self.max_length is not None:
-                parts.append(f"at most {self.max_length} characters")
+                parts.append(f"at most {self.max_length} {'characters' if self.type is str else 'bytes'}")
         return ", ".join(parts) or "any " + _TYPE_NAMES[self.type]
 
     def validate(self, value: Any) -> Any:
@@ -137,6 +143,7 @@ class Field:
     def _check_type(self, value: Any) -> Any:
         ok = {
             str: isinstance(value, str),
+            bytes: isinstance(value, bytes),
             bool: isinstance(value, bool),
             int: isinstance(value, int) and not isinstance(value, bool),
             float: isinstance(value, (int, float)) and not isinstance(value, bool),

@@ -49,8 +49,14 @@ class RunningServer:
             try:
                 self.process.wait(timeout=30)
             except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
+                pass  # killed below
+        # A server that exits on its own (e.g. after --exit-timeout-secs) can leave Python backend stubs
+        # behind in its process group: end them too.
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait()
 
 
 def copy_model(source: str, target_repo: Path, name: str, edits: dict[str, str], extra: str = "") -> None:
@@ -78,6 +84,14 @@ def set_batching(
     )
     if max_batch_size is not None:
         text = re.sub(r"(?m)^max_batch_size: \d+", f"max_batch_size: {max_batch_size}", text)
+    path.write_text(text)
+
+
+def remove_queue_policy(target_repo: Path, name: str) -> None:
+    """Drop default_queue_policy from a copied model. Benchmarks measure batching, not admission control,
+    and Triton 2.51 stalls each request by about 0.5 s with a queue policy and max_batch_size 1."""
+    path = target_repo / name / "config.pbtxt"
+    text = re.sub(r"\n(  #[^\n]*\n)*  default_queue_policy \{.*?\n  \}", "", path.read_text(), flags=re.S)
     path.write_text(text)
 
 

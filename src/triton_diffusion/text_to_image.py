@@ -103,10 +103,10 @@ TEXT_TO_IMAGE_FIELDS = FieldSet(
 # Pipelines whose encode_prompt treats a missing negative prompt exactly like "" (checked in their
 # source), so requests with and without one can share a call. Every other pipeline keeps them apart:
 # Flux/Qwen-Image switch true CFG on for the whole call, SDXL zeroes the negative embeddings only for None.
-NEGATIVE_PROMPT_NONE_IS_EMPTY = frozenset({"StableDiffusionPipeline", "StableDiffusion3Pipeline"})
+NEGATIVE_PROMPT_NONE_IS_EMPTY = frozenset(
+    {"StableDiffusionPipeline", "StableDiffusionImg2ImgPipeline", "StableDiffusion3Pipeline"}
+)
 
-# Arguments passed only when the pipeline's __call__ has them.
-OPTIONAL_CALL_FIELDS = ("negative_prompt", "guidance_scale", "true_cfg_scale")
 
 # Where a cancelled row can be dropped between two steps without changing the other rows: the loop must
 # read every per-row tensor back from callback_on_step_end (SD reads latents and both CFG halves of
@@ -118,6 +118,10 @@ ROW_COMPACTION = {"StableDiffusionPipeline": frozenset({"DDIMScheduler", "EulerD
 
 class TextToImageModel(BatchedDiffusionModel):
     FIELDS = TEXT_TO_IMAGE_FIELDS
+    PIPELINE_LOADER = "DiffusionPipeline"  # overridden by the pipeline_class config parameter
+    REQUIRED_CALL_ARGS = ("prompt", "generator", "height", "width", "num_inference_steps")
+    # Fields passed only when the pipeline's __call__ has them; refused per request otherwise.
+    OPTIONAL_CALL_FIELDS = ("negative_prompt", "guidance_scale", "true_cfg_scale")
     OUTPUTS = [
         ("IMAGE", "TYPE_STRING", [-1]),  # one encoded image per generated image
         ("SEED", "TYPE_INT64", [-1]),  # the seed of each image
@@ -126,21 +130,34 @@ class TextToImageModel(BatchedDiffusionModel):
     ]
 
     def load(self, settings: ModelSettings) -> FieldSet:
-        self.pipe = load_pipeline(settings)
+        self.pipe = load_pipeline(settings, self.PIPELINE_LOADER)
         self.faults = FaultInjection.from_config(settings.get("fault_injection"))
         self.schedulers = SchedulerChoices(self.pipe, settings.get("scheduler_choices"))
-        params = call_parameters(self.pipe)
-        missing = [
-            p for p in ("prompt", "generator", "height", "width", "num_inference_steps") if p not in params
-        ]
+        self.call_params = call_parameters(self.pipe)
+        missing = [p for p in self.REQUIRED_CALL_ARGS if p not in self.call_params]
         if missing:
             raise ValueError(
-                f"{type(self.pipe).__name__} is not a text-to-image pipeline: no {missing} arguments"
+                f"{type(self.pipe).__name__} does not fit {type(self).__name__}: no {missing} arguments"
             )
         self.call_extras: dict[str, Any] = {}
-        if "max_sequence_length" in params and settings.get("max_sequence_length"):
+        if "max_sequence_length" in self.call_params and settings.get("max_sequence_length"):
             self.call_extras["max_sequence_length"] = int(settings.get("max_sequence_length"))
 
+        fields = self.FIELDS
+        if type(self.pipe).__name__ in NEGATIVE_PROMPT_NONE_IS_EMPTY:
+            fields = FieldSet(
+                replace(f, key_on_presence=False) if f.name == "negative_prompt" else f for f in fields
+            )
+        unsupported = [name for name in self.OPTIONAL_CALL_FIELDS if name not in self.call_params]
+        self.has_step_callback = "callback_on_step_end" in self.call_params
+        if not self.has_step_callback:
+            unsupported += [f.name for f in PROGRESS_FIELDS]
+        self.compacting_schedulers = ROW_COMPACTION.get(type(self.pipe).__name__, frozenset())
+        self.callback_tensors = ["latents"] + (["prompt_embeds"] if self.compacting_schedulers else [])
+        return fields.configured({**self.derived_parameters(), **settings.params}, unsupported)
+
+    def derived_parameters(self) -> dict[str, str]:
+        """Defaults and limits read from the pipeline itself; config.pbtxt parameters override them."""
         size, multiple = default_size(self.pipe), size_multiple(self.pipe)
         derived = {
             "default_height": str(size),
@@ -151,33 +168,19 @@ class TextToImageModel(BatchedDiffusionModel):
             "default_scheduler": self.schedulers.default,
             "scheduler_choices": ",".join(self.schedulers.names),
         }
-        for name in ("guidance_scale", "true_cfg_scale"):
-            default = signature_default(self.pipe, name)
-            derived[f"default_{name}"] = str(float(default if default is not None else 1.0))
-
-        fields = self.FIELDS
-        if type(self.pipe).__name__ in NEGATIVE_PROMPT_NONE_IS_EMPTY:
-            fields = FieldSet(
-                replace(f, key_on_presence=False) if f.name == "negative_prompt" else f for f in fields
-            )
-        unsupported = [name for name in OPTIONAL_CALL_FIELDS if name not in params]
-        self.has_step_callback = "callback_on_step_end" in params
-        if not self.has_step_callback:
-            unsupported += [f.name for f in PROGRESS_FIELDS]
-        self.compacting_schedulers = ROW_COMPACTION.get(type(self.pipe).__name__, frozenset())
-        self.callback_tensors = ["latents"] + (["prompt_embeds"] if self.compacting_schedulers else [])
-        return fields.configured({**derived, **settings.params}, unsupported)
+        for name in self.OPTIONAL_CALL_FIELDS:
+            if self.FIELDS[name].type is float:
+                default = signature_default(self.pipe, name)
+                derived[f"default_{name}"] = str(float(default if default is not None else 1.0))
+        return derived
 
     def rows_for(self, values: dict[str, Any]) -> int:
         return values["num_images_per_prompt"]
 
-    def run_rows(self, key: CompatibilityKey, rows: list[RowInput], steps: StepReporter) -> list[Any]:
-        shared = key.as_dict()
-        prompts = [r.values["prompt"] for r in rows]
-        if self.faults:
-            self.faults.before_call(prompts)
+    def call_arguments(self, shared: dict[str, Any], rows: list[RowInput]) -> dict[str, Any]:
+        """The pipeline's keyword arguments for one fused call: the key's values, one entry per row."""
         kwargs: dict[str, Any] = {
-            "prompt": prompts,
+            "prompt": [r.values["prompt"] for r in rows],
             "height": shared["height"],
             "width": shared["width"],
             "num_inference_steps": shared["num_inference_steps"],
@@ -185,13 +188,20 @@ class TextToImageModel(BatchedDiffusionModel):
             "output_type": "pil",
             **self.call_extras,
         }
-        for name in ("guidance_scale", "true_cfg_scale"):
-            if self.fields[name].supported:
+        for name in self.OPTIONAL_CALL_FIELDS:
+            if name != "negative_prompt" and self.fields[name].supported:
                 kwargs[name] = shared[name]
         negatives = [r.values["negative_prompt"] for r in rows]
         if any(n is not None for n in negatives):
             # The key keeps rows with and without a negative prompt apart unless None means "" anyway.
             kwargs["negative_prompt"] = [n or "" for n in negatives]
+        return kwargs
+
+    def run_rows(self, key: CompatibilityKey, rows: list[RowInput], steps: StepReporter) -> list[Any]:
+        shared = key.as_dict()
+        kwargs = self.call_arguments(shared, rows)
+        if self.faults:
+            self.faults.before_call(kwargs["prompt"])
         if self.has_step_callback:
             kwargs["callback_on_step_end"] = self._step_callback(steps, shared)
             kwargs["callback_on_step_end_tensor_inputs"] = self.callback_tensors

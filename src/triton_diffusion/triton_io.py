@@ -25,7 +25,7 @@ def read_raw_fields(request: Any, fields: FieldSet) -> dict[str, Any]:
     for field in fields:
         tensor = pb_utils.get_input_tensor_by_name(request, field.input_name)
         if tensor is not None:
-            raw[field.name] = _scalar(field.name, tensor.as_numpy())
+            raw[field.name] = _scalar(field.name, tensor.as_numpy(), keep_bytes=field.type is bytes)
     text = request.parameters()
     parameters = json.loads(text) if text else {}
     for name, value in parameters.items():
@@ -36,11 +36,11 @@ def read_raw_fields(request: Any, fields: FieldSet) -> dict[str, Any]:
     return raw
 
 
-def _scalar(name: str, array: np.ndarray) -> Any:
+def _scalar(name: str, array: np.ndarray, keep_bytes: bool = False) -> Any:
     if array.size != 1:
         raise invalid_field(name, f"expected one value (shape [1, 1]), got shape {list(array.shape)}")
     value = array.reshape(-1)[0]
-    if isinstance(value, bytes):
+    if isinstance(value, bytes) and not keep_bytes:
         try:
             return value.decode("utf-8")
         except UnicodeDecodeError as exc:

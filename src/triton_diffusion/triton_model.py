@@ -119,6 +119,11 @@ class BatchedDiffusionModel:
     def rows_for(self, values: dict[str, Any]) -> int:
         return 1
 
+    def resolve(self, values: dict[str, Any]) -> dict[str, Any]:
+        """Work a request needs before planning (decode an image, resolve its size): whatever this
+        sets can be part of the compatibility key. Raises RequestError for this request only."""
+        return values
+
     def run_rows(self, key: CompatibilityKey, rows: list[RowInput], steps: StepReporter) -> list[Any]:
         """One fused pipeline call; one output per row, in row order (``steps.scatter`` helps)."""
         raise NotImplementedError
@@ -176,7 +181,7 @@ class BatchedDiffusionModel:
 
     # ---- the batching path ------------------------------------------------------------------------
     def parse(self, index: int, raw: dict[str, Any]) -> ParsedRequest:
-        values = self.fields.parse(raw)
+        values = self.resolve(self.fields.parse(raw))
         if "seed" in values and values["seed"] is None:
             values["seed"] = random.randrange(2**32)  # drawn here so the response can return it
         return ParsedRequest(index, values, compatibility_key(self.fields, values), self.rows_for(values))

@@ -1,0 +1,103 @@
+"""Deployment files, checked without a Docker engine or a cluster: hadolint on the Dockerfile, Kubernetes
+schemas for the manifests, the Compose specification for compose.yaml, and the container's start command
+against what the project ships."""
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import compose_spec
+import pytest
+import yaml
+
+from triton_diffusion.launcher import REPO_ROOT
+from triton_diffusion.settings import config_parameters
+
+DOCKER = REPO_ROOT / "docker"
+K8S = DOCKER / "k8s"
+BIN = Path(sys.executable).parent
+
+
+def test_dockerfile_passes_hadolint():
+    hadolint = shutil.which("hadolint", path=str(BIN)) or shutil.which("hadolint")
+    result = subprocess.run([hadolint, str(DOCKER / "Dockerfile")], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("manifest", ["deployment.yaml", "service.yaml", "hpa.yaml"])
+def test_kubernetes_manifests_match_the_schemas(manifest):
+    result = subprocess.run(
+        [str(BIN / "kubernetes-validate"), "--strict", "-k", "1.30.0", str(K8S / manifest)],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0 and "passed" in result.stdout, result.stdout + result.stderr
+
+
+def docs(name):
+    return [d for d in yaml.safe_load_all((K8S / name).read_text()) if d]
+
+
+def test_monitoring_and_autoscaling_point_at_the_deployment():
+    deployment = docs("deployment.yaml")[0]
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert container["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/v2/health/live"
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"http": 8000, "grpc": 8001, "metrics": 8002}
+    (podmonitor,) = docs("podmonitor.yaml")
+    assert podmonitor["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert podmonitor["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
+    for service in docs("service.yaml"):
+        assert service["spec"]["selector"].items() <= labels.items()
+    (hpa,) = docs("hpa.yaml")
+    assert hpa["spec"]["scaleTargetRef"]["name"] == deployment["metadata"]["name"]
+    adapter = yaml.safe_load((K8S / "prometheus-adapter-values.yaml").read_text())
+    assert adapter["rules"]["custom"][0]["name"]["as"] == hpa["spec"]["metrics"][0]["pods"]["metric"]["name"]
+    kustomize = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    assert all((K8S / resource).is_file() for resource in kustomize["resources"])
+
+
+def test_compose_file_matches_the_compose_specification():
+    compose = compose_spec.PyCompose.from_yaml((DOCKER / "compose.yaml").read_text())
+    compose.validate()
+    assert compose.service_names() == ["triton", "prometheus"]
+    raw = yaml.safe_load((DOCKER / "compose.yaml").read_text())
+    triton = raw["services"]["triton"]
+    assert triton["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
+    assert {p.split(":")[0] for p in triton["ports"]} == {"8000", "8001", "8002"}
+    prometheus = yaml.safe_load((DOCKER / "prometheus" / "prometheus.yml").read_text())
+    assert prometheus["scrape_configs"][0]["static_configs"][0]["targets"] == ["triton:8002"]
+    rules = yaml.safe_load((DOCKER / "prometheus" / "rules.yml").read_text())
+    assert {r["record"].split(":")[1] for r in rules["groups"][0]["rules"]} >= {
+        "triton_diffusion_fused_batch_size",
+        "nv_inference_queue_ms_per_request",
+        "nv_inference_request_success",
+    }
+
+
+def test_the_container_serves_the_shipped_model_repository():
+    dockerfile = (DOCKER / "Dockerfile").read_text()
+    workdir = re.search(r"^WORKDIR (\S+)", dockerfile, re.M).group(1)
+    assert "COPY model_repository ./model_repository" in dockerfile
+    repository = f"{workdir}/model_repository"
+    assert f'"--model-repository={repository}"' in dockerfile
+    deployment = docs("deployment.yaml")[0]
+    assert (
+        f"--model-repository={repository}" in deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    )
+    weights_dir = re.search(r"triton-diffusion-build-tiny --weights-dir (\S+)", dockerfile).group(1)
+    # Every shipped model's weights path, resolved inside the image, is where the image builds them.
+    from google.protobuf import json_format, text_format
+    from tritonclient.grpc import model_config_pb2
+
+    for config_path in sorted((REPO_ROOT / "model_repository").glob("*/config.pbtxt")):
+        config = text_format.Parse(config_path.read_text(), model_config_pb2.ModelConfig())
+        assert config.backend == "python" and (config_path.parent / "1" / "model.py").is_file()
+        params = config_parameters(json_format.MessageToDict(config, preserving_proto_field_name=True))
+        in_image = Path(repository) / config_path.parent.name / params["model"]
+        assert str(in_image.resolve()).startswith(weights_dir + "/"), (config_path, in_image)
