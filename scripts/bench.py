@@ -220,18 +220,19 @@ class ServerVariant:
         name: str,
         model: str,
         weights: Path,
-        max_batch_size: int,
+        rows_per_call: int,
         queue_delay_us: int,
+        triton_max_batch_size: int,
         extra_edits: dict[str, str] | None = None,
     ) -> None:
         self.name, self.model = name, model
         self.tmp = tempfile.TemporaryDirectory(prefix=f"bench-{name}-")
         repo = Path(self.tmp.name) / "repo"
         repo.mkdir()
-        edits = {"model": str(weights), "max_rows_per_call": str(max_batch_size), **(extra_edits or {})}
+        edits = {"model": str(weights), "max_rows_per_call": str(rows_per_call), **(extra_edits or {})}
         copy_model(model, repo, model, edits)
         remove_queue_policy(repo, model)
-        set_batching(repo, model, queue_delay_us, max_batch_size)
+        set_batching(repo, model, queue_delay_us, triton_max_batch_size)
         self.server = start_server(repo, Path(self.tmp.name) / "tritonserver.log", [model])
 
     def warm_up(self, request: dict, batch: int) -> None:
@@ -355,7 +356,7 @@ def write_heatmap(
     image = axis.imshow(grid, cmap="viridis", origin="lower")
     axis.set_xticks(range(len(delays)), [f"{d / 1000:g} ms" for d in delays])
     axis.set_yticks(range(len(sizes)), [str(s) for s in sizes])
-    axis.set(xlabel="max_queue_delay", ylabel="max_batch_size", title="Throughput (requests/s)")
+    axis.set(xlabel="max_queue_delay", ylabel="images per fused call", title="Throughput (requests/s)")
     for i, row in enumerate(grid):
         for j, value in enumerate(row):
             axis.text(j, i, f"{value:.1f}", ha="center", va="center", color="white")
@@ -369,7 +370,8 @@ def markdown(report: dict) -> str:
     lines = [
         f"Machine: {report['machine']}; model {report['model']} ({report['arch']}), "
         f"{report['height']}x{report['width']}, {report['steps']} steps, "
-        f"max batch {report['max_batch_size']}, "
+        f"{report['max_batch_size']} images per fused call, Triton max_batch_size "
+        f"{report['triton_max_batch_size']}, "
         f"queue delay {report['queue_delay_us'] / 1000:g} ms, {report['requests']} requests per run.",
         "",
         "| variant | concurrency | req/s | images/s | mean (s) | p50 (s) | p95 (s) | p99 (s) "
@@ -407,7 +409,7 @@ def markdown(report: dict) -> str:
         s = report["sweep"]
         lines += [
             "",
-            f"Sweep at concurrency {s['concurrency']}: best max_batch_size={s['best']['max_batch_size']}, "
+            f"Sweep at concurrency {s['concurrency']}: best images per call={s['best']['max_batch_size']}, "
             f"max_queue_delay={s['best']['queue_delay_us'] / 1000:g} ms "
             f"({s['best']['requests_per_s']:.2f} req/s).",
         ]
@@ -427,7 +429,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--concurrency", default="1,2,4,8", help="comma-separated closed-loop concurrencies")
     parser.add_argument("--rate", type=float, help="Poisson arrival rate (requests/s) instead of concurrency")
     parser.add_argument("--requests", type=int, default=64, help="requests per run")
-    parser.add_argument("--max-batch-size", type=int, default=8)
+    parser.add_argument(
+        "--max-batch-size", type=int, default=8, help="images per fused call (max_rows_per_call)"
+    )
+    parser.add_argument(
+        "--triton-max-batch-size",
+        type=int,
+        default=32,
+        help="requests Triton hands one execute() (the planner's window)",
+    )
     parser.add_argument("--queue-delay-us", type=int, default=20000)
     parser.add_argument("--height", type=int, default=64)
     parser.add_argument("--width", type=int, default=64)
@@ -456,11 +466,14 @@ def main(argv: list[str] | None = None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
 
     runs: list[RunStats] = []
-    for name, max_batch in (("singleton", 1), ("dynamic", args.max_batch_size)):
-        print(f"[{name}] starting the server (max_batch_size={max_batch})", flush=True)
-        variant = ServerVariant(name, model, weights, max_batch, args.queue_delay_us, size_edits)
+    # singleton: the same Triton configuration with fusing switched off (one row per pipeline call)
+    for name, rows_per_call in (("singleton", 1), ("dynamic", args.max_batch_size)):
+        print(f"[{name}] starting the server (max_rows_per_call={rows_per_call})", flush=True)
+        variant = ServerVariant(
+            name, model, weights, rows_per_call, args.queue_delay_us, args.triton_max_batch_size, size_edits
+        )
         try:
-            variant.warm_up(requests[0], max_batch)
+            variant.warm_up(requests[0], args.max_batch_size)
             for concurrency in concurrencies:
                 runs.append(variant.run(requests, concurrency, args.rate))
         finally:
@@ -503,6 +516,7 @@ def main(argv: list[str] | None = None) -> None:
         "width": args.width,
         "steps": args.steps,
         "max_batch_size": args.max_batch_size,
+        "triton_max_batch_size": args.triton_max_batch_size,
         "queue_delay_us": args.queue_delay_us,
         "requests": args.requests,
         "runs": [asdict(r) for r in runs],
@@ -536,7 +550,15 @@ def run_mixed(
     ]
     requests = make_requests(args.requests, shapes, False, seed=3)
     per_key = max(1, concurrency // len(shapes))
-    variant = ServerVariant("mixed", model, weights, args.max_batch_size, args.queue_delay_us, size_edits)
+    variant = ServerVariant(
+        "mixed",
+        model,
+        weights,
+        args.max_batch_size,
+        args.queue_delay_us,
+        args.triton_max_batch_size,
+        size_edits,
+    )
     try:
         for shape in shapes:
             variant.warm_up(
@@ -574,7 +596,15 @@ def run_sweep(
     results = []
     for size in sizes:
         for delay in delays:
-            variant = ServerVariant(f"b{size}-d{delay}", model, weights, size, delay, size_edits)
+            variant = ServerVariant(
+                f"b{size}-d{delay}",
+                model,
+                weights,
+                size,
+                delay,
+                max(size, args.triton_max_batch_size),
+                size_edits,
+            )
             try:
                 variant.warm_up(requests[0], size)
                 stats = variant.run(requests, concurrency, None)

@@ -3,18 +3,24 @@
 import re
 from pathlib import Path
 
+from triton_diffusion.image_to_image import IMAGE_TO_IMAGE_FIELDS
 from triton_diffusion.text_to_image import TEXT_TO_IMAGE_FIELDS
+from triton_diffusion.text_to_video import TEXT_TO_VIDEO_FIELDS
 
-TABLES = {"text_to_image": TEXT_TO_IMAGE_FIELDS}
+TABLES = {
+    "text_to_image": TEXT_TO_IMAGE_FIELDS,
+    "image_to_image": IMAGE_TO_IMAGE_FIELDS,
+    "text_to_video": TEXT_TO_VIDEO_FIELDS,
+}
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
 def main() -> None:
     text = README.read_text()
     for name, fields in TABLES.items():
-        pattern = rf"(<!-- fields:{name} -->\n).*?(\n<!-- /fields:{name} -->)"
+        pattern = rf"(<!-- fields:{name} -->).*?(<!-- /fields:{name} -->)"
         text = re.sub(
-            pattern, lambda m, f=fields: m.group(1) + f.markdown_table() + m.group(2), text, flags=re.S
+            pattern, lambda m, f=fields: f"{m.group(1)}\n{f.markdown_table()}\n{m.group(2)}", text, flags=re.S
         )
     README.write_text(text)
 

@@ -69,10 +69,11 @@ def default_size(pipe: Any) -> int:
 def size_multiple(pipe: Any) -> int:
     """Height and width must be multiples of this: the VAE factor, times the latent patch size for
     transformer pipelines (Flux packs 2x2 latent patches and would silently round other sizes)."""
-    factor = int(getattr(pipe, "vae_scale_factor", 8))
+    factor = int(getattr(pipe, "vae_scale_factor", None) or getattr(pipe, "vae_scale_factor_spatial", 8))
     transformer = getattr(pipe, "transformer", None)
     if transformer is not None:
-        patch = int(getattr(transformer.config, "patch_size", 1) or 1)
+        patch = getattr(transformer.config, "patch_size", 1) or 1
+        patch = int(patch[-1] if isinstance(patch, (list, tuple)) else patch)  # video: (t, h, w)
         factor *= patch if patch > 1 else 2
     return factor
 

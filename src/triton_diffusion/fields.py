@@ -52,6 +52,7 @@ class Field:
     minimum: float | None = None
     maximum: float | None = None
     multiple_of: int | None = None
+    remainder: int = 0  # with multiple_of: value % multiple_of must equal this (Wan frames: 4k+1)
     choices: tuple[Any, ...] | None = None
     max_length: int | None = None  # characters, for strings
     allow_empty: bool = True
@@ -107,7 +108,9 @@ class Field:
             parts.append(f">= {_num(self.minimum)}")
         elif self.maximum is not None:
             parts.append(f"<= {_num(self.maximum)}")
-        if self.multiple_of:
+        if self.multiple_of and self.remainder:
+            parts.append(f"{self.multiple_of}k+{self.remainder}")
+        elif self.multiple_of:
             parts.append(f"multiple of {self.multiple_of}")
         if self.type in (str, bytes):
             if not self.allow_empty:
@@ -135,7 +138,7 @@ class Field:
         out_of_range = (self.minimum is not None and value < self.minimum) or (
             self.maximum is not None and value > self.maximum
         )
-        not_multiple = bool(self.multiple_of) and value % self.multiple_of != 0
+        not_multiple = bool(self.multiple_of) and value % self.multiple_of != self.remainder
         if out_of_range or not_multiple:
             raise invalid_field(self.name, f"got {value} (allowed: {self.allowed()})")
         return value

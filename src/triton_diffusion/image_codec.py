@@ -50,8 +50,8 @@ def decode_image(
             raise invalid_field(field, f"is not an image (allowed formats: {', '.join(formats)})") from None
     try:
         image = Image.open(io.BytesIO(data))
-    except Image.DecompressionBombError as exc:
-        raise invalid_field(field, f"is too large to decode ({exc})") from None
+    except Image.DecompressionBombError:  # Pillow's own guard, for sizes far above any sane limit
+        raise invalid_field(field, f"is too large to decode (allowed: at most {max_pixels} pixels)") from None
     except (OSError, ValueError) as exc:
         raise invalid_field(field, f"is not a readable image ({exc})") from None
     if image.format not in formats:

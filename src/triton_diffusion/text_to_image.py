@@ -7,7 +7,6 @@ the pipeline's ``__call__`` has them, and fields it lacks are refused per reques
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 from typing import Any
 
@@ -38,6 +37,7 @@ from triton_diffusion.triton_model import (
     ParsedRequest,
     RowInput,
     StepReporter,
+    batch_report,
 )
 
 # Defaults and limits here are fallbacks: config.pbtxt parameters override them (default_<field>,
@@ -104,7 +104,7 @@ TEXT_TO_IMAGE_FIELDS = FieldSet(
 # source), so requests with and without one can share a call. Every other pipeline keeps them apart:
 # Flux/Qwen-Image switch true CFG on for the whole call, SDXL zeroes the negative embeddings only for None.
 NEGATIVE_PROMPT_NONE_IS_EMPTY = frozenset(
-    {"StableDiffusionPipeline", "StableDiffusionImg2ImgPipeline", "StableDiffusion3Pipeline"}
+    {"StableDiffusionPipeline", "StableDiffusionImg2ImgPipeline", "StableDiffusion3Pipeline", "WanPipeline"}
 )
 
 
@@ -122,6 +122,7 @@ class TextToImageModel(BatchedDiffusionModel):
     REQUIRED_CALL_ARGS = ("prompt", "generator", "height", "width", "num_inference_steps")
     # Fields passed only when the pipeline's __call__ has them; refused per request otherwise.
     OPTIONAL_CALL_FIELDS = ("negative_prompt", "guidance_scale", "true_cfg_scale")
+    OUTPUT_ATTRIBUTE = "images"  # where the pipeline's output keeps one result per row
     OUTPUTS = [
         ("IMAGE", "TYPE_STRING", [-1]),  # one encoded image per generated image
         ("SEED", "TYPE_INT64", [-1]),  # the seed of each image
@@ -207,7 +208,7 @@ class TextToImageModel(BatchedDiffusionModel):
             kwargs["callback_on_step_end_tensor_inputs"] = self.callback_tensors
         self.pipe.scheduler = self.schedulers[shared["scheduler"]]
         with torch.inference_mode():
-            images = list(self.pipe(**kwargs).images)
+            images = list(getattr(self.pipe(**kwargs), self.OUTPUT_ATTRIBUTE))
         return steps.scatter(images)
 
     def _step_callback(self, steps: StepReporter, shared: dict[str, Any]):
@@ -243,6 +244,8 @@ class TextToImageModel(BatchedDiffusionModel):
 
     def _preview(self, latents: torch.Tensor, position: int, shared: dict[str, Any]) -> bytes:
         latent = latents[position : position + 1]
+        if latent.ndim == 5:  # video latents (B, C, F, h, w): preview the middle frame
+            latent = latent[:, :, latent.shape[2] // 2]
         if latent.ndim == 3 and hasattr(self.pipe, "_unpack_latents"):  # Flux packs 2x2 latent patches
             latent = self.pipe._unpack_latents(
                 latent, shared["height"], shared["width"], self.pipe.vae_scale_factor
@@ -254,12 +257,8 @@ class TextToImageModel(BatchedDiffusionModel):
     ) -> dict[str, np.ndarray]:
         values = request.values
         images = [encode_image(img, values["output_format"], values["output_encoding"]) for img in outputs]
-        batch = {
-            "key": request.key.as_dict(),
-            "fused_calls": [{"id": c.call_id, "rows": c.rows, "requests": c.requests} for c in calls],
-        }
         return {
             "IMAGE": np.array([images], dtype=object),
             "SEED": np.array([[row_seed(values["seed"], i) for i in range(len(outputs))]], dtype=np.int64),
-            "BATCH": np.array([[json.dumps(batch).encode()]], dtype=object),
+            "BATCH": batch_report(request, calls),
         }

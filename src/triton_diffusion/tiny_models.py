@@ -215,13 +215,69 @@ def build_sd15(target: Path) -> None:
     pipe.to(torch.float16).save_pretrained(target, safe_serialization=True)
 
 
+def build_tiny_wan(target: Path) -> None:
+    """A Wan-2.1-style text-to-video pipeline: UMT5 text encoder, 3D transformer, causal video VAE."""
+    import torch
+    from diffusers import (
+        AutoencoderKLWan,
+        FlowMatchEulerDiscreteScheduler,
+        WanPipeline,
+        WanTransformer3DModel,
+    )
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    torch.manual_seed(0)
+    tokenizer = t5_tokenizer()
+    text_encoder = UMT5EncoderModel(
+        UMT5Config(
+            vocab_size=len(tokenizer),
+            d_model=32,
+            d_ff=37,
+            d_kv=8,
+            num_layers=2,
+            num_heads=4,
+            relative_attention_num_buckets=8,
+            decoder_start_token_id=0,
+            pad_token_id=0,
+            eos_token_id=1,
+        )
+    )
+    # Spatial factor 8 and temporal factor 4, like the real Wan VAE: frames must be 4k+1.
+    autoencoder = AutoencoderKLWan(
+        base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
+    )
+    transformer = WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=12,
+        in_channels=16,
+        out_channels=16,
+        text_dim=32,
+        freq_dim=256,
+        ffn_dim=32,
+        num_layers=2,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=32,
+    )
+    pipe = WanPipeline(
+        tokenizer=tokenizer,
+        text_encoder=text_encoder,
+        transformer=transformer,
+        vae=autoencoder,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0),
+    )
+    pipe.save_pretrained(target, safe_serialization=True)
+
+
 # name -> builder. The tiny ones are the defaults the model repository serves.
 ARCHITECTURES: dict[str, Callable[[Path], None]] = {
     "tiny-sd": build_tiny_sd,
     "tiny-flux": build_tiny_flux,
+    "tiny-wan": build_tiny_wan,
     "sd15": build_sd15,
 }
-TINY_DEFAULTS = ["tiny-sd", "tiny-flux"]
+TINY_DEFAULTS = ["tiny-sd", "tiny-flux", "tiny-wan"]
 
 
 def build_missing(

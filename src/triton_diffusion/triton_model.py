@@ -9,6 +9,7 @@ Between two denoising steps, :class:`StepReporter` sends progress and answers ca
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import time
@@ -105,6 +106,15 @@ class StepReporter:
         """Outputs for the alive rows, placed back in the call's row order (None for dropped rows)."""
         by_row = dict(zip(self.alive, outputs, strict=True))
         return [by_row.get(row) for row in self.rows]
+
+
+def batch_report(request: ParsedRequest, calls: list[CallRecord]) -> np.ndarray:
+    """The BATCH output: the request's compatibility key and the fused calls its rows went through."""
+    report = {
+        "key": request.key.as_dict(),
+        "fused_calls": [{"id": c.call_id, "rows": c.rows, "requests": c.requests} for c in calls],
+    }
+    return np.array([[json.dumps(report).encode()]], dtype=object)
 
 
 class BatchedDiffusionModel:

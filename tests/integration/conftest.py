@@ -39,8 +39,18 @@ def server(tmp_path_factory):
             {"model": str(WEIGHTS / spec["weights"]), "fault_injection": STEP_DELAY},
         )
         set_batching(repo, f"{name}_slow", QUEUE_DELAY_US)
+    copy_model("image_to_image", repo, "image_to_image", {"model": str(WEIGHTS / "tiny-sd")})
+    set_batching(repo, "image_to_image", QUEUE_DELAY_US)
+    copy_model("text_to_video", repo, "text_to_video", {"model": str(WEIGHTS / "tiny-wan")})
+    set_batching(repo, "text_to_video", QUEUE_DELAY_US)
     log_path = tmp_path_factory.mktemp("logs") / "tritonserver.log"
-    models = [*FAMILIES, "text_to_image_faults", *(f"{name}_slow" for name in FAMILIES)]
+    models = [
+        *FAMILIES,
+        "text_to_image_faults",
+        *(f"{name}_slow" for name in FAMILIES),
+        "image_to_image",
+        "text_to_video",
+    ]
     running = start_server(repo, log_path, models)
     yield running
     running.stop()

@@ -1,12 +1,16 @@
+import importlib.util
 from pathlib import Path
 
-from triton_diffusion.text_to_image import TEXT_TO_IMAGE_FIELDS
-
 README = Path(__file__).resolve().parents[2] / "README.md"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "update_readme_fields.py"
 
 
-def test_readme_field_table_is_the_generated_one():
+def test_readme_field_tables_are_the_generated_ones():
+    spec = importlib.util.spec_from_file_location("update_readme_fields", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
     text = README.read_text()
-    start = text.index("<!-- fields:text_to_image -->") + len("<!-- fields:text_to_image -->")
-    end = text.index("<!-- /fields:text_to_image -->")
-    assert text[start:end].strip() == TEXT_TO_IMAGE_FIELDS.markdown_table()
+    for name, fields in module.TABLES.items():
+        start = text.index(f"<!-- fields:{name} -->") + len(f"<!-- fields:{name} -->")
+        end = text.index(f"<!-- /fields:{name} -->")
+        assert text[start:end].strip() == fields.markdown_table(), name

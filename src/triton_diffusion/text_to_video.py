@@ -1,0 +1,113 @@
+"""Text-to-video through the same batching core: Wan-style pipelines that return ``.frames``.
+
+``num_frames`` and ``fps`` are part of the compatibility key. Each video is one row with its own
+generator; the response carries an MP4 (PyAV) per video, or raw uint8 frames on request.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from triton_diffusion.compatibility import CompatibilityKey
+from triton_diffusion.diffusers_pipeline import row_seed
+from triton_diffusion.executor import CallRecord
+from triton_diffusion.fields import Field, FieldSet, Role
+from triton_diffusion.settings import ModelSettings
+from triton_diffusion.text_to_image import TEXT_TO_IMAGE_FIELDS, TextToImageModel
+from triton_diffusion.triton_model import PROGRESS_OUTPUTS, ParsedRequest, RowInput, batch_report
+from triton_diffusion.video_codec import available_codec, encode_mp4, to_uint8
+
+_FROM_IMAGE_FIELDS = [
+    f
+    for f in TEXT_TO_IMAGE_FIELDS
+    if f.name not in ("num_images_per_prompt", "output_format", "true_cfg_scale")
+]
+TEXT_TO_VIDEO_FIELDS = FieldSet(
+    [
+        *_FROM_IMAGE_FIELDS[:3],  # prompt, negative_prompt, seed
+        Field(
+            "num_videos_per_prompt",
+            int,
+            1,
+            Role.ROW,
+            minimum=1,
+            maximum=2,
+            doc="videos for this prompt; each is one row of the fused call",
+        ),
+        *_FROM_IMAGE_FIELDS[3:],
+        Field(
+            "num_frames",
+            int,
+            None,
+            minimum=5,
+            maximum=81,
+            multiple_of=4,
+            remainder=1,
+            doc="frames per video (Wan: 4k+1)",
+        ),
+        Field("fps", int, 16, minimum=1, maximum=60, doc="frames per second of the video"),
+        Field(
+            "output_format",
+            str,
+            "mp4",
+            Role.AFTER_SPLIT,
+            choices=("mp4", "frames"),
+            doc="mp4: one MP4 per video in VIDEO; frames: raw uint8 [F, H, W, 3] in FRAMES",
+        ),
+    ]
+)
+
+
+class TextToVideoModel(TextToImageModel):
+    FIELDS = TEXT_TO_VIDEO_FIELDS
+    REQUIRED_CALL_ARGS = ("prompt", "generator", "height", "width", "num_frames", "num_inference_steps")
+    OPTIONAL_CALL_FIELDS = ("negative_prompt", "guidance_scale")
+    OUTPUT_ATTRIBUTE = "frames"
+    OUTPUTS = [
+        ("VIDEO", "TYPE_STRING", [-1]),  # one MP4 per video
+        ("FRAMES", "TYPE_UINT8", [-1, -1, -1, -1, 3]),  # with output_format "frames": [videos, F, H, W, 3]
+        ("SEED", "TYPE_INT64", [-1]),
+        ("BATCH", "TYPE_STRING", [1]),
+        *PROGRESS_OUTPUTS,
+    ]
+
+    def load(self, settings: ModelSettings) -> FieldSet:
+        fields = super().load(settings)
+        self.codec = available_codec()
+        return fields
+
+    def derived_parameters(self) -> dict[str, str]:
+        derived = super().derived_parameters()
+        frames = self.call_params["num_frames"].default
+        derived["num_frames_multiple_of"] = str(self.pipe.vae_scale_factor_temporal)
+        if isinstance(frames, int):
+            derived["default_num_frames"] = str(frames)
+        return derived
+
+    def rows_for(self, values: dict[str, Any]) -> int:
+        return values["num_videos_per_prompt"]
+
+    def call_arguments(self, shared: dict[str, Any], rows: list[RowInput]) -> dict[str, Any]:
+        kwargs = super().call_arguments(shared, rows)
+        kwargs.update(num_frames=shared["num_frames"], output_type="np")
+        return kwargs
+
+    def run_rows(self, key: CompatibilityKey, rows: list[RowInput], steps) -> list[Any]:
+        return [to_uint8(video) for video in super().run_rows(key, rows, steps)]
+
+    def respond(
+        self, request: ParsedRequest, outputs: list[Any], calls: list[CallRecord]
+    ) -> dict[str, np.ndarray]:
+        values = request.values
+        response = {
+            "SEED": np.array([[row_seed(values["seed"], i) for i in range(len(outputs))]], dtype=np.int64),
+            "BATCH": batch_report(request, calls),
+        }
+        if values["output_format"] == "frames":
+            response["FRAMES"] = np.stack(outputs)[None]
+        else:
+            videos = [encode_mp4(frames, values["fps"], self.codec) for frames in outputs]
+            response["VIDEO"] = np.array([videos], dtype=object)
+        return response

@@ -1,0 +1,165 @@
+"""Image-to-image on the real server: batch invariance, grouping by resolved source size, bad images."""
+
+import base64
+import io
+import json
+import threading
+import urllib.error
+import urllib.request
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+from PIL import Image
+
+from .test_reliability import send_raw
+from .test_text_to_image import max_diff
+
+MODEL = "image_to_image"
+
+
+def png(width, height, seed=0, mode="RGB"):
+    rng = np.random.default_rng(seed)
+    pixels = rng.integers(0, 255, (height, width, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).convert(mode).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def run_concurrently(function, items):
+    """function(item) for every item at once (so Triton can batch them); results in order."""
+    results = [None] * len(items)
+
+    def run(index, item):
+        results[index] = function(item)
+
+    threads = [threading.Thread(target=run, args=(i, item)) for i, item in enumerate(items)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    return results
+
+
+def generate(server, requests):
+    """requests: dicts with prompt, image (bytes) and other fields; returns (ok, error, outputs) each."""
+
+    def one(request):
+        fields = dict(request)
+        prompt, image = fields.pop("prompt").encode(), fields.pop("image")
+        client = grpcclient.InferenceServerClient(server.grpc_url)
+        results = []
+        client.start_stream(callback=lambda result, error: results.append((result, error)))
+        inputs = []
+        for name, value in (("PROMPT", prompt), ("IMAGE", image)):
+            tensor = grpcclient.InferInput(name, [1, 1], "BYTES")
+            tensor.set_data_from_numpy(np.array([[value]], dtype=object))
+            inputs.append(tensor)
+        client.async_stream_infer(MODEL, inputs, parameters=fields)
+        client.stop_stream()  # returns once the stream is done: the final response has arrived
+        client.close()
+        result, error = results[-1]
+        if error is not None:
+            return False, str(error), None
+        batch = json.loads(result.as_numpy("BATCH").reshape(-1)[0])
+        return True, None, {"image": bytes(result.as_numpy("IMAGE").reshape(-1)[0]), "batch": batch}
+
+    return run_concurrently(one, requests)
+
+
+def test_batch_invariance(server):
+    target = {"prompt": "make it a painting", "image": png(64, 64, seed=1), "seed": 5, "strength": 0.7}
+    (alone,) = generate(server, [target])
+    others = [
+        {"prompt": f"other {i}", "image": png(64, 64, seed=10 + i), "seed": 20 + i, "strength": 0.7}
+        for i in range(5)
+    ]
+    batch = generate(server, [*others[:2], target, *others[2:]])
+    assert all(ok for ok, _, _ in batch), [e for _, e, _ in batch]
+    assert alone[2]["batch"]["fused_calls"][0]["rows"] == 1
+    assert batch[2][2]["batch"]["fused_calls"][0]["rows"] > 1
+    assert max_diff(alone[2]["image"], batch[2][2]["image"]) <= 1
+
+
+def test_two_source_sizes_give_two_fused_calls_and_both_succeed(server):
+    requests = [
+        {"prompt": f"size test {i}", "image": png(64 if i % 2 else 96, 64, seed=i), "seed": i}
+        for i in range(6)
+    ]
+    outcomes = generate(server, requests)
+    assert all(ok for ok, _, _ in outcomes), [e for _, e, _ in outcomes]
+    calls = {}
+    for request, (_, _, out) in zip(requests, outcomes, strict=True):
+        decoded = Image.open(io.BytesIO(out["image"]))
+        width = 64 if requests.index(request) % 2 else 96
+        assert decoded.size == (width, 64)  # the output keeps the (rounded) source size
+        assert out["batch"]["key"]["width"] == width
+        for call in out["batch"]["fused_calls"]:
+            calls.setdefault(call["id"], set()).add(width)
+    assert len(calls) == 2 and all(len(widths) == 1 for widths in calls.values())
+
+
+def test_sizes_are_rounded_to_the_multiple_and_fitted_into_the_limits(server):
+    outcomes = generate(
+        server,
+        [
+            {"prompt": "odd size", "image": png(70, 100, seed=3), "seed": 1},
+            {"prompt": "too big", "image": png(1024, 768, seed=4), "seed": 1},
+        ],
+    )
+    sizes = [Image.open(io.BytesIO(out["image"])).size for ok, _, out in outcomes]
+    assert sizes == [(64, 96), (512, 384)]
+
+
+def flat_png(width, height):
+    buffer = io.BytesIO()
+    Image.new("RGB", (width, height), (90, 120, 200)).save(buffer, format="PNG")  # a few kilobytes
+    return buffer.getvalue()
+
+
+def bomb_png():
+    buffer = io.BytesIO()
+    Image.new("1", (20000, 20000)).save(buffer, format="PNG")  # 400 megapixels in a few kilobytes
+    return buffer.getvalue()
+
+
+def test_bad_images_fail_alone_with_a_clear_error(server):
+    good = png(64, 64, seed=9)
+    cases = {
+        "corrupt": (b"\x89PNG\r\n\x1a\n" + b"\x00garbage" * 20, "not a readable image"),
+        "truncated": (good[: len(good) // 2], "corrupt or truncated"),
+        "zero-byte": (b"", "is empty"),
+        "decompression-bomb": (bomb_png(), "(allowed: at most 16777216 pixels)"),
+        "over-the-pixel-limit": (
+            flat_png(4100, 4100),
+            "= 16810000 pixels (allowed: at most 16777216 pixels)",
+        ),
+        "not-an-image": (b"hello world, not an image", "is not an image"),
+        "gif": (_gif(), "allowed formats: PNG, JPEG, WEBP"),
+    }
+    requests = [{"prompt": name, "image": data, "seed": 1} for name, (data, _) in cases.items()]
+    requests += [{"prompt": "valid", "image": good, "seed": i} for i in range(2)]
+    outcomes = generate(server, requests)
+    for (name, (_, words)), (ok, error, _) in zip(cases.items(), outcomes, strict=False):
+        assert not ok and error.startswith("image: ") and words in error, (name, error)
+    assert [ok for ok, _, _ in outcomes[len(cases) :]] == [True, True]
+    assert send_raw(server.grpc_url, "text_to_image", b"still up")[0]
+
+
+def _gif():
+    buffer = io.BytesIO()
+    Image.new("RGB", (8, 8)).save(buffer, format="GIF")
+    return buffer.getvalue()
+
+
+def test_http_generate_accepts_a_base64_image(server):
+    body = {
+        "PROMPT": "over http",
+        "IMAGE": base64.b64encode(png(64, 64, seed=2)).decode(),
+        "parameters": {"seed": 3, "output_encoding": "base64"},
+    }
+    request = urllib.request.Request(
+        f"{server.http_url}/v2/models/{MODEL}/generate", data=json.dumps(body).encode(), method="POST"
+    )
+    with urllib.request.urlopen(request, timeout=120) as response:
+        image = base64.b64decode(json.loads(response.read())["IMAGE"])
+    assert Image.open(io.BytesIO(image)).size == (64, 64)

@@ -1,0 +1,95 @@
+"""Text-to-video on the real server: batch invariance on raw frames, MP4 output, frames in the key."""
+
+import io
+import json
+
+import av
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+
+from .test_image_to_image import run_concurrently
+
+MODEL = "text_to_video"
+
+
+def send(server, requests):
+    """requests: dicts of fields (prompt included); returns (error, outputs) for each, concurrently."""
+
+    def one(request):
+        fields = dict(request)
+        prompt = grpcclient.InferInput("PROMPT", [1, 1], "BYTES")
+        prompt.set_data_from_numpy(np.array([[fields.pop("prompt").encode()]], dtype=object))
+        client = grpcclient.InferenceServerClient(server.grpc_url)
+        results = []
+        client.start_stream(callback=lambda result, error: results.append((result, error)))
+        client.async_stream_infer(MODEL, [prompt], parameters=fields)
+        client.stop_stream()
+        client.close()
+        result, error = results[-1]
+        if error is not None:
+            return str(error), None
+        outputs = {name: result.as_numpy(name) for name in ("VIDEO", "FRAMES", "SEED", "BATCH")}
+        outputs["BATCH"] = json.loads(outputs["BATCH"].reshape(-1)[0])
+        return None, outputs
+
+    return run_concurrently(one, requests)
+
+
+def test_batch_invariance_on_raw_frames(server):
+    target = {"prompt": "a boat at sea", "seed": 3, "output_format": "frames"}
+    ((error, alone),) = send(server, [target])
+    assert error is None, error
+    others = [{"prompt": f"other video {i}", "seed": 10 + i, "output_format": "frames"} for i in range(3)]
+    batch = send(server, [others[0], target, *others[1:]])
+    assert all(e is None for e, _ in batch), batch
+    among = batch[1][1]
+    assert alone["BATCH"]["fused_calls"][0]["rows"] == 1 and among["BATCH"]["fused_calls"][0]["rows"] == 4
+    assert alone["FRAMES"].shape == (1, 1, 9, 64, 64, 3) and alone["FRAMES"].dtype == np.uint8
+    assert np.abs(alone["FRAMES"].astype(int) - among["FRAMES"].astype(int)).max() <= 1
+
+
+def test_mp4_decodes_to_the_requested_frames_and_size(server):
+    ((error, out),) = send(
+        server, [{"prompt": "a red kite", "seed": 1, "num_frames": 13, "height": 64, "width": 96, "fps": 8}]
+    )
+    assert error is None, error
+    data = bytes(out["VIDEO"].reshape(-1)[0])
+    with av.open(io.BytesIO(data)) as container:
+        stream = container.streams.video[0]
+        frames = [frame.to_ndarray(format="rgb24") for frame in container.decode(stream)]
+        assert stream.average_rate == 8
+    assert len(frames) == 13 and frames[0].shape == (64, 96, 3)
+
+
+def test_frame_counts_are_in_the_key(server):
+    results = send(
+        server,
+        [
+            {"prompt": f"frames {i}", "seed": i, "num_frames": 5 if i % 2 else 9, "output_format": "frames"}
+            for i in range(4)
+        ],
+    )
+    calls = {}
+    for error, out in results:
+        assert error is None, error
+        frames = out["FRAMES"].shape[2]
+        assert out["BATCH"]["key"]["num_frames"] == frames
+        for call in out["BATCH"]["fused_calls"]:
+            calls.setdefault(call["id"], set()).add(frames)
+    assert len(calls) == 2 and all(len(counts) == 1 for counts in calls.values())
+
+
+@pytest.mark.parametrize(
+    "fields, words",
+    [
+        ({"num_frames": 10}, "num_frames: got 10 (allowed: 5..33, 4k+1)"),
+        ({"num_frames": 101}, "num_frames: got 101"),
+        ({"fps": 0}, "fps: got 0"),
+        ({"output_format": "gif"}, "output_format: got 'gif'"),
+    ],
+)
+def test_bad_video_fields_fail_alone(server, fields, words):
+    results = send(server, [{"prompt": "bad", "seed": 1, **fields}, {"prompt": "good", "seed": 2}])
+    assert results[0][0] is not None and words in results[0][0], results[0][0]
+    assert results[1][0] is None
