@@ -16,7 +16,13 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import np_to_triton_dtype
 
 from triton_diffusion.launcher import REPO_ROOT
-from triton_diffusion.server_process import WEIGHTS, copy_model, set_batching, start_server
+from triton_diffusion.server_process import (
+    WEIGHTS,
+    copy_model,
+    remove_queue_policy,
+    set_batching,
+    start_server,
+)
 
 VALID = b"a valid prompt"
 
@@ -196,6 +202,7 @@ def small_queue_server(tmp_path_factory):
             "fault_injection": '{\\"step_delay_ms\\": 50}',
         },
     )
+    remove_queue_policy(repo, "text_to_image")  # replaced by a tiny one below
     set_batching(repo, "text_to_image", 0, max_batch_size=1)
     config = repo / "text_to_image" / "config.pbtxt"
     config.write_text(
