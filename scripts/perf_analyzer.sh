@@ -4,7 +4,7 @@
 # (one uniform input set, so Triton can batch the requests). Writes a CSV.
 #
 #   scripts/perf_analyzer.sh                                  # text_to_image on localhost:8001
-#   MODEL=text_to_image_flux CONCURRENCY=1:16:1 OUT=pa.csv scripts/perf_analyzer.sh
+#   MODEL=text_to_image_flux CONCURRENCY=1:16:1 INTERVAL_MS=5000 STABILITY=25 OUT=pa.csv scripts/perf_analyzer.sh
 #   scripts/perf_analyzer.sh --request-parameter num_inference_steps:8:int   # extra args go to perf_analyzer
 set -euo pipefail
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -13,6 +13,7 @@ MODEL="${MODEL:-text_to_image}"
 URL="${URL:-localhost:8001}"
 CONCURRENCY="${CONCURRENCY:-1:8:1}"
 INTERVAL_MS="${INTERVAL_MS:-5000}"
+STABILITY="${STABILITY:-25}"  # percent; perf_analyzer's 10 rarely settles on a small shared CPU machine
 OUT="${OUT:-$REPO_ROOT/bench_results/perf_analyzer.csv}"
 
 # The binary wants libb64.so.0d and libcudart.so.12 (even on CPU). Both ship, under other names, in the
@@ -35,4 +36,4 @@ mkdir -p "$(dirname "$OUT")"
 cd "$(dirname "$OUT")"  # perf_analyzer writes a few side files into the working directory
 exec "$VENV/bin/perf_analyzer" -m "$MODEL" -u "$URL" -i grpc --streaming --async \
   --input-data "$REPO_ROOT/client/perf_input.json" --concurrency-range "$CONCURRENCY" \
-  --measurement-interval "$INTERVAL_MS" -f "$OUT" "$@"
+  --measurement-interval "$INTERVAL_MS" --stability-percentage "$STABILITY" -f "$OUT" "$@"
