@@ -74,10 +74,34 @@ def vae(latent_channels: int, **kwargs):
     )
 
 
+def stable_diffusion_pipeline(unet, autoencoder, text_encoder, tokenizer):
+    """SD 1.x scheduler settings (DDIM, so cancelled rows can be dropped mid-call) around the given parts."""
+    from diffusers import DDIMScheduler, StableDiffusionPipeline
+
+    scheduler = DDIMScheduler(
+        beta_start=0.00085,
+        beta_end=0.012,
+        beta_schedule="scaled_linear",
+        clip_sample=False,
+        set_alpha_to_one=False,
+        steps_offset=1,
+    )
+    return StableDiffusionPipeline(
+        unet=unet,
+        scheduler=scheduler,
+        vae=autoencoder,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
+
+
 def build_tiny_sd(target: Path) -> None:
     """A Stable-Diffusion-1.x-style pipeline: CLIP text encoder, UNet with cross-attention, DDIM."""
     import torch
-    from diffusers import DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+    from diffusers import UNet2DConditionModel
 
     torch.manual_seed(0)
     tokenizer = clip_tokenizer()
@@ -93,23 +117,8 @@ def build_tiny_sd(target: Path) -> None:
         attention_head_dim=8,
         norm_num_groups=8,
     )
-    scheduler = DDIMScheduler(
-        beta_start=0.00085,
-        beta_end=0.012,
-        beta_schedule="scaled_linear",
-        clip_sample=False,
-        set_alpha_to_one=False,
-        steps_offset=1,
-    )
-    pipe = StableDiffusionPipeline(
-        unet=unet,
-        scheduler=scheduler,
-        vae=vae(latent_channels=4),
-        text_encoder=clip_text_encoder(len(tokenizer)),
-        tokenizer=tokenizer,
-        safety_checker=None,
-        feature_extractor=None,
-        requires_safety_checker=False,
+    pipe = stable_diffusion_pipeline(
+        unet, vae(latent_channels=4), clip_text_encoder(len(tokenizer)), tokenizer
     )
     pipe.save_pretrained(target, safe_serialization=True)
 
@@ -166,7 +175,7 @@ def build_sd15(target: Path) -> None:
     """Full-size Stable Diffusion 1.5 architecture (860M-parameter UNet, CLIP ViT-L/14 text encoder) with
     random weights, for GPU benchmarks without downloading weights. Saved in fp16 (about 2 GB)."""
     import torch
-    from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+    from diffusers import AutoencoderKL, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel
 
     torch.manual_seed(0)
@@ -194,24 +203,7 @@ def build_sd15(target: Path) -> None:
         latent_channels=4,
         sample_size=512,
     )
-    scheduler = DDIMScheduler(
-        beta_start=0.00085,
-        beta_end=0.012,
-        beta_schedule="scaled_linear",
-        clip_sample=False,
-        set_alpha_to_one=False,
-        steps_offset=1,
-    )
-    pipe = StableDiffusionPipeline(
-        unet=unet,
-        scheduler=scheduler,
-        vae=autoencoder,
-        text_encoder=text_encoder,
-        tokenizer=clip_tokenizer(),
-        safety_checker=None,
-        feature_extractor=None,
-        requires_safety_checker=False,
-    )
+    pipe = stable_diffusion_pipeline(unet, autoencoder, text_encoder, clip_tokenizer())
     pipe.to(torch.float16).save_pretrained(target, safe_serialization=True)
 
 
