@@ -215,8 +215,8 @@ class FieldSet:
     def markdown_table(self) -> str:
         """The request-field reference for README, straight from the declarations."""
         lines = [
-            "| field (parameter / input tensor) | type | default | allowed | batching role |",
-            "|---|---|---|---|---|",
+            "| field (parameter / input tensor) | type | default | allowed | batching role | meaning |",
+            "|---|---|---|---|---|---|",
         ]
         for f in self:
             if f.default is REQUIRED:
@@ -229,6 +229,6 @@ class FieldSet:
             role = f.role.value + (" (presence is in the key)" if f.key_on_presence else "")
             lines.append(
                 f"| `{f.name}` / `{f.input_name}` | {f.triton_data_type} | {default} "
-                f"| {f.allowed()} | {role} |"
+                f"| {f.allowed()} | {role} | {f.doc} |"
             )
         return "\n".join(lines)
