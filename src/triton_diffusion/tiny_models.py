@@ -38,6 +38,20 @@ def t5_tokenizer():
     return T5Tokenizer(vocab=pieces, extra_ids=0)
 
 
+# A two-layer T5 encoder, shared by the Flux (T5) and Wan (UMT5) text encoders.
+TINY_T5_ENCODER = dict(
+    d_model=32,
+    d_ff=37,
+    d_kv=8,
+    num_layers=2,
+    num_heads=4,
+    relative_attention_num_buckets=8,
+    decoder_start_token_id=0,
+    pad_token_id=0,
+    eos_token_id=1,
+)
+
+
 def clip_text_encoder(vocab_size: int):
     from transformers import CLIPTextConfig, CLIPTextModel
 
@@ -132,20 +146,7 @@ def build_tiny_flux(target: Path) -> None:
     torch.manual_seed(0)
     tokenizer = clip_tokenizer()
     tokenizer_2 = t5_tokenizer()
-    text_encoder_2 = T5EncoderModel(
-        T5Config(
-            vocab_size=len(tokenizer_2),
-            d_model=32,
-            d_ff=37,
-            d_kv=8,
-            num_layers=2,
-            num_heads=4,
-            relative_attention_num_buckets=8,
-            decoder_start_token_id=0,
-            pad_token_id=0,
-            eos_token_id=1,
-        )
-    )
+    text_encoder_2 = T5EncoderModel(T5Config(vocab_size=len(tokenizer_2), **TINY_T5_ENCODER))
     latent_channels = 4
     transformer = FluxTransformer2DModel(
         patch_size=1,
@@ -220,20 +221,7 @@ def build_tiny_wan(target: Path) -> None:
 
     torch.manual_seed(0)
     tokenizer = t5_tokenizer()
-    text_encoder = UMT5EncoderModel(
-        UMT5Config(
-            vocab_size=len(tokenizer),
-            d_model=32,
-            d_ff=37,
-            d_kv=8,
-            num_layers=2,
-            num_heads=4,
-            relative_attention_num_buckets=8,
-            decoder_start_token_id=0,
-            pad_token_id=0,
-            eos_token_id=1,
-        )
-    )
+    text_encoder = UMT5EncoderModel(UMT5Config(vocab_size=len(tokenizer), **TINY_T5_ENCODER))
     # Spatial factor 8 and temporal factor 4, like the real Wan VAE: frames must be 4k+1.
     autoencoder = AutoencoderKLWan(
         base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
