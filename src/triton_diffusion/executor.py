@@ -40,7 +40,6 @@ class CallRecord:
     call_id: int
     rows: int
     requests: int
-    key: CompatibilityKey
 
 
 @dataclass(frozen=True)
@@ -148,7 +147,7 @@ class FusedCallExecutor:
         self._report(
             CallReport(call_id, call, len(rows), len(requests), retry, time.perf_counter() - started)
         )
-        record = CallRecord(call_id, len(rows), len(requests), call.key)
+        record = CallRecord(call_id, len(rows), len(requests))
         for row, output in zip(rows, outputs, strict=True):
             state = self._pending[row.request_index]
             if state.ended:

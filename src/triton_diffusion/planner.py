@@ -35,11 +35,10 @@ class FusedCall:
     cap: int
     cut_reason: str  # why this call holds no more rows: "row_cap", "resolution_cap" or "drained"
     split_by: str | None = None  # first key field differing from the previous group's key
-    request_indices: list[int] = field(default_factory=list)
 
-    def __post_init__(self) -> None:
-        if not self.request_indices:
-            self.request_indices = list(dict.fromkeys(r.request_index for r in self.rows))
+    @property
+    def request_indices(self) -> list[int]:
+        return list(dict.fromkeys(r.request_index for r in self.rows))
 
 
 @dataclass(frozen=True)
