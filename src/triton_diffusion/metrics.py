@@ -30,16 +30,36 @@ FAMILIES = {
     "triton_diffusion_rows_in_flight": ("GAUGE", "Rows in the fused call running now"),
 }
 
+# The diffusion LM (step-level continuous batching) has its own.
+DIFFUSION_LM_FAMILIES = {
+    "triton_diffusion_lm_forward_rows": ("HISTOGRAM", "Rows per shared forward (a CFG request has two)"),
+    "triton_diffusion_lm_step_seconds": ("HISTOGRAM", "Time per engine step: the shared forward and commits"),
+    "triton_diffusion_lm_forwards_total": ("COUNTER", "Shared forwards run"),
+    "triton_diffusion_lm_tokens_total": ("COUNTER", "Tokens generated (up to EOS) by finished requests"),
+    "triton_diffusion_lm_running_requests": ("GAUGE", "Requests in the running set after the last step"),
+    "triton_diffusion_lm_admission_wait_seconds": (
+        "HISTOGRAM",
+        "Per request: time execute() waited for room in the running set and waiting room",
+    ),
+    "triton_diffusion_lm_first_block_seconds": (
+        "HISTOGRAM",
+        "Per request: time from execute() to its first streamed block",
+    ),
+    "triton_diffusion_lm_requests_cancelled_total": ("COUNTER", "Requests cancelled while generating"),
+    "triton_diffusion_requests_failed_total": ("COUNTER", "Requests answered with an error, by error code"),
+}
+
 
 class BatchingMetrics:
-    def __init__(self, pb_utils: Any, model: str) -> None:
+    def __init__(self, pb_utils: Any, model: str, families: dict[str, tuple[str, str]] = FAMILIES) -> None:
         self._pb = pb_utils
+        self._kinds = {name: kind for name, (kind, _) in families.items()}
         self._labels = {"model": model}
         self._families = {
             name: pb_utils.MetricFamily(
                 name=name, description=text, kind=getattr(pb_utils.MetricFamily, kind)
             )
-            for name, (kind, text) in FAMILIES.items()
+            for name, (kind, text) in families.items()
         }
         self._metrics: dict[tuple[str, tuple[tuple[str, str], ...]], Any] = {}
 
@@ -48,7 +68,7 @@ class BatchingMetrics:
         if key not in self._metrics:
             family = self._families[name]
             all_labels = {**self._labels, **labels}
-            kind = FAMILIES[name][0]
+            kind = self._kinds[name]
             if kind == "HISTOGRAM":
                 buckets = SECONDS_BUCKETS if name.endswith("_seconds") else ROWS_BUCKETS
                 self._metrics[key] = family.Metric(labels=all_labels, buckets=buckets)

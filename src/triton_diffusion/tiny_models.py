@@ -250,14 +250,84 @@ def build_tiny_wan(target: Path) -> None:
     pipe.save_pretrained(target, safe_serialization=True)
 
 
+# The tiny diffusion LM's words: enough for readable (if random) text; other words split into characters.
+_WORDS = """
+the a an and or but if then so of to in on at by for with from as is are was were be been it this that
+these those i you he she we they me him her us them my your his its our their what which who when where
+why how not no yes all any some many much more most few other such only own same than too very can will
+just should now one two three four five six seven eight nine ten first last new old good great small big
+long little high low right left time year day week night morning way man woman child people world life
+hand part place case point home water room mother father area money story fact month lot study book eye
+job word business issue side kind head house service friend power hour game line end member law car city
+name team minute idea body information back parent face others level office door health person art war
+history party result change reason research girl guy moment air teacher force education sun moon star sky
+sea river tree flower bird cat dog horse fish light dark red blue green yellow white black color model
+image text language token mask block step diffusion server batch request answer question think know make
+go see come take give find tell ask work seem feel try leave call keep let begin help show hear play run
+move live believe bring happen write provide sit stand lose pay meet include continue set learn lead
+understand watch follow stop create speak read allow add spend grow open walk win offer remember love
+consider appear buy wait serve die send expect build stay fall cut reach kill remain
+""".split()
+
+
+def build_tiny_dllm(target: Path) -> None:
+    """A bidirectional masked LM (EuroBERT classes, LLaDA-like: rotary positions, SwiGLU) with a
+    WordPiece tokenizer and a chat template, as a tiny stand-in for LLaDA."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from transformers import EuroBertConfig, EuroBertForMaskedLM, PreTrainedTokenizerFast
+
+    specials = ["[PAD]", "[UNK]", "<|mask|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>"]
+    vocab = {token: i for i, token in enumerate(specials)}
+    # The pre-tokenizer splits punctuation off, so only letters and digits continue a word ("##").
+    continuations = ["##" + c for c in string.ascii_lowercase + string.digits]
+    for piece in [*_WORDS, *_CHARS, *continuations]:
+        vocab.setdefault(piece, len(vocab))
+    backend = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]", max_input_chars_per_word=64))
+    backend.normalizer = normalizers.Lowercase()
+    backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    backend.decoder = decoders.WordPiece(prefix="##")
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token="[PAD]",
+        unk_token="[UNK]",
+        mask_token="<|mask|>",
+        eos_token="<|eos|>",
+        additional_special_tokens=specials[4:],
+    )
+    tokenizer.chat_template = (
+        "{% for message in messages %}<|{{ message['role'] }}|> {{ message['content'] }} {% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    torch.manual_seed(0)
+    config = EuroBertConfig(
+        vocab_size=len(vocab),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=1024,
+        pad_token_id=vocab["[PAD]"],
+        bos_token_id=None,
+        eos_token_id=vocab["<|eos|>"],
+        mask_token_id=vocab["<|mask|>"],
+    )
+    # Random weights are nearly uniform over the vocabulary; a wider init gives confident, varied picks.
+    config.initializer_range = 0.2
+    model = EuroBertForMaskedLM(config)
+    model.save_pretrained(target, safe_serialization=True)
+    tokenizer.save_pretrained(target)
+
+
 # name -> builder. The tiny ones are the defaults the model repository serves.
 ARCHITECTURES: dict[str, Callable[[Path], None]] = {
     "tiny-sd": build_tiny_sd,
     "tiny-flux": build_tiny_flux,
     "tiny-wan": build_tiny_wan,
+    "tiny-dllm": build_tiny_dllm,
     "sd15": build_sd15,
 }
-TINY_DEFAULTS = ["tiny-sd", "tiny-flux", "tiny-wan"]
+TINY_DEFAULTS = ["tiny-sd", "tiny-flux", "tiny-wan", "tiny-dllm"]
 
 
 def build_missing(
@@ -266,7 +336,9 @@ def build_missing(
     built = []
     for name in only or TINY_DEFAULTS:
         target = weights_dir / name
-        if force or not (target / "model_index.json").is_file():
+        # diffusers pipelines write model_index.json, transformers models config.json
+        built_before = (target / "model_index.json").is_file() or (target / "config.json").is_file()
+        if force or not built_before:
             ARCHITECTURES[name](target)
             built.append(target)
     return built

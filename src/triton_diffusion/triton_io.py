@@ -16,7 +16,7 @@ import triton_python_backend_utils as pb_utils
 
 from triton_diffusion.errors import RequestError, invalid_field
 from triton_diffusion.fields import REQUIRED, FieldSet
-from triton_diffusion.metrics import BatchingMetrics
+from triton_diffusion.metrics import FAMILIES, BatchingMetrics
 
 
 def read_raw_fields(request: Any, fields: FieldSet) -> dict[str, Any]:
@@ -50,12 +50,24 @@ def _scalar(name: str, array: np.ndarray, keep_bytes: bool = False) -> Any:
     return value
 
 
-def send_final(request: Any, outputs: Mapping[str, np.ndarray]) -> None:
+def _sender(target: Any) -> Any:
+    """A request's response sender. Work that outlives ``execute()`` keeps the sender, not the request."""
+    return target.get_response_sender() if hasattr(target, "get_response_sender") else target
+
+
+def send_final(target: Any, outputs: Mapping[str, np.ndarray]) -> None:
+    """The FINAL response with ``outputs``; ``target`` is a request or its response sender."""
     tensors = [pb_utils.Tensor(name, array) for name, array in outputs.items()]
-    request.get_response_sender().send(
+    _sender(target).send(
         pb_utils.InferenceResponse(output_tensors=tensors),
         flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
     )
+
+
+def send_partial(target: Any, outputs: Mapping[str, np.ndarray]) -> None:
+    """A non-final response (a streamed block of text)."""
+    tensors = [pb_utils.Tensor(name, array) for name, array in outputs.items()]
+    _sender(target).send(pb_utils.InferenceResponse(output_tensors=tensors), flags=0)
 
 
 def send_progress(request: Any, step: int, total: int, preview: bytes | None) -> None:
@@ -69,9 +81,9 @@ def send_progress(request: Any, step: int, total: int, preview: bytes | None) ->
     request.get_response_sender().send(pb_utils.InferenceResponse(output_tensors=tensors), flags=0)
 
 
-def send_error(request: Any, error: RequestError) -> None:
+def send_error(target: Any, error: RequestError) -> None:
     code = getattr(pb_utils.TritonError, error.code.value)
-    request.get_response_sender().send(
+    _sender(target).send(
         pb_utils.InferenceResponse(error=pb_utils.TritonError(error.message, code)),
         flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
     )
@@ -96,8 +108,8 @@ def add_io_to_config(
     return auto_complete_model_config
 
 
-def batching_metrics(model: str) -> BatchingMetrics:
-    return BatchingMetrics(pb_utils, model)
+def batching_metrics(model: str, families: dict[str, tuple[str, str]] = FAMILIES) -> BatchingMetrics:
+    return BatchingMetrics(pb_utils, model, families)
 
 
 class TritonLogHandler(logging.Handler):

@@ -1,0 +1,7 @@
+"""A masked diffusion language model (LLaDA-style) with step-level continuous batching."""
+
+from triton_diffusion.diffusion_lm import DiffusionLMModel
+
+
+class TritonPythonModel(DiffusionLMModel):
+    pass

@@ -1,0 +1,106 @@
+"""Loading a masked diffusion LM and calling it on a padded batch.
+
+The tiny default is a transformers ``EuroBertForMaskedLM`` (bidirectional, rotary positions, takes
+``position_ids``). Real dLLM checkpoints such as LLaDA or Dream ship their modelling code with the
+weights; they load only when the model config sets ``trust_remote_code``. Weights load from safetensors
+only, from the path or hub id in the config.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from triton_diffusion.settings import ModelSettings
+
+MODEL_CLASSES = ("AutoModelForMaskedLM", "AutoModel", "AutoModelForCausalLM")
+
+
+class MaskedLMForward:
+    """``(input_ids, attention_mask, position_ids) -> logits`` for any masked LM.
+
+    Models whose forward takes ``position_ids`` get left padding with explicit positions. Others (LLaDA's
+    remote code takes none) get right padding: with bidirectional attention and a key mask, real tokens
+    then keep positions 0..n-1 without being told. ``shift_logits`` is for models adapted from an
+    autoregressive one (Dream), whose logits at i predict token i + 1.
+    """
+
+    def __init__(self, model: Any, shift_logits: bool = False) -> None:
+        self.model = model
+        self.shift_logits = shift_logits
+        self.takes_positions = "position_ids" in inspect.signature(model.forward).parameters
+        self.padding_side = "left" if self.takes_positions else "right"
+
+    def __call__(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
+    ) -> torch.Tensor:
+        kwargs: dict[str, Any] = {"attention_mask": attention_mask}
+        if self.takes_positions:
+            kwargs["position_ids"] = position_ids
+        logits = self.model(input_ids=input_ids, **kwargs).logits
+        if self.shift_logits:
+            logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
+        return logits
+
+    def unpadded(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Rows of equal length with no padding (the one-request reference)."""
+        ones = torch.ones_like(input_ids)
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        return self(input_ids, ones, positions)
+
+
+@dataclass(frozen=True)
+class LoadedMaskedLM:
+    forward: MaskedLMForward
+    tokenizer: Any
+    mask_id: int
+    pad_id: int
+    eos_ids: tuple[int, ...]
+    device: str
+
+
+def load_masked_lm(settings: ModelSettings) -> LoadedMaskedLM:
+    """The model and tokenizer named by the config's ``model``. ``model_class`` picks the transformers
+    auto class, ``mask_token_id`` / ``eos_token_ids`` override what the tokenizer and config say."""
+    import transformers
+
+    class_name = settings.get("model_class", "AutoModelForMaskedLM")
+    if class_name not in MODEL_CLASSES:
+        raise ValueError(
+            f"model {settings.name}: model_class must be one of {MODEL_CLASSES}, got {class_name}"
+        )
+    source = settings.model_source()
+    remote_code = settings.flag("trust_remote_code")
+    device = settings.device()
+    model = getattr(transformers, class_name).from_pretrained(
+        source,
+        dtype=settings.torch_dtype(device),
+        use_safetensors=True,
+        trust_remote_code=remote_code,
+    )
+    model.to(device).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(source, trust_remote_code=remote_code)
+
+    mask_id = settings.get("mask_token_id")
+    mask_id = int(mask_id) if mask_id is not None else getattr(model.config, "mask_token_id", None)
+    if mask_id is None:
+        mask_id = tokenizer.mask_token_id
+    if mask_id is None:
+        raise ValueError(f"model {settings.name}: no mask token id; set the mask_token_id parameter")
+    eos = settings.get("eos_token_ids")
+    if eos is not None:
+        eos_ids = tuple(int(t) for t in eos.split(",") if t.strip())
+    else:
+        eos_ids = tuple(t for t in (tokenizer.eos_token_id,) if t is not None)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos_ids or (mask_id,))[0]
+    return LoadedMaskedLM(
+        forward=MaskedLMForward(model, shift_logits=settings.flag("shift_logits")),
+        tokenizer=tokenizer,
+        mask_id=int(mask_id),
+        pad_id=int(pad_id),
+        eos_ids=eos_ids,
+        device=device,
+    )

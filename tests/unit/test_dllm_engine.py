@@ -1,0 +1,346 @@
+"""The continuous-batching engine against the one-request reference, in float64 on the tiny EuroBERT.
+
+Requests of different prompt lengths, gen/block lengths, temperatures, remasking, thresholds, CFG and
+seeds join the running set at different steps; each must come out token for token as if it had run alone,
+with fewer forwards than the solo runs together.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from triton_diffusion.dllm_engine import (
+    ContinuousBatchEngine,
+    DecodingRequest,
+    EngineWorker,
+    pad_rows,
+)
+from triton_diffusion.errors import ErrorCode, RequestError
+from triton_diffusion.masked_diffusion import DecodeParams, commit, generate_reference, transfer_schedule
+from triton_diffusion.masked_lm import MaskedLMForward
+from triton_diffusion.tiny_models import build_tiny_dllm
+
+
+@pytest.fixture(scope="module")
+def lm(tmp_path_factory):
+    from transformers import AutoModelForMaskedLM, AutoTokenizer
+
+    folder = tmp_path_factory.mktemp("tiny-dllm")
+    build_tiny_dllm(folder)
+    model = AutoModelForMaskedLM.from_pretrained(folder, dtype=torch.float64).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    return model, tokenizer
+
+
+class Recorder:
+    """An engine listener that writes down what happened."""
+
+    def __init__(self, cancel_after: dict[str, int] | None = None) -> None:
+        self.events: list[tuple[str, str]] = []
+        self.finished: dict[str, DecodingRequest] = {}
+        self.failed: dict[str, RequestError] = {}
+        self.cancel_after = cancel_after or {}
+        self.forwards: list[tuple[int, int]] = []
+
+    def is_cancelled(self, request: DecodingRequest) -> bool:
+        limit = self.cancel_after.get(request.handle)
+        return limit is not None and request.steps_used >= limit
+
+    def on_block(self, request: DecodingRequest) -> None:
+        self.events.append(("block", request.handle))
+
+    def on_finished(self, request: DecodingRequest) -> None:
+        self.events.append(("finished", request.handle))
+        self.finished[request.handle] = request
+
+    def on_cancelled(self, request: DecodingRequest) -> None:
+        self.events.append(("cancelled", request.handle))
+
+    def on_failed(self, request: DecodingRequest, error: RequestError) -> None:
+        self.events.append(("failed", request.handle))
+        self.failed[request.handle] = error
+
+    def on_forward(self, rows: int, requests: int, seconds: float) -> None:
+        self.forwards.append((rows, requests))
+
+
+# name -> (prompt, params, seed, engine step at which it arrives)
+CASES = {
+    "greedy": ("Tell me a story about the sea", DecodeParams(32, 8, 16), 1, 0),
+    "sampled": ("a", DecodeParams(24, 12, 12, temperature=0.8), 2, 0),
+    "random_remasking": (
+        "the moon and the stars over a dark river at night",
+        DecodeParams(16, 16, 8, temperature=0.5, remasking="random"),
+        3,
+        3,
+    ),
+    "cfg": ("red horse", DecodeParams(16, 4, 8, temperature=1.0, cfg_scale=1.5), 4, 5),
+    "threshold": ("what is a block", DecodeParams(32, 16, 16, temperature=0.3, threshold=0.05), 5, 5),
+    "long_blocks": ("one two three four five", DecodeParams(40, 20, 20, temperature=1.3), 6, 11),
+}
+
+
+def encode(tokenizer, text: str) -> torch.Tensor:
+    return torch.tensor(tokenizer(text).input_ids, dtype=torch.long)
+
+
+def make_request(tokenizer, name: str, eos_ids=()) -> DecodingRequest:
+    prompt, params, seed, _ = CASES[name]
+    return DecodingRequest(
+        name,
+        encode(tokenizer, prompt),
+        params,
+        torch.Generator().manual_seed(seed),
+        tokenizer.mask_token_id,
+        tuple(eos_ids),
+    )
+
+
+def solo(forward: MaskedLMForward, tokenizer, name: str, eos_ids=()):
+    prompt, params, seed, _ = CASES[name]
+    generator = torch.Generator().manual_seed(seed)
+    return generate_reference(
+        forward.unpadded, encode(tokenizer, prompt), params, tokenizer.mask_token_id, generator, eos_ids
+    )
+
+
+def run_engine(engine: ContinuousBatchEngine, tokenizer, names, eos_ids=()) -> None:
+    arrivals = sorted(names, key=lambda n: CASES[n][3])
+    step = 0
+    while arrivals or engine.active:
+        while arrivals and CASES[arrivals[0]][3] <= step:
+            engine.add(make_request(tokenizer, arrivals.pop(0), eos_ids))
+        engine.step()
+        step += 1
+
+
+class NoPositions(torch.nn.Module):
+    """A model whose forward takes no position_ids (like LLaDA's remote code): right padding."""
+
+    def __init__(self, model) -> None:
+        super().__init__()
+        self.inner = model
+
+    def forward(self, input_ids, attention_mask=None):
+        return self.inner(input_ids=input_ids, attention_mask=attention_mask)
+
+
+@pytest.mark.parametrize("padding", ["left", "right"])
+def test_batched_engine_matches_one_request_at_a_time(lm, padding):
+    model, tokenizer = lm
+    forward = MaskedLMForward(model if padding == "left" else NoPositions(model))
+    assert forward.padding_side == padding
+    recorder = Recorder()
+    engine = ContinuousBatchEngine(forward, recorder, tokenizer.pad_token_id, 8, forward.padding_side)
+    run_engine(engine, tokenizer, list(CASES))
+
+    solo_forwards = 0
+    for name in CASES:
+        reference = solo(forward, tokenizer, name)
+        request = recorder.finished[name]
+        assert request.tokens() == reference.tokens, name
+        assert request.steps_used == reference.steps_used, name
+        solo_forwards += reference.steps_used
+    assert engine.forwards < solo_forwards
+    # Requests really shared forwards, and ones that arrived later joined mid-generation.
+    assert max(requests for _, requests in recorder.forwards) >= 4
+    joined = {name: recorder.finished[name].joined_at_forward for name in CASES}
+    assert joined["greedy"] == 1 and joined["long_blocks"] > 1
+    # The threshold let its blocks finish early; the others used exactly their steps.
+    assert recorder.finished["threshold"].steps_used < CASES["threshold"][1].steps
+    assert recorder.finished["greedy"].steps_used == CASES["greedy"][1].steps
+
+
+def test_a_full_running_set_admits_at_the_next_free_slot(lm):
+    model, tokenizer = lm
+    forward = MaskedLMForward(model)
+    recorder = Recorder()
+    engine = ContinuousBatchEngine(forward, recorder, tokenizer.pad_token_id, 2)
+    run_engine(engine, tokenizer, list(CASES))
+    assert max(requests for _, requests in recorder.forwards) == 2
+    for name in CASES:
+        assert recorder.finished[name].tokens() == solo(forward, tokenizer, name).tokens, name
+
+
+def test_eos_stops_after_its_block_and_text_ends_before_it(lm):
+    model, tokenizer = lm
+    forward = MaskedLMForward(model)
+    # Call a token that greedy decoding produces in the first block "EOS": the request must stop after
+    # that block, in the engine and in the reference alike.
+    first = solo(forward, tokenizer, "greedy")
+    eos = first.tokens[3]
+    reference = solo(forward, tokenizer, "greedy", eos_ids=(eos,))
+    assert reference.blocks == 1 and reference.tokens == first.tokens[: first.tokens.index(eos)]
+    recorder = Recorder()
+    engine = ContinuousBatchEngine(forward, recorder, tokenizer.pad_token_id, 8)
+    run_engine(engine, tokenizer, ["greedy", "sampled"], eos_ids=(eos,))
+    assert recorder.finished["greedy"].tokens() == reference.tokens
+    assert recorder.finished["greedy"].block_index == 1
+
+
+def test_a_cancelled_request_leaves_at_once_and_the_others_are_unchanged(lm):
+    model, tokenizer = lm
+    forward = MaskedLMForward(model)
+    recorder = Recorder(cancel_after={"greedy": 3})
+    engine = ContinuousBatchEngine(forward, recorder, tokenizer.pad_token_id, 8)
+    run_engine(engine, tokenizer, ["greedy", "sampled", "cfg"])
+    assert ("cancelled", "greedy") in recorder.events and "greedy" not in recorder.finished
+    for name in ("sampled", "cfg"):
+        assert recorder.finished[name].tokens() == solo(forward, tokenizer, name).tokens
+    # (rows, requests) per forward: greedy leaves right after its third step; cfg (two rows) joins at 5.
+    assert recorder.forwards[:6] == [(2, 2), (2, 2), (2, 2), (1, 1), (1, 1), (3, 2)]
+
+
+def test_blocks_are_reported_in_order_before_the_final():
+    events = []
+
+    class Listener(Recorder):
+        def on_block(self, request):
+            events.append(("block", request.block_index))
+
+        def on_finished(self, request):
+            events.append(("finished", request.block_index))
+
+    def forward(input_ids, attention_mask, position_ids):
+        return torch.randn(*input_ids.shape, 11, dtype=torch.float64)
+
+    engine = ContinuousBatchEngine(forward, Listener(), pad_id=0, max_running=4)
+    params = DecodeParams(12, 4, 6)
+    engine.add(DecodingRequest("x", torch.tensor([5, 6]), params, torch.Generator().manual_seed(0), 1))
+    while engine.active:
+        engine.step()
+    assert events == [("block", 1), ("block", 2), ("block", 3), ("finished", 3)]
+
+
+def test_padding_keeps_each_rows_positions():
+    batch = pad_rows([torch.tensor([7, 8, 9]), torch.tensor([4])], pad_id=0, side="left")
+    assert batch.input_ids.tolist() == [[7, 8, 9], [0, 0, 4]]
+    assert batch.attention_mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+    assert batch.position_ids[1, 2] == 0 and batch.starts == [0, 2]
+    right = pad_rows([torch.tensor([7, 8, 9]), torch.tensor([4])], pad_id=0, side="right")
+    assert right.input_ids.tolist() == [[7, 8, 9], [4, 0, 0]] and right.starts == [0, 0]
+
+
+def test_transfer_schedule_is_llada_get_num_transfer_tokens():
+    for block_length in (1, 5, 8, 16, 33):
+        for steps in range(1, block_length + 1):
+            # LLaDA: base = n // steps for every step, plus one for the first n % steps steps.
+            mask_num = torch.tensor([[block_length]])
+            expected = torch.zeros(1, steps, dtype=torch.int64) + mask_num // steps
+            expected[0, : int(mask_num % steps)] += 1
+            assert transfer_schedule(block_length, steps) == expected[0].tolist()
+
+
+def test_commit_greedy_picks_the_most_confident_positions_and_threshold_adds_more():
+    mask = 9
+    logits = torch.full((4, 10), -10.0, dtype=torch.float64)
+    for position, (token, score) in enumerate([(1, 5.0), (2, 1.0), (3, 9.0), (4, 0.0)]):
+        logits[position, token] = score
+    block = torch.tensor([mask, mask, mask, 7])  # the last position is already committed
+    generator = torch.Generator().manual_seed(0)
+    two = commit(logits, block, mask, 2, DecodeParams(4, 4, 2), generator)
+    assert two.tolist() == [1, mask, 3, 7]
+    # With a threshold every position above it is committed, even beyond the scheduled one.
+    loose = commit(logits, block, mask, 1, DecodeParams(4, 4, 2, threshold=0.001), generator)
+    assert loose.tolist() == [1, 2, 3, 7]
+    # ... and at least one, even when none is above it.
+    strict = commit(logits, block, mask, 0, DecodeParams(4, 4, 4, threshold=0.9999999), generator)
+    assert (strict != mask).sum() == 2 and strict[2] == 3
+
+
+@pytest.mark.parametrize(
+    ("params", "field", "allowed"),
+    [
+        (DecodeParams(30, 8, 15), "block_length", "1, 2, 3, 5, 6, 10, 15, 30"),
+        (DecodeParams(32, 8, 10), "steps", "a multiple of 4"),
+        (DecodeParams(32, 8, 64), "steps", "4..32"),
+        (DecodeParams(32, 8, 8, remasking="entropy"), "remasking", "low_confidence"),
+    ],
+)
+def test_bad_parameter_combinations_name_the_field_and_what_is_allowed(params, field, allowed):
+    with pytest.raises(RequestError) as caught:
+        params.check()
+    assert caught.value.code is ErrorCode.INVALID_ARG
+    assert caught.value.message.startswith(f"{field}:") and allowed in caught.value.message
+
+
+# ---- the worker thread -----------------------------------------------------------------------------
+def slow_forward(delay_s: float, fail_when=None):
+    def forward(input_ids, attention_mask, position_ids):
+        time.sleep(delay_s)
+        if fail_when is not None and fail_when(input_ids):
+            raise RuntimeError("injected forward failure")
+        return torch.randn(*input_ids.shape, 11, dtype=torch.float64)
+
+    return forward
+
+
+def tiny_request(name: str, first_token: int = 5) -> DecodingRequest:
+    return DecodingRequest(
+        name, torch.tensor([first_token, 6]), DecodeParams(8, 4, 4), torch.Generator().manual_seed(0), 1
+    )
+
+
+def test_submit_blocks_while_the_running_set_and_waiting_room_are_full():
+    recorder = Recorder()
+    engine = ContinuousBatchEngine(slow_forward(0.02), recorder, pad_id=0, max_running=2)
+    worker = EngineWorker(engine, waiting_room=1)
+    try:
+        for name in "abc":
+            worker.submit(tiny_request(name))
+        done = threading.Event()
+        waited: list[float] = []
+        threading.Thread(target=lambda: (waited.append(worker.submit(tiny_request("d"))), done.set())).start()
+        assert not done.wait(0.03)  # full: the fourth waits for a slot
+        assert done.wait(10)
+        assert waited[0] > 0.02
+        deadline = time.monotonic() + 10
+        while len(recorder.finished) < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sorted(recorder.finished) == ["a", "b", "c", "d"]
+    finally:
+        worker.close()
+
+
+def test_a_failing_forward_answers_each_request_it_held_once_and_the_worker_goes_on():
+    recorder = Recorder()
+    # The forward fails whenever a row starts with token 99 (request "bad").
+    forward = slow_forward(0.01, fail_when=lambda ids: bool((ids == 99).any()))
+    engine = ContinuousBatchEngine(forward, recorder, pad_id=0, max_running=4)
+    worker = EngineWorker(engine, waiting_room=2)
+    try:
+        worker.submit(tiny_request("ok1"))
+        worker.submit(tiny_request("bad", first_token=99))
+        deadline = time.monotonic() + 10
+        while "bad" not in recorder.failed and time.monotonic() < deadline:
+            time.sleep(0.01)
+        worker.submit(tiny_request("ok2"))
+        while "ok2" not in recorder.finished and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        worker.close()
+    assert recorder.failed["bad"].code is ErrorCode.INTERNAL
+    assert "injected forward failure" in recorder.failed["bad"].message
+    assert "ok2" in recorder.finished
+    # ok1 shared the failing forward (failed) unless it had finished before "bad" arrived.
+    ends = [event for event in recorder.events if event[0] in ("finished", "failed", "cancelled")]
+    assert sorted(handle for _, handle in ends) == sorted({handle for _, handle in ends})  # one end each
+    assert {handle for _, handle in ends} == {"ok1", "bad", "ok2"}
+
+
+def test_close_answers_whatever_is_still_held():
+    recorder = Recorder()
+    engine = ContinuousBatchEngine(slow_forward(0.05), recorder, pad_id=0, max_running=1)
+    worker = EngineWorker(engine, waiting_room=3)
+    for name in "abcd":
+        worker.submit(tiny_request(name))
+    worker.close()
+    ended = set(recorder.finished) | set(recorder.failed)
+    assert ended == {"a", "b", "c", "d"}
+    assert all(e.code is ErrorCode.UNAVAILABLE for e in recorder.failed.values()) and recorder.failed
+    with pytest.raises(RequestError, match="shutting down"):
+        worker.submit(tiny_request("late"))
