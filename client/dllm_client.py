@@ -102,7 +102,7 @@ def generate_text_one(
             while True:
                 response, error = responses.get(timeout=timeout_s)
                 if error is not None:
-                    out.error = str(error)
+                    out.error = error.message()
                     break
                 final = response.get_response().parameters["triton_final_response"].bool_param
                 text = _scalar(response, "TEXT")

@@ -20,11 +20,12 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from triton_diffusion.dllm_engine import ContinuousBatchEngine, DecodingRequest, EngineWorker
+from triton_diffusion.dllm_engine import ContinuousBatchEngine, DecodingRequest, EngineWorker, PaddedForward
 from triton_diffusion.errors import ErrorCode, RequestError, invalid_field
+from triton_diffusion.faults import FaultInjection
 from triton_diffusion.fields import REQUIRED, Field, FieldSet, Role
 from triton_diffusion.masked_diffusion import REMASKING, DecodeParams
-from triton_diffusion.masked_lm import LoadedMaskedLM, load_masked_lm
+from triton_diffusion.masked_lm import LoadedMaskedLM, load_masked_lm, prompt_token_ids
 from triton_diffusion.metrics import DIFFUSION_LM_FAMILIES
 from triton_diffusion.settings import ModelSettings
 
@@ -127,6 +128,7 @@ class ResponseStream:
 
     sender: Any  # the request's pb_utils response sender
     request_id: str
+    prompt: str
     seed: int
     entered: float  # perf_counter() at execute()
     text: str = ""  # sent so far
@@ -164,8 +166,9 @@ class DiffusionLMModel:
         self.max_prompt_tokens = int(settings.get("max_prompt_tokens", "1024"))
         max_running = int(settings.get("max_running_requests", "8"))
         waiting_room = int(settings.get("waiting_room", "4"))
+        faults = FaultInjection.from_config(settings.get("fault_injection"))
         self.engine = ContinuousBatchEngine(
-            self.lm.forward,
+            self.lm.forward if faults is None else self._with_faults(self.lm.forward, faults),
             listener=self,
             pad_id=self.lm.pad_id,
             max_running=max_running,
@@ -183,6 +186,17 @@ class DiffusionLMModel:
             list(self.lm.eos_ids),
             self.lm.device,
         )
+
+    def _with_faults(self, forward: PaddedForward, faults: FaultInjection) -> PaddedForward:
+        """The forward with the test-only faults (``fault_injection``): a failing or stalled step."""
+
+        def faulty(input_ids: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor):
+            faults.before_call([request.handle.prompt for request in self.engine.running])
+            logits = forward(input_ids, attention_mask, positions)
+            faults.after_step()
+            return logits
+
+        return faulty
 
     def execute(self, requests: Sequence[Any]) -> None:
         from triton_diffusion.triton_io import read_raw_fields
@@ -223,22 +237,15 @@ class DiffusionLMModel:
         prompt = self.tokenize(values["prompt"], values["apply_chat_template"])
         seed = values["seed"] if values["seed"] is not None else random.randrange(2**32)
         generator = torch.Generator(device=self.lm.device).manual_seed(seed)
-        stream = ResponseStream(sender, request_id, seed, time.perf_counter())
+        stream = ResponseStream(sender, request_id, values["prompt"], seed, time.perf_counter())
         return DecodingRequest(stream, prompt, params, generator, self.lm.mask_id, self.lm.eos_ids)
 
     def tokenize(self, prompt: str, chat: bool) -> torch.Tensor:
-        tokenizer = self.lm.tokenizer
-        if chat:
-            if not tokenizer.chat_template:
-                raise invalid_field(
-                    "apply_chat_template", "this model's tokenizer has no chat template (allowed: false)"
-                )
-            prompt = tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        if chat and not self.lm.tokenizer.chat_template:
+            raise invalid_field(
+                "apply_chat_template", "this model's tokenizer has no chat template (allowed: false)"
             )
-            ids = tokenizer(prompt, add_special_tokens=False).input_ids
-        else:
-            ids = tokenizer(prompt).input_ids
+        ids = prompt_token_ids(self.lm.tokenizer, prompt, chat)
         if not 1 <= len(ids) <= self.max_prompt_tokens:
             raise invalid_field(
                 "prompt", f"is {len(ids)} tokens long (allowed: 1..{self.max_prompt_tokens} tokens)"

@@ -52,6 +52,17 @@ class MaskedLMForward:
         return self(input_ids, ones, positions)
 
 
+def prompt_token_ids(tokenizer: Any, prompt: str, chat: bool) -> list[int]:
+    """The prompt's token ids; with ``chat``, as one user turn of the tokenizer's chat template, followed
+    by the assistant's turn marker (the generated tokens are the answer)."""
+    if chat:
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
+        return tokenizer(prompt, add_special_tokens=False).input_ids
+    return tokenizer(prompt).input_ids
+
+
 @dataclass(frozen=True)
 class LoadedMaskedLM:
     forward: MaskedLMForward

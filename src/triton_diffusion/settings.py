@@ -72,13 +72,19 @@ class ModelSettings:
         return "cpu"
 
     def torch_dtype(self, device: str):
-        """``dtype``: auto (bf16 on GPU, fp32 on CPU), float32, float16 or bfloat16."""
+        """``dtype``: auto (bf16 on GPU, fp32 on CPU), float32, float16, bfloat16 or float64 (exactness
+        tests)."""
         import torch
 
         choice = (self.get("dtype", "auto") or "auto").lower()
         if choice == "auto":
             return torch.bfloat16 if device.startswith("cuda") else torch.float32
-        dtypes = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+        dtypes = {
+            "float32": torch.float32,
+            "float16": torch.float16,
+            "bfloat16": torch.bfloat16,
+            "float64": torch.float64,
+        }
         if choice not in dtypes:
             raise ValueError(
                 f"model {self.name}: dtype must be auto or one of {', '.join(dtypes)}, got {choice}"

@@ -8,6 +8,9 @@ from triton_diffusion.tiny_models import build_missing
 QUEUE_DELAY_US = 300_000
 FAULT_INJECTION = '{\\"fail_on_prompt\\": \\"__explode__\\", \\"oom_above_rows\\": 3}'
 STEP_DELAY = '{\\"step_delay_ms\\": 80}'
+# The diffusion LM with a stalled step (so a request can join or be cancelled mid-generation) and a
+# forward that fails while a prompt contains __explode__.
+DLLM_FAULTS = '{\\"step_delay_ms\\": 25, \\"fail_on_prompt\\": \\"__explode__\\"}'
 
 FAMILIES = {
     "text_to_image": {"source": "text_to_image", "weights": "tiny-sd"},
@@ -43,6 +46,16 @@ def server(tmp_path_factory):
     set_batching(repo, "image_to_image", QUEUE_DELAY_US)
     copy_model("text_to_video", repo, "text_to_video", {"model": str(WEIGHTS / "tiny-wan")})
     set_batching(repo, "text_to_video", QUEUE_DELAY_US)
+    # float64, so the tests can compare the served tokens with the one-request reference run here.
+    copy_model(
+        "diffusion_lm", repo, "diffusion_lm", {"model": str(WEIGHTS / "tiny-dllm"), "dtype": "float64"}
+    )
+    copy_model(
+        "diffusion_lm",
+        repo,
+        "diffusion_lm_slow",
+        {"model": str(WEIGHTS / "tiny-dllm"), "fault_injection": DLLM_FAULTS},
+    )
     log_path = tmp_path_factory.mktemp("logs") / "tritonserver.log"
     models = [
         *FAMILIES,
@@ -50,6 +63,8 @@ def server(tmp_path_factory):
         *(f"{name}_slow" for name in FAMILIES),
         "image_to_image",
         "text_to_video",
+        "diffusion_lm",
+        "diffusion_lm_slow",
     ]
     running = start_server(repo, log_path, models)
     yield running
