@@ -70,6 +70,91 @@ def _scalar(response: Any, name: str) -> Any:
     return None if array is None else array.reshape(-1)[0]
 
 
+class TextSession:
+    """One gRPC connection for requests sent one after another, each on a stream of its own (the stream
+    callback reports an error without its request id, so one request per stream keeps errors apart)."""
+
+    def __init__(self, url: str = "localhost:8001", model: str = "diffusion_lm") -> None:
+        self.model = model
+        self.client = grpcclient.InferenceServerClient(url)
+
+    def __enter__(self) -> TextSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.client.close()
+
+    def generate(
+        self,
+        request: dict[str, Any],
+        request_id: str = "0",
+        timeout_s: float = 300.0,
+        on_block: OnBlock | None = None,
+    ) -> TextResult:
+        """Send one request; return when its FINAL response arrives. ``on_block`` may return True to
+        cancel the request (the stream closes with cancel_requests=True, which reaches the model)."""
+        fields = dict(request)
+        prompt = fields.pop("prompt")
+        out = TextResult(request_id=request_id, prompt=prompt)
+        responses: queue.Queue = queue.Queue()
+        self.client.start_stream(callback=lambda result, error: responses.put((result, error)))
+        cancel = False
+        try:
+            prompt_tensor = grpcclient.InferInput("PROMPT", [1, 1], "BYTES")
+            prompt_tensor.set_data_from_numpy(np.array([[prompt.encode("utf-8")]], dtype=object))
+            out.sent_wall = time.time()
+            started = time.perf_counter()
+            self.client.async_stream_infer(
+                self.model,
+                [prompt_tensor],
+                outputs=[grpcclient.InferRequestedOutput(name) for name in OUTPUTS],
+                request_id=request_id,
+                parameters={k: v for k, v in fields.items() if v is not None},
+                enable_empty_final_response=True,
+            )
+            cancel = self._receive(responses, out, started, timeout_s, on_block)
+            out.latency_s = time.perf_counter() - started
+        finally:
+            self.client.stop_stream(cancel_requests=cancel)
+        return out
+
+    @staticmethod
+    def _receive(
+        responses: queue.Queue, out: TextResult, started: float, timeout_s: float, on_block: OnBlock | None
+    ) -> bool:
+        """Read responses into ``out`` until the FINAL one. Returns True to cancel the request."""
+        while True:
+            try:
+                response, error = responses.get(timeout=timeout_s)
+            except queue.Empty:
+                out.error = f"no final response within {timeout_s} s"
+                return True
+            if error is not None:
+                out.error = error.message()
+                return False
+            final = response.get_response().parameters["triton_final_response"].bool_param
+            text = _scalar(response, "TEXT")
+            if final:
+                if text is not None:
+                    out.text = text.decode("utf-8")
+                    out.tokens = int(_scalar(response, "TOKENS"))
+                    out.steps = int(_scalar(response, "STEPS"))
+                    out.seed = int(_scalar(response, "SEED"))
+                return False
+            if text is not None:
+                block = Block(
+                    index=int(_scalar(response, "BLOCK")),
+                    text=text.decode("utf-8"),
+                    tokens=int(_scalar(response, "TOKENS")),
+                    at_s=time.perf_counter() - started,
+                    wall=time.time(),
+                )
+                out.blocks.append(block)
+                if on_block is not None and on_block(block):
+                    out.cancelled, out.error = True, "cancelled by the client"
+                    return True
+
+
 def generate_text_one(
     request: dict[str, Any],
     request_id: str = "0",
@@ -78,62 +163,9 @@ def generate_text_one(
     timeout_s: float = 300.0,
     on_block: OnBlock | None = None,
 ) -> TextResult:
-    """Send one request on a stream of its own; return when its FINAL response arrives."""
-    fields = dict(request)
-    prompt = fields.pop("prompt")
-    out = TextResult(request_id=request_id, prompt=prompt)
-    responses: queue.Queue = queue.Queue()
-    client = grpcclient.InferenceServerClient(url)
-    try:
-        client.start_stream(callback=lambda result, error: responses.put((result, error)))
-        prompt_tensor = grpcclient.InferInput("PROMPT", [1, 1], "BYTES")
-        prompt_tensor.set_data_from_numpy(np.array([[prompt.encode("utf-8")]], dtype=object))
-        out.sent_wall = time.time()
-        started = time.perf_counter()
-        client.async_stream_infer(
-            model,
-            [prompt_tensor],
-            outputs=[grpcclient.InferRequestedOutput(name) for name in OUTPUTS],
-            request_id=request_id,
-            parameters={k: v for k, v in fields.items() if v is not None},
-            enable_empty_final_response=True,
-        )
-        try:
-            while True:
-                response, error = responses.get(timeout=timeout_s)
-                if error is not None:
-                    out.error = error.message()
-                    break
-                final = response.get_response().parameters["triton_final_response"].bool_param
-                text = _scalar(response, "TEXT")
-                if final:
-                    if text is not None:
-                        out.text = text.decode("utf-8")
-                        out.tokens = int(_scalar(response, "TOKENS"))
-                        out.steps = int(_scalar(response, "STEPS"))
-                        out.seed = int(_scalar(response, "SEED"))
-                    break
-                if text is not None:
-                    block = Block(
-                        index=int(_scalar(response, "BLOCK")),
-                        text=text.decode("utf-8"),
-                        tokens=int(_scalar(response, "TOKENS")),
-                        at_s=time.perf_counter() - started,
-                        wall=time.time(),
-                    )
-                    out.blocks.append(block)
-                    if on_block is not None and on_block(block):
-                        client.stop_stream(cancel_requests=True)
-                        out.cancelled, out.error = True, "cancelled by the client"
-                        break
-        except queue.Empty:
-            out.error = f"no final response within {timeout_s} s"
-            client.stop_stream(cancel_requests=True)
-        out.latency_s = time.perf_counter() - started
-    finally:
-        client.stop_stream()
-        client.close()
-    return out
+    """Send one request on a connection of its own; return when its FINAL response arrives."""
+    with TextSession(url, model) as session:
+        return session.generate(request, request_id, timeout_s, on_block)
 
 
 def generate_text_many(

@@ -156,6 +156,11 @@ class DiffusionLMModel:
         install_log_handler()
         self.settings = settings = ModelSettings.from_triton_args(args)
         self.metrics = batching_metrics(settings.name, DIFFUSION_LM_FAMILIES)
+        threads = settings.get("intra_op_threads")
+        if threads is not None:
+            # Each model runs in its own stub process; on a small CPU shared with Triton's own threads,
+            # fewer torch threads can be faster.
+            torch.set_num_threads(int(threads))
         self.lm: LoadedMaskedLM = load_masked_lm(settings)
         self.fields = self.FIELDS.configured(settings.params)
         if self.fields["apply_chat_template"].default and not self.lm.tokenizer.chat_template:
@@ -190,9 +195,9 @@ class DiffusionLMModel:
     def _with_faults(self, forward: PaddedForward, faults: FaultInjection) -> PaddedForward:
         """The forward with the test-only faults (``fault_injection``): a failing or stalled step."""
 
-        def faulty(input_ids: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor):
+        def faulty(*inputs: torch.Tensor) -> torch.Tensor:
             faults.before_call([request.handle.prompt for request in self.engine.running])
-            logits = forward(input_ids, attention_mask, positions)
+            logits = forward(*inputs)
             faults.after_step()
             return logits
 

@@ -6,8 +6,9 @@ finishes its last. A request added while others run joins at the next step; a fi
 leaves at once, so nobody waits for the slowest row. :class:`EngineWorker` runs the engine on its own
 thread, fed by Triton's ``execute()``, with bounded admission.
 
-Each request's step is :func:`masked_diffusion.commit` on its own slice of the shared logits, so the
-tokens are exactly those of :func:`masked_diffusion.generate_reference` run alone.
+After the forward, :func:`masked_diffusion.commit_blocks` steps every request on its own slice of the
+logits with its own generator, so the tokens are exactly those of
+:func:`masked_diffusion.generate_reference` run alone.
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from triton_diffusion.errors import ErrorCode, RequestError
 from triton_diffusion.masked_diffusion import (
     DecodeParams,
-    commit,
+    commit_blocks,
     finished_text_tokens,
     guided_logits,
     transfer_schedule,
@@ -33,8 +35,9 @@ from triton_diffusion.masked_diffusion import (
 
 log = logging.getLogger("triton_diffusion")
 
-# input_ids, attention_mask, position_ids (all [rows, length]) -> logits [rows, length, vocab]
-PaddedForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# input_ids, attention_mask, position_ids (all [rows, length]) and keep [rows, k]
+#   -> logits at the kept positions [rows, k, vocab]
+PaddedForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass(eq=False)
@@ -80,16 +83,18 @@ class DecodingRequest:
         unconditional[: self.prompt_length] = self.mask_id
         return [self.x, unconditional]
 
-    def advance(self, block_logits: torch.Tensor) -> bool:
-        """Apply one step, given this request's rows of logits over its current block
-        ([rows, block_length, vocab]). Returns True when the step completed the block."""
+    def scheduled(self) -> int:
+        """How many tokens the next step commits (at least)."""
+        return self._schedule[self.step_in_block]
+
+    def current_block(self) -> torch.Tensor:
         start, end = self.block_bounds()
-        logits = guided_logits(block_logits, self.params.cfg_scale)
-        scheduled = self._schedule[self.step_in_block]
-        # The step runs where the logits are (the generator must live on that device too).
-        block = self.x[start:end].to(logits.device)
-        block = commit(logits, block, self.mask_id, scheduled, self.params, self.generator)
-        self.x[start:end] = block.to(self.x.device)
+        return self.x[start:end]
+
+    def advance(self, block: torch.Tensor) -> bool:
+        """Take the current block as one step left it. Returns True when the step completed it."""
+        start, end = self.block_bounds()
+        self.x[start:end] = block
         self.steps_used += 1
         self.step_in_block += 1
         if bool((self.x[start:end] == self.mask_id).any()):
@@ -130,24 +135,28 @@ class PaddedBatch:
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     position_ids: torch.Tensor
-    starts: list[int]  # where each row's first real token sits
+    starts: torch.Tensor  # [rows]: where each row's first real token sits
 
 
 def pad_rows(rows: Sequence[torch.Tensor], pad_id: int, side: str = "left") -> PaddedBatch:
     """Pad rows of different lengths into one batch. Positions count from each row's first real token, so
     a row sees the same positions as it would alone; the attention mask hides the padding."""
-    length = max(row.shape[0] for row in rows)
-    input_ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(rows), length), dtype=torch.long)
-    position_ids = torch.zeros((len(rows), length), dtype=torch.long)
-    starts = []
-    for i, row in enumerate(rows):
-        start = length - row.shape[0] if side == "left" else 0
-        input_ids[i, start : start + row.shape[0]] = row
-        attention_mask[i, start : start + row.shape[0]] = 1
-        position_ids[i, start : start + row.shape[0]] = torch.arange(row.shape[0])
-        starts.append(start)
-    return PaddedBatch(input_ids, attention_mask, position_ids, starts)
+    lengths = torch.tensor([row.shape[0] for row in rows])
+    input_ids = pad_sequence(list(rows), batch_first=True, padding_value=pad_id, padding_side=side)
+    length = input_ids.shape[1]
+    starts = length - lengths if side == "left" else torch.zeros_like(lengths)
+    positions = torch.arange(length).unsqueeze(0) - starts.unsqueeze(1)
+    attention_mask = ((positions >= 0) & (positions < lengths.unsqueeze(1))).long()
+    return PaddedBatch(input_ids, attention_mask, positions.clamp(min=0) * attention_mask, starts)
+
+
+def block_positions(batch: PaddedBatch, bounds: Sequence[tuple[int, int]], width: int) -> torch.Tensor:
+    """[rows, width]: where each row's current block sits in the padded batch; a block shorter than
+    ``width`` repeats its last position."""
+    begins = torch.tensor([begin for begin, _ in bounds]).unsqueeze(1)
+    ends = torch.tensor([end for _, end in bounds]).unsqueeze(1)
+    within = torch.minimum(begins + torch.arange(width).unsqueeze(0), ends - 1)
+    return batch.starts.unsqueeze(1) + within
 
 
 class ContinuousBatchEngine:
@@ -191,33 +200,57 @@ class ContinuousBatchEngine:
             self.listener.on_cancelled(request)
         if not self.running:
             return
-        rows = [row for request in self.running for row in request.row_tokens()]
+        in_forward = list(self.running)
+        rows = [row for request in in_forward for row in request.row_tokens()]
         batch = pad_rows(rows, self.pad_id, self.padding_side)
+        # Logits are needed at each row's current block only.
+        width = max(request.params.block_length for request in in_forward)
+        bounds = [request.block_bounds() for request in in_forward for _ in range(request.rows)]
+        keep = block_positions(batch, bounds, width)
         started = time.perf_counter()
         logits = self.forward(
             batch.input_ids.to(self.device),
             batch.attention_mask.to(self.device),
             batch.position_ids.to(self.device),
+            keep.to(self.device),
         )
         self.forwards += 1
         self.rows_computed += len(rows)
-        first_row = 0
-        in_forward = list(self.running)
-        for request in in_forward:
+        blocks = self._commit(in_forward, logits, width)
+        for request, block in zip(in_forward, blocks, strict=True):
             if request.joined_at_forward is None:
                 request.joined_at_forward = self.forwards
-            begin, end = request.block_bounds()
-            own = [
-                logits[first_row + j, batch.starts[first_row + j] + begin : batch.starts[first_row + j] + end]
-                for j in range(request.rows)
-            ]
-            first_row += request.rows
-            if request.advance(torch.stack(own)):
+            if request.advance(block[: request.params.block_length]):
                 self.listener.on_block(request)
             if request.finished:
                 self.running.remove(request)
                 self.listener.on_finished(request)
         self.listener.on_forward(len(rows), len(in_forward), time.perf_counter() - started)
+
+    def _commit(self, requests: list[DecodingRequest], logits: torch.Tensor, width: int) -> torch.Tensor:
+        """One step for every request of the forward; ``logits`` [rows, width, vocab] in row order."""
+        first_rows, row = [], 0
+        for request in requests:
+            first_rows.append(row)
+            row += request.rows
+        cfg = [i for i, request in enumerate(requests) if request.params.cfg_scale > 0]
+        guided = logits[first_rows]
+        if cfg:
+            conditional = torch.tensor([first_rows[i] for i in cfg])
+            scales = torch.tensor([requests[i].params.cfg_scale for i in cfg])
+            guided[cfg] = guided_logits(logits[conditional], logits[conditional + 1], scales)
+        blocks = torch.full((len(requests), width), -1, dtype=torch.long)
+        for i, request in enumerate(requests):
+            blocks[i, : request.params.block_length] = request.current_block()
+        committed = commit_blocks(
+            guided,
+            blocks.to(logits.device),
+            requests[0].mask_id,
+            [r.scheduled() for r in requests],
+            [r.params for r in requests],
+            [r.generator for r in requests],
+        )
+        return committed.cpu()
 
     def fail_all(self, error: RequestError) -> None:
         """Answer every running and waiting request with ``error`` and forget them."""

@@ -4,10 +4,9 @@ The working sequence is the prompt followed by ``gen_length`` mask tokens, decod
 ``block_length``; ``steps`` are spread evenly over the blocks. At each step the model sees the whole
 sequence (bidirectional attention) and :func:`commit` fills some masked positions of the current block.
 
-Everything here is per request. The batched engine (``dllm_engine``) calls the same :func:`commit` on
-its own slice of a shared forward; :func:`generate_reference` is the plain one-request loop it must match
-token for token. Noise is drawn for the current block only: no other position can be committed in this
-step, so this changes nothing but the cost (LLaDA draws it for the whole sequence).
+:func:`commit_blocks` is one step for any number of requests, each with its own block, schedule and
+generator. The batched engine (``dllm_engine``) calls it on the slices of a shared forward;
+:func:`generate_reference` is the plain one-request loop the engine must match token for token.
 """
 
 from __future__ import annotations
@@ -23,8 +22,8 @@ from triton_diffusion.errors import invalid_field
 
 REMASKING = ("low_confidence", "random")
 
-# input_ids [rows, length] -> logits [rows, length, vocab]; no padding in the reference.
-Forward = Callable[[torch.Tensor], torch.Tensor]
+# input_ids [rows, length], positions [rows, k] -> logits at those positions [rows, k, vocab]; no padding.
+Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -84,58 +83,69 @@ def transfer_schedule(block_length: int, steps: int) -> list[int]:
     return [base + 1] * remainder + [base] * (steps - remainder)
 
 
-def add_gumbel_noise(logits: torch.Tensor, temperature: float, generator: torch.Generator) -> torch.Tensor:
-    """LLaDA's sampling noise, in float64 (low precision Gumbel noise hurts generation quality)."""
-    if temperature == 0:
-        return logits
-    logits = logits.to(torch.float64)
-    noise = torch.rand(logits.shape, generator=generator, dtype=torch.float64, device=logits.device)
-    return logits.exp() / (-torch.log(noise)) ** temperature
+def guided_logits(cond: torch.Tensor, uncond: torch.Tensor, cfg_scale: torch.Tensor) -> torch.Tensor:
+    """Classifier-free guidance for n requests: ``un + (s + 1) * (cond - un)``; [n, k, vocab] logits of
+    the conditional rows and of the rows with the prompt masked, [n] scales."""
+    scale = cfg_scale.to(device=cond.device, dtype=cond.dtype).view(-1, 1, 1)
+    return uncond + (scale + 1) * (cond - uncond)
 
 
-def guided_logits(rows: torch.Tensor, cfg_scale: float) -> torch.Tensor:
-    """One request's logits from its rows: the conditional row, or ``un + (s + 1) * (cond - un)``."""
-    if cfg_scale == 0:
-        return rows[0]
-    cond, uncond = rows[0], rows[1]
-    return uncond + (cfg_scale + 1) * (cond - uncond)
-
-
-def commit(
+def commit_blocks(
     logits: torch.Tensor,
-    block: torch.Tensor,
+    blocks: torch.Tensor,
     mask_id: int,
-    scheduled: int,
-    params: DecodeParams,
-    generator: torch.Generator,
+    scheduled: Sequence[int],
+    params: Sequence[DecodeParams],
+    generators: Sequence[torch.Generator],
 ) -> torch.Tensor:
-    """One denoising step on one block: ``logits`` [block_length, vocab], ``block`` [block_length] token
-    ids. Returns the block with the chosen masked positions filled in.
+    """One denoising step for n requests, each on its own current block: ``logits`` [n, k, vocab] and
+    ``blocks`` [n, k] token ids (a block shorter than k is padded with -1). Returns the blocks with the
+    chosen masked positions filled in.
 
-    Commits ``scheduled`` positions (the most confident, or random ones); with ``threshold`` also every
-    position above it, at least one. The schedule stays a floor, so a block never takes more steps than
-    its share; the threshold only lets it finish sooner.
+    Request i commits ``scheduled[i]`` positions: the most confident, or random ones; with a
+    ``threshold`` also every position above it, at least one. The schedule stays a floor, so a block
+    never takes more steps than its share; the threshold only lets it finish sooner.
+
+    Sampling uses Gumbel noise in float64 from each request's own generator. LLaDA writes
+    ``exp(logits) / (-log u) ** T``; its logarithm ``logits - T * log(-log u)`` has the same argmax for
+    the same ``u``, cannot overflow and skips a float64 ``pow`` per vocabulary entry. Noise is drawn for
+    the current block only: no other position can be committed in this step.
     """
-    masked = block == mask_id
+    n, k, vocab = logits.shape
+    masked = blocks == mask_id
+    logits = logits.to(torch.float64, copy=True)
     # The mask token is in the vocabulary; predicting it would commit nothing (and stall the block).
-    logits = logits.clone()
-    logits[:, mask_id] = -math.inf
-    x0 = add_gumbel_noise(logits, params.temperature, generator).argmax(dim=-1)
-    if params.remasking == "low_confidence":
-        probabilities = F.softmax(logits.to(torch.float64), dim=-1)
-        confidence = probabilities.gather(-1, x0.unsqueeze(-1)).squeeze(-1)
-    else:
-        confidence = torch.rand(x0.shape, generator=generator, dtype=torch.float64, device=x0.device)
+    logits[..., mask_id] = -math.inf
+    scores = logits.clone()
+    random_confidence: dict[int, torch.Tensor] = {}
+    for i, (request, generator) in enumerate(zip(params, generators, strict=True)):
+        width = request.block_length
+        if request.temperature > 0:
+            u = torch.rand((width, vocab), generator=generator, dtype=torch.float64, device=logits.device)
+            scores[i, :width] -= request.temperature * torch.log(-torch.log(u))
+        if request.remasking == "random":
+            random_confidence[i] = torch.rand(
+                (width,), generator=generator, dtype=torch.float64, device=logits.device
+            )
+    x0 = scores.argmax(dim=-1)
+    confidence = F.softmax(logits, dim=-1).gather(-1, x0.unsqueeze(-1)).squeeze(-1)
+    for i, values in random_confidence.items():
+        confidence[i, : values.shape[0]] = values
     confidence = torch.where(masked, confidence, -math.inf)
-    available = int(masked.sum())
-    count = scheduled
-    if params.threshold is not None:
-        count = max(count, int((confidence > params.threshold).sum()), 1)
-    count = min(count, available)
-    chosen = torch.topk(confidence, count).indices
-    out = block.clone()
-    out[chosen] = x0[chosen]
-    return out
+
+    counts = torch.tensor(list(scheduled), device=logits.device)
+    thresholds = [math.inf if r.threshold is None else r.threshold for r in params]
+    above = (confidence > torch.tensor(thresholds, device=logits.device).unsqueeze(1)).sum(dim=1)
+    with_threshold = torch.tensor([r.threshold is not None for r in params], device=logits.device)
+    counts = torch.where(
+        with_threshold, torch.maximum(torch.maximum(counts, above), torch.ones_like(counts)), counts
+    )
+    counts = torch.minimum(counts, masked.sum(dim=1))
+    # The counts[i] most confident positions of row i: rank every position, keep ranks below the count.
+    order = confidence.argsort(dim=1, descending=True, stable=True)
+    rank = torch.empty_like(order)
+    rank.scatter_(1, order, torch.arange(k, device=logits.device).expand(n, k))
+    return torch.where(rank < counts.unsqueeze(1), x0, blocks)
 
 
 def finished_text_tokens(generated: torch.Tensor, eos_ids: Sequence[int]) -> list[int]:
@@ -180,8 +190,13 @@ def generate_reference(
                 unconditional = x.clone()
                 unconditional[:length] = mask_id
                 rows = torch.stack([x, unconditional])
-            logits = guided_logits(forward(rows)[:, start:end], params.cfg_scale)
-            x[start:end] = commit(logits, x[start:end], mask_id, scheduled, params, generator)
+            positions = torch.arange(start, end).expand(rows.shape[0], -1)
+            logits = forward(rows, positions)
+            if params.cfg_scale > 0:
+                logits = guided_logits(logits[:1], logits[1:], torch.tensor([params.cfg_scale]))
+            block = x[start:end].unsqueeze(0).to(logits.device)
+            block = commit_blocks(logits, block, mask_id, [scheduled], [params], [generator])
+            x[start:end] = block[0].to(x.device)
             steps_used += 1
         blocks += 1
         if params.stop_at_eos and any(int(t) in eos_ids for t in x[length:end]):

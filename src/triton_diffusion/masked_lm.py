@@ -18,9 +18,14 @@ from triton_diffusion.settings import ModelSettings
 
 MODEL_CLASSES = ("AutoModelForMaskedLM", "AutoModel", "AutoModelForCausalLM")
 
+# Classes whose logits are a linear head over their base model's last hidden state: (base, head). For
+# these the head runs on the positions a step needs only, not on the whole sequence.
+HEAD_ON_HIDDEN_STATE = {"EuroBertForMaskedLM": ("model", "lm_head")}
+
 
 class MaskedLMForward:
-    """``(input_ids, attention_mask, position_ids) -> logits`` for any masked LM.
+    """``(input_ids, attention_mask, position_ids, keep) -> logits`` at the ``keep`` positions
+    ([rows, k] -> [rows, k, vocab]), for any masked LM.
 
     Models whose forward takes ``position_ids`` get left padding with explicit positions. Others (LLaDA's
     remote code takes none) get right padding: with bidirectional attention and a key mask, real tokens
@@ -33,23 +38,41 @@ class MaskedLMForward:
         self.shift_logits = shift_logits
         self.takes_positions = "position_ids" in inspect.signature(model.forward).parameters
         self.padding_side = "left" if self.takes_positions else "right"
+        split = HEAD_ON_HIDDEN_STATE.get(type(model).__name__)
+        self.base_and_head = (
+            None if split is None or shift_logits else tuple(getattr(model, n) for n in split)
+        )
 
     def __call__(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        keep: torch.Tensor,
     ) -> torch.Tensor:
         kwargs: dict[str, Any] = {"attention_mask": attention_mask}
         if self.takes_positions:
             kwargs["position_ids"] = position_ids
+        if self.base_and_head is not None:
+            base, head = self.base_and_head
+            hidden = base(input_ids=input_ids, **kwargs).last_hidden_state
+            return head(_gather_positions(hidden, keep))
         logits = self.model(input_ids=input_ids, **kwargs).logits
         if self.shift_logits:
             logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
-        return logits
+        return _gather_positions(logits, keep)
 
-    def unpadded(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def unpadded(self, input_ids: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         """Rows of equal length with no padding (the one-request reference)."""
         ones = torch.ones_like(input_ids)
         positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-        return self(input_ids, ones, positions)
+        return self(input_ids, ones, positions, keep)
+
+
+def _gather_positions(values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """``values[i, keep[i, j]]`` for [rows, length, d] values and [rows, k] positions."""
+    index = keep.to(values.device).unsqueeze(-1).expand(-1, -1, values.shape[-1])
+    return values.gather(1, index)
 
 
 def prompt_token_ids(tokenizer: Any, prompt: str, chat: bool) -> list[int]:

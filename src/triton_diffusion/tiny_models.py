@@ -302,10 +302,10 @@ def build_tiny_dllm(target: Path) -> None:
     torch.manual_seed(0)
     config = EuroBertConfig(
         vocab_size=len(vocab),
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=32,
+        intermediate_size=64,
         num_hidden_layers=2,
-        num_attention_heads=4,
+        num_attention_heads=2,
         max_position_embeddings=1024,
         pad_token_id=vocab["[PAD]"],
         bos_token_id=None,

@@ -17,10 +17,16 @@ from triton_diffusion.dllm_engine import (
     ContinuousBatchEngine,
     DecodingRequest,
     EngineWorker,
+    block_positions,
     pad_rows,
 )
 from triton_diffusion.errors import ErrorCode, RequestError
-from triton_diffusion.masked_diffusion import DecodeParams, commit, generate_reference, transfer_schedule
+from triton_diffusion.masked_diffusion import (
+    DecodeParams,
+    commit_blocks,
+    generate_reference,
+    transfer_schedule,
+)
 from triton_diffusion.masked_lm import MaskedLMForward
 from triton_diffusion.tiny_models import build_tiny_dllm
 
@@ -79,7 +85,7 @@ CASES = {
         3,
     ),
     "cfg": ("red horse", DecodeParams(16, 4, 8, temperature=1.0, cfg_scale=1.5), 4, 5),
-    "threshold": ("what is a block", DecodeParams(32, 16, 16, temperature=0.3, threshold=0.05), 5, 5),
+    "threshold": ("what is a block", DecodeParams(32, 16, 16, temperature=0.3, threshold=0.02), 5, 5),
     "long_blocks": ("one two three four five", DecodeParams(40, 20, 20, temperature=1.3), 6, 11),
 }
 
@@ -205,8 +211,8 @@ def test_blocks_are_reported_in_order_before_the_final():
         def on_finished(self, request):
             events.append(("finished", request.block_index))
 
-    def forward(input_ids, attention_mask, position_ids):
-        return torch.randn(*input_ids.shape, 11, dtype=torch.float64)
+    def forward(input_ids, attention_mask, position_ids, keep):
+        return torch.randn(*keep.shape, 11, dtype=torch.float64)
 
     engine = ContinuousBatchEngine(forward, Listener(), pad_id=0, max_running=4)
     params = DecodeParams(12, 4, 6)
@@ -220,9 +226,13 @@ def test_padding_keeps_each_rows_positions():
     batch = pad_rows([torch.tensor([7, 8, 9]), torch.tensor([4])], pad_id=0, side="left")
     assert batch.input_ids.tolist() == [[7, 8, 9], [0, 0, 4]]
     assert batch.attention_mask.tolist() == [[1, 1, 1], [0, 0, 1]]
-    assert batch.position_ids[1, 2] == 0 and batch.starts == [0, 2]
+    assert batch.position_ids.tolist() == [[0, 1, 2], [0, 0, 0]] and batch.starts.tolist() == [0, 2]
     right = pad_rows([torch.tensor([7, 8, 9]), torch.tensor([4])], pad_id=0, side="right")
-    assert right.input_ids.tolist() == [[7, 8, 9], [4, 0, 0]] and right.starts == [0, 0]
+    assert right.input_ids.tolist() == [[7, 8, 9], [4, 0, 0]] and right.starts.tolist() == [0, 0]
+    assert right.attention_mask.tolist() == [[1, 1, 1], [1, 0, 0]]
+    # The current blocks: row 0 at positions 1..2 of its own, row 1 (shorter block) at 0, repeated.
+    keep = block_positions(batch, [(1, 3), (0, 1)], width=2)
+    assert keep.tolist() == [[1, 2], [2, 2]]
 
 
 def test_transfer_schedule_is_llada_get_num_transfer_tokens():
@@ -241,15 +251,46 @@ def test_commit_greedy_picks_the_most_confident_positions_and_threshold_adds_mor
     for position, (token, score) in enumerate([(1, 5.0), (2, 1.0), (3, 9.0), (4, 0.0)]):
         logits[position, token] = score
     block = torch.tensor([mask, mask, mask, 7])  # the last position is already committed
-    generator = torch.Generator().manual_seed(0)
-    two = commit(logits, block, mask, 2, DecodeParams(4, 4, 2), generator)
-    assert two.tolist() == [1, mask, 3, 7]
-    # With a threshold every position above it is committed, even beyond the scheduled one.
-    loose = commit(logits, block, mask, 1, DecodeParams(4, 4, 2, threshold=0.001), generator)
-    assert loose.tolist() == [1, 2, 3, 7]
+
+    def step(scheduled: int, params: DecodeParams) -> list[int]:
+        generator = torch.Generator().manual_seed(0)
+        return commit_blocks(logits[None], block[None], mask, [scheduled], [params], [generator])[0].tolist()
+
+    assert step(2, DecodeParams(4, 4, 2)) == [1, mask, 3, 7]
+    # With a threshold every position above it is committed, even beyond the scheduled one ...
+    assert step(1, DecodeParams(4, 4, 2, threshold=0.001)) == [1, 2, 3, 7]
     # ... and at least one, even when none is above it.
-    strict = commit(logits, block, mask, 0, DecodeParams(4, 4, 4, threshold=0.9999999), generator)
-    assert (strict != mask).sum() == 2 and strict[2] == 3
+    assert step(0, DecodeParams(4, 4, 4, threshold=0.9999999)) == [mask, mask, 3, 7]
+
+
+def test_commit_steps_requests_of_different_block_lengths_as_if_alone():
+    torch.manual_seed(0)
+    mask = 0
+    params = [
+        DecodeParams(8, 8, 4, temperature=0.9),
+        DecodeParams(4, 4, 2, remasking="random"),
+        DecodeParams(6, 6, 6, temperature=0.4, threshold=0.2),
+    ]
+    logits = torch.randn(3, 8, 13, dtype=torch.float64) * 3
+    blocks = torch.full((3, 8), -1)
+    for i, p in enumerate(params):
+        blocks[i, : p.block_length] = mask
+    scheduled = [2, 2, 1]
+    together = commit_blocks(
+        logits, blocks, mask, scheduled, params, [torch.Generator().manual_seed(i) for i in range(3)]
+    )
+    for i, p in enumerate(params):
+        width = p.block_length
+        alone = commit_blocks(
+            logits[i : i + 1, :width],
+            blocks[i : i + 1, :width],
+            mask,
+            [scheduled[i]],
+            [p],
+            [torch.Generator().manual_seed(i)],
+        )
+        assert torch.equal(together[i, :width], alone[0])
+        assert (alone != mask).sum() >= scheduled[i] and (together[i, width:] == -1).all()
 
 
 @pytest.mark.parametrize(
@@ -270,11 +311,11 @@ def test_bad_parameter_combinations_name_the_field_and_what_is_allowed(params, f
 
 # ---- the worker thread -----------------------------------------------------------------------------
 def slow_forward(delay_s: float, fail_when=None):
-    def forward(input_ids, attention_mask, position_ids):
+    def forward(input_ids, attention_mask, position_ids, keep):
         time.sleep(delay_s)
         if fail_when is not None and fail_when(input_ids):
             raise RuntimeError("injected forward failure")
-        return torch.randn(*input_ids.shape, 11, dtype=torch.float64)
+        return torch.randn(*keep.shape, 11, dtype=torch.float64)
 
     return forward
 

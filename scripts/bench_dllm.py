@@ -1,0 +1,250 @@
+"""Benchmark: the diffusion LM with step-level continuous batching against one-request-at-a-time serving.
+
+Both variants are the same model, weights and engine in the real server; only the running set differs:
+  continuous     max_running_requests 8 (the shipped config): requests share one forward per step
+  one_at_a_time  max_running_requests 1, waiting_room 0: a request runs alone; the rest wait in Triton's queue
+
+Each concurrency level is a closed loop: every client sends its next request when the last one finished.
+Reports tokens/s, requests/s, mean/p95 latency and time to first block; writes dllm_bench.json,
+dllm_bench.md and dllm_bench.png to --out.
+
+    .venv/bin/python scripts/bench_dllm.py --param intra_op_threads=1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT / "client"))
+sys.path.insert(0, str(REPO_ROOT / "scripts"))
+
+from bench import PROMPTS, metric_delta, percentile  # noqa: E402
+from dllm_client import TextResult, TextSession  # noqa: E402
+
+from triton_diffusion.server_process import WEIGHTS, copy_model, read_metrics, start_server  # noqa: E402
+from triton_diffusion.tiny_models import build_missing  # noqa: E402
+
+VARIANTS = {
+    "continuous": {},
+    "one_at_a_time": {"max_running_requests": "1", "waiting_room": "0"},
+}
+
+
+@dataclass
+class DllmStats:
+    variant: str
+    concurrency: int
+    requests: int
+    failed: int
+    duration_s: float
+    tokens_per_s: float
+    requests_per_s: float
+    latency_mean_s: float
+    latency_p95_s: float
+    first_block_mean_s: float
+    first_block_p95_s: float
+    rows_per_forward: float  # from the server's metrics
+    step_ms: float  # mean engine step (shared forward and commits), from the server's metrics
+
+
+def make_requests(count: int, seed: int, args: argparse.Namespace) -> list[dict]:
+    rng = random.Random(seed)
+    requests = []
+    for i in range(count):
+        gen_length = rng.choice(args.gen_lengths)
+        requests.append(
+            {
+                "prompt": rng.choice(PROMPTS),
+                "gen_length": gen_length,
+                "block_length": args.block_length,
+                "steps": gen_length // args.tokens_per_step,
+                "temperature": args.temperature,
+                "seed": seed * 1000 + i,
+            }
+        )
+    return requests
+
+
+def drive(url: str, model: str, concurrency: int, per_client: int, args: argparse.Namespace):
+    results: list[TextResult] = []
+    lock = threading.Lock()
+
+    def client(index: int) -> None:
+        with TextSession(url, model) as session:
+            for request in make_requests(per_client, index + 1, args):
+                result = session.generate(request, f"c{index}")
+                with lock:
+                    results.append(result)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(concurrency)]
+    started = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results, time.perf_counter() - started
+
+
+def run_variant(server, model: str, variant: str, args: argparse.Namespace) -> list[DllmStats]:
+    out = []
+    # Warm up: the first forwards of a fresh process are slow.
+    drive(server.grpc_url, model, 2, 2, args)
+    for concurrency in args.concurrency:
+        before = read_metrics(server)
+        results, duration = drive(server.grpc_url, model, concurrency, args.requests_per_client, args)
+        after = read_metrics(server)
+        ok = [r for r in results if r.ok]
+        latencies = [r.latency_s for r in ok]
+        first_blocks = [r.first_block_s for r in ok if r.first_block_s is not None]
+        rows = metric_delta(before, after, "triton_diffusion_lm_forward_rows_sum", model)
+        forwards = metric_delta(before, after, "triton_diffusion_lm_forward_rows_count", model)
+        step_seconds = metric_delta(before, after, "triton_diffusion_lm_step_seconds_sum", model)
+        stats = DllmStats(
+            variant=variant,
+            concurrency=concurrency,
+            requests=len(results),
+            failed=len(results) - len(ok),
+            duration_s=duration,
+            tokens_per_s=sum(r.tokens for r in ok) / duration,
+            requests_per_s=len(ok) / duration,
+            latency_mean_s=statistics.fmean(latencies),
+            latency_p95_s=percentile(latencies, 0.95),
+            first_block_mean_s=statistics.fmean(first_blocks),
+            first_block_p95_s=percentile(first_blocks, 0.95),
+            rows_per_forward=rows / forwards if forwards else float("nan"),
+            step_ms=1000 * step_seconds / forwards if forwards else float("nan"),
+        )
+        print(
+            f"  {variant:14s} clients={concurrency}: {stats.tokens_per_s:7.1f} tokens/s, "
+            f"latency mean {stats.latency_mean_s:.3f} s p95 {stats.latency_p95_s:.3f} s, "
+            f"first block mean {stats.first_block_mean_s:.3f} s, rows/forward {stats.rows_per_forward:.2f}, "
+            f"step {stats.step_ms:.1f} ms" + (f", {stats.failed} failed" if stats.failed else ""),
+            flush=True,
+        )
+        out.append(stats)
+    return out
+
+
+def write_plot(runs: list[DllmStats], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for variant in VARIANTS:
+        points = sorted((r.concurrency, r) for r in runs if r.variant == variant)
+        xs = [c for c, _ in points]
+        left.plot(xs, [r.tokens_per_s for _, r in points], marker="o", label=variant)
+        right.plot(xs, [r.latency_p95_s for _, r in points], marker="o", label=variant)
+    left.set(xlabel="concurrent clients", ylabel="tokens/s", title="Throughput")
+    right.set(xlabel="concurrent clients", ylabel="p95 latency (s)", title="p95 latency")
+    for axis in (left, right):
+        axis.grid(alpha=0.3)
+        axis.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def markdown(report: dict) -> str:
+    runs = [DllmStats(**r) for r in report["runs"]]
+    lines = [
+        f"Diffusion LM benchmark ({report['machine']}), requests: {report['workload']}",
+        "",
+        "| clients | variant | tokens/s | requests/s | latency mean (s) | latency p95 (s) "
+        "| first block mean (s) | rows per forward | step (ms) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in sorted(runs, key=lambda r: (r.concurrency, r.variant)):
+        lines.append(
+            f"| {r.concurrency} | {r.variant} | {r.tokens_per_s:.1f} | {r.requests_per_s:.2f} "
+            f"| {r.latency_mean_s:.3f} | {r.latency_p95_s:.3f} | {r.first_block_mean_s:.3f} "
+            f"| {r.rows_per_forward:.2f} | {r.step_ms:.1f} |"
+        )
+    lines.append("")
+    by = {(r.variant, r.concurrency): r for r in runs}
+    for concurrency in sorted({r.concurrency for r in runs}):
+        cont, solo = by.get(("continuous", concurrency)), by.get(("one_at_a_time", concurrency))
+        if cont and solo:
+            speedup = cont.tokens_per_s / solo.tokens_per_s
+            lines.append(
+                f"- {concurrency} clients: continuous batching gives {speedup:.2f}x "
+                f"the tokens/s of one-at-a-time serving; p95 latency {cont.latency_p95_s:.3f} s against "
+                f"{solo.latency_p95_s:.3f} s."
+            )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--concurrency", default="1,4,8", type=lambda s: [int(x) for x in s.split(",")])
+    parser.add_argument("--requests-per-client", type=int, default=8)
+    parser.add_argument(
+        "--gen-lengths",
+        default="64",
+        type=lambda s: [int(x) for x in s.split(",")],
+        help="each request picks one at random (e.g. 32,64,128 for mixed lengths)",
+    )
+    parser.add_argument("--block-length", type=int, default=16)
+    # LLaDA's defaults: one token per step, greedy.
+    parser.add_argument("--tokens-per-step", type=int, default=1, help="steps = gen_length / this")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--variants", default=",".join(VARIANTS), type=lambda s: s.split(","))
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "docs")
+    parser.add_argument(
+        "--param",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config parameter for both variants, e.g. intra_op_threads=1",
+    )
+    args = parser.parse_args(argv)
+
+    build_missing(WEIGHTS, only=["tiny-dllm"])
+    workload = (
+        f"gen_length {'/'.join(map(str, args.gen_lengths))}, block_length {args.block_length}, "
+        f"steps = gen_length / {args.tokens_per_step}, temperature {args.temperature}, "
+        f"{args.requests_per_client} requests per client"
+    )
+    print(f"workload: {workload}", flush=True)
+    runs: list[DllmStats] = []
+    for variant in args.variants:
+        # One server per variant, so the other variant's process does not compete for the CPU.
+        repo = Path(tempfile.mkdtemp(prefix=f"bench-dllm-{variant}-"))
+        params = dict(item.split("=", 1) for item in args.param)
+        params |= {"model": str(WEIGHTS / "tiny-dllm"), **VARIANTS[variant]}
+        copy_model("diffusion_lm", repo, variant, params)
+        server = start_server(repo, repo / "tritonserver.log", [variant])
+        try:
+            runs += run_variant(server, variant, variant, args)
+        finally:
+            server.stop()
+    report = {
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "workload": workload,
+        "runs": [asdict(r) for r in runs],
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "dllm_bench.json").write_text(json.dumps(report, indent=2))
+    (args.out / "dllm_bench.md").write_text(markdown(report))
+    write_plot(runs, args.out / "dllm_bench.png")
+    print(markdown(report))
+
+
+if __name__ == "__main__":
+    main()
