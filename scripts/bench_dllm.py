@@ -137,6 +137,77 @@ def run_variant(server, model: str, variant: str, args: argparse.Namespace) -> l
     return out
 
 
+class _Quiet:
+    """An engine listener that only decodes each block (as the server does) and counts tokens."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.tokens = 0
+
+    def is_cancelled(self, request) -> bool:
+        return False
+
+    def on_block(self, request) -> None:
+        self.tokenizer.decode(request.tokens(), skip_special_tokens=True)
+
+    def on_finished(self, request) -> None:
+        self.tokens += len(request.tokens())
+
+    def on_cancelled(self, request) -> None:
+        pass
+
+    def on_failed(self, request, error) -> None:
+        raise error
+
+    def on_forward(self, rows: int, requests: int, seconds: float) -> None:
+        pass
+
+
+def engine_ceiling(args: argparse.Namespace, requests: int) -> dict[str, float]:
+    """The engine in this process, no server or clients: ``requests`` requests at once against the same
+    requests one after another. The ceiling the served figures approach."""
+    import torch
+    from transformers import AutoModelForMaskedLM, AutoTokenizer
+
+    from triton_diffusion.dllm_engine import ContinuousBatchEngine, DecodingRequest
+    from triton_diffusion.masked_diffusion import DecodeParams
+    from triton_diffusion.masked_lm import MaskedLMForward, prompt_token_ids
+
+    threads = dict(item.split("=", 1) for item in args.param).get("intra_op_threads")
+    if threads:
+        torch.set_num_threads(int(threads))
+    tokenizer = AutoTokenizer.from_pretrained(WEIGHTS / "tiny-dllm")
+    forward = MaskedLMForward(AutoModelForMaskedLM.from_pretrained(WEIGHTS / "tiny-dllm").eval())
+    specs = make_requests(requests, 99, args)
+
+    def run(max_running: int) -> float:
+        listener = _Quiet(tokenizer)
+        engine = ContinuousBatchEngine(forward, listener, tokenizer.pad_token_id, max_running)
+        for spec in specs:
+            params = DecodeParams(
+                spec["gen_length"], spec["block_length"], spec["steps"], temperature=spec["temperature"]
+            )
+            prompt = torch.tensor(prompt_token_ids(tokenizer, spec["prompt"], chat=True))
+            engine.add(
+                DecodingRequest(
+                    None,
+                    prompt,
+                    params,
+                    torch.Generator().manual_seed(spec["seed"]),
+                    tokenizer.mask_token_id,
+                    (tokenizer.eos_token_id,),
+                )
+            )
+        started = time.perf_counter()
+        with torch.inference_mode():
+            while engine.active:
+                engine.step()
+        return listener.tokens / (time.perf_counter() - started)
+
+    run(requests)  # warm up
+    return {"requests": requests, "together_tokens_per_s": run(requests), "alone_tokens_per_s": run(1)}
+
+
 def write_plot(runs: list[DllmStats], path: Path) -> None:
     import matplotlib
 
@@ -175,6 +246,15 @@ def markdown(report: dict) -> str:
             f"| {r.rows_per_forward:.2f} | {r.step_ms:.1f} |"
         )
     lines.append("")
+    ceiling = report.get("engine_ceiling")
+    if ceiling:
+        lines.append(
+            f"- The engine alone, in process (no server, no clients): {ceiling['requests']} requests "
+            "together "
+            f"{ceiling['together_tokens_per_s']:.0f} tokens/s, one after another "
+            f"{ceiling['alone_tokens_per_s']:.0f} tokens/s "
+            f"({ceiling['together_tokens_per_s'] / ceiling['alone_tokens_per_s']:.2f}x)."
+        )
     by = {(r.variant, r.concurrency): r for r in runs}
     for concurrency in sorted({r.concurrency for r in runs}):
         cont, solo = by.get(("continuous", concurrency)), by.get(("one_at_a_time", concurrency))
@@ -234,10 +314,12 @@ def main(argv: list[str] | None = None) -> None:
             runs += run_variant(server, variant, variant, args)
         finally:
             server.stop()
+    ceiling = engine_ceiling(args, max(args.concurrency))
     report = {
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
         "workload": workload,
         "runs": [asdict(r) for r in runs],
+        "engine_ceiling": ceiling,
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "dllm_bench.json").write_text(json.dumps(report, indent=2))

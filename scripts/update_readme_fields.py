@@ -3,6 +3,7 @@
 import re
 from pathlib import Path
 
+from triton_diffusion.diffusion_lm import DIFFUSION_LM_FIELDS
 from triton_diffusion.image_to_image import IMAGE_TO_IMAGE_FIELDS
 from triton_diffusion.text_to_image import TEXT_TO_IMAGE_FIELDS
 from triton_diffusion.text_to_video import TEXT_TO_VIDEO_FIELDS
@@ -11,6 +12,7 @@ TABLES = {
     "text_to_image": TEXT_TO_IMAGE_FIELDS,
     "image_to_image": IMAGE_TO_IMAGE_FIELDS,
     "text_to_video": TEXT_TO_VIDEO_FIELDS,
+    "diffusion_lm": DIFFUSION_LM_FIELDS,
 }
 README = Path(__file__).resolve().parents[1] / "README.md"
 
