@@ -63,3 +63,30 @@ def test_model_paths_resolve_against_the_model_folder_and_must_exist(tmp_path):
         settings(tmp_path, model="../missing-folder").model_source()
     with pytest.raises(ValueError, match="needs a 'model' parameter"):
         settings(tmp_path).model_source()
+
+
+def test_the_diffusion_lm_loads_safetensors_and_remote_code_only_when_the_config_opts_in(
+    tmp_path, monkeypatch
+):
+    import transformers
+
+    from triton_diffusion import masked_lm
+
+    seen = {}
+
+    class Recorder:
+        @staticmethod
+        def from_pretrained(source, **kwargs):
+            seen.update(kwargs, source=source)
+            raise RuntimeError("recorded")
+
+    monkeypatch.setattr(transformers, "AutoModelForMaskedLM", Recorder)
+    monkeypatch.setattr(transformers, "AutoModel", Recorder)
+    for params, expected in (({}, False), ({"trust_remote_code": "true", "model_class": "AutoModel"}, True)):
+        with pytest.raises(RuntimeError, match="recorded"):
+            masked_lm.load_masked_lm(settings(tmp_path, model="org/some-dllm", **params))
+        assert seen["trust_remote_code"] is expected and seen["use_safetensors"] is True
+        assert seen["source"] == "org/some-dllm"
+    # Only the transformers auto classes listed may be named in the config.
+    with pytest.raises(ValueError, match="model_class must be one of"):
+        masked_lm.load_masked_lm(settings(tmp_path, model="org/some-dllm", model_class="os.system"))
