@@ -190,6 +190,31 @@ def _read_outputs(response: Any, encoding: str | None, result: GenerateResult) -
     result.batch = json.loads(batch.reshape(-1)[0]) if batch is not None else None
 
 
+def send_concurrently(
+    send_one: Callable[..., Any],
+    requests: Sequence[dict[str, Any]],
+    url: str,
+    model: str,
+    timeout_s: float,
+    on_event: Callable[[int, Any], bool | None] | None,
+) -> list[Any]:
+    """``send_one(request, request_id, url, model, timeout_s, callback)`` for every request at once, each
+    on its own thread and stream; results in request order. ``on_event(index, event)`` gets each
+    request's progress events (return True to cancel that request)."""
+    if not requests:
+        return []
+
+    def callback_for(index: int) -> Callable[[Any], bool | None] | None:
+        return None if on_event is None else lambda event: on_event(index, event)
+
+    with ThreadPoolExecutor(max_workers=len(requests)) as pool:
+        futures = [
+            pool.submit(send_one, req, str(i), url, model, timeout_s, callback_for(i))
+            for i, req in enumerate(requests)
+        ]
+        return [f.result() for f in futures]
+
+
 def generate_many(
     requests: Sequence[dict[str, Any]],
     url: str = "localhost:8001",
@@ -199,18 +224,7 @@ def generate_many(
 ) -> list[GenerateResult]:
     """Send each request (a dict with ``prompt`` and any other fields) concurrently; results in order.
     ``on_progress(index, progress)`` is called per progress response; return True to cancel that request."""
-    if not requests:
-        return []
-
-    def callback_for(index: int) -> OnProgress | None:
-        return None if on_progress is None else lambda progress: on_progress(index, progress)
-
-    with ThreadPoolExecutor(max_workers=len(requests)) as pool:
-        futures = [
-            pool.submit(generate_one, req, str(i), url, model, timeout_s, callback_for(i))
-            for i, req in enumerate(requests)
-        ]
-        return [f.result() for f in futures]
+    return send_concurrently(generate_one, requests, url, model, timeout_s, on_progress)
 
 
 def generate(

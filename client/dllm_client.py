@@ -19,12 +19,12 @@ import queue
 import sys
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import tritonclient.grpc as grpcclient
+from diffusion_client import send_concurrently
 
 OUTPUTS = ("TEXT", "BLOCK", "TOKENS", "STEPS", "SEED")
 
@@ -175,19 +175,9 @@ def generate_text_many(
     timeout_s: float = 300.0,
     on_block: Callable[[int, Block], bool | None] | None = None,
 ) -> list[TextResult]:
-    """Send every request concurrently, each on its own stream; results in request order."""
-    if not requests:
-        return []
-
-    def callback_for(index: int) -> OnBlock | None:
-        return None if on_block is None else lambda block: on_block(index, block)
-
-    with ThreadPoolExecutor(max_workers=len(requests)) as pool:
-        futures = [
-            pool.submit(generate_text_one, r, str(i), url, model, timeout_s, callback_for(i))
-            for i, r in enumerate(requests)
-        ]
-        return [f.result() for f in futures]
+    """Send every request concurrently, each on its own stream; results in request order.
+    ``on_block(index, block)`` is called per streamed block; return True to cancel that request."""
+    return send_concurrently(generate_text_one, requests, url, model, timeout_s, on_block)
 
 
 def generate_text(

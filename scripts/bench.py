@@ -27,6 +27,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -321,7 +322,14 @@ def run_raw(
     return out
 
 
-def write_plot(runs: list[RunStats], path: Path) -> None:
+def write_plot(
+    runs: list[Any],
+    path: Path,
+    throughput: str = "requests_per_s",
+    throughput_label: str = "requests/s",
+    xlabel: str = "concurrency",
+) -> None:
+    """Throughput and p95 latency against concurrency, one line per variant."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -331,10 +339,10 @@ def write_plot(runs: list[RunStats], path: Path) -> None:
     for variant in dict.fromkeys(r.variant for r in runs):
         points = sorted((r.concurrency, r) for r in runs if r.variant == variant and r.concurrency)
         xs = [c for c, _ in points]
-        left.plot(xs, [r.requests_per_s for _, r in points], marker="o", label=variant)
+        left.plot(xs, [getattr(r, throughput) for _, r in points], marker="o", label=variant)
         right.plot(xs, [r.latency_p95_s for _, r in points], marker="o", label=variant)
-    left.set(xlabel="concurrency", ylabel="requests/s", title="Throughput")
-    right.set(xlabel="concurrency", ylabel="p95 latency (s)", title="p95 latency")
+    left.set(xlabel=xlabel, ylabel=throughput_label, title="Throughput")
+    right.set(xlabel=xlabel, ylabel="p95 latency (s)", title="p95 latency")
     for axis in (left, right):
         axis.grid(alpha=0.3)
         axis.legend()

@@ -30,7 +30,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT / "client"))
 sys.path.insert(0, str(REPO_ROOT / "scripts"))
 
-from bench import PROMPTS, metric_delta, percentile  # noqa: E402
+from bench import PROMPTS, metric_delta, percentile, write_plot  # noqa: E402
 from dllm_client import TextResult, TextSession  # noqa: E402
 
 from triton_diffusion.server_process import WEIGHTS, copy_model, read_metrics, start_server  # noqa: E402
@@ -208,28 +208,6 @@ def engine_ceiling(args: argparse.Namespace, requests: int) -> dict[str, float]:
     return {"requests": requests, "together_tokens_per_s": run(requests), "alone_tokens_per_s": run(1)}
 
 
-def write_plot(runs: list[DllmStats], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    for variant in VARIANTS:
-        points = sorted((r.concurrency, r) for r in runs if r.variant == variant)
-        xs = [c for c, _ in points]
-        left.plot(xs, [r.tokens_per_s for _, r in points], marker="o", label=variant)
-        right.plot(xs, [r.latency_p95_s for _, r in points], marker="o", label=variant)
-    left.set(xlabel="concurrent clients", ylabel="tokens/s", title="Throughput")
-    right.set(xlabel="concurrent clients", ylabel="p95 latency (s)", title="p95 latency")
-    for axis in (left, right):
-        axis.grid(alpha=0.3)
-        axis.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def markdown(report: dict) -> str:
     runs = [DllmStats(**r) for r in report["runs"]]
     lines = [
@@ -324,7 +302,7 @@ def main(argv: list[str] | None = None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "dllm_bench.json").write_text(json.dumps(report, indent=2))
     (args.out / "dllm_bench.md").write_text(markdown(report))
-    write_plot(runs, args.out / "dllm_bench.png")
+    write_plot(runs, args.out / "dllm_bench.png", "tokens_per_s", "tokens/s", "concurrent clients")
     print(markdown(report))
 
 

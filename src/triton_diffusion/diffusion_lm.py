@@ -23,7 +23,7 @@ import torch
 from triton_diffusion.dllm_engine import ContinuousBatchEngine, DecodingRequest, EngineWorker, PaddedForward
 from triton_diffusion.errors import ErrorCode, RequestError, invalid_field
 from triton_diffusion.faults import FaultInjection
-from triton_diffusion.fields import REQUIRED, Field, FieldSet, Role
+from triton_diffusion.fields import REQUIRED, Field, FieldSet, Role, seed_field
 from triton_diffusion.masked_diffusion import REMASKING, DecodeParams
 from triton_diffusion.masked_lm import LoadedMaskedLM, load_masked_lm, prompt_token_ids
 from triton_diffusion.metrics import DIFFUSION_LM_FAMILIES
@@ -100,16 +100,7 @@ DIFFUSION_LM_FIELDS = FieldSet(
             doc="classifier-free guidance; > 0 adds a row with the prompt masked",
         ),
         Field("stop_at_eos", bool, True, Role.ROW, doc="stop after a block that holds an EOS token"),
-        Field(
-            "seed",
-            int,
-            None,
-            Role.ROW,
-            minimum=0,
-            maximum=2**63 - 1,
-            triton_type="TYPE_INT64",
-            doc="seed of the request's own generator; drawn and returned when absent",
-        ),
+        seed_field("seed of the request's own generator; drawn and returned when absent"),
     ]
 )
 

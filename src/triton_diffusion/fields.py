@@ -164,6 +164,11 @@ def _num(x: float) -> str:
     return str(int(x)) if float(x).is_integer() and abs(x) < 2**63 else str(x)
 
 
+def seed_field(doc: str) -> Field:
+    """The ``seed`` field every model has: per row, INT64, drawn by the server when absent."""
+    return Field("seed", int, None, Role.ROW, minimum=0, maximum=2**63 - 1, triton_type="TYPE_INT64", doc=doc)
+
+
 class FieldSet:
     """The fields one model accepts, in declaration order."""
 

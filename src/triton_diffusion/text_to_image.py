@@ -26,7 +26,7 @@ from triton_diffusion.diffusers_pipeline import (
 )
 from triton_diffusion.executor import CallRecord
 from triton_diffusion.faults import FaultInjection
-from triton_diffusion.fields import REQUIRED, Field, FieldSet, Role
+from triton_diffusion.fields import REQUIRED, Field, FieldSet, Role, seed_field
 from triton_diffusion.image_codec import IMAGE_FORMATS, OUTPUT_ENCODINGS, encode_image
 from triton_diffusion.latent_preview import preview_png
 from triton_diffusion.settings import ModelSettings
@@ -55,16 +55,7 @@ TEXT_TO_IMAGE_FIELDS = FieldSet(
             key_on_presence=True,
             doc="what to steer away from",
         ),
-        Field(
-            "seed",
-            int,
-            None,
-            Role.ROW,
-            minimum=0,
-            maximum=2**63 - 1,
-            triton_type="TYPE_INT64",
-            doc="random seed of the first image; image i uses seed + i; drawn and returned when absent",
-        ),
+        seed_field("random seed of the first image; image i uses seed + i; drawn and returned when absent"),
         Field(
             "num_images_per_prompt",
             int,
