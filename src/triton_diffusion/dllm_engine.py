@@ -182,7 +182,6 @@ class ContinuousBatchEngine:
         self.waiting: deque[DecodingRequest] = deque()
         self.running: list[DecodingRequest] = []
         self.forwards = 0  # shared forwards so far
-        self.rows_computed = 0  # rows summed over those forwards
 
     def add(self, request: DecodingRequest) -> None:
         self.waiting.append(request)
@@ -215,7 +214,6 @@ class ContinuousBatchEngine:
             keep.to(self.device),
         )
         self.forwards += 1
-        self.rows_computed += len(rows)
         blocks = self._commit(in_forward, logits, width)
         for request, block in zip(in_forward, blocks, strict=True):
             if request.joined_at_forward is None:
