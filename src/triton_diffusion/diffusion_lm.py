@@ -201,8 +201,8 @@ class DiffusionLMModel:
         for request in requests:
             sender = request.get_response_sender()
             try:
-                decoding = self.parse(read_raw_fields(request, self.fields), sender, request.request_id())
-                decoding.handle.entered = entered
+                raw = read_raw_fields(request, self.fields)
+                decoding = self.parse(raw, sender, request.request_id(), entered)
                 waited = self.worker.submit(decoding)
                 self.metrics.observe("triton_diffusion_lm_admission_wait_seconds", waited)
             except RequestError as error:
@@ -217,7 +217,7 @@ class DiffusionLMModel:
         log.info("%s unloaded", self.settings.name)
 
     # ---- requests ---------------------------------------------------------------------------------
-    def parse(self, raw: dict[str, Any], sender: Any, request_id: str) -> DecodingRequest:
+    def parse(self, raw: dict[str, Any], sender: Any, request_id: str, entered: float) -> DecodingRequest:
         values = self.fields.parse(raw)
         params = DecodeParams(
             gen_length=values["gen_length"],
@@ -233,7 +233,7 @@ class DiffusionLMModel:
         prompt = self.tokenize(values["prompt"], values["apply_chat_template"])
         seed = values["seed"] if values["seed"] is not None else random.randrange(2**32)
         generator = torch.Generator(device=self.lm.device).manual_seed(seed)
-        stream = ResponseStream(sender, request_id, values["prompt"], seed, time.perf_counter())
+        stream = ResponseStream(sender, request_id, values["prompt"], seed, entered)
         return DecodingRequest(stream, prompt, params, generator, self.lm.mask_id, self.lm.eos_ids)
 
     def tokenize(self, prompt: str, chat: bool) -> torch.Tensor:

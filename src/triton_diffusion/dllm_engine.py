@@ -266,10 +266,9 @@ class EngineWorker:
     raises fails the requests it held, each with one FINAL error; the thread goes on with the next ones.
     """
 
-    def __init__(self, engine: ContinuousBatchEngine, waiting_room: int, on_step: Callable[[], None] = None):
+    def __init__(self, engine: ContinuousBatchEngine, waiting_room: int) -> None:
         self.engine = engine
         self.capacity = engine.max_running + waiting_room
-        self._on_step = on_step
         self._condition = threading.Condition()
         self._incoming: deque[DecodingRequest] = deque()
         self._closed = False
@@ -306,8 +305,6 @@ class EngineWorker:
                     except Exception as exc:  # noqa: BLE001  (each held request still gets a FINAL)
                         log.exception("diffusion LM step failed")
                         self.engine.fail_all(RequestError(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"))
-                    if self._on_step is not None:
-                        self._on_step()
         finally:
             with self._condition:
                 self.engine.waiting.extend(self._incoming)

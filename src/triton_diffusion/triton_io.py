@@ -72,13 +72,13 @@ def send_partial(target: Any, outputs: Mapping[str, np.ndarray]) -> None:
 
 def send_progress(request: Any, step: int, total: int, preview: bytes | None) -> None:
     """A non-final response between two denoising steps."""
-    tensors = [
-        pb_utils.Tensor("STEP", np.array([[step]], dtype=np.int32)),
-        pb_utils.Tensor("TOTAL_STEPS", np.array([[total]], dtype=np.int32)),
-    ]
+    outputs = {
+        "STEP": np.array([[step]], dtype=np.int32),
+        "TOTAL_STEPS": np.array([[total]], dtype=np.int32),
+    }
     if preview is not None:
-        tensors.append(pb_utils.Tensor("PREVIEW", np.array([[preview]], dtype=object)))
-    request.get_response_sender().send(pb_utils.InferenceResponse(output_tensors=tensors), flags=0)
+        outputs["PREVIEW"] = np.array([[preview]], dtype=object)
+    send_partial(request, outputs)
 
 
 def send_error(target: Any, error: RequestError) -> None:
