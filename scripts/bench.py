@@ -36,7 +36,7 @@ sys.path.insert(0, str(REPO_ROOT / "client"))
 
 from diffusion_client import GenerateResult, StreamSession, generate_one  # noqa: E402
 
-from triton_diffusion.server_process import (  # noqa: E402
+from triton_diffusion.serving.server_process import (  # noqa: E402
     WEIGHTS,
     copy_model,
     read_metrics,

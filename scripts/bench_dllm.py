@@ -33,7 +33,7 @@ sys.path.insert(0, str(REPO_ROOT / "scripts"))
 from bench import PROMPTS, metric_delta, percentile, write_plot  # noqa: E402
 from dllm_client import TextResult, TextSession  # noqa: E402
 
-from triton_diffusion.server_process import WEIGHTS, copy_model, read_metrics, start_server  # noqa: E402
+from triton_diffusion.serving.server_process import WEIGHTS, copy_model, read_metrics, start_server  # noqa: E402
 from triton_diffusion.tiny_models import build_missing  # noqa: E402
 
 VARIANTS = {
@@ -169,9 +169,9 @@ def engine_ceiling(args: argparse.Namespace, requests: int) -> dict[str, float]:
     import torch
     from transformers import AutoModelForMaskedLM, AutoTokenizer
 
-    from triton_diffusion.dllm_engine import ContinuousBatchEngine, DecodingRequest
-    from triton_diffusion.masked_diffusion import DecodeParams
-    from triton_diffusion.masked_lm import MaskedLMForward, prompt_token_ids
+    from triton_diffusion.adapters.masked_diffusion import DecodeParams
+    from triton_diffusion.adapters.masked_lm import MaskedLMForward, prompt_token_ids
+    from triton_diffusion.engine.dllm_engine import ContinuousBatchEngine, DecodingRequest
 
     threads = dict(item.split("=", 1) for item in args.param).get("intra_op_threads")
     if threads:

@@ -34,7 +34,7 @@ sys.path.insert(0, str(REPO_ROOT / "client"))
 
 from diffusion_client import StreamSession  # noqa: E402
 
-from triton_diffusion.server_process import WEIGHTS, copy_model, start_server  # noqa: E402
+from triton_diffusion.serving.server_process import WEIGHTS, copy_model, start_server  # noqa: E402
 from triton_diffusion.tiny_models import build_missing  # noqa: E402
 
 KEYS = [(64, 2), (64, 4), (128, 2), (128, 4)]  # (height, steps); width stays 64

@@ -3,10 +3,10 @@
 import re
 from pathlib import Path
 
-from triton_diffusion.diffusion_lm import DIFFUSION_LM_FIELDS
-from triton_diffusion.image_to_image import IMAGE_TO_IMAGE_FIELDS
-from triton_diffusion.text_to_image import TEXT_TO_IMAGE_FIELDS
-from triton_diffusion.text_to_video import TEXT_TO_VIDEO_FIELDS
+from triton_diffusion.models.diffusion_lm import DIFFUSION_LM_FIELDS
+from triton_diffusion.models.image_to_image import IMAGE_TO_IMAGE_FIELDS
+from triton_diffusion.models.text_to_image import TEXT_TO_IMAGE_FIELDS
+from triton_diffusion.models.text_to_video import TEXT_TO_VIDEO_FIELDS
 
 TABLES = {
     "text_to_image": TEXT_TO_IMAGE_FIELDS,

@@ -1,6 +1,6 @@
 import pytest
 
-from triton_diffusion.server_process import WEIGHTS, copy_model, set_batching, start_server
+from triton_diffusion.serving.server_process import WEIGHTS, copy_model, set_batching, start_server
 from triton_diffusion.tiny_models import build_missing
 
 # A long queue delay makes the dynamic batcher reliably collect concurrently sent requests into one

@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from triton_diffusion.launcher import REPO_ROOT
+from triton_diffusion.serving.launcher import REPO_ROOT
 
 
 def test_bench_writes_its_report(tmp_path):

@@ -23,9 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "client"))
 
 from dllm_client import generate_text_many, generate_text_one  # noqa: E402
 
-from triton_diffusion.masked_diffusion import DecodeParams, generate_reference  # noqa: E402
-from triton_diffusion.masked_lm import MaskedLMForward, prompt_token_ids  # noqa: E402
-from triton_diffusion.server_process import WEIGHTS, read_metrics  # noqa: E402
+from triton_diffusion.adapters.masked_diffusion import DecodeParams, generate_reference  # noqa: E402
+from triton_diffusion.adapters.masked_lm import MaskedLMForward, prompt_token_ids  # noqa: E402
+from triton_diffusion.serving.server_process import WEIGHTS, read_metrics  # noqa: E402
 
 pytestmark = pytest.mark.integration
 

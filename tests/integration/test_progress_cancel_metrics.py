@@ -12,7 +12,7 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 from diffusion_client import generate_many, generate_one
 
-from triton_diffusion.server_process import read_metrics
+from triton_diffusion.serving.server_process import read_metrics
 
 from .test_text_to_image import max_diff, send
 

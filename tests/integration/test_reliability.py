@@ -15,8 +15,8 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import np_to_triton_dtype
 
-from triton_diffusion.launcher import REPO_ROOT
-from triton_diffusion.server_process import (
+from triton_diffusion.serving.launcher import REPO_ROOT
+from triton_diffusion.serving.server_process import (
     WEIGHTS,
     copy_model,
     remove_queue_policy,

@@ -2,7 +2,7 @@ from dataclasses import replace
 
 from triton_diffusion.compatibility import compatibility_key
 from triton_diffusion.fields import FieldSet
-from triton_diffusion.text_to_image import TEXT_TO_IMAGE_FIELDS
+from triton_diffusion.models.text_to_image import TEXT_TO_IMAGE_FIELDS
 
 FIELDS = TEXT_TO_IMAGE_FIELDS.configured(
     {

@@ -12,7 +12,7 @@ import compose_spec
 import pytest
 import yaml
 
-from triton_diffusion.launcher import REPO_ROOT
+from triton_diffusion.serving.launcher import REPO_ROOT
 from triton_diffusion.settings import config_parameters
 
 DOCKER = REPO_ROOT / "docker"

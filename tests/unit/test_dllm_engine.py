@@ -13,7 +13,14 @@ import time
 import pytest
 import torch
 
-from triton_diffusion.dllm_engine import (
+from triton_diffusion.adapters.masked_diffusion import (
+    DecodeParams,
+    commit_blocks,
+    generate_reference,
+    transfer_schedule,
+)
+from triton_diffusion.adapters.masked_lm import MaskedLMForward
+from triton_diffusion.engine.dllm_engine import (
     ContinuousBatchEngine,
     DecodingRequest,
     EngineWorker,
@@ -21,13 +28,6 @@ from triton_diffusion.dllm_engine import (
     pad_rows,
 )
 from triton_diffusion.errors import ErrorCode, RequestError
-from triton_diffusion.masked_diffusion import (
-    DecodeParams,
-    commit_blocks,
-    generate_reference,
-    transfer_schedule,
-)
-from triton_diffusion.masked_lm import MaskedLMForward
 from triton_diffusion.tiny_models import build_tiny_dllm
 
 

@@ -1,10 +1,10 @@
 """The executor with a fake pipeline object: bisection retry, OOM splits, one report per request."""
 
 from triton_diffusion.compatibility import CompatibilityKey
+from triton_diffusion.engine.executor import FusedCallExecutor
+from triton_diffusion.engine.planner import PlannedRequest, RowCaps, plan_groups
 from triton_diffusion.errors import ErrorCode, RequestError
-from triton_diffusion.executor import FusedCallExecutor
 from triton_diffusion.faults import SimulatedOutOfMemoryError
-from triton_diffusion.planner import PlannedRequest, RowCaps, plan_groups
 
 KEY = CompatibilityKey((("height", 64),))
 

@@ -4,7 +4,7 @@ import pytest
 
 from triton_diffusion.errors import ErrorCode, RequestError
 from triton_diffusion.fields import REQUIRED, Field, FieldSet, Role
-from triton_diffusion.text_to_image import TEXT_TO_IMAGE_FIELDS
+from triton_diffusion.models.text_to_image import TEXT_TO_IMAGE_FIELDS
 
 FIELDS = FieldSet(
     [

@@ -1,6 +1,6 @@
 import pytest
 
-from triton_diffusion import launcher
+from triton_diffusion.serving import launcher
 
 
 def fake_server_root(tmp_path, versions):

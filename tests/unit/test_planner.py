@@ -1,7 +1,7 @@
 import pytest
 
 from triton_diffusion.compatibility import CompatibilityKey
-from triton_diffusion.planner import PlannedRequest, Row, RowCaps, plan_groups
+from triton_diffusion.engine.planner import PlannedRequest, Row, RowCaps, plan_groups
 
 
 def k(width=64, height=64, steps=4):

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from triton_diffusion import diffusers_pipeline
+from triton_diffusion.adapters import diffusers_pipeline
 from triton_diffusion.settings import ModelSettings
 from triton_diffusion.tiny_models import DEFAULT_WEIGHTS_DIR, build_missing
 
@@ -70,7 +70,7 @@ def test_the_diffusion_lm_loads_safetensors_and_remote_code_only_when_the_config
 ):
     import transformers
 
-    from triton_diffusion import masked_lm
+    from triton_diffusion.adapters import masked_lm
 
     seen = {}
 

@@ -10,14 +10,14 @@ from typing import Any
 
 import numpy as np
 
+from triton_diffusion.adapters.diffusers_pipeline import row_seed
+from triton_diffusion.codecs.video import available_codec, encode_mp4, to_uint8
 from triton_diffusion.compatibility import CompatibilityKey
-from triton_diffusion.diffusers_pipeline import row_seed
-from triton_diffusion.executor import CallRecord
+from triton_diffusion.engine.executor import CallRecord
 from triton_diffusion.fields import Field, FieldSet, Role
+from triton_diffusion.models.text_to_image import TEXT_TO_IMAGE_FIELDS, TextToImageModel
+from triton_diffusion.serving.triton_model import PROGRESS_OUTPUTS, ParsedRequest, RowInput, batch_report
 from triton_diffusion.settings import ModelSettings
-from triton_diffusion.text_to_image import TEXT_TO_IMAGE_FIELDS, TextToImageModel
-from triton_diffusion.triton_model import PROGRESS_OUTPUTS, ParsedRequest, RowInput, batch_report
-from triton_diffusion.video_codec import available_codec, encode_mp4, to_uint8
 
 _FROM_IMAGE_FIELDS = [
     f

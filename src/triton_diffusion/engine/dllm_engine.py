@@ -24,14 +24,14 @@ from typing import Any, Protocol
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from triton_diffusion.errors import ErrorCode, RequestError
-from triton_diffusion.masked_diffusion import (
+from triton_diffusion.adapters.masked_diffusion import (
     DecodeParams,
     commit_blocks,
     finished_text_tokens,
     guided_logits,
     transfer_schedule,
 )
+from triton_diffusion.errors import ErrorCode, RequestError
 
 log = logging.getLogger("triton_diffusion")
 

@@ -20,10 +20,10 @@ from typing import Any, ClassVar
 import numpy as np
 
 from triton_diffusion.compatibility import CompatibilityKey, compatibility_key
+from triton_diffusion.engine.executor import CallRecord, CallReport, FusedCallExecutor
+from triton_diffusion.engine.planner import PlannedRequest, Row, RowCaps, plan_groups
 from triton_diffusion.errors import ErrorCode, RequestError
-from triton_diffusion.executor import CallRecord, CallReport, FusedCallExecutor
 from triton_diffusion.fields import Field, FieldSet, Role
-from triton_diffusion.planner import PlannedRequest, Row, RowCaps, plan_groups
 from triton_diffusion.settings import ModelSettings
 
 log = logging.getLogger("triton_diffusion")
@@ -146,12 +146,12 @@ class BatchedDiffusionModel:
     # ---- Triton entry points ----------------------------------------------------------------------
     @classmethod
     def auto_complete_config(cls, auto_complete_model_config: Any) -> Any:
-        from triton_diffusion.triton_io import add_io_to_config
+        from triton_diffusion.serving.triton_io import add_io_to_config
 
         return add_io_to_config(auto_complete_model_config, cls.FIELDS, cls.OUTPUTS)
 
     def initialize(self, args: dict[str, str]) -> None:
-        from triton_diffusion.triton_io import batching_metrics, install_log_handler
+        from triton_diffusion.serving.triton_io import batching_metrics, install_log_handler
 
         install_log_handler()
         self.settings = ModelSettings.from_triton_args(args)
@@ -169,7 +169,7 @@ class BatchedDiffusionModel:
         )
 
     def execute(self, requests: Sequence[Any]) -> None:
-        from triton_diffusion.triton_io import send_error
+        from triton_diffusion.serving.triton_io import send_error
 
         answered: set[int] = set()
         try:
@@ -197,7 +197,7 @@ class BatchedDiffusionModel:
         return ParsedRequest(index, values, compatibility_key(self.fields, values), self.rows_for(values))
 
     def _execute(self, requests: Sequence[Any], answered: set[int]) -> None:
-        from triton_diffusion.triton_io import read_raw_fields, send_error, send_final
+        from triton_diffusion.serving.triton_io import read_raw_fields, send_error, send_final
 
         entered = time.perf_counter()
         self.metrics.observe("triton_diffusion_execute_requests", len(requests))
@@ -255,7 +255,7 @@ class BatchedDiffusionModel:
     def _between_steps(
         self, steps: StepReporter, step: int, total: int, preview: Callable[[int], bytes] | None
     ) -> list[int]:
-        from triton_diffusion.triton_io import send_progress
+        from triton_diffusion.serving.triton_io import send_progress
 
         now = time.perf_counter()
         first_position: dict[int, int] = {}

@@ -13,8 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from triton_diffusion.compatibility import CompatibilityKey
-from triton_diffusion.diffusers_pipeline import (
+from triton_diffusion.adapters.diffusers_pipeline import (
     SchedulerChoices,
     call_parameters,
     default_size,
@@ -24,13 +23,13 @@ from triton_diffusion.diffusers_pipeline import (
     signature_default,
     size_multiple,
 )
-from triton_diffusion.executor import CallRecord
+from triton_diffusion.codecs.image import IMAGE_FORMATS, OUTPUT_ENCODINGS, encode_image
+from triton_diffusion.codecs.preview import preview_png
+from triton_diffusion.compatibility import CompatibilityKey
+from triton_diffusion.engine.executor import CallRecord
 from triton_diffusion.faults import FaultInjection
 from triton_diffusion.fields import REQUIRED, Field, FieldSet, Role, seed_field
-from triton_diffusion.image_codec import IMAGE_FORMATS, OUTPUT_ENCODINGS, encode_image
-from triton_diffusion.latent_preview import preview_png
-from triton_diffusion.settings import ModelSettings
-from triton_diffusion.triton_model import (
+from triton_diffusion.serving.triton_model import (
     PROGRESS_FIELDS,
     PROGRESS_OUTPUTS,
     BatchedDiffusionModel,
@@ -39,6 +38,7 @@ from triton_diffusion.triton_model import (
     StepReporter,
     batch_report,
 )
+from triton_diffusion.settings import ModelSettings
 
 # Defaults and limits here are fallbacks: config.pbtxt parameters override them (default_<field>,
 # min_<field>, max_<field>, ...), and size/step/guidance defaults are read from the pipeline itself.

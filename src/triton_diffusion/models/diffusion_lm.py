@@ -1,6 +1,6 @@
 """The diffusion language model on Triton: requests go to a step-level continuous-batching engine.
 
-``execute()`` parses each request and hands it to :class:`~triton_diffusion.dllm_engine.EngineWorker`,
+``execute()`` parses each request and hands it to :class:`~triton_diffusion.engine.dllm_engine.EngineWorker`,
 whose thread runs one shared forward per step for every running request. ``execute()`` returns once its
 requests are admitted; it blocks while the running set and the waiting room are full, so the rest waits
 in Triton's queue under its queue policy. Each completed block is streamed as a partial TEXT response;
@@ -20,13 +20,18 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from triton_diffusion.dllm_engine import ContinuousBatchEngine, DecodingRequest, EngineWorker, PaddedForward
+from triton_diffusion.adapters.masked_diffusion import REMASKING, DecodeParams
+from triton_diffusion.adapters.masked_lm import LoadedMaskedLM, load_masked_lm, prompt_token_ids
+from triton_diffusion.engine.dllm_engine import (
+    ContinuousBatchEngine,
+    DecodingRequest,
+    EngineWorker,
+    PaddedForward,
+)
 from triton_diffusion.errors import ErrorCode, RequestError, invalid_field
 from triton_diffusion.faults import FaultInjection
 from triton_diffusion.fields import REQUIRED, Field, FieldSet, Role, seed_field
-from triton_diffusion.masked_diffusion import REMASKING, DecodeParams
-from triton_diffusion.masked_lm import LoadedMaskedLM, load_masked_lm, prompt_token_ids
-from triton_diffusion.metrics import DIFFUSION_LM_FAMILIES
+from triton_diffusion.serving.metrics import DIFFUSION_LM_FAMILIES
 from triton_diffusion.settings import ModelSettings
 
 log = logging.getLogger("triton_diffusion")
@@ -137,12 +142,12 @@ class DiffusionLMModel:
     # ---- Triton entry points ----------------------------------------------------------------------
     @classmethod
     def auto_complete_config(cls, auto_complete_model_config: Any) -> Any:
-        from triton_diffusion.triton_io import add_io_to_config
+        from triton_diffusion.serving.triton_io import add_io_to_config
 
         return add_io_to_config(auto_complete_model_config, cls.FIELDS, cls.OUTPUTS)
 
     def initialize(self, args: dict[str, str]) -> None:
-        from triton_diffusion.triton_io import batching_metrics, install_log_handler
+        from triton_diffusion.serving.triton_io import batching_metrics, install_log_handler
 
         install_log_handler()
         self.settings = settings = ModelSettings.from_triton_args(args)
@@ -195,7 +200,7 @@ class DiffusionLMModel:
         return faulty
 
     def execute(self, requests: Sequence[Any]) -> None:
-        from triton_diffusion.triton_io import read_raw_fields
+        from triton_diffusion.serving.triton_io import read_raw_fields
 
         entered = time.perf_counter()
         for request in requests:
@@ -249,7 +254,7 @@ class DiffusionLMModel:
         return torch.tensor(ids, dtype=torch.long)
 
     def _fail(self, sender: Any, error: RequestError) -> None:
-        from triton_diffusion.triton_io import send_error
+        from triton_diffusion.serving.triton_io import send_error
 
         self.metrics.increment("triton_diffusion_requests_failed_total", code=error.code.value)
         send_error(sender, error)
@@ -259,7 +264,7 @@ class DiffusionLMModel:
         return request.handle.sender.is_cancelled()
 
     def on_block(self, request: DecodingRequest) -> None:
-        from triton_diffusion.triton_io import send_partial
+        from triton_diffusion.serving.triton_io import send_partial
 
         stream: ResponseStream = request.handle
         if not stream.first_block_seen:
@@ -279,7 +284,7 @@ class DiffusionLMModel:
         )
 
     def on_finished(self, request: DecodingRequest) -> None:
-        from triton_diffusion.triton_io import send_final
+        from triton_diffusion.serving.triton_io import send_final
 
         stream: ResponseStream = request.handle
         tokens = request.tokens()

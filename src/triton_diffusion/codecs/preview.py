@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from PIL import Image
 
-from triton_diffusion.image_codec import encode_image
+from triton_diffusion.codecs.image import encode_image
 
 # The widely used linear approximation of the Stable Diffusion 1.x/2.x VAE for 4-channel latents.
 SD_LATENT_RGB = torch.tensor(

@@ -16,7 +16,7 @@ import triton_python_backend_utils as pb_utils
 
 from triton_diffusion.errors import RequestError, invalid_field
 from triton_diffusion.fields import REQUIRED, FieldSet
-from triton_diffusion.metrics import FAMILIES, BatchingMetrics
+from triton_diffusion.serving.metrics import FAMILIES, BatchingMetrics
 
 
 def read_raw_fields(request: Any, fields: FieldSet) -> dict[str, Any]:

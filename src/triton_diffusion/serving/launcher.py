@@ -17,7 +17,7 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 
 

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from triton_diffusion.compatibility import CompatibilityKey
+from triton_diffusion.engine.planner import FusedCall, Row
 from triton_diffusion.errors import ErrorCode, RequestError
-from triton_diffusion.planner import FusedCall, Row
 
 log = logging.getLogger("triton_diffusion")
 

@@ -15,12 +15,12 @@ from typing import Any
 
 from PIL import Image
 
+from triton_diffusion.codecs.image import decode_image
 from triton_diffusion.errors import invalid_field
 from triton_diffusion.fields import REQUIRED, Field, FieldSet, Role
-from triton_diffusion.image_codec import decode_image
+from triton_diffusion.models.text_to_image import TEXT_TO_IMAGE_FIELDS, TextToImageModel
+from triton_diffusion.serving.triton_model import RowInput
 from triton_diffusion.settings import ModelSettings
-from triton_diffusion.text_to_image import TEXT_TO_IMAGE_FIELDS, TextToImageModel
-from triton_diffusion.triton_model import RowInput
 
 IMAGE_TO_IMAGE_FIELDS = FieldSet(
     [
