@@ -123,12 +123,14 @@ class StreamSession:
             responses = self._responses
             self.client.start_stream(callback=lambda result, error: responses.put((result, error)))
             self._streaming = True
-        prompt_tensor = grpcclient.InferInput("PROMPT", [1, 1], "BYTES")
-        prompt_tensor.set_data_from_numpy(np.array([[prompt.encode("utf-8")]], dtype=object))
+        inputs = [_bytes_input("PROMPT", prompt.encode("utf-8"))]
+        image = fields.pop("image", None)
+        if image is not None:  # image-to-image: the encoded source image as the IMAGE tensor
+            inputs.append(_bytes_input("IMAGE", image))
         started = time.perf_counter()
         self.client.async_stream_infer(
             self.model,
-            [prompt_tensor],
+            inputs,
             outputs=[grpcclient.InferRequestedOutput(name) for name in OUTPUTS],
             request_id=request_id,
             parameters={k: v for k, v in fields.items() if v is not None},
@@ -171,6 +173,12 @@ def generate_one(
     """Send one request on a stream of its own and wait for its FINAL response."""
     with StreamSession(url, model) as session:
         return session.generate(request, request_id, timeout_s, on_progress)
+
+
+def _bytes_input(name: str, value: bytes) -> grpcclient.InferInput:
+    tensor = grpcclient.InferInput(name, [1, 1], "BYTES")
+    tensor.set_data_from_numpy(np.array([[value]], dtype=object))
+    return tensor
 
 
 def _progress(response: Any) -> Progress:

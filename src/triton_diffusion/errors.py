@@ -28,3 +28,13 @@ class RequestError(Exception):
 
 def invalid_field(field: str, message: str) -> RequestError:
     return RequestError(ErrorCode.INVALID_ARG, f"{field}: {message}")
+
+
+def short_text(value: object, limit: int = 40) -> str:
+    """What a client sent, quoted for an error message: escaped, and cut to ``limit`` characters so a
+    megabyte of input never comes back as a megabyte of error."""
+    if isinstance(value, (str, bytes)):
+        shown = repr(value[:limit])
+        return shown if len(value) <= limit else f"{shown}... ({len(value)} long)"
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."

@@ -1,17 +1,19 @@
 """Test-only fault injection, enabled by the ``fault_injection`` config parameter (off by default).
 
-``{"fail_on_prompt": "boom", "oom_above_rows": 4, "step_delay_ms": 100}`` makes any pipeline call raise
-when one of its prompts contains "boom", raise a simulated out-of-memory when it holds more than 4 rows,
-and sleep 100 ms after every denoising step (a stalled step, so a test can cancel mid-call). This lets
-integration tests exercise failure isolation through the real server and the real pipeline.
+``{"fail_on_prompt": "boom", "oom_above_rows": 4, "step_delay_ms": 100}`` makes any pipeline call (or
+step-engine forward) raise when one of its prompts contains "boom", raise a simulated out-of-memory when
+it holds more than 4 rows, and sleep 100 ms after every denoising step (a stalled step, so a test can
+cancel mid-call). This lets integration tests exercise failure isolation through the real server and
+the real pipeline.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 
 class InjectedFault(RuntimeError):
@@ -49,3 +51,22 @@ class FaultInjection:
     def after_step(self) -> None:
         if self.step_delay_ms:
             time.sleep(self.step_delay_ms / 1000)
+
+
+class FaultyStepAdapter:
+    """A step adapter with the faults around its forward: the engine sees the failures a real model
+    would give it. ``prompt_of`` names a job's prompt."""
+
+    def __init__(self, adapter: Any, faults: FaultInjection, prompt_of: Callable[[Any], str]) -> None:
+        self.adapter = adapter
+        self.faults = faults
+        self.prompt_of = prompt_of
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.adapter, name)
+
+    def step(self, jobs: list[Any]) -> list[Any]:
+        self.faults.before_call([self.prompt_of(job) for job in jobs])
+        done = self.adapter.step(jobs)
+        self.faults.after_step()
+        return done

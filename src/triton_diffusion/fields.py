@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any
 
-from triton_diffusion.errors import invalid_field
+from triton_diffusion.errors import invalid_field, short_text
 
 
 class _Required:
@@ -134,13 +134,13 @@ class Field:
                 self.name, f"must be a finite number, got {value} (allowed: {self.allowed()})"
             )
         if self.choices is not None and value not in self.choices:
-            raise invalid_field(self.name, f"got {value!r} (allowed: {self.allowed()})")
+            raise invalid_field(self.name, f"got {short_text(value)} (allowed: {self.allowed()})")
         out_of_range = (self.minimum is not None and value < self.minimum) or (
             self.maximum is not None and value > self.maximum
         )
         not_multiple = bool(self.multiple_of) and value % self.multiple_of != self.remainder
         if out_of_range or not_multiple:
-            raise invalid_field(self.name, f"got {value} (allowed: {self.allowed()})")
+            raise invalid_field(self.name, f"got {short_text(value)} (allowed: {self.allowed()})")
         return value
 
     def _check_type(self, value: Any) -> Any:
@@ -155,7 +155,7 @@ class Field:
             raise invalid_field(
                 self.name,
                 f"must be {_ARTICLE[self.type]} {_TYPE_NAMES[self.type]}, "
-                f"got {type(value).__name__} {value!r:.40} (allowed: {self.allowed()})",
+                f"got {type(value).__name__} {short_text(value)} (allowed: {self.allowed()})",
             )
         return float(value) if self.type is float else value
 
@@ -194,9 +194,10 @@ class FieldSet:
         """Validate what a request sent and fill in defaults. Raises RequestError(INVALID_ARG)."""
         for name in raw:
             if name not in self._fields:
-                hint = self.closest_name(name)
+                hint = self.closest_name(name) if len(name) <= 64 else None
                 suggestion = f"; did you mean {hint!r}?" if hint else ""
-                raise invalid_field(name, f"unknown field{suggestion} (known: {', '.join(self._fields)})")
+                shown = name if len(name) <= 64 and name.isprintable() else short_text(name)
+                raise invalid_field(shown, f"unknown field{suggestion} (known: {', '.join(self._fields)})")
         values: dict[str, Any] = {}
         for field in self:
             if raw.get(field.name) is not None:

@@ -13,6 +13,14 @@ import time
 import pytest
 import torch
 
+from tests.unit.recording import RecordingChannel
+from triton_diffusion.adapters.diffusion_lm_adapter import (
+    DecodingRequest,
+    DiffusionLMAdapter,
+    block_positions,
+    pad_rows,
+    padding_changes_logits,
+)
 from triton_diffusion.adapters.masked_diffusion import (
     DecodeParams,
     commit_blocks,
@@ -20,13 +28,8 @@ from triton_diffusion.adapters.masked_diffusion import (
     transfer_schedule,
 )
 from triton_diffusion.adapters.masked_lm import MaskedLMForward
-from triton_diffusion.engine.dllm_engine import (
-    ContinuousBatchEngine,
-    DecodingRequest,
-    EngineWorker,
-    block_positions,
-    pad_rows,
-)
+from triton_diffusion.engine.requests import TrackedRequest
+from triton_diffusion.engine.step_engine import EngineLimits, EngineWorker, Job, StepEngine
 from triton_diffusion.errors import ErrorCode, RequestError
 from triton_diffusion.tiny_models import build_tiny_dllm
 
@@ -43,35 +46,55 @@ def lm(tmp_path_factory):
 
 
 class Recorder:
-    """An engine listener that writes down what happened."""
+    """An engine listener that writes down what happened; each job's channel records its answers."""
 
     def __init__(self, cancel_after: dict[str, int] | None = None) -> None:
         self.events: list[tuple[str, str]] = []
         self.finished: dict[str, DecodingRequest] = {}
-        self.failed: dict[str, RequestError] = {}
+        self.jobs: dict[str, Job] = {}
         self.cancel_after = cancel_after or {}
         self.forwards: list[tuple[int, int]] = []
+        self.lengths: list[set[int]] = []
 
-    def is_cancelled(self, request: DecodingRequest) -> bool:
-        limit = self.cancel_after.get(request.handle)
-        return limit is not None and request.steps_used >= limit
+    def job(self, name: str, request: DecodingRequest) -> Job:
+        limit = self.cancel_after.get(name)
+        channel = RecordingChannel(cancelled=lambda: limit is not None and request.steps_used >= limit)
+        job = Job(TrackedRequest(name, channel), request)
+        self.jobs[name] = job
+        return job
 
-    def on_block(self, request: DecodingRequest) -> None:
-        self.events.append(("block", request.handle))
+    @property
+    def failed(self) -> dict[str, RequestError]:
+        return {
+            name: job.request.channel.finals[0]
+            for name, job in self.jobs.items()
+            if job.request.channel.finals and isinstance(job.request.channel.finals[0], RequestError)
+        }
 
-    def on_finished(self, request: DecodingRequest) -> None:
-        self.events.append(("finished", request.handle))
-        self.finished[request.handle] = request
+    def on_admitted(self, job: Job) -> None:
+        pass
 
-    def on_cancelled(self, request: DecodingRequest) -> None:
-        self.events.append(("cancelled", request.handle))
+    def on_stepped(self, job: Job) -> None:
+        if job.state.new_block:
+            self.events.append(("block", job.request.request_id))
 
-    def on_failed(self, request: DecodingRequest, error: RequestError) -> None:
-        self.events.append(("failed", request.handle))
-        self.failed[request.handle] = error
+    def on_finished(self, job: Job, output: DecodingRequest) -> None:
+        self.events.append(("finished", job.request.request_id))
+        self.finished[job.request.request_id] = output
+        job.request.finish({"tokens": output.tokens()})
 
-    def on_forward(self, rows: int, requests: int, seconds: float) -> None:
-        self.forwards.append((rows, requests))
+    def on_left(self, job: Job, reason: str) -> None:
+        if reason != "finished":
+            self.events.append((reason, job.request.request_id))
+
+    def on_forward(self, jobs: list[Job], rows: int, seconds: float) -> None:
+        self.forwards.append((rows, len(jobs)))
+        self.lengths.append({job.state.x.shape[0] for job in jobs})
+
+
+def make_engine(forward, recorder, pad_id, max_running, padding_side="left", group_by_length=False):
+    adapter = DiffusionLMAdapter(forward, pad_id, padding_side, group_by_length=group_by_length)
+    return StepEngine(adapter, recorder, EngineLimits(max_running, max_running))
 
 
 # name -> (prompt, params, seed, engine step at which it arrives)
@@ -97,7 +120,6 @@ def encode(tokenizer, text: str) -> torch.Tensor:
 def make_request(tokenizer, name: str, eos_ids=()) -> DecodingRequest:
     prompt, params, seed, _ = CASES[name]
     return DecodingRequest(
-        name,
         encode(tokenizer, prompt),
         params,
         torch.Generator().manual_seed(seed),
@@ -114,12 +136,13 @@ def solo(forward: MaskedLMForward, tokenizer, name: str, eos_ids=()):
     )
 
 
-def run_engine(engine: ContinuousBatchEngine, tokenizer, names, eos_ids=()) -> None:
+def run_engine(engine: StepEngine, tokenizer, names, eos_ids=()) -> None:
     arrivals = sorted(names, key=lambda n: CASES[n][3])
     step = 0
     while arrivals or engine.active:
         while arrivals and CASES[arrivals[0]][3] <= step:
-            engine.add(make_request(tokenizer, arrivals.pop(0), eos_ids))
+            name = arrivals.pop(0)
+            engine.add(engine.listener.job(name, make_request(tokenizer, name, eos_ids)))
         engine.step()
         step += 1
 
@@ -141,7 +164,7 @@ def test_batched_engine_matches_one_request_at_a_time(lm, padding):
     forward = MaskedLMForward(model if padding == "left" else NoPositions(model))
     assert forward.padding_side == padding
     recorder = Recorder()
-    engine = ContinuousBatchEngine(forward, recorder, tokenizer.pad_token_id, 8, forward.padding_side)
+    engine = make_engine(forward, recorder, tokenizer.pad_token_id, 8, forward.padding_side)
     run_engine(engine, tokenizer, list(CASES))
 
     solo_forwards = 0
@@ -154,18 +177,52 @@ def test_batched_engine_matches_one_request_at_a_time(lm, padding):
     assert engine.forwards < solo_forwards
     # Requests really shared forwards, and ones that arrived later joined mid-generation.
     assert max(requests for _, requests in recorder.forwards) >= 4
-    joined = {name: recorder.finished[name].joined_at_forward for name in CASES}
+    joined = {name: recorder.jobs[name].first_forward for name in CASES}
     assert joined["greedy"] == 1 and joined["long_blocks"] > 1
     # The threshold let its blocks finish early; the others used exactly their steps.
     assert recorder.finished["threshold"].steps_used < CASES["threshold"][1].steps
     assert recorder.finished["greedy"].steps_used == CASES["greedy"][1].steps
 
 
+class IgnoresMask(torch.nn.Module):
+    """Like LLaDA's published modelling code: attention runs with no mask, so padding leaks into rows."""
+
+    def __init__(self, model) -> None:
+        super().__init__()
+        self.inner = model
+
+    def forward(self, input_ids, attention_mask=None):
+        return self.inner(input_ids=input_ids)
+
+
+def test_a_model_that_ignores_its_mask_is_found_at_load_and_never_padded(lm):
+    model, tokenizer = lm
+    honest = MaskedLMForward(NoPositions(model))
+    leaky = MaskedLMForward(IgnoresMask(model))
+    vocab = model.config.vocab_size
+    assert not padding_changes_logits(honest, tokenizer.pad_token_id, "right", vocab)
+    assert padding_changes_logits(leaky, tokenizer.pad_token_id, "right", vocab)
+
+    names = ["greedy", "sampled", "cfg", "threshold"]  # four prompt lengths
+    outcomes = {}
+    for group_by_length in (False, True):
+        recorder = Recorder()
+        engine = make_engine(leaky, recorder, tokenizer.pad_token_id, 8, "right", group_by_length)
+        run_engine(engine, tokenizer, names)
+        outcomes[group_by_length] = {
+            n: recorder.finished[n].tokens() == solo(leaky, tokenizer, n).tokens for n in names
+        }
+        if group_by_length:  # unpadded: every forward held rows of one length only
+            assert all(len(lengths) == 1 for lengths in recorder.lengths)
+    assert all(outcomes[True].values()), outcomes  # grouped by length: exactly the solo tokens
+    assert not all(outcomes[False].values()), outcomes  # padded next to longer rows: they drift
+
+
 def test_a_full_running_set_admits_at_the_next_free_slot(lm):
     model, tokenizer = lm
     forward = MaskedLMForward(model)
     recorder = Recorder()
-    engine = ContinuousBatchEngine(forward, recorder, tokenizer.pad_token_id, 2)
+    engine = make_engine(forward, recorder, tokenizer.pad_token_id, 2)
     run_engine(engine, tokenizer, list(CASES))
     assert max(requests for _, requests in recorder.forwards) == 2
     for name in CASES:
@@ -182,7 +239,7 @@ def test_eos_stops_after_its_block_and_text_ends_before_it(lm):
     reference = solo(forward, tokenizer, "greedy", eos_ids=(eos,))
     assert reference.blocks == 1 and reference.tokens == first.tokens[: first.tokens.index(eos)]
     recorder = Recorder()
-    engine = ContinuousBatchEngine(forward, recorder, tokenizer.pad_token_id, 8)
+    engine = make_engine(forward, recorder, tokenizer.pad_token_id, 8)
     run_engine(engine, tokenizer, ["greedy", "sampled"], eos_ids=(eos,))
     assert recorder.finished["greedy"].tokens() == reference.tokens
     assert recorder.finished["greedy"].block_index == 1
@@ -192,7 +249,7 @@ def test_a_cancelled_request_leaves_at_once_and_the_others_are_unchanged(lm):
     model, tokenizer = lm
     forward = MaskedLMForward(model)
     recorder = Recorder(cancel_after={"greedy": 3})
-    engine = ContinuousBatchEngine(forward, recorder, tokenizer.pad_token_id, 8)
+    engine = make_engine(forward, recorder, tokenizer.pad_token_id, 8)
     run_engine(engine, tokenizer, ["greedy", "sampled", "cfg"])
     assert ("cancelled", "greedy") in recorder.events and "greedy" not in recorder.finished
     for name in ("sampled", "cfg"):
@@ -205,18 +262,21 @@ def test_blocks_are_reported_in_order_before_the_final():
     events = []
 
     class Listener(Recorder):
-        def on_block(self, request):
-            events.append(("block", request.block_index))
+        def on_stepped(self, job):
+            if job.state.new_block:
+                events.append(("block", job.state.block_index))
 
-        def on_finished(self, request):
-            events.append(("finished", request.block_index))
+        def on_finished(self, job, output):
+            events.append(("finished", output.block_index))
 
     def forward(input_ids, attention_mask, position_ids, keep):
         return torch.randn(*keep.shape, 11, dtype=torch.float64)
 
-    engine = ContinuousBatchEngine(forward, Listener(), pad_id=0, max_running=4)
+    listener = Listener()
+    engine = make_engine(forward, listener, pad_id=0, max_running=4)
     params = DecodeParams(12, 4, 6)
-    engine.add(DecodingRequest("x", torch.tensor([5, 6]), params, torch.Generator().manual_seed(0), 1))
+    request = DecodingRequest(torch.tensor([5, 6]), params, torch.Generator().manual_seed(0), 1)
+    engine.add(listener.job("x", request))
     while engine.active:
         engine.step()
     assert events == [("block", 1), ("block", 2), ("block", 3), ("finished", 3)]
@@ -320,22 +380,23 @@ def slow_forward(delay_s: float, fail_when=None):
     return forward
 
 
-def tiny_request(name: str, first_token: int = 5) -> DecodingRequest:
-    return DecodingRequest(
-        name, torch.tensor([first_token, 6]), DecodeParams(8, 4, 4), torch.Generator().manual_seed(0), 1
-    )
+def tiny_job(recorder: Recorder, name: str, first_token: int = 5) -> Job:
+    generator = torch.Generator().manual_seed(0)
+    request = DecodingRequest(torch.tensor([first_token, 6]), DecodeParams(8, 4, 4), generator, 1)
+    return recorder.job(name, request)
 
 
 def test_submit_blocks_while_the_running_set_and_waiting_room_are_full():
     recorder = Recorder()
-    engine = ContinuousBatchEngine(slow_forward(0.02), recorder, pad_id=0, max_running=2)
+    engine = make_engine(slow_forward(0.02), recorder, pad_id=0, max_running=2)
     worker = EngineWorker(engine, waiting_room=1)
     try:
         for name in "abc":
-            worker.submit(tiny_request(name))
+            worker.submit([tiny_job(recorder, name)])
         done = threading.Event()
         waited: list[float] = []
-        threading.Thread(target=lambda: (waited.append(worker.submit(tiny_request("d"))), done.set())).start()
+        late = tiny_job(recorder, "d")
+        threading.Thread(target=lambda: (waited.append(worker.submit([late])), done.set())).start()
         assert not done.wait(0.03)  # full: the fourth waits for a slot
         assert done.wait(10)
         assert waited[0] > 0.02
@@ -351,37 +412,34 @@ def test_a_failing_forward_answers_each_request_it_held_once_and_the_worker_goes
     recorder = Recorder()
     # The forward fails whenever a row starts with token 99 (request "bad").
     forward = slow_forward(0.01, fail_when=lambda ids: bool((ids == 99).any()))
-    engine = ContinuousBatchEngine(forward, recorder, pad_id=0, max_running=4)
+    engine = make_engine(forward, recorder, pad_id=0, max_running=4)
     worker = EngineWorker(engine, waiting_room=2)
     try:
-        worker.submit(tiny_request("ok1"))
-        worker.submit(tiny_request("bad", first_token=99))
+        worker.submit([tiny_job(recorder, "ok1")])
+        worker.submit([tiny_job(recorder, "bad", first_token=99)])
         deadline = time.monotonic() + 10
         while "bad" not in recorder.failed and time.monotonic() < deadline:
             time.sleep(0.01)
-        worker.submit(tiny_request("ok2"))
+        worker.submit([tiny_job(recorder, "ok2")])
         while "ok2" not in recorder.finished and time.monotonic() < deadline:
             time.sleep(0.01)
     finally:
         worker.close()
     assert recorder.failed["bad"].code is ErrorCode.INTERNAL
     assert "injected forward failure" in recorder.failed["bad"].message
-    assert "ok2" in recorder.finished
-    # ok1 shared the failing forward (failed) unless it had finished before "bad" arrived.
-    ends = [event for event in recorder.events if event[0] in ("finished", "failed", "cancelled")]
-    assert sorted(handle for _, handle in ends) == sorted({handle for _, handle in ends})  # one end each
-    assert {handle for _, handle in ends} == {"ok1", "bad", "ok2"}
+    assert "ok1" in recorder.finished and "ok2" in recorder.finished  # the failing forward was bisected
+    assert all(len(job.request.channel.finals) == 1 for job in recorder.jobs.values())  # one end each
 
 
 def test_close_answers_whatever_is_still_held():
     recorder = Recorder()
-    engine = ContinuousBatchEngine(slow_forward(0.05), recorder, pad_id=0, max_running=1)
+    engine = make_engine(slow_forward(0.05), recorder, pad_id=0, max_running=1)
     worker = EngineWorker(engine, waiting_room=3)
     for name in "abcd":
-        worker.submit(tiny_request(name))
+        worker.submit([tiny_job(recorder, name)])
     worker.close()
     ended = set(recorder.finished) | set(recorder.failed)
     assert ended == {"a", "b", "c", "d"}
     assert all(e.code is ErrorCode.UNAVAILABLE for e in recorder.failed.values()) and recorder.failed
     with pytest.raises(RequestError, match="shutting down"):
-        worker.submit(tiny_request("late"))
+        worker.submit([tiny_job(recorder, "late")])

@@ -1,5 +1,9 @@
 """The executor with a fake pipeline object: bisection retry, OOM splits, one report per request."""
 
+import gc
+import weakref
+
+from tests.unit.recording import tracked
 from triton_diffusion.compatibility import CompatibilityKey
 from triton_diffusion.engine.executor import FusedCallExecutor
 from triton_diffusion.engine.planner import PlannedRequest, RowCaps, plan_groups
@@ -36,18 +40,17 @@ def run(pipeline, rows_per_request, max_rows=8):
     calls = plan_groups(requests, RowCaps(max_rows).cap_for)
     reports = []
     executor = FusedCallExecutor(pipeline, reports.append)
-    done, failed = {}, {}
+    tracked_requests = {r.index: tracked(str(r.index)) for r in requests}
+    done = {}
 
     def on_complete(i, outputs, records):
-        assert i not in done and i not in failed  # exactly one answer per request
+        assert tracked_requests[i].finish((outputs, records))  # the first answer
         done[i] = (outputs, records)
 
-    def on_error(i, error):
-        assert i not in done and i not in failed
-        failed[i] = error
-
-    executor.run(calls, {r.index: r.rows for r in requests}, on_complete, on_error)
-    assert set(done) | set(failed) == set(range(len(rows_per_request)))
+    executor.run(calls, tracked_requests, {r.index: r.rows for r in requests}, on_complete)
+    finals = {i: t.channel.finals for i, t in tracked_requests.items()}
+    assert all(len(f) == 1 for f in finals.values()), finals  # exactly one answer per request
+    failed = {i: f[0] for i, f in finals.items() if isinstance(f[0], RequestError)}
     return done, failed, Stats(reports)
 
 
@@ -115,14 +118,44 @@ def test_a_request_ended_during_a_call_is_answered_once_and_its_rows_are_ignored
             executor.fail(1, RequestError(ErrorCode.CANCELLED, "cancelled after step 2/4"))
         return [None if r.request_index == 1 else "img" for r in rows]
 
-    done, failed = {}, {}
+    done = {}
     requests = [PlannedRequest(i, KEY, 2) for i in range(3)]
+    tracked_requests = {r.index: tracked(str(r.index)) for r in requests}
     executor = FusedCallExecutor(pipeline)
     calls = plan_groups(requests, RowCaps(4).cap_for)  # request 1 spans both calls
-    executor.run(
-        calls,
-        {r.index: r.rows for r in requests},
-        lambda i, o, c: done.setdefault(i, o),
-        lambda i, e: failed.setdefault(i, e),
-    )
-    assert set(done) == {0, 2} and failed[1].code is ErrorCode.CANCELLED
+    rows = {r.index: r.rows for r in requests}
+    executor.run(calls, tracked_requests, rows, lambda i, o, c: done.setdefault(i, o))
+    assert set(done) == {0, 2}
+    assert [e.code for e in tracked_requests[1].channel.finals] == [ErrorCode.CANCELLED]
+
+
+def test_a_request_cancelled_while_waiting_for_a_later_call_never_starts():
+    pipeline = FakePipeline()
+    requests = [PlannedRequest(i, KEY, 1) for i in range(3)]
+    tracked_requests = {0: tracked("0"), 1: tracked("1"), 2: tracked("2", cancelled=True)}
+    calls = plan_groups(requests, RowCaps(2).cap_for)  # [0, 1] then [2]
+    FusedCallExecutor(pipeline).run(calls, tracked_requests, {i: 1 for i in range(3)}, lambda i, o, c: None)
+    assert pipeline.calls == [[(0, 0), (1, 0)]]  # request 2 was asked before its call and never ran
+    assert [e.code for e in tracked_requests[2].channel.finals] == [ErrorCode.CANCELLED]
+
+
+class Activations:
+    """Stands for the tensors a failed pipeline call held."""
+
+
+def test_a_retry_starts_only_after_the_failed_calls_frames_are_released():
+    alive_at_retry = []
+    held = []
+
+    def pipeline(key, rows):
+        if len(rows) > 1:
+            activations = Activations()  # a local of the failing call, like its intermediate tensors
+            held.append(weakref.ref(activations))
+            raise SimulatedOutOfMemoryError(f"{len(rows)} rows do not fit")
+        gc.collect()
+        alive_at_retry.append(held[0]() is not None)
+        return ["img"]
+
+    done, failed, stats = run(pipeline, [1, 1])
+    assert not failed and len(done) == 2 and stats.oom_splits == 1
+    assert alive_at_retry == [False, False]  # the failed call's frame was gone when the halves ran

@@ -30,12 +30,17 @@ class MaskedLMForward:
     Models whose forward takes ``position_ids`` get left padding with explicit positions. Others (LLaDA's
     remote code takes none) get right padding: with bidirectional attention and a key mask, real tokens
     then keep positions 0..n-1 without being told. ``shift_logits`` is for models adapted from an
-    autoregressive one (Dream), whose logits at i predict token i + 1.
+    autoregressive one (Dream), whose logits at i predict token i + 1. ``mask_format`` "4d" passes the
+    padding mask as a [rows, 1, length, length] boolean matrix (Dream's modelling code wants that; a 2-D
+    mask is what transformers' own models take).
     """
 
-    def __init__(self, model: Any, shift_logits: bool = False) -> None:
+    def __init__(self, model: Any, shift_logits: bool = False, mask_format: str = "2d") -> None:
+        if mask_format not in ("2d", "4d"):
+            raise ValueError(f"attention_mask_format must be 2d or 4d, got {mask_format!r}")
         self.model = model
         self.shift_logits = shift_logits
+        self.mask_format = mask_format
         self.takes_positions = "position_ids" in inspect.signature(model.forward).parameters
         self.padding_side = "left" if self.takes_positions else "right"
         split = HEAD_ON_HIDDEN_STATE.get(type(model).__name__)
@@ -50,6 +55,11 @@ class MaskedLMForward:
         position_ids: torch.Tensor,
         keep: torch.Tensor,
     ) -> torch.Tensor:
+        if self.mask_format == "4d":
+            real = attention_mask.bool()
+            # A padding query attends to itself only, so no row of the matrix is empty (NaN in softmax).
+            itself = torch.eye(real.shape[1], dtype=torch.bool, device=real.device)
+            attention_mask = (real[:, None, :, None] & real[:, None, None, :]) | itself
         kwargs: dict[str, Any] = {"attention_mask": attention_mask}
         if self.takes_positions:
             kwargs["position_ids"] = position_ids
@@ -94,6 +104,7 @@ class LoadedMaskedLM:
     pad_id: int
     eos_ids: tuple[int, ...]
     device: str
+    vocab_size: int
 
 
 def load_masked_lm(settings: ModelSettings) -> LoadedMaskedLM:
@@ -131,10 +142,15 @@ def load_masked_lm(settings: ModelSettings) -> LoadedMaskedLM:
         eos_ids = tuple(t for t in (tokenizer.eos_token_id,) if t is not None)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos_ids or (mask_id,))[0]
     return LoadedMaskedLM(
-        forward=MaskedLMForward(model, shift_logits=settings.flag("shift_logits")),
+        forward=MaskedLMForward(
+            model,
+            shift_logits=settings.flag("shift_logits"),
+            mask_format=settings.get("attention_mask_format", "2d") or "2d",
+        ),
         tokenizer=tokenizer,
         mask_id=int(mask_id),
         pad_id=int(pad_id),
         eos_ids=eos_ids,
         device=device,
+        vocab_size=int(getattr(model.config, "vocab_size", None) or len(tokenizer)),
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import base64
 import io
 
-from PIL import Image
+from PIL import Image, ImageOps
 
 IMAGE_FORMATS = ("png", "jpeg", "webp")
 OUTPUT_ENCODINGS = ("binary", "base64")  # base64 keeps bytes intact through HTTP generate's JSON
@@ -29,33 +29,54 @@ def encode_image(image: Image.Image, image_format: str, encoding: str = "binary"
 _MAGIC = {b"\x89PNG\r\n\x1a\n": "PNG", b"\xff\xd8\xff": "JPEG", b"RIFF": "WEBP"}
 
 
+def _from_base64(data: bytes) -> bytes | None:
+    """Standard or URL-safe base64, with or without a ``data:image/...;base64,`` prefix, line breaks
+    (MIME, the ``base64`` tool's default) or missing padding. None when it is not base64."""
+    if data[:5].lower() == b"data:":
+        header, comma, data = data.partition(b",")
+        if not comma or not header.lower().endswith(b";base64"):
+            return None
+    text = data.translate(None, b" \t\r\n")
+    if b"-" in text or b"_" in text:
+        text = text.replace(b"-", b"+").replace(b"_", b"/")
+    text += b"=" * (-len(text) % 4)
+    try:
+        return base64.b64decode(text, validate=True)
+    except ValueError:
+        return None
+
+
 def decode_image(
     data: bytes, field: str, max_bytes: int, max_pixels: int, formats: tuple[str, ...]
 ) -> Image.Image:
     """Decode an uploaded image safely, or raise INVALID_ARG naming the field and the problem.
 
-    The size is checked from the header before any pixel is decoded (a decompression bomb never
-    allocates), the format must be one of ``formats``, and truncated or corrupt data is refused.
+    Only the allowed formats' Pillow plugins ever parse the bytes, the size is checked from the header
+    before any pixel is decoded (a decompression bomb never allocates), truncated or corrupt data is
+    refused, and the EXIF orientation is applied (a phone photo comes out upright).
     """
     from triton_diffusion.errors import invalid_field
 
+    allowed = ", ".join(formats)
     if not data:
-        raise invalid_field(field, "is empty (expected an encoded " + "/".join(formats) + " image)")
+        raise invalid_field(field, f"is empty (expected an encoded {allowed} image)")
     if len(data) > max_bytes:
         raise invalid_field(field, f"is {len(data)} bytes (allowed: at most {max_bytes} bytes)")
     if not any(data.startswith(magic) for magic in _MAGIC):
-        try:
-            data = base64.b64decode(data, validate=True)
-        except ValueError:
-            raise invalid_field(field, f"is not an image (allowed formats: {', '.join(formats)})") from None
+        decoded = _from_base64(data)
+        if decoded is None:
+            raise invalid_field(field, f"is neither an image nor base64 text (allowed formats: {allowed})")
+        data = decoded
+    sniffed = next((name for magic, name in _MAGIC.items() if data.startswith(magic)), None)
+    if sniffed is not None and sniffed not in formats:
+        raise invalid_field(field, f"format {sniffed} is not allowed (allowed: {allowed})")
     try:
-        image = Image.open(io.BytesIO(data))
+        image = Image.open(io.BytesIO(data), formats=formats)
     except Image.DecompressionBombError:  # Pillow's own guard, for sizes far above any sane limit
         raise invalid_field(field, f"is too large to decode (allowed: at most {max_pixels} pixels)") from None
-    except (OSError, ValueError) as exc:
-        raise invalid_field(field, f"is not a readable image ({exc})") from None
-    if image.format not in formats:
-        raise invalid_field(field, f"format {image.format} is not allowed (allowed: {', '.join(formats)})")
+    except (OSError, ValueError, SyntaxError):
+        # Pillow's message names a BytesIO object and its memory address: say what is wrong instead.
+        raise invalid_field(field, f"is not a readable {allowed} image") from None
     width, height = image.size
     if width * height > max_pixels:
         raise invalid_field(
@@ -63,6 +84,7 @@ def decode_image(
         )
     try:
         image.load()
+        image = ImageOps.exif_transpose(image)
     except (OSError, ValueError, SyntaxError) as exc:
-        raise invalid_field(field, f"is corrupt or truncated ({exc})") from None
+        raise invalid_field(field, f"is corrupt or truncated ({type(exc).__name__})") from None
     return image.convert("RGB")

@@ -1,10 +1,11 @@
-"""The diffusion language model on Triton: requests go to a step-level continuous-batching engine.
+"""The diffusion language model on Triton: requests go to the shared step engine (continuous batching).
 
-``execute()`` parses each request and hands it to :class:`~triton_diffusion.engine.dllm_engine.EngineWorker`,
-whose thread runs one shared forward per step for every running request. ``execute()`` returns once its
-requests are admitted; it blocks while the running set and the waiting room are full, so the rest waits
-in Triton's queue under its queue policy. Each completed block is streamed as a partial TEXT response;
-the FINAL response carries the whole text, the token count and the steps used.
+``execute()`` reads and validates each request and hands it to the step engine's worker, whose thread runs
+one shared forward per step for every running request (adapters/diffusion_lm_adapter.py). ``execute()``
+returns once its requests are admitted; it blocks while the running set and the waiting room are full,
+so the rest waits in Triton's queue under its queue policy. Each completed block is streamed as a partial
+TEXT response (unless ``stream`` is false); the FINAL response carries the whole text, the token count
+and the steps used.
 """
 
 from __future__ import annotations
@@ -13,25 +14,27 @@ import logging
 import os
 import random
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 import torch
 
+from triton_diffusion.adapters.diffusion_lm_adapter import (
+    DecodingRequest,
+    DiffusionLMAdapter,
+    padding_changes_logits,
+)
 from triton_diffusion.adapters.masked_diffusion import REMASKING, DecodeParams
 from triton_diffusion.adapters.masked_lm import LoadedMaskedLM, load_masked_lm, prompt_token_ids
-from triton_diffusion.engine.dllm_engine import (
-    ContinuousBatchEngine,
-    DecodingRequest,
-    EngineWorker,
-    PaddedForward,
-)
-from triton_diffusion.errors import ErrorCode, RequestError, invalid_field
-from triton_diffusion.faults import FaultInjection
+from triton_diffusion.engine.policies import make_policy
+from triton_diffusion.engine.requests import TrackedRequest
+from triton_diffusion.engine.step_engine import EngineLimits, EngineWorker, Job, StepEngine
+from triton_diffusion.errors import RequestError, invalid_field
+from triton_diffusion.faults import FaultInjection, FaultyStepAdapter
 from triton_diffusion.fields import REQUIRED, Field, FieldSet, Role, seed_field
 from triton_diffusion.serving.metrics import DIFFUSION_LM_FAMILIES
+from triton_diffusion.serving.triton_model import TritonModel
 from triton_diffusion.settings import ModelSettings
 
 log = logging.getLogger("triton_diffusion")
@@ -105,6 +108,14 @@ DIFFUSION_LM_FIELDS = FieldSet(
             doc="classifier-free guidance; > 0 adds a row with the prompt masked",
         ),
         Field("stop_at_eos", bool, True, Role.ROW, doc="stop after a block that holds an EOS token"),
+        Field(
+            "stream",
+            bool,
+            True,
+            Role.ROW,
+            doc="send each finished block as a partial response; false: the FINAL response only "
+            "(HTTP generate, which is not streaming, takes exactly one response)",
+        ),
         seed_field("seed of the request's own generator; drawn and returned when absent"),
     ]
 )
@@ -120,13 +131,11 @@ OUTPUTS = [
 
 @dataclass(eq=False)
 class ResponseStream:
-    """What the engine's listener needs to answer one request after ``execute()`` has returned."""
+    """What the engine's listener keeps per request (a job's ``context``)."""
 
-    sender: Any  # the request's pb_utils response sender
-    request_id: str
     prompt: str
     seed: int
-    entered: float  # perf_counter() at execute()
+    stream: bool
     text: str = ""  # sent so far
     first_block_seen: bool = False
 
@@ -135,23 +144,12 @@ def _array(value: Any, dtype: Any) -> np.ndarray:
     return np.array([[value]], dtype=dtype)
 
 
-class DiffusionLMModel:
-    FIELDS: ClassVar[FieldSet] = DIFFUSION_LM_FIELDS
-    OUTPUTS: ClassVar[list[tuple[str, str, list[int]]]] = OUTPUTS
+class DiffusionLMModel(TritonModel):
+    FIELDS = DIFFUSION_LM_FIELDS
+    OUTPUTS = OUTPUTS
+    METRIC_FAMILIES = DIFFUSION_LM_FAMILIES
 
-    # ---- Triton entry points ----------------------------------------------------------------------
-    @classmethod
-    def auto_complete_config(cls, auto_complete_model_config: Any) -> Any:
-        from triton_diffusion.serving.triton_io import add_io_to_config
-
-        return add_io_to_config(auto_complete_model_config, cls.FIELDS, cls.OUTPUTS)
-
-    def initialize(self, args: dict[str, str]) -> None:
-        from triton_diffusion.serving.triton_io import batching_metrics, install_log_handler
-
-        install_log_handler()
-        self.settings = settings = ModelSettings.from_triton_args(args)
-        self.metrics = batching_metrics(settings.name, DIFFUSION_LM_FAMILIES)
+    def setup(self, settings: ModelSettings) -> None:
         threads = settings.get("intra_op_threads")
         if threads is not None:
             # Each model runs in its own stub process; on a small CPU shared with Triton's own threads,
@@ -167,62 +165,33 @@ class DiffusionLMModel:
         self.max_prompt_tokens = int(settings.get("max_prompt_tokens", "1024"))
         max_running = int(settings.get("max_running_requests", "8"))
         waiting_room = int(settings.get("waiting_room", "4"))
+        forward, side = self.lm.forward, self.lm.forward.padding_side
+        # A model that ignores the attention mask (LLaDA's published code) must never see padding.
+        unpadded = padding_changes_logits(forward, self.lm.pad_id, side, self.lm.vocab_size, self.lm.device)
+        adapter: Any = DiffusionLMAdapter(forward, self.lm.pad_id, side, self.lm.device, unpadded)
         faults = FaultInjection.from_config(settings.get("fault_injection"))
-        self.engine = ContinuousBatchEngine(
-            self.lm.forward if faults is None else self._with_faults(self.lm.forward, faults),
-            listener=self,
-            pad_id=self.lm.pad_id,
-            max_running=max_running,
-            padding_side=self.lm.forward.padding_side,
-            device=self.lm.device,
-        )
-        self.worker = EngineWorker(self.engine, waiting_room)
+        if faults is not None:
+            adapter = FaultyStepAdapter(adapter, faults, lambda job: job.context.prompt)
+        limits = EngineLimits(max_running=max_running, max_per_forward=max_running)
+        self.engine = StepEngine(adapter, self, limits, make_policy("oldest"))
+        self.worker = EngineWorker(self.engine, waiting_room, name="dllm-engine")
         log.info(
             "%s ready: max_running_requests=%d waiting_room=%d padding=%s mask_id=%d eos_ids=%s device=%s",
             settings.name,
             max_running,
             waiting_room,
-            self.engine.padding_side,
+            "none (the model ignores its attention mask: equal lengths share forwards)" if unpadded else side,
             self.lm.mask_id,
             list(self.lm.eos_ids),
             self.lm.device,
         )
-
-    def _with_faults(self, forward: PaddedForward, faults: FaultInjection) -> PaddedForward:
-        """The forward with the test-only faults (``fault_injection``): a failing or stalled step."""
-
-        def faulty(*inputs: torch.Tensor) -> torch.Tensor:
-            faults.before_call([request.handle.prompt for request in self.engine.running])
-            logits = forward(*inputs)
-            faults.after_step()
-            return logits
-
-        return faulty
-
-    def execute(self, requests: Sequence[Any]) -> None:
-        from triton_diffusion.serving.triton_io import read_raw_fields
-
-        entered = time.perf_counter()
-        for request in requests:
-            sender = request.get_response_sender()
-            try:
-                raw = read_raw_fields(request, self.fields)
-                decoding = self.parse(raw, sender, request.request_id(), entered)
-                waited = self.worker.submit(decoding)
-                self.metrics.observe("triton_diffusion_lm_admission_wait_seconds", waited)
-            except RequestError as error:
-                self._fail(sender, error)
-            except Exception as exc:  # noqa: BLE001  (every request must still get its FINAL response)
-                log.exception("could not admit request %s", request.request_id())
-                self._fail(sender, RequestError(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"))
-        return None
 
     def finalize(self) -> None:
         self.worker.close()  # requests still held get UNAVAILABLE
         log.info("%s unloaded", self.settings.name)
 
     # ---- requests ---------------------------------------------------------------------------------
-    def parse(self, raw: dict[str, Any], sender: Any, request_id: str, entered: float) -> DecodingRequest:
+    def parse(self, index: int, raw: dict[str, Any], tracked: TrackedRequest) -> Job:
         values = self.fields.parse(raw)
         params = DecodeParams(
             gen_length=values["gen_length"],
@@ -238,8 +207,17 @@ class DiffusionLMModel:
         prompt = self.tokenize(values["prompt"], values["apply_chat_template"])
         seed = values["seed"] if values["seed"] is not None else random.randrange(2**32)
         generator = torch.Generator(device=self.lm.device).manual_seed(seed)
-        stream = ResponseStream(sender, request_id, values["prompt"], seed, entered)
-        return DecodingRequest(stream, prompt, params, generator, self.lm.mask_id, self.lm.eos_ids)
+        decoding = DecodingRequest(prompt, params, generator, self.lm.mask_id, self.lm.eos_ids)
+        return Job(tracked, decoding, ResponseStream(values["prompt"], seed, values["stream"]))
+
+    def run(self, admitted: list[tuple[TrackedRequest, Job]]) -> None:
+        for tracked, job in admitted:
+            try:
+                waited = self.worker.submit([job])
+            except RequestError as error:
+                tracked.fail(error)
+                continue
+            self.metrics.observe("triton_diffusion_lm_admission_wait_seconds", waited)
 
     def tokenize(self, prompt: str, chat: bool) -> torch.Tensor:
         if chat and not self.lm.tokenizer.chat_template:
@@ -253,76 +231,63 @@ class DiffusionLMModel:
             )
         return torch.tensor(ids, dtype=torch.long)
 
-    def _fail(self, sender: Any, error: RequestError) -> None:
-        from triton_diffusion.serving.triton_io import send_error
-
-        self.metrics.increment("triton_diffusion_requests_failed_total", code=error.code.value)
-        send_error(sender, error)
-
     # ---- engine listener (called on the engine's thread) -------------------------------------------
-    def is_cancelled(self, request: DecodingRequest) -> bool:
-        return request.handle.sender.is_cancelled()
+    def on_admitted(self, job: Job) -> None:
+        log.info("request %s admitted (%d running)", job.request.request_id, len(self.engine.running) + 1)
 
-    def on_block(self, request: DecodingRequest) -> None:
-        from triton_diffusion.serving.triton_io import send_partial
-
-        stream: ResponseStream = request.handle
+    def on_stepped(self, job: Job) -> None:
+        request: DecodingRequest = job.state
+        stream: ResponseStream = job.context
+        if not request.new_block:
+            return
         if not stream.first_block_seen:
             stream.first_block_seen = True
-            waited = time.perf_counter() - stream.entered
+            waited = time.perf_counter() - job.request.entered
             self.metrics.observe("triton_diffusion_lm_first_block_seconds", waited)
+        if not stream.stream:
+            return
         tokens = request.tokens()
         text = self.lm.tokenizer.decode(tokens, skip_special_tokens=True)
         new_text, stream.text = _new_text(stream.text, text)
-        send_partial(
-            stream.sender,
+        job.request.progress(
             {
                 "TEXT": _array(new_text.encode(), object),
                 "BLOCK": _array(request.block_index - 1, np.int32),
                 "TOKENS": _array(len(tokens), np.int32),
-            },
+            }
         )
 
-    def on_finished(self, request: DecodingRequest) -> None:
-        from triton_diffusion.serving.triton_io import send_final
-
-        stream: ResponseStream = request.handle
-        tokens = request.tokens()
+    def on_finished(self, job: Job, output: DecodingRequest) -> None:
+        stream: ResponseStream = job.context
+        tokens = output.tokens()
         text = self.lm.tokenizer.decode(tokens, skip_special_tokens=True)
-        self.metrics.increment("triton_diffusion_lm_tokens_total", len(tokens))
-        send_final(
-            stream.sender,
+        answered = job.request.finish(
             {
                 "TEXT": _array(text.encode(), object),
-                "BLOCK": _array(request.block_index, np.int32),
+                "BLOCK": _array(output.block_index, np.int32),
                 "TOKENS": _array(len(tokens), np.int32),
-                "STEPS": _array(request.steps_used, np.int32),
+                "STEPS": _array(output.steps_used, np.int32),
                 "SEED": _array(stream.seed, np.int64),
-            },
+            }
         )
+        if answered:
+            self.metrics.increment("triton_diffusion_lm_tokens_total", len(tokens))
+
+    def on_left(self, job: Job, reason: str) -> None:
+        request: DecodingRequest = job.state or job.params
+        if reason == "cancelled":
+            self.metrics.increment("triton_diffusion_lm_requests_cancelled_total")
         log.info(
-            "request %s finished: %d tokens, %d blocks, %d steps, joined at forward %s",
-            stream.request_id,
-            len(tokens),
+            "request %s %s: %d tokens, %d blocks, %d steps, joined at forward %s",
+            job.request.request_id,
+            reason,
+            len(request.tokens()),
             request.block_index,
             request.steps_used,
-            request.joined_at_forward,
+            job.first_forward,
         )
 
-    def on_cancelled(self, request: DecodingRequest) -> None:
-        stream: ResponseStream = request.handle
-        total = request.params.steps
-        log.info("request %s cancelled after step %d/%d", stream.request_id, request.steps_used, total)
-        self.metrics.increment("triton_diffusion_lm_requests_cancelled_total")
-        self._fail(
-            stream.sender,
-            RequestError(ErrorCode.CANCELLED, f"cancelled after step {request.steps_used}/{total}"),
-        )
-
-    def on_failed(self, request: DecodingRequest, error: RequestError) -> None:
-        self._fail(request.handle.sender, error)
-
-    def on_forward(self, rows: int, requests: int, seconds: float) -> None:
+    def on_forward(self, jobs: list[Job], rows: int, seconds: float) -> None:
         self.metrics.observe("triton_diffusion_lm_forward_rows", rows)
         self.metrics.observe("triton_diffusion_lm_step_seconds", seconds)
         self.metrics.increment("triton_diffusion_lm_forwards_total")

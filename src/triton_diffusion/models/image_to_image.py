@@ -81,9 +81,9 @@ class ImageToImageModel(TextToImageModel):
             fields["height"].validate(height)
         return fields
 
-    def derived_parameters(self) -> dict[str, str]:
+    def derived_defaults(self) -> dict[str, str]:
         # The output size comes from each source image (or its bucket), not from a fixed default.
-        derived = super().derived_parameters()
+        derived = super().derived_defaults()
         del derived["default_height"], derived["default_width"]
         return derived
 
@@ -95,6 +95,7 @@ class ImageToImageModel(TextToImageModel):
             self.max_pixels,
             self.image_formats,
         )
+        self.check_strength(values)
         width, height = self.output_size(image, values["width"], values["height"])
         return {
             **values,
@@ -102,6 +103,19 @@ class ImageToImageModel(TextToImageModel):
             "width": width,
             "height": height,
         }
+
+    def check_strength(self, values: dict[str, Any]) -> None:
+        """img2img runs int(num_inference_steps * strength) steps (SD, SDXL; flow-matching pipelines round
+        more generously): zero steps would fail inside the pipeline, so refuse it here, naming both."""
+        strength, steps = values.get("strength"), values["num_inference_steps"]
+        if strength is None or not self.fields["strength"].supported:
+            return
+        if int(steps * strength) < 1:
+            raise invalid_field(
+                "strength",
+                f"{strength} with num_inference_steps {steps} runs no denoising step "
+                f"(allowed: {1 / steps:.4g}..1 for {steps} steps, i.e. strength x steps >= 1)",
+            )
 
     def output_size(self, image: Image.Image, width: int | None, height: int | None) -> tuple[int, int]:
         """Requested size, else the nearest bucket by aspect ratio, else the source size fitted into the
@@ -134,6 +148,6 @@ class ImageToImageModel(TextToImageModel):
         kwargs = super().call_arguments(shared, rows)
         kwargs["image"] = [r.values["image"] for r in rows]
         for name in ("height", "width"):  # SD img2img takes the size from the (already resized) images
-            if name not in self.call_params:
+            if not self.facts.accepts(name):
                 kwargs.pop(name, None)
         return kwargs

@@ -15,24 +15,22 @@ import torch
 
 from triton_diffusion.adapters.diffusers_pipeline import (
     SchedulerChoices,
-    call_parameters,
-    default_size,
     load_pipeline,
     row_generator,
     row_seed,
-    signature_default,
-    size_multiple,
 )
 from triton_diffusion.codecs.image import IMAGE_FORMATS, OUTPUT_ENCODINGS, encode_image
 from triton_diffusion.codecs.preview import preview_png
 from triton_diffusion.compatibility import CompatibilityKey
 from triton_diffusion.engine.executor import CallRecord
+from triton_diffusion.families import PipelineFacts
 from triton_diffusion.faults import FaultInjection
 from triton_diffusion.fields import REQUIRED, Field, FieldSet, Role, seed_field
 from triton_diffusion.serving.triton_model import (
     PROGRESS_FIELDS,
     PROGRESS_OUTPUTS,
     BatchedDiffusionModel,
+    CallAbandoned,
     ParsedRequest,
     RowInput,
     StepReporter,
@@ -51,7 +49,7 @@ TEXT_TO_IMAGE_FIELDS = FieldSet(
             None,
             Role.ROW,
             max_length=2000,
-            # Strict by default: see NEGATIVE_PROMPT_NONE_IS_EMPTY for the pipelines that relax it.
+            # Strict by default: families.py relaxes it where the pipeline treats None as "".
             key_on_presence=True,
             doc="what to steer away from",
         ),
@@ -91,22 +89,6 @@ TEXT_TO_IMAGE_FIELDS = FieldSet(
     ]
 )
 
-# Pipelines whose encode_prompt treats a missing negative prompt exactly like "" (checked in their
-# source), so requests with and without one can share a call. Every other pipeline keeps them apart:
-# Flux/Qwen-Image switch true CFG on for the whole call, SDXL zeroes the negative embeddings only for None.
-NEGATIVE_PROMPT_NONE_IS_EMPTY = frozenset(
-    {"StableDiffusionPipeline", "StableDiffusionImg2ImgPipeline", "StableDiffusion3Pipeline", "WanPipeline"}
-)
-
-
-# Where a cancelled row can be dropped between two steps without changing the other rows: the loop must
-# read every per-row tensor back from callback_on_step_end (SD reads latents and both CFG halves of
-# prompt_embeds) and the scheduler must keep no per-row history (multistep solvers do; Flux's loop keeps
-# per-row locals such as the guidance vector that the callback cannot reach). Elsewhere a cancelled
-# row keeps computing, but its response still goes out at once.
-ROW_COMPACTION = {"StableDiffusionPipeline": frozenset({"DDIMScheduler", "EulerDiscreteScheduler"})}
-
-
 class TextToImageModel(BatchedDiffusionModel):
     FIELDS = TEXT_TO_IMAGE_FIELDS
     PIPELINE_LOADER = "DiffusionPipeline"  # overridden by the pipeline_class config parameter
@@ -123,46 +105,53 @@ class TextToImageModel(BatchedDiffusionModel):
 
     def load(self, settings: ModelSettings) -> FieldSet:
         self.pipe = load_pipeline(settings, self.PIPELINE_LOADER)
+        self.facts = facts = PipelineFacts.of(self.pipe)
         self.faults = FaultInjection.from_config(settings.get("fault_injection"))
-        self.schedulers = SchedulerChoices(self.pipe, settings.get("scheduler_choices"))
-        self.call_params = call_parameters(self.pipe)
-        missing = [p for p in self.REQUIRED_CALL_ARGS if p not in self.call_params]
+        self.schedulers = SchedulerChoices(self.pipe, facts, settings.get("scheduler_choices"), settings.name)
+        missing = [p for p in self.REQUIRED_CALL_ARGS if not facts.accepts(p)]
         if missing:
-            raise ValueError(
-                f"{type(self.pipe).__name__} does not fit {type(self).__name__}: no {missing} arguments"
-            )
+            raise ValueError(f"{facts.class_name} does not fit {type(self).__name__}: no {missing} arguments")
         self.call_extras: dict[str, Any] = {}
-        if "max_sequence_length" in self.call_params and settings.get("max_sequence_length"):
+        if facts.accepts("max_sequence_length") and settings.get("max_sequence_length"):
             self.call_extras["max_sequence_length"] = int(settings.get("max_sequence_length"))
 
         fields = self.FIELDS
-        if type(self.pipe).__name__ in NEGATIVE_PROMPT_NONE_IS_EMPTY:
+        if facts.traits.negative_prompt_none_is_empty:
             fields = FieldSet(
                 replace(f, key_on_presence=False) if f.name == "negative_prompt" else f for f in fields
             )
-        unsupported = [name for name in self.OPTIONAL_CALL_FIELDS if name not in self.call_params]
-        self.has_step_callback = "callback_on_step_end" in self.call_params
-        if not self.has_step_callback:
+        self.has_step_callback = facts.accepts("callback_on_step_end")
+        self.has_legacy_callback = facts.accepts("callback") and facts.accepts("callback_steps")
+        unsupported = [name for name in self.OPTIONAL_CALL_FIELDS if not self.uses(name)]
+        if not (self.has_step_callback or self.has_legacy_callback):
             unsupported += [f.name for f in PROGRESS_FIELDS]
-        self.compacting_schedulers = ROW_COMPACTION.get(type(self.pipe).__name__, frozenset())
+        self.compacting_schedulers = facts.traits.compaction_schedulers
         self.callback_tensors = ["latents"] + (["prompt_embeds"] if self.compacting_schedulers else [])
-        return fields.configured({**self.derived_parameters(), **settings.params}, unsupported)
+        # The scheduler list is what SchedulerChoices accepted: always the pipeline's own first.
+        derived = {"scheduler_choices": ",".join(self.schedulers.names)}
+        return fields.configured({**self.derived_defaults(), **settings.params, **derived}, unsupported)
 
-    def derived_parameters(self) -> dict[str, str]:
+    def uses(self, argument: str) -> bool:
+        """Whether the pipeline does something with this optional argument (not just accepts it)."""
+        if argument == "guidance_scale":
+            return self.facts.uses_guidance_scale
+        return self.facts.accepts(argument)
+
+    def derived_defaults(self) -> dict[str, str]:
         """Defaults and limits read from the pipeline itself; config.pbtxt parameters override them."""
-        size, multiple = default_size(self.pipe), size_multiple(self.pipe)
+        size, multiple = self.facts.default_size, self.facts.size_multiple
         derived = {
             "default_height": str(size),
             "default_width": str(size),
             "height_multiple_of": str(multiple),
             "width_multiple_of": str(multiple),
-            "default_num_inference_steps": str(signature_default(self.pipe, "num_inference_steps") or 30),
+            "default_num_inference_steps": str(self.facts.default("num_inference_steps") or 30),
+            "min_num_inference_steps": str(self.facts.min_steps),
             "default_scheduler": self.schedulers.default,
-            "scheduler_choices": ",".join(self.schedulers.names),
         }
         for name in self.OPTIONAL_CALL_FIELDS:
             if self.FIELDS[name].type is float:
-                default = signature_default(self.pipe, name)
+                default = self.facts.default(name)
                 derived[f"default_{name}"] = str(float(default if default is not None else 1.0))
         return derived
 
@@ -197,6 +186,9 @@ class TextToImageModel(BatchedDiffusionModel):
         if self.has_step_callback:
             kwargs["callback_on_step_end"] = self._step_callback(steps, shared)
             kwargs["callback_on_step_end_tensor_inputs"] = self.callback_tensors
+        elif self.has_legacy_callback:
+            kwargs["callback"] = self._legacy_callback(steps, shared)
+            kwargs["callback_steps"] = 1
         self.pipe.scheduler = self.schedulers[shared["scheduler"]]
         with torch.inference_mode():
             images = list(getattr(self.pipe(**kwargs), self.OUTPUT_ATTRIBUTE))
@@ -214,8 +206,7 @@ class TextToImageModel(BatchedDiffusionModel):
             if not ended:
                 return {}
             if steps.all_ended(ended):
-                pipe._interrupt = True  # skip the remaining steps; the (cheap) decode still runs
-                return {}
+                raise CallAbandoned  # no remaining steps and no decode: nobody is waiting for them
             if not compacts:
                 return {}
             dropped = set(ended)
@@ -233,14 +224,29 @@ class TextToImageModel(BatchedDiffusionModel):
 
         return callback
 
+    def _legacy_callback(self, steps: StepReporter, shared: dict[str, Any]):
+        """Pipelines with the older ``callback(step, t, latents)`` API (PixArt): progress, previews and
+        cancellation, but no row compaction (the callback cannot hand tensors back)."""
+        total = shared["num_inference_steps"]
+
+        def callback(step_index: int, t: Any, latents: torch.Tensor) -> None:
+            if self.faults:
+                self.faults.after_step()
+            preview = lambda position: self._preview(latents, position, shared)  # noqa: E731
+            ended = steps.on_step(step_index + 1, total, preview)
+            if ended and steps.all_ended(ended):
+                raise CallAbandoned
+
+        return callback
+
     def _preview(self, latents: torch.Tensor, position: int, shared: dict[str, Any]) -> bytes:
         latent = latents[position : position + 1]
-        if latent.ndim == 5:  # video latents (B, C, F, h, w): preview the middle frame
-            latent = latent[:, :, latent.shape[2] // 2]
-        if latent.ndim == 3 and hasattr(self.pipe, "_unpack_latents"):  # Flux packs 2x2 latent patches
+        if self.facts.traits.packed_latents:  # Flux, Qwen-Image: 2x2 latent patches packed into channels
             latent = self.pipe._unpack_latents(
                 latent, shared["height"], shared["width"], self.pipe.vae_scale_factor
             )
+        if latent.ndim == 5:  # video latents, and Qwen-Image's unpacked (B, C, 1, h, w)
+            latent = latent[:, :, latent.shape[2] // 2]
         return preview_png(latent[0])
 
     def respond(

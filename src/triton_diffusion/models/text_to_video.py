@@ -1,11 +1,13 @@
 """Text-to-video through the same batching core: Wan-style pipelines that return ``.frames``.
 
-``num_frames`` and ``fps`` are part of the compatibility key. Each video is one row with its own
-generator; the response carries an MP4 (PyAV) per video, or raw uint8 frames on request.
+``num_frames`` is part of the compatibility key; ``fps`` only sets the MP4's frame rate, after the split.
+Each video is one row with its own generator; the response carries an MP4 (PyAV) per video, or raw
+uint8 frames on request.
 """
 
 from __future__ import annotations
 
+import base64
 from typing import Any
 
 import numpy as np
@@ -47,7 +49,7 @@ TEXT_TO_VIDEO_FIELDS = FieldSet(
             remainder=1,
             doc="frames per video (Wan: 4k+1)",
         ),
-        Field("fps", int, 16, minimum=1, maximum=60, doc="frames per second of the video"),
+        Field("fps", int, 16, Role.AFTER_SPLIT, minimum=1, maximum=60, doc="frames per second of the MP4"),
         Field(
             "output_format",
             str,
@@ -78,9 +80,9 @@ class TextToVideoModel(TextToImageModel):
         self.codec = available_codec()
         return fields
 
-    def derived_parameters(self) -> dict[str, str]:
-        derived = super().derived_parameters()
-        frames = self.call_params["num_frames"].default
+    def derived_defaults(self) -> dict[str, str]:
+        derived = super().derived_defaults()
+        frames = self.facts.default("num_frames")
         derived["num_frames_multiple_of"] = str(self.pipe.vae_scale_factor_temporal)
         if isinstance(frames, int):
             derived["default_num_frames"] = str(frames)
@@ -109,5 +111,7 @@ class TextToVideoModel(TextToImageModel):
             response["FRAMES"] = np.stack(outputs)[None]
         else:
             videos = [encode_mp4(frames, values["fps"], self.codec) for frames in outputs]
+            if values["output_encoding"] == "base64":
+                videos = [base64.b64encode(video) for video in videos]
             response["VIDEO"] = np.array([videos], dtype=object)
         return response

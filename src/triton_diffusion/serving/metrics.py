@@ -7,7 +7,11 @@ object is collected, and later calls on it raise.
 
 from __future__ import annotations
 
+import logging
+import threading
 from typing import Any
+
+log = logging.getLogger("triton_diffusion")
 
 ROWS_BUCKETS = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64]
 SECONDS_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120]
@@ -32,6 +36,7 @@ FAMILIES = {
 
 # The diffusion LM (step-level continuous batching) has its own.
 DIFFUSION_LM_FAMILIES = {
+    "triton_diffusion_execute_requests": ("HISTOGRAM", "Requests per execute() call"),
     "triton_diffusion_lm_forward_rows": ("HISTOGRAM", "Rows per shared forward (a CFG request has two)"),
     "triton_diffusion_lm_step_seconds": ("HISTOGRAM", "Time per engine step: the shared forward and commits"),
     "triton_diffusion_lm_forwards_total": ("COUNTER", "Shared forwards run"),
@@ -51,6 +56,9 @@ DIFFUSION_LM_FAMILIES = {
 
 
 class BatchingMetrics:
+    """Labelled metrics, created on first use. Safe from any thread, and never raises: a metrics failure
+    is logged once per metric and must never cost a request its answer."""
+
     def __init__(self, pb_utils: Any, model: str, families: dict[str, tuple[str, str]] = FAMILIES) -> None:
         self._pb = pb_utils
         self._kinds = {name: kind for name, (kind, _) in families.items()}
@@ -62,25 +70,35 @@ class BatchingMetrics:
             for name, (kind, text) in families.items()
         }
         self._metrics: dict[tuple[str, tuple[tuple[str, str], ...]], Any] = {}
+        self._lock = threading.Lock()
+        self._broken: set[str] = set()
 
     def _metric(self, name: str, **labels: str) -> Any:
         key = (name, tuple(sorted(labels.items())))
-        if key not in self._metrics:
-            family = self._families[name]
-            all_labels = {**self._labels, **labels}
-            kind = self._kinds[name]
-            if kind == "HISTOGRAM":
-                buckets = SECONDS_BUCKETS if name.endswith("_seconds") else ROWS_BUCKETS
-                self._metrics[key] = family.Metric(labels=all_labels, buckets=buckets)
-            else:
-                self._metrics[key] = family.Metric(labels=all_labels)
-        return self._metrics[key]
+        with self._lock:  # created once, even when two threads ask at the same time
+            if key not in self._metrics:
+                family = self._families[name]
+                all_labels = {**self._labels, **labels}
+                if self._kinds[name] == "HISTOGRAM":
+                    buckets = SECONDS_BUCKETS if name.endswith("_seconds") else ROWS_BUCKETS
+                    self._metrics[key] = family.Metric(labels=all_labels, buckets=buckets)
+                else:
+                    self._metrics[key] = family.Metric(labels=all_labels)
+            return self._metrics[key]
+
+    def _apply(self, name: str, action: str, value: float, labels: dict[str, str]) -> None:
+        try:
+            getattr(self._metric(name, **labels), action)(value)
+        except Exception:  # noqa: BLE001
+            if name not in self._broken:
+                self._broken.add(name)
+                log.exception("metric %s: %s failed (logged once)", name, action)
 
     def observe(self, name: str, value: float, **labels: str) -> None:
-        self._metric(name, **labels).observe(value)
+        self._apply(name, "observe", value, labels)
 
     def increment(self, name: str, value: float = 1, **labels: str) -> None:
-        self._metric(name, **labels).increment(value)
+        self._apply(name, "increment", value, labels)
 
     def set(self, name: str, value: float) -> None:
-        self._metric(name).set(value)
+        self._apply(name, "set", value, {})

@@ -14,26 +14,51 @@ from typing import Any
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from triton_diffusion.errors import RequestError, invalid_field
+from triton_diffusion.errors import RequestError, invalid_field, short_text
 from triton_diffusion.fields import REQUIRED, FieldSet
 from triton_diffusion.serving.metrics import FAMILIES, BatchingMetrics
 
 
 def read_raw_fields(request: Any, fields: FieldSet) -> dict[str, Any]:
-    """Collect what the request sent, as Python scalars, before validation."""
+    """Collect what the request sent, as Python scalars, before validation. Anything unreadable raises a
+    RequestError for this request only (naming the input or parameter when it is known)."""
     raw: dict[str, Any] = {}
     for field in fields:
-        tensor = pb_utils.get_input_tensor_by_name(request, field.input_name)
-        if tensor is not None:
-            raw[field.name] = _scalar(field.name, tensor.as_numpy(), keep_bytes=field.type is bytes)
-    text = request.parameters()
-    parameters = json.loads(text) if text else {}
-    for name, value in parameters.items():
+        try:
+            tensor = pb_utils.get_input_tensor_by_name(request, field.input_name)
+            array = None if tensor is None else tensor.as_numpy()
+        except Exception as exc:  # noqa: BLE001  (an unreadable tensor fails this request only)
+            raise invalid_field(field.input_name, f"cannot be read ({type(exc).__name__})") from None
+        if array is not None:
+            raw[field.name] = _scalar(field.name, array, keep_bytes=field.type is bytes)
+    for name, value in _parameters(request).items():
         canonical = name.lower()
         if canonical in raw:
             raise invalid_field(canonical, "sent both as an input tensor and as a request parameter")
+        if canonical in fields and fields[canonical].type is bytes and isinstance(value, str):
+            value = value.encode("utf-8")  # a bytes field sent as a (base64) string parameter
         raw[canonical] = value
     return raw
+
+
+def _parameters(request: Any) -> dict[str, Any]:
+    """The request parameters. Triton hands them over as one JSON text; it raises before that text exists
+    when a parameter holds invalid UTF-8 (possible over HTTP), so no single name can be blamed."""
+    try:
+        text = request.parameters()
+    except UnicodeDecodeError as exc:
+        raise invalid_field(
+            "parameters", f"a request parameter is not valid UTF-8 ({exc.reason} at byte {exc.start})"
+        ) from None
+    except Exception as exc:  # noqa: BLE001
+        raise invalid_field("parameters", f"cannot be read ({type(exc).__name__})") from None
+    try:
+        parameters = json.loads(text) if text else {}
+    except ValueError:
+        raise invalid_field("parameters", "are not a JSON object") from None
+    if not isinstance(parameters, dict):
+        raise invalid_field("parameters", "are not a JSON object")
+    return parameters
 
 
 def _scalar(name: str, array: np.ndarray, keep_bytes: bool = False) -> Any:
@@ -50,27 +75,45 @@ def _scalar(name: str, array: np.ndarray, keep_bytes: bool = False) -> Any:
     return value
 
 
-def _sender(target: Any) -> Any:
-    """A request's response sender. Work that outlives ``execute()`` keeps the sender, not the request."""
-    return target.get_response_sender() if hasattr(target, "get_response_sender") else target
+def request_id(request: Any) -> str:
+    """The request's id for logs, or "-"; an id that cannot be read never fails the request."""
+    try:
+        value = request.request_id() or "-"
+    except Exception:  # noqa: BLE001
+        return "-"
+    return value if len(value) <= 64 and value.isprintable() else short_text(value, 64)
 
 
-def send_final(target: Any, outputs: Mapping[str, np.ndarray]) -> None:
-    """The FINAL response with ``outputs``; ``target`` is a request or its response sender."""
-    tensors = [pb_utils.Tensor(name, array) for name, array in outputs.items()]
-    _sender(target).send(
-        pb_utils.InferenceResponse(output_tensors=tensors),
-        flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
-    )
+def _response(outputs: Mapping[str, np.ndarray]) -> Any:
+    return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(n, a) for n, a in outputs.items()])
 
 
-def send_partial(target: Any, outputs: Mapping[str, np.ndarray]) -> None:
-    """A non-final response (a streamed block of text)."""
-    tensors = [pb_utils.Tensor(name, array) for name, array in outputs.items()]
-    _sender(target).send(pb_utils.InferenceResponse(output_tensors=tensors), flags=0)
+class TritonChannel:
+    """A request's response sender and cancellation flag (the ``ResponseChannel`` of engine/requests.py).
+    Work that outlives ``execute()`` keeps this, not the request."""
+
+    def __init__(self, request: Any) -> None:
+        self._sender = request.get_response_sender()
+        self._request = request
+
+    def send_partial(self, outputs: Mapping[str, np.ndarray]) -> None:
+        self._sender.send(_response(outputs), flags=0)
+
+    def send_final(self, outputs: Mapping[str, np.ndarray]) -> None:
+        self._sender.send(_response(outputs), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    def send_error(self, error: RequestError) -> None:
+        code = getattr(pb_utils.TritonError, error.code.value)
+        self._sender.send(
+            pb_utils.InferenceResponse(error=pb_utils.TritonError(error.message, code)),
+            flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
+        )
+
+    def is_cancelled(self) -> bool:
+        return self._sender.is_cancelled()
 
 
-def send_progress(request: Any, step: int, total: int, preview: bytes | None) -> None:
+def progress_outputs(step: int, total: int, preview: bytes | None) -> dict[str, np.ndarray]:
     """A non-final response between two denoising steps."""
     outputs = {
         "STEP": np.array([[step]], dtype=np.int32),
@@ -78,15 +121,7 @@ def send_progress(request: Any, step: int, total: int, preview: bytes | None) ->
     }
     if preview is not None:
         outputs["PREVIEW"] = np.array([[preview]], dtype=object)
-    send_partial(request, outputs)
-
-
-def send_error(target: Any, error: RequestError) -> None:
-    code = getattr(pb_utils.TritonError, error.code.value)
-    _sender(target).send(
-        pb_utils.InferenceResponse(error=pb_utils.TritonError(error.message, code)),
-        flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
-    )
+    return outputs
 
 
 def add_io_to_config(

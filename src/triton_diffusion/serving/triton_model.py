@@ -1,10 +1,10 @@
-"""The shared Triton Python model: parse -> plan -> fused calls -> one FINAL response per request.
+"""The shared Triton Python model: read + validate each request -> plan -> fused calls -> one FINAL each.
 
 A model kind (text-to-image, ...) subclasses :class:`BatchedDiffusionModel` and says which fields it
 accepts, how to load its pipeline, how to run a list of rows in one call and how to answer a request.
-Everything about batching lives here and in ``planner``/``executor``; all work runs inside
-``execute()``, so Triton's queue statistics stay right and its dynamic batcher keeps forming batches.
-Between two denoising steps, :class:`StepReporter` sends progress and answers cancelled requests at once.
+Everything about batching lives here and in ``engine/``; all work runs inside ``execute()``, so Triton's
+queue statistics stay right and its dynamic batcher keeps forming batches. Between two denoising steps,
+:class:`StepReporter` sends progress and answers cancelled requests at once.
 """
 
 from __future__ import annotations
@@ -22,8 +22,10 @@ import numpy as np
 from triton_diffusion.compatibility import CompatibilityKey, compatibility_key
 from triton_diffusion.engine.executor import CallRecord, CallReport, FusedCallExecutor
 from triton_diffusion.engine.planner import PlannedRequest, Row, RowCaps, plan_groups
+from triton_diffusion.engine.requests import TrackedRequest
 from triton_diffusion.errors import ErrorCode, RequestError
 from triton_diffusion.fields import Field, FieldSet, Role
+from triton_diffusion.serving.metrics import FAMILIES
 from triton_diffusion.settings import ModelSettings
 
 log = logging.getLogger("triton_diffusion")
@@ -66,10 +68,14 @@ class RowInput:
 
 @dataclass
 class _LiveRequest:
-    request: Any  # the pb_utils InferenceRequest
+    tracked: TrackedRequest
     parsed: ParsedRequest
-    entered: float  # perf_counter() at execute() entry
     first_step_seen: bool = False
+
+
+class CallAbandoned(Exception):
+    """Raised from the step callback when every row of a call has ended: the pipeline stops at once,
+    without its remaining steps and without the VAE decode."""
 
 
 class StepReporter:
@@ -117,9 +123,97 @@ def batch_report(request: ParsedRequest, calls: list[CallRecord]) -> np.ndarray:
     return np.array([[json.dumps(report).encode()]], dtype=object)
 
 
-class BatchedDiffusionModel:
+class TritonModel:
+    """What every model kind shares: Triton's entry points, reading and validating each request on its
+    own (whatever raises answers that request alone), and the answered-exactly-once tracking."""
+
     FIELDS: ClassVar[FieldSet]
     OUTPUTS: ClassVar[list[tuple[str, str, list[int]]]]
+    METRIC_FAMILIES: ClassVar[dict[str, tuple[str, str]]] = FAMILIES
+
+    # ---- what a model kind provides -------------------------------------------------------------
+    def setup(self, settings: ModelSettings) -> None:
+        """Load the model; set ``self.fields`` (FIELDS configured with this model's defaults and limits)."""
+        raise NotImplementedError
+
+    def parse(self, index: int, raw: dict[str, Any], tracked: TrackedRequest) -> Any:
+        """Validate one request's raw fields. Raises RequestError for this request only."""
+        raise NotImplementedError
+
+    def run(self, admitted: list[tuple[TrackedRequest, Any]]) -> None:
+        """Serve the valid requests of one execute() (or hand them to the engine)."""
+        raise NotImplementedError
+
+    # ---- Triton entry points ----------------------------------------------------------------------
+    @classmethod
+    def auto_complete_config(cls, auto_complete_model_config: Any) -> Any:
+        from triton_diffusion.serving.triton_io import add_io_to_config
+
+        return add_io_to_config(auto_complete_model_config, cls.FIELDS, cls.OUTPUTS)
+
+    def initialize(self, args: dict[str, str]) -> None:
+        from triton_diffusion.serving.triton_io import batching_metrics, install_log_handler
+
+        install_log_handler()
+        self.settings = ModelSettings.from_triton_args(args)
+        self.metrics = batching_metrics(self.settings.name, self.METRIC_FAMILIES)
+        self.setup(self.settings)
+
+    def execute(self, requests: Sequence[Any]) -> None:
+        entered = time.perf_counter()
+        self.metrics.observe("triton_diffusion_execute_requests", len(requests))
+        tracked: list[TrackedRequest] = []
+        try:
+            admitted = []
+            for index, request in enumerate(requests):
+                target, parsed = self._read(index, request, entered)
+                tracked.append(target)
+                if parsed is not None:
+                    admitted.append((target, parsed))
+            log.info("execute: %d requests ids=%s", len(requests), [t.request_id for t in tracked])
+            self.run(admitted)
+        except Exception as exc:  # noqa: BLE001  (every request must still get its FINAL response)
+            log.exception("execute failed")
+            error = RequestError(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+            for index, request in enumerate(requests):
+                try:
+                    target = tracked[index] if index < len(tracked) else self._track(request, entered)
+                    target.fail(error)  # a no-op for requests answered already
+                except Exception:  # noqa: BLE001
+                    log.exception("could not answer request %d of the batch", index)
+        return None
+
+    def finalize(self) -> None:
+        log.info("%s unloaded", self.settings.name)
+
+    # ---- reading requests -------------------------------------------------------------------------
+    def _track(self, request: Any, entered: float) -> TrackedRequest:
+        from triton_diffusion.serving.triton_io import TritonChannel, request_id
+
+        return TrackedRequest(request_id(request), TritonChannel(request), self._on_answered, entered)
+
+    def _read(self, index: int, request: Any, entered: float) -> tuple[TrackedRequest, Any]:
+        """Track the request, read and validate it. Whatever raises answers this request alone."""
+        from triton_diffusion.serving.triton_io import read_raw_fields
+
+        tracked = self._track(request, entered)
+        try:
+            return tracked, self.parse(index, read_raw_fields(request, self.fields), tracked)
+        except RequestError as error:
+            tracked.fail(error)
+        except Exception as exc:  # noqa: BLE001  (a bug while reading one request fails it alone)
+            log.exception("request %s: could not be read", tracked.request_id)
+            error = RequestError(ErrorCode.INTERNAL, f"reading the request failed: {type(exc).__name__}")
+            tracked.fail(error)
+        return tracked, None
+
+    def _on_answered(self, tracked: TrackedRequest, code: ErrorCode | None) -> None:
+        if code is not None:
+            self.metrics.increment("triton_diffusion_requests_failed_total", code=code.value)
+
+
+class BatchedDiffusionModel(TritonModel):
+    """Image and video models: one fused diffusers call per compatible group, inside ``execute()``."""
 
     # ---- what a model kind provides -------------------------------------------------------------
     def load(self, settings: ModelSettings) -> FieldSet:
@@ -143,20 +237,7 @@ class BatchedDiffusionModel:
     ) -> dict[str, np.ndarray]:
         raise NotImplementedError
 
-    # ---- Triton entry points ----------------------------------------------------------------------
-    @classmethod
-    def auto_complete_config(cls, auto_complete_model_config: Any) -> Any:
-        from triton_diffusion.serving.triton_io import add_io_to_config
-
-        return add_io_to_config(auto_complete_model_config, cls.FIELDS, cls.OUTPUTS)
-
-    def initialize(self, args: dict[str, str]) -> None:
-        from triton_diffusion.serving.triton_io import batching_metrics, install_log_handler
-
-        install_log_handler()
-        self.settings = ModelSettings.from_triton_args(args)
-        self.metrics = batching_metrics(self.settings.name)
-        settings = self.settings
+    def setup(self, settings: ModelSettings) -> None:
         self.fields = self.load(settings)
         self.caps = RowCaps.from_config(settings.max_rows_per_call(), settings.get("max_rows_by_resolution"))
         self.executor = FusedCallExecutor(self._run_planned_rows, self._on_call)
@@ -168,65 +249,33 @@ class BatchedDiffusionModel:
             dict(self.caps.by_resolution),
         )
 
-    def execute(self, requests: Sequence[Any]) -> None:
-        from triton_diffusion.serving.triton_io import send_error
-
-        answered: set[int] = set()
-        try:
-            self._execute(requests, answered)
-        except Exception as exc:  # noqa: BLE001  (every request must still get its FINAL response)
-            log.exception("execute failed")
-            error = RequestError(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
-            for index, request in enumerate(requests):
-                if index not in answered:
-                    self.metrics.increment("triton_diffusion_requests_failed_total", code=error.code.value)
-                    send_error(request, error)
-        finally:
-            self._live = {}
-            self.metrics.set("triton_diffusion_rows_in_flight", 0)
-        return None
-
-    def finalize(self) -> None:
-        log.info("%s unloaded", self.settings.name)
-
-    # ---- the batching path ------------------------------------------------------------------------
-    def parse(self, index: int, raw: dict[str, Any]) -> ParsedRequest:
+    def parse(self, index: int, raw: dict[str, Any], tracked: TrackedRequest) -> ParsedRequest:
         values = self.resolve(self.fields.parse(raw))
         if "seed" in values and values["seed"] is None:
             values["seed"] = random.randrange(2**32)  # drawn here so the response can return it
         return ParsedRequest(index, values, compatibility_key(self.fields, values), self.rows_for(values))
 
-    def _execute(self, requests: Sequence[Any], answered: set[int]) -> None:
-        from triton_diffusion.serving.triton_io import read_raw_fields, send_error, send_final
+    # ---- the request-level engine -----------------------------------------------------------------
+    def run(self, admitted: list[tuple[TrackedRequest, ParsedRequest]]) -> None:
+        self._live = {parsed.index: _LiveRequest(tracked, parsed) for tracked, parsed in admitted}
+        try:
+            self._run_planned()
+        finally:
+            self._live = {}
+            self.metrics.set("triton_diffusion_rows_in_flight", 0)
 
-        entered = time.perf_counter()
-        self.metrics.observe("triton_diffusion_execute_requests", len(requests))
-        log.info("execute: %d requests ids=%s", len(requests), [r.request_id() for r in requests])
-
-        def answer_error(index: int, error: RequestError) -> None:
-            answered.add(index)
-            self.metrics.increment("triton_diffusion_requests_failed_total", code=error.code.value)
-            send_error(requests[index], error)
-
-        for index, request in enumerate(requests):
-            try:
-                parsed = self.parse(index, read_raw_fields(request, self.fields))
-            except RequestError as error:
-                answer_error(index, error)
-                continue
-            self._live[index] = _LiveRequest(request, parsed, entered)
-
+    def _run_planned(self) -> None:
         def on_complete(index: int, outputs: list[Any], calls: list[CallRecord]) -> None:
+            live = self._live[index]
             try:
-                response = self.respond(self._live[index].parsed, outputs, calls)
+                response = self.respond(live.parsed, outputs, calls)
             except RequestError as error:
-                answer_error(index, error)
+                live.tracked.fail(error)
                 return
             except Exception as exc:  # noqa: BLE001  (an encoding failure fails this request only)
-                answer_error(index, RequestError(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"))
+                live.tracked.fail(RequestError(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"))
                 return
-            answered.add(index)
-            send_final(requests[index], response)
+            live.tracked.finish(response)
 
         planned = [PlannedRequest(i, live.parsed.key, live.parsed.rows) for i, live in self._live.items()]
         calls = plan_groups(planned, self.caps.cap_for)
@@ -235,12 +284,18 @@ class BatchedDiffusionModel:
                 self.metrics.increment("triton_diffusion_groups_cut_total", reason=call.cut_reason)
             if call.split_by:
                 self.metrics.increment("triton_diffusion_groups_cut_total", reason=f"key:{call.split_by}")
-        self.executor.run(calls, {p.index: p.rows for p in planned}, on_complete, answer_error)
+        requests = {i: live.tracked for i, live in self._live.items()}
+        self.executor.run(calls, requests, {p.index: p.rows for p in planned}, on_complete)
 
     def _run_planned_rows(self, key: CompatibilityKey, rows: list[Row]) -> list[Any]:
         self.metrics.set("triton_diffusion_rows_in_flight", len(rows))
         inputs = [RowInput(self._live[r.request_index].parsed.values, r.image_index) for r in rows]
-        return self.run_rows(key, inputs, StepReporter(self, rows))
+        steps = StepReporter(self, rows)
+        try:
+            return self.run_rows(key, inputs, steps)
+        except CallAbandoned:
+            log.info("fused call abandoned: every row ended (no further steps, no decode)")
+            return [None] * len(rows)
 
     def _on_call(self, report: CallReport) -> None:
         self.metrics.increment("triton_diffusion_fused_calls_total")
@@ -255,30 +310,28 @@ class BatchedDiffusionModel:
     def _between_steps(
         self, steps: StepReporter, step: int, total: int, preview: Callable[[int], bytes] | None
     ) -> list[int]:
-        from triton_diffusion.serving.triton_io import send_progress
+        from triton_diffusion.serving.triton_io import progress_outputs
 
         now = time.perf_counter()
         first_position: dict[int, int] = {}
         for position, row in enumerate(steps.alive):
             first_position.setdefault(row.request_index, position)
         for index, position in first_position.items():
-            if self.executor.is_ended(index):
-                continue
             live = self._live[index]
+            if live.tracked.ended:
+                continue
             if not live.first_step_seen:
                 live.first_step_seen = True
-                self.metrics.observe("triton_diffusion_first_step_seconds", now - live.entered)
-            if live.request.is_cancelled():
+                self.metrics.observe("triton_diffusion_first_step_seconds", now - live.tracked.entered)
+            if live.tracked.is_cancelled():
                 cancelled_rows = sum(1 for r in steps.alive if r.request_index == index)
                 self.metrics.increment("triton_diffusion_rows_cancelled_total", cancelled_rows)
-                log.info("request %s cancelled after step %d/%d", live.request.request_id(), step, total)
-                self.executor.fail(
-                    index, RequestError(ErrorCode.CANCELLED, f"cancelled after step {step}/{total}")
-                )
+                log.info("request %s cancelled after step %d/%d", live.tracked.request_id, step, total)
+                live.tracked.fail(RequestError(ErrorCode.CANCELLED, f"cancelled after step {step}/{total}"))
                 continue
             values = live.parsed.values
             if values.get("progress"):
                 every = values.get("preview_every", 0)
                 image = preview(position) if preview and every and step % every == 0 else None
-                send_progress(live.request, step, total, image)
+                live.tracked.progress(progress_outputs(step, total, image))
         return [p for p, row in enumerate(steps.alive) if self.executor.is_ended(row.request_index)]

@@ -1,0 +1,152 @@
+"""What is special about each diffusers pipeline family, declared once.
+
+One :class:`PipelineTraits` record per diffusers pipeline class says what cannot be read from the loaded
+pipeline (how its code treats a missing negative prompt, whether its latents are packed, which guidance
+argument it really uses, which step adapter serves it). A class without an entry gets the conservative
+default: a negative prompt's presence splits batches, no row compaction, the request-level engine.
+
+Everything that *can* be read from the pipeline (its scheduler and the compatible ones, the VAE scale
+factor, the transformer's patch size, the ``__call__`` signature and its defaults) is derived in
+:class:`PipelineFacts`, never declared. Adding a family is one entry here and a row in the family test.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class PipelineTraits:
+    # encode_prompt turns a missing negative prompt into "" (read in its source): rows with and without one
+    # may share a call. Elsewhere presence is a structural switch: Flux/Qwen-Image switch true CFG on for
+    # the whole call, SDXL zeroes the negative embeddings only for None.
+    negative_prompt_none_is_empty: bool = False
+    # The loop works on 2x2-packed latents [B, h*w/4, C*4] (Flux, Qwen-Image): sizes are multiples of
+    # twice the VAE factor, and previews unpack through the pipeline's own ``_unpack_latents``.
+    packed_latents: bool = False
+    # ``guidance_scale`` is an input of a guidance-distilled transformer, not CFG: it does something only
+    # when the transformer config has ``guidance_embeds`` (FLUX.1-dev yes, schnell and Qwen-Image no).
+    guidance_embedded: bool = False
+    # Schedulers with which a cancelled row can be dropped between steps through callback_on_step_end:
+    # the loop reads back latents and both CFG halves of prompt_embeds, and the scheduler keeps no per-row
+    # history (multistep solvers do). Elsewhere a cancelled row keeps computing (its answer still goes
+    # out at once).
+    compaction_schedulers: frozenset[str] = frozenset()
+    # The step adapter serving this class in the step engine (adapters/), or None: request-level only.
+    step_adapter: str | None = None
+
+
+DEFAULT_TRAITS = PipelineTraits()
+
+_NONE_IS_EMPTY = PipelineTraits(negative_prompt_none_is_empty=True)
+_PACKED = PipelineTraits(packed_latents=True, guidance_embedded=True)
+
+# One entry per diffusers class; the family test (tests/integration/test_families.py) serves each.
+TRAITS: Mapping[str, PipelineTraits] = {
+    "StableDiffusionPipeline": PipelineTraits(
+        negative_prompt_none_is_empty=True,
+        compaction_schedulers=frozenset({"DDIMScheduler", "EulerDiscreteScheduler"}),
+        step_adapter="stable_diffusion",
+    ),
+    "StableDiffusionImg2ImgPipeline": _NONE_IS_EMPTY,
+    "StableDiffusionXLPipeline": PipelineTraits(step_adapter="stable_diffusion"),
+    "StableDiffusionXLImg2ImgPipeline": DEFAULT_TRAITS,
+    "StableDiffusion3Pipeline": PipelineTraits(negative_prompt_none_is_empty=True, step_adapter="sd3"),
+    "StableDiffusion3Img2ImgPipeline": _NONE_IS_EMPTY,
+    "FluxPipeline": PipelineTraits(packed_latents=True, guidance_embedded=True, step_adapter="flux"),
+    "FluxImg2ImgPipeline": _PACKED,
+    "QwenImagePipeline": _PACKED,
+    "QwenImageImg2ImgPipeline": _PACKED,
+    "SanaPipeline": _NONE_IS_EMPTY,
+    "PixArtSigmaPipeline": _NONE_IS_EMPTY,
+    "PixArtAlphaPipeline": _NONE_IS_EMPTY,
+    "AuraFlowPipeline": _NONE_IS_EMPTY,
+    "Lumina2Pipeline": _NONE_IS_EMPTY,
+    "ZImagePipeline": _NONE_IS_EMPTY,
+    "WanPipeline": _NONE_IS_EMPTY,
+}
+
+
+def traits_of(pipe: Any) -> PipelineTraits:
+    return TRAITS.get(type(pipe).__name__, DEFAULT_TRAITS)
+
+
+@dataclass(frozen=True)
+class PipelineFacts:
+    """What a loaded pipeline says about itself, read once at load time."""
+
+    class_name: str
+    traits: PipelineTraits
+    call_parameters: Mapping[str, inspect.Parameter]
+    scheduler: str  # the pipeline's own scheduler class
+    compatible_schedulers: frozenset[str]
+    size_multiple: int
+    default_size: int
+    uses_guidance_scale: bool
+    min_steps: int  # 2 where one step gives NaN (a flow schedule with a terminal shift: Qwen-Image)
+
+    @classmethod
+    def of(cls, pipe: Any) -> PipelineFacts:
+        traits = traits_of(pipe)
+        parameters = inspect.signature(pipe.__call__).parameters
+        scheduler = type(pipe.scheduler).__name__
+        compatible = {c.__name__ for c in getattr(pipe.scheduler, "compatibles", [])} | {scheduler}
+        transformer = getattr(pipe, "transformer", None)
+        uses_guidance = "guidance_scale" in parameters
+        if traits.guidance_embedded and transformer is not None:
+            uses_guidance = uses_guidance and bool(getattr(transformer.config, "guidance_embeds", False))
+        return cls(
+            class_name=type(pipe).__name__,
+            traits=traits,
+            call_parameters=parameters,
+            scheduler=scheduler,
+            compatible_schedulers=frozenset(compatible),
+            size_multiple=_size_multiple(pipe, traits),
+            default_size=_default_size(pipe),
+            uses_guidance_scale=uses_guidance,
+            min_steps=2 if pipe.scheduler.config.get("shift_terminal") else 1,
+        )
+
+    def accepts(self, argument: str) -> bool:
+        return argument in self.call_parameters
+
+    def default(self, argument: str) -> Any:
+        parameter = self.call_parameters.get(argument)
+        if parameter is None or parameter.default is inspect.Parameter.empty:
+            return None
+        return parameter.default
+
+
+def _vae_scale_factor(pipe: Any) -> int:
+    return int(getattr(pipe, "vae_scale_factor", None) or getattr(pipe, "vae_scale_factor_spatial", 8))
+
+
+def _size_multiple(pipe: Any, traits: PipelineTraits) -> int:
+    """Height and width must be multiples of this, or the pipeline raises or silently rounds: the VAE
+    factor times the latent patch (2 for packed latents, else the transformer's patch size)."""
+    factor = _vae_scale_factor(pipe)
+    if traits.packed_latents:
+        return factor * 2
+    transformer = getattr(pipe, "transformer", None)
+    if transformer is None:
+        return factor
+    patch = getattr(transformer.config, "patch_size", 1) or 1
+    patch = patch[-1] if isinstance(patch, (list, tuple)) else patch  # video: (t, h, w)
+    return factor * int(patch)
+
+
+def _default_size(pipe: Any) -> int:
+    """The pipeline's own default resolution (what it renders when height/width are not given)."""
+    if getattr(pipe, "default_sample_size", None):
+        return int(pipe.default_sample_size * _vae_scale_factor(pipe))
+    unet = getattr(pipe, "unet", None)
+    if unet is not None:
+        return int(unet.config.sample_size * _vae_scale_factor(pipe))
+    transformer = getattr(pipe, "transformer", None)
+    sample_size = getattr(getattr(transformer, "config", None), "sample_size", None)
+    if isinstance(sample_size, int):
+        return sample_size * _vae_scale_factor(pipe)
+    return 1024

@@ -1,0 +1,36 @@
+"""A response channel that writes down what a request was sent: the stand-in for a Triton response
+sender in unit tests of the engines (integration tests use the real server)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from triton_diffusion.engine.requests import TrackedRequest
+from triton_diffusion.errors import RequestError
+
+
+class RecordingChannel:
+    def __init__(self, cancelled: bool | Callable[[], bool] = False, fail_final: bool = False) -> None:
+        self.partials: list[Any] = []
+        self.finals: list[Any] = []  # outputs, or a RequestError
+        self.cancelled = cancelled
+        self.fail_final = fail_final
+
+    def send_partial(self, outputs: Any) -> None:
+        self.partials.append(outputs)
+
+    def send_final(self, outputs: Any) -> None:
+        if self.fail_final:
+            raise RuntimeError("shared memory full")
+        self.finals.append(outputs)
+
+    def send_error(self, error: RequestError) -> None:
+        self.finals.append(error)
+
+    def is_cancelled(self) -> bool:
+        return self.cancelled() if callable(self.cancelled) else self.cancelled
+
+
+def tracked(name: str, **channel: Any) -> TrackedRequest:
+    return TrackedRequest(name, RecordingChannel(**channel))

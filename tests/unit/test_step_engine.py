@@ -1,0 +1,288 @@
+"""The shared step engine with a fake adapter (pure logic): exactly one answer per request whatever raises,
+on every thread; failure isolation; out-of-memory splits; scheduling policies without starvation."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import pytest
+
+from tests.unit.recording import RecordingChannel, tracked
+from triton_diffusion.engine.policies import make_policy
+from triton_diffusion.engine.requests import Stage, TrackedRequest
+from triton_diffusion.engine.step_engine import EngineLimits, EngineWorker, Job, StepEngine
+from triton_diffusion.errors import ErrorCode, RequestError
+from triton_diffusion.faults import SimulatedOutOfMemoryError
+
+
+@dataclass
+class Spec:
+    group: str = "64x64"
+    steps: int = 3
+    fail_forward: bool = False  # any forward holding this job raises
+    fail_finish: bool = False
+
+
+class FakeAdapter:
+    def __init__(self, max_rows: int | None = None) -> None:
+        self.max_rows = max_rows
+        self.forwards: list[list[str]] = []
+        self.finishes: list[list[str]] = []
+
+    def prepare(self, jobs):
+        for job in jobs:
+            job.state, job.group, job.total_steps = 0, job.params.group, job.params.steps
+
+    def rows(self, job):
+        return 1
+
+    def step(self, jobs):
+        names = [job.request.request_id for job in jobs]
+        if self.max_rows is not None and len(jobs) > self.max_rows:
+            raise SimulatedOutOfMemoryError(f"{len(jobs)} rows")
+        if any(job.params.fail_forward for job in jobs):
+            raise RuntimeError("bad row")
+        self.forwards.append(names)
+        for job in jobs:
+            job.state += 1
+        return [job for job in jobs if job.state == job.total_steps]
+
+    def finish(self, jobs):
+        if any(job.params.fail_finish for job in jobs):
+            raise RuntimeError("decode failed")
+        self.finishes.append([job.request.request_id for job in jobs])
+        return [f"out:{job.request.request_id}" for job in jobs]
+
+
+class Listener:
+    def __init__(self, raise_in=None) -> None:
+        self.raise_in = raise_in or {}
+        self.left: list[tuple[str, str]] = []
+
+    def _maybe_raise(self, where, job):
+        if self.raise_in.get(job.request.request_id) == where:
+            raise RuntimeError(f"listener {where} failed")
+
+    def on_admitted(self, job):
+        self._maybe_raise("admitted", job)
+
+    def on_stepped(self, job):
+        self._maybe_raise("stepped", job)
+
+    def on_finished(self, job, output):
+        self._maybe_raise("finished", job)
+        job.request.finish({"out": output})
+
+    def on_left(self, job, reason):
+        self.left.append((job.request.request_id, reason))
+
+    def on_forward(self, jobs, rows, seconds):
+        pass
+
+
+def engine_for(adapter, listener, max_running=8, max_per_forward=8, policy="oldest", cap_for=None):
+    limits = EngineLimits(max_running, max_per_forward, cap_for)
+    return StepEngine(adapter, listener, limits, make_policy(policy, starvation_steps=4))
+
+
+def job(name: str, spec: Spec | None = None, **channel) -> Job:
+    return Job(tracked(name, **channel), spec or Spec())
+
+
+def drain(engine: StepEngine, limit: int = 200) -> None:
+    for _ in range(limit):
+        if not engine.active:
+            return
+        engine.step()
+    raise AssertionError("engine did not drain")
+
+
+def answers(jobs):
+    return {j.request.request_id: j.request.channel.finals for j in jobs}
+
+
+def test_every_request_gets_exactly_one_answer_whatever_its_listener_raises():
+    adapter, listener = FakeAdapter(), Listener(raise_in={"b": "finished", "c": "stepped", "d": "admitted"})
+    jobs = [job(name) for name in "abcde"]
+    engine = engine_for(adapter, listener)
+    for j in jobs:
+        engine.add(j)
+    drain(engine)
+    got = answers(jobs)
+    assert all(len(finals) == 1 for finals in got.values()), got
+    assert got["a"] == [{"out": "out:a"}] and got["e"] == [{"out": "out:e"}]
+    for name in "bcd":
+        assert isinstance(got[name][0], RequestError) and got[name][0].code is ErrorCode.INTERNAL
+    assert all(j.request.stage is Stage.ANSWERED for j in jobs)
+
+
+def test_a_failing_forward_is_bisected_and_fails_only_its_culprit():
+    adapter = FakeAdapter()
+    jobs = [job(f"j{i}", Spec(fail_forward=i == 5)) for i in range(8)]
+    engine = engine_for(adapter, Listener())
+    for j in jobs:
+        engine.add(j)
+    drain(engine)
+    got = answers(jobs)
+    assert got["j5"][0].code is ErrorCode.INTERNAL and "bad row" in got["j5"][0].message
+    assert all(got[f"j{i}"] == [{"out": f"out:j{i}"}] for i in range(8) if i != 5)
+
+
+def test_out_of_memory_splits_the_forward_and_lowers_the_groups_cap():
+    adapter = FakeAdapter(max_rows=3)
+    jobs = [job(f"j{i}") for i in range(8)]
+    engine = engine_for(adapter, Listener())
+    for j in jobs:
+        engine.add(j)
+    drain(engine)
+    assert all(finals == [{"out": f"out:{name}"}] for name, finals in answers(jobs).items())
+    assert max(len(f) for f in adapter.forwards) <= 3 and engine.cap_for("64x64") <= 3
+    # A job that does not fit alone is answered UNAVAILABLE; the others go on.
+    lonely = FakeAdapter(max_rows=0)
+    engine = engine_for(lonely, Listener())
+    alone = job("alone")
+    engine.add(alone)
+    drain(engine)
+    assert alone.request.channel.finals[0].code is ErrorCode.UNAVAILABLE
+
+
+def test_a_failing_decode_is_retried_job_by_job():
+    adapter = FakeAdapter()
+    jobs = [job("ok"), job("bad", Spec(fail_finish=True)), job("ok2")]
+    engine = engine_for(adapter, Listener())
+    for j in jobs:
+        engine.add(j)
+    drain(engine)
+    got = answers(jobs)
+    assert got["ok"] == [{"out": "out:ok"}] and got["ok2"] == [{"out": "out:ok2"}]
+    assert got["bad"][0].code is ErrorCode.INTERNAL and "decode failed" in got["bad"][0].message
+
+
+def test_cancelled_and_ended_requests_leave_at_the_next_step():
+    adapter = FakeAdapter()
+    steps = Spec(steps=6)
+    cancelled_at = {"n": 0}
+    victim = job("victim", steps, cancelled=lambda: cancelled_at["n"] >= 2)
+    others = [job(f"o{i}", steps) for i in range(3)]
+    engine = engine_for(adapter, Listener())
+    for j in [victim, *others]:
+        engine.add(j)
+    for _ in range(2):
+        engine.step()
+        cancelled_at["n"] += 1
+    engine.step()
+    assert victim.request.channel.finals[0].code is ErrorCode.CANCELLED
+    assert "victim" not in adapter.forwards[-1] and len(adapter.forwards[-1]) == 3
+    drain(engine)
+    assert all(j.request.channel.finals == [{"out": f"out:{j.request.request_id}"}] for j in others)
+
+
+def test_policies_pick_groups_and_no_job_starves():
+    big = [job(f"big{i}", Spec(group="128x128", steps=50)) for i in range(2)]
+
+    def forwards_until_big_steps(policy: str) -> int:
+        adapter = FakeAdapter()
+        engine = engine_for(adapter, Listener(), max_running=16, policy=policy)
+        for j in big:
+            j.request = tracked(j.request.request_id)
+            j.steps_done = 0
+            engine.add(j)
+        for step in range(40):  # short 64x64 jobs keep arriving
+            engine.add(job(f"s{step}", Spec(steps=1)))
+            engine.step()
+            if any("big0" in f for f in adapter.forwards):
+                return step
+        return 999
+
+    # Fewest-remaining prefers the short jobs, but the big ones still step within the starvation limit.
+    assert forwards_until_big_steps("fewest_remaining") <= 5
+    assert forwards_until_big_steps("oldest") == 0  # the big jobs arrived first
+
+    adapter = FakeAdapter()
+    engine = engine_for(adapter, Listener(), policy="round_robin")
+    for i in range(2):
+        engine.add(job(f"a{i}", Spec(group="A")))
+        engine.add(job(f"b{i}", Spec(group="B")))
+    engine.step()
+    engine.step()
+    assert [sorted(f) for f in adapter.forwards] == [["a0", "a1"], ["b0", "b1"]]
+
+    adapter = FakeAdapter()
+    engine = engine_for(adapter, Listener(), policy="largest")
+    engine.add(job("a0", Spec(group="A")))
+    for i in range(3):
+        engine.add(job(f"b{i}", Spec(group="B")))
+    engine.step()
+    assert sorted(adapter.forwards[0]) == ["b0", "b1", "b2"]
+
+
+def test_caps_per_group_hold():
+    adapter = FakeAdapter()
+    engine = engine_for(adapter, Listener(), cap_for=lambda group: 2 if group == "256x256" else 8)
+    for i in range(4):
+        engine.add(job(f"j{i}", Spec(group="256x256")))
+    drain(engine)
+    assert max(len(f) for f in adapter.forwards) == 2
+
+
+def test_the_worker_restarts_its_loop_after_a_bug_and_answers_what_it_held():
+    class BrokenPolicy:
+        def __init__(self):
+            self.calls = 0
+
+        def pick(self, running, cap_for, step):
+            self.calls += 1
+            if self.calls == 1:
+                raise KeyError("a bug in the engine itself")
+            return list(running)[:8]
+
+    adapter = FakeAdapter()
+    limits = EngineLimits(8, 8)
+    engine = StepEngine(adapter, Listener(), limits, BrokenPolicy())
+    worker = EngineWorker(engine, waiting_room=4)
+    try:
+        first = job("first")
+        worker.submit([first])
+        deadline = time.monotonic() + 5
+        while not first.request.channel.finals and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert first.request.channel.finals[0].code is ErrorCode.INTERNAL
+        later = job("later")
+        worker.submit([later])
+        while not later.request.channel.finals and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert later.request.channel.finals == [{"out": "out:later"}]
+        assert worker.restarts == 1 and worker.alive
+    finally:
+        worker.close()
+
+
+def test_a_final_response_that_cannot_be_sent_becomes_an_error_response():
+    request = TrackedRequest("x", RecordingChannel(fail_final=True))
+    assert request.finish({"IMAGE": b"..."})
+    assert len(request.channel.finals) == 1 and request.channel.finals[0].code is ErrorCode.INTERNAL
+    assert "sending the response failed" in request.channel.finals[0].message
+    assert not request.fail(RequestError(ErrorCode.CANCELLED, "late")) and request.stage is Stage.ANSWERED
+
+
+@pytest.mark.parametrize("threads", [8])
+def test_racing_answers_send_exactly_one_final(threads):
+    for _ in range(50):
+        request = tracked("race")
+        barrier = threading.Barrier(threads)
+
+        def answer(i, request=request, barrier=barrier):
+            barrier.wait()
+            if i % 2:
+                request.finish({"i": i})
+            else:
+                request.fail(RequestError(ErrorCode.CANCELLED, str(i)))
+
+        workers = [threading.Thread(target=answer, args=(i,)) for i in range(threads)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        assert len(request.channel.finals) == 1
