@@ -203,7 +203,11 @@ class FieldSet:
             if raw.get(field.name) is not None:
                 values[field.name] = field.validate(raw[field.name])
             elif field.default is REQUIRED:
-                raise invalid_field(field.name, f"is required ({field.allowed()})")
+                raise invalid_field(
+                    field.name,
+                    f"is required: send input {field.input_name} or parameter {field.name} "
+                    f"(allowed: {field.allowed()})",
+                )
             else:
                 values[field.name] = field.default
         return values

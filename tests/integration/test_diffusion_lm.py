@@ -210,6 +210,14 @@ def test_http_generate_stream_sends_each_block_then_the_whole_text(server):
         "diffusion_lm",
     )
     assert grpc.text == final["TEXT"]
+    # HTTP generate (not streaming) takes exactly one response: stream false sends the FINAL one only.
+    body["parameters"]["stream"] = False
+    request = urllib.request.Request(
+        f"{server.http_url}/v2/models/diffusion_lm/generate", data=json.dumps(body).encode(), method="POST"
+    )
+    with urllib.request.urlopen(request, timeout=120) as response:
+        assert response.status == 200
+        assert json.loads(response.read())["TEXT"] == final["TEXT"]
 
 
 def test_metrics_count_forwards_rows_and_tokens(server):

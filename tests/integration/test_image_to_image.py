@@ -9,6 +9,7 @@ import urllib.error
 import urllib.request
 
 import numpy as np
+import pytest
 import tritonclient.grpc as grpcclient
 from PIL import Image
 
@@ -165,3 +166,67 @@ def test_http_generate_accepts_a_base64_image(server):
     with urllib.request.urlopen(request, timeout=120) as response:
         image = base64.b64decode(json.loads(response.read())["IMAGE"])
     assert Image.open(io.BytesIO(image)).size == (64, 64)
+
+
+def http_generate(server, body):
+    request = urllib.request.Request(
+        f"{server.http_url}/v2/models/{MODEL}/generate", data=json.dumps(body).encode(), method="POST"
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def test_base64_variants_and_image_as_a_parameter_give_the_same_image(server):
+    source = png(64, 64, seed=6)
+    plain = base64.b64encode(source).decode()
+    variants = {
+        "mime-line-breaks": "\n".join(plain[i : i + 76] for i in range(0, len(plain), 76)) + "\n",
+        "data-url": "data:image/png;base64," + plain,
+        "url-safe-unpadded": base64.urlsafe_b64encode(source).decode().rstrip("="),
+    }
+    images = {}
+    for name, text in variants.items():
+        parameters = {"seed": 4, "output_encoding": "base64"}
+        status, body = http_generate(server, {"PROMPT": "variants", "IMAGE": text, "parameters": parameters})
+        assert status == 200, (name, body)
+        images[name] = base64.b64decode(body["IMAGE"])
+    # The image as a request parameter (base64 text), as README says every field can be sent.
+    status, body = http_generate(
+        server, {"PROMPT": "variants", "parameters": {"image": plain, "seed": 4, "output_encoding": "base64"}}
+    )
+    assert status == 200, body
+    images["parameter"] = base64.b64decode(body["IMAGE"])
+    (raw,) = generate(server, [{"prompt": "variants", "image": source, "seed": 4}])
+    for name, image in images.items():
+        assert max_diff(image, raw[2]["image"]) == 0, name
+
+
+def test_exif_orientation_is_applied(server):
+    # A 96x64 photo whose EXIF says "rotate 90": the upright picture is 64 wide and 96 high.
+    buffer = io.BytesIO()
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    Image.fromarray(np.random.default_rng(1).integers(0, 255, (64, 96, 3), dtype=np.uint8)).save(
+        buffer, format="JPEG", exif=exif
+    )
+    (outcome,) = generate(server, [{"prompt": "upright", "image": buffer.getvalue(), "seed": 1}])
+    assert outcome[0], outcome[1]
+    assert Image.open(io.BytesIO(outcome[2]["image"])).size == (64, 96)
+
+
+@pytest.mark.parametrize("strength, steps", [(0.0, 4), (0.1, 4), (0.5, 1)])
+def test_a_strength_that_runs_no_step_is_refused_naming_strength(server, strength, steps):
+    outcomes = generate(
+        server,
+        [
+            {"prompt": "weak", "image": png(64, 64), "strength": strength, "num_inference_steps": steps},
+            {"prompt": "fine", "image": png(64, 64), "seed": 2},
+        ],
+    )
+    (ok, error, _), (fine, _, _) = outcomes
+    assert not ok and error is not None and "strength: " in error and "runs no denoising step" in error, error
+    assert "INVALID_ARG" in error or "InvalidArgument" in error or "INVALID_ARGUMENT" in error, error
+    assert fine

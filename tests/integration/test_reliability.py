@@ -308,3 +308,68 @@ def test_short_soak_loses_nothing_and_leaks_nothing(tmp_path):
     assert report["sent"] > 30 and report.get("lost", 0) == 0 and report.get("unexpected", 0) == 0
     assert report["sent_http"] > 0 and report["sent_grpc"] > 0 and report["provoked_errors"] > 0
     assert all(report["checks"].values()), report["checks"]
+
+
+def post_raw(server, model, body: bytes, stream: bool = False):
+    """POST raw bytes to generate (or generate_stream); returns (status, text)."""
+    endpoint = "generate_stream" if stream else "generate"
+    url = f"{server.http_url}/v2/models/{model}/{endpoint}"
+    request = urllib.request.Request(url, data=body, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, response.read().decode(errors="replace")
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode(errors="replace")
+
+
+@pytest.mark.parametrize("model", [SD, FLUX, "image_to_image", "text_to_video", "diffusion_lm"])
+def test_an_undecodable_parameter_fails_only_its_own_request(server, model):
+    """Invalid UTF-8 in one request's string parameter (possible over HTTP) used to fail its whole batch."""
+    image = {"IMAGE": "data:image/png;base64," + _PNG} if model == "image_to_image" else {}
+    valid = json.dumps({"PROMPT": "valid", **image, "parameters": {"seed": 1}}).encode()
+    parameters = {"seed": 2, "negative_prompt": "__X__"}
+    bad = json.dumps({"PROMPT": "bad", **image, "parameters": parameters}).encode()
+    bad = bad.replace(b"__X__", b"ab\xff\xfe")
+    if model == "diffusion_lm":
+        valid = valid.replace(b'"seed": 1', b'"seed": 1, "stream": false')
+        bad = bad.replace(b'"negative_prompt"', b'"stream": false, "prompt_note"')
+    outcomes = [None] * 5
+
+    def run(slot, body):
+        outcomes[slot] = post_raw(server, model, body)
+
+    threads = [threading.Thread(target=run, args=(slot, bad if slot == 2 else valid)) for slot in range(5)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    status, text = outcomes[2]
+    assert status == 400 and "parameters: a request parameter is not valid UTF-8" in text, outcomes[2]
+    assert [o[0] for i, o in enumerate(outcomes) if i != 2] == [200] * 4, outcomes
+
+
+def _small_png_base64() -> str:
+    import base64
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (64, 64), (200, 30, 30)).save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+_PNG = _small_png_base64()
+
+
+@pytest.mark.parametrize(
+    "parameters, field",
+    [
+        ({"scheduler": "x" * 1_000_000}, "scheduler"),
+        ({"y" * 1_000_000: 1}, "'yyyy"),
+        ({"output_format": "z" * 100_000}, "output_format"),
+    ],
+)
+def test_error_messages_quote_at_most_a_short_prefix_of_what_was_sent(server, parameters, field):
+    ok, error = send_raw(server.grpc_url, SD, VALID, parameters=parameters)
+    assert not ok and field in error and len(error) < 1000, error[:300]

@@ -1,5 +1,6 @@
 """Text-to-video on the real server: batch invariance on raw frames, MP4 output, frames in the key."""
 
+import base64
 import io
 import json
 
@@ -93,3 +94,23 @@ def test_bad_video_fields_fail_alone(server, fields, words):
     results = send(server, [{"prompt": "bad", "seed": 1, **fields}, {"prompt": "good", "seed": 2}])
     assert results[0][0] is not None and words in results[0][0], results[0][0]
     assert results[1][0] is None
+
+
+def test_fps_is_applied_after_the_split_and_base64_is_honoured(server):
+    results = send(
+        server,
+        [
+            {"prompt": "fps 8", "seed": 1, "fps": 8, "output_encoding": "base64"},
+            {"prompt": "fps 24", "seed": 2, "fps": 24},
+        ],
+    )
+    (error_a, a), (error_b, b) = results
+    assert error_a is None and error_b is None, results
+    # Different frame rates share one fused call: fps only sets the MP4's rate.
+    assert a["BATCH"]["fused_calls"][0]["id"] == b["BATCH"]["fused_calls"][0]["id"]
+    assert "fps" not in a["BATCH"]["key"]
+    encoded = bytes(a["VIDEO"].reshape(-1)[0])
+    assert not encoded.startswith(b"\x00\x00\x00") and encoded[:4] != bytes(b["VIDEO"].reshape(-1)[0])[:4]
+    for data, rate in ((base64.b64decode(encoded, validate=True), 8), (bytes(b["VIDEO"].reshape(-1)[0]), 24)):
+        with av.open(io.BytesIO(data)) as container:
+            assert container.streams.video[0].average_rate == rate

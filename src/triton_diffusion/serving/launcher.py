@@ -10,10 +10,14 @@ interpreter's ``bin`` first on PATH: the stub finds its interpreter and site-pac
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import shutil
+import signal
+import subprocess
 import sys
 import sysconfig
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,9 +99,47 @@ def server_command(model_repository: Path, extra_args: list[str], backend_cache:
     return ServerCommand([str(root / "bin" / "tritonserver"), *args], env)
 
 
+def _option(args: list[str], name: str, default: str) -> str:
+    """The value of ``--name=value`` or ``--name value`` among tritonserver's arguments."""
+    for i, arg in enumerate(args):
+        if arg.startswith(f"--{name}="):
+            return arg.split("=", 1)[1]
+        if arg == f"--{name}" and i + 1 < len(args):
+            return args[i + 1]
+    return default
+
+
+def supervise(command: ServerCommand, extra: list[str], health_port: int) -> int:
+    """Run tritonserver as a child with the supervisor beside it; forward SIGTERM/SIGINT; return its exit
+    status. A dead Python backend stub is noticed within a second and its model loaded again."""
+    from triton_diffusion.serving.supervisor import Supervisor, admin_arguments, new_secret
+
+    secret = new_secret()
+    argv = [*command.argv, *admin_arguments(secret)]
+    print("+ " + " ".join(argv).replace(secret, "<secret>"), file=sys.stderr, flush=True)
+    process = subprocess.Popen(argv, env=command.env)
+    http = f"http://127.0.0.1:{_option(extra, 'http-port', '8000')}"
+    supervisor = Supervisor(process.pid, http, secret)
+
+    def forward(signum: int, _frame: object) -> None:
+        supervisor.stopping.set()  # a model unloading for shutdown is not a model to bring back
+        if process.poll() is None:
+            process.send_signal(signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    if health_port:
+        supervisor.serve_health(health_port)
+    threading.Thread(target=supervisor.run, name="supervisor", daemon=True).start()
+    status = process.wait()
+    supervisor.stopping.set()
+    return status
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        description="Run tritonserver on a triton-diffusion model repository. "
+        description="Run tritonserver on a triton-diffusion model repository, with a supervisor that loads "
+        "a model again when its Python backend process dies. "
         "Arguments after the known ones go to tritonserver unchanged (e.g. --log-verbose=1).",
     )
     parser.add_argument("--model-repository", type=Path, default=DEFAULT_MODEL_REPOSITORY)
@@ -107,13 +149,27 @@ def main(argv: list[str] | None = None) -> None:
         default=Path(sys.prefix) / "triton-backends",
         help="where the private backend directory for the bundled server is written",
     )
+    parser.add_argument(
+        "--health-port",
+        type=int,
+        default=8003,
+        help="the supervisor's /healthz, /readyz and /metrics (0: none)",
+    )
+    parser.add_argument(
+        "--no-supervise",
+        action="store_true",
+        help="exec tritonserver directly (no stub supervision; model control stays Triton's default)",
+    )
     known, extra = parser.parse_known_args(argv)
     try:
         command = server_command(known.model_repository.resolve(), extra, known.backend_cache)
     except LauncherError as exc:
         sys.exit(f"triton-diffusion-serve: {exc}")
-    print("+ " + " ".join(command.argv), file=sys.stderr, flush=True)
-    os.execvpe(command.argv[0], command.argv, command.env)
+    if known.no_supervise:
+        print("+ " + " ".join(command.argv), file=sys.stderr, flush=True)
+        os.execvpe(command.argv[0], command.argv, command.env)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
+    sys.exit(supervise(command, extra, known.health_port))
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ class RunningServer:
     http_port: int
     grpc_port: int
     metrics_port: int
+    health_port: int  # the supervisor's /healthz, /readyz, /metrics
     log_path: Path
 
     @property
@@ -39,6 +40,10 @@ class RunningServer:
     @property
     def http_url(self) -> str:
         return f"http://127.0.0.1:{self.http_port}"
+
+    @property
+    def health_url(self) -> str:
+        return f"http://127.0.0.1:{self.health_port}"
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -98,7 +103,7 @@ def remove_queue_policy(target_repo: Path, name: str) -> None:
 def start_server(
     repo: Path, log_path: Path, models: list[str], timeout_s: float = 180, extra_args: list[str] = ()
 ) -> RunningServer:
-    http, grpc, metrics = free_port(), free_port(), free_port()
+    http, grpc, metrics, health = free_port(), free_port(), free_port(), free_port()
     launcher = Path(sys.executable).parent / "triton-diffusion-serve"
     command = [
         str(launcher),
@@ -107,11 +112,12 @@ def start_server(
         f"--http-port={http}",
         f"--grpc-port={grpc}",
         f"--metrics-port={metrics}",
+        f"--health-port={health}",
         *extra_args,
     ]
     log_file = open(log_path, "w")  # noqa: SIM115  (kept open for the server's lifetime)
     process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
-    server = RunningServer(process, http, grpc, metrics, log_path)
+    server = RunningServer(process, http, grpc, metrics, health, log_path)
     deadline = time.monotonic() + timeout_s
     pending = list(models)
     while pending:

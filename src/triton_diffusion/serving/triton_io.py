@@ -127,14 +127,18 @@ def progress_outputs(step: int, total: int, preview: bytes | None) -> dict[str, 
 def add_io_to_config(
     auto_complete_model_config: Any, fields: FieldSet, outputs: list[tuple[str, str, list[int]]]
 ) -> Any:
-    """Declare every field as an optional input tensor (required ones not optional) and the outputs."""
+    """Declare every field as an input tensor, and the outputs. Triton needs one input in every request
+    to batch it: the first required field (the prompt) stays required. Every other field is optional to
+    Triton, also a required one (the image), so it can come as a request parameter; the field
+    declarations refuse a missing one with a clear error."""
+    anchor = next((f.name for f in fields if f.default is REQUIRED), None)
     for field in fields:
         auto_complete_model_config.add_input(
             {
                 "name": field.input_name,
                 "data_type": field.triton_data_type,
                 "dims": [1],
-                "optional": field.default is not REQUIRED,
+                "optional": field.name != anchor,
             }
         )
     for name, data_type, dims in outputs:

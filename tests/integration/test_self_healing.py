@@ -1,0 +1,104 @@
+"""A killed Python backend stub is noticed, reported and recovered without a person (the launcher's
+supervisor), and the server still stops on SIGTERM afterwards."""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import threading
+import time
+import urllib.error
+import urllib.request
+
+from triton_diffusion.serving.server_process import WEIGHTS, copy_model, start_server
+from triton_diffusion.serving.supervisor import list_stubs
+
+from .test_reliability import send_raw
+
+
+def status(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status
+    except urllib.error.HTTPError as error:
+        return error.code
+
+
+def read(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=5) as response:
+        return response.read().decode()
+
+
+def test_a_killed_stub_is_noticed_reported_and_recovered(tmp_path):
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    copy_model(
+        "text_to_image",
+        repo,
+        "text_to_image",
+        {"model": str(WEIGHTS / "tiny-sd"), "fault_injection": '{\\"step_delay_ms\\": 100}'},
+    )
+    log_path = tmp_path / "server.log"
+    server = start_server(repo, log_path, ["text_to_image"], extra_args=["--exit-timeout-secs=5"])
+    ready_url = f"{server.http_url}/v2/models/text_to_image/ready"
+    try:
+        assert send_raw(server.grpc_url, "text_to_image", b"warm up")[0]
+        in_flight = queue.Queue()
+        threading.Thread(
+            target=lambda: in_flight.put(
+                send_raw(server.grpc_url, "text_to_image", b"long", parameters={"num_inference_steps": 50})
+            ),
+            daemon=True,
+        ).start()
+        time.sleep(1.5)  # the request is now running (50 stalled steps: 5 s)
+        (stub,) = [s for s in list_stubs(server.process.pid) if s.model == "text_to_image"]
+        os.kill(stub.pid, signal.SIGKILL)
+        killed = time.monotonic()
+
+        ok, error = in_flight.get(timeout=30)  # the request that was running: an error, not a hang
+        assert not ok and error, error
+
+        # Noticed within seconds: Triton's own readiness turns false (the supervisor unloaded the model).
+        seen_not_ready = False
+        while time.monotonic() - killed < 10 and not seen_not_ready:
+            seen_not_ready = status(ready_url) != 200
+            time.sleep(0.05)
+        assert seen_not_ready, "the dead model kept reporting ready"
+        # A request sent meanwhile is refused at once.
+        started = time.monotonic()
+        ok, error = send_raw(server.grpc_url, "text_to_image", b"during recovery", timeout_s=30)
+        if not ok:
+            assert time.monotonic() - started < 5 and error, error
+
+        # Recovered within 60 s of the kill, without a person.
+        while status(ready_url) != 200 and time.monotonic() - killed < 60:
+            time.sleep(0.2)
+        assert status(ready_url) == 200
+        ok, error = send_raw(server.grpc_url, "text_to_image", b"after recovery")
+        assert ok, error
+        assert time.monotonic() - killed < 60
+
+        log = server.log()
+        assert "Python backend stub text_to_image_0_0 died" in log and "serves again" in log
+        metrics = read(f"{server.health_url}/metrics")
+        assert 'triton_diffusion_stub_restarts_total{model="text_to_image"} 1' in metrics
+        assert 'triton_diffusion_model_up{model="text_to_image"} 1' in metrics
+        assert status(f"{server.health_url}/readyz") == 200 and status(f"{server.health_url}/healthz") == 200
+        # Clients cannot use the model repository API the supervisor uses.
+        request = urllib.request.Request(
+            f"{server.http_url}/v2/repository/models/text_to_image/unload", data=b"{}", method="POST"
+        )
+        try:
+            urllib.request.urlopen(request, timeout=5)
+            raise AssertionError("the model repository API is open to clients")
+        except urllib.error.HTTPError as error:
+            assert error.code == 403
+
+        # The server still stops on SIGTERM within its exit timeout (5 s) and some margin.
+        stopping = time.monotonic()
+        os.killpg(server.process.pid, signal.SIGTERM)
+        server.process.wait(timeout=30)
+        assert time.monotonic() - stopping < 20
+    finally:
+        server.stop()
