@@ -40,7 +40,6 @@ from triton_diffusion.serving.server_process import (  # noqa: E402
     WEIGHTS,
     copy_model,
     read_metrics,
-    remove_queue_policy,
     set_batching,
     start_server,
 )
@@ -232,7 +231,6 @@ class ServerVariant:
         repo.mkdir()
         edits = {"model": str(weights), "max_rows_per_call": str(rows_per_call), **(extra_edits or {})}
         copy_model(model, repo, model, edits)
-        remove_queue_policy(repo, model)
         set_batching(repo, model, queue_delay_us, triton_max_batch_size)
         self.server = start_server(repo, Path(self.tmp.name) / "tritonserver.log", [model])
 

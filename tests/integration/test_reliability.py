@@ -19,7 +19,6 @@ from triton_diffusion.serving.launcher import REPO_ROOT
 from triton_diffusion.serving.server_process import (
     WEIGHTS,
     copy_model,
-    remove_queue_policy,
     set_batching,
     start_server,
 )
@@ -202,7 +201,6 @@ def small_queue_server(tmp_path_factory):
             "fault_injection": '{\\"step_delay_ms\\": 50}',
         },
     )
-    remove_queue_policy(repo, "text_to_image")  # replaced by a tiny one below
     set_batching(repo, "text_to_image", 0, max_batch_size=1)
     config = repo / "text_to_image" / "config.pbtxt"
     config.write_text(

@@ -43,12 +43,22 @@ def docs(name):
 def test_monitoring_and_autoscaling_point_at_the_deployment():
     deployment = docs("deployment.yaml")[0]
     labels = deployment["spec"]["template"]["metadata"]["labels"]
-    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    container, front_door = deployment["spec"]["template"]["spec"]["containers"]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
-    assert container["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"
-    assert container["livenessProbe"]["httpGet"]["path"] == "/v2/health/live"
+    # The probes ask the supervisor, which knows when a model's process died (Triton 2.51 does not).
+    assert container["args"][0] == "triton-diffusion-serve"
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "health"}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    assert ports == {"http": 8000, "grpc": 8001, "metrics": 8002}
+    assert ports == {"grpc": 8001, "metrics": 8002, "health": 8003}
+    assert "--http-address=127.0.0.1" in container["args"]  # HTTP only through the front door
+    assert front_door["image"].startswith("nginx:")
+    assert front_door["ports"] == [{"name": "http", "containerPort": 8080}]
+    mounted = {m["subPath"] for m in front_door["volumeMounts"]}
+    kustomize = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    generated = kustomize["configMapGenerator"][0]
+    assert {Path(f).name for f in generated["files"]} == mounted == {"nginx.conf", "json_guard.js"}
+    assert all((K8S / f).is_file() for f in generated["files"])
     (podmonitor,) = docs("podmonitor.yaml")
     assert podmonitor["spec"]["selector"]["matchLabels"].items() <= labels.items()
     assert podmonitor["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
@@ -65,11 +75,16 @@ def test_monitoring_and_autoscaling_point_at_the_deployment():
 def test_compose_file_matches_the_compose_specification():
     compose = compose_spec.PyCompose.from_yaml((DOCKER / "compose.yaml").read_text())
     compose.validate()
-    assert compose.service_names() == ["triton", "prometheus"]
+    assert compose.service_names() == ["triton", "front-door", "prometheus"]
     raw = yaml.safe_load((DOCKER / "compose.yaml").read_text())
     triton = raw["services"]["triton"]
     assert triton["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
-    assert {p.split(":")[0] for p in triton["ports"]} == {"8000", "8001", "8002"}
+    # Clients reach gRPC directly and HTTP only through the front door; metrics and health stay local.
+    assert triton["ports"] == ["8001:8001", "127.0.0.1:8002:8002", "127.0.0.1:8003:8003"]
+    front_door = raw["services"]["front-door"]
+    assert front_door["ports"] == ["8000:8080"] and front_door["environment"]["TRITON_HTTP"] == "triton:8000"
+    for volume in front_door["volumes"]:
+        assert (DOCKER / volume.split(":")[0]).is_file()
     prometheus = yaml.safe_load((DOCKER / "prometheus" / "prometheus.yml").read_text())
     assert prometheus["scrape_configs"][0]["static_configs"][0]["targets"] == ["triton:8002"]
     rules = yaml.safe_load((DOCKER / "prometheus" / "rules.yml").read_text())
@@ -86,6 +101,7 @@ def test_the_container_serves_the_shipped_model_repository():
     assert "COPY model_repository ./model_repository" in dockerfile
     repository = f"{workdir}/model_repository"
     assert f'"--model-repository={repository}"' in dockerfile
+    assert 'CMD ["triton-diffusion-serve"' in dockerfile
     deployment = docs("deployment.yaml")[0]
     assert (
         f"--model-repository={repository}" in deployment["spec"]["template"]["spec"]["containers"][0]["args"]

@@ -92,14 +92,6 @@ def set_batching(
     path.write_text(text)
 
 
-def remove_queue_policy(target_repo: Path, name: str) -> None:
-    """Drop default_queue_policy from a copied model. Benchmarks measure batching, not admission control,
-    and Triton 2.51 stalls each request by about 0.5 s with a queue policy and max_batch_size 1."""
-    path = target_repo / name / "config.pbtxt"
-    text = re.sub(r"\n(  #[^\n]*\n)*  default_queue_policy \{.*?\n  \}", "", path.read_text(), flags=re.S)
-    path.write_text(text)
-
-
 def start_server(
     repo: Path, log_path: Path, models: list[str], timeout_s: float = 180, extra_args: list[str] = ()
 ) -> RunningServer:
