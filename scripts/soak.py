@@ -6,7 +6,14 @@ loopback against a server this script starts. Then it checks that nothing was lo
 - the server's RSS (tritonserver + Python backend stubs) grew by less than --max-rss-growth-mb after
   warm-up, and /dev/shm/triton_python_backend_shm_region_* is back to its size after warm-up.
 
+Hostile mode (``--hostile 0.2``) makes that share of requests hostile (invalid UTF-8 in an HTTP
+parameter, a megabyte-long scheduler, a megabyte-long unknown parameter name, wrong types); each must get
+its own short INVALID_ARG while the rest are served. ``--kill-stub-at 20`` kills the model's Python
+backend process 20 s into the run: the launcher's supervisor must bring it back (the recovery time is
+reported); requests refused meanwhile are counted apart, and still none may be lost.
+
     .venv/bin/python scripts/soak.py --duration 300 --concurrency 16
+    .venv/bin/python scripts/soak.py --duration 120 --concurrency 12 --hostile 0.2 --kill-stub-at 30
 Exit status 0 when every check holds; the figures are printed as JSON (and written with --json).
 """
 
@@ -35,10 +42,44 @@ sys.path.insert(0, str(REPO_ROOT / "client"))
 from diffusion_client import StreamSession  # noqa: E402
 
 from triton_diffusion.serving.server_process import WEIGHTS, copy_model, start_server  # noqa: E402
+from triton_diffusion.serving.supervisor import list_stubs  # noqa: E402
 from triton_diffusion.tiny_models import build_missing  # noqa: E402
 
 KEYS = [(64, 2), (64, 4), (128, 2), (128, 4)]  # (height, steps); width stays 64
 SHM_GLOB = "/dev/shm/triton_python_backend_shm_region_*"
+# What clients are told while a model's process is dead and while the supervisor loads it again.
+RECOVERY_ERRORS = ("is not healthy", "has no available versions", "is not ready", "Stub process")
+
+
+def _recovery_error(error: str) -> bool:
+    return any(phrase in error for phrase in RECOVERY_ERRORS)
+
+
+def hostile_request(number: int, rng: random.Random) -> tuple[dict, str, str]:
+    """(request, protocol, the field its error must name). Every one must fail alone, briefly."""
+    kind = rng.randrange(4)
+    base = {"prompt": f"hostile {number}", "seed": number, "height": 64, "num_inference_steps": 2}
+    if kind == 0:
+        return {**base, "negative_prompt": "\udcff"}, "http-raw", "parameters"  # invalid UTF-8 on the wire
+    if kind == 1:
+        return {**base, "scheduler": "x" * 1_000_000}, "grpc", "scheduler"
+    if kind == 2:
+        return {**base, "y" * 1_000_000: 1}, "grpc", "unknown field"
+    return {**base, "height": "64"}, "grpc", "height"
+
+
+def http_generate_raw(url: str, model: str, request: dict, timeout_s: float) -> str | None:
+    """HTTP generate with the request's strings written as raw bytes (surrogates become invalid UTF-8)."""
+    fields = dict(request)
+    body = {"PROMPT": fields.pop("prompt"), "parameters": {**fields, "output_encoding": "base64"}}
+    data = json.dumps(body, ensure_ascii=False).encode("utf-8", errors="surrogateescape")
+    http_request = urllib.request.Request(f"{url}/v2/models/{model}/generate", data=data, method="POST")
+    try:
+        with urllib.request.urlopen(http_request, timeout=timeout_s) as response:
+            response.read()
+            return None
+    except urllib.error.HTTPError as error:
+        return json.loads(error.read()).get("error", str(error))
 
 
 def rss_bytes(pid: int) -> int:
@@ -46,8 +87,11 @@ def rss_bytes(pid: int) -> int:
     return sum(p.memory_info().rss for p in [process, *process.children(recursive=True)])
 
 
+_SHM_BEFORE: set[str] = set()  # regions other servers on this machine made before ours started
+
+
 def shm_bytes() -> int:
-    return sum(os.path.getsize(path) for path in glob.glob(SHM_GLOB))
+    return sum(os.path.getsize(path) for path in glob.glob(SHM_GLOB) if path not in _SHM_BEFORE)
 
 
 def http_generate(url: str, model: str, request: dict, timeout_s: float) -> str | None:
@@ -68,13 +112,22 @@ def http_generate(url: str, model: str, request: dict, timeout_s: float) -> str 
 class Load:
     """Workers that send requests until a deadline and count what comes back."""
 
-    def __init__(self, server, model: str, concurrency: int, http_fraction: float, timeout_s: float) -> None:
+    def __init__(
+        self,
+        server,
+        model: str,
+        concurrency: int,
+        http_fraction: float,
+        timeout_s: float,
+        hostile: float = 0.0,
+    ) -> None:
         self.server, self.model, self.timeout_s = server, model, timeout_s
-        self.concurrency, self.http_fraction = concurrency, http_fraction
+        self.concurrency, self.http_fraction, self.hostile = concurrency, http_fraction, hostile
         self.counts: Counter = Counter()
         self.unexpected: list[str] = []
         self.lock = threading.Lock()
         self.sequence = 0
+        self.recovery_window: tuple[float, float] | None = None  # (kill, recovered) monotonic times
 
     def _next(self, rng: random.Random) -> tuple[int, dict, bool]:
         with self.lock:
@@ -91,19 +144,30 @@ class Load:
         }
         return number, request, invalid
 
-    def _record(self, error: str | None, invalid: bool, protocol: str) -> None:
+    def _during_recovery(self, sent: float) -> bool:
+        window = self.recovery_window
+        return window is not None and window[0] - self.timeout_s <= sent <= window[1] + 2
+
+    def _record(
+        self, error: str | None, invalid: bool, protocol: str, sent: float, expect: str = "height"
+    ) -> bool:
+        """Count one answer; True when it was a refusal while the model recovers (the client backs off)."""
         with self.lock:
             self.counts["sent"] += 1
             self.counts[f"sent_{protocol}"] += 1
             if error is None and not invalid:
                 self.counts["ok"] += 1
-            elif invalid and error is not None and error.startswith("height: "):
+            elif invalid and error is not None and expect in error and len(error) < 1000:
                 self.counts["provoked_errors"] += 1
             elif error is not None and "no final response" in error:
                 self.counts["lost"] += 1
+            elif error is not None and self._during_recovery(sent) and _recovery_error(error):
+                self.counts["refused_during_recovery"] += 1
+                return True
             else:
                 self.counts["unexpected"] += 1
-                self.unexpected.append(f"{protocol}: {error}")
+                self.unexpected.append(f"{protocol}: {str(error)[:300]}")
+        return False
 
     def run(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds
@@ -113,12 +177,23 @@ class Load:
             with StreamSession(self.server.grpc_url, self.model) as session:
                 while time.monotonic() < deadline:
                     number, request, invalid = self._next(rng)
-                    if rng.random() < self.http_fraction:
+                    sent = time.monotonic()
+                    if rng.random() < self.hostile:
+                        request, protocol, expect = hostile_request(number, rng)
+                        if protocol == "http-raw":
+                            url = self.server.http_url
+                            error = http_generate_raw(url, self.model, request, self.timeout_s)
+                        else:
+                            error = session.generate(request, f"hostile-{number}", self.timeout_s).error
+                        refused = self._record(error, True, f"hostile_{protocol}", sent, expect)
+                    elif rng.random() < self.http_fraction:
                         error = http_generate(self.server.http_url, self.model, request, self.timeout_s)
-                        self._record(error, invalid, "http")
+                        refused = self._record(error, invalid, "http", sent)
                     else:
                         result = session.generate(request, f"soak-{number}", self.timeout_s)
-                        self._record(result.error, invalid, "grpc")
+                        refused = self._record(result.error, invalid, "grpc", sent)
+                    if refused:
+                        time.sleep(0.25)  # a retrying client backs off while the model comes back
 
         threads = [threading.Thread(target=worker, args=(i,)) for i in range(self.concurrency)]
         for thread in threads:
@@ -127,6 +202,42 @@ class Load:
             thread.join(timeout=seconds + 2 * self.timeout_s)
         with self.lock:
             self.counts["hung_workers"] += sum(thread.is_alive() for thread in threads)
+
+
+class StubKiller(threading.Thread):
+    """Kills the model's Python backend stub at a given time into the run, then times the recovery: until
+    Triton reports the model ready again and a request succeeds."""
+
+    def __init__(self, server, model: str, at_s: float, load: Load) -> None:
+        super().__init__(daemon=True)
+        self.server, self.model, self.at_s, self.load = server, model, at_s, load
+        self.recovery_s: float | None = None
+        self.dead_region_bytes = 0
+
+    def _ready(self) -> bool:
+        url = f"{self.server.http_url}/v2/models/{self.model}/ready"
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                return response.status == 200
+        except OSError:
+            return False
+
+    def run(self) -> None:
+        time.sleep(self.at_s)
+        (stub,) = [s for s in list_stubs(self.server.process.pid) if s.model == self.model]
+        # Triton 2.51 keeps a dead stub's shared-memory region (its unload never completes).
+        self.dead_region_bytes = os.path.getsize(f"/dev/shm/{stub.shm_region}")
+        killed = time.monotonic()
+        self.load.recovery_window = (killed, killed + 120)
+        os.kill(stub.pid, 9)
+        while time.monotonic() - killed < 120:
+            time.sleep(0.1)
+            if time.monotonic() - killed > 1.5 and self._ready():
+                request = {"prompt": "after recovery", "seed": 1, "num_inference_steps": 2}
+                if http_generate(self.server.http_url, self.model, request, 30) is None:
+                    self.recovery_s = round(time.monotonic() - killed, 1)
+                    break
+        self.load.recovery_window = (killed, time.monotonic())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -139,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--http-fraction", type=float, default=0.3)
     parser.add_argument("--timeout", type=float, default=60.0, help="client deadline per request")
     parser.add_argument("--max-rss-growth-mb", type=float, default=200.0)
+    parser.add_argument("--hostile", type=float, default=0.0, help="share of hostile requests")
+    parser.add_argument("--kill-stub-at", type=float, help="kill -9 the model's stub this many seconds in")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args(argv)
 
@@ -148,14 +261,21 @@ def main(argv: list[str] | None = None) -> int:
         repo = Path(tmp) / "repo"
         repo.mkdir()
         copy_model(model, repo, model, {"model": str(WEIGHTS / "tiny-sd")})
+        _SHM_BEFORE.update(glob.glob(SHM_GLOB))
         server = start_server(repo, Path(tmp) / "tritonserver.log", [model])
         try:
             Load(server, model, args.concurrency, args.http_fraction, args.timeout).run(args.warmup)
             rss_start, shm_start = rss_bytes(server.process.pid), shm_bytes()
-            load = Load(server, model, args.concurrency, args.http_fraction, args.timeout)
+            load = Load(server, model, args.concurrency, args.http_fraction, args.timeout, args.hostile)
+            killer = None
+            if args.kill_stub_at is not None:
+                killer = StubKiller(server, model, args.kill_stub_at, load)
+                killer.start()
             started = time.monotonic()
             load.run(args.duration)
             elapsed = time.monotonic() - started
+            if killer is not None:
+                killer.join(timeout=60)
             time.sleep(1.0)
             rss_end, shm_end = rss_bytes(server.process.pid), shm_bytes()
             server_alive = server.process.poll() is None
@@ -176,6 +296,10 @@ def main(argv: list[str] | None = None) -> int:
         "server_alive": server_alive,
         "unexpected_examples": load.unexpected[:5],
     }
+    if killer is not None:
+        report["stub_killed_at_s"] = args.kill_stub_at
+        report["recovery_s"] = killer.recovery_s
+        report["shm_left_by_the_dead_stub_bytes"] = killer.dead_region_bytes
     checks = {
         "nothing lost": load.counts["lost"] == 0 and load.counts["hung_workers"] == 0,
         "no unexpected errors": load.counts["unexpected"] == 0,
@@ -184,6 +308,12 @@ def main(argv: list[str] | None = None) -> int:
         "shared memory back to start": shm_end == shm_start,
         "server alive": server_alive,
     }
+    if killer is not None:
+        checks["recovered within 60 s"] = killer.recovery_s is not None and killer.recovery_s < 60
+        # Triton keeps the dead stub's region, and the new stub's region grows with the load from its
+        # first size again: reported, not held to the start.
+        del checks["shared memory back to start"]
+        report["shm_live_end_bytes"] = shm_end - killer.dead_region_bytes
     report["checks"] = checks
     print(json.dumps(report, indent=2))
     if args.json:

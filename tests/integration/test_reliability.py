@@ -294,6 +294,8 @@ def test_short_soak_loses_nothing_and_leaks_nothing(tmp_path):
             "4",
             "--concurrency",
             "6",
+            "--hostile",
+            "0.2",
             "--json",
             str(report_path),
         ],
@@ -305,6 +307,7 @@ def test_short_soak_loses_nothing_and_leaks_nothing(tmp_path):
     assert result.returncode == 0, report
     assert report["sent"] > 30 and report.get("lost", 0) == 0 and report.get("unexpected", 0) == 0
     assert report["sent_http"] > 0 and report["sent_grpc"] > 0 and report["provoked_errors"] > 0
+    assert report["sent_hostile_grpc"] > 0 and report["sent_hostile_http-raw"] > 0
     assert all(report["checks"].values()), report["checks"]
 
 

@@ -55,6 +55,7 @@ class Stub:
     pid: int
     model: str
     instance: str
+    shm_region: str  # its shared-memory region under /dev/shm
 
 
 def descendants(root: int, proc: Path = Path("/proc")) -> set[int]:
@@ -93,7 +94,7 @@ def list_stubs(server_pid: int, proc: Path = Path("/proc")) -> list[Stub]:
         if len(argv) < 3 or not argv[0].endswith(STUB_NAME):
             continue
         model = Path(argv[1]).parent.parent.name
-        stubs.append(Stub(pid, model, argv[-2] if len(argv) >= 3 else model))
+        stubs.append(Stub(pid, model, argv[-2], argv[2]))
     return stubs
 
 
