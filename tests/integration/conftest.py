@@ -8,13 +8,24 @@ from triton_diffusion.tiny_models import build_missing
 QUEUE_DELAY_US = 300_000
 FAULT_INJECTION = '{\\"fail_on_prompt\\": \\"__explode__\\", \\"oom_above_rows\\": 3}'
 STEP_DELAY = '{\\"step_delay_ms\\": 80}'
+STEP_SLOW = '{\\"step_delay_ms\\": 60}'
 # The diffusion LM with a stalled step (so a request can join or be cancelled mid-generation) and a
 # forward that fails while a prompt contains __explode__.
 DLLM_FAULTS = '{\\"step_delay_ms\\": 25, \\"fail_on_prompt\\": \\"__explode__\\"}'
 
+# These models run the request-level engine (one fused diffusers call per compatible group): the tests
+# of fusing, keys, bisection, OOM splits and compaction are about it. The step engine has its own models
+# below and its own tests (test_step_engine.py).
 FAMILIES = {
     "text_to_image": {"source": "text_to_image", "weights": "tiny-sd"},
     "text_to_image_flux": {"source": "text_to_image_flux", "weights": "tiny-flux"},
+}
+REQUEST_LEVEL = {"engine": "request"}
+SD_SCHEDULERS = {"scheduler_choices": "EulerDiscreteScheduler,DPMSolverMultistepScheduler"}
+# The step engine (the default for these families), with other schedulers to choose from for SD.
+STEP_MODELS = {
+    "sd_step": {"source": "text_to_image", "weights": "tiny-sd", **SD_SCHEDULERS},
+    "flux_step": {"source": "text_to_image_flux", "weights": "tiny-flux"},
 }
 
 
@@ -23,14 +34,14 @@ def server(tmp_path_factory):
     build_missing(WEIGHTS)
     repo = tmp_path_factory.mktemp("model_repository")
     for name, spec in FAMILIES.items():
-        copy_model(spec["source"], repo, name, {"model": str(WEIGHTS / spec["weights"])})
+        copy_model(spec["source"], repo, name, {"model": str(WEIGHTS / spec["weights"]), **REQUEST_LEVEL})
         set_batching(repo, name, QUEUE_DELAY_US)
     # Same pipeline as text_to_image, with the test-only failure hooks switched on.
     copy_model(
         "text_to_image",
         repo,
         "text_to_image_faults",
-        {"model": str(WEIGHTS / "tiny-sd"), "fault_injection": FAULT_INJECTION},
+        {"model": str(WEIGHTS / "tiny-sd"), "fault_injection": FAULT_INJECTION, **REQUEST_LEVEL},
     )
     set_batching(repo, "text_to_image_faults", QUEUE_DELAY_US)
     # Each family again with a stalled step, so a test can cancel a request in the middle of a call.
@@ -39,9 +50,22 @@ def server(tmp_path_factory):
             spec["source"],
             repo,
             f"{name}_slow",
-            {"model": str(WEIGHTS / spec["weights"]), "fault_injection": STEP_DELAY},
+            {"model": str(WEIGHTS / spec["weights"]), "fault_injection": STEP_DELAY, **REQUEST_LEVEL},
         )
         set_batching(repo, f"{name}_slow", QUEUE_DELAY_US)
+    for name, spec in STEP_MODELS.items():
+        edits = {k: v for k, v in spec.items() if k not in ("source", "weights")}
+        copy_model(spec["source"], repo, name, {"model": str(WEIGHTS / spec["weights"]), **edits})
+        # A stalled step, so requests can join, leave and be cancelled mid-way.
+        copy_model(
+            spec["source"],
+            repo,
+            f"{name}_slow",
+            {"model": str(WEIGHTS / spec["weights"]), "fault_injection": STEP_SLOW, **edits},
+        )
+    # The step engine with the failure hooks: a failing forward, a simulated out-of-memory above 3 rows.
+    faults = {"model": str(WEIGHTS / "tiny-sd"), "fault_injection": FAULT_INJECTION}
+    copy_model("text_to_image", repo, "sd_step_faults", faults)
     copy_model("image_to_image", repo, "image_to_image", {"model": str(WEIGHTS / "tiny-sd")})
     set_batching(repo, "image_to_image", QUEUE_DELAY_US)
     copy_model("text_to_video", repo, "text_to_video", {"model": str(WEIGHTS / "tiny-wan")})
@@ -65,6 +89,9 @@ def server(tmp_path_factory):
         "text_to_video",
         "diffusion_lm",
         "diffusion_lm_slow",
+        *STEP_MODELS,
+        *(f"{name}_slow" for name in STEP_MODELS),
+        "sd_step_faults",
     ]
     running = start_server(repo, log_path, models)
     yield running

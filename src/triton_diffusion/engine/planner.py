@@ -64,8 +64,10 @@ class RowCaps:
 
     def cap_for(self, key: CompatibilityKey) -> tuple[int, str]:
         """The cap for a key and the reason to name when it cuts a group: the lower rule wins."""
-        resolution = f"{key.get('width')}x{key.get('height')}"
-        res_cap = self.by_resolution.get(resolution)
+        return self.cap_for_size(key.get("height"), key.get("width"))
+
+    def cap_for_size(self, height: int, width: int) -> tuple[int, str]:
+        res_cap = self.by_resolution.get(f"{width}x{height}")
         if res_cap is not None and res_cap < self.max_rows:
             return res_cap, "resolution_cap"
         return self.max_rows, "row_cap"

@@ -342,16 +342,20 @@ class EngineWorker:
     def _in_system(self) -> int:
         return self.engine.active + len(self._incoming)
 
-    def submit(self, jobs: Sequence[Job]) -> float:
-        """Hand one request's jobs to the engine; blocks while full. Returns the seconds it waited."""
+    def submit(self, jobs: Sequence[Job], timeout_s: float | None = None) -> float:
+        """Hand one request's jobs to the engine; blocks while full, at most ``timeout_s`` (then
+        UNAVAILABLE). Returns the seconds it waited."""
         started = time.perf_counter()
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._condition:
-            while (
-                self._in_system()
-                and self._in_system() + len(jobs) > self.capacity
-                and not self._closed
-            ):
-                self._condition.wait()
+            while self._in_system() and self._in_system() + len(jobs) > self.capacity and not self._closed:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise RequestError(
+                        ErrorCode.UNAVAILABLE,
+                        f"the model is at capacity: no room for this request within {timeout_s:g} s",
+                    )
+                self._condition.wait(remaining)
             if self._closed:
                 raise RequestError(ErrorCode.UNAVAILABLE, "the model is shutting down")
             self._incoming.extend(jobs)

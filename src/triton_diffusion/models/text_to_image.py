@@ -17,12 +17,11 @@ from triton_diffusion.adapters.diffusers_pipeline import (
     SchedulerChoices,
     load_pipeline,
     row_generator,
-    row_seed,
 )
+from triton_diffusion.adapters.step_adapters import step_adapter_for
 from triton_diffusion.codecs.image import IMAGE_FORMATS, OUTPUT_ENCODINGS, encode_image
 from triton_diffusion.codecs.preview import preview_png
 from triton_diffusion.compatibility import CompatibilityKey
-from triton_diffusion.engine.executor import CallRecord
 from triton_diffusion.families import PipelineFacts
 from triton_diffusion.faults import FaultInjection
 from triton_diffusion.fields import REQUIRED, Field, FieldSet, Role, seed_field
@@ -34,7 +33,6 @@ from triton_diffusion.serving.triton_model import (
     ParsedRequest,
     RowInput,
     StepReporter,
-    batch_report,
 )
 from triton_diffusion.settings import ModelSettings
 
@@ -89,6 +87,9 @@ TEXT_TO_IMAGE_FIELDS = FieldSet(
     ]
 )
 
+ENGINES = ("auto", "step", "request")
+
+
 class TextToImageModel(BatchedDiffusionModel):
     FIELDS = TEXT_TO_IMAGE_FIELDS
     PIPELINE_LOADER = "DiffusionPipeline"  # overridden by the pipeline_class config parameter
@@ -127,9 +128,28 @@ class TextToImageModel(BatchedDiffusionModel):
             unsupported += [f.name for f in PROGRESS_FIELDS]
         self.compacting_schedulers = facts.traits.compaction_schedulers
         self.callback_tensors = ["latents"] + (["prompt_embeds"] if self.compacting_schedulers else [])
+        self.step_adapter = self.choose_step_adapter(settings)
         # The scheduler list is what SchedulerChoices accepted: always the pipeline's own first.
         derived = {"scheduler_choices": ",".join(self.schedulers.names)}
         return fields.configured({**self.derived_defaults(), **settings.params, **derived}, unsupported)
+
+    def choose_step_adapter(self, settings: ModelSettings) -> Any:
+        """``engine``: auto (the step engine where the family has a step adapter), step (required) or
+        request (one fused diffusers call per compatible group)."""
+        engine = (settings.get("engine", "auto") or "auto").lower()
+        if engine not in ENGINES:
+            allowed = ", ".join(ENGINES)
+            raise ValueError(f"model {settings.name}: engine must be one of {allowed}, got {engine}")
+        if engine == "request":
+            return None
+        max_sequence_length = self.call_extras.get("max_sequence_length")
+        adapter = step_adapter_for(self.pipe, self.facts, self.schedulers, max_sequence_length)
+        if adapter is None and engine == "step":
+            raise ValueError(
+                f"model {settings.name}: engine step, but {self.facts.class_name} has no step adapter "
+                "(families.py); use engine auto or request"
+            )
+        return adapter
 
     def uses(self, argument: str) -> bool:
         """Whether the pipeline does something with this optional argument (not just accepts it)."""
@@ -249,13 +269,7 @@ class TextToImageModel(BatchedDiffusionModel):
             latent = latent[:, :, latent.shape[2] // 2]
         return preview_png(latent[0])
 
-    def respond(
-        self, request: ParsedRequest, outputs: list[Any], calls: list[CallRecord]
-    ) -> dict[str, np.ndarray]:
+    def respond(self, request: ParsedRequest, outputs: list[Any]) -> dict[str, np.ndarray]:
         values = request.values
         images = [encode_image(img, values["output_format"], values["output_encoding"]) for img in outputs]
-        return {
-            "IMAGE": np.array([images], dtype=object),
-            "SEED": np.array([[row_seed(values["seed"], i) for i in range(len(outputs))]], dtype=np.int64),
-            "BATCH": batch_report(request, calls),
-        }
+        return {"IMAGE": np.array([images], dtype=object)}

@@ -12,13 +12,11 @@ from typing import Any
 
 import numpy as np
 
-from triton_diffusion.adapters.diffusers_pipeline import row_seed
 from triton_diffusion.codecs.video import available_codec, encode_mp4, to_uint8
 from triton_diffusion.compatibility import CompatibilityKey
-from triton_diffusion.engine.executor import CallRecord
 from triton_diffusion.fields import Field, FieldSet, Role
 from triton_diffusion.models.text_to_image import TEXT_TO_IMAGE_FIELDS, TextToImageModel
-from triton_diffusion.serving.triton_model import PROGRESS_OUTPUTS, ParsedRequest, RowInput, batch_report
+from triton_diffusion.serving.triton_model import PROGRESS_OUTPUTS, ParsedRequest, RowInput
 from triton_diffusion.settings import ModelSettings
 
 _FROM_IMAGE_FIELDS = [
@@ -99,19 +97,11 @@ class TextToVideoModel(TextToImageModel):
     def run_rows(self, key: CompatibilityKey, rows: list[RowInput], steps) -> list[Any]:
         return [to_uint8(video) for video in super().run_rows(key, rows, steps)]
 
-    def respond(
-        self, request: ParsedRequest, outputs: list[Any], calls: list[CallRecord]
-    ) -> dict[str, np.ndarray]:
+    def respond(self, request: ParsedRequest, outputs: list[Any]) -> dict[str, np.ndarray]:
         values = request.values
-        response = {
-            "SEED": np.array([[row_seed(values["seed"], i) for i in range(len(outputs))]], dtype=np.int64),
-            "BATCH": batch_report(request, calls),
-        }
         if values["output_format"] == "frames":
-            response["FRAMES"] = np.stack(outputs)[None]
-        else:
-            videos = [encode_mp4(frames, values["fps"], self.codec) for frames in outputs]
-            if values["output_encoding"] == "base64":
-                videos = [base64.b64encode(video) for video in videos]
-            response["VIDEO"] = np.array([videos], dtype=object)
-        return response
+            return {"FRAMES": np.stack(outputs)[None]}
+        videos = [encode_mp4(frames, values["fps"], self.codec) for frames in outputs]
+        if values["output_encoding"] == "base64":
+            videos = [base64.b64encode(video) for video in videos]
+        return {"VIDEO": np.array([videos], dtype=object)}

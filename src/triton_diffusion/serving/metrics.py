@@ -31,7 +31,14 @@ FAMILIES = {
     "triton_diffusion_requests_failed_total": ("COUNTER", "Requests answered with an error, by error code"),
     "triton_diffusion_bisection_retries_total": ("COUNTER", "Failed fused calls split in two and retried"),
     "triton_diffusion_oom_splits_total": ("COUNTER", "Fused calls split after running out of memory"),
-    "triton_diffusion_rows_in_flight": ("GAUGE", "Rows in the fused call running now"),
+    "triton_diffusion_rows_in_flight": ("GAUGE", "Rows in the running fused call, or in the step engine"),
+    # The step engine's own:
+    "triton_diffusion_forward_rows": ("HISTOGRAM", "Step engine: model rows per forward (CFG rows count)"),
+    "triton_diffusion_step_seconds": ("HISTOGRAM", "Step engine: time per forward and scheduler steps"),
+    "triton_diffusion_admission_wait_seconds": (
+        "HISTOGRAM",
+        "Step engine: per request, time execute() waited for room in the running set and waiting room",
+    ),
 }
 
 # The diffusion LM (step-level continuous batching) has its own.

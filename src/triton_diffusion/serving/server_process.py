@@ -70,7 +70,8 @@ def copy_model(source: str, target_repo: Path, name: str, edits: dict[str, str],
     shutil.copytree(REPO_ROOT / "model_repository" / source, target)
     config = (target / "config.pbtxt").read_text()
     for key, value in edits.items():
-        pattern = rf'(key: "{re.escape(key)}" value: {{ string_value: )"[^"]*"'
+        # Only live lines: the shipped configs show optional parameters in comments.
+        pattern = rf'(?m)(^parameters {{ key: "{re.escape(key)}" value: {{ string_value: )"[^"]*"'
         config, count = re.subn(pattern, lambda m, v=value: f'{m.group(1)}"{v}"', config)
         if count == 0:
             config += f'\nparameters {{ key: "{key}" value: {{ string_value: "{value}" }} }}\n'

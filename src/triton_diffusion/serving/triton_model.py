@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from triton_diffusion.adapters.diffusers_pipeline import row_seed
 from triton_diffusion.compatibility import CompatibilityKey, compatibility_key
 from triton_diffusion.engine.executor import CallRecord, CallReport, FusedCallExecutor
 from triton_diffusion.engine.planner import PlannedRequest, Row, RowCaps, plan_groups
@@ -114,13 +115,14 @@ class StepReporter:
         return [by_row.get(row) for row in self.rows]
 
 
-def batch_report(request: ParsedRequest, calls: list[CallRecord]) -> np.ndarray:
-    """The BATCH output: the request's compatibility key and the fused calls its rows went through."""
-    report = {
-        "key": request.key.as_dict(),
-        "fused_calls": [{"id": c.call_id, "rows": c.rows, "requests": c.requests} for c in calls],
-    }
+def batch_output(report: dict[str, Any]) -> np.ndarray:
+    """The BATCH output: JSON of how the request was batched (its key and its fused calls, or for the
+    step engine its shape group, the forwards it took part in and the most rows it shared one with)."""
     return np.array([[json.dumps(report).encode()]], dtype=object)
+
+
+def seed_output(seed: int, count: int) -> np.ndarray:
+    return np.array([[row_seed(seed, i) for i in range(count)]], dtype=np.int64)
 
 
 class TritonModel:
@@ -213,7 +215,11 @@ class TritonModel:
 
 
 class BatchedDiffusionModel(TritonModel):
-    """Image and video models: one fused diffusers call per compatible group, inside ``execute()``."""
+    """Image and video models. With a step adapter for the loaded pipeline (and ``engine`` auto or step),
+    requests go to the step engine (serving/step_serving.py); otherwise one fused diffusers call per
+    compatible group runs inside ``execute()`` (the request-level engine, below)."""
+
+    step_adapter: Any = None  # set by load() when the pipeline has one and the config wants it
 
     # ---- what a model kind provides -------------------------------------------------------------
     def load(self, settings: ModelSettings) -> FieldSet:
@@ -232,22 +238,39 @@ class BatchedDiffusionModel(TritonModel):
         """One fused pipeline call; one output per row, in row order (``steps.scatter`` helps)."""
         raise NotImplementedError
 
-    def respond(
-        self, request: ParsedRequest, outputs: list[Any], calls: list[CallRecord]
-    ) -> dict[str, np.ndarray]:
+    def respond(self, request: ParsedRequest, outputs: list[Any]) -> dict[str, np.ndarray]:
+        """The outputs of a request whose rows are all done (SEED and BATCH are added here)."""
         raise NotImplementedError
+
+    def response(self, request: ParsedRequest, outputs: list[Any], report: dict[str, Any]) -> dict[str, Any]:
+        return {
+            **self.respond(request, outputs),
+            "SEED": seed_output(request.values["seed"], len(outputs)),
+            "BATCH": batch_output(report),
+        }
 
     def setup(self, settings: ModelSettings) -> None:
         self.fields = self.load(settings)
         self.caps = RowCaps.from_config(settings.max_rows_per_call(), settings.get("max_rows_by_resolution"))
+        self.step_serving = None
+        if self.step_adapter is not None:
+            from triton_diffusion.serving.step_serving import ImageStepServing
+
+            self.step_serving = ImageStepServing(self, self.step_adapter, settings, self.caps)
         self.executor = FusedCallExecutor(self._run_planned_rows, self._on_call)
         self._live: dict[int, _LiveRequest] = {}
         log.info(
-            "%s ready: max_rows_per_call=%d caps_by_resolution=%s",
+            "%s ready: engine=%s max_rows_per_call=%d caps_by_resolution=%s",
             settings.name,
+            "step" if self.step_serving else "request",
             self.caps.max_rows,
             dict(self.caps.by_resolution),
         )
+
+    def finalize(self) -> None:
+        if self.step_serving is not None:
+            self.step_serving.close()
+        super().finalize()
 
     def parse(self, index: int, raw: dict[str, Any], tracked: TrackedRequest) -> ParsedRequest:
         values = self.resolve(self.fields.parse(raw))
@@ -255,8 +278,15 @@ class BatchedDiffusionModel(TritonModel):
             values["seed"] = random.randrange(2**32)  # drawn here so the response can return it
         return ParsedRequest(index, values, compatibility_key(self.fields, values), self.rows_for(values))
 
-    # ---- the request-level engine -----------------------------------------------------------------
     def run(self, admitted: list[tuple[TrackedRequest, ParsedRequest]]) -> None:
+        if self.step_serving is not None:
+            for tracked, parsed in admitted:
+                self.step_serving.submit(tracked, parsed)
+            return
+        self._run_request_level(admitted)
+
+    # ---- the request-level engine -----------------------------------------------------------------
+    def _run_request_level(self, admitted: list[tuple[TrackedRequest, ParsedRequest]]) -> None:
         self._live = {parsed.index: _LiveRequest(tracked, parsed) for tracked, parsed in admitted}
         try:
             self._run_planned()
@@ -267,8 +297,12 @@ class BatchedDiffusionModel(TritonModel):
     def _run_planned(self) -> None:
         def on_complete(index: int, outputs: list[Any], calls: list[CallRecord]) -> None:
             live = self._live[index]
+            report = {
+                "key": live.parsed.key.as_dict(),
+                "fused_calls": [{"id": c.call_id, "rows": c.rows, "requests": c.requests} for c in calls],
+            }
             try:
-                response = self.respond(live.parsed, outputs, calls)
+                response = self.response(live.parsed, outputs, report)
             except RequestError as error:
                 live.tracked.fail(error)
                 return

@@ -1,0 +1,206 @@
+"""Step adapters for flow-matching transformer pipelines: FLUX.1 (``FluxPipeline``: packed 2x2 latents,
+CLIP + T5 text, a guidance embedding, true CFG with a negative prompt) and SD3 (``StableDiffusion3Pipeline``:
+classic CFG over ``[uncond, cond]`` rows). The loop bodies mirror the pipelines' ``__call__``: no input
+scaling, the transformer predicts the velocity, the flow-matching scheduler steps.
+
+Flux turns true CFG on for the whole call when any row has a negative prompt; here it is per row (a row
+with a negative prompt and ``true_cfg_scale`` > 1 adds one unconditional row), so such requests share
+forwards with the others, each exactly as ``FluxPipeline`` would run it alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+from triton_diffusion.adapters.latent_steps import Conditioning, ImageRequest, LatentStepAdapter
+
+
+def _shift(config: Any, image_seq_len: int, calculate_shift: Any, max_shift: float) -> float:
+    return calculate_shift(
+        image_seq_len,
+        config.get("base_image_seq_len", 256),
+        config.get("max_image_seq_len", 4096),
+        config.get("base_shift", 0.5),
+        config.get("max_shift", max_shift),
+    )
+
+
+class FluxAdapter(LatentStepAdapter):
+    def __init__(self, pipe: Any, facts: Any, schedulers: Any, max_sequence_length: int | None) -> None:
+        super().__init__(pipe, facts, schedulers, max_sequence_length)
+        self.max_sequence_length = max_sequence_length or facts.default("max_sequence_length") or 512
+        self.guidance_embeds = bool(pipe.transformer.config.guidance_embeds)
+        self.text_ids: torch.Tensor | None = None  # [length, 3], the same for every prompt
+        self.image_ids: dict[int, torch.Tensor] = {}  # packed sequence length -> [length, 3]
+
+    @property
+    def model(self) -> Any:
+        return self.pipe.transformer
+
+    def uses_guidance(self, request: ImageRequest) -> bool:
+        return (request.true_cfg_scale or 0.0) > 1.0 and request.negative_prompt is not None
+
+    def guidance_scale(self, request: ImageRequest) -> float:
+        return float(request.true_cfg_scale or 0.0)
+
+    def _encode(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        embeds, pooled, text_ids = self.pipe.encode_prompt(
+            prompt=prompts,
+            prompt_2=None,
+            device=self.device,
+            num_images_per_prompt=1,
+            max_sequence_length=self.max_sequence_length,
+        )
+        self.text_ids = text_ids
+        return embeds, pooled
+
+    def encode(self, requests: Sequence[ImageRequest]) -> list[Conditioning]:
+        embeds, pooled = self._encode([r.prompt for r in requests])
+        guided = [i for i, r in enumerate(requests) if self.uses_guidance(r)]
+        negatives: dict[int, dict[str, torch.Tensor]] = {}
+        if guided:
+            negative_embeds, negative_pooled = self._encode([requests[i].negative_prompt for i in guided])
+            for row, i in enumerate(guided):
+                negatives[i] = {
+                    "encoder_hidden_states": negative_embeds[row : row + 1],
+                    "pooled_projections": negative_pooled[row : row + 1],
+                }
+        return [
+            Conditioning(
+                {"encoder_hidden_states": embeds[i : i + 1], "pooled_projections": pooled[i : i + 1]},
+                negatives.get(i),
+            )
+            for i in range(len(requests))
+        ]
+
+    def extra_inputs(self, request: ImageRequest) -> dict[str, torch.Tensor]:
+        if not self.guidance_embeds:
+            return {}
+        return {"guidance": torch.full([1], request.guidance_scale, device=self.device, dtype=torch.float32)}
+
+    def initial_latents(
+        self, requests: Sequence[ImageRequest], schedulers: Sequence[Any], generators: list[torch.Generator]
+    ) -> torch.Tensor:
+        height, width = requests[0].size
+        channels = self.model.config.in_channels // 4
+        latents, image_ids = self.pipe.prepare_latents(
+            len(requests), channels, height, width, self.dtype, self.device, generators
+        )
+        self.image_ids[latents.shape[1]] = image_ids
+        return latents
+
+    def set_timesteps(self, scheduler: Any, request: ImageRequest) -> torch.Tensor:
+        steps = request.steps
+        sigmas = None if scheduler.config.get("use_flow_sigmas") else np.linspace(1.0, 1 / steps, steps)
+        factor = self.pipe.vae_scale_factor
+        image_seq_len = (request.height // factor // 2) * (request.width // factor // 2)
+        mu = _shift(scheduler.config, image_seq_len, self.module.calculate_shift, 1.15)
+        timesteps, _ = self.module.retrieve_timesteps(scheduler, steps, self.device, sigmas=sigmas, mu=mu)
+        return timesteps
+
+    def timestep_rows(self, timesteps: Sequence[torch.Tensor]) -> torch.Tensor:
+        # FluxPipeline: t.expand(batch).to(latents.dtype), then / 1000.
+        return torch.stack([t.reshape(()).to(self.dtype) for t in timesteps]).to(self.device) / 1000
+
+    def predict(self, latents: torch.Tensor, timesteps: torch.Tensor, inputs: dict[str, torch.Tensor]) -> Any:
+        return self.model(
+            hidden_states=latents,
+            timestep=timesteps,
+            guidance=inputs.get("guidance"),
+            pooled_projections=inputs["pooled_projections"],
+            encoder_hidden_states=inputs["encoder_hidden_states"],
+            txt_ids=self.text_ids,
+            img_ids=self.image_ids[latents.shape[1]],
+            joint_attention_kwargs={},
+            return_dict=False,
+        )[0]
+
+    def _unpack(self, latents: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+        return self.pipe._unpack_latents(latents, size[0], size[1], self.pipe.vae_scale_factor)
+
+    def decode(self, latents: torch.Tensor, size: tuple[int, int]) -> list[Image.Image]:
+        vae = self.pipe.vae
+        latents = self._unpack(latents, size)
+        latents = (latents / vae.config.scaling_factor) + vae.config.shift_factor
+        image = vae.decode(latents, return_dict=False)[0]
+        return self.pipe.image_processor.postprocess(image, output_type="pil")
+
+    def preview_latent(self, latents: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+        return self._unpack(latents, size)[0]
+
+
+class StableDiffusion3Adapter(LatentStepAdapter):
+    def __init__(self, pipe: Any, facts: Any, schedulers: Any, max_sequence_length: int | None) -> None:
+        super().__init__(pipe, facts, schedulers, max_sequence_length)
+        self.max_sequence_length = max_sequence_length or facts.default("max_sequence_length") or 256
+
+    @property
+    def model(self) -> Any:
+        return self.pipe.transformer
+
+    def uses_guidance(self, request: ImageRequest) -> bool:
+        return self.guidance_scale(request) > 1.0
+
+    def encode(self, requests: Sequence[ImageRequest]) -> list[Conditioning]:
+        cfg = any(self.uses_guidance(r) for r in requests)
+        embeds, negative_embeds, pooled, negative_pooled = self.pipe.encode_prompt(
+            prompt=[r.prompt for r in requests],
+            prompt_2=None,
+            prompt_3=None,
+            device=self.device,
+            num_images_per_prompt=1,
+            do_classifier_free_guidance=cfg,
+            negative_prompt=[r.negative_prompt or "" for r in requests] if cfg else None,
+            max_sequence_length=self.max_sequence_length,
+        )
+        return [
+            Conditioning(
+                {"encoder_hidden_states": embeds[i : i + 1], "pooled_projections": pooled[i : i + 1]},
+                {
+                    "encoder_hidden_states": negative_embeds[i : i + 1],
+                    "pooled_projections": negative_pooled[i : i + 1],
+                }
+                if cfg
+                else None,
+            )
+            for i in range(len(requests))
+        ]
+
+    def initial_latents(
+        self, requests: Sequence[ImageRequest], schedulers: Sequence[Any], generators: list[torch.Generator]
+    ) -> torch.Tensor:
+        height, width = requests[0].size
+        channels = self.model.config.in_channels
+        count = len(requests)
+        return self.pipe.prepare_latents(count, channels, height, width, self.dtype, self.device, generators)
+
+    def set_timesteps(self, scheduler: Any, request: ImageRequest) -> torch.Tensor:
+        kwargs = {}
+        if scheduler.config.get("use_dynamic_shifting", None):
+            factor, patch = self.pipe.vae_scale_factor, self.model.config.patch_size
+            image_seq_len = (request.height // factor // patch) * (request.width // factor // patch)
+            kwargs["mu"] = _shift(scheduler.config, image_seq_len, self.module.calculate_shift, 1.16)
+        retrieve = self.module.retrieve_timesteps
+        timesteps, _ = retrieve(scheduler, request.steps, self.device, sigmas=None, **kwargs)
+        return timesteps
+
+    def predict(self, latents: torch.Tensor, timesteps: torch.Tensor, inputs: dict[str, torch.Tensor]) -> Any:
+        return self.model(
+            hidden_states=latents,
+            timestep=timesteps,
+            encoder_hidden_states=inputs["encoder_hidden_states"],
+            pooled_projections=inputs["pooled_projections"],
+            joint_attention_kwargs=None,
+            return_dict=False,
+        )[0]
+
+    def decode(self, latents: torch.Tensor, size: tuple[int, int]) -> list[Image.Image]:
+        vae = self.pipe.vae
+        latents = (latents / vae.config.scaling_factor) + vae.config.shift_factor
+        image = vae.decode(latents, return_dict=False)[0]
+        return self.pipe.image_processor.postprocess(image, output_type="pil")

@@ -1,0 +1,133 @@
+"""Step adapter for the Stable Diffusion UNet family: SD 1.x/2.x (``StableDiffusionPipeline``) and SDXL
+(``StableDiffusionXLPipeline``: two text encoders, pooled embeddings and size "time ids" through
+``added_cond_kwargs``). The loop body mirrors the pipelines' ``__call__``: the scheduler scales the model
+input, the UNet predicts noise for ``[uncond, cond]`` rows, CFG combines them, the scheduler steps.
+
+A missing negative prompt: SD turns it into "" (so does this adapter); SDXL zeroes the negative embeddings
+(``force_zeros_for_empty_prompt``), here per row, so rows with and without one share forwards exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from diffusers.utils.torch_utils import randn_tensor
+from PIL import Image
+
+from triton_diffusion.adapters.latent_steps import Conditioning, ImageRequest, LatentStepAdapter
+
+
+class StableDiffusionAdapter(LatentStepAdapter):
+    scales_model_input = True
+
+    def __init__(self, pipe: Any, facts: Any, schedulers: Any, max_sequence_length: int | None) -> None:
+        if pipe.unet.config.time_cond_proj_dim is not None:
+            raise NotImplementedError("a guidance-embedding UNet (LCM) has no step adapter")
+        super().__init__(pipe, facts, schedulers, max_sequence_length)
+        self.xl = pipe.unet.config.addition_embed_type == "text_time"
+
+    @property
+    def model(self) -> Any:
+        return self.pipe.unet
+
+    def uses_guidance(self, request: ImageRequest) -> bool:
+        return self.guidance_scale(request) > 1.0
+
+    def encode(self, requests: Sequence[ImageRequest]) -> list[Conditioning]:
+        prompts = [r.prompt for r in requests]
+        cfg = any(self.uses_guidance(r) for r in requests)
+        negatives = [r.negative_prompt or "" for r in requests] if cfg else None
+        if not self.xl:
+            embeds, negative_embeds = self.pipe.encode_prompt(prompts, self.device, 1, cfg, negatives)
+            return [
+                Conditioning(
+                    {"encoder_hidden_states": embeds[i : i + 1]},
+                    {"encoder_hidden_states": negative_embeds[i : i + 1]} if cfg else None,
+                )
+                for i in range(len(requests))
+            ]
+        embeds, negative_embeds, pooled, negative_pooled = self.pipe.encode_prompt(
+            prompt=prompts,
+            device=self.device,
+            num_images_per_prompt=1,
+            do_classifier_free_guidance=cfg,
+            negative_prompt=negatives,
+        )
+        projection = self.pipe.text_encoder_2.config.projection_dim
+        out = []
+        for i, request in enumerate(requests):
+            size = request.size
+            time_ids = self.pipe._get_add_time_ids(size, (0, 0), size, embeds.dtype, projection)
+            time_ids = time_ids.to(self.device)
+            conditional = {
+                "encoder_hidden_states": embeds[i : i + 1],
+                "text_embeds": pooled[i : i + 1],
+                "time_ids": time_ids,
+            }
+            unconditional = None
+            if cfg:
+                negative, negative_text = negative_embeds[i : i + 1], negative_pooled[i : i + 1]
+                if request.negative_prompt is None and self.pipe.config.force_zeros_for_empty_prompt:
+                    negative, negative_text = torch.zeros_like(negative), torch.zeros_like(negative_text)
+                unconditional = {
+                    "encoder_hidden_states": negative,
+                    "text_embeds": negative_text,
+                    "time_ids": time_ids,
+                }
+            out.append(Conditioning(conditional, unconditional))
+        return out
+
+    def initial_latents(
+        self, requests: Sequence[ImageRequest], schedulers: Sequence[Any], generators: list[torch.Generator]
+    ) -> torch.Tensor:
+        # prepare_latents draws the noise, then scales it by the pipeline scheduler's init_noise_sigma:
+        # here each row by its own scheduler's.
+        height, width = requests[0].size
+        factor = self.pipe.vae_scale_factor
+        shape = (len(requests), self.model.config.in_channels, height // factor, width // factor)
+        noise = randn_tensor(shape, generator=generators, device=self.device, dtype=self.dtype)
+        return torch.cat([noise[i : i + 1] * s.init_noise_sigma for i, s in enumerate(schedulers)])
+
+    def set_timesteps(self, scheduler: Any, request: ImageRequest) -> torch.Tensor:
+        timesteps, _ = self.module.retrieve_timesteps(scheduler, request.steps, self.device)
+        return timesteps
+
+    def predict(self, latents: torch.Tensor, timesteps: torch.Tensor, inputs: dict[str, torch.Tensor]) -> Any:
+        added = {"text_embeds": inputs["text_embeds"], "time_ids": inputs["time_ids"]} if self.xl else None
+        return self.model(
+            latents,
+            timesteps,
+            encoder_hidden_states=inputs["encoder_hidden_states"],
+            timestep_cond=None,
+            cross_attention_kwargs=None,
+            added_cond_kwargs=added,
+            return_dict=False,
+        )[0]
+
+    def decode(self, latents: torch.Tensor, size: tuple[int, int]) -> list[Image.Image]:
+        pipe, vae = self.pipe, self.pipe.vae
+        if not self.xl:
+            image = vae.decode(latents / vae.config.scaling_factor, return_dict=False)[0]
+            image, nsfw = pipe.run_safety_checker(image, self.device, self.dtype)
+            denormalize = [True] * image.shape[0] if nsfw is None else [not flagged for flagged in nsfw]
+            return pipe.image_processor.postprocess(image, output_type="pil", do_denormalize=denormalize)
+        # SDXL's own decode: fp16 VAEs that overflow are run in fp32, latents de-normalized if configured.
+        upcast = vae.dtype == torch.float16 and vae.config.force_upcast
+        if upcast:
+            vae.to(dtype=torch.float32)
+            latents = latents.to(next(iter(vae.post_quant_conv.parameters())).dtype)
+        mean, std = getattr(vae.config, "latents_mean", None), getattr(vae.config, "latents_std", None)
+        if mean is not None and std is not None:
+            mean = torch.tensor(mean).view(1, 4, 1, 1).to(latents.device, latents.dtype)
+            std = torch.tensor(std).view(1, 4, 1, 1).to(latents.device, latents.dtype)
+            latents = latents * std / vae.config.scaling_factor + mean
+        else:
+            latents = latents / vae.config.scaling_factor
+        image = vae.decode(latents, return_dict=False)[0]
+        if upcast:
+            vae.to(dtype=torch.float16)
+        if getattr(pipe, "watermark", None) is not None:
+            image = pipe.watermark.apply_watermark(image)
+        return pipe.image_processor.postprocess(image, output_type="pil")

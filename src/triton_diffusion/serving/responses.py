@@ -1,0 +1,44 @@
+"""Encoding and sending responses off the step engine's thread, so the next step is not delayed.
+
+One worker thread runs the handed-over work in order: a request's progress responses, handed over at
+its steps, always go out before its FINAL response, handed over when it is done. Work that raises fails
+its own request only (with an error FINAL, through its TrackedRequest).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+
+from triton_diffusion.engine.requests import TrackedRequest
+from triton_diffusion.errors import ErrorCode, RequestError
+
+log = logging.getLogger("triton_diffusion")
+
+
+class ResponseWorker:
+    def __init__(self, name: str = "responses") -> None:
+        self._queue: queue.Queue[tuple[TrackedRequest, Callable[[], None]] | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, request: TrackedRequest, work: Callable[[], None]) -> None:
+        self._queue.put((request, work))
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Finish what was handed over, then stop."""
+        self._queue.put(None)
+        self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            request, work = item
+            if request.ended:
+                continue
+            try:
+                work()
+            except Exception as exc:  # noqa: BLE001  (an encoding failure fails this request only)
+                log.exception("request %s: building its response failed", request.request_id)
+                request.fail(RequestError(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"))

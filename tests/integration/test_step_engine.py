@@ -1,0 +1,183 @@
+"""The step engine on the real server (the default engine for SD and FLUX.1): requests join and leave a
+running denoising loop, and every image still equals the diffusers pipeline's own for its arguments.
+
+References are computed here, in the test process, with the same weights through ``pipeline(...)``.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+import threading
+import time
+
+import diffusers
+import numpy as np
+import pytest
+import torch
+from diffusion_client import generate_many, generate_one
+from PIL import Image
+
+from triton_diffusion.serving.server_process import WEIGHTS, read_metrics
+
+from .test_text_to_image import pixels
+
+MODELS = {"sd_step_slow": "tiny-sd", "flux_step_slow": "tiny-flux"}
+_PIPES: dict[str, object] = {}
+
+
+def reference(weights: str, request: dict) -> np.ndarray:
+    """``pipeline(...)`` for one request, as diffusers runs it alone."""
+    if weights not in _PIPES:
+        pipe = diffusers.DiffusionPipeline.from_pretrained(WEIGHTS / weights, use_safetensors=True)
+        pipe.set_progress_bar_config(disable=True)
+        _PIPES[weights] = (pipe, pipe.scheduler)
+    pipe, own = _PIPES[weights]
+    name = request.get("scheduler")
+    pipe.scheduler = own if name is None else getattr(diffusers, name).from_config(own.config)
+    kwargs = {
+        "prompt": [request["prompt"]],
+        "height": request.get("height", 64),
+        "width": request.get("width", 64),
+        "num_inference_steps": request["num_inference_steps"],
+        "generator": [torch.Generator().manual_seed(request["seed"])],
+    }
+    if weights == "tiny-flux":
+        kwargs["max_sequence_length"] = 64  # as text_to_image_flux's config.pbtxt sets it
+    for field in ("negative_prompt", "guidance_scale", "true_cfg_scale"):
+        if field in request:
+            kwargs[field] = request[field] if field != "negative_prompt" else [request[field]]
+    image = pipe(**kwargs).images[0]
+    return np.asarray(image, dtype=np.int16)
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_a_request_joining_mid_way_equals_the_pipelines_own_and_a_cancelled_neighbour_leaves(server, model):
+    weights = MODELS[model]
+    sd = weights == "tiny-sd"
+    long_request = {"prompt": "a long one", "seed": 1, "num_inference_steps": 14, "guidance_scale": 7.5}
+    target = {
+        "prompt": "a lighthouse at dusk",
+        "negative_prompt": "fog",
+        "seed": 42,
+        "num_inference_steps": 6,
+        "guidance_scale": 3.0 if sd else 4.0,
+        **({"scheduler": "EulerDiscreteScheduler"} if sd else {"true_cfg_scale": 2.0}),
+    }
+    victim = {"prompt": "cancel me", "seed": 7, "num_inference_steps": 12, "guidance_scale": 1.0}
+    results: dict = {}
+    started = threading.Event()
+
+    def run_long():
+        def on_progress(progress):
+            if progress.step == 3:
+                started.set()
+
+        results["long"] = generate_one(long_request, "long", server.grpc_url, model, on_progress=on_progress)
+        results["long_done"] = time.monotonic()
+
+    def run_victim():
+        results["victim"] = generate_one(
+            victim, "victim", server.grpc_url, model, on_progress=lambda progress: progress.step >= 2
+        )
+
+    threads = [threading.Thread(target=run_long)]
+    threads[0].start()
+    assert started.wait(60)  # the long request is at step 3 of 14: the loop is running
+    threads.append(threading.Thread(target=run_victim))
+    threads[1].start()
+    results["target"] = generate_one(target, "target", server.grpc_url, model, on_progress=lambda p: None)
+    target_done = time.monotonic()
+    for thread in threads:
+        thread.join(120)
+
+    long_result, target_result, victim_result = results["long"], results["target"], results["victim"]
+    assert long_result.ok and target_result.ok, (long_result.error, target_result.error)
+    assert victim_result.cancelled
+    # The target joined a running loop, stepped with others, and finished while the long one still ran.
+    batch = target_result.batch
+    assert batch["engine"] == "step" and batch["forwards"] == 6 and batch["most_rows_shared"] >= 2
+    assert target_done < results["long_done"]
+    # Exactly the pipeline's own image, although it shared forwards with other steps, guidance and rows.
+    served = pixels(target_result.images[0])
+    assert np.abs(served - reference(weights, target)).max() <= 1
+    assert np.abs(pixels(long_result.images[0]) - reference(weights, long_request)).max() <= 1
+    # The cancelled neighbour was answered at once and left at its next step.
+    deadline = time.monotonic() + 20
+    line = None
+    while line is None and time.monotonic() < deadline:
+        line = re.search(r"request victim image 0 left \(cancelled\) after (\d+)/12 steps", server.log())
+        time.sleep(0.1)
+    assert line is not None and 2 <= int(line.group(1)) <= 4, server.log()[-2000:]
+
+
+def test_progress_and_a_preview_every_step(server):
+    events = []
+    (result,) = generate_many(
+        [{"prompt": "progress", "seed": 3, "num_inference_steps": 5, "preview_every": 1}],
+        url=server.grpc_url,
+        model="sd_step",
+        on_progress=lambda index, progress: events.append(progress) and None,
+    )
+    assert result.ok, result.error
+    assert [e.step for e in events] == [1, 2, 3, 4, 5] and {e.total for e in events} == {5}
+    assert all(Image.open(io.BytesIO(e.preview)).format == "PNG" for e in events)
+
+
+def test_steps_guidance_schedulers_and_sizes_share_the_engine_and_each_is_exact(server):
+    requests = [
+        {"prompt": f"mixed {i}", "seed": 100 + i, "num_inference_steps": steps, "guidance_scale": guidance}
+        for i, (steps, guidance) in enumerate([(4, 1.0), (8, 5.0), (2, 7.5), (4, 5.0), (8, 1.0), (2, 7.5)])
+    ]
+    requests[1]["scheduler"] = "DPMSolverMultistepScheduler"
+    requests[3]["scheduler"] = "EulerDiscreteScheduler"
+    requests[4]["height"] = 96  # another shape group
+    results = generate_many(requests, url=server.grpc_url, model="sd_step")
+    assert all(r.ok for r in results), [r.error for r in results]
+    assert max(r.batch["most_rows_shared"] for r in results) >= 3
+    for request, result in zip(requests, results, strict=True):
+        assert result.batch["forwards"] == request["num_inference_steps"]
+        assert np.abs(pixels(result.images[0]) - reference("tiny-sd", request)).max() <= 1
+
+
+def test_a_failing_forward_fails_only_its_request_and_out_of_memory_shrinks_forwards(server):
+    requests = [{"prompt": f"fine {i}", "seed": i, "num_inference_steps": 3} for i in range(3)]
+    requests.insert(1, {"prompt": "this one will __explode__", "seed": 9, "num_inference_steps": 3})
+    results = generate_many(requests, url=server.grpc_url, model="sd_step_faults")
+    assert results[1].error is not None and "injected failure" in results[1].error
+    assert all(r.ok for i, r in enumerate(results) if i != 1), [r.error for r in results]
+    # More rows than the simulated memory holds (3): forwards are split and capped, nobody fails.
+    results = generate_many(
+        [{"prompt": f"oom {i}", "seed": i, "num_inference_steps": 3} for i in range(6)],
+        url=server.grpc_url,
+        model="sd_step_faults",
+    )
+    assert all(r.ok for r in results), [r.error for r in results]
+    assert max(r.batch["most_rows_shared"] for r in results) <= 3
+    (alone,) = generate_many(
+        [{"prompt": "oom 4", "seed": 4, "num_inference_steps": 3}], url=server.grpc_url, model="sd_step"
+    )
+    assert np.abs(pixels(results[4].images[0]) - pixels(alone.images[0])).max() <= 1
+
+
+def test_step_engine_metrics_and_log_lines(server):
+    before = read_metrics(server)
+    results = generate_many(
+        [{"prompt": f"metrics {i}", "seed": i, "num_inference_steps": 3} for i in range(3)],
+        url=server.grpc_url,
+        model="flux_step",
+    )
+    assert all(r.ok for r in results)
+    after = read_metrics(server)
+    label = '{model="flux_step"}'
+
+    def grew(name: str) -> float:
+        return after.get(name + label, 0.0) - before.get(name + label, 0.0)
+
+    assert grew("triton_diffusion_forward_rows_count") >= 3
+    assert grew("triton_diffusion_admission_wait_seconds_count") == 3
+    assert grew("triton_diffusion_first_step_seconds_count") == 3
+    assert after["triton_diffusion_rows_in_flight" + label] == 0
+    log = server.log()
+    assert re.search(r"request \d image 0 admitted: 64x64, 3 steps", log)
+    assert re.search(r"request \d image 0 left \(finished\) after 3/3 steps", log)
