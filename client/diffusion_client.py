@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
 
 OUTPUTS = ("IMAGE", "SEED", "BATCH", "STEP", "TOTAL_STEPS", "PREVIEW")
 
@@ -101,6 +102,20 @@ class StreamSession:
         self._streaming = False
         self._responses = queue.Queue()
 
+    def _send(self, inputs: list, request_id: str, fields: dict[str, Any]) -> None:
+        if not self._streaming:
+            responses = self._responses
+            self.client.start_stream(callback=lambda result, error: responses.put((result, error)))
+            self._streaming = True
+        self.client.async_stream_infer(
+            self.model,
+            inputs,
+            outputs=[grpcclient.InferRequestedOutput(name) for name in OUTPUTS],
+            request_id=request_id,
+            parameters={k: v for k, v in fields.items() if v is not None},
+            enable_empty_final_response=True,
+        )
+
     def generate(
         self,
         request: dict[str, Any],
@@ -119,23 +134,22 @@ class StreamSession:
             fields.setdefault("progress", True)
         prompt = fields.pop("prompt")
         out = GenerateResult(request_id=request_id, prompt=prompt)
-        if not self._streaming:
-            responses = self._responses
-            self.client.start_stream(callback=lambda result, error: responses.put((result, error)))
-            self._streaming = True
         inputs = [_bytes_input("PROMPT", prompt.encode("utf-8"))]
         image = fields.pop("image", None)
         if image is not None:  # image-to-image: the encoded source image as the IMAGE tensor
             inputs.append(_bytes_input("IMAGE", image))
         started = time.perf_counter()
-        self.client.async_stream_infer(
-            self.model,
-            inputs,
-            outputs=[grpcclient.InferRequestedOutput(name) for name in OUTPUTS],
-            request_id=request_id,
-            parameters={k: v for k, v in fields.items() if v is not None},
-            enable_empty_final_response=True,
-        )
+        try:
+            self._send(inputs, request_id, fields)
+        except InferenceServerException:
+            # The stream broke with its connection (the server restarted): a new one, once.
+            self._stop_stream(cancel=False)
+            try:
+                self._send(inputs, request_id, fields)
+            except InferenceServerException as exc:
+                self._stop_stream(cancel=False)
+                out.error = f"UNAVAILABLE: the server cannot be reached now ({exc.message()})"
+                return out
         try:
             while True:
                 response, error = self._responses.get(timeout=timeout_s)

@@ -1,16 +1,19 @@
-"""Benchmark: served throughput and latency with batching against without, and against the ceiling.
+"""Benchmark on the real server: the two image engines side by side, and the in-process ceiling.
 
 Variants, on the same model and machine:
-  singleton  the real server with max_batch_size 1 (no fused calls)
-  dynamic    the real server with the configured max batch size and queue delay
+  request    the request-level engine: one fused diffusers call per compatible group (engine request)
+  step       the step engine: requests join a running denoising loop at the next step (engine step)
+  singleton  (--singleton) the request-level engine with one row per call: no batching at all
   raw        the same diffusers pipeline called in-process, batch 1 and batch = max batch size, no server
 
 Each server variant is started by this script (a temporary copy of the model repository), driven with the
-project's gRPC client at each concurrency (closed loop) or at a Poisson rate (--rate), then stopped.
-Writes bench.json, bench.md and bench.png (throughput and p95 latency against concurrency) to --out;
---sweep adds sweep.png (max batch size x queue delay), --mixed compares mixed-key with homogeneous traffic.
+project's gRPC client (closed loop at each --concurrency), then stopped. --mixed adds mixed traffic (steps
+from {4, 8, 16} x guidance from {1, 5, 7.5}, closed loop at the top concurrency); --poisson adds Poisson
+arrivals at 50/80/95% of the request-level engine's saturated throughput (mean/p95 latency and time to
+the first step); --sweep the request-level engine's images-per-call x queue-delay grid. Writes bench.json,
+bench.md and bench.png (throughput and p95 latency against concurrency) to --out.
 
-    .venv/bin/python scripts/bench.py --concurrency 1,2,4,8 --requests 64
+    .venv/bin/python scripts/bench.py --concurrency 1,2,4,8,16 --requests 96 --mixed --poisson
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +74,7 @@ class RunStats:
     first_progress_mean_s: float | None
     peak_memory_mb: float
     mean_rows_per_call: float | None
+    traffic: str = "homogeneous"
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -111,9 +115,10 @@ class MemorySampler:
 
 
 def make_requests(
-    count: int, shapes: list[tuple[int, int, int]], progress: bool, seed: int = 0
+    count: int, shapes: list[tuple[int, int, int]], progress: bool, seed: int = 0, guidance=(None,)
 ) -> list[dict]:
-    """``count`` requests over the shipped prompts; shape (height, width, steps) drawn from ``shapes``."""
+    """``count`` requests over the shipped prompts; shape (height, width, steps) drawn from ``shapes``,
+    guidance scale from ``guidance`` (None: the model's default)."""
     rng = random.Random(seed)
     requests = []
     for i in range(count):
@@ -125,6 +130,9 @@ def make_requests(
             "width": width,
             "num_inference_steps": steps,
         }
+        scale = rng.choice(guidance)
+        if scale is not None:
+            request["guidance_scale"] = scale
         if progress:
             request["progress"] = True
         requests.append(request)
@@ -242,14 +250,19 @@ class ServerVariant:
         with MemorySampler(self.server.process.pid) as memory:
             results, duration = drive(self.server.grpc_url, self.model, requests, concurrency, rate)
         after = read_metrics(self.server)
-        calls = metric_delta(before, after, "triton_diffusion_fused_call_rows_count", self.model)
-        rows = metric_delta(before, after, "triton_diffusion_fused_call_rows_sum", self.model)
+        # Images per fused call (request-level) or per forward (step engine).
+        prefix = "triton_diffusion_fused_call_rows"
+        if self.name == "step":
+            prefix = "triton_diffusion_forward_rows"
+        calls = metric_delta(before, after, f"{prefix}_count", self.model)
+        rows = metric_delta(before, after, f"{prefix}_sum", self.model)
         stats = summarize(
             self.name, concurrency, rate, results, duration, memory.peak, rows / calls if calls else None
         )
         print(
             f"  {self.name:10s} c={concurrency} rate={rate}: {stats.requests_per_s:.2f} req/s, "
-            f"p95 {stats.latency_p95_s:.3f} s, rows/call {stats.mean_rows_per_call}, errors {stats.errors}",
+            f"p95 {stats.latency_p95_s:.3f} s, first step {stats.first_progress_mean_s}, "
+            f"rows/call {stats.mean_rows_per_call}, errors {stats.errors}",
             flush=True,
         )
         return stats
@@ -376,50 +389,50 @@ def markdown(report: dict) -> str:
     lines = [
         f"Machine: {report['machine']}; model {report['model']} ({report['arch']}), "
         f"{report['height']}x{report['width']}, {report['steps']} steps, "
-        f"{report['max_batch_size']} images per fused call, Triton max_batch_size "
+        f"{report['max_batch_size']} images per fused call or forward, Triton max_batch_size "
         f"{report['triton_max_batch_size']}, "
         f"queue delay {report['queue_delay_us'] / 1000:g} ms, {report['requests']} requests per run.",
         "",
-        "| variant | concurrency | req/s | images/s | mean (s) | p50 (s) | p95 (s) | p99 (s) "
-        "| first progress (s) | rows/call | peak memory (MB) | errors |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| variant | traffic | concurrency / rate | req/s | images/s | mean (s) | p50 (s) | p95 (s) "
+        "| p99 (s) | first step (s) | images per call or forward | peak memory (MB) | errors |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["runs"]:
         first = f"{r['first_progress_mean_s']:.3f}" if r["first_progress_mean_s"] is not None else "-"
         rows = f"{r['mean_rows_per_call']:.2f}" if r["mean_rows_per_call"] is not None else "-"
+        load = r["concurrency"] if r["rate"] is None else f"{r['rate']:.2f}/s"
         lines.append(
-            f"| {r['variant']} | {r['concurrency'] or 'rate ' + str(r['rate'])} | {r['requests_per_s']:.2f} "
+            f"| {r['variant']} | {r['traffic']} | {load} | {r['requests_per_s']:.2f} "
             f"| {r['images_per_s']:.2f} | {r['latency_mean_s']:.3f} | {r['latency_p50_s']:.3f} "
             f"| {r['latency_p95_s']:.3f} | {r['latency_p99_s']:.3f} | {first} | {rows} "
             f"| {r['peak_memory_mb']:.0f} | {r['errors']} |"
         )
     for raw in report["raw"]:
         lines.append(
-            f"| {raw['variant']} (in-process) | - | {raw['images_per_s']:.2f} | {raw['images_per_s']:.2f} "
+            f"| {raw['variant']} (in-process) | - | - | {raw['images_per_s']:.2f} "
+            f"| {raw['images_per_s']:.2f} "
             f"| {raw['latency_per_call_s']:.3f} per call | - | - | - | - | {raw['batch']} "
             f"| {raw['peak_memory_mb']:.0f} | 0 |"
         )
     lines += ["", "| ratio | value | target |", "|---|---|---|"]
     for name, (value, target) in report["ratios"].items():
         lines.append(f"| {name} | {value:.3f} | {target} |")
-    if report.get("mixed"):
-        m = report["mixed"]
-        lines += [
-            "",
-            f"Mixed traffic ({m['keys']} keys, concurrency {m['concurrency']}): "
-            f"{m['mixed_requests_per_s']:.2f} req/s against {m['homogeneous_requests_per_s']:.2f} req/s "
-            f"for the same requests served key by key at concurrency {m['per_key_concurrency']} "
-            f"(same group sizes): ratio {m['ratio']:.3f} (target >= 0.9).",
-        ]
     if report.get("sweep"):
         s = report["sweep"]
         lines += [
             "",
-            f"Sweep at concurrency {s['concurrency']}: best images per call={s['best']['max_batch_size']}, "
-            f"max_queue_delay={s['best']['queue_delay_us'] / 1000:g} ms "
+            f"Sweep (request-level engine) at concurrency {s['concurrency']}: best images per call="
+            f"{s['best']['max_batch_size']}, max_queue_delay={s['best']['queue_delay_us'] / 1000:g} ms "
             f"({s['best']['requests_per_s']:.2f} req/s).",
         ]
     return "\n".join(lines) + "\n"
+
+
+ENGINE_VARIANTS = {
+    "request": {"engine": "request"},
+    "step": {"engine": "step"},
+    "singleton": {"engine": "request", "max_rows_per_call": "1"},
+}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -433,10 +446,9 @@ def main(argv: list[str] | None = None) -> None:
         help="random-weight architecture to build and serve (full-size ones for GPUs)",
     )
     parser.add_argument("--concurrency", default="1,2,4,8", help="comma-separated closed-loop concurrencies")
-    parser.add_argument("--rate", type=float, help="Poisson arrival rate (requests/s) instead of concurrency")
     parser.add_argument("--requests", type=int, default=64, help="requests per run")
     parser.add_argument(
-        "--max-batch-size", type=int, default=8, help="images per fused call (max_rows_per_call)"
+        "--max-batch-size", type=int, default=8, help="images per fused call or forward (max_rows_per_call)",
     )
     parser.add_argument(
         "--triton-max-batch-size",
@@ -449,10 +461,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--progress", action="store_true", help="stream progress (reports time to first)")
-    parser.add_argument("--sweep", action="store_true", help="also sweep max batch size x queue delay")
-    parser.add_argument(
-        "--mixed", action="store_true", help="also compare mixed-key with homogeneous traffic"
-    )
+    parser.add_argument("--singleton", action="store_true", help="also the unbatched request-level engine")
+    parser.add_argument("--mixed", action="store_true", help="also mixed steps x guidance traffic")
+    parser.add_argument("--poisson", action="store_true", help="also Poisson arrivals at 50/80/95% load")
+    parser.add_argument("--sweep", action="store_true", help="also sweep images per call x queue delay")
     parser.add_argument("--no-raw", action="store_true", help="skip the in-process ceiling")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench_results")
     args = parser.parse_args(argv)
@@ -460,9 +472,12 @@ def main(argv: list[str] | None = None) -> None:
     build_missing(WEIGHTS, only=[args.arch])
     weights = WEIGHTS / args.arch
     model = MODEL_FOR_ARCH[args.arch]
-    concurrencies = [int(c) for c in args.concurrency.split(",")] if args.rate is None else [None]
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    top = max(concurrencies)
     shape = (args.height, args.width, args.steps)
     requests = make_requests(args.requests, [shape], args.progress)
+    mixed_shapes = [(args.height, args.width, steps) for steps in (4, 8, 16)]
+    mixed = make_requests(args.requests, mixed_shapes, True, seed=3, guidance=(1.0, 5.0, 7.5))
     size_edits = {
         "default_height": str(args.height),
         "default_width": str(args.width),
@@ -471,18 +486,53 @@ def main(argv: list[str] | None = None) -> None:
     }
     args.out.mkdir(parents=True, exist_ok=True)
 
+    names = ["request", "step"] + (["singleton"] if args.singleton else [])
+    variants = {}
     runs: list[RunStats] = []
-    # singleton: the same Triton configuration with fusing switched off (one row per pipeline call)
-    for name, rows_per_call in (("singleton", 1), ("dynamic", args.max_batch_size)):
-        print(f"[{name}] starting the server (max_rows_per_call={rows_per_call})", flush=True)
-        variant = ServerVariant(
-            name, model, weights, rows_per_call, args.queue_delay_us, args.triton_max_batch_size, size_edits
-        )
-        try:
+    try:
+        for name in names:
+            print(f"[{name}] starting the server", flush=True)
+            variant = ServerVariant(
+                name,
+                model,
+                weights,
+                args.max_batch_size,
+                args.queue_delay_us,
+                args.triton_max_batch_size,
+                {**size_edits, **ENGINE_VARIANTS[name]},
+            )
+            variants[name] = variant
             variant.warm_up(requests[0], args.max_batch_size)
             for concurrency in concurrencies:
-                runs.append(variant.run(requests, concurrency, args.rate))
-        finally:
+                runs.append(variant.run(requests, concurrency, None))
+            if args.mixed and name != "singleton":
+                for steps in (4, 8, 16):
+                    variant.warm_up(dict(mixed[0], num_inference_steps=steps), 2)
+                runs.append(replace(variant.run(mixed, top, None), traffic="mixed"))
+            if name != "step":
+                variants.pop(name).stop()
+        if args.poisson:
+            saturated = max(
+                r.requests_per_s for r in runs if r.variant == "request" and r.traffic == "homogeneous"
+            )
+            poisson_requests = make_requests(args.requests, [shape], True)
+            request_variant = ServerVariant(
+                "request",
+                model,
+                weights,
+                args.max_batch_size,
+                args.queue_delay_us,
+                args.triton_max_batch_size,
+                {**size_edits, **ENGINE_VARIANTS["request"]},
+            )
+            variants["request"] = request_variant
+            request_variant.warm_up(requests[0], args.max_batch_size)
+            for load in (0.5, 0.8, 0.95):
+                for name in ("request", "step"):
+                    stats = variants[name].run(poisson_requests, None, load * saturated)
+                    runs.append(replace(stats, traffic=f"poisson{int(load * 100)}"))
+    finally:
+        for variant in variants.values():
             variant.stop()
 
     raw = []
@@ -491,26 +541,6 @@ def main(argv: list[str] | None = None) -> None:
         extra = {"max_sequence_length": 64} if "flux" in args.arch else {}
         raw = run_raw(
             weights, [1, args.max_batch_size], args.requests, args.height, args.width, args.steps, extra
-        )
-
-    top = max(c for c in concurrencies if c is not None) if args.rate is None else None
-    pick = {r.variant: r for r in runs if r.concurrency == top}
-    ratios: dict[str, tuple[float, str]] = {
-        "dynamic / singleton throughput": (
-            pick["dynamic"].images_per_s / pick["singleton"].images_per_s,
-            "-",
-        ),
-    }
-    if raw:
-        raw_single, raw_batched = raw[0]["images_per_s"], raw[-1]["images_per_s"]
-        ratios["dynamic / raw batched (server cost)"] = (
-            pick["dynamic"].images_per_s / raw_batched,
-            ">= 0.95",
-        )
-        ratios["raw batched / raw single (most batching can give)"] = (raw_batched / raw_single, "-")
-        ratios["(dynamic/singleton) / (raw batched/raw single)"] = (
-            ratios["dynamic / singleton throughput"][0] / (raw_batched / raw_single),
-            ">= 0.95",
         )
 
     report = {
@@ -527,65 +557,59 @@ def main(argv: list[str] | None = None) -> None:
         "requests": args.requests,
         "runs": [asdict(r) for r in runs],
         "raw": raw,
-        "ratios": ratios,
+        "ratios": ratios(runs, raw, top),
     }
-
-    if args.mixed:
-        report["mixed"] = run_mixed(args, model, weights, size_edits, top or 8)
     if args.sweep:
-        report["sweep"] = run_sweep(args, model, weights, size_edits, requests, top or 8)
+        report["sweep"] = run_sweep(args, model, weights, size_edits, requests, top)
 
     (args.out / "bench.json").write_text(json.dumps(report, indent=2))
     (args.out / "bench.md").write_text(markdown(report))
-    if args.rate is None:
-        write_plot(runs, args.out / "bench.png")
+    write_plot([r for r in runs if r.traffic == "homogeneous"], args.out / "bench.png")
     print(markdown(report))
-    print(f"wrote {args.out}/bench.json, bench.md" + (", bench.png" if args.rate is None else ""))
+    print(f"wrote {args.out}/bench.json, bench.md, bench.png")
 
 
-def run_mixed(
-    args: argparse.Namespace, model: str, weights: Path, size_edits: dict, concurrency: int
-) -> dict:
-    """Mixed keys (2 resolutions x 2 step counts) against the same requests served key by key at
-    concurrency / keys, which gives each fused call the same group size the mixed run can reach."""
-    shapes = [
-        (h, w, s)
-        for h in (args.height, args.height * 2)
-        for w in (args.width,)
-        for s in (args.steps, args.steps * 2)
-    ]
-    requests = make_requests(args.requests, shapes, False, seed=3)
-    per_key = max(1, concurrency // len(shapes))
-    variant = ServerVariant(
-        "mixed",
-        model,
-        weights,
-        args.max_batch_size,
-        args.queue_delay_us,
-        args.triton_max_batch_size,
-        size_edits,
+def ratios(runs: list[RunStats], raw: list[dict], top: int) -> dict[str, tuple[float, str]]:
+    def pick(variant: str, traffic: str = "homogeneous") -> RunStats | None:
+        found = [r for r in runs if r.variant == variant and r.traffic == traffic]
+        if traffic == "homogeneous":
+            found = [r for r in found if r.concurrency == top]
+        return found[-1] if found else None
+
+    out: dict[str, tuple[float, str]] = {}
+    step, request = pick("step"), pick("request")
+    out[f"homogeneous c={top}: step / request throughput"] = (
+        step.images_per_s / request.images_per_s,
+        ">= 0.95",
     )
-    try:
-        for shape in shapes:
-            variant.warm_up(
-                dict(requests[0], height=shape[0], width=shape[1], num_inference_steps=shape[2]), 2
-            )
-        mixed = variant.run(requests, concurrency, None)
-        homogeneous_time = 0.0
-        for shape in shapes:
-            subset = [r for r in requests if (r["height"], r["width"], r["num_inference_steps"]) == shape]
-            homogeneous_time += variant.run(subset, per_key, None).duration_s
-    finally:
-        variant.stop()
-    homogeneous = len(requests) / homogeneous_time
-    return {
-        "keys": len(shapes),
-        "concurrency": concurrency,
-        "per_key_concurrency": per_key,
-        "mixed_requests_per_s": mixed.requests_per_s,
-        "homogeneous_requests_per_s": homogeneous,
-        "ratio": mixed.requests_per_s / homogeneous,
-    }
+    if pick("singleton"):
+        out[f"homogeneous c={top}: request / singleton throughput"] = (
+            request.images_per_s / pick("singleton").images_per_s,
+            "-",
+        )
+    if pick("step", "mixed"):
+        out["mixed (steps 4/8/16 x guidance 1/5/7.5): step / request throughput"] = (
+            pick("step", "mixed").images_per_s / pick("request", "mixed").images_per_s,
+            ">= 1.3",
+        )
+    if pick("step", "poisson80"):
+        step80, request80 = pick("step", "poisson80"), pick("request", "poisson80")
+        out["Poisson 80%: step / request p95 latency"] = (
+            step80.latency_p95_s / request80.latency_p95_s,
+            "<= 0.7",
+        )
+        out["Poisson 80%: step / request mean time to first step"] = (
+            step80.first_progress_mean_s / request80.first_progress_mean_s,
+            "<= 0.3",
+        )
+    if raw:
+        batched = raw[-1]["images_per_s"]
+        out[f"step c={top} / raw batch-{raw[-1]['batch']} (server and clients share the CPU)"] = (
+            step.images_per_s / batched,
+            "-",
+        )
+        out["raw batched / raw single (most batching can give)"] = (batched / raw[0]["images_per_s"], "-")
+    return out
 
 
 def run_sweep(

@@ -23,6 +23,7 @@ def test_bench_writes_its_report(tmp_path):
             "--max-batch-size",
             "2",
             "--progress",
+            "--mixed",
             "--out",
             str(out),
         ],
@@ -32,21 +33,57 @@ def test_bench_writes_its_report(tmp_path):
     report = json.loads((out / "bench.json").read_text())
     assert (out / "bench.md").read_text().startswith("Machine:")
     assert (out / "bench.png").read_bytes().startswith(b"\x89PNG")
-    assert [(r["variant"], r["concurrency"]) for r in report["runs"]] == [
-        ("singleton", 1),
-        ("singleton", 2),
-        ("dynamic", 1),
-        ("dynamic", 2),
+    assert [(r["variant"], r["traffic"], r["concurrency"]) for r in report["runs"]] == [
+        ("request", "homogeneous", 1),
+        ("request", "homogeneous", 2),
+        ("request", "mixed", 2),
+        ("step", "homogeneous", 1),
+        ("step", "homogeneous", 2),
+        ("step", "mixed", 2),
     ]
     for run in report["runs"]:
         assert run["errors"] == 0 and run["requests"] == 4 and run["images"] == 4
         assert run["requests_per_s"] > 0 and 0 < run["latency_p50_s"] <= run["latency_p99_s"]
         assert 0 < run["first_progress_mean_s"] <= run["latency_mean_s"]
         assert run["peak_memory_mb"] > 50
-        assert 1 <= run["mean_rows_per_call"] <= (1 if run["variant"] == "singleton" else 2)
+        assert 1 <= run["mean_rows_per_call"] <= 2
     assert [r["batch"] for r in report["raw"]] == [1, 2]
     assert all(r["images_per_s"] > 0 for r in report["raw"])
-    assert set(report["ratios"]) >= {"dynamic / singleton throughput", "dynamic / raw batched (server cost)"}
+    assert "homogeneous c=2: step / request throughput" in report["ratios"]
+    assert any(name.startswith("mixed") for name in report["ratios"])
+
+
+def test_the_engine_benchmark_runs_both_engines_and_profiles_the_step_engine(tmp_path):
+    out = tmp_path / "engines"
+    subprocess.run(
+        [
+            sys.executable,
+            str(REPO_ROOT / "scripts" / "bench_engines.py"),
+            "--concurrency",
+            "2",
+            "--requests",
+            "6",
+            "--steps",
+            "3",
+            "--cap",
+            "2",
+            "--profile-forwards",
+            "4",
+            "--out",
+            str(out),
+        ],
+        check=True,
+        timeout=600,
+    )
+    report = json.loads((out / "bench_engines.json").read_text())
+    traffic = {(r["engine"], r["traffic"]) for r in report["runs"]}
+    for engine in ("request", "step"):
+        kinds = ("homogeneous", "mixed", "poisson50", "poisson80", "poisson95")
+        assert {(engine, kind) for kind in kinds} <= traffic
+    assert all(r["requests"] == 6 and r["images_per_s"] > 0 for r in report["runs"])
+    profile = report["profile"]
+    assert 0 < profile["model_forward_ms"] < profile["step_ms"] and 0 <= profile["own_share_of_step"] < 1
+    assert set(report["raw"]) == {"batch1_images_per_s", "batch2_images_per_s"}
 
 
 def test_perf_analyzer_script_writes_a_csv(server, tmp_path):

@@ -1,5 +1,5 @@
 """A killed Python backend stub is noticed, reported and recovered without a person (the launcher's
-supervisor), and the server still stops on SIGTERM afterwards."""
+supervisor restarts the server), no request hangs, and the server still stops on SIGTERM afterwards."""
 
 from __future__ import annotations
 
@@ -18,11 +18,14 @@ from .test_reliability import send_raw
 
 
 def status(url: str) -> int:
+    """The HTTP status, or 0 when nothing answers (the server is restarting)."""
     try:
         with urllib.request.urlopen(url, timeout=5) as response:
             return response.status
     except urllib.error.HTTPError as error:
         return error.code
+    except OSError:
+        return 0
 
 
 def read(url: str) -> str:
@@ -56,15 +59,14 @@ def test_a_killed_stub_is_noticed_reported_and_recovered(tmp_path):
         os.kill(stub.pid, signal.SIGKILL)
         killed = time.monotonic()
 
-        ok, error = in_flight.get(timeout=30)  # the request that was running: an error, not a hang
-        assert not ok and error, error
-
-        # Noticed within seconds: Triton's own readiness turns false (the supervisor unloaded the model).
+        # Noticed within seconds: not ready (the supervisor restarts the server).
         seen_not_ready = False
         while time.monotonic() - killed < 10 and not seen_not_ready:
-            seen_not_ready = status(ready_url) != 200
+            seen_not_ready = status(f"{server.health_url}/readyz") != 200 and status(ready_url) != 200
             time.sleep(0.05)
         assert seen_not_ready, "the dead model kept reporting ready"
+        ok, error = in_flight.get(timeout=30)  # the request that was running: an error, not a hang
+        assert not ok and error, error
         # A request sent meanwhile is refused at once.
         started = time.monotonic()
         ok, error = send_raw(server.grpc_url, "text_to_image", b"during recovery", timeout_s=30)
@@ -82,18 +84,18 @@ def test_a_killed_stub_is_noticed_reported_and_recovered(tmp_path):
         log = server.log()
         assert "Python backend stub text_to_image_0_0 died" in log and "serves again" in log
         metrics = read(f"{server.health_url}/metrics")
-        assert 'triton_diffusion_stub_restarts_total{model="text_to_image"} 1' in metrics
-        assert 'triton_diffusion_model_up{model="text_to_image"} 1' in metrics
+        assert 'triton_diffusion_server_restarts_total{reason="stub died",model="text_to_image"} 1' in metrics
+        assert "triton_diffusion_up 1" in metrics
         assert status(f"{server.health_url}/readyz") == 200 and status(f"{server.health_url}/healthz") == 200
-        # Clients cannot use the model repository API the supervisor uses.
-        request = urllib.request.Request(
+        # Clients cannot load or unload models (model control stays Triton's default: none).
+        unload = urllib.request.Request(
             f"{server.http_url}/v2/repository/models/text_to_image/unload", data=b"{}", method="POST"
         )
         try:
-            urllib.request.urlopen(request, timeout=5)
-            raise AssertionError("the model repository API is open to clients")
+            urllib.request.urlopen(unload, timeout=5)
+            raise AssertionError("clients can unload models")
         except urllib.error.HTTPError as error:
-            assert error.code == 403
+            assert error.code >= 400
 
         # The server still stops on SIGTERM within its exit timeout (5 s) and some margin.
         stopping = time.monotonic()

@@ -17,7 +17,6 @@ import signal
 import subprocess
 import sys
 import sysconfig
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -110,36 +109,26 @@ def _option(args: list[str], name: str, default: str) -> str:
 
 
 def supervise(command: ServerCommand, extra: list[str], health_port: int) -> int:
-    """Run tritonserver as a child with the supervisor beside it; forward SIGTERM/SIGINT; return its exit
-    status. A dead Python backend stub is noticed within a second and its model loaded again."""
-    from triton_diffusion.serving.supervisor import Supervisor, admin_arguments, new_secret
+    """Run tritonserver as a child with the supervisor beside it, which restarts it when one of its
+    Python backend processes (or the server itself) dies; forward SIGTERM/SIGINT; return its status."""
+    from triton_diffusion.serving.supervisor import Supervisor
 
-    secret = new_secret()
-    argv = [*command.argv, *admin_arguments(secret)]
-    print("+ " + " ".join(argv).replace(secret, "<secret>"), file=sys.stderr, flush=True)
-    process = subprocess.Popen(argv, env=command.env)
-    http = f"http://127.0.0.1:{_option(extra, 'http-port', '8000')}"
-    supervisor = Supervisor(process.pid, http, secret)
+    def start() -> subprocess.Popen:
+        print("+ " + " ".join(command.argv), file=sys.stderr, flush=True)
+        return subprocess.Popen(command.argv, env=command.env)
 
-    def forward(signum: int, _frame: object) -> None:
-        supervisor.stopping.set()  # a model unloading for shutdown is not a model to bring back
-        if process.poll() is None:
-            process.send_signal(signum)
-
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGINT, forward)
+    supervisor = Supervisor(start, f"http://127.0.0.1:{_option(extra, 'http-port', '8000')}")
+    signal.signal(signal.SIGTERM, lambda signum, _frame: supervisor.stop(signum))
+    signal.signal(signal.SIGINT, lambda signum, _frame: supervisor.stop(signum))
     if health_port:
         supervisor.serve_health(health_port)
-    threading.Thread(target=supervisor.run, name="supervisor", daemon=True).start()
-    status = process.wait()
-    supervisor.stopping.set()
-    return status
+    return supervisor.run()
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        description="Run tritonserver on a triton-diffusion model repository, with a supervisor that loads "
-        "a model again when its Python backend process dies. "
+        description="Run tritonserver on a triton-diffusion model repository, with a supervisor that "
+        "restarts it when one of its Python backend processes (or the server itself) dies. "
         "Arguments after the known ones go to tritonserver unchanged (e.g. --log-verbose=1).",
     )
     parser.add_argument("--model-repository", type=Path, default=DEFAULT_MODEL_REPOSITORY)
@@ -156,9 +145,7 @@ def main(argv: list[str] | None = None) -> None:
         help="the supervisor's /healthz, /readyz and /metrics (0: none)",
     )
     parser.add_argument(
-        "--no-supervise",
-        action="store_true",
-        help="exec tritonserver directly (no stub supervision; model control stays Triton's default)",
+        "--no-supervise", action="store_true", help="exec tritonserver directly (nothing restarts it)"
     )
     known, extra = parser.parse_known_args(argv)
     try:

@@ -33,7 +33,7 @@ FAMILIES = {
     "triton_diffusion_oom_splits_total": ("COUNTER", "Fused calls split after running out of memory"),
     "triton_diffusion_rows_in_flight": ("GAUGE", "Rows in the running fused call, or in the step engine"),
     # The step engine's own:
-    "triton_diffusion_forward_rows": ("HISTOGRAM", "Step engine: model rows per forward (CFG rows count)"),
+    "triton_diffusion_forward_rows": ("HISTOGRAM", "Step engine: images per forward (a CFG image is 2 rows)"),
     "triton_diffusion_step_seconds": ("HISTOGRAM", "Step engine: time per forward and scheduler steps"),
     "triton_diffusion_admission_wait_seconds": (
         "HISTOGRAM",

@@ -187,6 +187,6 @@ class ImageStepServing:
         )
 
     def on_forward(self, jobs: list[Job], rows: int, seconds: float) -> None:
-        self.metrics.observe("triton_diffusion_forward_rows", rows)
+        self.metrics.observe("triton_diffusion_forward_rows", len(jobs))
         self.metrics.observe("triton_diffusion_step_seconds", seconds)
         self.metrics.set("triton_diffusion_rows_in_flight", len(self.engine.running))

@@ -1,53 +1,45 @@
-"""Self-healing: notice a dead Python backend stub within a second and load its model again.
+"""Self-healing: notice a dead Python backend stub (or a crashed server) within a second and restart the
+server, in place.
 
 Triton 2.51 never restarts a Python backend stub that died (OOM killer, a segfault in a native library, a
 CUDA fault, ``kill -9``): its model keeps reporting ready while every request fails with "Stub process
-... is not healthy". The launcher therefore runs tritonserver with explicit model control and this
-supervisor beside it. Every ``interval_s`` it lists the server's stub processes (from /proc: each stub's
-command line names its model file and instance). When a loaded model's stub is gone, it logs it, counts
-it, **unloads** the model (Triton's own readiness, per model and for the server, turns false at once, so
-load balancers drain the pod, and new requests are refused at once instead of failing slowly) and
-**loads** it again from the repository. The model repository API is restricted to a header only the
-supervisor knows (``--http-restricted-api``), so clients cannot load or unload models.
+... is not healthy", and the requests the dead stub was working on are never answered (the step engine
+returns from ``execute()`` early, so nothing in Triton waits for them; unloading that model hangs on them
+too). The one remedy that leaves no request hanging and no shared memory behind is a new server process:
+the launcher runs tritonserver as its child and :class:`Supervisor` beside it.
 
-It also serves ``/healthz`` (liveness: false once a model has been down for longer than
-``liveness_grace_s``, so an orchestrator restarts the container if loading keeps failing), ``/readyz``
-(every model up) and ``/metrics`` (``triton_diffusion_stub_restarts_total``,
-``triton_diffusion_model_up``) on its own port.
+Every ``interval_s`` the supervisor lists the server's stub processes (from /proc: each stub's command
+line names its model file and instance). Once the server is ready it knows which stubs must live. When
+one is gone (or the server itself exited unasked), it logs it, counts it, reports not ready, stops the
+server (SIGTERM, then SIGKILL after ``grace_s``: the dead model's requests would hold a graceful exit up
+to its exit timeout), removes the shared-memory regions the killed stubs leave, and starts the server
+again. Meanwhile clients get UNAVAILABLE (gRPC) or a refused connection (HTTP) at once, never a hang.
+
+It serves ``/healthz`` (liveness: false once the server has not come back within ``liveness_grace_s``,
+so an orchestrator restarts the container), ``/readyz`` (the server is ready and not restarting) and
+``/metrics`` (``triton_diffusion_server_restarts_total`` by reason and model, ``triton_diffusion_up``)
+on its own port.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import secrets
+import signal
+import subprocess
 import threading
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 log = logging.getLogger("triton_diffusion.supervisor")
 
-ADMIN_HEADER = "triton-diffusion-admin"
 STUB_NAME = "triton_python_backend_stub"
-
-
-def admin_arguments(secret: str) -> list[str]:
-    """tritonserver arguments: explicit model control, every model loaded at start, and the model
-    repository API behind a header only the supervisor sends."""
-    return [
-        "--model-control-mode=explicit",
-        "--load-model=*",
-        f"--http-restricted-api=model-repository:{ADMIN_HEADER}={secret}",
-        f"--grpc-restricted-protocol=model-repository:{ADMIN_HEADER}={secret}",
-    ]
-
-
-def new_secret() -> str:
-    return secrets.token_hex(16)
+SHM_DIR = Path("/dev/shm")
 
 
 @dataclass(frozen=True)
@@ -91,138 +83,145 @@ def list_stubs(server_pid: int, proc: Path = Path("/proc")) -> list[Stub]:
         except OSError:
             continue
         argv = [a.decode(errors="replace") for a in argv if a]
-        if len(argv) < 3 or not argv[0].endswith(STUB_NAME):
+        if len(argv) < 4 or not argv[0].endswith(STUB_NAME):
             continue
-        model = Path(argv[1]).parent.parent.name
-        stubs.append(Stub(pid, model, argv[-2], argv[2]))
+        stubs.append(Stub(pid, Path(argv[1]).parent.parent.name, argv[-2], argv[2]))
     return stubs
 
 
-@dataclass
-class ModelWatch:
-    instances: set[str] = field(default_factory=set)
-    up: bool = True
-    down_since: float | None = None
-    restarts: int = 0
-
-
 class Supervisor:
+    """Runs the server command, watches it and its stubs, restarts it when either dies."""
+
     def __init__(
         self,
-        server_pid: int,
+        start: Callable[[], subprocess.Popen],
         http_url: str,
-        secret: str,
         interval_s: float = 0.5,
-        liveness_grace_s: float = 120.0,
-        load_timeout_s: float = 300.0,
+        grace_s: float = 5.0,
+        liveness_grace_s: float = 300.0,
     ) -> None:
-        self.server_pid = server_pid
+        self.start = start
         self.http_url = http_url.rstrip("/")
-        self.secret = secret
         self.interval_s = interval_s
+        self.grace_s = grace_s
         self.liveness_grace_s = liveness_grace_s
-        self.load_timeout_s = load_timeout_s
-        self.models: dict[str, ModelWatch] = {}
         self.stopping = threading.Event()
+        self.process: subprocess.Popen | None = None
+        self.restarts: Counter = Counter()  # (reason, model) -> count
         self._lock = threading.Lock()
-
-    # ---- talking to Triton ------------------------------------------------------------------------
-    def _post(self, path: str, timeout_s: float) -> tuple[int, str]:
-        request = urllib.request.Request(
-            self.http_url + path, data=b"{}", method="POST", headers={ADMIN_HEADER: self.secret}
-        )
-        try:
-            with urllib.request.urlopen(request, timeout=timeout_s) as response:
-                return response.status, response.read().decode(errors="replace")
-        except urllib.error.HTTPError as error:
-            return error.code, error.read().decode(errors="replace")
-
-    def ready_models(self) -> set[str]:
-        status, body = self._post("/v2/repository/index", 10)
-        if status != 200:
-            raise RuntimeError(f"repository index: HTTP {status} {body[:200]}")
-        return {m["name"] for m in json.loads(body) if m.get("state") == "READY"}
+        self._ready = False
+        self._down_since: float | None = time.monotonic()
 
     # ---- the watch loop -----------------------------------------------------------------------------
-    def run(self) -> None:
-        """Watch until stopped. Models are watched from the moment they are first seen READY."""
-        while not self.stopping.wait(self.interval_s):
+    def run(self) -> int:
+        """Serve until asked to stop; returns the server's last exit status."""
+        last_restart = 0.0
+        while True:
+            self.process = self.start()
+            status = self._watch(self.process)
+            if self.stopping.is_set():
+                return status
+            if time.monotonic() - last_restart < 30:  # crashing again at once: do not spin
+                self.stopping.wait(5)
+            last_restart = time.monotonic()
+
+    def stop(self, signum: int = signal.SIGTERM) -> None:
+        """Shut down (SIGTERM/SIGINT to the launcher): forward it; no restart afterwards."""
+        self.stopping.set()
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signum)
+
+    def _watch(self, process: subprocess.Popen) -> int:
+        expected: dict[str, Stub] = {}  # instance -> stub, once the server is ready
+        while True:
+            status = process.poll()
+            if status is not None:
+                if not self.stopping.is_set():
+                    self._restarting("server exited", ["-"], f"tritonserver exited with status {status}")
+                    self._remove_regions(expected.values())
+                return status
+            if self.stopping.wait(self.interval_s):
+                return process.wait()
+            stubs = {s.instance: s for s in list_stubs(process.pid)}
+            if not expected:
+                if self._server_ready():
+                    expected = stubs
+                    self._set_ready(True)
+                    log.info("supervisor: server ready, watching stubs %s", ", ".join(sorted(stubs)))
+                continue
+            dead = [s for name, s in expected.items() if name not in stubs]
+            if dead:
+                models = sorted({s.model for s in dead})
+                detail = f"Python backend stub {', '.join(s.instance for s in dead)} died"
+                self._restarting("stub died", models, detail)
+                return self._stop_server(process, expected.values())
+
+    def _restarting(self, reason: str, models: list[str], detail: str) -> None:
+        self._set_ready(False)
+        with self._lock:
+            for model in models:
+                self.restarts[(reason, model)] += 1
+        log.error("supervisor: %s; restarting the server (not ready until it is back)", detail)
+
+    def _stop_server(self, process: subprocess.Popen, stubs) -> int:
+        process.send_signal(signal.SIGTERM)
+        try:
+            status = process.wait(timeout=self.grace_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            status = process.wait()
+        self._remove_regions(stubs)
+        return status
+
+    @staticmethod
+    def _remove_regions(stubs) -> None:
+        for stub in stubs:  # a killed stub (or server) never unlinks its shared-memory region
             try:
-                self.tick()
-            except (OSError, RuntimeError, ValueError) as exc:  # server starting or stopping
-                log.debug("supervisor tick: %s", exc)
+                (SHM_DIR / stub.shm_region).unlink()
+            except OSError:
+                pass
 
-    def tick(self) -> None:
-        stubs = list_stubs(self.server_pid)
-        running: dict[str, set[str]] = {}
-        for stub in stubs:
-            running.setdefault(stub.model, set()).add(stub.instance)
-        for name in self.ready_models() - set(self.models):
-            if name in running:
-                self.models[name] = ModelWatch(instances=set(running[name]))
-                log.info("supervisor: watching model %s (instances %s)", name, sorted(running[name]))
-        for name, watch in list(self.models.items()):
-            dead = watch.instances - running.get(name, set())
-            if watch.up and dead and not self.stopping.is_set():
-                self.recover(name, watch, sorted(dead))
+    def _server_ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.http_url}/v2/health/ready", timeout=2) as response:
+                return response.status == 200
+        except (OSError, urllib.error.URLError):
+            return False
 
-    def recover(self, name: str, watch: ModelWatch, dead: list[str]) -> None:
-        started = time.monotonic()
+    def _set_ready(self, ready: bool) -> None:
         with self._lock:
-            watch.up, watch.down_since, watch.restarts = False, started, watch.restarts + 1
-        log.error(
-            "supervisor: model %s: Python backend stub %s died; unloading it (readiness false) and "
-            "loading it again (restart %d)",
-            name,
-            ", ".join(dead),
-            watch.restarts,
-        )
-        status, body = self._post(f"/v2/repository/models/{name}/unload", 30)
-        if status != 200:
-            log.error("supervisor: unloading %s failed: HTTP %d %s", name, status, body[:300])
-        delay = 1.0
-        while not self.stopping.is_set():
-            status, body = self._post(f"/v2/repository/models/{name}/load", self.load_timeout_s)
-            if status == 200:
-                break
-            reason = f"HTTP {status} {body[:200]}"
-            log.error("supervisor: loading %s failed: %s; trying again in %.0f s", name, reason, delay)
-            if self.stopping.wait(delay):
-                return
-            delay = min(delay * 2, 30.0)
-        if self.stopping.is_set():
-            return
-        instances = {s.instance for s in list_stubs(self.server_pid) if s.model == name}
-        with self._lock:
-            watch.instances = instances or watch.instances
-            watch.up, watch.down_since = True, None
-        seconds = time.monotonic() - started
-        log.info("supervisor: model %s serves again, %.1f s after its stub died", name, seconds)
+            was_down = self._down_since
+            self._ready = ready
+            self._down_since = None if ready else (self._down_since or time.monotonic())
+        if ready and was_down is not None and sum(self.restarts.values()):
+            seconds = time.monotonic() - was_down
+            log.info("supervisor: the server serves again, %.1f s after it went down", seconds)
 
     # ---- health and metrics -------------------------------------------------------------------------
     def alive(self) -> bool:
-        now = time.monotonic()
         with self._lock:
-            down = [now - w.down_since for w in self.models.values() if w.down_since is not None]
-        return all(seconds < self.liveness_grace_s for seconds in down)
+            return self._down_since is None or time.monotonic() - self._down_since < self.liveness_grace_s
 
     def ready(self) -> bool:
         with self._lock:
-            return bool(self.models) and all(w.up for w in self.models.values())
+            return self._ready
 
     def metrics_text(self) -> str:
-        lines = [
-            "# HELP triton_diffusion_stub_restarts_total Models loaded again after their stub process died",
-            "# TYPE triton_diffusion_stub_restarts_total counter",
-        ]
         with self._lock:
-            watches = sorted(self.models.items())
-            lines += [f'triton_diffusion_stub_restarts_total{{model="{n}"}} {w.restarts}' for n, w in watches]
-            lines += [
-                "# HELP triton_diffusion_model_up 1 while the model is loaded and its stub processes live",
-                "# TYPE triton_diffusion_model_up gauge",
-            ]
-            lines += [f'triton_diffusion_model_up{{model="{n}"}} {int(w.up)}' for n, w in watches]
+            restarts, up = dict(self.restarts), int(self._ready)
+        lines = [
+            "# HELP triton_diffusion_server_restarts_total Server restarts by the supervisor (reason, model)",
+            "# TYPE triton_diffusion_server_restarts_total counter",
+        ]
+        lines += [
+            f'triton_diffusion_server_restarts_total{{reason="{reason}",model="{model}"}} {count}'
+            for (reason, model), count in sorted(restarts.items())
+        ]
+        lines += [
+            "# HELP triton_diffusion_up 1 while the server is ready and not restarting",
+            "# TYPE triton_diffusion_up gauge",
+            f"triton_diffusion_up {up}",
+        ]
         return "\n".join(lines) + "\n"
 
     def serve_health(self, port: int, address: str = "0.0.0.0") -> ThreadingHTTPServer:
@@ -231,13 +230,11 @@ class Supervisor:
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802  (http.server's naming)
                 routes = {
-                    "/healthz": lambda: (200 if supervisor.alive() else 503, "ok\n"),
-                    "/readyz": lambda: (200 if supervisor.ready() else 503, "ok\n"),
+                    "/healthz": lambda: (200, "ok\n") if supervisor.alive() else (503, "down too long\n"),
+                    "/readyz": lambda: (200, "ok\n") if supervisor.ready() else (503, "not ready\n"),
                     "/metrics": lambda: (200, supervisor.metrics_text()),
                 }
                 status, body = routes.get(self.path, lambda: (404, "not found\n"))()
-                if status == 503:
-                    body = "not ready\n"
                 data = body.encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "text/plain; version=0.0.4")
