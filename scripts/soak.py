@@ -4,7 +4,8 @@ loopback against a server this script starts. Then it checks that nothing was lo
 - every request got exactly one final answer within its client deadline (lost = 0, hung = 0);
 - the only errors are the deliberately provoked ones (every 10th request has an invalid height);
 - the server's RSS (tritonserver + Python backend stubs) grew by less than --max-rss-growth-mb after
-  warm-up, and /dev/shm/triton_python_backend_shm_region_* is back to its size after warm-up.
+  warm-up, and /dev/shm/triton_python_backend_shm_region_* by less than --max-shm-growth-mb (a region
+  grows to the high-water mark of responses in flight and never shrinks; a leak grows with requests).
 
 Hostile mode (``--hostile 0.2``) makes that share of requests hostile (invalid UTF-8 in an HTTP
 parameter, a megabyte-long scheduler, a megabyte-long unknown parameter name, wrong types); each must get
@@ -268,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--http-fraction", type=float, default=0.3)
     parser.add_argument("--timeout", type=float, default=60.0, help="client deadline per request")
     parser.add_argument("--max-rss-growth-mb", type=float, default=200.0)
+    parser.add_argument("--max-shm-growth-mb", type=float, default=8.0)
     parser.add_argument("--hostile", type=float, default=0.0, help="share of hostile requests")
     parser.add_argument("--kill-stub-at", type=float, help="kill -9 the model's stub this many seconds in")
     parser.add_argument("--json", type=Path, help="also write the figures here")
@@ -323,14 +325,14 @@ def main(argv: list[str] | None = None) -> int:
         "no unexpected errors": load.counts["unexpected"] == 0,
         "provoked errors answered": load.counts["provoked_errors"] > 0,
         "rss growth bounded": report["rss_growth_mb"] < args.max_rss_growth_mb,
-        "shared memory back to start": shm_end == shm_start,
+        "shared memory growth bounded": shm_end - shm_start <= args.max_shm_growth_mb * 2**20,
         "server alive": server_alive,
     }
     if killer is not None:
         checks["recovered within 60 s"] = killer.recovery_s is not None and killer.recovery_s < 60
         # The restarted server's regions grow with the load from their first size again (the killed
         # server's are removed): reported, not held to the size before the kill.
-        del checks["shared memory back to start"]
+        del checks["shared memory growth bounded"]
     report["checks"] = checks
     print(json.dumps(report, indent=2))
     if args.json:

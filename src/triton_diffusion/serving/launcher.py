@@ -117,7 +117,8 @@ def supervise(command: ServerCommand, extra: list[str], health_port: int) -> int
         print("+ " + " ".join(command.argv), file=sys.stderr, flush=True)
         return subprocess.Popen(command.argv, env=command.env)
 
-    supervisor = Supervisor(start, f"http://127.0.0.1:{_option(extra, 'http-port', '8000')}")
+    http = f"http://127.0.0.1:{_option(extra, 'http-port', '8000')}"
+    supervisor = Supervisor(start, http, exit_timeout_s=float(_option(extra, "exit-timeout-secs", "30")))
     signal.signal(signal.SIGTERM, lambda signum, _frame: supervisor.stop(signum))
     signal.signal(signal.SIGINT, lambda signum, _frame: supervisor.stop(signum))
     if health_port:

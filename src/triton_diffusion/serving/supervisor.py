@@ -99,12 +99,14 @@ class Supervisor:
         interval_s: float = 0.5,
         grace_s: float = 5.0,
         liveness_grace_s: float = 300.0,
+        exit_timeout_s: float = 30.0,
     ) -> None:
         self.start = start
         self.http_url = http_url.rstrip("/")
         self.interval_s = interval_s
         self.grace_s = grace_s
         self.liveness_grace_s = liveness_grace_s
+        self.exit_timeout_s = exit_timeout_s
         self.stopping = threading.Event()
         self.process: subprocess.Popen | None = None
         self.restarts: Counter = Counter()  # (reason, model) -> count
@@ -141,7 +143,7 @@ class Supervisor:
                     self._remove_regions(expected.values())
                 return status
             if self.stopping.wait(self.interval_s):
-                return process.wait()
+                return self._wait_for_exit(process)
             stubs = {s.instance: s for s in list_stubs(process.pid)}
             if not expected:
                 if self._server_ready():
@@ -155,6 +157,16 @@ class Supervisor:
                 detail = f"Python backend stub {', '.join(s.instance for s in dead)} died"
                 self._restarting("stub died", models, detail)
                 return self._stop_server(process, expected.values())
+
+    def _wait_for_exit(self, process: subprocess.Popen) -> int:
+        """Triton 2.51 sometimes hangs in its own abort handler after the exit timeout, holding client
+        connections open: past its exit timeout and a margin it is killed, so clients get an error."""
+        try:
+            return process.wait(timeout=self.exit_timeout_s + 10)
+        except subprocess.TimeoutExpired:
+            log.error("supervisor: tritonserver did not exit within its exit timeout; killing it")
+            process.kill()
+            return process.wait()
 
     def _restarting(self, reason: str, models: list[str], detail: str) -> None:
         self._set_ready(False)
