@@ -40,6 +40,7 @@ from triton_diffusion.adapters.latent_steps import ImageRequest  # noqa: E402
 from triton_diffusion.adapters.step_adapters import step_adapter_for  # noqa: E402
 from triton_diffusion.compatibility import CompatibilityKey  # noqa: E402
 from triton_diffusion.engine.planner import PlannedRequest, RowCaps, plan_groups  # noqa: E402
+from triton_diffusion.engine.policies import make_policy  # noqa: E402
 from triton_diffusion.engine.requests import TrackedRequest  # noqa: E402
 from triton_diffusion.engine.step_engine import EngineLimits, Job, StepEngine  # noqa: E402
 from triton_diffusion.families import PipelineFacts  # noqa: E402
@@ -212,7 +213,8 @@ class Listener:
 
 def run_step_engine(bench: Bench, traffic: Traffic) -> list[int]:
     listener = Listener(traffic)
-    engine = StepEngine(bench.adapter, listener, EngineLimits(bench.cap, bench.cap))
+    limits = EngineLimits(bench.max_running, bench.cap)
+    engine = StepEngine(bench.adapter, listener, limits, make_policy(bench.policy))
     while not traffic.finished:
         for index, request in traffic.arrived():
             engine.add(Job(TrackedRequest(str(index), Channel()), request, context=index))
@@ -238,6 +240,7 @@ class Bench:
             self.pipe, self.facts, self.schedulers, 64 if "flux" in arch else None
         )
         self.height, self.width, self.cap, self.device = height, width, cap, device
+        self.max_running, self.policy = cap, "oldest"
 
     def request(self, index: int, steps: int, guidance: float) -> ImageRequest:
         return ImageRequest(
@@ -406,6 +409,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--window", type=int, default=32, help="Triton's max_batch_size for the request engine"
     )
+    parser.add_argument("--max-running", type=int, help="the step engine's running set (default: --cap)")
+    parser.add_argument("--policy", default="oldest", help="the step engine's scheduling policy")
     parser.add_argument("--no-mixed", action="store_true")
     parser.add_argument("--no-poisson", action="store_true")
     parser.add_argument("--profile-forwards", type=int, default=40)
@@ -418,6 +423,8 @@ def main(argv: list[str] | None = None) -> None:
         args.dtype, torch.bfloat16 if device == "cuda" else torch.float32
     )
     bench = Bench(args.arch, args.height, args.width, args.cap, device, dtype)
+    bench.max_running, bench.policy = args.max_running or args.cap, args.policy
+    bench.max_running, bench.policy = args.max_running or args.cap, args.policy
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     top = max(concurrencies)
     report: dict = {

@@ -100,7 +100,9 @@ class FluxAdapter(LatentStepAdapter):
         factor = self.pipe.vae_scale_factor
         image_seq_len = (request.height // factor // 2) * (request.width // factor // 2)
         mu = _shift(scheduler.config, image_seq_len, self.module.calculate_shift, 1.15)
-        timesteps, _ = self.module.retrieve_timesteps(scheduler, steps, self.device, sigmas=sigmas, mu=mu)
+        timesteps, _ = self.module.retrieve_timesteps(
+            scheduler, steps, self.schedule_device, sigmas=sigmas, mu=mu
+        )
         return timesteps
 
     def timestep_rows(self, timesteps: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -186,7 +188,7 @@ class StableDiffusion3Adapter(LatentStepAdapter):
             image_seq_len = (request.height // factor // patch) * (request.width // factor // patch)
             kwargs["mu"] = _shift(scheduler.config, image_seq_len, self.module.calculate_shift, 1.16)
         retrieve = self.module.retrieve_timesteps
-        timesteps, _ = retrieve(scheduler, request.steps, self.device, sigmas=None, **kwargs)
+        timesteps, _ = retrieve(scheduler, request.steps, self.schedule_device, sigmas=None, **kwargs)
         return timesteps
 
     def predict(self, latents: torch.Tensor, timesteps: torch.Tensor, inputs: dict[str, torch.Tensor]) -> Any:

@@ -80,6 +80,10 @@ class LatentStepAdapter:
     """The loop body shared by every latent diffusion family. Subclasses fill in the hooks."""
 
     scales_model_input = False  # UNet schedulers scale the input per step; flow matching does not
+    # Each job's schedule lives on the CPU: its scheduler step then reads its tables without waiting
+    # for the GPU. On the GPU, diffusers' loop syncs once per step; per-job GPU schedules would sync
+    # once per job and stall the next forward's launch.
+    schedule_device = "cpu"
 
     def __init__(self, pipe: Any, facts: PipelineFacts, schedulers: Any, max_sequence_length: int | None):
         self.pipe = pipe

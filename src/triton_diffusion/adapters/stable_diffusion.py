@@ -91,7 +91,7 @@ class StableDiffusionAdapter(LatentStepAdapter):
         return torch.cat([noise[i : i + 1] * s.init_noise_sigma for i, s in enumerate(schedulers)])
 
     def set_timesteps(self, scheduler: Any, request: ImageRequest) -> torch.Tensor:
-        timesteps, _ = self.module.retrieve_timesteps(scheduler, request.steps, self.device)
+        timesteps, _ = self.module.retrieve_timesteps(scheduler, request.steps, self.schedule_device)
         return timesteps
 
     def predict(self, latents: torch.Tensor, timesteps: torch.Tensor, inputs: dict[str, torch.Tensor]) -> Any:

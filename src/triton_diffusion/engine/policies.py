@@ -7,7 +7,9 @@ and, if the group holds more jobs than the forward's cap, which of them go. Poli
 - ``round_robin``: groups take turns; oldest jobs first within one,
 - ``fewest_remaining``: the job closest to done and its group; fewest remaining steps first (SRPT:
   favours finishing work, lowest mean latency),
-- ``largest``: the group with the most jobs (SGLang's default: fullest forwards).
+- ``largest``: the group with the most jobs (SGLang's default: fullest forwards),
+- ``first_step_first``: jobs that have not stepped yet first, then the oldest (lowest time to the first
+  step when the running set holds more jobs than one forward).
 
 Whatever the policy, no job starves: a job that has not stepped for ``starvation_steps`` engine steps
 is served next, its group with it.
@@ -24,6 +26,7 @@ class Schedulable(Protocol):
     group: Hashable
     arrival: int  # admission order
     remaining: int  # steps left
+    steps_done: int
     waited_since: int  # the engine step at which it last stepped (or was admitted)
 
 
@@ -33,6 +36,10 @@ def _oldest(job: Schedulable) -> tuple:
 
 def _fewest_remaining(job: Schedulable) -> tuple:
     return (job.remaining, job.arrival)
+
+
+def _first_step_first(job: Schedulable) -> tuple:
+    return (job.steps_done > 0, job.arrival)
 
 
 @dataclass
@@ -70,7 +77,7 @@ class SchedulingPolicy:
             if self._last_group in ordered:
                 return ordered[(ordered.index(self._last_group) + 1) % len(ordered)]
             return ordered[0]
-        # oldest, fewest_remaining: the group holding the first job in the policy's order
+        # oldest, fewest_remaining, first_step_first: the group of the first job in the policy's order
         return min((j for jobs in groups.values() for j in jobs), key=self.job_order).group
 
 
@@ -79,6 +86,7 @@ POLICIES = {
     "round_robin": _oldest,
     "fewest_remaining": _fewest_remaining,
     "largest": _oldest,
+    "first_step_first": _first_step_first,
 }
 
 
