@@ -448,7 +448,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--concurrency", default="1,2,4,8", help="comma-separated closed-loop concurrencies")
     parser.add_argument("--requests", type=int, default=64, help="requests per run")
     parser.add_argument(
-        "--max-batch-size", type=int, default=8, help="images per fused call or forward (max_rows_per_call)",
+        "--max-batch-size",
+        type=int,
+        default=8,
+        help="images per fused call or forward (max_rows_per_call)",
     )
     parser.add_argument(
         "--triton-max-batch-size",

@@ -3,8 +3,9 @@
 ``{"fail_on_prompt": "boom", "oom_above_rows": 4, "step_delay_ms": 100}`` makes any pipeline call (or
 step-engine forward) raise when one of its prompts contains "boom", raise a simulated out-of-memory when
 it holds more than 4 rows, and sleep 100 ms after every denoising step (a stalled step, so a test can
-cancel mid-call). This lets integration tests exercise failure isolation through the real server and
-the real pipeline.
+cancel mid-call). ``{"device_lost_on_prompt": "xid"}`` raises what a failed GPU raises (a sticky CUDA
+error), so the process exits and the supervisor restarts the server.
+This lets integration tests exercise failure isolation through the real server and the real pipeline.
 """
 
 from __future__ import annotations
@@ -24,18 +25,23 @@ class SimulatedOutOfMemoryError(MemoryError):
     pass
 
 
+class AcceleratorError(RuntimeError):
+    """Named like torch.AcceleratorError, which device_errors.py recognises by name."""
+
+
 @dataclass(frozen=True)
 class FaultInjection:
     fail_on_prompt: str | None = None
     oom_above_rows: int | None = None
     step_delay_ms: float = 0.0
+    device_lost_on_prompt: str | None = None
 
     @classmethod
     def from_config(cls, text: str | None) -> FaultInjection | None:
         if not text:
             return None
         raw = json.loads(text)
-        unknown = set(raw) - {"fail_on_prompt", "oom_above_rows", "step_delay_ms"}
+        unknown = set(raw) - {"fail_on_prompt", "oom_above_rows", "step_delay_ms", "device_lost_on_prompt"}
         if unknown:
             raise ValueError(f"fault_injection: unknown keys {sorted(unknown)}")
         return cls(**raw)
@@ -45,6 +51,8 @@ class FaultInjection:
             raise SimulatedOutOfMemoryError(
                 f"simulated out of memory: {len(prompts)} rows > {self.oom_above_rows}"
             )
+        if self.device_lost_on_prompt and any(self.device_lost_on_prompt in p for p in prompts):
+            raise AcceleratorError("CUDA error: an illegal memory access was encountered (simulated)")
         if self.fail_on_prompt and any(self.fail_on_prompt in p for p in prompts):
             raise InjectedFault(f"injected failure for a prompt containing {self.fail_on_prompt!r}")
 

@@ -14,6 +14,7 @@ import tritonclient.grpc as grpcclient
 from PIL import Image
 
 from .test_reliability import send_raw
+from .test_text_to_image import http_generate as http_generate_on
 from .test_text_to_image import max_diff
 
 MODEL = "image_to_image"
@@ -169,14 +170,7 @@ def test_http_generate_accepts_a_base64_image(server):
 
 
 def http_generate(server, body):
-    request = urllib.request.Request(
-        f"{server.http_url}/v2/models/{MODEL}/generate", data=json.dumps(body).encode(), method="POST"
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=120) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read())
+    return http_generate_on(server, MODEL, body)
 
 
 def test_base64_variants_and_image_as_a_parameter_give_the_same_image(server):

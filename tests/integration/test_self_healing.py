@@ -11,6 +11,7 @@ import time
 import urllib.error
 import urllib.request
 
+import pytest
 from tritonclient.utils import InferenceServerException
 
 from triton_diffusion.serving.server_process import WEIGHTS, copy_model, start_server
@@ -107,5 +108,52 @@ def test_a_killed_stub_is_noticed_reported_and_recovered(tmp_path):
         os.killpg(server.process.pid, signal.SIGTERM)
         server.process.wait(timeout=30)
         assert time.monotonic() - stopping < 20
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("engine", ["step", "request"])
+def test_a_failed_gpu_answers_what_it_held_and_the_model_comes_back(tmp_path, engine):
+    """A sticky CUDA error (simulated: the fault raises what torch raises) leaves nothing runnable in the
+    process: every request held is answered UNAVAILABLE, the stub exits, the supervisor restarts."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    faults = '{\\"device_lost_on_prompt\\": \\"xid\\", \\"step_delay_ms\\": 50}'
+    parameters = {"model": str(WEIGHTS / "tiny-sd"), "engine": engine, "fault_injection": faults}
+    copy_model("text_to_image", repo, "text_to_image", parameters)
+    server = start_server(
+        repo, tmp_path / "server.log", ["text_to_image"], extra_args=["--exit-timeout-secs=5"]
+    )
+    ready_url = f"{server.http_url}/v2/models/text_to_image/ready"
+    try:
+        assert send_raw(server.grpc_url, "text_to_image", b"warm up")[0]
+        answers = queue.Queue()
+
+        def send(prompt: bytes) -> None:
+            answers.put(
+                (
+                    prompt,
+                    send_raw(
+                        server.grpc_url, "text_to_image", prompt, parameters={"num_inference_steps": 40}
+                    ),
+                )
+            )
+
+        threading.Thread(target=send, args=(b"a long one",), daemon=True).start()
+        time.sleep(0.5 if engine == "step" else 0.0)  # step: already running; request: same batch
+        failed_at = time.monotonic()
+        threading.Thread(target=send, args=(b"xid",), daemon=True).start()
+        got = dict(answers.get(timeout=60) for _ in range(2))
+        for prompt, (ok, error) in got.items():  # each answered, none hangs
+            assert not ok and "accelerator failed" in error and "restarting" in error, (prompt, error)
+
+        restarted = 'triton_diffusion_server_restarts_total{reason="stub died",model="text_to_image"} 1'
+        while time.monotonic() - failed_at < 60:
+            if restarted in read(f"{server.health_url}/metrics") and status(ready_url) == 200:
+                break
+            time.sleep(0.2)
+        ok, error = send_raw(server.grpc_url, "text_to_image", b"after recovery")
+        assert ok, error
+        assert "exiting so the server restarts" in server.log()
     finally:
         server.stop()

@@ -3,12 +3,15 @@
 import gc
 import weakref
 
+import pytest
+
 from tests.unit.recording import tracked
 from triton_diffusion.compatibility import CompatibilityKey
+from triton_diffusion.engine.device_errors import DeviceLostError, is_device_lost
 from triton_diffusion.engine.executor import FusedCallExecutor
 from triton_diffusion.engine.planner import PlannedRequest, RowCaps, plan_groups
 from triton_diffusion.errors import ErrorCode, RequestError
-from triton_diffusion.faults import SimulatedOutOfMemoryError
+from triton_diffusion.faults import AcceleratorError, SimulatedOutOfMemoryError
 
 KEY = CompatibilityKey((("height", 64),))
 
@@ -159,3 +162,28 @@ def test_a_retry_starts_only_after_the_failed_calls_frames_are_released():
     done, failed, stats = run(pipeline, [1, 1])
     assert not failed and len(done) == 2 and stats.oom_splits == 1
     assert alive_at_retry == [False, False]  # the failed call's frame was gone when the halves ran
+
+
+def test_a_failed_device_is_not_retried_its_call_is_answered_unavailable_and_the_engine_stops():
+    class LostDevice(FakePipeline):
+        def __call__(self, key, rows):
+            self.calls.append(rows)
+            raise AcceleratorError("CUDA error: an illegal memory access was encountered")
+
+    pipeline = LostDevice()
+    requests = [PlannedRequest(i, KEY, 1) for i in range(4)]
+    calls = plan_groups(requests, RowCaps(8).cap_for)
+    held = {r.index: tracked(str(r.index)) for r in requests}
+    with pytest.raises(DeviceLostError):
+        FusedCallExecutor(pipeline).run(calls, held, {r.index: 1 for r in requests}, lambda *a: None)
+    assert len(pipeline.calls) == 1  # no bisection: every retry would fail too
+    for request in held.values():
+        (final,) = request.channel.finals
+        assert final.code is ErrorCode.UNAVAILABLE and "restarting" in final.message
+
+
+def test_device_errors_are_told_apart():
+    assert is_device_lost(AcceleratorError("CUDA error: misaligned address"))
+    assert is_device_lost(RuntimeError("CUDA error: device-side assert triggered"))
+    assert not is_device_lost(RuntimeError("shape mismatch"))
+    assert not is_device_lost(SimulatedOutOfMemoryError("CUDA error: out of memory"))

@@ -28,14 +28,15 @@ FAMILIES = {
     "tiny-flux": None,
     "tiny-sd3": None,
 }
-# (negative prompt, steps, guidance, true CFG, width, arrives at engine step)
+# (negative prompt, steps, guidance, true CFG, (height, width), arrives at engine step); 96x64 and 64x96
+# have one packed length but other positions (FLUX's image ids).
 REQUESTS = [
-    (None, 4, 7.5, 1.0, 64, 0),
-    ("blurry", 3, 1.0, 2.0, 64, 0),
-    (None, 5, 3.0, 3.0, 64, 2),
-    ("dark", 4, 5.0, 1.0, 64, 3),
-    (None, 2, 7.5, 2.0, 96, 3),
-    ("noise", 6, 2.0, 4.0, 64, 5),
+    (None, 4, 7.5, 1.0, (64, 64), 0),
+    ("blurry", 3, 1.0, 2.0, (96, 64), 0),
+    (None, 5, 3.0, 3.0, (64, 64), 2),
+    ("dark", 4, 5.0, 1.0, (64, 64), 3),
+    (None, 2, 7.5, 2.0, (64, 96), 3),
+    ("noise", 6, 2.0, 4.0, (64, 64), 5),
 ]
 
 
@@ -94,8 +95,8 @@ def test_every_image_equals_the_pipelines_own_amid_traffic(family):
     names = schedulers.names
     picks = [names[i % len(names)] for i in range(len(REQUESTS))]  # mixed schedulers where there are
     requests = [
-        ImageRequest(f"prompt {i}", negative, 10 + i, 0, 64, width, steps, guidance, cfg, picks[i])
-        for i, (negative, steps, guidance, cfg, width, _) in enumerate(REQUESTS)
+        ImageRequest(f"prompt {i}", negative, 10 + i, 0, *size, steps, guidance, cfg, picks[i])
+        for i, (negative, steps, guidance, cfg, size, _) in enumerate(REQUESTS)
     ]
     jobs = [Job(TrackedRequest(str(i), RecordingChannel()), r) for i, r in enumerate(requests)]
     # A neighbour that is cancelled after its second step.

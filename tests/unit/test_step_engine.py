@@ -12,9 +12,15 @@ import pytest
 from tests.unit.recording import RecordingChannel, tracked
 from triton_diffusion.engine.policies import make_policy
 from triton_diffusion.engine.requests import Stage, TrackedRequest
-from triton_diffusion.engine.step_engine import EngineLimits, EngineWorker, Job, StepEngine
+from triton_diffusion.engine.step_engine import (
+    CAP_RECOVERY_FORWARDS,
+    EngineLimits,
+    EngineWorker,
+    Job,
+    StepEngine,
+)
 from triton_diffusion.errors import ErrorCode, RequestError
-from triton_diffusion.faults import SimulatedOutOfMemoryError
+from triton_diffusion.faults import AcceleratorError, SimulatedOutOfMemoryError
 
 
 @dataclass
@@ -148,6 +154,22 @@ def test_out_of_memory_splits_the_forward_and_lowers_the_groups_cap():
     assert alone.request.channel.finals[0].code is ErrorCode.UNAVAILABLE
 
 
+def test_a_learned_cap_recovers_after_good_forwards_once_memory_is_back():
+    adapter = FakeAdapter(max_rows=2)  # memory is short at first
+    engine = engine_for(adapter, Listener())
+    for i in range(8):
+        engine.add(job(f"a{i}", Spec(steps=2)))
+    drain(engine)
+    assert engine.cap_for("64x64") == 2
+    adapter.max_rows = None  # the other tenant left
+    long_jobs = [job(f"b{i}", Spec(steps=2 * CAP_RECOVERY_FORWARDS)) for i in range(8)]
+    for j in long_jobs:
+        engine.add(j)
+    drain(engine, limit=20 * CAP_RECOVERY_FORWARDS)
+    assert engine.cap_for("64x64") == 8 and max(len(f) for f in adapter.forwards) == 8
+    assert all(len(j.request.channel.finals) == 1 for j in long_jobs)
+
+
 def test_a_failing_decode_is_retried_job_by_job():
     adapter = FakeAdapter()
     jobs = [job("ok"), job("bad", Spec(fail_finish=True)), job("ok2")]
@@ -255,6 +277,36 @@ def test_the_worker_restarts_its_loop_after_a_bug_and_answers_what_it_held():
             time.sleep(0.01)
         assert later.request.channel.finals == [{"out": "out:later"}]
         assert worker.restarts == 1 and worker.alive
+    finally:
+        worker.close()
+
+
+def test_a_failed_device_stops_the_worker_after_answering_everything_it_held():
+    class LostDevice(FakeAdapter):
+        def step(self, jobs):
+            if any(job.request.request_id == "xid" for job in jobs):
+                raise AcceleratorError("CUDA error: an illegal memory access was encountered")
+            return super().step(jobs)
+
+    adapter = LostDevice()
+    engine = engine_for(adapter, Listener(), max_running=2, max_per_forward=1)
+    lost = []
+    worker = EngineWorker(engine, waiting_room=8, on_device_lost=lost.append)
+    jobs = [job("a", Spec(steps=50)), job("xid"), job("waiting")]
+    try:
+        for j in jobs:
+            worker.submit([j])
+        deadline = time.monotonic() + 5
+        while not lost and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert lost and "illegal memory access" in lost[0] and not worker.alive
+        for j in jobs:  # running, failing and waiting: one UNAVAILABLE answer each
+            (final,) = j.request.channel.finals
+            assert final.code is ErrorCode.UNAVAILABLE and "restarting" in final.message, final
+        with pytest.raises(RequestError) as refused:
+            worker.submit([job("after")])
+        assert refused.value.code is ErrorCode.UNAVAILABLE
+        assert max(len(f) for f in adapter.forwards) == 1 and len(lost) == 1
     finally:
         worker.close()
 

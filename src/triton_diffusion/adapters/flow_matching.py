@@ -36,7 +36,7 @@ class FluxAdapter(LatentStepAdapter):
         self.max_sequence_length = max_sequence_length or facts.default("max_sequence_length") or 512
         self.guidance_embeds = bool(pipe.transformer.config.guidance_embeds)
         self.text_ids: torch.Tensor | None = None  # [length, 3], the same for every prompt
-        self.image_ids: dict[int, torch.Tensor] = {}  # packed sequence length -> [length, 3]
+        self.image_ids: dict[tuple[int, int], torch.Tensor] = {}  # (height, width) -> [length, 3]
 
     @property
     def model(self) -> Any:
@@ -91,7 +91,7 @@ class FluxAdapter(LatentStepAdapter):
         latents, image_ids = self.pipe.prepare_latents(
             len(requests), channels, height, width, self.dtype, self.device, generators
         )
-        self.image_ids[latents.shape[1]] = image_ids
+        self.image_ids[requests[0].size] = image_ids  # 64x128 and 128x64: one length, other positions
         return latents
 
     def set_timesteps(self, scheduler: Any, request: ImageRequest) -> torch.Tensor:
@@ -107,9 +107,15 @@ class FluxAdapter(LatentStepAdapter):
 
     def timestep_rows(self, timesteps: Sequence[torch.Tensor]) -> torch.Tensor:
         # FluxPipeline: t.expand(batch).to(latents.dtype), then / 1000.
-        return torch.stack([t.reshape(()).to(self.dtype) for t in timesteps]).to(self.device) / 1000
+        return self.to_device(torch.stack([t.reshape(()).to(self.dtype) for t in timesteps])) / 1000
 
-    def predict(self, latents: torch.Tensor, timesteps: torch.Tensor, inputs: dict[str, torch.Tensor]) -> Any:
+    def predict(
+        self,
+        latents: torch.Tensor,
+        timesteps: torch.Tensor,
+        inputs: dict[str, torch.Tensor],
+        size: tuple[int, int],
+    ) -> Any:
         return self.model(
             hidden_states=latents,
             timestep=timesteps,
@@ -117,7 +123,7 @@ class FluxAdapter(LatentStepAdapter):
             pooled_projections=inputs["pooled_projections"],
             encoder_hidden_states=inputs["encoder_hidden_states"],
             txt_ids=self.text_ids,
-            img_ids=self.image_ids[latents.shape[1]],
+            img_ids=self.image_ids[size],
             joint_attention_kwargs={},
             return_dict=False,
         )[0]
@@ -191,7 +197,13 @@ class StableDiffusion3Adapter(LatentStepAdapter):
         timesteps, _ = retrieve(scheduler, request.steps, self.schedule_device, sigmas=None, **kwargs)
         return timesteps
 
-    def predict(self, latents: torch.Tensor, timesteps: torch.Tensor, inputs: dict[str, torch.Tensor]) -> Any:
+    def predict(
+        self,
+        latents: torch.Tensor,
+        timesteps: torch.Tensor,
+        inputs: dict[str, torch.Tensor],
+        size: tuple[int, int],
+    ) -> Any:
         return self.model(
             hidden_states=latents,
             timestep=timesteps,

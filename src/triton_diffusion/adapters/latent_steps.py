@@ -80,10 +80,6 @@ class LatentStepAdapter:
     """The loop body shared by every latent diffusion family. Subclasses fill in the hooks."""
 
     scales_model_input = False  # UNet schedulers scale the input per step; flow matching does not
-    # Each job's schedule lives on the CPU: its scheduler step then reads its tables without waiting
-    # for the GPU. On the GPU, diffusers' loop syncs once per step; per-job GPU schedules would sync
-    # once per job and stall the next forward's launch.
-    schedule_device = "cpu"
 
     def __init__(self, pipe: Any, facts: PipelineFacts, schedulers: Any, max_sequence_length: int | None):
         self.pipe = pipe
@@ -120,14 +116,34 @@ class LatentStepAdapter:
         """[n, ...] starting latents of requests of one size, each row from its own generator."""
         raise NotImplementedError
 
+    @property
+    def schedule_device(self) -> str:
+        """Where each job's timesteps (and so its scheduler's tables) live: the device, as in the
+        pipeline, unless the family's schedulers would then wait for the GPU on every job's step."""
+        return self.device
+
     def set_timesteps(self, scheduler: Any, request: ImageRequest) -> torch.Tensor:
         raise NotImplementedError
 
     def timestep_rows(self, timesteps: Sequence[torch.Tensor]) -> torch.Tensor:
         """The per-row timestep vector the model takes."""
-        return torch.stack([t.reshape(()).to(torch.float32) for t in timesteps]).to(self.device)
+        return self.to_device(torch.stack([t.reshape(()).to(torch.float32) for t in timesteps]))
 
-    def predict(self, latents: torch.Tensor, timesteps: torch.Tensor, inputs: dict[str, torch.Tensor]) -> Any:
+    def to_device(self, values: torch.Tensor) -> torch.Tensor:
+        """A small host tensor to the device without a sync: a plain copy from pageable memory would
+        wait for the forward still queued on the GPU, so the next step could never be queued early."""
+        if values.device.type == "cpu" and str(self.device).startswith("cuda"):
+            return values.pin_memory().to(self.device, non_blocking=True)
+        return values.to(self.device)
+
+    def predict(
+        self,
+        latents: torch.Tensor,
+        timesteps: torch.Tensor,
+        inputs: dict[str, torch.Tensor],
+        size: tuple[int, int],
+    ) -> Any:
+        """The model over every row of one forward (all of one size)."""
         raise NotImplementedError
 
     def extra_inputs(self, request: ImageRequest) -> dict[str, torch.Tensor]:
@@ -198,8 +214,9 @@ class LatentStepAdapter:
                 timesteps.append(t)
                 conditioning.append({**branch, **state.extra})
         inputs = {name: torch.cat([c[name] for c in conditioning]) for name in conditioning[0]}
+        size = jobs[0].params.size  # one shape group per forward
         with torch.inference_mode():
-            predictions = self.predict(torch.cat(latent_rows), self.timestep_rows(timesteps), inputs)
+            predictions = self.predict(torch.cat(latent_rows), self.timestep_rows(timesteps), inputs, size)
         # The forward succeeded: only now does any job's state change.
         done, row = [], 0
         for job in jobs:

@@ -32,6 +32,13 @@ class StableDiffusionAdapter(LatentStepAdapter):
     def model(self) -> Any:
         return self.pipe.unet
 
+    @property
+    def schedule_device(self) -> str:
+        # DDIM, PNDM and the like index their CPU tables with the timestep: a GPU timestep would make
+        # every job's scheduler step wait for the GPU (diffusers' own loop waits once per step).
+        # Euler, DPM-Solver and Heun keep their sigmas on the CPU anyway.
+        return "cpu"
+
     def uses_guidance(self, request: ImageRequest) -> bool:
         return self.guidance_scale(request) > 1.0
 
@@ -94,7 +101,13 @@ class StableDiffusionAdapter(LatentStepAdapter):
         timesteps, _ = self.module.retrieve_timesteps(scheduler, request.steps, self.schedule_device)
         return timesteps
 
-    def predict(self, latents: torch.Tensor, timesteps: torch.Tensor, inputs: dict[str, torch.Tensor]) -> Any:
+    def predict(
+        self,
+        latents: torch.Tensor,
+        timesteps: torch.Tensor,
+        inputs: dict[str, torch.Tensor],
+        size: tuple[int, int],
+    ) -> Any:
         added = {"text_embeds": inputs["text_embeds"], "time_ids": inputs["time_ids"]} if self.xl else None
         return self.model(
             latents,
@@ -118,16 +131,18 @@ class StableDiffusionAdapter(LatentStepAdapter):
         if upcast:
             vae.to(dtype=torch.float32)
             latents = latents.to(next(iter(vae.post_quant_conv.parameters())).dtype)
-        mean, std = getattr(vae.config, "latents_mean", None), getattr(vae.config, "latents_std", None)
-        if mean is not None and std is not None:
-            mean = torch.tensor(mean).view(1, 4, 1, 1).to(latents.device, latents.dtype)
-            std = torch.tensor(std).view(1, 4, 1, 1).to(latents.device, latents.dtype)
-            latents = latents * std / vae.config.scaling_factor + mean
-        else:
-            latents = latents / vae.config.scaling_factor
-        image = vae.decode(latents, return_dict=False)[0]
-        if upcast:
-            vae.to(dtype=torch.float16)
+        try:
+            mean, std = getattr(vae.config, "latents_mean", None), getattr(vae.config, "latents_std", None)
+            if mean is not None and std is not None:
+                mean = torch.tensor(mean).view(1, 4, 1, 1).to(latents.device, latents.dtype)
+                std = torch.tensor(std).view(1, 4, 1, 1).to(latents.device, latents.dtype)
+                latents = latents * std / vae.config.scaling_factor + mean
+            else:
+                latents = latents / vae.config.scaling_factor
+            image = vae.decode(latents, return_dict=False)[0]
+        finally:
+            if upcast:  # back to fp16 also when the decode raised (an OOM is retried job by job)
+                vae.to(dtype=torch.float16)
         if getattr(pipe, "watermark", None) is not None:
             image = pipe.watermark.apply_watermark(image)
         return pipe.image_processor.postprocess(image, output_type="pil")

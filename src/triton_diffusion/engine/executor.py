@@ -5,7 +5,8 @@ request boundary near the middle) and each half is retried, so only the request 
 an error. Out-of-memory is handled the same way and, for a single request with several images, by
 halving its rows, since every row keeps its own generator and so its own result. Retries start only
 after the failed call's exception is gone (its traceback would keep the call's activations alive) and,
-after an out-of-memory error, once the accelerator's cache is freed.
+after an out-of-memory error, once the accelerator's cache is freed. A failed device (device_errors.py)
+is not retried: the call's requests are answered UNAVAILABLE and :class:`DeviceLostError` is raised.
 
 Before each call, the requests in it are asked once whether they were cancelled. A request can also end
 while a call runs (cancelled between two denoising steps): it is answered at once, its rows' outputs are
@@ -16,13 +17,19 @@ from __future__ import annotations
 
 import itertools
 import logging
-import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from triton_diffusion.compatibility import CompatibilityKey
+from triton_diffusion.engine.device_errors import (
+    DeviceLostError,
+    device_lost_error,
+    free_accelerator_memory,
+    is_device_lost,
+    is_out_of_memory,
+)
 from triton_diffusion.engine.planner import FusedCall, Row
 from triton_diffusion.engine.requests import TrackedRequest
 from triton_diffusion.errors import ErrorCode, RequestError
@@ -31,18 +38,6 @@ log = logging.getLogger("triton_diffusion")
 
 # (key, rows) -> one output per row, in row order; None for a row dropped because its request ended.
 RunRows = Callable[[CompatibilityKey, list[Row]], list[Any]]
-
-
-def is_out_of_memory(exc: BaseException) -> bool:
-    # torch.OutOfMemoryError (CUDA) or a host MemoryError; matched by name to keep this module torch-free.
-    return isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError"
-
-
-def free_accelerator_memory() -> None:
-    """Return cached blocks to the device after an out-of-memory error, before the smaller retry."""
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 @dataclass(frozen=True)
@@ -126,7 +121,7 @@ class FusedCallExecutor:
         for index in requests:
             self._requests[index].start()
         error: str | None = None
-        oom = False
+        oom = lost = False
         try:
             outputs = self.run_rows(call.key, rows)
             if len(outputs) != len(rows):
@@ -134,7 +129,11 @@ class FusedCallExecutor:
         except Exception as exc:  # noqa: BLE001  (isolate: any failure is bisected, never fatal)
             # Only text leaves the handler: the exception's traceback holds the call's frames (and on a
             # GPU its activations) alive until it is dropped here.
-            error, oom = f"{type(exc).__name__}: {exc}", is_out_of_memory(exc)
+            error, oom, lost = f"{type(exc).__name__}: {exc}", is_out_of_memory(exc), is_device_lost(exc)
+        if lost:  # sticky: no retry can succeed in this process
+            for index in requests:
+                self.fail(index, device_lost_error(error))
+            raise DeviceLostError(error)
         if error is not None:
             self._retry_after_failure(call, rows, requests, on_complete, retry, call_id, started, error, oom)
             return

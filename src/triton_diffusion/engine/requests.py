@@ -73,16 +73,19 @@ class TrackedRequest:
             self.stage = Stage.RUNNING
 
     def progress(self, outputs: Mapping[str, Any]) -> bool:
-        """A non-final response. A send that raises fails the request (with an error FINAL if possible)."""
-        if self._claimed:
-            return False
-        try:
-            self.channel.send_partial(outputs)
-        except Exception as exc:  # noqa: BLE001  (this request alone is affected)
-            log.warning("request %s: progress response failed: %s", self.request_id, exc)
-            self.fail(RequestError(ErrorCode.INTERNAL, f"sending a progress response failed: {exc}"))
-            return False
-        return True
+        """A non-final response. A send that raises fails the request (with an error FINAL if possible).
+        Sent under the request's lock, so nothing can follow its FINAL from another thread."""
+        with self._lock:
+            if self._claimed:
+                return False
+            try:
+                self.channel.send_partial(outputs)
+                return True
+            except Exception as exc:  # noqa: BLE001  (this request alone is affected)
+                failure = exc
+        log.warning("request %s: progress response failed: %s", self.request_id, failure)
+        self.fail(RequestError(ErrorCode.INTERNAL, f"sending a progress response failed: {failure}"))
+        return False
 
     def finish(self, outputs: Mapping[str, Any]) -> bool:
         """Answer with the result. Returns False when the request was answered already."""
@@ -105,16 +108,16 @@ class TrackedRequest:
             if self._claimed:
                 return False
             self._claimed = True
-        try:
-            send()
-        except Exception as exc:  # noqa: BLE001  (the result could not go out: an error FINAL instead)
-            log.error("request %s: sending its final response failed: %s", self.request_id, exc)
-            code = ErrorCode.INTERNAL
             try:
-                self.channel.send_error(RequestError(code, f"sending the response failed: {exc}"))
-            except Exception:  # noqa: BLE001  (nothing more can be done for this client)
-                log.exception("request %s: sending the error response failed too", self.request_id)
-        self.stage = Stage.ANSWERED
+                send()
+            except Exception as exc:  # noqa: BLE001  (the result could not go out: an error FINAL instead)
+                code = ErrorCode.INTERNAL
+                try:
+                    self.channel.send_error(RequestError(code, f"sending the response failed: {exc}"))
+                except Exception:  # noqa: BLE001  (nothing more can be done for this client)
+                    pass
+                log.error("request %s: sending its final response failed: %s", self.request_id, exc)
+            self.stage = Stage.ANSWERED
         if self._on_answered is not None:
             try:
                 self._on_answered(self, code)

@@ -15,10 +15,12 @@ diffusion-LM request with its own block schedule. Every engine step:
 A job joins at any step and leaves the moment it is done. Failures stay with the jobs that cause them: a
 failing forward is bisected until the culprit is alone; an out-of-memory forward is split in halves and
 the group's cap lowered (a job fails with UNAVAILABLE only if it does not fit alone); a listener that
-raises costs its own request only. Every request is answered through its TrackedRequest, exactly once.
+raises costs its own request only. A failed device (device_errors.py) is not retried: the engine raises
+:class:`DeviceLostError`. Every request is answered through its TrackedRequest, exactly once.
 
 :class:`EngineWorker` runs the engine on its own thread with bounded admission, and restarts the loop
-should it ever die, after answering what it held.
+should it ever die, after answering what it held; after a device failure it answers what it held
+UNAVAILABLE, stops and calls ``on_device_lost`` (the serving layer exits the process for a restart).
 """
 
 from __future__ import annotations
@@ -32,12 +34,21 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from triton_diffusion.engine.executor import free_accelerator_memory, is_out_of_memory
+from triton_diffusion.engine.device_errors import (
+    DeviceLostError,
+    device_lost_error,
+    free_accelerator_memory,
+    is_device_lost,
+    is_out_of_memory,
+)
 from triton_diffusion.engine.policies import SchedulingPolicy, make_policy
 from triton_diffusion.engine.requests import TrackedRequest
 from triton_diffusion.errors import ErrorCode, RequestError
 
 log = logging.getLogger("triton_diffusion")
+
+# Good forwards of a group at an out-of-memory-learned cap before the cap is doubled again.
+CAP_RECOVERY_FORWARDS = 50
 
 
 @dataclass(eq=False)
@@ -131,6 +142,7 @@ class StepEngine:
         self.forwards = 0  # forwards run
         self._arrivals = itertools.count()
         self._learned_caps: dict[Hashable, int] = {}  # lowered after out-of-memory
+        self._good_forwards: dict[Hashable, int] = {}  # per capped group, since its cap was last changed
         self._last_poll: dict[int, float] = {}  # id(request) -> when it was last asked
 
     # ---- the running set ------------------------------------------------------------------------
@@ -166,7 +178,11 @@ class StepEngine:
             admitted.append(job)
         if not admitted:
             return
-        prepared = self._guarded(self.adapter.prepare, admitted, "preparing")
+        try:
+            prepared = self._guarded(self.adapter.prepare, admitted, "preparing")
+        except DeviceLostError:
+            self.waiting.extendleft(reversed(admitted))  # still held: answered by whoever stops the engine
+            raise
         now = time.perf_counter()
         for job in prepared:
             job.arrival = next(self._arrivals)
@@ -198,16 +214,19 @@ class StepEngine:
     def _forward(self, batch: list[Job]) -> None:
         started = time.perf_counter()
         error: str | None = None
-        oom = False
+        oom = lost = False
         try:
             done = self.adapter.step(batch)
         except Exception as exc:  # noqa: BLE001  (isolate: bisect or split, never fatal)
             # Only text leaves the handler, so the failed forward's activations are freed before a retry.
-            error, oom = f"{type(exc).__name__}: {exc}", is_out_of_memory(exc)
+            error, oom, lost = f"{type(exc).__name__}: {exc}", is_out_of_memory(exc), is_device_lost(exc)
+        if lost:
+            raise DeviceLostError(error)
         if error is not None:
             self._retry(batch, error, oom)
             return
         self.forwards += 1
+        self._relax_learned_cap(batch[0].group)
         rows = sum(self.adapter.rows(job) for job in batch)
         for job in batch:
             if job.first_forward is None:
@@ -231,6 +250,25 @@ class StepEngine:
         if finished:
             self._finish(finished)
 
+    def _relax_learned_cap(self, group: Hashable) -> None:
+        # An out-of-memory may be transient (another process held memory for a while), so a learned cap
+        # doubles after enough good forwards and is dropped once it reaches the configured one; a real
+        # limit is re-learned by the next out-of-memory, which costs one split forward.
+        if group not in self._learned_caps:
+            return
+        good = self._good_forwards.get(group, 0) + 1
+        if good < CAP_RECOVERY_FORWARDS:
+            self._good_forwards[group] = good
+            return
+        self._good_forwards[group] = 0
+        doubled = self._learned_caps[group] * 2
+        del self._learned_caps[group]
+        if doubled < self.cap_for(group):
+            self._learned_caps[group] = doubled
+        else:
+            self._good_forwards.pop(group, None)
+        log.info("forwards of group %s capped at %d again", group, self.cap_for(group))
+
     def _retry(self, batch: list[Job], error: str, oom: bool) -> None:
         log.warning("forward of %d job(s) failed: %s", len(batch), error)
         if oom:
@@ -239,6 +277,7 @@ class StepEngine:
             if oom:
                 group = batch[0].group
                 self._learned_caps[group] = min(self.cap_for(group), len(batch) // 2)
+                self._good_forwards[group] = 0
                 log.warning("out of memory: forwards of group %s capped at %d", group, len(batch) // 2)
             half = len(batch) // 2
             self._forward(batch[:half])
@@ -257,13 +296,19 @@ class StepEngine:
                 self._leave(job, "ended", in_running=False)
         if not live:
             return
-        error, oom = None, False
+        error, oom, lost = None, False, None
         try:
             outputs = self.adapter.finish(live)
             if len(outputs) != len(live):
                 raise RuntimeError(f"finish returned {len(outputs)} outputs for {len(live)} jobs")
         except Exception as exc:  # noqa: BLE001
             error, oom = f"{type(exc).__name__}: {exc}", is_out_of_memory(exc)
+            lost = error if is_device_lost(exc) else None
+        if lost is not None:  # these jobs left the running set: answer them here
+            for job in live:
+                job.request.fail(device_lost_error(lost))
+                self._leave(job, "failed", in_running=False)
+            raise DeviceLostError(lost)
         if error is not None:
             if oom:
                 free_accelerator_memory()
@@ -286,7 +331,9 @@ class StepEngine:
             work(jobs)
             return jobs
         except Exception as exc:  # noqa: BLE001
-            error, oom = f"{type(exc).__name__}: {exc}", is_out_of_memory(exc)
+            error, oom, lost = f"{type(exc).__name__}: {exc}", is_out_of_memory(exc), is_device_lost(exc)
+        if lost:
+            raise DeviceLostError(error)
         if oom:
             free_accelerator_memory()
         if len(jobs) == 1:
@@ -329,8 +376,15 @@ class EngineWorker:
     it held are answered with INTERNAL and the loop starts again; the model keeps serving.
     """
 
-    def __init__(self, engine: StepEngine, waiting_room: int, name: str = "step-engine") -> None:
+    def __init__(
+        self,
+        engine: StepEngine,
+        waiting_room: int,
+        name: str = "step-engine",
+        on_device_lost: Callable[[str], None] | None = None,
+    ) -> None:
         self.engine = engine
+        self.on_device_lost = on_device_lost
         self.capacity = engine.limits.max_running + waiting_room
         self._condition = threading.Condition()
         self._incoming: deque[Job] = deque()
@@ -381,6 +435,9 @@ class EngineWorker:
                     with torch.inference_mode():  # grad mode is per thread
                         self._loop()
                     return
+                except DeviceLostError as exc:
+                    self._stop_for_device_loss(str(exc))
+                    return
                 except BaseException as exc:  # noqa: BLE001  (a bug in the loop: answer, restart)
                     log.exception("step engine loop failed; answering what it held and restarting")
                     self.restarts += 1
@@ -392,6 +449,14 @@ class EngineWorker:
                 self._closed = True
                 self._condition.notify_all()
             self._fail_held(RequestError(ErrorCode.UNAVAILABLE, "the model is shutting down"))
+
+    def _stop_for_device_loss(self, error: str) -> None:
+        log.error("step engine: the accelerator failed (%s); answering what it held", error)
+        with self._condition:
+            self._closed = True  # later submits are refused: nothing can run on this device again
+        self._fail_held(device_lost_error(error))
+        if self.on_device_lost is not None:
+            self.on_device_lost(error)
 
     def _fail_held(self, error: RequestError) -> None:
         with self._condition:

@@ -30,7 +30,7 @@ from triton_diffusion.adapters.masked_lm import LoadedMaskedLM, load_masked_lm, 
 from triton_diffusion.engine.policies import make_policy
 from triton_diffusion.engine.requests import TrackedRequest
 from triton_diffusion.engine.step_engine import EngineLimits, EngineWorker, Job, StepEngine
-from triton_diffusion.errors import RequestError, invalid_field
+from triton_diffusion.errors import ErrorCode, RequestError, invalid_field
 from triton_diffusion.faults import FaultInjection, FaultyStepAdapter
 from triton_diffusion.fields import REQUIRED, Field, FieldSet, Role, seed_field
 from triton_diffusion.serving.metrics import DIFFUSION_LM_FAMILIES
@@ -165,6 +165,7 @@ class DiffusionLMModel(TritonModel):
         self.max_prompt_tokens = int(settings.get("max_prompt_tokens", "1024"))
         max_running = int(settings.get("max_running_requests", "8"))
         waiting_room = int(settings.get("waiting_room", "4"))
+        self.max_wait_s = float(settings.get("max_admission_wait_s", "120"))
         forward, side = self.lm.forward, self.lm.forward.padding_side
         # A model that ignores the attention mask (LLaDA's published code) must never see padding.
         unpadded = padding_changes_logits(forward, self.lm.pad_id, side, self.lm.vocab_size, self.lm.device)
@@ -172,9 +173,12 @@ class DiffusionLMModel(TritonModel):
         faults = FaultInjection.from_config(settings.get("fault_injection"))
         if faults is not None:
             adapter = FaultyStepAdapter(adapter, faults, lambda job: job.context.prompt)
-        limits = EngineLimits(max_running=max_running, max_per_forward=max_running)
+        cancel_poll_s = float(settings.get("cancel_poll_ms", "50")) / 1000
+        limits = EngineLimits(max_running, max_running, cancel_poll_s=cancel_poll_s)
         self.engine = StepEngine(adapter, self, limits, make_policy("oldest"))
-        self.worker = EngineWorker(self.engine, waiting_room, name="dllm-engine")
+        self.worker = EngineWorker(
+            self.engine, waiting_room, name="dllm-engine", on_device_lost=self.exit_for_restart
+        )
         log.info(
             "%s ready: max_running_requests=%d waiting_room=%d padding=%s mask_id=%d eos_ids=%s device=%s",
             settings.name,
@@ -212,10 +216,15 @@ class DiffusionLMModel(TritonModel):
 
     def run(self, admitted: list[tuple[TrackedRequest, Job]]) -> None:
         for tracked, job in admitted:
+            left = self.max_wait_s - (time.perf_counter() - tracked.entered)
             try:
-                waited = self.worker.submit([job])
+                waited = self.worker.submit([job], timeout_s=max(left, 0.0))
             except RequestError as error:
                 tracked.fail(error)
+                continue
+            except Exception as exc:  # noqa: BLE001  (never the requests already in the engine)
+                log.exception("request %s: handing it to the engine failed", tracked.request_id)
+                tracked.fail(RequestError(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"))
                 continue
             self.metrics.observe("triton_diffusion_lm_admission_wait_seconds", waited)
 

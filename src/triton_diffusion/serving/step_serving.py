@@ -72,13 +72,17 @@ class ImageStepServing:
             max_running=int(settings.get("max_running_rows", str(caps.max_rows))),
             max_per_forward=caps.max_rows,
             cap_for=lambda size: caps.cap_for_size(*size)[0],
-            cancel_poll_s=float(settings.get("cancel_poll_ms", "0")) / 1000,
+            cancel_poll_s=float(settings.get("cancel_poll_ms", "50")) / 1000,
         )
         policy = make_policy(
             settings.get("scheduling_policy", "oldest"), int(settings.get("starvation_steps", "16"))
         )
         self.engine = StepEngine(stepped, self, limits, policy)
-        self.worker = EngineWorker(self.engine, int(settings.get("waiting_room", str(caps.max_rows))))
+        self.worker = EngineWorker(
+            self.engine,
+            int(settings.get("waiting_room", str(caps.max_rows))),
+            on_device_lost=model.exit_for_restart,
+        )
         self.max_wait_s = float(settings.get("max_admission_wait_s", "120"))
         self.responses = ResponseWorker()
         log.info(
@@ -100,8 +104,10 @@ class ImageStepServing:
             preview_every=values.get("preview_every", 0),
         )
         jobs = [Job(tracked, image_request(values, i), context, index=i) for i in range(parsed.rows)]
+        # One bound from execute() entry: the last request of a big batch waits no longer than the first.
+        left = self.max_wait_s - (time.perf_counter() - tracked.entered)
         try:
-            waited = self.worker.submit(jobs, timeout_s=self.max_wait_s)
+            waited = self.worker.submit(jobs, timeout_s=max(left, 0.0))
         except RequestError as error:
             tracked.fail(error)
             return
@@ -187,6 +193,11 @@ class ImageStepServing:
         )
 
     def on_forward(self, jobs: list[Job], rows: int, seconds: float) -> None:
-        self.metrics.observe("triton_diffusion_forward_rows", len(jobs))
-        self.metrics.observe("triton_diffusion_step_seconds", seconds)
-        self.metrics.set("triton_diffusion_rows_in_flight", len(self.engine.running))
+        images, running = len(jobs), len(self.engine.running)
+
+        def record() -> None:  # custom metrics are round trips to the server: off the engine thread
+            self.metrics.observe("triton_diffusion_forward_rows", images)
+            self.metrics.observe("triton_diffusion_step_seconds", seconds)
+            self.metrics.set("triton_diffusion_rows_in_flight", running)
+
+        self.responses.submit(None, record)

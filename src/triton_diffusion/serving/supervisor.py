@@ -24,6 +24,7 @@ on its own port.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import subprocess
 import threading
@@ -123,8 +124,10 @@ class Supervisor:
             status = self._watch(self.process)
             if self.stopping.is_set():
                 return status
-            if time.monotonic() - last_restart < 30:  # crashing again at once: do not spin
-                self.stopping.wait(5)
+            if time.monotonic() - last_restart < 30 and self.stopping.wait(5):  # crashing at once: no spin
+                return status
+            if self.stopping.is_set():
+                return status
             last_restart = time.monotonic()
 
     def stop(self, signum: int = signal.SIGTERM) -> None:
@@ -134,22 +137,29 @@ class Supervisor:
             self.process.send_signal(signum)
 
     def _watch(self, process: subprocess.Popen) -> int:
-        expected: dict[str, Stub] = {}  # instance -> stub, once the server is ready
+        expected: dict[str, Stub] | None = None  # instance -> stub, once the server is ready
         while True:
             status = process.poll()
             if status is not None:
                 if not self.stopping.is_set():
                     self._restarting("server exited", ["-"], f"tritonserver exited with status {status}")
-                    self._remove_regions(expected.values())
+                    self._kill_stubs((expected or {}).values())
                 return status
             if self.stopping.wait(self.interval_s):
+                if process.poll() is None:
+                    process.send_signal(signal.SIGTERM)  # stop() may have signalled an older process
                 return self._wait_for_exit(process)
-            stubs = {s.instance: s for s in list_stubs(process.pid)}
-            if not expected:
+            try:
+                stubs = {s.instance: s for s in list_stubs(process.pid)}
+            except Exception:  # noqa: BLE001  (an odd /proc entry: look again next time)
+                log.exception("supervisor: listing the server's processes failed")
+                continue
+            if expected is None:
                 if self._server_ready():
                     expected = stubs
                     self._set_ready(True)
-                    log.info("supervisor: server ready, watching stubs %s", ", ".join(sorted(stubs)))
+                    names = ", ".join(sorted(stubs)) or "-"
+                    log.info("supervisor: server ready, watching stubs %s", names)
                 continue
             dead = [s for name, s in expected.items() if name not in stubs]
             if dead:
@@ -182,12 +192,18 @@ class Supervisor:
         except subprocess.TimeoutExpired:
             process.kill()
             status = process.wait()
-        self._remove_regions(stubs)
+        self._kill_stubs(stubs)
         return status
 
     @staticmethod
-    def _remove_regions(stubs) -> None:
-        for stub in stubs:  # a killed stub (or server) never unlinks its shared-memory region
+    def _kill_stubs(stubs) -> None:
+        """The stubs of a server that is gone: end any still running (they would hold GPU memory until
+        they notice), and remove their shared-memory regions (a killed process never unlinks its own)."""
+        for stub in stubs:
+            try:
+                os.kill(stub.pid, signal.SIGKILL)
+            except OSError:
+                pass
             try:
                 (SHM_DIR / stub.shm_region).unlink()
             except OSError:
@@ -260,4 +276,3 @@ class Supervisor:
         server = ThreadingHTTPServer((address, port), Handler)
         threading.Thread(target=server.serve_forever, name="supervisor-health", daemon=True).start()
         return server
-

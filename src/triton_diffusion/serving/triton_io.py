@@ -155,13 +155,16 @@ class TritonLogHandler(logging.Handler):
     """Forward the package's log records to Triton's log, so they follow its format and verbosity."""
 
     def emit(self, record: logging.LogRecord) -> None:
-        message = self.format(record)
-        if record.levelno >= logging.ERROR:
-            pb_utils.Logger.log_error(message)
-        elif record.levelno >= logging.WARNING:
-            pb_utils.Logger.log_warn(message)
-        else:
-            pb_utils.Logger.log_info(message)
+        try:  # a log line must never raise into the code that answers requests
+            message = self.format(record)
+            if record.levelno >= logging.ERROR:
+                pb_utils.Logger.log_error(message)
+            elif record.levelno >= logging.WARNING:
+                pb_utils.Logger.log_warn(message)
+            else:
+                pb_utils.Logger.log_info(message)
+        except Exception:  # noqa: BLE001
+            self.handleError(record)
 
 
 def install_log_handler() -> None:

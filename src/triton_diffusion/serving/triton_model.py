@@ -21,6 +21,7 @@ import numpy as np
 
 from triton_diffusion.adapters.diffusers_pipeline import row_seed
 from triton_diffusion.compatibility import CompatibilityKey, compatibility_key
+from triton_diffusion.engine.device_errors import DeviceLostError, device_lost_error, exit_for_restart
 from triton_diffusion.engine.executor import CallRecord, CallReport, FusedCallExecutor
 from triton_diffusion.engine.planner import PlannedRequest, Row, RowCaps, plan_groups
 from triton_diffusion.engine.requests import TrackedRequest
@@ -174,6 +175,10 @@ class TritonModel:
                     admitted.append((target, parsed))
             log.info("execute: %d requests ids=%s", len(requests), [t.request_id for t in tracked])
             self.run(admitted)
+        except DeviceLostError as exc:  # nothing can run here again: answer everyone, then restart
+            for target in tracked:
+                target.fail(device_lost_error(str(exc)))
+            self.exit_for_restart(str(exc))
         except Exception as exc:  # noqa: BLE001  (every request must still get its FINAL response)
             log.exception("execute failed")
             error = RequestError(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
@@ -187,6 +192,16 @@ class TritonModel:
 
     def finalize(self) -> None:
         log.info("%s unloaded", self.settings.name)
+
+    def before_exit(self) -> None:
+        """Send what is queued for sending before the process leaves (see :meth:`exit_for_restart`)."""
+
+    def exit_for_restart(self, error: str) -> None:
+        """The accelerator failed: every request held was answered; leave so the supervisor restarts."""
+        try:
+            self.before_exit()
+        finally:
+            exit_for_restart(error)
 
     # ---- reading requests -------------------------------------------------------------------------
     def _track(self, request: Any, entered: float) -> TrackedRequest:
@@ -272,6 +287,10 @@ class BatchedDiffusionModel(TritonModel):
             self.step_serving.close()
         super().finalize()
 
+    def before_exit(self) -> None:
+        if self.step_serving is not None:
+            self.step_serving.responses.close(timeout_s=10)
+
     def parse(self, index: int, raw: dict[str, Any], tracked: TrackedRequest) -> ParsedRequest:
         values = self.resolve(self.fields.parse(raw))
         if "seed" in values and values["seed"] is None:
@@ -281,7 +300,11 @@ class BatchedDiffusionModel(TritonModel):
     def run(self, admitted: list[tuple[TrackedRequest, ParsedRequest]]) -> None:
         if self.step_serving is not None:
             for tracked, parsed in admitted:
-                self.step_serving.submit(tracked, parsed)
+                try:
+                    self.step_serving.submit(tracked, parsed)
+                except Exception as exc:  # noqa: BLE001  (never the requests already in the engine)
+                    log.exception("request %s: handing it to the step engine failed", tracked.request_id)
+                    tracked.fail(RequestError(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"))
             return
         self._run_request_level(admitted)
 
