@@ -138,28 +138,42 @@ def run_variant(server, model: str, variant: str, args: argparse.Namespace) -> l
 
 
 class _Quiet:
-    """An engine listener that only decodes each block (as the server does) and counts tokens."""
+    """An engine listener that only decodes each block (as the server does) and counts tokens; the
+    channel its requests answer through drops what it is sent."""
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self.tokens = 0
 
-    def is_cancelled(self, request) -> bool:
-        return False
-
-    def on_block(self, request) -> None:
-        self.tokenizer.decode(request.tokens(), skip_special_tokens=True)
-
-    def on_finished(self, request) -> None:
-        self.tokens += len(request.tokens())
-
-    def on_cancelled(self, request) -> None:
+    # ResponseChannel
+    def send_partial(self, outputs) -> None:
         pass
 
-    def on_failed(self, request, error) -> None:
-        raise error
+    def send_final(self, outputs) -> None:
+        pass
 
-    def on_forward(self, rows: int, requests: int, seconds: float) -> None:
+    def send_error(self, error) -> None:
+        raise RuntimeError(f"benchmark request failed: {error}")
+
+    def is_cancelled(self) -> bool:
+        return False
+
+    # EngineListener
+    def on_admitted(self, job) -> None:
+        pass
+
+    def on_stepped(self, job) -> None:
+        if job.state.new_block:
+            self.tokenizer.decode(job.state.tokens(), skip_special_tokens=True)
+
+    def on_finished(self, job, output) -> None:
+        self.tokens += len(output.tokens())
+        job.request.finish({})
+
+    def on_left(self, job, reason: str) -> None:
+        pass
+
+    def on_forward(self, jobs, rows: int, seconds: float) -> None:
         pass
 
 
@@ -169,9 +183,11 @@ def engine_ceiling(args: argparse.Namespace, requests: int) -> dict[str, float]:
     import torch
     from transformers import AutoModelForMaskedLM, AutoTokenizer
 
+    from triton_diffusion.adapters.diffusion_lm_adapter import DecodingRequest, DiffusionLMAdapter
     from triton_diffusion.adapters.masked_diffusion import DecodeParams
     from triton_diffusion.adapters.masked_lm import MaskedLMForward, prompt_token_ids
-    from triton_diffusion.engine.dllm_engine import ContinuousBatchEngine, DecodingRequest
+    from triton_diffusion.engine.requests import TrackedRequest
+    from triton_diffusion.engine.step_engine import EngineLimits, Job, StepEngine
 
     threads = dict(item.split("=", 1) for item in args.param).get("intra_op_threads")
     if threads:
@@ -182,22 +198,21 @@ def engine_ceiling(args: argparse.Namespace, requests: int) -> dict[str, float]:
 
     def run(max_running: int) -> float:
         listener = _Quiet(tokenizer)
-        engine = ContinuousBatchEngine(forward, listener, tokenizer.pad_token_id, max_running)
-        for spec in specs:
+        adapter = DiffusionLMAdapter(forward, tokenizer.pad_token_id, forward.padding_side)
+        engine = StepEngine(adapter, listener, EngineLimits(max_running, max_running))
+        for i, spec in enumerate(specs):
             params = DecodeParams(
                 spec["gen_length"], spec["block_length"], spec["steps"], temperature=spec["temperature"]
             )
             prompt = torch.tensor(prompt_token_ids(tokenizer, spec["prompt"], chat=True))
-            engine.add(
-                DecodingRequest(
-                    None,
-                    prompt,
-                    params,
-                    torch.Generator().manual_seed(spec["seed"]),
-                    tokenizer.mask_token_id,
-                    (tokenizer.eos_token_id,),
-                )
+            decoding = DecodingRequest(
+                prompt,
+                params,
+                torch.Generator().manual_seed(spec["seed"]),
+                tokenizer.mask_token_id,
+                (tokenizer.eos_token_id,),
             )
+            engine.add(Job(TrackedRequest(str(i), listener), decoding))
         started = time.perf_counter()
         with torch.inference_mode():
             while engine.active:

@@ -100,3 +100,20 @@ def test_perf_analyzer_script_writes_a_csv(server, tmp_path):
     rows = list(csv.DictReader(out.open()))
     assert [int(r["Concurrency"]) for r in rows] == [1, 2]
     assert all(float(r["Inferences/Second"]) > 0 and float(r["p95 latency"]) > 0 for r in rows)
+
+
+def test_the_diffusion_lm_benchmarks_in_process_ceiling_runs_on_the_shared_engine():
+    import argparse
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_dllm", REPO_ROOT / "scripts" / "bench_dllm.py")
+    bench_dllm = importlib.util.module_from_spec(spec)
+    sys.modules["bench_dllm"] = bench_dllm  # its dataclasses look their module up
+    spec.loader.exec_module(bench_dllm)
+    args = argparse.Namespace(param=[], gen_lengths=[32], block_length=16, tokens_per_step=2, temperature=0.0)
+    ceiling = bench_dllm.engine_ceiling(args, 3)
+    assert (
+        ceiling["requests"] == 3
+        and ceiling["together_tokens_per_s"] > 0
+        and ceiling["alone_tokens_per_s"] > 0
+    )

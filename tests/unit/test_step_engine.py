@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import pytest
 
 from tests.unit.recording import RecordingChannel, tracked
+from triton_diffusion.engine.device_errors import DeviceLostError
 from triton_diffusion.engine.policies import make_policy
 from triton_diffusion.engine.requests import Stage, TrackedRequest
 from triton_diffusion.engine.step_engine import (
@@ -309,6 +310,28 @@ def test_a_failed_device_stops_the_worker_after_answering_everything_it_held():
         assert max(len(f) for f in adapter.forwards) == 1 and len(lost) == 1
     finally:
         worker.close()
+
+
+def test_a_device_failure_while_decodes_are_retried_one_by_one_still_answers_every_job():
+    class DecodeLosesDevice(FakeAdapter):
+        def finish(self, jobs):
+            if len(jobs) > 1:
+                raise RuntimeError("an ordinary decode failure: retry one by one")
+            if jobs[0].request.request_id == "b":
+                raise AcceleratorError("CUDA error: unspecified launch failure")
+            return super().finish(jobs)
+
+    engine = engine_for(DecodeLosesDevice(), Listener())
+    jobs = [job(name) for name in "abc"]
+    for j in jobs:
+        engine.add(j)
+    with pytest.raises(DeviceLostError):
+        drain(engine)
+    got = answers(jobs)
+    assert got["a"] == [{"out": "out:a"}]
+    for name in "bc":  # c had left the running set: it must not be lost
+        (final,) = got[name]
+        assert final.code is ErrorCode.UNAVAILABLE, final
 
 
 def test_a_final_response_that_cannot_be_sent_becomes_an_error_response():

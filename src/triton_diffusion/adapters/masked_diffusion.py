@@ -5,7 +5,7 @@ The working sequence is the prompt followed by ``gen_length`` mask tokens, decod
 sequence (bidirectional attention) and :func:`commit` fills some masked positions of the current block.
 
 :func:`commit_blocks` is one step for any number of requests, each with its own block, schedule and
-generator. The batched engine (``dllm_engine``) calls it on the slices of a shared forward;
+generator. The step engine (through ``diffusion_lm_adapter``) calls it on the slices of a shared forward;
 :func:`generate_reference` is the plain one-request loop the engine must match token for token.
 """
 

@@ -128,10 +128,10 @@ class StableDiffusionAdapter(LatentStepAdapter):
             return pipe.image_processor.postprocess(image, output_type="pil", do_denormalize=denormalize)
         # SDXL's own decode: fp16 VAEs that overflow are run in fp32, latents de-normalized if configured.
         upcast = vae.dtype == torch.float16 and vae.config.force_upcast
-        if upcast:
-            vae.to(dtype=torch.float32)
-            latents = latents.to(next(iter(vae.post_quant_conv.parameters())).dtype)
         try:
+            if upcast:  # inside the try: an OOM half-way through the cast must still cast back
+                vae.to(dtype=torch.float32)
+                latents = latents.to(next(iter(vae.post_quant_conv.parameters())).dtype)
             mean, std = getattr(vae.config, "latents_mean", None), getattr(vae.config, "latents_std", None)
             if mean is not None and std is not None:
                 mean = torch.tensor(mean).view(1, 4, 1, 1).to(latents.device, latents.dtype)

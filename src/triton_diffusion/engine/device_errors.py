@@ -4,7 +4,8 @@
 * Device lost: a CUDA error other than out-of-memory (illegal address, launch failure, ECC error) is
   sticky: every later call in this process fails too. Retrying or bisecting is pointless; the requests
   held are answered UNAVAILABLE and the process exits, so the launcher's supervisor restarts the server
-  with a fresh CUDA context (README "Reliability").
+  with a fresh CUDA context (README "Reliability"). A device error counts as that only if a probe on the
+  device fails as well.
 
 Exceptions are matched by name so this module stays torch-free.
 """
@@ -29,17 +30,44 @@ class DeviceLostError(RuntimeError):
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
-    # torch.OutOfMemoryError (CUDA) or a host MemoryError.
-    return isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError"
+    # torch.OutOfMemoryError (the caching allocator), a host MemoryError, or a raw CUDA allocation
+    # (pinned host memory, cuBLAS workspaces) failing with "CUDA error: out of memory".
+    return (
+        isinstance(exc, MemoryError)
+        or type(exc).__name__ == "OutOfMemoryError"
+        or (isinstance(exc, RuntimeError) and "out of memory" in str(exc))
+    )
+
+
+# Prefixes of the errors a failed device raises (torch, cuDNN, cuBLAS, Triton kernels).
+_DEVICE_ERROR_MARKERS = ("CUDA error", "cuDNN error", "CUBLAS_STATUS", "Triton Error [CUDA]")
 
 
 def is_device_lost(exc: BaseException) -> bool:
+    """A device error that the device itself confirms: some CUDA errors come from one bad launch (an
+    invalid configuration for a huge shape, a cuBLAS shape it does not support) and leave the device
+    working, and a request must never be able to restart the server on demand. So a candidate counts
+    only if a tiny probe on the device fails too."""
     if is_out_of_memory(exc):
         return False
+    text = str(exc)
     # torch >= 2.8 raises torch.AcceleratorError for CUDA errors; older releases a RuntimeError.
-    return type(exc).__name__ == "AcceleratorError" or (
-        isinstance(exc, RuntimeError) and str(exc).startswith("CUDA error")
+    candidate = type(exc).__name__ == "AcceleratorError" or (
+        isinstance(exc, RuntimeError) and any(marker in text for marker in _DEVICE_ERROR_MARKERS)
     )
+    return candidate and not _device_still_works()
+
+
+def _device_still_works() -> bool:
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available():
+        return False  # no device to ask (a simulated error on a CPU host): trust the error
+    try:
+        torch.cuda.synchronize()
+        probe = torch.ones(1, device="cuda") + 1
+        return float(probe.item()) == 2.0
+    except Exception:  # noqa: BLE001  (any failure here is the answer)
+        return False
 
 
 def device_lost_error(error: str) -> RequestError:
@@ -51,8 +79,11 @@ def device_lost_error(error: str) -> RequestError:
 def free_accelerator_memory() -> None:
     """Return cached blocks to the device after an out-of-memory error, before the smaller retry."""
     torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    try:
+        if torch is not None and torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    except Exception:  # noqa: BLE001  (a failed device says so at the next call, where it is handled)
+        log.exception("freeing the accelerator's cache failed")
 
 
 def exit_for_restart(error: str) -> None:

@@ -47,7 +47,7 @@ from triton_diffusion.errors import ErrorCode, RequestError
 
 log = logging.getLogger("triton_diffusion")
 
-# Good forwards of a group at an out-of-memory-learned cap before the cap is doubled again.
+# Full forwards of a group at an out-of-memory-learned cap before the cap is doubled again (at first).
 CAP_RECOVERY_FORWARDS = 50
 
 
@@ -142,7 +142,9 @@ class StepEngine:
         self.forwards = 0  # forwards run
         self._arrivals = itertools.count()
         self._learned_caps: dict[Hashable, int] = {}  # lowered after out-of-memory
-        self._good_forwards: dict[Hashable, int] = {}  # per capped group, since its cap was last changed
+        self._good_forwards: dict[Hashable, int] = {}  # full forwards at the learned cap since it changed
+        self._recovery_wait: dict[Hashable, int] = {}  # full forwards to wait before raising it again
+        self._raised_from: dict[Hashable, int] = {}  # groups whose cap was raised and not yet re-proven
         self._last_poll: dict[int, float] = {}  # id(request) -> when it was last asked
 
     # ---- the running set ------------------------------------------------------------------------
@@ -181,7 +183,8 @@ class StepEngine:
         try:
             prepared = self._guarded(self.adapter.prepare, admitted, "preparing")
         except DeviceLostError:
-            self.waiting.extendleft(reversed(admitted))  # still held: answered by whoever stops the engine
+            # Still held (those not failed alone already): answered by whoever stops the engine.
+            self.waiting.extendleft(reversed([job for job in admitted if not job.request.ended]))
             raise
         now = time.perf_counter()
         for job in prepared:
@@ -226,7 +229,7 @@ class StepEngine:
             self._retry(batch, error, oom)
             return
         self.forwards += 1
-        self._relax_learned_cap(batch[0].group)
+        self._relax_learned_cap(batch[0].group, len(batch))
         rows = sum(self.adapter.rows(job) for job in batch)
         for job in batch:
             if job.first_forward is None:
@@ -250,23 +253,23 @@ class StepEngine:
         if finished:
             self._finish(finished)
 
-    def _relax_learned_cap(self, group: Hashable) -> None:
+    def _relax_learned_cap(self, group: Hashable, rows: int) -> None:
         # An out-of-memory may be transient (another process held memory for a while), so a learned cap
-        # doubles after enough good forwards and is dropped once it reaches the configured one; a real
-        # limit is re-learned by the next out-of-memory, which costs one split forward.
-        if group not in self._learned_caps:
+        # doubles after enough full forwards at it and is dropped once it reaches the configured one. A
+        # real limit is re-learned by the next out-of-memory (one split forward), and each time it is the
+        # wait before the next try doubles, so a real limit is probed ever more rarely.
+        learned = self._learned_caps.get(group)
+        if learned is None or rows < learned:
             return
         good = self._good_forwards.get(group, 0) + 1
-        if good < CAP_RECOVERY_FORWARDS:
+        if good < self._recovery_wait.get(group, CAP_RECOVERY_FORWARDS):
             self._good_forwards[group] = good
             return
         self._good_forwards[group] = 0
-        doubled = self._learned_caps[group] * 2
+        self._raised_from[group] = learned
         del self._learned_caps[group]
-        if doubled < self.cap_for(group):
-            self._learned_caps[group] = doubled
-        else:
-            self._good_forwards.pop(group, None)
+        if learned * 2 < self.cap_for(group):
+            self._learned_caps[group] = learned * 2
         log.info("forwards of group %s capped at %d again", group, self.cap_for(group))
 
     def _retry(self, batch: list[Job], error: str, oom: bool) -> None:
@@ -276,6 +279,9 @@ class StepEngine:
         if len(batch) > 1:
             if oom:
                 group = batch[0].group
+                if self._raised_from.pop(group, None) is not None:  # raising it failed: wait longer
+                    wait = self._recovery_wait.get(group, CAP_RECOVERY_FORWARDS)
+                    self._recovery_wait[group] = wait * 2
                 self._learned_caps[group] = min(self.cap_for(group), len(batch) // 2)
                 self._good_forwards[group] = 0
                 log.warning("out of memory: forwards of group %s capped at %d", group, len(batch) // 2)
@@ -313,8 +319,14 @@ class StepEngine:
             if oom:
                 free_accelerator_memory()
             if len(live) > 1:
-                for job in live:  # one at a time: only a job that fails alone gets the error
-                    self._finish([job])
+                for position, job in enumerate(live):  # one at a time: only a job failing alone fails
+                    try:
+                        self._finish([job])
+                    except DeviceLostError as lost_device:  # the rest left the running set: answer them
+                        for rest in live[position + 1 :]:
+                            rest.request.fail(device_lost_error(str(lost_device)))
+                            self._leave(rest, "failed", in_running=False)
+                        raise
                 return
             code = ErrorCode.UNAVAILABLE if oom else ErrorCode.INTERNAL
             live[0].request.fail(RequestError(code, f"decoding failed: {error}"))

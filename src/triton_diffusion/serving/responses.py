@@ -42,6 +42,17 @@ class ResponseWorker:
             self._queue.put(None)
         self._thread.join(timeout_s)
 
+    def fail_queued(self, error: RequestError) -> None:
+        """Answer with ``error`` every request whose work is still queued (after a :meth:`close` that
+        timed out: the process is about to leave)."""
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if item is not None and item[0] is not None:
+                item[0].fail(error)
+
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
             self._do(*item)

@@ -139,7 +139,9 @@ class ImageStepServing:
         if not context.first_step_seen:
             context.first_step_seen = True
             waited = time.perf_counter() - job.request.entered
-            self.metrics.observe("triton_diffusion_first_step_seconds", waited)
+            self.responses.submit(
+                None, lambda: self.metrics.observe("triton_diffusion_first_step_seconds", waited)
+            )
         if not context.progress:
             return
         from triton_diffusion.serving.triton_io import progress_outputs

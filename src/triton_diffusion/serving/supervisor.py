@@ -138,12 +138,13 @@ class Supervisor:
 
     def _watch(self, process: subprocess.Popen) -> int:
         expected: dict[str, Stub] | None = None  # instance -> stub, once the server is ready
+        seen: dict[str, Stub] = {}  # the latest listing: a server dying while loading leaves these
         while True:
             status = process.poll()
             if status is not None:
                 if not self.stopping.is_set():
                     self._restarting("server exited", ["-"], f"tritonserver exited with status {status}")
-                    self._kill_stubs((expected or {}).values())
+                    self._kill_stubs({**seen, **(expected or {})}.values())
                 return status
             if self.stopping.wait(self.interval_s):
                 if process.poll() is None:
@@ -154,6 +155,7 @@ class Supervisor:
             except Exception:  # noqa: BLE001  (an odd /proc entry: look again next time)
                 log.exception("supervisor: listing the server's processes failed")
                 continue
+            seen = stubs
             if expected is None:
                 if self._server_ready():
                     expected = stubs
@@ -201,7 +203,9 @@ class Supervisor:
         they notice), and remove their shared-memory regions (a killed process never unlinks its own)."""
         for stub in stubs:
             try:
-                os.kill(stub.pid, signal.SIGKILL)
+                # Only if the pid is still that stub: a pid can be reused once its process is gone.
+                if stub.shm_region.encode() in (Path("/proc") / str(stub.pid) / "cmdline").read_bytes():
+                    os.kill(stub.pid, signal.SIGKILL)
             except OSError:
                 pass
             try:

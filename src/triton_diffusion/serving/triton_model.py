@@ -193,13 +193,13 @@ class TritonModel:
     def finalize(self) -> None:
         log.info("%s unloaded", self.settings.name)
 
-    def before_exit(self) -> None:
+    def before_exit(self, error: str) -> None:
         """Send what is queued for sending before the process leaves (see :meth:`exit_for_restart`)."""
 
     def exit_for_restart(self, error: str) -> None:
         """The accelerator failed: every request held was answered; leave so the supervisor restarts."""
         try:
-            self.before_exit()
+            self.before_exit(error)
         finally:
             exit_for_restart(error)
 
@@ -287,9 +287,10 @@ class BatchedDiffusionModel(TritonModel):
             self.step_serving.close()
         super().finalize()
 
-    def before_exit(self) -> None:
+    def before_exit(self, error: str) -> None:
         if self.step_serving is not None:
             self.step_serving.responses.close(timeout_s=10)
+            self.step_serving.responses.fail_queued(device_lost_error(error))  # what 10 s did not send
 
     def parse(self, index: int, raw: dict[str, Any], tracked: TrackedRequest) -> ParsedRequest:
         values = self.resolve(self.fields.parse(raw))
