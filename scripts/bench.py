@@ -20,21 +20,39 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import queue
 import random
-import statistics
 import sys
 import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
 
 import psutil
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_common, also when loaded by file path
+
+from bench_common import (  # noqa: E402
+    MIXED_GUIDANCE,
+    MIXED_STEPS,
+    POISSON_LOADS,
+    PROMPTS,
+    REPO_ROOT,
+    load_cell,
+    machine_description,
+    max_sequence_length,
+    mean,
+    metric_delta,
+    number_cell,
+    percentile,
+    poisson_arrivals,
+    poisson_label,
+    ratio_table,
+    step_request_ratios,
+    write_plot,
+)
+
 sys.path.insert(0, str(REPO_ROOT / "client"))
 
 from diffusion_client import GenerateResult, StreamSession, generate_one  # noqa: E402
@@ -48,11 +66,6 @@ from triton_diffusion.serving.server_process import (  # noqa: E402
 )
 from triton_diffusion.tiny_models import ARCHITECTURES, build_missing  # noqa: E402
 
-PROMPTS = [
-    line.strip()
-    for line in (REPO_ROOT / "client" / "prompts.txt").read_text().splitlines()
-    if line.strip() and not line.startswith("#")
-]
 MODEL_FOR_ARCH = {"tiny-sd": "text_to_image", "tiny-flux": "text_to_image_flux", "sd15": "text_to_image"}
 
 
@@ -75,16 +88,6 @@ class RunStats:
     peak_memory_mb: float
     mean_rows_per_call: float | None
     traffic: str = "homogeneous"
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    if not ordered:
-        return float("nan")
-    position = (len(ordered) - 1) * q
-    low = int(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
 class MemorySampler:
@@ -165,10 +168,9 @@ def drive(url: str, model: str, requests: list[dict], concurrency: int | None, r
 
         threads = [threading.Thread(target=worker, args=(session,)) for session in sessions]
     else:
-        rng = random.Random(1)
-        threads, at = [], 0.0
-        for index, request in enumerate(requests):
-            at += rng.expovariate(rate)
+        threads = []
+        arrivals = poisson_arrivals(len(requests), rate)
+        for index, (request, at) in enumerate(zip(requests, arrivals, strict=True)):
 
             def delayed(index: int = index, request: dict = request, at: float = at) -> None:
                 time.sleep(max(0.0, started + at - time.perf_counter()))
@@ -205,19 +207,14 @@ def summarize(
         duration_s=duration,
         requests_per_s=len(ok) / duration,
         images_per_s=images / duration,
-        latency_mean_s=statistics.fmean(latencies) if latencies else float("nan"),
+        latency_mean_s=mean(latencies),
         latency_p50_s=percentile(latencies, 0.5),
         latency_p95_s=percentile(latencies, 0.95),
         latency_p99_s=percentile(latencies, 0.99),
-        first_progress_mean_s=statistics.fmean(firsts) if firsts else None,
+        first_progress_mean_s=mean(firsts) if firsts else None,
         peak_memory_mb=peak_bytes / 2**20,
         mean_rows_per_call=rows_per_call,
     )
-
-
-def metric_delta(before: dict, after: dict, name: str, model: str) -> float:
-    key = f'{name}{{model="{model}"}}'
-    return after.get(key, 0.0) - before.get(key, 0.0)
 
 
 class ServerVariant:
@@ -333,35 +330,6 @@ def run_raw(
     return out
 
 
-def write_plot(
-    runs: list[Any],
-    path: Path,
-    throughput: str = "requests_per_s",
-    throughput_label: str = "requests/s",
-    xlabel: str = "concurrency",
-) -> None:
-    """Throughput and p95 latency against concurrency, one line per variant."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    for variant in dict.fromkeys(r.variant for r in runs):
-        points = sorted((r.concurrency, r) for r in runs if r.variant == variant and r.concurrency)
-        xs = [c for c, _ in points]
-        left.plot(xs, [getattr(r, throughput) for _, r in points], marker="o", label=variant)
-        right.plot(xs, [r.latency_p95_s for _, r in points], marker="o", label=variant)
-    left.set(xlabel=xlabel, ylabel=throughput_label, title="Throughput")
-    right.set(xlabel=xlabel, ylabel="p95 latency (s)", title="p95 latency")
-    for axis in (left, right):
-        axis.grid(alpha=0.3)
-        axis.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def write_heatmap(
     cells: dict[tuple[int, int], float], sizes: list[int], delays: list[int], path: Path
 ) -> None:
@@ -398,11 +366,11 @@ def markdown(report: dict) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["runs"]:
-        first = f"{r['first_progress_mean_s']:.3f}" if r["first_progress_mean_s"] is not None else "-"
-        rows = f"{r['mean_rows_per_call']:.2f}" if r["mean_rows_per_call"] is not None else "-"
-        load = r["concurrency"] if r["rate"] is None else f"{r['rate']:.2f}/s"
+        first = number_cell(r["first_progress_mean_s"])
+        rows = number_cell(r["mean_rows_per_call"], 2)
         lines.append(
-            f"| {r['variant']} | {r['traffic']} | {load} | {r['requests_per_s']:.2f} "
+            f"| {r['variant']} | {r['traffic']} | {load_cell(r['concurrency'], r['rate'])} "
+            f"| {r['requests_per_s']:.2f} "
             f"| {r['images_per_s']:.2f} | {r['latency_mean_s']:.3f} | {r['latency_p50_s']:.3f} "
             f"| {r['latency_p95_s']:.3f} | {r['latency_p99_s']:.3f} | {first} | {rows} "
             f"| {r['peak_memory_mb']:.0f} | {r['errors']} |"
@@ -414,9 +382,7 @@ def markdown(report: dict) -> str:
             f"| {raw['latency_per_call_s']:.3f} per call | - | - | - | - | {raw['batch']} "
             f"| {raw['peak_memory_mb']:.0f} | 0 |"
         )
-    lines += ["", "| ratio | value | target |", "|---|---|---|"]
-    for name, (value, target) in report["ratios"].items():
-        lines.append(f"| {name} | {value:.3f} | {target} |")
+    lines += ["", *ratio_table(report["ratios"])]
     if report.get("sweep"):
         s = report["sweep"]
         lines += [
@@ -479,8 +445,8 @@ def main(argv: list[str] | None = None) -> None:
     top = max(concurrencies)
     shape = (args.height, args.width, args.steps)
     requests = make_requests(args.requests, [shape], args.progress)
-    mixed_shapes = [(args.height, args.width, steps) for steps in (4, 8, 16)]
-    mixed = make_requests(args.requests, mixed_shapes, True, seed=3, guidance=(1.0, 5.0, 7.5))
+    mixed_shapes = [(args.height, args.width, steps) for steps in MIXED_STEPS]
+    mixed = make_requests(args.requests, mixed_shapes, True, seed=3, guidance=MIXED_GUIDANCE)
     size_edits = {
         "default_height": str(args.height),
         "default_width": str(args.width),
@@ -509,7 +475,7 @@ def main(argv: list[str] | None = None) -> None:
             for concurrency in concurrencies:
                 runs.append(variant.run(requests, concurrency, None))
             if args.mixed and name != "singleton":
-                for steps in (4, 8, 16):
+                for steps in MIXED_STEPS:
                     variant.warm_up(dict(mixed[0], num_inference_steps=steps), 2)
                 runs.append(replace(variant.run(mixed, top, None), traffic="mixed"))
             if name != "step":
@@ -530,10 +496,10 @@ def main(argv: list[str] | None = None) -> None:
             )
             variants["request"] = request_variant
             request_variant.warm_up(requests[0], args.max_batch_size)
-            for load in (0.5, 0.8, 0.95):
+            for load in POISSON_LOADS:
                 for name in ("request", "step"):
                     stats = variants[name].run(poisson_requests, None, load * saturated)
-                    runs.append(replace(stats, traffic=f"poisson{int(load * 100)}"))
+                    runs.append(replace(stats, traffic=poisson_label(load)))
     finally:
         for variant in variants.values():
             variant.stop()
@@ -541,14 +507,14 @@ def main(argv: list[str] | None = None) -> None:
     raw = []
     if not args.no_raw:
         print("[raw] in-process pipeline", flush=True)
-        extra = {"max_sequence_length": 64} if "flux" in args.arch else {}
+        length = max_sequence_length(args.arch)
+        extra = {"max_sequence_length": length} if length else {}
         raw = run_raw(
             weights, [1, args.max_batch_size], args.requests, args.height, args.width, args.steps, extra
         )
 
     report = {
-        "machine": f"{platform.machine()} {psutil.cpu_count()} CPUs, "
-        f"{psutil.virtual_memory().total / 2**30:.0f} GiB ({platform.processor() or platform.platform()})",
+        "machine": machine_description(),
         "arch": args.arch,
         "model": model,
         "height": args.height,
@@ -579,31 +545,12 @@ def ratios(runs: list[RunStats], raw: list[dict], top: int) -> dict[str, tuple[f
             found = [r for r in found if r.concurrency == top]
         return found[-1] if found else None
 
-    out: dict[str, tuple[float, str]] = {}
+    out = step_request_ratios(pick, top, "first_progress_mean_s")
     step, request = pick("step"), pick("request")
-    out[f"homogeneous c={top}: step / request throughput"] = (
-        step.images_per_s / request.images_per_s,
-        ">= 0.95",
-    )
     if pick("singleton"):
         out[f"homogeneous c={top}: request / singleton throughput"] = (
             request.images_per_s / pick("singleton").images_per_s,
             "-",
-        )
-    if pick("step", "mixed"):
-        out["mixed (steps 4/8/16 x guidance 1/5/7.5): step / request throughput"] = (
-            pick("step", "mixed").images_per_s / pick("request", "mixed").images_per_s,
-            ">= 1.3",
-        )
-    if pick("step", "poisson80"):
-        step80, request80 = pick("step", "poisson80"), pick("request", "poisson80")
-        out["Poisson 80%: step / request p95 latency"] = (
-            step80.latency_p95_s / request80.latency_p95_s,
-            "<= 0.7",
-        )
-        out["Poisson 80%: step / request mean time to first step"] = (
-            step80.first_progress_mean_s / request80.first_progress_mean_s,
-            "<= 0.3",
         )
     if raw:
         batched = raw[-1]["images_per_s"]

@@ -1,8 +1,8 @@
 """Benchmark: the diffusion LM with step-level continuous batching against one-request-at-a-time serving.
 
 Both variants are the same model, weights and engine in the real server; only the running set differs:
-  continuous     max_running_requests 8 (the shipped config): requests share one forward per step
-  one_at_a_time  max_running_requests 1, waiting_room 0: a request runs alone; the rest wait in Triton's queue
+  continuous     max_running 8 (the shipped config): requests share one forward per step
+  one_at_a_time  max_running 1, waiting_room 0: a request runs alone; the rest wait in Triton's queue
 
 Each concurrency level is a closed loop: every client sends its next request when the last one finished.
 Reports tokens/s, requests/s, mean/p95 latency and time to first block; writes dllm_bench.json,
@@ -15,10 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import random
-import statistics
 import sys
 import tempfile
 import threading
@@ -26,11 +23,20 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT / "client"))
-sys.path.insert(0, str(REPO_ROOT / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_common, also when loaded by file path
 
-from bench import PROMPTS, metric_delta, percentile, write_plot  # noqa: E402
+from bench_common import (  # noqa: E402
+    PROMPTS,
+    REPO_ROOT,
+    machine_description,
+    mean,
+    metric_delta,
+    percentile,
+    write_plot,
+)
+
+sys.path.insert(0, str(REPO_ROOT / "client"))
+
 from dllm_client import TextResult, TextSession  # noqa: E402
 
 from triton_diffusion.serving.server_process import WEIGHTS, copy_model, read_metrics, start_server  # noqa: E402
@@ -38,7 +44,7 @@ from triton_diffusion.tiny_models import build_missing  # noqa: E402
 
 VARIANTS = {
     "continuous": {},
-    "one_at_a_time": {"max_running_requests": "1", "waiting_room": "0"},
+    "one_at_a_time": {"max_running": "1", "waiting_room": "0"},
 }
 
 
@@ -119,9 +125,9 @@ def run_variant(server, model: str, variant: str, args: argparse.Namespace) -> l
             duration_s=duration,
             tokens_per_s=sum(r.tokens for r in ok) / duration,
             requests_per_s=len(ok) / duration,
-            latency_mean_s=statistics.fmean(latencies),
+            latency_mean_s=mean(latencies),
             latency_p95_s=percentile(latencies, 0.95),
-            first_block_mean_s=statistics.fmean(first_blocks),
+            first_block_mean_s=mean(first_blocks),
             first_block_p95_s=percentile(first_blocks, 0.95),
             rows_per_forward=rows / forwards if forwards else float("nan"),
             step_ms=1000 * step_seconds / forwards if forwards else float("nan"),
@@ -138,8 +144,8 @@ def run_variant(server, model: str, variant: str, args: argparse.Namespace) -> l
 
 
 class _Quiet:
-    """An engine listener that only decodes each block (as the server does) and counts tokens; the
-    channel its requests answer through drops what it is sent."""
+    """Renders the engine's reports by only decoding each block (as the server does) and counting tokens;
+    the channel its requests answer through drops what it is sent."""
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
@@ -158,23 +164,14 @@ class _Quiet:
     def is_cancelled(self) -> bool:
         return False
 
-    # EngineListener
-    def on_admitted(self, job) -> None:
-        pass
-
-    def on_stepped(self, job) -> None:
-        if job.state.new_block:
-            self.tokenizer.decode(job.state.tokens(), skip_special_tokens=True)
-
-    def on_finished(self, job, output) -> None:
-        self.tokens += len(output.tokens())
-        job.request.finish({})
-
-    def on_left(self, job, reason: str) -> None:
-        pass
-
-    def on_forward(self, jobs, rows: int, seconds: float) -> None:
-        pass
+    # what the engine host does with a StepReport
+    def render(self, report) -> None:
+        for stepped in report.stepped:
+            if stepped.snapshot is not None:  # a block was completed
+                self.tokenizer.decode(stepped.snapshot[0], skip_special_tokens=True)
+        for finished in report.finished:
+            self.tokens += len(finished.output.tokens())
+            finished.job.request.finish({})
 
 
 def engine_ceiling(args: argparse.Namespace, requests: int) -> dict[str, float]:
@@ -186,8 +183,9 @@ def engine_ceiling(args: argparse.Namespace, requests: int) -> dict[str, float]:
     from triton_diffusion.adapters.diffusion_lm_adapter import DecodingRequest, DiffusionLMAdapter
     from triton_diffusion.adapters.masked_diffusion import DecodeParams
     from triton_diffusion.adapters.masked_lm import MaskedLMForward, prompt_token_ids
+    from triton_diffusion.engine.jobs import Job
     from triton_diffusion.engine.requests import TrackedRequest
-    from triton_diffusion.engine.step_engine import EngineLimits, Job, StepEngine
+    from triton_diffusion.engine.step_engine import EngineLimits, StepEngine
 
     threads = dict(item.split("=", 1) for item in args.param).get("intra_op_threads")
     if threads:
@@ -197,9 +195,9 @@ def engine_ceiling(args: argparse.Namespace, requests: int) -> dict[str, float]:
     specs = make_requests(requests, 99, args)
 
     def run(max_running: int) -> float:
-        listener = _Quiet(tokenizer)
+        host = _Quiet(tokenizer)
         adapter = DiffusionLMAdapter(forward, tokenizer.pad_token_id, forward.padding_side)
-        engine = StepEngine(adapter, listener, EngineLimits(max_running, max_running))
+        engine = StepEngine(adapter, EngineLimits(max_running, max_running))
         for i, spec in enumerate(specs):
             params = DecodeParams(
                 spec["gen_length"], spec["block_length"], spec["steps"], temperature=spec["temperature"]
@@ -212,12 +210,12 @@ def engine_ceiling(args: argparse.Namespace, requests: int) -> dict[str, float]:
                 tokenizer.mask_token_id,
                 (tokenizer.eos_token_id,),
             )
-            engine.add(Job(TrackedRequest(str(i), listener), decoding))
+            engine.add(Job(TrackedRequest(str(i), host), decoding))
         started = time.perf_counter()
         with torch.inference_mode():
             while engine.active:
-                engine.step()
-        return listener.tokens / (time.perf_counter() - started)
+                host.render(engine.step())
+        return host.tokens / (time.perf_counter() - started)
 
     run(requests)  # warm up
     return {"requests": requests, "together_tokens_per_s": run(requests), "alone_tokens_per_s": run(1)}
@@ -309,7 +307,7 @@ def main(argv: list[str] | None = None) -> None:
             server.stop()
     ceiling = engine_ceiling(args, max(args.concurrency))
     report = {
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "machine": machine_description(),
         "workload": workload,
         "runs": [asdict(r) for r in runs],
         "engine_ceiling": ceiling,

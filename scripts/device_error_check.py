@@ -1,4 +1,4 @@
-"""On a GPU: raise real CUDA errors and print how ``engine/device_errors.py`` classifies each, so the
+"""On a GPU: raise real CUDA errors and print how ``engine/failures.py`` classifies each, so the
 rule "only a device that fails a probe too counts as lost" is checked against what torch really raises.
 
     python scripts/device_error_check.py          # writes docs/gpu/device_errors.json
@@ -17,7 +17,7 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT / "src"))
 
-from triton_diffusion.engine.device_errors import is_device_lost, is_out_of_memory  # noqa: E402
+from triton_diffusion.engine.failures import is_device_lost, is_out_of_memory  # noqa: E402
 
 
 def classify(name: str, make_error) -> dict:

@@ -19,8 +19,9 @@ import torch
 from triton_diffusion.adapters.diffusers_pipeline import SchedulerChoices, row_generator
 from triton_diffusion.adapters.latent_steps import ImageRequest
 from triton_diffusion.adapters.step_adapters import step_adapter_for
+from triton_diffusion.engine.jobs import Job
 from triton_diffusion.engine.requests import TrackedRequest
-from triton_diffusion.engine.step_engine import EngineLimits, Job, StepEngine
+from triton_diffusion.engine.step_engine import EngineLimits, StepEngine
 from triton_diffusion.families import PipelineFacts
 from triton_diffusion.serving.server_process import WEIGHTS
 from triton_diffusion.tiny_models import TINY_FAMILIES, build_missing
@@ -57,17 +58,10 @@ class _Channel:
         return False
 
 
-class _Listener:
-    def on_admitted(self, job): ...
-
-    def on_stepped(self, job): ...
-
-    def on_finished(self, job, output):
-        job.request.finish(output)
-
-    def on_left(self, job, reason): ...
-
-    def on_forward(self, jobs, rows, seconds): ...
+def render(report) -> None:
+    """What the engine host does with a finished job, minimally: answer with the image."""
+    for finished in report.finished:
+        finished.job.request.finish(finished.output)
 
 
 def pixels(image) -> np.ndarray:
@@ -94,7 +88,7 @@ def check(name: str, dtype: torch.dtype, device: str) -> dict:
     schedulers = SchedulerChoices(pipe, facts, None, name)
     adapter = step_adapter_for(pipe, facts, schedulers, extra.get("max_sequence_length"))
     if adapter is not None:
-        engine = StepEngine(adapter, _Listener(), EngineLimits(8, 8))
+        engine = StepEngine(adapter, EngineLimits(8, 8))
         jobs = []
         for i, prompt in enumerate([target, *OTHERS]):
             request = ImageRequest(
@@ -112,7 +106,7 @@ def check(name: str, dtype: torch.dtype, device: str) -> dict:
             jobs.append(Job(TrackedRequest(str(i), _Channel()), request))
             engine.add(jobs[-1])
         while engine.active:
-            engine.step()
+            render(engine.step())
         stepped = pixels(jobs[0].request.channel.outputs)
         result["step_engine_vs_pipeline"] = int(np.abs(alone - stepped).max())
     return result

@@ -3,17 +3,20 @@
 ``{"fail_on_prompt": "boom", "oom_above_rows": 4, "step_delay_ms": 100}`` makes any pipeline call (or
 step-engine forward) raise when one of its prompts contains "boom", raise a simulated out-of-memory when
 it holds more than 4 rows, and sleep 100 ms after every denoising step (a stalled step, so a test can
-cancel mid-call). ``{"device_lost_on_prompt": "xid"}`` raises what a failed GPU raises (a sticky CUDA
-error), so the process exits and the supervisor restarts the server.
-This lets integration tests exercise failure isolation through the real server and the real pipeline.
+cancel mid-call). ``{"stall_on_prompt": "hang"}`` blocks a forward holding such a prompt for good (a
+deadlock, a kernel that never returns), for the engine host's watchdog. ``{"device_lost_on_prompt":
+"xid"}`` raises what a failed GPU raises (a sticky CUDA error), so the process exits and the supervisor
+restarts the server. This lets integration tests exercise failure isolation through the real server and
+the real pipeline.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 
@@ -26,7 +29,7 @@ class SimulatedOutOfMemoryError(MemoryError):
 
 
 class AcceleratorError(RuntimeError):
-    """Named like torch.AcceleratorError, which device_errors.py recognises by name."""
+    """Named like torch.AcceleratorError, which failures.py recognises by name."""
 
 
 @dataclass(frozen=True)
@@ -35,13 +38,14 @@ class FaultInjection:
     oom_above_rows: int | None = None
     step_delay_ms: float = 0.0
     device_lost_on_prompt: str | None = None
+    stall_on_prompt: str | None = None
 
     @classmethod
     def from_config(cls, text: str | None) -> FaultInjection | None:
         if not text:
             return None
         raw = json.loads(text)
-        unknown = set(raw) - {"fail_on_prompt", "oom_above_rows", "step_delay_ms", "device_lost_on_prompt"}
+        unknown = set(raw) - {f.name for f in fields(cls)}
         if unknown:
             raise ValueError(f"fault_injection: unknown keys {sorted(unknown)}")
         return cls(**raw)
@@ -53,6 +57,8 @@ class FaultInjection:
             )
         if self.device_lost_on_prompt and any(self.device_lost_on_prompt in p for p in prompts):
             raise AcceleratorError("CUDA error: an illegal memory access was encountered (simulated)")
+        if self.stall_on_prompt and any(self.stall_on_prompt in p for p in prompts):
+            threading.Event().wait()  # never set: this thread is stuck, as with a deadlock
         if self.fail_on_prompt and any(self.fail_on_prompt in p for p in prompts):
             raise InjectedFault(f"injected failure for a prompt containing {self.fail_on_prompt!r}")
 

@@ -69,6 +69,8 @@ def test_the_engine_benchmark_runs_both_engines_and_profiles_the_step_engine(tmp
             "2",
             "--profile-forwards",
             "4",
+            "--poisson-requests",
+            "10",
             "--out",
             str(out),
         ],
@@ -80,7 +82,12 @@ def test_the_engine_benchmark_runs_both_engines_and_profiles_the_step_engine(tmp
     for engine in ("request", "step"):
         kinds = ("homogeneous", "mixed", "poisson50", "poisson80", "poisson95")
         assert {(engine, kind) for kind in kinds} <= traffic
-    assert all(r["requests"] == 6 and r["images_per_s"] > 0 for r in report["runs"])
+    for run in report["runs"]:
+        poisson = run["traffic"].startswith("poisson")
+        assert run["requests"] == (10 if poisson else 6) and run["images_per_s"] > 0
+        # Poisson: the first 10% left out, and the rate offered reported beside the one delivered.
+        assert run["measured_requests"] == (9 if poisson else 6)
+        assert (run["offered_images_per_s"] is not None) == poisson
     profile = report["profile"]
     assert 0 < profile["model_forward_ms"] < profile["step_ms"] and 0 <= profile["own_share_of_step"] < 1
     assert set(report["raw"]) == {"batch1_images_per_s", "batch2_images_per_s"}

@@ -1,7 +1,7 @@
 """The family matrix: every diffusers family a user points ``model`` at, served from the shipped config with
 only ``model`` changed (plus the tests' longer queue delay, so concurrent requests fuse reliably).
 
-Each family is a tiny random-weight pipeline built from the real diffusers classes (tiny_models.py), big
+Each family is a tiny random-weight pipeline built from the real diffusers classes (tiny_models/), big
 enough that the prompt visibly changes the image. For each: it loads; a request gives an image of the
 requested size; a request alone equals itself fused among 7 others (<= 1 uint8); requests with and
 without a negative prompt are exact and share a call only where the pipeline treats None as ""; progress

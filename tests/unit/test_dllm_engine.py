@@ -28,9 +28,11 @@ from triton_diffusion.adapters.masked_diffusion import (
     transfer_schedule,
 )
 from triton_diffusion.adapters.masked_lm import MaskedLMForward
+from triton_diffusion.engine.jobs import Job, StepReport
 from triton_diffusion.engine.requests import TrackedRequest
-from triton_diffusion.engine.step_engine import EngineLimits, EngineWorker, Job, StepEngine
+from triton_diffusion.engine.step_engine import EngineLimits, StepEngine
 from triton_diffusion.errors import ErrorCode, RequestError
+from triton_diffusion.serving.engine_host import EngineWorker
 from triton_diffusion.tiny_models import build_tiny_dllm
 
 
@@ -46,7 +48,8 @@ def lm(tmp_path_factory):
 
 
 class Recorder:
-    """An engine listener that writes down what happened; each job's channel records its answers."""
+    """Renders the engine's reports by writing down what happened; each job's channel records its
+    answers (a finished job's request is answered with its tokens, as the engine host would)."""
 
     def __init__(self, cancel_after: dict[str, int] | None = None) -> None:
         self.events: list[tuple[str, str]] = []
@@ -71,8 +74,16 @@ class Recorder:
             if job.request.channel.finals and isinstance(job.request.channel.finals[0], RequestError)
         }
 
-    def on_admitted(self, job: Job) -> None:
-        pass
+    def render(self, report: StepReport) -> None:
+        for stepped in report.stepped:
+            self.on_stepped(stepped.job)
+        for forward in report.forwards:  # one forward per engine step: its jobs are the ones stepped
+            self.forwards.append((forward.model_rows, forward.images))
+            self.lengths.append({stepped.job.state.x.shape[0] for stepped in report.stepped})
+        for finished in report.finished:
+            self.on_finished(finished.job, finished.output)
+        for left in report.left:
+            self.on_left(left.job, left.reason)
 
     def on_stepped(self, job: Job) -> None:
         if job.state.new_block:
@@ -87,14 +98,34 @@ class Recorder:
         if reason != "finished":
             self.events.append((reason, job.request.request_id))
 
-    def on_forward(self, jobs: list[Job], rows: int, seconds: float) -> None:
-        self.forwards.append((rows, len(jobs)))
-        self.lengths.append({job.state.x.shape[0] for job in jobs})
+
+class Harness:
+    """A step engine whose reports go to a recorder at once, as the engine host's worker does."""
+
+    def __init__(self, engine: StepEngine, recorder: Recorder) -> None:
+        self.engine, self.recorder = engine, recorder
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def step(self) -> None:
+        self.recorder.render(self.engine.step())
 
 
 def make_engine(forward, recorder, pad_id, max_running, padding_side="left", group_by_length=False):
     adapter = DiffusionLMAdapter(forward, pad_id, padding_side, group_by_length=group_by_length)
-    return StepEngine(adapter, recorder, EngineLimits(max_running, max_running))
+    return Harness(StepEngine(adapter, EngineLimits(max_running, max_running)), recorder)
+
+
+def make_worker(harness: Harness, waiting_room: int) -> EngineWorker:
+    capacity = harness.limits.max_running + waiting_room
+    unused = lambda error: None  # noqa: E731
+    return EngineWorker(harness.engine, capacity, harness.recorder.render, 60.0, unused, unused)
+
+
+def submit(worker: EngineWorker, job: Job) -> float:
+    (waited,) = worker.submit([(job.request, [job])], max_wait_s=60.0)
+    return waited
 
 
 # name -> (prompt, params, seed, engine step at which it arrives)
@@ -136,13 +167,13 @@ def solo(forward: MaskedLMForward, tokenizer, name: str, eos_ids=()):
     )
 
 
-def run_engine(engine: StepEngine, tokenizer, names, eos_ids=()) -> None:
+def run_engine(engine: Harness, tokenizer, names, eos_ids=()) -> None:
     arrivals = sorted(names, key=lambda n: CASES[n][3])
     step = 0
     while arrivals or engine.active:
         while arrivals and CASES[arrivals[0]][3] <= step:
             name = arrivals.pop(0)
-            engine.add(engine.listener.job(name, make_request(tokenizer, name, eos_ids)))
+            engine.add(engine.recorder.job(name, make_request(tokenizer, name, eos_ids)))
         engine.step()
         step += 1
 
@@ -389,14 +420,14 @@ def tiny_job(recorder: Recorder, name: str, first_token: int = 5) -> Job:
 def test_submit_blocks_while_the_running_set_and_waiting_room_are_full():
     recorder = Recorder()
     engine = make_engine(slow_forward(0.02), recorder, pad_id=0, max_running=2)
-    worker = EngineWorker(engine, waiting_room=1)
+    worker = make_worker(engine, waiting_room=1)
     try:
         for name in "abc":
-            worker.submit([tiny_job(recorder, name)])
+            submit(worker, tiny_job(recorder, name))
         done = threading.Event()
         waited: list[float] = []
         late = tiny_job(recorder, "d")
-        threading.Thread(target=lambda: (waited.append(worker.submit([late])), done.set())).start()
+        threading.Thread(target=lambda: (waited.append(submit(worker, late)), done.set())).start()
         assert not done.wait(0.03)  # full: the fourth waits for a slot
         assert done.wait(10)
         assert waited[0] > 0.02
@@ -413,14 +444,14 @@ def test_a_failing_forward_answers_each_request_it_held_once_and_the_worker_goes
     # The forward fails whenever a row starts with token 99 (request "bad").
     forward = slow_forward(0.01, fail_when=lambda ids: bool((ids == 99).any()))
     engine = make_engine(forward, recorder, pad_id=0, max_running=4)
-    worker = EngineWorker(engine, waiting_room=2)
+    worker = make_worker(engine, waiting_room=2)
     try:
-        worker.submit([tiny_job(recorder, "ok1")])
-        worker.submit([tiny_job(recorder, "bad", first_token=99)])
+        submit(worker, tiny_job(recorder, "ok1"))
+        submit(worker, tiny_job(recorder, "bad", first_token=99))
         deadline = time.monotonic() + 10
         while "bad" not in recorder.failed and time.monotonic() < deadline:
             time.sleep(0.01)
-        worker.submit([tiny_job(recorder, "ok2")])
+        submit(worker, tiny_job(recorder, "ok2"))
         while "ok2" not in recorder.finished and time.monotonic() < deadline:
             time.sleep(0.01)
     finally:
@@ -434,12 +465,13 @@ def test_a_failing_forward_answers_each_request_it_held_once_and_the_worker_goes
 def test_close_answers_whatever_is_still_held():
     recorder = Recorder()
     engine = make_engine(slow_forward(0.05), recorder, pad_id=0, max_running=1)
-    worker = EngineWorker(engine, waiting_room=3)
+    worker = make_worker(engine, waiting_room=3)
     for name in "abcd":
-        worker.submit([tiny_job(recorder, name)])
+        submit(worker, tiny_job(recorder, name))
     worker.close()
     ended = set(recorder.finished) | set(recorder.failed)
     assert ended == {"a", "b", "c", "d"}
     assert all(e.code is ErrorCode.UNAVAILABLE for e in recorder.failed.values()) and recorder.failed
-    with pytest.raises(RequestError, match="shutting down"):
-        worker.submit([tiny_job(recorder, "late")])
+    assert submit(worker, tiny_job(recorder, "late")) == -1.0
+    assert recorder.failed["late"].code is ErrorCode.UNAVAILABLE
+    assert "shutting down" in recorder.failed["late"].message

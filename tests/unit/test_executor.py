@@ -7,8 +7,8 @@ import pytest
 
 from tests.unit.recording import tracked
 from triton_diffusion.compatibility import CompatibilityKey
-from triton_diffusion.engine.device_errors import DeviceLostError, is_device_lost
 from triton_diffusion.engine.executor import FusedCallExecutor
+from triton_diffusion.engine.failures import DeviceLostError, is_device_lost
 from triton_diffusion.engine.planner import PlannedRequest, RowCaps, plan_groups
 from triton_diffusion.errors import ErrorCode, RequestError
 from triton_diffusion.faults import AcceleratorError, SimulatedOutOfMemoryError

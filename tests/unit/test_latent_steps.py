@@ -16,8 +16,9 @@ from tests.unit.recording import RecordingChannel
 from triton_diffusion.adapters.diffusers_pipeline import SchedulerChoices, row_generator
 from triton_diffusion.adapters.latent_steps import ImageRequest
 from triton_diffusion.adapters.step_adapters import step_adapter_for
+from triton_diffusion.engine.jobs import Job, StepReport
 from triton_diffusion.engine.requests import TrackedRequest
-from triton_diffusion.engine.step_engine import EngineLimits, Job, StepEngine
+from triton_diffusion.engine.step_engine import EngineLimits, StepEngine
 from triton_diffusion.families import PipelineFacts
 from triton_diffusion.serving.server_process import WEIGHTS
 from triton_diffusion.tiny_models import build_missing
@@ -40,21 +41,16 @@ REQUESTS = [
 ]
 
 
-class Listener:
+class Host:
+    """Renders the engine's reports as the engine host does, minimally."""
+
     def __init__(self) -> None:
         self.forwards: list[int] = []
 
-    def on_admitted(self, job): ...
-
-    def on_stepped(self, job): ...
-
-    def on_finished(self, job, output):
-        job.request.finish({"image": output})
-
-    def on_left(self, job, reason): ...
-
-    def on_forward(self, jobs, rows, seconds):
-        self.forwards.append(len(jobs))
+    def render(self, report: StepReport) -> None:
+        for finished in report.finished:
+            finished.job.request.finish({"image": finished.output})
+        self.forwards.extend(forward.images for forward in report.forwards)
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -90,8 +86,8 @@ def test_every_image_equals_the_pipelines_own_amid_traffic(family):
     pipe, facts, schedulers = family
     adapter = step_adapter_for(pipe, facts, schedulers, None)
     assert adapter is not None, facts.class_name
-    listener = Listener()
-    engine = StepEngine(adapter, listener, EngineLimits(8, 8))
+    host = Host()
+    engine = StepEngine(adapter, EngineLimits(8, 8))
     names = schedulers.names
     picks = [names[i % len(names)] for i in range(len(REQUESTS))]  # mixed schedulers where there are
     requests = [
@@ -111,11 +107,11 @@ def test_every_image_equals_the_pipelines_own_amid_traffic(family):
     while arrivals or engine.active:
         while arrivals and arrivals[0][0] <= step:
             engine.add(arrivals.pop(0)[1])
-        engine.step()
+        host.render(engine.step())
         step += 1
         cancel["now"] = victim.steps_done >= 2
     assert victim.request.channel.finals[0].code.value == "CANCELLED" and victim.steps_done == 2
-    assert max(listener.forwards) >= 3, "requests did not share forwards"
+    assert max(host.forwards) >= 3, "requests did not share forwards"
     assert jobs[5].first_forward > 1, "the last request did not join mid-way"
     for request, job in zip(requests, jobs, strict=True):
         (final,) = job.request.channel.finals

@@ -14,3 +14,12 @@ def test_readme_field_tables_are_the_generated_ones():
         start = text.index(f"<!-- fields:{name} -->") + len(f"<!-- fields:{name} -->")
         end = text.index(f"<!-- /fields:{name} -->")
         assert text[start:end].strip() == fields.markdown_table(), name
+
+
+def test_readme_config_table_is_the_generated_one():
+    from triton_diffusion.settings import parameters_markdown
+
+    text = README.read_text()
+    start = text.index("<!-- config -->") + len("<!-- config -->")
+    end = text.index("<!-- /config -->")
+    assert text[start:end].strip() == parameters_markdown()

@@ -1,27 +1,25 @@
 """The shared step engine with a fake adapter (pure logic): exactly one answer per request whatever raises,
-on every thread; failure isolation; out-of-memory splits; scheduling policies without starvation."""
+on every thread; failure isolation; out-of-memory splits; scheduling policies without starvation; the
+engine host's worker (restarts, device loss, the stall watchdog)."""
 
 from __future__ import annotations
 
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
 from tests.unit.recording import RecordingChannel, tracked
-from triton_diffusion.engine.device_errors import DeviceLostError
+from triton_diffusion.engine.failures import DeviceLostError
+from triton_diffusion.engine.jobs import Job, StepReport
 from triton_diffusion.engine.policies import make_policy
 from triton_diffusion.engine.requests import Stage, TrackedRequest
-from triton_diffusion.engine.step_engine import (
-    CAP_RECOVERY_FORWARDS,
-    EngineLimits,
-    EngineWorker,
-    Job,
-    StepEngine,
-)
+from triton_diffusion.engine.step_engine import CAP_RECOVERY_FORWARDS, EngineLimits, StepEngine
 from triton_diffusion.errors import ErrorCode, RequestError
 from triton_diffusion.faults import AcceleratorError, SimulatedOutOfMemoryError
+from triton_diffusion.serving.engine_host import EngineWorker
 
 
 @dataclass
@@ -42,8 +40,11 @@ class FakeAdapter:
         for job in jobs:
             job.state, job.group, job.total_steps = 0, job.params.group, job.params.steps
 
-    def rows(self, job):
+    def model_rows(self, job):
         return 1
+
+    def snapshot(self, job):
+        return None
 
     def step(self, jobs):
         names = [job.request.request_id for job in jobs]
@@ -63,35 +64,52 @@ class FakeAdapter:
         return [f"out:{job.request.request_id}" for job in jobs]
 
 
-class Listener:
-    def __init__(self, raise_in=None) -> None:
-        self.raise_in = raise_in or {}
+class Host:
+    """Renders engine reports as the engine host does, minimally: a finished job's request is answered
+    with its output, and every departure is written down."""
+
+    def __init__(self) -> None:
         self.left: list[tuple[str, str]] = []
+        self.reports: list[StepReport] = []
 
-    def _maybe_raise(self, where, job):
-        if self.raise_in.get(job.request.request_id) == where:
-            raise RuntimeError(f"listener {where} failed")
-
-    def on_admitted(self, job):
-        self._maybe_raise("admitted", job)
-
-    def on_stepped(self, job):
-        self._maybe_raise("stepped", job)
-
-    def on_finished(self, job, output):
-        self._maybe_raise("finished", job)
-        job.request.finish({"out": output})
-
-    def on_left(self, job, reason):
-        self.left.append((job.request.request_id, reason))
-
-    def on_forward(self, jobs, rows, seconds):
-        pass
+    def render(self, report: StepReport) -> None:
+        self.reports.append(report)
+        for finished in report.finished:
+            finished.job.request.finish({"out": finished.output})
+        self.left.extend((left.job.request.request_id, left.reason) for left in report.left)
 
 
-def engine_for(adapter, listener, max_running=8, max_per_forward=8, policy="oldest", cap_for=None):
+class Engine:
+    """A step engine with its host: each step's report is rendered at once."""
+
+    def __init__(self, engine: StepEngine, host: Host) -> None:
+        self.engine, self.host = engine, host
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def step(self) -> None:
+        self.host.render(self.engine.step())
+
+
+def engine_for(adapter, host=None, max_running=8, max_per_forward=8, policy="oldest", cap_for=None):
     limits = EngineLimits(max_running, max_per_forward, cap_for)
-    return StepEngine(adapter, listener, limits, make_policy(policy, starvation_steps=4))
+    return Engine(StepEngine(adapter, limits, make_policy(policy, starvation_steps=4)), host or Host())
+
+
+def worker_for(engine: Engine, waiting_room: int, stall_s: float = 60.0, on_device_lost=None, on_stall=None):
+    return EngineWorker(
+        engine.engine,
+        engine.limits.max_running + waiting_room,
+        engine.host.render,
+        stall_s,
+        on_device_lost=on_device_lost or (lambda error: None),
+        on_stall=on_stall or (lambda error: None),
+    )
+
+
+def submit(worker: EngineWorker, *jobs: Job, max_wait_s: float = 60.0) -> list[float]:
+    return worker.submit([(j.request, [j]) for j in jobs], max_wait_s)
 
 
 def job(name: str, spec: Spec | None = None, **channel) -> Job:
@@ -110,25 +128,65 @@ def answers(jobs):
     return {j.request.request_id: j.request.channel.finals for j in jobs}
 
 
-def test_every_request_gets_exactly_one_answer_whatever_its_listener_raises():
-    adapter, listener = FakeAdapter(), Listener(raise_in={"b": "finished", "c": "stepped", "d": "admitted"})
-    jobs = [job(name) for name in "abcde"]
-    engine = engine_for(adapter, listener)
-    for j in jobs:
-        engine.add(j)
-    drain(engine)
-    got = answers(jobs)
+class RaisingKind:
+    """A model kind whose own parts raise for some requests: making its jobs (at submit), rendering a
+    progress response, rendering the FINAL response."""
+
+    def __init__(self, raise_in: dict[str, str]) -> None:
+        self.raise_in = raise_in
+
+    def _maybe_raise(self, where: str, record) -> None:
+        if self.raise_in.get(record.tracked.request_id) == where:
+            raise RuntimeError(f"kind {where} failed")
+
+    def jobs_for(self, record, engine):
+        self._maybe_raise("jobs", record)
+        record.progress = True
+        return [Job(record.tracked, record.parsed, record)]
+
+    def progress_outputs(self, record, stepped):
+        self._maybe_raise("stepped", record)
+        return {"step": stepped.step}
+
+    def final_outputs(self, record, outputs, batch):
+        self._maybe_raise("finished", record)
+        return {"out": outputs[0]}
+
+
+def test_every_request_gets_exactly_one_answer_whatever_its_model_kind_raises():
+    from triton_diffusion.serving.engine_host import EngineHost
+    from triton_diffusion.serving.metrics import IMAGE_METRICS
+    from triton_diffusion.settings import ModelConfig, ModelSettings
+
+    class Metrics:
+        def observe(self, *args, **kwargs): ...
+
+        increment = set = observe
+
+    settings = ModelSettings("m", Path("."), ModelConfig(), {}, 8, "CPU", 0)
+    kind = RaisingKind(raise_in={"b": "finished", "c": "stepped", "d": "jobs"})
+    host = EngineHost(kind, settings, Metrics(), IMAGE_METRICS, lambda error: None, adapter=FakeAdapter())
+    requests = [tracked(name) for name in "abcde"]
+    try:
+        host.submit([(request, Spec()) for request in requests])
+        deadline = time.monotonic() + 10
+        while not all(r.ended for r in requests) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        host.close()
+    got = {r.request_id: r.channel.finals for r in requests}
     assert all(len(finals) == 1 for finals in got.values()), got
     assert got["a"] == [{"out": "out:a"}] and got["e"] == [{"out": "out:e"}]
     for name in "bcd":
         assert isinstance(got[name][0], RequestError) and got[name][0].code is ErrorCode.INTERNAL
-    assert all(j.request.stage is Stage.ANSWERED for j in jobs)
+    assert all(r.stage is Stage.ANSWERED for r in requests)
+    assert len(requests[0].channel.partials) == Spec().steps  # progress went out for the others
 
 
 def test_a_failing_forward_is_bisected_and_fails_only_its_culprit():
     adapter = FakeAdapter()
     jobs = [job(f"j{i}", Spec(fail_forward=i == 5)) for i in range(8)]
-    engine = engine_for(adapter, Listener())
+    engine = engine_for(adapter)
     for j in jobs:
         engine.add(j)
     drain(engine)
@@ -140,7 +198,7 @@ def test_a_failing_forward_is_bisected_and_fails_only_its_culprit():
 def test_out_of_memory_splits_the_forward_and_lowers_the_groups_cap():
     adapter = FakeAdapter(max_rows=3)
     jobs = [job(f"j{i}") for i in range(8)]
-    engine = engine_for(adapter, Listener())
+    engine = engine_for(adapter)
     for j in jobs:
         engine.add(j)
     drain(engine)
@@ -148,7 +206,7 @@ def test_out_of_memory_splits_the_forward_and_lowers_the_groups_cap():
     assert max(len(f) for f in adapter.forwards) <= 3 and engine.cap_for("64x64") <= 3
     # A job that does not fit alone is answered UNAVAILABLE; the others go on.
     lonely = FakeAdapter(max_rows=0)
-    engine = engine_for(lonely, Listener())
+    engine = engine_for(lonely)
     alone = job("alone")
     engine.add(alone)
     drain(engine)
@@ -157,7 +215,7 @@ def test_out_of_memory_splits_the_forward_and_lowers_the_groups_cap():
 
 def test_a_learned_cap_recovers_after_good_forwards_once_memory_is_back():
     adapter = FakeAdapter(max_rows=2)  # memory is short at first
-    engine = engine_for(adapter, Listener())
+    engine = engine_for(adapter)
     for i in range(8):
         engine.add(job(f"a{i}", Spec(steps=2)))
     drain(engine)
@@ -174,7 +232,7 @@ def test_a_learned_cap_recovers_after_good_forwards_once_memory_is_back():
 def test_a_failing_decode_is_retried_job_by_job():
     adapter = FakeAdapter()
     jobs = [job("ok"), job("bad", Spec(fail_finish=True)), job("ok2")]
-    engine = engine_for(adapter, Listener())
+    engine = engine_for(adapter)
     for j in jobs:
         engine.add(j)
     drain(engine)
@@ -189,7 +247,7 @@ def test_cancelled_and_ended_requests_leave_at_the_next_step():
     cancelled_at = {"n": 0}
     victim = job("victim", steps, cancelled=lambda: cancelled_at["n"] >= 2)
     others = [job(f"o{i}", steps) for i in range(3)]
-    engine = engine_for(adapter, Listener())
+    engine = engine_for(adapter)
     for j in [victim, *others]:
         engine.add(j)
     for _ in range(2):
@@ -207,7 +265,7 @@ def test_policies_pick_groups_and_no_job_starves():
 
     def forwards_until_big_steps(policy: str) -> int:
         adapter = FakeAdapter()
-        engine = engine_for(adapter, Listener(), max_running=16, policy=policy)
+        engine = engine_for(adapter, max_running=16, policy=policy)
         for j in big:
             j.request = tracked(j.request.request_id)
             j.steps_done = 0
@@ -224,7 +282,7 @@ def test_policies_pick_groups_and_no_job_starves():
     assert forwards_until_big_steps("oldest") == 0  # the big jobs arrived first
 
     adapter = FakeAdapter()
-    engine = engine_for(adapter, Listener(), policy="round_robin")
+    engine = engine_for(adapter, policy="round_robin")
     for i in range(2):
         engine.add(job(f"a{i}", Spec(group="A")))
         engine.add(job(f"b{i}", Spec(group="B")))
@@ -233,7 +291,7 @@ def test_policies_pick_groups_and_no_job_starves():
     assert [sorted(f) for f in adapter.forwards] == [["a0", "a1"], ["b0", "b1"]]
 
     adapter = FakeAdapter()
-    engine = engine_for(adapter, Listener(), policy="largest")
+    engine = engine_for(adapter, policy="largest")
     engine.add(job("a0", Spec(group="A")))
     for i in range(3):
         engine.add(job(f"b{i}", Spec(group="B")))
@@ -243,7 +301,7 @@ def test_policies_pick_groups_and_no_job_starves():
 
 def test_caps_per_group_hold():
     adapter = FakeAdapter()
-    engine = engine_for(adapter, Listener(), cap_for=lambda group: 2 if group == "256x256" else 8)
+    engine = engine_for(adapter, cap_for=lambda group: 2 if group == "256x256" else 8)
     for i in range(4):
         engine.add(job(f"j{i}", Spec(group="256x256")))
     drain(engine)
@@ -263,17 +321,17 @@ def test_the_worker_restarts_its_loop_after_a_bug_and_answers_what_it_held():
 
     adapter = FakeAdapter()
     limits = EngineLimits(8, 8)
-    engine = StepEngine(adapter, Listener(), limits, BrokenPolicy())
-    worker = EngineWorker(engine, waiting_room=4)
+    engine = Engine(StepEngine(adapter, limits, BrokenPolicy()), Host())
+    worker = worker_for(engine, waiting_room=4)
     try:
         first = job("first")
-        worker.submit([first])
+        submit(worker, first)
         deadline = time.monotonic() + 5
         while not first.request.channel.finals and time.monotonic() < deadline:
             time.sleep(0.01)
         assert first.request.channel.finals[0].code is ErrorCode.INTERNAL
         later = job("later")
-        worker.submit([later])
+        submit(worker, later)
         while not later.request.channel.finals and time.monotonic() < deadline:
             time.sleep(0.01)
         assert later.request.channel.finals == [{"out": "out:later"}]
@@ -290,13 +348,13 @@ def test_a_failed_device_stops_the_worker_after_answering_everything_it_held():
             return super().step(jobs)
 
     adapter = LostDevice()
-    engine = engine_for(adapter, Listener(), max_running=2, max_per_forward=1)
+    engine = engine_for(adapter, max_running=2, max_per_forward=1)
     lost = []
-    worker = EngineWorker(engine, waiting_room=8, on_device_lost=lost.append)
+    worker = worker_for(engine, waiting_room=8, on_device_lost=lost.append)
     jobs = [job("a", Spec(steps=50)), job("xid"), job("waiting")]
     try:
         for j in jobs:
-            worker.submit([j])
+            submit(worker, j)
         deadline = time.monotonic() + 5
         while not lost and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -304,9 +362,9 @@ def test_a_failed_device_stops_the_worker_after_answering_everything_it_held():
         for j in jobs:  # running, failing and waiting: one UNAVAILABLE answer each
             (final,) = j.request.channel.finals
             assert final.code is ErrorCode.UNAVAILABLE and "restarting" in final.message, final
-        with pytest.raises(RequestError) as refused:
-            worker.submit([job("after")])
-        assert refused.value.code is ErrorCode.UNAVAILABLE
+        after = job("after")
+        assert submit(worker, after) == [-1.0]  # refused at once
+        assert after.request.channel.finals[0].code is ErrorCode.UNAVAILABLE
         assert max(len(f) for f in adapter.forwards) == 1 and len(lost) == 1
     finally:
         worker.close()
@@ -321,17 +379,65 @@ def test_a_device_failure_while_decodes_are_retried_one_by_one_still_answers_eve
                 raise AcceleratorError("CUDA error: unspecified launch failure")
             return super().finish(jobs)
 
-    engine = engine_for(DecodeLosesDevice(), Listener())
+    engine = engine_for(DecodeLosesDevice())
     jobs = [job(name) for name in "abc"]
     for j in jobs:
         engine.add(j)
     with pytest.raises(DeviceLostError):
         drain(engine)
+    engine.host.render(engine.take_report())  # as the worker does: what the cut-short step finished
     got = answers(jobs)
     assert got["a"] == [{"out": "out:a"}]
     for name in "bc":  # c had left the running set: it must not be lost
         (final,) = got[name]
         assert final.code is ErrorCode.UNAVAILABLE, final
+
+
+def test_a_stuck_engine_is_noticed_its_requests_answered_and_the_process_asked_to_exit():
+    class Stuck(FakeAdapter):
+        def step(self, jobs):
+            if any(job.request.request_id == "hang" for job in jobs):
+                threading.Event().wait(30)  # a deadlock, or a kernel that never returns
+            return super().step(jobs)
+
+    engine = engine_for(Stuck(), max_running=2, max_per_forward=2)
+    stalls = []
+    worker = worker_for(engine, waiting_room=4, stall_s=0.4, on_stall=stalls.append)
+    jobs = [job("quick", Spec(steps=1)), job("hang"), job("neighbour", Spec(steps=50)), job("waiting")]
+    submit(worker, jobs[0])
+    deadline = time.monotonic() + 5
+    while not jobs[0].request.ended and time.monotonic() < deadline:
+        time.sleep(0.01)
+    submit(worker, *jobs[1:])
+    while not stalls and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert stalls and "reported nothing" in stalls[0] and len(stalls) == 1
+    assert jobs[0].request.channel.finals == [{"out": "out:quick"}]  # done before the stall: untouched
+    for j in jobs[1:]:  # running (stuck or not) and waiting: one UNAVAILABLE answer each
+        (final,) = j.request.channel.finals
+        assert final.code is ErrorCode.UNAVAILABLE and "restarting" in final.message, final
+    late = job("late")
+    assert submit(worker, late) == [-1.0] and late.request.channel.finals[0].code is ErrorCode.UNAVAILABLE
+
+
+def test_a_slow_engine_is_not_taken_for_a_stuck_one():
+    class Slow(FakeAdapter):
+        def step(self, jobs):
+            time.sleep(0.15)
+            return super().step(jobs)
+
+    engine = engine_for(Slow())
+    stalls = []
+    worker = worker_for(engine, waiting_room=4, stall_s=0.3, on_stall=stalls.append)
+    slow = job("slow", Spec(steps=6))  # 0.9 s in all, each step well inside the bound
+    try:
+        submit(worker, slow)
+        deadline = time.monotonic() + 10
+        while not slow.request.ended and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        worker.close()
+    assert not stalls and slow.request.channel.finals == [{"out": "out:slow"}]
 
 
 def test_a_final_response_that_cannot_be_sent_becomes_an_error_response():

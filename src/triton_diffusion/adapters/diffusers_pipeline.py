@@ -21,7 +21,7 @@ def load_pipeline(settings: ModelSettings, loader: str = "DiffusionPipeline") ->
     another diffusers class to load with (e.g. StableDiffusionInstructPix2PixPipeline)."""
     import diffusers
 
-    name = settings.get("pipeline_class", loader)
+    name = settings.config.pipeline_class or loader
     pipeline_class = getattr(diffusers, name, None)
     if pipeline_class is None or not hasattr(pipeline_class, "from_pretrained"):
         raise ValueError(f"model {settings.name}: pipeline_class {name!r} is not a diffusers pipeline class")
@@ -30,7 +30,7 @@ def load_pipeline(settings: ModelSettings, loader: str = "DiffusionPipeline") ->
         settings.model_source(),
         dtype=settings.torch_dtype(device),
         use_safetensors=True,
-        trust_remote_code=settings.flag("trust_remote_code"),
+        trust_remote_code=settings.config.trust_remote_code,
     )
     pipe.to(device)
     pipe.set_progress_bar_config(disable=True)

@@ -26,7 +26,7 @@ from triton_diffusion.adapters.masked_diffusion import (
     guided_logits,
     transfer_schedule,
 )
-from triton_diffusion.engine.step_engine import Job
+from triton_diffusion.engine.jobs import Job
 
 # input_ids, attention_mask, position_ids (all [rows, length]) and keep [rows, k]
 #   -> logits at the kept positions [rows, k, vocab]
@@ -163,8 +163,13 @@ class DiffusionLMAdapter:
             job.group = int(request.x.shape[0]) if self.group_by_length else None
             job.total_steps = request.params.steps
 
-    def rows(self, job: Job) -> int:
+    def model_rows(self, job: Job) -> int:
         return job.state.rows
+
+    def snapshot(self, job: Job) -> tuple[list[int], int] | None:
+        """After a step that completed a block: the text's tokens so far and the block's index."""
+        request: DecodingRequest = job.state
+        return (request.tokens(), request.block_index - 1) if request.new_block else None
 
     def step(self, jobs: list[Job]) -> list[Job]:
         """One padded forward for every job, then one commit step each."""

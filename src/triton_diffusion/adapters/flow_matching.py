@@ -35,8 +35,7 @@ class FluxAdapter(LatentStepAdapter):
         super().__init__(pipe, facts, schedulers, max_sequence_length)
         self.max_sequence_length = max_sequence_length or facts.default("max_sequence_length") or 512
         self.guidance_embeds = bool(pipe.transformer.config.guidance_embeds)
-        self.text_ids: torch.Tensor | None = None  # [length, 3], the same for every prompt
-        self.image_ids: dict[tuple[int, int], torch.Tensor] = {}  # (height, width) -> [length, 3]
+        self._ids_by_shape: dict[tuple[int, tuple[int, int]], tuple[torch.Tensor, torch.Tensor]] = {}
 
     @property
     def model(self) -> Any:
@@ -49,14 +48,13 @@ class FluxAdapter(LatentStepAdapter):
         return float(request.true_cfg_scale or 0.0)
 
     def _encode(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        embeds, pooled, text_ids = self.pipe.encode_prompt(
+        embeds, pooled, _ = self.pipe.encode_prompt(
             prompt=prompts,
             prompt_2=None,
             device=self.device,
             num_images_per_prompt=1,
             max_sequence_length=self.max_sequence_length,
         )
-        self.text_ids = text_ids
         return embeds, pooled
 
     def encode(self, requests: Sequence[ImageRequest]) -> list[Conditioning]:
@@ -88,10 +86,9 @@ class FluxAdapter(LatentStepAdapter):
     ) -> torch.Tensor:
         height, width = requests[0].size
         channels = self.model.config.in_channels // 4
-        latents, image_ids = self.pipe.prepare_latents(
+        latents, _ = self.pipe.prepare_latents(
             len(requests), channels, height, width, self.dtype, self.device, generators
         )
-        self.image_ids[requests[0].size] = image_ids  # 64x128 and 128x64: one length, other positions
         return latents
 
     def set_timesteps(self, scheduler: Any, request: ImageRequest) -> torch.Tensor:
@@ -116,17 +113,33 @@ class FluxAdapter(LatentStepAdapter):
         inputs: dict[str, torch.Tensor],
         size: tuple[int, int],
     ) -> Any:
+        embeds = inputs["encoder_hidden_states"]
+        text_ids, image_ids = self._position_ids(embeds.shape[1], size)
         return self.model(
             hidden_states=latents,
             timestep=timesteps,
             guidance=inputs.get("guidance"),
             pooled_projections=inputs["pooled_projections"],
-            encoder_hidden_states=inputs["encoder_hidden_states"],
-            txt_ids=self.text_ids,
-            img_ids=self.image_ids[size],
+            encoder_hidden_states=embeds,
+            txt_ids=text_ids,
+            img_ids=image_ids,
             joint_attention_kwargs={},
             return_dict=False,
         )[0]
+
+    def _position_ids(self, text_length: int, size: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """As FluxPipeline makes them: text ids are zeros, one per text token (the same for every prompt);
+        image ids are each latent patch's position (64x128 and 128x64: one length, other positions).
+        Constants of the shape, so kept per shape rather than rebuilt (and copied to the GPU) every step."""
+        key = (text_length, size)
+        if key not in self._ids_by_shape:
+            text_ids = torch.zeros(text_length, 3).to(device=self.device, dtype=self.pipe.text_encoder.dtype)
+            factor = self.pipe.vae_scale_factor * 2
+            image_ids = self.pipe._prepare_latent_image_ids(
+                1, size[0] // factor, size[1] // factor, self.device, self.dtype
+            )
+            self._ids_by_shape[key] = (text_ids, image_ids)
+        return self._ids_by_shape[key]
 
     def _unpack(self, latents: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
         return self.pipe._unpack_latents(latents, size[0], size[1], self.pipe.vae_scale_factor)

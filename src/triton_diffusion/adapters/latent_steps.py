@@ -29,8 +29,7 @@ import torch
 from PIL import Image
 
 from triton_diffusion.adapters.diffusers_pipeline import row_generator
-from triton_diffusion.codecs.preview import preview_png
-from triton_diffusion.engine.step_engine import Job
+from triton_diffusion.engine.jobs import Job
 from triton_diffusion.families import PipelineFacts
 
 
@@ -163,15 +162,13 @@ class LatentStepAdapter:
         conditioning = self.encode(requests)
         # One generator per row: it draws the row's noise, then (stochastic samplers) its step noise.
         generators = [row_generator(r.seed, r.image_index) for r in requests]
-        schedulers = []
-        for job, request in zip(jobs, requests, strict=True):
+        schedulers, timesteps = [], []
+        for request in requests:
             scheduler = copy.deepcopy(self.templates[request.scheduler])
-            timesteps = self.set_timesteps(scheduler, request)
+            timesteps.append(self.set_timesteps(scheduler, request))
             if hasattr(scheduler, "set_begin_index"):
                 scheduler.set_begin_index(0)
             schedulers.append(scheduler)
-            job.group, job.total_steps = request.size, len(timesteps)
-            job.state = (timesteps,)  # completed below, once the latents of its size are drawn
         by_size: dict[tuple[int, int], list[int]] = {}
         for i, request in enumerate(requests):
             by_size.setdefault(request.size, []).append(i)
@@ -184,10 +181,11 @@ class LatentStepAdapter:
             for row, i in enumerate(indices):
                 job, request, scheduler = jobs[i], requests[i], schedulers[i]
                 guided = self.uses_guidance(request) and conditioning[i].unconditional is not None
+                job.group, job.total_steps = request.size, len(timesteps[i])
                 job.state = LatentJob(
                     latents=latents[row : row + 1],
                     scheduler=scheduler,
-                    timesteps=job.state[0],
+                    timesteps=timesteps[i],
                     conditional=conditioning[i].conditional,
                     unconditional=conditioning[i].unconditional if guided else None,
                     guidance=self.guidance_scale(request),
@@ -195,7 +193,7 @@ class LatentStepAdapter:
                     extra=self.extra_inputs(request),
                 )
 
-    def rows(self, job: Job) -> int:
+    def model_rows(self, job: Job) -> int:
         return 2 if job.state.unconditional is not None else 1
 
     def step(self, jobs: list[Job]) -> list[Job]:
@@ -245,8 +243,12 @@ class LatentStepAdapter:
         with torch.inference_mode():
             return self.decode(latents, jobs[0].params.size)
 
-    def preview(self, job: Job) -> bytes:
-        return preview_png(self.preview_latent(job.state.latents, job.params.size))
+    def snapshot(self, job: Job) -> torch.Tensor | None:
+        """A copy of the job's latents for a preview when one is due at this step (the PNG is made on the
+        response thread while the job steps on)."""
+        if not job.preview_every or job.steps_done % job.preview_every:
+            return None
+        return self.preview_latent(job.state.latents, job.params.size).clone()
 
     # ---- shared pieces ------------------------------------------------------------------------------------
     def _step_kwargs(self, scheduler: Any, generator: torch.Generator) -> dict[str, Any]:

@@ -112,13 +112,14 @@ def load_masked_lm(settings: ModelSettings) -> LoadedMaskedLM:
     auto class, ``mask_token_id`` / ``eos_token_ids`` override what the tokenizer and config say."""
     import transformers
 
-    class_name = settings.get("model_class", "AutoModelForMaskedLM")
+    config = settings.config
+    class_name = config.model_class
     if class_name not in MODEL_CLASSES:
         raise ValueError(
             f"model {settings.name}: model_class must be one of {MODEL_CLASSES}, got {class_name}"
         )
     source = settings.model_source()
-    remote_code = settings.flag("trust_remote_code")
+    remote_code = config.trust_remote_code
     device = settings.device()
     model = getattr(transformers, class_name).from_pretrained(
         source,
@@ -129,13 +130,14 @@ def load_masked_lm(settings: ModelSettings) -> LoadedMaskedLM:
     model.to(device).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(source, trust_remote_code=remote_code)
 
-    mask_id = settings.get("mask_token_id")
-    mask_id = int(mask_id) if mask_id is not None else getattr(model.config, "mask_token_id", None)
+    mask_id = config.mask_token_id
+    if mask_id is None:
+        mask_id = getattr(model.config, "mask_token_id", None)
     if mask_id is None:
         mask_id = tokenizer.mask_token_id
     if mask_id is None:
         raise ValueError(f"model {settings.name}: no mask token id; set the mask_token_id parameter")
-    eos = settings.get("eos_token_ids")
+    eos = config.eos_token_ids
     if eos is not None:
         eos_ids = tuple(int(t) for t in eos.split(",") if t.strip())
     else:
@@ -144,8 +146,8 @@ def load_masked_lm(settings: ModelSettings) -> LoadedMaskedLM:
     return LoadedMaskedLM(
         forward=MaskedLMForward(
             model,
-            shift_logits=settings.flag("shift_logits"),
-            mask_format=settings.get("attention_mask_format", "2d") or "2d",
+            shift_logits=config.shift_logits,
+            mask_format=config.attention_mask_format,
         ),
         tokenizer=tokenizer,
         mask_id=int(mask_id),

@@ -5,7 +5,7 @@ request boundary near the middle) and each half is retried, so only the request 
 an error. Out-of-memory is handled the same way and, for a single request with several images, by
 halving its rows, since every row keeps its own generator and so its own result. Retries start only
 after the failed call's exception is gone (its traceback would keep the call's activations alive) and,
-after an out-of-memory error, once the accelerator's cache is freed. A failed device (device_errors.py)
+after an out-of-memory error, once the accelerator's cache is freed. A failed device (failures.py)
 is not retried: the call's requests are answered UNAVAILABLE and :class:`DeviceLostError` is raised.
 
 Before each call, the requests in it are asked once whether they were cancelled. A request can also end
@@ -23,13 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from triton_diffusion.compatibility import CompatibilityKey
-from triton_diffusion.engine.device_errors import (
-    DeviceLostError,
-    device_lost_error,
-    free_accelerator_memory,
-    is_device_lost,
-    is_out_of_memory,
-)
+from triton_diffusion.engine.failures import DeviceLostError, Failure, free_accelerator_memory
 from triton_diffusion.engine.planner import FusedCall, Row
 from triton_diffusion.engine.requests import TrackedRequest
 from triton_diffusion.errors import ErrorCode, RequestError
@@ -120,8 +114,7 @@ class FusedCallExecutor:
         requests = list(dict.fromkeys(r.request_index for r in rows))
         for index in requests:
             self._requests[index].start()
-        error: str | None = None
-        oom = lost = False
+        failure: Failure | None = None
         try:
             outputs = self.run_rows(call.key, rows)
             if len(outputs) != len(rows):
@@ -129,13 +122,13 @@ class FusedCallExecutor:
         except Exception as exc:  # noqa: BLE001  (isolate: any failure is bisected, never fatal)
             # Only text leaves the handler: the exception's traceback holds the call's frames (and on a
             # GPU its activations) alive until it is dropped here.
-            error, oom, lost = f"{type(exc).__name__}: {exc}", is_out_of_memory(exc), is_device_lost(exc)
-        if lost:  # sticky: no retry can succeed in this process
+            failure = Failure.of(exc)
+        if failure is not None and failure.lost:  # sticky: no retry can succeed in this process
             for index in requests:
-                self.fail(index, device_lost_error(error))
-            raise DeviceLostError(error)
-        if error is not None:
-            self._retry_after_failure(call, rows, requests, on_complete, retry, call_id, started, error, oom)
+                self.fail(index, failure.request_error("pipeline call"))
+            raise DeviceLostError(failure.text)
+        if failure is not None:
+            self._retry_after_failure(call, rows, requests, on_complete, retry, call_id, started, failure)
             return
         seconds = time.perf_counter() - started
         self._report(CallReport(call_id, call, len(rows), len(requests), retry, seconds))
@@ -164,9 +157,9 @@ class FusedCallExecutor:
         retry: bool,
         call_id: int,
         started: float,
-        error: str,
-        oom: bool,
+        failure: Failure,
     ) -> None:
+        error, oom = failure.text, failure.oom
         live = self._live(rows)
         live_requests = list(dict.fromkeys(r.request_index for r in live))
         bisect = len(live_requests) > 1
@@ -185,8 +178,7 @@ class FusedCallExecutor:
             halves = [live[: len(live) // 2], live[len(live) // 2 :]]
         else:
             for index in live_requests:
-                code = ErrorCode.UNAVAILABLE if oom else ErrorCode.INTERNAL
-                self.fail(index, RequestError(code, f"pipeline call failed: {error}"))
+                self.fail(index, failure.request_error("pipeline call"))
             return
         for half in halves:
             self._attempt(call, half, on_complete, retry=True)

@@ -1,11 +1,10 @@
 """The diffusion language model on Triton: requests go to the shared step engine (continuous batching).
 
-``execute()`` reads and validates each request and hands it to the step engine's worker, whose thread runs
-one shared forward per step for every running request (adapters/diffusion_lm_adapter.py). ``execute()``
-returns once its requests are admitted; it blocks while the running set and the waiting room are full,
-so the rest waits in Triton's queue under its queue policy. Each completed block is streamed as a partial
-TEXT response (unless ``stream`` is false); the FINAL response carries the whole text, the token count
-and the steps used.
+``execute()`` reads and validates each request and hands it to the engine host (serving/engine_host.py),
+whose engine thread runs one shared forward per step for every running request
+(adapters/diffusion_lm_adapter.py). ``execute()`` returns once its requests are admitted; it blocks while
+the running set and the waiting room are full. Each completed block is streamed as a partial TEXT response
+(unless ``stream`` is false); the FINAL response carries the whole text, the token count and the steps used.
 """
 
 from __future__ import annotations
@@ -13,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import random
-import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,15 +26,14 @@ from triton_diffusion.adapters.diffusion_lm_adapter import (
 )
 from triton_diffusion.adapters.masked_diffusion import REMASKING, DecodeParams
 from triton_diffusion.adapters.masked_lm import LoadedMaskedLM, load_masked_lm, prompt_token_ids
-from triton_diffusion.engine.policies import make_policy
+from triton_diffusion.engine.jobs import Job, Stepped
 from triton_diffusion.engine.requests import TrackedRequest
-from triton_diffusion.engine.step_engine import EngineLimits, EngineWorker, Job, StepEngine
-from triton_diffusion.errors import ErrorCode, RequestError, invalid_field
-from triton_diffusion.faults import FaultInjection, FaultyStepAdapter
+from triton_diffusion.errors import invalid_field
 from triton_diffusion.fields import REQUIRED, Field, FieldSet, Role, seed_field
-from triton_diffusion.serving.metrics import DIFFUSION_LM_FAMILIES
+from triton_diffusion.serving.engine_host import EngineHost, RequestRecord
+from triton_diffusion.serving.metrics import DIFFUSION_LM_FAMILIES, DIFFUSION_LM_METRICS
 from triton_diffusion.serving.triton_model import TritonModel
-from triton_diffusion.settings import ModelSettings
+from triton_diffusion.settings import LM, ModelSettings
 
 log = logging.getLogger("triton_diffusion")
 
@@ -129,15 +127,14 @@ OUTPUTS = [
 ]
 
 
-@dataclass(eq=False)
-class ResponseStream:
-    """What the engine's listener keeps per request (a job's ``context``)."""
+@dataclass(frozen=True)
+class ParsedGeneration:
+    """A validated request: its decoding state to be, the seed used and whether blocks are streamed."""
 
     prompt: str
+    decoding: DecodingRequest
     seed: int
     stream: bool
-    text: str = ""  # sent so far
-    first_block_seen: bool = False
 
 
 def _array(value: Any, dtype: Any) -> np.ndarray:
@@ -148,54 +145,49 @@ class DiffusionLMModel(TritonModel):
     FIELDS = DIFFUSION_LM_FIELDS
     OUTPUTS = OUTPUTS
     METRIC_FAMILIES = DIFFUSION_LM_FAMILIES
+    CONFIG_KINDS = (LM,)
 
     def setup(self, settings: ModelSettings) -> None:
-        threads = settings.get("intra_op_threads")
-        if threads is not None:
+        config = settings.config
+        if config.intra_op_threads is not None:
             # Each model runs in its own stub process; on a small CPU shared with Triton's own threads,
             # fewer torch threads can be faster.
-            torch.set_num_threads(int(threads))
+            torch.set_num_threads(config.intra_op_threads)
         self.lm: LoadedMaskedLM = load_masked_lm(settings)
-        self.fields = self.FIELDS.configured(settings.params)
+        self.fields = self.FIELDS.configured(settings.field_params)
         if self.fields["apply_chat_template"].default and not self.lm.tokenizer.chat_template:
             raise ValueError(
                 f"model {settings.name}: default_apply_chat_template is set, but the tokenizer "
                 "has no chat template"
             )
-        self.max_prompt_tokens = int(settings.get("max_prompt_tokens", "1024"))
-        max_running = int(settings.get("max_running_requests", "8"))
-        waiting_room = int(settings.get("waiting_room", "4"))
-        self.max_wait_s = float(settings.get("max_admission_wait_s", "120"))
+        self.max_prompt_tokens = config.max_prompt_tokens
         forward, side = self.lm.forward, self.lm.forward.padding_side
         # A model that ignores the attention mask (LLaDA's published code) must never see padding.
         unpadded = padding_changes_logits(forward, self.lm.pad_id, side, self.lm.vocab_size, self.lm.device)
-        adapter: Any = DiffusionLMAdapter(forward, self.lm.pad_id, side, self.lm.device, unpadded)
-        faults = FaultInjection.from_config(settings.get("fault_injection"))
-        if faults is not None:
-            adapter = FaultyStepAdapter(adapter, faults, lambda job: job.context.prompt)
-        cancel_poll_s = float(settings.get("cancel_poll_ms", "50")) / 1000
-        limits = EngineLimits(max_running, max_running, cancel_poll_s=cancel_poll_s)
-        self.engine = StepEngine(adapter, self, limits, make_policy("oldest"))
-        self.worker = EngineWorker(
-            self.engine, waiting_room, name="dllm-engine", on_device_lost=self.exit_for_restart
+        adapter = DiffusionLMAdapter(forward, self.lm.pad_id, side, self.lm.device, unpadded)
+        self.host = EngineHost(
+            self,
+            settings,
+            self.metrics,
+            DIFFUSION_LM_METRICS,
+            self.exit_for_restart,
+            adapter=adapter,
+            default_running=8,
+            default_waiting=4,
+            prompt_of=lambda job: job.record.parsed.prompt,
         )
         log.info(
-            "%s ready: max_running_requests=%d waiting_room=%d padding=%s mask_id=%d eos_ids=%s device=%s",
+            "%s ready: max_running=%d padding=%s mask_id=%d eos_ids=%s device=%s",
             settings.name,
-            max_running,
-            waiting_room,
+            self.host.engine.limits.max_running,
             "none (the model ignores its attention mask: equal lengths share forwards)" if unpadded else side,
             self.lm.mask_id,
             list(self.lm.eos_ids),
             self.lm.device,
         )
 
-    def finalize(self) -> None:
-        self.worker.close()  # requests still held get UNAVAILABLE
-        log.info("%s unloaded", self.settings.name)
-
     # ---- requests ---------------------------------------------------------------------------------
-    def parse(self, index: int, raw: dict[str, Any], tracked: TrackedRequest) -> Job:
+    def parse(self, index: int, raw: dict[str, Any], tracked: TrackedRequest) -> ParsedGeneration:
         values = self.fields.parse(raw)
         params = DecodeParams(
             gen_length=values["gen_length"],
@@ -212,21 +204,7 @@ class DiffusionLMModel(TritonModel):
         seed = values["seed"] if values["seed"] is not None else random.randrange(2**32)
         generator = torch.Generator(device=self.lm.device).manual_seed(seed)
         decoding = DecodingRequest(prompt, params, generator, self.lm.mask_id, self.lm.eos_ids)
-        return Job(tracked, decoding, ResponseStream(values["prompt"], seed, values["stream"]))
-
-    def run(self, admitted: list[tuple[TrackedRequest, Job]]) -> None:
-        for tracked, job in admitted:
-            left = self.max_wait_s - (time.perf_counter() - tracked.entered)
-            try:
-                waited = self.worker.submit([job], timeout_s=max(left, 0.0))
-            except RequestError as error:
-                tracked.fail(error)
-                continue
-            except Exception as exc:  # noqa: BLE001  (never the requests already in the engine)
-                log.exception("request %s: handing it to the engine failed", tracked.request_id)
-                tracked.fail(RequestError(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"))
-                continue
-            self.metrics.observe("triton_diffusion_lm_admission_wait_seconds", waited)
+        return ParsedGeneration(values["prompt"], decoding, seed, values["stream"])
 
     def tokenize(self, prompt: str, chat: bool) -> torch.Tensor:
         if chat and not self.lm.tokenizer.chat_template:
@@ -240,67 +218,39 @@ class DiffusionLMModel(TritonModel):
             )
         return torch.tensor(ids, dtype=torch.long)
 
-    # ---- engine listener (called on the engine's thread) -------------------------------------------
-    def on_admitted(self, job: Job) -> None:
-        log.info("request %s admitted (%d running)", job.request.request_id, len(self.engine.running) + 1)
+    # ---- the host's model kind (progress and outputs on the response thread, in order) ---------------
+    def jobs_for(self, record: RequestRecord, engine: str) -> list[Job]:
+        parsed: ParsedGeneration = record.parsed
+        record.progress = parsed.stream
+        record.state = ""  # the text streamed so far
+        return [Job(record.tracked, parsed.decoding, record)]
 
-    def on_stepped(self, job: Job) -> None:
-        request: DecodingRequest = job.state
-        stream: ResponseStream = job.context
-        if not request.new_block:
-            return
-        if not stream.first_block_seen:
-            stream.first_block_seen = True
-            waited = time.perf_counter() - job.request.entered
-            self.metrics.observe("triton_diffusion_lm_first_block_seconds", waited)
-        if not stream.stream:
-            return
-        tokens = request.tokens()
+    def progress_outputs(self, record: RequestRecord, stepped: Stepped) -> Mapping[str, Any] | None:
+        if stepped.snapshot is None:
+            return None  # no block completed at this step
+        tokens, block = stepped.snapshot
         text = self.lm.tokenizer.decode(tokens, skip_special_tokens=True)
-        new_text, stream.text = _new_text(stream.text, text)
-        job.request.progress(
-            {
-                "TEXT": _array(new_text.encode(), object),
-                "BLOCK": _array(request.block_index - 1, np.int32),
-                "TOKENS": _array(len(tokens), np.int32),
-            }
-        )
+        new_text, record.state = _new_text(record.state, text)
+        return {
+            "TEXT": _array(new_text.encode(), object),
+            "BLOCK": _array(block, np.int32),
+            "TOKENS": _array(len(tokens), np.int32),
+        }
 
-    def on_finished(self, job: Job, output: DecodingRequest) -> None:
-        stream: ResponseStream = job.context
+    def final_outputs(
+        self, record: RequestRecord, outputs: list[Any], batch: dict[str, Any]
+    ) -> Mapping[str, Any]:
+        (output,) = outputs
         tokens = output.tokens()
         text = self.lm.tokenizer.decode(tokens, skip_special_tokens=True)
-        answered = job.request.finish(
-            {
-                "TEXT": _array(text.encode(), object),
-                "BLOCK": _array(output.block_index, np.int32),
-                "TOKENS": _array(len(tokens), np.int32),
-                "STEPS": _array(output.steps_used, np.int32),
-                "SEED": _array(stream.seed, np.int64),
-            }
-        )
-        if answered:
-            self.metrics.increment("triton_diffusion_lm_tokens_total", len(tokens))
-
-    def on_left(self, job: Job, reason: str) -> None:
-        request: DecodingRequest = job.state or job.params
-        if reason == "cancelled":
-            self.metrics.increment("triton_diffusion_lm_requests_cancelled_total")
-        log.info(
-            "request %s %s: %d tokens, %d blocks, %d steps, joined at forward %s",
-            job.request.request_id,
-            reason,
-            len(request.tokens()),
-            request.block_index,
-            request.steps_used,
-            job.first_forward,
-        )
-
-    def on_forward(self, jobs: list[Job], rows: int, seconds: float) -> None:
-        self.metrics.observe("triton_diffusion_lm_forward_rows", rows)
-        self.metrics.observe("triton_diffusion_lm_step_seconds", seconds)
-        self.metrics.increment("triton_diffusion_lm_forwards_total")
-        self.metrics.set("triton_diffusion_lm_running_requests", len(self.engine.running))
+        self.metrics.increment("triton_diffusion_lm_tokens_total", len(tokens))
+        return {
+            "TEXT": _array(text.encode(), object),
+            "BLOCK": _array(output.block_index, np.int32),
+            "TOKENS": _array(len(tokens), np.int32),
+            "STEPS": _array(output.steps_used, np.int32),
+            "SEED": _array(record.parsed.seed, np.int64),
+        }
 
 
 def _new_text(sent: str, text: str) -> tuple[str, str]:

@@ -20,7 +20,7 @@ from triton_diffusion.errors import invalid_field
 from triton_diffusion.fields import REQUIRED, Field, FieldSet, Role
 from triton_diffusion.models.text_to_image import TEXT_TO_IMAGE_FIELDS, TextToImageModel
 from triton_diffusion.serving.triton_model import RowInput
-from triton_diffusion.settings import ModelSettings
+from triton_diffusion.settings import IMAGE, IMAGE_SOURCE, ModelSettings
 
 IMAGE_TO_IMAGE_FIELDS = FieldSet(
     [
@@ -65,21 +65,21 @@ def parse_buckets(text: str | None) -> list[tuple[int, int]]:
 
 class ImageToImageModel(TextToImageModel):
     FIELDS = IMAGE_TO_IMAGE_FIELDS
+    CONFIG_KINDS = (IMAGE, IMAGE_SOURCE)
     PIPELINE_LOADER = "AutoPipelineForImage2Image"
     REQUIRED_CALL_ARGS = ("prompt", "image", "generator", "num_inference_steps")
     OPTIONAL_CALL_FIELDS = (*TextToImageModel.OPTIONAL_CALL_FIELDS, "strength", "image_guidance_scale")
 
-    def load(self, settings: ModelSettings) -> FieldSet:
-        fields = super().load(settings)
-        self.max_pixels = int(settings.get("max_image_pixels", str(4096 * 4096)))
-        self.image_formats = tuple(
-            f.strip().upper() for f in (settings.get("image_formats", "PNG,JPEG,WEBP") or "").split(",") if f
-        )
-        self.buckets = parse_buckets(settings.get("resize_buckets"))
+    def load(self, settings: ModelSettings) -> tuple[FieldSet, Any]:
+        fields, adapter = super().load(settings)
+        config = settings.config
+        self.max_pixels = config.max_image_pixels
+        self.image_formats = tuple(f.strip().upper() for f in config.image_formats.split(",") if f.strip())
+        self.buckets = parse_buckets(config.resize_buckets)
         for width, height in self.buckets:
             fields["width"].validate(width)  # a bucket outside the limits is a config error
             fields["height"].validate(height)
-        return fields
+        return fields, adapter
 
     def derived_defaults(self) -> dict[str, str]:
         # The output size comes from each source image (or its bucket), not from a fixed default.

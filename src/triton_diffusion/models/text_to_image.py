@@ -18,21 +18,21 @@ from triton_diffusion.adapters.diffusers_pipeline import (
     load_pipeline,
     row_generator,
 )
+from triton_diffusion.adapters.latent_steps import ImageRequest
 from triton_diffusion.adapters.step_adapters import step_adapter_for
 from triton_diffusion.codecs.image import IMAGE_FORMATS, OUTPUT_ENCODINGS, encode_image
-from triton_diffusion.codecs.preview import preview_png
 from triton_diffusion.compatibility import CompatibilityKey
+from triton_diffusion.engine.jobs import Job
+from triton_diffusion.engine.request_engine import CallAbandoned, CallSteps
 from triton_diffusion.families import PipelineFacts
 from triton_diffusion.faults import FaultInjection
 from triton_diffusion.fields import REQUIRED, Field, FieldSet, Role, seed_field
 from triton_diffusion.serving.triton_model import (
     PROGRESS_FIELDS,
     PROGRESS_OUTPUTS,
-    BatchedDiffusionModel,
-    CallAbandoned,
+    DiffusionModel,
     ParsedRequest,
     RowInput,
-    StepReporter,
 )
 from triton_diffusion.settings import ModelSettings
 
@@ -87,10 +87,8 @@ TEXT_TO_IMAGE_FIELDS = FieldSet(
     ]
 )
 
-ENGINES = ("auto", "step", "request")
 
-
-class TextToImageModel(BatchedDiffusionModel):
+class TextToImageModel(DiffusionModel):
     FIELDS = TEXT_TO_IMAGE_FIELDS
     PIPELINE_LOADER = "DiffusionPipeline"  # overridden by the pipeline_class config parameter
     REQUIRED_CALL_ARGS = ("prompt", "generator", "height", "width", "num_inference_steps")
@@ -104,17 +102,18 @@ class TextToImageModel(BatchedDiffusionModel):
         *PROGRESS_OUTPUTS,
     ]
 
-    def load(self, settings: ModelSettings) -> FieldSet:
+    def load(self, settings: ModelSettings) -> tuple[FieldSet, Any]:
+        config = settings.config
         self.pipe = load_pipeline(settings, self.PIPELINE_LOADER)
         self.facts = facts = PipelineFacts.of(self.pipe)
-        self.faults = FaultInjection.from_config(settings.get("fault_injection"))
-        self.schedulers = SchedulerChoices(self.pipe, facts, settings.get("scheduler_choices"), settings.name)
+        self.faults = FaultInjection.from_config(config.fault_injection)
+        self.schedulers = SchedulerChoices(self.pipe, facts, config.scheduler_choices, settings.name)
         missing = [p for p in self.REQUIRED_CALL_ARGS if not facts.accepts(p)]
         if missing:
             raise ValueError(f"{facts.class_name} does not fit {type(self).__name__}: no {missing} arguments")
         self.call_extras: dict[str, Any] = {}
-        if facts.accepts("max_sequence_length") and settings.get("max_sequence_length"):
-            self.call_extras["max_sequence_length"] = int(settings.get("max_sequence_length"))
+        if facts.accepts("max_sequence_length") and config.max_sequence_length:
+            self.call_extras["max_sequence_length"] = config.max_sequence_length
 
         fields = self.FIELDS
         if facts.traits.negative_prompt_none_is_empty:
@@ -128,18 +127,17 @@ class TextToImageModel(BatchedDiffusionModel):
             unsupported += [f.name for f in PROGRESS_FIELDS]
         self.compacting_schedulers = facts.traits.compaction_schedulers
         self.callback_tensors = ["latents"] + (["prompt_embeds"] if self.compacting_schedulers else [])
-        self.step_adapter = self.choose_step_adapter(settings)
         # The scheduler list is what SchedulerChoices accepted: always the pipeline's own first.
         derived = {"scheduler_choices": ",".join(self.schedulers.names)}
-        return fields.configured({**self.derived_defaults(), **settings.params, **derived}, unsupported)
+        fields = fields.configured(
+            {**self.derived_defaults(), **settings.field_params, **derived}, unsupported
+        )
+        return fields, self.choose_step_adapter(settings)
 
     def choose_step_adapter(self, settings: ModelSettings) -> Any:
         """``engine``: auto (the step engine where the family has a step adapter), step (required) or
         request (one fused diffusers call per compatible group)."""
-        engine = (settings.get("engine", "auto") or "auto").lower()
-        if engine not in ENGINES:
-            allowed = ", ".join(ENGINES)
-            raise ValueError(f"model {settings.name}: engine must be one of {allowed}, got {engine}")
+        engine = settings.config.engine
         if engine == "request":
             return None
         max_sequence_length = self.call_extras.get("max_sequence_length")
@@ -175,8 +173,22 @@ class TextToImageModel(BatchedDiffusionModel):
                 derived[f"default_{name}"] = str(float(default if default is not None else 1.0))
         return derived
 
-    def rows_for(self, values: dict[str, Any]) -> int:
+    def images_for(self, values: dict[str, Any]) -> int:
         return values["num_images_per_prompt"]
+
+    def step_request(self, values: dict[str, Any], image_index: int) -> ImageRequest:
+        return ImageRequest(
+            prompt=values["prompt"],
+            negative_prompt=values.get("negative_prompt"),
+            seed=values["seed"],
+            image_index=image_index,
+            height=values["height"],
+            width=values["width"],
+            steps=values["num_inference_steps"],
+            guidance_scale=values.get("guidance_scale"),
+            true_cfg_scale=values.get("true_cfg_scale"),
+            scheduler=values["scheduler"],
+        )
 
     def call_arguments(self, shared: dict[str, Any], rows: list[RowInput]) -> dict[str, Any]:
         """The pipeline's keyword arguments for one fused call: the key's values, one entry per row."""
@@ -198,9 +210,9 @@ class TextToImageModel(BatchedDiffusionModel):
             kwargs["negative_prompt"] = [n or "" for n in negatives]
         return kwargs
 
-    def run_rows(self, key: CompatibilityKey, rows: list[RowInput], steps: StepReporter) -> list[Any]:
+    def run_call(self, key: CompatibilityKey, jobs: list[Job], steps: CallSteps) -> list[Any]:
         shared = key.as_dict()
-        kwargs = self.call_arguments(shared, rows)
+        kwargs = self.call_arguments(shared, [job.params for job in jobs])
         if self.faults:
             self.faults.before_call(kwargs["prompt"])
         if self.has_step_callback:
@@ -214,7 +226,7 @@ class TextToImageModel(BatchedDiffusionModel):
             images = list(getattr(self.pipe(**kwargs), self.OUTPUT_ATTRIBUTE))
         return steps.scatter(images)
 
-    def _step_callback(self, steps: StepReporter, shared: dict[str, Any]):
+    def _step_callback(self, steps: CallSteps, shared: dict[str, Any]):
         compacts = shared["scheduler"] in self.compacting_schedulers
 
         def callback(pipe: Any, i: int, t: Any, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -222,7 +234,7 @@ class TextToImageModel(BatchedDiffusionModel):
                 self.faults.after_step()
             latents = tensors["latents"]
             total = getattr(pipe, "_num_timesteps", None) or shared["num_inference_steps"]
-            ended = steps.on_step(i + 1, total, lambda position: self._preview(latents, position, shared))
+            ended = steps.on_step(i + 1, total, lambda position: self._snapshot(latents, position, shared))
             if not ended:
                 return {}
             if steps.all_ended(ended):
@@ -244,7 +256,7 @@ class TextToImageModel(BatchedDiffusionModel):
 
         return callback
 
-    def _legacy_callback(self, steps: StepReporter, shared: dict[str, Any]):
+    def _legacy_callback(self, steps: CallSteps, shared: dict[str, Any]):
         """Pipelines with the older ``callback(step, t, latents)`` API (PixArt): progress, previews and
         cancellation, but no row compaction (the callback cannot hand tensors back)."""
         total = shared["num_inference_steps"]
@@ -252,14 +264,16 @@ class TextToImageModel(BatchedDiffusionModel):
         def callback(step_index: int, t: Any, latents: torch.Tensor) -> None:
             if self.faults:
                 self.faults.after_step()
-            preview = lambda position: self._preview(latents, position, shared)  # noqa: E731
-            ended = steps.on_step(step_index + 1, total, preview)
+            snapshot = lambda position: self._snapshot(latents, position, shared)  # noqa: E731
+            ended = steps.on_step(step_index + 1, total, snapshot)
             if ended and steps.all_ended(ended):
                 raise CallAbandoned
 
         return callback
 
-    def _preview(self, latents: torch.Tensor, position: int, shared: dict[str, Any]) -> bytes:
+    def _snapshot(self, latents: torch.Tensor, position: int, shared: dict[str, Any]) -> torch.Tensor:
+        """[C, h, w] of one row's latents for a preview, copied: the PNG is made on the response thread
+        while the pipeline goes on."""
         latent = latents[position : position + 1]
         if self.facts.traits.packed_latents:  # Flux, Qwen-Image: 2x2 latent patches packed into channels
             latent = self.pipe._unpack_latents(
@@ -267,7 +281,7 @@ class TextToImageModel(BatchedDiffusionModel):
             )
         if latent.ndim == 5:  # video latents, and Qwen-Image's unpacked (B, C, 1, h, w)
             latent = latent[:, :, latent.shape[2] // 2]
-        return preview_png(latent[0])
+        return latent[0].clone()
 
     def respond(self, request: ParsedRequest, outputs: list[Any]) -> dict[str, np.ndarray]:
         values = request.values

@@ -14,19 +14,21 @@ import numpy as np
 
 from triton_diffusion.codecs.video import available_codec, encode_mp4, to_uint8
 from triton_diffusion.compatibility import CompatibilityKey
+from triton_diffusion.engine.jobs import Job
+from triton_diffusion.engine.request_engine import CallSteps
 from triton_diffusion.fields import Field, FieldSet, Role
 from triton_diffusion.models.text_to_image import TEXT_TO_IMAGE_FIELDS, TextToImageModel
 from triton_diffusion.serving.triton_model import PROGRESS_OUTPUTS, ParsedRequest, RowInput
 from triton_diffusion.settings import ModelSettings
 
-_FROM_IMAGE_FIELDS = [
-    f
-    for f in TEXT_TO_IMAGE_FIELDS
-    if f.name not in ("num_images_per_prompt", "output_format", "true_cfg_scale")
-]
+
+def _image_fields(*names: str) -> list[Field]:
+    return [TEXT_TO_IMAGE_FIELDS[name] for name in names]
+
+
 TEXT_TO_VIDEO_FIELDS = FieldSet(
     [
-        *_FROM_IMAGE_FIELDS[:3],  # prompt, negative_prompt, seed
+        *_image_fields("prompt", "negative_prompt", "seed"),
         Field(
             "num_videos_per_prompt",
             int,
@@ -36,7 +38,16 @@ TEXT_TO_VIDEO_FIELDS = FieldSet(
             maximum=2,
             doc="videos for this prompt; each is one row of the fused call",
         ),
-        *_FROM_IMAGE_FIELDS[3:],
+        *_image_fields(
+            "height",
+            "width",
+            "num_inference_steps",
+            "guidance_scale",
+            "scheduler",
+            "output_encoding",
+            "progress",
+            "preview_every",
+        ),
         Field(
             "num_frames",
             int,
@@ -73,10 +84,10 @@ class TextToVideoModel(TextToImageModel):
         *PROGRESS_OUTPUTS,
     ]
 
-    def load(self, settings: ModelSettings) -> FieldSet:
-        fields = super().load(settings)
+    def load(self, settings: ModelSettings) -> tuple[FieldSet, Any]:
+        loaded = super().load(settings)
         self.codec = available_codec()
-        return fields
+        return loaded
 
     def derived_defaults(self) -> dict[str, str]:
         derived = super().derived_defaults()
@@ -86,7 +97,7 @@ class TextToVideoModel(TextToImageModel):
             derived["default_num_frames"] = str(frames)
         return derived
 
-    def rows_for(self, values: dict[str, Any]) -> int:
+    def images_for(self, values: dict[str, Any]) -> int:
         return values["num_videos_per_prompt"]
 
     def call_arguments(self, shared: dict[str, Any], rows: list[RowInput]) -> dict[str, Any]:
@@ -94,8 +105,8 @@ class TextToVideoModel(TextToImageModel):
         kwargs.update(num_frames=shared["num_frames"], output_type="np")
         return kwargs
 
-    def run_rows(self, key: CompatibilityKey, rows: list[RowInput], steps) -> list[Any]:
-        return [to_uint8(video) for video in super().run_rows(key, rows, steps)]
+    def run_call(self, key: CompatibilityKey, jobs: list[Job], steps: CallSteps) -> list[Any]:
+        return [None if video is None else to_uint8(video) for video in super().run_call(key, jobs, steps)]
 
     def respond(self, request: ParsedRequest, outputs: list[Any]) -> dict[str, np.ndarray]:
         values = request.values

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 log = logging.getLogger("triton_diffusion")
@@ -31,13 +32,21 @@ FAMILIES = {
     "triton_diffusion_requests_failed_total": ("COUNTER", "Requests answered with an error, by error code"),
     "triton_diffusion_bisection_retries_total": ("COUNTER", "Failed fused calls split in two and retried"),
     "triton_diffusion_oom_splits_total": ("COUNTER", "Fused calls split after running out of memory"),
-    "triton_diffusion_rows_in_flight": ("GAUGE", "Rows in the running fused call, or in the step engine"),
+    "triton_diffusion_rows_in_flight": ("GAUGE", "Images in the running fused call, or in the step engine"),
     # The step engine's own:
-    "triton_diffusion_forward_rows": ("HISTOGRAM", "Step engine: images per forward (a CFG image is 2 rows)"),
+    "triton_diffusion_forward_images": ("HISTOGRAM", "Step engine: images per forward"),
+    "triton_diffusion_forward_model_rows": (
+        "HISTOGRAM",
+        "Step engine: model rows per forward (an image with classifier-free guidance is 2)",
+    ),
+    "triton_diffusion_forward_rows": (
+        "HISTOGRAM",
+        "Deprecated, same as triton_diffusion_forward_images (it always counted images)",
+    ),
     "triton_diffusion_step_seconds": ("HISTOGRAM", "Step engine: time per forward and scheduler steps"),
     "triton_diffusion_admission_wait_seconds": (
         "HISTOGRAM",
-        "Step engine: per request, time execute() waited for room in the running set and waiting room",
+        "Per request: time execute() waited for room in the engine (running set and waiting room)",
     ),
 }
 
@@ -60,6 +69,45 @@ DIFFUSION_LM_FAMILIES = {
     "triton_diffusion_lm_requests_cancelled_total": ("COUNTER", "Requests cancelled while generating"),
     "triton_diffusion_requests_failed_total": ("COUNTER", "Requests answered with an error, by error code"),
 }
+
+
+@dataclass(frozen=True)
+class MetricNames:
+    """Which metric the engine host records each event under, per model kind."""
+
+    first_step: str  # per request: execute() entry to its first step (or first streamed block)
+    first_step_on_snapshot: bool  # the first step counts only when it carries a snapshot (an LM block)
+    admission_wait: str
+    forward_model_rows: str
+    step_seconds: str
+    running: str
+    cancelled: str
+    forward_images: str | None = None
+    forward_images_legacy: str | None = None
+    forwards_total: str | None = None
+
+
+IMAGE_METRICS = MetricNames(
+    first_step="triton_diffusion_first_step_seconds",
+    first_step_on_snapshot=False,
+    admission_wait="triton_diffusion_admission_wait_seconds",
+    forward_model_rows="triton_diffusion_forward_model_rows",
+    step_seconds="triton_diffusion_step_seconds",
+    running="triton_diffusion_rows_in_flight",
+    cancelled="triton_diffusion_rows_cancelled_total",
+    forward_images="triton_diffusion_forward_images",
+    forward_images_legacy="triton_diffusion_forward_rows",
+)
+DIFFUSION_LM_METRICS = MetricNames(
+    first_step="triton_diffusion_lm_first_block_seconds",
+    first_step_on_snapshot=True,
+    admission_wait="triton_diffusion_lm_admission_wait_seconds",
+    forward_model_rows="triton_diffusion_lm_forward_rows",
+    step_seconds="triton_diffusion_lm_step_seconds",
+    running="triton_diffusion_lm_running_requests",
+    cancelled="triton_diffusion_lm_requests_cancelled_total",
+    forwards_total="triton_diffusion_lm_forwards_total",
+)
 
 
 class BatchingMetrics:

@@ -63,6 +63,9 @@ class ResponseWorker:
             return
         try:
             work()
+        except RequestError as error:  # a refused output (e.g. too large): its own code and message
+            if request is not None:
+                request.fail(error)
         except Exception as exc:  # noqa: BLE001  (an encoding failure fails this request only)
             if request is None:
                 log.exception("response work failed")

@@ -1,4 +1,4 @@
-"""Which exceptions from a model call mean what for the accelerator, and what to do about them.
+"""One classifier for every failure of a model call, used by both engines, and what to do about it.
 
 * Out of memory: the call was too big; free the cache and retry smaller (the engines split the work).
 * Device lost: a CUDA error other than out-of-memory (illegal address, launch failure, ECC error) is
@@ -16,6 +16,8 @@ import logging
 import os
 import sys
 import time
+from dataclasses import dataclass
+from enum import Enum
 
 from triton_diffusion.errors import ErrorCode, RequestError
 
@@ -76,6 +78,45 @@ def device_lost_error(error: str) -> RequestError:
     )
 
 
+class FailureKind(str, Enum):
+    ORDINARY = "ordinary"  # this call's own problem (a bad input, a bug): retried smaller to find it
+    OUT_OF_MEMORY = "out_of_memory"  # too big: free the cache, retry smaller; alone it is UNAVAILABLE
+    DEVICE_LOST = "device_lost"  # sticky: nothing can run in this process again
+
+
+@dataclass(frozen=True)
+class Failure:
+    """What a failed call raised, as text (the exception itself would keep the call's frames, and on a
+    GPU its activations, alive until dropped) and what kind of failure it is."""
+
+    kind: FailureKind
+    text: str  # "ExceptionType: message"
+
+    @classmethod
+    def of(cls, exc: BaseException) -> Failure:
+        text = f"{type(exc).__name__}: {exc}"
+        if is_out_of_memory(exc):
+            return cls(FailureKind.OUT_OF_MEMORY, text)
+        if is_device_lost(exc):
+            return cls(FailureKind.DEVICE_LOST, text)
+        return cls(FailureKind.ORDINARY, text)
+
+    @property
+    def oom(self) -> bool:
+        return self.kind is FailureKind.OUT_OF_MEMORY
+
+    @property
+    def lost(self) -> bool:
+        return self.kind is FailureKind.DEVICE_LOST
+
+    def request_error(self, what: str) -> RequestError:
+        """The answer for a request that failed alone: the one mapping from failure kind to error code."""
+        if self.lost:
+            return device_lost_error(self.text)
+        code = ErrorCode.UNAVAILABLE if self.oom else ErrorCode.INTERNAL
+        return RequestError(code, f"{what} failed: {self.text}")
+
+
 def free_accelerator_memory() -> None:
     """Return cached blocks to the device after an out-of-memory error, before the smaller retry."""
     torch = sys.modules.get("torch")
@@ -86,9 +127,10 @@ def free_accelerator_memory() -> None:
         log.exception("freeing the accelerator's cache failed")
 
 
-def exit_for_restart(error: str) -> None:
-    """Leave the process now (no cleanup can be trusted with a failed device); the supervisor restarts."""
-    message = f"the accelerator failed ({error}): exiting so the server restarts with a fresh device"
+def exit_for_restart(reason: str) -> None:
+    """Leave the process now (no cleanup can be trusted with a failed device or a stuck thread); the
+    supervisor restarts the server. ``reason`` says why ("the accelerator failed (...)")."""
+    message = f"{reason}: exiting so the server restarts with a fresh process and device"
     log.critical(message)
     # Triton's log lines leave the stub on a background thread: say it on stderr too, and give them a moment.
     print(f"triton_diffusion: {message}", file=sys.stderr, flush=True)

@@ -1,0 +1,46 @@
+"""FLUX.1: ``tiny-flux``, a tiny default the model repository serves: a flow-matching MMDiT with CLIP and T5
+text encoders and guidance embeddings.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from triton_diffusion.tiny_models.encoders import TINY_T5_ENCODER, clip_text_encoder, reinit_normal, vae
+from triton_diffusion.tiny_models.tokenization import clip_tokenizer, t5_tokenizer
+
+
+def build_tiny_flux(target: Path) -> None:
+    """A FLUX.1-dev-style flow-matching pipeline: CLIP + T5 encoders, MMDiT transformer, guidance embeds."""
+    import torch
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from transformers import T5Config, T5EncoderModel
+
+    torch.manual_seed(0)
+    tokenizer = clip_tokenizer()
+    tokenizer_2 = t5_tokenizer()
+    text_encoder_2 = T5EncoderModel(T5Config(vocab_size=len(tokenizer_2), **TINY_T5_ENCODER))
+    latent_channels = 4
+    transformer = FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=latent_channels * 4,  # 2x2 latent patches are packed into channels
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=32,
+        pooled_projection_dim=32,
+        axes_dims_rope=[4, 4, 8],
+        guidance_embeds=True,
+    )
+    reinit_normal(transformer, 0.2)  # so the prompt visibly changes the image
+    pipe = FluxPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        vae=vae(latent_channels, shift_factor=0.0609, scaling_factor=1.5035),
+        text_encoder=clip_text_encoder(len(tokenizer)),
+        tokenizer=tokenizer,
+        text_encoder_2=text_encoder_2,
+        tokenizer_2=tokenizer_2,
+        transformer=transformer,
+    )
+    pipe.save_pretrained(target, safe_serialization=True)

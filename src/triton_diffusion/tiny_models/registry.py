@@ -1,0 +1,82 @@
+"""Which tiny model each name builds, and building the missing ones into a weights folder
+(``triton-diffusion-build-tiny``), rebuilding any that an older builder version made.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+from triton_diffusion.tiny_models.diffusion_lm import build_tiny_dllm
+from triton_diffusion.tiny_models.flux import build_tiny_flux
+from triton_diffusion.tiny_models.pixart_sigma import build_tiny_pixart_sigma
+from triton_diffusion.tiny_models.qwen_image import build_tiny_qwen_image
+from triton_diffusion.tiny_models.sana import build_tiny_sana
+from triton_diffusion.tiny_models.sd3 import build_tiny_sd3
+from triton_diffusion.tiny_models.sdxl import build_tiny_sdxl
+from triton_diffusion.tiny_models.stable_diffusion import build_sd15, build_tiny_sd
+from triton_diffusion.tiny_models.wan import build_tiny_wan
+from triton_diffusion.tiny_models.z_image import build_tiny_z_image
+
+# The repository's weights/ folder: this file is <repository>/src/triton_diffusion/tiny_models/registry.py.
+DEFAULT_WEIGHTS_DIR = Path(__file__).resolve().parents[3] / "weights"
+
+
+# name -> builder. The tiny ones are the defaults the model repository serves.
+ARCHITECTURES: dict[str, Callable[[Path], None]] = {
+    "tiny-sd": build_tiny_sd,
+    "tiny-flux": build_tiny_flux,
+    "tiny-wan": build_tiny_wan,
+    "tiny-dllm": build_tiny_dllm,
+    "sd15": build_sd15,
+    # More pipeline families, built on request (not served by default).
+    "tiny-sdxl": build_tiny_sdxl,
+    "tiny-sd3": build_tiny_sd3,
+    "tiny-qwen-image": build_tiny_qwen_image,
+    "tiny-sana": build_tiny_sana,
+    "tiny-pixart-sigma": build_tiny_pixart_sigma,
+    "tiny-z-image": build_tiny_z_image,
+}
+TINY_DEFAULTS = ["tiny-sd", "tiny-flux", "tiny-wan", "tiny-dllm"]
+# The tiny families the family-matrix test serves (built on first use, then cached in weights/).
+TINY_FAMILIES = ["tiny-sdxl", "tiny-sd3", "tiny-qwen-image", "tiny-sana", "tiny-pixart-sigma", "tiny-z-image"]
+# Bump when a builder changes: folders built by an older version are rebuilt.
+BUILD_VERSION = "2"
+STAMP = ".triton-diffusion-build"
+
+
+def build_missing(
+    weights_dir: Path = DEFAULT_WEIGHTS_DIR, force: bool = False, only: list[str] | None = None
+) -> list[Path]:
+    """Build each of ``only`` (the tiny defaults unless given) that ``weights_dir`` lacks or holds from an
+    older ``BUILD_VERSION`` (every one with ``force``); returns the folders built."""
+    built = []
+    for name in only or TINY_DEFAULTS:
+        target = weights_dir / name
+        stamp = target / STAMP
+        current = stamp.is_file() and stamp.read_text().strip() == BUILD_VERSION
+        if force or not current:
+            if target.exists():
+                shutil.rmtree(target)
+            ARCHITECTURES[name](target)
+            stamp.write_text(BUILD_VERSION + "\n")
+            built.append(target)
+    return built
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``triton-diffusion-build-tiny [NAMES] [--weights-dir DIR] [--force]``."""
+    parser = argparse.ArgumentParser(
+        description="Build random-weight pipelines (the tiny defaults unless named)."
+    )
+    parser.add_argument("names", nargs="*", help=f"any of {list(ARCHITECTURES)}; default: {TINY_DEFAULTS}")
+    parser.add_argument("--weights-dir", type=Path, default=DEFAULT_WEIGHTS_DIR)
+    parser.add_argument("--force", action="store_true", help="rebuild even if present")
+    args = parser.parse_args(argv)
+    unknown = set(args.names) - set(ARCHITECTURES)
+    if unknown:
+        parser.error(f"unknown architectures {sorted(unknown)}; choose from {list(ARCHITECTURES)}")
+    for path in build_missing(args.weights_dir, args.force, args.names or None):
+        print(f"built {path}")
