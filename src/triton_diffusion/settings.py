@@ -150,7 +150,7 @@ class ModelConfig:
         field_keys = {form.format(name) for name in request_fields for form in FIELD_PARAMETER_FORMS}
         values: dict[str, Any] = {}
         for key, text in params.items():
-            if key in field_keys:
+            if key in field_keys and key not in declared:  # scheduler_choices is a parameter of its own
                 continue
             key = RENAMED.get(key, key)
             if key not in readable:
@@ -164,6 +164,8 @@ class ModelConfig:
             if text == "":
                 continue  # an empty value keeps the default
             values[key] = _typed(declared[key], text, model)
+        if values.get("engine_stall_s", 1.0) <= 0:
+            raise ValueError(f"model {model}: config parameter 'engine_stall_s' must be > 0")
         return cls(**values)
 
 

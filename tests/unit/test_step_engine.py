@@ -420,6 +420,21 @@ def test_a_stuck_engine_is_noticed_its_requests_answered_and_the_process_asked_t
     assert submit(worker, late) == [-1.0] and late.request.channel.finals[0].code is ErrorCode.UNAVAILABLE
 
 
+def test_a_batch_larger_than_the_room_starts_at_once_and_the_rest_is_admitted_as_room_frees():
+    engine = engine_for(FakeAdapter(), max_running=2, max_per_forward=2)
+    worker = worker_for(engine, waiting_room=0)
+    jobs = [job(f"j{i}", Spec(steps=2)) for i in range(5)]
+    try:
+        waited = submit(worker, *jobs, max_wait_s=5.0)  # one execute() batch, more than fits
+        deadline = time.monotonic() + 5
+        while not all(j.request.ended for j in jobs) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        worker.close()
+    assert all(0 <= w < 2.0 for w in waited), waited  # nobody waited for the deadline
+    assert all(j.request.channel.finals == [{"out": f"out:{j.request.request_id}"}] for j in jobs)
+
+
 def test_a_slow_engine_is_not_taken_for_a_stuck_one():
     class Slow(FakeAdapter):
         def step(self, jobs):

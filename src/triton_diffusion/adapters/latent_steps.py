@@ -52,6 +52,12 @@ class ImageRequest:
     def size(self) -> tuple[int, int]:
         return self.height, self.width
 
+    @property
+    def summary(self) -> str:
+        """For the admission log line."""
+        size = f"{self.width}x{self.height}"
+        return f"{size}, {self.steps} steps, {self.scheduler}, guidance {self.guidance_scale}"
+
 
 @dataclass(eq=False)
 class LatentJob:

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 from triton_diffusion.compatibility import CompatibilityKey
 from triton_diffusion.engine.executor import CallRecord, CallReport, FusedCallExecutor
-from triton_diffusion.engine.jobs import Finished, Forward, Job, Left, Stepped, StepReport
+from triton_diffusion.engine.jobs import Finished, Job, Left, Stepped, StepReport
 from triton_diffusion.engine.planner import PlannedRequest, Row, RowCaps, plan_groups
 from triton_diffusion.engine.requests import TrackedRequest
 from triton_diffusion.errors import ErrorCode, RequestError
@@ -118,6 +118,8 @@ class RequestEngine:
     def running(self) -> list[Job]:
         return list(self._jobs.values())
 
+    in_flight: list[Job] = []  # every job of a round is in ``running``
+
     def take_report(self) -> StepReport:
         report, self.report = self.report, StepReport()
         report.running = len(self._jobs)
@@ -192,5 +194,3 @@ class RequestEngine:
 
     def _on_call(self, report: CallReport) -> None:
         self.report.calls.append(report)
-        if report.error is None:
-            self.report.forwards.append(Forward(report.rows, report.rows, report.seconds))

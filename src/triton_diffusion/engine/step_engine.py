@@ -92,6 +92,7 @@ class StepEngine:
         self.steps = 0  # engine steps so far
         self.forwards = 0  # forwards run
         self.report = StepReport()  # what the step under way did so far
+        self.in_flight: list[Job] = []  # being started or decoded: in neither list (the watchdog's view)
         self._arrivals = itertools.count()
         self._learned_caps: dict[Hashable, int] = {}  # lowered after out-of-memory
         self._good_forwards: dict[Hashable, int] = {}  # full forwards at the learned cap since it changed
@@ -140,6 +141,7 @@ class StepEngine:
             admitted.append(job)
         if not admitted:
             return
+        self.in_flight = admitted
         try:
             prepared = self._guarded(self.adapter.prepare, admitted, "preparing")
         except DeviceLostError:
@@ -152,6 +154,7 @@ class StepEngine:
             job.request.start()
             self.running.append(job)
             self.report.admitted.append(job)
+        self.in_flight = []
 
     def _drop_ended(self) -> None:
         now = time.perf_counter()
@@ -206,7 +209,9 @@ class StepEngine:
             self.running.remove(job)
         self.report.forwards.append(Forward(len(batch), model_rows, time.perf_counter() - started))
         if finished:
+            self.in_flight = finished
             self._finish(finished)
+            self.in_flight = []
 
     def _relax_learned_cap(self, group: Hashable, rows: int) -> None:
         # An out-of-memory may be transient (another process held memory for a while), so a learned cap

@@ -144,8 +144,8 @@ class EngineWorker:
                     waited.append(-1.0)
                     continue
                 self._incoming.extend(jobs)
+                self._condition.notify_all()  # an idle engine starts now, not after the whole batch
                 waited.append(time.perf_counter() - started)
-            self._condition.notify_all()
         return waited
 
     def close(self, timeout_s: float = 30.0) -> None:
@@ -184,9 +184,11 @@ class EngineWorker:
     def _loop(self) -> None:
         while self._next_round():
             self._step_started = time.monotonic()
-            report = self.engine.step()
-            self._render(report)
-            self._step_started = None
+            try:
+                report = self.engine.step()
+                self._render(report)
+            finally:
+                self._step_started = None  # idle (or restarting) is never a stall
 
     def beat(self) -> None:
         """The engine reported progress (a step, or a denoising step inside a fused call)."""
@@ -249,7 +251,7 @@ class EngineWorker:
             log.critical("%s: it is stuck; answering what it holds and exiting for a restart", error)
             with self._condition:
                 self._closed = True
-                held = list(self._incoming) + list(self.engine.running) + list(self.engine.waiting)
+                held = [*self._incoming, *self.engine.running, *self.engine.waiting, *self.engine.in_flight]
                 self._condition.notify_all()
             for job in held:  # the engine thread is stuck: answered from here (exactly once, under lock)
                 job.request.fail(RequestError(ErrorCode.UNAVAILABLE, f"{error}; the model is restarting"))
@@ -285,7 +287,7 @@ class EngineHost:
         if adapter is not None:
             if faults is not None:  # looked up once, here: the engine sees the failures a model would give
                 adapter = FaultyStepAdapter(adapter, faults, prompt_of)
-            caps = caps or RowCaps(default_running)
+            caps = caps or RowCaps(config.max_running or default_running)  # the LM: every running job
             limits = EngineLimits(
                 max_running=config.max_running or default_running,
                 max_per_forward=caps.max_rows,
@@ -355,11 +357,12 @@ class EngineHost:
     def render(self, report: StepReport) -> None:
         names, submit = self.names, self.responses.submit
         for job in report.admitted:
+            summary = getattr(job.params, "summary", None) or f"{job.total_steps} steps"
             log.info(
-                "request %s image %d admitted (%d steps, %d running)",
+                "request %s image %d admitted: %s (%d running)",
                 job.request.request_id,
                 job.index,
-                job.total_steps,
+                summary,
                 report.running,
             )
         for stepped in report.stepped:
@@ -381,7 +384,7 @@ class EngineHost:
                 job.most_shared,
                 f": {left.error.message}" if left.error is not None else "",
             )
-        if report.forwards or report.calls or report.cuts:
+        if report.forwards or report.calls or report.cuts or report.stepped:
             submit(None, lambda: self._record_metrics(report))
 
     def _progress_in_call(self, report: StepReport) -> None:

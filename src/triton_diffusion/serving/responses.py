@@ -1,4 +1,4 @@
-"""Encoding and sending responses off the step engine's thread, so the next step is not delayed.
+"""Encoding and sending responses off the engine's thread, so the next step is not delayed.
 
 One worker thread runs the handed-over work in order: a request's progress responses, handed over at
 its steps, always go out before its FINAL response, handed over when it is done. Work that raises fails

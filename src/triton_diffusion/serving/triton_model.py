@@ -270,7 +270,7 @@ class DiffusionModel(TritonModel):
                 RowInput(values, i),
                 record,
                 index=i,
-                preview_every=preview_every,
+                preview_every=preview_every if i == 0 else 0,
                 group=parsed.key,
             )
             for i in range(parsed.images)
