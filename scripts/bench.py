@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import queue
 import random
 import sys
@@ -39,6 +40,7 @@ from bench_common import (  # noqa: E402
     POISSON_LOADS,
     PROMPTS,
     REPO_ROOT,
+    WARM_UP_FRACTION,
     load_cell,
     machine_description,
     max_sequence_length,
@@ -144,7 +146,12 @@ def make_requests(
 
 def drive(url: str, model: str, requests: list[dict], concurrency: int | None, rate: float | None):
     """Closed loop (``concurrency`` workers, each sends its next request when the last one is answered) or
-    open loop (Poisson arrivals at ``rate`` requests/s). Returns the results and the duration."""
+    open loop (Poisson arrivals at ``rate`` requests/s). Returns the results and the duration.
+
+    Open loop on the true clock: a request's latency and time to first progress run from its scheduled
+    arrival (a thread that starts late is charged its lateness), and the first WARM_UP_FRACTION of the
+    requests (an empty server filling up) are left out; the duration then runs from the first measured
+    arrival to the last measured answer."""
     results: list[GenerateResult | None] = [None] * len(requests)
     todo: queue.Queue = queue.Queue()
     for item in enumerate(requests):
@@ -155,6 +162,8 @@ def drive(url: str, model: str, requests: list[dict], concurrency: int | None, r
 
     sessions = [StreamSession(url, model) for _ in range(concurrency or 0)]  # connected before the clock
     started = time.perf_counter()
+    arrivals: list[float] = []
+    late = [0.0] * len(requests)
     if rate is None:
 
         def worker(session: StreamSession) -> None:
@@ -174,6 +183,7 @@ def drive(url: str, model: str, requests: list[dict], concurrency: int | None, r
 
             def delayed(index: int = index, request: dict = request, at: float = at) -> None:
                 time.sleep(max(0.0, started + at - time.perf_counter()))
+                late[index] = time.perf_counter() - (started + at)
                 send(index, request)
 
             threads.append(threading.Thread(target=delayed))
@@ -181,7 +191,22 @@ def drive(url: str, model: str, requests: list[dict], concurrency: int | None, r
         thread.start()
     for thread in threads:
         thread.join()
-    return [r for r in results if r is not None], time.perf_counter() - started
+    if rate is None:
+        return [r for r in results if r is not None], time.perf_counter() - started
+    measured, end = [], 0.0
+    warm_up = math.floor(len(requests) * WARM_UP_FRACTION)
+    for index, result in enumerate(results):
+        if result is None or index < warm_up:
+            continue
+        first = result.first_progress_s
+        result = replace(
+            result,
+            latency_s=result.latency_s + late[index],
+            first_progress_s=None if first is None else first + late[index],
+        )
+        measured.append(result)
+        end = max(end, arrivals[index] + result.latency_s)
+    return measured, end - arrivals[warm_up]
 
 
 def summarize(
@@ -250,7 +275,7 @@ class ServerVariant:
         # Images per fused call (request-level) or per forward (step engine).
         prefix = "triton_diffusion_fused_call_rows"
         if self.name == "step":
-            prefix = "triton_diffusion_forward_rows"
+            prefix = "triton_diffusion_forward_images"
         calls = metric_delta(before, after, f"{prefix}_count", self.model)
         rows = metric_delta(before, after, f"{prefix}_sum", self.model)
         stats = summarize(
@@ -433,6 +458,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--singleton", action="store_true", help="also the unbatched request-level engine")
     parser.add_argument("--mixed", action="store_true", help="also mixed steps x guidance traffic")
     parser.add_argument("--poisson", action="store_true", help="also Poisson arrivals at 50/80/95% load")
+    parser.add_argument(
+        "--poisson-requests",
+        type=int,
+        default=400,
+        help="requests per Poisson run (steady state: the first 10%% are left out)",
+    )
     parser.add_argument("--sweep", action="store_true", help="also sweep images per call x queue delay")
     parser.add_argument("--no-raw", action="store_true", help="skip the in-process ceiling")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench_results")
@@ -484,7 +515,7 @@ def main(argv: list[str] | None = None) -> None:
             saturated = max(
                 r.requests_per_s for r in runs if r.variant == "request" and r.traffic == "homogeneous"
             )
-            poisson_requests = make_requests(args.requests, [shape], True)
+            poisson_requests = make_requests(args.poisson_requests, [shape], True)
             request_variant = ServerVariant(
                 "request",
                 model,

@@ -31,10 +31,12 @@ Works on CPU (the tiny models) and on a GPU (``--arch sd15 --height 512 --width 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import random
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,9 +45,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_common, also when loaded by file path
 
 from bench_common import (  # noqa: E402
+    DELIVERED_TARGET,
     MIXED_GUIDANCE,
     MIXED_STEPS,
     POISSON_LOADS,
+    POISSON_TARGETS,
     PROMPTS,
     REPO_ROOT,
     TARGETS,
@@ -60,14 +64,13 @@ from bench_common import (  # noqa: E402
     poisson_arrivals,
     poisson_label,
     ratio_table,
-    step_request_ratios,
 )
 
 from triton_diffusion.adapters.diffusers_pipeline import row_generator  # noqa: E402
 from triton_diffusion.compatibility import compatibility_key  # noqa: E402
 from triton_diffusion.engine.jobs import Job, StepReport  # noqa: E402
 from triton_diffusion.engine.planner import RowCaps  # noqa: E402
-from triton_diffusion.engine.policies import make_policy  # noqa: E402
+from triton_diffusion.engine.policies import AdmissionPacing, make_policy  # noqa: E402
 from triton_diffusion.engine.request_engine import RequestEngine  # noqa: E402
 from triton_diffusion.engine.requests import TrackedRequest  # noqa: E402
 from triton_diffusion.engine.step_engine import EngineLimits, StepEngine  # noqa: E402
@@ -159,17 +162,94 @@ def run_request_level(bench: Bench, traffic: Traffic, window: int) -> list[int]:
     return recorder.images
 
 
-def run_step_engine(bench: Bench, traffic: Traffic) -> list[int]:
+def run_step_engine(
+    bench: Bench, traffic: Traffic, cohort: int, clock: StageClock | None = None
+) -> list[int]:
     recorder = Recorder(traffic)
-    engine = StepEngine(bench.adapter, EngineLimits(bench.max_running, bench.cap), make_policy(bench.policy))
+    engine = bench.step_engine(cohort)
     while not traffic.finished:
         for index, values in traffic.arrived():
             engine.add(bench.job(index, values, "step"))
         if engine.active:
-            recorder.render(engine.step())
+            started = time.perf_counter()
+            report = engine.step()
+            if clock is not None:
+                clock.end_step(time.perf_counter() - started, len(engine.waiting))
+            recorder.render(report)
         else:
             traffic.wait_for_arrival()
     return recorder.images
+
+
+class StageClock:
+    """Where an engine step's time goes: the adapter's stages timed in place (text encoding and noise at
+    admission, the model forward, the row math around it, the VAE decode), the engine's own work as the
+    rest. ``with clock.timing(adapter):`` patches the adapter's methods for the run and restores them."""
+
+    STAGES = ("prepare", "predict", "step", "finish")
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+        self.totals = {name: 0.0 for name in self.STAGES}
+        self.calls = {name: 0 for name in self.STAGES}
+        self.jobs = {name: 0 for name in self.STAGES}  # jobs (prepare, step, finish) in those calls
+        self.step_s: list[float] = []
+        self.waiting: list[int] = []
+
+    @contextmanager
+    def timing(self, adapter):
+        originals = {name: getattr(adapter, name) for name in self.STAGES}
+
+        def timed(name):
+            def wrapper(*args, **kwargs):
+                sync(self.device)
+                started = time.perf_counter()
+                result = originals[name](*args, **kwargs)
+                sync(self.device)
+                self.totals[name] += time.perf_counter() - started
+                self.calls[name] += 1
+                if name != "predict":
+                    self.jobs[name] += len(args[0])
+                return result
+
+            return wrapper
+
+        for name in self.STAGES:
+            setattr(adapter, name, timed(name))
+        try:
+            yield self
+        finally:
+            for name in self.STAGES:
+                delattr(adapter, name)  # the class's methods again
+
+    def end_step(self, seconds: float, waiting: int) -> None:
+        self.step_s.append(seconds)
+        self.waiting.append(waiting)
+
+    def summary(self) -> dict:
+        steps = max(len(self.step_s), 1)
+        total = sum(self.step_s)
+        per_step = {name: 1000 * self.totals[name] / steps for name in self.STAGES}
+        own = total - self.totals["prepare"] - self.totals["step"] - self.totals["finish"]
+        return {
+            "steps": len(self.step_s),
+            "step_ms": 1000 * total / steps,
+            "admission_ms": per_step["prepare"],
+            "model_forward_ms": per_step["predict"],
+            "row_math_ms": per_step["step"] - per_step["predict"],
+            "decode_ms": per_step["finish"],
+            "own_ms": 1000 * own / steps,
+            # The issue's "engine's own work": all but the forward, encoding and decoding.
+            "own_share_of_step": (own + self.totals["step"] - self.totals["predict"]) / total
+            if total
+            else 0.0,
+            "admissions_per_step": self.calls["prepare"] / steps,
+            "jobs_per_admission": self.jobs["prepare"] / max(self.calls["prepare"], 1),
+            "decodes_per_step": self.calls["finish"] / steps,
+            "jobs_per_decode": self.jobs["finish"] / max(self.calls["finish"], 1),
+            "jobs_per_forward": self.jobs["step"] / max(self.calls["step"], 1),
+            "waiting_mean": mean(self.waiting),
+        }
 
 
 class Bench:
@@ -189,6 +269,12 @@ class Bench:
         self.pipe = self.model.pipe
         self.height, self.width, self.cap, self.device = height, width, cap, device
         self.max_running, self.policy = cap, "oldest"
+        self.cohort = max(1, cap // 2)  # the served default (EngineHost)
+
+    def step_engine(self, cohort: int) -> StepEngine:
+        limits = EngineLimits(self.max_running, self.cap)
+        pacing = AdmissionPacing(min(cohort, self.max_running))
+        return StepEngine(self.adapter, limits, make_policy(self.policy), pacing)
 
     def request(self, index: int, steps: int, guidance: float) -> dict:
         """A request's validated fields, as execute() parses them."""
@@ -289,68 +375,107 @@ def run_poisson(
     traffic = Traffic(
         requests, arrivals=poisson_arrivals(len(requests), rate, seed), warm_up_fraction=warm_up_fraction
     )
-    rows = drive(bench, engine, traffic, window)
-    return outcome(engine, traffic_name, traffic, None, rate, rows)
+    clock = None if engine == "request" else StageClock(bench.device)
+    rows = drive(bench, engine, traffic, window, clock)
+    result = outcome(engine, traffic_name, traffic, None, rate, rows)
+    if clock is not None:
+        result.extra["timeline"] = clock.summary()
+        print("    timeline: " + timeline_line(result.extra["timeline"]), flush=True)
+    return result
 
 
-def drive(bench: Bench, engine: str, traffic: Traffic, window: int) -> list[int]:
+def timeline_line(t: dict) -> str:
+    return (
+        f"{t['step_ms']:.1f} ms a step = admission {t['admission_ms']:.1f} + forward "
+        f"{t['model_forward_ms']:.1f} + row math {t['row_math_ms']:.2f} + decode {t['decode_ms']:.1f} + "
+        f"engine {t['own_ms']:.2f} (row math and engine: {100 * t['own_share_of_step']:.1f}%); "
+        f"{t['jobs_per_forward']:.2f} images a forward, "
+        f"{t['admissions_per_step']:.2f} admissions of {t['jobs_per_admission']:.2f} and "
+        f"{t['decodes_per_step']:.2f} decodes of {t['jobs_per_decode']:.2f} a step, "
+        f"{t['waiting_mean']:.2f} waiting"
+    )
+
+
+# The step engine's variants: served (newcomers to a busy engine join as a cohort of half the forward's
+# cap, AdmissionPacing) and eager (every newcomer joins at the next step, the engine before pacing).
+STEP_COHORTS = {"step": None, "step-eager": 1}
+
+
+def drive(
+    bench: Bench, engine: str, traffic: Traffic, window: int, clock: StageClock | None = None
+) -> list[int]:
     if engine == "request":
         return run_request_level(bench, traffic, window)
-    return run_step_engine(bench, traffic)
+    cohort = STEP_COHORTS[engine] or bench.cohort
+    if clock is None:
+        return run_step_engine(bench, traffic, cohort)
+    with clock.timing(bench.adapter):
+        return run_step_engine(bench, traffic, cohort, clock)
 
 
 def profile_step_engine(bench: Bench, steps: int, forwards: int) -> dict:
-    """Full occupancy: ``cap`` jobs running all the time. Splits each engine step into the model forward,
-    text encoding + noise (admission), VAE decode + postprocess, and the engine's own work."""
-    adapter, spent = bench.adapter, {"predict": 0.0, "prepare": 0.0, "finish": 0.0}
-    originals = {name: getattr(adapter, name) for name in spent}
-
-    def timed(name):
-        def wrapper(*args, **kwargs):
-            sync(bench.device)
-            started = time.perf_counter()
-            result = originals[name](*args, **kwargs)
-            sync(bench.device)
-            spent[name] += time.perf_counter() - started
-            return result
-
-        return wrapper
-
-    for name in spent:
-        setattr(adapter, name, timed(name))
-    try:
-        engine = StepEngine(adapter, EngineLimits(bench.cap, bench.cap))
-        counter = 0
-        for _ in range(3):  # warm-up
-            engine.add(bench.job(counter, bench.request(counter, steps, 7.5), "step"))
-            counter += 1
-        while engine.active:
-            engine.step()
-        for name in spent:
-            spent[name] = 0.0
-        sync(bench.device)
-        started = time.perf_counter()
+    """Full occupancy: ``cap`` jobs running all the time (a newcomer joins whenever one leaves). Splits
+    each engine step into text encoding + noise (admission), the model forward, the row math around it
+    (guidance, scheduler steps), VAE decode + postprocess, and the engine's own work."""
+    engine = bench.step_engine(cohort=1)
+    counter = 0
+    for _ in range(3):  # warm-up
+        engine.add(bench.job(counter, bench.request(counter, steps, 7.5), "step"))
+        counter += 1
+    while engine.active:
+        engine.step()
+    clock = StageClock(bench.device)
+    with clock.timing(bench.adapter):
         for _ in range(forwards):
             while engine.active < bench.cap:
                 engine.add(bench.job(counter, bench.request(counter, steps, 7.5), "step"))
                 counter += 1
+            sync(bench.device)
+            started = time.perf_counter()
             engine.step()
-        sync(bench.device)
-        total = time.perf_counter() - started
-    finally:
-        for name, original in originals.items():
-            setattr(adapter, name, original)
-    own = total - sum(spent.values())
-    return {
-        "forwards": forwards,
-        "rows_per_forward": bench.cap,
-        "step_ms": 1000 * total / forwards,
-        "model_forward_ms": 1000 * spent["predict"] / forwards,
-        "admission_ms": 1000 * spent["prepare"] / forwards,
-        "decode_ms": 1000 * spent["finish"] / forwards,
-        "own_ms": 1000 * own / forwards,
-        "own_share_of_step": own / total,
-    }
+            sync(bench.device)
+            clock.end_step(time.perf_counter() - started, len(engine.waiting))
+    return {"forwards": forwards, "rows_per_forward": bench.cap, **clock.summary()}
+
+
+def stage_costs(
+    bench: Bench, steps: int, sizes: tuple[int, ...] = (1, 2, 4, 8)
+) -> dict[str, dict[int, float]]:
+    """Median seconds of text encoding + noise, one forward and one decode for k images (the engine's
+    own adapter, CFG on): the costs ``engine_sim.py`` models the engines from."""
+    costs: dict[str, dict[int, float]] = {"encode": {}, "forward": {}, "decode": {}}
+    adapter = bench.adapter
+
+    def fresh(k: int) -> list[Job]:
+        jobs = [bench.job(i, bench.request(i, steps, 7.5), "step") for i in range(k)]
+        adapter.prepare(jobs)
+        return jobs
+
+    for k in sizes:
+        jobs = fresh(k)
+        costs["encode"][k] = timed_median(lambda k=k: fresh(k), bench.device)
+        costs["forward"][k] = timed_median(lambda jobs=jobs: adapter.step(jobs), bench.device)
+        costs["decode"][k] = timed_median(lambda jobs=jobs: adapter.finish(jobs), bench.device)
+    return costs
+
+
+def timed_median(work, device: str, repeats: int = 7) -> float:
+    work()
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        started = time.perf_counter()
+        work()
+        sync(device)
+        times.append(time.perf_counter() - started)
+    return sorted(times)[len(times) // 2]
+
+
+def sim_arguments(costs: dict[str, dict[int, float]]) -> str:
+    return " ".join(
+        f"--{stage} " + ",".join(f"{k}:{seconds:.5f}" for k, seconds in by_k.items())
+        for stage, by_k in costs.items()
+    )
 
 
 def raw_ceiling(bench: Bench, steps: int, images: int) -> dict:
@@ -391,7 +516,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-running", type=int, help="the step engine's running set (default: --cap)")
     parser.add_argument("--policy", default="oldest", help="the step engine's scheduling policy")
     parser.add_argument("--no-mixed", action="store_true")
-    parser.add_argument("--no-poisson", action="store_true")
+    parser.add_argument("--no-closed", action="store_true", help="no closed-loop runs (give --saturated)")
+    parser.add_argument("--no-raw", action="store_true")
+    parser.add_argument(
+        "--loads",
+        default=",".join(str(load) for load in POISSON_LOADS),
+        help="Poisson loads, fractions of the request-level engine's saturated throughput ('' for none)",
+    )
+    parser.add_argument(
+        "--saturated", type=float, help="that throughput (images/s); default: the closed loop's best"
+    )
+    parser.add_argument(
+        "--sim",
+        type=Path,
+        default=REPO_ROOT.parent / "shared" / "tools" / "engine_sim.py",
+        help="engine_sim.py, to set its prediction beside the measurement (skipped if absent)",
+    )
     parser.add_argument("--profile-forwards", type=int, default=40)
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench_results")
@@ -427,13 +567,14 @@ def main(argv: list[str] | None = None) -> None:
     for engine in ("request", "step"):
         run_closed(bench, engine, homogeneous[: args.cap], args.cap, "warm-up", args.window)
 
-    print("[homogeneous closed loop]", flush=True)
-    for concurrency in concurrencies:
-        for engine in ("request", "step"):
-            report["runs"].append(
-                run_closed(bench, engine, homogeneous, concurrency, "homogeneous", args.window)
-            )
-    if not args.no_mixed:
+    if not args.no_closed:
+        print("[homogeneous closed loop]", flush=True)
+        for concurrency in concurrencies:
+            for engine in ("request", "step"):
+                report["runs"].append(
+                    run_closed(bench, engine, homogeneous, concurrency, "homogeneous", args.window)
+                )
+    if not args.no_closed and not args.no_mixed:
         print("[mixed closed loop]", flush=True)
         rng = random.Random(5)
         mixed = [
@@ -442,8 +583,9 @@ def main(argv: list[str] | None = None) -> None:
         ]
         for engine in ("request", "step"):
             report["runs"].append(run_closed(bench, engine, mixed, top, "mixed", args.window))
-    if not args.no_poisson:
-        saturated = max(
+    loads = [float(load) for load in args.loads.split(",")] if args.loads else []
+    if loads:
+        saturated = args.saturated or max(
             r.images_per_s for r in report["runs"] if r.engine == "request" and r.traffic == "homogeneous"
         )
         report["request_saturated_images_per_s"] = saturated
@@ -453,8 +595,8 @@ def main(argv: list[str] | None = None) -> None:
             flush=True,
         )
         poisson = [bench.request(i, args.steps, 7.5) for i in range(args.poisson_requests)]
-        for load in POISSON_LOADS:
-            for engine in ("request", "step"):
+        for load in loads:
+            for engine in ("request", *STEP_COHORTS):
                 report["runs"].append(
                     run_poisson(
                         bench,
@@ -467,11 +609,18 @@ def main(argv: list[str] | None = None) -> None:
                         WARM_UP_FRACTION,
                     )
                 )
-    print("[profile of the step engine at full occupancy]", flush=True)
-    report["profile"] = profile_step_engine(bench, args.steps, args.profile_forwards)
-    print("  " + json.dumps(report["profile"]), flush=True)
-    print("[raw pipeline]", flush=True)
-    report["raw"] = raw_ceiling(bench, args.steps, max(args.requests // 2, args.cap * 2))
+        print("[stage costs, and what engine_sim.py predicts from them]", flush=True)
+        costs = stage_costs(bench, steps=50)
+        report["stage_costs"] = {stage: {str(k): v for k, v in by_k.items()} for stage, by_k in costs.items()}
+        print("  engine_sim.py " + sim_arguments(costs) + f" --steps {args.steps} --cap {args.cap}")
+        report["model"] = model_prediction(args.sim, costs, args, saturated, loads)
+    if args.profile_forwards:
+        print("[profile of the step engine at full occupancy]", flush=True)
+        report["profile"] = profile_step_engine(bench, args.steps, args.profile_forwards)
+        print("  " + timeline_line(report["profile"]), flush=True)
+    if not args.no_raw:
+        print("[raw pipeline]", flush=True)
+        report["raw"] = raw_ceiling(bench, args.steps, max(args.requests // 2, args.cap * 2))
     report["ratios"] = ratios(report)
     report["runs"] = [r.__dict__ for r in report["runs"]]
     args.out.mkdir(parents=True, exist_ok=True)
@@ -480,25 +629,95 @@ def main(argv: list[str] | None = None) -> None:
     print(markdown(report))
 
 
+def model_prediction(sim: Path, costs: dict, args, saturated: float, loads: list[float]) -> dict | None:
+    """engine_sim.py's prediction for the measured stage costs and the same arrivals: the request-level
+    engine, the step engine with every stage on its thread (admitting every newcomer at once), and the
+    bound with encoding and decoding free. None where the model is not there (a clean clone)."""
+    if not sim.is_file():
+        print(f"  ({sim} not found: no model prediction)")
+        return None
+    spec = importlib.util.spec_from_file_location("engine_sim", sim)
+    model = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(model)
+    c = {
+        stage: model.piecewise(",".join(f"{k}:{v}" for k, v in by_k.items())) for stage, by_k in costs.items()
+    }
+    c["row"] = 0.0  # the measured forward includes the row math
+    out: dict = {}
+    for load in loads:
+        arrivals = poisson_arrivals(args.poisson_requests, load * saturated, args.arrival_seed)
+        runs = {
+            "request": model.run_request(arrivals, c, args.steps, args.cap, args.window),
+            "step-eager": model.run_step(arrivals, c, args.steps, args.cap, "serial", 1.0),
+            "step-free": model.run_step(arrivals, c, args.steps, args.cap, "free", 1.0),
+        }
+        out[poisson_label(load)] = runs
+        for name, r in runs.items():
+            print(
+                f"  model {poisson_label(load)} {name:10s}: mean {r['mean']:.3f} s, p95 {r['p95']:.3f} s, "
+                f"first step {r['ttfs']:.3f} s, mean / request {r['mean'] / runs['request']['mean']:.2f}"
+            )
+    return out
+
+
 def ratios(report: dict) -> dict[str, tuple[float, str]]:
     runs = report["runs"]
-    top = max(r.concurrency for r in runs if r.traffic == "homogeneous")
 
-    def pick(engine: str, traffic: str) -> Outcome | None:
+    def pick(engine: str, traffic: str, concurrency: int | None = None) -> Outcome | None:
         found = [r for r in runs if r.engine == engine and r.traffic == traffic]
-        if traffic == "homogeneous":
-            found = [r for r in found if r.concurrency == top]
+        if concurrency is not None:
+            found = [r for r in found if r.concurrency == concurrency]
         return found[-1] if found else None
 
-    out = step_request_ratios(pick, top, "first_step_mean_s")
-    out[f"homogeneous c={top}: step / raw batch-{report['cap']} throughput"] = (
-        pick("step", "homogeneous").images_per_s / report["raw"][f"batch{report['cap']}_images_per_s"],
-        TARGETS["raw throughput"],
-    )
-    out["profile: engine's own work / step time"] = (
-        report["profile"]["own_share_of_step"],
-        TARGETS["own work"],
-    )
+    out: dict[str, tuple[float, str]] = {}
+    closed = [r.concurrency for r in runs if r.traffic == "homogeneous"]
+    top = max(closed) if closed else None
+    if top is not None:
+        step, request = pick("step", "homogeneous", top), pick("request", "homogeneous", top)
+        out[f"homogeneous c={top}: step / request throughput"] = (
+            step.images_per_s / request.images_per_s,
+            TARGETS["throughput"],
+        )
+        if "raw" in report:
+            raw = report["raw"][f"batch{report['cap']}_images_per_s"]
+            out[f"homogeneous c={top}: step / raw batch-{report['cap']} throughput"] = (
+                step.images_per_s / raw,
+                TARGETS["raw throughput"],
+            )
+    if pick("step", "mixed") and pick("request", "mixed"):
+        out["mixed: step / request throughput"] = (
+            pick("step", "mixed").images_per_s / pick("request", "mixed").images_per_s,
+            TARGETS["mixed throughput"],
+        )
+    for load, (latency, first) in POISSON_TARGETS.items():
+        label, percent = poisson_label(load), f"Poisson {round(load * 100)}%"
+        request = pick("request", label)
+        for engine in STEP_COHORTS:
+            step = pick(engine, label)
+            if not (step and request):
+                continue
+            served = engine == "step"
+            out[f"{percent}: {engine} / request mean latency"] = (
+                step.latency_mean_s / request.latency_mean_s,
+                f"<= {latency}" if served else "-",
+            )
+            out[f"{percent}: {engine} / request p95 latency"] = (
+                step.latency_p95_s / request.latency_p95_s,
+                f"<= {latency}" if served else "-",
+            )
+            out[f"{percent}: {engine} / request mean time to first step"] = (
+                step.first_step_mean_s / request.first_step_mean_s,
+                f"<= {first}" if served else "-",
+            )
+            out[f"{percent}: {engine} delivered / offered"] = (
+                step.images_per_s / step.offered_images_per_s,
+                DELIVERED_TARGET if served and load == 0.95 else "-",
+            )
+    if "profile" in report:
+        out["profile: engine's own work / step time"] = (
+            report["profile"]["own_share_of_step"],
+            TARGETS["own work"],
+        )
     return out
 
 
@@ -523,16 +742,40 @@ def markdown(report: dict) -> str:
             f"| {r['latency_mean_s']:.3f} | {r['latency_p95_s']:.3f} | {r['first_step_mean_s']:.3f} "
             f"| {r['first_step_p95_s']:.3f} | {rows} | {r['measured_requests']} of {r['requests']} |"
         )
-    raw = report["raw"]
-    lines += ["", "Raw pipeline: " + ", ".join(f"{k.replace('_', ' ')} {v:.2f}" for k, v in raw.items()), ""]
-    p = report["profile"]
-    lines += [
-        f"Step engine at full occupancy ({p['rows_per_forward']} rows): {p['step_ms']:.1f} ms per step "
-        f"= model forward {p['model_forward_ms']:.1f} + text encoding and noise {p['admission_ms']:.1f} "
-        f"+ decode {p['decode_ms']:.1f} + the engine's own work {p['own_ms']:.2f} ms "
-        f"({100 * p['own_share_of_step']:.1f}%).",
-        "",
-    ]
+    if "raw" in report:
+        raw = report["raw"]
+        lines += ["", "Raw pipeline: " + ", ".join(f"{k.replace('_', ' ')} {v:.2f}" for k, v in raw.items())]
+    timelines = [r for r in report["runs"] if "timeline" in r["extra"]]
+    if timelines:
+        lines += ["", "Where a step engine's time went under Poisson load (per engine step):", ""]
+        lines += [
+            f"- {r['engine']} {r['traffic']}: {timeline_line(r['extra']['timeline'])}" for r in timelines
+        ]
+    if report.get("model"):
+        lines += [
+            "",
+            "engine_sim.py's prediction from the stage costs measured in this run (same arrivals):",
+            "",
+        ]
+        lines += [
+            "| load | engine | mean (s) | p95 (s) | first step (s) | mean / request |",
+            "|---|---|---|---|---|---|",
+        ]
+        for label, by_engine in report["model"].items():
+            base = by_engine["request"]["mean"]
+            lines += [
+                f"| {label} | {name} | {m['mean']:.3f} | {m['p95']:.3f} | {m['ttfs']:.3f} "
+                f"| {m['mean'] / base:.2f} |"
+                for name, m in by_engine.items()
+            ]
+    if "profile" in report:
+        lines += [
+            "",
+            f"Step engine at full occupancy ({report['profile']['rows_per_forward']} rows): "
+            + timeline_line(report["profile"])
+            + ".",
+        ]
+    lines += [""]
     lines += ratio_table(report["ratios"])
     return "\n".join(lines) + "\n"
 

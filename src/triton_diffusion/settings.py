@@ -132,6 +132,15 @@ class ModelConfig:
     starvation_steps: int = _parameter(
         16, "a job not stepped for this many engine steps goes next", (IMAGE, IMAGE_SOURCE)
     )
+    admission_cohort: int | None = _parameter(
+        None,
+        "a busy step engine admits newcomers once this many places are free, so they are encoded, and "
+        "later decoded, together (engine/policies.py AdmissionPacing); 1: whenever there is room; "
+        "default: half the forward's cap (images), 1 (LM)",
+    )
+    admission_max_wait_steps: int = _parameter(
+        8, "... or once the oldest waiting job has waited this many engine steps"
+    )
     engine_stall_s: float = _parameter(
         120.0,
         "an engine with work that reports nothing for this long (or 5x its slowest step, if longer) is "
@@ -166,6 +175,9 @@ class ModelConfig:
             values[key] = _typed(declared[key], text, model)
         if values.get("engine_stall_s", 1.0) <= 0:
             raise ValueError(f"model {model}: config parameter 'engine_stall_s' must be > 0")
+        for key, least in (("admission_cohort", 1), ("admission_max_wait_steps", 0)):
+            if values.get(key) is not None and values[key] < least:
+                raise ValueError(f"model {model}: config parameter {key!r} must be >= {least}")
         return cls(**values)
 
 

@@ -24,6 +24,9 @@ def test_bench_writes_its_report(tmp_path):
             "2",
             "--progress",
             "--mixed",
+            "--poisson",
+            "--poisson-requests",
+            "10",
             "--out",
             str(out),
         ],
@@ -33,6 +36,7 @@ def test_bench_writes_its_report(tmp_path):
     report = json.loads((out / "bench.json").read_text())
     assert (out / "bench.md").read_text().startswith("Machine:")
     assert (out / "bench.png").read_bytes().startswith(b"\x89PNG")
+    poisson = [(engine, f"poisson{load}", None) for load in (50, 80, 95) for engine in ("request", "step")]
     assert [(r["variant"], r["traffic"], r["concurrency"]) for r in report["runs"]] == [
         ("request", "homogeneous", 1),
         ("request", "homogeneous", 2),
@@ -40,9 +44,12 @@ def test_bench_writes_its_report(tmp_path):
         ("step", "homogeneous", 1),
         ("step", "homogeneous", 2),
         ("step", "mixed", 2),
+        *poisson,
     ]
     for run in report["runs"]:
-        assert run["errors"] == 0 and run["requests"] == 4 and run["images"] == 4
+        # Poisson: the first 10% of the 10 requests (an empty server filling up) are left out.
+        count = 9 if run["traffic"].startswith("poisson") else 4
+        assert run["errors"] == 0 and run["requests"] == count and run["images"] == count
         assert run["requests_per_s"] > 0 and 0 < run["latency_p50_s"] <= run["latency_p99_s"]
         assert 0 < run["first_progress_mean_s"] <= run["latency_mean_s"]
         assert run["peak_memory_mb"] > 50
@@ -82,6 +89,12 @@ def test_the_engine_benchmark_runs_both_engines_and_profiles_the_step_engine(tmp
     for engine in ("request", "step"):
         kinds = ("homogeneous", "mixed", "poisson50", "poisson80", "poisson95")
         assert {(engine, kind) for kind in kinds} <= traffic
+    # The step engine before admission pacing runs beside the served one, with a timeline of its steps.
+    assert {("step-eager", kind) for kind in ("poisson50", "poisson80", "poisson95")} <= traffic
+    for run in report["runs"]:
+        if run["engine"].startswith("step") and run["traffic"].startswith("poisson"):
+            timeline = run["extra"]["timeline"]
+            assert timeline["steps"] > 0 and 0 < timeline["model_forward_ms"] < timeline["step_ms"]
     for run in report["runs"]:
         poisson = run["traffic"].startswith("poisson")
         assert run["requests"] == (10 if poisson else 6) and run["images_per_s"] > 0

@@ -14,7 +14,7 @@ import pytest
 from tests.unit.recording import RecordingChannel, tracked
 from triton_diffusion.engine.failures import DeviceLostError
 from triton_diffusion.engine.jobs import Job, StepReport
-from triton_diffusion.engine.policies import make_policy
+from triton_diffusion.engine.policies import AdmissionPacing, make_policy
 from triton_diffusion.engine.requests import Stage, TrackedRequest
 from triton_diffusion.engine.step_engine import CAP_RECOVERY_FORWARDS, EngineLimits, StepEngine
 from triton_diffusion.errors import ErrorCode, RequestError
@@ -92,9 +92,12 @@ class Engine:
         self.host.render(self.engine.step())
 
 
-def engine_for(adapter, host=None, max_running=8, max_per_forward=8, policy="oldest", cap_for=None):
+def engine_for(
+    adapter, host=None, max_running=8, max_per_forward=8, policy="oldest", cap_for=None, pacing=None
+):
     limits = EngineLimits(max_running, max_per_forward, cap_for)
-    return Engine(StepEngine(adapter, limits, make_policy(policy, starvation_steps=4)), host or Host())
+    engine = StepEngine(adapter, limits, make_policy(policy, starvation_steps=4), pacing)
+    return Engine(engine, host or Host())
 
 
 def worker_for(engine: Engine, waiting_room: int, stall_s: float = 60.0, on_device_lost=None, on_stall=None):
@@ -239,6 +242,69 @@ def test_a_failing_decode_is_retried_job_by_job():
     got = answers(jobs)
     assert got["ok"] == [{"out": "out:ok"}] and got["ok2"] == [{"out": "out:ok2"}]
     assert got["bad"][0].code is ErrorCode.INTERNAL and "decode failed" in got["bad"][0].message
+
+
+class PreparingAdapter(FakeAdapter):
+    """Writes down who each admission started together."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.admissions: list[list[str]] = []
+
+    def prepare(self, jobs):
+        self.admissions.append([job.request.request_id for job in jobs])
+        super().prepare(jobs)
+
+
+def test_a_busy_engine_admits_newcomers_as_a_cohort_and_an_idle_one_at_once():
+    adapter = PreparingAdapter()
+    engine = engine_for(adapter, max_running=4, pacing=AdmissionPacing(cohort=2, max_wait_steps=50))
+    first = job("first", Spec(steps=2))
+    engine.add(first)
+    engine.step()  # idle: starts at the next step, alone
+    assert adapter.admissions == [["first"]] and adapter.forwards == [["first"]]
+    long = [job(f"long{i}", Spec(steps=6)) for i in range(3)]
+    for j in long:
+        engine.add(j)
+    engine.step()  # room 3 >= 2: all three join, "first" finishes
+    assert adapter.admissions[-1] == ["long0", "long1", "long2"]
+    late = [job("late0"), job("late1"), job("late2")]
+    engine.add(late[0])
+    engine.step()  # one place free (< the cohort of 2): late0 waits
+    assert adapter.admissions[-1] == ["long0", "long1", "long2"] and "late0" not in adapter.forwards[-1]
+    engine.add(late[1])
+    engine.add(late[2])
+    drain(engine)
+    # The long jobs left together: the late ones started in arrival order, as one cohort.
+    assert adapter.admissions[2:] == [["late0", "late1", "late2"]]
+    assert all(
+        j.request.channel.finals == [{"out": f"out:{j.request.request_id}"}] for j in [first, *long, *late]
+    )
+
+
+def test_a_newcomer_never_waits_longer_than_the_pacings_bound():
+    adapter = PreparingAdapter()
+    engine = engine_for(adapter, max_running=4, pacing=AdmissionPacing(cohort=4, max_wait_steps=2))
+    engine.add(job("long", Spec(steps=20)))
+    engine.step()
+    engine.add(job("newcomer"))
+    engine.step()
+    engine.step()  # waited through 1 step: still waiting for a cohort of 4 places (3 are free)
+    assert adapter.admissions == [["long"]]
+    engine.step()  # waited through 2 steps: admitted alone
+    assert adapter.admissions == [["long"], ["newcomer"]] and "newcomer" in adapter.forwards[-1]
+
+
+def test_eager_admission_is_the_default_of_a_bare_engine():
+    adapter = PreparingAdapter()
+    engine = engine_for(adapter, max_running=4)
+    engine.add(job("a", Spec(steps=5)))
+    engine.step()
+    engine.add(job("b"))
+    engine.step()
+    assert adapter.admissions == [["a"], ["b"]]
+    with pytest.raises(ValueError, match="cohort"):
+        AdmissionPacing(cohort=0)
 
 
 def test_cancelled_and_ended_requests_leave_at_the_next_step():

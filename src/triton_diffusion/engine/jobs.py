@@ -39,6 +39,7 @@ class Job:
     total_steps: int = 0  # denoising steps
     steps_done: int = 0
     failure: str | None = None  # set by the adapter when this job's own scheduler step failed
+    queued_at: int = 0  # the engine step at which it joined the waiting queue
     arrival: int = 0  # admission order
     waited_since: int = 0  # the engine step at which it last stepped (or was admitted)
     first_forward: int | None = None  # the engine forward it first took part in

@@ -13,6 +13,8 @@ and, if the group holds more jobs than the forward's cap, which of them go. Poli
 
 Whatever the policy, no job starves: a job that has not stepped for ``starvation_steps`` engine steps
 is served next, its group with it.
+
+When waiting jobs join a busy running set is :class:`AdmissionPacing`'s choice (below).
 """
 
 from __future__ import annotations
@@ -96,3 +98,32 @@ def make_policy(name: str, starvation_steps: int = 16) -> SchedulingPolicy:
     if starvation_steps < 1:
         raise ValueError(f"starvation_steps must be >= 1, got {starvation_steps}")
     return SchedulingPolicy(name, POLICIES[name], starvation_steps)
+
+
+@dataclass(frozen=True)
+class AdmissionPacing:
+    """When waiting jobs join a running set that is already denoising.
+
+    Admitting is not free: the text encoders run once for everyone admitted together, and jobs admitted
+    together (with the same steps) finish together and share one VAE decode. Both calls have a large fixed
+    cost, and every running row stalls while they run. Under random arrivals, admitting each newcomer the
+    moment a place frees makes every step pay a batch-1 encode and a batch-1 decode (measured on CPU: the
+    engine's capacity fell below the request-level engine's). So a busy engine admits once ``cohort``
+    places are free (newcomers then start, and later finish, as a cohort), or once the oldest waiting job
+    has waited ``max_wait_steps`` engine steps (no job waits long for a cohort that does not form). An
+    idle engine admits at once, and at low load places are free, so a newcomer still starts at the next
+    step. ``cohort`` 1 admits whenever there is room.
+    """
+
+    cohort: int = 1
+    max_wait_steps: int = 8
+
+    def __post_init__(self) -> None:
+        if self.cohort < 1 or self.max_wait_steps < 0:
+            raise ValueError(f"admission cohort must be >= 1 and max_wait_steps >= 0, got {self}")
+
+    def due(self, running: int, room: int, oldest_wait_steps: int) -> bool:
+        """Whether to admit now, with ``running`` jobs running, ``room`` places free and the oldest
+        waiting job having waited through ``oldest_wait_steps`` engine steps (0: it arrived during the
+        last one)."""
+        return running == 0 or room >= self.cohort or oldest_wait_steps >= self.max_wait_steps

@@ -3,8 +3,9 @@
 The engine keeps a running set of jobs: an image with its own latents, timesteps and scheduler, or a
 diffusion-LM request with its own block schedule. Every engine step (:meth:`StepEngine.step`):
 
-1. admits waiting jobs while the running set has room; the adapter starts them together (one text
-   encoder call for everyone admitted, each image's noise from its own generator);
+1. admits waiting jobs while the running set has room, when the admission pacing says so (policies.py:
+   newcomers to a busy engine join as a cohort); the adapter starts them together (one text encoder
+   call for everyone admitted, each image's noise from its own generator);
 2. drops jobs whose request has ended (answered elsewhere) and asks running requests whether they were
    cancelled (at most once per ``cancel_poll_s``: each ask is a round trip to the server);
 3. lets the scheduling policy (policies.py) pick one group of jobs that can share a forward (same latent
@@ -37,7 +38,7 @@ from triton_diffusion.engine.failures import (
     free_accelerator_memory,
 )
 from triton_diffusion.engine.jobs import Finished, Forward, Job, Left, Stepped, StepReport
-from triton_diffusion.engine.policies import SchedulingPolicy, make_policy
+from triton_diffusion.engine.policies import AdmissionPacing, SchedulingPolicy, make_policy
 from triton_diffusion.errors import ErrorCode, RequestError
 
 log = logging.getLogger("triton_diffusion")
@@ -83,10 +84,17 @@ class StepEngine:
 
     name = "step"
 
-    def __init__(self, adapter: StepAdapter, limits: EngineLimits, policy: SchedulingPolicy | None = None):
+    def __init__(
+        self,
+        adapter: StepAdapter,
+        limits: EngineLimits,
+        policy: SchedulingPolicy | None = None,
+        pacing: AdmissionPacing | None = None,
+    ):
         self.adapter = adapter
         self.limits = limits
         self.policy = policy or make_policy("oldest")
+        self.pacing = pacing or AdmissionPacing()
         self.waiting: deque[Job] = deque()
         self.running: list[Job] = []
         self.steps = 0  # engine steps so far
@@ -102,6 +110,7 @@ class StepEngine:
 
     # ---- the running set ------------------------------------------------------------------------
     def add(self, job: Job) -> None:
+        job.queued_at = self.steps
         self.waiting.append(job)
 
     @property
@@ -132,6 +141,12 @@ class StepEngine:
         return report
 
     def _admit(self) -> None:
+        room = self.limits.max_running - len(self.running)
+        if not self.waiting or room <= 0:
+            return
+        sat_out = self.steps - 1 - self.waiting[0].queued_at  # engine steps the oldest waited through
+        if not self.pacing.due(len(self.running), room, sat_out):
+            return
         admitted: list[Job] = []
         while self.waiting and len(self.running) + len(admitted) < self.limits.max_running:
             job = self.waiting.popleft()

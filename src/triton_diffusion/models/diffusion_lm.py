@@ -124,6 +124,7 @@ OUTPUTS = [
     ("TOKENS", "TYPE_INT32", [1]),  # generated tokens so far (up to the first EOS)
     ("STEPS", "TYPE_INT32", [1]),  # FINAL: denoising steps (forwards) this request took part in
     ("SEED", "TYPE_INT64", [1]),  # FINAL: the seed used
+    ("PROMPT_TOKENS", "TYPE_INT32", [1]),  # FINAL: prompt tokens (chat template included), for usage counts
 ]
 
 
@@ -174,6 +175,7 @@ class DiffusionLMModel(TritonModel):
             adapter=adapter,
             default_running=8,
             default_waiting=4,
+            default_cohort=1,  # tokenizing a prompt costs nearly nothing: admit whenever there is room
             prompt_of=lambda job: job.record.parsed.prompt,
         )
         log.info(
@@ -250,6 +252,7 @@ class DiffusionLMModel(TritonModel):
             "TOKENS": _array(len(tokens), np.int32),
             "STEPS": _array(output.steps_used, np.int32),
             "SEED": _array(record.parsed.seed, np.int64),
+            "PROMPT_TOKENS": _array(len(record.parsed.decoding.prompt), np.int32),
         }
 
 

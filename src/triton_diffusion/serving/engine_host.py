@@ -33,7 +33,7 @@ from typing import Any, Protocol
 from triton_diffusion.engine.failures import DeviceLostError, device_lost_error
 from triton_diffusion.engine.jobs import Job, Stepped, StepReport
 from triton_diffusion.engine.planner import RowCaps
-from triton_diffusion.engine.policies import make_policy
+from triton_diffusion.engine.policies import AdmissionPacing, make_policy
 from triton_diffusion.engine.request_engine import PipelineCall, RequestEngine
 from triton_diffusion.engine.requests import TrackedRequest
 from triton_diffusion.engine.step_engine import EngineLimits, StepAdapter, StepEngine
@@ -275,6 +275,7 @@ class EngineHost:
         caps: RowCaps | None = None,
         default_running: int = 8,
         default_waiting: int = 4,
+        default_cohort: int | None = None,
         prompt_of: Callable[[Job], str] = lambda job: "",
     ) -> None:
         config = settings.config
@@ -297,15 +298,18 @@ class EngineHost:
                 cancel_poll_s=config.cancel_poll_ms / 1000,
             )
             policy = make_policy(config.scheduling_policy, config.starvation_steps)
-            self.engine: Any = StepEngine(adapter, limits, policy)
+            cohort = config.admission_cohort or default_cohort or max(1, limits.max_per_forward // 2)
+            pacing = AdmissionPacing(min(cohort, limits.max_running), config.admission_max_wait_steps)
+            self.engine: Any = StepEngine(adapter, limits, policy, pacing)
             running = limits.max_running
             log.info(
-                "%s: step engine (%s), running %d, %d per forward, policy %s",
+                "%s: step engine (%s), running %d, %d per forward, policy %s, admission cohort %d",
                 settings.name,
                 type(adapter).__name__,
                 limits.max_running,
                 limits.max_per_forward,
                 policy.name,
+                pacing.cohort,
             )
         else:
             assert pipeline_call is not None and caps is not None
