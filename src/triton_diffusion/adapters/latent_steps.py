@@ -10,7 +10,9 @@ its VAE and image processor); only the loop body of ``__call__`` is written here
   without adds none; rows of every job in the forward go through ONE model call with a per-row timestep;
 - each job's noise prediction is guided and stepped by its own scheduler, exactly as the pipeline's loop
   does for that row, so a request's image equals ``pipeline(...)`` for the same arguments and generator
-  (to batch-size rounding) whoever it shared forwards with.
+  (to batch-size rounding) whoever it shared forwards with. The row math runs vectorised: guidance for all
+  jobs in one op, and one call per scheduler class (batched_schedulers.py), bit-identical to each job's
+  own ``scale_model_input`` and ``step``; jobs whose scheduler or config is not vectorised step alone.
 
 A family subclass says how to encode prompts, draw initial latents, call the model and decode
 (stable_diffusion.py: SD 1.x/2.x and SDXL; flow_matching.py: FLUX.1 and SD3).
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import logging
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,9 +31,18 @@ from typing import Any
 import torch
 from PIL import Image
 
+from triton_diffusion.adapters.batched_schedulers import (
+    batched_step,
+    can_batch,
+    can_batch_step,
+    guide,
+    scale_model_inputs,
+)
 from triton_diffusion.adapters.diffusers_pipeline import row_generator
 from triton_diffusion.engine.jobs import Job
 from triton_diffusion.families import PipelineFacts
+
+log = logging.getLogger("triton_diffusion")
 
 
 @dataclass(frozen=True)
@@ -203,13 +215,15 @@ class LatentStepAdapter:
         return 2 if job.state.unconditional is not None else 1
 
     def step(self, jobs: list[Job]) -> list[Job]:
+        states: list[LatentJob] = [job.state for job in jobs]
+        job_timesteps = [state.timesteps[job.steps_done] for job, state in zip(jobs, states, strict=True)]
+        inputs_of = [state.latents for state in states]
+        if self.scales_model_input:  # every job's scale_model_input in one op (Euler's per-row sigma)
+            schedulers = [state.scheduler for state in states]
+            scaled = scale_model_inputs(schedulers, torch.cat(inputs_of), job_timesteps)
+            inputs_of = [scaled[j : j + 1] for j in range(len(jobs))]
         latent_rows, timesteps, conditioning = [], [], []
-        for job in jobs:
-            state: LatentJob = job.state
-            t = state.timesteps[job.steps_done]
-            x = state.latents
-            if self.scales_model_input:
-                x = state.scheduler.scale_model_input(x, t)
+        for state, x, t in zip(states, inputs_of, job_timesteps, strict=True):
             branches = [state.conditional]
             if state.unconditional is not None:
                 branches = [state.unconditional, state.conditional]
@@ -222,26 +236,74 @@ class LatentStepAdapter:
         with torch.inference_mode():
             predictions = self.predict(torch.cat(latent_rows), self.timestep_rows(timesteps), inputs, size)
         # The forward succeeded: only now does any job's state change.
-        done, row = [], 0
-        for job in jobs:
-            state = job.state
-            if state.unconditional is not None:
-                uncond, cond = predictions[row : row + 1], predictions[row + 1 : row + 2]
-                noise = uncond + state.guidance * (cond - uncond)
-                row += 2
+        noise = self._guided_noise(states, predictions)
+        by_class: dict[type, list[int]] = {}
+        for j, state in enumerate(states):
+            if can_batch(state.scheduler):
+                by_class.setdefault(type(state.scheduler), []).append(j)
             else:
-                noise = predictions[row : row + 1]
-                row += 1
-            t = state.timesteps[job.steps_done]
-            try:
-                step = state.scheduler.step
-                state.latents = step(noise, t, state.latents, **state.step_kwargs, return_dict=False)[0]
-            except Exception as exc:  # noqa: BLE001  (this job's own scheduler: it fails alone)
-                job.failure = f"{type(exc).__name__}: {exc}"
-                continue
-            if job.steps_done + 1 >= job.total_steps:
-                done.append(job)
-        return done
+                self._step_alone(jobs[j], noise[j : j + 1], job_timesteps[j])
+        for members in by_class.values():
+            group_timesteps = [job_timesteps[j] for j in members]
+            self._step_together([jobs[j] for j in members], _rows(noise, members), group_timesteps)
+        return [job for job in jobs if job.failure is None and job.steps_done + 1 >= job.total_steps]
+
+    def _guided_noise(self, states: list[LatentJob], predictions: torch.Tensor) -> torch.Tensor:
+        """Each job's noise prediction ([jobs, ...]): classifier-free guidance for every guided job in one
+        op, each with its own scale, bit-identical to ``uncond + guidance * (cond - uncond)`` per job."""
+        guided = [state.unconditional is not None for state in states]
+        if not any(guided):
+            return predictions
+        scales = [state.guidance for state, g in zip(states, guided, strict=True) if g]
+        if all(guided):  # rows are [uncond, cond] per job
+            return guide(predictions[0::2], predictions[1::2], scales)
+        first_rows, row = [], 0  # each job's first model row
+        for g in guided:
+            first_rows.append(row)
+            row += 2 if g else 1
+        uncond = _rows(predictions, [r for r, g in zip(first_rows, guided, strict=True) if g])
+        cond = _rows(predictions, [r + 1 for r, g in zip(first_rows, guided, strict=True) if g])
+        mixed = guide(uncond, cond, scales)
+        noise, k = [], 0
+        for r, g in zip(first_rows, guided, strict=True):
+            noise.append(mixed[k : k + 1] if g else predictions[r : r + 1])
+            k += g
+        return torch.cat(noise)
+
+    def _step_together(self, jobs: list[Job], noise: torch.Tensor, timesteps: list[torch.Tensor]) -> None:
+        """One scheduler class's jobs in one vectorised call. It is atomic (a raise changes no scheduler), so
+        on a failure each job steps alone and only the job whose own step fails fails."""
+        states: list[LatentJob] = [job.state for job in jobs]
+        schedulers = [state.scheduler for state in states]
+        kwargs = [state.step_kwargs for state in states]
+        stepped = None
+        try:
+            latents = torch.cat([state.latents for state in states])
+            if can_batch_step(schedulers, noise, timesteps, latents, kwargs):
+                stepped = batched_step(schedulers, noise, timesteps, latents, kwargs)
+        except Exception as exc:  # noqa: BLE001  (redone job by job below: the culprit fails alone)
+            name = type(schedulers[0]).__name__
+            log.warning(
+                "vectorised %s step of %d jobs failed (%r); stepping them one by one", name, len(jobs), exc
+            )
+        if stepped is not None:
+            # Each job keeps a [1, ...] view of the result: diffusers' steps are out of place and the next
+            # step's torch.cat copies, so no row is ever written through another's view.
+            for j, state in enumerate(states):
+                state.latents = stepped[j : j + 1]
+            return
+        for j, job in enumerate(jobs):
+            self._step_alone(job, noise[j : j + 1], timesteps[j])
+
+    @staticmethod
+    def _step_alone(job: Job, noise: torch.Tensor, timestep: torch.Tensor) -> None:
+        """One job's own scheduler step; its failure is this job's alone."""
+        state: LatentJob = job.state
+        try:
+            step = state.scheduler.step
+            state.latents = step(noise, timestep, state.latents, **state.step_kwargs, return_dict=False)[0]
+        except Exception as exc:  # noqa: BLE001  (this job's own scheduler: it fails alone)
+            job.failure = f"{type(exc).__name__}: {exc}"
 
     def finish(self, jobs: list[Job]) -> list[Any]:
         """Decode the done jobs of one size together."""
@@ -269,3 +331,10 @@ class LatentStepAdapter:
         if "generator" in accepted:
             kwargs["generator"] = [generator]
         return kwargs
+
+
+def _rows(values: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``values[rows]`` by slices (no index tensor to copy to the device); the tensor itself when whole."""
+    if rows == list(range(values.shape[0])):
+        return values
+    return torch.cat([values[r : r + 1] for r in rows])
