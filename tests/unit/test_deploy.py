@@ -50,8 +50,15 @@ def test_monitoring_and_autoscaling_point_at_the_deployment():
     assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "health"}
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    assert ports == {"grpc": 8001, "metrics": 8002, "health": 8003}
+    assert ports == {"grpc": 8001, "metrics": 8002, "health": 8003, "openai": 9000}
     assert "--http-address=127.0.0.1" in container["args"]  # HTTP only through the front door
+    # The OpenAI front faces clients: on in the pod, with keys from a Secret mounted where the args say.
+    assert "--openai-port=9000" in container["args"]
+    key_arg = next(a for a in container["args"] if a.startswith("--openai-api-key-file="))
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    assert key_arg.split("=", 1)[1].startswith(mounts["openai-keys"] + "/")
+    volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["openai-keys"]["secret"]["secretName"] == "triton-diffusion-openai-keys"
     assert front_door["image"].startswith("nginx:")
     assert front_door["ports"] == [{"name": "http", "containerPort": 8080}]
     mounted = {m["subPath"] for m in front_door["volumeMounts"]}
@@ -79,8 +86,9 @@ def test_compose_file_matches_the_compose_specification():
     raw = yaml.safe_load((DOCKER / "compose.yaml").read_text())
     triton = raw["services"]["triton"]
     assert triton["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
-    # Clients reach gRPC directly and HTTP only through the front door; metrics and health stay local.
-    assert triton["ports"] == ["8001:8001", "127.0.0.1:8002:8002", "127.0.0.1:8003:8003"]
+    # Clients reach gRPC and the OpenAI front directly, HTTP only through the front door; metrics and health
+    # stay local.
+    assert triton["ports"] == ["8001:8001", "9000:9000", "127.0.0.1:8002:8002", "127.0.0.1:8003:8003"]
     front_door = raw["services"]["front-door"]
     assert front_door["ports"] == ["8000:8080"] and front_door["environment"]["TRITON_HTTP"] == "triton:8000"
     for volume in front_door["volumes"]:
@@ -101,7 +109,8 @@ def test_the_container_serves_the_shipped_model_repository():
     assert "COPY model_repository ./model_repository" in dockerfile
     repository = f"{workdir}/model_repository"
     assert f'"--model-repository={repository}"' in dockerfile
-    assert 'CMD ["triton-diffusion-serve"' in dockerfile
+    assert 'CMD ["triton-diffusion-serve"' in dockerfile and '"--openai-port=9000"]' in dockerfile
+    assert re.search(r"^EXPOSE .*\b9000\b", dockerfile, re.M)
     deployment = docs("deployment.yaml")[0]
     assert (
         f"--model-repository={repository}" in deployment["spec"]["template"]["spec"]["containers"][0]["args"]

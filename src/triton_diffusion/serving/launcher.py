@@ -108,9 +108,34 @@ def _option(args: list[str], name: str, default: str) -> str:
     return default
 
 
-def supervise(command: ServerCommand, extra: list[str], health_port: int) -> int:
+def openai_front_command(extra: list[str], port: int, address: str, api_key_file: Path | None) -> list[str]:
+    """The OpenAI front's command line: it reaches Triton over gRPC on this machine."""
+    grpc_address = _option(extra, "grpc-address", "127.0.0.1")
+    if grpc_address in ("0.0.0.0", "::", "[::]"):
+        grpc_address = "127.0.0.1"
+    argv = [
+        sys.executable,
+        "-m",
+        "triton_diffusion.openai_front",
+        "--host",
+        address,
+        "--port",
+        str(port),
+        "--triton-grpc",
+        f"{grpc_address}:{_option(extra, 'grpc-port', '8001')}",
+    ]
+    if api_key_file is not None:
+        argv += ["--api-key-file", str(api_key_file)]
+    return argv
+
+
+def supervise(
+    command: ServerCommand, extra: list[str], health_port: int, front_argv: list[str] | None = None
+) -> int:
     """Run tritonserver as a child with the supervisor beside it, which restarts it when one of its
-    Python backend processes (or the server itself) dies; forward SIGTERM/SIGINT; return its status."""
+    Python backend processes (or the server itself) dies; with ``front_argv``, the OpenAI front as a
+    second child, started again if it exits. Forward SIGTERM/SIGINT; return the server's status."""
+    from triton_diffusion.serving.companion import CompanionProcess
     from triton_diffusion.serving.supervisor import Supervisor
 
     def start() -> subprocess.Popen:
@@ -119,11 +144,24 @@ def supervise(command: ServerCommand, extra: list[str], health_port: int) -> int
 
     http = f"http://127.0.0.1:{_option(extra, 'http-port', '8000')}"
     supervisor = Supervisor(start, http, exit_timeout_s=float(_option(extra, "exit-timeout-secs", "30")))
-    signal.signal(signal.SIGTERM, lambda signum, _frame: supervisor.stop(signum))
-    signal.signal(signal.SIGINT, lambda signum, _frame: supervisor.stop(signum))
+    front = CompanionProcess(front_argv, "the OpenAI front") if front_argv else None
+
+    def stop(signum: int, _frame: object) -> None:
+        if front is not None:
+            front.stopping()  # a signal to the whole process group ends the front too: no restart
+        supervisor.stop(signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
     if health_port:
         supervisor.serve_health(health_port)
-    return supervisor.run()
+    if front is not None:
+        front.start()
+    try:
+        return supervisor.run()
+    finally:
+        if front is not None:
+            front.stop()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -148,7 +186,29 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--no-supervise", action="store_true", help="exec tritonserver directly (nothing restarts it)"
     )
+    parser.add_argument(
+        "--openai-port",
+        type=int,
+        default=0,
+        help="serve the OpenAI-compatible front (images, videos, chat) on this port (0: off)",
+    )
+    parser.add_argument("--openai-address", default="0.0.0.0", help="the OpenAI front's listen address")
+    parser.add_argument(
+        "--openai-api-key-file",
+        type=Path,
+        help="bearer tokens for the OpenAI front, one per line (none: open to anyone)",
+    )
     known, extra = parser.parse_known_args(argv)
+    front_argv = None
+    if known.openai_port:
+        if known.no_supervise:
+            sys.exit("triton-diffusion-serve: --openai-port needs the supervisor (drop --no-supervise)")
+        key_file = known.openai_api_key_file
+        if key_file is not None and not key_file.is_file():
+            sys.exit(f"triton-diffusion-serve: the API key file {key_file} does not exist")
+        front_argv = openai_front_command(
+            extra, known.openai_port, known.openai_address, key_file.resolve() if key_file else None
+        )
     try:
         command = server_command(known.model_repository.resolve(), extra, known.backend_cache)
     except LauncherError as exc:
@@ -157,7 +217,7 @@ def main(argv: list[str] | None = None) -> None:
         print("+ " + " ".join(command.argv), file=sys.stderr, flush=True)
         os.execvpe(command.argv[0], command.argv, command.env)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
-    sys.exit(supervise(command, extra, known.health_port))
+    sys.exit(supervise(command, extra, known.health_port, front_argv))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,112 @@
+"""``POST /v1/chat/completions`` and ``POST /v1/completions`` on the diffusion language model: one
+Triton request each; streamed as one chunk per committed block."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from triton_diffusion.openai_front.disconnects import (
+    CLIENT_CLOSED_REQUEST,
+    stream_until_disconnected,
+    until_disconnected,
+)
+from triton_diffusion.openai_front.errors import ApiError
+from triton_diffusion.openai_front.front_state import FrontState
+from triton_diffusion.openai_front.limits import parse_json_object, read_body
+from triton_diffusion.openai_front.translation import (
+    TextCall,
+    block_text,
+    completion_chunk,
+    completion_response,
+    error_event,
+    finish_reason,
+    model_name,
+    sse,
+    text_call,
+    usage,
+    usage_chunk,
+)
+from triton_diffusion.openai_front.triton_bridge import TEXT_GENERATION, ModelInfo, TritonResponse
+
+router = APIRouter()
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    return await complete(request, chat=True)
+
+
+@router.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    return await complete(request, chat=False)
+
+
+async def complete(request: Request, chat: bool) -> Response:
+    front: FrontState = request.app.state.front
+    limits = front.limits
+    body = parse_json_object(await read_body(request, limits.max_json_bytes), limits)
+    name = model_name(body.get("model"), front.models.text)
+    endpoint = "/v1/chat/completions" if chat else "/v1/completions"
+    info = await front.bridge.model(name, (TEXT_GENERATION,), endpoint)
+    call = text_call(body, info, limits, chat)
+    responses = front.bridge.stream(call.request, info, limits.request_timeout_s)
+    if not call.stream:
+
+        async def final() -> TritonResponse:
+            async with contextlib.aclosing(responses):
+                async for response in responses:
+                    if response.final:
+                        return response
+            raise ApiError(502, "Triton ended the stream without a FINAL response", "server_error")
+
+        answered, response = await until_disconnected(request, final())
+        if not answered:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        return JSONResponse(completion_response(call, response, chat))
+    answered, first = await until_disconnected(request, anext(responses))
+    if not answered:
+        await responses.aclose()
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    chunks = text_chunks(call, chat, info, first, responses)
+    return StreamingResponse(stream_until_disconnected(request, chunks), media_type="text/event-stream")
+
+
+async def text_chunks(
+    call: TextCall,
+    chat: bool,
+    info: ModelInfo,
+    first: TritonResponse,
+    responses: AsyncIterator[TritonResponse],
+) -> AsyncIterator[bytes]:
+    async def all_responses() -> AsyncIterator[TritonResponse]:
+        yield first
+        async for response in responses:
+            yield response
+
+    sent_first, streamed = False, ""
+    try:
+        async for response in all_responses():
+            text = block_text(response)
+            if response.final and text.startswith(streamed):
+                text = text[len(streamed) :]  # the FINAL response has the whole text: send what is new
+            elif response.final:
+                text = ""  # earlier text changed (tokenizer clean-up); the streamed blocks stand
+            if text:
+                yield sse(completion_chunk(call, chat, text, None, not sent_first))
+                sent_first, streamed = True, streamed + text
+            if not response.final:
+                continue
+            reason = finish_reason(usage(response)["completion_tokens"], call.gen_length)
+            yield sse(completion_chunk(call, chat, None, reason, not sent_first))
+            if call.include_usage:
+                yield sse(usage_chunk(call, chat, response))
+            yield sse("[DONE]")
+            return
+    except ApiError as error:
+        yield error_event(error)
+    finally:
+        await responses.aclose()

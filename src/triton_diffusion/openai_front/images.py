@@ -1,0 +1,144 @@
+"""``POST /v1/images/generations`` and ``POST /v1/images/edits``: one Triton request each, whose
+``num_images_per_prompt`` rows are the ``n`` images; streamed as OpenAI's image events when asked."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.datastructures import UploadFile
+
+from triton_diffusion.openai_front.disconnects import (
+    CLIENT_CLOSED_REQUEST,
+    stream_until_disconnected,
+    until_disconnected,
+)
+from triton_diffusion.openai_front.errors import ApiError, bad_request, field_error
+from triton_diffusion.openai_front.front_state import FrontState
+from triton_diffusion.openai_front.limits import parse_form, parse_json_object, read_body
+from triton_diffusion.openai_front.translation import (
+    ImageCall,
+    PartialImagePicker,
+    completed_events,
+    error_event,
+    image_call,
+    images_response,
+    model_name,
+    partial_image_event,
+    sse,
+)
+from triton_diffusion.openai_front.triton_bridge import (
+    IMAGE_TO_IMAGE,
+    INPAINT,
+    TEXT_TO_IMAGE,
+    ModelInfo,
+    TritonResponse,
+)
+
+router = APIRouter()
+
+
+@router.post("/v1/images/generations")
+async def generations(request: Request) -> Response:
+    front: FrontState = request.app.state.front
+    limits = front.limits
+    body = parse_json_object(await read_body(request, limits.max_json_bytes), limits)
+    name = model_name(body.get("model"), front.models.image)
+    info = await front.bridge.model(name, (TEXT_TO_IMAGE,), "/v1/images/generations")
+    call = image_call(body, {}, info, limits)
+    return await answer(request, front, call, info, "image_generation")
+
+
+@router.post("/v1/images/edits")
+async def edits(request: Request) -> Response:
+    front: FrontState = request.app.state.front
+    limits = front.limits
+    content_type = request.headers.get("content-type", "")
+    if not content_type.lower().startswith("multipart/form-data"):
+        raise bad_request(
+            "/v1/images/edits takes multipart/form-data (image, mask, prompt, ...)", None, "invalid_form"
+        )
+    form = await parse_form(await read_body(request, limits.max_multipart_bytes), content_type, limits)
+    params: dict[str, str] = {}
+    files: dict[str, UploadFile] = {}
+    for key, value in form.multi_items():
+        name = key.removesuffix("[]")  # the openai client names a list of images "image[]"
+        if name in params or name in files:
+            raise field_error(name, "was sent more than once (allowed: one image and one mask per request)")
+        if isinstance(value, UploadFile):
+            files[name] = value
+        else:
+            params[name] = value
+    image = files.pop("image", None)
+    if image is None:
+        raise field_error("image", "is required: the source image as a file part")
+    mask = files.pop("mask", None)
+    if files:
+        raise field_error(next(iter(files)), "unexpected file (allowed: image, mask)")
+    name = model_name(params.get("model"), front.models.edit)
+    info = await front.bridge.model(name, (IMAGE_TO_IMAGE, INPAINT), "/v1/images/edits")
+    tensors = {"IMAGE": await image.read()}
+    if mask is not None:
+        if "mask" not in info.inputs:
+            raise field_error(
+                "mask", f"is not supported by model {name!r} ({info.kind}); use an inpaint model"
+            )
+        tensors["MASK"] = await mask.read()
+    call = image_call(params, tensors, info, limits, from_form=True)
+    return await answer(request, front, call, info, "image_edit")
+
+
+async def answer(
+    request: Request, front: FrontState, call: ImageCall, info: ModelInfo, prefix: str
+) -> Response:
+    responses = front.bridge.stream(call.request, info, front.limits.request_timeout_s)
+    if not call.stream:
+
+        async def final() -> TritonResponse:
+            async with contextlib.aclosing(responses):
+                async for response in responses:
+                    if response.final:
+                        return response
+            raise ApiError(502, "Triton ended the stream without a FINAL response", "server_error")
+
+        answered, response = await until_disconnected(request, final())
+        if not answered:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        return JSONResponse(images_response(call, response))
+    # The first response before the status line: a refused request is a plain 4xx, not a stream.
+    answered, first = await until_disconnected(request, anext(responses))
+    if not answered:
+        await responses.aclose()
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    events = image_events(call, prefix, first, responses)
+    return StreamingResponse(stream_until_disconnected(request, events), media_type="text/event-stream")
+
+
+async def image_events(
+    call: ImageCall, prefix: str, first: TritonResponse, responses: AsyncIterator[TritonResponse]
+) -> AsyncIterator[bytes]:
+    picker = PartialImagePicker(call.partial_images)
+
+    async def all_responses() -> AsyncIterator[TritonResponse]:
+        yield first
+        async for response in responses:
+            yield response
+
+    try:
+        async for response in all_responses():
+            preview = response.scalar("PREVIEW")
+            if preview is not None and not response.final:
+                index = picker.take(int(response.scalar("STEP")), int(response.scalar("TOTAL_STEPS")))
+                if index is not None:
+                    event = partial_image_event(prefix, index, preview, call.size)
+                    yield sse(event, event["type"])
+            if response.final:
+                for event in completed_events(prefix, call, response):
+                    yield sse(event, event["type"])
+                return
+    except ApiError as error:
+        yield error_event(error)
+    finally:
+        await responses.aclose()

@@ -1,0 +1,222 @@
+"""The front's only connection to Triton: gRPC streaming (``tritonclient.grpc.aio``), one stream per
+request, the model catalog and readiness.
+
+Our models are decoupled: a request gets progress responses (STEP, TOTAL_STEPS, PREVIEW; TEXT blocks for
+the diffusion LM) and then one FINAL response. Prompts and images travel as input tensors, every other
+field as a request parameter (so every request carries the same inputs and Triton may batch them), the
+way the project's own client sends them. Leaving the stream early (the HTTP client went away, a video job
+was deleted) cancels the gRPC call, which cancels the Triton request: its rows leave at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import numpy as np
+import tritonclient.grpc as grpcclient
+import tritonclient.grpc.aio as grpcclient_aio
+from tritonclient.utils import InferenceServerException
+
+from triton_diffusion.openai_front.errors import ApiError, from_triton_message, model_not_found, unavailable
+
+log = logging.getLogger("triton_diffusion.openai_front")
+
+# What a model serves, told from its outputs and inputs (never from its name).
+TEXT_TO_IMAGE = "text_to_image"
+IMAGE_TO_IMAGE = "image_to_image"
+INPAINT = "inpaint"
+TEXT_TO_VIDEO = "text_to_video"
+TEXT_GENERATION = "text_generation"
+
+
+def model_kind(inputs: Mapping[str, str], outputs: Mapping[str, str]) -> str | None:
+    """The kind of a model from its metadata (input/output name -> datatype); None: not one of ours."""
+    if "TEXT" in outputs:
+        return TEXT_GENERATION
+    if "VIDEO" in outputs:
+        return TEXT_TO_VIDEO
+    if "IMAGE" in outputs:
+        if "MASK" in inputs:
+            return INPAINT
+        return IMAGE_TO_IMAGE if "IMAGE" in inputs else TEXT_TO_IMAGE
+    return None
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    kind: str
+    inputs: dict[str, str]  # field name (lower case) -> Triton datatype (INT32, FP32, BYTES, ...)
+
+    @property
+    def fields(self) -> set[str]:
+        return set(self.inputs)
+
+
+@dataclass
+class TritonRequest:
+    """One Triton request: its tensors (PROMPT, IMAGE, MASK as bytes) and its parameters."""
+
+    model: str
+    tensors: dict[str, bytes]
+    parameters: dict[str, Any] = field(default_factory=dict)
+    openai_names: dict[str, str] = field(default_factory=dict)  # model field -> OpenAI parameter, for 400s
+
+
+@dataclass(frozen=True)
+class TritonResponse:
+    outputs: dict[str, np.ndarray]
+    final: bool
+
+    def scalar(self, name: str) -> Any:
+        array = self.outputs.get(name)
+        return None if array is None else array.reshape(-1)[0]
+
+
+class TritonBridge:
+    """A gRPC connection to Triton shared by every request of the front (one event loop)."""
+
+    def __init__(self, url: str, catalog_ttl_s: float = 5.0, ready_ttl_s: float = 1.0) -> None:
+        self.url = url
+        self.catalog_ttl_s = catalog_ttl_s
+        self.ready_ttl_s = ready_ttl_s
+        self._client: grpcclient_aio.InferenceServerClient | None = None
+        self._catalog: dict[str, ModelInfo] = {}
+        self._catalog_at = -1e9
+        self._catalog_lock: asyncio.Lock | None = None
+        self._ready = False
+        self._ready_at = -1e9
+
+    @property
+    def client(self) -> grpcclient_aio.InferenceServerClient:
+        if self._client is None:  # made on the running event loop
+            self._client = grpcclient_aio.InferenceServerClient(self.url)
+        return self._client
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
+
+    # ---- readiness and the model catalog -------------------------------------------------------------
+    async def ready(self) -> bool:
+        """Triton answers and reports ready (all its models loaded); asked at most once per ready_ttl_s."""
+        now = time.monotonic()
+        if now - self._ready_at >= self.ready_ttl_s:
+            try:
+                self._ready = bool(await self.client.is_server_ready(client_timeout=2.0))
+            except (InferenceServerException, grpc.RpcError, OSError):
+                self._ready = False
+            self._ready_at = time.monotonic()
+            if not self._ready:
+                self._catalog_at = -1e9  # after a restart the repository may differ
+        return self._ready
+
+    async def models(self) -> dict[str, ModelInfo]:
+        """Ready models of the repository that the front can serve, by name. 503 while Triton is down."""
+        if self._catalog_lock is None:
+            self._catalog_lock = asyncio.Lock()
+        async with self._catalog_lock:
+            if time.monotonic() - self._catalog_at < self.catalog_ttl_s:
+                return self._catalog
+            try:
+                index = await self.client.get_model_repository_index(as_json=True, client_timeout=5.0)
+                catalog = {}
+                for entry in index.get("models", []):
+                    if entry.get("state") != "READY":
+                        continue
+                    meta = await self.client.get_model_metadata(
+                        entry["name"], as_json=True, client_timeout=5.0
+                    )
+                    inputs = {i["name"].lower(): i["datatype"] for i in meta.get("inputs", [])}
+                    outputs = {o["name"]: o["datatype"] for o in meta.get("outputs", [])}
+                    kind = model_kind({n.upper(): t for n, t in inputs.items()}, outputs)
+                    if kind is not None:
+                        catalog[entry["name"]] = ModelInfo(entry["name"], kind, inputs)
+            except (InferenceServerException, grpc.RpcError, OSError) as exc:
+                self._ready_at = -1e9
+                raise unavailable(
+                    f"Triton cannot be reached now ({_short(exc)}); try again shortly"
+                ) from None
+            self._catalog, self._catalog_at = catalog, time.monotonic()
+            return catalog
+
+    async def model(self, name: str, kinds: tuple[str, ...], endpoint: str) -> ModelInfo:
+        """The named model, which must be ready and of one of ``kinds``: 404 unknown, 400 wrong kind."""
+        if not await self.ready():
+            raise unavailable("Triton is not ready (starting or restarting); try again shortly")
+        info = (await self.models()).get(name)
+        if info is None:
+            raise model_not_found(name)
+        if info.kind not in kinds:
+            raise ApiError(
+                400,
+                f"model {name!r} is a {info.kind} model; {endpoint} serves {' or '.join(kinds)} models",
+                param="model",
+                code="model_not_supported",
+            )
+        return info
+
+    # ---- requests ----------------------------------------------------------------------------------
+    async def stream(
+        self, request: TritonRequest, info: ModelInfo, timeout_s: float
+    ) -> AsyncIterator[TritonResponse]:
+        """Send one request and yield its responses up to the FINAL one. A per-request error raises an
+        ApiError (400 naming the field, 503, 500; 504 past ``timeout_s``); closing the iterator early
+        cancels the request."""
+        inputs = []
+        for name, value in request.tensors.items():
+            tensor = grpcclient.InferInput(name, [1, 1], "BYTES")
+            tensor.set_data_from_numpy(np.array([[value]], dtype=object))
+            inputs.append(tensor)
+        message = {
+            "model_name": request.model,
+            "inputs": inputs,
+            "request_id": "oai-" + uuid.uuid4().hex[:16],
+            "parameters": request.parameters,
+        }
+
+        async def one_request() -> AsyncIterator[dict[str, Any]]:
+            yield message  # then the request side closes; Triton still sends every response
+
+        try:
+            responses = self.client.stream_infer(one_request(), stream_timeout=timeout_s)
+        except InferenceServerException as exc:
+            raise unavailable(f"Triton cannot be reached now ({_short(exc)})") from None
+        try:
+            async for result, error in responses:
+                if error is not None:
+                    raise from_triton_message(error.message(), info.fields, request.openai_names)
+                response = result.get_response()
+                outputs = {o.name: result.as_numpy(o.name) for o in response.outputs}
+                final_flag = response.parameters.get("triton_final_response")
+                final = bool(final_flag.bool_param) if final_flag is not None else False
+                yield TritonResponse(outputs, final)
+                if final:
+                    return
+        except grpc.RpcError as exc:
+            self._ready_at = -1e9  # ask again: the server may be going down
+            code = exc.code() if hasattr(exc, "code") else None
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise ApiError(
+                    504, f"no FINAL response within {timeout_s} s", "server_error", None, "timeout"
+                ) from None
+            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+                raise unavailable(f"Triton went away during the request ({_short(exc)})") from None
+            raise ApiError(
+                502, f"Triton stream failed: {_short(exc)}", "server_error", None, "bad_gateway"
+            ) from None
+        finally:
+            responses.cancel()  # a no-op after the FINAL response; otherwise cancels the Triton request
+
+
+def _short(exc: BaseException) -> str:
+    details = exc.details() if isinstance(exc, grpc.RpcError) and hasattr(exc, "details") else str(exc)
+    return (details or type(exc).__name__)[:200]

@@ -1,0 +1,470 @@
+"""The OpenAI front's pure logic: limits applied before parsing, request translation, error shaping, keys,
+partial-image choice, video job bounds; and the app's answers that need no Triton (401, 413, 404, 503)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+import pytest
+from fastapi.testclient import TestClient
+
+from triton_diffusion.errors import RequestError
+from triton_diffusion.fields import Field, FieldSet
+from triton_diffusion.openai_front.app import create_app
+from triton_diffusion.openai_front.errors import ApiError, from_triton_message
+from triton_diffusion.openai_front.front_state import FrontState
+from triton_diffusion.openai_front.keys import check_bearer, load_keys
+from triton_diffusion.openai_front.limits import Limits, json_depth, parse_form, parse_json_object
+from triton_diffusion.openai_front.translation import (
+    IMAGE_OPENAI_NAMES,
+    PartialImagePicker,
+    chat_prompt,
+    decode_schedule,
+    form_value,
+    frames_for_seconds,
+    image_call,
+    parse_size,
+    text_call,
+    video_call,
+)
+from triton_diffusion.openai_front.triton_bridge import ModelInfo, TritonBridge, model_kind
+from triton_diffusion.openai_front.video_jobs import COMPLETED, VideoJob, VideoJobs, VideoLimits
+from triton_diffusion.serving import launcher
+
+LIMITS = Limits()
+IMAGE_FIELDS = [
+    "prompt",
+    "negative_prompt",
+    "seed",
+    "num_images_per_prompt",
+    "height",
+    "width",
+    "num_inference_steps",
+    "guidance_scale",
+    "scheduler",
+    "output_format",
+    "output_encoding",
+    "progress",
+    "preview_every",
+]
+TYPES = {
+    "seed": "INT64",
+    "num_images_per_prompt": "INT32",
+    "height": "INT32",
+    "width": "INT32",
+    "num_inference_steps": "INT32",
+    "guidance_scale": "FP32",
+    "progress": "BOOL",
+    "preview_every": "INT32",
+}
+IMAGE_MODEL = ModelInfo("text_to_image", "text_to_image", {n: TYPES.get(n, "BYTES") for n in IMAGE_FIELDS})
+EDIT_MODEL = ModelInfo(
+    "image_to_image", "image_to_image", {**IMAGE_MODEL.inputs, "image": "BYTES", "strength": "FP32"}
+)
+LM_FIELDS = [
+    "prompt",
+    "apply_chat_template",
+    "gen_length",
+    "block_length",
+    "steps",
+    "temperature",
+    "cfg_scale",
+    "seed",
+    "stream",
+]
+LM_MODEL = ModelInfo("diffusion_lm", "text_generation", {n: "BYTES" for n in LM_FIELDS})
+VIDEO_MODEL = ModelInfo(
+    "text_to_video",
+    "text_to_video",
+    {
+        **{n: IMAGE_MODEL.inputs[n] for n in ("prompt", "seed", "height", "width", "num_inference_steps")},
+        "num_videos_per_prompt": "INT32",
+        "num_frames": "INT32",
+        "fps": "INT32",
+        "output_format": "BYTES",
+        "output_encoding": "BYTES",
+        "progress": "BOOL",
+        "preview_every": "INT32",
+    },
+)
+
+
+def raises_api_error(status: int, param: str | None, *args, call) -> ApiError:
+    with pytest.raises(ApiError) as caught:
+        call(*args)
+    assert caught.value.status == status, caught.value.message
+    assert caught.value.param == param, caught.value.message
+    return caught.value
+
+
+# ---- limits ------------------------------------------------------------------------------------------
+def test_json_depth_counts_brackets_outside_strings_only():
+    assert json_depth(b'{"a": [1, {"b": 2}]}') == 3
+    assert json_depth(b'{"a": "[[[[[[[[", "b": "\\"[[[["}') == 1  # brackets and escaped quotes in strings
+    assert json_depth(b"[" * 100_000 + b"]" * 100_000) == 100_000
+    assert json_depth(b"") == 0
+
+
+def test_deep_or_malformed_json_is_refused_before_parsing():
+    deep = b'{"prompt": "x", "seed": ' + b"[" * 150_000 + b"]" * 150_000 + b"}"
+    error = raises_api_error(400, None, deep, LIMITS, call=parse_json_object)
+    assert "nests 150001 levels deep (allowed: at most 32)" in error.message
+    raises_api_error(400, None, b"[1, 2]", LIMITS, call=parse_json_object)
+    raises_api_error(400, None, b"{'single': 1}", LIMITS, call=parse_json_object)
+    raises_api_error(400, None, b'{"seed": ' + b"9" * 5000 + b"}", LIMITS, call=parse_json_object)
+    assert parse_json_object(b'{"prompt": "[ok]"}', LIMITS) == {"prompt": "[ok]"}
+
+
+def form_body(parts: list[tuple[str, str | None, bytes]]) -> tuple[bytes, str]:
+    boundary = "testboundary"
+    chunks = []
+    for name, filename, data in parts:
+        disposition = f'form-data; name="{name}"' + (f'; filename="{filename}"' if filename else "")
+        chunks.append(f"--{boundary}\r\nContent-Disposition: {disposition}\r\n\r\n".encode() + data + b"\r\n")
+    return b"".join(chunks) + f"--{boundary}--\r\n".encode(), f"multipart/form-data; boundary={boundary}"
+
+
+def test_multipart_limits_on_files_fields_and_part_size():
+    body, content_type = form_body([("image", "a.png", b"png"), ("prompt", None, b"a cat")])
+    form = asyncio.run(parse_form(body, content_type, LIMITS))
+    assert form["prompt"] == "a cat"
+    too_many_files = form_body([(f"f{i}", f"{i}.png", b"x") for i in range(3)])
+    raises_api_error(400, None, *too_many_files, LIMITS, call=lambda *a: asyncio.run(parse_form(*a)))
+    long_field = form_body([("prompt", None, b"a" * (LIMITS.max_form_field_bytes + 1))])
+    raises_api_error(400, None, *long_field, LIMITS, call=lambda *a: asyncio.run(parse_form(*a)))
+
+
+# ---- errors ------------------------------------------------------------------------------------------
+def test_triton_messages_become_openai_errors():
+    fields = set(IMAGE_FIELDS)
+    error = from_triton_message(
+        "height: got 100 (allowed: 64..512, multiple of 8)", fields, IMAGE_OPENAI_NAMES
+    )
+    assert (error.status, error.param) == (400, "size")
+    assert error.body()["error"] == {
+        "message": "height: got 100 (allowed: 64..512, multiple of 8)",  # the model's own words
+        "type": "invalid_request_error",
+        "param": "size",
+        "code": "invalid_value",
+    }
+    assert from_triton_message("seed: must be an integer, got str 'x'", fields).param == "seed"
+    unknown = from_triton_message("heigth: unknown field; did you mean 'height'? (known: ...)", fields)
+    assert (unknown.status, unknown.param) == (400, "heigth")
+    assert from_triton_message("RuntimeError: boom", fields).status == 500  # not a field of the model
+    assert from_triton_message("denoising step failed: injected failure", fields).status == 500
+    stub = "Failed to process the request(s) for model 'm', message: Stub process 'm_0_0' is not healthy."
+    assert from_triton_message(stub, fields).status == 503
+    assert from_triton_message("out of memory; the model is restarting", fields).status == 503
+    assert from_triton_message("cancelled after step 3", fields).status == 499
+
+
+# ---- translation -----------------------------------------------------------------------------------------
+def test_sizes():
+    assert parse_size("512x768") == (512, 768)
+    assert parse_size("auto") is None and parse_size(None) is None
+    for bad in ("512", "0x64", "64x", "64X64", "99999999x64", 64, "-64x64"):
+        raises_api_error(400, "size", bad, call=parse_size)
+
+
+def test_image_generation_translation():
+    call = image_call(
+        {
+            "prompt": "a cat",
+            "n": 2,
+            "size": "96x64",
+            "output_format": "jpeg",
+            "seed": 7,
+            "quality": "high",
+            "negative_prompt": "blurry",
+        },
+        {},
+        IMAGE_MODEL,
+        LIMITS,
+    )
+    request = call.request
+    assert request.tensors == {"PROMPT": b"a cat"}
+    assert request.parameters == {
+        "seed": 7,
+        "negative_prompt": "blurry",
+        "num_images_per_prompt": 2,
+        "output_format": "jpeg",
+        "width": 96,
+        "height": 64,
+    }  # quality ignored
+    assert not call.stream and call.size == "96x64"
+    streamed = image_call({"prompt": "x", "stream": True, "partial_images": 2}, {}, IMAGE_MODEL, LIMITS)
+    assert (
+        streamed.request.parameters["progress"] is True and streamed.request.parameters["preview_every"] == 1
+    )
+    plain_stream = image_call({"prompt": "x", "stream": True}, {}, IMAGE_MODEL, LIMITS)
+    assert "progress" not in plain_stream.request.parameters
+
+
+@pytest.mark.parametrize(
+    ("params", "param", "words"),
+    [
+        ({}, "prompt", "prompt: is required"),
+        ({"prompt": 3}, "prompt", "prompt: must be a string"),
+        ({"prompt": "x", "n": 0}, "n", "n: got 0 (allowed: 1..10)"),
+        ({"prompt": "x", "n": True}, "n", "n: must be an integer"),
+        ({"prompt": "x", "response_format": "url"}, "response_format", "images are not stored"),
+        ({"prompt": "x", "partial_images": 4}, "partial_images", "allowed: 0..3"),
+        ({"prompt": "x", "num_images_per_prompt": 2}, "num_images_per_prompt", "send n instead"),
+        ({"prompt": "x", "output_encoding": "base64"}, "output_encoding", "send response_format instead"),
+        ({"prompt": "x", "seed": [1]}, "seed", "seed: must be a single value, got list"),
+        ({"prompt": "x", "seed": 2**64}, "seed", "allowed: a 64-bit integer at most"),
+        ({"prompt": "x", "priority": 1}, "priority", "priority: unknown field"),
+    ],
+)
+def test_image_requests_refused_by_the_front_name_the_parameter(params, param, words):
+    error = raises_api_error(400, param, params, {}, IMAGE_MODEL, LIMITS, call=image_call)
+    assert words in error.message
+
+
+def test_unknown_fields_get_the_models_own_message():
+    error = raises_api_error(
+        400, "heigth", {"prompt": "x", "heigth": 64}, {}, IMAGE_MODEL, LIMITS, call=image_call
+    )
+    declared = FieldSet(Field(name, str) for name in IMAGE_FIELDS)  # what the model itself answers
+    with pytest.raises(RequestError) as model_error:
+        declared.parse({"heigth": 64})
+    assert error.message == model_error.value.message and "did you mean 'height'?" in error.message
+
+
+def test_form_fields_take_the_models_input_types():
+    call = image_call(
+        {
+            "prompt": "x",
+            "n": "2",
+            "stream": "true",
+            "partial_images": "1",
+            "seed": "7",
+            "strength": "0.5",
+            "negative_prompt": "y",
+        },
+        {"IMAGE": b"png"},
+        EDIT_MODEL,
+        LIMITS,
+        from_form=True,
+    )
+    assert call.request.parameters["seed"] == 7 and call.request.parameters["strength"] == 0.5
+    assert call.request.parameters["num_images_per_prompt"] == 2 and call.stream
+    assert call.request.tensors == {"PROMPT": b"x", "IMAGE": b"png"}
+    assert form_value("progress", "off", "BOOL") is False
+    raises_api_error(400, "seed", "seed", "7x", "INT64", call=form_value)
+    raises_api_error(400, "seed", "seed", "1" * 30, "INT64", call=form_value)
+    raises_api_error(400, "strength", "strength", "half", "FP32", call=form_value)
+    raises_api_error(400, "progress", "progress", "maybe", "BOOL", call=form_value)
+
+
+def test_partial_images_are_spread_over_the_steps():
+    def picked(count, total):
+        picker = PartialImagePicker(count)
+        return [step for step in range(1, total + 1) if picker.take(step, total) is not None]
+
+    assert picked(2, 4) == [2, 3]
+    assert picked(3, 4) == [1, 2, 3]
+    assert picked(1, 10) == [5]
+    assert picked(2, 30) == [10, 20]
+    assert picked(3, 2) == [1]  # never more than the steps before the last
+    assert picked(0, 10) == []
+
+
+def test_max_tokens_gives_a_schedule_the_model_accepts():
+    from triton_diffusion.adapters.masked_diffusion import DecodeParams
+
+    for max_tokens in (1, 7, 10, 16, 32, 37, 40, 64, 100, 256):
+        schedule = decode_schedule(max_tokens, None, None)
+        DecodeParams(schedule["gen_length"], schedule["block_length"], schedule["steps"]).check()
+        assert schedule["gen_length"] == max_tokens and schedule["block_length"] <= 16
+    assert decode_schedule(64, 32, None) == {"gen_length": 64, "steps": 32}
+    assert decode_schedule(64, 16, 8) == {"gen_length": 64}  # the client's values are the model's to check
+
+
+def test_chat_messages_become_one_prompt():
+    assert chat_prompt([{"role": "user", "content": "hi"}], LIMITS) == "hi"
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "What is "}, {"type": "text", "text": "x?"}]},
+        {"role": "assistant", "content": "A letter."},
+        {"role": "user", "content": "And y?"},
+    ]
+    assert (
+        chat_prompt(messages, LIMITS) == "System: Be brief.\nUser: What is x?\nAssistant: A letter.\n\nAnd y?"
+    )
+    raises_api_error(400, "messages", [], LIMITS, call=chat_prompt)
+    raises_api_error(400, "messages", [{"role": "assistant", "content": "x"}], LIMITS, call=chat_prompt)
+    raises_api_error(400, "messages", [{"role": "robot", "content": "x"}], LIMITS, call=chat_prompt)
+    image_part = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    raises_api_error(400, "messages", image_part, LIMITS, call=chat_prompt)
+    raises_api_error(400, "messages", [{"role": "user", "content": "x"}] * 257, LIMITS, call=chat_prompt)
+
+
+def test_chat_and_completion_translation():
+    chat = text_call(
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 32,
+            "temperature": 0.5,
+            "seed": 3,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "top_p": 1,
+            "cfg_scale": 1.0,
+        },
+        LM_MODEL,
+        LIMITS,
+        chat=True,
+    )
+    assert chat.request.parameters == {
+        "cfg_scale": 1.0,
+        "temperature": 0.5,
+        "seed": 3,
+        "gen_length": 32,
+        "block_length": 16,
+        "steps": 16,
+        "apply_chat_template": True,
+        "stream": True,
+    }
+    assert chat.stream and chat.include_usage and chat.gen_length == 32
+    completion = text_call({"prompt": ["The sea"]}, LM_MODEL, LIMITS, chat=False)
+    assert completion.request.tensors == {"PROMPT": b"The sea"}
+    assert completion.request.parameters == {"apply_chat_template": False, "stream": False}
+    for body, param in (
+        ({"prompt": "x", "n": 2}, "n"),
+        ({"prompt": "x", "stop": ["\n"]}, "stop"),
+        ({"prompt": "x", "gen_length": 8}, "gen_length"),
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ):
+        raises_api_error(400, param, body, LM_MODEL, LIMITS, False, call=text_call)
+
+
+def test_video_translation():
+    call = video_call({"prompt": "a boat", "seconds": "1", "size": "64x64", "fps": "8"}, VIDEO_MODEL, True)
+    assert call.request.parameters == {
+        "fps": 8,
+        "width": 64,
+        "height": 64,
+        "num_frames": 9,
+        "output_format": "mp4",
+        "output_encoding": "binary",
+        "progress": True,
+    }
+    assert frames_for_seconds(4, 16) == 65 and frames_for_seconds(0.1, 16) == 5
+    assert (
+        video_call({"prompt": "x", "num_frames": 5}, VIDEO_MODEL, False).request.parameters["num_frames"] == 5
+    )
+    raises_api_error(
+        400, "seconds", {"prompt": "x", "seconds": "forever"}, VIDEO_MODEL, True, call=video_call
+    )
+    raises_api_error(
+        400, "input_reference", {"prompt": "x", "input_reference": "x"}, VIDEO_MODEL, True, call=video_call
+    )
+    raises_api_error(
+        400, "output_format", {"prompt": "x", "output_format": "frames"}, VIDEO_MODEL, False, call=video_call
+    )
+
+
+def test_model_kinds_come_from_inputs_and_outputs():
+    assert model_kind({"PROMPT": "BYTES"}, {"IMAGE": "BYTES"}) == "text_to_image"
+    assert model_kind({"PROMPT": "BYTES", "IMAGE": "BYTES"}, {"IMAGE": "BYTES"}) == "image_to_image"
+    assert model_kind({"IMAGE": "BYTES", "MASK": "BYTES"}, {"IMAGE": "BYTES"}) == "inpaint"
+    assert model_kind({"PROMPT": "BYTES"}, {"VIDEO": "BYTES", "FRAMES": "UINT8"}) == "text_to_video"
+    assert model_kind({"PROMPT": "BYTES"}, {"TEXT": "BYTES"}) == "text_generation"
+    assert model_kind({"X": "FP32"}, {"Y": "FP32"}) is None
+
+
+# ---- keys --------------------------------------------------------------------------------------------
+def test_api_keys(tmp_path):
+    path = tmp_path / "keys"
+    path.write_text("# comment\nsk-one\n\n  sk-two  \n")
+    keys = load_keys(path)
+    assert keys == {"sk-one", "sk-two"} and load_keys(None) == frozenset()
+    check_bearer("Bearer sk-two", keys)
+    check_bearer(None, frozenset())  # no keys: open
+    for header in (None, "", "Bearer", "Bearer sk-three", "Basic sk-one", "sk-one"):
+        raises_api_error(401, None, header, keys, call=check_bearer)
+    (tmp_path / "empty").write_text("# nothing\n")
+    with pytest.raises(ValueError, match="holds no key"):
+        load_keys(tmp_path / "empty")
+
+
+# ---- video jobs ----------------------------------------------------------------------------------------
+def test_video_jobs_are_bounded_in_time_and_size():
+    now = [1000.0]
+    jobs = VideoJobs(TritonBridge("127.0.0.1:1"), VideoLimits(max_bytes=100, ttl_s=60), clock=lambda: now[0])
+
+    def finished(video_id: str, size: int, expires: int) -> None:
+        job = VideoJob(
+            video_id,
+            "m",
+            "p",
+            None,
+            None,
+            int(now[0]),
+            COMPLETED,
+            100,
+            int(now[0]),
+            expires,
+            None,
+            b"x" * size,
+        )
+        jobs.jobs[video_id] = job
+
+    finished("a", 40, 1030)
+    finished("b", 40, 1100)
+    assert [j.id for j in jobs.listing()] == ["a", "b"]
+    finished("c", 40, 1100)  # 120 bytes held: the oldest goes
+    assert [j.id for j in jobs.listing()] == ["b", "c"]
+    now[0] = 1100
+    assert jobs.listing() == []  # expired
+    with pytest.raises(ApiError) as missing:
+        jobs.get("b")
+    assert missing.value.status == 404
+
+
+# ---- the app, without a reachable Triton -------------------------------------------------------------------
+@pytest.fixture
+def app_client():
+    front = FrontState(TritonBridge("127.0.0.1:1"), limits=Limits(max_json_bytes=1000), keys=frozenset({"k"}))
+    with TestClient(create_app(front)) as client:
+        yield client
+
+
+def test_the_app_checks_keys_and_limits_before_triton(app_client):
+    url = "/v1/images/generations"
+    assert app_client.post(url, json={"prompt": "x"}).status_code == 401
+    auth = {"Authorization": "Bearer k"}
+    big = app_client.post(url, content=b'{"prompt":"' + b"a" * 2000 + b'"}', headers=auth)
+    assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
+    deep = app_client.post(url, content=b"[" * 500 + b"]" * 500, headers=auth)
+    assert deep.status_code == 400 and "nests 500 levels deep" in deep.json()["error"]["message"]
+    down = app_client.post(url, json={"prompt": "x"}, headers=auth)  # nothing listens on port 1
+    assert down.status_code == 503 and down.json()["error"]["code"] == "service_unavailable"
+    assert app_client.get("/health").status_code == 503
+    missing = app_client.get("/v1/no/such/route", headers=auth)
+    assert missing.status_code == 404 and set(missing.json()["error"]) == {"message", "type", "param", "code"}
+    assert app_client.get("/v1/videos/../../etc/passwd", headers=auth).status_code == 404
+    assert app_client.get("/v1/videos/video_" + "0" * 32, headers=auth).status_code == 404
+    assert "<html" in app_client.get("/").text.lower()
+
+
+def test_an_open_front_warns_at_startup(caplog):
+    with caplog.at_level(logging.WARNING, logger="triton_diffusion.openai_front"):
+        with TestClient(create_app(FrontState(TritonBridge("127.0.0.1:1")))):
+            pass
+    assert "no API key file" in caplog.text
+
+
+# ---- launcher -------------------------------------------------------------------------------------------
+def test_the_launcher_starts_the_front_against_tritons_grpc_port(tmp_path):
+    argv = launcher.openai_front_command(["--grpc-port=9101", "--log-verbose=1"], 9000, "0.0.0.0", None)
+    assert argv[1:3] == ["-m", "triton_diffusion.openai_front"]
+    assert argv[argv.index("--triton-grpc") + 1] == "127.0.0.1:9101"
+    assert argv[argv.index("--port") + 1] == "9000" and "--api-key-file" not in argv
+    keyed = launcher.openai_front_command([], 9000, "127.0.0.1", tmp_path / "keys")
+    assert keyed[keyed.index("--api-key-file") + 1] == str(tmp_path / "keys")
+    assert keyed[keyed.index("--triton-grpc") + 1] == "127.0.0.1:8001"
+    assert json.dumps(argv)  # plain strings only
