@@ -183,8 +183,9 @@ def drive(url: str, model: str, requests: list[dict], concurrency: int | None, r
 
             def delayed(index: int = index, request: dict = request, at: float = at) -> None:
                 time.sleep(max(0.0, started + at - time.perf_counter()))
-                late[index] = time.perf_counter() - (started + at)
                 send(index, request)
+                # All that came before generate()'s own clock (a late thread, the channel) is charged.
+                late[index] = time.perf_counter() - (started + at) - results[index].latency_s
 
             threads.append(threading.Thread(target=delayed))
     for thread in threads:

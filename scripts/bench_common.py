@@ -195,15 +195,20 @@ class Traffic(Generic[Item]):
         measured = [self.timings[i] for i in sorted(self.timings) if i >= self.warm_up]
         begin = measured[0].submitted
         end = max(t.done for t in measured)
-        offered = None
+        offered, delivered = None, len(measured) / (end - begin)
         if self.arrivals is not None:
+            # Open loop: both rates from the spacing of their own events (arrivals, answers), so a system
+            # that keeps up delivers what is offered whatever its latency.
             span = measured[-1].submitted - begin
             offered = (len(measured) - 1) / span if span > 0 else float("nan")
+            answers = sorted(t.done for t in measured)
+            answered = answers[-1] - answers[0]
+            delivered = (len(measured) - 1) / answered if answered > 0 else float("nan")
         return Measurement(
             requests=len(self.items),
             measured=len(measured),
             duration_s=end - begin,
-            delivered_per_s=len(measured) / (end - begin),
+            delivered_per_s=delivered,
             offered_per_s=offered,
             latencies=[t.done - t.submitted for t in measured],
             first_steps=[t.first_step - t.submitted for t in measured if t.first_step is not None],

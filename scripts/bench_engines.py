@@ -269,11 +269,12 @@ class Bench:
         self.pipe = self.model.pipe
         self.height, self.width, self.cap, self.device = height, width, cap, device
         self.max_running, self.policy = cap, "oldest"
-        self.cohort = max(1, cap // 2)  # the served default (EngineHost)
+        self.timeline = False  # on a GPU: time each step's stages under Poisson load (synchronising)
+        self.cohort = max(1, cap // 2)  # the served default (EngineHost), for max_running >= cap
 
     def step_engine(self, cohort: int) -> StepEngine:
         limits = EngineLimits(self.max_running, self.cap)
-        pacing = AdmissionPacing(min(cohort, self.max_running))
+        pacing = AdmissionPacing(min(cohort, max(1, self.max_running // 2)))
         return StepEngine(self.adapter, limits, make_policy(self.policy), pacing)
 
     def request(self, index: int, steps: int, guidance: float) -> dict:
@@ -375,7 +376,10 @@ def run_poisson(
     traffic = Traffic(
         requests, arrivals=poisson_arrivals(len(requests), rate, seed), warm_up_fraction=warm_up_fraction
     )
-    clock = None if engine == "request" else StageClock(bench.device)
+    # The timeline synchronises the device around every stage, which a GPU's step engine would not do
+    # (it queues the next step while the last runs): on a GPU only with --timeline.
+    timed = engine != "request" and (bench.device == "cpu" or bench.timeline)
+    clock = StageClock(bench.device) if timed else None
     rows = drive(bench, engine, traffic, window, clock)
     result = outcome(engine, traffic_name, traffic, None, rate, rows)
     if clock is not None:
@@ -519,6 +523,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-closed", action="store_true", help="no closed-loop runs (give --saturated)")
     parser.add_argument("--no-raw", action="store_true")
     parser.add_argument(
+        "--timeline", action="store_true", help="on a GPU too: per-stage times of each step (synchronising)"
+    )
+    parser.add_argument(
         "--loads",
         default=",".join(str(load) for load in POISSON_LOADS),
         help="Poisson loads, fractions of the request-level engine's saturated throughput ('' for none)",
@@ -543,6 +550,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     bench = Bench(args.arch, args.height, args.width, args.cap, device, dtype)
     bench.max_running, bench.policy = args.max_running or args.cap, args.policy
+    bench.timeline = args.timeline
+    if args.no_closed and args.loads and not args.saturated:
+        parser.error(
+            "--no-closed needs --saturated (the request-level engine's throughput) for Poisson loads"
+        )
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     top = max(concurrencies)
     report: dict = {

@@ -37,27 +37,54 @@ class PipelineTraits:
     compaction_schedulers: frozenset[str] = frozenset()
     # The step adapter serving this class in the step engine (adapters/), or None: request-level only.
     step_adapter: str | None = None
+    # The family's diffusers classes for each way a step-engine job can start, built over the loaded
+    # modules with ``from_pipe`` (nothing is loaded twice): from text (``text_pipeline``), from a source
+    # image (``image_pipeline``, img2img) or from a source image and a mask (``inpaint_pipeline``). The
+    # adapter follows each class's own code for its jobs; a start without a class is refused by name.
+    text_pipeline: str | None = None
+    image_pipeline: str | None = None
+    inpaint_pipeline: str | None = None
 
 
 DEFAULT_TRAITS = PipelineTraits()
 
 _NONE_IS_EMPTY = PipelineTraits(negative_prompt_none_is_empty=True)
 _PACKED = PipelineTraits(packed_latents=True, guidance_embedded=True)
+# The step-engine families: a text-to-image class and its img2img class share one record of starts, so
+# text_to_image and image_to_image (which loads the img2img class) serve the same jobs.
+_SD_STEP = {
+    "step_adapter": "stable_diffusion",
+    "text_pipeline": "StableDiffusionPipeline",
+    "image_pipeline": "StableDiffusionImg2ImgPipeline",
+    "inpaint_pipeline": "StableDiffusionInpaintPipeline",  # the 4-channel masked blend (an ordinary UNet)
+}
+_SDXL_STEP = {
+    "step_adapter": "stable_diffusion",
+    "text_pipeline": "StableDiffusionXLPipeline",
+    "image_pipeline": "StableDiffusionXLImg2ImgPipeline",
+}
+_FLUX_STEP = {
+    "step_adapter": "flux",
+    "text_pipeline": "FluxPipeline",
+    "image_pipeline": "FluxImg2ImgPipeline",
+}
 
 # One entry per diffusers class; the family test (tests/integration/test_families.py) serves each.
 TRAITS: Mapping[str, PipelineTraits] = {
     "StableDiffusionPipeline": PipelineTraits(
         negative_prompt_none_is_empty=True,
         compaction_schedulers=frozenset({"DDIMScheduler", "EulerDiscreteScheduler"}),
-        step_adapter="stable_diffusion",
+        **_SD_STEP,
     ),
-    "StableDiffusionImg2ImgPipeline": _NONE_IS_EMPTY,
-    "StableDiffusionXLPipeline": PipelineTraits(step_adapter="stable_diffusion"),
-    "StableDiffusionXLImg2ImgPipeline": DEFAULT_TRAITS,
-    "StableDiffusion3Pipeline": PipelineTraits(negative_prompt_none_is_empty=True, step_adapter="sd3"),
+    "StableDiffusionImg2ImgPipeline": PipelineTraits(negative_prompt_none_is_empty=True, **_SD_STEP),
+    "StableDiffusionXLPipeline": PipelineTraits(**_SDXL_STEP),
+    "StableDiffusionXLImg2ImgPipeline": PipelineTraits(**_SDXL_STEP),
+    "StableDiffusion3Pipeline": PipelineTraits(
+        negative_prompt_none_is_empty=True, step_adapter="sd3", text_pipeline="StableDiffusion3Pipeline"
+    ),
     "StableDiffusion3Img2ImgPipeline": _NONE_IS_EMPTY,
-    "FluxPipeline": PipelineTraits(packed_latents=True, guidance_embedded=True, step_adapter="flux"),
-    "FluxImg2ImgPipeline": _PACKED,
+    "FluxPipeline": PipelineTraits(packed_latents=True, guidance_embedded=True, **_FLUX_STEP),
+    "FluxImg2ImgPipeline": PipelineTraits(packed_latents=True, guidance_embedded=True, **_FLUX_STEP),
     "QwenImagePipeline": _PACKED,
     "QwenImageImg2ImgPipeline": _PACKED,
     "SanaPipeline": _NONE_IS_EMPTY,

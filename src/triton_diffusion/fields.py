@@ -169,6 +169,38 @@ def seed_field(doc: str) -> Field:
     return Field("seed", int, None, Role.ROW, minimum=0, maximum=2**63 - 1, triton_type="TYPE_INT64", doc=doc)
 
 
+# An image-conditioned request, declared once: optional on text_to_image (a text-only request and an
+# image-conditioned one share the step engine's forwards), ``image`` required on image_to_image. The
+# decoded size of both images is limited by the model config (``max_image_pixels``), the output size by
+# height and width.
+SOURCE_IMAGE_FIELDS = (
+    Field(
+        "image",
+        bytes,
+        None,
+        Role.ROW,
+        max_length=20_000_000,
+        doc="the source image: an encoded PNG, JPEG or WebP (base64 text is accepted too)",
+    ),
+    Field(
+        "strength",
+        float,
+        None,
+        minimum=0.0,
+        maximum=1.0,
+        doc="how much of the source is re-noised: 0 keeps it, 1 ignores it",
+    ),
+    Field(
+        "mask_image",
+        bytes,
+        None,
+        Role.ROW,
+        max_length=20_000_000,
+        doc="with image: inpaint where this mask is white, keep the source where it is black",
+    ),
+)
+
+
 class FieldSet:
     """The fields one model accepts, in declaration order."""
 

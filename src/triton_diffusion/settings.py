@@ -20,7 +20,7 @@ from typing import Any
 
 # Which models read a parameter.
 IMAGE = "image"  # text_to_image, image_to_image, text_to_video
-IMAGE_SOURCE = "image_source"  # image_to_image
+IMAGE_SOURCE = "image_source"  # text_to_image, image_to_image: models that take a source image
 LM = "lm"  # diffusion_lm
 ALL = (IMAGE, IMAGE_SOURCE, LM)
 ENGINES = ("auto", "step", "request")
@@ -87,7 +87,7 @@ class ModelConfig:
         None, "torch threads in this model's process; default: torch's", (LM,)
     )
     max_prompt_tokens: int = _parameter(1024, "longest prompt after tokenization", (LM,))
-    # ---- source images (image_to_image) -----------------------------------------------------------
+    # ---- source images (text_to_image, image_to_image) ---------------------------------------------
     max_image_pixels: int = _parameter(
         4096 * 4096, "largest decoded source image, in pixels", (IMAGE_SOURCE,)
     )
@@ -136,7 +136,7 @@ class ModelConfig:
         None,
         "a busy step engine admits newcomers once this many places are free, so they are encoded, and "
         "later decoded, together (engine/policies.py AdmissionPacing); 1: whenever there is room; "
-        "default: half the forward's cap (images), 1 (LM)",
+        "default: half the forward's cap (images), 1 (LM); at most half of max_running",
     )
     admission_max_wait_steps: int = _parameter(
         8, "... or once the oldest waiting job has waited this many engine steps"
@@ -213,7 +213,7 @@ def config_parameters(model_config: Mapping[str, Any]) -> dict[str, str]:
 
 def parameters_markdown() -> str:
     """README's configuration table, straight from the declarations."""
-    names = {IMAGE: "image and video models", IMAGE_SOURCE: "image_to_image", LM: "diffusion_lm"}
+    names = {IMAGE: "image and video models", IMAGE_SOURCE: "image models", LM: "diffusion_lm"}
     lines = ["| parameter | type | default | read by | meaning |", "|---|---|---|---|---|"]
     for f in fields(ModelConfig):
         kinds = f.metadata["kinds"]

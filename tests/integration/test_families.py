@@ -43,8 +43,9 @@ FAMILIES = {
     "sana": Family("text_to_image", "tiny-sana", True, True, False),
     "pixart_sigma": Family("text_to_image", "tiny-pixart-sigma", True, True, False),
     "z_image": Family("text_to_image", "tiny-z-image", True, True, False),
-    "sdxl_img2img": Family("image_to_image", "tiny-sdxl", False, True, False),
-    "flux_img2img": Family("image_to_image", "tiny-flux", False, True, True),
+    # The img2img classes of the step-engine families run on the step engine too (their image_to_image).
+    "sdxl_img2img": Family("image_to_image", "tiny-sdxl", False, True, False, step_engine=True),
+    "flux_img2img": Family("image_to_image", "tiny-flux", False, True, True, step_engine=True),
 }
 MATES = ["a lighthouse at dusk", "two green apples", "a city in fog", "an old red tram", "waves on rocks"]
 

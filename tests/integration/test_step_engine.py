@@ -6,7 +6,9 @@ References are computed here, in the test process, with the same weights through
 
 from __future__ import annotations
 
+import base64
 import io
+import json
 import re
 import threading
 import time
@@ -15,6 +17,7 @@ import diffusers
 import numpy as np
 import pytest
 import torch
+import tritonclient.grpc as grpcclient
 from diffusion_client import generate_many, generate_one
 from PIL import Image
 
@@ -33,8 +36,6 @@ def reference(weights: str, request: dict) -> np.ndarray:
         pipe.set_progress_bar_config(disable=True)
         _PIPES[weights] = (pipe, pipe.scheduler)
     pipe, own = _PIPES[weights]
-    name = request.get("scheduler")
-    pipe.scheduler = own if name is None else getattr(diffusers, name).from_config(own.config)
     kwargs = {
         "prompt": [request["prompt"]],
         "height": request.get("height", 64),
@@ -42,6 +43,15 @@ def reference(weights: str, request: dict) -> np.ndarray:
         "num_inference_steps": request["num_inference_steps"],
         "generator": [torch.Generator().manual_seed(request["seed"])],
     }
+    if "image" in request:  # img2img: the img2img pipeline over the same modules, as diffusers builds it
+        pipe = diffusers.AutoPipelineForImage2Image.from_pipe(pipe)
+        pipe.set_progress_bar_config(disable=True)
+        kwargs.update(
+            image=Image.open(io.BytesIO(request["image"])).convert("RGB"), strength=request["strength"]
+        )
+        del kwargs["height"], kwargs["width"]  # SD img2img takes the size from the image
+    name = request.get("scheduler")
+    pipe.scheduler = own if name is None else getattr(diffusers, name).from_config(own.config)
     if weights == "tiny-flux":
         kwargs["max_sequence_length"] = 64  # as text_to_image_flux's config.pbtxt sets it
     for field in ("negative_prompt", "guidance_scale", "true_cfg_scale"):
@@ -181,3 +191,69 @@ def test_step_engine_metrics_and_log_lines(server):
     log = server.log()
     assert re.search(r"request \d image 0 admitted: 64x64, 3 steps", log)
     assert re.search(r"request \d image 0 left \(finished\) after 3/3 steps", log)
+
+
+def structured_png(size: int = 64) -> bytes:
+    """A source with structure (gradients, a bright square, seeded noise), so its start matters."""
+    y, x = np.mgrid[0:size, 0:size]
+    pixels = np.stack([x * 255 // size, y * 255 // size, (x + y) * 127 // size], axis=-1)
+    pixels[size // 4 : size // 2, size // 4 : size // 2] = 250
+    pixels += np.random.default_rng(5).integers(0, 40, pixels.shape)
+    buffer = io.BytesIO()
+    Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8)).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def send_with_parameters(server, model: str, requests: list[dict]) -> list[tuple[str | None, dict]]:
+    """Each request as a PROMPT tensor and parameters only (a source image as the ``image`` parameter,
+    base64 text), sent at once: with one set of input tensors Triton hands them to one execute()."""
+    answers: list = [None] * len(requests)
+
+    def one(index: int, request: dict) -> None:
+        fields = dict(request)
+        if "image" in fields:
+            fields["image"] = base64.b64encode(fields["image"]).decode()
+        prompt = grpcclient.InferInput("PROMPT", [1, 1], "BYTES")
+        prompt.set_data_from_numpy(np.array([[fields.pop("prompt").encode()]], dtype=object))
+        client, results = grpcclient.InferenceServerClient(server.grpc_url), []
+        client.start_stream(callback=lambda result, error: results.append((result, error)))
+        client.async_stream_infer(model, [prompt], parameters=fields)
+        client.stop_stream()  # returns once the final response has arrived
+        client.close()
+        result, error = results[-1]
+        if error is not None:
+            answers[index] = (str(error), {})
+            return
+        batch = json.loads(result.as_numpy("BATCH").reshape(-1)[0])
+        answers[index] = (None, {"image": bytes(result.as_numpy("IMAGE").reshape(-1)[0]), "batch": batch})
+
+    threads = [threading.Thread(target=one, args=item) for item in enumerate(requests)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    return answers
+
+
+def test_a_text_only_and_an_image_conditioned_request_share_forwards_on_text_to_image(server):
+    text = {"prompt": "a harbour at night", "seed": 11, "num_inference_steps": 4, "guidance_scale": 5.0}
+    edit = {
+        "prompt": "make it a watercolor",
+        "image": structured_png(),
+        "strength": 0.75,  # int(4 x 0.75) = 3 of the 4 steps run
+        "seed": 12,
+        "num_inference_steps": 4,
+        "guidance_scale": 7.5,
+        "scheduler": "EulerDiscreteScheduler",
+    }
+    (text_error, text_out), (edit_error, edit_out) = send_with_parameters(
+        server, "sd_step_slow", [text, edit]
+    )
+    assert text_error is None and edit_error is None, (text_error, edit_error)
+    # One model (text_to_image's config), one step engine: the two shared their forwards.
+    assert text_out["batch"]["engine"] == edit_out["batch"]["engine"] == "step"
+    assert text_out["batch"]["forwards"] == 4 and edit_out["batch"]["forwards"] == 3
+    assert text_out["batch"]["most_rows_shared"] == edit_out["batch"]["most_rows_shared"] == 2
+    # Each equals its own diffusers pipeline: StableDiffusionPipeline, StableDiffusionImg2ImgPipeline.
+    assert np.abs(pixels(text_out["image"]) - reference("tiny-sd", text)).max() <= 1
+    assert np.abs(pixels(edit_out["image"]) - reference("tiny-sd", edit)).max() <= 1

@@ -4,7 +4,8 @@ import pytest
 from PIL import Image
 
 from triton_diffusion.errors import RequestError
-from triton_diffusion.models.image_to_image import IMAGE_TO_IMAGE_FIELDS, ImageToImageModel, parse_buckets
+from triton_diffusion.models.image_to_image import IMAGE_TO_IMAGE_FIELDS, ImageToImageModel
+from triton_diffusion.models.text_to_image import parse_buckets
 
 
 def model(buckets="", max_size=512):

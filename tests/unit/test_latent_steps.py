@@ -4,13 +4,21 @@ For each adapted family (SD 1.x, SDXL, FLUX.1, SD3), six requests with different
 (present or not), step counts, guidance scales, schedulers, sizes and arrival steps run through the step
 engine; one more is cancelled half-way. Each finished image must equal ``pipeline(...)`` for the same
 arguments and generator to one uint8 level, and requests must have shared forwards.
+
+Image-conditioned jobs (img2img for SD, SDXL and FLUX.1, inpainting for SD) must equal their img2img or
+inpaint pipeline's own image (built with ``from_pipe``), alone and while text-only jobs with other steps
+and guidance join and leave around them.
 """
 
 from __future__ import annotations
 
+import inspect
+from dataclasses import replace
+
 import numpy as np
 import pytest
-from diffusers import DiffusionPipeline
+from diffusers import AutoPipelineForImage2Image, AutoPipelineForInpainting, DiffusionPipeline
+from PIL import Image
 
 from tests.unit.recording import RecordingChannel
 from triton_diffusion.adapters.diffusers_pipeline import SchedulerChoices, row_generator
@@ -24,7 +32,7 @@ from triton_diffusion.serving.server_process import WEIGHTS
 from triton_diffusion.tiny_models import build_missing
 
 FAMILIES = {
-    "tiny-sd": "EulerDiscreteScheduler,DPMSolverMultistepScheduler",
+    "tiny-sd": "EulerDiscreteScheduler,DPMSolverMultistepScheduler,EulerAncestralDiscreteScheduler",
     "tiny-sdxl": "DDIMScheduler,DPMSolverMultistepScheduler",
     "tiny-flux": None,
     "tiny-sd3": None,
@@ -64,7 +72,24 @@ def family(request):
     return pipe, facts, schedulers
 
 
+_COUNTERPARTS: dict = {}
+
+
+def pipeline_for(pipe, request: ImageRequest):
+    """The diffusers pipeline that serves this request alone: text-to-image, or its img2img / inpaint
+    counterpart over the same modules (``from_pipe``)."""
+    if request.image is None:
+        return pipe
+    auto = AutoPipelineForInpainting if request.mask_image is not None else AutoPipelineForImage2Image
+    key = (id(pipe), auto)
+    if key not in _COUNTERPARTS:
+        _COUNTERPARTS[key] = auto.from_pipe(pipe)  # float32 here: from_pipe's cast changes nothing
+        _COUNTERPARTS[key].set_progress_bar_config(disable=True)
+    return _COUNTERPARTS[key]
+
+
 def reference(pipe, facts, schedulers, request: ImageRequest):
+    pipe = pipeline_for(pipe, request)
     pipe.scheduler = schedulers[request.scheduler]
     kwargs = {
         "prompt": [request.prompt],
@@ -73,6 +98,13 @@ def reference(pipe, facts, schedulers, request: ImageRequest):
         "num_inference_steps": request.steps,
         "generator": [row_generator(request.seed, request.image_index)],
     }
+    if request.image is not None:
+        kwargs.update(image=request.image, strength=request.strength)
+        if request.mask_image is not None:
+            kwargs["mask_image"] = request.mask_image
+        for name in ("height", "width"):  # SD/SDXL img2img take the size from the image
+            if name not in inspect.signature(pipe.__call__).parameters:
+                del kwargs[name]
     if request.negative_prompt is not None:
         kwargs["negative_prompt"] = [request.negative_prompt]
     if facts.uses_guidance_scale:
@@ -119,3 +151,103 @@ def test_every_image_equals_the_pipelines_own_amid_traffic(family):
         expected = np.asarray(reference(pipe, facts, schedulers, request), dtype=int)
         assert served.shape == (request.height, request.width, 3)
         assert np.abs(served - expected).max() <= 1, (facts.class_name, request)
+
+
+# Image-conditioned jobs per family: (start, scheduler or None for the pipeline's own, strength, steps,
+# arrives at engine step). SD's: DPM-Solver (multistep: its history starts at the trimmed index), an
+# inpaint job joining mid-way with Euler ancestral (its step noise follows the draws the pipeline took
+# from the generator), and one at strength 1 with Euler (a pure noise start scaled by its sigma).
+IMAGE_TARGETS = {
+    "StableDiffusionPipeline": [
+        ("image", "DPMSolverMultistepScheduler", 0.6, 5, 0),
+        ("mask", "EulerAncestralDiscreteScheduler", 0.8, 4, 2),
+        ("mask", "EulerDiscreteScheduler", 1.0, 3, 0),
+    ],
+    "StableDiffusionXLPipeline": [("image", "DPMSolverMultistepScheduler", 0.75, 4, 0)],
+    "FluxPipeline": [("image", None, 0.7, 4, 0)],
+}
+# Text-only neighbours: (steps, guidance, true CFG, arrives at engine step); the second joins mid-way.
+NEIGHBOURS = [(2, 3.0, 2.0, 0), (3, 1.0, 1.0, 1)]
+
+
+def source_image(size: int = 64) -> Image.Image:
+    """A source with structure (gradients, a bright square, seeded noise): another start changes it."""
+    y, x = np.mgrid[0:size, 0:size]
+    pixels = np.stack([x * 255 // size, y * 255 // size, (x + y) * 127 // size], axis=-1)
+    pixels[size // 4 : size // 2, size // 4 : size // 2] = 250
+    pixels += np.random.default_rng(3).integers(0, 40, pixels.shape)
+    return Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8))
+
+
+def mask_image(size: int = 64) -> Image.Image:
+    mask = np.zeros((size, size), dtype=np.uint8)
+    mask[size // 4 : 3 * size // 4, 5 : size // 2 + 3] = (
+        255  # not on the latent grid: resized as diffusers does
+    )
+    return Image.fromarray(mask).convert("RGB")
+
+
+def run_engine(adapter, arrivals: list[tuple[int, ImageRequest]]) -> list[Job]:
+    """The requests through one step engine, each added at its engine step; their jobs, in order."""
+    engine, host = StepEngine(adapter, EngineLimits(8, 8)), Host()
+    jobs = [
+        Job(TrackedRequest(str(i), RecordingChannel()), request) for i, (_, request) in enumerate(arrivals)
+    ]
+    pending = sorted(zip([at for at, _ in arrivals], jobs, strict=True), key=lambda pair: pair[0])
+    step = 0
+    while pending or engine.active:
+        while pending and pending[0][0] <= step:
+            engine.add(pending.pop(0)[1])
+        host.render(engine.step())
+        step += 1
+    return jobs
+
+
+def served(job: Job) -> np.ndarray:
+    (final,) = job.request.channel.finals
+    return np.asarray(final["image"], dtype=int)
+
+
+def test_image_conditioned_jobs_equal_their_pipelines_alone_and_amid_text_only_jobs(family):
+    pipe, facts, schedulers = family
+    if facts.class_name not in IMAGE_TARGETS:
+        pytest.skip(f"{facts.class_name}: no image-conditioned start on the step engine")
+    adapter = step_adapter_for(pipe, facts, schedulers, None)
+    names, source, mask = schedulers.names, source_image(), mask_image()
+    targets = [
+        (
+            at,
+            ImageRequest(
+                f"from an image {i}",
+                "blurry" if i % 2 else None,
+                20 + i,
+                0,
+                64,
+                64,
+                steps,
+                5.0,
+                2.0,
+                pick or names[0],
+                image=source,
+                strength=strength,
+                mask_image=mask if start == "mask" else None,
+            ),
+        )
+        for i, (start, pick, strength, steps, at) in enumerate(IMAGE_TARGETS[facts.class_name])
+    ]
+    # A text-only twin of the first target (same prompt and seed): the source must change the image.
+    twin = replace(targets[0][1], image=None, strength=None, steps=3)
+    neighbours = [
+        (at, ImageRequest(f"text only {i}", "dark", 30 + i, 0, 64, 64, steps, guidance, cfg, names[0]))
+        for i, (steps, guidance, cfg, at) in enumerate(NEIGHBOURS)
+    ] + [(0, twin)]
+    together = run_engine(adapter, targets + neighbours)
+    assert together[len(targets) + 1].first_forward > 1, "a text-only job did not join mid-way"
+    for (_, request), job in zip(targets, together, strict=False):
+        expected = np.asarray(reference(pipe, facts, schedulers, request), dtype=int)
+        (alone,) = run_engine(adapter, [(0, request)])
+        assert np.abs(served(alone) - expected).max() <= 1, ("alone", facts.class_name, request.start)
+        assert np.abs(served(job) - expected).max() <= 1, ("amid text", facts.class_name, request.start)
+        assert job.most_shared >= 2 and alone.most_shared == 1
+        assert job.forwards == job.total_steps == alone.total_steps <= request.steps
+    assert np.abs(served(together[0]) - served(together[-1])).mean() > 5, "the source did not matter"

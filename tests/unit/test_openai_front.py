@@ -4,33 +4,47 @@ partial-image choice, video job bounds; and the app's answers that need no Trito
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import inspect
 import json
 import logging
+import multiprocessing
+import os
+import time
 
+import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
 from triton_diffusion.errors import RequestError
 from triton_diffusion.fields import Field, FieldSet
-from triton_diffusion.openai_front.app import create_app
+from triton_diffusion.openai_front.app import create_app, require_key
 from triton_diffusion.openai_front.errors import ApiError, from_triton_message
 from triton_diffusion.openai_front.front_state import FrontState
-from triton_diffusion.openai_front.keys import check_bearer, load_keys
+from triton_diffusion.openai_front.keys import check_bearer, key_owner, load_keys
 from triton_diffusion.openai_front.limits import Limits, json_depth, parse_form, parse_json_object
 from triton_diffusion.openai_front.translation import (
     IMAGE_OPENAI_NAMES,
     PartialImagePicker,
     chat_prompt,
+    completion_response,
     decode_schedule,
     form_value,
     frames_for_seconds,
     image_call,
     parse_size,
+    preview_every,
     text_call,
     video_call,
 )
-from triton_diffusion.openai_front.triton_bridge import ModelInfo, TritonBridge, model_kind
-from triton_diffusion.openai_front.video_jobs import COMPLETED, VideoJob, VideoJobs, VideoLimits
+from triton_diffusion.openai_front.triton_bridge import (
+    ModelInfo,
+    TritonBridge,
+    TritonResponse,
+    config_defaults,
+    model_kind,
+)
+from triton_diffusion.openai_front.video_jobs import COMPLETED, FAILED, VideoJob, VideoJobs, VideoLimits
 from triton_diffusion.serving import launcher
 
 LIMITS = Limits()
@@ -190,6 +204,7 @@ def test_image_generation_translation():
         "negative_prompt": "blurry",
         "num_images_per_prompt": 2,
         "output_format": "jpeg",
+        "output_encoding": "binary",
         "width": 96,
         "height": 64,
     }  # quality ignored
@@ -370,7 +385,11 @@ def test_video_translation():
 def test_model_kinds_come_from_inputs_and_outputs():
     assert model_kind({"PROMPT": "BYTES"}, {"IMAGE": "BYTES"}) == "text_to_image"
     assert model_kind({"PROMPT": "BYTES", "IMAGE": "BYTES"}, {"IMAGE": "BYTES"}) == "image_to_image"
-    assert model_kind({"IMAGE": "BYTES", "MASK": "BYTES"}, {"IMAGE": "BYTES"}) == "inpaint"
+    assert model_kind({"IMAGE": "BYTES", "MASK_IMAGE": "BYTES"}, {"IMAGE": "BYTES"}) == "inpaint"
+    # text_to_image takes an optional source image (and mask): it stays a text-to-image model.
+    both = {"PROMPT": "BYTES", "IMAGE": "BYTES", "MASK_IMAGE": "BYTES"}
+    optional = frozenset({"IMAGE", "MASK_IMAGE"})
+    assert model_kind(both, {"IMAGE": "BYTES"}, optional) == "text_to_image"
     assert model_kind({"PROMPT": "BYTES"}, {"VIDEO": "BYTES", "FRAMES": "UINT8"}) == "text_to_video"
     assert model_kind({"PROMPT": "BYTES"}, {"TEXT": "BYTES"}) == "text_generation"
     assert model_kind({"X": "FP32"}, {"Y": "FP32"}) is None
@@ -415,13 +434,13 @@ def test_video_jobs_are_bounded_in_time_and_size():
 
     finished("a", 40, 1030)
     finished("b", 40, 1100)
-    assert [j.id for j in jobs.listing()] == ["a", "b"]
+    assert [j.id for j in jobs.listing("")] == ["a", "b"]
     finished("c", 40, 1100)  # 120 bytes held: the oldest goes
-    assert [j.id for j in jobs.listing()] == ["b", "c"]
+    assert [j.id for j in jobs.listing("")] == ["b", "c"]
     now[0] = 1100
-    assert jobs.listing() == []  # expired
+    assert jobs.listing("") == []  # expired
     with pytest.raises(ApiError) as missing:
-        jobs.get("b")
+        jobs.get("b", "")
     assert missing.value.status == 404
 
 
@@ -468,3 +487,315 @@ def test_the_launcher_starts_the_front_against_tritons_grpc_port(tmp_path):
     assert keyed[keyed.index("--api-key-file") + 1] == str(tmp_path / "keys")
     assert keyed[keyed.index("--triton-grpc") + 1] == "127.0.0.1:8001"
     assert json.dumps(argv)  # plain strings only
+
+
+# ---- review fixes --------------------------------------------------------------------------------------
+class FakeBridge(TritonBridge):
+    """A Triton that is ready, serves ``models`` and answers every request with ``responses`` (or never,
+    with ``block``)."""
+
+    def __init__(self, models: list[ModelInfo], responses: list[TritonResponse] = (), block: bool = False):
+        super().__init__("127.0.0.1:1")
+        self.catalog = {info.name: info for info in models}
+        self.responses = list(responses)
+        self.block = block
+        self.requests: list = []
+
+    async def ready(self) -> bool:
+        return True
+
+    async def models(self) -> dict[str, ModelInfo]:
+        return self.catalog
+
+    async def stream(self, request, info, timeout_s):
+        self.requests.append(request)
+        if self.block:
+            await asyncio.Event().wait()
+        for response in self.responses:
+            yield response
+
+    async def close(self) -> None:
+        pass
+
+
+def _refuse_in_child(body: bytes) -> None:
+    started = time.perf_counter()
+    try:
+        parse_json_object(body, LIMITS)
+    except ApiError as error:
+        refused = error.status == 400 and error.code == "invalid_json"
+        os._exit(0 if refused and time.perf_counter() - started < 2.0 else 2)
+    os._exit(3)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'"' + b'\\"' * ((1 << 20) // 2 - 1),  # one unterminated string of escaped quotes: 1 MiB
+        b'{"prompt": "' + b'\\"' * ((1 << 20) // 2 - 16),
+        b'"\\' * ((1 << 20) // 2),
+    ],
+)
+def test_a_hostile_json_body_is_refused_in_linear_time(body):
+    """The depth check's string pattern once backtracked quadratically (40 KB of escaped quotes: 10 s on
+    the event loop; 1 MiB: hours). Run in a child process, so that a regression fails instead of hanging."""
+    assert len(body) <= LIMITS.max_json_bytes
+    child = multiprocessing.get_context("fork").Process(target=_refuse_in_child, args=(body,))
+    child.start()
+    child.join(30)
+    if child.is_alive():
+        child.kill()
+        child.join()
+        pytest.fail("the JSON depth check did not finish within 30 s")
+    assert child.exitcode == 0, "refused with 400 within 2 s" if child.exitcode else ""
+
+
+def test_json_depth_handles_escapes_and_unterminated_strings():
+    assert json_depth(b'["a\\\\", [["\\"]"]]]') == 3  # an escaped backslash closes the string
+    assert json_depth(b'[["unterminated [[[[') == 2  # the rest is one string; json.loads refuses it
+    assert json_depth(b'"\\') == 0
+
+
+def test_capacity_and_memory_errors_are_503_with_the_models_own_words():
+    from triton_diffusion.engine.failures import Failure, FailureKind, device_lost_error
+
+    fields = set(IMAGE_FIELDS)
+    oom = FailureKind.OUT_OF_MEMORY
+    unavailable = [
+        "the model is at capacity: no room for this request within 120 s",  # serving/engine_host.py
+        "the model is shutting down",
+        "the engine reported nothing for 130 s (bound 120 s); the model is restarting",
+        "process exit; the model is restarting, retry shortly",
+        device_lost_error("RuntimeError: CUDA error: an illegal memory access was encountered").message,
+        Failure(oom, "OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB")
+        .request_error("denoising step")
+        .message,
+        Failure(oom, "MemoryError: ").request_error("pipeline call").message,
+        Failure(oom, "RuntimeError: CUDA error: out of memory").request_error("decoding").message,
+    ]
+    for message in unavailable:
+        for sent in (message, f"[request id: oai-1] {message}"):
+            error = from_triton_message(sent, fields)
+            assert (error.status, error.code) == (503, "service_unavailable"), sent
+            assert error.message == sent
+    ordinary = Failure(FailureKind.ORDINARY, "RuntimeError: boom").request_error("denoising step")
+    assert from_triton_message(ordinary.message, fields).status == 500
+
+
+def test_video_jobs_drop_finished_ones_for_new_ones_and_refuse_only_for_active_ones():
+    call = video_call({"prompt": "x"}, VIDEO_MODEL, False)
+
+    def finished(video_id: str, status: str, completed_at: int) -> VideoJob:
+        content = b"mp4" if status == COMPLETED else None
+        return VideoJob(video_id, "m", "p", None, None, 0, status, 100, completed_at, 10**9, None, content)
+
+    async def scenario() -> None:
+        limits = VideoLimits(max_jobs=3, max_running=2)
+        jobs = VideoJobs(FakeBridge([VIDEO_MODEL], block=True), limits, clock=lambda: 1000.0)
+        jobs.jobs["done"] = finished("done", COMPLETED, 20)
+        jobs.jobs["failed"] = finished("failed", FAILED, 10)
+        one = jobs.create(call, VIDEO_MODEL, "")  # three held
+        two = jobs.create(call, VIDEO_MODEL, "")  # the longest-finished (the failed one) makes room
+        assert list(jobs.jobs) == ["done", one.id, two.id]
+        with pytest.raises(ApiError) as busy:
+            jobs.create(call, VIDEO_MODEL, "")  # two generating: the limit
+        assert (busy.value.status, busy.value.code) == (429, "too_many_jobs")
+        await jobs.delete(one.id, "")
+        three = jobs.create(call, VIDEO_MODEL, "")  # room again, not refused for the finished one
+        assert list(jobs.jobs) == ["done", two.id, three.id]
+        jobs._completed(three, b"mp4")  # finished after "done": "done" goes first
+        four = jobs.create(call, VIDEO_MODEL, "")
+        assert list(jobs.jobs) == [two.id, three.id, four.id]
+        await jobs.close()
+
+        full = VideoJobs(FakeBridge([VIDEO_MODEL], block=True), VideoLimits(max_jobs=1, max_running=4))
+        full.create(call, VIDEO_MODEL, "")
+        with pytest.raises(ApiError) as held:
+            full.create(call, VIDEO_MODEL, "")  # nothing finished to drop
+        assert held.value.status == 429
+        await full.close()
+
+    asyncio.run(scenario())
+
+
+def video_front(keys: frozenset[str]) -> TestClient:
+    video = TritonResponse({"VIDEO": np.array([b"mp4 bytes"], dtype=object)}, True)
+    return TestClient(create_app(FrontState(FakeBridge([VIDEO_MODEL], [video]), keys=keys)))
+
+
+def wait_completed(client: TestClient, video_id: str, headers: dict[str, str]) -> None:
+    for _ in range(200):
+        if client.get(f"/v1/videos/{video_id}", headers=headers).json()["status"] == COMPLETED:
+            return
+        time.sleep(0.01)
+    pytest.fail("the video job did not complete")
+
+
+def test_video_jobs_are_visible_to_their_creating_key_only():
+    alice, bob = {"Authorization": "Bearer sk-alice"}, {"Authorization": "Bearer sk-bob"}
+    with video_front(frozenset({"sk-alice", "sk-bob"})) as client:
+        created = client.post("/v1/videos", json={"prompt": "a boat"}, headers=alice)
+        assert created.status_code == 200, created.text
+        video_id = created.json()["id"]
+        wait_completed(client, video_id, alice)
+        assert [v["id"] for v in client.get("/v1/videos", headers=alice).json()["data"]] == [video_id]
+        assert client.get("/v1/videos", headers=bob).json()["data"] == []
+        for method, path in (
+            ("GET", f"/v1/videos/{video_id}"),
+            ("GET", f"/v1/videos/{video_id}/content"),
+            ("DELETE", f"/v1/videos/{video_id}"),
+        ):
+            other = client.request(method, path, headers=bob)
+            assert other.status_code == 404 and other.json()["error"]["code"] == "video_not_found"
+        assert client.get(f"/v1/videos/{video_id}/content", headers=alice).content == b"mp4 bytes"
+        owner = client.app.state.front.videos.jobs[video_id].owner
+        assert owner == hashlib.sha256(b"sk-alice").hexdigest() and "sk-alice" not in repr(owner)
+        assert client.delete(f"/v1/videos/{video_id}", headers=alice).json()["deleted"] is True
+    assert key_owner("Bearer sk-bob", frozenset({"sk-bob"})) == hashlib.sha256(b"sk-bob").hexdigest()
+    with video_front(frozenset()) as open_client:  # no keys: one tenant
+        video_id = open_client.post("/v1/videos", json={"prompt": "a boat"}).json()["id"]
+        wait_completed(open_client, video_id, {})
+        assert open_client.get(f"/v1/videos/{video_id}", headers=bob).status_code == 200
+
+
+def test_an_open_front_listens_on_loopback_unless_told_otherwise(tmp_path, monkeypatch):
+    keys = tmp_path / "keys"
+    keys.write_text("sk-one\n")
+    assert launcher.openai_front_address(None, None) == "127.0.0.1"
+    assert launcher.openai_front_address(None, keys) == "0.0.0.0"
+    assert launcher.openai_front_address("0.0.0.0", None) == "0.0.0.0"
+    assert launcher.open_front_warning("0.0.0.0", None) and not launcher.open_front_warning("0.0.0.0", keys)
+    assert launcher.open_front_warning("127.0.0.1", None) is None
+
+    started = []
+    command = launcher.ServerCommand(["tritonserver"], {})
+    monkeypatch.setattr(launcher, "server_command", lambda *args: command)
+    monkeypatch.setattr(launcher, "supervise", lambda command, extra, port, front: started.append(front) or 0)
+    for argv, address in (
+        (["--openai-port=9000"], "127.0.0.1"),
+        (["--openai-port=9000", f"--openai-api-key-file={keys}"], "0.0.0.0"),
+        (["--openai-port=9000", "--openai-address=0.0.0.0"], "0.0.0.0"),
+    ):
+        with pytest.raises(SystemExit):
+            launcher.main(argv)
+        assert started[-1][started[-1].index("--host") + 1] == address, argv
+    from triton_diffusion.openai_front.__main__ import parser as front_parser
+
+    assert front_parser().parse_args([]).host is None  # chosen from the keys at startup
+    # The container passes a key file or says outright that the front listens on every interface.
+    dockerfile = (launcher.REPO_ROOT / "docker" / "Dockerfile").read_text()
+    cmd = dockerfile[dockerfile.index('CMD ["triton-diffusion-serve"') :]
+    assert "--openai-api-key-file" in cmd or '"--openai-address=0.0.0.0"' in cmd
+    assert "OPEN" in dockerfile
+
+
+def test_comment_lines_are_never_keys_even_when_indented(tmp_path):
+    path = tmp_path / "keys"
+    path.write_text("  # note\n\t# another\nsk-one\n")
+    assert load_keys(path) == {"sk-one"}
+    (tmp_path / "only_comments").write_text("   # nothing here\n")
+    with pytest.raises(ValueError, match="holds no key"):
+        load_keys(tmp_path / "only_comments")
+
+
+def test_images_come_back_binary_whatever_the_models_default_encoding():
+    call = image_call({"prompt": "x"}, {}, IMAGE_MODEL, LIMITS)
+    assert call.request.parameters["output_encoding"] == "binary"
+    edit = image_call({"prompt": "x"}, {"IMAGE": b"png"}, EDIT_MODEL, LIMITS, from_form=True)
+    assert edit.request.parameters["output_encoding"] == "binary"
+
+
+def test_previews_are_asked_for_about_as_often_as_partial_images_are_sent():
+    def every(params, info=IMAGE_MODEL, tensors=None):
+        body = {"prompt": "x", "stream": True, **params}
+        return image_call(body, tensors or {}, info, LIMITS).request.parameters["preview_every"]
+
+    assert every({"partial_images": 2, "num_inference_steps": 30}) == 10
+    assert every({"partial_images": 3, "num_inference_steps": 50}) == 12
+    assert every({"partial_images": 1, "num_inference_steps": 3}) == 1
+    configured = ModelInfo(IMAGE_MODEL.name, IMAGE_MODEL.kind, IMAGE_MODEL.inputs, default_steps=40)
+    assert every({"partial_images": 1}, configured) == 20  # the model's configured default
+    assert every({"partial_images": 1}) == 1  # steps unknown: every step, the picker still sends one
+    edit = ModelInfo(EDIT_MODEL.name, EDIT_MODEL.kind, EDIT_MODEL.inputs, default_steps=40)
+    assert every({"partial_images": 1, "strength": 0.5}, edit, {"IMAGE": b"png"}) == 10  # 20 steps run
+    assert every({"partial_images": 1}, edit, {"IMAGE": b"png"}) == 1  # the default strength is unknown
+    # However many steps, the previews asked for still give the picker every partial image it sends.
+    for steps in range(1, 80):
+        for count in (1, 2, 3):
+            period = preview_every(count, steps)
+            picker, sparse = PartialImagePicker(count), PartialImagePicker(count)
+            dense = [s for s in range(1, steps + 1) if picker.take(s, steps) is not None]
+            sent = [s for s in range(period, steps + 1, period) if sparse.take(s, steps) is not None]
+            assert len(sent) == len(dense) == min(count, steps - 1), (steps, count, period)
+            assert steps < count + 1 or len(range(period, steps, period)) <= 2 * count + 1
+
+
+def test_the_model_config_defaults_reach_the_catalog():
+    assert config_defaults(
+        {
+            "default_num_inference_steps": {"string_value": "4"},
+            "default_gen_length": {"string_value": " 64 "},
+            "default_scheduler": {"string_value": "EulerDiscreteScheduler"},
+            "max_num_inference_steps": {"string_value": "50"},
+            "default_strength": {"string_value": "0.8"},
+        }
+    ) == {"num_inference_steps": 4, "gen_length": 64}
+
+    class FakeClient:
+        async def get_model_repository_index(self, **_):
+            return {"models": [{"name": "text_to_image", "state": "READY"}]}
+
+        async def get_model_metadata(self, name, **_):
+            tensor = {"name": "PROMPT", "datatype": "BYTES"}
+            return {"inputs": [tensor], "outputs": [{**tensor, "name": "IMAGE"}]}
+
+        async def get_model_config(self, name, **_):
+            return {"config": {"parameters": {"default_num_inference_steps": {"string_value": "4"}}}}
+
+    bridge = TritonBridge("127.0.0.1:1")
+    bridge._client = FakeClient()
+    info = asyncio.run(bridge.models())["text_to_image"]
+    assert (info.kind, info.default_steps, info.default_gen_length) == ("text_to_image", 4, None)
+
+
+@pytest.mark.parametrize(
+    ("url", "body"),
+    [
+        ("/v1/images/generations", {"prompt": "x", "stream": True, "partial_images": 1}),
+        ("/v1/images/generations", {"prompt": "x"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": True}),
+        ("/v1/completions", {"prompt": "hi"}),
+    ],
+)
+def test_a_stream_that_ends_without_a_response_is_a_502(url, body):
+    front = FrontState(FakeBridge([IMAGE_MODEL, LM_MODEL]))
+    with TestClient(create_app(front), raise_server_exceptions=False) as client:
+        answer = client.post(url, json=body)
+    assert answer.status_code == 502, answer.text
+    assert answer.json()["error"]["code"] == "bad_gateway"
+    assert set(answer.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_finish_reason_is_length_when_every_token_asked_for_was_generated():
+    def final(tokens: int) -> TritonResponse:
+        outputs = {"TEXT": np.array([b"text"], dtype=object), "TOKENS": np.array([tokens], dtype=np.int32)}
+        return TritonResponse(outputs, True)
+
+    configured = ModelInfo(LM_MODEL.name, LM_MODEL.kind, LM_MODEL.inputs, default_gen_length=64)
+    plain = text_call({"prompt": "The sea"}, configured, LIMITS, chat=False)  # no max_tokens
+    assert plain.gen_length == 64
+    assert completion_response(plain, final(64), False)["choices"][0]["finish_reason"] == "length"
+    assert completion_response(plain, final(12), False)["choices"][0]["finish_reason"] == "stop"  # an EOS
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 16}
+    asked = text_call(chat, configured, LIMITS, chat=True)
+    assert completion_response(asked, final(16), True)["choices"][0]["finish_reason"] == "length"
+    unknown = text_call({"prompt": "The sea"}, LM_MODEL, LIMITS, chat=False)  # no default in its config
+    assert completion_response(unknown, final(64), False)["choices"][0]["finish_reason"] == "stop"
+
+
+def test_the_key_check_runs_on_the_event_loop():
+    assert inspect.iscoroutinefunction(require_key)  # a sync dependency is a threadpool hop per request
+    front = FrontState(FakeBridge([IMAGE_MODEL]), keys=frozenset({"k"}))
+    with TestClient(create_app(front)) as client:
+        assert client.get("/v1/models").status_code == 401
+        assert client.get("/v1/models", headers={"Authorization": "Bearer k"}).status_code == 200

@@ -37,6 +37,24 @@ def load_pipeline(settings: ModelSettings, loader: str = "DiffusionPipeline") ->
     return pipe
 
 
+def counterpart_pipeline(pipe: Any, class_name: str) -> Any:
+    """The diffusers pipeline ``class_name`` over ``pipe``'s loaded modules (the same objects: nothing is
+    loaded or copied), or ``pipe`` itself when it is one. Built as ``from_pipe`` builds it (the class's
+    modules and config options taken from ``pipe``), but without its closing ``.to(dtype)``, which would
+    cast every shared module (to float32 unless told, and the layers transformers keeps in float32 too)."""
+    import diffusers
+
+    if type(pipe).__name__ == class_name:
+        return pipe
+    pipeline_class = getattr(diffusers, class_name)
+    modules, options = pipeline_class._get_signature_keys(pipeline_class)
+    kwargs = {name: value for name, value in pipe.components.items() if name in modules}
+    kwargs.update((name, value) for name, value in pipe.config.items() if name in options)
+    other = pipeline_class(**kwargs)
+    other.set_progress_bar_config(disable=True)
+    return other
+
+
 def row_seed(seed: int, image_index: int) -> int:
     """Image i of a request uses seed + i, so each image can be reproduced alone."""
     return (seed + image_index) % SEED_MODULUS

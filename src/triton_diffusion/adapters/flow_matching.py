@@ -5,7 +5,10 @@ scaling, the transformer predicts the velocity, the flow-matching scheduler step
 
 Flux turns true CFG on for the whole call when any row has a negative prompt; here it is per row (a row
 with a negative prompt and ``true_cfg_scale`` > 1 adds one unconditional row), so such requests share
-forwards with the others, each exactly as ``FluxPipeline`` would run it alone.
+forwards with the others, each exactly as ``FluxPipeline`` would run it alone. An image-conditioned FLUX.1
+job starts as ``FluxImg2ImgPipeline`` starts it: the schedule trimmed by ``strength`` (rounded as flow
+matching pipelines round it), the source encoded with the row's generator, shifted and scaled, and mixed
+with the row's noise at the first remaining sigma (``scale_noise``), then packed.
 """
 
 from __future__ import annotations
@@ -17,7 +20,12 @@ import numpy as np
 import torch
 from PIL import Image
 
-from triton_diffusion.adapters.latent_steps import Conditioning, ImageRequest, LatentStepAdapter
+from triton_diffusion.adapters.latent_steps import (
+    Conditioning,
+    ImageRequest,
+    LatentStepAdapter,
+    sample_latents,
+)
 
 
 def _shift(config: Any, image_seq_len: int, calculate_shift: Any, max_shift: float) -> float:
@@ -40,6 +48,27 @@ class FluxAdapter(LatentStepAdapter):
     @property
     def model(self) -> Any:
         return self.pipe.transformer
+
+    def supports(self, start: str) -> bool:
+        return start == "image"
+
+    def first_step(self, steps: int, strength: float) -> int:
+        # FluxImg2ImgPipeline.get_timesteps: steps x strength is not rounded before it is subtracted.
+        return int(max(steps - min(steps * strength, steps), 0))
+
+    def encode_source(self, pixels: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+        vae = self.pipe.vae
+        latents = sample_latents(vae.encode(pixels.to(device=self.device, dtype=self.dtype)), generators)
+        return (latents - vae.config.shift_factor) * vae.config.scaling_factor
+
+    def noise_source(
+        self, scheduler: Any, image_latents: torch.Tensor, noise: torch.Tensor, timestep: torch.Tensor
+    ) -> torch.Tensor:
+        return scheduler.scale_noise(image_latents, timestep, noise)
+
+    def pack(self, latents: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+        count, channels, height, width = latents.shape
+        return self.pipe._pack_latents(latents, count, channels, height, width)
 
     def uses_guidance(self, request: ImageRequest) -> bool:
         return (request.true_cfg_scale or 0.0) > 1.0 and request.negative_prompt is not None

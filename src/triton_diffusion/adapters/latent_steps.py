@@ -14,8 +14,17 @@ its VAE and image processor); only the loop body of ``__call__`` is written here
   jobs in one op, and one call per scheduler class (batched_schedulers.py), bit-identical to each job's
   own ``scale_model_input`` and ``step``; jobs whose scheduler or config is not vectorised step alone.
 
-A family subclass says how to encode prompts, draw initial latents, call the model and decode
-(stable_diffusion.py: SD 1.x/2.x and SDXL; flow_matching.py: FLUX.1 and SD3).
+A job starts in one of three ways, which is data in its params (``ImageRequest.start``), not another
+engine: from text (noise drawn from the row's generator, as the text-to-image pipeline's
+``prepare_latents``); from a source image (img2img, as the family's img2img pipeline: ``get_timesteps``
+trims the schedule by ``strength``, the source is preprocessed by its ``image_processor``, VAE-encoded and
+sampled with the row's own generator, and noised at the first remaining timestep); or from a source image
+and a mask (inpainting with an ordinary 4-channel UNet, as ``StableDiffusionInpaintPipeline``: after every
+step the latents outside the mask are replaced by the source noised to the next timestep). From then on
+every job is the same: rows of one latent size share forwards whatever their start, steps or guidance.
+
+A family subclass says how to encode prompts, draw initial latents, encode and noise a source image, call
+the model and decode (stable_diffusion.py: SD 1.x/2.x and SDXL; flow_matching.py: FLUX.1 and SD3).
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from diffusers.utils.torch_utils import randn_tensor
 from PIL import Image
 
 from triton_diffusion.adapters.batched_schedulers import (
@@ -38,7 +48,7 @@ from triton_diffusion.adapters.batched_schedulers import (
     guide,
     scale_model_inputs,
 )
-from triton_diffusion.adapters.diffusers_pipeline import row_generator
+from triton_diffusion.adapters.diffusers_pipeline import counterpart_pipeline, row_generator
 from triton_diffusion.engine.jobs import Job
 from triton_diffusion.families import PipelineFacts
 
@@ -59,16 +69,38 @@ class ImageRequest:
     guidance_scale: float | None
     true_cfg_scale: float | None
     scheduler: str
+    # An image-conditioned start: the source (a PIL image of this size), how much of it is re-noised, and
+    # for inpainting the mask (white: repaint, black: keep).
+    image: Any = None
+    strength: float | None = None
+    mask_image: Any = None
 
     @property
     def size(self) -> tuple[int, int]:
         return self.height, self.width
 
     @property
+    def start(self) -> str:
+        """How the job starts: ``text``, ``image`` (img2img) or ``mask`` (inpainting)."""
+        if self.image is None:
+            return "text"
+        return "image" if self.mask_image is None else "mask"
+
+    @property
     def summary(self) -> str:
         """For the admission log line."""
         size = f"{self.width}x{self.height}"
-        return f"{size}, {self.steps} steps, {self.scheduler}, guidance {self.guidance_scale}"
+        start = "" if self.image is None else f", from an image ({self.start}, strength {self.strength})"
+        return f"{size}, {self.steps} steps, {self.scheduler}, guidance {self.guidance_scale}{start}"
+
+
+@dataclass(eq=False)
+class InpaintSource:
+    """What an inpainting job blends back after each step (StableDiffusionInpaintPipeline's loop)."""
+
+    image_latents: torch.Tensor  # [1, ...] the encoded source
+    noise: torch.Tensor  # [1, ...] the job's initial noise, reused to noise the source to each timestep
+    mask: torch.Tensor  # [1, 1, h, w] latent-size mask: 1 where the model paints, 0 where the source stays
 
 
 @dataclass(eq=False)
@@ -83,6 +115,7 @@ class LatentJob:
     guidance: float  # the (true) CFG scale applied when ``unconditional`` is set
     step_kwargs: dict[str, Any]  # extra arguments of scheduler.step (generator, eta)
     extra: dict[str, Any]  # per-row model inputs that are not text conditioning (Flux's guidance)
+    inpaint: InpaintSource | None = None  # an inpainting job's source, blended back after each step
 
 
 @dataclass(frozen=True)
@@ -99,12 +132,20 @@ class LatentStepAdapter:
     scales_model_input = False  # UNet schedulers scale the input per step; flow matching does not
 
     def __init__(self, pipe: Any, facts: PipelineFacts, schedulers: Any, max_sequence_length: int | None):
-        self.pipe = pipe
+        traits = facts.traits
+        # The family's pipeline for each start, all over the loaded modules (``pipe`` may be any of them:
+        # image_to_image loads the img2img class). ``self.pipe`` is the text-to-image one: its code is what
+        # the loop body mirrors; the others supply only their own start (and SDXL img2img's time ids).
+        self.pipe = counterpart_pipeline(pipe, traits.text_pipeline or type(pipe).__name__)
+        self.pipelines = {"text": self.pipe}
+        for start, name in (("image", traits.image_pipeline), ("mask", traits.inpaint_pipeline)):
+            if name is not None and self.supports(start):
+                self.pipelines[start] = counterpart_pipeline(pipe, name)
         self.facts = facts
         self.max_sequence_length = max_sequence_length
-        self.device = pipe._execution_device
+        self.device = self.pipe._execution_device
         self.dtype = self.model.dtype
-        self.module = sys.modules[type(pipe).__module__]  # the pipeline's own retrieve_timesteps & co
+        self.module = sys.modules[type(self.pipe).__module__]  # the pipeline's own retrieve_timesteps & co
         # Pristine scheduler templates: each job steps a copy of its own.
         self.templates = {
             name: type(schedulers[name]).from_config(schedulers[name].config) for name in schedulers.names
@@ -115,6 +156,38 @@ class LatentStepAdapter:
     def model(self) -> Any:
         """The denoising network (UNet or transformer)."""
         raise NotImplementedError
+
+    def supports(self, start: str) -> bool:
+        """Whether this family's adapter can start jobs this way (``image``, ``mask``) with this model."""
+        return False
+
+    @property
+    def starts(self) -> tuple[str, ...]:
+        """The starts served: ``text`` and those of ``image``/``mask`` the family declares and supports."""
+        return tuple(self.pipelines)
+
+    def default_strength(self, start: str) -> float:
+        """The ``strength`` the start's diffusers pipeline defaults to (img2img 0.8, SDXL 0.3, ...)."""
+        return float(inspect.signature(self.pipelines[start].__call__).parameters["strength"].default)
+
+    def first_step(self, steps: int, strength: float) -> int:
+        """Where an image-conditioned job enters its schedule (``t_start`` of the pipeline's
+        ``get_timesteps``): SD and SDXL round the steps that run down."""
+        return max(steps - min(int(steps * strength), steps), 0)
+
+    def encode_source(self, pixels: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+        """[n, ...] latents of preprocessed source images, each row sampled with its own generator."""
+        raise NotImplementedError
+
+    def noise_source(
+        self, scheduler: Any, image_latents: torch.Tensor, noise: torch.Tensor, timestep: torch.Tensor
+    ) -> torch.Tensor:
+        """One row's source latents noised to ``timestep`` by its own scheduler."""
+        return scheduler.add_noise(image_latents, noise, timestep)
+
+    def pack(self, latents: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+        """[n, C, h, w] latents into the loop's layout (Flux packs 2x2 patches)."""
+        return latents
 
     def uses_guidance(self, request: ImageRequest) -> bool:
         """Whether the job adds an unconditional row."""
@@ -183,33 +256,101 @@ class LatentStepAdapter:
         schedulers, timesteps = [], []
         for request in requests:
             scheduler = copy.deepcopy(self.templates[request.scheduler])
-            timesteps.append(self.set_timesteps(scheduler, request))
+            job_timesteps = self.set_timesteps(scheduler, request)
+            begin = 0
+            if request.image is not None:  # the pipeline's get_timesteps: strength trims the schedule
+                begin = self.first_step(request.steps, request.strength) * scheduler.order
+                job_timesteps = job_timesteps[begin:]
             if hasattr(scheduler, "set_begin_index"):
-                scheduler.set_begin_index(0)
+                scheduler.set_begin_index(begin)
             schedulers.append(scheduler)
+            timesteps.append(job_timesteps)
+        starts: dict[int, tuple[torch.Tensor, InpaintSource | None]] = {}  # each job's latents
         by_size: dict[tuple[int, int], list[int]] = {}
         for i, request in enumerate(requests):
             by_size.setdefault(request.size, []).append(i)
         for indices in by_size.values():
-            latents = self.initial_latents(
-                [requests[i] for i in indices],
-                [schedulers[i] for i in indices],
-                [generators[i] for i in indices],
-            )
-            for row, i in enumerate(indices):
-                job, request, scheduler = jobs[i], requests[i], schedulers[i]
-                guided = self.uses_guidance(request) and conditioning[i].unconditional is not None
-                job.group, job.total_steps = request.size, len(timesteps[i])
-                job.state = LatentJob(
-                    latents=latents[row : row + 1],
-                    scheduler=scheduler,
-                    timesteps=timesteps[i],
-                    conditional=conditioning[i].conditional,
-                    unconditional=conditioning[i].unconditional if guided else None,
-                    guidance=self.guidance_scale(request),
-                    step_kwargs=self._step_kwargs(scheduler, generators[i]),
-                    extra=self.extra_inputs(request),
+            from_text = [i for i in indices if requests[i].image is None]
+            from_image = [i for i in indices if requests[i].image is not None]
+            if from_text:
+                latents = self.initial_latents(
+                    [requests[i] for i in from_text],
+                    [schedulers[i] for i in from_text],
+                    [generators[i] for i in from_text],
                 )
+                starts.update((i, (latents[row : row + 1], None)) for row, i in enumerate(from_text))
+            if from_image:
+                latents, sources = self.source_latents(
+                    [requests[i] for i in from_image],
+                    [schedulers[i] for i in from_image],
+                    [generators[i] for i in from_image],
+                    [timesteps[i][:1] for i in from_image],
+                )
+                starts.update((i, (latents[row : row + 1], sources[row])) for row, i in enumerate(from_image))
+        for i, (job, request, scheduler) in enumerate(zip(jobs, requests, schedulers, strict=True)):
+            latents, inpaint = starts[i]
+            guided = self.uses_guidance(request) and conditioning[i].unconditional is not None
+            job.group, job.total_steps = request.size, len(timesteps[i])
+            job.state = LatentJob(
+                latents=latents,
+                scheduler=scheduler,
+                timesteps=timesteps[i],
+                conditional=conditioning[i].conditional,
+                unconditional=conditioning[i].unconditional if guided else None,
+                guidance=self.guidance_scale(request),
+                step_kwargs=self._step_kwargs(scheduler, generators[i]),
+                extra=self.extra_inputs(request),
+                inpaint=inpaint,
+            )
+
+    def source_latents(
+        self,
+        requests: Sequence[ImageRequest],
+        schedulers: Sequence[Any],
+        generators: list[torch.Generator],
+        first_timesteps: Sequence[torch.Tensor],
+    ) -> tuple[torch.Tensor, list[InpaintSource | None]]:
+        """Starting latents of image-conditioned rows of one size, as the img2img and inpaint pipelines'
+        ``prepare_latents`` make them for each row: the source preprocessed and encoded (sampled with the
+        row's generator), then the row's noise from the same generator, then the source noised to its
+        first timestep. An inpainting row at strength 1 starts from noise alone, as diffusers' does."""
+        height, width = requests[0].size
+        pixels = torch.cat(
+            [
+                self.pipelines[r.start].image_processor.preprocess(r.image, height=height, width=width)
+                for r in requests
+            ]
+        )
+        image_latents = self.encode_source(pixels.to(torch.float32), generators)
+        noise = randn_tensor(image_latents.shape, generator=generators, device=self.device, dtype=self.dtype)
+        rows, sources = [], []
+        for i, request in enumerate(requests):
+            scheduler, timestep = schedulers[i], first_timesteps[i]
+            source, row_noise = image_latents[i : i + 1], noise[i : i + 1]
+            if request.mask_image is None:
+                rows.append(self.noise_source(scheduler, source, row_noise, timestep))
+                sources.append(None)
+                continue
+            if request.strength == 1.0:  # is_strength_max: pure noise, scaled as a text start is
+                rows.append(row_noise * scheduler.init_noise_sigma)
+            else:
+                rows.append(self.noise_source(scheduler, source, row_noise, timestep))
+            sources.append(InpaintSource(source, row_noise, self._mask_latent(request, generators[i])))
+        return self.pack(torch.cat(rows), (height, width)), sources
+
+    def _mask_latent(self, request: ImageRequest, generator: torch.Generator) -> torch.Tensor:
+        """The inpaint pipeline's mask at latent size (binarised, nearest-resized), and the one draw its
+        ``prepare_mask_latents`` takes from the row's generator: it encodes the masked source (which only a
+        9-channel UNet reads), so a stochastic sampler's later draws follow the same stream."""
+        pipe = self.pipelines["mask"]
+        height, width = request.size
+        mask = pipe.mask_processor.preprocess(request.mask_image, height=height, width=width)
+        factor = pipe.vae_scale_factor
+        mask = torch.nn.functional.interpolate(mask, size=(height // factor, width // factor))
+        vae = pipe.vae
+        shape = (1, vae.config.latent_channels, height // factor, width // factor)
+        randn_tensor(shape, generator=generator, device=self.device, dtype=vae.dtype)
+        return mask.to(device=self.device, dtype=self.dtype)
 
     def model_rows(self, job: Job) -> int:
         return 2 if job.state.unconditional is not None else 1
@@ -246,7 +387,25 @@ class LatentStepAdapter:
         for members in by_class.values():
             group_timesteps = [job_timesteps[j] for j in members]
             self._step_together([jobs[j] for j in members], _rows(noise, members), group_timesteps)
+        for job in jobs:
+            if job.state.inpaint is not None and job.failure is None:
+                self._blend_source(job)
         return [job for job in jobs if job.failure is None and job.steps_done + 1 >= job.total_steps]
+
+    def _blend_source(self, job: Job) -> None:
+        """StableDiffusionInpaintPipeline after each step (4-channel UNet): outside the mask the latents
+        become the source noised to the next timestep (the clean source after the last step)."""
+        state: LatentJob = job.state
+        source = state.inpaint
+        try:
+            proper = source.image_latents
+            i = job.steps_done
+            if i < len(state.timesteps) - 1:
+                next_timestep = torch.tensor([state.timesteps[i + 1]])
+                proper = self.noise_source(state.scheduler, proper, source.noise, next_timestep)
+            state.latents = (1 - source.mask) * proper + source.mask * state.latents
+        except Exception as exc:  # noqa: BLE001  (this job's own blend: it fails alone)
+            job.failure = f"{type(exc).__name__}: {exc}"
 
     def _guided_noise(self, states: list[LatentJob], predictions: torch.Tensor) -> torch.Tensor:
         """Each job's noise prediction ([jobs, ...]): classifier-free guidance for every guided job in one
@@ -331,6 +490,19 @@ class LatentStepAdapter:
         if "generator" in accepted:
             kwargs["generator"] = [generator]
         return kwargs
+
+
+def sample_latents(encoded: Any, generators: list[torch.Generator]) -> torch.Tensor:
+    """The pipelines' ``retrieve_latents`` for a batch encoded in one VAE call: each row's latent
+    distribution sampled with its own generator (diffusers encodes row by row for a list of generators)."""
+    distribution = getattr(encoded, "latent_dist", None)
+    if distribution is None:  # an encoder without a distribution (VQ, tiny autoencoders)
+        return encoded.latents
+    rows = [
+        type(distribution)(distribution.parameters[i : i + 1]).sample(generator)
+        for i, generator in enumerate(generators)
+    ]
+    return torch.cat(rows)
 
 
 def _rows(values: torch.Tensor, rows: list[int]) -> torch.Tensor:

@@ -5,10 +5,16 @@ input, the UNet predicts noise for ``[uncond, cond]`` rows, CFG combines them, t
 
 A missing negative prompt: SD turns it into "" (so does this adapter); SDXL zeroes the negative embeddings
 (``force_zeros_for_empty_prompt``), here per row, so rows with and without one share forwards exactly.
+
+Image-conditioned jobs start as ``StableDiffusionImg2ImgPipeline`` / ``StableDiffusionXLImg2ImgPipeline``
+start them (and SD inpainting as ``StableDiffusionInpaintPipeline`` with a 4-channel UNet); SDXL img2img
+conditions on its own time ids (``requires_aesthetics_score``: aesthetic scores instead of the target size,
+and other ones for the unconditional row), so those are per row too.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,7 +22,12 @@ import torch
 from diffusers.utils.torch_utils import randn_tensor
 from PIL import Image
 
-from triton_diffusion.adapters.latent_steps import Conditioning, ImageRequest, LatentStepAdapter
+from triton_diffusion.adapters.latent_steps import (
+    Conditioning,
+    ImageRequest,
+    LatentStepAdapter,
+    sample_latents,
+)
 
 
 class StableDiffusionAdapter(LatentStepAdapter):
@@ -31,6 +42,36 @@ class StableDiffusionAdapter(LatentStepAdapter):
     @property
     def model(self) -> Any:
         return self.pipe.unet
+
+    def supports(self, start: str) -> bool:
+        # Inpainting here is the masked blend of an ordinary UNet; a 9-channel inpainting UNet (mask and
+        # masked source as extra input channels) cannot serve text-only jobs and has no step adapter.
+        return start == "image" or (start == "mask" and self.pipe.unet.config.in_channels == 4)
+
+    def encode_source(self, pixels: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+        vae = self.pipe.vae
+        pixels = pixels.to(device=self.device, dtype=self.dtype)
+        if not self.xl:  # the img2img and inpaint pipelines' encode: sample, then scale
+            return vae.config.scaling_factor * sample_latents(vae.encode(pixels), generators)
+        # StableDiffusionXLImg2ImgPipeline.prepare_latents: VAEs that overflow in fp16 encode in fp32, and
+        # latents are normalised with the VAE's mean and std where it has them.
+        upcast = bool(vae.config.force_upcast)
+        original = vae.dtype
+        try:
+            if upcast:
+                pixels = pixels.float()
+                vae.to(dtype=torch.float32)
+            latents = sample_latents(vae.encode(pixels), generators)
+        finally:
+            if upcast:
+                vae.to(dtype=original)
+        latents = latents.to(self.dtype)
+        mean, std = getattr(vae.config, "latents_mean", None), getattr(vae.config, "latents_std", None)
+        if mean is not None and std is not None:
+            mean = torch.tensor(mean).view(1, 4, 1, 1).to(device=self.device, dtype=self.dtype)
+            std = torch.tensor(std).view(1, 4, 1, 1).to(device=self.device, dtype=self.dtype)
+            return (latents - mean) * vae.config.scaling_factor / std
+        return vae.config.scaling_factor * latents
 
     @property
     def schedule_device(self) -> str:
@@ -65,9 +106,7 @@ class StableDiffusionAdapter(LatentStepAdapter):
         projection = self.pipe.text_encoder_2.config.projection_dim
         out = []
         for i, request in enumerate(requests):
-            size = request.size
-            time_ids = self.pipe._get_add_time_ids(size, (0, 0), size, embeds.dtype, projection)
-            time_ids = time_ids.to(self.device)
+            time_ids, negative_time_ids = self._time_ids(request, embeds.dtype, projection)
             conditional = {
                 "encoder_hidden_states": embeds[i : i + 1],
                 "text_embeds": pooled[i : i + 1],
@@ -81,10 +120,28 @@ class StableDiffusionAdapter(LatentStepAdapter):
                 unconditional = {
                     "encoder_hidden_states": negative,
                     "text_embeds": negative_text,
-                    "time_ids": time_ids,
+                    "time_ids": negative_time_ids,
                 }
             out.append(Conditioning(conditional, unconditional))
         return out
+
+    def _time_ids(self, request: ImageRequest, dtype: torch.dtype, projection: int) -> tuple[Any, Any]:
+        """SDXL's size conditioning for the row and its unconditional row, as its pipeline makes it: the
+        text-to-image one (the same for both rows), or the img2img one (with aesthetic scores where
+        ``requires_aesthetics_score`` is set, another one for the unconditional row)."""
+        size = request.size
+        if request.image is None:
+            time_ids = self.pipe._get_add_time_ids(size, (0, 0), size, dtype, projection).to(self.device)
+            return time_ids, time_ids
+        pipe = self.pipelines["image"]
+        defaults = inspect.signature(pipe.__call__).parameters
+        aesthetic, negative_aesthetic = (
+            defaults[name].default for name in ("aesthetic_score", "negative_aesthetic_score")
+        )
+        time_ids, negative_time_ids = pipe._get_add_time_ids(
+            size, (0, 0), size, aesthetic, negative_aesthetic, size, (0, 0), size, dtype, projection
+        )
+        return time_ids.to(self.device), negative_time_ids.to(self.device)
 
     def initial_latents(
         self, requests: Sequence[ImageRequest], schedulers: Sequence[Any], generators: list[torch.Generator]

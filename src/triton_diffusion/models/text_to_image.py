@@ -3,15 +3,22 @@
 Works with any diffusers text-to-image pipeline that takes a list of prompts and a list of generators
 (Stable Diffusion 1.x/2.x/XL, SD3, FLUX.1, PixArt, Sana, ...): optional arguments are passed only when
 the pipeline's ``__call__`` has them, and fields it lacks are refused per request.
+
+Where the family's step adapter can start a job from an image (families.py), a request may also send a
+source ``image`` (img2img), its ``strength`` and a ``mask_image`` (inpainting): the same model, the same
+weights, and the same forwards as text-only requests of its size. The source is decoded and resized with
+Pillow while the request is parsed, so the resolved size is known before the engine sees it.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Any
 
 import numpy as np
 import torch
+from PIL import Image
 
 from triton_diffusion.adapters.diffusers_pipeline import (
     SchedulerChoices,
@@ -20,13 +27,15 @@ from triton_diffusion.adapters.diffusers_pipeline import (
 )
 from triton_diffusion.adapters.latent_steps import ImageRequest
 from triton_diffusion.adapters.step_adapters import step_adapter_for
-from triton_diffusion.codecs.image import IMAGE_FORMATS, OUTPUT_ENCODINGS, encode_image
+from triton_diffusion.codecs.image import IMAGE_FORMATS, OUTPUT_ENCODINGS, decode_image, encode_image
 from triton_diffusion.compatibility import CompatibilityKey
 from triton_diffusion.engine.jobs import Job
 from triton_diffusion.engine.request_engine import CallAbandoned, CallSteps
+from triton_diffusion.engine.requests import TrackedRequest
+from triton_diffusion.errors import invalid_field
 from triton_diffusion.families import PipelineFacts
 from triton_diffusion.faults import FaultInjection
-from triton_diffusion.fields import REQUIRED, Field, FieldSet, Role, seed_field
+from triton_diffusion.fields import REQUIRED, SOURCE_IMAGE_FIELDS, Field, FieldSet, Role, seed_field
 from triton_diffusion.serving.triton_model import (
     PROGRESS_FIELDS,
     PROGRESS_OUTPUTS,
@@ -34,7 +43,7 @@ from triton_diffusion.serving.triton_model import (
     ParsedRequest,
     RowInput,
 )
-from triton_diffusion.settings import ModelSettings
+from triton_diffusion.settings import IMAGE, IMAGE_SOURCE, ModelSettings
 
 # Defaults and limits here are fallbacks: config.pbtxt parameters override them (default_<field>,
 # min_<field>, max_<field>, ...), and size/step/guidance defaults are read from the pipeline itself.
@@ -84,13 +93,28 @@ TEXT_TO_IMAGE_FIELDS = FieldSet(
             doc="base64 keeps the image intact in HTTP generate's JSON",
         ),
         *PROGRESS_FIELDS,
+        *SOURCE_IMAGE_FIELDS,  # served where the step adapter can start a job from an image
     ]
 )
 
 
+def parse_buckets(text: str | None) -> list[tuple[int, int]]:
+    """``resize_buckets``: "WIDTHxHEIGHT,WIDTHxHEIGHT,..." -> [(width, height), ...]."""
+    buckets = []
+    for item in (text or "").split(","):
+        if item.strip():
+            width, _, height = item.strip().lower().partition("x")
+            buckets.append((int(width), int(height)))
+    return buckets
+
+
 class TextToImageModel(DiffusionModel):
     FIELDS = TEXT_TO_IMAGE_FIELDS
+    CONFIG_KINDS = (IMAGE, IMAGE_SOURCE)
     PIPELINE_LOADER = "DiffusionPipeline"  # overridden by the pipeline_class config parameter
+    # How jobs start on the request-level engine, which calls the loaded pipeline as it is: text-to-image
+    # pipelines from text only (image-conditioned requests need the step engine's adapter).
+    REQUEST_LEVEL_STARTS: tuple[str, ...] = ("text",)
     REQUIRED_CALL_ARGS = ("prompt", "generator", "height", "width", "num_inference_steps")
     # Fields passed only when the pipeline's __call__ has them; refused per request otherwise.
     OPTIONAL_CALL_FIELDS = ("negative_prompt", "guidance_scale", "true_cfg_scale")
@@ -114,6 +138,7 @@ class TextToImageModel(DiffusionModel):
         self.call_extras: dict[str, Any] = {}
         if facts.accepts("max_sequence_length") and config.max_sequence_length:
             self.call_extras["max_sequence_length"] = config.max_sequence_length
+        adapter = self.choose_step_adapter(settings)
 
         fields = self.FIELDS
         if facts.traits.negative_prompt_none_is_empty:
@@ -123,6 +148,7 @@ class TextToImageModel(DiffusionModel):
         self.has_step_callback = facts.accepts("callback_on_step_end")
         self.has_legacy_callback = facts.accepts("callback") and facts.accepts("callback_steps")
         unsupported = [name for name in self.OPTIONAL_CALL_FIELDS if not self.uses(name)]
+        unsupported += self.load_sources(config, adapter)
         if not (self.has_step_callback or self.has_legacy_callback):
             unsupported += [f.name for f in PROGRESS_FIELDS]
         self.compacting_schedulers = facts.traits.compaction_schedulers
@@ -132,7 +158,32 @@ class TextToImageModel(DiffusionModel):
         fields = fields.configured(
             {**self.derived_defaults(), **settings.field_params, **derived}, unsupported
         )
-        return fields, self.choose_step_adapter(settings)
+        for width, height in self.buckets:
+            fields["width"].validate(width)  # a bucket outside the limits is a config error
+            fields["height"].validate(height)
+        return fields, adapter
+
+    def load_sources(self, config: Any, adapter: Any) -> list[str]:
+        """Which image-conditioned starts this model serves (``text``, ``image``: img2img, ``mask``:
+        inpainting): the step adapter's, else the request-level engine's; returns the source fields it
+        cannot serve (refused by name when sent)."""
+        self.buckets: list[tuple[int, int]] = []
+        if "image" not in self.FIELDS:
+            return []  # a kind without source images (text_to_video)
+        self.starts = adapter.starts if adapter is not None else self.REQUEST_LEVEL_STARTS
+        # Where no strength is sent or configured, each start takes its diffusers pipeline's default.
+        self.default_strengths = {
+            start: adapter.default_strength(start) for start in self.starts if adapter and start != "text"
+        }
+        self.max_pixels = config.max_image_pixels
+        self.image_formats = tuple(f.strip().upper() for f in config.image_formats.split(",") if f.strip())
+        self.buckets = parse_buckets(config.resize_buckets)
+        unsupported = []
+        if "image" not in self.starts:
+            unsupported += ["image", "strength"]
+        if "mask" not in self.starts and "mask_image" in self.FIELDS:
+            unsupported.append("mask_image")
+        return [name for name in unsupported if name not in self.OPTIONAL_CALL_FIELDS]
 
     def choose_step_adapter(self, settings: ModelSettings) -> Any:
         """``engine``: auto (the step engine where the family has a step adapter), step (required) or
@@ -176,6 +227,82 @@ class TextToImageModel(DiffusionModel):
     def images_for(self, values: dict[str, Any]) -> int:
         return values["num_images_per_prompt"]
 
+    # ---- image-conditioned requests -----------------------------------------------------------------
+    def parse(self, index: int, raw: dict[str, Any], tracked: TrackedRequest) -> ParsedRequest:
+        optional = "image" in self.fields and self.fields["image"].default is not REQUIRED
+        if optional and raw.get("image") is None:
+            for name in ("strength", "mask_image"):
+                if raw.get(name) is not None and name in self.fields and self.fields[name].supported:
+                    raise invalid_field(name, "applies only to a request with a source image: send image too")
+        return super().parse(index, raw, tracked)
+
+    def resolve(self, values: dict[str, Any]) -> dict[str, Any]:
+        """Decode the source image (and mask), fill in the strength of its start and check it, and fix
+        the output size: both images are resized to it here, so the engine sees one size per job."""
+        if values.get("image") is None:
+            return values
+        image = self.decode_source(values["image"], "image")
+        mask = (
+            None
+            if values.get("mask_image") is None
+            else self.decode_source(values["mask_image"], "mask_image")
+        )
+        values = dict(values)
+        if values.get("strength") is None:
+            values["strength"] = self.default_strengths.get("image" if mask is None else "mask")
+        self.check_strength(values)
+        width, height = self.output_size(image, values["width"], values["height"])
+        values.update(
+            image=image.resize((width, height), Image.Resampling.LANCZOS), width=width, height=height
+        )
+        if mask is not None:
+            values["mask_image"] = mask.resize((width, height), Image.Resampling.LANCZOS)
+        return values
+
+    def decode_source(self, data: bytes, field: str) -> Image.Image:
+        limit = self.fields[field].max_length or 0
+        return decode_image(data, field, limit, self.max_pixels, self.image_formats)
+
+    def check_strength(self, values: dict[str, Any]) -> None:
+        """img2img runs int(num_inference_steps * strength) steps (SD, SDXL; flow-matching pipelines round
+        more generously): zero steps would fail inside the pipeline, so refuse it here, naming both."""
+        strength, steps = values.get("strength"), values["num_inference_steps"]
+        if strength is None or not self.fields["strength"].supported:
+            return
+        if int(steps * strength) < 1:
+            raise invalid_field(
+                "strength",
+                f"{strength} with num_inference_steps {steps} runs no denoising step "
+                f"(allowed: {1 / steps:.4g}..1 for {steps} steps, i.e. strength x steps >= 1)",
+            )
+
+    def output_size(self, image: Image.Image, width: int | None, height: int | None) -> tuple[int, int]:
+        """Requested size (text_to_image: its default size too), else the nearest bucket by aspect
+        ratio, else the source size fitted into the limits and rounded down to the size multiple."""
+        if width and height:
+            return width, height
+        source_w, source_h = image.size
+        if width or height:  # one side given: keep the source's aspect ratio
+            scale = (width / source_w) if width else (height / source_h)
+            return self._fit(source_w * scale, source_h * scale)
+        if self.buckets:
+            aspect = math.log(source_w / source_h)
+            return min(self.buckets, key=lambda b: abs(math.log(b[0] / b[1]) - aspect))
+        return self._fit(source_w, source_h)
+
+    def _fit(self, width: float, height: float) -> tuple[int, int]:
+        w_field, h_field = self.fields["width"], self.fields["height"]
+        scale = min(1.0, w_field.maximum / width, h_field.maximum / height)
+        scale = max(scale, w_field.minimum / width, h_field.minimum / height)
+        sizes = []
+        for value, field in ((width * scale, w_field), (height * scale, h_field)):
+            multiple = field.multiple_of or 1
+            size = max(int(field.minimum), int(value) // multiple * multiple)
+            if size > field.maximum:
+                raise invalid_field("image", f"cannot be fitted into the allowed size ({field.allowed()})")
+            sizes.append(size)
+        return sizes[0], sizes[1]
+
     def step_request(self, values: dict[str, Any], image_index: int) -> ImageRequest:
         return ImageRequest(
             prompt=values["prompt"],
@@ -188,6 +315,9 @@ class TextToImageModel(DiffusionModel):
             guidance_scale=values.get("guidance_scale"),
             true_cfg_scale=values.get("true_cfg_scale"),
             scheduler=values["scheduler"],
+            image=values.get("image"),
+            strength=values.get("strength") if values.get("image") is not None else None,
+            mask_image=values.get("mask_image"),
         )
 
     def call_arguments(self, shared: dict[str, Any], rows: list[RowInput]) -> dict[str, Any]:

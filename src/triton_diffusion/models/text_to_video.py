@@ -19,7 +19,7 @@ from triton_diffusion.engine.request_engine import CallSteps
 from triton_diffusion.fields import Field, FieldSet, Role
 from triton_diffusion.models.text_to_image import TEXT_TO_IMAGE_FIELDS, TextToImageModel
 from triton_diffusion.serving.triton_model import PROGRESS_OUTPUTS, ParsedRequest, RowInput
-from triton_diffusion.settings import ModelSettings
+from triton_diffusion.settings import IMAGE, ModelSettings
 
 
 def _image_fields(*names: str) -> list[Field]:
@@ -73,6 +73,7 @@ TEXT_TO_VIDEO_FIELDS = FieldSet(
 
 class TextToVideoModel(TextToImageModel):
     FIELDS = TEXT_TO_VIDEO_FIELDS
+    CONFIG_KINDS = (IMAGE,)  # no source images
     REQUIRED_CALL_ARGS = ("prompt", "generator", "height", "width", "num_frames", "num_inference_steps")
     OPTIONAL_CALL_FIELDS = ("negative_prompt", "guidance_scale")
     OUTPUT_ATTRIBUTE = "frames"

@@ -21,7 +21,12 @@ from triton_diffusion.openai_front.triton_bridge import TritonBridge
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="An OpenAI-compatible HTTP front in front of Triton (gRPC).")
-    p.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    p.add_argument(
+        "--host",
+        default=None,
+        help="address to listen on (default: 0.0.0.0 with --api-key-file, else 127.0.0.1: a front open to "
+        "anyone is reachable from this machine only unless this is given)",
+    )
     p.add_argument("--port", type=int, default=9000)
     p.add_argument("--triton-grpc", default="127.0.0.1:8001", help="Triton's gRPC address")
     p.add_argument("--api-key-file", type=Path, help="bearer tokens, one per line; none: open to anyone")
@@ -40,18 +45,25 @@ def main(argv: list[str] | None = None) -> None:
         keys = load_keys(args.api_key_file)
     except (OSError, ValueError) as exc:
         sys.exit(f"triton-diffusion-openai: {exc}")
+    host = args.host or ("0.0.0.0" if keys else "127.0.0.1")
+    if not keys and host not in ("127.0.0.1", "localhost", "::1"):
+        logging.getLogger("triton_diffusion.openai_front").warning(
+            "OpenAI front: listening on %s without API keys: anyone who reaches port %d can generate",
+            host,
+            args.port,
+        )
     models = DefaultModels(args.image_model, args.edit_model, args.video_model, args.text_model)
     front = FrontState(TritonBridge(args.triton_grpc), models=models, keys=keys)
     logging.getLogger("triton_diffusion.openai_front").info(
         "OpenAI front on %s:%d for Triton at %s (%s)",
-        args.host,
+        host,
         args.port,
         args.triton_grpc,
         f"{len(keys)} API key(s)" if keys else "no API key",
     )
     uvicorn.run(
         create_app(front),
-        host=args.host,
+        host=host,
         port=args.port,
         log_level="warning",
         limit_concurrency=args.max_connections,

@@ -14,7 +14,7 @@ from triton_diffusion.openai_front.disconnects import (
     stream_until_disconnected,
     until_disconnected,
 )
-from triton_diffusion.openai_front.errors import ApiError
+from triton_diffusion.openai_front.errors import ApiError, bad_gateway
 from triton_diffusion.openai_front.front_state import FrontState
 from triton_diffusion.openai_front.limits import parse_json_object, read_body
 from triton_diffusion.openai_front.translation import (
@@ -61,16 +61,19 @@ async def complete(request: Request, chat: bool) -> Response:
                 async for response in responses:
                     if response.final:
                         return response
-            raise ApiError(502, "Triton ended the stream without a FINAL response", "server_error")
+            raise bad_gateway("Triton ended the stream without a FINAL response")
 
         answered, response = await until_disconnected(request, final())
         if not answered:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         return JSONResponse(completion_response(call, response, chat))
-    answered, first = await until_disconnected(request, anext(responses))
+    answered, first = await until_disconnected(request, anext(responses, None))
     if not answered:
         await responses.aclose()
         return Response(status_code=CLIENT_CLOSED_REQUEST)
+    if first is None:  # the stream ended before any response: nothing to stream
+        await responses.aclose()
+        raise bad_gateway("Triton ended the stream without any response")
     chunks = text_chunks(call, chat, info, first, responses)
     return StreamingResponse(stream_until_disconnected(request, chunks), media_type="text/event-stream")
 

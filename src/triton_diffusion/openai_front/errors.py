@@ -18,12 +18,16 @@ SERVER_ERROR = "server_error"
 
 # "name: rest" where name is what invalid_field() put first.
 _FIELD_PREFIX = re.compile(r"^(?:\[request id: [^\]]*\] )?([A-Za-z_][A-Za-z0-9_]{0,63}): (.*)$", re.S)
-# Messages of a server that is restarting or a model that is going away (UNAVAILABLE in our models,
-# and Triton's own words for a dead Python backend stub).
+# Messages of a server that is restarting, a model that is going away or full, and a request too big for
+# the accelerator's memory right now: every UNAVAILABLE our models answer (serving/engine_host.py,
+# engine/failures.py), and Triton's own words for a dead Python backend stub. A client may retry these.
 _UNAVAILABLE_HINTS = (
-    "is not healthy",
-    "the model is restarting",
-    "the model is shutting down",
+    "is not healthy",  # Triton: "Stub process '...' is not healthy."
+    "the model is restarting",  # a lost device, a stalled engine, a process leaving for a restart
+    "the model is shutting down",  # unloading, or the engine thread ended
+    "the model is at capacity",  # no room for the request within max_admission_wait_s
+    "out of memory",  # "... failed: OutOfMemoryError: CUDA out of memory. ..." (alone it does not fit)
+    "memoryerror",  # OutOfMemoryError, and a host MemoryError, whose message may be empty
     "unavailable",
 )
 
@@ -78,6 +82,11 @@ def unavailable(message: str) -> ApiError:
 
 def too_large(message: str) -> ApiError:
     return ApiError(413, message, INVALID_REQUEST, None, "request_too_large")
+
+
+def bad_gateway(message: str) -> ApiError:
+    """502: Triton answered, but not as our models do (a stream that ended early)."""
+    return ApiError(502, message, SERVER_ERROR, None, "bad_gateway")
 
 
 def server_error(message: str) -> ApiError:

@@ -15,7 +15,7 @@ from triton_diffusion.openai_front.disconnects import (
     stream_until_disconnected,
     until_disconnected,
 )
-from triton_diffusion.openai_front.errors import ApiError, bad_request, field_error
+from triton_diffusion.openai_front.errors import ApiError, bad_gateway, bad_request, field_error
 from triton_diffusion.openai_front.front_state import FrontState
 from triton_diffusion.openai_front.limits import parse_form, parse_json_object, read_body
 from triton_diffusion.openai_front.translation import (
@@ -78,14 +78,16 @@ async def edits(request: Request) -> Response:
     if files:
         raise field_error(next(iter(files)), "unexpected file (allowed: image, mask)")
     name = model_name(params.get("model"), front.models.edit)
-    info = await front.bridge.model(name, (IMAGE_TO_IMAGE, INPAINT), "/v1/images/edits")
+    info = await front.bridge.model(name, (IMAGE_TO_IMAGE, INPAINT, TEXT_TO_IMAGE), "/v1/images/edits")
+    if "image" not in info.inputs:
+        raise field_error("image", f"is not supported by model {name!r} ({info.kind}); use an image model")
     tensors = {"IMAGE": await image.read()}
     if mask is not None:
-        if "mask" not in info.inputs:
+        if "mask_image" not in info.inputs:
             raise field_error(
                 "mask", f"is not supported by model {name!r} ({info.kind}); use an inpaint model"
             )
-        tensors["MASK"] = await mask.read()
+        tensors["MASK_IMAGE"] = await mask.read()
     call = image_call(params, tensors, info, limits, from_form=True)
     return await answer(request, front, call, info, "image_edit")
 
@@ -101,17 +103,20 @@ async def answer(
                 async for response in responses:
                     if response.final:
                         return response
-            raise ApiError(502, "Triton ended the stream without a FINAL response", "server_error")
+            raise bad_gateway("Triton ended the stream without a FINAL response")
 
         answered, response = await until_disconnected(request, final())
         if not answered:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         return JSONResponse(images_response(call, response))
     # The first response before the status line: a refused request is a plain 4xx, not a stream.
-    answered, first = await until_disconnected(request, anext(responses))
+    answered, first = await until_disconnected(request, anext(responses, None))
     if not answered:
         await responses.aclose()
         return Response(status_code=CLIENT_CLOSED_REQUEST)
+    if first is None:  # the stream ended before any response: nothing to stream
+        await responses.aclose()
+        raise bad_gateway("Triton ended the stream without any response")
     events = image_events(call, prefix, first, responses)
     return StreamingResponse(stream_until_disconnected(request, events), media_type="text/event-stream")
 

@@ -1,10 +1,16 @@
-"""API keys: bearer tokens read from a file, one per line (blank lines and ``#`` comments skipped).
+"""API keys: bearer tokens read from a file, one per line (blank lines and ``#`` comments skipped, also
+when indented).
 
-No file: the front is open to anyone who reaches its port (a warning is logged at startup).
+No file: the front is open to anyone who reaches its port (a warning is logged at startup), and it
+listens on 127.0.0.1 unless told otherwise.
+
+Each key is its own tenant for what the front keeps between requests (video jobs): a job records the
+SHA-256 of the key that created it (:func:`key_owner`), never the key.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 from pathlib import Path
 
@@ -14,20 +20,23 @@ from triton_diffusion.openai_front.errors import ApiError
 def load_keys(path: Path | None) -> frozenset[str]:
     if path is None:
         return frozenset()
-    keys = frozenset(
-        line.strip() for line in path.read_text().splitlines() if line.strip() and not line.startswith("#")
-    )
+    stripped = (line.strip() for line in path.read_text().splitlines())
+    keys = frozenset(line for line in stripped if line and not line.startswith("#"))
     if not keys:
         raise ValueError(f"the API key file {path} holds no key")
     return keys
+
+
+def _bearer(authorization: str | None) -> tuple[str, str]:
+    scheme, _, token = (authorization or "").partition(" ")
+    return scheme, token.strip()
 
 
 def check_bearer(authorization: str | None, keys: frozenset[str]) -> None:
     """Raise 401 unless ``Authorization: Bearer <key>`` names one of ``keys`` (no keys: anything goes)."""
     if not keys:
         return
-    scheme, _, token = (authorization or "").partition(" ")
-    token = token.strip()
+    scheme, token = _bearer(authorization)
     # Compare against every key in constant time, so the answer's timing tells nothing about a key.
     matched = False
     for key in keys:
@@ -37,3 +46,11 @@ def check_bearer(authorization: str | None, keys: frozenset[str]) -> None:
             "missing API key: send Authorization: Bearer <key>" if not token else "incorrect API key provided"
         )
         raise ApiError(401, message, "invalid_request_error", None, "invalid_api_key")
+
+
+def key_owner(authorization: str | None, keys: frozenset[str]) -> str:
+    """Who owns what a request creates: the SHA-256 (hex) of its key, or "" when the front has no keys
+    (one tenant). Call it after :func:`check_bearer` accepted the request."""
+    if not keys:
+        return ""
+    return hashlib.sha256(_bearer(authorization)[1].encode()).hexdigest()

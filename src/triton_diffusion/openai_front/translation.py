@@ -96,6 +96,7 @@ IMAGE_OPENAI_NAMES = {
     "width": "size",
     "image": "image",
     "mask": "mask",
+    "mask_image": "mask",
 }
 TEXT_OPENAI_NAMES = {"gen_length": "max_tokens", "prompt": "messages"}
 VIDEO_OPENAI_NAMES = {"height": "size", "width": "size", "num_frames": "seconds"}
@@ -262,18 +263,50 @@ def image_call(
     parameters = model_fields(extras, info, IMAGE_FIELDS_SET_BY_FRONT, from_form)
     parameters["num_images_per_prompt"] = n
     parameters["output_format"] = scalar_value("output_format", output_format)
+    if "output_encoding" in info.inputs:
+        # Raw image bytes, which the front base64-encodes once: a model configured with a base64 default
+        # (for Triton's HTTP JSON) would otherwise be encoded twice.
+        parameters["output_encoding"] = "binary"
     if size is not None:
         parameters["width"], parameters["height"] = size
     if stream and partial_images:
-        # A preview after every step; the front forwards ``partial_images`` of them, evenly spread.
+        # The front forwards ``partial_images`` previews, evenly spread: ask for about that many (each
+        # preview is a PNG the server encodes), not one per step.
         parameters["progress"] = True
-        parameters["preview_every"] = 1
+        parameters["preview_every"] = preview_every(
+            partial_images, denoising_steps(parameters, info, "IMAGE" in tensors)
+        )
     request = TritonRequest(
         info.name, {"PROMPT": prompt.encode("utf-8"), **tensors}, parameters, IMAGE_OPENAI_NAMES
     )
     return ImageCall(
         request, stream, partial_images, str(output_format), None if size is None else f"{size[0]}x{size[1]}"
     )
+
+
+def denoising_steps(parameters: Mapping[str, Any], info: ModelInfo, from_image: bool) -> int | None:
+    """The denoising steps a request will run, or None when the front cannot tell: the request's
+    ``num_inference_steps``, else the model's configured default. An edit runs ``int(steps * strength)``
+    of them, known only when the request gives ``strength`` (the default depends on the pipeline)."""
+    steps = parameters.get("num_inference_steps", info.default_steps)
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+        return None
+    if not from_image:
+        return steps
+    strength = parameters.get("strength")
+    if isinstance(strength, bool) or not isinstance(strength, (int, float)) or not 0 < strength <= 1:
+        return None
+    return max(1, int(steps * strength))
+
+
+def preview_every(partial_images: int, steps: int | None) -> int:
+    """Previews every N steps so that about ``partial_images`` arrive before the last step: N =
+    steps // (partial_images + 1) gives at least ``partial_images`` previews before the last step, one
+    past each point where :class:`PartialImagePicker` takes one. Unknown steps: every step (the picker
+    still forwards only ``partial_images``)."""
+    if steps is None:
+        return 1
+    return min(1000, max(1, steps // (partial_images + 1)))
 
 
 class PartialImagePicker:
@@ -383,7 +416,7 @@ class TextCall:
     request: TritonRequest
     stream: bool
     include_usage: bool
-    gen_length: int | None  # None: the model's default
+    gen_length: int | None  # tokens asked for: max_tokens, else the model's configured default (or None)
     model: str
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
@@ -485,7 +518,7 @@ def text_call(body: Mapping[str, Any], info: ModelInfo, limits: Limits, chat: bo
         if body.get(name) is not None:
             parameters[name] = scalar_value(name, body[name])
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    gen_length = None
+    gen_length = info.default_gen_length
     if max_tokens is not None:
         gen_length = _integer("max_tokens", max_tokens, 1, 1 << 20, False)
         parameters.update(
@@ -500,7 +533,10 @@ def text_call(body: Mapping[str, Any], info: ModelInfo, limits: Limits, chat: bo
 
 
 def finish_reason(tokens: int, gen_length: int | None) -> str:
-    """ "length" when every requested token was generated, "stop" when the model ended earlier (EOS)."""
+    """ "length" when every requested token was generated, "stop" when the model ended earlier. The
+    model's TOKENS counts the generated tokens up to the first EOS, so fewer than ``gen_length`` means an
+    EOS ended the text. With ``gen_length`` unknown (no max_tokens, and no default_gen_length in the
+    model's config) it cannot be told: "stop"."""
     return "length" if gen_length is not None and tokens >= gen_length else "stop"
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
@@ -36,16 +37,20 @@ TEXT_TO_VIDEO = "text_to_video"
 TEXT_GENERATION = "text_generation"
 
 
-def model_kind(inputs: Mapping[str, str], outputs: Mapping[str, str]) -> str | None:
-    """The kind of a model from its metadata (input/output name -> datatype); None: not one of ours."""
+def model_kind(
+    inputs: Mapping[str, str], outputs: Mapping[str, str], optional: frozenset[str] = frozenset()
+) -> str | None:
+    """The kind of a model from its metadata (input/output name -> datatype) and which inputs its config
+    marks optional; None: not one of ours. A text-to-image model whose source image is optional also
+    serves edits (text-only and image-conditioned requests share its forwards)."""
     if "TEXT" in outputs:
         return TEXT_GENERATION
     if "VIDEO" in outputs:
         return TEXT_TO_VIDEO
     if "IMAGE" in outputs:
-        if "MASK" in inputs:
-            return INPAINT
-        return IMAGE_TO_IMAGE if "IMAGE" in inputs else TEXT_TO_IMAGE
+        if "IMAGE" not in inputs or "IMAGE" in optional:
+            return TEXT_TO_IMAGE
+        return INPAINT if "MASK_IMAGE" in inputs else IMAGE_TO_IMAGE
     return None
 
 
@@ -54,10 +59,24 @@ class ModelInfo:
     name: str
     kind: str
     inputs: dict[str, str]  # field name (lower case) -> Triton datatype (INT32, FP32, BYTES, ...)
+    # Defaults the model's config.pbtxt sets (None: not set there, the model derives its own): the
+    # denoising steps of image models, the generated tokens of the diffusion LM.
+    default_steps: int | None = None
+    default_gen_length: int | None = None
 
     @property
     def fields(self) -> set[str]:
         return set(self.inputs)
+
+
+def config_defaults(parameters: Mapping[str, Any]) -> dict[str, int]:
+    """``default_<field>`` entries of a model config's parameters that hold an integer, by field name."""
+    defaults = {}
+    for key, value in parameters.items():
+        text = value.get("string_value", "") if isinstance(value, Mapping) else ""
+        if key.startswith("default_") and re.fullmatch(r"[0-9]{1,9}", text.strip()):
+            defaults[key.removeprefix("default_")] = int(text)
+    return defaults
 
 
 @dataclass
@@ -137,9 +156,20 @@ class TritonBridge:
                     )
                     inputs = {i["name"].lower(): i["datatype"] for i in meta.get("inputs", [])}
                     outputs = {o["name"]: o["datatype"] for o in meta.get("outputs", [])}
-                    kind = model_kind({n.upper(): t for n, t in inputs.items()}, outputs)
+                    config = await self._config(entry["name"])
+                    optional = frozenset(
+                        i["name"].upper() for i in config.get("input", []) if i.get("optional")
+                    )
+                    kind = model_kind({n.upper(): t for n, t in inputs.items()}, outputs, optional)
                     if kind is not None:
-                        catalog[entry["name"]] = ModelInfo(entry["name"], kind, inputs)
+                        defaults = config_defaults(config.get("parameters", {}))
+                        catalog[entry["name"]] = ModelInfo(
+                            entry["name"],
+                            kind,
+                            inputs,
+                            defaults.get("num_inference_steps"),
+                            defaults.get("gen_length"),
+                        )
             except (InferenceServerException, grpc.RpcError, OSError) as exc:
                 self._ready_at = -1e9
                 raise unavailable(
@@ -147,6 +177,16 @@ class TritonBridge:
                 ) from None
             self._catalog, self._catalog_at = catalog, time.monotonic()
             return catalog
+
+    async def _config(self, name: str) -> dict[str, Any]:
+        """A model's config ({} when it cannot be read: it only tunes the front's requests and tells
+        whether a source image is optional)."""
+        try:
+            config = await self.client.get_model_config(name, as_json=True, client_timeout=5.0)
+        except (InferenceServerException, grpc.RpcError, OSError) as exc:
+            log.warning("the config of model %s cannot be read (%s); its defaults are unknown", name, exc)
+            return {}
+        return config.get("config", {})
 
     async def model(self, name: str, kinds: tuple[str, ...], endpoint: str) -> ModelInfo:
         """The named model, which must be ready and of one of ``kinds``: 404 unknown, 400 wrong kind."""

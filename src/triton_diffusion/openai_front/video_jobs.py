@@ -3,13 +3,20 @@ or failed; deleting a job cancels its Triton request.
 
 Everything is kept in this process's memory under a random id (never a path): at most ``max_jobs`` jobs,
 ``max_running`` of them generating at once, finished results for ``ttl_s`` seconds and at most
-``max_bytes`` of MP4 in all (the oldest results are dropped first).
+``max_bytes`` of MP4 in all (the oldest results are dropped first). A new job that would pass
+``max_jobs`` drops the oldest finished (completed or failed) jobs; it is refused only when too many are
+queued or generating.
+
+Each job belongs to the API key that created it (``owner``: the key's SHA-256, never the key): every
+lookup names the owner, and another key's job is answered as if it did not exist. Without keys every
+client is the one owner "".
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import secrets
 import time
@@ -17,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from triton_diffusion.openai_front.errors import ApiError
+from triton_diffusion.openai_front.errors import ApiError, bad_gateway
 from triton_diffusion.openai_front.translation import VideoCall
 from triton_diffusion.openai_front.triton_bridge import ModelInfo, TritonBridge
 
@@ -28,7 +35,7 @@ QUEUED, IN_PROGRESS, COMPLETED, FAILED = "queued", "in_progress", "completed", "
 
 @dataclass(frozen=True)
 class VideoLimits:
-    max_jobs: int = 64  # held at once, finished ones included
+    max_jobs: int = 64  # held at once; past it the oldest finished ones are dropped for a new one
     max_running: int = 8  # generating at once; more is a 429
     max_bytes: int = 512 << 20  # MP4 bytes kept in all
     ttl_s: float = 3600.0  # how long a finished job is kept
@@ -50,6 +57,7 @@ class VideoJob:
     error: dict[str, Any] | None = None
     content: bytes | None = None
     task: asyncio.Task | None = field(default=None, repr=False)
+    owner: str = ""  # the creating API key's SHA-256 (hex); "" without keys
 
     def as_openai(self) -> dict[str, Any]:
         return {
@@ -81,27 +89,32 @@ class VideoJobs:
         self.clock = clock
         self.jobs: dict[str, VideoJob] = {}  # in creation order
 
-    def create(self, call: VideoCall, info: ModelInfo) -> VideoJob:
+    def create(self, call: VideoCall, info: ModelInfo, owner: str) -> VideoJob:
         self.expire()
-        running = sum(1 for job in self.jobs.values() if job.status in (QUEUED, IN_PROGRESS))
-        if running >= self.limits.max_running or len(self.jobs) >= self.limits.max_jobs:
+        active = sum(1 for job in self.jobs.values() if job.status in (QUEUED, IN_PROGRESS))
+        if active < self.limits.max_running:
+            self._make_room(self.limits.max_jobs - 1)
+        if active >= self.limits.max_running or len(self.jobs) >= self.limits.max_jobs:
             raise ApiError(
                 429,
                 f"too many video jobs (allowed: {self.limits.max_running} generating, "
-                f"{self.limits.max_jobs} held); retry later or delete finished ones",
+                f"{self.limits.max_jobs} held); retry later",
                 "rate_limit_error",
                 None,
                 "too_many_jobs",
             )
-        job = VideoJob(new_video_id(), info.name, call.prompt, call.size, call.seconds, int(self.clock()))
+        job = VideoJob(
+            new_video_id(), info.name, call.prompt, call.size, call.seconds, int(self.clock()), owner=owner
+        )
         self.jobs[job.id] = job
         job.task = asyncio.get_running_loop().create_task(self._run(job, call, info), name=job.id)
         return job
 
-    def get(self, video_id: str) -> VideoJob:
+    def get(self, video_id: str, owner: str) -> VideoJob:
+        """The owner's job; 404 for an unknown one and for another owner's (which is not told apart)."""
         self.expire()
         job = self.jobs.get(video_id)
-        if job is None:
+        if job is None or not hmac.compare_digest(job.owner, owner):
             raise ApiError(
                 404,
                 f"no video {video_id[:64]!r} (unknown, deleted or expired)",
@@ -110,23 +123,35 @@ class VideoJobs:
             )
         return job
 
-    def listing(self) -> list[VideoJob]:
+    def listing(self, owner: str) -> list[VideoJob]:
+        """The owner's jobs, oldest first."""
         self.expire()
-        return list(self.jobs.values())
+        return [job for job in self.jobs.values() if hmac.compare_digest(job.owner, owner)]
 
-    async def delete(self, video_id: str) -> VideoJob:
-        """Forget the job; a running one is cancelled first (its Triton request with it)."""
-        job = self.get(video_id)
-        del self.jobs[video_id]
+    async def delete(self, video_id: str, owner: str) -> VideoJob:
+        """Forget the owner's job; a running one is cancelled first (its Triton request with it)."""
+        job = self.get(video_id, owner)
+        await self._forget(job)
+        return job
+
+    async def close(self) -> None:
+        for job in list(self.jobs.values()):
+            await self._forget(job)
+
+    async def _forget(self, job: VideoJob) -> None:
+        self.jobs.pop(job.id, None)
         if job.task is not None and not job.task.done():
             job.task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await job.task
-        return job
 
-    async def close(self) -> None:
-        for video_id in list(self.jobs):
-            await self.delete(video_id)
+    def _make_room(self, keep: int) -> None:
+        """Drop the longest-finished jobs (completed or failed, whoever owns them) until at most ``keep``
+        jobs are held; queued and generating jobs stay."""
+        finished = [job for job in self.jobs.values() if job.status in (COMPLETED, FAILED)]
+        finished.sort(key=lambda job: job.completed_at or 0)  # stable: creation order among equals
+        for job in finished[: max(0, len(self.jobs) - keep)]:
+            del self.jobs[job.id]
 
     def expire(self) -> None:
         """Drop finished jobs past their time, then the oldest results while over the byte budget."""
@@ -155,7 +180,7 @@ class VideoJobs:
                     if response.final:
                         self._completed(job, bytes(response.outputs["VIDEO"].reshape(-1)[0]))
                         return
-            raise ApiError(502, "Triton ended the stream without a FINAL response", "server_error")
+            raise bad_gateway("Triton ended the stream without a FINAL response")
         except ApiError as error:
             self._failed(job, error.code or "failed", error.message, error.param)
         except asyncio.CancelledError:

@@ -1,5 +1,6 @@
 """``/v1/videos``: create (JSON or multipart, as the openai client sends it), list, retrieve, download the
-MP4, delete (which cancels a running job)."""
+MP4, delete (which cancels a running job). A job is its creating key's alone: other keys get 404 for it
+and do not see it listed (no keys configured: one tenant)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from starlette.datastructures import UploadFile
 
 from triton_diffusion.openai_front.errors import ApiError, bad_request, field_error
 from triton_diffusion.openai_front.front_state import FrontState
+from triton_diffusion.openai_front.keys import key_owner
 from triton_diffusion.openai_front.limits import parse_form, parse_json_object, read_body
 from triton_diffusion.openai_front.translation import model_name, video_call
 from triton_diffusion.openai_front.triton_bridge import TEXT_TO_VIDEO
@@ -24,6 +26,12 @@ def _jobs(request: Request) -> VideoJobs:
     front: FrontState = request.app.state.front
     assert front.videos is not None
     return front.videos
+
+
+def _owner(request: Request) -> str:
+    """The caller's tenant: its key's SHA-256 ("" without keys); the key was checked by require_key."""
+    front: FrontState = request.app.state.front
+    return key_owner(request.headers.get("authorization"), front.keys)
 
 
 def _checked_id(video_id: str) -> str:
@@ -59,13 +67,13 @@ async def create_video(request: Request) -> Response:
     name = model_name(params.get("model"), front.models.video)
     info = await front.bridge.model(name, (TEXT_TO_VIDEO,), "/v1/videos")
     call = video_call(params, info, from_form)
-    job = _jobs(request).create(call, info)
+    job = _jobs(request).create(call, info, _owner(request))
     return JSONResponse(job.as_openai())
 
 
 @router.get("/v1/videos")
 async def list_videos(request: Request) -> Response:
-    jobs = [job.as_openai() for job in _jobs(request).listing()]
+    jobs = [job.as_openai() for job in _jobs(request).listing(_owner(request))]
     return JSONResponse(
         {
             "object": "list",
@@ -79,12 +87,12 @@ async def list_videos(request: Request) -> Response:
 
 @router.get("/v1/videos/{video_id}")
 async def retrieve_video(request: Request, video_id: str) -> Response:
-    return JSONResponse(_jobs(request).get(_checked_id(video_id)).as_openai())
+    return JSONResponse(_jobs(request).get(_checked_id(video_id), _owner(request)).as_openai())
 
 
 @router.get("/v1/videos/{video_id}/content")
 async def video_content(request: Request, video_id: str, variant: str = "video") -> Response:
-    job = _jobs(request).get(_checked_id(video_id))
+    job = _jobs(request).get(_checked_id(video_id), _owner(request))
     if variant != "video":
         raise field_error("variant", f"got {variant[:40]!r} (allowed: 'video')")
     if job.status != COMPLETED or job.content is None:
@@ -96,5 +104,5 @@ async def video_content(request: Request, video_id: str, variant: str = "video")
 
 @router.delete("/v1/videos/{video_id}")
 async def delete_video(request: Request, video_id: str) -> Response:
-    job = await _jobs(request).delete(_checked_id(video_id))
+    job = await _jobs(request).delete(_checked_id(video_id), _owner(request))
     return JSONResponse({"id": job.id, "object": "video.deleted", "deleted": True})

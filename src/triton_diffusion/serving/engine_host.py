@@ -299,7 +299,10 @@ class EngineHost:
             )
             policy = make_policy(config.scheduling_policy, config.starvation_steps)
             cohort = config.admission_cohort or default_cohort or max(1, limits.max_per_forward // 2)
-            pacing = AdmissionPacing(min(cohort, limits.max_running), config.admission_max_wait_steps)
+            # At most half the running set: a busy engine must be able to see that many places free, or
+            # every newcomer would wait the whole admission_max_wait_steps.
+            cohort = min(cohort, max(1, limits.max_running // 2))
+            pacing = AdmissionPacing(cohort, config.admission_max_wait_steps)
             self.engine: Any = StepEngine(adapter, limits, policy, pacing)
             running = limits.max_running
             log.info(

@@ -108,6 +108,24 @@ def _option(args: list[str], name: str, default: str) -> str:
     return default
 
 
+def openai_front_address(address: str | None, api_key_file: Path | None) -> str:
+    """Where the OpenAI front listens: the address given, else every interface when it requires API keys
+    and only this machine (127.0.0.1) when it is open to anyone who reaches it."""
+    if address:
+        return address
+    return "0.0.0.0" if api_key_file is not None else "127.0.0.1"
+
+
+def open_front_warning(address: str, api_key_file: Path | None) -> str | None:
+    """The startup warning for a front that serves anyone on a reachable address, or None."""
+    if api_key_file is not None or address in ("127.0.0.1", "localhost", "::1", "[::1]"):
+        return None
+    return (
+        f"the OpenAI front listens on {address} without an API key file: anyone who reaches its port can "
+        "generate (pass --openai-api-key-file, or --openai-address=127.0.0.1)"
+    )
+
+
 def openai_front_command(extra: list[str], port: int, address: str, api_key_file: Path | None) -> list[str]:
     """The OpenAI front's command line: it reaches Triton over gRPC on this machine."""
     grpc_address = _option(extra, "grpc-address", "127.0.0.1")
@@ -192,7 +210,12 @@ def main(argv: list[str] | None = None) -> None:
         default=0,
         help="serve the OpenAI-compatible front (images, videos, chat) on this port (0: off)",
     )
-    parser.add_argument("--openai-address", default="0.0.0.0", help="the OpenAI front's listen address")
+    parser.add_argument(
+        "--openai-address",
+        default=None,
+        help="the OpenAI front's listen address (default: 0.0.0.0 with --openai-api-key-file, else "
+        "127.0.0.1: an open front is reachable from this machine only unless this is given)",
+    )
     parser.add_argument(
         "--openai-api-key-file",
         type=Path,
@@ -206,8 +229,19 @@ def main(argv: list[str] | None = None) -> None:
         key_file = known.openai_api_key_file
         if key_file is not None and not key_file.is_file():
             sys.exit(f"triton-diffusion-serve: the API key file {key_file} does not exist")
+        address = openai_front_address(known.openai_address, key_file)
+        if known.openai_address is None and key_file is None:
+            print(
+                "triton-diffusion-serve: no --openai-api-key-file: the OpenAI front listens on 127.0.0.1 "
+                "only (pass a key file, or --openai-address=0.0.0.0 to open it to everyone)",
+                file=sys.stderr,
+                flush=True,
+            )
+        warning = open_front_warning(address, key_file)
+        if warning is not None:
+            print(f"triton-diffusion-serve: WARNING: {warning}", file=sys.stderr, flush=True)
         front_argv = openai_front_command(
-            extra, known.openai_port, known.openai_address, key_file.resolve() if key_file else None
+            extra, known.openai_port, address, key_file.resolve() if key_file else None
         )
     try:
         command = server_command(known.model_repository.resolve(), extra, known.backend_cache)

@@ -1,0 +1,85 @@
+"""How text_to_image reads an image-conditioned request (no pipeline, no Triton): which starts it serves,
+the source and mask decoded and resized to the output size, the strength of each start, and errors that
+name the field."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+from PIL import Image
+
+from triton_diffusion.errors import RequestError
+from triton_diffusion.models.text_to_image import TEXT_TO_IMAGE_FIELDS, TextToImageModel
+from triton_diffusion.settings import ModelConfig
+
+
+class FakeAdapter:
+    def __init__(self, starts: tuple[str, ...]) -> None:
+        self.starts = starts
+
+    def default_strength(self, start: str) -> float:
+        return {"image": 0.8, "mask": 1.0}[start]
+
+
+def model(starts: tuple[str, ...] = ("text", "image", "mask")) -> TextToImageModel:
+    m = TextToImageModel.__new__(TextToImageModel)
+    m.OPTIONAL_CALL_FIELDS = ()
+    unsupported = m.load_sources(ModelConfig(max_image_pixels=512 * 512), FakeAdapter(starts))
+    defaults = {"default_height": "64", "default_width": "96", "default_num_inference_steps": "4"}
+    m.fields = TEXT_TO_IMAGE_FIELDS.configured(
+        {**defaults, "height_multiple_of": "8", "width_multiple_of": "8", "max_mask_image_length": "5000"},
+        unsupported,
+    )
+    return m
+
+
+def png(width: int, height: int, color: tuple[int, int, int] = (200, 40, 90)) -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", (width, height), color).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def read(m: TextToImageModel, **raw) -> dict:
+    return m.parse(0, {"prompt": "p", "seed": 1, **raw}, None).values
+
+
+def test_a_text_only_request_is_unchanged():
+    values = read(model())
+    assert values["image"] is None and values["mask_image"] is None and values["strength"] is None
+
+
+def test_source_and_mask_are_resized_to_the_output_size_and_each_start_has_its_strength():
+    m = model()
+    img2img = read(m, image=png(300, 200))
+    assert (
+        img2img["image"].size == (96, 64) and img2img["strength"] == 0.8
+    )  # the default size, not the source's
+    inpaint = read(m, image=png(300, 200), mask_image=png(30, 20, (255, 255, 255)), strength=0.5)
+    assert inpaint["mask_image"].size == (96, 64) and inpaint["strength"] == 0.5
+    assert read(m, image=png(64, 64), mask_image=png(64, 64))["strength"] == 1.0  # the inpaint default
+
+
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        ({"mask_image": png(64, 64)}, "mask_image: applies only to a request with a source image"),
+        ({"strength": 0.5}, "strength: applies only to a request with a source image"),
+        ({"image": png(64, 64), "mask_image": b"%% not an image"}, "mask_image: is neither an image nor"),
+        ({"image": png(64, 64), "mask_image": png(600, 600)}, "mask_image: is 600x600 = 360000 pixels"),
+        ({"image": png(64, 64), "mask_image": b"\x89PNG" + b"x" * 6000}, "mask_image: is 6004 bytes"),
+        ({"image": png(64, 64), "strength": 1.5}, "strength: got 1.5 (allowed: 0..1)"),
+        ({"image": png(64, 64), "strength": 0.1}, "strength: 0.1 with num_inference_steps 4 runs no"),
+    ],
+)
+def test_errors_name_the_field(raw, message):
+    with pytest.raises(RequestError) as error:
+        read(model(), **raw)
+    assert str(error.value.message).startswith(message), error.value.message
+
+
+def test_starts_the_engine_cannot_serve_are_refused_by_name():
+    with pytest.raises(RequestError, match="mask_image: is not supported"):
+        read(model(("text", "image")), image=png(64, 64), mask_image=png(64, 64))
+    with pytest.raises(RequestError, match="image: is not supported"):
+        read(model(("text",)), image=png(64, 64))
