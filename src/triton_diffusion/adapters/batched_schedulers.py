@@ -221,6 +221,14 @@ def _columns(table: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, ...
     return table.reshape(table.shape + (1,) * (like.dim() - 1)).unbind(0)
 
 
+def _columns_at(
+    method: _Method, schedulers: Sequence[Any], indices: Sequence[Hashable], like: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """Each row's coefficients at its own index, as ``_columns`` of ``like``."""
+    rows = [_coefficients(s, method, index) for s, index in zip(schedulers, indices, strict=True)]
+    return _columns(torch.stack(rows, 1), like)
+
+
 def _same_kind(value: Any, like: torch.Tensor) -> bool:
     """A stored per-row tensor (a past model output, a sample) that stacks with this call's rows."""
     return (
@@ -400,8 +408,7 @@ class _DDIM(_Method):
         timesteps: Sequence[Any],
         samples: torch.Tensor,
     ) -> tuple[torch.Tensor, Commit]:
-        rows = [_coefficients(s, self, int(t)) for s, t in zip(schedulers, timesteps, strict=True)]
-        columns = _columns(torch.stack(rows, 1), samples)
+        columns = _columns_at(self, schedulers, [int(t) for t in timesteps], samples)
         sqrt_alpha, inv_sqrt_alpha, sqrt_beta, inv_sqrt_beta, sqrt_alpha_prev, direction = columns
         r = _Rounding(samples.device, host_scalars=True)
         prediction = schedulers[0].config.prediction_type
@@ -476,8 +483,8 @@ class _Euler(_Method):
         timesteps: Sequence[Any],
         samples: torch.Tensor,
     ) -> tuple[torch.Tensor, Commit]:
-        rows = [_coefficients(s, self, _step_index(s, t)) for s, t in zip(schedulers, timesteps, strict=True)]
-        columns = _columns(torch.stack(rows, 1), samples)
+        indices = [_step_index(s, t) for s, t in zip(schedulers, timesteps, strict=True)]
+        columns = _columns_at(self, schedulers, indices, samples)
         sigma_hat, inv_sigma_hat, dt, c_out, denominator, inv_denominator, _, _ = columns
         r = _Rounding(samples.device, host_scalars=True)
         sample = samples.to(torch.float32)
@@ -754,8 +761,7 @@ class _PLMS(_Method):
             ratio = s.config.num_train_timesteps // s.num_inference_steps
             t = int(t)
             keys.append((t + ratio, t) if phase == "average" else (t, t - ratio))
-        rows = [_coefficients(s, self, key) for s, key in zip(schedulers, keys, strict=True)]
-        columns = _columns(torch.stack(rows, 1), samples)
+        columns = _columns_at(self, schedulers, keys, samples)
         sqrt_alpha, sqrt_beta, sample_coeff, alpha_diff, denominator, inv_denominator = columns
 
         # The noise estimate, one formula per group of rows at one phase, on their stacked tensors.

@@ -49,6 +49,7 @@ from triton_diffusion.adapters.batched_schedulers import (
     scale_model_inputs,
 )
 from triton_diffusion.adapters.diffusers_pipeline import counterpart_pipeline, row_generator
+from triton_diffusion.engine.failures import Failure
 from triton_diffusion.engine.jobs import Job
 from triton_diffusion.families import PipelineFacts
 
@@ -379,14 +380,20 @@ class LatentStepAdapter:
         # The forward succeeded: only now does any job's state change.
         noise = self._guided_noise(states, predictions)
         by_class: dict[type, list[int]] = {}
+        alone: list[int] = []
         for j, state in enumerate(states):
             if can_batch(state.scheduler):
                 by_class.setdefault(type(state.scheduler), []).append(j)
             else:
-                self._step_alone(jobs[j], noise[j : j + 1], job_timesteps[j])
-        for members in by_class.values():
+                alone.append(j)
+        # Every group's rows are gathered before any job steps: a raise here (out of memory) leaves every
+        # job as it was, so the engine's retry cannot step a job twice.
+        groups = [(members, _rows(noise, members)) for members in by_class.values()]
+        for j in alone:
+            self._step_alone(jobs[j], noise[j : j + 1], job_timesteps[j])
+        for members, group_noise in groups:
             group_timesteps = [job_timesteps[j] for j in members]
-            self._step_together([jobs[j] for j in members], _rows(noise, members), group_timesteps)
+            self._step_together([jobs[j] for j in members], group_noise, group_timesteps)
         for job in jobs:
             if job.state.inpaint is not None and job.failure is None:
                 self._blend_source(job)
@@ -405,7 +412,7 @@ class LatentStepAdapter:
                 proper = self.noise_source(state.scheduler, proper, source.noise, next_timestep)
             state.latents = (1 - source.mask) * proper + source.mask * state.latents
         except Exception as exc:  # noqa: BLE001  (this job's own blend: it fails alone)
-            job.failure = f"{type(exc).__name__}: {exc}"
+            _fail_alone(job, exc)
 
     def _guided_noise(self, states: list[LatentJob], predictions: torch.Tensor) -> torch.Tensor:
         """Each job's noise prediction ([jobs, ...]): classifier-free guidance for every guided job in one
@@ -441,6 +448,8 @@ class LatentStepAdapter:
             if can_batch_step(schedulers, noise, timesteps, latents, kwargs):
                 stepped = batched_step(schedulers, noise, timesteps, latents, kwargs)
         except Exception as exc:  # noqa: BLE001  (redone job by job below: the culprit fails alone)
+            if Failure.of(exc).lost:
+                raise
             name = type(schedulers[0]).__name__
             log.warning(
                 "vectorised %s step of %d jobs failed (%r); stepping them one by one", name, len(jobs), exc
@@ -462,7 +471,7 @@ class LatentStepAdapter:
             step = state.scheduler.step
             state.latents = step(noise, timestep, state.latents, **state.step_kwargs, return_dict=False)[0]
         except Exception as exc:  # noqa: BLE001  (this job's own scheduler: it fails alone)
-            job.failure = f"{type(exc).__name__}: {exc}"
+            _fail_alone(job, exc)
 
     def finish(self, jobs: list[Job]) -> list[Any]:
         """Decode the done jobs of one size together."""
@@ -503,6 +512,14 @@ def sample_latents(encoded: Any, generators: list[torch.Generator]) -> torch.Ten
         for i, generator in enumerate(generators)
     ]
     return torch.cat(rows)
+
+
+def _fail_alone(job: Job, exc: Exception) -> None:
+    """A failure of this job's own math fails only this job; a lost device is everyone's (the engine
+    answers what it holds and the process restarts)."""
+    if Failure.of(exc).lost:
+        raise exc
+    job.failure = f"{type(exc).__name__}: {exc}"
 
 
 def _rows(values: torch.Tensor, rows: list[int]) -> torch.Tensor:

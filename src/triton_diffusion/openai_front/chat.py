@@ -3,7 +3,6 @@ Triton request each; streamed as one chunk per committed block."""
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request, Response
@@ -11,10 +10,11 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from triton_diffusion.openai_front.disconnects import (
     CLIENT_CLOSED_REQUEST,
+    final_response,
+    first_response,
     stream_until_disconnected,
-    until_disconnected,
 )
-from triton_diffusion.openai_front.errors import ApiError, bad_gateway
+from triton_diffusion.openai_front.errors import ApiError
 from triton_diffusion.openai_front.front_state import FrontState
 from triton_diffusion.openai_front.limits import parse_json_object, read_body
 from triton_diffusion.openai_front.translation import (
@@ -55,25 +55,14 @@ async def complete(request: Request, chat: bool) -> Response:
     call = text_call(body, info, limits, chat)
     responses = front.bridge.stream(call.request, info, limits.request_timeout_s)
     if not call.stream:
-
-        async def final() -> TritonResponse:
-            async with contextlib.aclosing(responses):
-                async for response in responses:
-                    if response.final:
-                        return response
-            raise bad_gateway("Triton ended the stream without a FINAL response")
-
-        answered, response = await until_disconnected(request, final())
+        answered, response = await final_response(request, responses)
         if not answered:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         return JSONResponse(completion_response(call, response, chat))
-    answered, first = await until_disconnected(request, anext(responses, None))
+    # The first response before the status line: a refused request is a plain 4xx, not a stream.
+    answered, first = await first_response(request, responses)
     if not answered:
-        await responses.aclose()
         return Response(status_code=CLIENT_CLOSED_REQUEST)
-    if first is None:  # the stream ended before any response: nothing to stream
-        await responses.aclose()
-        raise bad_gateway("Triton ended the stream without any response")
     chunks = text_chunks(call, chat, info, first, responses)
     return StreamingResponse(stream_until_disconnected(request, chunks), media_type="text/event-stream")
 

@@ -16,7 +16,10 @@ from typing import TypeVar
 import anyio
 from starlette.requests import Request
 
+from triton_diffusion.openai_front.errors import bad_gateway
+
 T = TypeVar("T")
+R = TypeVar("R")  # a Triton response (triton_bridge.TritonResponse)
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the answer
 
@@ -53,6 +56,31 @@ async def until_disconnected(request: Request, work: Awaitable[T]) -> tuple[bool
     if task.cancelled():
         return False, None
     return True, task.result()
+
+
+async def final_response(request: Request, responses: AsyncIterator[R]) -> tuple[bool, R | None]:
+    """The stream's FINAL response (``final`` set), or (False, None) when the client left first; the
+    stream is closed either way. A stream that ends without one is a 502."""
+
+    async def final() -> R:
+        async with contextlib.aclosing(responses):
+            async for response in responses:
+                if response.final:
+                    return response
+        raise bad_gateway("Triton ended the stream without a FINAL response")
+
+    return await until_disconnected(request, final())
+
+
+async def first_response(request: Request, responses: AsyncIterator[R]) -> tuple[bool, R | None]:
+    """The stream's first response (what decides between a plain 4xx and a stream), or (False, None) when
+    the client left first, the stream then closed. A stream that ends without any response is a 502."""
+    answered, first = await until_disconnected(request, anext(responses, None))
+    if not answered or first is None:
+        await responses.aclose()
+    if answered and first is None:
+        raise bad_gateway("Triton ended the stream without any response")
+    return answered, first
 
 
 async def stream_until_disconnected(request: Request, events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:

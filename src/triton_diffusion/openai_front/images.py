@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request, Response
@@ -12,10 +11,11 @@ from starlette.datastructures import UploadFile
 
 from triton_diffusion.openai_front.disconnects import (
     CLIENT_CLOSED_REQUEST,
+    final_response,
+    first_response,
     stream_until_disconnected,
-    until_disconnected,
 )
-from triton_diffusion.openai_front.errors import ApiError, bad_gateway, bad_request, field_error
+from triton_diffusion.openai_front.errors import ApiError, bad_request, field_error
 from triton_diffusion.openai_front.front_state import FrontState
 from triton_diffusion.openai_front.limits import parse_form, parse_json_object, read_body
 from triton_diffusion.openai_front.translation import (
@@ -97,26 +97,14 @@ async def answer(
 ) -> Response:
     responses = front.bridge.stream(call.request, info, front.limits.request_timeout_s)
     if not call.stream:
-
-        async def final() -> TritonResponse:
-            async with contextlib.aclosing(responses):
-                async for response in responses:
-                    if response.final:
-                        return response
-            raise bad_gateway("Triton ended the stream without a FINAL response")
-
-        answered, response = await until_disconnected(request, final())
+        answered, response = await final_response(request, responses)
         if not answered:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         return JSONResponse(images_response(call, response))
     # The first response before the status line: a refused request is a plain 4xx, not a stream.
-    answered, first = await until_disconnected(request, anext(responses, None))
+    answered, first = await first_response(request, responses)
     if not answered:
-        await responses.aclose()
         return Response(status_code=CLIENT_CLOSED_REQUEST)
-    if first is None:  # the stream ended before any response: nothing to stream
-        await responses.aclose()
-        raise bad_gateway("Triton ended the stream without any response")
     events = image_events(call, prefix, first, responses)
     return StreamingResponse(stream_until_disconnected(request, events), media_type="text/event-stream")
 
