@@ -385,11 +385,9 @@ def test_video_translation():
 def test_model_kinds_come_from_inputs_and_outputs():
     assert model_kind({"PROMPT": "BYTES"}, {"IMAGE": "BYTES"}) == "text_to_image"
     assert model_kind({"PROMPT": "BYTES", "IMAGE": "BYTES"}, {"IMAGE": "BYTES"}) == "image_to_image"
-    assert model_kind({"IMAGE": "BYTES", "MASK_IMAGE": "BYTES"}, {"IMAGE": "BYTES"}) == "inpaint"
-    # text_to_image takes an optional source image (and mask): it stays a text-to-image model.
+    # text_to_image takes an optional source image and mask: a text-to-image model that also serves edits.
     both = {"PROMPT": "BYTES", "IMAGE": "BYTES", "MASK_IMAGE": "BYTES"}
-    optional = frozenset({"IMAGE", "MASK_IMAGE"})
-    assert model_kind(both, {"IMAGE": "BYTES"}, optional) == "text_to_image"
+    assert model_kind(both, {"IMAGE": "BYTES"}) == "text_to_image"
     assert model_kind({"PROMPT": "BYTES"}, {"VIDEO": "BYTES", "FRAMES": "UINT8"}) == "text_to_video"
     assert model_kind({"PROMPT": "BYTES"}, {"TEXT": "BYTES"}) == "text_generation"
     assert model_kind({"X": "FP32"}, {"Y": "FP32"}) is None

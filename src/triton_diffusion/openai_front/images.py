@@ -31,7 +31,6 @@ from triton_diffusion.openai_front.translation import (
 )
 from triton_diffusion.openai_front.triton_bridge import (
     IMAGE_TO_IMAGE,
-    INPAINT,
     TEXT_TO_IMAGE,
     ModelInfo,
     TritonResponse,
@@ -78,7 +77,7 @@ async def edits(request: Request) -> Response:
     if files:
         raise field_error(next(iter(files)), "unexpected file (allowed: image, mask)")
     name = model_name(params.get("model"), front.models.edit)
-    info = await front.bridge.model(name, (IMAGE_TO_IMAGE, INPAINT, TEXT_TO_IMAGE), "/v1/images/edits")
+    info = await front.bridge.model(name, (IMAGE_TO_IMAGE, TEXT_TO_IMAGE), "/v1/images/edits")
     if "image" not in info.inputs:
         raise field_error("image", f"is not supported by model {name!r} ({info.kind}); use an image model")
     tensors = {"IMAGE": await image.read()}

@@ -32,25 +32,23 @@ log = logging.getLogger("triton_diffusion.openai_front")
 # What a model serves, told from its outputs and inputs (never from its name).
 TEXT_TO_IMAGE = "text_to_image"
 IMAGE_TO_IMAGE = "image_to_image"
-INPAINT = "inpaint"
 TEXT_TO_VIDEO = "text_to_video"
 TEXT_GENERATION = "text_generation"
 
 
-def model_kind(
-    inputs: Mapping[str, str], outputs: Mapping[str, str], optional: frozenset[str] = frozenset()
-) -> str | None:
-    """The kind of a model from its metadata (input/output name -> datatype) and which inputs its config
-    marks optional; None: not one of ours. A text-to-image model whose source image is optional also
-    serves edits (text-only and image-conditioned requests share its forwards)."""
+def model_kind(inputs: Mapping[str, str], outputs: Mapping[str, str]) -> str | None:
+    """The kind of a model from its metadata (input/output name -> datatype); None: not one of ours.
+    ``text_to_image`` takes an optional source image and mask (img2img and inpainting share its forwards
+    with text-only requests): it serves generations and edits. A model that takes a source image but no
+    mask is ``image_to_image`` (both declare IMAGE optional, as the image may also come as a parameter)."""
     if "TEXT" in outputs:
         return TEXT_GENERATION
     if "VIDEO" in outputs:
         return TEXT_TO_VIDEO
     if "IMAGE" in outputs:
-        if "IMAGE" not in inputs or "IMAGE" in optional:
+        if "IMAGE" not in inputs or "MASK_IMAGE" in inputs:
             return TEXT_TO_IMAGE
-        return INPAINT if "MASK_IMAGE" in inputs else IMAGE_TO_IMAGE
+        return IMAGE_TO_IMAGE
     return None
 
 
@@ -156,13 +154,9 @@ class TritonBridge:
                     )
                     inputs = {i["name"].lower(): i["datatype"] for i in meta.get("inputs", [])}
                     outputs = {o["name"]: o["datatype"] for o in meta.get("outputs", [])}
-                    config = await self._config(entry["name"])
-                    optional = frozenset(
-                        i["name"].upper() for i in config.get("input", []) if i.get("optional")
-                    )
-                    kind = model_kind({n.upper(): t for n, t in inputs.items()}, outputs, optional)
+                    kind = model_kind({n.upper(): t for n, t in inputs.items()}, outputs)
                     if kind is not None:
-                        defaults = config_defaults(config.get("parameters", {}))
+                        defaults = await self._config_defaults(entry["name"])
                         catalog[entry["name"]] = ModelInfo(
                             entry["name"],
                             kind,
@@ -178,15 +172,15 @@ class TritonBridge:
             self._catalog, self._catalog_at = catalog, time.monotonic()
             return catalog
 
-    async def _config(self, name: str) -> dict[str, Any]:
-        """A model's config ({} when it cannot be read: it only tunes the front's requests and tells
-        whether a source image is optional)."""
+    async def _config_defaults(self, name: str) -> dict[str, int]:
+        """The integer ``default_<field>`` parameters of a model's config ({} when it cannot be read: they
+        only tune the front's requests)."""
         try:
             config = await self.client.get_model_config(name, as_json=True, client_timeout=5.0)
         except (InferenceServerException, grpc.RpcError, OSError) as exc:
             log.warning("the config of model %s cannot be read (%s); its defaults are unknown", name, exc)
             return {}
-        return config.get("config", {})
+        return config_defaults(config.get("config", {}).get("parameters", {}))
 
     async def model(self, name: str, kinds: tuple[str, ...], endpoint: str) -> ModelInfo:
         """The named model, which must be ready and of one of ``kinds``: 404 unknown, 400 wrong kind."""
