@@ -13,7 +13,6 @@ from __future__ import annotations
 import copy
 import json
 from collections.abc import Callable
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -31,14 +30,17 @@ from triton_diffusion.adapters.batched_schedulers import (
 )
 from triton_diffusion.adapters.latent_steps import LatentJob, LatentStepAdapter
 from triton_diffusion.engine.jobs import Job
+from triton_diffusion.serving.server_process import WEIGHTS
+from triton_diffusion.tiny_models import build_missing
 
-WEIGHTS = Path(__file__).resolve().parents[2] / "weights"
 SHAPE = (4, 8, 8)
 # (steps, joins at engine step): rows at their first and last steps share calls with rows mid-way.
 PLAN = [(4, 0), (8, 1), (16, 0), (25, 3), (1, 2), (2, 5), (8, 6), (15, 4)]
 
 
 def weights_config(name: str) -> dict[str, Any]:
+    """The tiny model's own scheduler config (built first on a fresh machine: the suite builds them all)."""
+    build_missing(WEIGHTS, only=[name])
     config = json.loads((WEIGHTS / name / "scheduler" / "scheduler_config.json").read_text())
     return {k: v for k, v in config.items() if not k.startswith("_")}
 
