@@ -363,6 +363,10 @@ class EngineHost:
     # ---- the engine thread: reports into work for the response thread --------------------------------
     def render(self, report: StepReport) -> None:
         names, submit = self.names, self.responses.submit
+        # Metrics go on the response thread's queue before the answers: a client that reads /metrics
+        # after its answer sees the work that answered it.
+        if report.forwards or report.calls or report.cuts or report.stepped:
+            submit(None, lambda: self._record_metrics(report))
         for job in report.admitted:
             summary = getattr(job.params, "summary", None) or f"{job.total_steps} steps"
             log.info(
@@ -391,8 +395,6 @@ class EngineHost:
                 job.most_shared,
                 f": {left.error.message}" if left.error is not None else "",
             )
-        if report.forwards or report.calls or report.cuts or report.stepped:
-            submit(None, lambda: self._record_metrics(report))
 
     def _progress_in_call(self, report: StepReport) -> None:
         """A denoising step inside a fused call (request-level engine): progress, and a heartbeat."""
