@@ -85,15 +85,28 @@ TRAITS: Mapping[str, PipelineTraits] = {
     "StableDiffusion3Img2ImgPipeline": _NONE_IS_EMPTY,
     "FluxPipeline": PipelineTraits(packed_latents=True, guidance_embedded=True, **_FLUX_STEP),
     "FluxImg2ImgPipeline": PipelineTraits(packed_latents=True, guidance_embedded=True, **_FLUX_STEP),
-    "QwenImagePipeline": _PACKED,
+    "QwenImagePipeline": PipelineTraits(
+        packed_latents=True,
+        guidance_embedded=True,
+        step_adapter="qwen_image",
+        text_pipeline="QwenImagePipeline",
+    ),
     "QwenImageImg2ImgPipeline": _PACKED,
-    "SanaPipeline": _NONE_IS_EMPTY,
-    "PixArtSigmaPipeline": _NONE_IS_EMPTY,
+    "SanaPipeline": PipelineTraits(
+        negative_prompt_none_is_empty=True, step_adapter="dit", text_pipeline="SanaPipeline"
+    ),
+    "PixArtSigmaPipeline": PipelineTraits(
+        negative_prompt_none_is_empty=True, step_adapter="dit", text_pipeline="PixArtSigmaPipeline"
+    ),
     "PixArtAlphaPipeline": _NONE_IS_EMPTY,
     "AuraFlowPipeline": _NONE_IS_EMPTY,
     "Lumina2Pipeline": _NONE_IS_EMPTY,
-    "ZImagePipeline": _NONE_IS_EMPTY,
-    "WanPipeline": _NONE_IS_EMPTY,
+    "ZImagePipeline": PipelineTraits(
+        negative_prompt_none_is_empty=True, step_adapter="z_image", text_pipeline="ZImagePipeline"
+    ),
+    "WanPipeline": PipelineTraits(
+        negative_prompt_none_is_empty=True, step_adapter="wan", text_pipeline="WanPipeline"
+    ),
 }
 
 
@@ -160,7 +173,9 @@ def _size_multiple(pipe: Any, traits: PipelineTraits) -> int:
     transformer = getattr(pipe, "transformer", None)
     if transformer is None:
         return factor
-    patch = getattr(transformer.config, "patch_size", 1) or 1
+    config = transformer.config
+    # Z-Image lists its patch sizes as all_patch_size (its pipeline requires twice the VAE factor).
+    patch = getattr(config, "patch_size", None) or (getattr(config, "all_patch_size", None) or [1])[0]
     patch = patch[-1] if isinstance(patch, (list, tuple)) else patch  # video: (t, h, w)
     return factor * int(patch)
 

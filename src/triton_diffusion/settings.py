@@ -97,6 +97,16 @@ class ModelConfig:
     resize_buckets: str | None = _parameter(
         None, "WIDTHxHEIGHT,...: snap each source to the nearest size by aspect ratio", (IMAGE_SOURCE,)
     )
+    # ---- LoRA adapters (text_to_image, image_to_image) -----------------------------------------------
+    loras: str | None = _parameter(
+        None,
+        'LoRA adapters a request may name in its lora field, JSON {"name": "path"}: each path (relative to '
+        "the model's folder) a .safetensors file or a folder holding one (diffusers' save_lora_weights, "
+        "kohya); all loaded at model load, unmerged",
+        (IMAGE_SOURCE,),
+    )
+    max_lora_scale: float = _parameter(2.0, "largest |scale| a request may give an adapter", (IMAGE_SOURCE,))
+    max_loras_per_request: int = _parameter(4, "most adapters one request may name", (IMAGE_SOURCE,))
     # ---- the engine -------------------------------------------------------------------------------
     engine: str = _parameter(
         "auto",

@@ -13,6 +13,10 @@ STEP_SLOW = '{\\"step_delay_ms\\": 60}'
 # forward that fails while a prompt contains __explode__.
 DLLM_FAULTS = '{\\"step_delay_ms\\": 25, \\"fail_on_prompt\\": \\"__explode__\\"}'
 
+# The tiny SD adapters (tiny_models/lora.py) the LoRA models serve, by adapter name.
+LORA_WEIGHTS = {"ink": "tiny-sd-lora-ink", "neon": "tiny-sd-lora-neon"}
+LORAS = "{" + ", ".join(f'\\"{n}\\": \\"{WEIGHTS / w}\\"' for n, w in LORA_WEIGHTS.items()) + "}"
+
 # These models run the request-level engine (one fused diffusers call per compatible group): the tests
 # of fusing, keys, bisection, OOM splits and compaction are about it. The step engine has its own models
 # below and its own tests (test_step_engine.py).
@@ -32,6 +36,7 @@ STEP_MODELS = {
 @pytest.fixture(scope="session")
 def server(tmp_path_factory):
     build_missing(WEIGHTS)
+    build_missing(WEIGHTS, only=list(LORA_WEIGHTS.values()))
     repo = tmp_path_factory.mktemp("model_repository")
     for name, spec in FAMILIES.items():
         copy_model(spec["source"], repo, name, {"model": str(WEIGHTS / spec["weights"]), **REQUEST_LEVEL})
@@ -70,6 +75,12 @@ def server(tmp_path_factory):
     set_batching(repo, "image_to_image", QUEUE_DELAY_US)
     copy_model("text_to_video", repo, "text_to_video", {"model": str(WEIGHTS / "tiny-wan")})
     set_batching(repo, "text_to_video", QUEUE_DELAY_US)
+    # LoRA adapters per request: the step engine (rows with different adapters share forwards) and the
+    # request-level engine (the adapters are part of the compatibility key).
+    loras = {"model": str(WEIGHTS / "tiny-sd"), "loras": LORAS}
+    copy_model("text_to_image", repo, "sd_lora", loras)
+    copy_model("text_to_image", repo, "sd_lora_request", {**loras, **REQUEST_LEVEL})
+    set_batching(repo, "sd_lora_request", QUEUE_DELAY_US)
     # float64, so the tests can compare the served tokens with the one-request reference run here.
     copy_model(
         "diffusion_lm", repo, "diffusion_lm", {"model": str(WEIGHTS / "tiny-dllm"), "dtype": "float64"}
@@ -92,6 +103,8 @@ def server(tmp_path_factory):
         *STEP_MODELS,
         *(f"{name}_slow" for name in STEP_MODELS),
         "sd_step_faults",
+        "sd_lora",
+        "sd_lora_request",
     ]
     running = start_server(repo, log_path, models)
     yield running

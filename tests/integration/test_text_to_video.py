@@ -1,4 +1,5 @@
-"""Text-to-video on the real server: batch invariance on raw frames, MP4 output, frames in the key."""
+"""Text-to-video on the real server (the step engine: Wan has a step adapter): batch invariance on raw
+frames, MP4 output, frames in the shape group, progress with previews."""
 
 import base64
 import io
@@ -8,14 +9,16 @@ import av
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+from PIL import Image
 
 from .test_image_to_image import run_concurrently
 
 MODEL = "text_to_video"
 
 
-def send(server, requests):
-    """requests: dicts of fields (prompt included); returns (error, outputs) for each, concurrently."""
+def send(server, requests, partials=None):
+    """requests: dicts of fields (prompt included); returns (error, outputs) for each, concurrently.
+    ``partials``: a list that receives the progress responses' outputs (STEP, TOTAL_STEPS, PREVIEW)."""
 
     def one(request):
         fields = dict(request)
@@ -28,6 +31,9 @@ def send(server, requests):
         client.stop_stream()
         client.close()
         result, error = results[-1]
+        for partial, _ in results[:-1]:
+            if partials is not None and partial is not None:
+                partials.append({name: partial.as_numpy(name) for name in ("STEP", "TOTAL_STEPS", "PREVIEW")})
         if error is not None:
             return str(error), None
         outputs = {name: result.as_numpy(name) for name in ("VIDEO", "FRAMES", "SEED", "BATCH")}
@@ -45,7 +51,9 @@ def test_batch_invariance_on_raw_frames(server):
     batch = send(server, [others[0], target, *others[1:]])
     assert all(e is None for e, _ in batch), batch
     among = batch[1][1]
-    assert alone["BATCH"]["fused_calls"][0]["rows"] == 1 and among["BATCH"]["fused_calls"][0]["rows"] == 4
+    assert alone["BATCH"]["engine"] == among["BATCH"]["engine"] == "step"
+    assert alone["BATCH"]["most_rows_shared"] == 1 and among["BATCH"]["most_rows_shared"] >= 2
+    assert alone["BATCH"]["forwards"] == among["BATCH"]["forwards"] == 3  # the configured default steps
     assert alone["FRAMES"].shape == (1, 1, 9, 64, 64, 3) and alone["FRAMES"].dtype == np.uint8
     assert np.abs(alone["FRAMES"].astype(int) - among["FRAMES"].astype(int)).max() <= 1
 
@@ -71,14 +79,13 @@ def test_frame_counts_are_in_the_key(server):
             for i in range(4)
         ],
     )
-    calls = {}
     for error, out in results:
         assert error is None, error
         frames = out["FRAMES"].shape[2]
-        assert out["BATCH"]["key"]["num_frames"] == frames
-        for call in out["BATCH"]["fused_calls"]:
-            calls.setdefault(call["id"], set()).add(frames)
-    assert len(calls) == 2 and all(len(counts) == 1 for counts in calls.values())
+        assert out["BATCH"]["key"] == {"height": 64, "width": 64, "num_frames": frames}
+        # Two videos of each frame count: a forward never holds videos of the other count.
+        assert out["BATCH"]["most_rows_shared"] <= 2
+    assert max(out["BATCH"]["most_rows_shared"] for _, out in results) == 2
 
 
 @pytest.mark.parametrize(
@@ -106,11 +113,25 @@ def test_fps_is_applied_after_the_split_and_base64_is_honoured(server):
     )
     (error_a, a), (error_b, b) = results
     assert error_a is None and error_b is None, results
-    # Different frame rates share one fused call: fps only sets the MP4's rate.
-    assert a["BATCH"]["fused_calls"][0]["id"] == b["BATCH"]["fused_calls"][0]["id"]
+    # Different frame rates share forwards: fps only sets the MP4's rate.
+    assert a["BATCH"]["most_rows_shared"] == b["BATCH"]["most_rows_shared"] == 2
     assert "fps" not in a["BATCH"]["key"]
     encoded = bytes(a["VIDEO"].reshape(-1)[0])
     assert not encoded.startswith(b"\x00\x00\x00") and encoded[:4] != bytes(b["VIDEO"].reshape(-1)[0])[:4]
     for data, rate in ((base64.b64decode(encoded, validate=True), 8), (bytes(b["VIDEO"].reshape(-1)[0]), 24)):
         with av.open(io.BytesIO(data)) as container:
             assert container.streams.video[0].average_rate == rate
+
+
+def test_progress_and_a_preview_of_the_middle_frame_every_step(server):
+    partials = []
+    ((error, out),) = send(
+        server,
+        [{"prompt": "progress", "seed": 5, "num_inference_steps": 4, "progress": True, "preview_every": 1}],
+        partials,
+    )
+    assert error is None, error
+    assert [int(p["STEP"].reshape(-1)[0]) for p in partials] == [1, 2, 3, 4]
+    assert {int(p["TOTAL_STEPS"].reshape(-1)[0]) for p in partials} == {4}
+    previews = [Image.open(io.BytesIO(bytes(p["PREVIEW"].reshape(-1)[0]))) for p in partials]
+    assert all(preview.format == "PNG" and preview.size == (8, 8) for preview in previews)  # latent size

@@ -29,6 +29,7 @@ the model and decode (stable_diffusion.py: SD 1.x/2.x and SDXL; flow_matching.py
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import logging
@@ -49,6 +50,7 @@ from triton_diffusion.adapters.batched_schedulers import (
     scale_model_inputs,
 )
 from triton_diffusion.adapters.diffusers_pipeline import counterpart_pipeline, row_generator
+from triton_diffusion.adapters.lora import NO_LORA, LoraBank, LoraSet
 from triton_diffusion.engine.failures import Failure
 from triton_diffusion.engine.jobs import Job
 from triton_diffusion.families import PipelineFacts
@@ -75,10 +77,19 @@ class ImageRequest:
     image: Any = None
     strength: float | None = None
     mask_image: Any = None
+    lora: LoraSet = NO_LORA  # the row's LoRA adapters and scales (adapters/lora.py)
+    # A video job's frame count (text_to_video); None for an image.
+    num_frames: int | None = None
 
     @property
     def size(self) -> tuple[int, int]:
         return self.height, self.width
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The job's shape group: rows share a forward only with rows of one latent shape, so a video's
+        frame count is part of it."""
+        return self.size if self.num_frames is None else (*self.size, self.num_frames)
 
     @property
     def start(self) -> str:
@@ -91,6 +102,8 @@ class ImageRequest:
     def summary(self) -> str:
         """For the admission log line."""
         size = f"{self.width}x{self.height}"
+        if self.num_frames is not None:
+            size += f", {self.num_frames} frames"
         start = "" if self.image is None else f", from an image ({self.start}, strength {self.strength})"
         return f"{size}, {self.steps} steps, {self.scheduler}, guidance {self.guidance_scale}{start}"
 
@@ -131,6 +144,8 @@ class LatentStepAdapter:
     """The loop body shared by every latent diffusion family. Subclasses fill in the hooks."""
 
     scales_model_input = False  # UNet schedulers scale the input per step; flow matching does not
+    # The model's LoRA adapters (set by the model after loading them): each row's own in every forward.
+    loras: LoraBank | None = None
 
     def __init__(self, pipe: Any, facts: PipelineFacts, schedulers: Any, max_sequence_length: int | None):
         traits = facts.traits
@@ -248,10 +263,38 @@ class LatentStepAdapter:
         """[C, h, w] of one job's latents for a preview."""
         return latents[0]
 
+    # ---- LoRA adapters per row ---------------------------------------------------------------------------
+    def adapted_rows(self, adapters: list[LoraSet]) -> contextlib.AbstractContextManager:
+        """Around a forward whose model rows have these adapters (none: the base model)."""
+        if self.loras is None:
+            return contextlib.nullcontext()
+        return self.loras.rows(adapters, self.to_device)
+
+    @staticmethod
+    def distinct_adapters(jobs: list[Job]) -> int:
+        """LoRA adapters among the jobs of a forward (the engine's per-forward metric)."""
+        return len({name for job in jobs for name, _ in job.params.lora})
+
+    def encode_with_loras(self, requests: list[ImageRequest]) -> list[Conditioning]:
+        """``encode``, once per distinct adapter set where the text encoders carry adapters (the pipeline
+        encodes the prompt and the negative prompt with the adapted encoder), else in one call."""
+        if self.loras is None or not self.loras.text_encoder_layers:
+            return self.encode(requests)
+        by_set: dict[LoraSet, list[int]] = {}
+        for i, request in enumerate(requests):
+            by_set.setdefault(request.lora, []).append(i)
+        conditioning: list[Conditioning | None] = [None] * len(requests)
+        for adapters, indices in by_set.items():
+            with self.loras.uniform(adapters):
+                for i, encoded in zip(indices, self.encode([requests[i] for i in indices]), strict=True):
+                    conditioning[i] = encoded
+        return conditioning  # type: ignore[return-value]
+
     # ---- the step adapter -------------------------------------------------------------------------------
+    @torch.no_grad()  # text encoders and the VAE encoder: nothing here is differentiated
     def prepare(self, jobs: list[Job]) -> None:
         requests: list[ImageRequest] = [job.params for job in jobs]
-        conditioning = self.encode(requests)
+        conditioning = self.encode_with_loras(requests)
         # One generator per row: it draws the row's noise, then (stochastic samplers) its step noise.
         generators = [row_generator(r.seed, r.image_index) for r in requests]
         schedulers, timesteps = [], []
@@ -267,9 +310,9 @@ class LatentStepAdapter:
             schedulers.append(scheduler)
             timesteps.append(job_timesteps)
         starts: dict[int, tuple[torch.Tensor, InpaintSource | None]] = {}  # each job's latents
-        by_size: dict[tuple[int, int], list[int]] = {}
+        by_size: dict[tuple[int, ...], list[int]] = {}
         for i, request in enumerate(requests):
-            by_size.setdefault(request.size, []).append(i)
+            by_size.setdefault(request.shape, []).append(i)
         for indices in by_size.values():
             from_text = [i for i in indices if requests[i].image is None]
             from_image = [i for i in indices if requests[i].image is not None]
@@ -291,7 +334,7 @@ class LatentStepAdapter:
         for i, (job, request, scheduler) in enumerate(zip(jobs, requests, schedulers, strict=True)):
             latents, inpaint = starts[i]
             guided = self.uses_guidance(request) and conditioning[i].unconditional is not None
-            job.group, job.total_steps = request.size, len(timesteps[i])
+            job.group, job.total_steps = request.shape, len(timesteps[i])
             job.state = LatentJob(
                 latents=latents,
                 scheduler=scheduler,
@@ -364,8 +407,8 @@ class LatentStepAdapter:
             schedulers = [state.scheduler for state in states]
             scaled = scale_model_inputs(schedulers, torch.cat(inputs_of), job_timesteps)
             inputs_of = [scaled[j : j + 1] for j in range(len(jobs))]
-        latent_rows, timesteps, conditioning = [], [], []
-        for state, x, t in zip(states, inputs_of, job_timesteps, strict=True):
+        latent_rows, timesteps, conditioning, adapters = [], [], [], []
+        for job, state, x, t in zip(jobs, states, inputs_of, job_timesteps, strict=True):
             branches = [state.conditional]
             if state.unconditional is not None:
                 branches = [state.unconditional, state.conditional]
@@ -373,9 +416,10 @@ class LatentStepAdapter:
                 latent_rows.append(x)
                 timesteps.append(t)
                 conditioning.append({**branch, **state.extra})
+                adapters.append(job.params.lora)  # both CFG rows: the pipeline adapts both halves
         inputs = {name: torch.cat([c[name] for c in conditioning]) for name in conditioning[0]}
         size = jobs[0].params.size  # one shape group per forward
-        with torch.inference_mode():
+        with torch.inference_mode(), self.adapted_rows(adapters):
             predictions = self.predict(torch.cat(latent_rows), self.timestep_rows(timesteps), inputs, size)
         # The forward succeeded: only now does any job's state change.
         noise = self._guided_noise(states, predictions)

@@ -4,15 +4,23 @@ from __future__ import annotations
 
 from typing import Any
 
+from triton_diffusion.adapters.dit import DiTAdapter
 from triton_diffusion.adapters.flow_matching import FluxAdapter, StableDiffusion3Adapter
 from triton_diffusion.adapters.latent_steps import LatentStepAdapter
+from triton_diffusion.adapters.qwen_image import QwenImageAdapter
 from triton_diffusion.adapters.stable_diffusion import StableDiffusionAdapter
+from triton_diffusion.adapters.wan import WanAdapter
+from triton_diffusion.adapters.z_image import ZImageAdapter
 from triton_diffusion.families import PipelineFacts
 
 STEP_ADAPTERS: dict[str, type[LatentStepAdapter]] = {
     "stable_diffusion": StableDiffusionAdapter,
     "flux": FluxAdapter,
     "sd3": StableDiffusion3Adapter,
+    "dit": DiTAdapter,
+    "qwen_image": QwenImageAdapter,
+    "z_image": ZImageAdapter,
+    "wan": WanAdapter,
 }
 
 

@@ -261,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--negative", dest="negative_prompt")
     parser.add_argument("-n", "--images", type=int, dest="num_images_per_prompt")
     parser.add_argument("--format", dest="output_format", choices=["png", "jpeg", "webp"])
+    parser.add_argument("--lora", help="LoRA adapters of the model's loras: name or name:scale,...")
     parser.add_argument(
         "--param",
         action="append",
@@ -287,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         "negative_prompt",
         "num_images_per_prompt",
         "output_format",
+        "lora",
     )
     fields = {name: getattr(args, name) for name in named if getattr(args, name) is not None}
     for item in args.param:

@@ -87,6 +87,7 @@ class Forward:
     images: int
     model_rows: int  # images plus their unconditional rows
     seconds: float
+    adapters: int = 0  # distinct LoRA adapters among its rows
 
 
 @dataclass

@@ -222,7 +222,8 @@ class StepEngine:
         finished = [job for job in done if job in self.running]
         for job in finished:
             self.running.remove(job)
-        self.report.forwards.append(Forward(len(batch), model_rows, time.perf_counter() - started))
+        adapters = self.adapter.distinct_adapters(batch) if hasattr(self.adapter, "distinct_adapters") else 0
+        self.report.forwards.append(Forward(len(batch), model_rows, time.perf_counter() - started, adapters))
         if finished:
             self.in_flight = finished
             self._finish(finished)

@@ -12,6 +12,7 @@ Pillow while the request is parsed, so the resolved size is known before the eng
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import replace
 from typing import Any
@@ -26,6 +27,14 @@ from triton_diffusion.adapters.diffusers_pipeline import (
     row_generator,
 )
 from triton_diffusion.adapters.latent_steps import ImageRequest
+from triton_diffusion.adapters.lora import (
+    LoraLimits,
+    load_loras,
+    lora_set,
+    lora_text,
+    parse_lora,
+    parse_lora_paths,
+)
 from triton_diffusion.adapters.step_adapters import step_adapter_for
 from triton_diffusion.codecs.image import IMAGE_FORMATS, OUTPUT_ENCODINGS, decode_image, encode_image
 from triton_diffusion.compatibility import CompatibilityKey
@@ -92,6 +101,13 @@ TEXT_TO_IMAGE_FIELDS = FieldSet(
             choices=OUTPUT_ENCODINGS,
             doc="base64 keeps the image intact in HTTP generate's JSON",
         ),
+        Field(
+            "lora",
+            str,
+            None,
+            max_length=512,
+            doc="LoRA adapters from the model's loras: name or name:scale, comma-separated (ink:0.8,neon)",
+        ),
         *PROGRESS_FIELDS,
         *SOURCE_IMAGE_FIELDS,  # served where the step adapter can start a job from an image
     ]
@@ -138,7 +154,12 @@ class TextToImageModel(DiffusionModel):
         self.call_extras: dict[str, Any] = {}
         if facts.accepts("max_sequence_length") and config.max_sequence_length:
             self.call_extras["max_sequence_length"] = config.max_sequence_length
+        paths = parse_lora_paths(config.loras, settings.name)
+        self.loras = load_loras(self.pipe, settings.model_dir, paths, settings.name)
+        self.lora_limits = LoraLimits(tuple(paths), config.max_lora_scale, config.max_loras_per_request)
         adapter = self.choose_step_adapter(settings)
+        if adapter is not None:
+            adapter.loras = self.loras
 
         fields = self.FIELDS
         if facts.traits.negative_prompt_none_is_empty:
@@ -149,6 +170,8 @@ class TextToImageModel(DiffusionModel):
         self.has_legacy_callback = facts.accepts("callback") and facts.accepts("callback_steps")
         unsupported = [name for name in self.OPTIONAL_CALL_FIELDS if not self.uses(name)]
         unsupported += self.load_sources(config, adapter)
+        if self.loras is None:
+            unsupported.append("lora")
         if not (self.has_step_callback or self.has_legacy_callback):
             unsupported += [f.name for f in PROGRESS_FIELDS]
         self.compacting_schedulers = facts.traits.compaction_schedulers
@@ -238,7 +261,10 @@ class TextToImageModel(DiffusionModel):
 
     def resolve(self, values: dict[str, Any]) -> dict[str, Any]:
         """Decode the source image (and mask), fill in the strength of its start and check it, and fix
-        the output size: both images are resized to it here, so the engine sees one size per job."""
+        the output size: both images are resized to it here, so the engine sees one size per job. The
+        ``lora`` field becomes its canonical text (part of the compatibility key)."""
+        if values.get("lora") is not None:
+            values = {**values, "lora": lora_text(parse_lora(values["lora"], self.lora_limits)) or None}
         if values.get("image") is None:
             return values
         image = self.decode_source(values["image"], "image")
@@ -318,6 +344,7 @@ class TextToImageModel(DiffusionModel):
             image=values.get("image"),
             strength=values.get("strength") if values.get("image") is not None else None,
             mask_image=values.get("mask_image"),
+            lora=lora_set(values.get("lora")),
         )
 
     def call_arguments(self, shared: dict[str, Any], rows: list[RowInput]) -> dict[str, Any]:
@@ -352,7 +379,8 @@ class TextToImageModel(DiffusionModel):
             kwargs["callback"] = self._legacy_callback(steps, shared)
             kwargs["callback_steps"] = 1
         self.pipe.scheduler = self.schedulers[shared["scheduler"]]
-        with torch.inference_mode():
+        adapters = lora_set(shared.get("lora"))  # part of the key: one adapter set per fused call
+        with torch.inference_mode(), self.loras.uniform(adapters) if self.loras else contextlib.nullcontext():
             images = list(getattr(self.pipe(**kwargs), self.OUTPUT_ATTRIBUTE))
         return steps.scatter(images)
 

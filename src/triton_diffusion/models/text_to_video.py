@@ -1,17 +1,21 @@
 """Text-to-video through the same batching core: Wan-style pipelines that return ``.frames``.
 
-``num_frames`` is part of the compatibility key; ``fps`` only sets the MP4's frame rate, after the split.
-Each video is one row with its own generator; the response carries an MP4 (PyAV) per video, or raw
-uint8 frames on request.
+With a step adapter for the pipeline (Wan 2.1: adapters/wan.py) each video is one job of the step engine,
+joining running videos of its size and frame count at the next step; otherwise one fused pipeline call per
+compatible group. ``num_frames`` is part of the key (the shape group); ``fps`` only sets the MP4's frame
+rate, after the split. Each video is one row with its own generator; the response carries an MP4 (PyAV)
+per video, or raw uint8 frames on request.
 """
 
 from __future__ import annotations
 
 import base64
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
+from triton_diffusion.adapters.latent_steps import ImageRequest
 from triton_diffusion.codecs.video import available_codec, encode_mp4, to_uint8
 from triton_diffusion.compatibility import CompatibilityKey
 from triton_diffusion.engine.jobs import Job
@@ -100,6 +104,10 @@ class TextToVideoModel(TextToImageModel):
 
     def images_for(self, values: dict[str, Any]) -> int:
         return values["num_videos_per_prompt"]
+
+    def step_request(self, values: dict[str, Any], image_index: int) -> ImageRequest:
+        # The frame count is part of the job's shape group; the adapter answers uint8 frames, as run_call.
+        return replace(super().step_request(values, image_index), num_frames=values["num_frames"])
 
     def call_arguments(self, shared: dict[str, Any], rows: list[RowInput]) -> dict[str, Any]:
         kwargs = super().call_arguments(shared, rows)

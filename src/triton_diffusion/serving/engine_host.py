@@ -292,8 +292,9 @@ class EngineHost:
             limits = EngineLimits(
                 max_running=config.max_running or default_running,
                 max_per_forward=caps.max_rows,
+                # An image's group is (height, width), a video's (height, width, frames): caps are by size.
                 cap_for=lambda group: (
-                    caps.cap_for_size(*group)[0] if isinstance(group, tuple) else caps.max_rows
+                    caps.cap_for_size(*group[:2])[0] if isinstance(group, tuple) else caps.max_rows
                 ),
                 cancel_poll_s=config.cancel_poll_ms / 1000,
             )
@@ -453,6 +454,8 @@ class EngineHost:
                 metrics.observe(names.forward_images_legacy, forward.images)
             metrics.observe(names.forward_model_rows, forward.model_rows)
             metrics.observe(names.step_seconds, forward.seconds)
+            if names.forward_adapters and forward.adapters:
+                metrics.observe(names.forward_adapters, forward.adapters)
             if names.forwards_total:
                 metrics.increment(names.forwards_total)
         for call in report.calls:

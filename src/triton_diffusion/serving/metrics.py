@@ -44,6 +44,10 @@ FAMILIES = {
         "Deprecated, same as triton_diffusion_forward_images (it always counted images)",
     ),
     "triton_diffusion_step_seconds": ("HISTOGRAM", "Step engine: time per forward and scheduler steps"),
+    "triton_diffusion_forward_adapters": (
+        "HISTOGRAM",
+        "Step engine: distinct LoRA adapters per forward (forwards with adapters only)",
+    ),
     "triton_diffusion_admission_wait_seconds": (
         "HISTOGRAM",
         "Per request: time execute() waited for room in the engine (running set and waiting room)",
@@ -85,6 +89,7 @@ class MetricNames:
     forward_images: str | None = None
     forward_images_legacy: str | None = None
     forwards_total: str | None = None
+    forward_adapters: str | None = None
 
 
 IMAGE_METRICS = MetricNames(
@@ -97,6 +102,7 @@ IMAGE_METRICS = MetricNames(
     cancelled="triton_diffusion_rows_cancelled_total",
     forward_images="triton_diffusion_forward_images",
     forward_images_legacy="triton_diffusion_forward_rows",
+    forward_adapters="triton_diffusion_forward_adapters",
 )
 DIFFUSION_LM_METRICS = MetricNames(
     first_step="triton_diffusion_lm_first_block_seconds",

@@ -286,8 +286,11 @@ class DiffusionModel(TritonModel):
         self, record: RequestRecord, outputs: list[Any], batch: dict[str, Any]
     ) -> dict[str, Any]:
         parsed: ParsedRequest = record.parsed
-        if batch.get("engine") == "step":  # one shape group per forward: the size is its key
-            key = {"height": parsed.values["height"], "width": parsed.values["width"]}
+        if batch.get("engine") == "step":  # one shape group per forward: the shape is its key
+            shape = ("height", "width", "num_frames")
+            key = {name: parsed.values[name] for name in shape if name in parsed.values}
+            if parsed.values.get("lora"):  # the adapters and scales this request's rows had
+                key["lora"] = parsed.values["lora"]
         else:
             key = parsed.key.as_dict()
         return {

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from triton_diffusion.tiny_models.diffusion_lm import build_tiny_dllm
 from triton_diffusion.tiny_models.flux import build_tiny_flux
+from triton_diffusion.tiny_models.lora import build_tiny_lora
 from triton_diffusion.tiny_models.pixart_sigma import build_tiny_pixart_sigma
 from triton_diffusion.tiny_models.qwen_image import build_tiny_qwen_image
 from triton_diffusion.tiny_models.sana import build_tiny_sana
@@ -39,11 +40,20 @@ ARCHITECTURES: dict[str, Callable[[Path], None]] = {
     "tiny-pixart-sigma": build_tiny_pixart_sigma,
     "tiny-z-image": build_tiny_z_image,
 }
+# Tiny LoRA adapters (tiny_models/lora.py), two per family that takes adapters: <family>-lora-<name>.
+LORA_SEEDS = {"ink": 1, "neon": 2}
+for _family in ("tiny-sd", "tiny-sdxl", "tiny-flux"):
+    for _name, _seed in LORA_SEEDS.items():
+        ARCHITECTURES[f"{_family}-lora-{_name}"] = lambda target, family=_family, seed=_seed: build_tiny_lora(
+            target.parent / family, target, seed
+        )
 TINY_DEFAULTS = ["tiny-sd", "tiny-flux", "tiny-wan", "tiny-dllm"]
 # The tiny families the family-matrix test serves (built on first use, then cached in weights/).
 TINY_FAMILIES = ["tiny-sdxl", "tiny-sd3", "tiny-qwen-image", "tiny-sana", "tiny-pixart-sigma", "tiny-z-image"]
-# Bump when a builder changes: folders built by an older version are rebuilt.
+# Bump when a builder changes: folders built by an older version are rebuilt. One builder that changed
+# alone gets its own version here, so only its folder is rebuilt.
 BUILD_VERSION = "2"
+BUILDER_VERSIONS = {"tiny-wan": "3"}  # 3: a VAE without one-channel layers
 STAMP = ".triton-diffusion-build"
 
 
@@ -56,12 +66,13 @@ def build_missing(
     for name in only or TINY_DEFAULTS:
         target = weights_dir / name
         stamp = target / STAMP
-        current = stamp.is_file() and stamp.read_text().strip() == BUILD_VERSION
+        version = BUILDER_VERSIONS.get(name, BUILD_VERSION)
+        current = stamp.is_file() and stamp.read_text().strip() == version
         if force or not current:
             if target.exists():
                 shutil.rmtree(target)
             ARCHITECTURES[name](target)
-            stamp.write_text(BUILD_VERSION + "\n")
+            stamp.write_text(version + "\n")
             built.append(target)
     return built
 

@@ -24,9 +24,11 @@ def build_tiny_wan(target: Path) -> None:
     torch.manual_seed(0)
     tokenizer = t5_tokenizer()
     text_encoder = UMT5EncoderModel(UMT5Config(vocab_size=len(tokenizer), **TINY_T5_ENCODER))
-    # Spatial factor 8 and temporal factor 4, like the real Wan VAE: frames must be 4k+1.
+    # Spatial factor 8 and temporal factor 4, like the real Wan VAE: frames must be 4k+1. The decoder halves
+    # the channels of its upsampling blocks and RMS-normalises them: from 8 channels they keep 4 (from 3 they
+    # kept 1, where the norm is sign(x) and a rounding-level change of the latents flips whole pixels).
     autoencoder = AutoencoderKLWan(
-        base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
+        base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
     )
     transformer = WanTransformer3DModel(
         patch_size=(1, 2, 2),

@@ -1,0 +1,187 @@
+"""Per-request LoRA on the step engine: rows with different adapters in one forward, against no adapters and
+against one batch per adapter (what vLLM-Omni does: "different LoRA adapters or scales in separate batches").
+
+In one process, over the served code (TextToImageModel.load with a ``loras`` config, the step adapter, the
+step engine), ``--rows`` (8) requests at once, each ``--steps`` denoising steps:
+
+  none        the model loaded without adapters (the base model)
+  unused      the model with every adapter loaded, no request naming one (the wrapped layers' own cost)
+  mixed-k     one batch: request i uses adapter i mod k (k distinct adapters in every forward)
+  split-k     the same requests as k batches, one per adapter, run one after another
+
+Figures: images/s (all rows done, text encoding and decode included) and time per engine step, medians
+of --repeats runs after one warm-up, and the ratios the issue sets targets for (mixed-4 / none >= 0.8,
+mixed-4 / split-4 >= 1.5). Adapters are built here (tiny_models/lora.py: rank --rank on the denoiser's
+attention projections to_q/to_k/to_v/to_out.0) into weights/bench-loras/.
+
+    .venv/bin/python scripts/bench_lora.py                      # tiny SD, CPU
+    .venv/bin/python scripts/bench_lora.py --arch sd15 --height 512 --width 512 --rank 16   # a GPU, bf16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_common import PROMPTS, REPO_ROOT, machine_description  # noqa: E402
+
+from triton_diffusion.engine.jobs import Job, StepReport  # noqa: E402
+from triton_diffusion.engine.requests import TrackedRequest  # noqa: E402
+from triton_diffusion.engine.step_engine import EngineLimits, StepEngine  # noqa: E402
+from triton_diffusion.models.text_to_image import TextToImageModel  # noqa: E402
+from triton_diffusion.serving.server_process import WEIGHTS  # noqa: E402
+from triton_diffusion.settings import ModelConfig, ModelSettings  # noqa: E402
+from triton_diffusion.tiny_models import build_missing  # noqa: E402
+from triton_diffusion.tiny_models.lora import build_tiny_lora  # noqa: E402
+
+ADAPTERS = 8
+
+
+class Quiet:
+    """No Triton here: nothing is sent, nothing is cancelled."""
+
+    def send_partial(self, outputs):
+        pass
+
+    def send_final(self, outputs):
+        pass
+
+    def send_error(self, error):
+        raise RuntimeError(error)
+
+    def is_cancelled(self):
+        return False
+
+
+def build_adapters(arch: str, rank: int) -> dict[str, str]:
+    paths = {}
+    for i in range(ADAPTERS):
+        target = WEIGHTS / "bench-loras" / f"{arch}-r{rank}-{i}"
+        if not (target / "pytorch_lora_weights.safetensors").is_file():
+            build_tiny_lora(WEIGHTS / arch, target, seed=100 + i, rank=rank, text_encoders=False)
+        paths[f"a{i}"] = str(target)
+    return paths
+
+
+def load_model(
+    arch: str, loras: dict[str, str] | None, cap: int, device: str, dtype: str
+) -> TextToImageModel:
+    config = ModelConfig(model=str(WEIGHTS / arch), dtype=dtype, loras=json.dumps(loras) if loras else None)
+    kind = "GPU" if device.startswith("cuda") else "CPU"
+    model = TextToImageModel()
+    model.fields, model.adapter = model.load(ModelSettings(arch, WEIGHTS, config, {}, cap, kind, 0))
+    return model
+
+
+def run_batch(model: TextToImageModel, args, adapters: list[str | None]) -> tuple[float, int]:
+    """The requests through one step engine until all are done: (seconds, forwards)."""
+    engine = StepEngine(model.adapter, EngineLimits(args.rows, args.rows))
+    for i, lora in enumerate(adapters):
+        values = model.fields.parse(
+            {
+                "prompt": PROMPTS[i % len(PROMPTS)],
+                "seed": i,
+                "height": args.height,
+                "width": args.width,
+                "num_inference_steps": args.steps,
+                "guidance_scale": 7.5,
+            }
+        )
+        values["lora"] = lora  # the canonical text parse would give (names are the config's)
+        engine.add(Job(TrackedRequest(str(i), Quiet()), model.step_request(values, 0)))
+    forwards = 0
+    started = time.perf_counter()
+    while engine.active:
+        report: StepReport = engine.step()
+        forwards += len(report.forwards)
+    if args.device.startswith("cuda"):
+        torch.cuda.synchronize()
+    return time.perf_counter() - started, forwards
+
+
+def measure(model: TextToImageModel, args, batches: list[list[str | None]]) -> dict:
+    """Median over repeats of running ``batches`` one after another."""
+    runs = []
+    for repeat in range(args.repeats + 1):
+        seconds, forwards = 0.0, 0
+        for adapters in batches:
+            s, f = run_batch(model, args, adapters)
+            seconds, forwards = seconds + s, forwards + f
+        if repeat:  # the first is a warm-up
+            runs.append((seconds, forwards))
+    seconds = statistics.median(s for s, _ in runs)
+    forwards = runs[0][1]
+    images = sum(len(b) for b in batches)
+    return {"images_per_s": images / seconds, "step_ms": 1000 * seconds / forwards, "forwards": forwards}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--arch", default="tiny-sd")
+    parser.add_argument("--rank", type=int, default=4)
+    parser.add_argument("--rows", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--height", type=int, default=64)
+    parser.add_argument("--width", type=int, default=64)
+    parser.add_argument("--distinct", default="1,2,4,8", help="distinct adapters among the rows")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench_results")
+    args = parser.parse_args(argv)
+    args.device = "cuda:0" if torch.cuda.is_available() else "cpu"
+    build_missing(WEIGHTS, only=[args.arch])
+    paths = build_adapters(args.arch, args.rank)
+    names = list(paths)
+    base = load_model(args.arch, None, args.rows, args.device, args.dtype)
+    adapted = load_model(args.arch, paths, args.rows, args.device, args.dtype)
+    rows = range(args.rows)
+    results = {
+        "none": measure(base, args, [[None] * args.rows]),
+        "unused": measure(adapted, args, [[None] * args.rows]),
+    }
+    for k in (int(x) for x in args.distinct.split(",")):
+        mixed = [f"{names[i % k]}:1.0" for i in rows]
+        results[f"mixed-{k}"] = measure(adapted, args, [mixed])
+        groups = [[a for a in mixed if a == f"{names[j]}:1.0"] for j in range(k)]
+        results[f"split-{k}"] = measure(adapted, args, [g for g in groups if g])
+    lines = [
+        f"# LoRA mixing: {args.arch} {args.width}x{args.height}, {args.rows} rows x {args.steps} steps, "
+        f"rank {args.rank}, {args.device} {base.adapter.dtype}",
+        "",
+        f"{machine_description()}; `.venv/bin/python scripts/bench_lora.py {' '.join(argv or sys.argv[1:])}`",
+        "",
+        "| variant | images/s | ms per engine step | forwards |",
+        "|---|---|---|---|",
+    ]
+    for name, r in results.items():
+        lines.append(f"| {name} | {r['images_per_s']:.2f} | {r['step_ms']:.1f} | {r['forwards']} |")
+    ratios = {}
+    for k in (int(x) for x in args.distinct.split(",")):
+        ratios[f"mixed-{k} / none"] = results[f"mixed-{k}"]["images_per_s"] / results["none"]["images_per_s"]
+        ratios[f"mixed-{k} / split-{k}"] = (
+            results[f"mixed-{k}"]["images_per_s"] / results[f"split-{k}"]["images_per_s"]
+        )
+    ratios["unused / none"] = results["unused"]["images_per_s"] / results["none"]["images_per_s"]
+    lines += ["", "| ratio (throughput) | value | target |", "|---|---|---|"]
+    targets = {"mixed-4 / none": ">= 0.8", "mixed-4 / split-4": ">= 1.5"}
+    lines += [f"| {name} | {value:.2f} | {targets.get(name, '')} |" for name, value in ratios.items()]
+    text = "\n".join(lines)
+    print(text)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = f"lora_{args.arch}_{args.device.split(':')[0]}"
+    (args.out / f"{stem}.md").write_text(text + "\n")
+    (args.out / f"{stem}.json").write_text(json.dumps({"results": results, "ratios": ratios}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,170 @@
+"""Step adapter for Qwen-Image text-to-image (``QwenImagePipeline``): a Qwen2.5-VL text encoder, packed
+2x2 latents as FLUX.1, a dual-stream transformer with joint attention over text and image tokens, the
+flow-matching scheduler. The loop body mirrors the pipeline's ``__call__``:
+
+- prompts have their own lengths (``encode_prompt`` drops the template and keeps each prompt's tokens).
+  Each row keeps its embeddings zero-padded to ``max_sequence_length`` and its mask; a forward takes the
+  text up to its longest row, masks each row's padding (``encoder_hidden_states_mask``) and passes no
+  mask when no row is padded, as the pipeline does for a prompt alone. Text RoPE positions count from the
+  first token, so a row's text positions do not depend on the others' lengths;
+- true CFG per row: a row with a negative prompt and ``true_cfg_scale`` > 1 adds an unconditional row
+  (the pipeline runs it as its own forward), combined as ``neg + s * (cond - neg)`` and rescaled to the
+  conditional prediction's norm per token, exactly as the pipeline;
+- ``img_shapes`` of the forward's size for every row (rows of one forward have one size), each row's own
+  timestep in the latents' dtype divided by 1000, and the guidance embedding per row for a
+  guidance-distilled transformer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+from triton_diffusion.adapters.latent_steps import (
+    Conditioning,
+    ImageRequest,
+    LatentJob,
+    LatentStepAdapter,
+)
+
+
+class QwenImageAdapter(LatentStepAdapter):
+    def __init__(self, pipe: Any, facts: Any, schedulers: Any, max_sequence_length: int | None) -> None:
+        super().__init__(pipe, facts, schedulers, max_sequence_length)
+        self.max_sequence_length = max_sequence_length or facts.default("max_sequence_length") or 512
+        self.guidance_embeds = bool(self.model.config.guidance_embeds)
+        # The pipeline draws and steps latents in the prompt embeddings' (the text encoder's) dtype.
+        self.latent_dtype = self.pipe.text_encoder.dtype
+
+    @property
+    def model(self) -> Any:
+        return self.pipe.transformer
+
+    def uses_guidance(self, request: ImageRequest) -> bool:
+        return (request.true_cfg_scale or 0.0) > 1.0 and request.negative_prompt is not None
+
+    def guidance_scale(self, request: ImageRequest) -> float:
+        return float(request.true_cfg_scale or 0.0)
+
+    def encode(self, requests: Sequence[ImageRequest]) -> list[Conditioning]:
+        # Prompts and the guided rows' negative prompts in one text-encoder call: the pipeline encodes a
+        # negative prompt exactly as a prompt.
+        guided = [i for i, r in enumerate(requests) if self.uses_guidance(r)]
+        texts = [r.prompt for r in requests] + [requests[i].negative_prompt for i in guided]
+        embeds, mask = self.pipe.encode_prompt(
+            prompt=texts,
+            device=self.device,
+            num_images_per_prompt=1,
+            max_sequence_length=self.max_sequence_length,
+        )
+        lengths = [embeds.shape[1]] * len(texts) if mask is None else mask.sum(dim=1).tolist()
+        padded = embeds.new_zeros(len(texts), self.max_sequence_length, embeds.shape[2])
+        padded[:, : embeds.shape[1]] = embeds
+        # Masks stay on the host: each forward reads its longest row from them without waiting for the GPU.
+        masks = torch.zeros(len(texts), self.max_sequence_length, dtype=torch.long)
+        for row, length in enumerate(lengths):
+            masks[row, : int(length)] = 1
+        text = [
+            {"encoder_hidden_states": padded[i : i + 1], "encoder_hidden_states_mask": masks[i : i + 1]}
+            for i in range(len(texts))
+        ]
+        negatives = {i: text[len(requests) + row] for row, i in enumerate(guided)}
+        return [Conditioning(text[i], negatives.get(i)) for i in range(len(requests))]
+
+    def extra_inputs(self, request: ImageRequest) -> dict[str, torch.Tensor]:
+        if not self.guidance_embeds:
+            return {}
+        return {"guidance": torch.full([1], request.guidance_scale, device=self.device, dtype=torch.float32)}
+
+    def initial_latents(
+        self, requests: Sequence[ImageRequest], schedulers: Sequence[Any], generators: list[torch.Generator]
+    ) -> torch.Tensor:
+        height, width = requests[0].size
+        channels = self.model.config.in_channels // 4
+        return self.pipe.prepare_latents(
+            len(requests), channels, height, width, self.latent_dtype, self.device, generators
+        )
+
+    def _tokens(self, size: tuple[int, int]) -> tuple[int, int]:
+        """The packed latent grid (rows, columns) of an image size."""
+        factor = self.pipe.vae_scale_factor * 2
+        return size[0] // factor, size[1] // factor
+
+    def set_timesteps(self, scheduler: Any, request: ImageRequest) -> torch.Tensor:
+        steps = request.steps
+        sigmas = np.linspace(1.0, 1 / steps, steps)
+        rows, columns = self._tokens(request.size)
+        config = scheduler.config
+        mu = self.module.calculate_shift(
+            rows * columns,
+            config.get("base_image_seq_len", 256),
+            config.get("max_image_seq_len", 4096),
+            config.get("base_shift", 0.5),
+            config.get("max_shift", 1.15),
+        )
+        timesteps, _ = self.module.retrieve_timesteps(
+            scheduler, steps, self.schedule_device, sigmas=sigmas, mu=mu
+        )
+        return timesteps
+
+    def timestep_rows(self, timesteps: Sequence[torch.Tensor]) -> torch.Tensor:
+        # QwenImagePipeline: t.expand(batch).to(latents.dtype), then / 1000.
+        return self.to_device(torch.stack([t.reshape(()).to(self.latent_dtype) for t in timesteps])) / 1000
+
+    def predict(
+        self,
+        latents: torch.Tensor,
+        timesteps: torch.Tensor,
+        inputs: dict[str, torch.Tensor],
+        size: tuple[int, int],
+    ) -> Any:
+        mask = inputs["encoder_hidden_states_mask"]
+        length = int(mask.sum(dim=1).max())
+        embeds, mask = inputs["encoder_hidden_states"][:, :length], mask[:, :length]
+        mask = None if bool(mask.all()) else self.to_device(mask)
+        return self.model(
+            hidden_states=latents,
+            timestep=timesteps,
+            guidance=inputs.get("guidance"),
+            encoder_hidden_states_mask=mask,
+            encoder_hidden_states=embeds,
+            img_shapes=[[(1, *self._tokens(size))]] * latents.shape[0],
+            attention_kwargs={},
+            return_dict=False,
+        )[0]
+
+    def _guided_noise(self, states: list[LatentJob], predictions: torch.Tensor) -> torch.Tensor:
+        """True CFG as the pipeline: the combined prediction rescaled to the conditional one's norm over
+        the channels of each token, row by row."""
+        combined = super()._guided_noise(states, predictions)
+        noise, row = [], 0
+        for j, state in enumerate(states):
+            mixed = combined[j : j + 1]
+            if state.unconditional is None:
+                noise.append(mixed)
+                row += 1
+                continue
+            cond = predictions[row + 1 : row + 2]  # rows are [uncond, cond] per guided job
+            cond_norm = torch.norm(cond, dim=-1, keepdim=True)
+            noise.append(mixed * (cond_norm / torch.norm(mixed, dim=-1, keepdim=True)))
+            row += 2
+        return torch.cat(noise)
+
+    def _unpack(self, latents: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+        return self.pipe._unpack_latents(latents, size[0], size[1], self.pipe.vae_scale_factor)
+
+    def decode(self, latents: torch.Tensor, size: tuple[int, int]) -> list[Image.Image]:
+        vae = self.pipe.vae
+        latents = self._unpack(latents, size).to(vae.dtype)
+        shape = (1, vae.config.z_dim, 1, 1, 1)
+        mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents.device, latents.dtype)
+        inverse_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(latents.device, latents.dtype)
+        image = vae.decode(latents / inverse_std + mean, return_dict=False)[0][:, :, 0]
+        return self.pipe.image_processor.postprocess(image, output_type="pil")
+
+    def preview_latent(self, latents: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+        return self._unpack(latents, size)[0, :, 0]

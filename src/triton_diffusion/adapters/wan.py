@@ -1,0 +1,119 @@
+"""Step adapter for Wan 2.1 text-to-video (``WanPipeline``): 5-D latents [1, C, F', h, w], a UMT5 text
+encoder, a 3D transformer that predicts the flow velocity, and the pipeline's flow-matching scheduler
+(FlowMatchEulerDiscreteScheduler, or UniPC with flow sigmas as the released checkpoints ship it). The loop
+body mirrors ``WanPipeline.__call__``: latents are drawn and kept in float32 and cast to the transformer's
+dtype for each forward, no input scaling, classifier-free guidance where ``guidance_scale`` > 1 (the
+pipeline's ``do_classifier_free_guidance``), with a missing negative prompt encoded as "" as its
+``encode_prompt`` does, and the scheduler steps.
+
+A video's frame count is part of its shape (``ImageRequest.shape``): videos share forwards only with
+videos of the same size and frame count. Two-stage Wan 2.2 (``transformer_2`` with ``boundary_ratio``) and
+TI2V (``expand_timesteps``: a timestep per latent patch) have no step adapter: the request-level engine
+serves them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from diffusers.utils.torch_utils import get_module_execution_device
+
+from triton_diffusion.adapters.latent_steps import Conditioning, ImageRequest, LatentStepAdapter
+from triton_diffusion.codecs.video import to_uint8
+
+
+class WanAdapter(LatentStepAdapter):
+    def __init__(self, pipe: Any, facts: Any, schedulers: Any, max_sequence_length: int | None) -> None:
+        config = pipe.config
+        if getattr(config, "boundary_ratio", None) is not None or pipe.transformer is None:
+            raise NotImplementedError("two-stage Wan (transformer_2) has no step adapter")
+        if getattr(config, "expand_timesteps", False):
+            raise NotImplementedError("Wan with a timestep per latent patch (TI2V) has no step adapter")
+        super().__init__(pipe, facts, schedulers, max_sequence_length)
+        self.max_sequence_length = max_sequence_length or facts.default("max_sequence_length") or 512
+
+    @property
+    def model(self) -> Any:
+        return self.pipe.transformer
+
+    def uses_guidance(self, request: ImageRequest) -> bool:
+        return self.guidance_scale(request) > 1.0
+
+    def encode(self, requests: Sequence[ImageRequest]) -> list[Conditioning]:
+        # Prompts and the guided rows' negative prompts in one text-encoder call: encode_prompt encodes a
+        # negative prompt exactly as a prompt (a missing one as "").
+        guided = [i for i, r in enumerate(requests) if self.uses_guidance(r)]
+        texts = [r.prompt for r in requests] + [requests[i].negative_prompt or "" for i in guided]
+        # Without autograd, as in the pipeline's __call__: with it the text encoder keeps its activations
+        # for as long as the job holds the embeddings, and may pick other attention kernels (other values).
+        with torch.no_grad():
+            embeds, _ = self.pipe.encode_prompt(
+                prompt=texts,
+                do_classifier_free_guidance=False,
+                max_sequence_length=self.max_sequence_length,
+                device=self.device,
+            )
+        embeds = embeds.to(self.dtype)  # the pipeline casts them to the transformer's dtype
+        negatives = {i: embeds[len(requests) + row : len(requests) + row + 1] for row, i in enumerate(guided)}
+        return [
+            Conditioning(
+                {"encoder_hidden_states": embeds[i : i + 1]},
+                {"encoder_hidden_states": negatives[i]} if i in negatives else None,
+            )
+            for i in range(len(requests))
+        ]
+
+    def initial_latents(
+        self, requests: Sequence[ImageRequest], schedulers: Sequence[Any], generators: list[torch.Generator]
+    ) -> torch.Tensor:
+        first = requests[0]
+        channels = self.model.config.in_channels
+        # float32, as WanPipeline draws and keeps them; each forward casts them to the transformer's dtype.
+        return self.pipe.prepare_latents(
+            len(requests),
+            channels,
+            first.height,
+            first.width,
+            first.num_frames,
+            torch.float32,
+            self.device,
+            generators,
+        )
+
+    def set_timesteps(self, scheduler: Any, request: ImageRequest) -> torch.Tensor:
+        scheduler.set_timesteps(request.steps, device=self.schedule_device)
+        return scheduler.timesteps
+
+    def predict(
+        self,
+        latents: torch.Tensor,
+        timesteps: torch.Tensor,
+        inputs: dict[str, torch.Tensor],
+        size: tuple[int, int],
+    ) -> Any:
+        return self.model(
+            hidden_states=latents.to(self.dtype),
+            timestep=timesteps,
+            encoder_hidden_states=inputs["encoder_hidden_states"],
+            attention_kwargs=None,
+            return_dict=False,
+        )[0]
+
+    def decode(self, latents: torch.Tensor, size: tuple[int, int]) -> list[np.ndarray]:
+        """Each video's uint8 frames [F, H, W, 3], decoded as WanPipeline decodes (the latents unscaled
+        with the VAE's mean and std, ``postprocess_video`` to float frames), then ``to_uint8``."""
+        vae = self.pipe.vae
+        latents = latents.to(get_module_execution_device(vae), dtype=vae.dtype)
+        shape = (1, vae.config.z_dim, 1, 1, 1)
+        mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents.device, latents.dtype)
+        std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(latents.device, latents.dtype)
+        video = vae.decode(latents / std + mean, return_dict=False)[0]
+        frames = self.pipe.video_processor.postprocess_video(video, output_type="np")
+        return [to_uint8(one) for one in frames]
+
+    def preview_latent(self, latents: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+        # The middle latent frame, as the request-level engine's previews of a video.
+        return latents[0, :, latents.shape[2] // 2]

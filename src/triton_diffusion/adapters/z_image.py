@@ -1,0 +1,131 @@
+"""Step adapter for Z-Image text-to-image (``ZImagePipeline``): a Qwen3 text encoder, a single-stream DiT
+that takes a list of rows (each its own latents and its own caption of its own length: the transformer
+pads and masks them per row itself), the flow-matching scheduler. The loop body mirrors the pipeline's
+``__call__``:
+
+- ``encode_prompt`` gives each prompt its unpadded caption features; a job keeps them zero-padded to
+  ``max_sequence_length`` with its length (so rows stack), and each forward hands the transformer the
+  list of every row's own features, as the pipeline does;
+- classifier-free guidance where the row's ``guidance_scale`` > 0 (the pipeline's
+  ``do_classifier_free_guidance``; a missing negative prompt is ""), combined as
+  ``pos + g * (pos - neg)`` in float32, then negated (the transformer predicts the reverse velocity);
+- latents drawn and stepped in float32, cast to the transformer's dtype for each forward; each row's
+  timestep enters as ``(1000 - t) / 1000``.
+
+The pipeline's defaults ``cfg_normalization=False`` and ``cfg_truncation=1.0`` (never truncated) are what
+it runs for a served request; other defaults have no step adapter (the request-level engine serves them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from PIL import Image
+
+from triton_diffusion.adapters.latent_steps import (
+    Conditioning,
+    ImageRequest,
+    LatentJob,
+    LatentStepAdapter,
+)
+
+
+class ZImageAdapter(LatentStepAdapter):
+    def __init__(self, pipe: Any, facts: Any, schedulers: Any, max_sequence_length: int | None) -> None:
+        if facts.default("cfg_normalization") or (facts.default("cfg_truncation") or 1.0) < 1.0:
+            raise NotImplementedError("Z-Image with CFG normalisation or truncation has no step adapter")
+        super().__init__(pipe, facts, schedulers, max_sequence_length)
+        if not hasattr(self.module, "get_default_z_image_sigmas"):  # an older diffusers: request-level
+            raise NotImplementedError("this diffusers' Z-Image module has no get_default_z_image_sigmas")
+        self.max_sequence_length = max_sequence_length or facts.default("max_sequence_length") or 512
+
+    @property
+    def model(self) -> Any:
+        return self.pipe.transformer
+
+    def uses_guidance(self, request: ImageRequest) -> bool:
+        return self.guidance_scale(request) > 0.0
+
+    def encode(self, requests: Sequence[ImageRequest]) -> list[Conditioning]:
+        # Prompts and the guided rows' negative prompts in one text-encoder call: the pipeline encodes a
+        # negative prompt exactly as a prompt (a missing one as ""). _encode_prompt rewrites the list it
+        # is given (the chat template), so it gets its own.
+        guided = [i for i, r in enumerate(requests) if self.uses_guidance(r)]
+        texts = [r.prompt for r in requests] + [requests[i].negative_prompt or "" for i in guided]
+        features = self.pipe._encode_prompt(
+            prompt=list(texts), device=self.device, max_sequence_length=self.max_sequence_length
+        )
+        text = []
+        for row in features:
+            padded = row.new_zeros(1, self.max_sequence_length, row.shape[-1])
+            padded[0, : row.shape[0]] = row
+            # The length stays on the host: each forward unpads its rows without waiting for the GPU.
+            text.append({"cap_feats": padded, "cap_length": torch.tensor([row.shape[0]])})
+        negatives = {i: text[len(requests) + row] for row, i in enumerate(guided)}
+        return [Conditioning(text[i], negatives.get(i)) for i in range(len(requests))]
+
+    def initial_latents(
+        self, requests: Sequence[ImageRequest], schedulers: Sequence[Any], generators: list[torch.Generator]
+    ) -> torch.Tensor:
+        height, width = requests[0].size
+        channels = self.model.in_channels
+        return self.pipe.prepare_latents(
+            len(requests), channels, height, width, torch.float32, self.device, generators
+        )
+
+    def set_timesteps(self, scheduler: Any, request: ImageRequest) -> torch.Tensor:
+        factor = self.pipe.vae_scale_factor * 2
+        image_seq_len = (request.height // factor) * (request.width // factor)
+        config = scheduler.config
+        mu = self.module.calculate_shift(
+            image_seq_len,
+            config.get("base_image_seq_len", 256),
+            config.get("max_image_seq_len", 4096),
+            config.get("base_shift", 0.5),
+            config.get("max_shift", 1.15),
+        )
+        sigmas = self.module.get_default_z_image_sigmas(request.steps)
+        timesteps, _ = self.module.retrieve_timesteps(
+            scheduler, request.steps, self.schedule_device, sigmas=sigmas, mu=mu
+        )
+        return timesteps
+
+    def timestep_rows(self, timesteps: Sequence[torch.Tensor]) -> torch.Tensor:
+        # ZImagePipeline: (1000 - t.expand(batch)) / 1000, in the timesteps' own dtype.
+        return (1000 - self.to_device(torch.stack([t.reshape(()) for t in timesteps]))) / 1000
+
+    def predict(
+        self,
+        latents: torch.Tensor,
+        timesteps: torch.Tensor,
+        inputs: dict[str, torch.Tensor],
+        size: tuple[int, int],
+    ) -> Any:
+        features, lengths = inputs["cap_feats"], inputs["cap_length"].tolist()
+        captions = [features[row, :length] for row, length in enumerate(lengths)]
+        rows = list(latents.to(self.dtype).unsqueeze(2).unbind(dim=0))
+        outputs = self.model(rows, timesteps, captions, joint_attention_kwargs=None, return_dict=False)[0]
+        # Negated here rather than after guidance: IEEE rounding is symmetric, so it is the same value.
+        return -torch.stack([output.float() for output in outputs]).squeeze(2)
+
+    def _guided_noise(self, states: list[LatentJob], predictions: torch.Tensor) -> torch.Tensor:
+        """Z-Image's guidance ``pos + g * (pos - neg)``, row by row as the pipeline computes it."""
+        noise, row = [], 0
+        for state in states:
+            if state.unconditional is None:
+                noise.append(predictions[row : row + 1])
+                row += 1
+                continue
+            neg, pos = predictions[row : row + 1], predictions[row + 1 : row + 2]  # [uncond, cond] per job
+            noise.append(pos + state.guidance * (pos - neg))
+            row += 2
+        return torch.cat(noise)
+
+    def decode(self, latents: torch.Tensor, size: tuple[int, int]) -> list[Image.Image]:
+        vae = self.pipe.vae
+        latents = latents.to(vae.dtype)
+        latents = (latents / vae.config.scaling_factor) + vae.config.shift_factor
+        image = vae.decode(latents, return_dict=False)[0]
+        return self.pipe.image_processor.postprocess(image, output_type="pil")
