@@ -32,6 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_common import PROMPTS, REPO_ROOT, machine_description  # noqa: E402
+from bench_engines import Channel  # noqa: E402
 
 from triton_diffusion.engine.jobs import Job, StepReport  # noqa: E402
 from triton_diffusion.engine.requests import TrackedRequest  # noqa: E402
@@ -43,22 +44,6 @@ from triton_diffusion.tiny_models import build_missing  # noqa: E402
 from triton_diffusion.tiny_models.lora import build_tiny_lora  # noqa: E402
 
 ADAPTERS = 8
-
-
-class Quiet:
-    """No Triton here: nothing is sent, nothing is cancelled."""
-
-    def send_partial(self, outputs):
-        pass
-
-    def send_final(self, outputs):
-        pass
-
-    def send_error(self, error):
-        raise RuntimeError(error)
-
-    def is_cancelled(self):
-        return False
 
 
 def build_adapters(arch: str, rank: int) -> dict[str, str]:
@@ -96,7 +81,7 @@ def run_batch(model: TextToImageModel, args, adapters: list[str | None]) -> tupl
             }
         )
         values["lora"] = lora  # the canonical text parse would give (names are the config's)
-        engine.add(Job(TrackedRequest(str(i), Quiet()), model.step_request(values, 0)))
+        engine.add(Job(TrackedRequest(str(i), Channel()), model.step_request(values, 0)))
     forwards = 0
     started = time.perf_counter()
     while engine.active:

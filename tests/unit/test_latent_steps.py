@@ -12,24 +12,22 @@ and guidance join and leave around them.
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import replace
 
 import numpy as np
 import pytest
-from diffusers import AutoPipelineForImage2Image, AutoPipelineForInpainting, DiffusionPipeline
 from PIL import Image
 
-from tests.unit.recording import RecordingChannel
-from triton_diffusion.adapters.diffusers_pipeline import SchedulerChoices, row_generator
+from tests.unit.step_harness import (
+    Host,
+    assert_each_image_equals_the_pipelines_own,
+    load_family,
+    reference,
+    run_engine,
+    served,
+)
 from triton_diffusion.adapters.latent_steps import ImageRequest
 from triton_diffusion.adapters.step_adapters import step_adapter_for
-from triton_diffusion.engine.jobs import Job, StepReport
-from triton_diffusion.engine.requests import TrackedRequest
-from triton_diffusion.engine.step_engine import EngineLimits, StepEngine
-from triton_diffusion.families import PipelineFacts
-from triton_diffusion.serving.server_process import WEIGHTS
-from triton_diffusion.tiny_models import build_missing
 
 FAMILIES = {
     "tiny-sd": "EulerDiscreteScheduler,DPMSolverMultistepScheduler,EulerAncestralDiscreteScheduler",
@@ -49,108 +47,29 @@ REQUESTS = [
 ]
 
 
-class Host:
-    """Renders the engine's reports as the engine host does, minimally."""
-
-    def __init__(self) -> None:
-        self.forwards: list[int] = []
-
-    def render(self, report: StepReport) -> None:
-        for finished in report.finished:
-            finished.job.request.finish({"image": finished.output})
-        self.forwards.extend(forward.images for forward in report.forwards)
-
-
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def family(request):
-    name = request.param
-    build_missing(WEIGHTS, only=[name])
-    pipe = DiffusionPipeline.from_pretrained(WEIGHTS / name, use_safetensors=True)
-    pipe.set_progress_bar_config(disable=True)
-    facts = PipelineFacts.of(pipe)
-    schedulers = SchedulerChoices(pipe, facts, FAMILIES[name], name)
-    return pipe, facts, schedulers
-
-
-_COUNTERPARTS: dict = {}
-
-
-def pipeline_for(pipe, request: ImageRequest):
-    """The diffusers pipeline that serves this request alone: text-to-image, or its img2img / inpaint
-    counterpart over the same modules (``from_pipe``)."""
-    if request.image is None:
-        return pipe
-    auto = AutoPipelineForInpainting if request.mask_image is not None else AutoPipelineForImage2Image
-    key = (id(pipe), auto)
-    if key not in _COUNTERPARTS:
-        _COUNTERPARTS[key] = auto.from_pipe(pipe)  # float32 here: from_pipe's cast changes nothing
-        _COUNTERPARTS[key].set_progress_bar_config(disable=True)
-    return _COUNTERPARTS[key]
-
-
-def reference(pipe, facts, schedulers, request: ImageRequest):
-    pipe = pipeline_for(pipe, request)
-    pipe.scheduler = schedulers[request.scheduler]
-    kwargs = {
-        "prompt": [request.prompt],
-        "height": request.height,
-        "width": request.width,
-        "num_inference_steps": request.steps,
-        "generator": [row_generator(request.seed, request.image_index)],
-    }
-    if request.image is not None:
-        kwargs.update(image=request.image, strength=request.strength)
-        if request.mask_image is not None:
-            kwargs["mask_image"] = request.mask_image
-        for name in ("height", "width"):  # SD/SDXL img2img take the size from the image
-            if name not in inspect.signature(pipe.__call__).parameters:
-                del kwargs[name]
-    if request.negative_prompt is not None:
-        kwargs["negative_prompt"] = [request.negative_prompt]
-    if facts.uses_guidance_scale:
-        kwargs["guidance_scale"] = request.guidance_scale
-    if facts.accepts("true_cfg_scale"):
-        kwargs["true_cfg_scale"] = request.true_cfg_scale
-    return pipe(**kwargs).images[0]
+    return load_family(request.param, FAMILIES[request.param])
 
 
 def test_every_image_equals_the_pipelines_own_amid_traffic(family):
     pipe, facts, schedulers = family
     adapter = step_adapter_for(pipe, facts, schedulers, None)
     assert adapter is not None, facts.class_name
-    host = Host()
-    engine = StepEngine(adapter, EngineLimits(8, 8))
     names = schedulers.names
     picks = [names[i % len(names)] for i in range(len(REQUESTS))]  # mixed schedulers where there are
     requests = [
         ImageRequest(f"prompt {i}", negative, 10 + i, 0, *size, steps, guidance, cfg, picks[i])
         for i, (negative, steps, guidance, cfg, size, _) in enumerate(REQUESTS)
     ]
-    jobs = [Job(TrackedRequest(str(i), RecordingChannel()), r) for i, r in enumerate(requests)]
     # A neighbour that is cancelled after its second step.
-    cancel = {"now": False}
-    victim = Job(
-        TrackedRequest("victim", RecordingChannel(cancelled=lambda: cancel["now"])),
-        ImageRequest("cancel me", None, 99, 0, 64, 64, 6, 7.5, 2.0, names[0]),
-    )
-    arrivals = [(spec[5], job) for spec, job in zip(REQUESTS, jobs, strict=True)] + [(0, victim)]
-    arrivals.sort(key=lambda arrival: arrival[0])
-    step = 0
-    while arrivals or engine.active:
-        while arrivals and arrivals[0][0] <= step:
-            engine.add(arrivals.pop(0)[1])
-        host.render(engine.step())
-        step += 1
-        cancel["now"] = victim.steps_done >= 2
-    assert victim.request.channel.finals[0].code.value == "CANCELLED" and victim.steps_done == 2
+    victim = ImageRequest("cancel me", None, 99, 0, 64, 64, 6, 7.5, 2.0, names[0])
+    host = Host()
+    arrivals = [(spec[5], request) for spec, request in zip(REQUESTS, requests, strict=True)]
+    jobs = run_engine(adapter, arrivals, host, victim)
     assert max(host.forwards) >= 3, "requests did not share forwards"
     assert jobs[5].first_forward > 1, "the last request did not join mid-way"
-    for request, job in zip(requests, jobs, strict=True):
-        (final,) = job.request.channel.finals
-        served = np.asarray(final["image"], dtype=int)
-        expected = np.asarray(reference(pipe, facts, schedulers, request), dtype=int)
-        assert served.shape == (request.height, request.width, 3)
-        assert np.abs(served - expected).max() <= 1, (facts.class_name, request)
+    assert_each_image_equals_the_pipelines_own(family, requests, jobs)
 
 
 # Image-conditioned jobs per family: (start, scheduler or None for the pipeline's own, strength, steps,
@@ -185,27 +104,6 @@ def mask_image(size: int = 64) -> Image.Image:
         255  # not on the latent grid: resized as diffusers does
     )
     return Image.fromarray(mask).convert("RGB")
-
-
-def run_engine(adapter, arrivals: list[tuple[int, ImageRequest]]) -> list[Job]:
-    """The requests through one step engine, each added at its engine step; their jobs, in order."""
-    engine, host = StepEngine(adapter, EngineLimits(8, 8)), Host()
-    jobs = [
-        Job(TrackedRequest(str(i), RecordingChannel()), request) for i, (_, request) in enumerate(arrivals)
-    ]
-    pending = sorted(zip([at for at, _ in arrivals], jobs, strict=True), key=lambda pair: pair[0])
-    step = 0
-    while pending or engine.active:
-        while pending and pending[0][0] <= step:
-            engine.add(pending.pop(0)[1])
-        host.render(engine.step())
-        step += 1
-    return jobs
-
-
-def served(job: Job) -> np.ndarray:
-    (final,) = job.request.channel.finals
-    return np.asarray(final["image"], dtype=int)
 
 
 def test_image_conditioned_jobs_equal_their_pipelines_alone_and_amid_text_only_jobs(family):

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from diffusers import DiffusionPipeline
 
-from tests.unit.test_latent_steps import run_engine, served
-from triton_diffusion.adapters.diffusers_pipeline import SchedulerChoices, row_generator
+from tests.unit.step_harness import call_arguments, run_engine, served
+from triton_diffusion.adapters.diffusers_pipeline import SchedulerChoices
 from triton_diffusion.adapters.latent_steps import ImageRequest
 from triton_diffusion.adapters.lora import (
     LoraLimits,
@@ -138,13 +138,7 @@ def reference(pipe, facts, request: ImageRequest):
         pipe.set_adapters([n for n, _ in request.lora], adapter_weights=[s for _, s in request.lora])
     else:
         pipe.disable_lora()
-    kwargs = {
-        "prompt": [request.prompt],
-        "height": request.height,
-        "width": request.width,
-        "num_inference_steps": request.steps,
-        "generator": [row_generator(request.seed, request.image_index)],
-    }
+    kwargs = call_arguments(request)
     if facts.uses_guidance_scale:
         kwargs["guidance_scale"] = request.guidance_scale
     return np.asarray(pipe(**kwargs).images[0], dtype=int)

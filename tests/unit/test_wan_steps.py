@@ -20,20 +20,14 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from diffusers import DiffusionPipeline, UniPCMultistepScheduler
+from diffusers import UniPCMultistepScheduler
 
-from tests.unit.recording import RecordingChannel
-from triton_diffusion.adapters.diffusers_pipeline import SchedulerChoices, row_generator
+from tests.unit.step_harness import Host, call_arguments, load_family, run_engine
 from triton_diffusion.adapters.latent_steps import ImageRequest
 from triton_diffusion.adapters.step_adapters import step_adapter_for
 from triton_diffusion.adapters.wan import WanAdapter
 from triton_diffusion.codecs.video import to_uint8
-from triton_diffusion.engine.jobs import Job, StepReport
-from triton_diffusion.engine.requests import TrackedRequest
-from triton_diffusion.engine.step_engine import EngineLimits, StepEngine
-from triton_diffusion.families import PipelineFacts
-from triton_diffusion.serving.server_process import WEIGHTS
-from triton_diffusion.tiny_models import build_missing
+from triton_diffusion.engine.jobs import Job
 
 # (negative prompt, steps, guidance, frames, (height, width), arrives at engine step)
 REQUESTS = [
@@ -59,20 +53,6 @@ SETUPS = {
 }
 
 
-class Host:
-    """Renders the engine's reports as the engine host does, minimally."""
-
-    def __init__(self) -> None:
-        self.forwards: list[tuple[int, int]] = []  # (videos, model rows) of each forward
-        self.previews: list[Any] = []
-
-    def render(self, report: StepReport) -> None:
-        for finished in report.finished:
-            finished.job.request.finish({"frames": finished.output})
-        self.forwards.extend((forward.images, forward.model_rows) for forward in report.forwards)
-        self.previews.extend(s.snapshot for s in report.stepped if s.snapshot is not None)
-
-
 class ShapeRecorder:
     """The adapter, writing down the shapes of the jobs of each forward."""
 
@@ -90,14 +70,8 @@ class ShapeRecorder:
 
 @pytest.fixture(scope="module", params=list(SETUPS))
 def wan(request):
-    build_missing(WEIGHTS, only=["tiny-wan"])
-    pipe = DiffusionPipeline.from_pretrained(WEIGHTS / "tiny-wan", use_safetensors=True)
-    pipe.set_progress_bar_config(disable=True)
     make_scheduler, choices = SETUPS[request.param]
-    if make_scheduler is not None:
-        pipe.scheduler = make_scheduler()
-    facts = PipelineFacts.of(pipe)
-    return pipe, facts, SchedulerChoices(pipe, facts, choices, "tiny-wan")
+    return load_family("tiny-wan", choices, make_scheduler)
 
 
 def video_request(i: int, negative, steps, guidance, frames, size, scheduler: str) -> ImageRequest:
@@ -127,13 +101,9 @@ def reference(pipe, schedulers, request: ImageRequest) -> tuple[np.ndarray, torc
         return {}
 
     kwargs = {
-        "prompt": [request.prompt],
-        "height": request.height,
-        "width": request.width,
+        **call_arguments(request),
         "num_frames": request.num_frames,
-        "num_inference_steps": request.steps,
         "guidance_scale": request.guidance_scale,
-        "generator": [row_generator(request.seed, request.image_index)],
         "output_type": "np",
         "callback_on_step_end": keep_latents,
         "max_sequence_length": MAX_SEQUENCE_LENGTH,
@@ -147,31 +117,17 @@ def test_every_video_equals_the_pipelines_own_amid_traffic(wan):
     pipe, facts, schedulers = wan
     adapter = step_adapter_for(pipe, facts, schedulers, MAX_SEQUENCE_LENGTH)
     assert isinstance(adapter, WanAdapter), facts.class_name
-    recorder, host = ShapeRecorder(adapter), Host()
-    engine = StepEngine(recorder, EngineLimits(8, 8))
+    recorder, host = ShapeRecorder(adapter), Host("frames")
     names = schedulers.names
     requests = [video_request(i, *spec[:5], names[i % len(names)]) for i, spec in enumerate(REQUESTS)]
-    jobs = [Job(TrackedRequest(str(i), RecordingChannel()), r) for i, r in enumerate(requests)]
-    jobs[0].preview_every = 1
-    # A neighbour that is cancelled after its second step.
-    cancel = {"now": False}
-    victim = Job(
-        TrackedRequest("victim", RecordingChannel(cancelled=lambda: cancel["now"])),
-        video_request(99, None, 6, 5.0, 9, (32, 32), names[0]),
-    )
-    arrivals = [(spec[5], job) for spec, job in zip(REQUESTS, jobs, strict=True)] + [(0, victim)]
-    arrivals.sort(key=lambda arrival: arrival[0])
-    step = 0
-    while arrivals or engine.active:
-        while arrivals and arrivals[0][0] <= step:
-            engine.add(arrivals.pop(0)[1])
-        host.render(engine.step())
-        step += 1
-        cancel["now"] = victim.steps_done >= 2
-    assert victim.request.channel.finals[0].code.value == "CANCELLED" and victim.steps_done == 2
+    # A neighbour that is cancelled after its second step; previews of the first video at every step.
+    victim = video_request(99, None, 6, 5.0, 9, (32, 32), names[0])
+    arrivals = [(spec[5], request) for spec, request in zip(REQUESTS, requests, strict=True)]
+    jobs = run_engine(recorder, arrivals, host, victim, first_preview_every=1)
     assert all(len(shapes) == 1 for shapes in recorder.shapes), "a forward mixed frame counts or sizes"
-    assert max(videos for videos, _ in host.forwards) >= 3, "videos did not share forwards"
-    assert any(videos < rows < 2 * videos for videos, rows in host.forwards), "no mixed-guidance forward"
+    assert max(host.forwards) >= 3, "videos did not share forwards"
+    forwards = zip(host.forwards, host.model_rows, strict=True)
+    assert any(videos < rows < 2 * videos for videos, rows in forwards), "no mixed-guidance forward"
     assert jobs[4].first_forward > 1, "a late video did not join mid-way"
     # Previews: the middle latent frame [C, h, w] of the first video, at each of its steps.
     assert len(host.previews) == jobs[0].total_steps and host.previews[0].shape == (16, 4, 4)

@@ -23,7 +23,6 @@ aspect ratio, and with one step it returns the scheduler's predicted original sa
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -32,7 +31,12 @@ import torch
 from diffusers.utils.torch_utils import randn_tensor
 from PIL import Image
 
-from triton_diffusion.adapters.latent_steps import Conditioning, ImageRequest, LatentStepAdapter
+from triton_diffusion.adapters.latent_steps import (
+    Conditioning,
+    ImageRequest,
+    LatentStepAdapter,
+    row_conditioning,
+)
 from triton_diffusion.engine.jobs import Job
 
 
@@ -74,6 +78,10 @@ LOOPS = {
 
 
 class DiTAdapter(LatentStepAdapter):
+    # Both pipelines pass prepare_extra_step_kwargs' eta and generator (Sana too, though it scales no input).
+    always_passes_step_kwargs = True
+    fallback_max_sequence_length = 300
+
     def __init__(self, pipe: Any, facts: Any, schedulers: Any, max_sequence_length: int | None) -> None:
         super().__init__(pipe, facts, schedulers, max_sequence_length)
         loop = LOOPS.get(type(self.pipe).__name__)
@@ -81,7 +89,6 @@ class DiTAdapter(LatentStepAdapter):
             raise NotImplementedError(f"{type(self.pipe).__name__} has no DiT step adapter")
         self.loop = loop
         self.scales_model_input = loop.scales_model_input
-        self.max_sequence_length = max_sequence_length or facts.default("max_sequence_length") or 300
         # encode_prompt's text options as __call__ passes them by default (PixArt cleans captions by
         # default in __call__, not in encode_prompt; Sana prepends its instruction to prompts).
         self.text_options = {
@@ -144,18 +151,9 @@ class DiTAdapter(LatentStepAdapter):
             max_sequence_length=self.max_sequence_length,
             **self.text_options,
         )
-        return [
-            Conditioning(
-                {"encoder_hidden_states": embeds[i : i + 1], "encoder_attention_mask": mask[i : i + 1]},
-                {
-                    "encoder_hidden_states": negative_embeds[i : i + 1],
-                    "encoder_attention_mask": negative_mask[i : i + 1],
-                }
-                if cfg
-                else None,
-            )
-            for i in range(len(requests))
-        ]
+        conditional = {"encoder_hidden_states": embeds, "encoder_attention_mask": mask}
+        unconditional = {"encoder_hidden_states": negative_embeds, "encoder_attention_mask": negative_mask}
+        return row_conditioning(len(requests), conditional, unconditional if cfg else None)
 
     def initial_latents(
         self, requests: Sequence[ImageRequest], schedulers: Sequence[Any], generators: list[torch.Generator]
@@ -170,8 +168,7 @@ class DiTAdapter(LatentStepAdapter):
         return torch.cat([noise[i : i + 1] * s.init_noise_sigma for i, s in enumerate(schedulers)])
 
     def set_timesteps(self, scheduler: Any, request: ImageRequest) -> torch.Tensor:
-        timesteps, _ = self.module.retrieve_timesteps(scheduler, request.steps, self.schedule_device)
-        return timesteps
+        return self.retrieve_timesteps(scheduler, request.steps)
 
     def timestep_rows(self, timesteps: Sequence[torch.Tensor]) -> torch.Tensor:
         rows = super().timestep_rows(timesteps)
@@ -228,14 +225,3 @@ class DiTAdapter(LatentStepAdapter):
                 image = processor.resize_and_crop_tensor(image, width, height)
             images.extend(processor.postprocess(image, output_type="pil"))
         return images
-
-    def _step_kwargs(self, scheduler: Any, generator: torch.Generator) -> dict[str, Any]:
-        # Both pipelines pass prepare_extra_step_kwargs' eta and generator (Sana too, though it scales no
-        # input).
-        accepted = set(inspect.signature(scheduler.step).parameters)
-        kwargs: dict[str, Any] = {}
-        if "eta" in accepted:
-            kwargs["eta"] = 0.0
-        if "generator" in accepted:
-            kwargs["generator"] = [generator]
-        return kwargs

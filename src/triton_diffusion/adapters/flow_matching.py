@@ -24,24 +24,16 @@ from triton_diffusion.adapters.latent_steps import (
     Conditioning,
     ImageRequest,
     LatentStepAdapter,
+    row_conditioning,
     sample_latents,
 )
 
 
-def _shift(config: Any, image_seq_len: int, calculate_shift: Any, max_shift: float) -> float:
-    return calculate_shift(
-        image_seq_len,
-        config.get("base_image_seq_len", 256),
-        config.get("max_image_seq_len", 4096),
-        config.get("base_shift", 0.5),
-        config.get("max_shift", max_shift),
-    )
-
-
 class FluxAdapter(LatentStepAdapter):
+    fallback_max_sequence_length = 512
+
     def __init__(self, pipe: Any, facts: Any, schedulers: Any, max_sequence_length: int | None) -> None:
         super().__init__(pipe, facts, schedulers, max_sequence_length)
-        self.max_sequence_length = max_sequence_length or facts.default("max_sequence_length") or 512
         self.guidance_embeds = bool(pipe.transformer.config.guidance_embeds)
         self._ids_by_shape: dict[tuple[int, tuple[int, int]], tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -105,11 +97,6 @@ class FluxAdapter(LatentStepAdapter):
             for i in range(len(requests))
         ]
 
-    def extra_inputs(self, request: ImageRequest) -> dict[str, torch.Tensor]:
-        if not self.guidance_embeds:
-            return {}
-        return {"guidance": torch.full([1], request.guidance_scale, device=self.device, dtype=torch.float32)}
-
     def initial_latents(
         self, requests: Sequence[ImageRequest], schedulers: Sequence[Any], generators: list[torch.Generator]
     ) -> torch.Tensor:
@@ -125,11 +112,7 @@ class FluxAdapter(LatentStepAdapter):
         sigmas = None if scheduler.config.get("use_flow_sigmas") else np.linspace(1.0, 1 / steps, steps)
         factor = self.pipe.vae_scale_factor
         image_seq_len = (request.height // factor // 2) * (request.width // factor // 2)
-        mu = _shift(scheduler.config, image_seq_len, self.module.calculate_shift, 1.15)
-        timesteps, _ = self.module.retrieve_timesteps(
-            scheduler, steps, self.schedule_device, sigmas=sigmas, mu=mu
-        )
-        return timesteps
+        return self.retrieve_timesteps(scheduler, steps, sigmas, image_seq_len, max_shift=1.15)
 
     def timestep_rows(self, timesteps: Sequence[torch.Tensor]) -> torch.Tensor:
         # FluxPipeline: t.expand(batch).to(latents.dtype), then / 1000.
@@ -185,9 +168,7 @@ class FluxAdapter(LatentStepAdapter):
 
 
 class StableDiffusion3Adapter(LatentStepAdapter):
-    def __init__(self, pipe: Any, facts: Any, schedulers: Any, max_sequence_length: int | None) -> None:
-        super().__init__(pipe, facts, schedulers, max_sequence_length)
-        self.max_sequence_length = max_sequence_length or facts.default("max_sequence_length") or 256
+    fallback_max_sequence_length = 256
 
     @property
     def model(self) -> Any:
@@ -208,18 +189,9 @@ class StableDiffusion3Adapter(LatentStepAdapter):
             negative_prompt=[r.negative_prompt or "" for r in requests] if cfg else None,
             max_sequence_length=self.max_sequence_length,
         )
-        return [
-            Conditioning(
-                {"encoder_hidden_states": embeds[i : i + 1], "pooled_projections": pooled[i : i + 1]},
-                {
-                    "encoder_hidden_states": negative_embeds[i : i + 1],
-                    "pooled_projections": negative_pooled[i : i + 1],
-                }
-                if cfg
-                else None,
-            )
-            for i in range(len(requests))
-        ]
+        conditional = {"encoder_hidden_states": embeds, "pooled_projections": pooled}
+        unconditional = {"encoder_hidden_states": negative_embeds, "pooled_projections": negative_pooled}
+        return row_conditioning(len(requests), conditional, unconditional if cfg else None)
 
     def initial_latents(
         self, requests: Sequence[ImageRequest], schedulers: Sequence[Any], generators: list[torch.Generator]
@@ -230,14 +202,11 @@ class StableDiffusion3Adapter(LatentStepAdapter):
         return self.pipe.prepare_latents(count, channels, height, width, self.dtype, self.device, generators)
 
     def set_timesteps(self, scheduler: Any, request: ImageRequest) -> torch.Tensor:
-        kwargs = {}
+        image_seq_len = None  # no shift unless the scheduler shifts dynamically
         if scheduler.config.get("use_dynamic_shifting", None):
             factor, patch = self.pipe.vae_scale_factor, self.model.config.patch_size
             image_seq_len = (request.height // factor // patch) * (request.width // factor // patch)
-            kwargs["mu"] = _shift(scheduler.config, image_seq_len, self.module.calculate_shift, 1.16)
-        retrieve = self.module.retrieve_timesteps
-        timesteps, _ = retrieve(scheduler, request.steps, self.schedule_device, sigmas=None, **kwargs)
-        return timesteps
+        return self.retrieve_timesteps(scheduler, request.steps, image_seq_len=image_seq_len, max_shift=1.16)
 
     def predict(
         self,

@@ -144,6 +144,15 @@ class LatentStepAdapter:
     """The loop body shared by every latent diffusion family. Subclasses fill in the hooks."""
 
     scales_model_input = False  # UNet schedulers scale the input per step; flow matching does not
+    # Pipelines that scale the model input pass prepare_extra_step_kwargs' eta and generator to the
+    # scheduler's step; these pass them even without (Sana).
+    always_passes_step_kwargs = False
+    # The text length when neither the model's config nor the pipeline's __call__ gives one (None: the
+    # family's text encoders take no length).
+    fallback_max_sequence_length: int | None = None
+    # A guidance-distilled transformer (FLUX.1-dev, Qwen-Image's guidance_embeds) takes the row's
+    # guidance_scale as a model input.
+    guidance_embeds = False
     # The model's LoRA adapters (set by the model after loading them): each row's own in every forward.
     loras: LoraBank | None = None
 
@@ -158,7 +167,9 @@ class LatentStepAdapter:
             if name is not None and self.supports(start):
                 self.pipelines[start] = counterpart_pipeline(pipe, name)
         self.facts = facts
-        self.max_sequence_length = max_sequence_length
+        self.max_sequence_length = (
+            max_sequence_length or facts.default("max_sequence_length") or self.fallback_max_sequence_length
+        )
         self.device = self.pipe._execution_device
         self.dtype = self.model.dtype
         self.module = sys.modules[type(self.pipe).__module__]  # the pipeline's own retrieve_timesteps & co
@@ -213,7 +224,18 @@ class LatentStepAdapter:
         return float(request.guidance_scale or 0.0)
 
     def encode(self, requests: Sequence[ImageRequest]) -> list[Conditioning]:
-        """Text conditioning for every request, in one text-encoder call where the pipeline allows."""
+        """Text conditioning for every request, in one text-encoder call where the pipeline allows.
+
+        By default for pipelines that encode a negative prompt exactly as a prompt (a missing one as ""):
+        the prompts and the guided rows' negative prompts in one ``encode_texts`` call, split back."""
+        guided = [i for i, r in enumerate(requests) if self.uses_guidance(r)]
+        texts = [r.prompt for r in requests] + [requests[i].negative_prompt or "" for i in guided]
+        text = self.encode_texts(texts)
+        negatives = {i: text[len(requests) + row] for row, i in enumerate(guided)}
+        return [Conditioning(text[i], negatives.get(i)) for i in range(len(requests))]
+
+    def encode_texts(self, texts: list[str]) -> list[dict[str, torch.Tensor]]:
+        """Each text's conditioning inputs (each [1, ...]), for the default ``encode``."""
         raise NotImplementedError
 
     def initial_latents(
@@ -230,6 +252,32 @@ class LatentStepAdapter:
 
     def set_timesteps(self, scheduler: Any, request: ImageRequest) -> torch.Tensor:
         raise NotImplementedError
+
+    def retrieve_timesteps(
+        self,
+        scheduler: Any,
+        steps: int,
+        sigmas: Any = None,
+        image_seq_len: int | None = None,
+        max_shift: float = 1.15,
+    ) -> torch.Tensor:
+        """The pipeline module's ``retrieve_timesteps`` on the schedule device; with ``image_seq_len``, the
+        flow-matching pipelines' resolution-dependent shift ``mu`` (its ``calculate_shift`` between the
+        scheduler config's bounds, ``max_shift`` where the config has none)."""
+        kwargs = {}
+        if image_seq_len is not None:
+            config = scheduler.config
+            kwargs["mu"] = self.module.calculate_shift(
+                image_seq_len,
+                config.get("base_image_seq_len", 256),
+                config.get("max_image_seq_len", 4096),
+                config.get("base_shift", 0.5),
+                config.get("max_shift", max_shift),
+            )
+        timesteps, _ = self.module.retrieve_timesteps(
+            scheduler, steps, self.schedule_device, sigmas=sigmas, **kwargs
+        )
+        return timesteps
 
     def timestep_rows(self, timesteps: Sequence[torch.Tensor]) -> torch.Tensor:
         """The per-row timestep vector the model takes."""
@@ -253,8 +301,11 @@ class LatentStepAdapter:
         raise NotImplementedError
 
     def extra_inputs(self, request: ImageRequest) -> dict[str, torch.Tensor]:
-        """Per-row model inputs besides the text (Flux's guidance value); shared by both CFG rows."""
-        return {}
+        """Per-row model inputs besides the text (the guidance value of a guidance-distilled transformer);
+        shared by both CFG rows."""
+        if not self.guidance_embeds:
+            return {}
+        return {"guidance": torch.full([1], request.guidance_scale, device=self.device, dtype=torch.float32)}
 
     def decode(self, latents: torch.Tensor, size: tuple[int, int]) -> list[Image.Image]:
         raise NotImplementedError
@@ -534,7 +585,7 @@ class LatentStepAdapter:
     def _step_kwargs(self, scheduler: Any, generator: torch.Generator) -> dict[str, Any]:
         """What the pipeline's prepare_extra_step_kwargs passes (eta for DDIM, the generator for
         stochastic samplers); flow-matching pipelines pass none."""
-        if not self.scales_model_input:
+        if not (self.scales_model_input or self.always_passes_step_kwargs):
             return {}
         accepted = set(inspect.signature(scheduler.step).parameters)
         kwargs: dict[str, Any] = {}
@@ -556,6 +607,31 @@ def sample_latents(encoded: Any, generators: list[torch.Generator]) -> torch.Ten
         for i, generator in enumerate(generators)
     ]
     return torch.cat(rows)
+
+
+def row_conditioning(
+    count: int, conditional: dict[str, torch.Tensor], unconditional: dict[str, torch.Tensor] | None
+) -> list[Conditioning]:
+    """Each of ``count`` requests' conditioning from one text-encoder call's batched outputs: row i of
+    every tensor (and of the unconditional ones, with guidance)."""
+
+    def row(tensors: dict[str, torch.Tensor], i: int) -> dict[str, torch.Tensor]:
+        return {name: values[i : i + 1] for name, values in tensors.items()}
+
+    return [
+        Conditioning(row(conditional, i), None if unconditional is None else row(unconditional, i))
+        for i in range(count)
+    ]
+
+
+def denormalized_latents(vae: Any, latents: torch.Tensor) -> torch.Tensor:
+    """5-D latents back to the scale of a Wan-style VAE (Wan, Qwen-Image) with its per-channel mean and
+    std, as those pipelines do before decoding: ``latents / (1 / std) + mean``, in that order (the same
+    rounding)."""
+    shape = (1, vae.config.z_dim, 1, 1, 1)
+    mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents.device, latents.dtype)
+    inverse_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(latents.device, latents.dtype)
+    return latents / inverse_std + mean
 
 
 def _fail_alone(job: Job, exc: Exception) -> None:

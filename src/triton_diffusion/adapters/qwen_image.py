@@ -25,17 +25,18 @@ import torch
 from PIL import Image
 
 from triton_diffusion.adapters.latent_steps import (
-    Conditioning,
     ImageRequest,
     LatentJob,
     LatentStepAdapter,
+    denormalized_latents,
 )
 
 
 class QwenImageAdapter(LatentStepAdapter):
+    fallback_max_sequence_length = 512
+
     def __init__(self, pipe: Any, facts: Any, schedulers: Any, max_sequence_length: int | None) -> None:
         super().__init__(pipe, facts, schedulers, max_sequence_length)
-        self.max_sequence_length = max_sequence_length or facts.default("max_sequence_length") or 512
         self.guidance_embeds = bool(self.model.config.guidance_embeds)
         # The pipeline draws and steps latents in the prompt embeddings' (the text encoder's) dtype.
         self.latent_dtype = self.pipe.text_encoder.dtype
@@ -50,11 +51,9 @@ class QwenImageAdapter(LatentStepAdapter):
     def guidance_scale(self, request: ImageRequest) -> float:
         return float(request.true_cfg_scale or 0.0)
 
-    def encode(self, requests: Sequence[ImageRequest]) -> list[Conditioning]:
-        # Prompts and the guided rows' negative prompts in one text-encoder call: the pipeline encodes a
-        # negative prompt exactly as a prompt.
-        guided = [i for i, r in enumerate(requests) if self.uses_guidance(r)]
-        texts = [r.prompt for r in requests] + [requests[i].negative_prompt for i in guided]
+    def encode_texts(self, texts: list[str]) -> list[dict[str, torch.Tensor]]:
+        # The base encode hands prompts and the guided rows' negative prompts here in one call: the
+        # pipeline encodes a negative prompt exactly as a prompt (a guided row always has one).
         embeds, mask = self.pipe.encode_prompt(
             prompt=texts,
             device=self.device,
@@ -68,17 +67,10 @@ class QwenImageAdapter(LatentStepAdapter):
         masks = torch.zeros(len(texts), self.max_sequence_length, dtype=torch.long)
         for row, length in enumerate(lengths):
             masks[row, : int(length)] = 1
-        text = [
+        return [
             {"encoder_hidden_states": padded[i : i + 1], "encoder_hidden_states_mask": masks[i : i + 1]}
             for i in range(len(texts))
         ]
-        negatives = {i: text[len(requests) + row] for row, i in enumerate(guided)}
-        return [Conditioning(text[i], negatives.get(i)) for i in range(len(requests))]
-
-    def extra_inputs(self, request: ImageRequest) -> dict[str, torch.Tensor]:
-        if not self.guidance_embeds:
-            return {}
-        return {"guidance": torch.full([1], request.guidance_scale, device=self.device, dtype=torch.float32)}
 
     def initial_latents(
         self, requests: Sequence[ImageRequest], schedulers: Sequence[Any], generators: list[torch.Generator]
@@ -98,18 +90,7 @@ class QwenImageAdapter(LatentStepAdapter):
         steps = request.steps
         sigmas = np.linspace(1.0, 1 / steps, steps)
         rows, columns = self._tokens(request.size)
-        config = scheduler.config
-        mu = self.module.calculate_shift(
-            rows * columns,
-            config.get("base_image_seq_len", 256),
-            config.get("max_image_seq_len", 4096),
-            config.get("base_shift", 0.5),
-            config.get("max_shift", 1.15),
-        )
-        timesteps, _ = self.module.retrieve_timesteps(
-            scheduler, steps, self.schedule_device, sigmas=sigmas, mu=mu
-        )
-        return timesteps
+        return self.retrieve_timesteps(scheduler, steps, sigmas, image_seq_len=rows * columns, max_shift=1.15)
 
     def timestep_rows(self, timesteps: Sequence[torch.Tensor]) -> torch.Tensor:
         # QwenImagePipeline: t.expand(batch).to(latents.dtype), then / 1000.
@@ -159,11 +140,8 @@ class QwenImageAdapter(LatentStepAdapter):
 
     def decode(self, latents: torch.Tensor, size: tuple[int, int]) -> list[Image.Image]:
         vae = self.pipe.vae
-        latents = self._unpack(latents, size).to(vae.dtype)
-        shape = (1, vae.config.z_dim, 1, 1, 1)
-        mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents.device, latents.dtype)
-        inverse_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(latents.device, latents.dtype)
-        image = vae.decode(latents / inverse_std + mean, return_dict=False)[0][:, :, 0]
+        latents = denormalized_latents(vae, self._unpack(latents, size).to(vae.dtype))
+        image = vae.decode(latents, return_dict=False)[0][:, :, 0]
         return self.pipe.image_processor.postprocess(image, output_type="pil")
 
     def preview_latent(self, latents: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:

@@ -26,6 +26,7 @@ from triton_diffusion.adapters.latent_steps import (
     Conditioning,
     ImageRequest,
     LatentStepAdapter,
+    row_conditioning,
     sample_latents,
 )
 
@@ -89,13 +90,8 @@ class StableDiffusionAdapter(LatentStepAdapter):
         negatives = [r.negative_prompt or "" for r in requests] if cfg else None
         if not self.xl:
             embeds, negative_embeds = self.pipe.encode_prompt(prompts, self.device, 1, cfg, negatives)
-            return [
-                Conditioning(
-                    {"encoder_hidden_states": embeds[i : i + 1]},
-                    {"encoder_hidden_states": negative_embeds[i : i + 1]} if cfg else None,
-                )
-                for i in range(len(requests))
-            ]
+            unconditional = {"encoder_hidden_states": negative_embeds} if cfg else None
+            return row_conditioning(len(requests), {"encoder_hidden_states": embeds}, unconditional)
         embeds, negative_embeds, pooled, negative_pooled = self.pipe.encode_prompt(
             prompt=prompts,
             device=self.device,
@@ -155,8 +151,7 @@ class StableDiffusionAdapter(LatentStepAdapter):
         return torch.cat([noise[i : i + 1] * s.init_noise_sigma for i, s in enumerate(schedulers)])
 
     def set_timesteps(self, scheduler: Any, request: ImageRequest) -> torch.Tensor:
-        timesteps, _ = self.module.retrieve_timesteps(scheduler, request.steps, self.schedule_device)
-        return timesteps
+        return self.retrieve_timesteps(scheduler, request.steps)
 
     def predict(
         self,

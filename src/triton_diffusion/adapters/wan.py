@@ -21,11 +21,13 @@ import numpy as np
 import torch
 from diffusers.utils.torch_utils import get_module_execution_device
 
-from triton_diffusion.adapters.latent_steps import Conditioning, ImageRequest, LatentStepAdapter
+from triton_diffusion.adapters.latent_steps import ImageRequest, LatentStepAdapter, denormalized_latents
 from triton_diffusion.codecs.video import to_uint8
 
 
 class WanAdapter(LatentStepAdapter):
+    fallback_max_sequence_length = 512
+
     def __init__(self, pipe: Any, facts: Any, schedulers: Any, max_sequence_length: int | None) -> None:
         config = pipe.config
         if getattr(config, "boundary_ratio", None) is not None or pipe.transformer is None:
@@ -33,7 +35,6 @@ class WanAdapter(LatentStepAdapter):
         if getattr(config, "expand_timesteps", False):
             raise NotImplementedError("Wan with a timestep per latent patch (TI2V) has no step adapter")
         super().__init__(pipe, facts, schedulers, max_sequence_length)
-        self.max_sequence_length = max_sequence_length or facts.default("max_sequence_length") or 512
 
     @property
     def model(self) -> Any:
@@ -42,29 +43,17 @@ class WanAdapter(LatentStepAdapter):
     def uses_guidance(self, request: ImageRequest) -> bool:
         return self.guidance_scale(request) > 1.0
 
-    def encode(self, requests: Sequence[ImageRequest]) -> list[Conditioning]:
-        # Prompts and the guided rows' negative prompts in one text-encoder call: encode_prompt encodes a
-        # negative prompt exactly as a prompt (a missing one as "").
-        guided = [i for i, r in enumerate(requests) if self.uses_guidance(r)]
-        texts = [r.prompt for r in requests] + [requests[i].negative_prompt or "" for i in guided]
-        # Without autograd, as in the pipeline's __call__: with it the text encoder keeps its activations
-        # for as long as the job holds the embeddings, and may pick other attention kernels (other values).
-        with torch.no_grad():
-            embeds, _ = self.pipe.encode_prompt(
-                prompt=texts,
-                do_classifier_free_guidance=False,
-                max_sequence_length=self.max_sequence_length,
-                device=self.device,
-            )
+    def encode_texts(self, texts: list[str]) -> list[dict[str, torch.Tensor]]:
+        # The base encode hands prompts and the guided rows' negative prompts here in one call:
+        # encode_prompt encodes a negative prompt exactly as a prompt (a missing one as "").
+        embeds, _ = self.pipe.encode_prompt(
+            prompt=texts,
+            do_classifier_free_guidance=False,
+            max_sequence_length=self.max_sequence_length,
+            device=self.device,
+        )
         embeds = embeds.to(self.dtype)  # the pipeline casts them to the transformer's dtype
-        negatives = {i: embeds[len(requests) + row : len(requests) + row + 1] for row, i in enumerate(guided)}
-        return [
-            Conditioning(
-                {"encoder_hidden_states": embeds[i : i + 1]},
-                {"encoder_hidden_states": negatives[i]} if i in negatives else None,
-            )
-            for i in range(len(requests))
-        ]
+        return [{"encoder_hidden_states": embeds[i : i + 1]} for i in range(len(texts))]
 
     def initial_latents(
         self, requests: Sequence[ImageRequest], schedulers: Sequence[Any], generators: list[torch.Generator]
@@ -107,10 +96,7 @@ class WanAdapter(LatentStepAdapter):
         with the VAE's mean and std, ``postprocess_video`` to float frames), then ``to_uint8``."""
         vae = self.pipe.vae
         latents = latents.to(get_module_execution_device(vae), dtype=vae.dtype)
-        shape = (1, vae.config.z_dim, 1, 1, 1)
-        mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents.device, latents.dtype)
-        std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(latents.device, latents.dtype)
-        video = vae.decode(latents / std + mean, return_dict=False)[0]
+        video = vae.decode(denormalized_latents(vae, latents), return_dict=False)[0]
         frames = self.pipe.video_processor.postprocess_video(video, output_type="np")
         return [to_uint8(one) for one in frames]
 

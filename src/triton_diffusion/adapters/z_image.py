@@ -24,22 +24,18 @@ from typing import Any
 import torch
 from PIL import Image
 
-from triton_diffusion.adapters.latent_steps import (
-    Conditioning,
-    ImageRequest,
-    LatentJob,
-    LatentStepAdapter,
-)
+from triton_diffusion.adapters.latent_steps import ImageRequest, LatentJob, LatentStepAdapter
 
 
 class ZImageAdapter(LatentStepAdapter):
+    fallback_max_sequence_length = 512
+
     def __init__(self, pipe: Any, facts: Any, schedulers: Any, max_sequence_length: int | None) -> None:
         if facts.default("cfg_normalization") or (facts.default("cfg_truncation") or 1.0) < 1.0:
             raise NotImplementedError("Z-Image with CFG normalisation or truncation has no step adapter")
         super().__init__(pipe, facts, schedulers, max_sequence_length)
         if not hasattr(self.module, "get_default_z_image_sigmas"):  # an older diffusers: request-level
             raise NotImplementedError("this diffusers' Z-Image module has no get_default_z_image_sigmas")
-        self.max_sequence_length = max_sequence_length or facts.default("max_sequence_length") or 512
 
     @property
     def model(self) -> Any:
@@ -48,12 +44,10 @@ class ZImageAdapter(LatentStepAdapter):
     def uses_guidance(self, request: ImageRequest) -> bool:
         return self.guidance_scale(request) > 0.0
 
-    def encode(self, requests: Sequence[ImageRequest]) -> list[Conditioning]:
-        # Prompts and the guided rows' negative prompts in one text-encoder call: the pipeline encodes a
-        # negative prompt exactly as a prompt (a missing one as ""). _encode_prompt rewrites the list it
-        # is given (the chat template), so it gets its own.
-        guided = [i for i, r in enumerate(requests) if self.uses_guidance(r)]
-        texts = [r.prompt for r in requests] + [requests[i].negative_prompt or "" for i in guided]
+    def encode_texts(self, texts: list[str]) -> list[dict[str, torch.Tensor]]:
+        # The base encode hands prompts and the guided rows' negative prompts here in one call: the
+        # pipeline encodes a negative prompt exactly as a prompt (a missing one as ""). _encode_prompt
+        # rewrites the list it is given (the chat template), so it gets its own.
         features = self.pipe._encode_prompt(
             prompt=list(texts), device=self.device, max_sequence_length=self.max_sequence_length
         )
@@ -63,8 +57,7 @@ class ZImageAdapter(LatentStepAdapter):
             padded[0, : row.shape[0]] = row
             # The length stays on the host: each forward unpads its rows without waiting for the GPU.
             text.append({"cap_feats": padded, "cap_length": torch.tensor([row.shape[0]])})
-        negatives = {i: text[len(requests) + row] for row, i in enumerate(guided)}
-        return [Conditioning(text[i], negatives.get(i)) for i in range(len(requests))]
+        return text
 
     def initial_latents(
         self, requests: Sequence[ImageRequest], schedulers: Sequence[Any], generators: list[torch.Generator]
@@ -78,19 +71,8 @@ class ZImageAdapter(LatentStepAdapter):
     def set_timesteps(self, scheduler: Any, request: ImageRequest) -> torch.Tensor:
         factor = self.pipe.vae_scale_factor * 2
         image_seq_len = (request.height // factor) * (request.width // factor)
-        config = scheduler.config
-        mu = self.module.calculate_shift(
-            image_seq_len,
-            config.get("base_image_seq_len", 256),
-            config.get("max_image_seq_len", 4096),
-            config.get("base_shift", 0.5),
-            config.get("max_shift", 1.15),
-        )
         sigmas = self.module.get_default_z_image_sigmas(request.steps)
-        timesteps, _ = self.module.retrieve_timesteps(
-            scheduler, request.steps, self.schedule_device, sigmas=sigmas, mu=mu
-        )
-        return timesteps
+        return self.retrieve_timesteps(scheduler, request.steps, sigmas, image_seq_len, max_shift=1.15)
 
     def timestep_rows(self, timesteps: Sequence[torch.Tensor]) -> torch.Tensor:
         # ZImagePipeline: (1000 - t.expand(batch)) / 1000, in the timesteps' own dtype.
