@@ -251,7 +251,10 @@ def test_shutdown_with_a_request_in_flight_gives_the_client_an_error_not_a_hang(
         "text_to_image",
         {
             "model": str(WEIGHTS / "tiny-sd"),
-            "fault_injection": '{\\"step_delay_ms\\": 100}',
+            # 50 steps of 400 ms: the request outlives the exit timeout (2 s) and the supervisor's kill
+            # (10 s later), so even a Triton that hangs in its abort handler with connections open
+            # cannot deliver its answer.
+            "fault_injection": '{\\"step_delay_ms\\": 400}',
         },
     )
     running = start_server(
@@ -270,7 +273,7 @@ def test_shutdown_with_a_request_in_flight_gives_the_client_an_error_not_a_hang(
         ),
         daemon=True,
     ).start()
-    time.sleep(2.0)  # the request is now running (50 stalled steps: 5 s)
+    time.sleep(2.0)  # the request is now running (50 stalled steps: 20 s)
     started = time.perf_counter()
     running.process.send_signal(signal.SIGTERM)
     try:
