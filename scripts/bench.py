@@ -10,7 +10,9 @@ Each server variant is started by this script (a temporary copy of the model rep
 project's gRPC client (closed loop at each --concurrency), then stopped. --mixed adds mixed traffic (steps
 from {4, 8, 16} x guidance from {1, 5, 7.5}, closed loop at the top concurrency); --poisson adds Poisson
 arrivals at 50/80/95% of the request-level engine's saturated throughput (mean/p95 latency and time to
-the first step); --sweep the request-level engine's images-per-call x queue-delay grid. Writes bench.json,
+the first step); --sweep the request-level engine's images-per-call x queue-delay grid; --openai the
+OpenAI front's overhead (one step-engine server with the front: closed loop at the top concurrency through
+the official ``openai`` client against gRPC direct, alternated). Writes bench.json,
 bench.md and bench.png (throughput and p95 latency against concurrency) to --out.
 
     .venv/bin/python scripts/bench.py --concurrency 1,2,4,8,16 --requests 96 --mixed --poisson
@@ -19,6 +21,7 @@ bench.md and bench.png (throughput and p95 latency against concurrency) to --out
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import math
 import queue
@@ -62,6 +65,7 @@ from diffusion_client import GenerateResult, StreamSession, generate_one  # noqa
 from triton_diffusion.serving.server_process import (  # noqa: E402
     WEIGHTS,
     copy_model,
+    free_port,
     read_metrics,
     set_batching,
     start_server,
@@ -210,6 +214,61 @@ def drive(url: str, model: str, requests: list[dict], concurrency: int | None, r
     return measured, end - arrivals[warm_up]
 
 
+def drive_openai(url: str, model: str, requests: list[dict], concurrency: int):
+    """Closed loop through the OpenAI front with the official client (``images.generate``, b64_json),
+    one client (its own connection pool) per worker. Returns the results and the duration."""
+    import openai
+
+    results: list[GenerateResult | None] = [None] * len(requests)
+    todo: queue.Queue = queue.Queue()
+    for item in enumerate(requests):
+        todo.put(item)
+    clients = [
+        openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600.0)
+        for _ in range(concurrency)
+    ]
+
+    def worker(client) -> None:
+        while True:
+            try:
+                index, request = todo.get_nowait()
+            except queue.Empty:
+                return
+            extra = {k: request[k] for k in ("seed", "num_inference_steps", "guidance_scale") if k in request}
+            started = time.perf_counter()
+            images, error = [], None
+            try:
+                response = client.images.generate(
+                    model=model,
+                    prompt=request["prompt"],
+                    n=1,
+                    size=f"{request['width']}x{request['height']}",
+                    response_format="b64_json",
+                    extra_body=extra,
+                )
+                images = [base64.b64decode(d.b64_json) for d in response.data]
+            except openai.OpenAIError as exc:
+                error = str(exc)
+            results[index] = GenerateResult(
+                f"bench-{index}",
+                request["prompt"],
+                images=images,
+                error=error,
+                latency_s=time.perf_counter() - started,
+            )
+
+    threads = [threading.Thread(target=worker, args=(client,)) for client in clients]
+    started = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    duration = time.perf_counter() - started
+    for client in clients:
+        client.close()
+    return [r for r in results if r is not None], duration
+
+
 def summarize(
     variant: str,
     concurrency: int | None,
@@ -255,6 +314,7 @@ class ServerVariant:
         queue_delay_us: int,
         triton_max_batch_size: int,
         extra_edits: dict[str, str] | None = None,
+        openai_port: int | None = None,
     ) -> None:
         self.name, self.model = name, model
         self.tmp = tempfile.TemporaryDirectory(prefix=f"bench-{name}-")
@@ -263,15 +323,24 @@ class ServerVariant:
         edits = {"model": str(weights), "max_rows_per_call": str(rows_per_call), **(extra_edits or {})}
         copy_model(model, repo, model, edits)
         set_batching(repo, model, queue_delay_us, triton_max_batch_size)
-        self.server = start_server(repo, Path(self.tmp.name) / "tritonserver.log", [model])
+        front = [f"--openai-port={openai_port}", "--openai-address=127.0.0.1"] if openai_port else []
+        self.server = start_server(repo, Path(self.tmp.name) / "tritonserver.log", [model], extra_args=front)
+        self.openai_url = f"http://127.0.0.1:{openai_port}" if openai_port else None
+        if openai_port:
+            wait_until_ready(f"{self.openai_url}/health")
 
     def warm_up(self, request: dict, batch: int) -> None:
         drive(self.server.grpc_url, self.model, [dict(request, seed=i) for i in range(batch)], batch, None)
 
-    def run(self, requests: list[dict], concurrency: int | None, rate: float | None) -> RunStats:
+    def run(
+        self, requests: list[dict], concurrency: int | None, rate: float | None, openai: bool = False
+    ) -> RunStats:
         before = read_metrics(self.server)
         with MemorySampler(self.server.process.pid) as memory:
-            results, duration = drive(self.server.grpc_url, self.model, requests, concurrency, rate)
+            if openai:
+                results, duration = drive_openai(self.openai_url, self.model, requests, concurrency)
+            else:
+                results, duration = drive(self.server.grpc_url, self.model, requests, concurrency, rate)
         after = read_metrics(self.server)
         # Images per fused call (request-level) or per forward (step engine).
         prefix = "triton_diffusion_fused_call_rows"
@@ -282,6 +351,8 @@ class ServerVariant:
         stats = summarize(
             self.name, concurrency, rate, results, duration, memory.peak, rows / calls if calls else None
         )
+        if openai:
+            stats.traffic = "openai"
         print(
             f"  {self.name:10s} c={concurrency} rate={rate}: {stats.requests_per_s:.2f} req/s, "
             f"p95 {stats.latency_p95_s:.3f} s, first step {stats.first_progress_mean_s}, "
@@ -293,6 +364,51 @@ class ServerVariant:
     def stop(self) -> None:
         self.server.stop()
         self.tmp.cleanup()
+
+
+def wait_until_ready(url: str, timeout_s: float = 60.0) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=2):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{url} not ready in {timeout_s} s") from None
+            time.sleep(0.3)
+
+
+def run_front_overhead(
+    args: argparse.Namespace, model: str, weights: Path, size_edits: dict, requests: list[dict], top: int
+) -> list[RunStats]:
+    """One step-engine server with the OpenAI front: gRPC direct and through the front, alternated (two
+    rounds each) at the top concurrency, so both see the same server and the same machine."""
+    print(
+        "[openai] the front's overhead: one step-engine server, gRPC direct and through the front", flush=True
+    )
+    variant = ServerVariant(
+        "step",
+        model,
+        weights,
+        args.max_batch_size,
+        args.queue_delay_us,
+        args.triton_max_batch_size,
+        {**size_edits, **ENGINE_VARIANTS["step"]},
+        openai_port=free_port(),
+    )
+    plain = [{k: v for k, v in r.items() if k != "progress"} for r in requests]
+    try:
+        variant.warm_up(plain[0], args.max_batch_size)
+        variant.run(plain[: args.max_batch_size], args.max_batch_size, None, openai=True)  # warm-up
+        runs = []
+        for _ in range(2):
+            runs.append(replace(variant.run(plain, top, None), traffic="grpc"))
+            runs.append(variant.run(plain, top, None, openai=True))
+        return runs
+    finally:
+        variant.stop()
 
 
 def run_raw(
@@ -466,6 +582,9 @@ def main(argv: list[str] | None = None) -> None:
         help="requests per Poisson run (steady state: the first 10%% are left out)",
     )
     parser.add_argument("--sweep", action="store_true", help="also sweep images per call x queue delay")
+    parser.add_argument(
+        "--openai", action="store_true", help="also the OpenAI front's overhead against gRPC direct"
+    )
     parser.add_argument("--no-raw", action="store_true", help="skip the in-process ceiling")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench_results")
     args = parser.parse_args(argv)
@@ -535,6 +654,8 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         for variant in variants.values():
             variant.stop()
+    if args.openai:
+        runs += run_front_overhead(args, model, weights, size_edits, requests, top)
 
     raw = []
     if not args.no_raw:
@@ -578,6 +699,21 @@ def ratios(runs: list[RunStats], raw: list[dict], top: int) -> dict[str, tuple[f
         return found[-1] if found else None
 
     out = step_request_ratios(pick, top, "first_progress_mean_s")
+    grpc = [r for r in runs if r.traffic == "grpc"]
+    front = [r for r in runs if r.traffic == "openai"]
+    if grpc and front:  # each path's rounds pooled: images over time, the worst round's p95
+
+        def images_per_s(rs: list[RunStats]) -> float:
+            return sum(r.images for r in rs) / sum(r.duration_s for r in rs)
+
+        out[f"OpenAI front / gRPC direct throughput, step engine, c={top}"] = (
+            images_per_s(front) / images_per_s(grpc),
+            ">= 0.95",
+        )
+        out[f"OpenAI front / gRPC direct p95 latency, c={top}"] = (
+            max(r.latency_p95_s for r in front) / max(r.latency_p95_s for r in grpc),
+            "-",
+        )
     step, request = pick("step"), pick("request")
     if pick("singleton"):
         out[f"homogeneous c={top}: request / singleton throughput"] = (

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import io
 import json
 import random
 import sys
@@ -74,6 +75,7 @@ from triton_diffusion.engine.policies import AdmissionPacing, make_policy  # noq
 from triton_diffusion.engine.request_engine import RequestEngine  # noqa: E402
 from triton_diffusion.engine.requests import TrackedRequest  # noqa: E402
 from triton_diffusion.engine.step_engine import EngineLimits, StepEngine  # noqa: E402
+from triton_diffusion.models.image_to_image import ImageToImageModel  # noqa: E402
 from triton_diffusion.models.text_to_image import TextToImageModel  # noqa: E402
 from triton_diffusion.serving.server_process import WEIGHTS  # noqa: E402
 from triton_diffusion.serving.triton_model import RowInput  # noqa: E402
@@ -268,6 +270,7 @@ class Bench:
         self.model.fields, self.adapter = self.model.load(settings)
         self.pipe = self.model.pipe
         self.height, self.width, self.cap, self.device = height, width, cap, device
+        self.arch, self.dtype_name = arch, config.dtype
         self.max_running, self.policy = cap, "oldest"
         self.timeline = False  # on a GPU: time each step's stages under Poisson load (synchronising)
         self.cohort = max(1, cap // 2)  # the served default (EngineHost), for max_running >= cap
@@ -417,6 +420,176 @@ def drive(
         return run_step_engine(bench, traffic, cohort, clock)
 
 
+# ---- text-only and image-conditioned requests of one size (issue 19) ----------------------------------
+# Before: a text_to_image model and an image_to_image model, each its own copy of the weights on the
+# request-level engine. After: one text_to_image model on the step engine takes both kinds (its img2img
+# pipeline is built over the same modules) and runs them in the same forwards.
+IMAGE_STRENGTH = 0.6
+
+
+class ImageMix:
+    """Half text-only, half img2img requests (strength IMAGE_STRENGTH from one source image), one size."""
+
+    def __init__(self, bench: Bench) -> None:
+        self.bench = bench
+        config = ModelConfig(
+            model=str(WEIGHTS / bench.arch),
+            dtype=bench.dtype_name,
+            engine="request",
+            max_sequence_length=max_sequence_length(bench.arch),
+        )
+        kind = "GPU" if bench.device.startswith("cuda") else "CPU"
+        settings = ModelSettings(f"{bench.arch}-img2img", WEIGHTS, config, {}, bench.cap, kind, 0)
+        self.img2img = ImageToImageModel()  # the second model: loads the weights again
+        self.img2img.fields, _ = self.img2img.load(settings)
+        pixels = torch.Generator().manual_seed(0)
+        noise = torch.rand(bench.height, bench.width, 3, generator=pixels).mul(255).to(torch.uint8)
+        buffer = io.BytesIO()
+        from PIL import Image
+
+        Image.fromarray(noise.numpy()).save(buffer, format="PNG")
+        self.source = buffer.getvalue()
+
+    def items(self, count: int, steps: int) -> list[tuple[dict, dict]]:
+        """Each request parsed by both setups: (the one text_to_image model's values, the two models')."""
+        out = []
+        for index in range(count):
+            raw = {
+                "prompt": PROMPTS[index % len(PROMPTS)],
+                "seed": index,
+                "height": self.bench.height,
+                "width": self.bench.width,
+                "num_inference_steps": steps,
+            }
+            if self.bench.model.fields["guidance_scale"].supported:
+                raw["guidance_scale"] = 7.5
+            if index % 2:
+                raw.update(image=self.source, strength=IMAGE_STRENGTH)
+            one = self.bench.model.resolve(self.bench.model.fields.parse(raw))
+            two = self.img2img if index % 2 else self.bench.model
+            out.append((one, two.resolve(two.fields.parse(raw))))
+        return out
+
+    @staticmethod
+    def conditioned(item: tuple[dict, dict]) -> bool:
+        return item[0].get("image") is not None
+
+    def run_one_model(self, traffic: Traffic) -> list[int]:
+        """The step engine of the text_to_image model, both kinds in its forwards."""
+        recorder = Recorder(traffic)
+        engine = self.bench.step_engine(self.bench.cohort)
+        while not traffic.finished:
+            for index, (values, _) in traffic.arrived():
+                engine.add(
+                    Job(
+                        TrackedRequest(str(index), Channel()),
+                        self.bench.model.step_request(values, 0),
+                        record=index,
+                    )
+                )
+            if engine.active:
+                recorder.render(engine.step())
+            else:
+                traffic.wait_for_arrival()
+        return recorder.images
+
+    def run_two_models(self, traffic: Traffic, window: int) -> list[int]:
+        """Each kind to its own model's request-level engine. Two Triton models run side by side on the
+        same cores (or GPU); in one process they take turns while both have work, one fused call's rows
+        (``cap``) a turn, so neither waits behind several of the other's calls."""
+        recorder = Recorder(traffic)
+        models = {False: self.bench.model, True: self.img2img}
+        engines = {
+            kind: RequestEngine(m.run_call, RowCaps(self.bench.cap), recorder.render)
+            for kind, m in models.items()
+        }
+        waiting: dict[bool, list] = {False: [], True: []}
+        turn = False
+        while not traffic.finished:
+            for index, item in traffic.arrived():
+                waiting[self.conditioned(item)].append((index, item[1]))
+            if not (waiting[False] or waiting[True]):
+                traffic.wait_for_arrival()
+                continue
+            kind = turn if waiting[turn] else not turn
+            turn = not kind
+            turn_rows = min(window, self.bench.cap)
+            batch, waiting[kind] = waiting[kind][:turn_rows], waiting[kind][turn_rows:]
+            for index, values in batch:
+                key = compatibility_key(models[kind].fields, values)
+                engines[kind].add(
+                    Job(TrackedRequest(str(index), Channel()), RowInput(values, 0), record=index, group=key)
+                )
+            recorder.render(engines[kind].step())
+            sync(self.bench.device)
+        return recorder.images
+
+    def run(
+        self,
+        engine: str,
+        traffic: Traffic,
+        name: str,
+        concurrency: int | None,
+        rate: float | None,
+        window: int,
+    ) -> Outcome:
+        rows = self.run_two_models(traffic, window) if engine == "request" else self.run_one_model(traffic)
+        return outcome(engine, name, traffic, concurrency, rate, rows)
+
+    def resident_weights(self) -> dict[str, float]:
+        """MiB of weights held for serving both kinds: each distinct tensor storage counted once (the
+        memory they take on a GPU; on the CPU two loads of one safetensors file may share pages)."""
+        one = [self.bench.pipe, *self.bench.adapter.pipelines.values()]
+        return {
+            "one_model_mib": weight_bytes(one) / 2**20,
+            "two_models_mib": weight_bytes([self.bench.pipe, self.img2img.pipe]) / 2**20,
+        }
+
+
+def weight_bytes(pipelines: list) -> int:
+    """Bytes of the distinct storages behind the pipelines' modules' parameters and buffers."""
+    storages: dict[int, int] = {}
+    for pipe in pipelines:
+        for component in pipe.components.values():
+            if isinstance(component, torch.nn.Module):
+                for tensor in [*component.parameters(), *component.buffers()]:
+                    storage = tensor.untyped_storage()
+                    storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def run_image_mix(bench: Bench, args, top: int) -> tuple[list[Outcome], dict]:
+    """Closed loop at the top concurrency, then Poisson at 80% of the two models' throughput."""
+    mix = ImageMix(bench)
+    memory = mix.resident_weights()
+    print(
+        f"  resident weights for both kinds: one model {memory['one_model_mib']:.1f} MiB, "
+        f"two models {memory['two_models_mib']:.1f} MiB",
+        flush=True,
+    )
+    items = mix.items(args.requests, args.steps)
+    for engine in ("request", "step"):  # warm-up: the img2img pipeline's first calls
+        mix.run(
+            engine,
+            Traffic(items[: bench.cap], concurrency=bench.cap),
+            "warm-up",
+            bench.cap,
+            None,
+            args.window,
+        )
+    runs = [
+        mix.run(e, Traffic(items, concurrency=top), "text+image", top, None, args.window)
+        for e in ("request", "step")
+    ]
+    rate = 0.8 * runs[0].images_per_s
+    poisson = mix.items(args.poisson_requests, args.steps)
+    for engine in ("request", "step"):
+        arrivals = poisson_arrivals(len(poisson), rate, args.arrival_seed)
+        traffic = Traffic(poisson, arrivals=arrivals, warm_up_fraction=WARM_UP_FRACTION)
+        runs.append(mix.run(engine, traffic, "text+image poisson80", None, rate, args.window))
+    return runs, memory
+
+
 def profile_step_engine(bench: Bench, steps: int, forwards: int) -> dict:
     """Full occupancy: ``cap`` jobs running all the time (a newcomer joins whenever one leaves). Splits
     each engine step into text encoding + noise (admission), the model forward, the row math around it
@@ -520,6 +693,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-running", type=int, help="the step engine's running set (default: --cap)")
     parser.add_argument("--policy", default="oldest", help="the step engine's scheduling policy")
     parser.add_argument("--no-mixed", action="store_true")
+    parser.add_argument(
+        "--no-image-mix",
+        action="store_true",
+        help="no text-only + img2img traffic (one model on the step engine vs two request-level models)",
+    )
     parser.add_argument("--no-closed", action="store_true", help="no closed-loop runs (give --saturated)")
     parser.add_argument("--no-raw", action="store_true")
     parser.add_argument(
@@ -595,6 +773,11 @@ def main(argv: list[str] | None = None) -> None:
         ]
         for engine in ("request", "step"):
             report["runs"].append(run_closed(bench, engine, mixed, top, "mixed", args.window))
+    img2img = "image" in getattr(bench.adapter, "starts", ())  # the family's step adapter starts from images
+    if not args.no_closed and not args.no_image_mix and img2img:
+        print("[text-only and img2img requests: one model (step) vs two models (request)]", flush=True)
+        image_runs, report["image_mix_weights"] = run_image_mix(bench, args, top)
+        report["runs"] += image_runs
     loads = [float(load) for load in args.loads.split(",")] if args.loads else []
     if loads:
         saturated = args.saturated or max(
@@ -701,6 +884,23 @@ def ratios(report: dict) -> dict[str, tuple[float, str]]:
             pick("step", "mixed").images_per_s / pick("request", "mixed").images_per_s,
             TARGETS["mixed throughput"],
         )
+    for traffic in ("text+image", "text+image poisson80"):
+        step, request = pick("step", traffic), pick("request", traffic)
+        if step and request:
+            out[f"{traffic}: one model (step) / two models (request) throughput"] = (
+                step.images_per_s / request.images_per_s,
+                "-",
+            )
+            out[f"{traffic}: one model (step) / two models (request) p95 latency"] = (
+                step.latency_p95_s / request.latency_p95_s,
+                "-",
+            )
+    if "image_mix_weights" in report:
+        weights = report["image_mix_weights"]
+        out["text+image: resident weights, one model / two models"] = (
+            weights["one_model_mib"] / weights["two_models_mib"],
+            "-",
+        )
     for load, (latency, first) in POISSON_TARGETS.items():
         label, percent = poisson_label(load), f"Poisson {round(load * 100)}%"
         request = pick("request", label)
@@ -754,6 +954,17 @@ def markdown(report: dict) -> str:
             f"| {r['latency_mean_s']:.3f} | {r['latency_p95_s']:.3f} | {r['first_step_mean_s']:.3f} "
             f"| {r['first_step_p95_s']:.3f} | {rows} | {r['measured_requests']} of {r['requests']} |"
         )
+    if "image_mix_weights" in report:
+        weights = report["image_mix_weights"]
+        lines += [
+            "",
+            "text+image: half text-only, half img2img requests (strength "
+            f"{IMAGE_STRENGTH}) of one size; request = a text_to_image and an image_to_image model on the "
+            "request-level engine taking turns (two copies of the weights), step = one text_to_image model "
+            "on the step engine running both kinds in the same forwards. Resident weights for serving both "
+            f"kinds: {weights['one_model_mib']:.1f} MiB with one model, {weights['two_models_mib']:.1f} MiB "
+            "with two.",
+        ]
     if "raw" in report:
         raw = report["raw"]
         lines += ["", "Raw pipeline: " + ", ".join(f"{k.replace('_', ' ')} {v:.2f}" for k, v in raw.items())]

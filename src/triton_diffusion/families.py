@@ -62,6 +62,12 @@ _SDXL_STEP = {
     "step_adapter": "stable_diffusion",
     "text_pipeline": "StableDiffusionXLPipeline",
     "image_pipeline": "StableDiffusionXLImg2ImgPipeline",
+    "inpaint_pipeline": "StableDiffusionXLInpaintPipeline",  # the 4-channel masked blend, as SD's
+}
+_SD3_STEP = {
+    "step_adapter": "sd3",
+    "text_pipeline": "StableDiffusion3Pipeline",
+    "image_pipeline": "StableDiffusion3Img2ImgPipeline",
 }
 _FLUX_STEP = {
     "step_adapter": "flux",
@@ -79,10 +85,8 @@ TRAITS: Mapping[str, PipelineTraits] = {
     "StableDiffusionImg2ImgPipeline": PipelineTraits(negative_prompt_none_is_empty=True, **_SD_STEP),
     "StableDiffusionXLPipeline": PipelineTraits(**_SDXL_STEP),
     "StableDiffusionXLImg2ImgPipeline": PipelineTraits(**_SDXL_STEP),
-    "StableDiffusion3Pipeline": PipelineTraits(
-        negative_prompt_none_is_empty=True, step_adapter="sd3", text_pipeline="StableDiffusion3Pipeline"
-    ),
-    "StableDiffusion3Img2ImgPipeline": _NONE_IS_EMPTY,
+    "StableDiffusion3Pipeline": PipelineTraits(negative_prompt_none_is_empty=True, **_SD3_STEP),
+    "StableDiffusion3Img2ImgPipeline": PipelineTraits(negative_prompt_none_is_empty=True, **_SD3_STEP),
     "FluxPipeline": PipelineTraits(packed_latents=True, guidance_embedded=True, **_FLUX_STEP),
     "FluxImg2ImgPipeline": PipelineTraits(packed_latents=True, guidance_embedded=True, **_FLUX_STEP),
     "QwenImagePipeline": PipelineTraits(

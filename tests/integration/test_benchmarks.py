@@ -27,6 +27,7 @@ def test_bench_writes_its_report(tmp_path):
             "--poisson",
             "--poisson-requests",
             "10",
+            "--openai",
             "--out",
             str(out),
         ],
@@ -45,19 +46,23 @@ def test_bench_writes_its_report(tmp_path):
         ("step", "homogeneous", 2),
         ("step", "mixed", 2),
         *poisson,
+        # The OpenAI front's overhead: one server, gRPC direct and the official client, two rounds each.
+        *[("step", path, 2) for _ in range(2) for path in ("grpc", "openai")],
     ]
     for run in report["runs"]:
         # Poisson: the first 10% of the 10 requests (an empty server filling up) are left out.
         count = 9 if run["traffic"].startswith("poisson") else 4
         assert run["errors"] == 0 and run["requests"] == count and run["images"] == count
         assert run["requests_per_s"] > 0 and 0 < run["latency_p50_s"] <= run["latency_p99_s"]
-        assert 0 < run["first_progress_mean_s"] <= run["latency_mean_s"]
+        if run["traffic"] not in ("grpc", "openai"):  # those two send no progress
+            assert 0 < run["first_progress_mean_s"] <= run["latency_mean_s"]
         assert run["peak_memory_mb"] > 50
         assert 1 <= run["mean_rows_per_call"] <= 2
     assert [r["batch"] for r in report["raw"]] == [1, 2]
     assert all(r["images_per_s"] > 0 for r in report["raw"])
     assert "homogeneous c=2: step / request throughput" in report["ratios"]
     assert any(name.startswith("mixed") for name in report["ratios"])
+    assert report["ratios"]["OpenAI front / gRPC direct throughput, step engine, c=2"][0] > 0
 
 
 def test_the_engine_benchmark_runs_both_engines_and_profiles_the_step_engine(tmp_path):
@@ -95,8 +100,15 @@ def test_the_engine_benchmark_runs_both_engines_and_profiles_the_step_engine(tmp
         if run["engine"].startswith("step") and run["traffic"].startswith("poisson"):
             timeline = run["extra"]["timeline"]
             assert timeline["steps"] > 0 and 0 < timeline["model_forward_ms"] < timeline["step_ms"]
+    # Text-only and img2img requests: one model on the step engine against two request-level models.
+    for engine in ("request", "step"):
+        assert {(engine, "text+image"), (engine, "text+image poisson80")} <= traffic
+    weights = report["image_mix_weights"]  # the second model holds a second copy of the weights
+    assert (
+        weights["one_model_mib"] > 1 and abs(weights["two_models_mib"] / weights["one_model_mib"] - 2) < 0.01
+    )
     for run in report["runs"]:
-        poisson = run["traffic"].startswith("poisson")
+        poisson = "poisson" in run["traffic"]
         assert run["requests"] == (10 if poisson else 6) and run["images_per_s"] > 0
         # Poisson: the first 10% left out, and the rate offered reported beside the one delivered.
         assert run["measured_requests"] == (9 if poisson else 6)

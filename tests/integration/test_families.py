@@ -46,6 +46,7 @@ FAMILIES = {
     # The img2img classes of the step-engine families run on the step engine too (their image_to_image).
     "sdxl_img2img": Family("image_to_image", "tiny-sdxl", False, True, False, step_engine=True),
     "flux_img2img": Family("image_to_image", "tiny-flux", False, True, True, step_engine=True),
+    "sd3_img2img": Family("image_to_image", "tiny-sd3", True, True, False, step_engine=True),
 }
 MATES = ["a lighthouse at dusk", "two green apples", "a city in fog", "an old red tram", "waves on rocks"]
 

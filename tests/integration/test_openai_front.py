@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import io
+import shutil
 import threading
 import time
 
@@ -17,6 +18,8 @@ from PIL import Image
 
 from triton_diffusion.client import generate_one
 from triton_diffusion.serving.server_process import WEIGHTS, copy_model, free_port, read_metrics, start_server
+
+from .headless_chromium import HeadlessChromium
 
 KEY = "sk-test-front-key"
 MODELS = ["text_to_image", "image_to_image", "text_to_video", "diffusion_lm", "text_to_image_slow"]
@@ -330,3 +333,58 @@ def test_a_client_that_goes_away_cancels_its_triton_request(front):
         time.sleep(0.2)
     assert read_metrics(front).get(metric, 0) == before + 1
     assert time.monotonic() - started < 5  # cancelled at a step, not run to the end
+
+
+def test_a_non_streamed_request_whose_client_goes_away_is_cancelled(front):
+    metric = 'triton_diffusion_requests_failed_total{code="CANCELLED",model="text_to_image_slow"}'
+    before = read_metrics(front).get(metric, 0)
+    body = {"model": "text_to_image_slow", "prompt": "slow, not streamed", "num_inference_steps": 40}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up after 1.5 s and closes the connection
+        httpx.post(
+            f"{front.openai_url}/v1/images/generations",
+            json=body,
+            headers={"Authorization": f"Bearer {KEY}"},
+            timeout=httpx.Timeout(30, read=1.5),
+        )
+    deadline = time.monotonic() + 10
+    while read_metrics(front).get(metric, 0) <= before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    # Counted as CANCELLED: the engine dropped it at a step, before its last one (a request that runs to
+    # the end is counted as answered, not cancelled).
+    assert read_metrics(front).get(metric, 0) == before + 1
+
+
+# The playground's state as the page shows it (None until the page has loaded).
+PAGE_STATE = """({
+  status: document.getElementById("status").textContent,
+  error: document.getElementById("status").className === "error",
+  models: [...document.querySelectorAll("#model option")].map((o) => o.value),
+  results: [...document.querySelectorAll("#results img")].map((i) => i.src.split(",")[1]),
+  previews: document.querySelectorAll("#previews figure").length,
+  url: location.href,
+  key: document.getElementById("key").value,
+})"""
+
+
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="no headless browser (Debian's chromium)")
+def test_the_playground_page_generates_in_a_headless_browser(front, tmp_path):
+    # ?autorun=1 submits the form once the model list has loaded; #key= sets the API key. The page is
+    # read over the DevTools protocol until it shows a finished image or an error.
+    browser = HeadlessChromium(str(tmp_path / "profile"))
+    state = None
+    try:
+        browser.open(f"{front.openai_url}/?prompt=a+lighthouse&autorun=1#key={KEY}")
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            state = browser.evaluate(PAGE_STATE)
+            if state and (state["results"] or state["error"]):
+                break
+            time.sleep(0.3)
+    finally:
+        browser.close()
+    assert state is not None and not state["error"], state
+    assert "text_to_image" in state["models"]  # /v1/models answered with the key from the fragment
+    assert state["key"] == KEY and "#key" not in state["url"]  # and the key left the address bar
+    assert state["status"].startswith("done in") and len(state["results"]) == 1, state["status"]
+    assert png(state["results"][0]).size == (64, 64)
+    assert state["previews"] == 1  # a live preview was shown while denoising (each replaces the last)

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 import tritonclient.grpc as grpcclient
-from diffusion_client import generate_many, generate_one
+from diffusion_client import StreamSession, generate_many, generate_one
 from PIL import Image
 
 from triton_diffusion.serving.server_process import WEIGHTS, read_metrics
@@ -43,7 +43,15 @@ def reference(weights: str, request: dict) -> np.ndarray:
         "num_inference_steps": request["num_inference_steps"],
         "generator": [torch.Generator().manual_seed(request["seed"])],
     }
-    if "image" in request:  # img2img: the img2img pipeline over the same modules, as diffusers builds it
+    if "mask_image" in request:  # inpainting: the inpaint pipeline over the same modules
+        pipe = diffusers.AutoPipelineForInpainting.from_pipe(pipe)
+        pipe.set_progress_bar_config(disable=True)
+        kwargs.update(
+            image=Image.open(io.BytesIO(request["image"])).convert("RGB"),
+            mask_image=Image.open(io.BytesIO(request["mask_image"])).convert("RGB"),
+            strength=request["strength"],
+        )
+    elif "image" in request:  # img2img: the img2img pipeline over the same modules, as diffusers builds it
         pipe = diffusers.AutoPipelineForImage2Image.from_pipe(pipe)
         pipe.set_progress_bar_config(disable=True)
         kwargs.update(
@@ -257,3 +265,62 @@ def test_a_text_only_and_an_image_conditioned_request_share_forwards_on_text_to_
     # Each equals its own diffusers pipeline: StableDiffusionPipeline, StableDiffusionImg2ImgPipeline.
     assert np.abs(pixels(text_out["image"]) - reference("tiny-sd", text)).max() <= 1
     assert np.abs(pixels(edit_out["image"]) - reference("tiny-sd", edit)).max() <= 1
+
+
+def mask_png(size: int = 64) -> bytes:
+    """White (repaint) over the middle, black (keep) elsewhere."""
+    mask = np.zeros((size, size), dtype=np.uint8)
+    mask[size // 4 : 3 * size // 4, size // 8 : size // 2 + 5] = 255
+    buffer = io.BytesIO()
+    Image.fromarray(mask).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def test_a_short_inpaint_request_sent_at_step_10_of_a_long_one_starts_at_once_and_finishes_first(server):
+    # The project's client sends the source and the mask as IMAGE and MASK_IMAGE tensors.
+    long = {"prompt": "a long walk by the sea", "seed": 21, "num_inference_steps": 30, "guidance_scale": 5.0}
+    short = {
+        "prompt": "a red door",
+        "image": structured_png(),
+        "mask_image": mask_png(),
+        "strength": 0.75,  # 3 of its 4 steps run
+        "seed": 22,
+        "num_inference_steps": 4,
+        "guidance_scale": 7.5,
+    }
+    at_step_10 = threading.Event()
+    long_step = [0]  # the long request's latest step, as its progress reports it
+    finished: list[str] = []
+    results: dict[str, object] = {}
+
+    def on_long(progress) -> None:
+        long_step[0] = progress.step
+        if progress.step >= 10:
+            at_step_10.set()
+
+    def run_long() -> None:
+        with StreamSession(server.grpc_url, "sd_step_slow") as session:
+            results["long"] = session.generate(long, "long", 120, on_long)
+        finished.append("long")
+
+    thread = threading.Thread(target=run_long)
+    thread.start()
+    assert at_step_10.wait(60), "the long request never reached step 10"
+    long_step_at_first: list[int] = []
+    with StreamSession(server.grpc_url, "sd_step_slow") as session:
+        results["short"] = session.generate(
+            {**short, "progress": True}, "short", 120, lambda p: long_step_at_first.append(long_step[0])
+        )
+        finished.append("short")
+    thread.join(120)
+    long_out, short_out = results["long"], results["short"]
+    assert long_out.ok and short_out.ok, (long_out.error, short_out.error)
+    # It took its first step a few of the long request's steps after it was sent (not after the long
+    # one's 20 remaining steps), shared its forwards, and finished first.
+    assert long_step_at_first[0] <= 15, long_step_at_first
+    assert finished == ["short", "long"]
+    assert short_out.steps == [1, 2, 3] and short_out.batch["most_rows_shared"] == 2
+    assert short_out.batch["forwards"] == 3 and long_out.batch["forwards"] == 30
+    # Each equals its own pipeline: StableDiffusionPipeline and StableDiffusionInpaintPipeline.
+    assert np.abs(pixels(short_out.images[0]) - reference("tiny-sd", short)).max() <= 1
+    assert np.abs(pixels(long_out.images[0]) - reference("tiny-sd", long)).max() <= 1

@@ -5,9 +5,9 @@ For each adapted family (SD 1.x, SDXL, FLUX.1, SD3), six requests with different
 engine; one more is cancelled half-way. Each finished image must equal ``pipeline(...)`` for the same
 arguments and generator to one uint8 level, and requests must have shared forwards.
 
-Image-conditioned jobs (img2img for SD, SDXL and FLUX.1, inpainting for SD) must equal their img2img or
-inpaint pipeline's own image (built with ``from_pipe``), alone and while text-only jobs with other steps
-and guidance join and leave around them.
+Image-conditioned jobs (img2img for SD, SDXL, FLUX.1 and SD3, inpainting for SD and SDXL) must equal
+their img2img or inpaint pipeline's own image (built with ``from_pipe``), alone and while text-only jobs
+with other steps and guidance join and leave around them.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from triton_diffusion.adapters.step_adapters import step_adapter_for
 
 FAMILIES = {
     "tiny-sd": "EulerDiscreteScheduler,DPMSolverMultistepScheduler,EulerAncestralDiscreteScheduler",
-    "tiny-sdxl": "DDIMScheduler,DPMSolverMultistepScheduler",
+    "tiny-sdxl": "DDIMScheduler,DPMSolverMultistepScheduler,EulerAncestralDiscreteScheduler",
     "tiny-flux": None,
     "tiny-sd3": None,
 }
@@ -82,8 +82,13 @@ IMAGE_TARGETS = {
         ("mask", "EulerAncestralDiscreteScheduler", 0.8, 4, 2),
         ("mask", "EulerDiscreteScheduler", 1.0, 3, 0),
     ],
-    "StableDiffusionXLPipeline": [("image", "DPMSolverMultistepScheduler", 0.75, 4, 0)],
+    "StableDiffusionXLPipeline": [
+        ("image", "DPMSolverMultistepScheduler", 0.75, 4, 0),
+        # Euler ancestral: its step noise follows the masked source's draw from the row's generator.
+        ("mask", "EulerAncestralDiscreteScheduler", 0.8, 4, 2),
+    ],
     "FluxPipeline": [("image", None, 0.7, 4, 0)],
+    "StableDiffusion3Pipeline": [("image", None, 0.65, 5, 0), ("image", None, 0.9, 3, 2)],
 }
 # Text-only neighbours: (steps, guidance, true CFG, arrives at engine step); the second joins mid-way.
 NEIGHBOURS = [(2, 3.0, 2.0, 0), (3, 1.0, 1.0, 1)]

@@ -6,9 +6,8 @@ scaling, the transformer predicts the velocity, the flow-matching scheduler step
 Flux turns true CFG on for the whole call when any row has a negative prompt; here it is per row (a row
 with a negative prompt and ``true_cfg_scale`` > 1 adds one unconditional row), so such requests share
 forwards with the others, each exactly as ``FluxPipeline`` would run it alone. An image-conditioned FLUX.1
-job starts as ``FluxImg2ImgPipeline`` starts it: the schedule trimmed by ``strength`` (rounded as flow
-matching pipelines round it), the source encoded with the row's generator, shifted and scaled, and mixed
-with the row's noise at the first remaining sigma (``scale_noise``), then packed.
+or SD3 job starts as ``FluxImg2ImgPipeline`` / ``StableDiffusion3Img2ImgPipeline`` start it
+(:class:`FlowMatchingImageStart`), FLUX.1's then packed.
 """
 
 from __future__ import annotations
@@ -29,23 +28,16 @@ from triton_diffusion.adapters.latent_steps import (
 )
 
 
-class FluxAdapter(LatentStepAdapter):
-    fallback_max_sequence_length = 512
-
-    def __init__(self, pipe: Any, facts: Any, schedulers: Any, max_sequence_length: int | None) -> None:
-        super().__init__(pipe, facts, schedulers, max_sequence_length)
-        self.guidance_embeds = bool(pipe.transformer.config.guidance_embeds)
-        self._ids_by_shape: dict[tuple[int, tuple[int, int]], tuple[torch.Tensor, torch.Tensor]] = {}
-
-    @property
-    def model(self) -> Any:
-        return self.pipe.transformer
+class FlowMatchingImageStart:
+    """img2img as ``FluxImg2ImgPipeline`` and ``StableDiffusion3Img2ImgPipeline`` start it: the schedule
+    trimmed by steps x strength unrounded, the source encoded (each row sampled with its own generator),
+    shifted and scaled, then noised to the first remaining sigma with the row's noise (``scale_noise``)."""
 
     def supports(self, start: str) -> bool:
         return start == "image"
 
     def first_step(self, steps: int, strength: float) -> int:
-        # FluxImg2ImgPipeline.get_timesteps: steps x strength is not rounded before it is subtracted.
+        # get_timesteps: steps x strength is not rounded before it is subtracted.
         return int(max(steps - min(steps * strength, steps), 0))
 
     def encode_source(self, pixels: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
@@ -57,6 +49,19 @@ class FluxAdapter(LatentStepAdapter):
         self, scheduler: Any, image_latents: torch.Tensor, noise: torch.Tensor, timestep: torch.Tensor
     ) -> torch.Tensor:
         return scheduler.scale_noise(image_latents, timestep, noise)
+
+
+class FluxAdapter(FlowMatchingImageStart, LatentStepAdapter):
+    fallback_max_sequence_length = 512
+
+    def __init__(self, pipe: Any, facts: Any, schedulers: Any, max_sequence_length: int | None) -> None:
+        super().__init__(pipe, facts, schedulers, max_sequence_length)
+        self.guidance_embeds = bool(pipe.transformer.config.guidance_embeds)
+        self._ids_by_shape: dict[tuple[int, tuple[int, int]], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @property
+    def model(self) -> Any:
+        return self.pipe.transformer
 
     def pack(self, latents: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
         count, channels, height, width = latents.shape
@@ -167,7 +172,7 @@ class FluxAdapter(LatentStepAdapter):
         return self._unpack(latents, size)[0]
 
 
-class StableDiffusion3Adapter(LatentStepAdapter):
+class StableDiffusion3Adapter(FlowMatchingImageStart, LatentStepAdapter):
     fallback_max_sequence_length = 256
 
     @property

@@ -38,6 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import diffusers
 import torch
 from diffusers.utils.torch_utils import randn_tensor
 from PIL import Image
@@ -442,10 +443,15 @@ class LatentStepAdapter:
         mask = pipe.mask_processor.preprocess(request.mask_image, height=height, width=width)
         factor = pipe.vae_scale_factor
         mask = torch.nn.functional.interpolate(mask, size=(height // factor, width // factor))
-        vae = pipe.vae
-        shape = (1, vae.config.latent_channels, height // factor, width // factor)
-        randn_tensor(shape, generator=generator, device=self.device, dtype=vae.dtype)
+        if not isinstance(pipe.vae, diffusers.AutoencoderTiny):  # retrieve_latents samples a distribution
+            shape = (1, pipe.vae.config.latent_channels, height // factor, width // factor)
+            randn_tensor(shape, generator=generator, device=self.device, dtype=self.source_draw_dtype)
         return mask.to(device=self.device, dtype=self.dtype)
+
+    @property
+    def source_draw_dtype(self) -> torch.dtype:
+        """The dtype in which the inpaint pipeline's VAE samples the masked source's latents."""
+        return self.pipelines["mask"].vae.dtype
 
     def model_rows(self, job: Job) -> int:
         return 2 if job.state.unconditional is not None else 1

@@ -7,7 +7,8 @@ A missing negative prompt: SD turns it into "" (so does this adapter); SDXL zero
 (``force_zeros_for_empty_prompt``), here per row, so rows with and without one share forwards exactly.
 
 Image-conditioned jobs start as ``StableDiffusionImg2ImgPipeline`` / ``StableDiffusionXLImg2ImgPipeline``
-start them (and SD inpainting as ``StableDiffusionInpaintPipeline`` with a 4-channel UNet); SDXL img2img
+start them (and inpainting as ``StableDiffusionInpaintPipeline`` / ``StableDiffusionXLInpaintPipeline``
+with a 4-channel UNet); SDXL img2img and inpainting
 conditions on its own time ids (``requires_aesthetics_score``: aesthetic scores instead of the target size,
 and other ones for the unconditional row), so those are per row too.
 """
@@ -37,8 +38,8 @@ class StableDiffusionAdapter(LatentStepAdapter):
     def __init__(self, pipe: Any, facts: Any, schedulers: Any, max_sequence_length: int | None) -> None:
         if pipe.unet.config.time_cond_proj_dim is not None:
             raise NotImplementedError("a guidance-embedding UNet (LCM) has no step adapter")
+        self.xl = pipe.unet.config.addition_embed_type == "text_time"  # read by supports() in __init__
         super().__init__(pipe, facts, schedulers, max_sequence_length)
-        self.xl = pipe.unet.config.addition_embed_type == "text_time"
 
     @property
     def model(self) -> Any:
@@ -47,7 +48,13 @@ class StableDiffusionAdapter(LatentStepAdapter):
     def supports(self, start: str) -> bool:
         # Inpainting here is the masked blend of an ordinary UNet; a 9-channel inpainting UNet (mask and
         # masked source as extra input channels) cannot serve text-only jobs and has no step adapter.
-        return start == "image" or (start == "mask" and self.pipe.unet.config.in_channels == 4)
+        # SDXL's inpaint pipeline encodes the source without the VAE's latents mean and std (its img2img
+        # pipeline normalises with them), so a VAE that has them serves img2img only.
+        if start == "mask":
+            vae = self.pipe.vae.config
+            normalised = getattr(vae, "latents_mean", None) is not None and self.xl
+            return self.pipe.unet.config.in_channels == 4 and not normalised
+        return start == "image"
 
     def encode_source(self, pixels: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
         vae = self.pipe.vae
@@ -73,6 +80,13 @@ class StableDiffusionAdapter(LatentStepAdapter):
             std = torch.tensor(std).view(1, 4, 1, 1).to(device=self.device, dtype=self.dtype)
             return (latents - mean) * vae.config.scaling_factor / std
         return vae.config.scaling_factor * latents
+
+    @property
+    def source_draw_dtype(self) -> torch.dtype:
+        # SDXL's inpaint pipeline encodes the masked source with its VAE in float32 where force_upcast.
+        if self.xl and self.pipe.vae.config.force_upcast:
+            return torch.float32
+        return self.pipe.vae.dtype
 
     @property
     def schedule_device(self) -> str:
@@ -123,13 +137,13 @@ class StableDiffusionAdapter(LatentStepAdapter):
 
     def _time_ids(self, request: ImageRequest, dtype: torch.dtype, projection: int) -> tuple[Any, Any]:
         """SDXL's size conditioning for the row and its unconditional row, as its pipeline makes it: the
-        text-to-image one (the same for both rows), or the img2img one (with aesthetic scores where
-        ``requires_aesthetics_score`` is set, another one for the unconditional row)."""
+        text-to-image one (the same for both rows), or the img2img/inpaint one (with aesthetic scores
+        where ``requires_aesthetics_score`` is set, another one for the unconditional row)."""
         size = request.size
         if request.image is None:
             time_ids = self.pipe._get_add_time_ids(size, (0, 0), size, dtype, projection).to(self.device)
             return time_ids, time_ids
-        pipe = self.pipelines["image"]
+        pipe = self.pipelines[request.start]
         defaults = inspect.signature(pipe.__call__).parameters
         aesthetic, negative_aesthetic = (
             defaults[name].default for name in ("aesthetic_score", "negative_aesthetic_score")

@@ -137,9 +137,11 @@ class StreamSession:
         prompt = fields.pop("prompt")
         out = GenerateResult(request_id=request_id, prompt=prompt)
         inputs = [_bytes_input("PROMPT", prompt.encode("utf-8"))]
-        image = fields.pop("image", None)
-        if image is not None:  # image-to-image: the encoded source image as the IMAGE tensor
-            inputs.append(_bytes_input("IMAGE", image))
+        # A source image (img2img) and a mask (inpainting): encoded files, sent as BYTES tensors.
+        for name, tensor in (("image", "IMAGE"), ("mask_image", "MASK_IMAGE")):
+            data = fields.pop(name, None)
+            if data is not None:
+                inputs.append(_bytes_input(tensor, data))
         started = time.perf_counter()
         try:
             self._send(inputs, request_id, fields)
@@ -262,6 +264,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-n", "--images", type=int, dest="num_images_per_prompt")
     parser.add_argument("--format", dest="output_format", choices=["png", "jpeg", "webp"])
     parser.add_argument("--lora", help="LoRA adapters of the model's loras: name or name:scale,...")
+    parser.add_argument("--image", type=Path, help="a source image file (img2img; every prompt)")
+    parser.add_argument("--mask", type=Path, help="with --image: a mask file (inpainting: white repainted)")
+    parser.add_argument("--strength", type=float, help="with --image: how much of the schedule runs")
     parser.add_argument(
         "--param",
         action="append",
@@ -289,8 +294,14 @@ def main(argv: list[str] | None = None) -> int:
         "num_images_per_prompt",
         "output_format",
         "lora",
+        "strength",
     )
     fields = {name: getattr(args, name) for name in named if getattr(args, name) is not None}
+    if (args.mask is not None or args.strength is not None) and args.image is None:
+        parser.error("--mask and --strength need --image")
+    for name, path in (("image", args.image), ("mask_image", args.mask)):
+        if path is not None:
+            fields[name] = path.read_bytes()
     for item in args.param:
         name, _, value = item.partition("=")
         fields[name] = _parse_value(value)

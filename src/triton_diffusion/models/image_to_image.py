@@ -1,6 +1,6 @@
 """Image-to-image and instruction edits: the text_to_image model with ``image`` required.
 
-Where the family has a step adapter (SD 1.x/2.x, SDXL, FLUX.1) this is the same code as text_to_image's
+Where the family has a step adapter (SD 1.x/2.x, SDXL, FLUX.1, SD3) this is the same code as text_to_image's
 image-conditioned requests on the step engine (models/text_to_image.py, adapters/latent_steps.py): the
 img2img pipeline this model loads is one of the family's pipelines over one set of modules, and the others
 are built over the same modules (no second copy of the weights; text_to_image takes ``image`` too).
