@@ -282,6 +282,10 @@ class Bench:
 
     def request(self, index: int, steps: int, guidance: float) -> dict:
         """A request's validated fields, as execute() parses them."""
+        return self.model.fields.parse(self.raw_request(index, steps, guidance))
+
+    def raw_request(self, index: int, steps: int, guidance: float) -> dict:
+        """A request as a client sends it."""
         raw = {
             "prompt": PROMPTS[index % len(PROMPTS)],
             "seed": index,
@@ -291,7 +295,7 @@ class Bench:
         }
         if self.model.fields["guidance_scale"].supported:
             raw["guidance_scale"] = guidance
-        return self.model.fields.parse(raw)
+        return raw
 
     def job(self, index: int, values: dict, engine: str) -> Job:
         tracked = TrackedRequest(str(index), Channel())
@@ -453,21 +457,16 @@ class ImageMix:
     def items(self, count: int, steps: int) -> list[tuple[dict, dict]]:
         """Each request parsed by both setups: (the one text_to_image model's values, the two models')."""
         out = []
+        model = self.bench.model
         for index in range(count):
-            raw = {
-                "prompt": PROMPTS[index % len(PROMPTS)],
-                "seed": index,
-                "height": self.bench.height,
-                "width": self.bench.width,
-                "num_inference_steps": steps,
-            }
-            if self.bench.model.fields["guidance_scale"].supported:
-                raw["guidance_scale"] = 7.5
-            if index % 2:
-                raw.update(image=self.source, strength=IMAGE_STRENGTH)
-            one = self.bench.model.resolve(self.bench.model.fields.parse(raw))
-            two = self.img2img if index % 2 else self.bench.model
-            out.append((one, two.resolve(two.fields.parse(raw))))
+            raw = self.bench.raw_request(index, steps, 7.5)
+            if not index % 2:  # text-only: the same text_to_image fields in both setups
+                values = model.resolve(model.fields.parse(raw))
+                out.append((values, values))
+                continue
+            raw.update(image=self.source, strength=IMAGE_STRENGTH)
+            one = model.resolve(model.fields.parse(raw))
+            out.append((one, self.img2img.resolve(self.img2img.fields.parse(raw))))
         return out
 
     @staticmethod

@@ -107,10 +107,6 @@ class DiTAdapter(LatentStepAdapter):
         self.learned_sigma = self.model.config.out_channels // 2 == self.model.config.in_channels
 
     @property
-    def model(self) -> Any:
-        return self.pipe.transformer
-
-    @property
     def schedule_device(self) -> str:
         # DPM-Solver, Euler and DDIM keep their tables on the CPU: a GPU timestep would make each job's
         # scheduler step wait for the GPU. The values are the same on either device.
@@ -136,9 +132,6 @@ class DiTAdapter(LatentStepAdapter):
         finally:
             for job, request in zip(jobs, asked, strict=True):
                 job.params = request
-
-    def uses_guidance(self, request: ImageRequest) -> bool:
-        return self.guidance_scale(request) > 1.0
 
     def encode(self, requests: Sequence[ImageRequest]) -> list[Conditioning]:
         cfg = any(self.uses_guidance(r) for r in requests)

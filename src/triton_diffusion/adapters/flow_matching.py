@@ -59,10 +59,6 @@ class FluxAdapter(FlowMatchingImageStart, LatentStepAdapter):
         self.guidance_embeds = bool(pipe.transformer.config.guidance_embeds)
         self._ids_by_shape: dict[tuple[int, tuple[int, int]], tuple[torch.Tensor, torch.Tensor]] = {}
 
-    @property
-    def model(self) -> Any:
-        return self.pipe.transformer
-
     def pack(self, latents: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
         count, channels, height, width = latents.shape
         return self.pipe._pack_latents(latents, count, channels, height, width)
@@ -121,7 +117,7 @@ class FluxAdapter(FlowMatchingImageStart, LatentStepAdapter):
 
     def timestep_rows(self, timesteps: Sequence[torch.Tensor]) -> torch.Tensor:
         # FluxPipeline: t.expand(batch).to(latents.dtype), then / 1000.
-        return self.to_device(torch.stack([t.reshape(()).to(self.dtype) for t in timesteps])) / 1000
+        return self.stacked_timesteps(timesteps, self.dtype) / 1000
 
     def predict(
         self,
@@ -174,13 +170,6 @@ class FluxAdapter(FlowMatchingImageStart, LatentStepAdapter):
 
 class StableDiffusion3Adapter(FlowMatchingImageStart, LatentStepAdapter):
     fallback_max_sequence_length = 256
-
-    @property
-    def model(self) -> Any:
-        return self.pipe.transformer
-
-    def uses_guidance(self, request: ImageRequest) -> bool:
-        return self.guidance_scale(request) > 1.0
 
     def encode(self, requests: Sequence[ImageRequest]) -> list[Conditioning]:
         cfg = any(self.uses_guidance(r) for r in requests)

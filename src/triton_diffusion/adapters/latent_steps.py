@@ -182,8 +182,8 @@ class LatentStepAdapter:
     # ---- hooks --------------------------------------------------------------------------------------
     @property
     def model(self) -> Any:
-        """The denoising network (UNet or transformer)."""
-        raise NotImplementedError
+        """The denoising network: the pipeline's transformer (the UNet families override it)."""
+        return self.pipe.transformer
 
     def supports(self, start: str) -> bool:
         """Whether this family's adapter can start jobs this way (``image``, ``mask``) with this model."""
@@ -218,8 +218,9 @@ class LatentStepAdapter:
         return latents
 
     def uses_guidance(self, request: ImageRequest) -> bool:
-        """Whether the job adds an unconditional row."""
-        raise NotImplementedError
+        """Whether the job adds an unconditional row: classic CFG, as the pipelines' ``guidance_scale > 1``
+        (true-CFG families and Z-Image override it)."""
+        return self.guidance_scale(request) > 1.0
 
     def guidance_scale(self, request: ImageRequest) -> float:
         return float(request.guidance_scale or 0.0)
@@ -282,7 +283,13 @@ class LatentStepAdapter:
 
     def timestep_rows(self, timesteps: Sequence[torch.Tensor]) -> torch.Tensor:
         """The per-row timestep vector the model takes."""
-        return self.to_device(torch.stack([t.reshape(()).to(torch.float32) for t in timesteps]))
+        return self.stacked_timesteps(timesteps, torch.float32)
+
+    def stacked_timesteps(self, timesteps: Sequence[torch.Tensor], dtype: torch.dtype | None) -> torch.Tensor:
+        """Each row's 0-d timestep in one [rows] vector on the device, cast to ``dtype`` (None: as is)."""
+        return self.to_device(
+            torch.stack([t.reshape(()) if dtype is None else t.reshape(()).to(dtype) for t in timesteps])
+        )
 
     def to_device(self, values: torch.Tensor) -> torch.Tensor:
         """A small host tensor to the device without a sync: a plain copy from pageable memory would

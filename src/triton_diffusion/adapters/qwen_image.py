@@ -41,10 +41,6 @@ class QwenImageAdapter(LatentStepAdapter):
         # The pipeline draws and steps latents in the prompt embeddings' (the text encoder's) dtype.
         self.latent_dtype = self.pipe.text_encoder.dtype
 
-    @property
-    def model(self) -> Any:
-        return self.pipe.transformer
-
     def uses_guidance(self, request: ImageRequest) -> bool:
         return (request.true_cfg_scale or 0.0) > 1.0 and request.negative_prompt is not None
 
@@ -94,7 +90,7 @@ class QwenImageAdapter(LatentStepAdapter):
 
     def timestep_rows(self, timesteps: Sequence[torch.Tensor]) -> torch.Tensor:
         # QwenImagePipeline: t.expand(batch).to(latents.dtype), then / 1000.
-        return self.to_device(torch.stack([t.reshape(()).to(self.latent_dtype) for t in timesteps])) / 1000
+        return self.stacked_timesteps(timesteps, self.latent_dtype) / 1000
 
     def predict(
         self,

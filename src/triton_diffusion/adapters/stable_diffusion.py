@@ -95,9 +95,6 @@ class StableDiffusionAdapter(LatentStepAdapter):
         # Euler, DPM-Solver and Heun keep their sigmas on the CPU anyway.
         return "cpu"
 
-    def uses_guidance(self, request: ImageRequest) -> bool:
-        return self.guidance_scale(request) > 1.0
-
     def encode(self, requests: Sequence[ImageRequest]) -> list[Conditioning]:
         prompts = [r.prompt for r in requests]
         cfg = any(self.uses_guidance(r) for r in requests)

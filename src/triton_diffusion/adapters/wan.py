@@ -36,13 +36,6 @@ class WanAdapter(LatentStepAdapter):
             raise NotImplementedError("Wan with a timestep per latent patch (TI2V) has no step adapter")
         super().__init__(pipe, facts, schedulers, max_sequence_length)
 
-    @property
-    def model(self) -> Any:
-        return self.pipe.transformer
-
-    def uses_guidance(self, request: ImageRequest) -> bool:
-        return self.guidance_scale(request) > 1.0
-
     def encode_texts(self, texts: list[str]) -> list[dict[str, torch.Tensor]]:
         # The base encode hands prompts and the guided rows' negative prompts here in one call:
         # encode_prompt encodes a negative prompt exactly as a prompt (a missing one as "").

@@ -37,10 +37,6 @@ class ZImageAdapter(LatentStepAdapter):
         if not hasattr(self.module, "get_default_z_image_sigmas"):  # an older diffusers: request-level
             raise NotImplementedError("this diffusers' Z-Image module has no get_default_z_image_sigmas")
 
-    @property
-    def model(self) -> Any:
-        return self.pipe.transformer
-
     def uses_guidance(self, request: ImageRequest) -> bool:
         return self.guidance_scale(request) > 0.0
 
@@ -76,7 +72,7 @@ class ZImageAdapter(LatentStepAdapter):
 
     def timestep_rows(self, timesteps: Sequence[torch.Tensor]) -> torch.Tensor:
         # ZImagePipeline: (1000 - t.expand(batch)) / 1000, in the timesteps' own dtype.
-        return (1000 - self.to_device(torch.stack([t.reshape(()) for t in timesteps]))) / 1000
+        return (1000 - self.stacked_timesteps(timesteps, None)) / 1000
 
     def predict(
         self,
