@@ -34,6 +34,21 @@ export LD_LIBRARY_PATH="$LIBS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 
 mkdir -p "$(dirname "$OUT")"
 cd "$(dirname "$OUT")"  # perf_analyzer writes a few side files into the working directory
-exec "$VENV/bin/perf_analyzer" -m "$MODEL" -u "$URL" -i grpc --streaming --async \
+rm -f "$OUT"
+"$VENV/bin/perf_analyzer" -m "$MODEL" -u "$URL" -i grpc --streaming --async \
   --input-data "$REPO_ROOT/client/perf_input.json" --concurrency-range "$CONCURRENCY" \
   --measurement-interval "$INTERVAL_MS" --stability-percentage "$STABILITY" -f "$OUT" "$@"
+
+# perf_analyzer ends a sweep at the first level it cannot measure stably (or that passes a
+# --latency-threshold) and still exits 0, leaving a CSV that silently lacks the higher levels: fail.
+IFS=: read -r first last step <<<"$CONCURRENCY"
+last="${last:-$first}"
+step="${step:-1}"
+expected=$(( (last - first) / step + 1 ))
+written=0
+[ -s "$OUT" ] && written=$(( $(wc -l <"$OUT") - 1 ))
+if [ "$written" -lt "$expected" ]; then
+  echo "perf_analyzer.sh: $written of $expected concurrency levels measured ($OUT); perf_analyzer" \
+    "stopped the sweep (its message is above): if not stable, raise INTERVAL_MS or STABILITY" >&2
+  exit 2
+fi

@@ -120,18 +120,31 @@ def test_the_engine_benchmark_runs_both_engines_and_profiles_the_step_engine(tmp
 
 def test_perf_analyzer_script_writes_a_csv(server, tmp_path):
     out = tmp_path / "perf_analyzer.csv"
-    env = dict(os.environ, URL=server.grpc_url, CONCURRENCY="1:2:1", INTERVAL_MS="1500", OUT=str(out))
-    result = subprocess.run(
-        [str(REPO_ROOT / "scripts" / "perf_analyzer.sh")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+
+    def perf_analyzer(stability: str, *extra: str) -> subprocess.CompletedProcess:
+        env = dict(
+            os.environ,
+            URL=server.grpc_url,
+            CONCURRENCY="1:2:1",
+            INTERVAL_MS="1500",
+            STABILITY=stability,
+            OUT=str(out),
+        )
+        command = [str(REPO_ROOT / "scripts" / "perf_analyzer.sh"), *extra]
+        return subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+
+    # Stability is not under test here (the CI machine is shared and noisy): any three windows pass.
+    result = perf_analyzer("1000")
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     rows = list(csv.DictReader(out.open()))
     assert [int(r["Concurrency"]) for r in rows] == [1, 2]
     assert all(float(r["Inferences/Second"]) > 0 and float(r["p95 latency"]) > 0 for r in rows)
+
+    # perf_analyzer ends a sweep early (a level not stable, or over the latency limit, as here), writes
+    # only the levels before it and exits 0: the script fails and says how many were measured.
+    result = perf_analyzer("1000", "--latency-threshold", "1")
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "0 of 2 concurrency levels measured" in result.stderr
 
 
 def test_the_diffusion_lm_benchmarks_in_process_ceiling_runs_on_the_shared_engine():
