@@ -68,11 +68,13 @@ _SD3_STEP = {
     "step_adapter": "sd3",
     "text_pipeline": "StableDiffusion3Pipeline",
     "image_pipeline": "StableDiffusion3Img2ImgPipeline",
+    "inpaint_pipeline": "StableDiffusion3InpaintPipeline",  # the masked blend of a 16-channel transformer
 }
 _FLUX_STEP = {
     "step_adapter": "flux",
     "text_pipeline": "FluxPipeline",
     "image_pipeline": "FluxImg2ImgPipeline",
+    "inpaint_pipeline": "FluxInpaintPipeline",  # the masked blend, in the packed layout
 }
 
 # One entry per diffusers class; the family test (tests/integration/test_families.py) serves each.
@@ -83,12 +85,16 @@ TRAITS: Mapping[str, PipelineTraits] = {
         **_SD_STEP,
     ),
     "StableDiffusionImg2ImgPipeline": PipelineTraits(negative_prompt_none_is_empty=True, **_SD_STEP),
+    # An inpainting checkpoint (9-channel UNet) is saved as this class; an ordinary one may be loaded as it.
+    "StableDiffusionInpaintPipeline": PipelineTraits(negative_prompt_none_is_empty=True, **_SD_STEP),
     "StableDiffusionXLPipeline": PipelineTraits(**_SDXL_STEP),
     "StableDiffusionXLImg2ImgPipeline": PipelineTraits(**_SDXL_STEP),
     "StableDiffusion3Pipeline": PipelineTraits(negative_prompt_none_is_empty=True, **_SD3_STEP),
     "StableDiffusion3Img2ImgPipeline": PipelineTraits(negative_prompt_none_is_empty=True, **_SD3_STEP),
+    "StableDiffusion3InpaintPipeline": PipelineTraits(negative_prompt_none_is_empty=True, **_SD3_STEP),
     "FluxPipeline": PipelineTraits(packed_latents=True, guidance_embedded=True, **_FLUX_STEP),
     "FluxImg2ImgPipeline": PipelineTraits(packed_latents=True, guidance_embedded=True, **_FLUX_STEP),
+    "FluxInpaintPipeline": PipelineTraits(packed_latents=True, guidance_embedded=True, **_FLUX_STEP),
     "QwenImagePipeline": PipelineTraits(
         packed_latents=True,
         guidance_embedded=True,

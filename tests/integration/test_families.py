@@ -13,15 +13,19 @@ from __future__ import annotations
 import io
 from dataclasses import dataclass
 
+import diffusers
 import numpy as np
 import pytest
+import torch
 from diffusion_client import generate_many
 from PIL import Image
 
+from tests.unit.step_harness import sd3_inpaint_with_shift
 from triton_diffusion.serving.server_process import WEIGHTS, copy_model, set_batching, start_server
 from triton_diffusion.tiny_models import TINY_DEFAULTS, TINY_FAMILIES, build_missing
 
 from .conftest import QUEUE_DELAY_US
+from .test_step_engine import mask_png
 from .test_text_to_image import max_diff, pixels
 
 
@@ -48,6 +52,8 @@ FAMILIES = {
     "flux_img2img": Family("image_to_image", "tiny-flux", False, True, True, step_engine=True),
     "sd3_img2img": Family("image_to_image", "tiny-sd3", True, True, False, step_engine=True),
 }
+# Served beside them, outside the text-to-image matrix: an SD inpainting checkpoint (9-channel UNet).
+INPAINTING_UNET = "sd_inpaint"
 MATES = ["a lighthouse at dusk", "two green apples", "a city in fog", "an old red tram", "waves on rocks"]
 
 
@@ -60,12 +66,14 @@ def source_png(width: int = 96, height: int = 64) -> bytes:
 
 @pytest.fixture(scope="module")
 def family_server(tmp_path_factory):
-    build_missing(WEIGHTS, only=TINY_DEFAULTS + TINY_FAMILIES)
+    build_missing(WEIGHTS, only=TINY_DEFAULTS + TINY_FAMILIES + ["tiny-sd-inpaint"])
     repo = tmp_path_factory.mktemp("family_repository")
-    for name, family in FAMILIES.items():
-        copy_model(family.config, repo, name, {"model": str(WEIGHTS / family.weights)})
+    models = {name: (family.config, family.weights) for name, family in FAMILIES.items()}
+    models[INPAINTING_UNET] = ("text_to_image", "tiny-sd-inpaint")
+    for name, (config, weights) in models.items():
+        copy_model(config, repo, name, {"model": str(WEIGHTS / weights)})
         set_batching(repo, name, QUEUE_DELAY_US)
-    running = start_server(repo, tmp_path_factory.mktemp("family_logs") / "server.log", list(FAMILIES))
+    running = start_server(repo, tmp_path_factory.mktemp("family_logs") / "server.log", list(models))
     yield running
     running.stop()
 
@@ -181,3 +189,84 @@ def test_guidance_fields_are_accepted_only_where_the_pipeline_uses_them(family_s
             assert result.ok, (field, result.error)
         else:
             assert not result.ok and f"{field}: is not supported" in result.error, result.error
+
+
+@pytest.mark.parametrize("name", ["sdxl", "sd3", "flux"])
+def test_inpainting_on_the_text_to_image_model_shares_forwards_and_equals_the_inpaint_pipeline(
+    family_server, name
+):
+    """The family's text_to_image model takes a mask too: the inpaint request runs beside a text-only one
+    in the same forwards and equals the family's inpaint pipeline (SDXL's, SD3's, FLUX.1's) alone."""
+    source = source_png(64, 64)
+    # guidance_scale sent: where a request leaves it out the model's default (its text pipeline's) applies,
+    # and the inpaint pipelines default to other ones.
+    inpaint = {
+        "prompt": "a red door",
+        "seed": 9,
+        "num_inference_steps": 4,
+        "strength": 0.75,
+        "guidance_scale": 4.0,
+        **extra(name),
+    }
+    text, edit = send(
+        family_server,
+        name,
+        [
+            {"prompt": "a quiet street", "seed": 8, "num_inference_steps": 5, "height": 64, "width": 64},
+            {**inpaint, "image": source, "mask_image": mask_png()},
+        ],
+    )
+    assert text.ok and edit.ok, (text.error, edit.error)
+    assert edit.batch["engine"] == "step" and edit.batch["most_rows_shared"] >= 2
+    pipe = diffusers.AutoPipelineForInpainting.from_pretrained(WEIGHTS / FAMILIES[name].weights)
+    pipe.set_progress_bar_config(disable=True)
+    kwargs = {
+        **{k: v for k, v in inpaint.items() if k != "seed"},
+        "prompt": [inpaint["prompt"]],
+        "image": Image.open(io.BytesIO(source)).convert("RGB"),
+        "mask_image": Image.open(io.BytesIO(mask_png())).convert("RGB"),
+        "height": 64,
+        "width": 64,
+        "generator": [torch.Generator().manual_seed(inpaint["seed"])],
+    }
+    if name == "sd3":
+        expected = sd3_inpaint_with_shift(pipe, kwargs)  # diffusers' SD3 inpaint decode lacks the shift
+    else:
+        expected = pipe(**kwargs).images[0]
+    assert np.abs(pixels(edit.images[0]) - np.asarray(expected, dtype=int)).max() <= 1
+
+
+def test_an_inpainting_checkpoint_serves_inpainting_only_each_request_as_its_pipeline(family_server):
+    """A 9-channel inpainting UNet on the text_to_image config: requests without a source and a mask are
+    refused by name; two inpainting requests of other strengths share forwards, each equal to
+    StableDiffusionInpaintPipeline alone."""
+    common = {
+        "num_inference_steps": 4,
+        "guidance_scale": 6.0,
+        "image": source_png(64, 64),
+        "mask_image": mask_png(),
+    }
+    requests = [
+        {"prompt": "a blue window", "seed": 4, "strength": 1.0, **common},
+        {"prompt": "a green door", "seed": 5, "strength": 0.75, **common},
+        {"prompt": "text only", "seed": 6},
+    ]
+    first, second, text = generate_many(
+        requests, url=family_server.grpc_url, model=INPAINTING_UNET, timeout_s=180
+    )
+    assert not text.ok and "image: is required: this model's UNet inpaints" in text.error, text.error
+    assert first.ok and second.ok, (first.error, second.error)
+    assert first.batch["most_rows_shared"] >= 2 and second.batch["most_rows_shared"] >= 2
+    pipe = diffusers.StableDiffusionInpaintPipeline.from_pretrained(WEIGHTS / "tiny-sd-inpaint")
+    pipe.set_progress_bar_config(disable=True)
+    for request, result in ((requests[0], first), (requests[1], second)):
+        expected = pipe(
+            prompt=[request["prompt"]],
+            image=Image.open(io.BytesIO(request["image"])).convert("RGB"),
+            mask_image=Image.open(io.BytesIO(request["mask_image"])).convert("RGB"),
+            strength=request["strength"],
+            num_inference_steps=4,
+            guidance_scale=6.0,
+            generator=[torch.Generator().manual_seed(request["seed"])],
+        ).images[0]
+        assert np.abs(pixels(result.images[0]) - np.asarray(expected, dtype=int)).max() <= 1

@@ -83,3 +83,12 @@ def test_starts_the_engine_cannot_serve_are_refused_by_name():
         read(model(("text", "image")), image=png(64, 64), mask_image=png(64, 64))
     with pytest.raises(RequestError, match="image: is not supported"):
         read(model(("text",)), image=png(64, 64))
+
+
+def test_an_inpainting_unet_requires_a_source_and_a_mask():
+    m = model(("mask",))
+    for raw, field in (({}, "image"), ({"image": png(64, 64)}, "mask_image")):
+        with pytest.raises(RequestError, match=f"{field}: is required: this model's UNet inpaints"):
+            read(m, **raw)
+    values = read(m, image=png(64, 64), mask_image=png(64, 64))
+    assert values["mask_image"].size == (96, 64) and values["strength"] == 1.0

@@ -5,7 +5,7 @@ For each adapted family (SD 1.x, SDXL, FLUX.1, SD3), six requests with different
 engine; one more is cancelled half-way. Each finished image must equal ``pipeline(...)`` for the same
 arguments and generator to one uint8 level, and requests must have shared forwards.
 
-Image-conditioned jobs (img2img for SD, SDXL, FLUX.1 and SD3, inpainting for SD and SDXL) must equal
+Image-conditioned jobs (img2img and inpainting for SD, SDXL, FLUX.1 and SD3) must equal
 their img2img or inpaint pipeline's own image (built with ``from_pipe``), alone and while text-only jobs
 with other steps and guidance join and leave around them.
 """
@@ -87,8 +87,13 @@ IMAGE_TARGETS = {
         # Euler ancestral: its step noise follows the masked source's draw from the row's generator.
         ("mask", "EulerAncestralDiscreteScheduler", 0.8, 4, 2),
     ],
-    "FluxPipeline": [("image", None, 0.7, 4, 0)],
-    "StableDiffusion3Pipeline": [("image", None, 0.65, 5, 0), ("image", None, 0.9, 3, 2)],
+    "FluxPipeline": [("image", None, 0.7, 4, 0), ("mask", None, 0.8, 4, 2)],
+    "StableDiffusion3Pipeline": [
+        ("image", None, 0.65, 5, 0),
+        ("image", None, 0.9, 3, 2),
+        ("mask", None, 0.75, 4, 1),
+        ("mask", None, 1.0, 3, 0),
+    ],
 }
 # Text-only neighbours: (steps, guidance, true CFG, arrives at engine step); the second joins mid-way.
 NEIGHBOURS = [(2, 3.0, 2.0, 0), (3, 1.0, 1.0, 1)]
@@ -154,3 +159,51 @@ def test_image_conditioned_jobs_equal_their_pipelines_alone_and_amid_text_only_j
         assert job.most_shared >= 2 and alone.most_shared == 1
         assert job.forwards == job.total_steps == alone.total_steps <= request.steps
     assert np.abs(served(together[0]) - served(together[-1])).mean() > 5, "the source did not matter"
+
+
+# An inpainting UNet (9 input channels) serves inpainting jobs only, each as StableDiffusionInpaintPipeline
+# runs it: (scheduler, strength, steps, guidance, arrives at engine step). Strength 1 (its pipeline never
+# encodes the source then), Euler ancestral without CFG joining mid-way (its step noise follows the masked
+# source's draw), DPM-Solver at strength 0.6 (its history starts at the trimmed index).
+INPAINTING_UNET = [
+    (0, 1.0, 4, 7.5, 0),
+    (2, 0.75, 4, 1.0, 1),
+    (1, 0.6, 5, 5.0, 2),
+]
+
+
+def test_an_inpainting_unet_serves_inpainting_jobs_each_equal_to_its_pipeline():
+    family = load_family("tiny-sd-inpaint", FAMILIES["tiny-sd"])
+    pipe, facts, schedulers = family
+    adapter = step_adapter_for(pipe, facts, schedulers, None)
+    assert adapter.starts == ("mask",), "an inpainting UNet cannot start from text or img2img"
+    names, source, mask = schedulers.names, source_image(), mask_image()
+    requests = [
+        ImageRequest(
+            f"repaint {i}",
+            "blurry" if i else None,
+            50 + i,
+            0,
+            64,
+            64,
+            steps,
+            guidance,
+            None,
+            names[pick],
+            image=source,
+            strength=strength,
+            mask_image=mask,
+        )
+        for i, (pick, strength, steps, guidance, _) in enumerate(INPAINTING_UNET)
+    ]
+    victim = replace(requests[0], prompt="cancel me", seed=99)
+    host = Host()
+    arrivals = [(spec[4], request) for spec, request in zip(INPAINTING_UNET, requests, strict=True)]
+    jobs = run_engine(adapter, arrivals, host, victim)
+    assert max(host.forwards) >= 3, "inpainting jobs did not share forwards"
+    assert jobs[2].first_forward > 1, "the last request did not join mid-way"
+    assert_each_image_equals_the_pipelines_own(family, requests, jobs)
+    # The mask is an input of the UNet here: another mask, another image.
+    other_mask = Image.fromarray(255 - np.asarray(mask))
+    (other,) = run_engine(adapter, [(0, replace(requests[1], mask_image=other_mask))])
+    assert np.abs(served(other) - served(jobs[1])).mean() > 5, "the mask did not matter"

@@ -7,7 +7,7 @@ Flux turns true CFG on for the whole call when any row has a negative prompt; he
 with a negative prompt and ``true_cfg_scale`` > 1 adds one unconditional row), so such requests share
 forwards with the others, each exactly as ``FluxPipeline`` would run it alone. An image-conditioned FLUX.1
 or SD3 job starts as ``FluxImg2ImgPipeline`` / ``StableDiffusion3Img2ImgPipeline`` start it
-(:class:`FlowMatchingImageStart`), FLUX.1's then packed.
+(:class:`FlowMatchingImageStart`), FLUX.1's then packed; inpainting as their inpaint pipelines run it.
 """
 
 from __future__ import annotations
@@ -31,9 +31,14 @@ from triton_diffusion.adapters.latent_steps import (
 class FlowMatchingImageStart:
     """img2img as ``FluxImg2ImgPipeline`` and ``StableDiffusion3Img2ImgPipeline`` start it: the schedule
     trimmed by steps x strength unrounded, the source encoded (each row sampled with its own generator),
-    shifted and scaled, then noised to the first remaining sigma with the row's noise (``scale_noise``)."""
+    shifted and scaled, then noised to the first remaining sigma with the row's noise (``scale_noise``).
+    Inpainting as ``FluxInpaintPipeline`` and ``StableDiffusion3InpaintPipeline`` run it with an ordinary
+    transformer: the same start, and the source noised by ``scale_noise`` blended back after each step."""
 
     def supports(self, start: str) -> bool:
+        if start == "mask":  # not an inpainting transformer (SD3's 33 channels, FLUX.1 Fill's 384)
+            packed = 4 if self.facts.traits.packed_latents else 1
+            return self.model.config.in_channels == packed * self.pipe.vae.config.latent_channels
         return start == "image"
 
     def first_step(self, steps: int, strength: float) -> int:
@@ -62,6 +67,10 @@ class FluxAdapter(FlowMatchingImageStart, LatentStepAdapter):
     def pack(self, latents: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
         count, channels, height, width = latents.shape
         return self.pipe._pack_latents(latents, count, channels, height, width)
+
+    def pack_mask(self, mask: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+        # FluxInpaintPipeline.prepare_mask_latents: the mask repeated over the channels, then packed.
+        return self.pack(mask.repeat(1, self.model.config.in_channels // 4, 1, 1), size)
 
     def uses_guidance(self, request: ImageRequest) -> bool:
         return (request.true_cfg_scale or 0.0) > 1.0 and request.negative_prompt is not None

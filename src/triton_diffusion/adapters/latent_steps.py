@@ -19,8 +19,9 @@ engine: from text (noise drawn from the row's generator, as the text-to-image pi
 ``prepare_latents``); from a source image (img2img, as the family's img2img pipeline: ``get_timesteps``
 trims the schedule by ``strength``, the source is preprocessed by its ``image_processor``, VAE-encoded and
 sampled with the row's own generator, and noised at the first remaining timestep); or from a source image
-and a mask (inpainting with an ordinary 4-channel UNet, as ``StableDiffusionInpaintPipeline``: after every
-step the latents outside the mask are replaced by the source noised to the next timestep). From then on
+and a mask (inpainting with an ordinary denoiser, as ``StableDiffusionInpaintPipeline`` and the SDXL, SD3
+and FLUX.1 inpaint pipelines: after every step the latents outside the mask are replaced by the source
+noised to the next timestep). From then on
 every job is the same: rows of one latent size share forwards whatever their start, steps or guidance.
 
 A family subclass says how to encode prompts, draw initial latents, encode and noise a source image, call
@@ -35,7 +36,7 @@ import inspect
 import logging
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import diffusers
@@ -111,11 +112,18 @@ class ImageRequest:
 
 @dataclass(eq=False)
 class InpaintSource:
-    """What an inpainting job blends back after each step (StableDiffusionInpaintPipeline's loop)."""
+    """An inpainting job's source: with an ordinary denoiser what it blends back after each step
+    (StableDiffusionInpaintPipeline's loop with a 4-channel UNet); with an inpainting UNet the extra input
+    channels of its every forward (the mask and the masked source's latents), and no blend."""
 
-    image_latents: torch.Tensor  # [1, ...] the encoded source
+    image_latents: torch.Tensor | None  # [1, ...] the encoded source (to blend back)
     noise: torch.Tensor  # [1, ...] the job's initial noise, reused to noise the source to each timestep
     mask: torch.Tensor  # [1, 1, h, w] latent-size mask: 1 where the model paints, 0 where the source stays
+    model_inputs: dict[str, torch.Tensor] = field(default_factory=dict)  # an inpainting UNet's channels
+
+    @property
+    def blended(self) -> bool:
+        return not self.model_inputs
 
 
 @dataclass(eq=False)
@@ -159,6 +167,7 @@ class LatentStepAdapter:
 
     def __init__(self, pipe: Any, facts: PipelineFacts, schedulers: Any, max_sequence_length: int | None):
         traits = facts.traits
+        self.facts = facts  # read by supports()
         # The family's pipeline for each start, all over the loaded modules (``pipe`` may be any of them:
         # image_to_image loads the img2img class). ``self.pipe`` is the text-to-image one: its code is what
         # the loop body mirrors; the others supply only their own start (and SDXL img2img's time ids).
@@ -167,7 +176,6 @@ class LatentStepAdapter:
         for start, name in (("image", traits.image_pipeline), ("mask", traits.inpaint_pipeline)):
             if name is not None and self.supports(start):
                 self.pipelines[start] = counterpart_pipeline(pipe, name)
-        self.facts = facts
         self.max_sequence_length = (
             max_sequence_length or facts.default("max_sequence_length") or self.fallback_max_sequence_length
         )
@@ -190,9 +198,14 @@ class LatentStepAdapter:
         return False
 
     @property
+    def serves_text(self) -> bool:
+        """Whether jobs may start from text alone (not with an inpainting UNet, which needs a mask)."""
+        return True
+
+    @property
     def starts(self) -> tuple[str, ...]:
         """The starts served: ``text`` and those of ``image``/``mask`` the family declares and supports."""
-        return tuple(self.pipelines)
+        return tuple(start for start in self.pipelines if start != "text" or self.serves_text)
 
     def default_strength(self, start: str) -> float:
         """The ``strength`` the start's diffusers pipeline defaults to (img2img 0.8, SDXL 0.3, ...)."""
@@ -216,6 +229,15 @@ class LatentStepAdapter:
     def pack(self, latents: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
         """[n, C, h, w] latents into the loop's layout (Flux packs 2x2 patches)."""
         return latents
+
+    def encodes_source(self, request: ImageRequest) -> bool:
+        """Whether the start's pipeline VAE-encodes the source (a draw from the row's generator) before it
+        draws the noise: always, except an inpainting UNet's pipeline at strength 1 (pure noise)."""
+        return True
+
+    def pack_mask(self, mask: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+        """A [1, 1, h, w] latent-size mask into the loop's layout (it broadcasts over the channels)."""
+        return mask
 
     def uses_guidance(self, request: ImageRequest) -> bool:
         """Whether the job adds an unconditional row: classic CFG, as the pipelines' ``guidance_scale > 1``
@@ -392,6 +414,9 @@ class LatentStepAdapter:
                 starts.update((i, (latents[row : row + 1], sources[row])) for row, i in enumerate(from_image))
         for i, (job, request, scheduler) in enumerate(zip(jobs, requests, schedulers, strict=True)):
             latents, inpaint = starts[i]
+            extra = self.extra_inputs(request)
+            if inpaint is not None:
+                extra.update(inpaint.model_inputs)
             guided = self.uses_guidance(request) and conditioning[i].unconditional is not None
             job.group, job.total_steps = request.shape, len(timesteps[i])
             job.state = LatentJob(
@@ -402,8 +427,8 @@ class LatentStepAdapter:
                 unconditional=conditioning[i].unconditional if guided else None,
                 guidance=self.guidance_scale(request),
                 step_kwargs=self._step_kwargs(scheduler, generators[i]),
-                extra=self.extra_inputs(request),
-                inpaint=inpaint,
+                extra=extra,
+                inpaint=inpaint if inpaint is not None and inpaint.blended else None,
             )
 
     def source_latents(
@@ -417,34 +442,52 @@ class LatentStepAdapter:
         ``prepare_latents`` make them for each row: the source preprocessed and encoded (sampled with the
         row's generator), then the row's noise from the same generator, then the source noised to its
         first timestep. An inpainting row at strength 1 starts from noise alone, as diffusers' does."""
-        height, width = requests[0].size
-        pixels = torch.cat(
-            [
-                self.pipelines[r.start].image_processor.preprocess(r.image, height=height, width=width)
-                for r in requests
-            ]
-        )
-        image_latents = self.encode_source(pixels.to(torch.float32), generators)
-        noise = randn_tensor(image_latents.shape, generator=generators, device=self.device, dtype=self.dtype)
+        size = height, width = requests[0].size
+        pixels = [
+            self.pipelines[r.start].image_processor.preprocess(r.image, height=height, width=width).float()
+            for r in requests
+        ]
+        encoded = [i for i, request in enumerate(requests) if self.encodes_source(request)]
+        image_latents: dict[int, torch.Tensor] = {}
+        if encoded:
+            latents = self.encode_source(
+                torch.cat([pixels[i] for i in encoded]), [generators[i] for i in encoded]
+            )
+            image_latents = {i: latents[row : row + 1] for row, i in enumerate(encoded)}
+        factor = self.pipe.vae_scale_factor
+        shape = (1, self.pipe.vae.config.latent_channels, height // factor, width // factor)
         rows, sources = [], []
         for i, request in enumerate(requests):
             scheduler, timestep = schedulers[i], first_timesteps[i]
-            source, row_noise = image_latents[i : i + 1], noise[i : i + 1]
+            # In the loop's layout from here on: noising and the inpaint blend are elementwise.
+            row_noise = randn_tensor(shape, generator=generators[i], device=self.device, dtype=self.dtype)
+            row_noise = self.pack(row_noise, size)
+            source = self.pack(image_latents[i], size) if i in image_latents else None
             if request.mask_image is None:
                 rows.append(self.noise_source(scheduler, source, row_noise, timestep))
                 sources.append(None)
                 continue
             if request.strength == 1.0:  # is_strength_max: pure noise, scaled as a text start is
-                rows.append(row_noise * scheduler.init_noise_sigma)
+                # (flow matching has no init_noise_sigma: SD3's takes the noise as is, FLUX.1's noises the
+                # source to sigma 1, the same thing)
+                rows.append(row_noise * getattr(scheduler, "init_noise_sigma", 1.0))
             else:
                 rows.append(self.noise_source(scheduler, source, row_noise, timestep))
-            sources.append(InpaintSource(source, row_noise, self._mask_latent(request, generators[i])))
-        return self.pack(torch.cat(rows), (height, width)), sources
+            sources.append(self.inpaint_source(request, generators[i], source, row_noise, pixels[i]))
+        return torch.cat(rows), sources
 
-    def _mask_latent(self, request: ImageRequest, generator: torch.Generator) -> torch.Tensor:
-        """The inpaint pipeline's mask at latent size (binarised, nearest-resized), and the one draw its
-        ``prepare_mask_latents`` takes from the row's generator: it encodes the masked source (which only a
-        9-channel UNet reads), so a stochastic sampler's later draws follow the same stream."""
+    def inpaint_source(
+        self,
+        request: ImageRequest,
+        generator: torch.Generator,
+        image_latents: torch.Tensor | None,
+        noise: torch.Tensor,
+        pixels: torch.Tensor,
+    ) -> InpaintSource:
+        """What an ordinary denoiser's inpainting job blends back: its source, its noise, and the inpaint
+        pipeline's mask at latent size (binarised, nearest-resized), after the one draw its
+        ``prepare_mask_latents`` takes from the row's generator: it encodes the masked source (which only an
+        inpainting UNet reads), so a stochastic sampler's later draws follow the same stream."""
         pipe = self.pipelines["mask"]
         height, width = request.size
         mask = pipe.mask_processor.preprocess(request.mask_image, height=height, width=width)
@@ -453,7 +496,8 @@ class LatentStepAdapter:
         if not isinstance(pipe.vae, diffusers.AutoencoderTiny):  # retrieve_latents samples a distribution
             shape = (1, pipe.vae.config.latent_channels, height // factor, width // factor)
             randn_tensor(shape, generator=generator, device=self.device, dtype=self.source_draw_dtype)
-        return mask.to(device=self.device, dtype=self.dtype)
+        mask = self.pack_mask(mask.to(device=self.device, dtype=self.dtype), request.size)
+        return InpaintSource(image_latents, noise, mask)
 
     @property
     def source_draw_dtype(self) -> torch.dtype:
@@ -503,7 +547,7 @@ class LatentStepAdapter:
             group_timesteps = [job_timesteps[j] for j in members]
             self._step_together([jobs[j] for j in members], group_noise, group_timesteps)
         for job in jobs:
-            if job.state.inpaint is not None and job.failure is None:
+            if job.state.inpaint is not None and job.failure is None:  # blended (an ordinary denoiser)
                 self._blend_source(job)
         return [job for job in jobs if job.failure is None and job.steps_done + 1 >= job.total_steps]
 

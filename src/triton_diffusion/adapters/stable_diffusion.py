@@ -8,7 +8,10 @@ A missing negative prompt: SD turns it into "" (so does this adapter); SDXL zero
 
 Image-conditioned jobs start as ``StableDiffusionImg2ImgPipeline`` / ``StableDiffusionXLImg2ImgPipeline``
 start them (and inpainting as ``StableDiffusionInpaintPipeline`` / ``StableDiffusionXLInpaintPipeline``
-with a 4-channel UNet); SDXL img2img and inpainting
+with a 4-channel UNet). An SD inpainting UNet (9 input channels: the latents, the mask and the masked
+source's latents, as ``stable-diffusion-inpainting``) serves inpainting jobs only, as
+``StableDiffusionInpaintPipeline`` runs it: the mask and masked latents go into every forward, nothing is
+blended back. SDXL img2img and inpainting
 conditions on its own time ids (``requires_aesthetics_score``: aesthetic scores instead of the target size,
 and other ones for the unconditional row), so those are per row too.
 """
@@ -26,6 +29,7 @@ from PIL import Image
 from triton_diffusion.adapters.latent_steps import (
     Conditioning,
     ImageRequest,
+    InpaintSource,
     LatentStepAdapter,
     row_conditioning,
     sample_latents,
@@ -38,7 +42,11 @@ class StableDiffusionAdapter(LatentStepAdapter):
     def __init__(self, pipe: Any, facts: Any, schedulers: Any, max_sequence_length: int | None) -> None:
         if pipe.unet.config.time_cond_proj_dim is not None:
             raise NotImplementedError("a guidance-embedding UNet (LCM) has no step adapter")
-        self.xl = pipe.unet.config.addition_embed_type == "text_time"  # read by supports() in __init__
+        # Read by supports() in __init__.
+        self.xl = pipe.unet.config.addition_embed_type == "text_time"
+        self.inpainting_unet = pipe.unet.config.in_channels == 9
+        if self.inpainting_unet and self.xl:
+            raise NotImplementedError("an SDXL inpainting UNet has no step adapter")
         super().__init__(pipe, facts, schedulers, max_sequence_length)
 
     @property
@@ -46,15 +54,46 @@ class StableDiffusionAdapter(LatentStepAdapter):
         return self.pipe.unet
 
     def supports(self, start: str) -> bool:
-        # Inpainting here is the masked blend of an ordinary UNet; a 9-channel inpainting UNet (mask and
-        # masked source as extra input channels) cannot serve text-only jobs and has no step adapter.
+        # Inpainting is the masked blend of an ordinary UNet, or an inpainting UNet's own (which takes the
+        # mask and masked source as extra input channels, so it serves nothing else).
         # SDXL's inpaint pipeline encodes the source without the VAE's latents mean and std (its img2img
         # pipeline normalises with them), so a VAE that has them serves img2img only.
+        if self.inpainting_unet:
+            return start == "mask"
         if start == "mask":
             vae = self.pipe.vae.config
             normalised = getattr(vae, "latents_mean", None) is not None and self.xl
             return self.pipe.unet.config.in_channels == 4 and not normalised
         return start == "image"
+
+    @property
+    def serves_text(self) -> bool:
+        return not self.inpainting_unet
+
+    def encodes_source(self, request: ImageRequest) -> bool:
+        # StableDiffusionInpaintPipeline with an inpainting UNet: at strength 1 the start is pure noise and
+        # the source is never encoded (no draw from the generator).
+        return not (self.inpainting_unet and request.strength == 1.0)
+
+    def inpaint_source(
+        self,
+        request: ImageRequest,
+        generator: torch.Generator,
+        image_latents: torch.Tensor | None,
+        noise: torch.Tensor,
+        pixels: torch.Tensor,
+    ) -> InpaintSource:
+        if not self.inpainting_unet:
+            return super().inpaint_source(request, generator, image_latents, noise, pixels)
+        # The pipeline's own prepare_mask_latents: the mask at latent size and the masked source encoded
+        # with the row's generator, for one row without CFG (the engine gives both CFG rows the same).
+        pipe = self.pipelines["mask"]
+        height, width = request.size
+        mask = pipe.mask_processor.preprocess(request.mask_image, height=height, width=width)
+        mask, masked = pipe.prepare_mask_latents(
+            mask, pixels * (mask < 0.5), 1, height, width, self.dtype, self.device, generator, False
+        )
+        return InpaintSource(None, noise, mask, {"mask": mask, "masked_image_latents": masked})
 
     def encode_source(self, pixels: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
         vae = self.pipe.vae
@@ -172,6 +211,8 @@ class StableDiffusionAdapter(LatentStepAdapter):
         size: tuple[int, int],
     ) -> Any:
         added = {"text_embeds": inputs["text_embeds"], "time_ids": inputs["time_ids"]} if self.xl else None
+        if self.inpainting_unet:  # after the scheduler's input scaling, as the inpaint pipeline's loop
+            latents = torch.cat([latents, inputs["mask"], inputs["masked_image_latents"]], dim=1)
         return self.model(
             latents,
             timesteps,

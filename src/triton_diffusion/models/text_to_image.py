@@ -202,7 +202,7 @@ class TextToImageModel(DiffusionModel):
         self.image_formats = tuple(f.strip().upper() for f in config.image_formats.split(",") if f.strip())
         self.buckets = parse_buckets(config.resize_buckets)
         unsupported = []
-        if "image" not in self.starts:
+        if "image" not in self.starts and "mask" not in self.starts:
             unsupported += ["image", "strength"]
         if "mask" not in self.starts and "mask_image" in self.FIELDS:
             unsupported.append("mask_image")
@@ -252,6 +252,14 @@ class TextToImageModel(DiffusionModel):
 
     # ---- image-conditioned requests -----------------------------------------------------------------
     def parse(self, index: int, raw: dict[str, Any], tracked: TrackedRequest) -> ParsedRequest:
+        if getattr(self, "starts", None) == ("mask",):  # an inpainting UNet: nothing else to serve
+            for name in ("image", "mask_image"):
+                if raw.get(name) is None:
+                    raise invalid_field(
+                        name,
+                        "is required: this model's UNet inpaints (9 input channels: the latents, the mask "
+                        "and the masked source), so every request sends image and mask_image",
+                    )
         optional = "image" in self.fields and self.fields["image"].default is not REQUIRED
         if optional and raw.get("image") is None:
             for name in ("strength", "mask_image"):

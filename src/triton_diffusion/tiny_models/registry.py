@@ -17,7 +17,7 @@ from triton_diffusion.tiny_models.qwen_image import build_tiny_qwen_image
 from triton_diffusion.tiny_models.sana import build_tiny_sana
 from triton_diffusion.tiny_models.sd3 import build_tiny_sd3
 from triton_diffusion.tiny_models.sdxl import build_tiny_sdxl
-from triton_diffusion.tiny_models.stable_diffusion import build_sd15, build_tiny_sd
+from triton_diffusion.tiny_models.stable_diffusion import build_sd15, build_tiny_sd, build_tiny_sd_inpaint
 from triton_diffusion.tiny_models.wan import build_tiny_wan
 from triton_diffusion.tiny_models.z_image import build_tiny_z_image
 
@@ -34,6 +34,7 @@ ARCHITECTURES: dict[str, Callable[[Path], None]] = {
     "sd15": build_sd15,
     # More pipeline families, built on request (not served by default).
     "tiny-sdxl": build_tiny_sdxl,
+    "tiny-sd-inpaint": build_tiny_sd_inpaint,  # a 9-channel inpainting UNet
     "tiny-sd3": build_tiny_sd3,
     "tiny-qwen-image": build_tiny_qwen_image,
     "tiny-sana": build_tiny_sana,

@@ -20,9 +20,11 @@ def stable_diffusion_pipeline(
     autoencoder: AutoencoderKL,
     text_encoder: CLIPTextModel,
     tokenizer: CLIPTokenizer,
+    pipeline_class: str = "StableDiffusionPipeline",
 ) -> StableDiffusionPipeline:
     """SD 1.x scheduler settings (DDIM, so cancelled rows can be dropped mid-call) around the given parts."""
-    from diffusers import DDIMScheduler, StableDiffusionPipeline
+    import diffusers
+    from diffusers import DDIMScheduler
 
     scheduler = DDIMScheduler(
         beta_start=0.00085,
@@ -32,7 +34,7 @@ def stable_diffusion_pipeline(
         set_alpha_to_one=False,
         steps_offset=1,
     )
-    return StableDiffusionPipeline(
+    return getattr(diffusers, pipeline_class)(
         unet=unet,
         scheduler=scheduler,
         vae=autoencoder,
@@ -44,8 +46,10 @@ def stable_diffusion_pipeline(
     )
 
 
-def build_tiny_sd(target: Path) -> None:
-    """A Stable-Diffusion-1.x-style pipeline: CLIP text encoder, UNet with cross-attention, DDIM."""
+def build_tiny_sd(target: Path, inpainting: bool = False) -> None:
+    """A Stable-Diffusion-1.x-style pipeline: CLIP text encoder, UNet with cross-attention, DDIM. With
+    ``inpainting``: an inpainting checkpoint (``tiny-sd-inpaint``), as ``stable-diffusion-inpainting`` is
+    one: a 9-channel UNet (latents, mask, masked source) saved as a ``StableDiffusionInpaintPipeline``."""
     import torch
     from diffusers import UNet2DConditionModel
 
@@ -55,7 +59,7 @@ def build_tiny_sd(target: Path) -> None:
         block_out_channels=(32, 64),
         layers_per_block=1,
         sample_size=8,
-        in_channels=4,
+        in_channels=9 if inpainting else 4,
         out_channels=4,
         down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
         up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
@@ -64,10 +68,15 @@ def build_tiny_sd(target: Path) -> None:
         norm_num_groups=8,
     )
     reinit_normal(unet, 0.2)  # so the prompt visibly changes the image
+    pipeline_class = "StableDiffusionInpaintPipeline" if inpainting else "StableDiffusionPipeline"
     pipe = stable_diffusion_pipeline(
-        unet, vae(latent_channels=4), clip_text_encoder(len(tokenizer)), tokenizer
+        unet, vae(latent_channels=4), clip_text_encoder(len(tokenizer)), tokenizer, pipeline_class
     )
     pipe.save_pretrained(target, safe_serialization=True)
+
+
+def build_tiny_sd_inpaint(target: Path) -> None:
+    build_tiny_sd(target, inpainting=True)
 
 
 def build_sd15(target: Path) -> None:
