@@ -15,6 +15,9 @@ CONCURRENCY="${CONCURRENCY:-1:8:1}"
 INTERVAL_MS="${INTERVAL_MS:-5000}"
 STABILITY="${STABILITY:-25}"  # percent; perf_analyzer's 10 rarely settles on a small shared CPU machine
 OUT="${OUT:-$REPO_ROOT/bench_results/perf_analyzer.csv}"
+PERF_ANALYZER="${PERF_ANALYZER:-$VENV/bin/perf_analyzer}"
+mkdir -p "$(dirname "$OUT")"
+OUT="$(cd "$(dirname "$OUT")" && pwd)/$(basename "$OUT")"  # absolute: the run below changes directory
 
 # The binary wants libb64.so.0d and libcudart.so.12 (even on CPU). Both ship, under other names, in the
 # nvidia-pytriton wheel the project already installs: link them into a private folder.
@@ -32,19 +35,24 @@ for pair in "libb64.so.0d:libb64-*.so.0d" "libcudart.so.12:libcudart-*.so.12*"; 
 done
 export LD_LIBRARY_PATH="$LIBS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 
-mkdir -p "$(dirname "$OUT")"
 cd "$(dirname "$OUT")"  # perf_analyzer writes a few side files into the working directory
 rm -f "$OUT"
-"$VENV/bin/perf_analyzer" -m "$MODEL" -u "$URL" -i grpc --streaming --async \
+"$PERF_ANALYZER" -m "$MODEL" -u "$URL" -i grpc --streaming --async \
   --input-data "$REPO_ROOT/client/perf_input.json" --concurrency-range "$CONCURRENCY" \
   --measurement-interval "$INTERVAL_MS" --stability-percentage "$STABILITY" -f "$OUT" "$@"
 
-# perf_analyzer ends a sweep at the first level it cannot measure stably (or that passes a
-# --latency-threshold) and still exits 0, leaving a CSV that silently lacks the higher levels: fail.
+# perf_analyzer ends a sweep at the first level it cannot measure stably and still exits 0, leaving a
+# CSV that silently lacks the higher levels: fail. (Not where extra arguments end or shape the sweep on
+# purpose: a latency limit, a binary search, request rates.)
+for arg in "$@"; do
+  case "$arg" in
+    -l|--latency-threshold*|--binary-search|--request-rate-range*|--request-intervals*) exit 0 ;;
+  esac
+done
 IFS=: read -r first last step <<<"$CONCURRENCY"
 last="${last:-$first}"
 step="${step:-1}"
-expected=$(( (last - first) / step + 1 ))
+expected=$(( last >= first ? (last - first) / step + 1 : 1 ))
 written=0
 [ -s "$OUT" ] && written=$(( $(wc -l <"$OUT") - 1 ))
 if [ "$written" -lt "$expected" ]; then

@@ -118,33 +118,43 @@ def test_the_engine_benchmark_runs_both_engines_and_profiles_the_step_engine(tmp
     assert set(report["raw"]) == {"batch1_images_per_s", "batch2_images_per_s"}
 
 
+def run_perf_analyzer_script(tmp_path, url: str, *extra: str, **env: str) -> subprocess.CompletedProcess:
+    variables = dict(
+        os.environ, URL=url, CONCURRENCY="1:2:1", INTERVAL_MS="1500", OUT=str(tmp_path / "pa.csv"), **env
+    )
+    command = [str(REPO_ROOT / "scripts" / "perf_analyzer.sh"), *extra]
+    return subprocess.run(command, env=variables, capture_output=True, text=True, timeout=300)
+
+
 def test_perf_analyzer_script_writes_a_csv(server, tmp_path):
-    out = tmp_path / "perf_analyzer.csv"
-
-    def perf_analyzer(stability: str, *extra: str) -> subprocess.CompletedProcess:
-        env = dict(
-            os.environ,
-            URL=server.grpc_url,
-            CONCURRENCY="1:2:1",
-            INTERVAL_MS="1500",
-            STABILITY=stability,
-            OUT=str(out),
-        )
-        command = [str(REPO_ROOT / "scripts" / "perf_analyzer.sh"), *extra]
-        return subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-
     # Stability is not under test here (the CI machine is shared and noisy): any three windows pass.
-    result = perf_analyzer("1000")
+    result = run_perf_analyzer_script(tmp_path, server.grpc_url, STABILITY="1000")
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    rows = list(csv.DictReader(out.open()))
+    rows = list(csv.DictReader((tmp_path / "pa.csv").open()))
     assert [int(r["Concurrency"]) for r in rows] == [1, 2]
     assert all(float(r["Inferences/Second"]) > 0 and float(r["p95 latency"]) > 0 for r in rows)
 
-    # perf_analyzer ends a sweep early (a level not stable, or over the latency limit, as here), writes
-    # only the levels before it and exits 0: the script fails and says how many were measured.
-    result = perf_analyzer("1000", "--latency-threshold", "1")
-    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
-    assert "0 of 2 concurrency levels measured" in result.stderr
+
+def test_perf_analyzer_script_fails_when_the_sweep_ends_early(tmp_path):
+    """perf_analyzer ends a sweep at a level it cannot measure stably, writes only the levels before it and
+    exits 0: the script fails and says how many were measured. Here a stand-in for the binary does that
+    (a real one cannot be made unstable at the second level only)."""
+    stand_in = tmp_path / "perf_analyzer"
+    stand_in.write_text(
+        "#!/usr/bin/env bash\n"
+        'while [ $# -gt 0 ]; do [ "$1" = -f ] && out="$2"; shift; done\n'
+        'printf "Concurrency,Inferences/Second\\n1,5.0\\n" >"$out"\n'
+        'echo "Failed to obtain stable measurement within 10 measurement windows for concurrency 2." >&2\n'
+    )
+    stand_in.chmod(0o755)
+    result = run_perf_analyzer_script(tmp_path, "unused:1", PERF_ANALYZER=str(stand_in))
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "1 of 2 concurrency levels measured" in result.stderr
+    # A sweep a latency limit ends is ended on purpose: not an error.
+    result = run_perf_analyzer_script(
+        tmp_path, "unused:1", "--latency-threshold", "50", PERF_ANALYZER=str(stand_in)
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_the_diffusion_lm_benchmarks_in_process_ceiling_runs_on_the_shared_engine():

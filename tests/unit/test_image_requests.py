@@ -92,3 +92,12 @@ def test_an_inpainting_unet_requires_a_source_and_a_mask():
             read(m, **raw)
     values = read(m, image=png(64, 64), mask_image=png(64, 64))
     assert values["mask_image"].size == (96, 64) and values["strength"] == 1.0
+
+
+def test_a_model_kind_that_cannot_send_any_start_the_checkpoint_serves_is_refused_at_load():
+    from triton_diffusion.models.image_to_image import ImageToImageModel
+
+    m = ImageToImageModel.__new__(ImageToImageModel)  # an inpainting checkpoint on image_to_image
+    m.facts = type("Facts", (), {"class_name": "StableDiffusionImg2ImgPipeline"})()
+    with pytest.raises(ValueError, match="serves only mask jobs here, which ImageToImageModel cannot serve"):
+        m.load_sources(ModelConfig(), FakeAdapter(("mask",)))

@@ -87,7 +87,8 @@ IMAGE_TARGETS = {
         # Euler ancestral: its step noise follows the masked source's draw from the row's generator.
         ("mask", "EulerAncestralDiscreteScheduler", 0.8, 4, 2),
     ],
-    "FluxPipeline": [("image", None, 0.7, 4, 0), ("mask", None, 0.8, 4, 2)],
+    # FLUX.1 inpainting at strength 1: its pipeline noises the source to sigma 1 (the noise itself).
+    "FluxPipeline": [("image", None, 0.7, 4, 0), ("mask", None, 0.8, 4, 2), ("mask", None, 1.0, 3, 1)],
     "StableDiffusion3Pipeline": [
         ("image", None, 0.65, 5, 0),
         ("image", None, 0.9, 3, 2),

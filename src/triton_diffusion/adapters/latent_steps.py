@@ -560,7 +560,7 @@ class LatentStepAdapter:
             proper = source.image_latents
             i = job.steps_done
             if i < len(state.timesteps) - 1:
-                next_timestep = torch.tensor([state.timesteps[i + 1]])
+                next_timestep = state.timesteps[i + 1 : i + 2]  # a view where it lives: no host sync
                 proper = self.noise_source(state.scheduler, proper, source.noise, next_timestep)
             state.latents = (1 - source.mask) * proper + source.mask * state.latents
         except Exception as exc:  # noqa: BLE001  (this job's own blend: it fails alone)

@@ -201,6 +201,14 @@ class TextToImageModel(DiffusionModel):
         self.max_pixels = config.max_image_pixels
         self.image_formats = tuple(f.strip().upper() for f in config.image_formats.split(",") if f.strip())
         self.buckets = parse_buckets(config.resize_buckets)
+        # Starts this model kind's fields can send: text and img2img, inpainting where it has a mask field.
+        sendable = {"text", "image"} | ({"mask"} if "mask_image" in self.FIELDS else set())
+        if not sendable & set(self.starts) or (adapter is None and self.facts.accepts("mask_image")):
+            raise ValueError(
+                f"{self.facts.class_name} serves only {'/'.join(self.starts) or 'no'} jobs here, which "
+                f"{type(self).__name__} cannot serve: an inpainting checkpoint (mask and masked source as "
+                "UNet inputs, or an inpaint pipeline class) is served by text_to_image on the step engine"
+            )
         unsupported = []
         if "image" not in self.starts and "mask" not in self.starts:
             unsupported += ["image", "strength"]
