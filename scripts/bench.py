@@ -574,7 +574,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--progress", action="store_true", help="stream progress (reports time to first)")
     parser.add_argument("--singleton", action="store_true", help="also the unbatched request-level engine")
     parser.add_argument("--mixed", action="store_true", help="also mixed steps x guidance traffic")
-    parser.add_argument("--poisson", action="store_true", help="also Poisson arrivals at 50/80/95% load")
+    parser.add_argument("--poisson", action="store_true", help="also Poisson arrivals at 50/80/95%% load")
     parser.add_argument(
         "--poisson-requests",
         type=int,

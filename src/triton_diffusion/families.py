@@ -49,7 +49,6 @@ class PipelineTraits:
 DEFAULT_TRAITS = PipelineTraits()
 
 _NONE_IS_EMPTY = PipelineTraits(negative_prompt_none_is_empty=True)
-_PACKED = PipelineTraits(packed_latents=True, guidance_embedded=True)
 # The step-engine families: a text-to-image class and its img2img class share one record of starts, so
 # text_to_image and image_to_image (which loads the img2img class) serve the same jobs.
 _SD_STEP = {
@@ -76,6 +75,11 @@ _FLUX_STEP = {
     "image_pipeline": "FluxImg2ImgPipeline",
     "inpaint_pipeline": "FluxInpaintPipeline",  # the masked blend, in the packed layout
 }
+_QWEN_STEP = {
+    "step_adapter": "qwen_image",
+    "text_pipeline": "QwenImagePipeline",
+    "image_pipeline": "QwenImageImg2ImgPipeline",
+}
 
 # One entry per diffusers class; the family test (tests/integration/test_families.py) serves each.
 TRAITS: Mapping[str, PipelineTraits] = {
@@ -95,13 +99,8 @@ TRAITS: Mapping[str, PipelineTraits] = {
     "FluxPipeline": PipelineTraits(packed_latents=True, guidance_embedded=True, **_FLUX_STEP),
     "FluxImg2ImgPipeline": PipelineTraits(packed_latents=True, guidance_embedded=True, **_FLUX_STEP),
     "FluxInpaintPipeline": PipelineTraits(packed_latents=True, guidance_embedded=True, **_FLUX_STEP),
-    "QwenImagePipeline": PipelineTraits(
-        packed_latents=True,
-        guidance_embedded=True,
-        step_adapter="qwen_image",
-        text_pipeline="QwenImagePipeline",
-    ),
-    "QwenImageImg2ImgPipeline": _PACKED,
+    "QwenImagePipeline": PipelineTraits(packed_latents=True, guidance_embedded=True, **_QWEN_STEP),
+    "QwenImageImg2ImgPipeline": PipelineTraits(packed_latents=True, guidance_embedded=True, **_QWEN_STEP),
     "SanaPipeline": PipelineTraits(
         negative_prompt_none_is_empty=True, step_adapter="dit", text_pipeline="SanaPipeline"
     ),

@@ -51,6 +51,7 @@ FAMILIES = {
     "sdxl_img2img": Family("image_to_image", "tiny-sdxl", False, True, False, step_engine=True),
     "flux_img2img": Family("image_to_image", "tiny-flux", False, True, True, step_engine=True),
     "sd3_img2img": Family("image_to_image", "tiny-sd3", True, True, False, step_engine=True),
+    "qwen_image_img2img": Family("image_to_image", "tiny-qwen-image", False, False, True, step_engine=True),
 }
 # Served beside them, outside the text-to-image matrix: an SD inpainting checkpoint (9-channel UNet).
 INPAINTING_UNET = "sd_inpaint"
@@ -212,7 +213,8 @@ def test_inpainting_on_the_text_to_image_model_shares_forwards_and_equals_the_in
         family_server,
         name,
         [
-            {"prompt": "a quiet street", "seed": 8, "num_inference_steps": 5, "height": 64, "width": 64},
+            # Long enough that the inpaint request, sent just after, joins its forwards whatever the timing.
+            {"prompt": "a quiet street", "seed": 8, "num_inference_steps": 30, "height": 64, "width": 64},
             {**inpaint, "image": source, "mask_image": mask_png()},
         ],
     )
@@ -240,8 +242,9 @@ def test_an_inpainting_checkpoint_serves_inpainting_only_each_request_as_its_pip
     """A 9-channel inpainting UNet on the text_to_image config: requests without a source and a mask are
     refused by name; two inpainting requests of other strengths share forwards, each equal to
     StableDiffusionInpaintPipeline alone."""
+    # 20 steps: the second request joins the first's forwards whatever the timing.
     common = {
-        "num_inference_steps": 4,
+        "num_inference_steps": 20,
         "guidance_scale": 6.0,
         "image": source_png(64, 64),
         "mask_image": mask_png(),
@@ -265,7 +268,7 @@ def test_an_inpainting_checkpoint_serves_inpainting_only_each_request_as_its_pip
             image=Image.open(io.BytesIO(request["image"])).convert("RGB"),
             mask_image=Image.open(io.BytesIO(request["mask_image"])).convert("RGB"),
             strength=request["strength"],
-            num_inference_steps=4,
+            num_inference_steps=20,
             guidance_scale=6.0,
             generator=[torch.Generator().manual_seed(request["seed"])],
         ).images[0]

@@ -10,9 +10,20 @@ same arguments and generator, alone, to one uint8 level.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import numpy as np
 import pytest
 
-from tests.unit.step_harness import Host, assert_each_image_equals_the_pipelines_own, load_family, run_engine
+from tests.unit.step_harness import (
+    Host,
+    assert_each_image_equals_the_pipelines_own,
+    load_family,
+    reference,
+    run_engine,
+    served,
+)
+from tests.unit.test_latent_steps import source_image
 from triton_diffusion.adapters.latent_steps import ImageRequest
 from triton_diffusion.adapters.qwen_image import QwenImageAdapter
 from triton_diffusion.adapters.step_adapters import step_adapter_for
@@ -64,3 +75,39 @@ def test_every_image_equals_the_pipelines_own_amid_rows_of_other_prompt_lengths(
     tokens = {int(job.state.conditional["encoder_hidden_states_mask"].sum()) for job in jobs[:3]}
     assert len(tokens) == 2
     assert_each_image_equals_the_pipelines_own(family, requests, jobs)
+
+
+# img2img jobs (QwenImageImg2ImgPipeline): (prompt, negative prompt, true CFG, strength, steps, arrives at).
+IMAGE_REQUESTS = [
+    ("a cat in the snow", None, 1.0, 0.6, 4, 0),
+    (LONG, "blurry", 3.0, 0.85, 3, 1),
+]
+
+
+def test_img2img_jobs_equal_their_pipeline_alone_and_amid_text_only_jobs(family):
+    pipe, facts, schedulers = family
+    adapter = step_adapter_for(pipe, facts, schedulers, None)
+    assert adapter.starts == ("text", "image")
+    scheduler, source = schedulers.names[0], source_image()
+    targets = [
+        (
+            at,
+            ImageRequest(
+                p, n, 30 + i, 0, 64, 64, steps, None, cfg, scheduler, image=source, strength=strength
+            ),
+        )
+        for i, (p, n, cfg, strength, steps, at) in enumerate(IMAGE_REQUESTS)
+    ]
+    text = [(0, ImageRequest(SHORT, "dark", 40, 0, 64, 64, 5, None, 2.0, scheduler))]
+    text.append((2, ImageRequest(LONG, None, 41, 0, 64, 64, 3, None, 1.0, scheduler)))
+    jobs = run_engine(adapter, targets + text)
+    for (_, request), job in zip(targets, jobs, strict=False):
+        expected = np.asarray(reference(pipe, facts, schedulers, request), dtype=int)
+        (alone,) = run_engine(adapter, [(0, request)])
+        assert np.abs(served(alone) - expected).max() <= 1, "alone"
+        assert np.abs(served(job) - expected).max() <= 1, "amid text"
+        assert job.most_shared >= 2 and job.forwards == job.total_steps <= request.steps
+    assert jobs[0].total_steps == 3, "strength 0.6 of 4 steps runs 3 (the trim, unrounded)"
+    twin = replace(targets[0][1], image=None, strength=None)
+    (text_only,) = run_engine(adapter, [(0, twin)])
+    assert np.abs(served(text_only) - served(jobs[0])).mean() > 5, "the source did not matter"

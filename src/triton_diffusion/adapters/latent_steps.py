@@ -181,6 +181,7 @@ class LatentStepAdapter:
         )
         self.device = self.pipe._execution_device
         self.dtype = self.model.dtype
+        self.latent_dtype = self.dtype  # what latents are drawn and stepped in (Qwen-Image: its text's)
         self.module = sys.modules[type(self.pipe).__module__]  # the pipeline's own retrieve_timesteps & co
         # Pristine scheduler templates: each job steps a copy of its own.
         self.templates = {
@@ -229,6 +230,12 @@ class LatentStepAdapter:
     def pack(self, latents: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
         """[n, C, h, w] latents into the loop's layout (Flux packs 2x2 patches)."""
         return latents
+
+    def source_noise_shape(self, size: tuple[int, int]) -> tuple[int, ...]:
+        """The shape of one image-conditioned row's noise, as its pipeline's ``prepare_latents`` draws it
+        (before packing): the VAE's latent channels at latent size."""
+        factor = self.pipe.vae_scale_factor
+        return (1, self.pipe.vae.config.latent_channels, size[0] // factor, size[1] // factor)
 
     def encodes_source(self, request: ImageRequest) -> bool:
         """Whether the start's pipeline VAE-encodes the source (a draw from the row's generator) before it
@@ -454,13 +461,14 @@ class LatentStepAdapter:
                 torch.cat([pixels[i] for i in encoded]), [generators[i] for i in encoded]
             )
             image_latents = {i: latents[row : row + 1] for row, i in enumerate(encoded)}
-        factor = self.pipe.vae_scale_factor
-        shape = (1, self.pipe.vae.config.latent_channels, height // factor, width // factor)
+        shape = self.source_noise_shape(size)
         rows, sources = [], []
         for i, request in enumerate(requests):
             scheduler, timestep = schedulers[i], first_timesteps[i]
             # In the loop's layout from here on: noising and the inpaint blend are elementwise.
-            row_noise = randn_tensor(shape, generator=generators[i], device=self.device, dtype=self.dtype)
+            row_noise = randn_tensor(
+                shape, generator=generators[i], device=self.device, dtype=self.latent_dtype
+            )
             row_noise = self.pack(row_noise, size)
             source = self.pack(image_latents[i], size) if i in image_latents else None
             if request.mask_image is None:

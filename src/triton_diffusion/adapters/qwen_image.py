@@ -13,6 +13,11 @@ flow-matching scheduler. The loop body mirrors the pipeline's ``__call__``:
 - ``img_shapes`` of the forward's size for every row (rows of one forward have one size), each row's own
   timestep in the latents' dtype divided by 1000, and the guidance embedding per row for a
   guidance-distilled transformer.
+
+An image-conditioned job (img2img) starts as ``QwenImageImg2ImgPipeline`` starts it: the schedule trimmed by
+steps x strength unrounded, the source encoded as a one-frame video by the VAE (each row sampled with its
+own generator) and normalised with the VAE's per-channel mean and std, then noised to the first remaining
+sigma (``scale_noise``) and packed; from then on it shares forwards with text-only rows of its size.
 """
 
 from __future__ import annotations
@@ -24,15 +29,17 @@ import numpy as np
 import torch
 from PIL import Image
 
+from triton_diffusion.adapters.flow_matching import FlowMatchingImageStart
 from triton_diffusion.adapters.latent_steps import (
     ImageRequest,
     LatentJob,
     LatentStepAdapter,
     denormalized_latents,
+    sample_latents,
 )
 
 
-class QwenImageAdapter(LatentStepAdapter):
+class QwenImageAdapter(FlowMatchingImageStart, LatentStepAdapter):
     fallback_max_sequence_length = 512
 
     def __init__(self, pipe: Any, facts: Any, schedulers: Any, max_sequence_length: int | None) -> None:
@@ -40,6 +47,28 @@ class QwenImageAdapter(LatentStepAdapter):
         self.guidance_embeds = bool(self.model.config.guidance_embeds)
         # The pipeline draws and steps latents in the prompt embeddings' (the text encoder's) dtype.
         self.latent_dtype = self.pipe.text_encoder.dtype
+
+    def supports(self, start: str) -> bool:
+        return start == "image"
+
+    def encode_source(self, pixels: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+        # QwenImageImg2ImgPipeline.prepare_latents and _encode_vae_image: [n, 3, 1, H, W] in the text's
+        # dtype, normalised as (latents - mean) * (1 / std), frames moved before channels: [n, 1, z, h, w].
+        vae = self.pipe.vae
+        pixels = pixels.to(device=self.device, dtype=self.latent_dtype).unsqueeze(2)
+        latents = sample_latents(vae.encode(pixels), generators)
+        shape = (1, vae.config.z_dim, 1, 1, 1)
+        mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents.device, latents.dtype)
+        inverse_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(latents.device, latents.dtype)
+        return ((latents - mean) * inverse_std).transpose(1, 2)
+
+    def source_noise_shape(self, size: tuple[int, int]) -> tuple[int, ...]:
+        rows, columns = self._tokens(size)
+        return (1, 1, self.model.config.in_channels // 4, 2 * rows, 2 * columns)
+
+    def pack(self, latents: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+        count, _, channels, height, width = latents.shape  # [n, 1, C, h, w]
+        return self.pipe._pack_latents(latents, count, channels, height, width)
 
     def uses_guidance(self, request: ImageRequest) -> bool:
         return (request.true_cfg_scale or 0.0) > 1.0 and request.negative_prompt is not None

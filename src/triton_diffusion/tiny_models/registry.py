@@ -54,7 +54,8 @@ TINY_FAMILIES = ["tiny-sdxl", "tiny-sd3", "tiny-qwen-image", "tiny-sana", "tiny-
 # Bump when a builder changes: folders built by an older version are rebuilt. One builder that changed
 # alone gets its own version here, so only its folder is rebuilt.
 BUILD_VERSION = "2"
-BUILDER_VERSIONS = {"tiny-wan": "3"}  # 3: a VAE without one-channel layers
+# tiny-wan 3: a VAE without one-channel layers; tiny-qwen-image 3: a VAE with a per-channel mean and std.
+BUILDER_VERSIONS = {"tiny-wan": "3", "tiny-qwen-image": "3"}
 STAMP = ".triton-diffusion-build"
 
 
