@@ -94,6 +94,9 @@ class RunStats:
     peak_memory_mb: float
     mean_rows_per_call: float | None
     traffic: str = "homogeneous"
+    # CPU milliseconds per request of the OpenAI front, the server (Triton and its stubs) and this
+    # client, where measured (--openai): on one machine all three share the cores.
+    cpu_ms_per_request: dict[str, float] | None = None
 
 
 class MemorySampler:
@@ -329,6 +332,22 @@ class ServerVariant:
         if openai_port:
             wait_until_ready(f"{self.openai_url}/health")
 
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU seconds so far of the OpenAI front, the server (the launcher, Triton, its stubs) and this
+        process (the client)."""
+        totals = {"front": 0.0, "server": 0.0}
+        launcher = psutil.Process(self.server.process.pid)
+        for process in [launcher, *launcher.children(recursive=True)]:
+            try:
+                times = process.cpu_times()
+                part = "front" if "openai_front" in " ".join(process.cmdline()) else "server"
+            except psutil.Error:
+                continue  # ended meanwhile
+            totals[part] += times.user + times.system
+        own = psutil.Process().cpu_times()
+        totals["client"] = own.user + own.system
+        return totals
+
     def warm_up(self, request: dict, batch: int) -> None:
         drive(self.server.grpc_url, self.model, [dict(request, seed=i) for i in range(batch)], batch, None)
 
@@ -404,8 +423,14 @@ def run_front_overhead(
         variant.run(plain[: args.max_batch_size], args.max_batch_size, None, openai=True)  # warm-up
         runs = []
         for _ in range(2):
-            runs.append(replace(variant.run(plain, top, None), traffic="grpc"))
-            runs.append(variant.run(plain, top, None, openai=True))
+            for openai in (False, True):
+                before = variant.cpu_seconds()
+                stats = variant.run(plain, top, None, openai=openai)
+                after = variant.cpu_seconds()
+                cpu = {part: 1000 * (after[part] - before[part]) / len(plain) for part in after}
+                runs.append(replace(stats, traffic="openai" if openai else "grpc", cpu_ms_per_request=cpu))
+                shares = ", ".join(f"{part} {ms:.2f}" for part, ms in cpu.items())
+                print(f"    CPU ms per request: {shares}", flush=True)
         return runs
     finally:
         variant.stop()
@@ -712,6 +737,20 @@ def ratios(runs: list[RunStats], raw: list[dict], top: int) -> dict[str, tuple[f
         )
         out[f"OpenAI front / gRPC direct p95 latency, c={top}"] = (
             max(r.latency_p95_s for r in front) / max(r.latency_p95_s for r in grpc),
+            "-",
+        )
+
+        def cpu(rs: list[RunStats], part: str) -> float:
+            return sum(r.cpu_ms_per_request[part] for r in rs) / len(rs)
+
+        # The throughput ratio above also pays for the clients on the same cores: these separate the
+        # front's own CPU per request, and the official client's extra over the gRPC one, from the work.
+        out["OpenAI front's own CPU / the server's, per request"] = (
+            cpu(front, "front") / cpu(front, "server"),
+            "-",
+        )
+        out["openai client's CPU over the gRPC client's, per request / the server's"] = (
+            (cpu(front, "client") - cpu(grpc, "client")) / cpu(front, "server"),
             "-",
         )
     step, request = pick("step"), pick("request")
