@@ -120,7 +120,9 @@ class ModelConfig:
         (IMAGE, IMAGE_SOURCE),
     )
     max_rows_by_resolution: str | None = _parameter(
-        None, 'lower image caps for some sizes, JSON {"WIDTHxHEIGHT": images}', (IMAGE, IMAGE_SOURCE)
+        None,
+        'lower caps for some sizes, JSON {"WIDTHxHEIGHT": images}; a video\'s "WIDTHxHEIGHTxFRAMES" wins',
+        (IMAGE, IMAGE_SOURCE),
     )
     max_running: int | None = _parameter(
         None,

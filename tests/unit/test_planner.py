@@ -53,3 +53,13 @@ def test_row_caps_from_config():
     assert caps.cap_for(k(1024, 768)) == (2, "resolution_cap")
     with pytest.raises(ValueError):
         RowCaps.from_config(8, '{"big": 2}')
+
+
+def test_a_video_cap_by_frame_count_wins_over_its_size_cap():
+    caps = RowCaps.from_config(8, '{"832x480": 4, "832x480x81": 1}')
+    assert caps.cap_for_size(480, 832, 81) == (1, "resolution_cap")
+    assert caps.cap_for_size(480, 832, 17) == (4, "resolution_cap")  # another frame count: the size's
+    assert caps.cap_for_size(480, 832) == (4, "resolution_cap")
+    assert caps.cap_for({"height": 480, "width": 832, "num_frames": 81}) == (1, "resolution_cap")
+    with pytest.raises(ValueError):
+        RowCaps.from_config(8, '{"832x480x81x2": 1}')

@@ -43,7 +43,8 @@ class FusedCall:
 
 @dataclass(frozen=True)
 class RowCaps:
-    """Rows per fused call: a global cap and optional lower caps per resolution ("WxH")."""
+    """Rows per fused call: a global cap and optional lower caps per resolution ("WxH", or a video's
+    "WxHxFRAMES", which wins over its "WxH")."""
 
     max_rows: int
     by_resolution: Mapping[str, int] = field(default_factory=dict)
@@ -54,20 +55,23 @@ class RowCaps:
         if resolution_json:
             raw = json.loads(resolution_json)
             for res, cap in raw.items():
-                width, _, height = res.lower().partition("x")
-                if not (width.isdigit() and height.isdigit()) or int(cap) < 1:
-                    raise ValueError(f"row cap {res!r}: {cap!r}: expected 'WIDTHxHEIGHT': positive int")
-                by_resolution[f"{int(width)}x{int(height)}"] = int(cap)
+                parts = res.lower().split("x")
+                if not (2 <= len(parts) <= 3 and all(p.isdigit() for p in parts)) or int(cap) < 1:
+                    expected = "'WIDTHxHEIGHT' or 'WIDTHxHEIGHTxFRAMES': positive int"
+                    raise ValueError(f"row cap {res!r}: {cap!r}: expected {expected}")
+                by_resolution["x".join(str(int(p)) for p in parts)] = int(cap)
         if max_rows < 1:
             raise ValueError(f"max rows per call must be >= 1, got {max_rows}")
         return cls(max_rows, by_resolution)
 
     def cap_for(self, key: CompatibilityKey) -> tuple[int, str]:
         """The cap for a key and the reason to name when it cuts a group: the lower rule wins."""
-        return self.cap_for_size(key.get("height"), key.get("width"))
+        return self.cap_for_size(key.get("height"), key.get("width"), key.get("num_frames"))
 
-    def cap_for_size(self, height: int, width: int) -> tuple[int, str]:
+    def cap_for_size(self, height: int, width: int, frames: int | None = None) -> tuple[int, str]:
         res_cap = self.by_resolution.get(f"{width}x{height}")
+        if frames is not None:  # a video: its frame count's own cap first
+            res_cap = self.by_resolution.get(f"{width}x{height}x{frames}", res_cap)
         if res_cap is not None and res_cap < self.max_rows:
             return res_cap, "resolution_cap"
         return self.max_rows, "row_cap"

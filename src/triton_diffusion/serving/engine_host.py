@@ -294,7 +294,7 @@ class EngineHost:
                 max_per_forward=caps.max_rows,
                 # An image's group is (height, width), a video's (height, width, frames): caps are by size.
                 cap_for=lambda group: (
-                    caps.cap_for_size(*group[:2])[0] if isinstance(group, tuple) else caps.max_rows
+                    caps.cap_for_size(*group)[0] if isinstance(group, tuple) else caps.max_rows
                 ),
                 cancel_poll_s=config.cancel_poll_ms / 1000,
             )
