@@ -63,11 +63,12 @@ def test_bench_writes_its_report(tmp_path):
     assert "homogeneous c=2: step / request throughput" in report["ratios"]
     assert any(name.startswith("mixed") for name in report["ratios"])
     assert report["ratios"]["OpenAI front / gRPC direct throughput, step engine, c=2"][0] > 0
-    # CPU per request of the front (none on the gRPC path), the server and the client, on both paths.
+    # CPU per request of the front, the server and the client, on both paths (the front idles on the
+    # gRPC path, so there it may count a clock tick or none).
     for run in report["runs"][-4:]:
         cpu = run["cpu_ms_per_request"]
         assert cpu["server"] > 0 and cpu["client"] > 0
-        assert (cpu["front"] > 0) == (run["traffic"] == "openai")
+        assert cpu["front"] > 0 or run["traffic"] == "grpc"
     assert report["ratios"]["OpenAI front's own CPU / the server's, per request"][0] > 0
 
 

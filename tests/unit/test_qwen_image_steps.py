@@ -77,10 +77,12 @@ def test_every_image_equals_the_pipelines_own_amid_rows_of_other_prompt_lengths(
     assert_each_image_equals_the_pipelines_own(family, requests, jobs)
 
 
-# img2img jobs (QwenImageImg2ImgPipeline): (prompt, negative prompt, true CFG, strength, steps, arrives at).
+# img2img jobs (QwenImageImg2ImgPipeline): (prompt, negative prompt, true CFG, strength, steps, arrives at,
+# (height, width)).
 IMAGE_REQUESTS = [
-    ("a cat in the snow", None, 1.0, 0.6, 4, 0),
-    (LONG, "blurry", 3.0, 0.85, 3, 1),
+    ("a cat in the snow", None, 1.0, 0.6, 4, 0, (64, 64)),
+    (LONG, "blurry", 3.0, 0.85, 3, 1, (64, 64)),
+    ("a wide street", None, 2.0, 0.7, 4, 0, (64, 96)),  # not square: height and width not swapped
 ]
 
 
@@ -93,13 +95,14 @@ def test_img2img_jobs_equal_their_pipeline_alone_and_amid_text_only_jobs(family)
         (
             at,
             ImageRequest(
-                p, n, 30 + i, 0, 64, 64, steps, None, cfg, scheduler, image=source, strength=strength
+                p, n, 30 + i, 0, *size, steps, None, cfg, scheduler, image=source, strength=strength
             ),
         )
-        for i, (p, n, cfg, strength, steps, at) in enumerate(IMAGE_REQUESTS)
+        for i, (p, n, cfg, strength, steps, at, size) in enumerate(IMAGE_REQUESTS)
     ]
     text = [(0, ImageRequest(SHORT, "dark", 40, 0, 64, 64, 5, None, 2.0, scheduler))]
     text.append((2, ImageRequest(LONG, None, 41, 0, 64, 64, 3, None, 1.0, scheduler)))
+    text.append((0, ImageRequest(SHORT, None, 42, 0, 64, 96, 4, None, 1.0, scheduler)))  # the wide one's mate
     jobs = run_engine(adapter, targets + text)
     for (_, request), job in zip(targets, jobs, strict=False):
         expected = np.asarray(reference(pipe, facts, schedulers, request), dtype=int)

@@ -65,7 +65,8 @@ class RowCaps:
         return cls(max_rows, by_resolution)
 
     def cap_for(self, key: CompatibilityKey) -> tuple[int, str]:
-        """The cap for a key and the reason to name when it cuts a group: the lower rule wins."""
+        """The cap for a key and the reason to name when it cuts a group: the size's cap (a video's frame
+        count's if it has one) where it is lower than the global one."""
         return self.cap_for_size(key.get("height"), key.get("width"), key.get("num_frames"))
 
     def cap_for_size(self, height: int, width: int, frames: int | None = None) -> tuple[int, str]:

@@ -1,16 +1,17 @@
 """Image-to-image and instruction edits: the text_to_image model with ``image`` required.
 
-Where the family has a step adapter (SD 1.x/2.x, SDXL, FLUX.1, SD3) this is the same code as text_to_image's
-image-conditioned requests on the step engine (models/text_to_image.py, adapters/latent_steps.py): the
-img2img pipeline this model loads is one of the family's pipelines over one set of modules, and the others
-are built over the same modules (no second copy of the weights; text_to_image takes ``image`` too).
+Where the family has a step adapter with an img2img start (SD 1.x/2.x, SDXL, FLUX.1, SD3, Qwen-Image) this
+is the same code as text_to_image's image-conditioned requests on the step engine (models/text_to_image.py,
+adapters/latent_steps.py): the img2img pipeline this model loads is one of the family's pipelines over one
+set of modules, and the others are built over the same modules (no second copy of the weights;
+text_to_image takes ``image`` too).
 
 Other families run on the request-level engine, one fused call of the loaded img2img pipeline per
 compatible group: the resolved size is part of the compatibility key, so requests with different source
 sizes are grouped apart instead of failing a fused call (diffusers resizes every image of a call to the
 first one's size), and ``resize_buckets`` can snap every source to a fixed set of sizes so more requests
 share a key. Works with diffusers pipelines that take a list of images with a list of prompts: Stable
-Diffusion img2img, Flux img2img, InstructPix2Pix (``pipeline_class``), ...
+Diffusion img2img with ``engine: request``, InstructPix2Pix (``pipeline_class``), ...
 """
 
 from __future__ import annotations
