@@ -498,7 +498,7 @@ class LatentStepAdapter:
         inpainting UNet reads), so a stochastic sampler's later draws follow the same stream."""
         pipe = self.pipelines["mask"]
         height, width = request.size
-        mask = pipe.mask_processor.preprocess(request.mask_image, height=height, width=width)
+        mask = self.mask_condition(request)
         factor = pipe.vae_scale_factor
         mask = torch.nn.functional.interpolate(mask, size=(height // factor, width // factor))
         if not isinstance(pipe.vae, diffusers.AutoencoderTiny):  # retrieve_latents samples a distribution
@@ -506,6 +506,13 @@ class LatentStepAdapter:
             randn_tensor(shape, generator=generator, device=self.device, dtype=self.source_draw_dtype)
         mask = self.pack_mask(mask.to(device=self.device, dtype=self.dtype), request.size)
         return InpaintSource(image_latents, noise, mask)
+
+    def mask_condition(self, request: ImageRequest) -> torch.Tensor:
+        """The request's mask as its inpaint pipeline preprocesses it (grayscale, binarised, [1, 1, H, W])."""
+        height, width = request.size
+        return self.pipelines["mask"].mask_processor.preprocess(
+            request.mask_image, height=height, width=width
+        )
 
     @property
     def source_draw_dtype(self) -> torch.dtype:
@@ -689,13 +696,25 @@ def row_conditioning(
     ]
 
 
-def denormalized_latents(vae: Any, latents: torch.Tensor) -> torch.Tensor:
-    """5-D latents back to the scale of a Wan-style VAE (Wan, Qwen-Image) with its per-channel mean and
-    std, as those pipelines do before decoding: ``latents / (1 / std) + mean``, in that order (the same
-    rounding)."""
+def _mean_and_inverse_std(vae: Any, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Wan-style VAE's (Wan, Qwen-Image) per-channel mean and 1 / std, shaped for 5-D latents."""
     shape = (1, vae.config.z_dim, 1, 1, 1)
     mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents.device, latents.dtype)
     inverse_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(latents.device, latents.dtype)
+    return mean, inverse_std
+
+
+def normalized_latents(vae: Any, latents: torch.Tensor) -> torch.Tensor:
+    """Encoded 5-D latents to the model's scale, as those pipelines' ``_encode_vae_image``:
+    ``(latents - mean) * (1 / std)``."""
+    mean, inverse_std = _mean_and_inverse_std(vae, latents)
+    return (latents - mean) * inverse_std
+
+
+def denormalized_latents(vae: Any, latents: torch.Tensor) -> torch.Tensor:
+    """5-D latents back to the VAE's scale, as those pipelines do before decoding:
+    ``latents / (1 / std) + mean``, in that order (the same rounding)."""
+    mean, inverse_std = _mean_and_inverse_std(vae, latents)
     return latents / inverse_std + mean
 
 

@@ -35,6 +35,7 @@ from triton_diffusion.adapters.latent_steps import (
     LatentJob,
     LatentStepAdapter,
     denormalized_latents,
+    normalized_latents,
     sample_latents,
 )
 
@@ -56,11 +57,7 @@ class QwenImageAdapter(FlowMatchingImageStart, LatentStepAdapter):
         # dtype, normalised as (latents - mean) * (1 / std), frames moved before channels: [n, 1, z, h, w].
         vae = self.pipe.vae
         pixels = pixels.to(device=self.device, dtype=self.latent_dtype).unsqueeze(2)
-        latents = sample_latents(vae.encode(pixels), generators)
-        shape = (1, vae.config.z_dim, 1, 1, 1)
-        mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents.device, latents.dtype)
-        inverse_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(latents.device, latents.dtype)
-        return ((latents - mean) * inverse_std).transpose(1, 2)
+        return normalized_latents(vae, sample_latents(vae.encode(pixels), generators)).transpose(1, 2)
 
     def source_noise_shape(self, size: tuple[int, int]) -> tuple[int, ...]:
         rows, columns = self._tokens(size)

@@ -87,13 +87,13 @@ class StableDiffusionAdapter(LatentStepAdapter):
             return super().inpaint_source(request, generator, image_latents, noise, pixels)
         # The pipeline's own prepare_mask_latents: the mask at latent size and the masked source encoded
         # with the row's generator, for one row without CFG (the engine gives both CFG rows the same).
-        pipe = self.pipelines["mask"]
         height, width = request.size
-        mask = pipe.mask_processor.preprocess(request.mask_image, height=height, width=width)
-        mask, masked = pipe.prepare_mask_latents(
+        mask = self.mask_condition(request)
+        mask, masked = self.pipelines["mask"].prepare_mask_latents(
             mask, pixels * (mask < 0.5), 1, height, width, self.dtype, self.device, generator, False
         )
-        return InpaintSource(None, noise, mask, {"mask": mask, "masked_image_latents": masked})
+        # One input of both (the UNet's extra channels, in its order): one copy per forward, not three.
+        return InpaintSource(None, noise, mask, {"inpaint_channels": torch.cat([mask, masked], dim=1)})
 
     def encode_source(self, pixels: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
         vae = self.pipe.vae
@@ -212,7 +212,7 @@ class StableDiffusionAdapter(LatentStepAdapter):
     ) -> Any:
         added = {"text_embeds": inputs["text_embeds"], "time_ids": inputs["time_ids"]} if self.xl else None
         if self.inpainting_unet:  # after the scheduler's input scaling, as the inpaint pipeline's loop
-            latents = torch.cat([latents, inputs["mask"], inputs["masked_image_latents"]], dim=1)
+            latents = torch.cat([latents, inputs["inpaint_channels"]], dim=1)
         return self.model(
             latents,
             timesteps,
