@@ -1,5 +1,5 @@
 """The family matrix: every diffusers family a user points ``model`` at, served from the shipped config with
-only ``model`` changed (plus the tests' longer queue delay, so concurrent requests fuse reliably).
+only ``model`` changed (and a short queue delay: every family here is on the step engine).
 
 Each family is a tiny random-weight pipeline built from the real diffusers classes (tiny_models/), big
 enough that the prompt visibly changes the image. For each: it loads; a request gives an image of the
@@ -11,6 +11,7 @@ and previews arrive; guidance_scale / true_cfg_scale are accepted only where the
 from __future__ import annotations
 
 import io
+import threading
 from dataclasses import dataclass
 
 import diffusers
@@ -24,7 +25,6 @@ from tests.unit.step_harness import sd3_inpaint_with_shift
 from triton_diffusion.serving.server_process import WEIGHTS, copy_model, set_batching, start_server
 from triton_diffusion.tiny_models import TINY_DEFAULTS, TINY_FAMILIES, build_missing
 
-from .conftest import QUEUE_DELAY_US
 from .test_step_engine import mask_png
 from .test_text_to_image import max_diff, pixels
 
@@ -53,8 +53,36 @@ FAMILIES = {
     "sd3_img2img": Family("image_to_image", "tiny-sd3", True, True, False, step_engine=True),
     "qwen_image_img2img": Family("image_to_image", "tiny-qwen-image", False, False, True, step_engine=True),
 }
+# Every family here runs on the step engine, which joins requests at the next step whichever execute()
+# brings them: a short queue delay, so a request sent while another runs is not held in Triton's queue
+# until that one has finished (the 300 ms the request-level tests use is longer than a tiny model's run).
+STEP_QUEUE_DELAY_US = 20_000
 # Served beside them, outside the text-to-image matrix: an SD inpainting checkpoint (9-channel UNet).
 INPAINTING_UNET = "sd_inpaint"
+
+
+def second_joins_first(server, name: str, first: dict, second: dict) -> tuple:
+    """Send ``first`` (many steps, with progress) and, once it has taken a step, ``second``: the second
+    starts while the first runs, so they share forwards whatever the machine's timing."""
+    stepped, results = threading.Event(), {}
+
+    def run_first() -> None:
+        (results["first"],) = generate_many(
+            [{**first, "progress": True}],
+            url=server.grpc_url,
+            model=name,
+            timeout_s=180,
+            on_progress=lambda index, progress: stepped.set(),
+        )
+
+    thread = threading.Thread(target=run_first)
+    thread.start()
+    assert stepped.wait(120), "the first request never took a step"
+    (results["second"],) = generate_many([second], url=server.grpc_url, model=name, timeout_s=180)
+    thread.join(180)
+    return results["first"], results["second"]
+
+
 MATES = ["a lighthouse at dusk", "two green apples", "a city in fog", "an old red tram", "waves on rocks"]
 
 
@@ -73,7 +101,7 @@ def family_server(tmp_path_factory):
     models[INPAINTING_UNET] = ("text_to_image", "tiny-sd-inpaint")
     for name, (config, weights) in models.items():
         copy_model(config, repo, name, {"model": str(WEIGHTS / weights)})
-        set_batching(repo, name, QUEUE_DELAY_US)
+        set_batching(repo, name, STEP_QUEUE_DELAY_US)
     running = start_server(repo, tmp_path_factory.mktemp("family_logs") / "server.log", list(models))
     yield running
     running.stop()
@@ -204,19 +232,16 @@ def test_inpainting_on_the_text_to_image_model_shares_forwards_and_equals_the_in
     inpaint = {
         "prompt": "a red door",
         "seed": 9,
-        "num_inference_steps": 4,
+        "num_inference_steps": 20,
         "strength": 0.75,
         "guidance_scale": 4.0,
         **extra(name),
     }
-    text, edit = send(
+    text, edit = second_joins_first(
         family_server,
         name,
-        [
-            # Long enough that the inpaint request, sent just after, joins its forwards whatever the timing.
-            {"prompt": "a quiet street", "seed": 8, "num_inference_steps": 30, "height": 64, "width": 64},
-            {**inpaint, "image": source, "mask_image": mask_png()},
-        ],
+        {"prompt": "a quiet street", "seed": 8, "num_inference_steps": 50, "height": 64, "width": 64},
+        {**inpaint, "image": source, "mask_image": mask_png()},
     )
     assert text.ok and edit.ok, (text.error, edit.error)
     assert edit.batch["engine"] == "step" and edit.batch["most_rows_shared"] >= 2
@@ -242,9 +267,8 @@ def test_an_inpainting_checkpoint_serves_inpainting_only_each_request_as_its_pip
     """A 9-channel inpainting UNet on the text_to_image config: requests without a source and a mask are
     refused by name; two inpainting requests of other strengths share forwards, each equal to
     StableDiffusionInpaintPipeline alone."""
-    # 20 steps: the second request joins the first's forwards whatever the timing.
     common = {
-        "num_inference_steps": 20,
+        "num_inference_steps": 30,
         "guidance_scale": 6.0,
         "image": source_png(64, 64),
         "mask_image": mask_png(),
@@ -254,9 +278,8 @@ def test_an_inpainting_checkpoint_serves_inpainting_only_each_request_as_its_pip
         {"prompt": "a green door", "seed": 5, "strength": 0.75, **common},
         {"prompt": "text only", "seed": 6},
     ]
-    first, second, text = generate_many(
-        requests, url=family_server.grpc_url, model=INPAINTING_UNET, timeout_s=180
-    )
+    (text,) = generate_many(requests[2:], url=family_server.grpc_url, model=INPAINTING_UNET, timeout_s=180)
+    first, second = second_joins_first(family_server, INPAINTING_UNET, requests[0], requests[1])
     assert not text.ok and "image: is required: this model's UNet inpaints" in text.error, text.error
     assert first.ok and second.ok, (first.error, second.error)
     assert first.batch["most_rows_shared"] >= 2 and second.batch["most_rows_shared"] >= 2
@@ -268,7 +291,7 @@ def test_an_inpainting_checkpoint_serves_inpainting_only_each_request_as_its_pip
             image=Image.open(io.BytesIO(request["image"])).convert("RGB"),
             mask_image=Image.open(io.BytesIO(request["mask_image"])).convert("RGB"),
             strength=request["strength"],
-            num_inference_steps=20,
+            num_inference_steps=30,
             guidance_scale=6.0,
             generator=[torch.Generator().manual_seed(request["seed"])],
         ).images[0]
