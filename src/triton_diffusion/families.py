@@ -93,6 +93,8 @@ TRAITS: Mapping[str, PipelineTraits] = {
     "StableDiffusionInpaintPipeline": PipelineTraits(negative_prompt_none_is_empty=True, **_SD_STEP),
     "StableDiffusionXLPipeline": PipelineTraits(**_SDXL_STEP),
     "StableDiffusionXLImg2ImgPipeline": PipelineTraits(**_SDXL_STEP),
+    # An SDXL inpainting checkpoint (9-channel UNet) is saved as this class.
+    "StableDiffusionXLInpaintPipeline": PipelineTraits(**_SDXL_STEP),
     "StableDiffusion3Pipeline": PipelineTraits(negative_prompt_none_is_empty=True, **_SD3_STEP),
     "StableDiffusion3Img2ImgPipeline": PipelineTraits(negative_prompt_none_is_empty=True, **_SD3_STEP),
     "StableDiffusion3InpaintPipeline": PipelineTraits(negative_prompt_none_is_empty=True, **_SD3_STEP),
@@ -107,7 +109,9 @@ TRAITS: Mapping[str, PipelineTraits] = {
     "PixArtSigmaPipeline": PipelineTraits(
         negative_prompt_none_is_empty=True, step_adapter="dit", text_pipeline="PixArtSigmaPipeline"
     ),
-    "PixArtAlphaPipeline": _NONE_IS_EMPTY,
+    "PixArtAlphaPipeline": PipelineTraits(
+        negative_prompt_none_is_empty=True, step_adapter="dit", text_pipeline="PixArtAlphaPipeline"
+    ),
     "AuraFlowPipeline": _NONE_IS_EMPTY,
     "Lumina2Pipeline": _NONE_IS_EMPTY,
     "ZImagePipeline": PipelineTraits(

@@ -46,6 +46,7 @@ FAMILIES = {
     "qwen_image": Family("text_to_image", "tiny-qwen-image", False, False, True, step_engine=True),
     "sana": Family("text_to_image", "tiny-sana", True, True, False, step_engine=True),
     "pixart_sigma": Family("text_to_image", "tiny-pixart-sigma", True, True, False, step_engine=True),
+    "pixart_alpha": Family("text_to_image", "tiny-pixart-alpha", True, True, False, step_engine=True),
     "z_image": Family("text_to_image", "tiny-z-image", True, True, False, step_engine=True),
     # The img2img classes of the step-engine families run on the step engine too (their image_to_image).
     "sdxl_img2img": Family("image_to_image", "tiny-sdxl", False, True, False, step_engine=True),

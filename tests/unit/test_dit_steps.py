@@ -1,11 +1,13 @@
 """The DiT step adapter (adapters/dit.py) against the diffusers pipelines themselves, in process, CPU fp32.
 
-For PixArt-Sigma and Sana, requests with short and long prompts (so rows of one forward carry different
-text attention masks), negative prompts present or not, other step counts, guidance scales with and
-without CFG, sizes (other aspect-ratio bins, and two sizes of one bin that share forwards and are resized
-back apart) and arrival steps run through the step engine; one more is cancelled half-way. Each finished
-image must equal ``pipeline(...)`` for the same arguments and generator (the pipeline alone, so a row
-fused with rows of other prompt lengths equals the row alone) to one uint8 level.
+For PixArt-Sigma, PixArt-Alpha and Sana, requests with short and long prompts (so rows of one forward
+carry different text attention masks), negative prompts present or not, other step counts, guidance
+scales with and without CFG, sizes (other aspect-ratio bins, and two sizes of one bin that share
+forwards and are resized back apart) and arrival steps run through the step engine; one more is
+cancelled half-way. Each finished image must equal ``pipeline(...)`` for the same arguments and
+generator (the pipeline alone, so a row fused with rows of other prompt lengths equals the row alone)
+to one uint8 level. PixArt-Alpha's own loop (a 1024-pixel model's size conditioning, one-step jobs) has
+its own test.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from triton_diffusion.adapters.step_adapters import step_adapter_for
 # weights -> scheduler_choices (PixArt also with Euler: per-row scale_model_input and init_noise_sigma).
 FAMILIES = {
     "tiny-pixart-sigma": "DPMSolverMultistepScheduler,EulerDiscreteScheduler",
+    "tiny-pixart-alpha": "DPMSolverMultistepScheduler,DDIMScheduler",
     "tiny-sana": None,
 }
 SHORT = "a cat"
@@ -68,3 +71,62 @@ def test_every_image_equals_the_pipelines_own_amid_rows_of_other_prompt_lengths(
     tokens = {int(job.state.conditional["encoder_attention_mask"].sum()) for job in jobs[:3]}
     assert len(tokens) == 2 and jobs[0].most_shared >= 3
     assert_each_image_equals_the_pipelines_own(family, requests, jobs)
+
+
+# PixArt-Alpha's own loop, on a 1024-style transformer (sample_size 128: it takes the rendered resolution
+# and aspect ratio) whose 1024-pixel bin table is swapped for small bins of the same shape, so the test
+# renders 48- and 64-pixel images: (size asked, steps, scheduler, guidance, arrives at engine step). The
+# asked sizes are not bins (a row conditioned on the asked size instead of the rendered one would differ);
+# the one-step DDIM job keeps the predicted original sample, as the pipeline's loop does.
+SMALL_1024_BINS = {"0.75": [48.0, 64.0], "1.0": [64.0, 64.0], "1.33": [64.0, 48.0]}
+ALPHA_1024 = [
+    ((72, 64), 4, "DPMSolverMultistepScheduler", 4.5, 0),
+    ((64, 80), 3, "DDIMScheduler", 1.0, 0),
+    ((60, 60), 1, "DDIMScheduler", 3.0, 1),
+    ((64, 64), 3, "DPMSolverMultistepScheduler", 1.0, 1),
+]
+
+
+def test_pixart_alpha_1024_models_condition_each_row_on_its_rendered_size(monkeypatch):
+    import torch
+    from diffusers import PixArtTransformer2DModel
+    from diffusers.pipelines.pixart_alpha import pipeline_pixart_alpha
+
+    monkeypatch.setattr(pipeline_pixart_alpha, "ASPECT_RATIO_1024_BIN", SMALL_1024_BINS)
+    pipe, facts, schedulers = family = load_family("tiny-pixart-alpha", FAMILIES["tiny-pixart-alpha"])
+    small = pipe.transformer
+    # The size embeddings take a third of the inner dimension each: 2 heads of 24 (and the text as wide).
+    config = {
+        **small.config,
+        "sample_size": 128,
+        "use_additional_conditions": True,
+        "attention_head_dim": 24,
+        "cross_attention_dim": 48,
+    }
+    torch.manual_seed(1)
+    transformer = PixArtTransformer2DModel.from_config(config)
+    with torch.no_grad():  # so a wrong size visibly changes the image
+        for parameter in transformer.adaln_single.emb.parameters():
+            parameter.mul_(4.0)
+    pipe.transformer = transformer.eval()
+    try:
+        adapter = step_adapter_for(pipe, facts, schedulers, None)
+        assert adapter.micro_conditions and adapter.bins is SMALL_1024_BINS
+        requests = [
+            ImageRequest(f"a red tram {i}", None, 40 + i, 0, *size, steps, guidance, None, scheduler)
+            for i, (size, steps, scheduler, guidance, _) in enumerate(ALPHA_1024)
+        ]
+        # One step with DPM-Solver: it returns no predicted original sample (the pipeline raises
+        # IndexError); the job fails by name, its neighbours do not.
+        one_step_dpm = ImageRequest("a cat", None, 9, 0, 64, 64, 1, 4.5, None, "DPMSolverMultistepScheduler")
+        host = Host()
+        arrivals = [(spec[4], r) for spec, r in zip(ALPHA_1024, requests, strict=True)] + [(1, one_step_dpm)]
+        jobs = run_engine(adapter, arrivals, host)
+        assert "scheduler: DPMSolverMultistepScheduler returns no predicted original sample" in str(
+            jobs[-1].request.channel.finals[0]
+        )
+        assert max(host.forwards) >= 3 and jobs[2].most_shared >= 2
+        assert {job.group for job in jobs[:4]} == {(64, 64), (48, 64)}
+        assert_each_image_equals_the_pipelines_own(family, requests, jobs[:4])
+    finally:
+        pipe.transformer = small

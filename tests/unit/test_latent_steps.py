@@ -162,10 +162,11 @@ def test_image_conditioned_jobs_equal_their_pipelines_alone_and_amid_text_only_j
     assert np.abs(served(together[0]) - served(together[-1])).mean() > 5, "the source did not matter"
 
 
-# An inpainting UNet (9 input channels) serves inpainting jobs only, each as StableDiffusionInpaintPipeline
-# runs it: (scheduler, strength, steps, guidance, arrives at engine step). Strength 1 (its pipeline never
-# encodes the source then), Euler ancestral without CFG joining mid-way (its step noise follows the masked
-# source's draw), DPM-Solver at strength 0.6 (its history starts at the trimmed index).
+# An inpainting UNet (9 input channels; SD's and SDXL's) serves inpainting jobs only, each as its inpaint
+# pipeline (StableDiffusionInpaintPipeline, StableDiffusionXLInpaintPipeline) runs it: (scheduler,
+# strength, steps, guidance, arrives at engine step). Strength 1 (its pipeline never encodes the source
+# then), Euler ancestral without CFG joining mid-way (its step noise follows the masked source's draw),
+# DPM-Solver at strength 0.6 (its history starts at the trimmed index).
 INPAINTING_UNET = [
     (0, 1.0, 4, 7.5, 0),
     (2, 0.75, 4, 1.0, 1),
@@ -173,8 +174,11 @@ INPAINTING_UNET = [
 ]
 
 
-def test_an_inpainting_unet_serves_inpainting_jobs_each_equal_to_its_pipeline():
-    family = load_family("tiny-sd-inpaint", FAMILIES["tiny-sd"])
+@pytest.mark.parametrize(
+    ("checkpoint", "family_name"), [("tiny-sd-inpaint", "tiny-sd"), ("tiny-sdxl-inpaint", "tiny-sdxl")]
+)
+def test_an_inpainting_unet_serves_inpainting_jobs_each_equal_to_its_pipeline(checkpoint, family_name):
+    family = load_family(checkpoint, FAMILIES[family_name])
     pipe, facts, schedulers = family
     adapter = step_adapter_for(pipe, facts, schedulers, None)
     assert adapter.starts == ("mask",), "an inpainting UNet cannot start from text or img2img"

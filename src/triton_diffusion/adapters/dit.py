@@ -1,5 +1,6 @@
-"""Step adapter for the cross-attention DiT pipelines: PixArt-Sigma (``PixArtSigmaPipeline``: T5 text, a
-DiT with adaLN-single and learned variance, DPM-Solver) and Sana (``SanaPipeline``: Gemma-2 text behind
+"""Step adapter for the cross-attention DiT pipelines: PixArt-Sigma and PixArt-Alpha
+(``PixArtSigmaPipeline``, ``PixArtAlphaPipeline``: T5 text, a DiT with adaLN-single and learned variance,
+DPM-Solver) and Sana (``SanaPipeline``: Gemma-2 text behind
 its "complex human instruction", a linear-attention DiT, DPM-Solver on flow sigmas). The loop body mirrors
 their ``__call__``:
 
@@ -17,8 +18,10 @@ their ``__call__``:
   cropped back to the size it asked for. Its shape group is the bin, so jobs of one bin share forwards
   whatever size each asked for.
 
-PixArt-Alpha (``PixArtAlphaPipeline``) has no step adapter: its 1024 models condition on a resolution and
-aspect ratio, and with one step it returns the scheduler's predicted original sample, not the step.
+- PixArt-Alpha's own loop: its 1024-pixel models (``sample_size`` 128) condition on the rendered
+  resolution and aspect ratio (per row here, in the text's dtype, as its "micro-conditions"), and a job of
+  one step keeps the scheduler's predicted original sample rather than the stepped latents (a scheduler
+  that returns none, DPM-Solver, fails that job by name; the pipeline raises an IndexError).
 """
 
 from __future__ import annotations
@@ -51,6 +54,9 @@ class DiTLoop:
     # Sana draws and steps float32 latents (cast to the transformer's dtype per forward), multiplies the
     # timestep by timestep_scale and turns the prediction to float32.
     float32_latents: bool
+    # PixArt-Alpha: a sample_size-128 transformer takes the resolution and aspect ratio, and one step keeps
+    # the scheduler's predicted original sample.
+    alpha_loop: bool = False
 
 
 LOOPS = {
@@ -63,6 +69,12 @@ LOOPS = {
         },
         scales_model_input=True,
         float32_latents=False,
+    ),
+    "PixArtAlphaPipeline": DiTLoop(
+        bins={128: "ASPECT_RATIO_1024_BIN", 64: "ASPECT_RATIO_512_BIN", 32: "ASPECT_RATIO_256_BIN"},
+        scales_model_input=True,
+        float32_latents=False,
+        alpha_loop=True,
     ),
     "SanaPipeline": DiTLoop(
         bins={
@@ -104,6 +116,8 @@ class DiTAdapter(LatentStepAdapter):
                 raise NotImplementedError(f"no aspect-ratio bins for sample_size {sample_size}")
             self.bins = getattr(self.module, table)
         self.latent_dtype = torch.float32 if loop.float32_latents else self.pipe.text_encoder.dtype
+        # PixArtAlphaPipeline's "micro-conditions", for its 1024-pixel models only.
+        self.micro_conditions = loop.alpha_loop and self.model.config.sample_size == 128
         self.learned_sigma = self.model.config.out_channels // 2 == self.model.config.in_channels
 
     @property
@@ -163,6 +177,20 @@ class DiTAdapter(LatentStepAdapter):
     def set_timesteps(self, scheduler: Any, request: ImageRequest) -> torch.Tensor:
         return self.retrieve_timesteps(scheduler, request.steps)
 
+    def extra_inputs(self, request: ImageRequest) -> dict[str, torch.Tensor]:
+        if not self.micro_conditions:
+            return {}
+        # PixArtAlphaPipeline: the rendered (binned) size, in the text's dtype, for both CFG rows.
+        height, width = request.size  # the render size (prepare)
+        dtype = self.pipe.text_encoder.dtype
+        resolution = torch.tensor([[height, width]]).to(dtype=dtype, device=self.device)
+        aspect_ratio = torch.tensor([[float(height / width)]]).to(dtype=dtype, device=self.device)
+        return {"resolution": resolution, "aspect_ratio": aspect_ratio}
+
+    def step_output(self, job: Job) -> int:
+        # PixArtAlphaPipeline: with num_inference_steps == 1 the loop keeps step(...)[1].
+        return 1 if self.loop.alpha_loop and job.params.steps == 1 else 0
+
     def timestep_rows(self, timesteps: Sequence[torch.Tensor]) -> torch.Tensor:
         rows = super().timestep_rows(timesteps)
         if self.loop.float32_latents:  # Sana: t.expand(batch) * timestep_scale
@@ -192,7 +220,10 @@ class DiTAdapter(LatentStepAdapter):
                 encoder_hidden_states=embeds,
                 encoder_attention_mask=mask,
                 timestep=timesteps,
-                added_cond_kwargs={"resolution": None, "aspect_ratio": None},
+                added_cond_kwargs={
+                    "resolution": inputs.get("resolution"),
+                    "aspect_ratio": inputs.get("aspect_ratio"),
+                },
                 return_dict=False,
             )[0]
         if self.learned_sigma:

@@ -522,6 +522,12 @@ class LatentStepAdapter:
     def model_rows(self, job: Job) -> int:
         return 2 if job.state.unconditional is not None else 1
 
+    def step_output(self, job: Job) -> int:
+        """Which output of the scheduler's ``step`` becomes the job's latents: the stepped sample (0), or
+        where the pipeline's loop keeps another (PixArt-Alpha after one step: the predicted original
+        sample, 1), that index; such a job steps alone."""
+        return 0
+
     def step(self, jobs: list[Job]) -> list[Job]:
         states: list[LatentJob] = [job.state for job in jobs]
         job_timesteps = [state.timesteps[job.steps_done] for job, state in zip(jobs, states, strict=True)]
@@ -549,7 +555,7 @@ class LatentStepAdapter:
         by_class: dict[type, list[int]] = {}
         alone: list[int] = []
         for j, state in enumerate(states):
-            if can_batch(state.scheduler):
+            if can_batch(state.scheduler) and not self.step_output(jobs[j]):
                 by_class.setdefault(type(state.scheduler), []).append(j)
             else:
                 alone.append(j)
@@ -557,7 +563,7 @@ class LatentStepAdapter:
         # job as it was, so the engine's retry cannot step a job twice.
         groups = [(members, _rows(noise, members)) for members in by_class.values()]
         for j in alone:
-            self._step_alone(jobs[j], noise[j : j + 1], job_timesteps[j])
+            self._step_alone(jobs[j], noise[j : j + 1], job_timesteps[j], self.step_output(jobs[j]))
         for members, group_noise in groups:
             group_timesteps = [job_timesteps[j] for j in members]
             self._step_together([jobs[j] for j in members], group_noise, group_timesteps)
@@ -631,12 +637,19 @@ class LatentStepAdapter:
             self._step_alone(job, noise[j : j + 1], timesteps[j])
 
     @staticmethod
-    def _step_alone(job: Job, noise: torch.Tensor, timestep: torch.Tensor) -> None:
-        """One job's own scheduler step; its failure is this job's alone."""
+    def _step_alone(job: Job, noise: torch.Tensor, timestep: torch.Tensor, output: int = 0) -> None:
+        """One job's own scheduler step (its ``output``-th result becomes the latents); its failure is
+        this job's alone."""
         state: LatentJob = job.state
         try:
-            step = state.scheduler.step
-            state.latents = step(noise, timestep, state.latents, **state.step_kwargs, return_dict=False)[0]
+            scheduler = state.scheduler
+            outputs = scheduler.step(noise, timestep, state.latents, **state.step_kwargs, return_dict=False)
+            if output >= len(outputs):
+                raise ValueError(
+                    f"scheduler: {type(scheduler).__name__} returns no predicted original sample, which this "
+                    "pipeline keeps after a single step: send num_inference_steps >= 2 or another scheduler"
+                )
+            state.latents = outputs[output]
         except Exception as exc:  # noqa: BLE001  (this job's own scheduler: it fails alone)
             _fail_alone(job, exc)
 

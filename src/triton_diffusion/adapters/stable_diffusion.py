@@ -9,11 +9,11 @@ A missing negative prompt: SD turns it into "" (so does this adapter); SDXL zero
 Image-conditioned jobs start as ``StableDiffusionImg2ImgPipeline`` / ``StableDiffusionXLImg2ImgPipeline``
 start them (and inpainting as ``StableDiffusionInpaintPipeline`` / ``StableDiffusionXLInpaintPipeline``
 with a 4-channel UNet). An SD inpainting UNet (9 input channels: the latents, the mask and the masked
-source's latents, as ``stable-diffusion-inpainting``) serves inpainting jobs only, as
-``StableDiffusionInpaintPipeline`` runs it: the mask and masked latents go into every forward, nothing is
-blended back. SDXL img2img and inpainting
-conditions on its own time ids (``requires_aesthetics_score``: aesthetic scores instead of the target size,
-and other ones for the unconditional row), so those are per row too.
+source's latents, as ``stable-diffusion-inpainting`` and SDXL's ``stable-diffusion-xl-1.0-inpainting-0.1``)
+serves inpainting jobs only, as ``StableDiffusionInpaintPipeline`` / ``StableDiffusionXLInpaintPipeline``
+run it: the mask and masked latents go into every forward, nothing is blended back. SDXL img2img and
+inpainting conditions on its own time ids (``requires_aesthetics_score``: aesthetic scores instead of the
+target size, and other ones for the unconditional row), so those are per row too.
 """
 
 from __future__ import annotations
@@ -45,8 +45,6 @@ class StableDiffusionAdapter(LatentStepAdapter):
         # Read by supports() in __init__.
         self.xl = pipe.unet.config.addition_embed_type == "text_time"
         self.inpainting_unet = pipe.unet.config.in_channels == 9
-        if self.inpainting_unet and self.xl:
-            raise NotImplementedError("an SDXL inpainting UNet has no step adapter")
         super().__init__(pipe, facts, schedulers, max_sequence_length)
 
     @property
@@ -58,11 +56,10 @@ class StableDiffusionAdapter(LatentStepAdapter):
         # mask and masked source as extra input channels, so it serves nothing else).
         # SDXL's inpaint pipeline encodes the source without the VAE's latents mean and std (its img2img
         # pipeline normalises with them), so a VAE that has them serves img2img only.
+        normalised = self.xl and getattr(self.pipe.vae.config, "latents_mean", None) is not None
         if self.inpainting_unet:
-            return start == "mask"
+            return start == "mask" and not normalised
         if start == "mask":
-            vae = self.pipe.vae.config
-            normalised = getattr(vae, "latents_mean", None) is not None and self.xl
             return self.pipe.unet.config.in_channels == 4 and not normalised
         return start == "image"
 

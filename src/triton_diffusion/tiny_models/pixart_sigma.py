@@ -1,5 +1,5 @@
-"""PixArt-Sigma: ``tiny-pixart-sigma``, for the family-matrix tests: a T5 text encoder and a DiT with
-cross-attention and adaLN-single.
+"""PixArt-Sigma and PixArt-Alpha: ``tiny-pixart-sigma`` and ``tiny-pixart-alpha``, for the family-matrix
+tests: a T5 text encoder and a DiT with cross-attention and adaLN-single.
 """
 
 from __future__ import annotations
@@ -10,12 +10,18 @@ from triton_diffusion.tiny_models.encoders import TINY_T5_ENCODER, vae
 from triton_diffusion.tiny_models.tokenization import t5_tokenizer
 
 
-def build_tiny_pixart_sigma(target: Path) -> None:
+def build_tiny_pixart_sigma(target: Path, alpha: bool = False) -> None:
     """A PixArt-Sigma-style pipeline: T5 encoder (300 tokens), a DiT with cross-attention and adaLN-single,
     learned variance (8 output channels), DPM-Solver. Its ``sample_size`` 32 selects the 256-pixel
-    aspect-ratio bins used by default resolution binning."""
+    aspect-ratio bins used by default resolution binning. With ``alpha``: the same saved as a
+    ``PixArtAlphaPipeline`` (120 tokens by default, its own loop)."""
     import torch
-    from diffusers import DPMSolverMultistepScheduler, PixArtSigmaPipeline, PixArtTransformer2DModel
+    from diffusers import (
+        DPMSolverMultistepScheduler,
+        PixArtAlphaPipeline,
+        PixArtSigmaPipeline,
+        PixArtTransformer2DModel,
+    )
     from transformers import T5Config, T5EncoderModel
 
     torch.manual_seed(0)
@@ -46,7 +52,7 @@ def build_tiny_pixart_sigma(target: Path) -> None:
         transformer.caption_projection.linear_2.weight.mul_(3.0)
         for block in transformer.transformer_blocks:
             block.attn2.to_v.weight.mul_(5.0)
-    pipe = PixArtSigmaPipeline(
+    pipe = (PixArtAlphaPipeline if alpha else PixArtSigmaPipeline)(
         tokenizer=tokenizer,
         text_encoder=text_encoder,
         vae=vae(latent_channels=4, scaling_factor=0.13025),
@@ -54,3 +60,7 @@ def build_tiny_pixart_sigma(target: Path) -> None:
         scheduler=DPMSolverMultistepScheduler(),
     )
     pipe.save_pretrained(target, safe_serialization=True)
+
+
+def build_tiny_pixart_alpha(target: Path) -> None:
+    build_tiny_pixart_sigma(target, alpha=True)

@@ -12,11 +12,11 @@ from pathlib import Path
 from triton_diffusion.tiny_models.diffusion_lm import build_tiny_dllm
 from triton_diffusion.tiny_models.flux import build_tiny_flux
 from triton_diffusion.tiny_models.lora import build_tiny_lora
-from triton_diffusion.tiny_models.pixart_sigma import build_tiny_pixart_sigma
+from triton_diffusion.tiny_models.pixart_sigma import build_tiny_pixart_alpha, build_tiny_pixart_sigma
 from triton_diffusion.tiny_models.qwen_image import build_tiny_qwen_image
 from triton_diffusion.tiny_models.sana import build_tiny_sana
 from triton_diffusion.tiny_models.sd3 import build_tiny_sd3
-from triton_diffusion.tiny_models.sdxl import build_tiny_sdxl
+from triton_diffusion.tiny_models.sdxl import build_tiny_sdxl, build_tiny_sdxl_inpaint
 from triton_diffusion.tiny_models.stable_diffusion import build_sd15, build_tiny_sd, build_tiny_sd_inpaint
 from triton_diffusion.tiny_models.wan import build_tiny_wan
 from triton_diffusion.tiny_models.z_image import build_tiny_z_image
@@ -35,10 +35,12 @@ ARCHITECTURES: dict[str, Callable[[Path], None]] = {
     # More pipeline families, built on request (not served by default).
     "tiny-sdxl": build_tiny_sdxl,
     "tiny-sd-inpaint": build_tiny_sd_inpaint,  # a 9-channel inpainting UNet
+    "tiny-sdxl-inpaint": build_tiny_sdxl_inpaint,  # the same for SDXL
     "tiny-sd3": build_tiny_sd3,
     "tiny-qwen-image": build_tiny_qwen_image,
     "tiny-sana": build_tiny_sana,
     "tiny-pixart-sigma": build_tiny_pixart_sigma,
+    "tiny-pixart-alpha": build_tiny_pixart_alpha,
     "tiny-z-image": build_tiny_z_image,
 }
 # Tiny LoRA adapters (tiny_models/lora.py), two per family that takes adapters: <family>-lora-<name>.
@@ -50,7 +52,15 @@ for _family in ("tiny-sd", "tiny-sdxl", "tiny-flux"):
         )
 TINY_DEFAULTS = ["tiny-sd", "tiny-flux", "tiny-wan", "tiny-dllm"]
 # The tiny families the family-matrix test serves (built on first use, then cached in weights/).
-TINY_FAMILIES = ["tiny-sdxl", "tiny-sd3", "tiny-qwen-image", "tiny-sana", "tiny-pixart-sigma", "tiny-z-image"]
+TINY_FAMILIES = [
+    "tiny-sdxl",
+    "tiny-sd3",
+    "tiny-qwen-image",
+    "tiny-sana",
+    "tiny-pixart-sigma",
+    "tiny-pixart-alpha",
+    "tiny-z-image",
+]
 # Bump when a builder changes: folders built by an older version are rebuilt. One builder that changed
 # alone gets its own version here, so only its folder is rebuilt.
 BUILD_VERSION = "2"

@@ -1,5 +1,5 @@
 """Stable Diffusion XL: ``tiny-sdxl``, for the family-matrix tests: two CLIP text encoders and a UNet with
-size/crop conditioning.
+size/crop conditioning; ``tiny-sdxl-inpaint``, the same with a 9-channel inpainting UNet.
 """
 
 from __future__ import annotations
@@ -10,11 +10,19 @@ from triton_diffusion.tiny_models.encoders import clip_text_encoder, reinit_norm
 from triton_diffusion.tiny_models.tokenization import clip_tokenizer
 
 
-def build_tiny_sdxl(target: Path) -> None:
+def build_tiny_sdxl(target: Path, inpainting: bool = False) -> None:
     """A Stable-Diffusion-XL-style pipeline: two CLIP text encoders (the second with a projection, whose
-    pooled output and the size/crop "time ids" condition the UNet through ``text_time`` embeddings), Euler."""
+    pooled output and the size/crop "time ids" condition the UNet through ``text_time`` embeddings), Euler.
+    With ``inpainting``: an inpainting checkpoint (``tiny-sdxl-inpaint``), as
+    ``stable-diffusion-xl-1.0-inpainting-0.1`` is one: a 9-channel UNet (latents, mask, masked source)
+    saved as a ``StableDiffusionXLInpaintPipeline``."""
     import torch
-    from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
+    from diffusers import (
+        EulerDiscreteScheduler,
+        StableDiffusionXLInpaintPipeline,
+        StableDiffusionXLPipeline,
+        UNet2DConditionModel,
+    )
 
     torch.manual_seed(0)
     tokenizer = clip_tokenizer()
@@ -24,7 +32,7 @@ def build_tiny_sdxl(target: Path) -> None:
         block_out_channels=(32, 64),
         layers_per_block=1,
         sample_size=8,
-        in_channels=4,
+        in_channels=9 if inpainting else 4,
         out_channels=4,
         down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
         up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
@@ -45,7 +53,8 @@ def build_tiny_sdxl(target: Path) -> None:
         steps_offset=1,
         timestep_spacing="leading",
     )
-    pipe = StableDiffusionXLPipeline(
+    pipeline_class = StableDiffusionXLInpaintPipeline if inpainting else StableDiffusionXLPipeline
+    pipe = pipeline_class(
         vae=vae(latent_channels=4, scaling_factor=0.13025),
         text_encoder=clip_text_encoder(len(tokenizer)),
         text_encoder_2=clip_text_encoder(len(tokenizer_2), with_projection=True),
@@ -56,3 +65,7 @@ def build_tiny_sdxl(target: Path) -> None:
         add_watermarker=False,
     )
     pipe.save_pretrained(target, safe_serialization=True)
+
+
+def build_tiny_sdxl_inpaint(target: Path) -> None:
+    build_tiny_sdxl(target, inpainting=True)
