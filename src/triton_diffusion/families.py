@@ -101,6 +101,14 @@ TRAITS: Mapping[str, PipelineTraits] = {
     "FluxPipeline": PipelineTraits(packed_latents=True, guidance_embedded=True, **_FLUX_STEP),
     "FluxImg2ImgPipeline": PipelineTraits(packed_latents=True, guidance_embedded=True, **_FLUX_STEP),
     "FluxInpaintPipeline": PipelineTraits(packed_latents=True, guidance_embedded=True, **_FLUX_STEP),
+    # A FLUX.1 Fill checkpoint: inpainting only, as its own pipeline runs it (the mask is a model input).
+    "FluxFillPipeline": PipelineTraits(
+        packed_latents=True,
+        guidance_embedded=True,
+        step_adapter="flux",
+        text_pipeline="FluxPipeline",
+        inpaint_pipeline="FluxFillPipeline",
+    ),
     "QwenImagePipeline": PipelineTraits(packed_latents=True, guidance_embedded=True, **_QWEN_STEP),
     "QwenImageImg2ImgPipeline": PipelineTraits(packed_latents=True, guidance_embedded=True, **_QWEN_STEP),
     "SanaPipeline": PipelineTraits(

@@ -58,8 +58,12 @@ FAMILIES = {
 # brings them: a short queue delay, so a request sent while another runs is not held in Triton's queue
 # until that one has finished (the 300 ms the request-level tests use is longer than a tiny model's run).
 STEP_QUEUE_DELAY_US = 20_000
-# Served beside them, outside the text-to-image matrix: an SD inpainting checkpoint (9-channel UNet).
-INPAINTING_UNET = "sd_inpaint"
+# Served beside them, outside the text-to-image matrix: inpainting checkpoints (the mask and the masked
+# source are inputs of the denoiser): model name -> (weights, its diffusers pipeline class).
+INPAINTING_CHECKPOINTS = {
+    "sd_inpaint": ("tiny-sd-inpaint", "StableDiffusionInpaintPipeline"),  # a 9-channel UNet
+    "flux_fill": ("tiny-flux-fill", "FluxFillPipeline"),  # a FLUX.1 Fill transformer
+}
 
 
 def second_joins_first(server, name: str, first: dict, second: dict) -> tuple:
@@ -96,10 +100,12 @@ def source_png(width: int = 96, height: int = 64) -> bytes:
 
 @pytest.fixture(scope="module")
 def family_server(tmp_path_factory):
-    build_missing(WEIGHTS, only=TINY_DEFAULTS + TINY_FAMILIES + ["tiny-sd-inpaint"])
+    checkpoints = [weights for weights, _ in INPAINTING_CHECKPOINTS.values()]
+    build_missing(WEIGHTS, only=TINY_DEFAULTS + TINY_FAMILIES + checkpoints)
     repo = tmp_path_factory.mktemp("family_repository")
     models = {name: (family.config, family.weights) for name, family in FAMILIES.items()}
-    models[INPAINTING_UNET] = ("text_to_image", "tiny-sd-inpaint")
+    for name, (weights, _) in INPAINTING_CHECKPOINTS.items():
+        models[name] = ("text_to_image", weights)
     for name, (config, weights) in models.items():
         copy_model(config, repo, name, {"model": str(WEIGHTS / weights)})
         set_batching(repo, name, STEP_QUEUE_DELAY_US)
@@ -264,13 +270,20 @@ def test_inpainting_on_the_text_to_image_model_shares_forwards_and_equals_the_in
     assert np.abs(pixels(edit.images[0]) - np.asarray(expected, dtype=int)).max() <= 1
 
 
-def test_an_inpainting_checkpoint_serves_inpainting_only_each_request_as_its_pipeline(family_server):
-    """A 9-channel inpainting UNet on the text_to_image config: requests without a source and a mask are
-    refused by name; two inpainting requests of other strengths share forwards, each equal to
-    StableDiffusionInpaintPipeline alone."""
+@pytest.mark.parametrize("checkpoint", list(INPAINTING_CHECKPOINTS))
+def test_an_inpainting_checkpoint_serves_inpainting_only_each_request_as_its_pipeline(
+    family_server, checkpoint
+):
+    """An inpainting checkpoint (a 9-channel UNet, a FLUX.1 Fill transformer) on the text_to_image config:
+    requests without a source and a mask are refused by name; two inpainting requests of other strengths
+    share forwards, each equal to its inpaint pipeline (StableDiffusionInpaintPipeline, FluxFillPipeline)
+    alone."""
+    weights, pipeline_class = INPAINTING_CHECKPOINTS[checkpoint]
     common = {
         "num_inference_steps": 30,
         "guidance_scale": 6.0,
+        "height": 64,
+        "width": 64,
         "image": source_png(64, 64),
         "mask_image": mask_png(),
     }
@@ -279,12 +292,12 @@ def test_an_inpainting_checkpoint_serves_inpainting_only_each_request_as_its_pip
         {"prompt": "a green door", "seed": 5, "strength": 0.75, **common},
         {"prompt": "text only", "seed": 6},
     ]
-    (text,) = generate_many(requests[2:], url=family_server.grpc_url, model=INPAINTING_UNET, timeout_s=180)
-    first, second = second_joins_first(family_server, INPAINTING_UNET, requests[0], requests[1])
-    assert not text.ok and "image: is required: this model's UNet inpaints" in text.error, text.error
+    (text,) = generate_many(requests[2:], url=family_server.grpc_url, model=checkpoint, timeout_s=180)
+    first, second = second_joins_first(family_server, checkpoint, requests[0], requests[1])
+    assert not text.ok and "image: is required: this model inpaints" in text.error, text.error
     assert first.ok and second.ok, (first.error, second.error)
     assert first.batch["most_rows_shared"] >= 2 and second.batch["most_rows_shared"] >= 2
-    pipe = diffusers.StableDiffusionInpaintPipeline.from_pretrained(WEIGHTS / "tiny-sd-inpaint")
+    pipe = getattr(diffusers, pipeline_class).from_pretrained(WEIGHTS / weights)
     pipe.set_progress_bar_config(disable=True)
     for request, result in ((requests[0], first), (requests[1], second)):
         expected = pipe(
@@ -294,6 +307,8 @@ def test_an_inpainting_checkpoint_serves_inpainting_only_each_request_as_its_pip
             strength=request["strength"],
             num_inference_steps=30,
             guidance_scale=6.0,
+            height=64,
+            width=64,
             generator=[torch.Generator().manual_seed(request["seed"])],
         ).images[0]
         assert np.abs(pixels(result.images[0]) - np.asarray(expected, dtype=int)).max() <= 1

@@ -105,6 +105,8 @@ def pipeline_for(pipe: Any, request: ImageRequest) -> Any:
     counterpart over the same modules (``from_pipe``)."""
     if request.image is None:
         return pipe
+    if request.mask_image is not None and "mask_image" in inspect.signature(pipe.__call__).parameters:
+        return pipe  # an inpainting checkpoint's own class (FluxFillPipeline has no AutoPipeline entry)
     auto = AutoPipelineForInpainting if request.mask_image is not None else AutoPipelineForImage2Image
     key = (id(pipe), auto)
     if key not in _COUNTERPARTS:

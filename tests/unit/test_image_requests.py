@@ -88,7 +88,7 @@ def test_starts_the_engine_cannot_serve_are_refused_by_name():
 def test_an_inpainting_unet_requires_a_source_and_a_mask():
     m = model(("mask",))
     for raw, field in (({}, "image"), ({"image": png(64, 64)}, "mask_image")):
-        with pytest.raises(RequestError, match=f"{field}: is required: this model's UNet inpaints"):
+        with pytest.raises(RequestError, match=f"{field}: is required: this model inpaints"):
             read(m, **raw)
     values = read(m, image=png(64, 64), mask_image=png(64, 64))
     assert values["mask_image"].size == (96, 64) and values["strength"] == 1.0

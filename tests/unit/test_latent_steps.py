@@ -162,11 +162,13 @@ def test_image_conditioned_jobs_equal_their_pipelines_alone_and_amid_text_only_j
     assert np.abs(served(together[0]) - served(together[-1])).mean() > 5, "the source did not matter"
 
 
-# An inpainting UNet (9 input channels; SD's and SDXL's) serves inpainting jobs only, each as its inpaint
-# pipeline (StableDiffusionInpaintPipeline, StableDiffusionXLInpaintPipeline) runs it: (scheduler,
-# strength, steps, guidance, arrives at engine step). Strength 1 (its pipeline never encodes the source
-# then), Euler ancestral without CFG joining mid-way (its step noise follows the masked source's draw),
-# DPM-Solver at strength 0.6 (its history starts at the trimmed index).
+# An inpainting checkpoint (SD's and SDXL's 9-channel UNets, a FLUX.1 Fill transformer: the mask and the
+# masked source are model inputs) serves inpainting jobs only, each as its inpaint pipeline
+# (StableDiffusionInpaintPipeline, StableDiffusionXLInpaintPipeline, FluxFillPipeline) runs it:
+# (scheduler, strength, steps, guidance, arrives at engine step). Strength 1 (the SD pipelines never encode
+# the source then; FLUX.1 Fill does), Euler ancestral without CFG joining mid-way (its step noise follows
+# the masked source's draw), DPM-Solver at strength 0.6 (its history starts at the trimmed index); FLUX.1
+# has its flow-matching Euler only.
 INPAINTING_UNET = [
     (0, 1.0, 4, 7.5, 0),
     (2, 0.75, 4, 1.0, 1),
@@ -175,18 +177,20 @@ INPAINTING_UNET = [
 
 
 @pytest.mark.parametrize(
-    ("checkpoint", "family_name"), [("tiny-sd-inpaint", "tiny-sd"), ("tiny-sdxl-inpaint", "tiny-sdxl")]
+    ("checkpoint", "family_name"),
+    [("tiny-sd-inpaint", "tiny-sd"), ("tiny-sdxl-inpaint", "tiny-sdxl"), ("tiny-flux-fill", "tiny-flux")],
 )
-def test_an_inpainting_unet_serves_inpainting_jobs_each_equal_to_its_pipeline(checkpoint, family_name):
+def test_an_inpainting_checkpoint_serves_inpainting_jobs_each_equal_to_its_pipeline(checkpoint, family_name):
     family = load_family(checkpoint, FAMILIES[family_name])
     pipe, facts, schedulers = family
     adapter = step_adapter_for(pipe, facts, schedulers, None)
-    assert adapter.starts == ("mask",), "an inpainting UNet cannot start from text or img2img"
+    assert adapter.starts == ("mask",), "an inpainting checkpoint cannot start from text or img2img"
     names, source, mask = schedulers.names, source_image(), mask_image()
+    negatives = facts.accepts("negative_prompt")  # FluxFillPipeline takes none
     requests = [
         ImageRequest(
             f"repaint {i}",
-            "blurry" if i else None,
+            "blurry" if i and negatives else None,
             50 + i,
             0,
             64,
@@ -194,7 +198,7 @@ def test_an_inpainting_unet_serves_inpainting_jobs_each_equal_to_its_pipeline(ch
             steps,
             guidance,
             None,
-            names[pick],
+            names[pick % len(names)],
             image=source,
             strength=strength,
             mask_image=mask,
@@ -208,7 +212,7 @@ def test_an_inpainting_unet_serves_inpainting_jobs_each_equal_to_its_pipeline(ch
     assert max(host.forwards) >= 3, "inpainting jobs did not share forwards"
     assert jobs[2].first_forward > 1, "the last request did not join mid-way"
     assert_each_image_equals_the_pipelines_own(family, requests, jobs)
-    # The mask is an input of the UNet here: another mask, another image.
+    # The mask is an input of the model here: another mask, another image.
     other_mask = Image.fromarray(255 - np.asarray(mask))
     (other,) = run_engine(adapter, [(0, replace(requests[1], mask_image=other_mask))])
     assert np.abs(served(other) - served(jobs[1])).mean() > 5, "the mask did not matter"

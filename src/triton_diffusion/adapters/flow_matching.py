@@ -8,6 +8,9 @@ with a negative prompt and ``true_cfg_scale`` > 1 adds one unconditional row), s
 forwards with the others, each exactly as ``FluxPipeline`` would run it alone. An image-conditioned FLUX.1
 or SD3 job starts as ``FluxImg2ImgPipeline`` / ``StableDiffusion3Img2ImgPipeline`` start it
 (:class:`FlowMatchingImageStart`), FLUX.1's then packed; inpainting as their inpaint pipelines run it.
+A FLUX.1 Fill checkpoint (``FluxFillPipeline``: its transformer takes the packed masked source's latents
+and the packed mask beside the latents) serves inpainting jobs only, as that pipeline runs them: the
+source noised to the first sigma, the mask and masked latents in every forward, nothing blended back.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from PIL import Image
 from triton_diffusion.adapters.latent_steps import (
     Conditioning,
     ImageRequest,
+    InpaintSource,
     LatentStepAdapter,
     row_conditioning,
     sample_latents,
@@ -60,9 +64,46 @@ class FluxAdapter(FlowMatchingImageStart, LatentStepAdapter):
     fallback_max_sequence_length = 512
 
     def __init__(self, pipe: Any, facts: Any, schedulers: Any, max_sequence_length: int | None) -> None:
+        # Read by supports() in __init__: a Fill transformer takes the packed latents, the packed masked
+        # source's latents and the packed (vae factor)^2-channel mask.
+        packed = 4 * pipe.vae.config.latent_channels
+        self.fill = facts.class_name == "FluxFillPipeline"
+        if self.fill and pipe.transformer.config.in_channels != 2 * packed + 4 * pipe.vae_scale_factor**2:
+            raise NotImplementedError("a FluxFillPipeline whose transformer is not a Fill transformer")
         super().__init__(pipe, facts, schedulers, max_sequence_length)
         self.guidance_embeds = bool(pipe.transformer.config.guidance_embeds)
         self._ids_by_shape: dict[tuple[int, tuple[int, int]], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def supports(self, start: str) -> bool:
+        if self.fill:
+            return start == "mask"
+        return super().supports(start)
+
+    @property
+    def serves_text(self) -> bool:
+        return not self.fill
+
+    def inpaint_source(
+        self,
+        request: ImageRequest,
+        generator: torch.Generator,
+        image_latents: torch.Tensor | None,
+        noise: torch.Tensor,
+        pixels: torch.Tensor,
+    ) -> InpaintSource:
+        if not self.fill:
+            return super().inpaint_source(request, generator, image_latents, noise, pixels)
+        # FluxFillPipeline: the source outside the mask, encoded with the row's generator after its noise,
+        # and the mask, each packed by the pipeline's own prepare_mask_latents; one input of both.
+        pipe = self.pipelines["mask"]
+        height, width = request.size
+        mask = self.mask_condition(request)
+        masked = (pixels * (1 - mask)).to(device=self.device, dtype=self.dtype)
+        channels = pipe.vae.config.latent_channels
+        mask, masked = pipe.prepare_mask_latents(
+            mask, masked, 1, channels, 1, height, width, self.dtype, self.device, generator
+        )
+        return InpaintSource(None, noise, mask, {"inpaint_channels": torch.cat((masked, mask), dim=-1)})
 
     def pack(self, latents: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
         count, channels, height, width = latents.shape
@@ -137,6 +178,8 @@ class FluxAdapter(FlowMatchingImageStart, LatentStepAdapter):
     ) -> Any:
         embeds = inputs["encoder_hidden_states"]
         text_ids, image_ids = self._position_ids(embeds.shape[1], size)
+        if self.fill:  # FluxFillPipeline: the mask and masked latents beside the packed latents
+            latents = torch.cat((latents, inputs["inpaint_channels"]), dim=2)
         return self.model(
             hidden_states=latents,
             timestep=timesteps,

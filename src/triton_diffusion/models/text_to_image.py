@@ -260,13 +260,14 @@ class TextToImageModel(DiffusionModel):
 
     # ---- image-conditioned requests -----------------------------------------------------------------
     def parse(self, index: int, raw: dict[str, Any], tracked: TrackedRequest) -> ParsedRequest:
-        if getattr(self, "starts", None) == ("mask",):  # an inpainting UNet: nothing else to serve
+        if getattr(self, "starts", None) == ("mask",):  # an inpainting checkpoint: nothing else to serve
             for name in ("image", "mask_image"):
                 if raw.get(name) is None:
                     raise invalid_field(
                         name,
-                        "is required: this model's UNet inpaints (9 input channels: the latents, the mask "
-                        "and the masked source), so every request sends image and mask_image",
+                        "is required: this model inpaints (its denoiser takes the mask and the masked "
+                        "source as inputs: an SD/SDXL inpainting UNet, FLUX.1 Fill), so every request "
+                        "sends image and mask_image",
                     )
         optional = "image" in self.fields and self.fields["image"].default is not REQUIRED
         if optional and raw.get("image") is None:

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from triton_diffusion.tiny_models.diffusion_lm import build_tiny_dllm
-from triton_diffusion.tiny_models.flux import build_tiny_flux
+from triton_diffusion.tiny_models.flux import build_tiny_flux, build_tiny_flux_fill
 from triton_diffusion.tiny_models.lora import build_tiny_lora
 from triton_diffusion.tiny_models.pixart_sigma import build_tiny_pixart_alpha, build_tiny_pixart_sigma
 from triton_diffusion.tiny_models.qwen_image import build_tiny_qwen_image
@@ -36,6 +36,7 @@ ARCHITECTURES: dict[str, Callable[[Path], None]] = {
     "tiny-sdxl": build_tiny_sdxl,
     "tiny-sd-inpaint": build_tiny_sd_inpaint,  # a 9-channel inpainting UNet
     "tiny-sdxl-inpaint": build_tiny_sdxl_inpaint,  # the same for SDXL
+    "tiny-flux-fill": build_tiny_flux_fill,  # a FLUX.1 Fill inpainting transformer
     "tiny-sd3": build_tiny_sd3,
     "tiny-qwen-image": build_tiny_qwen_image,
     "tiny-sana": build_tiny_sana,
