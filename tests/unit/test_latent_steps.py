@@ -162,11 +162,12 @@ def test_image_conditioned_jobs_equal_their_pipelines_alone_and_amid_text_only_j
     assert np.abs(served(together[0]) - served(together[-1])).mean() > 5, "the source did not matter"
 
 
-# An inpainting checkpoint (SD's and SDXL's 9-channel UNets, a FLUX.1 Fill transformer: the mask and the
-# masked source are model inputs) serves inpainting jobs only, each as its inpaint pipeline
-# (StableDiffusionInpaintPipeline, StableDiffusionXLInpaintPipeline, FluxFillPipeline) runs it:
-# (scheduler, strength, steps, guidance, arrives at engine step). Strength 1 (the SD pipelines never encode
-# the source then; FLUX.1 Fill does), Euler ancestral without CFG joining mid-way (its step noise follows
+# An inpainting checkpoint (SD's and SDXL's 9-channel UNets, a FLUX.1 Fill transformer, SD3's 33-channel
+# transformer: the mask and the masked source are model inputs) serves inpainting jobs only, each as its
+# inpaint pipeline (StableDiffusionInpaintPipeline, StableDiffusionXLInpaintPipeline, FluxFillPipeline,
+# StableDiffusion3InpaintPipeline, decoded with the VAE's shift) runs it: (scheduler, strength, steps,
+# guidance, arrives at engine step). Strength 1 (the SD and SD3 pipelines never encode the source then;
+# FLUX.1 Fill does), Euler ancestral without CFG joining mid-way (its step noise follows
 # the masked source's draw), DPM-Solver at strength 0.6 (its history starts at the trimmed index); FLUX.1
 # has its flow-matching Euler only.
 INPAINTING_UNET = [
@@ -178,7 +179,12 @@ INPAINTING_UNET = [
 
 @pytest.mark.parametrize(
     ("checkpoint", "family_name"),
-    [("tiny-sd-inpaint", "tiny-sd"), ("tiny-sdxl-inpaint", "tiny-sdxl"), ("tiny-flux-fill", "tiny-flux")],
+    [
+        ("tiny-sd-inpaint", "tiny-sd"),
+        ("tiny-sdxl-inpaint", "tiny-sdxl"),
+        ("tiny-flux-fill", "tiny-flux"),
+        ("tiny-sd3-inpaint", "tiny-sd3"),
+    ],
 )
 def test_an_inpainting_checkpoint_serves_inpainting_jobs_each_equal_to_its_pipeline(checkpoint, family_name):
     family = load_family(checkpoint, FAMILIES[family_name])

@@ -10,7 +10,9 @@ or SD3 job starts as ``FluxImg2ImgPipeline`` / ``StableDiffusion3Img2ImgPipeline
 (:class:`FlowMatchingImageStart`), FLUX.1's then packed; inpainting as their inpaint pipelines run it.
 A FLUX.1 Fill checkpoint (``FluxFillPipeline``: its transformer takes the packed masked source's latents
 and the packed mask beside the latents) serves inpainting jobs only, as that pipeline runs them: the
-source noised to the first sigma, the mask and masked latents in every forward, nothing blended back.
+source noised to the first sigma, the mask and masked latents in every forward, nothing blended back. So
+does an SD3 inpainting transformer (33 input channels: the latents, the mask and the masked source's
+latents), as ``StableDiffusion3InpaintPipeline`` runs it.
 """
 
 from __future__ import annotations
@@ -223,6 +225,46 @@ class FluxAdapter(FlowMatchingImageStart, LatentStepAdapter):
 class StableDiffusion3Adapter(FlowMatchingImageStart, LatentStepAdapter):
     fallback_max_sequence_length = 256
 
+    def __init__(self, pipe: Any, facts: Any, schedulers: Any, max_sequence_length: int | None) -> None:
+        # Read by supports() in __init__: the latents, the mask and the masked source's latents.
+        self.inpainting_transformer = (
+            pipe.transformer.config.in_channels == 2 * pipe.vae.config.latent_channels + 1
+        )
+        super().__init__(pipe, facts, schedulers, max_sequence_length)
+
+    def supports(self, start: str) -> bool:
+        if self.inpainting_transformer:
+            return start == "mask"
+        return super().supports(start)
+
+    @property
+    def serves_text(self) -> bool:
+        return not self.inpainting_transformer
+
+    def encodes_source(self, request: ImageRequest) -> bool:
+        # StableDiffusion3InpaintPipeline with a 33-channel transformer: at strength 1 the start is pure
+        # noise and the source is never encoded (no draw from the generator).
+        return not (self.inpainting_transformer and request.strength == 1.0)
+
+    def inpaint_source(
+        self,
+        request: ImageRequest,
+        generator: torch.Generator,
+        image_latents: torch.Tensor | None,
+        noise: torch.Tensor,
+        pixels: torch.Tensor,
+    ) -> InpaintSource:
+        if not self.inpainting_transformer:
+            return super().inpaint_source(request, generator, image_latents, noise, pixels)
+        # The pipeline's own prepare_mask_latents for one row without CFG: the mask at latent size and the
+        # source outside it encoded with the row's generator; one input of both, in the model's order.
+        height, width = request.size
+        mask = self.mask_condition(request)
+        mask, masked = self.pipelines["mask"].prepare_mask_latents(
+            mask, pixels * (mask < 0.5), 1, 1, height, width, self.dtype, self.device, generator, False
+        )
+        return InpaintSource(None, noise, mask, {"inpaint_channels": torch.cat([mask, masked], dim=1)})
+
     def encode(self, requests: Sequence[ImageRequest]) -> list[Conditioning]:
         cfg = any(self.uses_guidance(r) for r in requests)
         embeds, negative_embeds, pooled, negative_pooled = self.pipe.encode_prompt(
@@ -261,6 +303,8 @@ class StableDiffusion3Adapter(FlowMatchingImageStart, LatentStepAdapter):
         inputs: dict[str, torch.Tensor],
         size: tuple[int, int],
     ) -> Any:
+        if self.inpainting_transformer:  # the mask and masked latents after the latents, as the pipeline
+            latents = torch.cat([latents, inputs["inpaint_channels"]], dim=1)
         return self.model(
             hidden_states=latents,
             timestep=timesteps,

@@ -15,7 +15,7 @@ from triton_diffusion.tiny_models.lora import build_tiny_lora
 from triton_diffusion.tiny_models.pixart_sigma import build_tiny_pixart_alpha, build_tiny_pixart_sigma
 from triton_diffusion.tiny_models.qwen_image import build_tiny_qwen_image
 from triton_diffusion.tiny_models.sana import build_tiny_sana
-from triton_diffusion.tiny_models.sd3 import build_tiny_sd3
+from triton_diffusion.tiny_models.sd3 import build_tiny_sd3, build_tiny_sd3_inpaint
 from triton_diffusion.tiny_models.sdxl import build_tiny_sdxl, build_tiny_sdxl_inpaint
 from triton_diffusion.tiny_models.stable_diffusion import build_sd15, build_tiny_sd, build_tiny_sd_inpaint
 from triton_diffusion.tiny_models.wan import build_tiny_wan
@@ -37,6 +37,7 @@ ARCHITECTURES: dict[str, Callable[[Path], None]] = {
     "tiny-sd-inpaint": build_tiny_sd_inpaint,  # a 9-channel inpainting UNet
     "tiny-sdxl-inpaint": build_tiny_sdxl_inpaint,  # the same for SDXL
     "tiny-flux-fill": build_tiny_flux_fill,  # a FLUX.1 Fill inpainting transformer
+    "tiny-sd3-inpaint": build_tiny_sd3_inpaint,  # a 33-channel SD3 inpainting transformer
     "tiny-sd3": build_tiny_sd3,
     "tiny-qwen-image": build_tiny_qwen_image,
     "tiny-sana": build_tiny_sana,
