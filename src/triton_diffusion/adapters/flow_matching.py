@@ -27,7 +27,6 @@ from PIL import Image
 from triton_diffusion.adapters.latent_steps import (
     Conditioning,
     ImageRequest,
-    InpaintSource,
     LatentStepAdapter,
     row_conditioning,
     sample_latents,
@@ -69,34 +68,27 @@ class FluxAdapter(FlowMatchingImageStart, LatentStepAdapter):
         # Read by supports() in __init__: a Fill transformer takes the packed latents, the packed masked
         # source's latents and the packed (vae factor)^2-channel mask.
         packed = 4 * pipe.vae.config.latent_channels
-        self.fill = facts.class_name == "FluxFillPipeline"
-        if self.fill and pipe.transformer.config.in_channels != 2 * packed + 4 * pipe.vae_scale_factor**2:
+        self.inpainting_checkpoint = facts.class_name == "FluxFillPipeline"
+        fill_channels = 2 * packed + 4 * pipe.vae_scale_factor**2
+        if self.inpainting_checkpoint and pipe.transformer.config.in_channels != fill_channels:
             raise NotImplementedError("a FluxFillPipeline whose transformer is not a Fill transformer")
         super().__init__(pipe, facts, schedulers, max_sequence_length)
         self.guidance_embeds = bool(pipe.transformer.config.guidance_embeds)
         self._ids_by_shape: dict[tuple[int, tuple[int, int]], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def supports(self, start: str) -> bool:
-        if self.fill:
+        if self.inpainting_checkpoint:
             return start == "mask"
         return super().supports(start)
 
-    @property
-    def serves_text(self) -> bool:
-        return not self.fill
+    def encodes_source(self, request: ImageRequest) -> bool:
+        return True  # FluxFillPipeline's prepare_latents encodes the source at every strength
 
-    def inpaint_source(
-        self,
-        request: ImageRequest,
-        generator: torch.Generator,
-        image_latents: torch.Tensor | None,
-        noise: torch.Tensor,
-        pixels: torch.Tensor,
-    ) -> InpaintSource:
-        if not self.fill:
-            return super().inpaint_source(request, generator, image_latents, noise, pixels)
+    def inpaint_channels(
+        self, request: ImageRequest, generator: torch.Generator, pixels: torch.Tensor
+    ) -> torch.Tensor:
         # FluxFillPipeline: the source outside the mask, encoded with the row's generator after its noise,
-        # and the mask, each packed by the pipeline's own prepare_mask_latents; one input of both.
+        # and the mask, each packed by the pipeline's own prepare_mask_latents; the masked latents first.
         pipe = self.pipelines["mask"]
         height, width = request.size
         mask = self.mask_condition(request)
@@ -105,7 +97,7 @@ class FluxAdapter(FlowMatchingImageStart, LatentStepAdapter):
         mask, masked = pipe.prepare_mask_latents(
             mask, masked, 1, channels, 1, height, width, self.dtype, self.device, generator
         )
-        return InpaintSource(None, noise, mask, {"inpaint_channels": torch.cat((masked, mask), dim=-1)})
+        return torch.cat((masked, mask), dim=-1)
 
     def pack(self, latents: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
         count, channels, height, width = latents.shape
@@ -180,7 +172,7 @@ class FluxAdapter(FlowMatchingImageStart, LatentStepAdapter):
     ) -> Any:
         embeds = inputs["encoder_hidden_states"]
         text_ids, image_ids = self._position_ids(embeds.shape[1], size)
-        if self.fill:  # FluxFillPipeline: the mask and masked latents beside the packed latents
+        if self.inpainting_checkpoint:  # FluxFillPipeline: the mask and masked latents beside the latents
             latents = torch.cat((latents, inputs["inpaint_channels"]), dim=2)
         return self.model(
             hidden_states=latents,
@@ -227,43 +219,15 @@ class StableDiffusion3Adapter(FlowMatchingImageStart, LatentStepAdapter):
 
     def __init__(self, pipe: Any, facts: Any, schedulers: Any, max_sequence_length: int | None) -> None:
         # Read by supports() in __init__: the latents, the mask and the masked source's latents.
-        self.inpainting_transformer = (
+        self.inpainting_checkpoint = (
             pipe.transformer.config.in_channels == 2 * pipe.vae.config.latent_channels + 1
         )
         super().__init__(pipe, facts, schedulers, max_sequence_length)
 
     def supports(self, start: str) -> bool:
-        if self.inpainting_transformer:
+        if self.inpainting_checkpoint:
             return start == "mask"
         return super().supports(start)
-
-    @property
-    def serves_text(self) -> bool:
-        return not self.inpainting_transformer
-
-    def encodes_source(self, request: ImageRequest) -> bool:
-        # StableDiffusion3InpaintPipeline with a 33-channel transformer: at strength 1 the start is pure
-        # noise and the source is never encoded (no draw from the generator).
-        return not (self.inpainting_transformer and request.strength == 1.0)
-
-    def inpaint_source(
-        self,
-        request: ImageRequest,
-        generator: torch.Generator,
-        image_latents: torch.Tensor | None,
-        noise: torch.Tensor,
-        pixels: torch.Tensor,
-    ) -> InpaintSource:
-        if not self.inpainting_transformer:
-            return super().inpaint_source(request, generator, image_latents, noise, pixels)
-        # The pipeline's own prepare_mask_latents for one row without CFG: the mask at latent size and the
-        # source outside it encoded with the row's generator; one input of both, in the model's order.
-        height, width = request.size
-        mask = self.mask_condition(request)
-        mask, masked = self.pipelines["mask"].prepare_mask_latents(
-            mask, pixels * (mask < 0.5), 1, 1, height, width, self.dtype, self.device, generator, False
-        )
-        return InpaintSource(None, noise, mask, {"inpaint_channels": torch.cat([mask, masked], dim=1)})
 
     def encode(self, requests: Sequence[ImageRequest]) -> list[Conditioning]:
         cfg = any(self.uses_guidance(r) for r in requests)
@@ -303,7 +267,7 @@ class StableDiffusion3Adapter(FlowMatchingImageStart, LatentStepAdapter):
         inputs: dict[str, torch.Tensor],
         size: tuple[int, int],
     ) -> Any:
-        if self.inpainting_transformer:  # the mask and masked latents after the latents, as the pipeline
+        if self.inpainting_checkpoint:  # the mask and masked latents after the latents, as the pipeline
             latents = torch.cat([latents, inputs["inpaint_channels"]], dim=1)
         return self.model(
             hidden_states=latents,

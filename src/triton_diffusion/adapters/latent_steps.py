@@ -113,13 +113,13 @@ class ImageRequest:
 @dataclass(eq=False)
 class InpaintSource:
     """An inpainting job's source: with an ordinary denoiser what it blends back after each step
-    (StableDiffusionInpaintPipeline's loop with a 4-channel UNet); with an inpainting UNet the extra input
-    channels of its every forward (the mask and the masked source's latents), and no blend."""
+    (StableDiffusionInpaintPipeline's loop with a 4-channel UNet); with an inpainting checkpoint the extra
+    input channels of its every forward (the mask and the masked source's latents), and no blend."""
 
     image_latents: torch.Tensor | None  # [1, ...] the encoded source (to blend back)
     noise: torch.Tensor  # [1, ...] the job's initial noise, reused to noise the source to each timestep
-    mask: torch.Tensor  # [1, 1, h, w] latent-size mask: 1 where the model paints, 0 where the source stays
-    model_inputs: dict[str, torch.Tensor] = field(default_factory=dict)  # an inpainting UNet's channels
+    mask: torch.Tensor | None  # [1, 1, h, w] latent-size mask: 1 where the model paints, 0 where it keeps
+    model_inputs: dict[str, torch.Tensor] = field(default_factory=dict)  # an inpainting checkpoint's
 
     @property
     def blended(self) -> bool:
@@ -164,6 +164,10 @@ class LatentStepAdapter:
     guidance_embeds = False
     # The model's LoRA adapters (set by the model after loading them): each row's own in every forward.
     loras: LoraBank | None = None
+    # An inpainting checkpoint (SD/SDXL 9-channel UNets, SD3's 33-channel transformer, FLUX.1 Fill): the
+    # mask and the masked source's latents are inputs of every forward (``inpaint_channels``), so it
+    # serves inpainting jobs only and blends nothing back. Set by the family before this __init__.
+    inpainting_checkpoint = False
 
     def __init__(self, pipe: Any, facts: PipelineFacts, schedulers: Any, max_sequence_length: int | None):
         traits = facts.traits
@@ -200,8 +204,8 @@ class LatentStepAdapter:
 
     @property
     def serves_text(self) -> bool:
-        """Whether jobs may start from text alone (not with an inpainting UNet, which needs a mask)."""
-        return True
+        """Whether jobs may start from text alone (not with an inpainting checkpoint, which needs a mask)."""
+        return not self.inpainting_checkpoint
 
     @property
     def starts(self) -> tuple[str, ...]:
@@ -239,8 +243,9 @@ class LatentStepAdapter:
 
     def encodes_source(self, request: ImageRequest) -> bool:
         """Whether the start's pipeline VAE-encodes the source (a draw from the row's generator) before it
-        draws the noise: always, except an inpainting UNet's pipeline at strength 1 (pure noise)."""
-        return True
+        draws the noise: always, except the SD, SDXL and SD3 inpaint pipelines with an inpainting
+        checkpoint at strength 1 (pure noise)."""
+        return not (self.inpainting_checkpoint and request.strength == 1.0)
 
     def pack_mask(self, mask: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
         """A [1, 1, h, w] latent-size mask into the loop's layout (it broadcasts over the channels)."""
@@ -495,7 +500,11 @@ class LatentStepAdapter:
         """What an ordinary denoiser's inpainting job blends back: its source, its noise, and the inpaint
         pipeline's mask at latent size (binarised, nearest-resized), after the one draw its
         ``prepare_mask_latents`` takes from the row's generator: it encodes the masked source (which only an
-        inpainting UNet reads), so a stochastic sampler's later draws follow the same stream."""
+        inpainting checkpoint reads), so a stochastic sampler's later draws follow the same stream. With an
+        inpainting checkpoint: the model's extra input channels, and no blend."""
+        if self.inpainting_checkpoint:
+            channels = self.inpaint_channels(request, generator, pixels)
+            return InpaintSource(None, noise, None, {"inpaint_channels": channels})
         pipe = self.pipelines["mask"]
         height, width = request.size
         mask = self.mask_condition(request)
@@ -506,6 +515,36 @@ class LatentStepAdapter:
             randn_tensor(shape, generator=generator, device=self.device, dtype=self.source_draw_dtype)
         mask = self.pack_mask(mask.to(device=self.device, dtype=self.dtype), request.size)
         return InpaintSource(image_latents, noise, mask)
+
+    def inpaint_channels(
+        self, request: ImageRequest, generator: torch.Generator, pixels: torch.Tensor
+    ) -> torch.Tensor:
+        """An inpainting checkpoint's extra input for one row: as the SD, SDXL and SD3 inpaint pipelines
+        make it, their own ``prepare_mask_latents`` (the mask at latent size, the source outside it encoded
+        with the row's generator) for one row without CFG (the engine gives both CFG rows the same), the
+        mask's channel first. One tensor of both: one copy per forward, not two."""
+        prepare = self.pipelines["mask"].prepare_mask_latents
+        height, width = request.size
+        mask = self.mask_condition(request)
+        # SD3's takes num_images_per_prompt too; by keyword, one call fits every signature.
+        extra = (
+            {"num_images_per_prompt": 1}
+            if "num_images_per_prompt" in inspect.signature(prepare).parameters
+            else {}
+        )
+        mask, masked = prepare(
+            mask=mask,
+            masked_image=pixels * (mask < 0.5),
+            batch_size=1,
+            height=height,
+            width=width,
+            dtype=self.dtype,
+            device=self.device,
+            generator=generator,
+            do_classifier_free_guidance=False,
+            **extra,
+        )
+        return torch.cat([mask, masked], dim=1)
 
     def mask_condition(self, request: ImageRequest) -> torch.Tensor:
         """The request's mask as its inpaint pipeline preprocesses it (grayscale, binarised, [1, 1, H, W])."""

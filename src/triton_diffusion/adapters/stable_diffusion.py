@@ -29,7 +29,6 @@ from PIL import Image
 from triton_diffusion.adapters.latent_steps import (
     Conditioning,
     ImageRequest,
-    InpaintSource,
     LatentStepAdapter,
     row_conditioning,
     sample_latents,
@@ -44,7 +43,7 @@ class StableDiffusionAdapter(LatentStepAdapter):
             raise NotImplementedError("a guidance-embedding UNet (LCM) has no step adapter")
         # Read by supports() in __init__.
         self.xl = pipe.unet.config.addition_embed_type == "text_time"
-        self.inpainting_unet = pipe.unet.config.in_channels == 9
+        self.inpainting_checkpoint = pipe.unet.config.in_channels == 9  # the latents, mask, masked latents
         super().__init__(pipe, facts, schedulers, max_sequence_length)
 
     @property
@@ -57,40 +56,11 @@ class StableDiffusionAdapter(LatentStepAdapter):
         # SDXL's inpaint pipeline encodes the source without the VAE's latents mean and std (its img2img
         # pipeline normalises with them), so a VAE that has them serves img2img only.
         normalised = self.xl and getattr(self.pipe.vae.config, "latents_mean", None) is not None
-        if self.inpainting_unet:
+        if self.inpainting_checkpoint:
             return start == "mask" and not normalised
         if start == "mask":
             return self.pipe.unet.config.in_channels == 4 and not normalised
         return start == "image"
-
-    @property
-    def serves_text(self) -> bool:
-        return not self.inpainting_unet
-
-    def encodes_source(self, request: ImageRequest) -> bool:
-        # StableDiffusionInpaintPipeline with an inpainting UNet: at strength 1 the start is pure noise and
-        # the source is never encoded (no draw from the generator).
-        return not (self.inpainting_unet and request.strength == 1.0)
-
-    def inpaint_source(
-        self,
-        request: ImageRequest,
-        generator: torch.Generator,
-        image_latents: torch.Tensor | None,
-        noise: torch.Tensor,
-        pixels: torch.Tensor,
-    ) -> InpaintSource:
-        if not self.inpainting_unet:
-            return super().inpaint_source(request, generator, image_latents, noise, pixels)
-        # The pipeline's own prepare_mask_latents: the mask at latent size and the masked source encoded
-        # with the row's generator, for one row without CFG (the engine gives both CFG rows the same).
-        height, width = request.size
-        mask = self.mask_condition(request)
-        mask, masked = self.pipelines["mask"].prepare_mask_latents(
-            mask, pixels * (mask < 0.5), 1, height, width, self.dtype, self.device, generator, False
-        )
-        # One input of both (the UNet's extra channels, in its order): one copy per forward, not three.
-        return InpaintSource(None, noise, mask, {"inpaint_channels": torch.cat([mask, masked], dim=1)})
 
     def encode_source(self, pixels: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
         vae = self.pipe.vae
@@ -208,7 +178,7 @@ class StableDiffusionAdapter(LatentStepAdapter):
         size: tuple[int, int],
     ) -> Any:
         added = {"text_embeds": inputs["text_embeds"], "time_ids": inputs["time_ids"]} if self.xl else None
-        if self.inpainting_unet:  # after the scheduler's input scaling, as the inpaint pipeline's loop
+        if self.inpainting_checkpoint:  # after the scheduler's input scaling, as the inpaint pipeline's loop
             latents = torch.cat([latents, inputs["inpaint_channels"]], dim=1)
         return self.model(
             latents,
