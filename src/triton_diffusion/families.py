@@ -4,6 +4,8 @@ One :class:`PipelineTraits` record per diffusers pipeline class says what cannot
 pipeline (how its code treats a missing negative prompt, whether its latents are packed, which guidance
 argument it really uses, which step adapter serves it). A class without an entry gets the conservative
 default: a negative prompt's presence splits batches, no row compaction, the request-level engine.
+The family tests serve or step each step-engine class (tests/unit/test_*_steps.py in process, the family
+matrix in tests/integration/test_families.py through the server).
 
 Everything that *can* be read from the pipeline (its scheduler and the compatible ones, the VAE scale
 factor, the transformer's patch size, the ``__call__`` signature and its defaults) is derived in
@@ -35,6 +37,9 @@ class PipelineTraits:
     # history (multistep solvers do). Elsewhere a cancelled row keeps computing (its answer still goes
     # out at once).
     compaction_schedulers: frozenset[str] = frozenset()
+    # With num_inference_steps == 1 the loop keeps the scheduler's predicted original sample, not the
+    # stepped one (PixArt-Alpha), so one step needs a scheduler that returns it.
+    one_step_keeps_original: bool = False
     # The step adapter serving this class in the step engine (adapters/), or None: request-level only.
     step_adapter: str | None = None
     # The family's diffusers classes for each way a step-engine job can start, built over the loaded
@@ -81,7 +86,7 @@ _QWEN_STEP = {
     "image_pipeline": "QwenImageImg2ImgPipeline",
 }
 
-# One entry per diffusers class; the family test (tests/integration/test_families.py) serves each.
+# One entry per diffusers class.
 TRAITS: Mapping[str, PipelineTraits] = {
     "StableDiffusionPipeline": PipelineTraits(
         negative_prompt_none_is_empty=True,
@@ -118,7 +123,10 @@ TRAITS: Mapping[str, PipelineTraits] = {
         negative_prompt_none_is_empty=True, step_adapter="dit", text_pipeline="PixArtSigmaPipeline"
     ),
     "PixArtAlphaPipeline": PipelineTraits(
-        negative_prompt_none_is_empty=True, step_adapter="dit", text_pipeline="PixArtAlphaPipeline"
+        negative_prompt_none_is_empty=True,
+        one_step_keeps_original=True,
+        step_adapter="dit",
+        text_pipeline="PixArtAlphaPipeline",
     ),
     "AuraFlowPipeline": _NONE_IS_EMPTY,
     "Lumina2Pipeline": _NONE_IS_EMPTY,

@@ -312,3 +312,19 @@ def test_an_inpainting_checkpoint_serves_inpainting_only_each_request_as_its_pip
             generator=[torch.Generator().manual_seed(request["seed"])],
         ).images[0]
         assert np.abs(pixels(result.images[0]) - np.asarray(expected, dtype=int)).max() <= 1
+
+
+def test_pixart_alpha_refuses_one_step_with_a_scheduler_that_has_no_predicted_original(family_server):
+    """PixArt-Alpha keeps the scheduler's predicted original sample after one step; its DPM-Solver returns
+    none, so a one-step request is refused by name (the pipeline would raise an IndexError), and two
+    steps are served."""
+    one, two = send(
+        family_server,
+        "pixart_alpha",
+        [
+            {"prompt": "one step", "seed": 1, "num_inference_steps": 1},
+            {"prompt": "two steps", "seed": 1, "num_inference_steps": 2},
+        ],
+    )
+    assert not one.ok and "scheduler: DPMSolverMultistepScheduler returns no predicted original" in one.error
+    assert two.ok, two.error

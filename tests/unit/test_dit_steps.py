@@ -77,7 +77,8 @@ def test_every_image_equals_the_pipelines_own_amid_rows_of_other_prompt_lengths(
 # and aspect ratio) whose 1024-pixel bin table is swapped for small bins of the same shape, so the test
 # renders 48- and 64-pixel images: (size asked, steps, scheduler, guidance, arrives at engine step). The
 # asked sizes are not bins (a row conditioned on the asked size instead of the rendered one would differ);
-# the one-step DDIM job keeps the predicted original sample, as the pipeline's loop does.
+# the one-step DDIM job keeps the predicted original sample, as the pipeline's loop does. DDIM here ends on
+# alphas_cumprod[0] (not 1) from a trailing timestep, so its stepped sample is not its predicted original.
 SMALL_1024_BINS = {"0.75": [48.0, 64.0], "1.0": [64.0, 64.0], "1.33": [64.0, 48.0]}
 ALPHA_1024 = [
     ((72, 64), 4, "DPMSolverMultistepScheduler", 4.5, 0),
@@ -89,11 +90,20 @@ ALPHA_1024 = [
 
 def test_pixart_alpha_1024_models_condition_each_row_on_its_rendered_size(monkeypatch):
     import torch
-    from diffusers import PixArtTransformer2DModel
+    from diffusers import DDIMScheduler, PixArtTransformer2DModel
     from diffusers.pipelines.pixart_alpha import pipeline_pixart_alpha
 
     monkeypatch.setattr(pipeline_pixart_alpha, "ASPECT_RATIO_1024_BIN", SMALL_1024_BINS)
-    pipe, facts, schedulers = family = load_family("tiny-pixart-alpha", FAMILIES["tiny-pixart-alpha"])
+    family = load_family(
+        "tiny-pixart-alpha",
+        "DPMSolverMultistepScheduler",
+        scheduler=lambda: DDIMScheduler(set_alpha_to_one=False, timestep_spacing="trailing"),
+    )
+    pipe, facts, schedulers = family
+    # One step keeps step(...)[1]: DDIM returns it, DPM-Solver does not (such requests are refused at
+    # parse, naming scheduler).
+    assert facts.traits.one_step_keeps_original
+    assert schedulers.with_original_sample() == {"DDIMScheduler"}
     small = pipe.transformer
     # The size embeddings take a third of the inner dimension each: 2 heads of 24 (and the text as wide).
     config = {
@@ -109,24 +119,15 @@ def test_pixart_alpha_1024_models_condition_each_row_on_its_rendered_size(monkey
         for parameter in transformer.adaln_single.emb.parameters():
             parameter.mul_(4.0)
     pipe.transformer = transformer.eval()
-    try:
-        adapter = step_adapter_for(pipe, facts, schedulers, None)
-        assert adapter.micro_conditions and adapter.bins is SMALL_1024_BINS
-        requests = [
-            ImageRequest(f"a red tram {i}", None, 40 + i, 0, *size, steps, guidance, None, scheduler)
-            for i, (size, steps, scheduler, guidance, _) in enumerate(ALPHA_1024)
-        ]
-        # One step with DPM-Solver: it returns no predicted original sample (the pipeline raises
-        # IndexError); the job fails by name, its neighbours do not.
-        one_step_dpm = ImageRequest("a cat", None, 9, 0, 64, 64, 1, 4.5, None, "DPMSolverMultistepScheduler")
-        host = Host()
-        arrivals = [(spec[4], r) for spec, r in zip(ALPHA_1024, requests, strict=True)] + [(1, one_step_dpm)]
-        jobs = run_engine(adapter, arrivals, host)
-        assert "scheduler: DPMSolverMultistepScheduler returns no predicted original sample" in str(
-            jobs[-1].request.channel.finals[0]
-        )
-        assert max(host.forwards) >= 3 and jobs[2].most_shared >= 2
-        assert {job.group for job in jobs[:4]} == {(64, 64), (48, 64)}
-        assert_each_image_equals_the_pipelines_own(family, requests, jobs[:4])
-    finally:
-        pipe.transformer = small
+    adapter = step_adapter_for(pipe, facts, schedulers, None)
+    assert adapter.micro_conditions and adapter.bins is SMALL_1024_BINS
+    requests = [
+        ImageRequest(f"a red tram {i}", None, 40 + i, 0, *size, steps, guidance, None, scheduler)
+        for i, (size, steps, scheduler, guidance, _) in enumerate(ALPHA_1024)
+    ]
+    host = Host()
+    arrivals = [(spec[4], r) for spec, r in zip(ALPHA_1024, requests, strict=True)]
+    jobs = run_engine(adapter, arrivals, host)
+    assert max(host.forwards) >= 3 and jobs[2].most_shared >= 2
+    assert {job.group for job in jobs} == {(64, 64), (48, 64)}
+    assert_each_image_equals_the_pipelines_own(family, requests, jobs)

@@ -165,15 +165,16 @@ def test_image_conditioned_jobs_equal_their_pipelines_alone_and_amid_text_only_j
 # An inpainting checkpoint (SD's and SDXL's 9-channel UNets, a FLUX.1 Fill transformer, SD3's 33-channel
 # transformer: the mask and the masked source are model inputs) serves inpainting jobs only, each as its
 # inpaint pipeline (StableDiffusionInpaintPipeline, StableDiffusionXLInpaintPipeline, FluxFillPipeline,
-# StableDiffusion3InpaintPipeline, decoded with the VAE's shift) runs it: (scheduler, strength, steps,
-# guidance, arrives at engine step). Strength 1 (the SD and SD3 pipelines never encode the source then;
-# FLUX.1 Fill does), Euler ancestral without CFG joining mid-way (its step noise follows
-# the masked source's draw), DPM-Solver at strength 0.6 (its history starts at the trimmed index); FLUX.1
-# has its flow-matching Euler only.
+# StableDiffusion3InpaintPipeline, decoded with the VAE's shift) runs it: (scheduler, None for the
+# pipeline's own; strength, steps, guidance, arrives at engine step). Strength 1 with the pipeline's own
+# scheduler (the SD and SD3 pipelines never encode the source then; FLUX.1 Fill does); Euler ancestral
+# without CFG joining mid-way (its step noise follows the masked source's draw from the row's generator);
+# DPM-Solver at strength 0.6 (its history starts at the trimmed index). FLUX.1 and SD3 have their
+# flow-matching Euler only.
 INPAINTING_UNET = [
-    (0, 1.0, 4, 7.5, 0),
-    (2, 0.75, 4, 1.0, 1),
-    (1, 0.6, 5, 5.0, 2),
+    (None, 1.0, 4, 7.5, 0),
+    ("EulerAncestralDiscreteScheduler", 0.75, 4, 1.0, 1),
+    ("DPMSolverMultistepScheduler", 0.6, 5, 5.0, 2),
 ]
 
 
@@ -204,7 +205,7 @@ def test_an_inpainting_checkpoint_serves_inpainting_jobs_each_equal_to_its_pipel
             steps,
             guidance,
             None,
-            names[pick % len(names)],
+            pick if pick in names else names[0],  # None: the pipeline's own
             image=source,
             strength=strength,
             mask_image=mask,

@@ -94,3 +94,20 @@ class SchedulerChoices:
 
     def __getitem__(self, name: str) -> Any:
         return self._schedulers[name]
+
+    def with_original_sample(self) -> frozenset[str]:
+        """The choices whose ``step`` also returns the predicted original sample (DDIM, Euler: a second
+        output; DPM-Solver: none), found by one step of a copy on a tiny tensor at load."""
+        import copy
+
+        import torch
+
+        found = set()
+        for name, scheduler in self._schedulers.items():
+            probe = copy.deepcopy(scheduler)
+            probe.set_timesteps(1)
+            sample = torch.zeros(1, 1, 2, 2)
+            outputs = probe.step(sample, probe.timesteps[0], sample, return_dict=False)
+            if len(outputs) > 1:
+                found.add(name)
+        return frozenset(found)

@@ -54,9 +54,8 @@ class DiTLoop:
     # Sana draws and steps float32 latents (cast to the transformer's dtype per forward), multiplies the
     # timestep by timestep_scale and turns the prediction to float32.
     float32_latents: bool
-    # PixArt-Alpha: a sample_size-128 transformer takes the resolution and aspect ratio, and one step keeps
-    # the scheduler's predicted original sample.
-    alpha_loop: bool = False
+    # PixArt-Alpha: a sample_size-128 transformer takes the rendered resolution and aspect ratio.
+    micro_conditions: bool = False
 
 
 LOOPS = {
@@ -74,7 +73,7 @@ LOOPS = {
         bins={128: "ASPECT_RATIO_1024_BIN", 64: "ASPECT_RATIO_512_BIN", 32: "ASPECT_RATIO_256_BIN"},
         scales_model_input=True,
         float32_latents=False,
-        alpha_loop=True,
+        micro_conditions=True,
     ),
     "SanaPipeline": DiTLoop(
         bins={
@@ -117,7 +116,7 @@ class DiTAdapter(LatentStepAdapter):
             self.bins = getattr(self.module, table)
         self.latent_dtype = torch.float32 if loop.float32_latents else self.pipe.text_encoder.dtype
         # PixArtAlphaPipeline's "micro-conditions", for its 1024-pixel models only.
-        self.micro_conditions = loop.alpha_loop and self.model.config.sample_size == 128
+        self.micro_conditions = loop.micro_conditions and self.model.config.sample_size == 128
         self.learned_sigma = self.model.config.out_channels // 2 == self.model.config.in_channels
 
     @property
@@ -186,10 +185,6 @@ class DiTAdapter(LatentStepAdapter):
         resolution = torch.tensor([[height, width]]).to(dtype=dtype, device=self.device)
         aspect_ratio = torch.tensor([[float(height / width)]]).to(dtype=dtype, device=self.device)
         return {"resolution": resolution, "aspect_ratio": aspect_ratio}
-
-    def step_output(self, job: Job) -> int:
-        # PixArtAlphaPipeline: with num_inference_steps == 1 the loop keeps step(...)[1].
-        return 1 if self.loop.alpha_loop and job.params.steps == 1 else 0
 
     def timestep_rows(self, timesteps: Sequence[torch.Tensor]) -> torch.Tensor:
         rows = super().timestep_rows(timesteps)

@@ -532,18 +532,24 @@ class LatentStepAdapter:
             if "num_images_per_prompt" in inspect.signature(prepare).parameters
             else {}
         )
-        mask, masked = prepare(
-            mask=mask,
-            masked_image=pixels * (mask < 0.5),
-            batch_size=1,
-            height=height,
-            width=width,
-            dtype=self.dtype,
-            device=self.device,
-            generator=generator,
-            do_classifier_free_guidance=False,
-            **extra,
-        )
+        vae = self.pipelines["mask"].vae
+        original = vae.dtype
+        try:
+            mask, masked = prepare(
+                mask=mask,
+                masked_image=pixels * (mask < 0.5),
+                batch_size=1,
+                height=height,
+                width=width,
+                dtype=self.dtype,
+                device=self.device,
+                generator=generator,
+                do_classifier_free_guidance=False,
+                **extra,
+            )
+        finally:  # SDXL's encode casts the VAE to float32 and back, without a finally: an OOM half-way
+            if vae.dtype != original:  # must not leave the shared VAE in float32 for every later decode
+                vae.to(dtype=original)
         return torch.cat([mask, masked], dim=1)
 
     def mask_condition(self, request: ImageRequest) -> torch.Tensor:
@@ -563,9 +569,9 @@ class LatentStepAdapter:
 
     def step_output(self, job: Job) -> int:
         """Which output of the scheduler's ``step`` becomes the job's latents: the stepped sample (0), or
-        where the pipeline's loop keeps another (PixArt-Alpha after one step: the predicted original
-        sample, 1), that index; such a job steps alone."""
-        return 0
+        where the pipeline's loop keeps another (``one_step_keeps_original``, PixArt-Alpha after one step:
+        the predicted original sample, 1), that index; such a job steps alone."""
+        return 1 if self.facts.traits.one_step_keeps_original and job.params.steps == 1 else 0
 
     def step(self, jobs: list[Job]) -> list[Job]:
         states: list[LatentJob] = [job.state for job in jobs]
@@ -683,12 +689,7 @@ class LatentStepAdapter:
         try:
             scheduler = state.scheduler
             outputs = scheduler.step(noise, timestep, state.latents, **state.step_kwargs, return_dict=False)
-            if output >= len(outputs):
-                raise ValueError(
-                    f"scheduler: {type(scheduler).__name__} returns no predicted original sample, which this "
-                    "pipeline keeps after a single step: send num_inference_steps >= 2 or another scheduler"
-                )
-            state.latents = outputs[output]
+            state.latents = outputs[output]  # requests whose scheduler lacks it are refused at parse
         except Exception as exc:  # noqa: BLE001  (this job's own scheduler: it fails alone)
             _fail_alone(job, exc)
 

@@ -175,6 +175,10 @@ class TextToImageModel(DiffusionModel):
         if not (self.has_step_callback or self.has_legacy_callback):
             unsupported += [f.name for f in PROGRESS_FIELDS]
         self.compacting_schedulers = facts.traits.compaction_schedulers
+        # PixArt-Alpha keeps step(...)[1] after one step: the schedulers that have one (both engines).
+        self.one_step_schedulers = (
+            self.schedulers.with_original_sample() if facts.traits.one_step_keeps_original else None
+        )
         self.callback_tensors = ["latents"] + (["prompt_embeds"] if self.compacting_schedulers else [])
         # The scheduler list is what SchedulerChoices accepted: always the pipeline's own first.
         derived = {"scheduler_choices": ",".join(self.schedulers.names)}
@@ -266,8 +270,8 @@ class TextToImageModel(DiffusionModel):
                     raise invalid_field(
                         name,
                         "is required: this model inpaints (its denoiser takes the mask and the masked "
-                        "source as inputs: an SD/SDXL inpainting UNet, FLUX.1 Fill), so every request "
-                        "sends image and mask_image",
+                        "source as inputs: an SD/SDXL inpainting UNet, SD3's 33-channel transformer, "
+                        "FLUX.1 Fill), so every request sends image and mask_image",
                     )
         optional = "image" in self.fields and self.fields["image"].default is not REQUIRED
         if optional and raw.get("image") is None:
@@ -279,9 +283,22 @@ class TextToImageModel(DiffusionModel):
     def resolve(self, values: dict[str, Any]) -> dict[str, Any]:
         """Decode the source image (and mask), fill in the strength of its start and check it, and fix
         the output size: both images are resized to it here, so the engine sees one size per job. The
-        ``lora`` field becomes its canonical text (part of the compatibility key)."""
+        ``lora`` field becomes its canonical text (part of the compatibility key). A one-step request to a
+        pipeline that keeps the predicted original sample (PixArt-Alpha) needs a scheduler that has one."""
         if values.get("lora") is not None:
             values = {**values, "lora": lora_text(parse_lora(values["lora"], self.lora_limits)) or None}
+        one_step = getattr(self, "one_step_schedulers", None)
+        if (
+            one_step is not None
+            and values["num_inference_steps"] == 1
+            and values["scheduler"] not in one_step
+        ):
+            allowed = ", ".join(sorted(one_step)) or "none of this model's scheduler_choices"
+            raise invalid_field(
+                "scheduler",
+                f"{values['scheduler']} returns no predicted original sample, which this pipeline keeps "
+                f"after a single step: with num_inference_steps 1 send one of {allowed}, or 2 or more steps",
+            )
         if values.get("image") is None:
             return values
         image = self.decode_source(values["image"], "image")
