@@ -30,6 +30,7 @@ from triton_diffusion.adapters.batched_schedulers import (
 )
 from triton_diffusion.adapters.latent_steps import LatentJob, LatentStepAdapter
 from triton_diffusion.engine.jobs import Job
+from triton_diffusion.families import PipelineTraits
 from triton_diffusion.serving.server_process import WEIGHTS
 from triton_diffusion.tiny_models import build_missing
 
@@ -483,6 +484,7 @@ class ForwardOnly(LatentStepAdapter):
 
     def __init__(self, predictions: torch.Tensor) -> None:
         self.device = "cpu"
+        self.facts = SimpleNamespace(traits=PipelineTraits())  # a family without special traits
         self.predictions = predictions
         self.inputs: list[torch.Tensor] = []
 
