@@ -85,7 +85,7 @@ def test_starts_the_engine_cannot_serve_are_refused_by_name():
         read(model(("text",)), image=png(64, 64))
 
 
-def test_an_inpainting_unet_requires_a_source_and_a_mask():
+def test_an_inpainting_checkpoint_requires_a_source_and_a_mask():
     m = model(("mask",))
     for raw, field in (({}, "image"), ({"image": png(64, 64)}, "mask_image")):
         with pytest.raises(RequestError, match=f"{field}: is required: this model inpaints"):

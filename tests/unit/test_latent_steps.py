@@ -171,7 +171,7 @@ def test_image_conditioned_jobs_equal_their_pipelines_alone_and_amid_text_only_j
 # without CFG joining mid-way (its step noise follows the masked source's draw from the row's generator);
 # DPM-Solver at strength 0.6 (its history starts at the trimmed index). FLUX.1 and SD3 have their
 # flow-matching Euler only.
-INPAINTING_UNET = [
+CHECKPOINT_JOBS = [
     (None, 1.0, 4, 7.5, 0),
     ("EulerAncestralDiscreteScheduler", 0.75, 4, 1.0, 1),
     ("DPMSolverMultistepScheduler", 0.6, 5, 5.0, 2),
@@ -210,11 +210,11 @@ def test_an_inpainting_checkpoint_serves_inpainting_jobs_each_equal_to_its_pipel
             strength=strength,
             mask_image=mask,
         )
-        for i, (pick, strength, steps, guidance, _) in enumerate(INPAINTING_UNET)
+        for i, (pick, strength, steps, guidance, _) in enumerate(CHECKPOINT_JOBS)
     ]
     victim = replace(requests[0], prompt="cancel me", seed=99)
     host = Host()
-    arrivals = [(spec[4], request) for spec, request in zip(INPAINTING_UNET, requests, strict=True)]
+    arrivals = [(spec[4], request) for spec, request in zip(CHECKPOINT_JOBS, requests, strict=True)]
     jobs = run_engine(adapter, arrivals, host, victim)
     assert max(host.forwards) >= 3, "inpainting jobs did not share forwards"
     assert jobs[2].first_forward > 1, "the last request did not join mid-way"
