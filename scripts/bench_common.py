@@ -230,6 +230,19 @@ POISSON_TARGETS = {0.5: (0.8, 0.4), 0.8: (0.65, 0.3), 0.95: (0.4, 0.2)}
 DELIVERED_TARGET = ">= 0.98"  # of the offered rate, at 95% load
 
 
+def alternated_rounds(steps: Sequence[Any], requests: Sequence[Any]) -> tuple[float, list[float]]:
+    """The step / request throughput ratio over rounds run alternately (round i of each engine back to
+    back, so both see the machine's speed of that moment): pooled (each engine's images over its measured
+    time, all rounds together) and each round's own ratio, sorted. A run has ``images_per_s`` and
+    ``duration_s`` (its measured window)."""
+
+    def pooled(runs: Sequence[Any]) -> float:
+        return sum(r.images_per_s * r.duration_s for r in runs) / sum(r.duration_s for r in runs)
+
+    each = sorted(s.images_per_s / r.images_per_s for s, r in zip(steps, requests, strict=True))
+    return pooled(steps) / pooled(requests), each
+
+
 def step_request_ratios(
     pick: Callable[[str, str], Any | None], top: int, first_step: str
 ) -> dict[str, tuple[float, str]]:

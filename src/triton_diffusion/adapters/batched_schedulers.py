@@ -40,7 +40,8 @@ Vectorised (anything else steps each row with its own ``step``, see :func:`can_b
 UniPC steps row by row (not vectorised: its corrector solves a small linear system per row).
 
 API: :func:`can_batch` (class and config), :func:`can_batch_step` (these rows, arguments and dtype: the
-call is vectorised and atomic), :func:`batched_step`, :func:`scale_model_inputs` and :func:`guide`.
+call is vectorised and atomic), :func:`vectorised_step` (the atomic call, or None where it cannot be),
+:func:`batched_step` (vectorised, else row by row), :func:`scale_model_inputs` and :func:`guide`.
 """
 
 from __future__ import annotations
@@ -93,8 +94,23 @@ def batched_step(
 ) -> torch.Tensor:
     """``scheduler.step(model_outputs[i:i+1], timesteps[i], samples[i:i+1], **step_kwargs[i])`` for every
     row i, as ``[n, ...]``: in one vectorised call when :func:`can_batch_step`, else row by row."""
-    if not can_batch_step(schedulers, model_outputs, timesteps, samples, step_kwargs):
+    stepped = vectorised_step(schedulers, model_outputs, timesteps, samples, step_kwargs)
+    if stepped is None:
         return _per_row(schedulers, model_outputs, timesteps, samples, step_kwargs)
+    return stepped
+
+
+def vectorised_step(
+    schedulers: Sequence[Any],
+    model_outputs: torch.Tensor,
+    timesteps: Sequence[Any],
+    samples: torch.Tensor,
+    step_kwargs: Sequence[dict[str, Any]],
+) -> torch.Tensor | None:
+    """:func:`batched_step` in one atomic vectorised call (a raise changes no scheduler), or None where
+    :func:`can_batch_step` says these rows cannot be (nothing is stepped then)."""
+    if not can_batch_step(schedulers, model_outputs, timesteps, samples, step_kwargs):
+        return None
     method = _METHODS[type(schedulers[0])]
     # Rows of one class may still differ in a config branch (prediction type): one call per branch,
     # every branch computed before any state changes.
@@ -155,6 +171,8 @@ def guide(uncond: torch.Tensor, cond: torch.Tensor, scales: Sequence[float] | to
     """Classifier-free guidance ``uncond + g * (cond - uncond)`` with each row's own scale g (a Python
     float in the per-row formula), for ``[n, ...]`` rows in one op, bit-identical to the per-row formula."""
     values = [float(g) for g in (scales.tolist() if isinstance(scales, torch.Tensor) else scales)]
+    if all(g == values[0] for g in values):  # one scale (homogeneous traffic): the per-row formula itself
+        return uncond + values[0] * (cond - uncond)
     if not _vectorisable(uncond, cond):
         rows = [uncond[r : r + 1] + g * (cond[r : r + 1] - uncond[r : r + 1]) for r, g in enumerate(values)]
         return torch.cat(rows)
@@ -226,6 +244,9 @@ def _columns_at(
 ) -> tuple[torch.Tensor, ...]:
     """Each row's coefficients at its own index, as ``_columns`` of ``like``."""
     rows = [_coefficients(s, method, index) for s, index in zip(schedulers, indices, strict=True)]
+    first = rows[0]
+    if all(row is first for row in rows):  # one schedule at one step (homogeneous traffic): no stacking
+        return _columns(first[:, None].expand(-1, len(rows)), like)
     return _columns(torch.stack(rows, 1), like)
 
 

@@ -45,11 +45,10 @@ from diffusers.utils.torch_utils import randn_tensor
 from PIL import Image
 
 from triton_diffusion.adapters.batched_schedulers import (
-    batched_step,
     can_batch,
-    can_batch_step,
     guide,
     scale_model_inputs,
+    vectorised_step,
 )
 from triton_diffusion.adapters.diffusers_pipeline import counterpart_pipeline, row_generator
 from triton_diffusion.adapters.lora import NO_LORA, LoraBank, LoraSet
@@ -321,9 +320,11 @@ class LatentStepAdapter:
 
     def stacked_timesteps(self, timesteps: Sequence[torch.Tensor], dtype: torch.dtype | None) -> torch.Tensor:
         """Each row's 0-d timestep in one [rows] vector on the device, cast to ``dtype`` (None: as is)."""
-        return self.to_device(
-            torch.stack([t.reshape(()) if dtype is None else t.reshape(()).to(dtype) for t in timesteps])
-        )
+        rows = [t if t.dim() == 0 else t.reshape(()) for t in timesteps]  # a reshape costs microseconds
+        if dtype is not None and any(t.dtype != rows[0].dtype for t in rows):
+            rows = [t.to(dtype) for t in rows]  # each cast as it is (stacking would promote first)
+        stacked = torch.stack(rows)
+        return self.to_device(stacked if dtype is None else stacked.to(dtype))
 
     def to_device(self, values: torch.Tensor) -> torch.Tensor:
         """A small host tensor to the device without a sync: a plain copy from pageable memory would
@@ -663,8 +664,7 @@ class LatentStepAdapter:
         stepped = None
         try:
             latents = torch.cat([state.latents for state in states])
-            if can_batch_step(schedulers, noise, timesteps, latents, kwargs):
-                stepped = batched_step(schedulers, noise, timesteps, latents, kwargs)
+            stepped = vectorised_step(schedulers, noise, timesteps, latents, kwargs)
         except Exception as exc:  # noqa: BLE001  (redone job by job below: the culprit fails alone)
             if Failure.of(exc).lost:
                 raise
