@@ -228,7 +228,9 @@ def _to_device(values: torch.Tensor, device: torch.device) -> torch.Tensor:
     if values.device == device:
         return values
     if values.device.type == "cpu" and device.type == "cuda":
-        return values.pin_memory().to(device, non_blocking=True)
+        # Dense first: an expanded table (one coefficient row for every row) is copied through a
+        # pageable temporary otherwise, which waits for the GPU.
+        return values.contiguous().pin_memory().to(device, non_blocking=True)
     return values.to(device)
 
 
