@@ -230,17 +230,18 @@ POISSON_TARGETS = {0.5: (0.8, 0.4), 0.8: (0.65, 0.3), 0.95: (0.4, 0.2)}
 DELIVERED_TARGET = ">= 0.98"  # of the offered rate, at 95% load
 
 
+def pooled_throughput(runs: Sequence[Any]) -> float:
+    """Images per second over runs together: all their measured images over all their measured time (a run
+    has ``images_per_s`` and ``duration_s``, its measured window)."""
+    return sum(r.images_per_s * r.duration_s for r in runs) / sum(r.duration_s for r in runs)
+
+
 def alternated_rounds(steps: Sequence[Any], requests: Sequence[Any]) -> tuple[float, list[float]]:
     """The step / request throughput ratio over rounds run alternately (round i of each engine back to
-    back, so both see the machine's speed of that moment): pooled (each engine's images over its measured
-    time, all rounds together) and each round's own ratio, sorted. A run has ``images_per_s`` and
-    ``duration_s`` (its measured window)."""
-
-    def pooled(runs: Sequence[Any]) -> float:
-        return sum(r.images_per_s * r.duration_s for r in runs) / sum(r.duration_s for r in runs)
-
+    back, so both see the machine's speed of that moment): pooled (:func:`pooled_throughput` of each
+    engine) and each round's own ratio, sorted."""
     each = sorted(s.images_per_s / r.images_per_s for s, r in zip(steps, requests, strict=True))
-    return pooled(steps) / pooled(requests), each
+    return pooled_throughput(steps) / pooled_throughput(requests), each
 
 
 def step_request_ratios(

@@ -66,6 +66,7 @@ from bench_common import (  # noqa: E402
     percentile,
     poisson_arrivals,
     poisson_label,
+    pooled_throughput,
     ratio_table,
 )
 
@@ -737,6 +738,8 @@ def main(argv: list[str] | None = None) -> None:
     bench = Bench(args.arch, args.height, args.width, args.cap, device, dtype)
     bench.max_running, bench.policy = args.max_running or args.cap, args.policy
     bench.timeline = args.timeline
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     if args.no_closed and args.loads and not args.saturated:
         parser.error(
             "--no-closed needs --saturated (the request-level engine's throughput) for Poisson loads"
@@ -768,8 +771,10 @@ def main(argv: list[str] | None = None) -> None:
     if not args.no_closed:
         print("[homogeneous closed loop]", flush=True)
         for concurrency in concurrencies:
-            for _ in range(args.rounds if concurrency == top else 1):
-                for engine in ("request", "step"):
+            for round_ in range(args.rounds if concurrency == top else 1):
+                # Each engine goes first in every other round: a machine slowing down (or warming up)
+                # through the run does not always favour the same engine.
+                for engine in ("request", "step") if round_ % 2 == 0 else ("step", "request"):
                     report["runs"].append(
                         run_closed(bench, engine, homogeneous, concurrency, "homogeneous", args.window)
                     )
@@ -789,8 +794,9 @@ def main(argv: list[str] | None = None) -> None:
         report["runs"] += image_runs
     loads = [float(load) for load in args.loads.split(",")] if args.loads else []
     if loads:
-        saturated = args.saturated or max(
-            r.images_per_s for r in report["runs"] if r.engine == "request" and r.traffic == "homogeneous"
+        request_runs = [r for r in report["runs"] if r.engine == "request" and r.traffic == "homogeneous"]
+        saturated = args.saturated or max(  # the best concurrency's, its rounds pooled
+            pooled_throughput([r for r in request_runs if r.concurrency == c]) for c in concurrencies
         )
         report["request_saturated_images_per_s"] = saturated
         print(
@@ -877,31 +883,26 @@ def ratios(report: dict) -> dict[str, tuple[float, str]]:
     closed = [r.concurrency for r in runs if r.traffic == "homogeneous"]
     top = max(closed) if closed else None
     if top is not None:
-        step, request = pick("step", "homogeneous", top), pick("request", "homogeneous", top)
         steps, requests = (
             [r for r in runs if r.engine == engine and r.traffic == "homogeneous" and r.concurrency == top]
             for engine in ("step", "request")
         )
-        if len(steps) > 1:  # --rounds
-            pooled, each = alternated_rounds(steps, requests)
-            middle = statistics.median(each)
-            out[f"homogeneous c={top}: step / request throughput, {len(steps)} alternated rounds pooled"] = (
+        pooled, each = alternated_rounds(steps, requests)
+        if len(each) == 1:
+            out[f"homogeneous c={top}: step / request throughput"] = (pooled, TARGETS["throughput"])
+        else:  # --rounds
+            out[f"homogeneous c={top}: step / request throughput, {len(each)} alternated rounds pooled"] = (
                 pooled,
                 TARGETS["throughput"],
             )
             out[f"homogeneous c={top}: the same, median round (min {each[0]:.3f}, max {each[-1]:.3f})"] = (
-                middle,
+                statistics.median(each),
                 "-",
-            )
-        else:
-            out[f"homogeneous c={top}: step / request throughput"] = (
-                step.images_per_s / request.images_per_s,
-                TARGETS["throughput"],
             )
         if "raw" in report:
             raw = report["raw"][f"batch{report['cap']}_images_per_s"]
             out[f"homogeneous c={top}: step / raw batch-{report['cap']} throughput"] = (
-                step.images_per_s / raw,
+                pooled_throughput(steps) / raw,
                 TARGETS["raw throughput"],
             )
     if pick("step", "mixed") and pick("request", "mixed"):

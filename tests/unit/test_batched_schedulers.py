@@ -281,6 +281,15 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"
 
 @CUDA
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("case", ["ddim-tiny-sd", "euler-v-karras", "pndm-sd15"])
+def test_on_cuda_rows_at_one_step_of_one_schedule_equal_their_own_step(case, dtype):
+    """The shared coefficient row made dense and copied to the GPU."""
+    cls, config, kwargs = CASES[case]
+    run(cls, config, plan=[(8, 0)] * 4 + [(8, 3)] * 2, kwargs=kwargs, dtype=dtype, device="cuda")
+
+
+@CUDA
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(
     "case", ["ddim-tiny-sd", "euler-v-karras", "flow-tiny-flux", "dpm-tiny-pixart", "pndm-sd15"]
 )
@@ -453,6 +462,16 @@ def test_guide_equals_the_per_row_formula(device, dtype):
         for r, g in enumerate(scales.tolist() if isinstance(scales, torch.Tensor) else scales):
             row = uncond[r : r + 1] + g * (cond[r : r + 1] - uncond[r : r + 1])
             assert torch.equal(guided[r : r + 1], row), r
+
+
+def test_guide_tells_a_negative_zero_scale_from_zero():
+    """Scales equal by == but not in bits (0.0, -0.0) are not one scale: row by row, the sign of a zero
+    result follows each row's own scale."""
+    uncond, cond = torch.full((2, 4), -0.0), torch.ones(2, 4)
+    guided = guide(uncond, cond, [0.0, -0.0])
+    for r, g in enumerate([0.0, -0.0]):
+        row = uncond[r : r + 1] + g * (cond[r : r + 1] - uncond[r : r + 1])
+        assert torch.equal(guided[r : r + 1].view(torch.int32), row.view(torch.int32)), r
 
 
 def test_guide_with_one_scale_for_all_rows_is_not_the_per_row_formula():

@@ -171,7 +171,8 @@ def guide(uncond: torch.Tensor, cond: torch.Tensor, scales: Sequence[float] | to
     """Classifier-free guidance ``uncond + g * (cond - uncond)`` with each row's own scale g (a Python
     float in the per-row formula), for ``[n, ...]`` rows in one op, bit-identical to the per-row formula."""
     values = [float(g) for g in (scales.tolist() if isinstance(scales, torch.Tensor) else scales)]
-    if all(g == values[0] for g in values):  # one scale (homogeneous traffic): the per-row formula itself
+    first = values[0].hex()  # the same bits (== would take -0.0 for 0.0)
+    if all(g.hex() == first for g in values):  # one scale (homogeneous traffic): the per-row formula
         return uncond + values[0] * (cond - uncond)
     if not _vectorisable(uncond, cond):
         rows = [uncond[r : r + 1] + g * (cond[r : r + 1] - uncond[r : r + 1]) for r, g in enumerate(values)]
@@ -236,7 +237,8 @@ def _to_device(values: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def _columns(table: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Per-row coefficients, ``[k, n]`` (one row per coefficient: ``torch.stack(rows, 1)``), as k columns
-    ``[n, 1, ...]`` on ``like``'s device, all views of one copy."""
+    ``[n, 1, ...]`` on ``like``'s device, all views of one copy. Read-only: on the CPU they may be views of
+    a cached coefficient row shared by every job at that step (``_columns_at``)."""
     table = _to_device(table, like.device)
     return table.reshape(table.shape + (1,) * (like.dim() - 1)).unbind(0)
 
