@@ -12,8 +12,8 @@ from {4, 8, 16} x guidance from {1, 5, 7.5}, closed loop at the top concurrency)
 arrivals at 50/80/95% of the request-level engine's saturated throughput (mean/p95 latency and time to
 the first step); --sweep the request-level engine's images-per-call x queue-delay grid; --openai the
 OpenAI front's overhead (one step-engine server with the front: closed loop at the top concurrency through
-the official ``openai`` client against gRPC direct, alternated). Writes bench.json,
-bench.md and bench.png (throughput and p95 latency against concurrency) to --out.
+the official ``openai`` client and through Python's ``http.client`` against gRPC direct, alternated).
+Writes bench.json, bench.md and bench.png (throughput and p95 latency against concurrency) to --out.
 
     .venv/bin/python scripts/bench.py --concurrency 1,2,4,8,16 --requests 96 --mixed --poisson
 """
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import http.client
 import json
 import math
 import queue
@@ -30,6 +31,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.parse
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -217,40 +219,79 @@ def drive(url: str, model: str, requests: list[dict], concurrency: int | None, r
     return measured, end - arrivals[warm_up]
 
 
-def drive_openai(url: str, model: str, requests: list[dict], concurrency: int):
-    """Closed loop through the OpenAI front with the official client (``images.generate``, b64_json),
-    one client (its own connection pool) per worker. Returns the results and the duration."""
-    import openai
+class OfficialClient:
+    """The front through the official ``openai`` client (httpx and pydantic): what applications use."""
 
+    def __init__(self, url: str) -> None:
+        import openai
+
+        self.errors = (openai.OpenAIError,)
+        self.client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600.0)
+
+    def images(self, model: str, body: dict, extra: dict) -> list[bytes]:
+        response = self.client.images.generate(model=model, **body, extra_body=extra)
+        return [base64.b64decode(d.b64_json) for d in response.data]
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class PlainHttpClient:
+    """The front through Python's own ``http.client`` (one keep-alive connection, the same JSON body the
+    official client sends): a client that costs less CPU than the official one, so on a machine shared by
+    server and clients the figure is closer to the front's own overhead."""
+
+    errors = (OSError, http.client.HTTPException, ValueError)
+
+    def __init__(self, url: str) -> None:
+        address = urllib.parse.urlsplit(url)
+        self.connection = http.client.HTTPConnection(address.hostname, address.port, timeout=600.0)
+
+    def images(self, model: str, body: dict, extra: dict) -> list[bytes]:
+        payload = json.dumps({"model": model, **body, **extra}).encode()
+        self.connection.request(
+            "POST", "/v1/images/generations", payload, {"Content-Type": "application/json"}
+        )
+        response = self.connection.getresponse()
+        data = response.read()
+        if response.status != 200:
+            raise ValueError(f"HTTP {response.status}: {data[:300]!r}")
+        return [base64.b64decode(d["b64_json"]) for d in json.loads(data)["data"]]
+
+    def close(self) -> None:
+        self.connection.close()
+
+
+FRONT_CLIENTS = {"openai": OfficialClient, "http": PlainHttpClient}
+
+
+def drive_front(url: str, model: str, requests: list[dict], concurrency: int, client: str):
+    """Closed loop through the OpenAI front (``/v1/images/generations``, b64_json), one client of kind
+    ``client`` (FRONT_CLIENTS: its own connection) per worker. Returns the results and the duration."""
     results: list[GenerateResult | None] = [None] * len(requests)
     todo: queue.Queue = queue.Queue()
     for item in enumerate(requests):
         todo.put(item)
-    clients = [
-        openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600.0)
-        for _ in range(concurrency)
-    ]
+    clients = [FRONT_CLIENTS[client](url) for _ in range(concurrency)]
 
-    def worker(client) -> None:
+    def worker(front) -> None:
         while True:
             try:
                 index, request = todo.get_nowait()
             except queue.Empty:
                 return
+            body = {
+                "prompt": request["prompt"],
+                "n": 1,
+                "size": f"{request['width']}x{request['height']}",
+                "response_format": "b64_json",
+            }
             extra = {k: request[k] for k in ("seed", "num_inference_steps", "guidance_scale") if k in request}
             started = time.perf_counter()
             images, error = [], None
             try:
-                response = client.images.generate(
-                    model=model,
-                    prompt=request["prompt"],
-                    n=1,
-                    size=f"{request['width']}x{request['height']}",
-                    response_format="b64_json",
-                    extra_body=extra,
-                )
-                images = [base64.b64decode(d.b64_json) for d in response.data]
-            except openai.OpenAIError as exc:
+                images = front.images(model, body, extra)
+            except front.errors as exc:
                 error = str(exc)
             results[index] = GenerateResult(
                 f"bench-{index}",
@@ -260,15 +301,15 @@ def drive_openai(url: str, model: str, requests: list[dict], concurrency: int):
                 latency_s=time.perf_counter() - started,
             )
 
-    threads = [threading.Thread(target=worker, args=(client,)) for client in clients]
+    threads = [threading.Thread(target=worker, args=(front,)) for front in clients]
     started = time.perf_counter()
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
     duration = time.perf_counter() - started
-    for client in clients:
-        client.close()
+    for front in clients:
+        front.close()
     return [r for r in results if r is not None], duration
 
 
@@ -352,12 +393,12 @@ class ServerVariant:
         drive(self.server.grpc_url, self.model, [dict(request, seed=i) for i in range(batch)], batch, None)
 
     def run(
-        self, requests: list[dict], concurrency: int | None, rate: float | None, openai: bool = False
+        self, requests: list[dict], concurrency: int | None, rate: float | None, front: str | None = None
     ) -> RunStats:
         before = read_metrics(self.server)
         with MemorySampler(self.server.process.pid) as memory:
-            if openai:
-                results, duration = drive_openai(self.openai_url, self.model, requests, concurrency)
+            if front:  # through the OpenAI front with a client of FRONT_CLIENTS
+                results, duration = drive_front(self.openai_url, self.model, requests, concurrency, front)
             else:
                 results, duration = drive(self.server.grpc_url, self.model, requests, concurrency, rate)
         after = read_metrics(self.server)
@@ -370,8 +411,8 @@ class ServerVariant:
         stats = summarize(
             self.name, concurrency, rate, results, duration, memory.peak, rows / calls if calls else None
         )
-        if openai:
-            stats.traffic = "openai"
+        if front:
+            stats.traffic = front
         print(
             f"  {self.name:10s} c={concurrency} rate={rate}: {stats.requests_per_s:.2f} req/s, "
             f"p95 {stats.latency_p95_s:.3f} s, first step {stats.first_progress_mean_s}, "
@@ -402,8 +443,9 @@ def wait_until_ready(url: str, timeout_s: float = 60.0) -> None:
 def run_front_overhead(
     args: argparse.Namespace, model: str, weights: Path, size_edits: dict, requests: list[dict], top: int
 ) -> list[RunStats]:
-    """One step-engine server with the OpenAI front: gRPC direct and through the front, alternated (two
-    rounds each) at the top concurrency, so both see the same server and the same machine."""
+    """One step-engine server with the OpenAI front: gRPC direct and through the front with each client of
+    FRONT_CLIENTS, alternated (two rounds each) at the top concurrency, so all see the same server and the
+    same machine."""
     print(
         "[openai] the front's overhead: one step-engine server, gRPC direct and through the front", flush=True
     )
@@ -420,15 +462,16 @@ def run_front_overhead(
     plain = [{k: v for k, v in r.items() if k != "progress"} for r in requests]
     try:
         variant.warm_up(plain[0], args.max_batch_size)
-        variant.run(plain[: args.max_batch_size], args.max_batch_size, None, openai=True)  # warm-up
+        for client in FRONT_CLIENTS:  # warm-up
+            variant.run(plain[: args.max_batch_size], args.max_batch_size, None, front=client)
         runs = []
         for _ in range(2):
-            for openai in (False, True):
+            for path in (None, *FRONT_CLIENTS):
                 before = variant.cpu_seconds()
-                stats = variant.run(plain, top, None, openai=openai)
+                stats = variant.run(plain, top, None, front=path)
                 after = variant.cpu_seconds()
                 cpu = {part: 1000 * (after[part] - before[part]) / len(plain) for part in after}
-                runs.append(replace(stats, traffic="openai" if openai else "grpc", cpu_ms_per_request=cpu))
+                runs.append(replace(stats, traffic=path or "grpc", cpu_ms_per_request=cpu))
                 shares = ", ".join(f"{part} {ms:.2f}" for part, ms in cpu.items())
                 print(f"    CPU ms per request: {shares}", flush=True)
         return runs
@@ -716,6 +759,42 @@ def main(argv: list[str] | None = None) -> None:
     print(f"wrote {args.out}/bench.json, bench.md, bench.png")
 
 
+FRONT_CLIENT_LABELS = {"openai": "the official openai client", "http": "http.client"}
+
+
+def front_ratios(
+    grpc: list[RunStats], front: list[RunStats], label: str, top: int
+) -> dict[str, tuple[float, str]]:
+    """Through the front with one kind of client against gRPC direct, each path's rounds pooled (images
+    over time, the worst round's p95), and the CPU per request that separates the front's cost and the
+    client's from the server's work (on one machine all share the cores)."""
+
+    def images_per_s(rs: list[RunStats]) -> float:
+        return sum(r.images for r in rs) / sum(r.duration_s for r in rs)
+
+    def cpu(rs: list[RunStats], part: str) -> float:
+        return sum(r.cpu_ms_per_request[part] for r in rs) / len(rs)
+
+    return {
+        f"OpenAI front ({label}) / gRPC direct throughput, step engine, c={top}": (
+            images_per_s(front) / images_per_s(grpc),
+            ">= 0.95",
+        ),
+        f"OpenAI front ({label}) / gRPC direct p95 latency, c={top}": (
+            max(r.latency_p95_s for r in front) / max(r.latency_p95_s for r in grpc),
+            "-",
+        ),
+        f"OpenAI front's own CPU / the server's, per request ({label})": (
+            cpu(front, "front") / cpu(front, "server"),
+            "-",
+        ),
+        f"{label}'s CPU over the gRPC client's, per request / the server's": (
+            (cpu(front, "client") - cpu(grpc, "client")) / cpu(front, "server"),
+            "-",
+        ),
+    }
+
+
 def ratios(runs: list[RunStats], raw: list[dict], top: int) -> dict[str, tuple[float, str]]:
     def pick(variant: str, traffic: str = "homogeneous") -> RunStats | None:
         found = [r for r in runs if r.variant == variant and r.traffic == traffic]
@@ -725,34 +804,10 @@ def ratios(runs: list[RunStats], raw: list[dict], top: int) -> dict[str, tuple[f
 
     out = step_request_ratios(pick, top, "first_progress_mean_s")
     grpc = [r for r in runs if r.traffic == "grpc"]
-    front = [r for r in runs if r.traffic == "openai"]
-    if grpc and front:  # each path's rounds pooled: images over time, the worst round's p95
-
-        def images_per_s(rs: list[RunStats]) -> float:
-            return sum(r.images for r in rs) / sum(r.duration_s for r in rs)
-
-        out[f"OpenAI front / gRPC direct throughput, step engine, c={top}"] = (
-            images_per_s(front) / images_per_s(grpc),
-            ">= 0.95",
-        )
-        out[f"OpenAI front / gRPC direct p95 latency, c={top}"] = (
-            max(r.latency_p95_s for r in front) / max(r.latency_p95_s for r in grpc),
-            "-",
-        )
-
-        def cpu(rs: list[RunStats], part: str) -> float:
-            return sum(r.cpu_ms_per_request[part] for r in rs) / len(rs)
-
-        # The throughput ratio above also pays for the clients on the same cores: these separate the
-        # front's own CPU per request, and the official client's extra over the gRPC one, from the work.
-        out["OpenAI front's own CPU / the server's, per request"] = (
-            cpu(front, "front") / cpu(front, "server"),
-            "-",
-        )
-        out["openai client's CPU over the gRPC client's, per request / the server's"] = (
-            (cpu(front, "client") - cpu(grpc, "client")) / cpu(front, "server"),
-            "-",
-        )
+    for client, label in FRONT_CLIENT_LABELS.items():
+        front = [r for r in runs if r.traffic == client]
+        if grpc and front:
+            out.update(front_ratios(grpc, front, label, top))
     step, request = pick("step"), pick("request")
     if pick("singleton"):
         out[f"homogeneous c={top}: request / singleton throughput"] = (

@@ -46,15 +46,16 @@ def test_bench_writes_its_report(tmp_path):
         ("step", "homogeneous", 2),
         ("step", "mixed", 2),
         *poisson,
-        # The OpenAI front's overhead: one server, gRPC direct and the official client, two rounds each.
-        *[("step", path, 2) for _ in range(2) for path in ("grpc", "openai")],
+        # The OpenAI front's overhead: one server, gRPC direct, the official client and http.client, two
+        # rounds each.
+        *[("step", path, 2) for _ in range(2) for path in ("grpc", "openai", "http")],
     ]
     for run in report["runs"]:
         # Poisson: the first 10% of the 10 requests (an empty server filling up) are left out.
         count = 9 if run["traffic"].startswith("poisson") else 4
         assert run["errors"] == 0 and run["requests"] == count and run["images"] == count
         assert run["requests_per_s"] > 0 and 0 < run["latency_p50_s"] <= run["latency_p99_s"]
-        if run["traffic"] not in ("grpc", "openai"):  # those two send no progress
+        if run["traffic"] not in ("grpc", "openai", "http"):  # those send no progress
             assert 0 < run["first_progress_mean_s"] <= run["latency_mean_s"]
         assert run["peak_memory_mb"] > 50
         assert 1 <= run["mean_rows_per_call"] <= 2
@@ -62,14 +63,15 @@ def test_bench_writes_its_report(tmp_path):
     assert all(r["images_per_s"] > 0 for r in report["raw"])
     assert "homogeneous c=2: step / request throughput" in report["ratios"]
     assert any(name.startswith("mixed") for name in report["ratios"])
-    assert report["ratios"]["OpenAI front / gRPC direct throughput, step engine, c=2"][0] > 0
-    # CPU per request of the front, the server and the client, on both paths (the front idles on the
+    for label in ("the official openai client", "http.client"):
+        assert report["ratios"][f"OpenAI front ({label}) / gRPC direct throughput, step engine, c=2"][0] > 0
+        assert report["ratios"][f"OpenAI front's own CPU / the server's, per request ({label})"][0] > 0
+    # CPU per request of the front, the server and the client, on every path (the front idles on the
     # gRPC path, so there it may count a clock tick or none).
-    for run in report["runs"][-4:]:
+    for run in report["runs"][-6:]:
         cpu = run["cpu_ms_per_request"]
         assert cpu["server"] > 0 and cpu["client"] > 0
         assert cpu["front"] > 0 or run["traffic"] == "grpc"
-    assert report["ratios"]["OpenAI front's own CPU / the server's, per request"][0] > 0
 
 
 def test_the_engine_benchmark_runs_both_engines_and_profiles_the_step_engine(tmp_path):

@@ -1,5 +1,6 @@
 """A killed Python backend stub is noticed, reported and recovered without a person (the launcher's
-supervisor restarts the server), no request hangs, and the server still stops on SIGTERM afterwards."""
+supervisor restarts the server), no request hangs, the OpenAI front follows Triton down and back up, and the
+server still stops on SIGTERM afterwards."""
 
 from __future__ import annotations
 
@@ -11,10 +12,11 @@ import time
 import urllib.error
 import urllib.request
 
+import httpx
 import pytest
 from tritonclient.utils import InferenceServerException
 
-from triton_diffusion.serving.server_process import WEIGHTS, copy_model, start_server
+from triton_diffusion.serving.server_process import WEIGHTS, copy_model, free_port, start_server
 from triton_diffusion.serving.supervisor import list_stubs
 
 from .test_reliability import send_raw
@@ -46,10 +48,19 @@ def test_a_killed_stub_is_noticed_reported_and_recovered(tmp_path):
         {"model": str(WEIGHTS / "tiny-sd"), "fault_injection": '{\\"step_delay_ms\\": 100}'},
     )
     log_path = tmp_path / "server.log"
-    server = start_server(repo, log_path, ["text_to_image"], extra_args=["--exit-timeout-secs=5"])
+    front_port = free_port()
+    front = f"http://127.0.0.1:{front_port}"
+    args = ["--exit-timeout-secs=5", f"--openai-port={front_port}", "--openai-address=127.0.0.1"]
+    server = start_server(repo, log_path, ["text_to_image"], extra_args=args)
     ready_url = f"{server.http_url}/v2/models/text_to_image/ready"
+    image = {"prompt": "through the front", "num_inference_steps": 2, "response_format": "b64_json"}
     try:
         assert send_raw(server.grpc_url, "text_to_image", b"warm up")[0]
+        deadline = time.monotonic() + 60
+        while status(f"{front}/health") != 200 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        # The front keeps this request's gRPC stream for the next one: the restart must not strand it.
+        assert httpx.post(f"{front}/v1/images/generations", json=image, timeout=60).status_code == 200
         in_flight = queue.Queue()
         threading.Thread(
             target=lambda: in_flight.put(
@@ -68,6 +79,11 @@ def test_a_killed_stub_is_noticed_reported_and_recovered(tmp_path):
             seen_not_ready = status(f"{server.health_url}/readyz") != 200 and status(ready_url) != 200
             time.sleep(0.05)
         assert seen_not_ready, "the dead model kept reporting ready"
+        front_down = False  # the front follows Triton: not ready while it restarts
+        while time.monotonic() - killed < 20 and not front_down:
+            front_down = status(f"{front}/health") == 503
+            time.sleep(0.05)
+        assert front_down, "the front kept reporting ready while Triton was down"
         ok, error = in_flight.get(timeout=30)  # the request that was running: an error, not a hang
         assert not ok and error, error
         # A request sent meanwhile is refused at once (the server is down: gRPC UNAVAILABLE).
@@ -86,6 +102,11 @@ def test_a_killed_stub_is_noticed_reported_and_recovered(tmp_path):
         ok, error = send_raw(server.grpc_url, "text_to_image", b"after recovery")
         assert ok, error
         assert time.monotonic() - killed < 60
+        # The front recovers with Triton, on a fresh stream (the pooled one went with the old server).
+        while status(f"{front}/health") != 200 and time.monotonic() - killed < 60:
+            time.sleep(0.2)
+        answers = [httpx.post(f"{front}/v1/images/generations", json=image, timeout=60) for _ in range(2)]
+        assert [a.status_code for a in answers] == [200, 200], answers[0].text
 
         log = server.log()
         assert "Python backend stub text_to_image_0_0 died" in log and "serves again" in log

@@ -39,7 +39,9 @@ from triton_diffusion.openai_front.translation import (
 )
 from triton_diffusion.openai_front.triton_bridge import (
     ModelInfo,
+    StreamPool,
     TritonBridge,
+    TritonRequest,
     TritonResponse,
     config_defaults,
     model_kind,
@@ -797,3 +799,134 @@ def test_the_key_check_runs_on_the_event_loop():
     with TestClient(create_app(front)) as client:
         assert client.get("/v1/models").status_code == 401
         assert client.get("/v1/models", headers={"Authorization": "Bearer k"}).status_code == 200
+
+
+# ---- pooled streams ----------------------------------------------------------------------------------------
+class FakeStreamCall:
+    """tritonclient.grpc.aio's stream iterator as the bridge uses it: requests from an async iterator, one
+    scripted answer per request ("final", "progress then final", "error", "hang"), ``cancel``."""
+
+    def __init__(self, requests, script):
+        self.requests, self.script = requests.__aiter__(), script
+        self.pending: list = []
+        self.cancelled = False
+        self._grpc_call = self  # what RequestStream.ended asks
+
+    def done(self) -> bool:
+        return self.cancelled
+
+    def cancel(self) -> bool:
+        self.cancelled = True
+        return True
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        from tritonclient.utils import InferenceServerException
+
+        if not self.pending:
+            message = await self.requests.__anext__()
+            self.pending = list(self.script[message["parameters"]["answer"]])
+        kind = self.pending.pop(0)
+        if kind == "hang":
+            await asyncio.sleep(3600)
+        if kind == "error":
+            return None, InferenceServerException("seed: must be an integer")
+        return FakeResult(final=kind == "final"), None
+
+
+class FakeResult:
+    def __init__(self, final: bool) -> None:
+        self.final = final
+
+    def get_response(self):
+        class Flag:
+            bool_param = self.final
+
+        class Response:
+            outputs = []
+            parameters = {"triton_final_response": Flag()}
+
+        return Response()
+
+
+def test_streams_are_reused_after_a_final_response_and_dropped_otherwise():
+    script = {
+        "final": ["final"],
+        "progress": ["progress", "final"],
+        "error": ["error"],
+        "hang": ["progress", "hang"],
+    }
+    calls: list[FakeStreamCall] = []
+
+    class FakeClient:
+        def stream_infer(self, requests, stream_timeout=None):
+            assert stream_timeout is None  # a pooled stream outlives any one request's deadline
+            calls.append(FakeStreamCall(requests, script))
+            return calls[-1]
+
+        async def close(self) -> None:
+            pass
+
+    info = ModelInfo("m", "text_to_image", {"prompt": "BYTES", "seed": "INT64"})
+    bridge = TritonBridge("127.0.0.1:1")
+    bridge._client = FakeClient()
+
+    def request(answer: str) -> TritonRequest:
+        return TritonRequest("m", {"PROMPT": b"x"}, {"answer": answer})
+
+    async def drain(answer: str, timeout_s: float = 5.0) -> list[bool]:
+        return [r.final async for r in bridge.stream(request(answer), info, timeout_s)]
+
+    async def scenario() -> None:
+        assert await drain("final") == [True]
+        assert await drain("progress") == [False, True]
+        assert len(calls) == 1 and not calls[0].cancelled  # one stream carried both, one at a time
+        with pytest.raises(ApiError) as refused:
+            await drain("error")
+        assert (refused.value.status, refused.value.param) == (400, "seed")
+        assert calls[0].cancelled and len(bridge._streams) == 0  # an error response: that stream dropped
+        # Left after its first response: the stream is cancelled (so is its Triton request), not pooled.
+        responses = bridge.stream(request("progress"), info, 5.0)
+        assert (await anext(responses)).final is False
+        await responses.aclose()
+        assert len(calls) == 2 and calls[1].cancelled and len(bridge._streams) == 0
+        with pytest.raises(ApiError) as late:
+            await drain("hang", timeout_s=0.2)
+        assert late.value.status == 504 and calls[2].cancelled
+        assert await drain("final") == [True]
+        assert len(calls) == 4 and len(bridge._streams) == 1
+        await bridge.close()
+        assert calls[3].cancelled and len(bridge._streams) == 0
+
+    asyncio.run(scenario())
+
+
+def test_the_stream_pool_skips_ended_streams_and_keeps_at_most_its_bound():
+    class Stream:
+        def __init__(self) -> None:
+            self.over = False
+
+        def ended(self) -> bool:
+            return self.over
+
+        def cancel(self) -> None:
+            self.over = True
+
+    opened: list[Stream] = []
+
+    def open_stream() -> Stream:
+        opened.append(Stream())
+        return opened[-1]
+
+    pool = StreamPool(open_stream, max_idle=2)
+    a, b, c = pool.take(), pool.take(), pool.take()
+    for stream in (a, b, c):
+        pool.give_back(stream, reusable=True)
+    assert len(pool) == 2 and c.over and not a.over  # beyond the bound: closed
+    b.over = True  # its connection went away while idle (a restarted server)
+    assert pool.take() is a and len(pool) == 0  # b skipped
+    pool.give_back(a, reusable=False)
+    assert a.over and len(pool) == 0
+    assert pool.take() is opened[-1] and len(opened) == 4
