@@ -241,7 +241,7 @@ class PlainHttpClient:
     official client sends): a client that costs less CPU than the official one, so on a machine shared by
     server and clients the figure is closer to the front's own overhead."""
 
-    errors = (OSError, http.client.HTTPException, ValueError)
+    errors = (OSError, http.client.HTTPException, ValueError, KeyError)
 
     def __init__(self, url: str) -> None:
         address = urllib.parse.urlsplit(url)
@@ -249,14 +249,18 @@ class PlainHttpClient:
 
     def images(self, model: str, body: dict, extra: dict) -> list[bytes]:
         payload = json.dumps({"model": model, **body, **extra}).encode()
-        self.connection.request(
-            "POST", "/v1/images/generations", payload, {"Content-Type": "application/json"}
-        )
-        response = self.connection.getresponse()
-        data = response.read()
-        if response.status != 200:
-            raise ValueError(f"HTTP {response.status}: {data[:300]!r}")
-        return [base64.b64decode(d["b64_json"]) for d in json.loads(data)["data"]]
+        try:
+            self.connection.request(
+                "POST", "/v1/images/generations", payload, {"Content-Type": "application/json"}
+            )
+            response = self.connection.getresponse()
+            data = response.read()
+            if response.status != 200:
+                raise ValueError(f"HTTP {response.status}: {data[:300]!r}")
+            return [base64.b64decode(d["b64_json"]) for d in json.loads(data)["data"]]
+        except self.errors:
+            self.connection.close()  # a connection left mid-answer is reopened by the next request
+            raise
 
     def close(self) -> None:
         self.connection.close()
@@ -465,8 +469,9 @@ def run_front_overhead(
         for client in FRONT_CLIENTS:  # warm-up
             variant.run(plain[: args.max_batch_size], args.max_batch_size, None, front=client)
         runs = []
-        for _ in range(2):
-            for path in (None, *FRONT_CLIENTS):
+        for round_ in range(2):
+            paths = [None, *FRONT_CLIENTS]  # gRPC direct, then through the front with each client
+            for path in paths if round_ % 2 == 0 else paths[::-1]:  # each order in every other round
                 before = variant.cpu_seconds()
                 stats = variant.run(plain, top, None, front=path)
                 after = variant.cpu_seconds()

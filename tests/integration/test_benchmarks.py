@@ -47,8 +47,8 @@ def test_bench_writes_its_report(tmp_path):
         ("step", "mixed", 2),
         *poisson,
         # The OpenAI front's overhead: one server, gRPC direct, the official client and http.client, two
-        # rounds each.
-        *[("step", path, 2) for _ in range(2) for path in ("grpc", "openai", "http")],
+        # rounds each, the second in the reverse order.
+        *[("step", path, 2) for path in ("grpc", "openai", "http", "http", "openai", "grpc")],
     ]
     for run in report["runs"]:
         # Poisson: the first 10% of the 10 requests (an empty server filling up) are left out.
@@ -65,13 +65,16 @@ def test_bench_writes_its_report(tmp_path):
     assert any(name.startswith("mixed") for name in report["ratios"])
     for label in ("the official openai client", "http.client"):
         assert report["ratios"][f"OpenAI front ({label}) / gRPC direct throughput, step engine, c=2"][0] > 0
-        assert report["ratios"][f"OpenAI front's own CPU / the server's, per request ({label})"][0] > 0
-    # CPU per request of the front, the server and the client, on every path (the front idles on the
-    # gRPC path, so there it may count a clock tick or none).
-    for run in report["runs"][-6:]:
-        cpu = run["cpu_ms_per_request"]
-        assert cpu["server"] > 0 and cpu["client"] > 0
-        assert cpu["front"] > 0 or run["traffic"] == "grpc"
+        assert report["ratios"][f"OpenAI front's own CPU / the server's, per request ({label})"][0] >= 0
+    # CPU per request of the front, the server and the client, on every path. CPU time comes in clock
+    # ticks of 10 ms, and 4 requests of the front (about 1.5 ms each) or of a light client may take less
+    # than one: counted over the runs, each part is seen.
+    paths = report["runs"][-6:]
+    assert all(run["cpu_ms_per_request"]["server"] > 0 for run in paths)
+    for part in ("client", "front"):
+        assert all(run["cpu_ms_per_request"][part] >= 0 for run in paths)
+    assert sum(run["cpu_ms_per_request"]["client"] for run in paths) > 0
+    assert sum(run["cpu_ms_per_request"]["front"] for run in paths if run["traffic"] != "grpc") > 0
 
 
 def test_the_engine_benchmark_runs_both_engines_and_profiles_the_step_engine(tmp_path):

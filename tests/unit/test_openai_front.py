@@ -804,7 +804,8 @@ def test_the_key_check_runs_on_the_event_loop():
 # ---- pooled streams ----------------------------------------------------------------------------------------
 class FakeStreamCall:
     """tritonclient.grpc.aio's stream iterator as the bridge uses it: requests from an async iterator, one
-    scripted answer per request ("final", "progress then final", "error", "hang"), ``cancel``."""
+    scripted answer per request (responses "progress", "final", "bare final" (no outputs), "error",
+    "hang"), ``cancel``."""
 
     def __init__(self, requests, script):
         self.requests, self.script = requests.__aiter__(), script
@@ -833,28 +834,35 @@ class FakeStreamCall:
             await asyncio.sleep(3600)
         if kind == "error":
             return None, InferenceServerException("seed: must be an integer")
-        return FakeResult(final=kind == "final"), None
+        return FakeResult(final=kind != "progress", empty=kind == "bare final"), None
 
 
 class FakeResult:
-    def __init__(self, final: bool) -> None:
-        self.final = final
+    def __init__(self, final: bool, empty: bool) -> None:
+        self.final, self.empty = final, empty
 
     def get_response(self):
         class Flag:
             bool_param = self.final
 
+        class Output:
+            name = "IMAGE"
+
         class Response:
-            outputs = []
+            outputs = [] if self.empty else [Output()]
             parameters = {"triton_final_response": Flag()}
 
         return Response()
+
+    def as_numpy(self, name: str) -> np.ndarray:
+        return np.array([b"png"], dtype=object)
 
 
 def test_streams_are_reused_after_a_final_response_and_dropped_otherwise():
     script = {
         "final": ["final"],
         "progress": ["progress", "final"],
+        "bare": ["progress", "bare final"],
         "error": ["error"],
         "hang": ["progress", "hang"],
     }
@@ -863,6 +871,7 @@ def test_streams_are_reused_after_a_final_response_and_dropped_otherwise():
     class FakeClient:
         def stream_infer(self, requests, stream_timeout=None):
             assert stream_timeout is None  # a pooled stream outlives any one request's deadline
+            requests = LoggedRequests(requests)
             calls.append(FakeStreamCall(requests, script))
             return calls[-1]
 
@@ -882,7 +891,11 @@ def test_streams_are_reused_after_a_final_response_and_dropped_otherwise():
     async def scenario() -> None:
         assert await drain("final") == [True]
         assert await drain("progress") == [False, True]
-        assert len(calls) == 1 and not calls[0].cancelled  # one stream carried both, one at a time
+        # A model that ends with a bare FINAL flag: the request ends there (its callers see no FINAL
+        # response and answer 502), and its stream is free.
+        assert await drain("bare") == [False]
+        assert len(calls) == 1 and not calls[0].cancelled  # one stream carried all three, one at a time
+        assert all(p["triton_enable_empty_final_response"] is True for p in calls[0].requests.sent)
         with pytest.raises(ApiError) as refused:
             await drain("error")
         assert (refused.value.status, refused.value.param) == (400, "seed")
@@ -900,7 +913,22 @@ def test_streams_are_reused_after_a_final_response_and_dropped_otherwise():
         await bridge.close()
         assert calls[3].cancelled and len(bridge._streams) == 0
 
-    asyncio.run(scenario())
+    asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
+class LoggedRequests:
+    """The request iterator a stream was given, keeping each request's parameters."""
+
+    def __init__(self, requests) -> None:
+        self.requests, self.sent = requests, []
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        message = await self.requests.__anext__()
+        self.sent.append(message["parameters"])
+        return message
 
 
 def test_the_stream_pool_skips_ended_streams_and_keeps_at_most_its_bound():
