@@ -55,6 +55,7 @@ from bench_common import (  # noqa: E402
     percentile,
     poisson_arrivals,
     poisson_label,
+    pooled_throughput,
     ratio_table,
     step_request_ratios,
     write_plot,
@@ -774,15 +775,12 @@ def front_ratios(
     over time, the worst round's p95), and the CPU per request that separates the front's cost and the
     client's from the server's work (on one machine all share the cores)."""
 
-    def images_per_s(rs: list[RunStats]) -> float:
-        return sum(r.images for r in rs) / sum(r.duration_s for r in rs)
-
     def cpu(rs: list[RunStats], part: str) -> float:
         return sum(r.cpu_ms_per_request[part] for r in rs) / len(rs)
 
     return {
         f"OpenAI front ({label}) / gRPC direct throughput, step engine, c={top}": (
-            images_per_s(front) / images_per_s(grpc),
+            pooled_throughput(front) / pooled_throughput(grpc),
             ">= 0.95",
         ),
         f"OpenAI front ({label}) / gRPC direct p95 latency, c={top}": (
