@@ -260,15 +260,27 @@ class StageClock:
 class Bench:
     """The served text-to-image model, loaded as Triton's stub would load it (TextToImageModel.load)."""
 
-    def __init__(self, arch: str, height: int, width: int, cap: int, device: str, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        arch: str,
+        height: int,
+        width: int,
+        cap: int,
+        device: str,
+        dtype: torch.dtype,
+        cuda_graphs: bool = False,
+    ) -> None:
         build_missing(WEIGHTS, only=[arch])
         config = ModelConfig(
             model=str(WEIGHTS / arch),
             dtype=str(dtype).removeprefix("torch."),
             max_sequence_length=max_sequence_length(arch),
+            cuda_graphs=cuda_graphs,
         )
         kind = "GPU" if device.startswith("cuda") else "CPU"
-        settings = ModelSettings(arch, WEIGHTS, config, {}, cap, kind, 0)
+        # The bench's size as the model's default: what cuda_graphs captures at load.
+        sizes = {"default_height": str(height), "default_width": str(width)}
+        self.settings = settings = ModelSettings(arch, WEIGHTS, config, sizes, cap, kind, 0)
         self.model = TextToImageModel()
         self.model.fields, self.adapter = self.model.load(settings)
         self.pipe = self.model.pipe
@@ -727,6 +739,11 @@ def main(argv: list[str] | None = None) -> None:
         help="engine_sim.py, to set its prediction beside the measurement (skipped if absent)",
     )
     parser.add_argument("--profile-forwards", type=int, default=40)
+    parser.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="the model loaded with cuda_graphs (GPU: forwards replay captured graphs; ignored on a CPU)",
+    )
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench_results")
     args = parser.parse_args(argv)
@@ -735,7 +752,7 @@ def main(argv: list[str] | None = None) -> None:
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(
         args.dtype, torch.bfloat16 if device == "cuda" else torch.float32
     )
-    bench = Bench(args.arch, args.height, args.width, args.cap, device, dtype)
+    bench = Bench(args.arch, args.height, args.width, args.cap, device, dtype, args.cuda_graphs)
     bench.max_running, bench.policy = args.max_running or args.cap, args.policy
     bench.timeline = args.timeline
     if args.rounds < 1:
@@ -753,6 +770,7 @@ def main(argv: list[str] | None = None) -> None:
         ),
         "arch": args.arch,
         "dtype": str(dtype).replace("torch.", ""),
+        "cuda_graphs": bench.adapter is not None and bench.adapter.captured is not None,
         "size": f"{args.width}x{args.height}",
         "steps": args.steps,
         "cap": args.cap,
@@ -961,7 +979,9 @@ def ratios(report: dict) -> dict[str, tuple[float, str]]:
 
 def markdown(report: dict) -> str:
     lines = [
-        f"{report['machine']}; {report['arch']} {report['dtype']}, {report['size']}, {report['steps']} steps "
+        f"{report['machine']}; {report['arch']} {report['dtype']}"
+        f"{', captured forwards (cuda_graphs)' if report.get('cuda_graphs') else ''}, {report['size']}, "
+        f"{report['steps']} steps "
         f"(mixed: 4/8/16 steps x guidance 1/5/7.5), {report['cap']} rows per forward or call, "
         f"request window {report['window']}, {report['requests']} requests per closed-loop run, "
         f"{report['poisson_requests']} per Poisson run (the same arrivals for both engines, the first "

@@ -153,6 +153,18 @@ class ModelConfig:
     admission_max_wait_steps: int = _parameter(
         8, "... or once the oldest waiting job has waited this many engine steps"
     )
+    cuda_graphs: bool = _parameter(
+        False,
+        "step engine on a GPU: each forward replays a CUDA graph captured at load per size and row bucket "
+        "(1, 2, 4, 8, then every 4; rows padded to the bucket); other sizes run eagerly; ignored on a CPU, "
+        "not with loras; off by default until measured on a GPU (adapters/captured_forwards.py)",
+        (IMAGE, IMAGE_SOURCE),
+    )
+    cuda_graph_sizes: str | None = _parameter(
+        None,
+        "WIDTHxHEIGHT,...: the sizes cuda_graphs captures; default: the default width and height",
+        (IMAGE, IMAGE_SOURCE),
+    )
     engine_stall_s: float = _parameter(
         120.0,
         "an engine with work that reports nothing for this long (or 5x its slowest step, if longer) is "

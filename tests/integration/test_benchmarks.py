@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import torch
+
 from triton_diffusion.serving.launcher import REPO_ROOT
 
 
@@ -128,6 +130,27 @@ def test_the_engine_benchmark_runs_both_engines_and_profiles_the_step_engine(tmp
     profile = report["profile"]
     assert 0 < profile["model_forward_ms"] < profile["step_ms"] and 0 <= profile["own_share_of_step"] < 1
     assert set(report["raw"]) == {"batch1_images_per_s", "batch2_images_per_s"}
+
+
+def test_the_graphs_benchmark_times_forwards_and_counts_their_flops(tmp_path):
+    out = tmp_path / "graphs"
+    command = [
+        sys.executable,
+        str(REPO_ROOT / "scripts" / "bench_graphs.py"),
+        "--steps",
+        "2",
+        "--repeats",
+        "1",
+    ]
+    subprocess.run([*command, "--out", str(out)], check=True, timeout=600)
+    report = json.loads((out / "bench_graphs.json").read_text())
+    rows = [(row["images"], row["model_rows"]) for row in report["forward"]]
+    assert rows == [(1, 2), (4, 8), (8, 16)]
+    flops = [row["flops"] for row in report["forward"]]
+    assert 0 < flops[0] and flops[2] == 2 * flops[1] == 8 * flops[0]  # FLOPs grow with the rows
+    assert report["eager_alone_s"] > 0 and report["pipeline_alone_s"] > 0
+    gpu = torch.cuda.is_available()  # captured only on a GPU
+    assert (report["graphs"] is not None) == gpu and ("captured_alone_s" in report) == gpu
 
 
 def run_perf_analyzer_script(tmp_path, url: str, *extra: str, **env: str) -> subprocess.CompletedProcess:

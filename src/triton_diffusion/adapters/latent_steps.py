@@ -50,6 +50,7 @@ from triton_diffusion.adapters.batched_schedulers import (
     scale_model_inputs,
     vectorised_step,
 )
+from triton_diffusion.adapters.captured_forwards import Capture, CapturedForwards, CaptureError
 from triton_diffusion.adapters.diffusers_pipeline import counterpart_pipeline, row_generator
 from triton_diffusion.adapters.lora import NO_LORA, LoraBank, LoraSet
 from triton_diffusion.engine.failures import Failure
@@ -163,6 +164,10 @@ class LatentStepAdapter:
     guidance_embeds = False
     # The model's LoRA adapters (set by the model after loading them): each row's own in every forward.
     loras: LoraBank | None = None
+    # Whether ``predict`` can be captured as a CUDA graph (config cuda_graphs): not where it reads values
+    # back to the host to shape the forward (Qwen-Image's text length, Z-Image's caption lengths).
+    captures_forwards = True
+    captured: CapturedForwards | None = None  # set by capture_forwards
     # An inpainting checkpoint (SD/SDXL 9-channel UNets, SD3's 33-channel transformer, FLUX.1 Fill): the
     # mask and the masked source's latents are inputs of every forward (``inpaint_channels``), so it
     # serves inpainting jobs only and blends nothing back. Set by the family before this __init__.
@@ -574,9 +579,13 @@ class LatentStepAdapter:
         the predicted original sample, 1), that index; such a job steps alone."""
         return 1 if self.facts.traits.one_step_keeps_original and job.params.steps == 1 else 0
 
-    def step(self, jobs: list[Job]) -> list[Job]:
+    def forward_inputs(
+        self, jobs: list[Job], job_timesteps: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], list[LoraSet]]:
+        """One forward's model rows for these jobs at these timesteps: the latents (scaled by each job's
+        scheduler where the family scales them), the per-row timestep vector, the conditioning inputs and
+        each row's LoRA adapters; a guided job's rows are [uncond, cond]."""
         states: list[LatentJob] = [job.state for job in jobs]
-        job_timesteps = [state.timesteps[job.steps_done] for job, state in zip(jobs, states, strict=True)]
         inputs_of = [state.latents for state in states]
         if self.scales_model_input:  # every job's scale_model_input in one op (Euler's per-row sigma)
             schedulers = [state.scheduler for state in states]
@@ -593,9 +602,38 @@ class LatentStepAdapter:
                 conditioning.append({**branch, **state.extra})
                 adapters.append(job.params.lora)  # both CFG rows: the pipeline adapts both halves
         inputs = {name: torch.cat([c[name] for c in conditioning]) for name in conditioning[0]}
+        return torch.cat(latent_rows), self.timestep_rows(timesteps), inputs, adapters
+
+    def capture_forwards(
+        self, max_rows: int, warm: Sequence[ImageRequest], capture: Capture | None = None
+    ) -> int:
+        """Run forwards through CUDA graphs (config ``cuda_graphs``, captured_forwards.py) of up to
+        ``max_rows`` model rows, captured now at every row bucket for the shape of each ``warm`` request
+        (one per size to serve captured); others run eagerly. Returns the graphs captured; raises
+        CaptureError. (``capture``: CUDA's, unless a test's.)"""
+        if not self.serves_text:
+            raise CaptureError(
+                "an inpainting checkpoint's forwards are captured from text jobs, which it refuses"
+            )
+        captured = CapturedForwards(self.predict, self.device, max_rows, capture)
+        count = 0
+        for request in warm:
+            job = Job(request=None, params=request)  # never stepped: only its first forward's inputs are used
+            self.prepare([job])
+            with torch.inference_mode():
+                latents, timesteps, inputs, _ = self.forward_inputs([job], [job.state.timesteps[0]])
+                count += captured.warm(latents, timesteps, inputs, request.size)
+        self.captured = captured
+        return count
+
+    def step(self, jobs: list[Job]) -> list[Job]:
+        states: list[LatentJob] = [job.state for job in jobs]
+        job_timesteps = [state.timesteps[job.steps_done] for job, state in zip(jobs, states, strict=True)]
+        latents, timesteps, inputs, adapters = self.forward_inputs(jobs, job_timesteps)
         size = jobs[0].params.size  # one shape group per forward
+        forward = self.predict if self.captured is None else self.captured
         with torch.inference_mode(), self.adapted_rows(adapters):
-            predictions = self.predict(torch.cat(latent_rows), self.timestep_rows(timesteps), inputs, size)
+            predictions = forward(latents, timesteps, inputs, size)
         # The forward succeeded: only now does any job's state change.
         noise = self._guided_noise(states, predictions)
         by_class: dict[type, list[int]] = {}

@@ -42,6 +42,7 @@ from triton_diffusion.adapters.latent_steps import (
 
 class QwenImageAdapter(FlowMatchingImageStart, LatentStepAdapter):
     fallback_max_sequence_length = 512
+    captures_forwards = False  # predict trims the text to the longest row's length, read from the GPU
 
     def __init__(self, pipe: Any, facts: Any, schedulers: Any, max_sequence_length: int | None) -> None:
         super().__init__(pipe, facts, schedulers, max_sequence_length)

@@ -29,6 +29,7 @@ from triton_diffusion.adapters.latent_steps import ImageRequest, LatentJob, Late
 
 class ZImageAdapter(LatentStepAdapter):
     fallback_max_sequence_length = 512
+    captures_forwards = False  # predict reads the caption lengths back to the host
 
     def __init__(self, pipe: Any, facts: Any, schedulers: Any, max_sequence_length: int | None) -> None:
         if facts.default("cfg_normalization") or (facts.default("cfg_truncation") or 1.0) < 1.0:

@@ -13,7 +13,9 @@ Pillow while the request is parsed, so the resolved size is known before the eng
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
+import time
 from dataclasses import replace
 from typing import Any
 
@@ -21,6 +23,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from triton_diffusion.adapters.captured_forwards import CaptureError
 from triton_diffusion.adapters.diffusers_pipeline import (
     SchedulerChoices,
     load_pipeline,
@@ -41,7 +44,7 @@ from triton_diffusion.compatibility import CompatibilityKey
 from triton_diffusion.engine.jobs import Job
 from triton_diffusion.engine.request_engine import CallAbandoned, CallSteps
 from triton_diffusion.engine.requests import TrackedRequest
-from triton_diffusion.errors import invalid_field
+from triton_diffusion.errors import RequestError, invalid_field
 from triton_diffusion.families import PipelineFacts
 from triton_diffusion.faults import FaultInjection
 from triton_diffusion.fields import REQUIRED, SOURCE_IMAGE_FIELDS, Field, FieldSet, Role, seed_field
@@ -53,6 +56,8 @@ from triton_diffusion.serving.triton_model import (
     RowInput,
 )
 from triton_diffusion.settings import IMAGE, IMAGE_SOURCE, ModelSettings
+
+log = logging.getLogger("triton_diffusion")
 
 # Defaults and limits here are fallbacks: config.pbtxt parameters override them (default_<field>,
 # min_<field>, max_<field>, ...), and size/step/guidance defaults are read from the pipeline itself.
@@ -188,7 +193,58 @@ class TextToImageModel(DiffusionModel):
         for width, height in self.buckets:
             fields["width"].validate(width)  # a bucket outside the limits is a config error
             fields["height"].validate(height)
+        if config.cuda_graphs and adapter is None:
+            log.warning("model %s: cuda_graphs ignored: it is for the step engine", settings.name)
+        elif config.cuda_graphs:
+            self.capture_forwards(settings, adapter, fields)
         return fields, adapter
+
+    def capture_forwards(self, settings: ModelSettings, adapter: Any, fields: FieldSet) -> None:
+        """``cuda_graphs``: the step adapter's forwards through CUDA graphs, captured now (a warm-up at load,
+        not on a request) for each of ``cuda_graph_sizes``. A capture that fails fails the load: it can
+        leave CUDA in a capture state no serving process should carry."""
+        if self.loras is not None:  # each forward sets its rows' adapter scales, which a graph would not see
+            raise ValueError(f"model {settings.name}: cuda_graphs cannot be used with loras")
+        if not adapter.captures_forwards or not adapter.serves_text:
+            why = "reads values back to the host" if adapter.serves_text else "serves inpainting jobs only"
+            raise ValueError(
+                f"model {settings.name}: cuda_graphs: {self.facts.class_name}'s forward cannot be captured "
+                f"(it {why})"
+            )
+        warm = self.warm_up_requests(settings, fields)
+        device = str(adapter.device)
+        if not device.startswith("cuda"):  # the checks above hold on a CPU too: one config serves both
+            log.warning("model %s: cuda_graphs ignored: the model runs on %s", settings.name, device)
+            return
+        started = time.perf_counter()
+        try:
+            captured = adapter.capture_forwards(2 * settings.max_rows_per_call(), warm)
+        except CaptureError as exc:
+            raise ValueError(f"model {settings.name}: cuda_graphs: {exc}") from exc
+        log.info(
+            "model %s: cuda_graphs on, %d graphs captured at load for %s in %.1f s",
+            settings.name,
+            captured,
+            ", ".join(f"{r.width}x{r.height}" for r in warm),
+            time.perf_counter() - started,
+        )
+
+    def warm_up_requests(self, settings: ModelSettings, fields: FieldSet) -> list[ImageRequest]:
+        """One request of each of ``cuda_graph_sizes`` (default: the default size), validated as a client's:
+        what ``cuda_graphs`` captures the forwards of at load."""
+        sizes = parse_buckets(settings.config.cuda_graph_sizes) or [None]
+        requests = []
+        for size in sizes:
+            raw: dict[str, Any] = {"prompt": "warm-up", "seed": 0}
+            if size is not None:
+                raw.update(width=size[0], height=size[1])
+            try:
+                requests.append(self.step_request(fields.parse(raw), 0))
+            except RequestError as exc:  # a size outside the limits, or a model whose requests need a source
+                raise ValueError(
+                    f"model {settings.name}: cuda_graphs: a warm-up request was refused: {exc}"
+                ) from None
+        return requests
 
     def load_sources(self, config: Any, adapter: Any) -> list[str]:
         """Which image-conditioned starts this model serves (``text``, ``image``: img2img, ``mask``:
