@@ -203,7 +203,12 @@ class StageClock:
 
     @contextmanager
     def timing(self, adapter):
-        originals = {name: getattr(adapter, name) for name in self.STAGES}
+        # The forward is the captured graphs' call where the model has them (cuda_graphs).
+        attributes = {name: name for name in self.STAGES}
+        if getattr(adapter, "captured", None) is not None:
+            attributes["predict"] = "captured"
+        originals = {name: getattr(adapter, attributes[name]) for name in self.STAGES}
+        own = {name for name in self.STAGES if attributes[name] in vars(adapter)}  # instance attributes
 
         def timed(name):
             def wrapper(*args, **kwargs):
@@ -220,12 +225,15 @@ class StageClock:
             return wrapper
 
         for name in self.STAGES:
-            setattr(adapter, name, timed(name))
+            setattr(adapter, attributes[name], timed(name))
         try:
             yield self
         finally:
             for name in self.STAGES:
-                delattr(adapter, name)  # the class's methods again
+                if name in own:
+                    setattr(adapter, attributes[name], originals[name])
+                else:
+                    delattr(adapter, attributes[name])  # the class's methods again
 
     def end_step(self, seconds: float, waiting: int) -> None:
         self.step_s.append(seconds)
@@ -289,6 +297,19 @@ class Bench:
         self.max_running, self.policy = cap, "oldest"
         self.timeline = False  # on a GPU: time each step's stages under Poisson load (synchronising)
         self.cohort = max(1, cap // 2)  # the served default (EngineHost), for max_running >= cap
+
+    def report_header(self, steps: int) -> dict:
+        """What a report says of the machine and the model it measured."""
+        return {
+            "machine": machine_description(
+                f"{torch.get_num_threads()} torch threads",
+                torch.cuda.get_device_name() if self.device.startswith("cuda") else "CPU",
+            ),
+            "arch": self.arch,
+            "dtype": self.dtype_name,
+            "size": f"{self.width}x{self.height}",
+            "steps": steps,
+        }
 
     def step_engine(self, cohort: int) -> StepEngine:
         limits = EngineLimits(self.max_running, self.cap)
@@ -764,15 +785,8 @@ def main(argv: list[str] | None = None) -> None:
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     top = max(concurrencies)
     report: dict = {
-        "machine": machine_description(
-            f"{torch.get_num_threads()} torch threads",
-            torch.cuda.get_device_name() if device == "cuda" else "CPU",
-        ),
-        "arch": args.arch,
-        "dtype": str(dtype).replace("torch.", ""),
+        **bench.report_header(args.steps),
         "cuda_graphs": bench.adapter is not None and bench.adapter.captured is not None,
-        "size": f"{args.width}x{args.height}",
-        "steps": args.steps,
         "cap": args.cap,
         "window": args.window,
         "requests": args.requests,

@@ -32,7 +32,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_common import REPO_ROOT, machine_description  # noqa: E402
+from bench_common import REPO_ROOT  # noqa: E402
 from bench_engines import Bench, sync, timed_median  # noqa: E402
 
 from triton_diffusion.engine.jobs import Job  # noqa: E402
@@ -74,7 +74,7 @@ def forward_figures(bench: Bench, steps: int, repeats: int, graphs) -> list[dict
                     lambda inputs=inputs: adapter.predict(*inputs, size), bench.device, repeats
                 ),
             }
-            if graphs is not None:
+            if graphs is not None and graphs.graph_for(*inputs, size) is not None:  # a bucket holds it
                 replayed = graphs(*inputs, size)
                 scale = eager.float().abs().max().item()
                 row["replay_difference"] = (replayed.float() - eager.float()).abs().max().item() / scale
@@ -129,20 +129,12 @@ def main(argv: list[str] | None = None) -> None:
     graphs = None
     if device == "cuda":
         print(f"[capturing at {args.width}x{args.height}]", flush=True)
-        adapter.capture_forwards(
-            2 * args.cap, bench.model.warm_up_requests(bench.settings, bench.model.fields)
-        )
+        # As the model does at load with cuda_graphs (and with its checks: an uncapturable family fails).
+        bench.model.capture_forwards(bench.settings, adapter, bench.model.fields)
         graphs, adapter.captured = adapter.captured, None  # eager until the captured runs
     peak = args.peak_tflops or peak_tflops(device)
     report: dict = {
-        "machine": machine_description(
-            f"{torch.get_num_threads()} torch threads",
-            torch.cuda.get_device_name() if device == "cuda" else "CPU",
-        ),
-        "arch": args.arch,
-        "dtype": str(dtype).replace("torch.", ""),
-        "size": f"{args.width}x{args.height}",
-        "steps": args.steps,
+        **bench.report_header(args.steps),
         "peak_tflops": peak,
         "graphs": None if graphs is None else len(graphs.graphs),
     }

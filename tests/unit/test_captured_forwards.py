@@ -97,9 +97,9 @@ def test_fill_rows_copies_the_rows_and_repeats_the_first_into_the_rest():
 
 
 def warmed(max_rows: int, *sizes: tuple[int, int], capture=eager_capture) -> CapturedForwards:
-    graphs = CapturedForwards(toy_predict, "cpu", max_rows, capture=capture)
+    graphs = CapturedForwards(toy_predict, "cpu", capture=capture)
     for size in sizes:
-        graphs.warm(*toy_rows(1, seed=99), size)
+        graphs.warm(*toy_rows(1, seed=99), size, max_rows)
     return graphs
 
 
@@ -141,9 +141,9 @@ def test_a_failed_capture_is_an_error_for_the_load_not_an_eager_fallback():
 
     with pytest.raises(CaptureError, match=r"at \(64, 64\), 4 model rows, failed: .*not permitted"):
         warmed(4, (64, 64), capture=failing_capture)
-    graphs = CapturedForwards(toy_predict, "cpu", 4, capture=eager_capture)
+    graphs = CapturedForwards(toy_predict, "cpu", capture=eager_capture)
     with pytest.raises(CaptureError, match="not one row per model row"):
-        graphs.warm(*toy_rows(2)[:2], {"text": torch.randn(3, 3)}, (64, 64))
+        graphs.warm(*toy_rows(2)[:2], {"text": torch.randn(3, 3)}, (64, 64), 4)
 
 
 def test_warm_captures_every_bucket_largest_first_once():
@@ -154,11 +154,15 @@ def test_warm_captures_every_bucket_largest_first_once():
         order.append(graph.output.shape[0])
         return graph
 
-    graphs = CapturedForwards(toy_predict, "cpu", 16, capture=recording_capture)
+    graphs = CapturedForwards(toy_predict, "cpu", capture=recording_capture)
     latents, timesteps, inputs = toy_rows(2)
-    assert graphs.warm(latents, timesteps, inputs, (64, 64)) == 6
+    assert graphs.warm(latents, timesteps, inputs, (64, 64), 16) == 6
     assert order == [16, 12, 8, 4, 2, 1]
-    assert graphs.warm(latents, timesteps, inputs, (64, 64)) == 0  # held already
+    assert graphs.warm(latents, timesteps, inputs, (64, 64), 16) == 0  # held already
+    # A size capped lower (max_rows_by_resolution) gets only the buckets its forwards can use.
+    assert graphs.warm(latents, timesteps, inputs, (64, 96), 4) == 3
+    graphs(*toy_rows(6), (64, 96))  # 6 rows: more than that size's largest bucket
+    assert graphs.eager == 1
 
 
 # (negative prompt, steps, guidance, (height, width), arrives at engine step): forwards of 1 to 6 jobs
@@ -182,7 +186,9 @@ def test_every_image_equals_the_pipelines_own_with_every_forward_padded_to_its_b
     warm = [
         ImageRequest("warm-up", None, 0, 0, *size, 4, 7.5, 1.0, scheduler) for size in ((64, 64), (96, 64))
     ]
-    assert adapter.capture_forwards(16, warm, capture=eager_capture) == 12  # 6 buckets at each size
+    assert (
+        adapter.capture_forwards([(r, 16) for r in warm], capture=eager_capture) == 12
+    )  # 6 buckets at each size
     requests = [
         ImageRequest(f"prompt {i}", negative, 30 + i, 0, *size, steps, guidance, 1.0, scheduler)
         for i, (negative, steps, guidance, size, _) in enumerate(REQUESTS)
@@ -190,7 +196,7 @@ def test_every_image_equals_the_pipelines_own_with_every_forward_padded_to_its_b
     host = Host()
     jobs = run_engine(adapter, [(spec[4], r) for spec, r in zip(REQUESTS, requests, strict=True)], host)
     assert adapter.captured.eager == 0 and adapter.captured.replays == len(host.model_rows)
-    padded = [rows for rows in host.model_rows if bucket_for(rows, adapter.captured.buckets) != rows]
+    padded = [rows for rows in host.model_rows if bucket_for(rows, row_buckets(16)) != rows]
     assert padded, f"no forward was padded: {host.model_rows}"
     assert_each_image_equals_the_pipelines_own(family, requests, jobs)
 
@@ -223,7 +229,7 @@ def test_cuda_graphs_is_refused_with_loras_and_bad_sizes_and_ignored_on_a_cpu(ca
     )
     warm = model.warm_up_requests(settings, model.fields)
     assert [(r.width, r.height) for r in warm] == [(128, 64)]
-    assert model.adapter.capture_forwards(8, warm, capture=eager_capture) == 4
+    assert model.adapter.capture_forwards([(r, 8) for r in warm], capture=eager_capture) == 4
     assert {key[0] for key, _ in model.adapter.captured.graphs} == {(64, 128)}  # (height, width)
 
 
@@ -233,7 +239,9 @@ def test_cuda_graph_replays_match_the_eager_forward_on_a_gpu():
     pipe.to("cuda")
     adapter = step_adapter_for(pipe, facts, schedulers, None)
     name = schedulers.names[0]
-    assert adapter.capture_forwards(8, [ImageRequest("warm-up", None, 0, 0, 64, 64, 4, 7.5, None, name)]) == 4
+    assert (
+        adapter.capture_forwards([(ImageRequest("warm-up", None, 0, 0, 64, 64, 4, 7.5, None, name), 8)]) == 4
+    )
     # Other prompts, seeds and timesteps than the warm-up's, replayed in turn across buckets sharing a pool.
     for count, step in ((3, 2), (1, 1), (4, 3), (1, 0)):
         jobs = [

@@ -23,6 +23,7 @@ reuse, is plain tensor code the unit tests run on the CPU with a capture that ca
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -117,10 +118,10 @@ class CapturedForwards:
     """A family adapter's ``predict`` through captured graphs (see the module's doc). Captured by
     :meth:`warm` at load, then called on the engine thread only."""
 
-    def __init__(self, predict: Predict, device: str, max_rows: int, capture: Capture | None = None) -> None:
+    def __init__(self, predict: Predict, device: str, capture: Capture | None = None) -> None:
         self.predict = predict
         self.device = device
-        self.buckets = row_buckets(max_rows)
+        self.buckets: dict[Hashable, tuple[int, ...]] = {}  # each captured signature's row buckets
         self.capture = capture or cuda_graph_capture
         self.graphs: dict[tuple[Hashable, int], CapturedForward] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.capture is cuda_graph_capture else None
@@ -149,11 +150,11 @@ class CapturedForwards:
         size: tuple[int, int],
     ) -> CapturedForward | None:
         """The graph captured for this forward's signature and bucket, if any."""
-        bucket = bucket_for(latents.shape[0], self.buckets)
         key = signature(latents, timesteps, inputs, size)
-        if bucket is None or key is None:
+        if key not in self.buckets:
             return None
-        return self.graphs.get((key, bucket))
+        bucket = bucket_for(latents.shape[0], self.buckets[key])
+        return None if bucket is None else self.graphs.get((key, bucket))
 
     def warm(
         self,
@@ -161,14 +162,18 @@ class CapturedForwards:
         timesteps: torch.Tensor,
         inputs: dict[str, torch.Tensor],
         size: tuple[int, int],
+        max_rows: int,
     ) -> int:
-        """Capture every bucket for one forward's signature, largest first (the smaller captures then reuse
-        its pool's memory), from its rows repeated; returns the graphs captured. Raises CaptureError."""
+        """Capture one forward's signature at every bucket up to ``max_rows`` model rows (the most a forward
+        of its size can have), largest first (the smaller captures then reuse its memory in the pool),
+        from its rows repeated; returns the graphs captured. Raises CaptureError."""
         key = signature(latents, timesteps, inputs, size)
         if key is None:
             raise CaptureError(f"the forward at {size} has inputs that are not one row per model row")
+        buckets = row_buckets(max_rows)
+        self.buckets[key] = tuple(sorted({*self.buckets.get(key, ()), *buckets}))
         rows, captured = latents.shape[0], 0
-        for bucket in reversed(self.buckets):
+        for bucket in reversed(buckets):
             if (key, bucket) in self.graphs:
                 continue
             index = [row % rows for row in range(bucket)]
@@ -190,6 +195,9 @@ class CapturedForwards:
         # Static inputs outside the graphs' pool: they live as long as the graph, whatever else replays.
         static_latents, static_timesteps = latents.clone(), timesteps.clone()
         static_inputs = {name: values.clone() for name, values in inputs.items()}
+        if str(self.device).startswith("cuda"):  # what the pool holds now, not blocks cached before
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
         reserved = _reserved(self.device)
         try:
             replay = self.capture(
@@ -226,21 +234,27 @@ class CudaGraphReplay:
             self.graph.replay()
 
 
-def cuda_graph_capture(forward: Callable[[], torch.Tensor], pool: Any, device: str) -> Replay:
-    """PyTorch's recipe: a few eager forwards on a side stream, then one captured into ``pool``, on a
-    stream of the model's device, in thread-local mode (another thread's CUDA calls, the response
-    thread's preview copies, do not invalidate it)."""
+@functools.cache
+def capture_stream(device: str) -> Any:
+    """One stream per device for every warm-up and capture: the caching allocator reuses a freed block
+    only on the stream it was allocated on, so graphs sharing a pool must be captured on one stream."""
     with torch.cuda.device(device):
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
+        return torch.cuda.Stream()
+
+
+def cuda_graph_capture(forward: Callable[[], torch.Tensor], pool: Any, device: str) -> Replay:
+    """PyTorch's recipe: a few eager forwards on the capture stream, then one captured into ``pool``, on
+    the model's device, in thread-local mode (another thread's CUDA calls, the response thread's preview
+    copies, do not invalidate it)."""
+    stream = capture_stream(str(device))
+    with torch.cuda.device(device):
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
             for _ in range(WARMUP_FORWARDS):
                 forward()
-        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(
-            graph, pool=pool, stream=torch.cuda.Stream(), capture_error_mode="thread_local"
-        ):
+        with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
             output = forward()
     if not isinstance(output, torch.Tensor):
         raise TypeError(f"a captured forward must return one tensor, got {type(output).__name__}")

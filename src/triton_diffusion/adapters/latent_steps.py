@@ -605,24 +605,30 @@ class LatentStepAdapter:
         return torch.cat(latent_rows), self.timestep_rows(timesteps), inputs, adapters
 
     def capture_forwards(
-        self, max_rows: int, warm: Sequence[ImageRequest], capture: Capture | None = None
+        self, warm: Sequence[tuple[ImageRequest, int]], capture: Capture | None = None
     ) -> int:
-        """Run forwards through CUDA graphs (config ``cuda_graphs``, captured_forwards.py) of up to
-        ``max_rows`` model rows, captured now at every row bucket for the shape of each ``warm`` request
-        (one per size to serve captured); others run eagerly. Returns the graphs captured; raises
-        CaptureError. (``capture``: CUDA's, unless a test's.)"""
+        """Run forwards through CUDA graphs (config ``cuda_graphs``, captured_forwards.py), captured now for
+        the shape of each ``warm`` request (one per size to serve captured) at every row bucket up to its
+        model rows; others run eagerly. Returns the graphs captured; raises CaptureError. (``capture``:
+        CUDA's, unless a test's.)"""
         if not self.serves_text:
             raise CaptureError(
                 "an inpainting checkpoint's forwards are captured from text jobs, which it refuses"
             )
-        captured = CapturedForwards(self.predict, self.device, max_rows, capture)
+        captured = CapturedForwards(self.predict, self.device, capture)
         count = 0
-        for request in warm:
+        for request, max_rows in warm:
             job = Job(request=None, params=request)  # never stepped: only its first forward's inputs are used
-            self.prepare([job])
+            try:
+                self.prepare([job])
+                with torch.inference_mode():
+                    latents, timesteps, inputs, _ = self.forward_inputs([job], [job.state.timesteps[0]])
+            except Exception as exc:
+                if Failure.of(exc).lost:
+                    raise
+                raise CaptureError(f"the warm-up request at {request.size} failed: {exc!r}") from exc
             with torch.inference_mode():
-                latents, timesteps, inputs, _ = self.forward_inputs([job], [job.state.timesteps[0]])
-                count += captured.warm(latents, timesteps, inputs, request.size)
+                count += captured.warm(latents, timesteps, inputs, request.size, max_rows)
         self.captured = captured
         return count
 

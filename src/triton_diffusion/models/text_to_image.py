@@ -42,6 +42,7 @@ from triton_diffusion.adapters.step_adapters import step_adapter_for
 from triton_diffusion.codecs.image import IMAGE_FORMATS, OUTPUT_ENCODINGS, decode_image, encode_image
 from triton_diffusion.compatibility import CompatibilityKey
 from triton_diffusion.engine.jobs import Job
+from triton_diffusion.engine.planner import RowCaps
 from triton_diffusion.engine.request_engine import CallAbandoned, CallSteps
 from triton_diffusion.engine.requests import TrackedRequest
 from triton_diffusion.errors import RequestError, invalid_field
@@ -216,9 +217,12 @@ class TextToImageModel(DiffusionModel):
         if not device.startswith("cuda"):  # the checks above hold on a CPU too: one config serves both
             log.warning("model %s: cuda_graphs ignored: the model runs on %s", settings.name, device)
             return
+        # A forward of a size holds at most its cap's jobs, two model rows each with (true) CFG.
+        caps = RowCaps.from_config(settings.max_rows_per_call(), settings.config.max_rows_by_resolution)
+        rows = [2 * caps.cap_for_size(r.height, r.width, r.num_frames)[0] for r in warm]
         started = time.perf_counter()
         try:
-            captured = adapter.capture_forwards(2 * settings.max_rows_per_call(), warm)
+            captured = adapter.capture_forwards(list(zip(warm, rows, strict=True)))
         except CaptureError as exc:
             raise ValueError(f"model {settings.name}: cuda_graphs: {exc}") from exc
         log.info(
@@ -232,7 +236,13 @@ class TextToImageModel(DiffusionModel):
     def warm_up_requests(self, settings: ModelSettings, fields: FieldSet) -> list[ImageRequest]:
         """One request of each of ``cuda_graph_sizes`` (default: the default size), validated as a client's:
         what ``cuda_graphs`` captures the forwards of at load."""
-        sizes = parse_buckets(settings.config.cuda_graph_sizes) or [None]
+        try:
+            sizes = parse_buckets(settings.config.cuda_graph_sizes) or [None]
+        except ValueError:
+            raise ValueError(
+                f"model {settings.name}: cuda_graph_sizes must be WIDTHxHEIGHT,..., got "
+                f"{settings.config.cuda_graph_sizes!r}"
+            ) from None
         requests = []
         for size in sizes:
             raw: dict[str, Any] = {"prompt": "warm-up", "seed": 0}
