@@ -256,3 +256,15 @@ def test_cuda_graph_replays_match_the_eager_forward_on_a_gpu():
         torch.cuda.synchronize()
         assert (replayed - eager).abs().max().item() <= 1e-3 * eager.abs().max().item(), (count, step)
     assert (adapter.captured.replays, adapter.captured.eager) == (4, 0)
+
+
+def test_an_inpainting_checkpoint_is_refused_with_its_reason():
+    pipe, facts, schedulers = load_family("tiny-sd-inpaint")
+    adapter = step_adapter_for(pipe, facts, schedulers, None)
+    assert (
+        adapter.uncapturable
+        == "an inpainting checkpoint's forwards are captured from text jobs, which it refuses"
+    )
+    with pytest.raises(CaptureError, match="inpainting checkpoint"):
+        adapter.capture_forwards([], capture=eager_capture)
+    assert adapter.captured is None

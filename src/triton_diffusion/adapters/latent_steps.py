@@ -604,6 +604,15 @@ class LatentStepAdapter:
         inputs = {name: torch.cat([c[name] for c in conditioning]) for name in conditioning[0]}
         return torch.cat(latent_rows), self.timestep_rows(timesteps), inputs, adapters
 
+    @property
+    def uncapturable(self) -> str | None:
+        """Why this model's forwards cannot be captured (config ``cuda_graphs``), or None."""
+        if not self.captures_forwards:
+            return f"{type(self.model).__name__}'s forward reads values back to the host"
+        if not self.serves_text:
+            return "an inpainting checkpoint's forwards are captured from text jobs, which it refuses"
+        return None
+
     def capture_forwards(
         self, warm: Sequence[tuple[ImageRequest, int]], capture: Capture | None = None
     ) -> int:
@@ -611,10 +620,8 @@ class LatentStepAdapter:
         the shape of each ``warm`` request (one per size to serve captured) at every row bucket up to its
         model rows; others run eagerly. Returns the graphs captured; raises CaptureError. (``capture``:
         CUDA's, unless a test's.)"""
-        if not self.serves_text:
-            raise CaptureError(
-                "an inpainting checkpoint's forwards are captured from text jobs, which it refuses"
-            )
+        if self.uncapturable is not None:
+            raise CaptureError(self.uncapturable)
         captured = CapturedForwards(self.predict, self.device, capture)
         count = 0
         for request, max_rows in warm:

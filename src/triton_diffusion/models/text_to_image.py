@@ -42,7 +42,6 @@ from triton_diffusion.adapters.step_adapters import step_adapter_for
 from triton_diffusion.codecs.image import IMAGE_FORMATS, OUTPUT_ENCODINGS, decode_image, encode_image
 from triton_diffusion.compatibility import CompatibilityKey
 from triton_diffusion.engine.jobs import Job
-from triton_diffusion.engine.planner import RowCaps
 from triton_diffusion.engine.request_engine import CallAbandoned, CallSteps
 from triton_diffusion.engine.requests import TrackedRequest
 from triton_diffusion.errors import RequestError, invalid_field
@@ -206,19 +205,15 @@ class TextToImageModel(DiffusionModel):
         leave CUDA in a capture state no serving process should carry."""
         if self.loras is not None:  # each forward sets its rows' adapter scales, which a graph would not see
             raise ValueError(f"model {settings.name}: cuda_graphs cannot be used with loras")
-        if not adapter.captures_forwards or not adapter.serves_text:
-            why = "reads values back to the host" if adapter.serves_text else "serves inpainting jobs only"
-            raise ValueError(
-                f"model {settings.name}: cuda_graphs: {self.facts.class_name}'s forward cannot be captured "
-                f"(it {why})"
-            )
+        if adapter.uncapturable is not None:
+            raise ValueError(f"model {settings.name}: cuda_graphs: {adapter.uncapturable}")
         warm = self.warm_up_requests(settings, fields)
         device = str(adapter.device)
         if not device.startswith("cuda"):  # the checks above hold on a CPU too: one config serves both
             log.warning("model %s: cuda_graphs ignored: the model runs on %s", settings.name, device)
             return
         # A forward of a size holds at most its cap's jobs, two model rows each with (true) CFG.
-        caps = RowCaps.from_config(settings.max_rows_per_call(), settings.config.max_rows_by_resolution)
+        caps = self.row_caps(settings)
         rows = [2 * caps.cap_for_size(r.height, r.width, r.num_frames)[0] for r in warm]
         started = time.perf_counter()
         try:

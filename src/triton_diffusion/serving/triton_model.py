@@ -217,9 +217,15 @@ class DiffusionModel(TritonModel):
         return preview_png(snapshot)
 
     # ---- setup and parsing --------------------------------------------------------------------------
+    @staticmethod
+    def row_caps(settings: ModelSettings) -> RowCaps:
+        """Jobs per forward or fused call: ``max_rows_per_call``, lower for the sizes of
+        ``max_rows_by_resolution``."""
+        return RowCaps.from_config(settings.max_rows_per_call(), settings.config.max_rows_by_resolution)
+
     def setup(self, settings: ModelSettings) -> None:
         self.fields, adapter = self.load(settings)
-        caps = RowCaps.from_config(settings.max_rows_per_call(), settings.config.max_rows_by_resolution)
+        caps = self.row_caps(settings)
         if adapter is not None:
             waiting = caps.max_rows
             extra = {"adapter": adapter, "prompt_of": lambda job: job.params.prompt}
