@@ -60,10 +60,7 @@ from bench_common import (  # noqa: E402
     step_request_ratios,
     write_plot,
 )
-
-sys.path.insert(0, str(REPO_ROOT / "client"))
-
-from diffusion_client import GenerateResult, StreamSession, generate_one  # noqa: E402
+from triton_diffusion_client import GenerateResult, ImageSession, generate_one  # noqa: E402
 
 from triton_diffusion.serving.server_process import (  # noqa: E402
     WEIGHTS,
@@ -170,13 +167,13 @@ def drive(url: str, model: str, requests: list[dict], concurrency: int | None, r
     def send(index: int, request: dict) -> None:
         results[index] = generate_one(request, f"bench-{index}", url, model, 600.0)
 
-    sessions = [StreamSession(url, model) for _ in range(concurrency or 0)]  # connected before the clock
+    sessions = [ImageSession(url, model) for _ in range(concurrency or 0)]  # connected before the clock
     started = time.perf_counter()
     arrivals: list[float] = []
     late = [0.0] * len(requests)
     if rate is None:
 
-        def worker(session: StreamSession) -> None:
+        def worker(session: ImageSession) -> None:
             with session:
                 while True:
                     try:

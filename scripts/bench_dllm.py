@@ -34,10 +34,7 @@ from bench_common import (  # noqa: E402
     percentile,
     write_plot,
 )
-
-sys.path.insert(0, str(REPO_ROOT / "client"))
-
-from dllm_client import TextResult, TextSession  # noqa: E402
+from triton_diffusion_client import TextResult, TextSession  # noqa: E402
 
 from triton_diffusion.serving.server_process import WEIGHTS, copy_model, read_metrics, start_server  # noqa: E402
 from triton_diffusion.tiny_models import build_missing  # noqa: E402
@@ -185,7 +182,8 @@ def engine_ceiling(args: argparse.Namespace, requests: int) -> dict[str, float]:
     from triton_diffusion.adapters.masked_lm import MaskedLMForward, prompt_token_ids
     from triton_diffusion.engine.jobs import Job
     from triton_diffusion.engine.requests import TrackedRequest
-    from triton_diffusion.engine.step_engine import EngineLimits, StepEngine
+    from triton_diffusion.engine.scheduler import EngineLimits
+    from triton_diffusion.engine.step_engine import StepEngine
 
     threads = dict(item.split("=", 1) for item in args.param).get("intra_op_threads")
     if threads:

@@ -73,11 +73,12 @@ from bench_common import (  # noqa: E402
 from triton_diffusion.adapters.diffusers_pipeline import row_generator  # noqa: E402
 from triton_diffusion.compatibility import compatibility_key  # noqa: E402
 from triton_diffusion.engine.jobs import Job, StepReport  # noqa: E402
+from triton_diffusion.engine.ordering import AdmissionPacing, make_policy  # noqa: E402
 from triton_diffusion.engine.planner import RowCaps  # noqa: E402
-from triton_diffusion.engine.policies import AdmissionPacing, make_policy  # noqa: E402
 from triton_diffusion.engine.request_engine import RequestEngine  # noqa: E402
 from triton_diffusion.engine.requests import TrackedRequest  # noqa: E402
-from triton_diffusion.engine.step_engine import EngineLimits, StepEngine  # noqa: E402
+from triton_diffusion.engine.scheduler import EngineLimits  # noqa: E402
+from triton_diffusion.engine.step_engine import StepEngine  # noqa: E402
 from triton_diffusion.models.image_to_image import ImageToImageModel  # noqa: E402
 from triton_diffusion.models.text_to_image import TextToImageModel  # noqa: E402
 from triton_diffusion.serving.server_process import WEIGHTS  # noqa: E402
@@ -179,7 +180,7 @@ def run_step_engine(
             started = time.perf_counter()
             report = engine.step()
             if clock is not None:
-                clock.end_step(time.perf_counter() - started, len(engine.waiting))
+                clock.end_step(time.perf_counter() - started, len(engine.scheduler.waiting))
             recorder.render(report)
         else:
             traffic.wait_for_arrival()
@@ -646,7 +647,7 @@ def profile_step_engine(bench: Bench, steps: int, forwards: int) -> dict:
             started = time.perf_counter()
             engine.step()
             sync(bench.device)
-            clock.end_step(time.perf_counter() - started, len(engine.waiting))
+            clock.end_step(time.perf_counter() - started, len(engine.scheduler.waiting))
     return {"forwards": forwards, "rows_per_forward": bench.cap, **clock.summary()}
 
 
@@ -660,7 +661,8 @@ def stage_costs(
 
     def fresh(k: int) -> list[Job]:
         jobs = [bench.job(i, bench.request(i, steps, 7.5), "step") for i in range(k)]
-        adapter.prepare(jobs)
+        for job, start in zip(jobs, adapter.prepare(jobs), strict=True):
+            job.begin(start)
         return jobs
 
     for k in sizes:

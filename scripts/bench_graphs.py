@@ -36,7 +36,8 @@ from bench_common import REPO_ROOT  # noqa: E402
 from bench_engines import Bench, sync, timed_median  # noqa: E402
 
 from triton_diffusion.engine.jobs import Job  # noqa: E402
-from triton_diffusion.engine.step_engine import EngineLimits, StepEngine  # noqa: E402
+from triton_diffusion.engine.scheduler import EngineLimits  # noqa: E402
+from triton_diffusion.engine.step_engine import StepEngine  # noqa: E402
 from triton_diffusion.tiny_models import ARCHITECTURES  # noqa: E402
 
 IMAGES = (1, 4, 8)
@@ -53,7 +54,8 @@ def peak_tflops(device: str) -> float | None:
 
 def prepared_jobs(bench: Bench, count: int, steps: int, first: int = 0) -> list[Job]:
     jobs = [bench.job(i, bench.request(i, steps, 7.5), "step") for i in range(first, first + count)]
-    bench.adapter.prepare(jobs)
+    for job, start in zip(jobs, bench.adapter.prepare(jobs), strict=True):
+        job.begin(start)
     return jobs
 
 

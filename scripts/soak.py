@@ -38,9 +38,7 @@ from pathlib import Path
 import psutil
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT / "client"))
-
-from diffusion_client import StreamSession  # noqa: E402
+from triton_diffusion_client import ImageSession  # noqa: E402
 
 from triton_diffusion.serving.server_process import WEIGHTS, copy_model, start_server  # noqa: E402
 from triton_diffusion.serving.supervisor import list_stubs  # noqa: E402
@@ -188,7 +186,7 @@ class Load:
     def run(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds
 
-        def one(session: StreamSession, rng: random.Random) -> bool:
+        def one(session: ImageSession, rng: random.Random) -> bool:
             """Send one request; True when it was refused while the server came back."""
             number, request, invalid = self._next(rng)
             sent = time.monotonic()
@@ -211,7 +209,7 @@ class Load:
         def worker(index: int) -> None:
             rng = random.Random(index)
             while time.monotonic() < deadline:
-                with StreamSession(self.server.grpc_url, self.model) as session:
+                with ImageSession(self.server.grpc_url, self.model) as session:
                     while time.monotonic() < deadline:
                         if one(session, rng):
                             time.sleep(0.25)  # a retrying client backs off while the server comes back

@@ -26,6 +26,17 @@ class RequestError(Exception):
         return f"{self.code.value}: {self.message}"
 
 
+def code_of(message: str) -> ErrorCode | None:
+    """The code a served error message carries as its tag (serving/triton_io.py ``tagged_message``), or
+    None for a message without one (Triton's own errors)."""
+    text = message.rstrip()
+    if text.endswith("]") and "[" in text:
+        tag = text[text.rindex("[") + 1 : -1]
+        if tag in ErrorCode.__members__:
+            return ErrorCode(tag)
+    return None
+
+
 def invalid_field(field: str, message: str) -> RequestError:
     return RequestError(ErrorCode.INVALID_ARG, f"{field}: {message}")
 

@@ -68,19 +68,22 @@ class FaultInjection:
 
 
 class FaultyStepAdapter:
-    """A step adapter with the faults around its forward: the engine sees the failures a real model
-    would give it. ``prompt_of`` names a job's prompt."""
+    """A step adapter (engine/step_engine.py's StepAdapter) with the faults around its forward: the engine
+    sees the failures a real model would give it. ``prompt_of`` names a job's prompt."""
 
     def __init__(self, adapter: Any, faults: FaultInjection, prompt_of: Callable[[Any], str]) -> None:
         self.adapter = adapter
         self.faults = faults
         self.prompt_of = prompt_of
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.adapter, name)
+    def prepare(self, jobs: list[Any]) -> list[Any]:
+        return self.adapter.prepare(jobs)
 
-    def step(self, jobs: list[Any]) -> list[Any]:
+    def step(self, jobs: list[Any]) -> Any:
         self.faults.before_call([self.prompt_of(job) for job in jobs])
-        done = self.adapter.step(jobs)
+        result = self.adapter.step(jobs)
         self.faults.after_step()
-        return done
+        return result
+
+    def finish(self, jobs: list[Any]) -> list[Any]:
+        return self.adapter.finish(jobs)

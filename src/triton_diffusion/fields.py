@@ -97,6 +97,25 @@ class Field:
             return text.strip().lower() in ("1", "true", "yes", "on")
         return self.type(text)
 
+    def describe(self) -> dict[str, Any]:
+        """The field as MODEL_INFO tells clients: its type, default, what is allowed, whether it is served."""
+        default = None if self.default is REQUIRED else self.default
+        if isinstance(default, bytes):
+            default = None
+        return {
+            "type": _TYPE_NAMES[self.type],
+            "required": self.default is REQUIRED,
+            "default": default,
+            "allowed": self.allowed(),
+            "minimum": self.minimum,
+            "maximum": self.maximum,
+            "multiple_of": self.multiple_of,
+            "remainder": self.remainder,
+            "choices": list(self.choices) if self.choices is not None else None,
+            "supported": self.supported,
+            "doc": self.doc,
+        }
+
     def allowed(self) -> str:
         """The allowed range in words, used in error messages and in the docs."""
         if self.choices is not None:
@@ -201,6 +220,44 @@ SOURCE_IMAGE_FIELDS = (
 )
 
 
+# A request that asks the model what it serves instead of generating: answered at once with MODEL_INFO (its
+# kind, every field with its default and what is allowed, its tiers and step caches), so a client (the
+# OpenAI front) is told, never guesses. Triton needs the required input (PROMPT) in it; its value is unused.
+DESCRIBE_FIELD = Field(
+    "describe",
+    bool,
+    False,
+    Role.AFTER_SPLIT,
+    doc="answer at once with MODEL_INFO (JSON: the model's kind, fields, defaults, limits, tiers, step "
+    "caches) instead of generating",
+)
+
+# How urgent a request is, read by the step engine's scheduler (engine/ordering.py): its service tier and
+# its deadline. Not in the compatibility key: they decide order, never what is computed.
+SERVICE_FIELDS = (
+    Field(
+        "service_tier",
+        str,
+        None,
+        Role.ROW,
+        max_length=64,
+        doc="the request's service tier, one of the model's service_tiers (default: priority, default, flex; "
+        "highest first); not Triton's request priority, which never reaches a Python model",
+    ),
+    Field(
+        "timeout",
+        int,
+        None,
+        Role.ROW,
+        minimum=1,
+        maximum=86_400_000_000,
+        triton_type="TYPE_INT64",
+        doc="the request's deadline in microseconds from its arrival, as Triton's request timeout "
+        "(tritonclient's timeout=, which over gRPC arrives as that and over HTTP as this parameter)",
+    ),
+)
+
+
 class FieldSet:
     """The fields one model accepts, in declaration order."""
 
@@ -251,7 +308,9 @@ class FieldSet:
         if whole:
             return whole[0]
         parts = {part: f.name for f in self for part in f.name.split("_") if len(part) > 3}
-        close = difflib.get_close_matches(name.lower(), list(parts), n=1, cutoff=0.75)
+        # A part that only begins another ("step" of step_cache, "steps") would outscore it for a plural.
+        distinct = [p for p in parts if not any(q != p and q.startswith(p) for q in parts)]
+        close = difflib.get_close_matches(name.lower(), distinct, n=1, cutoff=0.75)
         return parts[close[0]] if close else None
 
     def markdown_table(self) -> str:

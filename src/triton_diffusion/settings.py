@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import difflib
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
+
+from triton_diffusion.engine.ordering import POLICIES  # noqa: E402  (torch-free: the policies' names and docs)
 
 # Which models read a parameter.
 IMAGE = "image"  # text_to_image, image_to_image, text_to_video
@@ -39,8 +41,106 @@ def _flag(text: str) -> bool:
     raise ValueError(f"expected true or false, got {text!r}")
 
 
-def _parameter(default: Any, doc: str, kinds: tuple[str, ...] = ALL, choices: tuple[str, ...] = ()) -> Any:
-    return field(default=default, metadata={"doc": doc, "kinds": kinds, "choices": choices})
+# ---- parsers of the values that are not a plain number, flag or word: each raises ValueError saying what
+# is expected; the caller names the key.
+def parse_names(text: str) -> tuple[str, ...]:
+    """``a,b,c`` -> ("a", "b", "c"), blanks dropped."""
+    return tuple(item.strip() for item in text.split(",") if item.strip())
+
+
+def parse_ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(item) for item in parse_names(text))
+    except ValueError:
+        raise ValueError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def parse_sizes(text: str) -> tuple[tuple[int, int], ...]:
+    """``WIDTHxHEIGHT,...`` -> ((width, height), ...)."""
+    sizes = []
+    for item in parse_names(text):
+        width, x, height = item.lower().partition("x")
+        if not (x and width.isdigit() and height.isdigit() and int(width) > 0 and int(height) > 0):
+            raise ValueError(f"expected WIDTHxHEIGHT,..., got {item!r}")
+        sizes.append((int(width), int(height)))
+    return tuple(sizes)
+
+
+def parse_row_caps(text: str) -> dict[str, int]:
+    """``{"WIDTHxHEIGHT": images, "WIDTHxHEIGHTxFRAMES": images}`` -> the same, canonical keys."""
+    raw = _json_object(text)
+    caps: dict[str, int] = {}
+    for size, cap in raw.items():
+        parts = str(size).lower().split("x")
+        if (
+            not (2 <= len(parts) <= 3 and all(p.isdigit() for p in parts))
+            or not isinstance(cap, int)
+            or cap < 1
+        ):
+            expected = "'WIDTHxHEIGHT' or 'WIDTHxHEIGHTxFRAMES': positive int"
+            raise ValueError(f"row cap {size!r}: {cap!r}: expected {expected}")
+        caps["x".join(str(int(p)) for p in parts)] = cap
+    return caps
+
+
+def parse_lora_paths(text: str) -> dict[str, str]:
+    """``{"name": "path", ...}``: each name 1-64 characters, no comma, colon or space."""
+    paths = _json_object(text)
+    if not all(isinstance(v, str) for v in paths.values()):
+        raise ValueError('expected {"name": "path", ...}')
+    for name in paths:
+        if not name or any(c in name for c in ",: ") or len(name) > 64:
+            raise ValueError(f"LoRA name {name!r}: 1-64 characters, no comma, colon or space")
+    return paths
+
+
+def parse_tiers(text: str) -> tuple[str, ...]:
+    tiers = parse_names(text)
+    if not tiers or len(set(tiers)) != len(tiers) or not all(t.isidentifier() for t in tiers):
+        raise ValueError(
+            f"expected distinct tier names, highest first (as priority,default,flex), got {text!r}"
+        )
+    return tiers
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError("expected a JSON object")
+    return value
+
+
+def _fault_injection(text: str) -> Any:
+    from triton_diffusion.faults import FaultInjection
+
+    return FaultInjection.from_config(text)
+
+
+def _step_cache(text: str) -> Any:
+    from triton_diffusion.errors import RequestError
+    from triton_diffusion.step_cache_spec import parse_step_cache
+
+    try:
+        return parse_step_cache(text, field="step_cache")
+    except RequestError as error:  # the request field's own message: a load error here
+        raise ValueError(error.message) from None
+
+
+def _parameter(
+    default: Any,
+    doc: str,
+    kinds: tuple[str, ...] = ALL,
+    choices: tuple[str, ...] = (),
+    parse: Callable[[str], Any] | None = None,
+    written: str | None = None,
+) -> Any:
+    """A config parameter: its default, meaning, the model kinds that read it, its choices; a parser for
+    a value that is not a plain number, flag or word (``written``: how it is written, for README)."""
+    metadata = {"doc": doc, "kinds": kinds, "choices": choices, "parse": parse, "written": written}
+    return field(default=default, metadata=metadata)
 
 
 @dataclass(frozen=True)
@@ -62,10 +162,12 @@ class ModelConfig:
         "diffusers class to load with; default: DiffusionPipeline (AutoPipelineForImage2Image for img2img)",
         (IMAGE, IMAGE_SOURCE),
     )
-    scheduler_choices: str | None = _parameter(
-        None,
+    scheduler_choices: tuple[str, ...] = _parameter(
+        (),
         "comma-separated scheduler classes a request may pick besides the pipeline's own",
         (IMAGE, IMAGE_SOURCE),
+        parse=parse_names,
+        written="NAME,...",
     )
     max_sequence_length: int | None = _parameter(
         None, "text-encoder tokens (Flux, SD3); default: the pipeline's", (IMAGE, IMAGE_SOURCE)
@@ -76,8 +178,12 @@ class ModelConfig:
     mask_token_id: int | None = _parameter(
         None, "mask token id; default: the model config's or tokenizer's", (LM,)
     )
-    eos_token_ids: str | None = _parameter(
-        None, "comma-separated EOS token ids; default: the tokenizer's", (LM,)
+    eos_token_ids: tuple[int, ...] | None = _parameter(
+        None,
+        "comma-separated EOS token ids; default: the tokenizer's",
+        (LM,),
+        parse=parse_ints,
+        written="ID,...",
     )
     shift_logits: bool = _parameter(False, "the model predicts token i at position i-1 (Dream)", (LM,))
     attention_mask_format: str = _parameter(
@@ -91,19 +197,29 @@ class ModelConfig:
     max_image_pixels: int = _parameter(
         4096 * 4096, "largest decoded source image, in pixels", (IMAGE_SOURCE,)
     )
-    image_formats: str = _parameter(
-        "PNG,JPEG,WEBP", "source image formats the decoder accepts", (IMAGE_SOURCE,)
+    image_formats: tuple[str, ...] = _parameter(
+        ("PNG", "JPEG", "WEBP"),
+        "source image formats the decoder accepts",
+        (IMAGE_SOURCE,),
+        parse=lambda text: tuple(name.upper() for name in parse_names(text)),
+        written="NAME,...",
     )
-    resize_buckets: str | None = _parameter(
-        None, "WIDTHxHEIGHT,...: snap each source to the nearest size by aspect ratio", (IMAGE_SOURCE,)
+    resize_buckets: tuple[tuple[int, int], ...] = _parameter(
+        (),
+        "snap each source to the nearest size by aspect ratio",
+        (IMAGE_SOURCE,),
+        parse=parse_sizes,
+        written="WIDTHxHEIGHT,...",
     )
     # ---- LoRA adapters (text_to_image, image_to_image) -----------------------------------------------
-    loras: str | None = _parameter(
+    loras: dict[str, str] | None = _parameter(
         None,
         'LoRA adapters a request may name in its lora field, JSON {"name": "path"}: each path (relative to '
         "the model's folder) a .safetensors file or a folder holding one (diffusers' save_lora_weights, "
         "kohya); all loaded at model load, unmerged",
         (IMAGE_SOURCE,),
+        parse=parse_lora_paths,
+        written="JSON",
     )
     max_lora_scale: float = _parameter(2.0, "largest |scale| a request may give an adapter", (IMAGE_SOURCE,))
     max_loras_per_request: int = _parameter(4, "most adapters one request may name", (IMAGE_SOURCE,))
@@ -119,10 +235,12 @@ class ModelConfig:
         "images per fused call (request engine) or per forward (step engine); default: max_batch_size",
         (IMAGE, IMAGE_SOURCE),
     )
-    max_rows_by_resolution: str | None = _parameter(
+    max_rows_by_resolution: dict[str, int] | None = _parameter(
         None,
         'lower caps for some sizes, JSON {"WIDTHxHEIGHT": images}; a video\'s "WIDTHxHEIGHTxFRAMES" wins',
         (IMAGE, IMAGE_SOURCE),
+        parse=parse_row_caps,
+        written="JSON",
     )
     max_running: int | None = _parameter(
         None,
@@ -137,12 +255,53 @@ class ModelConfig:
     cancel_poll_ms: float = _parameter(50.0, "ask a running request about cancellation at most this often")
     scheduling_policy: str = _parameter(
         "oldest",
-        "which jobs step next (engine/policies.py)",
+        "which group of running jobs steps next, and their order (engine/ordering.py): "
+        + "; ".join(f"{name}: {policy.doc}" for name, policy in POLICIES.items()),
         (IMAGE, IMAGE_SOURCE),
-        ("oldest", "round_robin", "fewest_remaining", "largest", "first_step_first"),
+        tuple(POLICIES),
     )
     starvation_steps: int = _parameter(
-        16, "a job not stepped for this many engine steps goes next", (IMAGE, IMAGE_SOURCE)
+        16, "a running job not stepped for this many engine steps goes next", (IMAGE, IMAGE_SOURCE)
+    )
+    service_tiers: tuple[str, ...] = _parameter(
+        ("priority", "default", "flex"),
+        "the service tiers a request may name in its service_tier field, highest first: a higher tier is "
+        "admitted first and pauses a lower one when the running set is full (step engine)",
+        parse=parse_tiers,
+        written="NAME,...",
+    )
+    default_service_tier: str = _parameter(
+        "default", "the tier of a request that names none (one of service_tiers)"
+    )
+    deadline_policy: str = _parameter(
+        "refuse",
+        "a request's deadline (its Triton timeout, or the timeout parameter): refuse: refused at once when "
+        "the engine's estimate says it cannot finish in time, ended when it passes; best_effort: it only "
+        "orders the work",
+        choices=("refuse", "best_effort"),
+    )
+    tier_aging_s: float = _parameter(
+        30.0,
+        "every this many seconds a job has waited or been paused raise it one tier (no starvation: see "
+        "README, Service tiers); 0: no aging",
+    )
+    max_paused: int | None = _parameter(
+        None,
+        "jobs held paused at once for a higher tier (their latents stay in memory); default: max_running",
+    )
+    step_cache: Any = _parameter(
+        None,
+        "the step cache of requests that send no step_cache field: none, fbc:THRESHOLD or "
+        "taylorseer:INTERVAL[:WARMUP] (README, Step caches)",
+        (IMAGE, IMAGE_SOURCE),
+        parse=_step_cache,
+        written="METHOD[:...]",
+    )
+    result_cache_mb: float = _parameter(
+        0.0,
+        "memory for answers to repeated requests (same inputs, a seed given): answered again without "
+        "running; 0: off",
+        (IMAGE, IMAGE_SOURCE),
     )
     admission_cohort: int | None = _parameter(
         None,
@@ -160,17 +319,21 @@ class ModelConfig:
         "not with loras; off by default until measured on a GPU (adapters/captured_forwards.py)",
         (IMAGE, IMAGE_SOURCE),
     )
-    cuda_graph_sizes: str | None = _parameter(
-        None,
-        "WIDTHxHEIGHT,...: the sizes cuda_graphs captures; default: the default width and height",
+    cuda_graph_sizes: tuple[tuple[int, int], ...] = _parameter(
+        (),
+        "the sizes cuda_graphs captures; default: the default width and height",
         (IMAGE, IMAGE_SOURCE),
+        parse=parse_sizes,
+        written="WIDTHxHEIGHT,...",
     )
     engine_stall_s: float = _parameter(
         120.0,
         "an engine with work that reports nothing for this long (or 5x its slowest step, if longer) is "
         "stuck: what it holds is answered UNAVAILABLE and the process exits for a restart",
     )
-    fault_injection: str | None = _parameter(None, "tests only: JSON of faults to inject (faults.py)")
+    fault_injection: Any = _parameter(
+        None, "tests only: JSON of faults to inject (faults.py)", parse=_fault_injection, written="JSON"
+    )
 
     @classmethod
     def parse(
@@ -202,12 +365,20 @@ class ModelConfig:
         for key, least in (("admission_cohort", 1), ("admission_max_wait_steps", 0)):
             if values.get(key) is not None and values[key] < least:
                 raise ValueError(f"model {model}: config parameter {key!r} must be >= {least}")
-        return cls(**values)
+        config = cls(**values)
+        if config.default_service_tier not in config.service_tiers:
+            raise ValueError(
+                f"model {model}: config parameter 'default_service_tier' must be one of "
+                f"{', '.join(config.service_tiers)} (service_tiers), got {config.default_service_tier!r}"
+            )
+        return config
 
 
 def _typed(spec: Any, text: str, model: str) -> Any:
     kind = str(spec.type)
     try:
+        if spec.metadata["parse"] is not None:
+            return spec.metadata["parse"](text)
         if "bool" in kind:
             value: Any = _flag(text)
         elif "int" in kind:
@@ -216,7 +387,7 @@ def _typed(spec: Any, text: str, model: str) -> Any:
             value = float(text)
         else:
             value = text
-    except ValueError as exc:
+    except (ValueError, TypeError) as exc:
         raise ValueError(f"model {model}: config parameter {spec.name!r}: {exc}") from None
     choices = spec.metadata["choices"]
     if choices and str(value).lower() not in choices:
@@ -246,9 +417,14 @@ def parameters_markdown() -> str:
             if set(kinds) == set(ALL)
             else ", ".join(names[k] for k in kinds if k != IMAGE_SOURCE or len(kinds) == 1)
         )
-        kind = str(f.type).replace(" | None", "")
+        kind = f.metadata["written"] or str(f.type).replace(" | None", "")
         allowed = f" (one of {', '.join(f.metadata['choices'])})" if f.metadata["choices"] else ""
-        if f.default is not None:
+        if isinstance(f.default, tuple):
+            default = (
+                f"`{','.join('x'.join(map(str, v)) if isinstance(v, tuple) else str(v) for v in f.default)}`"
+            )
+            default = default if f.default else "none"
+        elif f.default is not None:
             default = f"`{f.default}`"
         else:
             default = (

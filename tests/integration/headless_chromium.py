@@ -17,7 +17,10 @@ class HeadlessChromium:
         to_chrome, self._write = os.pipe()
         self._read, from_chrome = os.pipe()
         command = (
+            # Root needs --no-sandbox; the rest keep a test run from reaching the network (updates,
+            # sync, first-run pages) or a GPU.
             "exec chromium --headless --no-sandbox --disable-gpu --disable-dev-shm-usage "
+            "--disable-background-networking --disable-component-update --disable-sync --no-first-run "
             f"--user-data-dir={shlex.quote(profile)} --remote-debugging-pipe about:blank "
             f"3<&{to_chrome} 4>&{from_chrome}"
         )

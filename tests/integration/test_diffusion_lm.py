@@ -9,19 +9,14 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 import threading
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "client"))
-
-from dllm_client import generate_text_many, generate_text_one  # noqa: E402
+from triton_diffusion_client import generate_text_many, generate_text_one
 
 from triton_diffusion.adapters.masked_diffusion import DecodeParams, generate_reference  # noqa: E402
 from triton_diffusion.adapters.masked_lm import MaskedLMForward, prompt_token_ids  # noqa: E402

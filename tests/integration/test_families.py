@@ -18,8 +18,8 @@ import diffusers
 import numpy as np
 import pytest
 import torch
-from diffusion_client import generate_many
 from PIL import Image
+from triton_diffusion_client import generate_many
 
 from tests.unit.step_harness import sd3_inpaint_with_shift
 from triton_diffusion.serving.server_process import WEIGHTS, copy_model, set_batching, start_server

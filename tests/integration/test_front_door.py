@@ -2,8 +2,8 @@
 that crash Triton 2.51's HTTP front end are refused before Triton parses them, and ordinary generate /
 generate_stream traffic passes unchanged.
 
-Needs nginx with its njs module (Debian: ``apt-get install nginx-light libnginx-mod-http-js``); skipped
-where there is none, as on the CI machine, which installs Python packages only.
+Needs nginx with its njs module: Debian's ``nginx`` and ``libnginx-mod-http-js``, which ``.ci/run``
+installs when it runs as root with apt-get; skipped, saying so, where they are absent.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ FRONT_DOOR = REPO_ROOT / "docker" / "k8s" / "front-door"
 NJS_MODULE = Path("/usr/lib/nginx/modules/ngx_http_js_module.so")
 
 pytestmark = pytest.mark.skipif(
-    shutil.which("nginx") is None or not NJS_MODULE.is_file(), reason="nginx with the njs module not found"
+    shutil.which("nginx") is None or not NJS_MODULE.is_file(),
+    reason="needs nginx and its njs module: apt-get install nginx libnginx-mod-http-js (.ci/run does)",
 )
 
 

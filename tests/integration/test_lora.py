@@ -12,7 +12,7 @@ import diffusers
 import numpy as np
 import pytest
 import torch
-from diffusion_client import generate_many
+from triton_diffusion_client import generate_many
 
 from triton_diffusion.adapters.lora import LoraLimits, lora_text, parse_lora
 from triton_diffusion.serving.server_process import WEIGHTS, read_metrics

@@ -15,8 +15,8 @@ import httpx
 import openai
 import pytest
 from PIL import Image
+from triton_diffusion_client import generate_one
 
-from triton_diffusion.client import generate_one
 from triton_diffusion.serving.server_process import WEIGHTS, copy_model, free_port, read_metrics, start_server
 
 from .headless_chromium import HeadlessChromium
@@ -133,8 +133,12 @@ def test_generations_n2_b64_json_with_extras_equal_the_grpc_path(front, client):
     )
     assert grpc.ok, grpc.error
     assert [base64.b64decode(i.b64_json) for i in result.data] == grpc.images  # the same PNG bytes
-    jpeg = client.images.generate(prompt="a red cat", output_format="jpeg", extra_body={"seed": 7})
+    # height and width as our own fields where size is absent (the `openai` package's size literals need
+    # not list the model's sizes).
+    extras = {"seed": 7, "height": 64, "width": 96}
+    jpeg = client.images.generate(prompt="a red cat", output_format="jpeg", extra_body=extras)
     assert len(jpeg.data) == 1 and png(jpeg.data[0].b64_json).format == "JPEG"
+    assert png(jpeg.data[0].b64_json).size == (96, 64) and jpeg.size == "96x64"
 
 
 def test_streamed_partial_images_then_completed(client):
@@ -160,14 +164,20 @@ def test_edits_with_and_without_a_mask(client):
         image=image, prompt="a blue cat", n=2, extra_body={"strength": 0.75, "seed": 1}
     )
     assert len(edited.data) == 2 and png(edited.data[0].b64_json).size == (64, 64)
+    assert edited.size == "64x64"  # the source's size, as the model reports it rendered (WIDTH, HEIGHT)
     resized = client.images.edit(image=image, prompt="a blue cat", size="96x64", extra_body={"seed": 1})
-    assert png(resized.data[0].b64_json).size == (96, 64)
+    assert png(resized.data[0].b64_json).size == (96, 64) and resized.size == "96x64"
     # image_to_image declares no mask: the mask is refused by name, not dropped.
     with pytest.raises(openai.BadRequestError) as refused:
         client.images.edit(image=image, mask=("mask.png", source_png("white"), "image/png"), prompt="x")
     assert refused.value.body["param"] == "mask" and "mask" in refused.value.body["message"]
-    streamed = list(client.images.edit(image=image, prompt="a boat", stream=True, partial_images=1))
-    assert [e.type for e in streamed] == ["image_edit.partial_image", "image_edit.completed"]
+    # The model spreads the previews over the steps the edit runs: 6 of 10 at strength 0.6.
+    edit = {"strength": 0.6, "num_inference_steps": 10}
+    streamed = list(
+        client.images.edit(image=image, prompt="a boat", stream=True, partial_images=2, extra_body=edit)
+    )
+    assert [e.type for e in streamed] == ["image_edit.partial_image"] * 2 + ["image_edit.completed"]
+    assert [e.partial_image_index for e in streamed[:2]] == [0, 1]
 
 
 def test_chat_completions_streamed_and_not(client):
@@ -196,6 +206,36 @@ def test_chat_completions_streamed_and_not(client):
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
     completion = client.completions.create(model="diffusion_lm", prompt="The sea is", max_tokens=16)
     assert completion.choices[0].text and completion.usage.completion_tokens > 0
+    # finish_reason is the model's FINISH_REASON: "length" when every token asked for was generated.
+    reason = completion.choices[0].finish_reason
+    assert reason == ("length" if completion.usage.completion_tokens == 16 else "stop")
+
+
+def test_service_tier_and_step_cache_reach_the_model(client):
+    chat = client.chat.completions.create(
+        model="diffusion_lm", messages=[{"role": "user", "content": "hi"}], max_tokens=8, service_tier="flex"
+    )
+    assert chat.choices[0].message.content is not None and chat.service_tier == "flex"
+    auto = client.chat.completions.create(
+        model="diffusion_lm", messages=[{"role": "user", "content": "hi"}], max_tokens=8, service_tier="auto"
+    )
+    assert auto.service_tier == "default"  # "auto": the model's default tier (nothing sent)
+    with pytest.raises(openai.BadRequestError) as tier:
+        client.chat.completions.create(
+            model="diffusion_lm", messages=[{"role": "user", "content": "hi"}], service_tier="scale"
+        )
+    assert tier.value.body["param"] == "service_tier" and "scale" in tier.value.body["message"]
+    image = client.images.generate(
+        prompt="x", extra_body={"service_tier": "priority", "step_cache": "none", "num_inference_steps": 2}
+    )
+    assert len(image.data) == 1
+    with pytest.raises(openai.BadRequestError) as tier:
+        client.images.generate(prompt="x", extra_body={"service_tier": "gold"})
+    assert tier.value.body["param"] == "service_tier"
+    # tiny-sd's UNet has no step cache: refused by the model, naming the field.
+    with pytest.raises(openai.BadRequestError) as cache:
+        client.images.generate(prompt="x", extra_body={"step_cache": "fbc:0.1"})
+    assert cache.value.body["param"] == "step_cache" and not cache.value.body["message"].endswith("]")
 
 
 def test_video_created_polled_downloaded_deleted(client):
@@ -230,7 +270,7 @@ def test_error_statuses_name_the_field(front, client):
         client.images.generate(prompt="x", size="4096x64")
     body = too_big.value.body
     assert body["param"] == "size" and body["message"].startswith("width: got 4096 (allowed: 64..512")
-    assert body["type"] == "invalid_request_error"
+    assert body["type"] == "invalid_request_error" and not body["message"].endswith("[INVALID_ARG]")
     with pytest.raises(openai.BadRequestError) as typo:
         client.images.generate(prompt="x", extra_body={"heigth": 64})
     assert "did you mean 'height'" in typo.value.body["message"]
@@ -366,7 +406,10 @@ PAGE_STATE = """({
 })"""
 
 
-@pytest.mark.skipif(shutil.which("chromium") is None, reason="no headless browser (Debian's chromium)")
+@pytest.mark.skipif(
+    shutil.which("chromium") is None,
+    reason="needs a headless browser: apt-get install chromium (.ci/run does, as root)",
+)
 def test_the_playground_page_generates_in_a_headless_browser(front, tmp_path):
     # ?autorun=1 submits the form once the model list has loaded; #key= sets the API key. The page is
     # read over the DevTools protocol until it shows a finished image or an error.

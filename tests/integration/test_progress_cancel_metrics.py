@@ -10,7 +10,7 @@ import uuid
 
 import numpy as np
 import tritonclient.grpc as grpcclient
-from diffusion_client import generate_many, generate_one
+from triton_diffusion_client import generate_many, generate_one
 
 from triton_diffusion.serving.server_process import read_metrics
 

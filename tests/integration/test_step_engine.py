@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 import torch
 import tritonclient.grpc as grpcclient
-from diffusion_client import StreamSession, generate_many, generate_one
 from PIL import Image
+from triton_diffusion_client import ImageSession, generate_many, generate_one
 
 from triton_diffusion.serving.server_process import WEIGHTS, read_metrics
 
@@ -299,7 +299,7 @@ def test_a_short_inpaint_request_sent_at_step_10_of_a_long_one_starts_at_once_an
             at_step_10.set()
 
     def run_long() -> None:
-        with StreamSession(server.grpc_url, "sd_step_slow") as session:
+        with ImageSession(server.grpc_url, "sd_step_slow") as session:
             results["long"] = session.generate(long, "long", 120, on_long)
         finished.append("long")
 
@@ -307,7 +307,7 @@ def test_a_short_inpaint_request_sent_at_step_10_of_a_long_one_starts_at_once_an
     thread.start()
     assert at_step_10.wait(60), "the long request never reached step 10"
     long_step_at_first: list[int] = []
-    with StreamSession(server.grpc_url, "sd_step_slow") as session:
+    with ImageSession(server.grpc_url, "sd_step_slow") as session:
         results["short"] = session.generate(
             {**short, "progress": True}, "short", 120, lambda p: long_step_at_first.append(long_step[0])
         )

@@ -12,8 +12,8 @@ from collections import defaultdict
 
 import numpy as np
 import pytest
-from diffusion_client import generate_many
 from PIL import Image
+from triton_diffusion_client import generate_many
 
 # Flux turns true CFG on for the whole call when any row has a negative prompt; > 1 makes it matter.
 FAMILY_FIELDS = {"text_to_image": {}, "text_to_image_flux": {"true_cfg_scale": 2.0}}

@@ -34,3 +34,11 @@ class RecordingChannel:
 
 def tracked(name: str, **channel: Any) -> TrackedRequest:
     return TrackedRequest(name, RecordingChannel(**channel))
+
+
+def deliver_errors(report: Any) -> None:
+    """What the serving host does with a step report's departures: the error an engine decided for a
+    request (a failure, a cancellation, a deadline) goes out (TrackedRequest.deliver; a no-op otherwise)."""
+    for left in report.left:
+        if left.reason != "finished":
+            left.job.request.deliver()

@@ -11,14 +11,16 @@ from typing import Any
 import numpy as np
 from diffusers import AutoPipelineForImage2Image, AutoPipelineForInpainting, DiffusionPipeline
 
-from tests.unit.recording import RecordingChannel
+from tests.unit.recording import RecordingChannel, deliver_errors
 from triton_diffusion.adapters.diffusers_pipeline import SchedulerChoices, row_generator
-from triton_diffusion.adapters.latent_steps import ImageRequest
+from triton_diffusion.adapters.image_requests import ImageRequest
 from triton_diffusion.engine.jobs import Job, StepReport
 from triton_diffusion.engine.requests import TrackedRequest
-from triton_diffusion.engine.step_engine import EngineLimits, StepEngine
+from triton_diffusion.engine.scheduler import EngineLimits
+from triton_diffusion.engine.step_engine import StepEngine
 from triton_diffusion.families import PipelineFacts
 from triton_diffusion.serving.server_process import WEIGHTS
+from triton_diffusion.settings import parse_names
 from triton_diffusion.tiny_models import build_missing
 
 
@@ -33,7 +35,7 @@ def load_family(
     if scheduler is not None:
         pipe.scheduler = scheduler()
     facts = PipelineFacts.of(pipe)
-    return pipe, facts, SchedulerChoices(pipe, facts, scheduler_choices, name)
+    return pipe, facts, SchedulerChoices(pipe, facts, parse_names(scheduler_choices or ""), name)
 
 
 class Host:
@@ -49,8 +51,9 @@ class Host:
     def render(self, report: StepReport) -> None:
         for finished in report.finished:
             finished.job.request.finish({self.output: finished.output})
+        deliver_errors(report)
         self.forwards.extend(forward.images for forward in report.forwards)
-        self.model_rows.extend(forward.model_rows for forward in report.forwards)
+        self.model_rows.extend(forward.rows for forward in report.forwards)
         self.previews.extend(s.snapshot for s in report.stepped if s.snapshot is not None)
 
 

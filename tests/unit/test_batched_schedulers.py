@@ -21,14 +21,15 @@ import numpy as np
 import pytest
 import torch
 
-from triton_diffusion.adapters.batched_schedulers import (
+from triton_diffusion.adapters.image_requests import LatentJob
+from triton_diffusion.adapters.latent_loop import LatentStepAdapter
+from triton_diffusion.adapters.schedulers import (
     batched_step,
     can_batch,
     can_batch_step,
     guide,
     scale_model_inputs,
 )
-from triton_diffusion.adapters.latent_steps import LatentJob, LatentStepAdapter
 from triton_diffusion.engine.jobs import Job
 from triton_diffusion.families import PipelineTraits
 from triton_diffusion.serving.server_process import WEIGHTS
@@ -558,7 +559,8 @@ def test_the_adapter_step_equals_each_jobs_own_and_a_failing_scheduler_fails_onl
         rows += 1 if guidance is None else 2
     predictions = torch.randn(rows, *SHAPE, generator=torch.Generator().manual_seed(99))
     adapter = ForwardOnly(predictions)
-    assert adapter.step(jobs) == []
+    result = adapter.step(jobs)
+    assert not any(step.done for step in result.steps)  # nobody's last step
     assert "vectorised DDIMScheduler step of 3 jobs failed" in caplog.text  # then redone job by job
 
     inputs, row = [], 0
@@ -568,7 +570,7 @@ def test_the_adapter_step_equals_each_jobs_own_and_a_failing_scheduler_fails_onl
         if i == len(specs) - 1:
             with pytest.raises(IndexError):
                 scheduler.step(predictions[row : row + 1], t, latents, **kwargs)
-            assert job.failure is not None and job.failure.startswith("IndexError")
+            assert result.steps[i].error is not None and result.steps[i].error.startswith("IndexError")
             break
         x = scheduler.scale_model_input(latents, t)
         inputs += [x] if guidance is None else [x, x]
@@ -579,7 +581,7 @@ def test_the_adapter_step_equals_each_jobs_own_and_a_failing_scheduler_fails_onl
             noise = uncond + guidance * (cond - uncond)
         row += 1 if guidance is None else 2
         expected = scheduler.step(noise, t, latents, **kwargs, return_dict=False)[0]
-        assert job.failure is None, i
+        assert result.steps[i].error is None, i
         assert torch.equal(job.state.latents, expected), i
         assert_same(vars(job.state.scheduler), vars(scheduler), f"job {i} state")
     assert torch.equal(adapter.inputs[0][: len(inputs)], torch.cat(inputs))

@@ -27,7 +27,7 @@ from triton_diffusion.adapters.captured_forwards import (
     row_buckets,
     signature,
 )
-from triton_diffusion.adapters.latent_steps import ImageRequest
+from triton_diffusion.adapters.image_requests import ImageRequest
 from triton_diffusion.adapters.step_adapters import step_adapter_for
 from triton_diffusion.engine.jobs import Job
 from triton_diffusion.models.text_to_image import TextToImageModel
@@ -203,8 +203,9 @@ def test_every_image_equals_the_pipelines_own_with_every_forward_padded_to_its_b
 
 def load_model(**config) -> TextToImageModel:
     build_missing(WEIGHTS, only=["tiny-sd"])
+    texts = {"model": str(WEIGHTS / "tiny-sd"), **{k: str(v).lower() for k, v in config.items()}}
     settings = ModelSettings(
-        "m", WEIGHTS, ModelConfig(model=str(WEIGHTS / "tiny-sd"), **config), {}, 4, "CPU", 0
+        "m", WEIGHTS, ModelConfig.parse(texts, ("image", "image_source"), [], "m"), {}, 4, "CPU", 0
     )
     model = TextToImageModel()
     model.fields, model.adapter = model.load(settings)
@@ -225,7 +226,7 @@ def test_cuda_graphs_is_refused_with_loras_and_bad_sizes_and_ignored_on_a_cpu(ca
     assert any("cuda_graphs ignored: the model runs on cpu" in r.message for r in caplog.records)
     # What a GPU would capture at load: a forward of each configured size, at every bucket.
     settings = ModelSettings(
-        "m", WEIGHTS, replace(model.settings.config, cuda_graph_sizes="128x64"), {}, 4, "CPU", 0
+        "m", WEIGHTS, replace(model.settings.config, cuda_graph_sizes=((128, 64),)), {}, 4, "CPU", 0
     )
     warm = model.warm_up_requests(settings, model.fields)
     assert [(r.width, r.height) for r in warm] == [(128, 64)]

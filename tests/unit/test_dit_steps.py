@@ -16,7 +16,7 @@ import pytest
 
 from tests.unit.step_harness import Host, assert_each_image_equals_the_pipelines_own, load_family, run_engine
 from triton_diffusion.adapters.dit import DiTAdapter
-from triton_diffusion.adapters.latent_steps import ImageRequest
+from triton_diffusion.adapters.image_requests import ImageRequest
 from triton_diffusion.adapters.step_adapters import step_adapter_for
 
 # weights -> scheduler_choices (PixArt also with Euler: per-row scale_model_input and init_noise_sigma).

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from tests.unit.recording import RecordingChannel
+from tests.unit.recording import RecordingChannel, deliver_errors
 from triton_diffusion.adapters.diffusion_lm_adapter import (
     DecodingRequest,
     DiffusionLMAdapter,
@@ -30,9 +30,10 @@ from triton_diffusion.adapters.masked_diffusion import (
 from triton_diffusion.adapters.masked_lm import MaskedLMForward
 from triton_diffusion.engine.jobs import Job, StepReport
 from triton_diffusion.engine.requests import TrackedRequest
-from triton_diffusion.engine.step_engine import EngineLimits, StepEngine
+from triton_diffusion.engine.scheduler import EngineLimits
+from triton_diffusion.engine.step_engine import StepEngine
 from triton_diffusion.errors import ErrorCode, RequestError
-from triton_diffusion.serving.engine_host import EngineWorker
+from triton_diffusion.serving.engine_worker import EngineWorker
 from triton_diffusion.tiny_models import build_tiny_dllm
 
 
@@ -78,10 +79,11 @@ class Recorder:
         for stepped in report.stepped:
             self.on_stepped(stepped.job)
         for forward in report.forwards:  # one forward per engine step: its jobs are the ones stepped
-            self.forwards.append((forward.model_rows, forward.images))
+            self.forwards.append((forward.rows, forward.images))
             self.lengths.append({stepped.job.state.x.shape[0] for stepped in report.stepped})
         for finished in report.finished:
             self.on_finished(finished.job, finished.output)
+        deliver_errors(report)
         for left in report.left:
             self.on_left(left.job, left.reason)
 

@@ -38,12 +38,23 @@ class Stats:
         self.oom_splits = sum(r.oom_split for r in reports)
 
 
+def executor_for(pipeline, tracked_requests, on_call=None) -> FusedCallExecutor:
+    """The executor as the request-level engine wires it: a request's error is decided (``end``) and the
+    host delivers it (here after the run, by :func:`deliver`)."""
+    return FusedCallExecutor(pipeline, lambda i, error: tracked_requests[i].end(error), on_call)
+
+
+def deliver(tracked_requests) -> None:
+    for request in tracked_requests.values():
+        request.deliver()
+
+
 def run(pipeline, rows_per_request, max_rows=8):
     requests = [PlannedRequest(i, KEY, n) for i, n in enumerate(rows_per_request)]
     calls = plan_groups(requests, RowCaps(max_rows).cap_for)
     reports = []
-    executor = FusedCallExecutor(pipeline, reports.append)
     tracked_requests = {r.index: tracked(str(r.index)) for r in requests}
+    executor = executor_for(pipeline, tracked_requests, reports.append)
     done = {}
 
     def on_complete(i, outputs, records):
@@ -51,6 +62,7 @@ def run(pipeline, rows_per_request, max_rows=8):
         done[i] = (outputs, records)
 
     executor.run(calls, tracked_requests, {r.index: r.rows for r in requests}, on_complete)
+    deliver(tracked_requests)
     finals = {i: t.channel.finals for i, t in tracked_requests.items()}
     assert all(len(f) == 1 for f in finals.values()), finals  # exactly one answer per request
     failed = {i: f[0] for i, f in finals.items() if isinstance(f[0], RequestError)}
@@ -117,17 +129,18 @@ def test_a_request_ended_during_a_call_is_answered_once_and_its_rows_are_ignored
     executor = None
 
     def pipeline(key, rows):
-        if any(r.request_index == 1 for r in rows):
-            executor.fail(1, RequestError(ErrorCode.CANCELLED, "cancelled after step 2/4"))
+        if any(r.request_index == 1 for r in rows):  # what CallSteps does between two steps
+            tracked_requests[1].end(RequestError(ErrorCode.CANCELLED, "cancelled after step 2/4"))
         return [None if r.request_index == 1 else "img" for r in rows]
 
     done = {}
     requests = [PlannedRequest(i, KEY, 2) for i in range(3)]
     tracked_requests = {r.index: tracked(str(r.index)) for r in requests}
-    executor = FusedCallExecutor(pipeline)
+    executor = executor_for(pipeline, tracked_requests)
     calls = plan_groups(requests, RowCaps(4).cap_for)  # request 1 spans both calls
     rows = {r.index: r.rows for r in requests}
     executor.run(calls, tracked_requests, rows, lambda i, o, c: done.setdefault(i, o))
+    deliver(tracked_requests)
     assert set(done) == {0, 2}
     assert [e.code for e in tracked_requests[1].channel.finals] == [ErrorCode.CANCELLED]
 
@@ -137,7 +150,9 @@ def test_a_request_cancelled_while_waiting_for_a_later_call_never_starts():
     requests = [PlannedRequest(i, KEY, 1) for i in range(3)]
     tracked_requests = {0: tracked("0"), 1: tracked("1"), 2: tracked("2", cancelled=True)}
     calls = plan_groups(requests, RowCaps(2).cap_for)  # [0, 1] then [2]
-    FusedCallExecutor(pipeline).run(calls, tracked_requests, {i: 1 for i in range(3)}, lambda i, o, c: None)
+    executor = executor_for(pipeline, tracked_requests)
+    executor.run(calls, tracked_requests, {i: 1 for i in range(3)}, lambda i, o, c: None)
+    deliver(tracked_requests)
     assert pipeline.calls == [[(0, 0), (1, 0)]]  # request 2 was asked before its call and never ran
     assert [e.code for e in tracked_requests[2].channel.finals] == [ErrorCode.CANCELLED]
 
@@ -175,7 +190,8 @@ def test_a_failed_device_is_not_retried_its_call_is_answered_unavailable_and_the
     calls = plan_groups(requests, RowCaps(8).cap_for)
     held = {r.index: tracked(str(r.index)) for r in requests}
     with pytest.raises(DeviceLostError):
-        FusedCallExecutor(pipeline).run(calls, held, {r.index: 1 for r in requests}, lambda *a: None)
+        executor_for(pipeline, held).run(calls, held, {r.index: 1 for r in requests}, lambda *a: None)
+    deliver(held)
     assert len(pipeline.calls) == 1  # no bisection: every retry would fail too
     for request in held.values():
         (final,) = request.channel.finals

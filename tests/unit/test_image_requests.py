@@ -5,13 +5,16 @@ name the field."""
 from __future__ import annotations
 
 import io
+from pathlib import Path
 
 import pytest
 from PIL import Image
 
+from tests.unit.recording import tracked
 from triton_diffusion.errors import RequestError
 from triton_diffusion.models.text_to_image import TEXT_TO_IMAGE_FIELDS, TextToImageModel
-from triton_diffusion.settings import ModelConfig
+from triton_diffusion.serving.engines import StepEngineKind
+from triton_diffusion.settings import ModelConfig, ModelSettings
 
 
 class FakeAdapter:
@@ -25,7 +28,10 @@ class FakeAdapter:
 def model(starts: tuple[str, ...] = ("text", "image", "mask")) -> TextToImageModel:
     m = TextToImageModel.__new__(TextToImageModel)
     m.OPTIONAL_CALL_FIELDS = ()
-    unsupported = m.load_sources(ModelConfig(max_image_pixels=512 * 512), FakeAdapter(starts))
+    config = ModelConfig(max_image_pixels=512 * 512)
+    m.settings = ModelSettings("m", Path("."), config, {}, 8, "CPU", 0)
+    m.engine_kind = StepEngineKind(None, m.step_request)
+    unsupported = m.load_sources(config, FakeAdapter(starts))
     defaults = {"default_height": "64", "default_width": "96", "default_num_inference_steps": "4"}
     m.fields = TEXT_TO_IMAGE_FIELDS.configured(
         {**defaults, "height_multiple_of": "8", "width_multiple_of": "8", "max_mask_image_length": "5000"},
@@ -41,7 +47,7 @@ def png(width: int, height: int, color: tuple[int, int, int] = (200, 40, 90)) ->
 
 
 def read(m: TextToImageModel, **raw) -> dict:
-    return m.parse(0, {"prompt": "p", "seed": 1, **raw}, None).values
+    return m.parse(0, {"prompt": "p", "seed": 1, **raw}, tracked("r")).values
 
 
 def test_a_text_only_request_is_unchanged():

@@ -5,7 +5,7 @@ from PIL import Image
 
 from triton_diffusion.errors import RequestError
 from triton_diffusion.models.image_to_image import IMAGE_TO_IMAGE_FIELDS, ImageToImageModel
-from triton_diffusion.models.text_to_image import parse_buckets
+from triton_diffusion.settings import parse_sizes
 
 
 def model(buckets="", max_size=512):
@@ -18,7 +18,7 @@ def model(buckets="", max_size=512):
             "max_width": str(max_size),
         }
     )
-    m.buckets = parse_buckets(buckets)
+    m.buckets = parse_sizes(buckets)
     return m
 
 

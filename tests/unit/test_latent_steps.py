@@ -26,7 +26,7 @@ from tests.unit.step_harness import (
     run_engine,
     served,
 )
-from triton_diffusion.adapters.latent_steps import ImageRequest
+from triton_diffusion.adapters.image_requests import ImageRequest
 from triton_diffusion.adapters.step_adapters import step_adapter_for
 
 FAMILIES = {

@@ -15,7 +15,7 @@ from diffusers import DiffusionPipeline
 
 from tests.unit.step_harness import call_arguments, run_engine, served
 from triton_diffusion.adapters.diffusers_pipeline import SchedulerChoices
-from triton_diffusion.adapters.latent_steps import ImageRequest
+from triton_diffusion.adapters.image_requests import ImageRequest
 from triton_diffusion.adapters.lora import (
     LoraLimits,
     load_loras,
@@ -23,12 +23,12 @@ from triton_diffusion.adapters.lora import (
     lora_set,
     lora_text,
     parse_lora,
-    parse_lora_paths,
 )
 from triton_diffusion.adapters.step_adapters import step_adapter_for
 from triton_diffusion.errors import RequestError
 from triton_diffusion.families import PipelineFacts
 from triton_diffusion.serving.server_process import WEIGHTS
+from triton_diffusion.settings import ModelConfig, parse_lora_paths
 from triton_diffusion.tiny_models import build_missing
 
 LIMITS = LoraLimits(("ink", "neon"), max_scale=2.0, max_per_request=2)
@@ -72,10 +72,10 @@ def test_too_many_adapters_are_refused():
 
 # ---- loading ------------------------------------------------------------------------------------
 def test_config_paths_and_files_safetensors_only(tmp_path):
-    assert parse_lora_paths('{"ink": "a/b"}', "m") == {"ink": "a/b"}
+    assert parse_lora_paths('{"ink": "a/b"}') == {"ink": "a/b"}
     for bad in ('["x"]', '{"ink": 3}', "{", '{"a,b": "x"}', '{"a:b": "x"}'):
-        with pytest.raises(ValueError, match="loras|LoRA name"):
-            parse_lora_paths(bad, "m")
+        with pytest.raises(ValueError, match="loras|LoRA name|JSON|name"):
+            ModelConfig.parse({"loras": bad}, ["image_source"], [], "m")
     (tmp_path / "pickled").mkdir()
     (tmp_path / "pickled" / "pytorch_lora_weights.bin").write_bytes(b"\x80\x04")
     (tmp_path / "adapter.bin").write_bytes(b"\x80\x04")
@@ -147,7 +147,7 @@ def reference(pipe, facts, request: ImageRequest):
 def test_rows_with_different_adapters_share_forwards_and_each_equals_diffusers_set_adapters(lora_family):
     pipe, bank, reference_pipe = lora_family
     facts = PipelineFacts.of(pipe)
-    schedulers = SchedulerChoices(pipe, facts, None, "m")
+    schedulers = SchedulerChoices(pipe, facts, (), "m")
     adapter = step_adapter_for(pipe, facts, schedulers, None)
     adapter.loras = bank
     requests = [

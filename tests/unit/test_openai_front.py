@@ -1,5 +1,6 @@
-"""The OpenAI front's pure logic: limits applied before parsing, request translation, error shaping, keys,
-partial-image choice, video job bounds; and the app's answers that need no Triton (401, 413, 404, 503)."""
+"""The OpenAI front's pure logic: limits applied before parsing, request translation, error shaping by the
+models' error tags, keys, video job bounds, the model catalog built from MODEL_INFO; and the app's answers
+against fakes of Triton (401, 413, 404, 503, partial images, finish reasons)."""
 
 from __future__ import annotations
 
@@ -15,41 +16,71 @@ import time
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
+from triton_diffusion_client.streams import StreamPool
 
-from triton_diffusion.errors import RequestError
+from triton_diffusion.errors import ErrorCode, RequestError
 from triton_diffusion.fields import Field, FieldSet
 from triton_diffusion.openai_front.app import create_app, require_key
 from triton_diffusion.openai_front.errors import ApiError, from_triton_message
 from triton_diffusion.openai_front.front_state import FrontState
+from triton_diffusion.openai_front.image_translation import IMAGE_OPENAI_NAMES, image_call, result_size
 from triton_diffusion.openai_front.keys import check_bearer, key_owner, load_keys
 from triton_diffusion.openai_front.limits import Limits, json_depth, parse_form, parse_json_object
-from triton_diffusion.openai_front.translation import (
-    IMAGE_OPENAI_NAMES,
-    PartialImagePicker,
+from triton_diffusion.openai_front.text_translation import (
     chat_prompt,
     completion_response,
     decode_schedule,
-    form_value,
-    frames_for_seconds,
-    image_call,
-    parse_size,
-    preview_every,
+    schedule_defaults,
     text_call,
-    video_call,
 )
+from triton_diffusion.openai_front.translation import form_value, parse_size
 from triton_diffusion.openai_front.triton_bridge import (
     ModelInfo,
-    StreamPool,
     TritonBridge,
     TritonRequest,
     TritonResponse,
-    config_defaults,
-    model_kind,
+    model_info,
 )
 from triton_diffusion.openai_front.video_jobs import COMPLETED, FAILED, VideoJob, VideoJobs, VideoLimits
+from triton_diffusion.openai_front.video_translation import frames_for_seconds, video_call
 from triton_diffusion.serving import launcher
 
 LIMITS = Limits()
+# Field types as MODEL_INFO names them (the rest are strings).
+TYPES = {
+    "seed": "integer",
+    "num_images_per_prompt": "integer",
+    "height": "integer",
+    "width": "integer",
+    "num_inference_steps": "integer",
+    "guidance_scale": "number",
+    "strength": "number",
+    "progress": "boolean",
+    "preview_every": "integer",
+    "previews": "integer",
+    "describe": "boolean",
+    "num_videos_per_prompt": "integer",
+    "num_frames": "integer",
+    "fps": "integer",
+    "gen_length": "integer",
+    "block_length": "integer",
+    "steps": "integer",
+    "temperature": "number",
+    "cfg_scale": "number",
+    "apply_chat_template": "boolean",
+    "stream": "boolean",
+}
+
+
+def described(name: str, kind: str, names: list[str], **defaults) -> ModelInfo:
+    """A model as its MODEL_INFO describes it: ``names`` its fields, ``defaults`` their defaults."""
+    fields = {
+        n: {"type": TYPES.get(n, "string"), "default": defaults.get(n), "supported": True} for n in names
+    }
+    return ModelInfo(name, kind, fields, "default")
+
+
+COMMON_FIELDS = ["service_tier", "timeout", "describe"]
 IMAGE_FIELDS = [
     "prompt",
     "negative_prompt",
@@ -62,23 +93,14 @@ IMAGE_FIELDS = [
     "scheduler",
     "output_format",
     "output_encoding",
+    "step_cache",
     "progress",
     "preview_every",
+    "previews",
+    *COMMON_FIELDS,
 ]
-TYPES = {
-    "seed": "INT64",
-    "num_images_per_prompt": "INT32",
-    "height": "INT32",
-    "width": "INT32",
-    "num_inference_steps": "INT32",
-    "guidance_scale": "FP32",
-    "progress": "BOOL",
-    "preview_every": "INT32",
-}
-IMAGE_MODEL = ModelInfo("text_to_image", "text_to_image", {n: TYPES.get(n, "BYTES") for n in IMAGE_FIELDS})
-EDIT_MODEL = ModelInfo(
-    "image_to_image", "image_to_image", {**IMAGE_MODEL.inputs, "image": "BYTES", "strength": "FP32"}
-)
+IMAGE_MODEL = described("text_to_image", "text_to_image", IMAGE_FIELDS)
+EDIT_MODEL = described("image_to_image", "image_to_image", [*IMAGE_FIELDS, "image", "strength"])
 LM_FIELDS = [
     "prompt",
     "apply_chat_template",
@@ -89,22 +111,21 @@ LM_FIELDS = [
     "cfg_scale",
     "seed",
     "stream",
+    *COMMON_FIELDS,
 ]
-LM_MODEL = ModelInfo("diffusion_lm", "text_generation", {n: "BYTES" for n in LM_FIELDS})
-VIDEO_MODEL = ModelInfo(
+LM_MODEL = described("diffusion_lm", "text_generation", LM_FIELDS, gen_length=64, block_length=16, steps=32)
+VIDEO_FIELDS = ["prompt", "seed", "height", "width", "num_inference_steps", "num_videos_per_prompt"]
+VIDEO_MODEL = described(
     "text_to_video",
     "text_to_video",
-    {
-        **{n: IMAGE_MODEL.inputs[n] for n in ("prompt", "seed", "height", "width", "num_inference_steps")},
-        "num_videos_per_prompt": "INT32",
-        "num_frames": "INT32",
-        "fps": "INT32",
-        "output_format": "BYTES",
-        "output_encoding": "BYTES",
-        "progress": "BOOL",
-        "preview_every": "INT32",
-    },
+    [*VIDEO_FIELDS, "num_frames", "fps", "output_format", "output_encoding", "progress", "preview_every"],
+    fps=16,
 )
+
+
+def tagged(message: str, code: ErrorCode) -> str:
+    """A model's error as it reaches the front: its code as the tag at the end (serving/triton_io.py)."""
+    return f"{message} [{code.value}]"
 
 
 def raises_api_error(status: int, param: str | None, *args, call) -> ApiError:
@@ -156,24 +177,49 @@ def test_multipart_limits_on_files_fields_and_part_size():
 def test_triton_messages_become_openai_errors():
     fields = set(IMAGE_FIELDS)
     error = from_triton_message(
-        "height: got 100 (allowed: 64..512, multiple of 8)", fields, IMAGE_OPENAI_NAMES
+        tagged("height: got 100 (allowed: 64..512, multiple of 8)", ErrorCode.INVALID_ARG),
+        fields,
+        IMAGE_OPENAI_NAMES,
     )
     assert (error.status, error.param) == (400, "size")
     assert error.body()["error"] == {
-        "message": "height: got 100 (allowed: 64..512, multiple of 8)",  # the model's own words
+        "message": "height: got 100 (allowed: 64..512, multiple of 8)",  # the model's own words, no tag
         "type": "invalid_request_error",
         "param": "size",
         "code": "invalid_value",
     }
-    assert from_triton_message("seed: must be an integer, got str 'x'", fields).param == "seed"
-    unknown = from_triton_message("heigth: unknown field; did you mean 'height'? (known: ...)", fields)
+    seed = from_triton_message(tagged("seed: must be an integer, got str 'x'", ErrorCode.INVALID_ARG), fields)
+    assert (seed.status, seed.param) == (400, "seed")
+    unknown = from_triton_message(
+        tagged("heigth: unknown field; did you mean 'height'? (known: ...)", ErrorCode.INVALID_ARG), fields
+    )
     assert (unknown.status, unknown.param) == (400, "heigth")
-    assert from_triton_message("RuntimeError: boom", fields).status == 500  # not a field of the model
-    assert from_triton_message("denoising step failed: injected failure", fields).status == 500
+    internal = from_triton_message(tagged("denoising step failed: boom", ErrorCode.INTERNAL), fields)
+    assert (internal.status, internal.message) == (500, "denoising step failed: boom")
+    unavailable = from_triton_message(tagged("out of memory; retry", ErrorCode.UNAVAILABLE), fields)
+    assert (unavailable.status, unavailable.code) == (503, "service_unavailable")
+    assert from_triton_message(tagged("cancelled after step 3", ErrorCode.CANCELLED), fields).status == 499
+    # Untagged: Triton's own words, the only messages still classified by what they say.
     stub = "Failed to process the request(s) for model 'm', message: Stub process 'm_0_0' is not healthy."
     assert from_triton_message(stub, fields).status == 503
-    assert from_triton_message("out of memory; the model is restarting", fields).status == 503
-    assert from_triton_message("cancelled after step 3", fields).status == 499
+    assert from_triton_message("RuntimeError: boom", fields).status == 500
+    assert from_triton_message("seed: must be an integer", fields).status == 500  # no tag: not a model's
+
+
+def test_the_tag_decides_the_status_not_the_words():
+    fields = set(IMAGE_FIELDS)
+    words = "scheduler: 'Unavailable' is unavailable here; the model is restarting, out of memory"
+    refused = from_triton_message(tagged(words, ErrorCode.INVALID_ARG), fields)
+    assert (refused.status, refused.param, refused.message) == (400, "scheduler", words)
+    failed = from_triton_message(tagged("seed: cancelled", ErrorCode.INTERNAL), fields)
+    assert (failed.status, failed.param) == (500, None)  # a field's name first does not make it a 400
+    busy = from_triton_message(tagged("width: the model is busy", ErrorCode.UNAVAILABLE), fields)
+    assert (busy.status, busy.message) == (503, "width: the model is busy")
+    # A tag names its code exactly; brackets elsewhere in the message are the model's words.
+    odd = from_triton_message("prompt: got '[INVALID_ARG]x' [INTERNAL]", fields)
+    assert (odd.status, odd.message) == (500, "prompt: got '[INVALID_ARG]x'")
+    with_id = from_triton_message(tagged("[request id: oai-1] seed: got 'x'", ErrorCode.INVALID_ARG), fields)
+    assert (with_id.status, with_id.param) == (400, "seed")
 
 
 # ---- translation -----------------------------------------------------------------------------------------
@@ -211,10 +257,13 @@ def test_image_generation_translation():
         "height": 64,
     }  # quality ignored
     assert not call.stream and call.size == "96x64"
+    # The model spreads the previews over the steps it runs: the front asks for as many as partial images.
     streamed = image_call({"prompt": "x", "stream": True, "partial_images": 2}, {}, IMAGE_MODEL, LIMITS)
-    assert (
-        streamed.request.parameters["progress"] is True and streamed.request.parameters["preview_every"] == 1
-    )
+    assert {k: streamed.request.parameters.get(k) for k in ("progress", "previews", "preview_every")} == {
+        "progress": True,
+        "previews": 2,
+        "preview_every": None,
+    }
     plain_stream = image_call({"prompt": "x", "stream": True}, {}, IMAGE_MODEL, LIMITS)
     assert "progress" not in plain_stream.request.parameters
 
@@ -230,6 +279,8 @@ def test_image_generation_translation():
         ({"prompt": "x", "partial_images": 4}, "partial_images", "allowed: 0..3"),
         ({"prompt": "x", "num_images_per_prompt": 2}, "num_images_per_prompt", "send n instead"),
         ({"prompt": "x", "output_encoding": "base64"}, "output_encoding", "send response_format instead"),
+        ({"prompt": "x", "previews": 2}, "previews", "send partial_images instead"),
+        ({"prompt": "x", "describe": True}, "describe", "describe: is not sent through the OpenAI front"),
         ({"prompt": "x", "seed": [1]}, "seed", "seed: must be a single value, got list"),
         ({"prompt": "x", "seed": 2**64}, "seed", "allowed: a 64-bit integer at most"),
         ({"prompt": "x", "priority": 1}, "priority", "priority: unknown field"),
@@ -238,6 +289,52 @@ def test_image_generation_translation():
 def test_image_requests_refused_by_the_front_name_the_parameter(params, param, words):
     error = raises_api_error(400, param, params, {}, IMAGE_MODEL, LIMITS, call=image_call)
     assert words in error.message
+
+
+def test_height_width_and_num_frames_are_our_fields_where_size_and_seconds_are_absent():
+    # The `openai` package's size literals need not list a model's sizes: height and width as extras.
+    call = image_call({"prompt": "x", "height": 64, "width": 96}, {}, IMAGE_MODEL, LIMITS)
+    assert call.request.parameters["width"] == 96 and call.request.parameters["height"] == 64
+    assert call.size == "96x64"
+    model_error = from_triton_message(
+        tagged("height: got 100 (allowed: ...)", ErrorCode.INVALID_ARG),
+        set(IMAGE_FIELDS),
+        call.request.openai_names,
+    )
+    assert model_error.param == "height"  # the model's error names the field the client sent
+    edit = image_call({"prompt": "x", "height": "64"}, {"IMAGE": b"png"}, EDIT_MODEL, LIMITS, from_form=True)
+    assert edit.request.parameters["height"] == 64 and edit.size is None
+    # Sent with size too: they must agree, and the model's errors then name size.
+    same = image_call({"prompt": "x", "size": "96x64", "height": 64}, {}, IMAGE_MODEL, LIMITS)
+    assert same.request.parameters["height"] == 64 and same.request.openai_names["height"] == "size"
+    error = raises_api_error(
+        400, "width", {"prompt": "x", "size": "96x64", "width": 64}, {}, IMAGE_MODEL, LIMITS, call=image_call
+    )
+    assert error.message == "width: got 64, but size 96x64 gives 96 (send one of them)"
+    video = video_call({"prompt": "x", "height": 64, "width": 96, "num_frames": 13}, VIDEO_MODEL, False)
+    assert {k: video.request.parameters[k] for k in ("width", "height", "num_frames")} == {
+        "width": 96,
+        "height": 64,
+        "num_frames": 13,
+    }
+    assert video.size == "96x64" and video.request.openai_names == {}
+    agreed = video_call({"prompt": "x", "seconds": "1", "fps": 8, "num_frames": 9}, VIDEO_MODEL, False)
+    assert (
+        agreed.request.parameters["num_frames"] == 9
+        and agreed.request.openai_names["num_frames"] == "seconds"
+    )
+    error = raises_api_error(
+        400,
+        "num_frames",
+        {"prompt": "x", "seconds": "1", "fps": 8, "num_frames": 13},
+        VIDEO_MODEL,
+        False,
+        call=video_call,
+    )
+    assert "but seconds 1 at 8 fps gives 9" in error.message
+    raises_api_error(
+        400, "height", {"prompt": "x", "size": "64x64", "height": 96}, VIDEO_MODEL, False, call=video_call
+    )
 
 
 def test_unknown_fields_get_the_models_own_message():
@@ -269,24 +366,12 @@ def test_form_fields_take_the_models_input_types():
     assert call.request.parameters["seed"] == 7 and call.request.parameters["strength"] == 0.5
     assert call.request.parameters["num_images_per_prompt"] == 2 and call.stream
     assert call.request.tensors == {"PROMPT": b"x", "IMAGE": b"png"}
-    assert form_value("progress", "off", "BOOL") is False
-    raises_api_error(400, "seed", "seed", "7x", "INT64", call=form_value)
-    raises_api_error(400, "seed", "seed", "1" * 30, "INT64", call=form_value)
-    raises_api_error(400, "strength", "strength", "half", "FP32", call=form_value)
-    raises_api_error(400, "progress", "progress", "maybe", "BOOL", call=form_value)
-
-
-def test_partial_images_are_spread_over_the_steps():
-    def picked(count, total):
-        picker = PartialImagePicker(count)
-        return [step for step in range(1, total + 1) if picker.take(step, total) is not None]
-
-    assert picked(2, 4) == [2, 3]
-    assert picked(3, 4) == [1, 2, 3]
-    assert picked(1, 10) == [5]
-    assert picked(2, 30) == [10, 20]
-    assert picked(3, 2) == [1]  # never more than the steps before the last
-    assert picked(0, 10) == []
+    assert form_value("progress", "off", "boolean") is False
+    assert form_value("scheduler", "7", "string") == "7"
+    raises_api_error(400, "seed", "seed", "7x", "integer", call=form_value)
+    raises_api_error(400, "seed", "seed", "1" * 30, "integer", call=form_value)
+    raises_api_error(400, "strength", "strength", "half", "number", call=form_value)
+    raises_api_error(400, "progress", "progress", "maybe", "boolean", call=form_value)
 
 
 def test_max_tokens_gives_a_schedule_the_model_accepts():
@@ -298,6 +383,15 @@ def test_max_tokens_gives_a_schedule_the_model_accepts():
         assert schedule["gen_length"] == max_tokens and schedule["block_length"] <= 16
     assert decode_schedule(64, 32, None) == {"gen_length": 64, "steps": 32}
     assert decode_schedule(64, 16, 8) == {"gen_length": 64}  # the client's values are the model's to check
+    # Block size and tokens per step follow the model's own default schedule (its MODEL_INFO).
+    assert schedule_defaults(LM_MODEL) == (16, 2.0)
+    assert schedule_defaults(described("lm", "text_generation", LM_FIELDS)) == (16, 2.0)  # none given
+    wide = described("lm", "text_generation", LM_FIELDS, gen_length=128, block_length=32, steps=128)
+    assert decode_schedule(64, None, None, *schedule_defaults(wide)) == {
+        "gen_length": 64,
+        "block_length": 32,
+        "steps": 64,
+    }
 
 
 def test_chat_messages_become_one_prompt():
@@ -345,10 +439,15 @@ def test_chat_and_completion_translation():
         "apply_chat_template": True,
         "stream": True,
     }
-    assert chat.stream and chat.include_usage and chat.gen_length == 32
+    assert chat.stream and chat.include_usage and chat.service_tier == "default"  # the model's default
     completion = text_call({"prompt": ["The sea"]}, LM_MODEL, LIMITS, chat=False)
     assert completion.request.tensors == {"PROMPT": b"The sea"}
     assert completion.request.parameters == {"apply_chat_template": False, "stream": False}
+    # OpenAI's service_tier is the model's field of that name; "auto" is the model's default: not sent.
+    flex = text_call({"prompt": "x", "service_tier": "flex"}, LM_MODEL, LIMITS, chat=False)
+    assert flex.request.parameters["service_tier"] == "flex" and flex.service_tier == "flex"
+    auto = text_call({"prompt": "x", "service_tier": "auto"}, LM_MODEL, LIMITS, chat=False)
+    assert "service_tier" not in auto.request.parameters and auto.service_tier == "default"
     for body, param in (
         ({"prompt": "x", "n": 2}, "n"),
         ({"prompt": "x", "stop": ["\n"]}, "stop"),
@@ -373,6 +472,12 @@ def test_video_translation():
     assert (
         video_call({"prompt": "x", "num_frames": 5}, VIDEO_MODEL, False).request.parameters["num_frames"] == 5
     )
+    assert video_call({"prompt": "x", "seconds": "1", "fps": "8", "num_frames": "9"}, VIDEO_MODEL, True)
+    # Without fps, seconds count at the model's default fps (its MODEL_INFO): 16 here.
+    assert (
+        video_call({"prompt": "x", "seconds": "1"}, VIDEO_MODEL, False).request.parameters["num_frames"] == 17
+    )
+    raises_api_error(400, "previews", {"prompt": "x", "previews": 2}, VIDEO_MODEL, False, call=video_call)
     raises_api_error(
         400, "seconds", {"prompt": "x", "seconds": "forever"}, VIDEO_MODEL, True, call=video_call
     )
@@ -382,17 +487,6 @@ def test_video_translation():
     raises_api_error(
         400, "output_format", {"prompt": "x", "output_format": "frames"}, VIDEO_MODEL, False, call=video_call
     )
-
-
-def test_model_kinds_come_from_inputs_and_outputs():
-    assert model_kind({"PROMPT": "BYTES"}, {"IMAGE": "BYTES"}) == "text_to_image"
-    assert model_kind({"PROMPT": "BYTES", "IMAGE": "BYTES"}, {"IMAGE": "BYTES"}) == "image_to_image"
-    # text_to_image takes an optional source image and mask: a text-to-image model that also serves edits.
-    both = {"PROMPT": "BYTES", "IMAGE": "BYTES", "MASK_IMAGE": "BYTES"}
-    assert model_kind(both, {"IMAGE": "BYTES"}) == "text_to_image"
-    assert model_kind({"PROMPT": "BYTES"}, {"VIDEO": "BYTES", "FRAMES": "UINT8"}) == "text_to_video"
-    assert model_kind({"PROMPT": "BYTES"}, {"TEXT": "BYTES"}) == "text_generation"
-    assert model_kind({"X": "FP32"}, {"Y": "FP32"}) is None
 
 
 # ---- keys --------------------------------------------------------------------------------------------
@@ -561,25 +655,21 @@ def test_capacity_and_memory_errors_are_503_with_the_models_own_words():
 
     fields = set(IMAGE_FIELDS)
     oom = FailureKind.OUT_OF_MEMORY
-    unavailable = [
-        "the model is at capacity: no room for this request within 120 s",  # serving/engine_host.py
-        "the model is shutting down",
-        "the engine reported nothing for 130 s (bound 120 s); the model is restarting",
-        "process exit; the model is restarting, retry shortly",
-        device_lost_error("RuntimeError: CUDA error: an illegal memory access was encountered").message,
-        Failure(oom, "OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB")
-        .request_error("denoising step")
-        .message,
-        Failure(oom, "MemoryError: ").request_error("pipeline call").message,
-        Failure(oom, "RuntimeError: CUDA error: out of memory").request_error("decoding").message,
+    errors = [
+        device_lost_error("RuntimeError: CUDA error: an illegal memory access was encountered"),
+        Failure(oom, "OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB").request_error(
+            "step"
+        ),
+        Failure(oom, "MemoryError: ").request_error("pipeline call"),
+        Failure(oom, "RuntimeError: CUDA error: out of memory").request_error("decoding"),
     ]
-    for message in unavailable:
-        for sent in (message, f"[request id: oai-1] {message}"):
-            error = from_triton_message(sent, fields)
-            assert (error.status, error.code) == (503, "service_unavailable"), sent
-            assert error.message == sent
+    for error in errors:
+        assert error.code is ErrorCode.UNAVAILABLE, error.message  # the server says so: the front reads it
+        for sent in (error.message, f"[request id: oai-1] {error.message}"):
+            answer = from_triton_message(tagged(sent, error.code), fields)
+            assert (answer.status, answer.code, answer.message) == (503, "service_unavailable", sent.rstrip())
     ordinary = Failure(FailureKind.ORDINARY, "RuntimeError: boom").request_error("denoising step")
-    assert from_triton_message(ordinary.message, fields).status == 500
+    assert from_triton_message(tagged(ordinary.message, ordinary.code), fields).status == 500
 
 
 def test_video_jobs_drop_finished_ones_for_new_ones_and_refuse_only_for_active_ones():
@@ -705,57 +795,168 @@ def test_images_come_back_binary_whatever_the_models_default_encoding():
     assert edit.request.parameters["output_encoding"] == "binary"
 
 
-def test_previews_are_asked_for_about_as_often_as_partial_images_are_sent():
-    def every(params, info=IMAGE_MODEL, tensors=None):
-        body = {"prompt": "x", "stream": True, **params}
-        return image_call(body, tensors or {}, info, LIMITS).request.parameters["preview_every"]
-
-    assert every({"partial_images": 2, "num_inference_steps": 30}) == 10
-    assert every({"partial_images": 3, "num_inference_steps": 50}) == 12
-    assert every({"partial_images": 1, "num_inference_steps": 3}) == 1
-    configured = ModelInfo(IMAGE_MODEL.name, IMAGE_MODEL.kind, IMAGE_MODEL.inputs, default_steps=40)
-    assert every({"partial_images": 1}, configured) == 20  # the model's configured default
-    assert every({"partial_images": 1}) == 1  # steps unknown: every step, the picker still sends one
-    edit = ModelInfo(EDIT_MODEL.name, EDIT_MODEL.kind, EDIT_MODEL.inputs, default_steps=40)
-    assert every({"partial_images": 1, "strength": 0.5}, edit, {"IMAGE": b"png"}) == 10  # 20 steps run
-    assert every({"partial_images": 1}, edit, {"IMAGE": b"png"}) == 1  # the default strength is unknown
-    # However many steps, the previews asked for still give the picker every partial image it sends.
-    for steps in range(1, 80):
-        for count in (1, 2, 3):
-            period = preview_every(count, steps)
-            picker, sparse = PartialImagePicker(count), PartialImagePicker(count)
-            dense = [s for s in range(1, steps + 1) if picker.take(s, steps) is not None]
-            sent = [s for s in range(period, steps + 1, period) if sparse.take(s, steps) is not None]
-            assert len(sent) == len(dense) == min(count, steps - 1), (steps, count, period)
-            assert steps < count + 1 or len(range(period, steps, period)) <= 2 * count + 1
-
-
-def test_the_model_config_defaults_reach_the_catalog():
-    assert config_defaults(
+def model_info_json(kind: str, **fields: dict) -> str:
+    """A MODEL_INFO as a model answers it (serving/triton_model.py ``describe``)."""
+    return json.dumps(
         {
-            "default_num_inference_steps": {"string_value": "4"},
-            "default_gen_length": {"string_value": " 64 "},
-            "default_scheduler": {"string_value": "EulerDiscreteScheduler"},
-            "max_num_inference_steps": {"string_value": "50"},
-            "default_strength": {"string_value": "0.8"},
+            "kind": kind,
+            "engine": "step",
+            "fields": fields,
+            "outputs": ["IMAGE", "MODEL_INFO"],
+            "service_tiers": ["priority", "default", "flex"],
+            "default_service_tier": "default",
+            "error_codes": [code.value for code in ErrorCode],
         }
-    ) == {"num_inference_steps": 4, "gen_length": 64}
+    )
 
-    class FakeClient:
-        async def get_model_repository_index(self, **_):
-            return {"models": [{"name": "text_to_image", "state": "READY"}]}
 
-        async def get_model_metadata(self, name, **_):
-            tensor = {"name": "PROMPT", "datatype": "BYTES"}
-            return {"inputs": [tensor], "outputs": [{**tensor, "name": "IMAGE"}]}
+class DescribingClient:
+    """Triton's gRPC client as the catalog uses it: the repository index, each model's metadata, and
+    streams whose describe requests each model answers with ``answers[name]`` (a MODEL_INFO text, or an
+    error for None); ``plain`` models declare no MODEL_INFO output."""
 
-        async def get_model_config(self, name, **_):
-            return {"config": {"parameters": {"default_num_inference_steps": {"string_value": "4"}}}}
+    def __init__(self, answers: dict[str, str | None], plain: tuple[str, ...] = ()) -> None:
+        self.answers, self.plain = answers, plain
+        self.states = {name: "READY" for name in [*answers, *plain]}
+        self.asked: list[tuple[str, dict, dict]] = []  # (model, tensors, parameters) of each request
 
+    async def get_model_repository_index(self, **_):
+        return {"models": [{"name": name, "state": state} for name, state in self.states.items()]}
+
+    async def get_model_metadata(self, name, **_):
+        outputs = [{"name": "IMAGE", "datatype": "BYTES"}]
+        if name not in self.plain:
+            outputs.append({"name": "MODEL_INFO", "datatype": "BYTES"})
+        return {"inputs": [{"name": "PROMPT", "datatype": "BYTES"}], "outputs": outputs}
+
+    def stream_infer(self, requests, stream_timeout=None):
+        return DescribeCall(requests, self)
+
+    async def close(self) -> None:
+        pass
+
+
+class DescribeCall:
+    def __init__(self, requests, client: DescribingClient) -> None:
+        self.requests, self.client, self.cancelled = requests.__aiter__(), client, False
+        self._grpc_call = self
+
+    def done(self) -> bool:
+        return self.cancelled
+
+    def cancel(self) -> bool:
+        self.cancelled = True
+        return True
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        from tritonclient.utils import InferenceServerException
+
+        message = await self.requests.__anext__()
+        name = message["model_name"]
+        tensors = {tensor.name(): tensor.datatype() for tensor in message["inputs"]}
+        self.client.asked.append((name, tensors, message["parameters"]))
+        answer = self.client.answers[name]
+        if answer is None:
+            return None, InferenceServerException("Stub process 'x' is not healthy.")
+        return FakeResult({"MODEL_INFO": np.array([[answer.encode()]], dtype=object)}, final=True), None
+
+
+def test_the_catalog_is_built_from_model_info():
+    steps = {"type": "integer", "default": 4, "minimum": 1, "maximum": 50, "supported": True}
+    image = {"type": "byte string", "default": None, "supported": False}
+    fps = {"type": "integer", "default": 24, "supported": True}
+    client = DescribingClient(
+        {
+            "text_to_image": model_info_json("text_to_image", num_inference_steps=steps, image=image),
+            "text_to_video": model_info_json("text_to_video", fps=fps),
+            "garbled": "{not json",
+            "other_kind": model_info_json("speech_to_text"),
+        },
+        plain=("someone_elses",),
+    )
     bridge = TritonBridge("127.0.0.1:1")
-    bridge._client = FakeClient()
-    info = asyncio.run(bridge.models())["text_to_image"]
-    assert (info.kind, info.default_steps, info.default_gen_length) == ("text_to_image", 4, None)
+    bridge._client = client
+
+    async def catalog() -> dict[str, ModelInfo]:
+        bridge._catalog_at = -1e9  # past its TTL
+        return await bridge.models()
+
+    async def scenario() -> None:
+        models = await catalog()
+        assert sorted(models) == ["text_to_image", "text_to_video"]  # the rest did not describe themselves
+        assert models["text_to_image"].kind == "text_to_image"
+        assert models["text_to_image"].default("num_inference_steps") == 4  # the model's real default
+        assert not models["text_to_image"].serves("image")  # declared; its pipeline cannot start from one
+        assert models["text_to_image"].default_service_tier == "default"
+        assert models["text_to_video"].default("fps") == 24
+        # One describe request each (the prompt input Triton requires, describe=true); none to a model
+        # that declares no MODEL_INFO.
+        assert sorted(name for name, _, _ in client.asked) == [
+            "garbled",
+            "other_kind",
+            "text_to_image",
+            "text_to_video",
+        ]
+        for _, tensors, sent in client.asked:
+            assert tensors == {"PROMPT": "BYTES"} and sent["describe"] is True
+        # Kept while the model stays ready: the next catalog asks nobody.
+        asked = len(client.asked)
+        assert sorted(await catalog()) == ["text_to_image", "text_to_video"] and len(client.asked) == asked
+        # A model that left READY is asked again when it is back (its config may have changed).
+        client.states["text_to_video"] = "UNAVAILABLE"
+        assert sorted(await catalog()) == ["text_to_image"]
+        client.states["text_to_video"] = "READY"
+        client.answers["text_to_video"] = model_info_json("text_to_video", fps={**fps, "default": 8})
+        assert (await catalog())["text_to_video"].default("fps") == 8 and len(client.asked) == asked + 1
+        # A model that cannot answer now is left out and asked again next time.
+        client.states["late"], client.answers["late"] = "READY", None
+        assert "late" not in await catalog()
+        client.answers["late"] = model_info_json("text_generation")
+        assert (await catalog())["late"].kind == "text_generation"
+        assert [name for name, _, _ in client.asked].count("late") == 2
+        await bridge.close()
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))
+    assert model_info("m", json.dumps({"kind": "text_to_image", "fields": []})) is None
+
+
+def test_partial_images_are_the_models_previews_numbered_from_zero():
+    def progress(step: int, preview: bool) -> TritonResponse:
+        outputs = {
+            "STEP": np.array([[step]], dtype=np.int32),
+            "TOTAL_STEPS": np.array([[10]], dtype=np.int32),
+        }
+        if preview:
+            outputs["PREVIEW"] = np.array([[b"preview%d" % step]], dtype=object)
+        return TritonResponse(outputs, False)
+
+    final = TritonResponse(
+        {
+            "IMAGE": np.array([[b"png"]], dtype=object),
+            "SEED": np.array([[7]], dtype=np.int64),
+            "WIDTH": np.array([[96]], dtype=np.int32),
+            "HEIGHT": np.array([[64]], dtype=np.int32),
+        },
+        True,
+    )
+    # Progress after every step, a preview where the model chose (it spreads them over the steps it runs).
+    responses = [progress(step, step in (4, 7)) for step in range(1, 10)] + [final]
+    bridge = FakeBridge([IMAGE_MODEL], responses)
+    with TestClient(create_app(FrontState(bridge))) as client:
+        body = {"prompt": "x", "stream": True, "partial_images": 2}
+        answer = client.post("/v1/images/generations", json=body)
+    assert bridge.requests[0].parameters["previews"] == 2
+    events = [json.loads(line[6:]) for line in answer.text.splitlines() if line.startswith("data: ")]
+    assert [(e["type"], e.get("partial_image_index")) for e in events] == [
+        ("image_generation.partial_image", 0),
+        ("image_generation.partial_image", 1),
+        ("image_generation.completed", None),
+    ]
+    assert [e["size"] for e in events] == ["auto", "auto", "96x64"]  # the size the model rendered at
+    assert result_size(final, None) == "96x64" and result_size(responses[0], "64x64") == "64x64"
 
 
 @pytest.mark.parametrize(
@@ -776,21 +977,26 @@ def test_a_stream_that_ends_without_a_response_is_a_502(url, body):
     assert set(answer.json()["error"]) == {"message", "type", "param", "code"}
 
 
-def test_finish_reason_is_length_when_every_token_asked_for_was_generated():
-    def final(tokens: int) -> TritonResponse:
-        outputs = {"TEXT": np.array([b"text"], dtype=object), "TOKENS": np.array([tokens], dtype=np.int32)}
+def test_finish_reason_is_the_models_own():
+    def final(reason: bytes) -> TritonResponse:
+        outputs = {
+            "TEXT": np.array([[b"text"]], dtype=object),
+            "TOKENS": np.array([[64]], dtype=np.int32),
+            "FINISH_REASON": np.array([[reason]], dtype=object),
+        }
         return TritonResponse(outputs, True)
 
-    configured = ModelInfo(LM_MODEL.name, LM_MODEL.kind, LM_MODEL.inputs, default_gen_length=64)
-    plain = text_call({"prompt": "The sea"}, configured, LIMITS, chat=False)  # no max_tokens
-    assert plain.gen_length == 64
-    assert completion_response(plain, final(64), False)["choices"][0]["finish_reason"] == "length"
-    assert completion_response(plain, final(12), False)["choices"][0]["finish_reason"] == "stop"  # an EOS
-    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 16}
-    asked = text_call(chat, configured, LIMITS, chat=True)
-    assert completion_response(asked, final(16), True)["choices"][0]["finish_reason"] == "length"
-    unknown = text_call({"prompt": "The sea"}, LM_MODEL, LIMITS, chat=False)  # no default in its config
-    assert completion_response(unknown, final(64), False)["choices"][0]["finish_reason"] == "stop"
+    plain = text_call({"prompt": "The sea"}, LM_MODEL, LIMITS, chat=False)  # no max_tokens
+    assert completion_response(plain, final(b"length"), False)["choices"][0]["finish_reason"] == "length"
+    assert completion_response(plain, final(b"stop"), False)["choices"][0]["finish_reason"] == "stop"
+    asked = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 16}
+    body = completion_response(text_call(asked, LM_MODEL, LIMITS, chat=True), final(b"length"), True)
+    assert body["choices"][0]["finish_reason"] == "length" and body["service_tier"] == "default"
+    streamed = FakeBridge([LM_MODEL], [final(b"stop")])
+    with TestClient(create_app(FrontState(streamed))) as client:
+        answer = client.post("/v1/completions", json={"prompt": "hi", "stream": True, "max_tokens": 64})
+    chunks = [json.loads(line[6:]) for line in answer.text.splitlines() if line.startswith("data: {")]
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, "stop"]
 
 
 def test_the_key_check_runs_on_the_event_loop():
@@ -833,29 +1039,35 @@ class FakeStreamCall:
         if kind == "hang":
             await asyncio.sleep(3600)
         if kind == "error":
-            return None, InferenceServerException("seed: must be an integer")
-        return FakeResult(final=kind != "progress", empty=kind == "bare final"), None
+            return None, InferenceServerException("seed: must be an integer [INVALID_ARG]")
+        outputs = {} if kind == "bare final" else {"IMAGE": np.array([b"png"], dtype=object)}
+        return FakeResult(outputs, final=kind != "progress"), None
 
 
 class FakeResult:
-    def __init__(self, final: bool, empty: bool) -> None:
-        self.final, self.empty = final, empty
+    """A tritonclient InferResult as streams.read_result reads it."""
+
+    def __init__(self, outputs: dict[str, np.ndarray], final: bool) -> None:
+        self.outputs, self.final = outputs, final
 
     def get_response(self):
+        final = self.final
+
         class Flag:
-            bool_param = self.final
+            bool_param = final
 
         class Output:
-            name = "IMAGE"
+            def __init__(self, name: str) -> None:
+                self.name = name
 
         class Response:
-            outputs = [] if self.empty else [Output()]
+            outputs = [Output(name) for name in self.outputs]
             parameters = {"triton_final_response": Flag()}
 
         return Response()
 
     def as_numpy(self, name: str) -> np.ndarray:
-        return np.array([b"png"], dtype=object)
+        return self.outputs[name]
 
 
 def test_streams_are_reused_after_a_final_response_and_dropped_otherwise():
@@ -878,7 +1090,7 @@ def test_streams_are_reused_after_a_final_response_and_dropped_otherwise():
         async def close(self) -> None:
             pass
 
-    info = ModelInfo("m", "text_to_image", {"prompt": "BYTES", "seed": "INT64"})
+    info = described("m", "text_to_image", ["prompt", "seed"])
     bridge = TritonBridge("127.0.0.1:1")
     bridge._client = FakeClient()
 

@@ -2,6 +2,7 @@ import pytest
 
 from triton_diffusion.compatibility import CompatibilityKey
 from triton_diffusion.engine.planner import PlannedRequest, Row, RowCaps, plan_groups
+from triton_diffusion.settings import parse_row_caps
 
 
 def k(width=64, height=64, steps=4):
@@ -48,18 +49,18 @@ def test_groups_are_served_oldest_first():
 
 
 def test_row_caps_from_config():
-    caps = RowCaps.from_config(8, '{"1024X768": 2}')
+    caps = RowCaps.from_config(8, parse_row_caps('{"1024X768": 2}'))
     assert caps.by_resolution == {"1024x768": 2}
     assert caps.cap_for(k(1024, 768)) == (2, "resolution_cap")
     with pytest.raises(ValueError):
-        RowCaps.from_config(8, '{"big": 2}')
+        RowCaps.from_config(8, parse_row_caps('{"big": 2}'))
 
 
 def test_a_video_cap_by_frame_count_wins_over_its_size_cap():
-    caps = RowCaps.from_config(8, '{"832x480": 4, "832x480x81": 1}')
+    caps = RowCaps.from_config(8, parse_row_caps('{"832x480": 4, "832x480x81": 1}'))
     assert caps.cap_for_size(480, 832, 81) == (1, "resolution_cap")
     assert caps.cap_for_size(480, 832, 17) == (4, "resolution_cap")  # another frame count: the size's
     assert caps.cap_for_size(480, 832) == (4, "resolution_cap")
     assert caps.cap_for({"height": 480, "width": 832, "num_frames": 81}) == (1, "resolution_cap")
     with pytest.raises(ValueError):
-        RowCaps.from_config(8, '{"832x480x81x2": 1}')
+        RowCaps.from_config(8, parse_row_caps('{"832x480x81x2": 1}'))

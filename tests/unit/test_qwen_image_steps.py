@@ -24,7 +24,7 @@ from tests.unit.step_harness import (
     served,
 )
 from tests.unit.test_latent_steps import source_image
-from triton_diffusion.adapters.latent_steps import ImageRequest
+from triton_diffusion.adapters.image_requests import ImageRequest
 from triton_diffusion.adapters.qwen_image import QwenImageAdapter
 from triton_diffusion.adapters.step_adapters import step_adapter_for
 

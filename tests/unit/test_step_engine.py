@@ -11,15 +11,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.unit.recording import RecordingChannel, tracked
+from tests.unit.recording import RecordingChannel, deliver_errors, tracked
 from triton_diffusion.engine.failures import DeviceLostError
-from triton_diffusion.engine.jobs import Job, StepReport
-from triton_diffusion.engine.policies import AdmissionPacing, make_policy
+from triton_diffusion.engine.jobs import ForwardResult, Job, JobStart, JobStep, StepReport
+from triton_diffusion.engine.ordering import AdmissionPacing, make_policy
 from triton_diffusion.engine.requests import Stage, TrackedRequest
-from triton_diffusion.engine.step_engine import CAP_RECOVERY_FORWARDS, EngineLimits, StepEngine
+from triton_diffusion.engine.scheduler import CAP_RECOVERY_FORWARDS, EngineLimits
+from triton_diffusion.engine.step_engine import StepEngine
 from triton_diffusion.errors import ErrorCode, RequestError
 from triton_diffusion.faults import AcceleratorError, SimulatedOutOfMemoryError
-from triton_diffusion.serving.engine_host import EngineWorker
+from triton_diffusion.serving.engine_worker import EngineWorker
 
 
 @dataclass
@@ -37,14 +38,7 @@ class FakeAdapter:
         self.finishes: list[list[str]] = []
 
     def prepare(self, jobs):
-        for job in jobs:
-            job.state, job.group, job.total_steps = 0, job.params.group, job.params.steps
-
-    def model_rows(self, job):
-        return 1
-
-    def snapshot(self, job):
-        return None
+        return [JobStart([0], job.params.group, job.params.steps) for job in jobs]
 
     def step(self, jobs):
         names = [job.request.request_id for job in jobs]
@@ -53,9 +47,11 @@ class FakeAdapter:
         if any(job.params.fail_forward for job in jobs):
             raise RuntimeError("bad row")
         self.forwards.append(names)
+        steps = []
         for job in jobs:
-            job.state += 1
-        return [job for job in jobs if job.state == job.total_steps]
+            job.state[0] += 1  # the adapter's own state: a step counter of its own
+            steps.append(JobStep(job.state[0], job.state[0] == job.total_steps))
+        return ForwardResult(steps, rows=len(jobs))
 
     def finish(self, jobs):
         if any(job.params.fail_finish for job in jobs):
@@ -76,6 +72,7 @@ class Host:
         self.reports.append(report)
         for finished in report.finished:
             finished.job.request.finish({"out": finished.output})
+        deliver_errors(report)
         self.left.extend((left.job.request.request_id, left.reason) for left in report.left)
 
 
@@ -95,15 +92,15 @@ class Engine:
 def engine_for(
     adapter, host=None, max_running=8, max_per_forward=8, policy="oldest", cap_for=None, pacing=None
 ):
-    limits = EngineLimits(max_running, max_per_forward, cap_for)
-    engine = StepEngine(adapter, limits, make_policy(policy, starvation_steps=4), pacing)
+    limits = EngineLimits(max_running, max_per_forward, cap_for, starvation_steps=4)
+    engine = StepEngine(adapter, limits, make_policy(policy), pacing)
     return Engine(engine, host or Host())
 
 
 def worker_for(engine: Engine, waiting_room: int, stall_s: float = 60.0, on_device_lost=None, on_stall=None):
     return EngineWorker(
         engine.engine,
-        engine.limits.max_running + waiting_room,
+        engine.engine.limits.max_running + waiting_room,
         engine.host.render,
         stall_s,
         on_device_lost=on_device_lost or (lambda error: None),
@@ -142,7 +139,7 @@ class RaisingKind:
         if self.raise_in.get(record.tracked.request_id) == where:
             raise RuntimeError(f"kind {where} failed")
 
-    def jobs_for(self, record, engine):
+    def jobs_for(self, record):
         self._maybe_raise("jobs", record)
         record.progress = True
         return [Job(record.tracked, record.parsed, record)]
@@ -158,6 +155,7 @@ class RaisingKind:
 
 def test_every_request_gets_exactly_one_answer_whatever_its_model_kind_raises():
     from triton_diffusion.serving.engine_host import EngineHost
+    from triton_diffusion.serving.engines import StepEngineKind
     from triton_diffusion.serving.metrics import IMAGE_METRICS
     from triton_diffusion.settings import ModelConfig, ModelSettings
 
@@ -168,7 +166,8 @@ def test_every_request_gets_exactly_one_answer_whatever_its_model_kind_raises():
 
     settings = ModelSettings("m", Path("."), ModelConfig(), {}, 8, "CPU", 0)
     kind = RaisingKind(raise_in={"b": "finished", "c": "stepped", "d": "jobs"})
-    host = EngineHost(kind, settings, Metrics(), IMAGE_METRICS, lambda error: None, adapter=FakeAdapter())
+    engine_kind = StepEngineKind(FakeAdapter(), lambda values, image: None)
+    host = EngineHost(kind, engine_kind, settings, Metrics(), IMAGE_METRICS, lambda error: None)
     requests = [tracked(name) for name in "abcde"]
     try:
         host.submit([(request, Spec()) for request in requests])
@@ -253,7 +252,7 @@ class PreparingAdapter(FakeAdapter):
 
     def prepare(self, jobs):
         self.admissions.append([job.request.request_id for job in jobs])
-        super().prepare(jobs)
+        return super().prepare(jobs)
 
 
 def test_a_busy_engine_admits_newcomers_as_a_cohort_and_an_idle_one_at_once():
@@ -375,15 +374,17 @@ def test_caps_per_group_hold():
 
 
 def test_the_worker_restarts_its_loop_after_a_bug_and_answers_what_it_held():
-    class BrokenPolicy:
+    from triton_diffusion.engine.ordering import Oldest
+
+    class BrokenPolicy(Oldest):
         def __init__(self):
             self.calls = 0
 
-        def pick(self, running, cap_for, step):
+        def choose_group(self, groups, first):
             self.calls += 1
             if self.calls == 1:
                 raise KeyError("a bug in the engine itself")
-            return list(running)[:8]
+            return first.group
 
     adapter = FakeAdapter()
     limits = EngineLimits(8, 8)

@@ -23,7 +23,7 @@ import torch
 from diffusers import UniPCMultistepScheduler
 
 from tests.unit.step_harness import Host, call_arguments, load_family, run_engine
-from triton_diffusion.adapters.latent_steps import ImageRequest
+from triton_diffusion.adapters.image_requests import ImageRequest
 from triton_diffusion.adapters.step_adapters import step_adapter_for
 from triton_diffusion.adapters.wan import WanAdapter
 from triton_diffusion.codecs.video import to_uint8

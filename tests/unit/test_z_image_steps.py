@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from tests.unit.step_harness import Host, assert_each_image_equals_the_pipelines_own, load_family, run_engine
-from triton_diffusion.adapters.latent_steps import ImageRequest
+from triton_diffusion.adapters.image_requests import ImageRequest
 from triton_diffusion.adapters.step_adapters import step_adapter_for
 from triton_diffusion.adapters.z_image import ZImageAdapter
 

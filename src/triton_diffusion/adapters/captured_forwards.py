@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -263,3 +263,30 @@ def cuda_graph_capture(forward: Callable[[], torch.Tensor], pool: Any, device: s
 
 def _reserved(device: str) -> int:
     return torch.cuda.memory_reserved(device) if str(device).startswith("cuda") else 0
+
+
+def capture_adapter_forwards(adapter: Any, warm: Sequence[tuple[Any, int]], capture: Capture | None) -> int:
+    """A step adapter's forwards through CUDA graphs, captured now for the shape of each ``warm`` request
+    (one per size to serve captured) at every row bucket up to its model rows. Sets ``adapter.captured``
+    (the set, frozen) and returns the graphs captured; raises CaptureError."""
+    from triton_diffusion.engine.jobs import Job  # the engine's job type, for a throwaway warm-up job
+
+    if adapter.uncapturable is not None:
+        raise CaptureError(adapter.uncapturable)
+    captured = CapturedForwards(adapter.predict, adapter.device, capture)
+    count = 0
+    for request, max_rows in warm:
+        job = Job(request=None, params=request)  # never stepped: only its first forward's inputs are used
+        try:
+            (start,) = adapter.prepare([job])
+            job.begin(start)
+            with torch.inference_mode():
+                latents, timesteps, inputs, _ = adapter.forward_inputs([job], [start.state.timesteps[0]])
+        except Exception as exc:
+            if Failure.of(exc).lost:
+                raise
+            raise CaptureError(f"the warm-up request at {request.size} failed: {exc!r}") from exc
+        with torch.inference_mode():
+            count += captured.warm(latents, timesteps, inputs, request.size, max_rows)
+    adapter.captured = captured
+    return count

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -73,12 +74,12 @@ class SchedulerChoices:
     flow-matching pipeline takes no DDIM) is a config error that names the compatible ones.
     """
 
-    def __init__(self, pipe: Any, facts: PipelineFacts, choices: str | None, model: str) -> None:
+    def __init__(self, pipe: Any, facts: PipelineFacts, choices: Sequence[str], model: str) -> None:
         import diffusers
 
         self.default = facts.scheduler
         self._schedulers: dict[str, Any] = {self.default: pipe.scheduler}
-        for name in [n.strip() for n in (choices or "").split(",") if n.strip()]:
+        for name in choices:
             if name in self._schedulers:
                 continue
             if name not in facts.compatible_schedulers:

@@ -26,7 +26,7 @@ from triton_diffusion.adapters.masked_diffusion import (
     guided_logits,
     transfer_schedule,
 )
-from triton_diffusion.engine.jobs import Job
+from triton_diffusion.engine.jobs import ForwardResult, Job, JobStart, JobStep
 
 # input_ids, attention_mask, position_ids (all [rows, length]) and keep [rows, k]
 #   -> logits at the kept positions [rows, k, vocab]
@@ -156,23 +156,22 @@ class DiffusionLMAdapter:
         self.device = device
         self.group_by_length = group_by_length
 
-    def prepare(self, jobs: list[Job]) -> None:
+    def prepare(self, jobs: list[Job]) -> list[JobStart]:
+        starts = []
         for job in jobs:
             request: DecodingRequest = job.params
-            job.state = request
-            job.group = int(request.x.shape[0]) if self.group_by_length else None
-            job.total_steps = request.params.steps
+            group = int(request.x.shape[0]) if self.group_by_length else None
+            starts.append(JobStart(request, group, request.params.steps))
+        return starts
 
-    def model_rows(self, job: Job) -> int:
-        return job.state.rows
-
-    def snapshot(self, job: Job) -> tuple[list[int], int] | None:
+    @staticmethod
+    def snapshot(request: DecodingRequest) -> tuple[list[int], int] | None:
         """After a step that completed a block: the text's tokens so far and the block's index."""
-        request: DecodingRequest = job.state
         return (request.tokens(), request.block_index - 1) if request.new_block else None
 
-    def step(self, jobs: list[Job]) -> list[Job]:
-        """One padded forward for every job, then one commit step each."""
+    def step(self, jobs: list[Job]) -> ForwardResult:
+        """One padded forward for every job, then one commit step each; a job is done when its request
+        finished (its last block, or an EOS), which may be before its planned steps."""
         requests: list[DecodingRequest] = [job.state for job in jobs]
         rows = [row for request in requests for row in request.row_tokens()]
         batch = pad_rows(rows, self.pad_id, self.padding_side)
@@ -187,9 +186,13 @@ class DiffusionLMAdapter:
             keep.to(self.device),
         )
         blocks = self._commit(requests, logits, width)
-        for request, block in zip(requests, blocks, strict=True):
+        steps = []
+        for job, request, block in zip(jobs, requests, blocks, strict=True):
             request.advance(block[: request.params.block_length])
-        return [job for job in jobs if job.state.finished]
+            step = job.steps_done + 1
+            snapshot = self.snapshot(request)
+            steps.append(JobStep(step, request.finished, rows_computed=request.rows, snapshot=snapshot))
+        return ForwardResult(steps, rows=len(rows))
 
     def finish(self, jobs: list[Job]) -> list[Any]:
         return [job.state for job in jobs]

@@ -34,13 +34,9 @@ import torch
 from diffusers.utils.torch_utils import randn_tensor
 from PIL import Image
 
-from triton_diffusion.adapters.latent_steps import (
-    Conditioning,
-    ImageRequest,
-    LatentStepAdapter,
-    row_conditioning,
-)
-from triton_diffusion.engine.jobs import Job
+from triton_diffusion.adapters.image_requests import Conditioning, ImageRequest, row_conditioning
+from triton_diffusion.adapters.latent_loop import LatentStepAdapter
+from triton_diffusion.engine.jobs import Job, JobStart
 
 
 @dataclass(frozen=True)
@@ -92,6 +88,9 @@ class DiTAdapter(LatentStepAdapter):
     # Both pipelines pass prepare_extra_step_kwargs' eta and generator (Sana too, though it scales no input).
     always_passes_step_kwargs = True
     fallback_max_sequence_length = 300
+    # PixArt's BasicTransformerBlock (Sana's blocks are not in diffusers' registry: none). CFG is one
+    # batch of two: a job's rows decide together. (TaylorSeer's patterns match none of PixArt's attn1/attn2.)
+    cache_methods = ("fbc",)
 
     def __init__(self, pipe: Any, facts: Any, schedulers: Any, max_sequence_length: int | None) -> None:
         super().__init__(pipe, facts, schedulers, max_sequence_length)
@@ -132,19 +131,12 @@ class DiTAdapter(LatentStepAdapter):
         processor = self.pipe.image_processor
         return processor.classify_height_width_bin(request.height, request.width, ratios=self.bins)
 
-    def prepare(self, jobs: list[Job]) -> None:
+    def start_requests(self, requests: list[ImageRequest]) -> list[JobStart]:
         # The shared loop starts each job at its render size (its latents, its shape group); the job's
         # params keep the size it asked for, to which finish resizes its image back (step hands predict
         # that size, which these transformers do not read: the latents carry their shape).
-        asked = [job.params for job in jobs]
-        try:
-            for job in jobs:
-                height, width = self.render_size(job.params)
-                job.params = replace(job.params, height=height, width=width)
-            super().prepare(jobs)
-        finally:
-            for job, request in zip(jobs, asked, strict=True):
-                job.params = request
+        rendered = [replace(r, height=self.render_size(r)[0], width=self.render_size(r)[1]) for r in requests]
+        return super().start_requests(rendered)
 
     def encode(self, requests: Sequence[ImageRequest]) -> list[Conditioning]:
         cfg = any(self.uses_guidance(r) for r in requests)

@@ -24,13 +24,9 @@ import numpy as np
 import torch
 from PIL import Image
 
-from triton_diffusion.adapters.latent_steps import (
-    Conditioning,
-    ImageRequest,
-    LatentStepAdapter,
-    row_conditioning,
-    sample_latents,
-)
+from triton_diffusion.adapters.image_requests import Conditioning, ImageRequest, row_conditioning
+from triton_diffusion.adapters.latent_loop import LatentStepAdapter
+from triton_diffusion.adapters.vae import sample_latents
 
 
 class FlowMatchingImageStart:
@@ -63,6 +59,8 @@ class FlowMatchingImageStart:
 
 class FluxAdapter(FlowMatchingImageStart, LatentStepAdapter):
     fallback_max_sequence_length = 512
+    cache_methods = ("fbc", "taylorseer")  # FluxPipeline runs each CFG branch under its own cache_context
+    cache_per_branch = True
 
     def __init__(self, pipe: Any, facts: Any, schedulers: Any, max_sequence_length: int | None) -> None:
         # Read by supports() in __init__: a Fill transformer takes the packed latents, the packed masked
@@ -216,6 +214,9 @@ class FluxAdapter(FlowMatchingImageStart, LatentStepAdapter):
 
 class StableDiffusion3Adapter(FlowMatchingImageStart, LatentStepAdapter):
     fallback_max_sequence_length = 256
+    # First Block Cache fails on SD3's last block in diffusers (context_pre_only returns no encoder
+    # states), so it has no reference to be exact against: TaylorSeer only. CFG is one batch of two.
+    cache_methods = ("taylorseer",)
 
     def __init__(self, pipe: Any, facts: Any, schedulers: Any, max_sequence_length: int | None) -> None:
         # Read by supports() in __init__: the latents, the mask and the masked source's latents.

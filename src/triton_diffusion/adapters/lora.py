@@ -25,7 +25,6 @@ stacked path rounds the low-rank product once more (not measured on a GPU yet).
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -101,22 +100,6 @@ def lora_set(text: str | None) -> LoraSet:
 
 
 # ---- loading ----------------------------------------------------------------------------------------------
-def parse_lora_paths(text: str | None, model: str) -> dict[str, str]:
-    """The config parameter ``loras``: a JSON object of adapter name -> path."""
-    if not text:
-        return {}
-    try:
-        paths = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"model {model}: config parameter 'loras' is not JSON: {exc}") from None
-    if not isinstance(paths, dict) or not all(isinstance(v, str) for v in paths.values()):
-        raise ValueError(f'model {model}: config parameter \'loras\' must be {{"name": "path", ...}}')
-    for name in paths:
-        if not name or any(c in name for c in ",: ") or len(name) > 64:
-            raise ValueError(f"model {model}: LoRA name {name!r}: 1-64 characters, no comma, colon or space")
-    return paths
-
-
 def lora_file(model_dir: Path, name: str, path: str) -> Path:
     """The adapter's ``.safetensors`` file: the path itself, or the one in the folder it names
     (``pytorch_lora_weights.safetensors`` first). Pickled weights (``.bin``, ``.pt``, ``.ckpt``): refused."""

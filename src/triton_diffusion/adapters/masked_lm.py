@@ -137,9 +137,8 @@ def load_masked_lm(settings: ModelSettings) -> LoadedMaskedLM:
         mask_id = tokenizer.mask_token_id
     if mask_id is None:
         raise ValueError(f"model {settings.name}: no mask token id; set the mask_token_id parameter")
-    eos = config.eos_token_ids
-    if eos is not None:
-        eos_ids = tuple(int(t) for t in eos.split(",") if t.strip())
+    if config.eos_token_ids is not None:
+        eos_ids = config.eos_token_ids
     else:
         eos_ids = tuple(t for t in (tokenizer.eos_token_id,) if t is not None)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos_ids or (mask_id,))[0]

@@ -30,14 +30,9 @@ import torch
 from PIL import Image
 
 from triton_diffusion.adapters.flow_matching import FlowMatchingImageStart
-from triton_diffusion.adapters.latent_steps import (
-    ImageRequest,
-    LatentJob,
-    LatentStepAdapter,
-    denormalized_latents,
-    normalized_latents,
-    sample_latents,
-)
+from triton_diffusion.adapters.image_requests import ImageRequest, LatentJob
+from triton_diffusion.adapters.latent_loop import LatentStepAdapter
+from triton_diffusion.adapters.vae import denormalized_latents, normalized_latents, sample_latents
 
 
 class QwenImageAdapter(FlowMatchingImageStart, LatentStepAdapter):

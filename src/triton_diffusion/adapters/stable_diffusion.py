@@ -26,13 +26,9 @@ import torch
 from diffusers.utils.torch_utils import randn_tensor
 from PIL import Image
 
-from triton_diffusion.adapters.latent_steps import (
-    Conditioning,
-    ImageRequest,
-    LatentStepAdapter,
-    row_conditioning,
-    sample_latents,
-)
+from triton_diffusion.adapters.image_requests import Conditioning, ImageRequest, row_conditioning
+from triton_diffusion.adapters.latent_loop import LatentStepAdapter
+from triton_diffusion.adapters.vae import sample_latents
 
 
 class StableDiffusionAdapter(LatentStepAdapter):

@@ -6,7 +6,7 @@ from typing import Any
 
 from triton_diffusion.adapters.dit import DiTAdapter
 from triton_diffusion.adapters.flow_matching import FluxAdapter, StableDiffusion3Adapter
-from triton_diffusion.adapters.latent_steps import LatentStepAdapter
+from triton_diffusion.adapters.latent_loop import LatentStepAdapter
 from triton_diffusion.adapters.qwen_image import QwenImageAdapter
 from triton_diffusion.adapters.stable_diffusion import StableDiffusionAdapter
 from triton_diffusion.adapters.wan import WanAdapter

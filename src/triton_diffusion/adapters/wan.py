@@ -21,12 +21,18 @@ import numpy as np
 import torch
 from diffusers.utils.torch_utils import get_module_execution_device
 
-from triton_diffusion.adapters.latent_steps import ImageRequest, LatentStepAdapter, denormalized_latents
+from triton_diffusion.adapters.image_requests import ImageRequest
+from triton_diffusion.adapters.latent_loop import LatentStepAdapter
+from triton_diffusion.adapters.vae import denormalized_latents
 from triton_diffusion.codecs.video import to_uint8
 
 
 class WanAdapter(LatentStepAdapter):
     fallback_max_sequence_length = 512
+    # WanPipeline runs each CFG branch under its own cache_context. (TaylorSeer's patterns match none of
+    # Wan's attn1/attn2: there it would do nothing.)
+    cache_methods = ("fbc",)
+    cache_per_branch = True
 
     def __init__(self, pipe: Any, facts: Any, schedulers: Any, max_sequence_length: int | None) -> None:
         config = pipe.config

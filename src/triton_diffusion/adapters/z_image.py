@@ -24,7 +24,8 @@ from typing import Any
 import torch
 from PIL import Image
 
-from triton_diffusion.adapters.latent_steps import ImageRequest, LatentJob, LatentStepAdapter
+from triton_diffusion.adapters.image_requests import ImageRequest, LatentJob
+from triton_diffusion.adapters.latent_loop import LatentStepAdapter
 
 
 class ZImageAdapter(LatentStepAdapter):

@@ -1,16 +1,17 @@
 """Run planned fused calls with failure isolation (the request-level engine).
 
-Each call runs the pipeline once over its rows. If the call raises, its requests are bisected (split at a
-request boundary near the middle) and each half is retried, so only the request that really fails gets
-an error. Out-of-memory is handled the same way and, for a single request with several images, by
-halving its rows, since every row keeps its own generator and so its own result. Retries start only
-after the failed call's exception is gone (its traceback would keep the call's activations alive) and,
-after an out-of-memory error, once the accelerator's cache is freed. A failed device (failures.py)
-is not retried: the call's requests are answered UNAVAILABLE and :class:`DeviceLostError` is raised.
+Each call runs the pipeline once over its rows (``failures.isolate``, the one isolation of both engines).
+If the call raises, its requests are bisected (split at a request boundary near the middle) and each half
+is retried, so only the request that really fails gets an error. Out-of-memory is handled the same way
+and, for a single request with several images, by halving its rows, since every row keeps its own
+generator and so its own result. Retries start only after the failed call's exception is gone and, after
+an out-of-memory error, once the accelerator's cache is freed. A failed device is not retried:
+:class:`DeviceLostError` is raised and the engine's owner answers what it holds.
 
 Before each call, the requests in it are asked once whether they were cancelled. A request can also end
-while a call runs (cancelled between two denoising steps): it is answered at once, its rows' outputs are
-ignored and its remaining rows are never run.
+while a call runs (cancelled between two denoising steps): its rows' outputs are ignored and its
+remaining rows are never run. Requests are never answered here: ``end`` decides a request's error and the
+engine reports it; ``on_complete`` hands over a request whose rows all succeeded.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from triton_diffusion.compatibility import CompatibilityKey
-from triton_diffusion.engine.failures import DeviceLostError, Failure, free_accelerator_memory
+from triton_diffusion.engine.cancellation import CancellationPolls
+from triton_diffusion.engine.failures import DeviceLostError, Failure, device_lost_error, isolate
 from triton_diffusion.engine.planner import FusedCall, Row
 from triton_diffusion.engine.requests import TrackedRequest
 from triton_diffusion.errors import ErrorCode, RequestError
@@ -65,22 +67,34 @@ class _Pending:
     calls: list[CallRecord] = field(default_factory=list)
 
 
-class FusedCallExecutor:
-    """Runs fused calls; each request is answered exactly once through its :class:`TrackedRequest`."""
+@dataclass
+class _Attempt:
+    """The call under way: its id, when it started and the live rows it runs."""
 
-    def __init__(self, run_rows: RunRows, on_call: Callable[[CallReport], None] | None = None) -> None:
+    call_id: int
+    started: float
+    rows: list[Row]
+    requests: list[int]
+
+
+class FusedCallExecutor:
+    def __init__(
+        self,
+        run_rows: RunRows,
+        end: Callable[[int, RequestError], None],
+        on_call: Callable[[CallReport], None] | None = None,
+    ) -> None:
         self.run_rows = run_rows
+        self.end = end  # decide a request's error (by its index); the engine reports it
         self.on_call = on_call
+        self.polls = CancellationPolls()
         self._call_ids = itertools.count(1)
         self._requests: Mapping[int, TrackedRequest] = {}
         self._pending: dict[int, _Pending] = {}
+        self._attempt: _Attempt | None = None
 
     def is_ended(self, index: int) -> bool:
         return self._requests[index].ended
-
-    def fail(self, index: int, error: RequestError) -> None:
-        """Answer a request with an error now (also from inside a running call); later rows are skipped."""
-        self._requests[index].fail(error)
 
     def run(
         self,
@@ -89,99 +103,99 @@ class FusedCallExecutor:
         request_rows: Mapping[int, int],
         on_complete: Callable[[int, list[Any], list[CallRecord]], None],
     ) -> None:
-        """Run every call; ``on_complete`` gets each request whose rows all succeeded (it answers it)."""
+        """Run every call; ``on_complete`` gets each request whose rows all succeeded."""
         self._requests = requests
         self._pending = {index: _Pending(rows) for index, rows in request_rows.items()}
         for call in calls:
-            self._attempt(call, call.rows, on_complete, retry=False)
+            self._run_call(call, on_complete)
 
     def _live(self, rows: list[Row]) -> list[Row]:
         return [r for r in rows if not self.is_ended(r.request_index)]
 
-    def _cancel_asked(self, rows: list[Row]) -> None:
-        for index in dict.fromkeys(r.request_index for r in rows):
-            if self._requests[index].is_cancelled():
-                log.info("request %s cancelled before its call started", self._requests[index].request_id)
-                self.fail(index, RequestError(ErrorCode.CANCELLED, "cancelled before its call started"))
-
-    def _attempt(self, call: FusedCall, rows: list[Row], on_complete: Callable, retry: bool) -> None:
-        self._cancel_asked(self._live(rows))
-        rows = self._live(rows)
-        if not rows:
-            return
-        call_id = next(self._call_ids)
-        started = time.perf_counter()
-        requests = list(dict.fromkeys(r.request_index for r in rows))
-        for index in requests:
-            self._requests[index].start()
-        failure: Failure | None = None
-        try:
-            outputs = self.run_rows(call.key, rows)
-            if len(outputs) != len(rows):
-                raise RuntimeError(f"pipeline returned {len(outputs)} outputs for {len(rows)} rows")
-        except Exception as exc:  # noqa: BLE001  (isolate: any failure is bisected, never fatal)
-            # Only text leaves the handler: the exception's traceback holds the call's frames (and on a
-            # GPU its activations) alive until it is dropped here.
-            failure = Failure.of(exc)
-        if failure is not None and failure.lost:  # sticky: no retry can succeed in this process
+    def _run_call(self, call: FusedCall, on_complete: Callable) -> None:
+        def work(rows: list[Row]) -> list[Any]:
+            indices = list(dict.fromkeys(r.request_index for r in rows))
+            asked = [(self._requests[i], "before its call started") for i in indices if not self.is_ended(i)]
+            for request in self.polls.end_cancelled(asked):
+                self.end(next(i for i in indices if self._requests[i] is request), request.error)
+            live = self._live(rows)
+            requests = list(dict.fromkeys(r.request_index for r in live))
+            self._attempt = _Attempt(next(self._call_ids), time.perf_counter(), live, requests)
+            if not live:
+                return []
             for index in requests:
-                self.fail(index, failure.request_error("pipeline call"))
-            raise DeviceLostError(failure.text)
-        if failure is not None:
-            self._retry_after_failure(call, rows, requests, on_complete, retry, call_id, started, failure)
-            return
-        seconds = time.perf_counter() - started
-        self._report(CallReport(call_id, call, len(rows), len(requests), retry, seconds))
-        record = CallRecord(call_id, len(rows), len(requests))
-        for row, output in zip(rows, outputs, strict=True):
+                self._requests[index].start()
+            outputs = self.run_rows(call.key, live)
+            if len(outputs) != len(live):
+                raise RuntimeError(f"pipeline returned {len(outputs)} outputs for {len(live)} rows")
+            return outputs
+
+        def done(rows: list[Row], outputs: list[Any]) -> None:
+            attempt = self._attempt
+            if not attempt.rows:
+                return
+            seconds = time.perf_counter() - attempt.started
+            retry = rows is not call.rows
+            rows_run, requests_run = len(attempt.rows), len(attempt.requests)
+            self._report(CallReport(attempt.call_id, call, rows_run, requests_run, retry, seconds))
+            self._collect(attempt, outputs, on_complete)
+
+        def split(rows: list[Row], failure: Failure) -> list[list[Row]] | None:
+            live = self._live(rows)
+            if len({r.request_index for r in live}) > 1:  # bisect at a request boundary
+                middle = _request_boundary_near_middle(live)
+                return [live[:middle], live[middle:]]
+            if failure.oom and len(live) > 1:  # one request's images: each row has its own generator
+                return [live[: len(live) // 2], live[len(live) // 2 :]]
+            return None
+
+        def failed(rows: list[Row], failure: Failure) -> None:
+            attempt = self._attempt
+            live = self._live(rows)
+            bisect = len({r.request_index for r in live}) > 1
+            oom_split = failure.oom and (bisect or len(live) > 1)
+            seconds = time.perf_counter() - attempt.started
+            retry = rows is not call.rows
+            report = CallReport(
+                attempt.call_id,
+                call,
+                len(attempt.rows),
+                len(attempt.requests),
+                retry,
+                seconds,
+                failure.text,
+                bisect,
+                oom_split,
+            )
+            self._report(report)
+
+        def fail(rows: list[Row], failure: Failure) -> None:
+            for index in dict.fromkeys(r.request_index for r in self._live(rows)):
+                self.end(index, failure.request_error("pipeline call"))
+
+        try:
+            isolate(work, call.rows, done=done, fail=fail, split=split, failed=failed)
+        except DeviceLostError as lost:  # sticky: no retry can succeed; the call's requests are told why
+            for index in dict.fromkeys(r.request_index for r in self._live(call.rows)):
+                self.end(index, device_lost_error(str(lost)))
+            raise
+
+    def _collect(self, attempt: _Attempt, outputs: list[Any], on_complete: Callable) -> None:
+        record = CallRecord(attempt.call_id, len(attempt.rows), len(attempt.requests))
+        for row, output in zip(attempt.rows, outputs, strict=True):
             state = self._pending[row.request_index]
             if self.is_ended(row.request_index):
                 continue
             if output is None:
-                self.fail(row.request_index, RequestError(ErrorCode.INTERNAL, "pipeline dropped a row"))
+                self.end(row.request_index, RequestError(ErrorCode.INTERNAL, "pipeline dropped a row"))
                 continue
             state.outputs[row.image_index] = output
-            if not state.calls or state.calls[-1].call_id != call_id:
+            if not state.calls or state.calls[-1].call_id != attempt.call_id:
                 state.calls.append(record)
-        for index in requests:
+        for index in attempt.requests:
             state = self._pending[index]
             if not self.is_ended(index) and len(state.outputs) == state.rows:
                 on_complete(index, [state.outputs[i] for i in range(state.rows)], state.calls)
-
-    def _retry_after_failure(
-        self,
-        call: FusedCall,
-        rows: list[Row],
-        requests: list[int],
-        on_complete: Callable,
-        retry: bool,
-        call_id: int,
-        started: float,
-        failure: Failure,
-    ) -> None:
-        error, oom = failure.text, failure.oom
-        live = self._live(rows)
-        live_requests = list(dict.fromkeys(r.request_index for r in live))
-        bisect = len(live_requests) > 1
-        split_rows = not bisect and oom and len(live) > 1
-        seconds = time.perf_counter() - started
-        oom_split = oom and (bisect or split_rows)
-        self._report(
-            CallReport(call_id, call, len(rows), len(requests), retry, seconds, error, bisect, oom_split)
-        )
-        if oom:
-            free_accelerator_memory()
-        if bisect:
-            split = _request_boundary_near_middle(live)
-            halves = [live[:split], live[split:]]
-        elif split_rows:
-            halves = [live[: len(live) // 2], live[len(live) // 2 :]]
-        else:
-            for index in live_requests:
-                self.fail(index, failure.request_error("pipeline call"))
-            return
-        for half in halves:
-            self._attempt(call, half, on_complete, retry=True)
 
     def _report(self, report: CallReport) -> None:
         call, error = report.call, report.error

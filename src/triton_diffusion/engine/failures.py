@@ -6,6 +6,11 @@
   held are answered UNAVAILABLE and the process exits, so the launcher's supervisor restarts the server
   with a fresh CUDA context (README "Reliability"). A device error counts as that only if a probe on the
   device fails as well.
+* Anything else: this call's own problem (a bad input, a bug).
+
+:func:`isolate` is failure isolation, written once for every batched call of both engines (a forward, a
+start, a decode, a fused pipeline call): a batch that fails is split and each part retried, until the
+culprit is alone; only what fails alone fails; out of memory frees the cache first; a lost device stops.
 
 Exceptions are matched by name so this module stays torch-free.
 """
@@ -16,8 +21,10 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any, TypeVar
 
 from triton_diffusion.errors import ErrorCode, RequestError
 
@@ -115,6 +122,53 @@ class Failure:
             return device_lost_error(self.text)
         code = ErrorCode.UNAVAILABLE if self.oom else ErrorCode.INTERNAL
         return RequestError(code, f"{what} failed: {self.text}")
+
+
+T = TypeVar("T")
+
+
+def halves(items: list[T], failure: Failure) -> list[list[T]] | None:
+    """The default split of a failed batch: two halves (None once it is a single item)."""
+    if len(items) < 2:
+        return None
+    middle = len(items) // 2
+    return [items[:middle], items[middle:]]
+
+
+def isolate(
+    work: Callable[[list[T]], Any],
+    items: list[T],
+    *,
+    done: Callable[[list[T], Any], None],
+    fail: Callable[[list[T], Failure], None],
+    split: Callable[[list[T], Failure], list[list[T]] | None] = halves,
+    failed: Callable[[list[T], Failure], None] | None = None,
+) -> None:
+    """Run ``work`` over ``items``; on success ``done(items, result)``. If it raises: ``failed(items,
+    failure)`` (to log, count or learn a cap), the accelerator's cache freed after out of memory, then each
+    part of ``split(items, failure)`` retried the same way, in order; where it cannot be split (one item,
+    or a split that returns None) ``fail(items, failure)`` answers them. A lost device raises
+    :class:`DeviceLostError` at once: nothing can run in this process again, and the caller answers what it
+    holds. Only text leaves the handler, so a failed call's activations are freed before any retry."""
+    try:
+        result = work(items)
+    except Exception as exc:  # noqa: BLE001  (isolate: any failure is split and retried, never fatal)
+        failure = Failure.of(exc)
+    else:
+        done(items, result)
+        return
+    if failure.lost:
+        raise DeviceLostError(failure.text)
+    if failed is not None:
+        failed(items, failure)
+    if failure.oom:
+        free_accelerator_memory()
+    parts = split(items, failure)
+    if not parts:
+        fail(items, failure)
+        return
+    for part in parts:
+        isolate(work, part, done=done, fail=fail, split=split, failed=failed)
 
 
 def free_accelerator_memory() -> None:

@@ -1,15 +1,15 @@
-"""What both engines work on (a :class:`Job`) and what they hand back after each step (a :class:`StepReport`).
+"""What the engines work on (a :class:`Job`), what an adapter returns for each job (:class:`JobStart`,
+:class:`JobStep`, :class:`ForwardResult`) and what an engine step hands the host (a :class:`StepReport`).
 
-Data at the engine boundary: an engine never calls into serving. Each step returns a report of what
-happened (jobs admitted, jobs that took a denoising step with a snapshot for a preview or a streamed block,
-jobs finished with their outputs, jobs that left and why, the forwards or fused calls run); the serving
-layer's engine host renders it into responses on its own thread. A failure is answered where it is found,
-through the request's :class:`TrackedRequest` (the one place a request's life is kept: exactly one FINAL),
-and reported with its error.
+Data flows one way: the scheduler decides (scheduler.py), the adapter computes and returns a result per
+job, the engine applies it to the job and reports what happened, and the serving host answers on its
+response thread. Nothing below the engine changes a job's engine state (its counters, its group, its
+place in a queue); the adapter owns only ``job.state``.
 
-Words: an *image* (or video, or LM request) is one job; a *model row* is one row of the denoiser's batch
-(a job with classifier-free guidance has two); an *engine step* is one turn of the engine loop; a job's
-*denoising step* is one of its ``total_steps``; the scheduler's ``step`` is the math that advances latents.
+Words (the glossary): an *image* (or video, or LM request) is one job; a *row* is one row of the
+denoiser's batch (a job with classifier-free guidance has two); a *forward* is one model call over the
+rows of the jobs stepping together; an *engine step* is one turn of the engine loop (at most one
+forward); a job's *denoising steps* are its ``total_steps``, of which it has done ``steps_done``.
 """
 
 from __future__ import annotations
@@ -26,42 +26,108 @@ from triton_diffusion.errors import RequestError
 @dataclass(eq=False)
 class Job:
     """One image (or video, or LM request) in an engine. ``params`` is what the adapter needs to start it;
-    ``record`` is the serving host's per-request bookkeeping, opaque to the engine. The adapter sets
-    ``state``, ``group`` and ``total_steps`` when it starts the job; the engine keeps the rest."""
+    ``record`` is the serving host's per-request bookkeeping, opaque to the engine; ``state`` is the
+    adapter's own (latents, scheduler, cache). The rest is the engine's and its scheduler's."""
 
     request: TrackedRequest
     params: Any
     record: Any = None
     index: int = 0  # which image of its request (image i of num_images_per_prompt)
     preview_every: int = 0  # a snapshot for a preview every N denoising steps (0: never)
+    previews: int = 0  # ... and this many spread evenly over its steps (known once it is started)
+    # Service (scheduler.py): the tier's rank (0 is the highest), the time by which it must be done
+    # (perf_counter seconds, None: no deadline) and the denoising steps it asks for (for estimates).
+    tier: int = 0
+    deadline: float | None = None
+    planned_steps: int = 1
+    cache_method: str = "none"  # its step cache's method (for the metrics)
+    # Set from the adapter's JobStart when the job is started.
     state: Any = None
     group: Hashable = None  # jobs of one group can share a forward (latent shape, or compatibility key)
-    total_steps: int = 0  # denoising steps
+    total_steps: int = 0
     steps_done: int = 0
-    failure: str | None = None  # set by the adapter when this job's own scheduler step failed
+    # The scheduler's bookkeeping.
+    queued: int = 0  # order of arrival at the engine
     queued_at: int = 0  # the engine step at which it joined the waiting queue
     arrival: int = 0  # admission order
     waited_since: int = 0  # the engine step at which it last stepped (or was admitted)
+    waited_s: float = 0.0  # seconds spent waiting or paused so far (aging), up to ``ready_at``
+    # Since when it waits or is paused (None while it runs).
+    ready_at: float | None = field(default_factory=time.perf_counter)
+    paused_s: float = 0.0  # seconds spent paused
+    pauses: int = 0  # times it was paused to make room for a higher tier
     first_forward: int | None = None  # the engine forward it first took part in
     forwards: int = 0  # forwards (or fused calls) it took part in
     most_shared: int = 0  # the most images it shared one forward with
+    rows_computed: int = 0  # denoiser row-steps computed in full for this job
+    rows_reused: int = 0  # denoiser row-steps served from its step cache
     calls: list[dict[str, int]] = field(default_factory=list)  # request-level: the fused calls it was in
     submitted_at: float = field(default_factory=time.perf_counter)
 
     @property
     def remaining(self) -> int:
-        return max(self.total_steps - self.steps_done, 0)
+        return max((self.total_steps or self.planned_steps) - self.steps_done, 0)
+
+    def preview_due(self, step: int) -> bool:
+        """Whether the job's host wants a snapshot for a preview after denoising step ``step``."""
+        if self.preview_every and step % self.preview_every == 0:
+            return True
+        total = self.total_steps
+        if not self.previews or step >= total:
+            return False
+        # The k-th preview at the first step past (k + 1) / (previews + 1) of the steps.
+        return any(step == -(-(k + 1) * total // (self.previews + 1)) for k in range(self.previews))
+
+    def begin(self, start: JobStart) -> None:
+        """Take what the adapter made of this job when it started it."""
+        self.state, self.group, self.total_steps = start.state, start.group, start.total_steps
+
+
+@dataclass(frozen=True)
+class JobStart:
+    """What the adapter made of a job it started: its state, the group it can share forwards with and
+    its denoising steps."""
+
+    state: Any
+    group: Hashable
+    total_steps: int
+
+
+@dataclass(frozen=True)
+class JobStep:
+    """What one forward did for one job: the denoising step it completed (``step``, counted from 1) and
+    whether that was its last; or ``error``, its own failure (it did not advance). ``rows_computed`` and
+    ``rows_reused`` count its denoiser rows run in full and served from its step cache; ``snapshot`` is
+    what the host needs of it now (a preview latent, a finished block) or None."""
+
+    step: int
+    done: bool = False
+    error: str | None = None
+    rows_computed: int = 1
+    rows_reused: int = 0
+    snapshot: Any = None
+
+
+@dataclass(frozen=True)
+class ForwardResult:
+    """One forward's outcome: a JobStep per job, in the order the jobs were given."""
+
+    steps: list[JobStep]
+    rows: int  # denoiser rows of the forward (images plus their unconditional rows)
+    adapters: int = 0  # distinct LoRA adapters among its rows
 
 
 @dataclass(frozen=True)
 class Stepped:
-    """A job after one of its denoising steps. ``snapshot`` is what the adapter copied for the host at
-    this step (a preview latent, the tokens of a finished block) or None."""
+    """A job after one of its denoising steps, with the adapter's ``snapshot`` (or None) and its rows
+    computed in full and served from its step cache in that forward."""
 
     job: Job
     step: int
     total: int
     snapshot: Any = None
+    rows_computed: int = 0
+    rows_reused: int = 0
 
 
 @dataclass(frozen=True)
@@ -72,8 +138,9 @@ class Finished:
 
 @dataclass(frozen=True)
 class Left:
-    """A job left its engine: ``finished``, ``cancelled``, ``failed`` (``error`` says why) or ``ended``
-    (its request was answered elsewhere, e.g. a sibling image failed)."""
+    """A job left its engine: ``finished``, ``cancelled``, ``failed`` (``error`` says why; the engine
+    decided it and the host delivers it), ``expired`` (its deadline passed), ``refused`` (its deadline
+    could not be met) or ``ended`` (its request was answered elsewhere, e.g. a sibling image failed)."""
 
     job: Job
     reason: str
@@ -85,9 +152,10 @@ class Forward:
     """One forward of the step engine (or one fused pipeline call of the request-level engine)."""
 
     images: int
-    model_rows: int  # images plus their unconditional rows
+    rows: int  # images plus their unconditional rows
     seconds: float
     adapters: int = 0  # distinct LoRA adapters among its rows
+    rows_reused: int = 0  # rows served from step caches
 
 
 @dataclass
@@ -98,10 +166,16 @@ class StepReport:
     stepped: list[Stepped] = field(default_factory=list)
     finished: list[Finished] = field(default_factory=list)
     left: list[Left] = field(default_factory=list)
+    paused: list[Job] = field(default_factory=list)
+    resumed: list[Job] = field(default_factory=list)
     forwards: list[Forward] = field(default_factory=list)
     calls: list[Any] = field(default_factory=list)  # request-level: each fused call as run (CallReport)
     cuts: list[str] = field(default_factory=list)  # request-level: why planned calls were cut short
     running: int = 0  # jobs in the running set after the step
+    paused_now: int = 0  # jobs paused after the step
+    held: int = 0  # jobs in the engine after the step (waiting, running, paused)
 
     def __bool__(self) -> bool:
-        return bool(self.admitted or self.stepped or self.finished or self.left or self.forwards)
+        return bool(
+            self.admitted or self.stepped or self.finished or self.left or self.forwards or self.paused
+        )

@@ -8,7 +8,6 @@ incompatible request at the head of the batch is never starved and never blocks 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -50,19 +49,11 @@ class RowCaps:
     by_resolution: Mapping[str, int] = field(default_factory=dict)
 
     @classmethod
-    def from_config(cls, max_rows: int, resolution_json: str | None) -> RowCaps:
-        by_resolution: dict[str, int] = {}
-        if resolution_json:
-            raw = json.loads(resolution_json)
-            for res, cap in raw.items():
-                parts = res.lower().split("x")
-                if not (2 <= len(parts) <= 3 and all(p.isdigit() for p in parts)) or int(cap) < 1:
-                    expected = "'WIDTHxHEIGHT' or 'WIDTHxHEIGHTxFRAMES': positive int"
-                    raise ValueError(f"row cap {res!r}: {cap!r}: expected {expected}")
-                by_resolution["x".join(str(int(p)) for p in parts)] = int(cap)
+    def from_config(cls, max_rows: int, by_resolution: Mapping[str, int] | None) -> RowCaps:
+        """From ``max_rows_per_call`` and ``max_rows_by_resolution`` (parsed by settings.py)."""
         if max_rows < 1:
             raise ValueError(f"max rows per call must be >= 1, got {max_rows}")
-        return cls(max_rows, by_resolution)
+        return cls(max_rows, dict(by_resolution or {}))
 
     def cap_for(self, key: CompatibilityKey) -> tuple[int, str]:
         """The cap for a key and the reason to name when it cuts a group: the size's cap (a video's frame

@@ -4,18 +4,22 @@ adapter.
 Each engine step takes every job waiting (one per image), plans the fused calls (planner.py: grouped by
 compatibility key, capped in images, oldest first) and runs them (executor.py: bisection and out-of-memory
 splits, so only a request that fails alone gets an error). Between two denoising steps of a call,
-:class:`CallSteps` asks each request once whether it was cancelled (answering it at once), and hands the
-host a :class:`StepReport` of the step (progress, preview snapshots) through ``on_progress``, so progress
-and cancellation work as on the step engine. The step itself returns a report with the finished images.
+:class:`CallSteps` asks each request once whether it was cancelled, and hands the host a
+:class:`StepReport` of the step (progress, preview snapshots, cancelled jobs) through ``on_progress``, so
+progress and cancellation work as on the step engine. The step itself returns a report with the finished
+images and the jobs that failed. Like the step engine it never answers a request itself: it ends a request
+with its error (``TrackedRequest.end``) and the host delivers it.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from typing import Any, Protocol
 
 from triton_diffusion.compatibility import CompatibilityKey
+from triton_diffusion.engine.cancellation import CancellationPolls
 from triton_diffusion.engine.executor import CallRecord, CallReport, FusedCallExecutor
 from triton_diffusion.engine.jobs import Finished, Job, Left, Stepped, StepReport
 from triton_diffusion.engine.planner import PlannedRequest, Row, RowCaps, plan_groups
@@ -34,34 +38,36 @@ class CallSteps:
     """The jobs of one running fused call, in tensor order, and what happens between two steps.
 
     The pipeline's step callback calls :meth:`on_step` after every denoising step: each request in the call
-    is asked once whether it was cancelled (and answered at once if so), the jobs still running are
-    reported as stepped (with a preview snapshot where due), and the positions of jobs whose request has
-    ended are returned. The caller drops those rows (:meth:`compact`) where its loop allows it, or keeps
-    computing them otherwise.
+    is asked once whether it was cancelled (and ended at once if so), the jobs still running are reported
+    as stepped (with a preview snapshot where due), and the positions of jobs whose request has ended are
+    returned. The caller drops those rows (:meth:`compact`) where its loop allows it, or keeps computing
+    them otherwise.
     """
 
-    def __init__(self, jobs: list[Job], on_progress: Callable[[StepReport], None]) -> None:
+    def __init__(
+        self, jobs: list[Job], on_progress: Callable[[StepReport], None], left: set[int] | None = None
+    ) -> None:
         self.jobs = list(jobs)
         self.alive = list(jobs)
         self._on_progress = on_progress
+        self._polls = CancellationPolls()
+        self._reported = left if left is not None else set()  # id() of jobs reported as left
 
     def on_step(self, step: int, total: int, snapshot: Callable[[int], Any] | None = None) -> list[int]:
         report = StepReport(running=len(self.alive))
-        asked: dict[int, bool] = {}
+        live = [job for job in self.alive if not job.request.ended]
+        self._polls.end_cancelled((job.request, f"after step {step}/{total}") for job in live)
         for position, job in enumerate(self.alive):
             request = job.request
             if request.ended:
-                continue
-            if id(request) not in asked:
-                asked[id(request)] = request.is_cancelled()
-                if asked[id(request)]:
-                    log.info("request %s cancelled after step %d/%d", request.request_id, step, total)
-                    request.fail(RequestError(ErrorCode.CANCELLED, f"cancelled after step {step}/{total}"))
-            if request.ended:
-                report.left.append(Left(job, "cancelled" if asked[id(request)] else "ended"))
+                if id(job) not in self._reported:
+                    self._reported.add(id(job))
+                    error = request.error
+                    cancelled = error is not None and error.code is ErrorCode.CANCELLED
+                    report.left.append(Left(job, "cancelled" if cancelled else "ended", error))
                 continue
             job.steps_done, job.total_steps = step, total
-            due = snapshot is not None and job.preview_every and step % job.preview_every == 0
+            due = snapshot is not None and job.preview_due(step)
             report.stepped.append(Stepped(job, step, total, snapshot(position) if due else None))
         self._on_progress(report)
         return [p for p, job in enumerate(self.alive) if job.request.ended]
@@ -93,32 +99,33 @@ class PipelineCall(Protocol):
 
 
 class RequestEngine:
-    """Waiting jobs, planned and run as fused calls. Not thread-safe: one thread (the host's) steps it.
-    A job's ``group`` is its request's compatibility key."""
-
-    name = "request"
+    """Waiting jobs, planned and run as fused calls. One thread (the host's engine thread) steps it; jobs
+    may be added from any thread. A job's ``group`` is its request's compatibility key."""
 
     def __init__(self, call: PipelineCall, caps: RowCaps, on_progress: Callable[[StepReport], None]) -> None:
         self.call = call
         self.caps = caps
         self.on_progress = on_progress
-        self.waiting: list[Job] = []
         self.report = StepReport()
-        self.executor = FusedCallExecutor(self._run_rows, self._on_call)
+        self.executor = FusedCallExecutor(self._run_rows, self._end, self._on_call)
+        self._waiting: list[Job] = []
+        self._lock = threading.Lock()
         self._jobs: dict[tuple[int, int], Job] = {}  # (request index, image index) -> job, this step
+        self._by_index: list[list[Job]] = []  # the jobs of each request of this step, by its index
+        self._left: set[int] = set()  # jobs reported as left this step
 
     def add(self, job: Job) -> None:
-        self.waiting.append(job)
+        with self._lock:
+            self._waiting.append(job)
 
     @property
     def active(self) -> int:
-        return len(self.waiting) + len(self._jobs)
+        with self._lock:
+            return len(self._waiting) + len(self._jobs)
 
-    @property
-    def running(self) -> list[Job]:
-        return list(self._jobs.values())
-
-    in_flight: list[Job] = []  # every job of a round is in ``running``
+    def held(self) -> list[Job]:
+        with self._lock:
+            return [*self._waiting, *self._jobs.values()]
 
     def take_report(self) -> StepReport:
         report, self.report = self.report, StepReport()
@@ -128,7 +135,8 @@ class RequestEngine:
     def step(self) -> StepReport:
         """Plan every waiting job into fused calls and run them."""
         self.report = StepReport()
-        waiting, self.waiting = self.waiting, []
+        with self._lock:
+            waiting, self._waiting = self._waiting, []
         by_request: dict[int, list[Job]] = {}
         requests: dict[int, TrackedRequest] = {}
         for job in waiting:
@@ -140,11 +148,13 @@ class RequestEngine:
                 requests[len(requests)] = job.request
                 by_request[key] = []
             by_request[key].append(job)
-        jobs_by_index = list(by_request.values())
-        self._jobs = {(i, job.index): job for i, jobs in enumerate(jobs_by_index) for job in jobs}
+        self._by_index = list(by_request.values())
+        self._left = set()
+        with self._lock:
+            self._jobs = {(i, job.index): job for i, jobs in enumerate(self._by_index) for job in jobs}
         self.report.admitted.extend(self._jobs.values())
         try:
-            planned = [PlannedRequest(i, jobs[0].group, len(jobs)) for i, jobs in enumerate(jobs_by_index)]
+            planned = [PlannedRequest(i, jobs[0].group, len(jobs)) for i, jobs in enumerate(self._by_index)]
             calls = plan_groups(planned, self.caps.cap_for)
             for call in calls:  # why calls were cut short (metrics)
                 if call.cut_reason != "drained":
@@ -154,38 +164,51 @@ class RequestEngine:
 
             def on_complete(index: int, outputs: list[Any], records: list[CallRecord]) -> None:
                 calls_seen = [{"id": c.call_id, "rows": c.rows, "requests": c.requests} for c in records]
-                for job, output in zip(jobs_by_index[index], outputs, strict=True):
+                for job, output in zip(self._by_index[index], outputs, strict=True):
                     job.calls = calls_seen
                     self.report.finished.append(Finished(job, output))
-                    self.report.left.append(Left(job, "finished"))
+                    self._leave(job, "finished")
 
-            rows = {i: len(jobs) for i, jobs in enumerate(jobs_by_index)}
+            rows = {i: len(jobs) for i, jobs in enumerate(self._by_index)}
             self.executor.run(calls, requests, rows, on_complete)
         finally:
-            finished = {id(entry.job) for entry in self.report.finished}
-            gone = {id(entry.job) for entry in self.report.left}
             for job in self._jobs.values():
-                if id(job) not in finished and id(job) not in gone and job.request.ended:
-                    self.report.left.append(Left(job, "ended"))
-            held = [job for job in self._jobs.values() if not job.request.ended and id(job) not in finished]
-            self._jobs = {}
-            self.waiting[:0] = held  # only after a raise (a lost device, a bug): answered by the host
+                if id(job) not in self._left and job.request.ended:
+                    self._leave(job, "ended")
+            held = [job for job in self._jobs.values() if id(job) not in self._left]
+            with self._lock:
+                self._jobs = {}
+                self._waiting[:0] = held  # only after a raise (a lost device, a bug): answered by the host
         return self.take_report()
 
     def fail_all(self, error: RequestError) -> StepReport:
-        ended, self.waiting = self.waiting + list(self._jobs.values()), []
-        self._jobs = {}
+        with self._lock:
+            ended, self._waiting = self._waiting + list(self._jobs.values()), []
+            self._jobs = {}
         for job in ended:
-            job.request.fail(error)
+            job.request.end(error)
             self.report.left.append(Left(job, "failed", error))
         return self.take_report()
+
+    def _end(self, index: int, error: RequestError) -> None:
+        """The executor decided a request's error: end it, and its jobs leave."""
+        jobs = self._by_index[index]
+        jobs[0].request.end(error)
+        reason = "cancelled" if error.code is ErrorCode.CANCELLED else "failed"
+        for job in jobs:
+            self._leave(job, reason, error)
+
+    def _leave(self, job: Job, reason: str, error: RequestError | None = None) -> None:
+        if id(job) not in self._left:
+            self._left.add(id(job))
+            self.report.left.append(Left(job, reason, error))
 
     def _run_rows(self, key: CompatibilityKey, rows: list[Row]) -> list[Any]:
         jobs = [self._jobs[(row.request_index, row.image_index)] for row in rows]
         for job in jobs:
             job.forwards += 1
             job.most_shared = max(job.most_shared, len(jobs))
-        steps = CallSteps(jobs, self.on_progress)
+        steps = CallSteps(jobs, self.on_progress, self._left)
         try:
             return self.call(key, jobs, steps)
         except CallAbandoned:

@@ -29,10 +29,19 @@ from triton_diffusion.adapters.masked_lm import LoadedMaskedLM, load_masked_lm, 
 from triton_diffusion.engine.jobs import Job, Stepped
 from triton_diffusion.engine.requests import TrackedRequest
 from triton_diffusion.errors import invalid_field
-from triton_diffusion.fields import REQUIRED, Field, FieldSet, Role, seed_field
+from triton_diffusion.fields import (
+    DESCRIBE_FIELD,
+    REQUIRED,
+    SERVICE_FIELDS,
+    Field,
+    FieldSet,
+    Role,
+    seed_field,
+)
 from triton_diffusion.serving.engine_host import EngineHost, RequestRecord
+from triton_diffusion.serving.engines import StepEngineKind
 from triton_diffusion.serving.metrics import DIFFUSION_LM_FAMILIES, DIFFUSION_LM_METRICS
-from triton_diffusion.serving.triton_model import TritonModel
+from triton_diffusion.serving.triton_model import Service, TritonModel
 from triton_diffusion.settings import LM, ModelSettings
 
 log = logging.getLogger("triton_diffusion")
@@ -115,6 +124,8 @@ DIFFUSION_LM_FIELDS = FieldSet(
             "(HTTP generate, which is not streaming, takes exactly one response)",
         ),
         seed_field("seed of the request's own generator; drawn and returned when absent"),
+        *SERVICE_FIELDS,
+        DESCRIBE_FIELD,
     ]
 )
 
@@ -125,6 +136,8 @@ OUTPUTS = [
     ("STEPS", "TYPE_INT32", [1]),  # FINAL: denoising steps (forwards) this request took part in
     ("SEED", "TYPE_INT64", [1]),  # FINAL: the seed used
     ("PROMPT_TOKENS", "TYPE_INT32", [1]),  # FINAL: prompt tokens (chat template included), for usage counts
+    ("FINISH_REASON", "TYPE_STRING", [1]),  # FINAL: "stop" (an EOS ended it) or "length" (gen_length)
+    ("MODEL_INFO", "TYPE_STRING", [1]),  # the answer to a describe request (JSON)
 ]
 
 
@@ -136,6 +149,7 @@ class ParsedGeneration:
     decoding: DecodingRequest
     seed: int
     stream: bool
+    service: Service = Service()
 
 
 def _array(value: Any, dtype: Any) -> np.ndarray:
@@ -143,6 +157,7 @@ def _array(value: Any, dtype: Any) -> np.ndarray:
 
 
 class DiffusionLMModel(TritonModel):
+    KIND = "text_generation"
     FIELDS = DIFFUSION_LM_FIELDS
     OUTPUTS = OUTPUTS
     METRIC_FAMILIES = DIFFUSION_LM_FAMILIES
@@ -166,17 +181,16 @@ class DiffusionLMModel(TritonModel):
         # A model that ignores the attention mask (LLaDA's published code) must never see padding.
         unpadded = padding_changes_logits(forward, self.lm.pad_id, side, self.lm.vocab_size, self.lm.device)
         adapter = DiffusionLMAdapter(forward, self.lm.pad_id, side, self.lm.device, unpadded)
-        self.host = EngineHost(
-            self,
-            settings,
-            self.metrics,
-            DIFFUSION_LM_METRICS,
-            self.exit_for_restart,
-            adapter=adapter,
+        engine_kind = StepEngineKind(
+            adapter,
+            lambda values, image: None,  # jobs_for makes the one job from the parsed request
             default_running=8,
             default_waiting=4,
             default_cohort=1,  # tokenizing a prompt costs nearly nothing: admit whenever there is room
             prompt_of=lambda job: job.record.parsed.prompt,
+        )
+        self.host = EngineHost(
+            self, engine_kind, settings, self.metrics, DIFFUSION_LM_METRICS, self.exit_for_restart
         )
         log.info(
             "%s ready: max_running=%d padding=%s mask_id=%d eos_ids=%s device=%s",
@@ -206,7 +220,8 @@ class DiffusionLMModel(TritonModel):
         seed = values["seed"] if values["seed"] is not None else random.randrange(2**32)
         generator = torch.Generator(device=self.lm.device).manual_seed(seed)
         decoding = DecodingRequest(prompt, params, generator, self.lm.mask_id, self.lm.eos_ids)
-        return ParsedGeneration(values["prompt"], decoding, seed, values["stream"])
+        service = self.service_of(values, tracked)
+        return ParsedGeneration(values["prompt"], decoding, seed, values["stream"], service)
 
     def tokenize(self, prompt: str, chat: bool) -> torch.Tensor:
         if chat and not self.lm.tokenizer.chat_template:
@@ -221,11 +236,15 @@ class DiffusionLMModel(TritonModel):
         return torch.tensor(ids, dtype=torch.long)
 
     # ---- the host's model kind (progress and outputs on the response thread, in order) ---------------
-    def jobs_for(self, record: RequestRecord, engine: str) -> list[Job]:
+    def jobs_for(self, record: RequestRecord) -> list[Job]:
         parsed: ParsedGeneration = record.parsed
         record.progress = parsed.stream
         record.state = ""  # the text streamed so far
-        return [Job(record.tracked, parsed.decoding, record)]
+        params = parsed.decoding.params
+        record.summary = f"{len(parsed.decoding.prompt)} prompt tokens, {params.gen_length} to generate"
+        job = Job(record.tracked, parsed.decoding, record, planned_steps=params.steps)
+        job.tier, job.deadline = parsed.service.tier, parsed.service.deadline
+        return [job]
 
     def progress_outputs(self, record: RequestRecord, stepped: Stepped) -> Mapping[str, Any] | None:
         if stepped.snapshot is None:
@@ -253,7 +272,14 @@ class DiffusionLMModel(TritonModel):
             "STEPS": _array(output.steps_used, np.int32),
             "SEED": _array(record.parsed.seed, np.int64),
             "PROMPT_TOKENS": _array(len(record.parsed.decoding.prompt), np.int32),
+            "FINISH_REASON": _array(finish_reason(output).encode(), object),
         }
+
+
+def finish_reason(output: DecodingRequest) -> str:
+    """Why generation stopped (OpenAI's words): "length" when all gen_length tokens were generated,
+    "stop" when an EOS ended the text first."""
+    return "length" if len(output.tokens()) >= output.params.gen_length else "stop"
 
 
 def _new_text(sent: str, text: str) -> tuple[str, str]:

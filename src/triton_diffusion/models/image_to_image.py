@@ -2,7 +2,7 @@
 
 Where the family has a step adapter with an img2img start (SD 1.x/2.x, SDXL, FLUX.1, SD3, Qwen-Image) this
 is the same code as text_to_image's image-conditioned requests on the step engine (models/text_to_image.py,
-adapters/latent_steps.py): the img2img pipeline this model loads is one of the family's pipelines over one
+adapters/latent_loop.py): the img2img pipeline this model loads is one of the family's pipelines over one
 set of modules, and the others are built over the same modules (no second copy of the weights;
 text_to_image takes ``image`` too).
 
@@ -44,6 +44,7 @@ IMAGE_TO_IMAGE_FIELDS = FieldSet(
 
 
 class ImageToImageModel(TextToImageModel):
+    KIND = "image_to_image"
     FIELDS = IMAGE_TO_IMAGE_FIELDS
     PIPELINE_LOADER = "AutoPipelineForImage2Image"
     REQUIRED_CALL_ARGS = ("prompt", "image", "generator", "num_inference_steps")

@@ -15,14 +15,15 @@ from typing import Any
 
 import numpy as np
 
-from triton_diffusion.adapters.latent_steps import ImageRequest
+from triton_diffusion.adapters.image_requests import ImageRequest
 from triton_diffusion.codecs.video import available_codec, encode_mp4, to_uint8
 from triton_diffusion.compatibility import CompatibilityKey
 from triton_diffusion.engine.jobs import Job
 from triton_diffusion.engine.request_engine import CallSteps
 from triton_diffusion.fields import Field, FieldSet, Role
 from triton_diffusion.models.text_to_image import TEXT_TO_IMAGE_FIELDS, TextToImageModel
-from triton_diffusion.serving.triton_model import PROGRESS_OUTPUTS, ParsedRequest, RowInput
+from triton_diffusion.serving.progress import PROGRESS_OUTPUTS
+from triton_diffusion.serving.triton_model import RENDER_OUTPUTS, ParsedRequest, RowInput
 from triton_diffusion.settings import IMAGE, ModelSettings
 
 
@@ -49,8 +50,13 @@ TEXT_TO_VIDEO_FIELDS = FieldSet(
             "guidance_scale",
             "scheduler",
             "output_encoding",
+            "step_cache",
             "progress",
             "preview_every",
+            "previews",
+            "service_tier",
+            "timeout",
+            "describe",
         ),
         Field(
             "num_frames",
@@ -76,6 +82,7 @@ TEXT_TO_VIDEO_FIELDS = FieldSet(
 
 
 class TextToVideoModel(TextToImageModel):
+    KIND = "text_to_video"
     FIELDS = TEXT_TO_VIDEO_FIELDS
     CONFIG_KINDS = (IMAGE,)  # no source images
     REQUIRED_CALL_ARGS = ("prompt", "generator", "height", "width", "num_frames", "num_inference_steps")
@@ -86,6 +93,7 @@ class TextToVideoModel(TextToImageModel):
         ("FRAMES", "TYPE_UINT8", [-1, -1, -1, -1, 3]),  # with output_format "frames": [videos, F, H, W, 3]
         ("SEED", "TYPE_INT64", [-1]),
         ("BATCH", "TYPE_STRING", [1]),
+        *RENDER_OUTPUTS,
         *PROGRESS_OUTPUTS,
     ]
 

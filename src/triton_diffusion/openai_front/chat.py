@@ -10,26 +10,25 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from triton_diffusion.openai_front.disconnects import (
     CLIENT_CLOSED_REQUEST,
+    error_event,
     final_response,
     first_response,
+    sse,
     stream_until_disconnected,
 )
 from triton_diffusion.openai_front.errors import ApiError
 from triton_diffusion.openai_front.front_state import FrontState
 from triton_diffusion.openai_front.limits import parse_json_object, read_body
-from triton_diffusion.openai_front.translation import (
+from triton_diffusion.openai_front.text_translation import (
     TextCall,
     block_text,
     completion_chunk,
     completion_response,
-    error_event,
     finish_reason,
-    model_name,
-    sse,
     text_call,
-    usage,
     usage_chunk,
 )
+from triton_diffusion.openai_front.translation import model_name
 from triton_diffusion.openai_front.triton_bridge import TEXT_GENERATION, ModelInfo, TritonResponse
 
 router = APIRouter()
@@ -92,7 +91,7 @@ async def text_chunks(
                 sent_first, streamed = True, streamed + text
             if not response.final:
                 continue
-            reason = finish_reason(usage(response)["completion_tokens"], call.gen_length)
+            reason = finish_reason(response)
             yield sse(completion_chunk(call, chat, None, reason, not sent_first))
             if call.include_usage:
                 yield sse(usage_chunk(call, chat, response))

@@ -1,4 +1,5 @@
-"""A client that goes away cancels its Triton request.
+"""Streaming answers to the client: server-sent events, and a client that goes away cancels its Triton
+request.
 
 Starlette neither cancels a handler nor (with ASGI 2.4 servers) a streaming body when the connection
 closes; it notices only at the next write. These helpers race the work against the client's
@@ -10,18 +11,31 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable
-from typing import TypeVar
+import json
+from collections.abc import AsyncIterator, Awaitable, Mapping
+from typing import Any, TypeVar
 
 import anyio
 from starlette.requests import Request
 
-from triton_diffusion.openai_front.errors import bad_gateway
+from triton_diffusion.openai_front.errors import ApiError, bad_gateway
 
 T = TypeVar("T")
 R = TypeVar("R")  # a Triton response (triton_bridge.TritonResponse)
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the answer
+
+
+def sse(data: Mapping[str, Any] | str, event: str | None = None) -> bytes:
+    """One server-sent event."""
+    text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {text}\n\n".encode()
+
+
+def error_event(error: ApiError) -> bytes:
+    """An error after the stream began (the status line is sent): the openai client raises it."""
+    return sse(error.body(), "error")
 
 
 async def _disconnected(request: Request) -> None:

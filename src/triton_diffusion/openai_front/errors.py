@@ -1,10 +1,10 @@
 """Errors in OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, with their HTTP status.
 
-Our models answer a bad request with a per-request INVALID_ARG whose message starts with the field's
-name (``height: got 100000 (allowed: 64..512, multiple of 8)``, see ``triton_diffusion.errors``). Triton's
-gRPC stream passes on the message but not the code, so :func:`from_triton_message` tells a field error
-from a server error by that prefix: a name the model declares (its inputs, lower-cased), or an unknown
-field the model refused by name. The message is kept exactly as the model wrote it.
+Every error our models send ends with its code as a stable tag (``width: got 4096 (allowed: 64..512,
+multiple of 8) [INVALID_ARG]``; ``triton_diffusion.errors.code_of``): Triton's gRPC stream carries the
+message but not the code, so the model puts the code in the message. :func:`from_triton_message` maps
+that code to the HTTP status and shows the message without the tag; a field error (INVALID_ARG) starts
+with the field's name, which becomes ``param``.
 """
 
 from __future__ import annotations
@@ -13,23 +13,16 @@ import re
 from collections.abc import Collection, Mapping
 from typing import Any
 
+from triton_diffusion.errors import ErrorCode, code_of
+
 INVALID_REQUEST = "invalid_request_error"
 SERVER_ERROR = "server_error"
 
-# "name: rest" where name is what invalid_field() put first.
+# "name: rest" where name is what invalid_field() put first (Triton may put the request id before it).
 _FIELD_PREFIX = re.compile(r"^(?:\[request id: [^\]]*\] )?([A-Za-z_][A-Za-z0-9_]{0,63}): (.*)$", re.S)
-# Messages of a server that is restarting, a model that is going away or full, and a request too big for
-# the accelerator's memory right now: every UNAVAILABLE our models answer (serving/engine_host.py,
-# engine/failures.py), and Triton's own words for a dead Python backend stub. A client may retry these.
-_UNAVAILABLE_HINTS = (
-    "is not healthy",  # Triton: "Stub process '...' is not healthy."
-    "the model is restarting",  # a lost device, a stalled engine, a process leaving for a restart
-    "the model is shutting down",  # unloading, or the engine thread ended
-    "the model is at capacity",  # no room for the request within max_admission_wait_s
-    "out of memory",  # "... failed: OutOfMemoryError: CUDA out of memory. ..." (alone it does not fit)
-    "memoryerror",  # OutOfMemoryError, and a host MemoryError, whose message may be empty
-    "unavailable",
-)
+# Triton's own words for a dead Python backend stub ("Stub process '...' is not healthy."): the only
+# untagged message the front tells apart (see _untagged). A client may retry it.
+_TRITON_UNAVAILABLE = ("is not healthy",)
 
 
 class ApiError(Exception):
@@ -96,20 +89,41 @@ def server_error(message: str) -> ApiError:
 def from_triton_message(
     message: str, fields: Collection[str], openai_names: Mapping[str, str] | None = None
 ) -> ApiError:
-    """A model's per-request error as an ApiError: 400 naming the field when the message starts with one
-    of the model's fields (or refuses an unknown one), 503 when the model or server is going away,
-    499 for a cancelled request, 500 otherwise. ``openai_names`` maps a model field to the OpenAI
-    parameter it came from (``num_images_per_prompt`` -> ``n``) for ``param``."""
-    match = _FIELD_PREFIX.match(message)
-    if match:
-        name, rest = match.group(1), match.group(2)
-        known = name.lower() in fields or name == "parameters"
-        if known or rest.startswith("unknown field"):
-            field = name.lower() if known else name
-            return bad_request(message, (openai_names or {}).get(field, field))
+    """A model's per-request error as an ApiError, its status from the message's tag: INVALID_ARG 400
+    (``param``: the field the message starts with, when the model declares it or refused it as unknown),
+    UNAVAILABLE 503 (retry later), CANCELLED 499, INTERNAL 500. ``openai_names`` maps a model field to the
+    OpenAI parameter it came from (``num_images_per_prompt`` -> ``n``) for ``param``."""
+    code = code_of(message)
+    if code is None:
+        return _untagged(message)
+    text = message.rstrip()
+    text = text[: text.rindex("[")].rstrip()  # the tag is for the front, not the client
+    if code is ErrorCode.INVALID_ARG:
+        return bad_request(text, _param(text, fields, openai_names or {}))
+    if code is ErrorCode.UNAVAILABLE:
+        return unavailable(text)
+    if code is ErrorCode.CANCELLED:
+        return ApiError(499, text, INVALID_REQUEST, None, "cancelled")
+    return server_error(text)
+
+
+def _param(text: str, fields: Collection[str], openai_names: Mapping[str, str]) -> str | None:
+    """The OpenAI parameter a field error is about: the field its message starts with, when the model
+    declares it (or refused it as unknown: the name the client sent), as the parameter it came from."""
+    match = _FIELD_PREFIX.match(text)
+    if match is None:
+        return None
+    name, rest = match.group(1), match.group(2)
+    if name.lower() in fields or name == "parameters":
+        return openai_names.get(name.lower(), name.lower())
+    return name if rest.startswith("unknown field") else None
+
+
+def _untagged(message: str) -> ApiError:
+    """A message without a tag is not one of our models' (they tag every error): Triton's own, which only
+    its words can classify. A dead stub is worth a retry (the supervisor restarts the server); anything
+    else is a 500."""
     lowered = message.lower()
-    if lowered.startswith("cancelled") or "cancelled" in lowered.split(":")[0]:
-        return ApiError(499, message, INVALID_REQUEST, None, "cancelled")
-    if any(hint in lowered for hint in _UNAVAILABLE_HINTS):
+    if any(words in lowered for words in _TRITON_UNAVAILABLE):
         return unavailable(message)
     return server_error(message)

@@ -11,24 +11,23 @@ from starlette.datastructures import UploadFile
 
 from triton_diffusion.openai_front.disconnects import (
     CLIENT_CLOSED_REQUEST,
+    error_event,
     final_response,
     first_response,
+    sse,
     stream_until_disconnected,
 )
 from triton_diffusion.openai_front.errors import ApiError, bad_request, field_error
 from triton_diffusion.openai_front.front_state import FrontState
-from triton_diffusion.openai_front.limits import parse_form, parse_json_object, read_body
-from triton_diffusion.openai_front.translation import (
+from triton_diffusion.openai_front.image_translation import (
     ImageCall,
-    PartialImagePicker,
     completed_events,
-    error_event,
     image_call,
     images_response,
-    model_name,
     partial_image_event,
-    sse,
 )
+from triton_diffusion.openai_front.limits import parse_form, parse_json_object, read_body
+from triton_diffusion.openai_front.translation import model_name
 from triton_diffusion.openai_front.triton_bridge import (
     IMAGE_TO_IMAGE,
     TEXT_TO_IMAGE,
@@ -78,11 +77,11 @@ async def edits(request: Request) -> Response:
         raise field_error(next(iter(files)), "unexpected file (allowed: image, mask)")
     name = model_name(params.get("model"), front.models.edit)
     info = await front.bridge.model(name, (IMAGE_TO_IMAGE, TEXT_TO_IMAGE), "/v1/images/edits")
-    if "image" not in info.inputs:
+    if not info.serves("image"):
         raise field_error("image", f"is not supported by model {name!r} ({info.kind}); use an image model")
     tensors = {"IMAGE": await image.read()}
     if mask is not None:
-        if "mask_image" not in info.inputs:
+        if not info.serves("mask_image"):
             raise field_error(
                 "mask", f"is not supported by model {name!r} ({info.kind}); use an inpaint model"
             )
@@ -111,7 +110,7 @@ async def answer(
 async def image_events(
     call: ImageCall, prefix: str, first: TritonResponse, responses: AsyncIterator[TritonResponse]
 ) -> AsyncIterator[bytes]:
-    picker = PartialImagePicker(call.partial_images)
+    partial = 0  # partial images sent: each PREVIEW the model sends (it sends as many as asked) is one
 
     async def all_responses() -> AsyncIterator[TritonResponse]:
         yield first
@@ -121,11 +120,10 @@ async def image_events(
     try:
         async for response in all_responses():
             preview = response.scalar("PREVIEW")
-            if preview is not None and not response.final:
-                index = picker.take(int(response.scalar("STEP")), int(response.scalar("TOTAL_STEPS")))
-                if index is not None:
-                    event = partial_image_event(prefix, index, preview, call.size)
-                    yield sse(event, event["type"])
+            if preview is not None and not response.final and partial < call.partial_images:
+                event = partial_image_event(prefix, partial, preview, call.size)
+                partial += 1
+                yield sse(event, event["type"])
             if response.final:
                 for event in completed_events(prefix, call, response):
                     yield sse(event, event["type"])

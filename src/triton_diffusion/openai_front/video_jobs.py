@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from triton_diffusion.openai_front.errors import ApiError, bad_gateway
-from triton_diffusion.openai_front.translation import VideoCall
 from triton_diffusion.openai_front.triton_bridge import ModelInfo, TritonBridge
+from triton_diffusion.openai_front.video_translation import VideoCall
 
 log = logging.getLogger("triton_diffusion.openai_front")
 

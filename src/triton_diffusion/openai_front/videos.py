@@ -14,9 +14,10 @@ from triton_diffusion.openai_front.errors import ApiError, bad_request, field_er
 from triton_diffusion.openai_front.front_state import FrontState
 from triton_diffusion.openai_front.keys import key_owner
 from triton_diffusion.openai_front.limits import parse_form, parse_json_object, read_body
-from triton_diffusion.openai_front.translation import model_name, video_call
+from triton_diffusion.openai_front.translation import model_name
 from triton_diffusion.openai_front.triton_bridge import TEXT_TO_VIDEO
 from triton_diffusion.openai_front.video_jobs import COMPLETED, VideoJobs
+from triton_diffusion.openai_front.video_translation import video_call
 
 router = APIRouter()
 _VIDEO_ID = re.compile(r"^video_[0-9a-f]{32}$")

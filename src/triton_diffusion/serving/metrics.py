@@ -54,6 +54,38 @@ FAMILIES = {
     ),
 }
 
+# Service tiers and deadlines (engine/ordering.py, scheduler.py): every step-engine model.
+SERVICE_FAMILIES = {
+    "triton_diffusion_tier_latency_seconds": (
+        "HISTOGRAM",
+        "Per request: execute() entry to its FINAL response, by service tier",
+    ),
+    "triton_diffusion_tier_first_step_seconds": (
+        "HISTOGRAM",
+        "Per request: execute() entry to its first denoising step, by service tier",
+    ),
+    "triton_diffusion_deadlines_total": (
+        "COUNTER",
+        "Requests with a deadline: met, missed (done late, or ended when it passed) or refused at admission",
+    ),
+    "triton_diffusion_preemptions_total": ("COUNTER", "Running jobs paused to make room for a higher tier"),
+    "triton_diffusion_paused_jobs": ("GAUGE", "Jobs paused for a higher tier after the last engine step"),
+}
+FAMILIES.update(SERVICE_FAMILIES)
+FAMILIES.update(
+    {
+        "triton_diffusion_cache_rows_total": (
+            "COUNTER",
+            "Step engine: denoiser row-steps run in full (outcome computed) or served from a request's step "
+            "cache (outcome reused), by method",
+        ),
+        "triton_diffusion_result_cache_hits_total": (
+            "COUNTER",
+            "Requests answered from the result cache (result_cache_mb) without running",
+        ),
+    }
+)
+
 # The diffusion LM (step-level continuous batching) has its own.
 DIFFUSION_LM_FAMILIES = {
     "triton_diffusion_execute_requests": ("HISTOGRAM", "Requests per execute() call"),
@@ -72,6 +104,7 @@ DIFFUSION_LM_FAMILIES = {
     ),
     "triton_diffusion_lm_requests_cancelled_total": ("COUNTER", "Requests cancelled while generating"),
     "triton_diffusion_requests_failed_total": ("COUNTER", "Requests answered with an error, by error code"),
+    **SERVICE_FAMILIES,
 }
 
 
@@ -90,6 +123,7 @@ class MetricNames:
     forward_images_legacy: str | None = None
     forwards_total: str | None = None
     forward_adapters: str | None = None
+    cache_rows: str | None = None  # step caches: row-steps computed and reused, by method
 
 
 IMAGE_METRICS = MetricNames(
@@ -103,6 +137,7 @@ IMAGE_METRICS = MetricNames(
     forward_images="triton_diffusion_forward_images",
     forward_images_legacy="triton_diffusion_forward_rows",
     forward_adapters="triton_diffusion_forward_adapters",
+    cache_rows="triton_diffusion_cache_rows_total",
 )
 DIFFUSION_LM_METRICS = MetricNames(
     first_step="triton_diffusion_lm_first_block_seconds",

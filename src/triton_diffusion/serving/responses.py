@@ -1,9 +1,12 @@
-"""Encoding and sending responses off the engine's thread, so the next step is not delayed.
+"""The one answer path: encoding and sending responses off the engine's thread, so the next step is not
+delayed.
 
 One worker thread runs the handed-over work in order: a request's progress responses, handed over at
-its steps, always go out before its FINAL response, handed over when it is done. Work that raises fails
-its own request only (with an error FINAL, through its TrackedRequest). Work handed over after
-:meth:`close` runs on the caller's thread, so nothing is dropped at shutdown.
+its steps, always go out before its FINAL response, handed over when it is done; an error an engine
+decided (a failed forward, a cancellation, a deadline) is delivered in the same order
+(:meth:`ResponseWorker.deliver`). Work that raises fails its own request only (with an error FINAL,
+through its TrackedRequest). Work handed over after :meth:`close` runs on the caller's thread, so nothing
+is dropped at shutdown.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from triton_diffusion.engine.requests import TrackedRequest
 from triton_diffusion.errors import ErrorCode, RequestError
@@ -19,21 +23,36 @@ from triton_diffusion.errors import ErrorCode, RequestError
 log = logging.getLogger("triton_diffusion")
 
 
+@dataclass(frozen=True)
+class _Work:
+    request: TrackedRequest | None  # None: metrics
+    run: Callable[[], None]
+    delivery: bool = False  # an engine's decided error: runs although the request has ended
+
+
 class ResponseWorker:
     def __init__(self, name: str = "responses") -> None:
-        self._queue: queue.Queue[tuple[TrackedRequest | None, Callable[[], None]] | None] = queue.Queue()
+        self._queue: queue.Queue[_Work | None] = queue.Queue()
         self._lock = threading.Lock()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def submit(self, request: TrackedRequest | None, work: Callable[[], None]) -> None:
-        """Run ``work`` on the response thread; ``request`` (None for metrics) fails if it raises."""
+        """Run ``work`` on the response thread, unless ``request`` has ended by then; ``request`` (None for
+        metrics) fails if it raises."""
+        self._put(_Work(request, work))
+
+    def deliver(self, request: TrackedRequest) -> None:
+        """Send the error an engine decided for ``request`` (TrackedRequest.end), in order."""
+        self._put(_Work(request, request.deliver, delivery=True))
+
+    def _put(self, work: _Work) -> None:
         with self._lock:
             if not self._closed and self._thread.is_alive():
-                self._queue.put((request, work))
+                self._queue.put(work)
                 return
-        self._do(request, work)
+        self._do(work)
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Finish what was handed over, then stop."""
@@ -43,26 +62,27 @@ class ResponseWorker:
         self._thread.join(timeout_s)
 
     def fail_queued(self, error: RequestError) -> None:
-        """Answer with ``error`` every request whose work is still queued (after a :meth:`close` that
-        timed out: the process is about to leave)."""
+        """Answer every request whose work is still queued (after a :meth:`close` that timed out: the
+        process is about to leave): with ``error``, or the error an engine decided for it."""
         while True:
             try:
-                item = self._queue.get_nowait()
+                work = self._queue.get_nowait()
             except queue.Empty:
                 return
-            if item is not None and item[0] is not None:
-                item[0].fail(error)
+            if work is not None and work.request is not None:
+                work.request.fail(error)
 
     def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            self._do(*item)
+        while (work := self._queue.get()) is not None:
+            self._do(work)
 
     @staticmethod
-    def _do(request: TrackedRequest | None, work: Callable[[], None]) -> None:
-        if request is not None and request.ended:
+    def _do(work: _Work) -> None:
+        request = work.request
+        if request is not None and request.ended and not work.delivery:
             return
         try:
-            work()
+            work.run()
         except RequestError as error:  # a refused output (e.g. too large): its own code and message
             if request is not None:
                 request.fail(error)

@@ -75,6 +75,13 @@ def _scalar(name: str, array: np.ndarray, keep_bytes: bool = False) -> Any:
     return value
 
 
+def tagged_message(error: RequestError) -> str:
+    """The error's message with its code as a stable tag at the end (``width: got 4096 (allowed: ...)
+    [INVALID_ARG]``): Triton's gRPC stream carries the message but not the code, so a client reads the
+    code from the tag (errors.py ``code_of``) instead of guessing it from the words."""
+    return f"{error.message} [{error.code.value}]"
+
+
 def request_id(request: Any) -> str:
     """The request's id for logs, or "-"; an id that cannot be read never fails the request."""
     try:
@@ -105,7 +112,7 @@ class TritonChannel:
     def send_error(self, error: RequestError) -> None:
         code = getattr(pb_utils.TritonError, error.code.value)
         self._sender.send(
-            pb_utils.InferenceResponse(error=pb_utils.TritonError(error.message, code)),
+            pb_utils.InferenceResponse(error=pb_utils.TritonError(tagged_message(error), code)),
             flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
         )
 
@@ -173,3 +180,11 @@ def install_log_handler() -> None:
         logger.addHandler(TritonLogHandler())
     logger.setLevel(logging.INFO)
     logger.propagate = False
+
+
+def request_timeout_us(request: Any) -> int:
+    """Triton's per-request timeout in microseconds (tritonclient's ``timeout=`` over gRPC), 0 for none."""
+    try:
+        return max(int(request.timeout()), 0)
+    except Exception:  # noqa: BLE001  (an unreadable timeout is no timeout)
+        return 0

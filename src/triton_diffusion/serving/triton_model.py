@@ -23,34 +23,25 @@ from triton_diffusion.compatibility import CompatibilityKey, compatibility_key
 from triton_diffusion.engine.failures import exit_for_restart
 from triton_diffusion.engine.jobs import Job, Stepped
 from triton_diffusion.engine.planner import RowCaps
-from triton_diffusion.engine.request_engine import CallSteps
 from triton_diffusion.engine.requests import TrackedRequest
-from triton_diffusion.errors import ErrorCode, RequestError
-from triton_diffusion.fields import Field, FieldSet, Role
+from triton_diffusion.errors import ErrorCode, RequestError, invalid_field
+from triton_diffusion.fields import FieldSet
 from triton_diffusion.serving.engine_host import EngineHost, RequestRecord
+from triton_diffusion.serving.engines import EngineKind, RequestEngineKind, StepEngineKind
 from triton_diffusion.serving.metrics import FAMILIES, IMAGE_METRICS
+from triton_diffusion.serving.result_cache import ResultCache, result_key
 from triton_diffusion.settings import IMAGE, ModelSettings
 
 log = logging.getLogger("triton_diffusion")
 
-# Fields and outputs every denoising model has: per-step progress responses before the FINAL one.
-PROGRESS_FIELDS = [
-    Field("progress", bool, False, Role.AFTER_SPLIT, doc="send STEP/TOTAL_STEPS after every denoising step"),
-    Field(
-        "preview_every",
-        int,
-        0,
-        Role.AFTER_SPLIT,
-        minimum=0,
-        maximum=1000,
-        doc="with progress: a low-resolution PREVIEW image every N steps (0 = never)",
-    ),
-]
-PROGRESS_OUTPUTS = [
-    ("STEP", "TYPE_INT32", [1]),
-    ("TOTAL_STEPS", "TYPE_INT32", [1]),
-    ("PREVIEW", "TYPE_STRING", [1]),
-]
+
+@dataclass(frozen=True)
+class Service:
+    """How urgent a request is (the scheduler's order, engine/ordering.py): its tier's rank (0: the
+    highest) and the perf_counter time by which it must be done (None: no deadline)."""
+
+    tier: int = 0
+    deadline: float | None = None
 
 
 @dataclass(frozen=True)
@@ -59,6 +50,8 @@ class ParsedRequest:
     values: dict[str, Any]
     key: CompatibilityKey
     images: int  # jobs: images (or videos) this request asks for
+    service: Service = Service()
+    result_key: str | None = None  # its answer's key in the result cache (None: not cached, no seed given)
 
 
 @dataclass(frozen=True)
@@ -70,10 +63,23 @@ class RowInput:
     image_index: int
 
 
+# Outputs every image and video model has beside its images: the size it rendered at, and MODEL_INFO.
+RENDER_OUTPUTS = [
+    ("WIDTH", "TYPE_INT32", [1]),
+    ("HEIGHT", "TYPE_INT32", [1]),
+    ("MODEL_INFO", "TYPE_STRING", [1]),  # the answer to a describe request (JSON)
+]
+
+
+def json_output(value: dict[str, Any]) -> np.ndarray:
+    """A [1, 1] TYPE_STRING output holding JSON (BATCH, MODEL_INFO)."""
+    return np.array([[json.dumps(value).encode()]], dtype=object)
+
+
 def batch_output(report: dict[str, Any]) -> np.ndarray:
     """The BATCH output: JSON of how the request was batched (its key and its fused calls, or for the
     step engine its shape group, the forwards it took part in and the most rows it shared one with)."""
-    return np.array([[json.dumps(report).encode()]], dtype=object)
+    return json_output(report)
 
 
 def seed_output(seed: int, count: int) -> np.ndarray:
@@ -85,6 +91,7 @@ class TritonModel:
     own (whatever raises answers that request alone), and the answered-exactly-once tracking. A kind's
     ``setup`` sets ``self.fields`` and ``self.host``."""
 
+    KIND: ClassVar[str]  # what it serves, as MODEL_INFO tells clients: text_to_image, text_generation, ...
     FIELDS: ClassVar[FieldSet]
     OUTPUTS: ClassVar[list[tuple[str, str, list[int]]]]
     METRIC_FAMILIES: ClassVar[dict[str, tuple[str, str]]] = FAMILIES
@@ -142,6 +149,45 @@ class TritonModel:
                     log.exception("could not answer request %d of the batch", index)
         return None
 
+    def cached_answer(self, parsed: Any) -> dict[str, Any] | None:
+        """The answer of an earlier identical request (serving/result_cache.py), or None."""
+        return None
+
+    def describe(self) -> dict[str, Any]:
+        """MODEL_INFO: what a client needs to know to call this model (so it never infers it)."""
+        config = self.settings.config
+        return {
+            "kind": self.KIND,
+            "engine": self.host.engine_kind.name,
+            "fields": {f.name: f.describe() for f in self.fields},
+            "outputs": [name for name, _, _ in self.OUTPUTS],
+            "service_tiers": list(config.service_tiers),
+            "default_service_tier": config.default_service_tier,
+            "error_codes": [code.value for code in ErrorCode],
+            **self.describe_more(),
+        }
+
+    def describe_more(self) -> dict[str, Any]:
+        """What a model kind adds to MODEL_INFO."""
+        return {}
+
+    def service_of(self, values: dict[str, Any], tracked: TrackedRequest) -> Service:
+        """The request's tier (``service_tier``, or the model's default) and deadline (Triton's request
+        timeout, or over HTTP the ``timeout`` parameter, in microseconds from its arrival). Raises
+        INVALID_ARG naming the field and what is allowed."""
+        config = self.settings.config
+        tier = values.get("service_tier") or config.default_service_tier
+        if tier not in config.service_tiers:
+            allowed = ", ".join(config.service_tiers)
+            raise invalid_field("service_tier", f"got {tier[:64]!r} (allowed: one of {allowed})")
+        timeout_us = values.get("timeout") or tracked.timeout_us
+        if timeout_us and not 0 < timeout_us <= self.fields["timeout"].maximum:
+            raise invalid_field(
+                "timeout", f"got {timeout_us} us (allowed: {self.fields['timeout'].allowed()})"
+            )
+        deadline = tracked.entered + timeout_us / 1e6 if timeout_us else None
+        return Service(config.service_tiers.index(tier), deadline)
+
     def finalize(self) -> None:
         self.host.close()
         log.info("%s unloaded", self.settings.name)
@@ -156,9 +202,12 @@ class TritonModel:
 
     # ---- reading requests -------------------------------------------------------------------------
     def _track(self, request: Any, entered: float) -> TrackedRequest:
-        from triton_diffusion.serving.triton_io import TritonChannel, request_id
+        from triton_diffusion.serving.triton_io import TritonChannel, request_id, request_timeout_us
 
-        return TrackedRequest(request_id(request), TritonChannel(request), self._on_answered, entered)
+        channel = TritonChannel(request)
+        return TrackedRequest(
+            request_id(request), channel, self._on_answered, entered, request_timeout_us(request)
+        )
 
     def _read(self, index: int, request: Any, entered: float) -> tuple[TrackedRequest, Any]:
         """Track the request, read and validate it. Whatever raises answers this request alone."""
@@ -166,7 +215,16 @@ class TritonModel:
 
         tracked = self._track(request, entered)
         try:
-            return tracked, self.parse(index, read_raw_fields(request, self.fields), tracked)
+            raw = read_raw_fields(request, self.fields)
+            if raw.get("describe") is True:  # what the model serves, at once: no generation
+                tracked.finish({"MODEL_INFO": json_output(self.describe())})
+                return tracked, None
+            parsed = self.parse(index, raw, tracked)
+            answer = self.cached_answer(parsed)
+            if answer is not None:  # the same request was answered before: its bytes again, at once
+                tracked.finish(answer)
+                return tracked, None
+            return tracked, parsed
         except RequestError as error:
             tracked.fail(error)
         except Exception as exc:  # noqa: BLE001  (a bug while reading one request fails it alone)
@@ -181,6 +239,9 @@ class TritonModel:
 
 
 class DiffusionModel(TritonModel):
+    step_cache_methods: tuple[str, ...] = ()  # the step caches its denoiser serves per request (at load)
+    results = ResultCache(0)  # answers to repeated requests (result_cache_mb; set at load; 0: off)
+
     """Image and video models: one job per image (or video). With a step adapter for the loaded pipeline
     (and ``engine`` auto or step) the host runs the step engine; otherwise the request-level engine, one
     fused diffusers call (:meth:`run_call`) per compatible group."""
@@ -203,7 +264,7 @@ class DiffusionModel(TritonModel):
         """What the step adapter needs of one image (a job's ``params`` on the step engine)."""
         raise NotImplementedError
 
-    def run_call(self, key: CompatibilityKey, jobs: list[Job], steps: CallSteps) -> list[Any]:
+    def run_call(self, key: CompatibilityKey, jobs: list[Job], steps: Any) -> list[Any]:
         """One fused pipeline call; one output per job, in order (``steps.scatter`` helps)."""
         raise NotImplementedError
 
@@ -225,62 +286,79 @@ class DiffusionModel(TritonModel):
 
     def setup(self, settings: ModelSettings) -> None:
         self.fields, adapter = self.load(settings)
+        self.results = ResultCache(int(settings.config.result_cache_mb * 2**20))
         caps = self.row_caps(settings)
+        engine_kind: EngineKind
         if adapter is not None:
-            waiting = caps.max_rows
-            extra = {"adapter": adapter, "prompt_of": lambda job: job.params.prompt}
+            engine_kind = StepEngineKind(
+                adapter,
+                self.step_request,
+                caps,
+                default_running=caps.max_rows,
+                default_waiting=caps.max_rows,
+                prompt_of=lambda job: job.params.prompt,
+            )
         else:
             waiting = max(settings.max_batch_size, caps.max_rows)
-            extra = {"pipeline_call": self.run_call}
+            engine_kind = RequestEngineKind(self.run_call, RowInput, caps, default_waiting=waiting)
+        self.engine_kind = engine_kind
         self.host = EngineHost(
-            self,
-            settings,
-            self.metrics,
-            IMAGE_METRICS,
-            self.exit_for_restart,
-            caps=caps,
-            default_running=caps.max_rows,
-            default_waiting=waiting,
-            **extra,
+            self, engine_kind, settings, self.metrics, IMAGE_METRICS, self.exit_for_restart
         )
         log.info(
             "%s ready: engine=%s max_rows_per_call=%d caps_by_resolution=%s",
             settings.name,
-            self.host.engine.name,
+            engine_kind.name,
             caps.max_rows,
             dict(caps.by_resolution),
         )
 
     def parse(self, index: int, raw: dict[str, Any], tracked: TrackedRequest) -> ParsedRequest:
         values = self.resolve(self.fields.parse(raw))
-        if "seed" in values and values["seed"] is None:
+        seed_given = values.get("seed") is not None
+        if not seed_given:
             values["seed"] = random.randrange(2**32)  # drawn here so the response can return it
-        return ParsedRequest(index, values, compatibility_key(self.fields, values), self.images_for(values))
+        key = self.engine_kind.key_for(compatibility_key(self.fields, values), values)
+        service = self.service_of(values, tracked)
+        answer_key = result_key(values, seed_given) if self.results else None
+        return ParsedRequest(index, values, key, self.images_for(values), service, answer_key)
+
+    def cached_answer(self, parsed: ParsedRequest) -> dict[str, Any] | None:
+        answer = self.results.get(parsed.result_key)
+        if answer is None:
+            return None
+        self.metrics.increment("triton_diffusion_result_cache_hits_total")
+        batch = json.loads(answer["BATCH"].reshape(-1)[0])
+        return {**answer, "BATCH": batch_output({**batch, "result_cache": "hit"})}
 
     # ---- the host's model kind --------------------------------------------------------------------
-    def jobs_for(self, record: RequestRecord, engine: str) -> list[Job]:
+    def jobs_for(self, record: RequestRecord) -> list[Job]:
         parsed: ParsedRequest = record.parsed
         values = parsed.values
+        record.values = values
         record.progress = bool(values.get("progress"))
-        preview_every = values.get("preview_every", 0) if record.progress else 0
-        if engine == "step":
-            return [
-                Job(
-                    record.tracked, self.step_request(values, i), record, index=i, preview_every=preview_every
-                )
-                for i in range(parsed.images)
-            ]
-        return [
-            Job(
-                record.tracked,
-                RowInput(values, i),
-                record,
-                index=i,
-                preview_every=preview_every if i == 0 else 0,
-                group=parsed.key,
-            )
-            for i in range(parsed.images)
-        ]
+        jobs = []
+        for i in range(parsed.images):
+            params, group = self.engine_kind.job_params(values, i, parsed.key)
+            job = Job(record.tracked, params, record, index=i, group=group)
+            if record.progress and i == 0:  # the first image speaks for its request
+                job.preview_every, job.previews = values.get("preview_every", 0), values.get("previews", 0)
+            job.tier, job.deadline = parsed.service.tier, parsed.service.deadline
+            job.planned_steps = values.get("num_inference_steps") or 1
+            job.cache_method = (values.get("step_cache") or "none").partition(":")[0]
+            jobs.append(job)
+        record.summary = self.summary(values)
+        return jobs
+
+    def summary(self, values: dict[str, Any]) -> str:
+        """What a request asks for, for the admission log line."""
+        size = f"{values.get('width')}x{values.get('height')}"
+        if values.get("num_frames"):
+            size += f", {values['num_frames']} frames"
+        source = (
+            f", from an image (strength {values.get('strength')})" if values.get("image") is not None else ""
+        )
+        return f"{size}, {values.get('num_inference_steps')} steps, {values.get('scheduler')}{source}"
 
     def progress_outputs(self, record: RequestRecord, stepped: Stepped) -> Mapping[str, Any]:
         from triton_diffusion.serving.triton_io import progress_outputs
@@ -292,15 +370,16 @@ class DiffusionModel(TritonModel):
         self, record: RequestRecord, outputs: list[Any], batch: dict[str, Any]
     ) -> dict[str, Any]:
         parsed: ParsedRequest = record.parsed
-        if batch.get("engine") == "step":  # one shape group per forward: the shape is its key
-            shape = ("height", "width", "num_frames")
-            key = {name: parsed.values[name] for name in shape if name in parsed.values}
-            if parsed.values.get("lora"):  # the adapters and scales this request's rows had
-                key["lora"] = parsed.values["lora"]
-        else:
-            key = parsed.key.as_dict()
-        return {
+        answer = {
             **self.respond(parsed, outputs),
             "SEED": seed_output(parsed.values["seed"], len(outputs)),
-            "BATCH": batch_output({"key": key, **batch}),
+            "BATCH": batch_output(batch),
+            # The size it was rendered at (an image's size may come from its source): told, not scraped.
+            "WIDTH": np.array([[parsed.values["width"]]], dtype=np.int32),
+            "HEIGHT": np.array([[parsed.values["height"]]], dtype=np.int32),
         }
+        self.results.put(parsed.result_key, answer)
+        return answer
+
+    def describe_more(self) -> dict[str, Any]:
+        return {"step_caches": ["none", *self.step_cache_methods]}

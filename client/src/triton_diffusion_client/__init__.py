@@ -1,25 +1,27 @@
-"""The Python client for triton-diffusion over gRPC streaming (``pip install`` the package, then
-``from triton_diffusion.client import generate``).
+"""The Python client for triton-diffusion over gRPC streaming: ``pip install ./client`` (tritonclient,
+numpy and pillow; no torch, no server), then ``from triton_diffusion_client import generate``.
 
-- ``images``: image and video models: :func:`generate`, :func:`generate_many`, :class:`StreamSession`
+- ``images``: image and video models: :func:`generate`, :func:`generate_many`, :class:`ImageSession`
   (CLI ``triton-diffusion-generate``)
 - ``text``: the diffusion language model: :func:`generate_text`, :func:`generate_text_many`,
   :class:`TextSession` (CLI ``triton-diffusion-generate-text``)
+- ``streams``: the gRPC stream client they (and the server's OpenAI front) are built on
 
 Applications written against the OpenAI API use the official ``openai`` package against the OpenAI
 front instead (README "OpenAI-compatible front").
 """
 
-from triton_diffusion.client.concurrency import send_concurrently
-from triton_diffusion.client.images import (
+from triton_diffusion_client.concurrency import send_concurrently
+from triton_diffusion_client.images import (
     GenerateResult,
+    ImageSession,
     Progress,
-    StreamSession,
     generate,
     generate_many,
     generate_one,
 )
-from triton_diffusion.client.text import (
+from triton_diffusion_client.streams import ResponseError, StreamResponse, StreamSession
+from triton_diffusion_client.text import (
     Block,
     TextResult,
     TextSession,
@@ -31,7 +33,10 @@ from triton_diffusion.client.text import (
 __all__ = [
     "Block",
     "GenerateResult",
+    "ImageSession",
     "Progress",
+    "ResponseError",
+    "StreamResponse",
     "StreamSession",
     "TextResult",
     "TextSession",

@@ -1,39 +1,41 @@
-"""A small client for triton-diffusion's image and video models over gRPC streaming (the models are
-decoupled).
+"""The client for triton-diffusion's image and video models over gRPC streaming.
 
 Python:
-    from triton_diffusion.client import generate
+    from triton_diffusion_client import generate
     results = generate(["a red cat", "a blue dog"], seed=7, height=64, width=64)
     results[0].save("out")
 
 CLI:
     triton-diffusion-generate "a red cat" "a blue dog" --seed 7 --out out/
+    triton-diffusion-generate "a boat" --model text_to_video --param num_frames=9 --out out/  # MP4 files
 
-Every prompt is its own Triton request (own seed, own error), sent concurrently so the server's dynamic
-batcher can fuse them. Only PROMPT travels as an input tensor; every other field is sent as a request
-parameter, so all requests carry the same set of inputs and Triton may batch them together.
+Every prompt is its own Triton request (own seed, own error), sent concurrently so the server's batcher
+can fuse them. The prompt, a source image and a mask travel as input tensors; every other field is a
+request parameter (streams.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import base64
+import io
 import json
-import queue
 import sys
 import time
 from collections.abc import Callable, Sequence
+from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import tritonclient.grpc as grpcclient
-from tritonclient.utils import InferenceServerException
+from PIL import Image
 
-from triton_diffusion.client.concurrency import send_concurrently
+from triton_diffusion_client.concurrency import send_concurrently
+from triton_diffusion_client.streams import ResponseError, StreamResponse, StreamSession
 
-OUTPUTS = ("IMAGE", "SEED", "BATCH", "STEP", "TOTAL_STEPS", "PREVIEW")
+# Request fields sent as input tensors (encoded image files), by the tensor's name.
+IMAGE_TENSORS = {"image": "IMAGE", "mask_image": "MASK_IMAGE"}
 
 
 @dataclass(frozen=True)
@@ -52,7 +54,9 @@ class GenerateResult:
     request_id: str
     prompt: str
     images: list[bytes] = field(default_factory=list)  # encoded image files (PNG by default)
-    seeds: list[int] = field(default_factory=list)  # seed of each image
+    videos: list[bytes] = field(default_factory=list)  # MP4 files, from video models
+    frames: np.ndarray | None = None  # video models with output_format "frames": uint8 [videos, F, H, W, 3]
+    seeds: list[int] = field(default_factory=list)  # seed of each image or video
     batch: dict[str, Any] | None = None  # the compatibility key and fused calls, as the server reports
     error: str | None = None
     latency_s: float = 0.0
@@ -65,58 +69,39 @@ class GenerateResult:
         return self.error is None
 
     def save(self, directory: str | Path, extension: str = "png") -> list[Path]:
+        """Write every image (``<request_id>_<seed>.<extension>``), video (``.mp4``) or video's frames
+        (``<request_id>_<seed>_<frame>.png``) into ``directory``; returns the paths."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         paths = []
-        for image, seed in zip(self.images, self.seeds, strict=True):
-            path = directory / f"{self.request_id}_{seed}.{extension}"
-            path.write_bytes(image)
-            paths.append(path)
+        if self.frames is not None:
+            for video, seed in zip(self.frames, self.seeds, strict=True):
+                for index, frame in enumerate(video):
+                    paths.append(directory / f"{self.request_id}_{seed}_{index:03d}.png")
+                    Image.fromarray(frame).save(paths[-1])
+            return paths
+        files, suffix = (self.videos, "mp4") if self.videos else (self.images, extension)
+        for data, seed in zip(files, self.seeds, strict=True):
+            paths.append(directory / f"{self.request_id}_{seed}.{suffix}")
+            paths[-1].write_bytes(data)
         return paths
 
 
-class StreamSession:
-    """One gRPC connection and stream, reused for requests sent one after another.
+def encoded_image(value: bytes | str | Path | Image.Image) -> bytes:
+    """A source image or mask as the bytes of an image file: the bytes themselves, a file's, or a PIL
+    image encoded as PNG (the server decodes any format it reads)."""
+    if isinstance(value, Image.Image):
+        buffer = io.BytesIO()
+        value.save(buffer, format="PNG")
+        return buffer.getvalue()
+    if isinstance(value, (str, Path)):
+        return Path(value).read_bytes()
+    return bytes(value)
 
-    One request at a time per stream: tritonclient reports an error response without its request id,
-    so the error then belongs to the request in flight. Concurrency comes from several sessions.
-    """
 
-    def __init__(self, url: str = "localhost:8001", model: str = "text_to_image") -> None:
-        self.model = model
-        self.client = grpcclient.InferenceServerClient(url)
-        self._responses: queue.Queue = queue.Queue()
-        self._streaming = False
-
-    def __enter__(self) -> StreamSession:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        if self._streaming:
-            self.client.stop_stream()
-        self.client.close()
-
-    def _stop_stream(self, cancel: bool) -> None:
-        self.client.stop_stream(cancel_requests=cancel)
-        self._streaming = False
-        self._responses = queue.Queue()
-
-    def _send(self, inputs: list, request_id: str, fields: dict[str, Any]) -> None:
-        if not self._streaming:
-            responses = self._responses
-            self.client.start_stream(callback=lambda result, error: responses.put((result, error)))
-            self._streaming = True
-        self.client.async_stream_infer(
-            self.model,
-            inputs,
-            outputs=[grpcclient.InferRequestedOutput(name) for name in OUTPUTS],
-            request_id=request_id,
-            parameters={k: v for k, v in fields.items() if v is not None},
-            enable_empty_final_response=True,
-        )
+class ImageSession(StreamSession):
+    """One gRPC connection and stream to an image or video model, reused for requests sent one after
+    another (a new stream opens by itself when the server restarted)."""
 
     def generate(
         self,
@@ -125,57 +110,34 @@ class StreamSession:
         timeout_s: float = 300.0,
         on_progress: OnProgress | None = None,
     ) -> GenerateResult:
-        """Send one request and wait for its FINAL response.
-
-        With ``on_progress`` the request asks for per-step progress; the callback may return True to
-        cancel the request (the stream is closed with cancel_requests=True, which Triton passes on to
-        the model).
-        """
+        """Send one request (``prompt`` and any other fields; ``image`` and ``mask_image`` as bytes, a
+        path or a PIL image) and wait for its FINAL response. With ``on_progress`` the request asks for
+        per-step progress; the callback may return True to cancel the request."""
         fields = dict(request)
         if on_progress is not None:
             fields.setdefault("progress", True)
         prompt = fields.pop("prompt")
         out = GenerateResult(request_id=request_id, prompt=prompt)
-        inputs = [_bytes_input("PROMPT", prompt.encode("utf-8"))]
-        # A source image (img2img) and a mask (inpainting): encoded files, sent as BYTES tensors.
-        for name, tensor in (("image", "IMAGE"), ("mask_image", "MASK_IMAGE")):
-            data = fields.pop(name, None)
-            if data is not None:
-                inputs.append(_bytes_input(tensor, data))
+        tensors = {"PROMPT": prompt.encode("utf-8")}
+        for name, tensor in IMAGE_TENSORS.items():
+            value = fields.pop(name, None)
+            if value is not None:
+                tensors[tensor] = encoded_image(value)
         started = time.perf_counter()
         try:
-            self._send(inputs, request_id, fields)
-        except InferenceServerException:
-            # The stream broke with its connection (the server restarted): a new one, once.
-            self._stop_stream(cancel=False)
-            try:
-                self._send(inputs, request_id, fields)
-            except InferenceServerException as exc:
-                self._stop_stream(cancel=False)
-                out.error = f"UNAVAILABLE: the server cannot be reached now ({exc.message()})"
-                return out
-        try:
-            while True:
-                response, error = self._responses.get(timeout=timeout_s)
-                if error is not None:
-                    out.error = str(error)
-                    break
-                if response.as_numpy("STEP") is not None:
-                    progress = _progress(response)
-                    out.steps.append(progress.step)
-                    if out.first_progress_s is None:
-                        out.first_progress_s = time.perf_counter() - started
-                    if on_progress is not None and on_progress(progress):
-                        self._stop_stream(cancel=True)
-                        out.cancelled, out.error = True, "cancelled by the client"
-                        break
-                if response.as_numpy("IMAGE") is not None:
+            with closing(self.responses(tensors, fields, request_id, timeout_s)) as responses:
+                for response in responses:
+                    if response.scalar("STEP") is not None:
+                        progress = _progress(response)
+                        out.steps.append(progress.step)
+                        if out.first_progress_s is None:
+                            out.first_progress_s = time.perf_counter() - started
+                        if on_progress is not None and on_progress(progress):
+                            out.cancelled, out.error = True, "cancelled by the client"
+                            break  # closing the responses cancels the request
                     _read_outputs(response, fields.get("output_encoding"), out)
-                if response.get_response().parameters["triton_final_response"].bool_param:
-                    break
-        except queue.Empty:
-            out.error = f"no final response within {timeout_s} s"
-            self._stop_stream(cancel=True)
+        except (ResponseError, TimeoutError) as exc:
+            out.error = str(exc)
         out.latency_s = time.perf_counter() - started
         return out
 
@@ -189,31 +151,36 @@ def generate_one(
     on_progress: OnProgress | None = None,
 ) -> GenerateResult:
     """Send one request on a stream of its own and wait for its FINAL response."""
-    with StreamSession(url, model) as session:
+    with ImageSession(url, model) as session:
         return session.generate(request, request_id, timeout_s, on_progress)
 
 
-def _bytes_input(name: str, value: bytes) -> grpcclient.InferInput:
-    tensor = grpcclient.InferInput(name, [1, 1], "BYTES")
-    tensor.set_data_from_numpy(np.array([[value]], dtype=object))
-    return tensor
-
-
-def _progress(response: Any) -> Progress:
-    preview = response.as_numpy("PREVIEW")
+def _progress(response: StreamResponse) -> Progress:
+    preview = response.scalar("PREVIEW")
     return Progress(
-        step=int(response.as_numpy("STEP").reshape(-1)[0]),
-        total=int(response.as_numpy("TOTAL_STEPS").reshape(-1)[0]),
-        preview=bytes(preview.reshape(-1)[0]) if preview is not None else None,
+        step=int(response.scalar("STEP")),
+        total=int(response.scalar("TOTAL_STEPS")),
+        preview=bytes(preview) if preview is not None else None,
     )
 
 
-def _read_outputs(response: Any, encoding: str | None, result: GenerateResult) -> None:
-    images = response.as_numpy("IMAGE").reshape(-1)
-    result.images = [base64.b64decode(x) if encoding == "base64" else bytes(x) for x in images]
-    result.seeds = [int(s) for s in response.as_numpy("SEED").reshape(-1)]
-    batch = response.as_numpy("BATCH")
-    result.batch = json.loads(batch.reshape(-1)[0]) if batch is not None else None
+def _read_outputs(response: StreamResponse, encoding: str | None, result: GenerateResult) -> None:
+    def files(name: str) -> list[bytes]:
+        items = response.outputs[name].reshape(-1)
+        return [base64.b64decode(x) if encoding == "base64" else bytes(x) for x in items]
+
+    if "IMAGE" in response.outputs:
+        result.images = files("IMAGE")
+    if "VIDEO" in response.outputs:
+        result.videos = files("VIDEO")  # MP4 files, encoded by the server
+    if "FRAMES" in response.outputs:
+        frames = response.outputs["FRAMES"]
+        result.frames = frames.reshape(-1, *frames.shape[-4:])
+    if "SEED" in response.outputs:
+        result.seeds = [int(s) for s in response.outputs["SEED"].reshape(-1)]
+    batch = response.scalar("BATCH")
+    if batch is not None:
+        result.batch = json.loads(batch)
 
 
 def generate_many(
@@ -249,12 +216,27 @@ def _parse_value(text: str) -> Any:
         return text
 
 
+class ProgressLine:
+    """One status line on stderr with every request's step (no progress-bar package needed)."""
+
+    def __init__(self, count: int) -> None:
+        self.steps = ["-"] * count
+
+    def update(self, index: int, progress: Progress) -> None:
+        self.steps[index] = f"{progress.step}/{progress.total}"
+        print("\rsteps: " + " ".join(self.steps), end="", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if any(step != "-" for step in self.steps):
+            print(file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Generate images with a triton-diffusion model.")
+    parser = argparse.ArgumentParser(description="Generate images or videos with a triton-diffusion model.")
     parser.add_argument("prompts", nargs="+", help="one request per prompt, sent concurrently")
     parser.add_argument("--url", default="localhost:8001", help="Triton gRPC address")
     parser.add_argument("--model", default="text_to_image")
-    parser.add_argument("--out", default="out", help="folder for the images")
+    parser.add_argument("--out", default="out", help="folder for the images and videos")
     parser.add_argument("--seed", type=int)
     parser.add_argument("--height", type=int)
     parser.add_argument("--width", type=int)
@@ -262,7 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--guidance", type=float, dest="guidance_scale")
     parser.add_argument("--negative", dest="negative_prompt")
     parser.add_argument("-n", "--images", type=int, dest="num_images_per_prompt")
-    parser.add_argument("--format", dest="output_format", choices=["png", "jpeg", "webp"])
+    parser.add_argument(
+        "--format", dest="output_format", help="png, jpeg, webp (images); mp4, frames (videos)"
+    )
     parser.add_argument("--lora", help="LoRA adapters of the model's loras: name or name:scale,...")
     parser.add_argument("--image", type=Path, help="a source image file (img2img; every prompt)")
     parser.add_argument("--mask", type=Path, help="with --image: a mask file (inpainting: white repainted)")
@@ -272,10 +256,10 @@ def main(argv: list[str] | None = None) -> int:
         action="append",
         default=[],
         metavar="NAME=VALUE",
-        help="any other field, e.g. --param scheduler=EulerDiscreteScheduler",
+        help="any other field, e.g. --param scheduler=EulerDiscreteScheduler or --param num_frames=9",
     )
     parser.add_argument("--timeout", type=float, default=300.0)
-    parser.add_argument("--no-progress", action="store_true", help="no per-request progress bars")
+    parser.add_argument("--no-progress", action="store_true", help="no per-request progress")
     parser.add_argument(
         "--preview-every",
         type=int,
@@ -308,28 +292,20 @@ def main(argv: list[str] | None = None) -> int:
     extension = {"jpeg": "jpg"}.get(fields.get("output_format", "png"), fields.get("output_format", "png"))
 
     on_progress = None
-    bars: list[Any] = []
+    line = ProgressLine(len(args.prompts))
     if not args.no_progress:
-        from tqdm import tqdm
-
-        bars = [
-            tqdm(total=None, desc=f"[{i}] {p[:30]}", position=i, unit="step", leave=True)
-            for i, p in enumerate(args.prompts)
-        ]
         if args.preview_every:
             fields["preview_every"] = args.preview_every
 
         def on_progress(index: int, progress: Progress) -> None:
-            bars[index].total = progress.total
-            bars[index].update(progress.step - bars[index].n)
+            line.update(index, progress)
             if progress.preview is not None:
                 folder = Path(args.out) / "previews"
                 folder.mkdir(parents=True, exist_ok=True)
                 (folder / f"{index}_step{progress.step}.png").write_bytes(progress.preview)
 
     results = generate(args.prompts, args.url, args.model, args.timeout, on_progress, **fields)
-    for bar in bars:
-        bar.close()
+    line.close()
     failed = 0
     for result in results:
         if result.ok:

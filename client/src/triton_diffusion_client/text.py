@@ -1,33 +1,29 @@
 """A streaming client for the diffusion language model (``diffusion_lm``) over gRPC.
 
 Python:
-    from triton_diffusion.client import generate_text
+    from triton_diffusion_client import generate_text
     result = generate_text("Tell me about the sea", gen_length=64, block_length=16)
     print(result.text, result.tokens, result.steps)
 
 CLI (prints each block as the server commits it):
     triton-diffusion-generate-text "Tell me about the sea" --gen-length 64 --block-length 16
 
-Each request is its own Triton request on its own stream; several run concurrently in threads. Only
-PROMPT travels as an input tensor; every other field is a request parameter.
+Each request is its own Triton request; several run concurrently in threads, each on its own stream.
+Only PROMPT travels as an input tensor; every other field is a request parameter (streams.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import queue
 import sys
 import time
 from collections.abc import Callable, Sequence
+from contextlib import closing
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-import tritonclient.grpc as grpcclient
-
-from triton_diffusion.client.concurrency import send_concurrently
-
-OUTPUTS = ("TEXT", "BLOCK", "TOKENS", "STEPS", "SEED")
+from triton_diffusion_client.concurrency import send_concurrently
+from triton_diffusion_client.streams import ResponseError, StreamResponse, StreamSession
 
 
 @dataclass(frozen=True)
@@ -66,24 +62,11 @@ class TextResult:
 OnBlock = Callable[[Block], "bool | None"]
 
 
-def _scalar(response: Any, name: str) -> Any:
-    array = response.as_numpy(name)
-    return None if array is None else array.reshape(-1)[0]
-
-
-class TextSession:
-    """One gRPC connection for requests sent one after another, each on a stream of its own (the stream
-    callback reports an error without its request id, so one request per stream keeps errors apart)."""
+class TextSession(StreamSession):
+    """One gRPC connection and stream to the diffusion LM, reused for requests sent one after another."""
 
     def __init__(self, url: str = "localhost:8001", model: str = "diffusion_lm") -> None:
-        self.model = model
-        self.client = grpcclient.InferenceServerClient(url)
-
-    def __enter__(self) -> TextSession:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.client.close()
+        super().__init__(url, model)
 
     def generate(
         self,
@@ -97,63 +80,43 @@ class TextSession:
         fields = dict(request)
         prompt = fields.pop("prompt")
         out = TextResult(request_id=request_id, prompt=prompt)
-        responses: queue.Queue = queue.Queue()
-        self.client.start_stream(callback=lambda result, error: responses.put((result, error)))
-        cancel = False
+        out.sent_wall = time.time()
+        started = time.perf_counter()
+        tensors = {"PROMPT": prompt.encode("utf-8")}
         try:
-            prompt_tensor = grpcclient.InferInput("PROMPT", [1, 1], "BYTES")
-            prompt_tensor.set_data_from_numpy(np.array([[prompt.encode("utf-8")]], dtype=object))
-            out.sent_wall = time.time()
-            started = time.perf_counter()
-            self.client.async_stream_infer(
-                self.model,
-                [prompt_tensor],
-                outputs=[grpcclient.InferRequestedOutput(name) for name in OUTPUTS],
-                request_id=request_id,
-                parameters={k: v for k, v in fields.items() if v is not None},
-                enable_empty_final_response=True,
-            )
-            cancel = self._receive(responses, out, started, timeout_s, on_block)
-            out.latency_s = time.perf_counter() - started
-        finally:
-            self.client.stop_stream(cancel_requests=cancel)
+            with closing(self.responses(tensors, fields, request_id, timeout_s)) as responses:
+                for response in responses:
+                    if _read_response(response, out, started, on_block):
+                        out.cancelled, out.error = True, "cancelled by the client"
+                        break  # closing the responses cancels the request
+        except (ResponseError, TimeoutError) as exc:
+            out.error = str(exc)
+        out.latency_s = time.perf_counter() - started
         return out
 
-    @staticmethod
-    def _receive(
-        responses: queue.Queue, out: TextResult, started: float, timeout_s: float, on_block: OnBlock | None
-    ) -> bool:
-        """Read responses into ``out`` until the FINAL one. Returns True to cancel the request."""
-        while True:
-            try:
-                response, error = responses.get(timeout=timeout_s)
-            except queue.Empty:
-                out.error = f"no final response within {timeout_s} s"
-                return True
-            if error is not None:
-                out.error = error.message()
-                return False
-            final = response.get_response().parameters["triton_final_response"].bool_param
-            text = _scalar(response, "TEXT")
-            if final:
-                if text is not None:
-                    out.text = text.decode("utf-8")
-                    out.tokens = int(_scalar(response, "TOKENS"))
-                    out.steps = int(_scalar(response, "STEPS"))
-                    out.seed = int(_scalar(response, "SEED"))
-                return False
-            if text is not None:
-                block = Block(
-                    index=int(_scalar(response, "BLOCK")),
-                    text=text.decode("utf-8"),
-                    tokens=int(_scalar(response, "TOKENS")),
-                    at_s=time.perf_counter() - started,
-                    wall=time.time(),
-                )
-                out.blocks.append(block)
-                if on_block is not None and on_block(block):
-                    out.cancelled, out.error = True, "cancelled by the client"
-                    return True
+
+def _read_response(
+    response: StreamResponse, out: TextResult, started: float, on_block: OnBlock | None
+) -> bool:
+    """One response into ``out``: a committed block, or the FINAL one's whole text. True to cancel."""
+    text = response.scalar("TEXT")
+    if text is None:
+        return False
+    if response.final:
+        out.text = bytes(text).decode("utf-8")
+        out.tokens = int(response.scalar("TOKENS"))
+        out.steps = int(response.scalar("STEPS"))
+        out.seed = int(response.scalar("SEED"))
+        return False
+    block = Block(
+        index=int(response.scalar("BLOCK")),
+        text=bytes(text).decode("utf-8"),
+        tokens=int(response.scalar("TOKENS")),
+        at_s=time.perf_counter() - started,
+        wall=time.time(),
+    )
+    out.blocks.append(block)
+    return on_block is not None and bool(on_block(block))
 
 
 def generate_text_one(

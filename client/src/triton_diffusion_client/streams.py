@@ -1,0 +1,257 @@
+"""The one gRPC stream client of triton-diffusion: the image and text clients (threads) and the OpenAI
+front (asyncio) all send their requests and read their responses here.
+
+Our models are decoupled: a request gets progress responses (STEP, TOTAL_STEPS, PREVIEW; TEXT blocks for
+the diffusion LM) and then one FINAL response. Prompts and images travel as BYTES input tensors, every
+other field as a request parameter, so every request of a model carries the same inputs and Triton may
+batch them together.
+
+A stream carries one request at a time: tritonclient reports an error response without its request id
+(so an error belongs to the request in flight), and Triton 2.51 cancels a whole stream, not one request
+on it. A stream whose request reached its FINAL response is kept for the next request (opening a stream
+costs about a millisecond of CPU per request); one left early (cancelled, timed out) or that answered with
+an error is cancelled, which cancels its Triton request, and dropped.
+
+- :class:`StreamSession`: one connection and stream, for requests sent one after another from a thread.
+- :class:`RequestStream`, :class:`StreamPool`, :func:`pooled_responses`: pooled streams on one
+  ``tritonclient.grpc.aio`` connection, for many requests at once on an event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+
+class ResponseError(Exception):
+    """The request failed: the model's own message (``field: ...``), or the stream's (``[StatusCode.X]
+    ...`` when the connection failed). ``message`` is the text alone, ``str()`` adds the gRPC status."""
+
+    def __init__(self, error: InferenceServerException | str) -> None:
+        super().__init__(str(error))
+        self.message = error if isinstance(error, str) else error.message()
+
+
+@dataclass(frozen=True)
+class StreamResponse:
+    """One response: its outputs by name (every output the model sent) and whether it is the FINAL one."""
+
+    outputs: dict[str, np.ndarray]
+    final: bool
+
+    def scalar(self, name: str) -> Any:
+        """The first element of an output, None when the response has no such output."""
+        array = self.outputs.get(name)
+        return None if array is None else array.reshape(-1)[0]
+
+
+def request_message(
+    model: str, tensors: Mapping[str, bytes], parameters: Mapping[str, Any], request_id: str
+) -> dict[str, Any]:
+    """One request as both tritonclient APIs take it (``async_stream_infer(**message)``, and the items of
+    ``stream_infer``'s request iterator). No requested outputs: the model sends what it has (IMAGE or
+    VIDEO or TEXT, ...)."""
+    inputs = []
+    for name, value in tensors.items():
+        tensor = grpcclient.InferInput(name, [1, 1], "BYTES")
+        tensor.set_data_from_numpy(np.array([[value]], dtype=object))
+        inputs.append(tensor)
+    return {
+        "model_name": model,
+        "inputs": inputs,
+        "request_id": request_id,
+        # A model that ends a request with a bare FINAL flag (no data) still ends it on the stream: a kept
+        # stream is never half-closed, so nothing else would tell the request's end.
+        "parameters": {
+            **{k: v for k, v in parameters.items() if v is not None},
+            "triton_enable_empty_final_response": True,
+        },
+    }
+
+
+def read_result(result: Any) -> StreamResponse:
+    """A tritonclient InferResult (either API) as a :class:`StreamResponse`."""
+    response = result.get_response()
+    outputs = {output.name: result.as_numpy(output.name) for output in response.outputs}
+    final_flag = response.parameters.get("triton_final_response")
+    return StreamResponse(outputs, bool(final_flag.bool_param) if final_flag is not None else False)
+
+
+# ---- threads -------------------------------------------------------------------------------------------
+class StreamSession:
+    """One gRPC connection and stream to a model, reused for requests sent one after another.
+    Concurrency comes from several sessions (each on its own thread)."""
+
+    def __init__(self, url: str = "localhost:8001", model: str = "text_to_image") -> None:
+        self.model = model
+        self.client = grpcclient.InferenceServerClient(url)
+        self._responses: queue.Queue = queue.Queue()
+        self._streaming = False
+
+    def __enter__(self) -> StreamSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._streaming:
+            self._stop_stream(cancel=True)
+        self.client.close()
+
+    def _stop_stream(self, cancel: bool) -> None:
+        self.client.stop_stream(cancel_requests=cancel)
+        self._streaming = False
+        self._responses = queue.Queue()  # whatever the old stream still reports goes nowhere
+
+    def _send(self, message: dict[str, Any]) -> None:
+        if not self._streaming:
+            responses = self._responses
+            self.client.start_stream(callback=lambda result, error: responses.put((result, error)))
+            self._streaming = True
+        self.client.async_stream_infer(**message)
+
+    def responses(
+        self,
+        tensors: Mapping[str, bytes],
+        parameters: Mapping[str, Any],
+        request_id: str,
+        timeout_s: float = 300.0,
+    ) -> Iterator[StreamResponse]:
+        """Send one request and yield its responses up to the FINAL one (an empty FINAL is not
+        yielded). Raises :class:`ResponseError` for an error response or an unreachable server,
+        ``TimeoutError`` past ``timeout_s``. Closing the iterator early (``contextlib.closing``) cancels
+        the request: the stream closes with cancel_requests=True, which Triton passes on to the model."""
+        message = request_message(self.model, tensors, parameters, request_id)
+        try:
+            self._send(message)
+        except InferenceServerException:
+            # The stream broke with its connection (the server restarted): a new one, once.
+            self._stop_stream(cancel=False)
+            try:
+                self._send(message)
+            except InferenceServerException as exc:
+                self._stop_stream(cancel=False)
+                raise ResponseError(
+                    f"UNAVAILABLE: the server cannot be reached now ({exc.message()})"
+                ) from None
+        deadline = time.monotonic() + timeout_s
+        answered = False
+        try:
+            while True:
+                try:
+                    result, error = self._responses.get(timeout=max(0.0, deadline - time.monotonic()))
+                except queue.Empty:
+                    raise TimeoutError(f"no final response within {timeout_s} s") from None
+                if error is not None:
+                    raise ResponseError(error)
+                response = read_result(result)
+                answered = response.final
+                if response.outputs:
+                    yield response
+                if answered:
+                    return
+        finally:
+            if not answered:  # left early, timed out or failed: cancel the request, drop the stream
+                self._stop_stream(cancel=True)
+
+
+# ---- asyncio (the OpenAI front) ------------------------------------------------------------------------
+class RequestStream:
+    """One gRPC stream on a ``tritonclient.grpc.aio`` client that carries one request at a time."""
+
+    def __init__(self, client: Any) -> None:
+        self._requests: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+        self.responses = client.stream_infer(self._feed())
+
+    async def _feed(self) -> AsyncIterator[dict[str, Any]]:
+        while (message := await self._requests.get()) is not None:
+            yield message
+
+    def send(self, message: dict[str, Any]) -> None:
+        self._requests.put_nowait(message)
+
+    def ended(self) -> bool:
+        """The gRPC call is over (cancelled, or the connection closed under it: a restarted server).
+        tritonclient's iterator keeps its gRPC call as ``_grpc_call`` and offers no public way to ask."""
+        return self.responses._grpc_call.done()
+
+    def cancel(self) -> None:
+        # The end of the requests first: gRPC stops reading them only when it cancels a live call, so on
+        # a call the server already ended the task reading them would wait for ever.
+        self._requests.put_nowait(None)
+        self.responses.cancel()  # cancels the Triton request on it, if one is running
+
+
+class StreamPool:
+    """Idle streams, the most recently used first (its connection is the likeliest to be alive); at most
+    ``max_idle`` kept, the rest closed."""
+
+    def __init__(self, open_stream: Callable[[], Any], max_idle: int) -> None:
+        self._open = open_stream
+        self._max_idle = max_idle
+        self._idle: list[Any] = []
+
+    def take(self) -> Any:
+        while self._idle:
+            stream = self._idle.pop()
+            if not stream.ended():
+                return stream
+            stream.cancel()  # ended by the server: its request reader still waits
+        return self._open()
+
+    def give_back(self, stream: Any, reusable: bool) -> None:
+        if reusable and not stream.ended() and len(self._idle) < self._max_idle:
+            self._idle.append(stream)
+        else:
+            stream.cancel()
+
+    def clear(self) -> None:
+        idle, self._idle = self._idle, []
+        for stream in idle:
+            stream.cancel()
+
+    def __len__(self) -> int:
+        return len(self._idle)
+
+
+async def pooled_responses(
+    pool: StreamPool, message: dict[str, Any], timeout_s: float
+) -> AsyncIterator[StreamResponse]:
+    """Send one request (:func:`request_message`) on a pooled stream and yield its responses up to the
+    FINAL one (an empty FINAL is not yielded; a stream that ends without one just stops). Raises
+    :class:`ResponseError` for an error response, ``TimeoutError`` past ``timeout_s``; a broken stream's
+    ``grpc.RpcError`` and a failed open's ``InferenceServerException`` pass through. Closing the iterator
+    early (``contextlib.aclosing``) cancels the request."""
+    stream = pool.take()
+    answered = False  # the FINAL response came: the stream is free for the next request
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    try:
+        stream.send(message)
+        while not answered:
+            # The deadline around each read only (never around a yield: the caller may go on reading
+            # from another task).
+            async with asyncio.timeout_at(deadline):
+                result, error = await anext(stream.responses, (None, None))
+            if result is None and error is None:
+                return  # the stream ended
+            if error is not None:
+                raise ResponseError(error)
+            response = read_result(result)
+            answered = response.final
+            if response.outputs:
+                yield response
+    except TimeoutError:
+        raise TimeoutError(f"no FINAL response within {timeout_s} s") from None
+    finally:
+        # Back to the pool after its FINAL response; else (left early, an error response, a failed
+        # stream) cancelled, which cancels the Triton request, and dropped.
+        pool.give_back(stream, reusable=answered)

@@ -1,0 +1,120 @@
+"""What one image job is: the request's values the step adapters need (:class:`ImageRequest`, a job's
+``params``), and its state between two steps (:class:`LatentJob`, a job's ``state``): its latents, its own
+scheduler and timesteps, its text conditioning, its inpainting source and its step cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from triton_diffusion.adapters.lora import NO_LORA, LoraSet
+from triton_diffusion.adapters.step_caches import CacheState
+from triton_diffusion.step_cache_spec import NO_CACHE, StepCache
+
+
+@dataclass(frozen=True)
+class ImageRequest:
+    """What one image row needs (a job's ``params``), read from a validated request."""
+
+    prompt: str
+    negative_prompt: str | None
+    seed: int
+    image_index: int
+    height: int
+    width: int
+    steps: int
+    guidance_scale: float | None
+    true_cfg_scale: float | None
+    scheduler: str
+    # An image-conditioned start: the source (a PIL image of this size), how much of it is re-noised, and
+    # for inpainting the mask (white: repaint, black: keep).
+    image: Any = None
+    strength: float | None = None
+    mask_image: Any = None
+    lora: LoraSet = NO_LORA  # the row's LoRA adapters and scales (adapters/lora.py)
+    # A video job's frame count (text_to_video); None for an image.
+    num_frames: int | None = None
+    step_cache: StepCache = NO_CACHE  # the request's step cache (adapters/step_caches.py)
+
+    @property
+    def size(self) -> tuple[int, int]:
+        return self.height, self.width
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The job's shape group: rows share a forward only with rows of one latent shape, so a video's
+        frame count is part of it."""
+        return self.size if self.num_frames is None else (*self.size, self.num_frames)
+
+    @property
+    def start(self) -> str:
+        """How the job starts: ``text``, ``image`` (img2img) or ``mask`` (inpainting)."""
+        if self.image is None:
+            return "text"
+        return "image" if self.mask_image is None else "mask"
+
+    @property
+    def summary(self) -> str:
+        """For the admission log line."""
+        size = f"{self.width}x{self.height}"
+        if self.num_frames is not None:
+            size += f", {self.num_frames} frames"
+        start = "" if self.image is None else f", from an image ({self.start}, strength {self.strength})"
+        return f"{size}, {self.steps} steps, {self.scheduler}, guidance {self.guidance_scale}{start}"
+
+
+@dataclass(eq=False)
+class InpaintSource:
+    """An inpainting job's source: with an ordinary denoiser what it blends back after each step
+    (StableDiffusionInpaintPipeline's loop with a 4-channel UNet); with an inpainting checkpoint the extra
+    input channels of its every forward (the mask and the masked source's latents), and no blend."""
+
+    image_latents: torch.Tensor | None  # [1, ...] the encoded source (to blend back)
+    noise: torch.Tensor  # [1, ...] the job's initial noise, reused to noise the source to each timestep
+    mask: torch.Tensor | None  # [1, 1, h, w] latent-size mask: 1 where the model paints, 0 where it keeps
+    model_inputs: dict[str, torch.Tensor] = field(default_factory=dict)  # an inpainting checkpoint's
+
+    @property
+    def blended(self) -> bool:
+        return not self.model_inputs
+
+
+@dataclass(eq=False)
+class LatentJob:
+    """A job's state between two steps (``job.state``)."""
+
+    latents: torch.Tensor  # [1, ...]
+    scheduler: Any
+    timesteps: torch.Tensor
+    conditional: dict[str, torch.Tensor]  # the model's conditioning inputs for this row, each [1, ...]
+    unconditional: dict[str, torch.Tensor] | None  # with (true) classifier-free guidance
+    guidance: float  # the (true) CFG scale applied when ``unconditional`` is set
+    step_kwargs: dict[str, Any]  # extra arguments of scheduler.step (generator, eta)
+    extra: dict[str, Any]  # per-row model inputs that are not text conditioning (Flux's guidance)
+    inpaint: InpaintSource | None = None  # an inpainting job's source, blended back after each step
+    cache: CacheState | None = None  # its step cache's state (each CFG branch its own where they differ)
+
+
+@dataclass(frozen=True)
+class Conditioning:
+    """What the text encoders gave one job: its conditional inputs and, with guidance, unconditional."""
+
+    conditional: dict[str, torch.Tensor]
+    unconditional: dict[str, torch.Tensor] | None
+
+
+def row_conditioning(
+    count: int, conditional: dict[str, torch.Tensor], unconditional: dict[str, torch.Tensor] | None
+) -> list[Conditioning]:
+    """Each of ``count`` requests' conditioning from one text-encoder call's batched outputs: row i of
+    every tensor (and of the unconditional ones, with guidance)."""
+
+    def row(tensors: dict[str, torch.Tensor], i: int) -> dict[str, torch.Tensor]:
+        return {name: values[i : i + 1] for name, values in tensors.items()}
+
+    return [
+        Conditioning(row(conditional, i), None if unconditional is None else row(unconditional, i))
+        for i in range(count)
+    ]

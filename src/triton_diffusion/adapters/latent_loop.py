@@ -1,0 +1,481 @@
+"""The step engine's adapter for latent diffusion pipelines: one denoising step at a time, many requests.
+
+Built from the loaded diffusers pipeline's own parts (its text encoders through ``encode_prompt``, its
+``prepare_latents`` or the same noise draw, its module's ``retrieve_timesteps``, its UNet or transformer,
+its VAE and image processor); only the loop body of ``__call__`` is written here, once, for every family:
+
+- each job (one image) has its own latents, its own scheduler instance (so steps and scheduler may differ
+  per row) with its own timesteps, its own generator and its own guidance scale;
+- a job with classifier-free guidance (or true CFG) adds an unconditional row to the forward, one
+  without adds none; rows of every job in the forward go through ONE model call with a per-row timestep;
+- each job's noise prediction is guided and stepped by its own scheduler, exactly as the pipeline's loop
+  does for that row, so a request's image equals ``pipeline(...)`` for the same arguments and generator
+  (to batch-size rounding) whoever it shared forwards with. The row math runs vectorised: guidance for all
+  jobs in one op, and one call per scheduler class (schedulers/), bit-identical to each job's own
+  ``scale_model_input`` and ``step``; jobs whose scheduler or config is not vectorised step alone;
+- :meth:`LatentStepAdapter.step` returns what happened to each job (a JobStep); it never changes the
+  engine's state.
+
+How a job starts (text, img2img, inpainting) is starts.py. A family subclass fills in the hooks of
+contract.py (stable_diffusion.py: SD 1.x/2.x and SDXL; flow_matching.py: FLUX.1 and SD3; dit.py, wan.py,
+qwen_image.py, z_image.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from PIL import Image
+
+from triton_diffusion.adapters.captured_forwards import Capture, CapturedForwards, capture_adapter_forwards
+from triton_diffusion.adapters.devices import take_rows, to_device
+from triton_diffusion.adapters.diffusers_pipeline import counterpart_pipeline
+from triton_diffusion.adapters.image_requests import Conditioning, ImageRequest, LatentJob
+from triton_diffusion.adapters.lora import LoraBank, LoraSet
+from triton_diffusion.adapters.schedulers import can_batch, guide, scale_model_inputs, vectorised_step
+from triton_diffusion.adapters.starts import LatentStarts
+from triton_diffusion.adapters.step_caches import (
+    CachePlan,
+    CacheState,
+    RowCaches,
+    Slot,
+    new_cache_state,
+    reused_rows,
+    servable,
+)
+from triton_diffusion.engine.failures import Failure
+from triton_diffusion.engine.jobs import ForwardResult, Job, JobStep
+from triton_diffusion.families import PipelineFacts
+
+log = logging.getLogger("triton_diffusion")
+
+
+class LatentStepAdapter(LatentStarts):
+    """The loop body shared by every latent diffusion family. Subclasses fill in the hooks (contract.py)."""
+
+    scales_model_input = False  # UNet schedulers scale the input per step; flow matching does not
+    # Pipelines that scale the model input pass prepare_extra_step_kwargs' eta and generator to the
+    # scheduler's step; these pass them even without (Sana).
+    always_passes_step_kwargs = False
+    # The text length when neither the model's config nor the pipeline's __call__ gives one (None: the
+    # family's text encoders take no length).
+    fallback_max_sequence_length: int | None = None
+    # A guidance-distilled transformer (FLUX.1-dev, Qwen-Image's guidance_embeds) takes the row's
+    # guidance_scale as a model input.
+    guidance_embeds = False
+    # The model's LoRA adapters (set by the model after loading them): each row's own in every forward.
+    loras: LoraBank | None = None
+    # Whether ``predict`` can be captured as a CUDA graph (config cuda_graphs): not where it reads values
+    # back to the host to shape the forward (Qwen-Image's text length, Z-Image's caption lengths).
+    captures_forwards = True
+    captured: CapturedForwards | None = None  # set by the model when it captures them (cuda_graphs)
+    # An inpainting checkpoint (SD/SDXL 9-channel UNets, SD3's 33-channel transformer, FLUX.1 Fill): the
+    # mask and the masked source's latents are inputs of every forward (``inpaint_channels``), so it
+    # serves inpainting jobs only and blends nothing back. Set by the family before this __init__.
+    inpainting_checkpoint = False
+    # The step caches (step_caches.py) this family's denoiser serves per request: the methods whose
+    # reference is diffusers' own hook on its blocks, checked against it in the tests.
+    cache_methods: tuple[str, ...] = ()
+    # The pipeline calls the denoiser once per CFG branch, each under its own cache_context (FLUX.1 true
+    # CFG, Qwen-Image, Wan), so each branch keeps its own cache state; else a job's rows decide together.
+    cache_per_branch = False
+    row_caches: RowCaches | None = None  # the hooks of the step caches (set in __init__ where served)
+
+    def __init__(self, pipe: Any, facts: PipelineFacts, schedulers: Any, max_sequence_length: int | None):
+        traits = facts.traits
+        self.facts = facts  # read by supports()
+        # The family's pipeline for each start, all over the loaded modules (``pipe`` may be any of them:
+        # image_to_image loads the img2img class). ``self.pipe`` is the text-to-image one: its code is what
+        # the loop body mirrors; the others supply only their own start (and SDXL img2img's time ids).
+        self.pipe = counterpart_pipeline(pipe, traits.text_pipeline or type(pipe).__name__)
+        self.pipelines = {"text": self.pipe}
+        for start, name in (("image", traits.image_pipeline), ("mask", traits.inpaint_pipeline)):
+            if name is not None and self.supports(start):
+                self.pipelines[start] = counterpart_pipeline(pipe, name)
+        self.max_sequence_length = (
+            max_sequence_length or facts.default("max_sequence_length") or self.fallback_max_sequence_length
+        )
+        self.device = self.pipe._execution_device
+        self.dtype = self.model.dtype
+        self.latent_dtype = self.dtype  # what latents are drawn and stepped in (Qwen-Image: its text's)
+        self.module = sys.modules[type(self.pipe).__module__]  # the pipeline's own retrieve_timesteps & co
+        # Pristine scheduler templates: each job steps a copy of its own.
+        self.templates = {
+            name: type(schedulers[name]).from_config(schedulers[name].config) for name in schedulers.names
+        }
+        # The step caches this model serves: the family's, where diffusers' hooks apply to its blocks.
+        self.cache_methods = servable(self.model, self.cache_methods)
+        if self.cache_methods:  # hooks that do nothing in a forward without a cached row
+            self.row_caches = RowCaches(self.model, self.cache_methods)
+
+    # ---- hooks --------------------------------------------------------------------------------------
+    @property
+    def model(self) -> Any:
+        """The denoising network: the pipeline's transformer (the UNet families override it)."""
+        return self.pipe.transformer
+
+    def pack(self, latents: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+        """[n, C, h, w] latents into the loop's layout (Flux packs 2x2 patches)."""
+        return latents
+
+    def uses_guidance(self, request: ImageRequest) -> bool:
+        """Whether the job adds an unconditional row: classic CFG, as the pipelines' ``guidance_scale > 1``
+        (true-CFG families and Z-Image override it)."""
+        return self.guidance_scale(request) > 1.0
+
+    def guidance_scale(self, request: ImageRequest) -> float:
+        return float(request.guidance_scale or 0.0)
+
+    def encode(self, requests: Sequence[ImageRequest]) -> list[Conditioning]:
+        """Text conditioning for every request, in one text-encoder call where the pipeline allows.
+
+        By default for pipelines that encode a negative prompt exactly as a prompt (a missing one as ""):
+        the prompts and the guided rows' negative prompts in one ``encode_texts`` call, split back."""
+        guided = [i for i, r in enumerate(requests) if self.uses_guidance(r)]
+        texts = [r.prompt for r in requests] + [requests[i].negative_prompt or "" for i in guided]
+        text = self.encode_texts(texts)
+        negatives = {i: text[len(requests) + row] for row, i in enumerate(guided)}
+        return [Conditioning(text[i], negatives.get(i)) for i in range(len(requests))]
+
+    def encode_texts(self, texts: list[str]) -> list[dict[str, torch.Tensor]]:
+        """Each text's conditioning inputs (each [1, ...]), for the default ``encode``."""
+        raise NotImplementedError
+
+    def initial_latents(
+        self, requests: Sequence[ImageRequest], schedulers: Sequence[Any], generators: list[torch.Generator]
+    ) -> torch.Tensor:
+        """[n, ...] starting latents of requests of one size, each row from its own generator."""
+        raise NotImplementedError
+
+    @property
+    def schedule_device(self) -> str:
+        """Where each job's timesteps (and so its scheduler's tables) live: the device, as in the
+        pipeline, unless the family's schedulers would then wait for the GPU on every job's step."""
+        return self.device
+
+    def set_timesteps(self, scheduler: Any, request: ImageRequest) -> torch.Tensor:
+        raise NotImplementedError
+
+    def retrieve_timesteps(
+        self,
+        scheduler: Any,
+        steps: int,
+        sigmas: Any = None,
+        image_seq_len: int | None = None,
+        max_shift: float = 1.15,
+    ) -> torch.Tensor:
+        """The pipeline module's ``retrieve_timesteps`` on the schedule device; with ``image_seq_len``, the
+        flow-matching pipelines' resolution-dependent shift ``mu`` (its ``calculate_shift`` between the
+        scheduler config's bounds, ``max_shift`` where the config has none)."""
+        kwargs = {}
+        if image_seq_len is not None:
+            config = scheduler.config
+            kwargs["mu"] = self.module.calculate_shift(
+                image_seq_len,
+                config.get("base_image_seq_len", 256),
+                config.get("max_image_seq_len", 4096),
+                config.get("base_shift", 0.5),
+                config.get("max_shift", max_shift),
+            )
+        timesteps, _ = self.module.retrieve_timesteps(
+            scheduler, steps, self.schedule_device, sigmas=sigmas, **kwargs
+        )
+        return timesteps
+
+    def timestep_rows(self, timesteps: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The per-row timestep vector the model takes."""
+        return self.stacked_timesteps(timesteps, torch.float32)
+
+    def stacked_timesteps(self, timesteps: Sequence[torch.Tensor], dtype: torch.dtype | None) -> torch.Tensor:
+        """Each row's 0-d timestep in one [rows] vector on the device, cast to ``dtype`` (None: as is)."""
+        rows = [t if t.dim() == 0 else t.reshape(()) for t in timesteps]  # a reshape costs microseconds
+        if dtype is not None and any(t.dtype != rows[0].dtype for t in rows):
+            rows = [t.to(dtype) for t in rows]  # each cast as it is (stacking would promote first)
+        stacked = torch.stack(rows)
+        return self.to_device(stacked if dtype is None else stacked.to(dtype))
+
+    def to_device(self, values: torch.Tensor) -> torch.Tensor:
+        """A small host tensor to the device without a sync (devices.py)."""
+        return to_device(values, self.device)
+
+    def predict(
+        self,
+        latents: torch.Tensor,
+        timesteps: torch.Tensor,
+        inputs: dict[str, torch.Tensor],
+        size: tuple[int, int],
+    ) -> Any:
+        """The model over every row of one forward (all of one size)."""
+        raise NotImplementedError
+
+    def extra_inputs(self, request: ImageRequest) -> dict[str, torch.Tensor]:
+        """Per-row model inputs besides the text (the guidance value of a guidance-distilled transformer);
+        shared by both CFG rows."""
+        if not self.guidance_embeds:
+            return {}
+        return {"guidance": torch.full([1], request.guidance_scale, device=self.device, dtype=torch.float32)}
+
+    def decode(self, latents: torch.Tensor, size: tuple[int, int]) -> list[Image.Image]:
+        raise NotImplementedError
+
+    def preview_latent(self, latents: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+        """[C, h, w] of one job's latents for a preview."""
+        return latents[0]
+
+    # ---- LoRA adapters per row ---------------------------------------------------------------------------
+    def adapted_rows(self, adapters: list[LoraSet]) -> contextlib.AbstractContextManager:
+        """Around a forward whose model rows have these adapters (none: the base model)."""
+        if self.loras is None:
+            return contextlib.nullcontext()
+        return self.loras.rows(adapters, self.to_device)
+
+    def new_cache_state(self, request: ImageRequest, guided: bool) -> CacheState | None:
+        """A new job's step-cache state (step_caches.py), or None without a cache."""
+        if not request.step_cache or self.row_caches is None:
+            return None
+        return new_cache_state(request.step_cache, 2 if guided and self.cache_per_branch else 1)
+
+    def cache_plan(self, jobs: list[Job], adapters: list[LoraSet]) -> CachePlan | None:
+        """The cached branches of a forward over these jobs' rows (None: no job has a step cache)."""
+        if self.row_caches is None:
+            return None
+        slots, states, row = [], [], 0
+        for job in jobs:
+            rows = list(range(row, row + self.model_rows(job)))
+            cache: CacheState | None = job.state.cache
+            if cache is not None:
+                states.append(cache)
+                if len(cache.branches) == len(rows):  # each CFG branch its own
+                    slots += [Slot(branch, [r]) for branch, r in zip(cache.branches, rows, strict=True)]
+                else:
+                    slots.append(Slot(cache.branches[0], rows))
+            row += len(rows)
+        if not slots:
+            return None
+        subset = lambda rows: self.adapted_rows([adapters[r] for r in rows])  # noqa: E731
+        return CachePlan(row, slots, states, subset)
+
+    def model_rows(self, job: Job) -> int:
+        """The denoiser rows a job adds to a forward: 2 with (true) classifier-free guidance."""
+        return 2 if job.state.unconditional is not None else 1
+
+    def step_output(self, job: Job) -> int:
+        """Which output of the scheduler's ``step`` becomes the job's latents: the stepped sample (0), or
+        where the pipeline's loop keeps another (``one_step_keeps_original``, PixArt-Alpha after one step:
+        the predicted original sample, 1), that index; such a job steps alone."""
+        return 1 if self.facts.traits.one_step_keeps_original and job.params.steps == 1 else 0
+
+    def forward_inputs(
+        self, jobs: list[Job], job_timesteps: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], list[LoraSet]]:
+        """One forward's model rows for these jobs at these timesteps: the latents (scaled by each job's
+        scheduler where the family scales them), the per-row timestep vector, the conditioning inputs and
+        each row's LoRA adapters; a guided job's rows are [uncond, cond]."""
+        states: list[LatentJob] = [job.state for job in jobs]
+        inputs_of = [state.latents for state in states]
+        if self.scales_model_input:  # every job's scale_model_input in one op (Euler's per-row sigma)
+            schedulers = [state.scheduler for state in states]
+            scaled = scale_model_inputs(schedulers, torch.cat(inputs_of), job_timesteps)
+            inputs_of = [scaled[j : j + 1] for j in range(len(jobs))]
+        latent_rows, timesteps, conditioning, adapters = [], [], [], []
+        for job, state, x, t in zip(jobs, states, inputs_of, job_timesteps, strict=True):
+            branches = [state.conditional]
+            if state.unconditional is not None:
+                branches = [state.unconditional, state.conditional]
+            for branch in branches:
+                latent_rows.append(x)
+                timesteps.append(t)
+                conditioning.append({**branch, **state.extra})
+                adapters.append(job.params.lora)  # both CFG rows: the pipeline adapts both halves
+        inputs = {name: torch.cat([c[name] for c in conditioning]) for name in conditioning[0]}
+        return torch.cat(latent_rows), self.timestep_rows(timesteps), inputs, adapters
+
+    @property
+    def uncapturable(self) -> str | None:
+        """Why this model's forwards cannot be captured (config ``cuda_graphs``), or None."""
+        if not self.captures_forwards:
+            return f"{type(self.model).__name__}'s forward reads values back to the host"
+        if not self.serves_text:
+            return "an inpainting checkpoint's forwards are captured from text jobs, which it refuses"
+        return None
+
+    def capture_forwards(
+        self, warm: Sequence[tuple[ImageRequest, int]], capture: Capture | None = None
+    ) -> int:
+        """Run forwards through CUDA graphs (config ``cuda_graphs``), captured now for the shape of each
+        ``warm`` request at every row bucket up to its model rows (captured_forwards.py). Returns the
+        graphs captured; raises CaptureError. (``capture``: CUDA's, unless a test's.)"""
+        return capture_adapter_forwards(self, warm, capture)
+
+    # ---- one forward ---------------------------------------------------------------------------------
+    def step(self, jobs: list[Job]) -> ForwardResult:
+        """One forward over every job's rows, guidance and each job's own scheduler step. Returns a
+        JobStep per job; raising means no job's state changed (the engine retries smaller)."""
+        states: list[LatentJob] = [job.state for job in jobs]
+        job_timesteps = [state.timesteps[job.steps_done] for job, state in zip(jobs, states, strict=True)]
+        latents, timesteps, inputs, adapters = self.forward_inputs(jobs, job_timesteps)
+        size = jobs[0].params.size  # one shape group per forward
+        plan = self.cache_plan(jobs, adapters)
+        # A forward with cached rows runs eagerly: its blocks run on the rows that compute, which a
+        # captured graph's fixed shapes cannot follow.
+        forward = self.predict if self.captured is None or plan is not None else self.captured
+        with torch.inference_mode(), self.adapted_rows(adapters), self.caching(plan):
+            predictions = forward(latents, timesteps, inputs, size)
+        # The forward succeeded: only now does any job's state change.
+        noise = self._guided_noise(states, predictions)
+        by_class: dict[type, list[int]] = {}
+        alone: list[int] = []
+        for j, state in enumerate(states):
+            if can_batch(state.scheduler) and not self.step_output(jobs[j]):
+                by_class.setdefault(type(state.scheduler), []).append(j)
+            else:
+                alone.append(j)
+        # Every group's rows are gathered before any job steps: a raise here (out of memory) leaves every
+        # job as it was, so the engine's retry cannot step a job twice.
+        groups = [(members, take_rows(noise, members)) for members in by_class.values()]
+        if plan is not None:  # nothing below raises for everyone: the caches' staged updates take effect
+            self.row_caches.commit(plan)
+        errors: dict[int, str] = {}
+        for j in alone:
+            error = self._step_alone(states[j], noise[j : j + 1], job_timesteps[j], self.step_output(jobs[j]))
+            if error is not None:
+                errors[j] = error
+        for members, group_noise in groups:
+            group_timesteps = [job_timesteps[j] for j in members]
+            failed = self._step_together([states[j] for j in members], group_noise, group_timesteps)
+            errors.update((members[k], error) for k, error in failed.items())
+        for j, job in enumerate(jobs):
+            if states[j].inpaint is not None and j not in errors:  # blended (an ordinary denoiser)
+                error = self._blend_source(states[j], job.steps_done)
+                if error is not None:
+                    errors[j] = error
+        reused = reused_rows(plan)  # by the id of a job's cache state
+        steps = [
+            self._job_step(job, errors.get(j), reused.get(id(job.state.cache), 0) if job.state.cache else 0)
+            for j, job in enumerate(jobs)
+        ]
+        return ForwardResult(steps, rows=len(adapters), adapters=len({n for a in adapters for n, _ in a}))
+
+    def caching(self, plan: CachePlan | None) -> contextlib.AbstractContextManager:
+        """Around a forward with cached rows: the step caches' hooks follow ``plan``."""
+        if plan is None:
+            return contextlib.nullcontext()
+        return self.row_caches.running(plan)
+
+    def _job_step(self, job: Job, error: str | None, reused: int) -> JobStep:
+        if error is not None:
+            return JobStep(job.steps_done, error=error)
+        step = job.steps_done + 1
+        rows = self.model_rows(job)
+        snapshot = self.snapshot(job, step)
+        done = step >= job.total_steps
+        return JobStep(step, done, rows_computed=rows - reused, rows_reused=reused, snapshot=snapshot)
+
+    def _blend_source(self, state: LatentJob, i: int) -> str | None:
+        """StableDiffusionInpaintPipeline after step ``i`` (4-channel UNet): outside the mask the latents
+        become the source noised to the next timestep (the clean source after the last step). Returns this
+        job's own failure, if any."""
+        source = state.inpaint
+        try:
+            proper = source.image_latents
+            if i < len(state.timesteps) - 1:
+                next_timestep = state.timesteps[i + 1 : i + 2]  # a view where it lives: no host sync
+                proper = self.noise_source(state.scheduler, proper, source.noise, next_timestep)
+            state.latents = (1 - source.mask) * proper + source.mask * state.latents
+        except Exception as exc:  # noqa: BLE001  (this job's own blend: it fails alone)
+            return _own_failure(exc)
+        return None
+
+    def _guided_noise(self, states: list[LatentJob], predictions: torch.Tensor) -> torch.Tensor:
+        """Each job's noise prediction ([jobs, ...]): classifier-free guidance for every guided job in one
+        op, each with its own scale, bit-identical to ``uncond + guidance * (cond - uncond)`` per job."""
+        guided = [state.unconditional is not None for state in states]
+        if not any(guided):
+            return predictions
+        scales = [state.guidance for state, g in zip(states, guided, strict=True) if g]
+        if all(guided):  # rows are [uncond, cond] per job
+            return guide(predictions[0::2], predictions[1::2], scales)
+        first_rows, row = [], 0  # each job's first model row
+        for g in guided:
+            first_rows.append(row)
+            row += 2 if g else 1
+        uncond = take_rows(predictions, [r for r, g in zip(first_rows, guided, strict=True) if g])
+        cond = take_rows(predictions, [r + 1 for r, g in zip(first_rows, guided, strict=True) if g])
+        mixed = guide(uncond, cond, scales)
+        noise, k = [], 0
+        for r, g in zip(first_rows, guided, strict=True):
+            noise.append(mixed[k : k + 1] if g else predictions[r : r + 1])
+            k += g
+        return torch.cat(noise)
+
+    def _step_together(
+        self, states: list[LatentJob], noise: torch.Tensor, timesteps: list[torch.Tensor]
+    ) -> dict[int, str]:
+        """One scheduler class's jobs in one vectorised call. It is atomic (a raise changes no scheduler), so
+        on a failure each job steps alone and only the job whose own step fails fails. Returns those
+        failures by position."""
+        schedulers = [state.scheduler for state in states]
+        kwargs = [state.step_kwargs for state in states]
+        stepped = None
+        try:
+            latents = torch.cat([state.latents for state in states])
+            stepped = vectorised_step(schedulers, noise, timesteps, latents, kwargs)
+        except Exception as exc:  # noqa: BLE001  (redone job by job below: the culprit fails alone)
+            if Failure.of(exc).lost:
+                raise
+            name = type(schedulers[0]).__name__
+            log.warning(
+                "vectorised %s step of %d jobs failed (%r); stepping them one by one", name, len(states), exc
+            )
+        if stepped is not None:
+            # Each job keeps a [1, ...] view of the result: diffusers' steps are out of place and the next
+            # step's torch.cat copies, so no row is ever written through another's view.
+            for j, state in enumerate(states):
+                state.latents = stepped[j : j + 1]
+            return {}
+        errors = {}
+        for j, state in enumerate(states):
+            error = self._step_alone(state, noise[j : j + 1], timesteps[j])
+            if error is not None:
+                errors[j] = error
+        return errors
+
+    @staticmethod
+    def _step_alone(
+        state: LatentJob, noise: torch.Tensor, timestep: torch.Tensor, output: int = 0
+    ) -> str | None:
+        """One job's own scheduler step (its ``output``-th result becomes the latents). Returns its own
+        failure, if any."""
+        try:
+            scheduler = state.scheduler
+            outputs = scheduler.step(noise, timestep, state.latents, **state.step_kwargs, return_dict=False)
+            state.latents = outputs[output]  # requests whose scheduler lacks it are refused at parse
+        except Exception as exc:  # noqa: BLE001  (this job's own scheduler: it fails alone)
+            return _own_failure(exc)
+        return None
+
+    def finish(self, jobs: list[Job]) -> list[Any]:
+        """Decode the done jobs of one size together."""
+        latents = torch.cat([job.state.latents for job in jobs])
+        with torch.inference_mode():
+            return self.decode(latents, jobs[0].params.size)
+
+    def snapshot(self, job: Job, step: int) -> torch.Tensor | None:
+        """A copy of the job's latents for a preview when one is due at ``step`` (the PNG is made on the
+        response thread while the job steps on)."""
+        if not job.preview_due(step):
+            return None
+        return self.preview_latent(job.state.latents, job.params.size).clone()
+
+
+def _own_failure(exc: Exception) -> str:
+    """A failure of one job's own math is that job's alone; a lost device is everyone's (the engine answers
+    what it holds and the process restarts)."""
+    if Failure.of(exc).lost:
+        raise exc
+    return f"{type(exc).__name__}: {exc}"

@@ -1,0 +1,546 @@
+"""Step caches per request inside one batched forward: First Block Cache and TaylorSeer, each job deciding
+for itself at each of its own steps, so a request's image is what diffusers' own cache gives it alone.
+
+diffusers' hooks (``hooks/first_block_cache.py``, ``hooks/taylorseer_cache.py``) keep one state per
+denoiser call (per ``cache_context``) and decide once for the whole batch: FBC compares the mean change of
+the *batch's* first-block residual with the threshold, so a request's output depends on its batch-mates.
+Here the same arithmetic runs per *branch*: one job's rows (a pipeline that batches classifier-free
+guidance, SD3, decides over both), or each CFG branch's row on its own (FLUX.1 true CFG, Qwen-Image, Wan:
+their pipelines call the denoiser once per branch, each under its own ``cache_context``).
+
+- **First Block Cache** (``fbc:THRESHOLD``): the first block runs for every row; each FBC branch compares
+  its residual with the one of its last computed step (``mean |r - r_prev| / mean |r_prev|``); a branch at
+  or under its threshold reuses its cached residual of the other blocks (its rows skip them: every later
+  block runs on the rows that compute, gathered); one over it computes, and its residuals are kept.
+- **TaylorSeer** (``taylorseer:INTERVAL[:WARMUP]``): every attention module diffusers' hook matches is run
+  for the rows whose branch computes at this step (warm-up steps, then every INTERVAL-th), its outputs kept
+  as Taylor factors (first order, in bfloat16, as diffusers' defaults); the rows of a branch that predicts
+  get the factors' prediction instead.
+
+Rows with different methods, thresholds, steps and none share one forward. Cache state lives in each job
+(:class:`CacheState`, in ``LatentJob.cache``), so a paused job keeps it and a failed job takes it along.
+A forward changes no state until it returned: the updates of a forward are staged and applied by
+:meth:`RowCaches.commit`, so the engine's retry of a failed forward decides the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import math
+import re
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from triton_diffusion.step_cache_spec import StepCache
+
+# The per-row arguments of a transformer block or attention module (their first dimension is the batch):
+# gathered for the rows that run. Everything else (rotary embeddings, kwargs dicts) is shared by the rows.
+PER_ROW_ARGUMENTS = frozenset(
+    {
+        "hidden_states",
+        "encoder_hidden_states",
+        "temb",
+        "timestep",
+        "attention_mask",
+        "encoder_attention_mask",
+        "encoder_hidden_states_mask",
+    }
+)
+# diffusers' TaylorSeerCacheConfig defaults.
+TAYLOR_MAX_ORDER = 1
+TAYLOR_FACTORS_DTYPE = torch.bfloat16
+
+
+# ---- a job's state ---------------------------------------------------------------------------------------
+@dataclass(eq=False)
+class FbcBranch:
+    """One branch's First Block Cache: the first block's residual and the other blocks' residuals at the
+    branch's last computed step."""
+
+    threshold: float
+    head_residual: torch.Tensor | None = None
+    tail_residuals: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+
+@dataclass(eq=False)
+class TaylorFactors:
+    """One attention module's TaylorSeer state for one branch (diffusers' ``TaylorSeerState``)."""
+
+    last_update_step: int | None = None
+    factors: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)
+    dtypes: tuple[torch.dtype, ...] = ()
+
+
+@dataclass(eq=False)
+class TaylorBranch:
+    """One branch's TaylorSeer: its step (the denoiser calls it took part in) and each module's factors."""
+
+    interval: int
+    warmup: int
+    step: int = -1
+    modules: dict[int, TaylorFactors] = field(default_factory=dict)
+
+    def computes(self, step: int) -> bool:
+        """diffusers' ``_measure_should_compute`` at ``step`` (0-based): warm-up, then every interval."""
+        return step < self.warmup or (step - self.warmup - 1) % self.interval == 0
+
+
+Branch = FbcBranch | TaylorBranch
+
+
+@dataclass(eq=False)
+class CacheState:
+    """A job's step cache: one branch, or [uncond, cond] where the pipeline calls the denoiser per CFG
+    branch (each under its own cache_context)."""
+
+    spec: StepCache
+    branches: list[Branch]
+
+
+def new_cache_state(spec: StepCache, branches: int) -> CacheState | None:
+    if not spec:
+        return None
+    if spec.method == "fbc":
+        return CacheState(spec, [FbcBranch(spec.threshold) for _ in range(branches)])
+    return CacheState(spec, [TaylorBranch(spec.interval, spec.warmup) for _ in range(branches)])
+
+
+# ---- one forward -----------------------------------------------------------------------------------------
+@dataclass(eq=False)
+class Slot:
+    """A branch in this forward: its model rows."""
+
+    branch: Branch
+    rows: list[int]
+    computes: bool = True  # decided before the forward (TaylorSeer) or by the first block (FBC)
+
+
+@dataclass(eq=False)
+class CachePlan:
+    """The cached branches of one forward over ``rows`` model rows, and what the forward stages."""
+
+    rows: int
+    slots: list[Slot]
+    states: list[CacheState]  # the jobs' states the slots' branches belong to
+    subset: Callable[[list[int]], contextlib.AbstractContextManager] = contextlib.nullcontext
+    active: list[int] = field(default_factory=list)  # the model rows of the module call under way
+    skipped: set[int] = field(default_factory=set)  # rows whose FBC branch reuses: they skip the blocks
+    head: tuple[torch.Tensor, torch.Tensor | None] | None = None  # the first block's output (all rows)
+    staged: list[Callable[[], None]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.active = list(range(self.rows))
+        for slot in self.slots:
+            if isinstance(slot.branch, TaylorBranch):
+                slot.computes = slot.branch.computes(slot.branch.step + 1)
+
+    @property
+    def fbc(self) -> list[Slot]:
+        return [s for s in self.slots if isinstance(s.branch, FbcBranch)]
+
+    @property
+    def taylor(self) -> list[Slot]:
+        return [s for s in self.slots if isinstance(s.branch, TaylorBranch)]
+
+
+def _blocks(transformer: torch.nn.Module) -> list[torch.nn.Module]:
+    """The transformer blocks diffusers' First Block Cache hooks, in its order (head first, tail last)."""
+    from diffusers.hooks._common import _ALL_TRANSFORMER_BLOCK_IDENTIFIERS
+
+    return [
+        block
+        for name, child in transformer.named_children()
+        if name in _ALL_TRANSFORMER_BLOCK_IDENTIFIERS and isinstance(child, torch.nn.ModuleList)
+        for block in child
+    ]
+
+
+def _attention_modules(transformer: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules diffusers' TaylorSeer hooks by default (its attention patterns), in its order."""
+    from diffusers.hooks.taylorseer_cache import _TRANSFORMER_BLOCK_IDENTIFIERS
+
+    return [
+        module
+        for name, module in transformer.named_modules()
+        if any(re.fullmatch(pattern, name) for pattern in _TRANSFORMER_BLOCK_IDENTIFIERS)
+    ]
+
+
+def servable(transformer: torch.nn.Module, methods: Sequence[str]) -> tuple[str, ...]:
+    """Of a family's ``methods`` (those its tests check against diffusers), the ones diffusers' own hooks
+    apply to this transformer: FBC needs two blocks of classes its registry knows (not Sana's), TaylorSeer
+    at least one attention module its patterns match (not PixArt's ``attn1``: there it would do nothing)."""
+    from diffusers.hooks._helpers import TransformerBlockRegistry
+
+    served = []
+    blocks = _blocks(transformer)
+    if "fbc" in methods and len(blocks) >= 2:
+        try:
+            for block in blocks:
+                TransformerBlockRegistry.get(type(block))
+            served.append("fbc")
+        except ValueError:
+            pass
+    if "taylorseer" in methods and _attention_modules(transformer):
+        served.append("taylorseer")
+    return tuple(served)
+
+
+def call_methods(transformer: Any) -> tuple[str, ...]:
+    """The step caches a request-level call serves: diffusers' own, where the transformer has them."""
+    from diffusers.models.cache_utils import CacheMixin
+
+    if not isinstance(transformer, CacheMixin):
+        return ()
+    return servable(transformer, ("fbc", "taylorseer"))
+
+
+@contextlib.contextmanager
+def call_cache(transformer: Any, spec: StepCache) -> Iterator[None]:
+    """diffusers' own cache on a request-level call (its decision is per call: such requests run in calls
+    of their own), with a context for pipelines that set none; those that do set their own per call."""
+    from diffusers.hooks import FirstBlockCacheConfig, TaylorSeerCacheConfig
+
+    if not spec:
+        yield
+        return
+    if spec.method == "fbc":
+        config: Any = FirstBlockCacheConfig(threshold=spec.threshold)
+    else:
+        config = TaylorSeerCacheConfig(cache_interval=spec.interval, disable_cache_before_step=spec.warmup)
+    transformer.enable_cache(config)
+    try:
+        with transformer.cache_context("cond"):
+            yield
+    finally:
+        transformer.disable_cache()
+
+
+class RowCaches:
+    """The hooks on a transformer's blocks (FBC) and attention modules (TaylorSeer), installed once at
+    load for the ``methods`` it serves (:func:`servable`): without a plan (a forward with no cached row)
+    each is its module's own forward."""
+
+    def __init__(self, transformer: torch.nn.Module, methods: Sequence[str]) -> None:
+        from diffusers.hooks._helpers import TransformerBlockRegistry
+
+        self.methods = tuple(methods)
+        self._plan: CachePlan | None = None
+        if "fbc" in self.methods:
+            blocks = _blocks(transformer)
+            self._meta = {type(b): TransformerBlockRegistry.get(type(b)) for b in blocks}
+            _wrap(blocks[0], self._head_forward)
+            for block in blocks[1:-1]:
+                _wrap(block, self._block_forward)
+            _wrap(blocks[-1], self._tail_forward)
+        if "taylorseer" in self.methods:
+            for index, module in enumerate(_attention_modules(transformer)):
+                _wrap(module, self._taylor_forward(index))
+
+    @contextlib.contextmanager
+    def running(self, plan: CachePlan | None) -> Iterator[None]:
+        previous, self._plan = self._plan, plan
+        try:
+            yield
+        finally:
+            self._plan = previous
+
+    @staticmethod
+    def commit(plan: CachePlan) -> None:
+        """The forward returned: its staged updates become the branches' state."""
+        for update in plan.staged:
+            update()
+        for slot in plan.taylor:
+            slot.branch.step += 1
+
+    # ---- First Block Cache -------------------------------------------------------------------------------
+    def _head_forward(self, original: Callable, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
+        output = original(*args, **kwargs)
+        plan = self._plan
+        if plan is None or not plan.fbc:
+            return output
+        meta = self._meta[type(module)]
+        hidden_in = _argument(module, meta.hidden_states_argument_name, args, kwargs)
+        hidden, encoder = _split(output, meta)
+        residual = hidden - hidden_in
+        judged = [slot for slot in plan.fbc if slot.branch.head_residual is not None]
+        if judged:  # diffusers' _should_compute_remaining_blocks per branch, one host sync for all
+            changes = []
+            for slot in judged:
+                previous = slot.branch.head_residual
+                change = (_rows(residual, slot.rows) - previous).abs().mean()
+                changes.append(change / previous.abs().mean())
+            values = torch.stack(changes).tolist()
+            for slot, value in zip(judged, values, strict=True):
+                slot.computes = value > slot.branch.threshold
+        plan.head = (hidden, encoder)
+        reusing = [slot for slot in plan.fbc if not slot.computes]
+        for slot in plan.fbc:
+            if slot.computes:
+                plan.staged.append(_setter(slot.branch, "head_residual", _rows(residual, slot.rows).clone()))
+        if not reusing:
+            return output
+        # A reusing branch's rows are final now: this step's first block plus its cached residual of the
+        # other blocks (diffusers returns this from the first block and skips the rest).
+        hidden, encoder = hidden.clone(), None if encoder is None else encoder.clone()
+        for slot in reusing:
+            cached_hidden, cached_encoder = slot.branch.tail_residuals
+            index = _index(slot.rows, hidden.device)
+            hidden.index_copy_(0, index, cached_hidden + hidden.index_select(0, index))
+            if encoder is not None:
+                encoder.index_copy_(0, index, cached_encoder + encoder.index_select(0, index))
+            plan.skipped.update(slot.rows)
+        return _join(output, meta, hidden, encoder)
+
+    def _block_forward(self, original: Callable, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
+        plan = self._plan
+        if plan is None or not plan.skipped:
+            return original(*args, **kwargs)
+        return self._on_rows(original, module, args, kwargs, plan)
+
+    def _tail_forward(self, original: Callable, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
+        plan = self._plan
+        if plan is None or not plan.fbc:
+            return original(*args, **kwargs)
+        output = (
+            self._on_rows(original, module, args, kwargs, plan) if plan.skipped else original(*args, **kwargs)
+        )
+        meta = self._meta[type(module)]
+        hidden, encoder = _split(output, meta)
+        head_hidden, head_encoder = plan.head
+        for slot in plan.fbc:
+            if slot.computes:
+                tail = _rows(hidden, slot.rows) - _rows(head_hidden, slot.rows)
+                tail_encoder = None
+                if encoder is not None:
+                    tail_encoder = _rows(encoder, slot.rows) - _rows(head_encoder, slot.rows)
+                plan.staged.append(_setter(slot.branch, "tail_residuals", (tail, tail_encoder)))
+        return output
+
+    def _on_rows(
+        self, original: Callable, module: torch.nn.Module, args: tuple, kwargs: dict, plan: CachePlan
+    ) -> Any:
+        """A block over the rows that compute (gathered); the skipped rows pass through unchanged."""
+        meta = self._meta[type(module)]
+        running = [row for row in range(plan.rows) if row not in plan.skipped]
+        hidden_in = _argument(module, meta.hidden_states_argument_name, args, kwargs)
+        encoder_in = None
+        if meta.return_encoder_hidden_states_index is not None:
+            encoder_in = _argument(module, meta.encoder_hidden_states_argument_name, args, kwargs)
+        if not running:  # every row reuses: the block does not run
+            return _join(None, meta, hidden_in, encoder_in)
+        bound = _bound(module, args, kwargs)
+        gathered = _gather(bound, running, plan.rows, hidden_in.device)
+        with self._rows_active(plan, running):
+            output = original(**gathered)
+        hidden, encoder = _split(output, meta)
+        index = _index(running, hidden.device)
+        hidden = hidden_in.index_copy(0, index, hidden)
+        if encoder is not None:
+            encoder = encoder_in.index_copy(0, index, encoder)
+        return _join(output, meta, hidden, encoder)
+
+    @contextlib.contextmanager
+    def _rows_active(self, plan: CachePlan, rows: list[int]) -> Iterator[None]:
+        previous, plan.active = plan.active, rows
+        try:
+            with plan.subset(rows):
+                yield
+        finally:
+            plan.active = previous
+
+    # ---- TaylorSeer -------------------------------------------------------------------------------------
+    def _taylor_forward(self, index: int) -> Callable:
+        def forward(original: Callable, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
+            plan = self._plan
+            if plan is None or not plan.taylor:
+                return original(*args, **kwargs)
+            return self._taylor_rows(index, original, module, args, kwargs, plan)
+
+        return forward
+
+    def _taylor_rows(
+        self,
+        index: int,
+        original: Callable,
+        module: torch.nn.Module,
+        args: tuple,
+        kwargs: dict,
+        plan: CachePlan,
+    ) -> Any:
+        active = plan.active
+        position = {row: i for i, row in enumerate(active)}
+        slots = [s for s in plan.taylor if s.rows[0] in position]
+        predicting = [s for s in slots if not s.computes]
+        predicted_rows = {position[row] for s in predicting for row in s.rows}
+        running = [i for i in range(len(active)) if i not in predicted_rows]
+        outputs: tuple[torch.Tensor, ...] | None = None
+        single = False
+        if running:
+            if predicting:
+                bound = _bound(module, args, kwargs)
+                computed = original(**_gather(bound, running, len(active), _device_of(bound)))
+            else:
+                computed = original(*args, **kwargs)
+            single = isinstance(computed, torch.Tensor)
+            outputs = (computed,) if single else tuple(computed)
+            local = {i: k for k, i in enumerate(running)}
+            for slot in slots:
+                if slot.computes:
+                    rows = [local[position[row]] for row in slot.rows]
+                    step = slot.branch.step + 1
+                    state = slot.branch.modules.setdefault(index, TaylorFactors())
+                    plan.staged.append(_taylor_update(state, tuple(_rows(o, rows) for o in outputs), step))
+            if not predicting:
+                return computed
+        pieces: dict[int, list[torch.Tensor]] = {}  # local row -> its outputs
+        if outputs is not None:
+            for k, i in enumerate(running):
+                pieces[i] = [o[k : k + 1] for o in outputs]
+        for slot in predicting:
+            state = slot.branch.modules[index]
+            predicted = _taylor_predict(state, slot.branch.step + 1)
+            single = len(predicted) == 1 if outputs is None else single
+            for k, row in enumerate(slot.rows):
+                pieces[position[row]] = [p[k : k + 1] for p in predicted]
+        count = len(pieces[0])
+        joined = tuple(torch.cat([pieces[i][j] for i in range(len(active))]) for j in range(count))
+        return joined[0] if single else joined
+
+
+def reused_rows(plan: CachePlan | None) -> dict[int, int]:
+    """Rows served from a cache in this forward, by ``id`` of the job's CacheState: an FBC branch that
+    reused, a TaylorSeer branch that predicted."""
+    reused: dict[int, int] = {}
+    if plan is None:
+        return reused
+    owners = {id(branch): state for state in plan.states for branch in state.branches}
+    for slot in plan.slots:
+        if not slot.computes:
+            key = id(owners[id(slot.branch)])
+            reused[key] = reused.get(key, 0) + len(slot.rows)
+    return reused
+
+
+# ---- TaylorSeer's arithmetic (diffusers' TaylorSeerState.update and .predict, staged) ----------------------
+def _taylor_update(state: TaylorFactors, outputs: tuple[torch.Tensor, ...], step: int) -> Callable[[], None]:
+    factors: dict[int, dict[int, torch.Tensor]] = {}
+    for i, features in enumerate(outputs):
+        new = {0: features}
+        if state.last_update_step is not None:
+            delta = step - state.last_update_step
+            previous = state.factors.get(i, {})
+            for j in range(TAYLOR_MAX_ORDER):
+                old = previous.get(j)
+                if old is None or old.shape != new[j].shape:
+                    break
+                new[j + 1] = (new[j] - old.to(features.dtype)) / delta
+        factors[i] = {order: factor.to(TAYLOR_FACTORS_DTYPE) for order, factor in new.items()}
+    dtypes = tuple(o.dtype for o in outputs)
+
+    def apply() -> None:
+        state.factors, state.dtypes, state.last_update_step = factors, dtypes, step
+
+    return apply
+
+
+def _taylor_predict(state: TaylorFactors, step: int) -> list[torch.Tensor]:
+    offset = step - state.last_update_step
+    orders = len(state.factors[0])
+    outputs = []
+    for i in range(len(state.factors)):
+        dtype = state.dtypes[i]
+        factors = state.factors[i]
+        output = torch.zeros_like(factors[0], dtype=dtype)
+        for order in range(orders):
+            coefficient = (offset**order) / math.factorial(order)
+            output = output + factors[order].to(dtype) * coefficient
+        outputs.append(output)
+    return outputs
+
+
+# ---- plumbing ----------------------------------------------------------------------------------------------
+def _wrap(module: torch.nn.Module, hook: Callable) -> None:
+    """``module.forward`` through ``hook(original, module, args, kwargs)``."""
+    original = module.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return hook(original, module, args, kwargs)
+
+    module.forward = forward
+
+
+_SIGNATURES: dict[type, inspect.Signature] = {}
+
+
+def _bound(module: torch.nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """The call's arguments by name (as the module's forward would bind them)."""
+    cls = type(module)
+    if cls not in _SIGNATURES:
+        _SIGNATURES[cls] = inspect.signature(cls.forward)
+    bound = _SIGNATURES[cls].bind(module, *args, **kwargs)
+    arguments = dict(bound.arguments)
+    arguments.pop("self", None)
+    for name, parameter in _SIGNATURES[cls].parameters.items():
+        if parameter.kind is inspect.Parameter.VAR_KEYWORD and name in arguments:
+            arguments.update(arguments.pop(name))
+    return arguments
+
+
+def _argument(module: torch.nn.Module, name: str, args: tuple, kwargs: dict) -> Any:
+    if name in kwargs:
+        return kwargs[name]
+    return _bound(module, args, kwargs)[name]
+
+
+def _gather(arguments: dict[str, Any], rows: list[int], batch: int, device: Any) -> dict[str, Any]:
+    index = _index(rows, device)
+    return {
+        name: value.index_select(0, index)
+        if name in PER_ROW_ARGUMENTS and isinstance(value, torch.Tensor) and value.shape[:1] == (batch,)
+        else value
+        for name, value in arguments.items()
+    }
+
+
+def _device_of(arguments: dict[str, Any]) -> Any:
+    return next(v.device for v in arguments.values() if isinstance(v, torch.Tensor))
+
+
+def _index(rows: list[int], device: Any) -> torch.Tensor:
+    return torch.tensor(rows, device=device)
+
+
+def _rows(values: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """Consecutive rows as a view (a job's rows are), else gathered."""
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return values[rows[0] : rows[0] + len(rows)]
+    return values.index_select(0, _index(rows, values.device))
+
+
+def _split(output: Any, meta: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if not isinstance(output, tuple):
+        return output, None
+    encoder = None
+    if meta.return_encoder_hidden_states_index is not None:
+        encoder = output[meta.return_encoder_hidden_states_index]
+    return output[meta.return_hidden_states_index], encoder
+
+
+def _join(output: Any, meta: Any, hidden: torch.Tensor, encoder: torch.Tensor | None) -> Any:
+    """A block's output with its hidden (and encoder) states replaced, in the block's own order."""
+    if meta.return_encoder_hidden_states_index is None and not isinstance(output, tuple):
+        return hidden
+    joined: list[Any] = list(output) if isinstance(output, tuple) else [None, None]
+    joined[meta.return_hidden_states_index] = hidden
+    if meta.return_encoder_hidden_states_index is not None:
+        joined[meta.return_encoder_hidden_states_index] = encoder
+    return tuple(joined)
+
+
+def _setter(branch: Any, name: str, value: Any) -> Callable[[], None]:
+    return lambda: setattr(branch, name, value)

@@ -1,0 +1,355 @@
+"""The step engine's scheduler: it owns every queue (waiting, starting, running, paused, finishing) and
+decides, each engine step, who is admitted, who is paused and who resumes (:meth:`Scheduler.schedule`),
+and which jobs step together (:meth:`Scheduler.next_forward`). Its swappable parts are in ordering.py
+(the policy, service tiers and deadlines, admission pacing); the engine (step_engine.py) applies what it
+decides and tells it what happened.
+
+- Admission: newcomers join the running set while it has room, in order (tier, least slack, arrival),
+  paced into cohorts while the engine is busy (AdmissionPacing); a job that outranks a running one by
+  tier is admitted at once, pausing the lowest running job if the set is full (at most ``max_paused``
+  jobs are held paused). Paused jobs resume before newcomers of their tier, with their state untouched.
+- Deadlines: a newcomer whose deadline the estimate (estimates.py) says it cannot meet, given the work
+  that goes before it, is refused at once; a job whose deadline passes leaves at the next step.
+- Forwards: only jobs of one group (same latent shape) share a forward; the group of the best job goes
+  (the policy chooses among the groups of the top tier), at most the group's cap of jobs. Whatever the
+  policy, no running job starves: one not stepped for ``starvation_steps`` engine steps goes next.
+- Caps: a forward's cap per group is the configured one, lowered after an out-of-memory forward and
+  raised again after enough full forwards (:class:`ForwardCaps`).
+
+Thread-safety: the execute() thread adds jobs (:meth:`add`), the watchdog reads what is held
+(:meth:`held`); everything else runs on the engine thread. One lock guards the queues.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+
+from triton_diffusion.engine.estimates import WorkTimes
+from triton_diffusion.engine.jobs import Job, Left
+from triton_diffusion.engine.ordering import AdmissionPacing, Policy, Service, make_policy
+from triton_diffusion.errors import ErrorCode, RequestError
+
+log = logging.getLogger("triton_diffusion")
+
+# Full forwards of a group at an out-of-memory-learned cap before the cap is doubled again (at first).
+CAP_RECOVERY_FORWARDS = 50
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    max_running: int  # jobs in the running set
+    max_per_forward: int  # jobs per forward
+    cap_for: Callable[[Hashable], int] | None = None  # a lower cap for some groups (sizes)
+    cancel_poll_s: float = 0.0  # ask each running request about cancellation at most this often
+    max_paused: int = 0  # jobs held paused at once for higher tiers (0: never pause)
+    starvation_steps: int = 16  # a running job not stepped for this many engine steps goes next
+
+    def __post_init__(self) -> None:
+        if self.max_running < 1 or self.max_per_forward < 1 or self.starvation_steps < 1:
+            raise ValueError(f"max_running, max_per_forward and starvation_steps must be >= 1, got {self}")
+
+
+class ForwardCaps:
+    """Jobs per forward, per group: the configured cap, lowered to half a forward that ran out of memory.
+    An out-of-memory may be transient (another process held memory for a while), so a learned cap doubles
+    after enough full forwards at it and is dropped once it reaches the configured one. A real limit is
+    re-learned by the next out-of-memory (one split forward), and each time the wait before the next try
+    doubles, so a real limit is probed ever more rarely."""
+
+    def __init__(self, limits: EngineLimits) -> None:
+        self.limits = limits
+        self._learned: dict[Hashable, int] = {}
+        self._good: dict[Hashable, int] = {}  # full forwards at the learned cap since it changed
+        self._wait: dict[Hashable, int] = {}  # full forwards to wait before raising it again
+        self._raised_from: dict[Hashable, int] = {}  # groups whose cap was raised and not yet re-proven
+
+    def cap_for(self, group: Hashable) -> int:
+        cap = self.limits.max_per_forward
+        if self.limits.cap_for is not None:
+            cap = min(cap, self.limits.cap_for(group))
+        return min(cap, self._learned.get(group, cap))
+
+    def out_of_memory(self, group: Hashable, jobs: int) -> None:
+        if jobs < 2:
+            return
+        if self._raised_from.pop(group, None) is not None:  # raising it failed: wait longer next time
+            self._wait[group] = self._wait.get(group, CAP_RECOVERY_FORWARDS) * 2
+        self._learned[group] = min(self.cap_for(group), jobs // 2)
+        self._good[group] = 0
+        log.warning("out of memory: forwards of group %s capped at %d", group, jobs // 2)
+
+    def ran(self, group: Hashable, jobs: int) -> None:
+        learned = self._learned.get(group)
+        if learned is None or jobs < learned:
+            return
+        good = self._good.get(group, 0) + 1
+        if good < self._wait.get(group, CAP_RECOVERY_FORWARDS):
+            self._good[group] = good
+            return
+        self._good[group] = 0
+        self._raised_from[group] = learned
+        del self._learned[group]
+        if learned * 2 < self.cap_for(group):
+            self._learned[group] = learned * 2
+        log.info("forwards of group %s capped at %d again", group, self.cap_for(group))
+
+
+@dataclass
+class SchedulerOutput:
+    """One engine step's decisions before its forward."""
+
+    admit: list[Job] = field(default_factory=list)  # start these (the adapter), then they run
+    resume: list[Job] = field(default_factory=list)  # paused jobs back in the running set
+    pause: list[Job] = field(default_factory=list)  # running jobs paused for a higher tier
+    leave: list[Left] = field(default_factory=list)  # ended, refused or expired: out of every queue
+
+
+class Scheduler:
+    def __init__(
+        self,
+        limits: EngineLimits,
+        policy: Policy | None = None,
+        pacing: AdmissionPacing | None = None,
+        service: Service | None = None,
+        times: WorkTimes | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.limits = limits
+        self.clock = clock  # perf_counter seconds: what deadlines and waits are measured on
+        self.policy = policy or make_policy("oldest")
+        self.pacing = pacing or AdmissionPacing()
+        self.service = service or Service()
+        self.times = times or WorkTimes()
+        self.caps = ForwardCaps(limits)
+        self.waiting: list[Job] = []
+        self.starting: list[Job] = []  # admitted, being started by the adapter
+        self.running: list[Job] = []
+        self.paused: list[Job] = []
+        self.finishing: list[Job] = []  # done, being decoded
+        self._inbox: list[Job] = []
+        self._lock = threading.Lock()
+        self._queued = itertools.count()
+        self._arrivals = itertools.count()
+        self.step = 0  # the engine step being scheduled
+
+    # ---- any thread ---------------------------------------------------------------------------------
+    def add(self, job: Job) -> None:
+        with self._lock:
+            job.queued = next(self._queued)
+            self._inbox.append(job)
+
+    @property
+    def active(self) -> int:
+        """Jobs held: in the inbox, waiting, starting, running, paused or finishing."""
+        with self._lock:
+            return sum(map(len, self._queues())) + len(self._inbox)
+
+    def held(self) -> list[Job]:
+        """Every job held, whatever its queue (the watchdog answers them when the engine is stuck)."""
+        with self._lock:
+            return [job for queue in (self._inbox, *self._queues()) for job in queue]
+
+    def _queues(self) -> tuple[list[Job], ...]:
+        return (self.waiting, self.starting, self.running, self.paused, self.finishing)
+
+    # ---- the engine thread: decisions ---------------------------------------------------------------
+    def schedule(self, step: int, now: float | None = None) -> SchedulerOutput:
+        """Admit, pause and resume for this engine step; jobs whose request ended, and those refused or
+        expired for their deadline, leave every queue."""
+        now = self.clock() if now is None else now
+        out = SchedulerOutput()
+        with self._lock:
+            self.step = step
+            arrived, self._inbox = self._inbox, []
+            for job in arrived:
+                job.queued_at = step - 1  # it arrived while the last engine step ran (or after it)
+            self.waiting.extend(arrived)
+            self._drop_ended(out)
+            self._expire(out, now)
+            for job in arrived:
+                if job in self.waiting:
+                    self._refused(job, now, out)
+            self._admit(out, now)
+        return out
+
+    def _drop_ended(self, out: SchedulerOutput) -> None:
+        for queue in (self.waiting, self.running, self.paused):
+            for job in [j for j in queue if j.request.ended]:
+                queue.remove(job)
+                error = job.request.error
+                cancelled = error is not None and error.code is ErrorCode.CANCELLED
+                out.leave.append(Left(job, "cancelled" if cancelled else "ended"))
+
+    def _expire(self, out: SchedulerOutput, now: float) -> None:
+        if not self.service.refuse_late:
+            return  # best_effort: deadlines only order the work
+        for queue in (self.waiting, self.running, self.paused):
+            for job in [j for j in queue if j.deadline is not None and j.deadline <= now]:
+                queue.remove(job)
+                timeout_ms = (job.deadline - job.request.entered) * 1000
+                error = RequestError(
+                    ErrorCode.UNAVAILABLE,
+                    f"deadline: the request's timeout of {timeout_ms:.0f} ms passed after step "
+                    f"{job.steps_done}/{job.total_steps or job.planned_steps}",
+                )
+                out.leave.append(Left(job, "expired", error))
+
+    def _refused(self, job: Job, now: float, out: SchedulerOutput) -> None:
+        """A newcomer that cannot meet its deadline, given the work that goes before it, leaves now."""
+        if job.deadline is None or not self.service.refuse_late or not self.times.measured:
+            return
+        mine = self.order_key(job, now)
+        ahead = [j for q in (self.waiting, self.running, self.paused) for j in q if j is not job]
+        ahead_steps = sum(j.remaining for j in ahead if self.order_key(j, now) < mine)
+        estimate = self.times.finish_in(job.planned_steps, ahead_steps, self.limits.max_per_forward, False)
+        if now + estimate <= job.deadline:
+            return
+        self.waiting.remove(job)
+        timeout_ms = (job.deadline - job.request.entered) * 1000
+        error = RequestError(
+            ErrorCode.UNAVAILABLE,
+            f"deadline: the request cannot finish within its timeout of {timeout_ms:.0f} ms: estimated "
+            f"{(now - job.request.entered + estimate) * 1000:.0f} ms with {ahead_steps} job-steps ahead",
+        )
+        out.leave.append(Left(job, "refused", error))
+
+    def _admit(self, out: SchedulerOutput, now: float) -> None:
+        candidates = sorted(self.waiting + self.paused, key=lambda j: self.admission_key(j, now))
+        if not candidates:
+            return
+        room = self.limits.max_running - len(self.running)
+        oldest = min((j.queued_at for j in self.waiting), default=self.step)
+        due = self.pacing.due(len(self.running), room, self.step - 1 - oldest)
+        for job in candidates:
+            tier = self.service.effective_tier(job, now)
+            lowest = max((self.service.effective_tier(j, now) for j in self.running), default=tier)
+            outranks = tier < lowest
+            if room <= 0:
+                victim = self._victim(now) if outranks else None
+                if victim is None or self.service.effective_tier(victim, now) <= tier:
+                    break  # in order: nobody after this one can get in either
+                self._pause(victim, now, out)
+                room += 1
+            if job in self.paused:
+                self._resume(job, now, out)
+            elif due or outranks:
+                self.waiting.remove(job)
+                self._ready(job, now)
+                self.starting.append(job)
+                out.admit.append(job)
+            else:
+                continue  # held for a cohort; a paused job after it may still resume
+            room -= 1
+
+    def _victim(self, now: float) -> Job | None:
+        if len(self.paused) >= self.limits.max_paused or not self.running:
+            return None
+        return max(self.running, key=lambda j: self.service.victim_key(j, now, self._finish_s))
+
+    def _pause(self, job: Job, now: float, out: SchedulerOutput) -> None:
+        self.running.remove(job)
+        self.paused.append(job)
+        job.pauses += 1
+        job.ready_at = now
+        out.pause.append(job)
+
+    def _resume(self, job: Job, now: float, out: SchedulerOutput) -> None:
+        self.paused.remove(job)
+        job.paused_s += now - job.ready_at if job.ready_at is not None else 0.0
+        self._ready(job, now)
+        job.waited_since = self.step
+        self.running.append(job)
+        out.resume.append(job)
+
+    @staticmethod
+    def _ready(job: Job, now: float) -> None:
+        """The job stops waiting (admitted or resumed): its wait counts towards aging."""
+        if job.ready_at is not None:
+            job.waited_s += now - job.ready_at
+        job.ready_at = None
+
+    def next_forward(self, now: float | None = None) -> list[Job]:
+        """The jobs of the next forward: one group, at most its cap, in order."""
+        now = self.clock() if now is None else now
+        with self._lock:
+            running = list(self.running)
+        if not running:
+            return []
+        step, bound = self.step, self.limits.starvation_steps
+        starved = [j for j in running if step - j.waited_since >= bound]
+        if starved:
+            group = min(starved, key=lambda j: (j.waited_since, j.arrival)).group
+        else:
+            top = min(self.service.effective_tier(j, now) for j in running)
+            candidates = [j for j in running if self.service.effective_tier(j, now) == top]
+            groups: dict[Hashable, list[Job]] = {}
+            for job in candidates:
+                groups.setdefault(job.group, []).append(job)
+            first = min(candidates, key=lambda j: self.order_key(j, now))
+            group = self.policy.choose_group(groups, first)
+        members = [j for j in running if j.group == group]
+        # Starved jobs of the group first, then the order.
+        members.sort(key=lambda j: (step - j.waited_since < bound, self.order_key(j, now)))
+        return members[: max(1, self.caps.cap_for(group))]
+
+    def order_key(self, job: Job, now: float) -> tuple:
+        return (*self.service.key(job, now, self._finish_s), *self.policy.job_key(job))
+
+    def admission_key(self, job: Job, now: float) -> tuple:
+        return (*self.service.key(job, now, self._finish_s), job.queued)
+
+    def _finish_s(self, job: Job) -> float:
+        """The estimated seconds to finish this job alone in its forwards (for its slack)."""
+        cap = self.caps.cap_for(job.group)
+        return self.times.finish_in(job.remaining, 0, cap, job.state is not None)
+
+    # ---- the engine thread: what happened ------------------------------------------------------------
+    def started(self, jobs: list[Job]) -> None:
+        """The adapter started these admitted jobs: they run from now on."""
+        with self._lock:
+            for job in jobs:
+                self.starting.remove(job)
+                job.arrival = next(self._arrivals)
+                job.waited_since = self.step
+                self.running.append(job)
+
+    def stepped(self, jobs: list[Job]) -> None:
+        for job in jobs:
+            job.waited_since = self.step
+
+    def done(self, jobs: list[Job]) -> None:
+        """These jobs took their last step: decoded next, out of the running set."""
+        with self._lock:
+            for job in jobs:
+                if job in self.running:
+                    self.running.remove(job)
+                    self.finishing.append(job)
+
+    def remove(self, job: Job) -> None:
+        """The job left the engine (finished, failed): out of whatever queue holds it."""
+        with self._lock:
+            for queue in (self._inbox, *self._queues()):
+                if job in queue:
+                    queue.remove(job)
+                    return
+
+    def take_all(self) -> list[Job]:
+        """Every job held, removed from the queues (the engine answers them all: shutdown, a lost device)."""
+        with self._lock:
+            held = [job for queue in (self._inbox, *self._queues()) for job in queue]
+            for queue in (self._inbox, *self._queues()):
+                queue.clear()
+            return held
+
+    def put_back(self, jobs: list[Job]) -> None:
+        """Admitted jobs that could not be started (a lost device): held as waiting again."""
+        with self._lock:
+            for job in jobs:
+                if job in self.starting:
+                    self.starting.remove(job)
+                    self.waiting.append(job)

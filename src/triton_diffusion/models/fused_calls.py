@@ -1,0 +1,122 @@
+"""The request-level engine's one place the diffusers pipeline is called: one fused call per compatible
+group, one generator per image, with progress, previews, cancellation and row compaction through the
+pipeline's step callback."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+from triton_diffusion.adapters.diffusers_pipeline import row_generator
+from triton_diffusion.adapters.lora import lora_set
+from triton_diffusion.adapters.step_caches import call_cache
+from triton_diffusion.compatibility import CompatibilityKey
+from triton_diffusion.engine.jobs import Job
+from triton_diffusion.engine.request_engine import CallAbandoned, CallSteps
+from triton_diffusion.serving.triton_model import RowInput
+from triton_diffusion.step_cache_spec import parse_step_cache
+
+
+class FusedCalls:
+    """Mixed into TextToImageModel: its ``run_call`` (the request-level engine's PipelineCall)."""
+
+    def call_arguments(self, shared: dict[str, Any], rows: list[RowInput]) -> dict[str, Any]:
+        """The pipeline's keyword arguments for one fused call: the key's values, one entry per row."""
+        kwargs: dict[str, Any] = {
+            "prompt": [r.values["prompt"] for r in rows],
+            "height": shared["height"],
+            "width": shared["width"],
+            "num_inference_steps": shared["num_inference_steps"],
+            "generator": [row_generator(r.values["seed"], r.image_index) for r in rows],
+            "output_type": "pil",
+            **self.call_extras,
+        }
+        for name in self.OPTIONAL_CALL_FIELDS:
+            if name != "negative_prompt" and self.fields[name].supported:
+                kwargs[name] = shared[name]
+        negatives = [r.values["negative_prompt"] for r in rows]
+        if any(n is not None for n in negatives):
+            # The key keeps rows with and without a negative prompt apart unless None means "" anyway.
+            kwargs["negative_prompt"] = [n or "" for n in negatives]
+        return kwargs
+
+    def run_call(self, key: CompatibilityKey, jobs: list[Job], steps: CallSteps) -> list[Any]:
+        shared = key.as_dict()
+        kwargs = self.call_arguments(shared, [job.params for job in jobs])
+        if self.faults:
+            self.faults.before_call(kwargs["prompt"])
+        if self.has_step_callback:
+            kwargs["callback_on_step_end"] = self._step_callback(steps, shared)
+            kwargs["callback_on_step_end_tensor_inputs"] = self.callback_tensors
+        elif self.has_legacy_callback:
+            kwargs["callback"] = self._legacy_callback(steps, shared)
+            kwargs["callback_steps"] = 1
+        self.pipe.scheduler = self.schedulers[shared["scheduler"]]
+        adapters = lora_set(shared.get("lora"))  # part of the key: one adapter set per fused call
+        cache = parse_step_cache(shared.get("step_cache") or "none")  # a cached request's call is its own
+        with (
+            torch.inference_mode(),
+            self.loras.uniform(adapters) if self.loras else contextlib.nullcontext(),
+            call_cache(self.pipe.transformer, cache) if cache else contextlib.nullcontext(),
+        ):
+            images = list(getattr(self.pipe(**kwargs), self.OUTPUT_ATTRIBUTE))
+        return steps.scatter(images)
+
+    def _step_callback(self, steps: CallSteps, shared: dict[str, Any]):
+        compacts = shared["scheduler"] in self.compacting_schedulers
+
+        def callback(pipe: Any, i: int, t: Any, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            if self.faults:
+                self.faults.after_step()
+            latents = tensors["latents"]
+            total = getattr(pipe, "_num_timesteps", None) or shared["num_inference_steps"]
+            ended = steps.on_step(i + 1, total, lambda position: self._snapshot(latents, position, shared))
+            if not ended:
+                return {}
+            if steps.all_ended(ended):
+                raise CallAbandoned  # no remaining steps and no decode: nobody is waiting for them
+            if not compacts:
+                return {}
+            dropped = set(ended)
+            keep = [p for p in range(latents.shape[0]) if p not in dropped]
+            changed = {"latents": latents[keep]}
+            embeds = tensors.get("prompt_embeds")
+            if embeds is not None:
+                rows = latents.shape[0]
+                # With CFG the loop holds [negative; positive] embeddings: drop the row in both halves.
+                changed["prompt_embeds"] = embeds[
+                    keep + [rows + p for p in keep] if embeds.shape[0] == 2 * rows else keep
+                ]
+            steps.compact(ended, after_step=i + 1)
+            return changed
+
+        return callback
+
+    def _legacy_callback(self, steps: CallSteps, shared: dict[str, Any]):
+        """Pipelines with the older ``callback(step, t, latents)`` API (PixArt): progress, previews and
+        cancellation, but no row compaction (the callback cannot hand tensors back)."""
+        total = shared["num_inference_steps"]
+
+        def callback(step_index: int, t: Any, latents: torch.Tensor) -> None:
+            if self.faults:
+                self.faults.after_step()
+            snapshot = lambda position: self._snapshot(latents, position, shared)  # noqa: E731
+            ended = steps.on_step(step_index + 1, total, snapshot)
+            if ended and steps.all_ended(ended):
+                raise CallAbandoned
+
+        return callback
+
+    def _snapshot(self, latents: torch.Tensor, position: int, shared: dict[str, Any]) -> torch.Tensor:
+        """[C, h, w] of one row's latents for a preview, copied: the PNG is made on the response thread
+        while the pipeline goes on."""
+        latent = latents[position : position + 1]
+        if self.facts.traits.packed_latents:  # Flux, Qwen-Image: 2x2 latent patches packed into channels
+            latent = self.pipe._unpack_latents(
+                latent, shared["height"], shared["width"], self.pipe.vae_scale_factor
+            )
+        if latent.ndim == 5:  # video latents, and Qwen-Image's unpacked (B, C, 1, h, w)
+            latent = latent[:, :, latent.shape[2] // 2]
+        return latent[0].clone()

@@ -1,0 +1,201 @@
+"""The engine's thread: bounded admission from ``execute()``, the loop that steps the engine, its restart
+after a bug, and what happens when the device fails or the engine is stuck.
+
+- Triton's ``execute()`` thread calls :meth:`EngineWorker.submit`, which hands each request's jobs straight
+  to the engine (its scheduler owns every queue); it blocks while the engine holds ``capacity`` jobs, at
+  most ``max_admission_wait_s`` from ``execute()`` entry, then answers UNAVAILABLE.
+- The engine thread runs ``report = engine.step()`` and hands the report to ``render`` (the host sorts it
+  into work for its response thread), so the next step starts at once. Should the loop raise (a bug),
+  what it held is answered INTERNAL and it starts again; after a failed device it answers what it held
+  UNAVAILABLE and the process exits for a restart.
+- The stall watchdog (watchdog.py) answers what the engine holds UNAVAILABLE from its own thread when the
+  engine thread is stuck, and exits the process.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from triton_diffusion.engine.failures import DeviceLostError, device_lost_error
+from triton_diffusion.engine.jobs import Job, StepReport
+from triton_diffusion.engine.requests import TrackedRequest
+from triton_diffusion.errors import ErrorCode, RequestError
+from triton_diffusion.serving.watchdog import StallWatchdog
+
+log = logging.getLogger("triton_diffusion")
+
+
+class Engine(Protocol):
+    """What the worker runs: the step engine (engine/step_engine.py) or the request-level engine
+    (engine/request_engine.py)."""
+
+    def add(self, job: Job) -> None:
+        """Take a job (from any thread)."""
+
+    @property
+    def active(self) -> int:
+        """Jobs held (from any thread)."""
+
+    def held(self) -> list[Job]:
+        """Every job held (from any thread: the watchdog)."""
+
+    def step(self) -> StepReport: ...
+
+    def take_report(self) -> StepReport:
+        """What the step under way did, also after it raised."""
+
+    def fail_all(self, error: RequestError) -> StepReport:
+        """End every job held with ``error``."""
+
+
+class EngineWorker:
+    def __init__(
+        self,
+        engine: Engine,
+        capacity: int,
+        render: Callable[[StepReport], None],
+        stall_s: float,
+        on_device_lost: Callable[[str], None],
+        on_stall: Callable[[str], None],
+        name: str = "engine",
+    ) -> None:
+        self.engine = engine
+        self.capacity = capacity
+        self.render = render
+        self.on_device_lost = on_device_lost
+        self.on_stall = on_stall
+        self.restarts = 0
+        self._condition = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.watchdog = StallWatchdog(stall_s, self._thread.is_alive, self._stalled, f"{name}-watchdog")
+        self._thread.start()
+        self.watchdog.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def submit(self, requests: Sequence[tuple[TrackedRequest, list[Job]]], max_wait_s: float) -> list[float]:
+        """Hand requests' jobs to the engine, in order. A request waits while the engine is full, at most
+        ``max_wait_s`` from its ``execute()`` entry, then is answered UNAVAILABLE. Returns the seconds each
+        waited (-1 for one refused)."""
+        waited = []
+        with self._condition:
+            for tracked, jobs in requests:
+                started = time.perf_counter()
+                deadline = tracked.entered + max_wait_s
+                refused = None
+                while self._full(len(jobs)) and not self._closed:
+                    remaining = deadline - time.perf_counter()
+                    if remaining <= 0:
+                        refused = RequestError(
+                            ErrorCode.UNAVAILABLE,
+                            f"the model is at capacity: no room for this request within {max_wait_s:g} s",
+                        )
+                        break
+                    self._condition.wait(remaining)
+                if self._closed:
+                    refused = RequestError(ErrorCode.UNAVAILABLE, "the model is shutting down")
+                if refused is not None:
+                    tracked.fail(refused)
+                    waited.append(-1.0)
+                    continue
+                for job in jobs:
+                    self.engine.add(job)
+                self._condition.notify_all()  # an idle engine starts now, not after the whole batch
+                waited.append(time.perf_counter() - started)
+        return waited
+
+    def _full(self, jobs: int) -> bool:
+        held = self.engine.active
+        return bool(held) and held + jobs > self.capacity
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        with self._condition:
+            self._closed = True
+            self._condition.notify_all()
+        self._thread.join(timeout_s)
+
+    # ---- the engine thread -------------------------------------------------------------------------
+    def _run(self) -> None:
+        import torch
+
+        try:
+            while True:
+                try:
+                    with torch.inference_mode():  # grad mode is per thread
+                        self._loop()
+                    return
+                except DeviceLostError as exc:
+                    self._render(self.engine.take_report())  # what the step did before the device failed
+                    self._stop_for_device_loss(str(exc))
+                    return
+                except BaseException as exc:  # noqa: BLE001  (a bug in the loop: answer, restart)
+                    log.exception("engine loop failed; answering what it held and restarting")
+                    self.restarts += 1
+                    self._render(self.engine.take_report())
+                    self._fail_held(RequestError(ErrorCode.INTERNAL, f"engine failure: {exc!r}"))
+                    if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                        return
+        finally:
+            with self._condition:
+                self._closed = True
+                self._condition.notify_all()
+            self._fail_held(RequestError(ErrorCode.UNAVAILABLE, "the model is shutting down"))
+
+    def _loop(self) -> None:
+        while self._next_round():
+            self.watchdog.step_started()
+            try:
+                self._render(self.engine.step())
+            finally:
+                self.watchdog.step_ended()
+
+    def beat(self) -> None:
+        """The engine reported progress from inside a step (a denoising step of a fused call)."""
+        self.watchdog.beat()
+
+    def _render(self, report: StepReport) -> None:
+        self.watchdog.beat()
+        try:
+            self.render(report)
+        except Exception:  # noqa: BLE001  (rendering is per request; this would be a bug in the host)
+            log.exception("rendering an engine report failed")
+
+    def _next_round(self) -> bool:
+        """Wait for work. False once closed."""
+        with self._condition:
+            self._condition.notify_all()  # the last step may have made room
+            while not self._closed and not self.engine.active:
+                self._condition.wait()
+            return not self._closed
+
+    def _stop_for_device_loss(self, error: str) -> None:
+        log.error("engine: the accelerator failed (%s); answering what it held", error)
+        with self._condition:
+            self._closed = True  # later submits are refused: nothing can run on this device again
+        self._fail_held(device_lost_error(error))
+        self.on_device_lost(error)
+
+    def _fail_held(self, error: RequestError) -> None:
+        with self._condition:
+            self._condition.notify_all()
+        try:
+            self._render(self.engine.fail_all(error))
+        except Exception:  # noqa: BLE001
+            log.exception("answering held requests failed")
+
+    def _stalled(self, error: str) -> None:
+        """The watchdog's thread: the engine thread is stuck, so what it holds is answered from here
+        (exactly once: a request's answer is claimed under its lock), then the process is asked to exit."""
+        with self._condition:
+            self._closed = True
+            self._condition.notify_all()
+        for job in self.engine.held():
+            job.request.fail(RequestError(ErrorCode.UNAVAILABLE, f"{error}; the model is restarting"))
+        self.on_stall(error)
