@@ -181,9 +181,9 @@ def engine_ceiling(args: argparse.Namespace, requests: int) -> dict[str, float]:
     from triton_diffusion.adapters.masked_diffusion import DecodeParams
     from triton_diffusion.adapters.masked_lm import MaskedLMForward, prompt_token_ids
     from triton_diffusion.engine.jobs import Job
-    from triton_diffusion.engine.requests import TrackedRequest
     from triton_diffusion.engine.scheduler import EngineLimits
     from triton_diffusion.engine.step_engine import StepEngine
+    from triton_diffusion.serving.requests import TrackedRequest
 
     threads = dict(item.split("=", 1) for item in args.param).get("intra_op_threads")
     if threads:

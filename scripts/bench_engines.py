@@ -76,11 +76,11 @@ from triton_diffusion.engine.jobs import Job, StepReport  # noqa: E402
 from triton_diffusion.engine.ordering import AdmissionPacing, make_policy  # noqa: E402
 from triton_diffusion.engine.planner import RowCaps  # noqa: E402
 from triton_diffusion.engine.request_engine import RequestEngine  # noqa: E402
-from triton_diffusion.engine.requests import TrackedRequest  # noqa: E402
 from triton_diffusion.engine.scheduler import EngineLimits  # noqa: E402
 from triton_diffusion.engine.step_engine import StepEngine  # noqa: E402
 from triton_diffusion.models.image_to_image import ImageToImageModel  # noqa: E402
 from triton_diffusion.models.text_to_image import TextToImageModel  # noqa: E402
+from triton_diffusion.serving.requests import TrackedRequest  # noqa: E402
 from triton_diffusion.serving.server_process import WEIGHTS  # noqa: E402
 from triton_diffusion.serving.triton_model import RowInput  # noqa: E402
 from triton_diffusion.settings import ModelConfig, ModelSettings  # noqa: E402
@@ -769,6 +769,32 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench_results")
+    parser.add_argument(
+        "--step-cache",
+        metavar="VARIANTS",
+        help="instead: step caches per request, these step_cache values side by side (bench_caches.py; "
+        "'default' for none,fbc:0.05,fbc:0.12,taylorseer:4:2), on --arch (default there: flux-bench)",
+    )
+    parser.add_argument(
+        "--slo",
+        action="store_true",
+        help="instead: service tiers and deadlines under mixed interactive and background traffic "
+        "(bench_slo.py; its own options follow --slo-args)",
+    )
+    parser.add_argument("--slo-args", default="", help="options for bench_slo.py, as one string")
+    args, _ = parser.parse_known_args(argv)
+    if args.step_cache:
+        import bench_caches
+
+        variants = [] if args.step_cache == "default" else ["--variants", args.step_cache]
+        arch = [] if args.arch == "tiny-sd" else ["--arch", args.arch]
+        bench_caches.main([*variants, *arch, "--out", str(args.out), "--dtype", args.dtype])
+        return
+    if args.slo:
+        import bench_slo
+
+        bench_slo.main([*args.slo_args.split(), "--out", str(args.out)])
+        return
     args = parser.parse_args(argv)
 
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -41,10 +41,10 @@ from bench_engines import Channel  # noqa: E402
 
 from triton_diffusion.adapters.diffusers_pipeline import row_generator  # noqa: E402
 from triton_diffusion.engine.jobs import Job, StepReport  # noqa: E402
-from triton_diffusion.engine.requests import TrackedRequest  # noqa: E402
 from triton_diffusion.engine.scheduler import EngineLimits  # noqa: E402
 from triton_diffusion.engine.step_engine import StepEngine  # noqa: E402
 from triton_diffusion.models.text_to_image import TextToImageModel  # noqa: E402
+from triton_diffusion.serving.requests import TrackedRequest  # noqa: E402
 from triton_diffusion.serving.server_process import WEIGHTS  # noqa: E402
 from triton_diffusion.settings import ModelConfig, ModelSettings  # noqa: E402
 from triton_diffusion.tiny_models import build_missing  # noqa: E402

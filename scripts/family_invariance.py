@@ -27,10 +27,10 @@ from triton_diffusion.adapters.image_requests import ImageRequest
 from triton_diffusion.adapters.step_adapters import step_adapter_for
 from triton_diffusion.codecs.video import to_uint8
 from triton_diffusion.engine.jobs import Job
-from triton_diffusion.engine.requests import TrackedRequest
 from triton_diffusion.engine.scheduler import EngineLimits
 from triton_diffusion.engine.step_engine import StepEngine
 from triton_diffusion.families import PipelineFacts
+from triton_diffusion.serving.requests import TrackedRequest
 from triton_diffusion.serving.server_process import WEIGHTS
 from triton_diffusion.tiny_models import TINY_FAMILIES, build_missing
 

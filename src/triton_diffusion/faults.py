@@ -79,9 +79,9 @@ class FaultyStepAdapter:
     def prepare(self, jobs: list[Any]) -> list[Any]:
         return self.adapter.prepare(jobs)
 
-    def step(self, jobs: list[Any]) -> Any:
+    def step(self, jobs: list[Any], previews: Any = None) -> Any:
         self.faults.before_call([self.prompt_of(job) for job in jobs])
-        result = self.adapter.step(jobs)
+        result = self.adapter.step(jobs, previews)
         self.faults.after_step()
         return result
 

@@ -306,7 +306,7 @@ class ModelConfig:
     admission_cohort: int | None = _parameter(
         None,
         "a busy step engine admits newcomers once this many places are free, so they are encoded, and "
-        "later decoded, together (engine/policies.py AdmissionPacing); 1: whenever there is room; "
+        "later decoded, together (engine/ordering.py AdmissionPacing); 1: whenever there is room; "
         "default: half the forward's cap (images), 1 (LM); at most half of max_running",
     )
     admission_max_wait_steps: int = _parameter(

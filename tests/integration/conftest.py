@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 
 from triton_diffusion.serving.server_process import WEIGHTS, copy_model, set_batching, start_server
@@ -31,6 +33,15 @@ STEP_MODELS = {
     "sd_step": {"source": "text_to_image", "weights": "tiny-sd", **SD_SCHEDULERS},
     "flux_step": {"source": "text_to_image_flux", "weights": "tiny-flux"},
 }
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test here starts a real tritonserver (or drives scripts that do): marked ``integration``, so
+    ``pytest -m "not integration"`` is the fast loop."""
+    here = Path(__file__).parent
+    for item in items:
+        if Path(item.path).parent == here:
+            item.add_marker(pytest.mark.integration)
 
 
 @pytest.fixture(scope="session")
@@ -81,6 +92,20 @@ def server(tmp_path_factory):
     copy_model("text_to_image", repo, "sd_lora", loras)
     copy_model("text_to_image", repo, "sd_lora_request", {**loras, **REQUEST_LEVEL})
     set_batching(repo, "sd_lora_request", QUEUE_DELAY_US)
+    # Step caches per request and answers to repeated requests (test_service_and_caches.py).
+    copy_model(
+        "text_to_image_flux",
+        repo,
+        "flux_cached",
+        {"model": str(WEIGHTS / "tiny-flux"), "result_cache_mb": "16"},
+    )
+    # Service tiers: one running job at a time and a stalled step, so a higher tier must pause a lower one.
+    copy_model(
+        "text_to_image",
+        repo,
+        "sd_tiers",
+        {"model": str(WEIGHTS / "tiny-sd"), "max_running": "1", "fault_injection": STEP_SLOW},
+    )
     # float64, so the tests can compare the served tokens with the one-request reference run here.
     copy_model(
         "diffusion_lm", repo, "diffusion_lm", {"model": str(WEIGHTS / "tiny-dllm"), "dtype": "float64"}
@@ -105,6 +130,8 @@ def server(tmp_path_factory):
         "sd_step_faults",
         "sd_lora",
         "sd_lora_request",
+        "flux_cached",
+        "sd_tiers",
     ]
     running = start_server(repo, log_path, models)
     yield running

@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from triton_diffusion.engine.requests import TrackedRequest
 from triton_diffusion.errors import RequestError
+from triton_diffusion.serving.requests import TrackedRequest
 
 
 class RecordingChannel:

@@ -29,11 +29,11 @@ from triton_diffusion.adapters.masked_diffusion import (
 )
 from triton_diffusion.adapters.masked_lm import MaskedLMForward
 from triton_diffusion.engine.jobs import Job, StepReport
-from triton_diffusion.engine.requests import TrackedRequest
 from triton_diffusion.engine.scheduler import EngineLimits
 from triton_diffusion.engine.step_engine import StepEngine
 from triton_diffusion.errors import ErrorCode, RequestError
 from triton_diffusion.serving.engine_worker import EngineWorker
+from triton_diffusion.serving.requests import TrackedRequest
 from triton_diffusion.tiny_models import build_tiny_dllm
 
 

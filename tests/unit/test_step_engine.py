@@ -15,12 +15,12 @@ from tests.unit.recording import RecordingChannel, deliver_errors, tracked
 from triton_diffusion.engine.failures import DeviceLostError
 from triton_diffusion.engine.jobs import ForwardResult, Job, JobStart, JobStep, StepReport
 from triton_diffusion.engine.ordering import AdmissionPacing, make_policy
-from triton_diffusion.engine.requests import Stage, TrackedRequest
 from triton_diffusion.engine.scheduler import CAP_RECOVERY_FORWARDS, EngineLimits
 from triton_diffusion.engine.step_engine import StepEngine
 from triton_diffusion.errors import ErrorCode, RequestError
 from triton_diffusion.faults import AcceleratorError, SimulatedOutOfMemoryError
 from triton_diffusion.serving.engine_worker import EngineWorker
+from triton_diffusion.serving.requests import Stage, TrackedRequest
 
 
 @dataclass
@@ -40,7 +40,7 @@ class FakeAdapter:
     def prepare(self, jobs):
         return [JobStart([0], job.params.group, job.params.steps) for job in jobs]
 
-    def step(self, jobs):
+    def step(self, jobs, previews=None):
         names = [job.request.request_id for job in jobs]
         if self.max_rows is not None and len(jobs) > self.max_rows:
             raise SimulatedOutOfMemoryError(f"{len(jobs)} rows")
@@ -409,7 +409,7 @@ def test_the_worker_restarts_its_loop_after_a_bug_and_answers_what_it_held():
 
 def test_a_failed_device_stops_the_worker_after_answering_everything_it_held():
     class LostDevice(FakeAdapter):
-        def step(self, jobs):
+        def step(self, jobs, previews=None):
             if any(job.request.request_id == "xid" for job in jobs):
                 raise AcceleratorError("CUDA error: an illegal memory access was encountered")
             return super().step(jobs)
@@ -462,7 +462,7 @@ def test_a_device_failure_while_decodes_are_retried_one_by_one_still_answers_eve
 
 def test_a_stuck_engine_is_noticed_its_requests_answered_and_the_process_asked_to_exit():
     class Stuck(FakeAdapter):
-        def step(self, jobs):
+        def step(self, jobs, previews=None):
             if any(job.request.request_id == "hang" for job in jobs):
                 threading.Event().wait(30)  # a deadlock, or a kernel that never returns
             return super().step(jobs)
@@ -504,7 +504,7 @@ def test_a_batch_larger_than_the_room_starts_at_once_and_the_rest_is_admitted_as
 
 def test_a_slow_engine_is_not_taken_for_a_stuck_one():
     class Slow(FakeAdapter):
-        def step(self, jobs):
+        def step(self, jobs, previews=None):
             time.sleep(0.15)
             return super().step(jobs)
 

@@ -60,9 +60,9 @@ class ShapeRecorder:
         self.adapter = adapter
         self.shapes: list[set[tuple[int, ...]]] = []
 
-    def step(self, jobs: list[Job]) -> list[Job]:
+    def step(self, jobs: list[Job], previews=None) -> Any:
         self.shapes.append({job.params.shape for job in jobs})
-        return self.adapter.step(jobs)
+        return self.adapter.step(jobs, previews)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.adapter, name)

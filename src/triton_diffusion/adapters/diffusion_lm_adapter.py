@@ -169,7 +169,7 @@ class DiffusionLMAdapter:
         """After a step that completed a block: the text's tokens so far and the block's index."""
         return (request.tokens(), request.block_index - 1) if request.new_block else None
 
-    def step(self, jobs: list[Job]) -> ForwardResult:
+    def step(self, jobs: list[Job], previews: Sequence[bool] | None = None) -> ForwardResult:
         """One padded forward for every job, then one commit step each; a job is done when its request
         finished (its last block, or an EOS), which may be before its planned steps."""
         requests: list[DecodingRequest] = [job.state for job in jobs]

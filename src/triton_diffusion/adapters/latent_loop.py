@@ -313,9 +313,10 @@ class LatentStepAdapter(LatentStarts):
         return capture_adapter_forwards(self, warm, capture)
 
     # ---- one forward ---------------------------------------------------------------------------------
-    def step(self, jobs: list[Job]) -> ForwardResult:
-        """One forward over every job's rows, guidance and each job's own scheduler step. Returns a
-        JobStep per job; raising means no job's state changed (the engine retries smaller)."""
+    def step(self, jobs: list[Job], previews: Sequence[bool] | None = None) -> ForwardResult:
+        """One forward over every job's rows, guidance and each job's own scheduler step; ``previews[i]``:
+        job i's latents are copied for a preview. Returns a JobStep per job; raising means no job's state
+        changed (the engine retries smaller)."""
         states: list[LatentJob] = [job.state for job in jobs]
         job_timesteps = [state.timesteps[job.steps_done] for job, state in zip(jobs, states, strict=True)]
         latents, timesteps, inputs, adapters = self.forward_inputs(jobs, job_timesteps)
@@ -354,9 +355,10 @@ class LatentStepAdapter(LatentStarts):
                 error = self._blend_source(states[j], job.steps_done)
                 if error is not None:
                     errors[j] = error
-        reused = reused_rows(plan)  # by the id of a job's cache state
+        reused = reused_rows(plan) if plan is not None else {}  # by the id of a job's cache state
+        previews = previews or [False] * len(jobs)
         steps = [
-            self._job_step(job, errors.get(j), reused.get(id(job.state.cache), 0) if job.state.cache else 0)
+            self._job_step(job, errors.get(j), reused.get(id(job.state.cache), 0), previews[j])
             for j, job in enumerate(jobs)
         ]
         return ForwardResult(steps, rows=len(adapters), adapters=len({n for a in adapters for n, _ in a}))
@@ -367,12 +369,12 @@ class LatentStepAdapter(LatentStarts):
             return contextlib.nullcontext()
         return self.row_caches.running(plan)
 
-    def _job_step(self, job: Job, error: str | None, reused: int) -> JobStep:
+    def _job_step(self, job: Job, error: str | None, reused: int, preview: bool) -> JobStep:
         if error is not None:
             return JobStep(job.steps_done, error=error)
         step = job.steps_done + 1
         rows = self.model_rows(job)
-        snapshot = self.snapshot(job, step)
+        snapshot = self.snapshot(job) if preview else None
         done = step >= job.total_steps
         return JobStep(step, done, rows_computed=rows - reused, rows_reused=reused, snapshot=snapshot)
 
@@ -465,11 +467,9 @@ class LatentStepAdapter(LatentStarts):
         with torch.inference_mode():
             return self.decode(latents, jobs[0].params.size)
 
-    def snapshot(self, job: Job, step: int) -> torch.Tensor | None:
-        """A copy of the job's latents for a preview when one is due at ``step`` (the PNG is made on the
-        response thread while the job steps on)."""
-        if not job.preview_due(step):
-            return None
+    def snapshot(self, job: Job) -> torch.Tensor:
+        """A copy of the job's latents for a preview (the PNG is made on the response thread while the job
+        steps on)."""
         return self.preview_latent(job.state.latents, job.params.size).clone()
 
 

@@ -412,12 +412,10 @@ class RowCaches:
         return joined[0] if single else joined
 
 
-def reused_rows(plan: CachePlan | None) -> dict[int, int]:
+def reused_rows(plan: CachePlan) -> dict[int, int]:
     """Rows served from a cache in this forward, by ``id`` of the job's CacheState: an FBC branch that
     reused, a TaylorSeer branch that predicted."""
     reused: dict[int, int] = {}
-    if plan is None:
-        return reused
     owners = {id(branch): state for state in plan.states for branch in state.branches}
     for slot in plan.slots:
         if not slot.computes:

@@ -7,7 +7,7 @@ import logging
 import time
 from collections.abc import Iterable
 
-from triton_diffusion.engine.requests import TrackedRequest
+from triton_diffusion.engine.requests import Request
 from triton_diffusion.errors import ErrorCode, RequestError
 
 log = logging.getLogger("triton_diffusion")
@@ -18,7 +18,7 @@ class CancellationPolls:
         self.poll_s = poll_s
         self._last: dict[int, float] = {}  # id(request) -> when it was last asked
 
-    def end_cancelled(self, requests: Iterable[tuple[TrackedRequest, str]]) -> list[TrackedRequest]:
+    def end_cancelled(self, requests: Iterable[tuple[Request, str]]) -> list[Request]:
         """Ask each request not ended (once, and only when its last ask is ``poll_s`` old); end the ones
         cancelled with CANCELLED ("cancelled <where>", ``where`` given beside each request, such as
         "after step 3/8"). Returns the requests ended here."""
@@ -37,5 +37,5 @@ class CancellationPolls:
                     ended.append(request)
         return ended
 
-    def forget(self, request: TrackedRequest) -> None:
+    def forget(self, request: Request) -> None:
         self._last.pop(id(request), None)

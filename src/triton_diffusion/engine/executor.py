@@ -27,7 +27,7 @@ from triton_diffusion.compatibility import CompatibilityKey
 from triton_diffusion.engine.cancellation import CancellationPolls
 from triton_diffusion.engine.failures import DeviceLostError, Failure, device_lost_error, isolate
 from triton_diffusion.engine.planner import FusedCall, Row
-from triton_diffusion.engine.requests import TrackedRequest
+from triton_diffusion.engine.requests import Request
 from triton_diffusion.errors import ErrorCode, RequestError
 
 log = logging.getLogger("triton_diffusion")
@@ -89,7 +89,7 @@ class FusedCallExecutor:
         self.on_call = on_call
         self.polls = CancellationPolls()
         self._call_ids = itertools.count(1)
-        self._requests: Mapping[int, TrackedRequest] = {}
+        self._requests: Mapping[int, Request] = {}
         self._pending: dict[int, _Pending] = {}
         self._attempt: _Attempt | None = None
 
@@ -99,7 +99,7 @@ class FusedCallExecutor:
     def run(
         self,
         calls: list[FusedCall],
-        requests: Mapping[int, TrackedRequest],
+        requests: Mapping[int, Request],
         request_rows: Mapping[int, int],
         on_complete: Callable[[int, list[Any], list[CallRecord]], None],
     ) -> None:

@@ -19,7 +19,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
-from triton_diffusion.engine.requests import TrackedRequest
+from triton_diffusion.engine.requests import Request
 from triton_diffusion.errors import RequestError
 
 
@@ -29,7 +29,7 @@ class Job:
     ``record`` is the serving host's per-request bookkeeping, opaque to the engine; ``state`` is the
     adapter's own (latents, scheduler, cache). The rest is the engine's and its scheduler's."""
 
-    request: TrackedRequest
+    request: Request
     params: Any
     record: Any = None
     index: int = 0  # which image of its request (image i of num_images_per_prompt)

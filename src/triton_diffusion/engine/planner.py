@@ -60,6 +60,10 @@ class RowCaps:
         count's if it has one) where it is lower than the global one."""
         return self.cap_for_size(key.get("height"), key.get("width"), key.get("num_frames"))
 
+    def cap_for_shape(self, shape: tuple[int, ...]) -> int:
+        """The cap of a step-engine group: an image's (height, width), a video's (height, width, frames)."""
+        return self.cap_for_size(*shape)[0]
+
     def cap_for_size(self, height: int, width: int, frames: int | None = None) -> tuple[int, str]:
         res_cap = self.by_resolution.get(f"{width}x{height}")
         if frames is not None:  # a video: its frame count's own cap first

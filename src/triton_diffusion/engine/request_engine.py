@@ -8,7 +8,7 @@ splits, so only a request that fails alone gets an error). Between two denoising
 :class:`StepReport` of the step (progress, preview snapshots, cancelled jobs) through ``on_progress``, so
 progress and cancellation work as on the step engine. The step itself returns a report with the finished
 images and the jobs that failed. Like the step engine it never answers a request itself: it ends a request
-with its error (``TrackedRequest.end``) and the host delivers it.
+with its error (``Request.end``) and the host delivers it.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from triton_diffusion.engine.cancellation import CancellationPolls
 from triton_diffusion.engine.executor import CallRecord, CallReport, FusedCallExecutor
 from triton_diffusion.engine.jobs import Finished, Job, Left, Stepped, StepReport
 from triton_diffusion.engine.planner import PlannedRequest, Row, RowCaps, plan_groups
-from triton_diffusion.engine.requests import TrackedRequest
+from triton_diffusion.engine.requests import Request
 from triton_diffusion.errors import ErrorCode, RequestError
 
 log = logging.getLogger("triton_diffusion")
@@ -138,7 +138,7 @@ class RequestEngine:
         with self._lock:
             waiting, self._waiting = self._waiting, []
         by_request: dict[int, list[Job]] = {}
-        requests: dict[int, TrackedRequest] = {}
+        requests: dict[int, Request] = {}
         for job in waiting:
             if job.request.ended:
                 self.report.left.append(Left(job, "ended"))

@@ -69,8 +69,9 @@ class ForwardCaps:
         self._raised_from: dict[Hashable, int] = {}  # groups whose cap was raised and not yet re-proven
 
     def cap_for(self, group: Hashable) -> int:
+        """The group's cap (a job not started yet has no group: the largest cap)."""
         cap = self.limits.max_per_forward
-        if self.limits.cap_for is not None:
+        if self.limits.cap_for is not None and group is not None:
             cap = min(cap, self.limits.cap_for(group))
         return min(cap, self._learned.get(group, cap))
 

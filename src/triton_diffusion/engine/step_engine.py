@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from triton_diffusion.engine.cancellation import CancellationPolls
@@ -55,9 +55,11 @@ class StepAdapter(Protocol):
     def prepare(self, jobs: list[Job]) -> list[JobStart]:
         """Start these jobs, together: each one's state, group and denoising steps, in order."""
 
-    def step(self, jobs: list[Job]) -> ForwardResult:
-        """One shared forward and each job's own step. Raising means no job advanced (the engine retries
-        smaller); a failure of one job's own step is that job's JobStep ``error``."""
+    def step(self, jobs: list[Job], previews: Sequence[bool] | None = None) -> ForwardResult:
+        """One shared forward and each job's own step. ``previews[i]``: the host wants job i's snapshot for
+        a preview after this step (a family may add snapshots of its own: the LM's finished blocks).
+        Raising means no job advanced (the engine retries smaller); a failure of one job's own step is
+        that job's JobStep ``error``."""
 
     def finish(self, jobs: list[Job]) -> list[Any]:
         """The outputs of done jobs of one group, together (one decode), one per job."""
@@ -171,7 +173,7 @@ class StepEngine:
 
         def work(part: list[Job]) -> tuple[ForwardResult, float]:
             started = time.perf_counter()
-            result = self.adapter.step(part)
+            result = self.adapter.step(part, [job.preview_due(job.steps_done + 1) for job in part])
             if len(result.steps) != len(part):
                 raise RuntimeError(f"step returned {len(result.steps)} results for {len(part)} jobs")
             return result, time.perf_counter() - started

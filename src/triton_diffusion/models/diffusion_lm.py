@@ -27,7 +27,6 @@ from triton_diffusion.adapters.diffusion_lm_adapter import (
 from triton_diffusion.adapters.masked_diffusion import REMASKING, DecodeParams
 from triton_diffusion.adapters.masked_lm import LoadedMaskedLM, load_masked_lm, prompt_token_ids
 from triton_diffusion.engine.jobs import Job, Stepped
-from triton_diffusion.engine.requests import TrackedRequest
 from triton_diffusion.errors import invalid_field
 from triton_diffusion.fields import (
     DESCRIBE_FIELD,
@@ -41,6 +40,7 @@ from triton_diffusion.fields import (
 from triton_diffusion.serving.engine_host import EngineHost, RequestRecord
 from triton_diffusion.serving.engines import StepEngineKind
 from triton_diffusion.serving.metrics import DIFFUSION_LM_FAMILIES, DIFFUSION_LM_METRICS
+from triton_diffusion.serving.requests import TrackedRequest
 from triton_diffusion.serving.triton_model import Service, TritonModel
 from triton_diffusion.settings import LM, ModelSettings
 

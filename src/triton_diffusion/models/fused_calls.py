@@ -16,7 +16,7 @@ from triton_diffusion.compatibility import CompatibilityKey
 from triton_diffusion.engine.jobs import Job
 from triton_diffusion.engine.request_engine import CallAbandoned, CallSteps
 from triton_diffusion.serving.triton_model import RowInput
-from triton_diffusion.step_cache_spec import parse_step_cache
+from triton_diffusion.step_cache_spec import NO_CACHE, parse_step_cache
 
 
 class FusedCalls:
@@ -55,7 +55,8 @@ class FusedCalls:
             kwargs["callback_steps"] = 1
         self.pipe.scheduler = self.schedulers[shared["scheduler"]]
         adapters = lora_set(shared.get("lora"))  # part of the key: one adapter set per fused call
-        cache = parse_step_cache(shared.get("step_cache") or "none")  # a cached request's call is its own
+        # A cached request's call is its own (its key says so): diffusers' cache decides per call.
+        cache = parse_step_cache(shared["step_cache"]) if shared.get("step_cache") else NO_CACHE
         with (
             torch.inference_mode(),
             self.loras.uniform(adapters) if self.loras else contextlib.nullcontext(),

@@ -10,9 +10,9 @@ from typing import Any
 from PIL import Image
 
 from triton_diffusion.codecs.image import decode_image
-from triton_diffusion.engine.requests import TrackedRequest
 from triton_diffusion.errors import invalid_field
 from triton_diffusion.fields import REQUIRED
+from triton_diffusion.serving.requests import TrackedRequest
 
 
 class SourceImages:

@@ -22,7 +22,7 @@ import numpy as np
 from triton_diffusion.adapters.captured_forwards import CaptureError
 from triton_diffusion.adapters.diffusers_pipeline import SchedulerChoices, load_pipeline
 from triton_diffusion.adapters.image_requests import ImageRequest
-from triton_diffusion.adapters.lora import LoraLimits, load_loras, lora_set, lora_text, parse_lora
+from triton_diffusion.adapters.lora import NO_LORA, LoraLimits, load_loras, lora_set, lora_text, parse_lora
 from triton_diffusion.adapters.step_adapters import step_adapter_for
 from triton_diffusion.adapters.step_caches import call_methods
 from triton_diffusion.codecs.image import encode_image
@@ -234,7 +234,7 @@ class TextToImageModel(SourceImages, FusedCalls, DiffusionModel):
             raise invalid_field(
                 "step_cache", f"{cache.method} is not served by this model (allowed: {allowed})"
             )
-        values["step_cache"] = cache.text
+        values["step_cache"] = cache.text if cache else None
         one_step = self.one_step_schedulers
         if (
             one_step is not None
@@ -264,8 +264,8 @@ class TextToImageModel(SourceImages, FusedCalls, DiffusionModel):
             image=values.get("image"),
             strength=values.get("strength") if values.get("image") is not None else None,
             mask_image=values.get("mask_image"),
-            lora=lora_set(values.get("lora")),
-            step_cache=parse_step_cache(values.get("step_cache") or "none"),
+            lora=lora_set(values["lora"]) if values.get("lora") else NO_LORA,
+            step_cache=parse_step_cache(values["step_cache"]) if values.get("step_cache") else NO_CACHE,
         )
 
     def respond(self, request: ParsedRequest, outputs: list[Any]) -> dict[str, np.ndarray]:

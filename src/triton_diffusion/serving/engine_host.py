@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from triton_diffusion.engine.jobs import Job, Stepped, StepReport
-from triton_diffusion.engine.requests import TrackedRequest
 from triton_diffusion.errors import ErrorCode, RequestError
 from triton_diffusion.serving.engine_worker import EngineWorker
 from triton_diffusion.serving.engines import EngineKind
 from triton_diffusion.serving.metrics import BatchingMetrics, MetricNames
+from triton_diffusion.serving.requests import TrackedRequest
 from triton_diffusion.serving.responses import ResponseWorker
 from triton_diffusion.settings import ModelSettings
 

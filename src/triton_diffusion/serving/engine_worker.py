@@ -22,8 +22,8 @@ from typing import Protocol
 
 from triton_diffusion.engine.failures import DeviceLostError, device_lost_error
 from triton_diffusion.engine.jobs import Job, StepReport
-from triton_diffusion.engine.requests import TrackedRequest
 from triton_diffusion.errors import ErrorCode, RequestError
+from triton_diffusion.serving.requests import TrackedRequest
 from triton_diffusion.serving.watchdog import StallWatchdog
 
 log = logging.getLogger("triton_diffusion")

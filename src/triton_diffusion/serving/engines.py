@@ -15,7 +15,7 @@ from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from triton_diffusion.compatibility import CompatibilityKey
+from triton_diffusion.compatibility import CompatibilityKey, compatibility_key
 from triton_diffusion.engine.jobs import Job, StepReport
 from triton_diffusion.engine.ordering import AdmissionPacing, Service, make_policy
 from triton_diffusion.engine.planner import RowCaps
@@ -23,6 +23,7 @@ from triton_diffusion.engine.request_engine import PipelineCall, RequestEngine
 from triton_diffusion.engine.scheduler import EngineLimits
 from triton_diffusion.engine.step_engine import StepAdapter, StepEngine
 from triton_diffusion.faults import FaultyStepAdapter
+from triton_diffusion.fields import FieldSet
 from triton_diffusion.settings import ModelSettings
 
 log = logging.getLogger("triton_diffusion")
@@ -57,7 +58,7 @@ class StepEngineKind:
             max_running=running,
             max_per_forward=caps.max_rows if caps is not None else running,
             # An image's group is (height, width), a video's (height, width, frames): caps are by size.
-            cap_for=(lambda group: caps.cap_for_size(*group)[0]) if caps is not None else None,
+            cap_for=caps.cap_for_shape if caps is not None else None,
             cancel_poll_s=config.cancel_poll_ms / 1000,
             max_paused=config.max_paused if config.max_paused is not None else running,
             starvation_steps=config.starvation_steps,
@@ -93,9 +94,9 @@ class StepEngineKind:
         return self.params_of(values, image), None
 
     @staticmethod
-    def key_for(key: CompatibilityKey, values: dict[str, Any]) -> CompatibilityKey:
-        """The request's compatibility key (rows of any key share forwards here)."""
-        return key
+    def key_for(fields: FieldSet, values: dict[str, Any]) -> None:
+        """No compatibility key: rows of any fields share forwards here, grouped by latent shape."""
+        return None
 
     @staticmethod
     def batch(values: dict[str, Any], jobs: list[Job]) -> dict[str, Any]:
@@ -115,7 +116,7 @@ class StepEngineKind:
                 "seconds": round(max(j.paused_s for j in jobs), 3),
             },
         }
-        if values.get("step_cache", "none") != "none":  # its denoiser rows: run in full, or from its cache
+        if values.get("step_cache"):  # its denoiser rows: run in full, or from its cache
             report["step_cache"] = {
                 "cache": values["step_cache"],
                 "rows_computed": sum(job.rows_computed for job in jobs),
@@ -148,10 +149,11 @@ class RequestEngineKind:
         """The job's params, and its group: its request's compatibility key."""
         return self.params_of(values, image), key
 
-    def key_for(self, key: CompatibilityKey, values: dict[str, Any]) -> CompatibilityKey:
+    def key_for(self, fields: FieldSet, values: dict[str, Any]) -> CompatibilityKey:
         """The request's compatibility key; with a step cache one of its own: diffusers' cache decides once
         per call over all its rows, so a cached request shares a call with nobody."""
-        if values.get("step_cache", "none") == "none":
+        key = compatibility_key(fields, values)
+        if not values.get("step_cache"):
             return key
         return CompatibilityKey((*key.items, ("own_call", next(self._own_calls))))
 
@@ -160,7 +162,7 @@ class RequestEngineKind:
         """How the request was batched: its compatibility key and the fused calls it went through."""
         key = {name: value for name, value in jobs[0].group.as_dict().items() if name != "own_call"}
         report = {"key": key, "fused_calls": jobs[0].calls}
-        if values.get("step_cache", "none") != "none":  # diffusers' own cache, on calls of its own
+        if values.get("step_cache"):  # diffusers' own cache, on calls of its own
             report["step_cache"] = {"cache": values["step_cache"], "own_calls": True}
         return report
 

@@ -17,8 +17,8 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from triton_diffusion.engine.requests import TrackedRequest
 from triton_diffusion.errors import ErrorCode, RequestError
+from triton_diffusion.serving.requests import TrackedRequest
 
 log = logging.getLogger("triton_diffusion")
 

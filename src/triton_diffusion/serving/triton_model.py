@@ -19,16 +19,16 @@ from typing import Any, ClassVar
 import numpy as np
 
 from triton_diffusion.adapters.diffusers_pipeline import row_seed
-from triton_diffusion.compatibility import CompatibilityKey, compatibility_key
+from triton_diffusion.compatibility import CompatibilityKey
 from triton_diffusion.engine.failures import exit_for_restart
 from triton_diffusion.engine.jobs import Job, Stepped
 from triton_diffusion.engine.planner import RowCaps
-from triton_diffusion.engine.requests import TrackedRequest
 from triton_diffusion.errors import ErrorCode, RequestError, invalid_field
 from triton_diffusion.fields import FieldSet
 from triton_diffusion.serving.engine_host import EngineHost, RequestRecord
 from triton_diffusion.serving.engines import EngineKind, RequestEngineKind, StepEngineKind
 from triton_diffusion.serving.metrics import FAMILIES, IMAGE_METRICS
+from triton_diffusion.serving.requests import TrackedRequest
 from triton_diffusion.serving.result_cache import ResultCache, result_key
 from triton_diffusion.settings import IMAGE, ModelSettings
 
@@ -48,7 +48,7 @@ class Service:
 class ParsedRequest:
     index: int
     values: dict[str, Any]
-    key: CompatibilityKey
+    key: CompatibilityKey | None  # the request-level engine's (None on the step engine: groups are shapes)
     images: int  # jobs: images (or videos) this request asks for
     service: Service = Service()
     result_key: str | None = None  # its answer's key in the result cache (None: not cached, no seed given)
@@ -318,12 +318,14 @@ class DiffusionModel(TritonModel):
         seed_given = values.get("seed") is not None
         if not seed_given:
             values["seed"] = random.randrange(2**32)  # drawn here so the response can return it
-        key = self.engine_kind.key_for(compatibility_key(self.fields, values), values)
+        key = self.engine_kind.key_for(self.fields, values)
         service = self.service_of(values, tracked)
         answer_key = result_key(values, seed_given) if self.results else None
         return ParsedRequest(index, values, key, self.images_for(values), service, answer_key)
 
     def cached_answer(self, parsed: ParsedRequest) -> dict[str, Any] | None:
+        if parsed.result_key is None:
+            return None
         answer = self.results.get(parsed.result_key)
         if answer is None:
             return None
@@ -378,7 +380,8 @@ class DiffusionModel(TritonModel):
             "WIDTH": np.array([[parsed.values["width"]]], dtype=np.int32),
             "HEIGHT": np.array([[parsed.values["height"]]], dtype=np.int32),
         }
-        self.results.put(parsed.result_key, answer)
+        if parsed.result_key is not None:
+            self.results.put(parsed.result_key, answer)
         return answer
 
     def describe_more(self) -> dict[str, Any]:

@@ -10,7 +10,15 @@ from triton_diffusion.tiny_models.encoders import TINY_T5_ENCODER, clip_text_enc
 from triton_diffusion.tiny_models.tokenization import clip_tokenizer, t5_tokenizer
 
 
-def build_tiny_flux(target: Path, fill: bool = False) -> None:
+def build_flux_bench(target: Path) -> None:
+    """A small FLUX.1-style pipeline for step-cache benchmarks on a CPU: 4 double and 8 single blocks of
+    width 128 (the tiny default has one of each, too few for the blocks a cache skips to be worth it)."""
+    build_tiny_flux(target, layers=(4, 8), heads=4, head_dim=32)
+
+
+def build_tiny_flux(
+    target: Path, fill: bool = False, layers: tuple[int, int] = (1, 1), heads: int = 2, head_dim: int = 16
+) -> None:
     """A FLUX.1-dev-style flow-matching pipeline: CLIP + T5 encoders, MMDiT transformer, guidance embeds.
     With ``fill``: a FLUX.1-Fill-style inpainting checkpoint saved as a ``FluxFillPipeline``: its
     transformer takes the packed latents, the packed masked source's latents and the packed 8x8 mask
@@ -35,13 +43,13 @@ def build_tiny_flux(target: Path, fill: bool = False) -> None:
         patch_size=1,
         in_channels=2 * packed + 4 * vae_scale_factor**2 if fill else packed,
         out_channels=packed,
-        num_layers=1,
-        num_single_layers=1,
-        attention_head_dim=16,
-        num_attention_heads=2,
+        num_layers=layers[0],
+        num_single_layers=layers[1],
+        attention_head_dim=head_dim,
+        num_attention_heads=heads,
         joint_attention_dim=32,
         pooled_projection_dim=32,
-        axes_dims_rope=[4, 4, 8],
+        axes_dims_rope=[head_dim // 4, head_dim // 4, head_dim // 2],
         guidance_embeds=True,
     )
     reinit_normal(transformer, 0.2)  # so the prompt visibly changes the image

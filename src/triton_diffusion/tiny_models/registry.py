@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from triton_diffusion.tiny_models.diffusion_lm import build_tiny_dllm
-from triton_diffusion.tiny_models.flux import build_tiny_flux, build_tiny_flux_fill
+from triton_diffusion.tiny_models.flux import build_flux_bench, build_tiny_flux, build_tiny_flux_fill
 from triton_diffusion.tiny_models.lora import build_tiny_lora
 from triton_diffusion.tiny_models.pixart_sigma import build_tiny_pixart_alpha, build_tiny_pixart_sigma
 from triton_diffusion.tiny_models.qwen_image import build_tiny_qwen_image
@@ -29,6 +29,7 @@ DEFAULT_WEIGHTS_DIR = Path(__file__).resolve().parents[3] / "weights"
 ARCHITECTURES: dict[str, Callable[[Path], None]] = {
     "tiny-sd": build_tiny_sd,
     "tiny-flux": build_tiny_flux,
+    "flux-bench": build_flux_bench,  # more and wider blocks: step-cache benchmarks on a CPU
     "tiny-wan": build_tiny_wan,
     "tiny-dllm": build_tiny_dllm,
     "sd15": build_sd15,

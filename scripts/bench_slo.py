@@ -1,0 +1,374 @@
+"""Service tiers and deadlines under mixed traffic, in one process (``bench_engines.py --slo`` runs this).
+
+Two classes on one model, Poisson arrivals at --loads of the request-level engine's capacity for the mix:
+  interactive  service_tier ``priority``, --interactive-steps steps, deadline = --deadline-scale x its
+               latency alone (what a person waiting for a preview tolerates)
+  background   the default tier, --background-steps (a range) steps, no deadline
+
+Variants on the same arrivals:
+  tiers             the step engine with tiers and deadlines: the scheduler of engine/scheduler.py
+  oldest            the step engine, first come first served (every request the same tier, no deadline)
+  fewest_remaining  the step engine, shortest remaining work first (no tiers)
+  request           the request-level engine (one fused call per compatible group, in arrival order)
+
+Per class: mean and p95 latency of the answered requests, SLO attainment at SLO scales 1.5, 2 and 3 (the
+share of the class's requests answered within scale x its latency alone; a refused or expired request
+counts as missed), background throughput, preemptions and refusals (with how long a refusal took).
+``--trace FILE`` replays a trace instead (vLLM-Omni's format: one JSON object per line or a JSON list,
+with ``width``, ``height``, ``num_inference_steps`` or ``steps``, ``slo_ms`` and optionally ``arrival_s``
+or ``timestamp``; a request with ``slo_ms`` is interactive).
+
+    .venv/bin/python scripts/bench_slo.py --out bench_results/slo
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_common import REPO_ROOT, Traffic, machine_description, mean, percentile, poisson_arrivals  # noqa: E402
+from bench_engines import Bench, sync  # noqa: E402
+
+from triton_diffusion.engine.jobs import Job, StepReport  # noqa: E402
+from triton_diffusion.engine.ordering import AdmissionPacing, Service, make_policy  # noqa: E402
+from triton_diffusion.engine.planner import RowCaps  # noqa: E402
+from triton_diffusion.engine.request_engine import RequestEngine  # noqa: E402
+from triton_diffusion.engine.scheduler import EngineLimits  # noqa: E402
+from triton_diffusion.engine.step_engine import StepEngine  # noqa: E402
+from triton_diffusion.tiny_models import ARCHITECTURES  # noqa: E402
+
+VARIANTS = ("tiers", "oldest", "fewest_remaining", "request")
+SLO_SCALES = (1.5, 2.0, 3.0)
+PRIORITY, DEFAULT = 0, 1
+
+
+@dataclass
+class Item:
+    """One request of the traffic: its class, its fields, and its deadline (seconds from its arrival)."""
+
+    interactive: bool
+    values: dict
+    slo_s: float | None = None
+
+
+@dataclass
+class Outcomes:
+    """What happened to each request of a run, by its index."""
+
+    left: dict[int, str] = field(default_factory=dict)  # refused / expired / failed
+    answered_at: dict[int, float] = field(default_factory=dict)
+    preemptions: int = 0
+
+
+class SloRecorder:
+    def __init__(self, traffic: Traffic, outcomes: Outcomes) -> None:
+        self.traffic, self.outcomes = traffic, outcomes
+
+    def render(self, report: StepReport) -> None:
+        for stepped in report.stepped:
+            self.traffic.first_step(stepped.job.record)
+        for finished in report.finished:
+            self.traffic.done(finished.job.record)
+        for left in report.left:
+            if left.reason not in ("finished", "ended") and left.job.record not in self.outcomes.left:
+                self.outcomes.left[left.job.record] = left.reason
+                self.outcomes.answered_at[left.job.record] = time.perf_counter()
+                self.traffic.done(left.job.record)
+        self.outcomes.preemptions += len(report.paused)
+
+
+def job(bench: Bench, index: int, item: Item, variant: str, submitted: float, step_engine: bool) -> Job:
+    if not step_engine:
+        return bench.job(index, item.values, "request")
+    made = bench.job(index, item.values, "step")
+    made.planned_steps = item.values["num_inference_steps"]
+    made.request.entered = submitted
+    if variant == "tiers":
+        made.tier = PRIORITY if item.interactive else DEFAULT
+        if item.slo_s is not None:
+            made.deadline = submitted + item.slo_s
+    else:
+        made.tier = DEFAULT
+    return made
+
+
+def engine_for(bench: Bench, variant: str, max_running: int):
+    if variant == "request":
+        return RequestEngine(bench.model.run_call, RowCaps(bench.cap), lambda report: None)
+    limits = EngineLimits(max_running, bench.cap, max_paused=max_running)
+    policy = make_policy("fewest_remaining" if variant == "fewest_remaining" else "oldest")
+    pacing = AdmissionPacing(max(1, bench.cap // 2))
+    return StepEngine(bench.adapter, limits, policy, pacing, Service(refuse_late=variant == "tiers"))
+
+
+def run(
+    bench: Bench,
+    variant: str,
+    items: list[Item],
+    arrivals: list[float],
+    window: int,
+    times,
+    deadline_scale: float,
+) -> dict:
+    traffic = Traffic(items, arrivals=arrivals, warm_up_fraction=0.1)
+    outcomes = Outcomes()
+    recorder = SloRecorder(traffic, outcomes)
+    step_engine = variant != "request"
+    engine = engine_for(bench, variant, bench.max_running)
+    if step_engine and times is not None:
+        engine.times.forward_s.update(times.forward_s)  # what a warm server has measured
+        engine.times.start_s, engine.times.finish_s = times.start_s, times.finish_s
+    if not step_engine:
+        engine.on_progress = recorder.render
+    waiting: list[tuple[int, Item]] = []
+    while not traffic.finished:
+        arrived = traffic.arrived()
+        for index, item in arrived:
+            submitted = traffic.timings[index].submitted
+            if step_engine:
+                engine.add(job(bench, index, item, variant, submitted, True))
+            else:
+                waiting.append((index, item))
+        if step_engine and engine.active:
+            recorder.render(engine.step())
+        elif not step_engine and waiting:
+            batch, waiting = waiting[:window], waiting[window:]
+            for index, item in batch:
+                engine.add(job(bench, index, item, variant, 0.0, False))
+            recorder.render(engine.step())
+            sync(bench.device)
+        else:
+            traffic.wait_for_arrival()
+    return summarize(variant, items, traffic, outcomes, deadline_scale)
+
+
+def summarize(
+    variant: str, items: list[Item], traffic: Traffic, outcomes: Outcomes, deadline_scale: float
+) -> dict:
+    first = traffic.warm_up
+    result: dict = {"variant": variant, "preemptions": outcomes.preemptions}
+    for name, interactive in (("interactive", True), ("background", False)):
+        indices = [i for i in sorted(traffic.timings) if i >= first and items[i].interactive == interactive]
+        answered = [i for i in indices if i not in outcomes.left]
+        latencies = [traffic.timings[i].done - traffic.timings[i].submitted for i in answered]
+        stats: dict = {
+            "requests": len(indices),
+            "answered": len(answered),
+            "refused": sum(outcomes.left.get(i) == "refused" for i in indices),
+            "expired": sum(outcomes.left.get(i) == "expired" for i in indices),
+            "latency_mean_s": mean(latencies) if latencies else None,
+            "latency_p95_s": percentile(latencies, 0.95) if latencies else None,
+        }
+        if interactive:
+            slo = {i: items[i].slo_s for i in indices}
+            for scale in SLO_SCALES:  # the deadline is deadline_scale x alone: scale x alone is this
+                met = sum(
+                    1
+                    for i in answered
+                    if traffic.timings[i].done - traffic.timings[i].submitted
+                    <= slo[i] * scale / deadline_scale
+                )
+                stats[f"slo_attainment_{scale:g}"] = met / len(indices) if indices else None
+            deadline_met = sum(
+                1 for i in answered if traffic.timings[i].done - traffic.timings[i].submitted <= slo[i]
+            )
+            stats["deadlines_met"] = deadline_met / len(indices) if indices else None
+            refusal_s = [
+                outcomes.answered_at[i] - traffic.timings[i].submitted
+                for i in indices
+                if outcomes.left.get(i) == "refused"
+            ]
+            stats["refusal_max_s"] = max(refusal_s) if refusal_s else None
+        else:
+            done = [traffic.timings[i].done for i in answered]
+            span = max(done) - min(traffic.timings[i].submitted for i in answered) if done else 0
+            stats["images_per_s"] = len(answered) / span if span > 0 else None
+        result[name] = stats
+    return result
+
+
+def alone_latency(bench: Bench, steps: int, repeats: int = 3) -> float:
+    """One request alone through the step engine, median seconds."""
+    times = []
+    for i in range(repeats):
+        engine = engine_for(bench, "oldest", bench.max_running)
+        engine.add(bench.job(10_000 + i, bench.request(10_000 + i, steps, 7.5), "step"))
+        started = time.perf_counter()
+        while engine.active:
+            engine.step()
+        sync(bench.device)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def mix(
+    bench: Bench, count: int, share: float, steps: int, background: tuple[int, int], slo_s: float, seed: int
+):
+    rng = random.Random(seed)
+    items = []
+    for i in range(count):
+        if rng.random() < share:
+            items.append(Item(True, bench.request(i, steps, 7.5), slo_s))
+        else:
+            items.append(Item(False, bench.request(i, rng.randint(*background), 7.5)))
+    return items
+
+
+def from_trace(bench: Bench, path: Path) -> tuple[list[Item], list[float] | None]:
+    """vLLM-Omni's trace format: width, height, steps (or num_inference_steps), slo_ms, an arrival time."""
+    text = path.read_text().strip()
+    records = json.loads(text) if text.startswith("[") else [json.loads(line) for line in text.splitlines()]
+    items, arrivals = [], []
+    for i, record in enumerate(records):
+        steps = int(record.get("num_inference_steps") or record.get("steps") or 4)
+        raw = bench.raw_request(i, steps, 7.5)
+        raw.update(
+            width=int(record.get("width", bench.width)), height=int(record.get("height", bench.height))
+        )
+        slo = record.get("slo_ms")
+        items.append(Item(slo is not None, bench.model.fields.parse(raw), slo / 1000 if slo else None))
+        at = record.get("arrival_s", record.get("timestamp"))
+        arrivals.append(float(at) if at is not None else None)
+    if any(a is None for a in arrivals):
+        return items, None
+    start = min(arrivals)
+    return items, [a - start for a in arrivals]
+
+
+def capacity(bench: Bench, items: list[Item], window: int) -> float:
+    """The request-level engine's throughput on the mix, closed loop at its cap (requests/s)."""
+    sample = items[: max(2 * bench.cap, 16)]
+    traffic = Traffic(sample, concurrency=bench.cap)
+    engine = RequestEngine(bench.model.run_call, RowCaps(bench.cap), lambda report: None)
+    outcomes = Outcomes()
+    recorder = SloRecorder(traffic, outcomes)
+    while not traffic.finished:
+        arrived = traffic.arrived()
+        if not arrived:
+            traffic.wait_for_arrival()
+            continue
+        for index, item in arrived[:window]:
+            engine.add(job(bench, index, item, "request", 0.0, False))
+        recorder.render(engine.step())
+    return traffic.measure().delivered_per_s
+
+
+def markdown(report: dict) -> str:
+    lines = [
+        f"SLO benchmark ({report['machine']}), {report['arch']} {report['size']}: interactive "
+        f"{report['interactive_steps']} steps (alone {report['interactive_alone_s']:.2f} s, deadline "
+        f"{report['deadline_scale']:g}x that), background {report['background_steps']} steps, "
+        f"{report['interactive_share']:.0%} interactive, request-level capacity "
+        f"{report['capacity']:.2f} req/s.",
+        "",
+        "| load | variant | interactive mean s | p95 s | p95 / alone | SLO@1.5 | SLO@2 | SLO@3 | refused "
+        "| background images/s | vs oldest | preemptions |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    alone = report["interactive_alone_s"]
+    for load in report["loads"]:
+        runs = report["runs"][str(load)]
+        fifo = next(r for r in runs if r["variant"] == "oldest")["background"]["images_per_s"]
+        for r in runs:
+            i, b = r["interactive"], r["background"]
+
+            def cell(value, form):
+                return "-" if value is None else form.format(value)
+
+            ratio = b["images_per_s"] / fifo if b["images_per_s"] and fifo else None
+            lines.append(
+                f"| {load:.0%} | {r['variant']} | {cell(i['latency_mean_s'], '{:.2f}')} "
+                f"| {cell(i['latency_p95_s'], '{:.2f}')} "
+                f"| {cell(i['latency_p95_s'] and i['latency_p95_s'] / alone, '{:.2f}x')} "
+                f"| {cell(i['slo_attainment_1.5'], '{:.0%}')} | {cell(i['slo_attainment_2'], '{:.0%}')} "
+                f"| {cell(i['slo_attainment_3'], '{:.0%}')} | {i['refused']} "
+                f"| {cell(b['images_per_s'], '{:.2f}')} | {cell(ratio, '{:.2f}')} | {r['preemptions']} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--arch", choices=sorted(ARCHITECTURES), default="tiny-sd")
+    parser.add_argument("--height", type=int, default=64)
+    parser.add_argument("--width", type=int, default=64)
+    parser.add_argument("--cap", type=int, default=8)
+    parser.add_argument("--requests", type=int, default=240)
+    parser.add_argument("--loads", default="0.7,0.9,1.1")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--interactive-share", type=float, default=0.5)
+    parser.add_argument("--interactive-steps", type=int, default=4)
+    parser.add_argument("--background-steps", default="16-30")
+    parser.add_argument("--deadline-scale", type=float, default=2.0)
+    parser.add_argument("--window", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--trace", type=Path, help="replay this trace (vLLM-Omni's format) instead")
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench_results" / "slo")
+    args = parser.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    bench = Bench(args.arch, args.height, args.width, args.cap, device, dtype)
+    background = tuple(int(x) for x in args.background_steps.split("-"))
+    # What a warm step engine has measured before the run (its deadline estimates start from these).
+    warm = engine_for(bench, "oldest", bench.max_running)
+    for i in range(bench.cap):
+        warm.add(bench.job(20_000 + i, bench.request(20_000 + i, 4, 7.5), "step"))
+    while warm.active:
+        warm.step()
+    alone = alone_latency(bench, args.interactive_steps)
+    slo_s = args.deadline_scale * alone
+    if args.trace:
+        items, trace_arrivals = from_trace(bench, args.trace)
+    else:
+        share = args.interactive_share
+        items = mix(bench, args.requests, share, args.interactive_steps, background, slo_s, args.seed)
+        trace_arrivals = None
+    cap_rate = capacity(bench, items, args.window)
+    report: dict = {
+        "machine": machine_description(f"{torch.get_num_threads()} torch threads", device),
+        "arch": args.arch,
+        "size": f"{args.width}x{args.height}",
+        "interactive_steps": args.interactive_steps,
+        "background_steps": args.background_steps,
+        "interactive_share": args.interactive_share,
+        "interactive_alone_s": alone,
+        "deadline_scale": args.deadline_scale,
+        "capacity": cap_rate,
+        "loads": [float(x) for x in args.loads.split(",")] if trace_arrivals is None else ["trace"],
+        "runs": {},
+    }
+    print(f"alone {alone:.3f} s, capacity {cap_rate:.2f} req/s", flush=True)
+    for load in report["loads"]:
+        arrivals = trace_arrivals or poisson_arrivals(len(items), load * cap_rate, args.seed)
+        runs = []
+        for variant in args.variants.split(","):
+            result = run(bench, variant, items, arrivals, args.window, warm.times, args.deadline_scale)
+            runs.append(result)
+            i = result["interactive"]
+            print(
+                f"  {load} {variant}: interactive p95 {i['latency_p95_s']}, SLO@2 {i['slo_attainment_2']}",
+                flush=True,
+            )
+        report["runs"][str(load)] = runs
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "bench_slo.json").write_text(json.dumps(report, indent=2))
+    if trace_arrivals is None:
+        (args.out / "bench_slo.md").write_text(markdown(report))
+        print(markdown(report))
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,239 @@
+"""Step caches, the result cache, service tiers and deadlines through the real server.
+
+- ``flux_cached`` (tiny FLUX.1 on the step engine, ``result_cache_mb`` 16): a request's ``step_cache``
+  gives the image diffusers' own cache gives it alone, amid uncached rows; BATCH and Prometheus count
+  the rows reused; a bad value is refused by name; a repeated seeded request is answered from memory with
+  the same bytes.
+- ``sd_tiers`` (tiny SD, one running job, a stalled step): a ``priority`` request pauses a running
+  ``flex`` one, which resumes and still equals its image alone; a bad tier is refused by name; a deadline
+  (tritonclient's ``timeout=`` over gRPC, the ``timeout`` parameter over HTTP) that cannot be met is
+  refused at once, one that passes while running ends the request.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from diffusers.hooks import FirstBlockCacheConfig, TaylorSeerCacheConfig
+from triton_diffusion_client import generate_many, generate_one
+
+from triton_diffusion.serving.server_process import read_metrics
+
+from .test_step_engine import _PIPES, reference
+from .test_text_to_image import http_generate, pixels
+
+pytestmark = pytest.mark.integration
+
+
+def cached_reference(request: dict) -> np.ndarray:
+    """FluxPipeline's image with diffusers' own cache (``transformer.enable_cache``) for this request."""
+    if "tiny-flux" not in _PIPES:
+        reference("tiny-flux", {"prompt": "load", "seed": 0, "num_inference_steps": 1})
+    pipe, _ = _PIPES["tiny-flux"]
+    method, _, rest = request["step_cache"].partition(":")
+    if method == "fbc":
+        config = FirstBlockCacheConfig(threshold=float(rest))
+    else:
+        interval, _, warmup = rest.partition(":")
+        config = TaylorSeerCacheConfig(
+            cache_interval=int(interval), disable_cache_before_step=int(warmup or 3)
+        )
+    pipe.transformer.enable_cache(config)
+    try:
+        return reference("tiny-flux", request)
+    finally:
+        pipe.transformer.disable_cache()
+
+
+def test_step_caches_per_request_equal_diffusers_amid_uncached_rows(server):
+    before = read_metrics(server)
+    requests = [
+        {"prompt": "a lighthouse", "seed": 5, "num_inference_steps": 8, "step_cache": "fbc:1.0"},
+        {"prompt": "a harbour", "seed": 6, "num_inference_steps": 8, "step_cache": "taylorseer:2:1"},
+        {"prompt": "a boat", "seed": 7, "num_inference_steps": 6},
+    ]
+    results = generate_many(requests, url=server.grpc_url, model="flux_cached")
+    assert all(r.ok for r in results), [r.error for r in results]
+    for request, result in zip(requests[:2], results[:2], strict=True):
+        cache = result.batch["step_cache"]
+        assert cache["cache"].startswith(request["step_cache"].split(":")[0]) and cache["rows_reused"] > 0
+        assert np.abs(pixels(result.images[0]) - cached_reference(request)).max() <= 1
+    assert "step_cache" not in results[2].batch, results[2].batch
+    assert np.abs(pixels(results[2].images[0]) - reference("tiny-flux", requests[2])).max() <= 1
+    uncached = reference("tiny-flux", {k: v for k, v in requests[0].items() if k != "step_cache"})
+    assert np.abs(pixels(results[0].images[0]) - uncached).max() > 1, "the cache changed nothing"
+    after = read_metrics(server)
+    reused = 'triton_diffusion_cache_rows_total{method="fbc",model="flux_cached",outcome="reused"}'
+    assert after.get(reused, 0) - before.get(reused, 0) >= results[0].batch["step_cache"]["rows_reused"]
+
+
+def test_a_bad_step_cache_is_refused_by_name_and_its_neighbours_succeed(server):
+    requests = [
+        {"prompt": "fine", "seed": 1, "num_inference_steps": 2},
+        {"prompt": "bad", "seed": 2, "step_cache": "fbc:7"},
+        {"prompt": "fine too", "seed": 3, "num_inference_steps": 2, "step_cache": "fbc:0.1"},
+    ]
+    results = generate_many(requests, url=server.grpc_url, model="flux_cached")
+    assert results[0].ok and results[2].ok, [r.error for r in results]
+    assert results[1].error.startswith("step_cache: threshold 7 is outside 0 < threshold <= 1")
+    # A UNet family has no step cache: refused by name, saying what is allowed.
+    (unet,) = generate_many([{"prompt": "x", "step_cache": "fbc:0.1"}], url=server.grpc_url, model="sd_step")
+    assert (
+        unet.error.startswith("step_cache: fbc is not served by this model") and "allowed: none" in unet.error
+    )
+
+
+def test_a_repeated_seeded_request_is_answered_from_memory_with_the_same_bytes(server):
+    request = {"prompt": "a red kite", "seed": 77, "num_inference_steps": 3}
+    first = generate_one(request, "first", server.grpc_url, "flux_cached")
+    before = read_metrics(server)
+    again = generate_one({**request, "progress": False}, "again", server.grpc_url, "flux_cached")
+    assert first.ok and again.ok and again.images == first.images and again.seeds == first.seeds
+    assert again.batch["result_cache"] == "hit" and "result_cache" not in first.batch
+    hits = 'triton_diffusion_result_cache_hits_total{model="flux_cached"}'
+    assert read_metrics(server).get(hits, 0) - before.get(hits, 0) == 1
+    unseeded = [
+        generate_one({"prompt": "a red kite"}, f"u{i}", server.grpc_url, "flux_cached") for i in range(2)
+    ]
+    assert all("result_cache" not in r.batch for r in unseeded)  # a drawn seed never hits
+
+
+def test_a_priority_request_pauses_a_flex_one_which_resumes_unchanged(server):
+    flex = {"prompt": "a long flex job", "seed": 11, "num_inference_steps": 12, "service_tier": "flex"}
+    urgent = {"prompt": "urgent", "seed": 12, "num_inference_steps": 2, "service_tier": "priority"}
+    results: dict = {}
+    running = threading.Event()
+
+    def run_flex() -> None:
+        def on_progress(progress):
+            if progress.step == 2:
+                running.set()
+
+        results["flex"] = generate_one(flex, "flex", server.grpc_url, "sd_tiers", on_progress=on_progress)
+        results["flex_done"] = time.monotonic()
+
+    thread = threading.Thread(target=run_flex)
+    thread.start()
+    assert running.wait(60)
+    results["urgent"] = generate_one(urgent, "urgent", server.grpc_url, "sd_tiers")
+    urgent_done = time.monotonic()
+    thread.join(120)
+    assert results["flex"].ok and results["urgent"].ok, (results["flex"].error, results["urgent"].error)
+    assert urgent_done < results["flex_done"]  # the one running slot went to the higher tier
+    service = results["flex"].batch["service"]
+    assert service["tier"] == "flex" and service["paused_times"] >= 1 and service["paused_s"] > 0
+    assert results["urgent"].batch["service"]["tier"] == "priority"
+    alone = {k: v for k, v in flex.items() if k != "service_tier"}
+    assert np.abs(pixels(results["flex"].images[0]) - reference("tiny-sd", alone)).max() <= 1
+    assert "image 0 paused at step" in server.log()
+
+
+def test_a_bad_tier_or_timeout_is_refused_by_name(server):
+    results = generate_many(
+        [
+            {"prompt": "ok", "seed": 1, "num_inference_steps": 1, "service_tier": "default"},
+            {"prompt": "bad", "service_tier": "gold"},
+            {"prompt": "ok too", "seed": 2, "num_inference_steps": 1},
+        ],
+        url=server.grpc_url,
+        model="sd_tiers",
+    )
+    assert results[0].ok and results[2].ok, [r.error for r in results]
+    assert results[1].error.startswith("service_tier: got 'gold' (allowed: one of priority, default, flex)")
+    for timeout in (-5, 10**15):  # over HTTP the timeout is an ordinary parameter, checked as the field
+        status, body = http_generate(server, "sd_tiers", {"PROMPT": "x", "parameters": {"timeout": timeout}})
+        assert status == 400 and body["error"].startswith(
+            f"timeout: got {timeout} (allowed: 1..86400000000"
+        ), body
+
+
+def grpc_with_timeout(server, prompt: str, steps: int, timeout_us: int) -> tuple[dict | None, str | None]:
+    """One request through tritonclient's own ``timeout=`` (what reaches the model as request.timeout())."""
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    answers: list = []
+    done = threading.Event()
+
+    def callback(result, error):
+        answers.append((result, error))
+        if error is not None or result.get_response().parameters["triton_final_response"].bool_param:
+            done.set()
+
+    prompt_input = grpcclient.InferInput("PROMPT", [1, 1], "BYTES")
+    prompt_input.set_data_from_numpy(np.array([[prompt.encode()]], dtype=object))
+    client.start_stream(callback=callback)
+    try:
+        client.async_stream_infer(
+            "sd_tiers",
+            [prompt_input],
+            request_id=prompt,
+            parameters={"num_inference_steps": steps, "seed": 3},
+            timeout=timeout_us,
+            enable_empty_final_response=True,
+        )
+        assert done.wait(120)
+    finally:
+        client.stop_stream()
+        client.close()
+    for result, error in answers:
+        if error is not None:
+            return None, str(error)
+        if result.as_numpy("BATCH") is not None:
+            return json.loads(result.as_numpy("BATCH").reshape(-1)[0]), None
+    return None, None
+
+
+def test_a_deadline_from_the_grpc_timeout_refuses_what_cannot_finish_and_ends_what_overruns(server):
+    # Warm the engine's estimate: a few forwards of the stalled step (60 ms each) are measured.
+    warm = generate_one(
+        {"prompt": "warm", "seed": 1, "num_inference_steps": 4}, "warm", server.grpc_url, "sd_tiers"
+    )
+    assert warm.ok
+    started = time.monotonic()
+    batch, error = grpc_with_timeout(server, "hopeless", steps=40, timeout_us=300_000)
+    assert batch is None and "deadline" in error and "300 ms" in error and "estimated" in error, error
+    assert time.monotonic() - started < 2.0  # refused at once, not computed and then dropped
+    assert "[UNAVAILABLE]" in error
+    batch, error = grpc_with_timeout(server, "in time", steps=2, timeout_us=20_000_000)
+    assert error is None and batch["service"]["deadline_ms"] == 20000.0
+    assert "request hopeless image 0 left (refused)" in server.log()
+
+
+def test_the_http_timeout_parameter_is_the_same_deadline(server):
+    warm = generate_one(
+        {"prompt": "warm", "seed": 1, "num_inference_steps": 4}, "warm", server.grpc_url, "sd_tiers"
+    )
+    assert warm.ok  # the engine has measured its forwards: its estimate can refuse
+    status, body = http_generate(
+        server,
+        "sd_tiers",
+        {
+            "PROMPT": "hopeless over http",
+            "parameters": {
+                "seed": 4,
+                "num_inference_steps": 40,
+                "timeout": 300_000,
+                "output_encoding": "base64",
+            },
+        },
+    )
+    assert status != 200 and "deadline" in body["error"] and "300 ms" in body["error"], body
+    status, body = http_generate(
+        server,
+        "sd_tiers",
+        {
+            "PROMPT": "fine over http",
+            "parameters": {
+                "seed": 4,
+                "num_inference_steps": 2,
+                "timeout": 20_000_000,
+                "output_encoding": "base64",
+            },
+        },
+    )
+    assert status == 200, body
+    assert json.loads(body["BATCH"])["service"]["deadline_ms"] == 20000.0

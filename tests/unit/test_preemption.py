@@ -1,0 +1,90 @@
+"""Pausing at a step boundary changes nothing: a job paused for a higher tier, its latents, scheduler state,
+step cache and LoRA rows left as they were, resumes later and its image equals diffusers' own pipeline for
+it alone (SD 1.x with a multistep solver, whose history a pause must keep, and FLUX.1 with a step cache),
+whoever ran while it waited."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from tests.unit.recording import RecordingChannel
+from tests.unit.step_harness import (
+    Host,
+    assert_each_image_equals_the_pipelines_own,
+    load_family,
+    run_engine,
+    served,
+)
+from tests.unit.test_step_caches import Family
+from triton_diffusion.adapters.image_requests import ImageRequest
+from triton_diffusion.adapters.step_adapters import step_adapter_for
+from triton_diffusion.engine.jobs import Job
+from triton_diffusion.engine.ordering import Service
+from triton_diffusion.engine.scheduler import EngineLimits
+from triton_diffusion.engine.step_engine import StepEngine
+from triton_diffusion.serving.requests import TrackedRequest
+from triton_diffusion.step_cache_spec import parse_step_cache
+
+PRIORITY, DEFAULT, FLEX = 0, 1, 2
+
+
+def run_with_a_late_priority_request(adapter, background: list[ImageRequest], urgent: ImageRequest):
+    """Two running slots; the background jobs start at once, the urgent one arrives after their second
+    step and pauses the lowest of them. Returns the jobs (background first) and the host."""
+    engine = StepEngine(adapter, EngineLimits(2, 2, max_paused=2), service=Service())
+    host = Host()
+    jobs = [
+        Job(TrackedRequest(str(i), RecordingChannel()), request, tier=FLEX if i == 0 else DEFAULT)
+        for i, request in enumerate(background)
+    ]
+    late = Job(TrackedRequest("urgent", RecordingChannel()), urgent, tier=PRIORITY)
+    for job in jobs:
+        engine.add(job)
+    step = 0
+    while engine.active or step < 3:
+        if step == 2:
+            engine.add(late)
+        host.render(engine.step())
+        step += 1
+    return [*jobs, late], host
+
+
+def test_a_paused_sd_job_with_a_multistep_solver_equals_its_pipeline():
+    family = load_family("tiny-sd", "DPMSolverMultistepScheduler")
+    pipe, facts, schedulers = family
+    adapter = step_adapter_for(pipe, facts, schedulers, None)
+
+    def request(i: int, steps: int, scheduler: str) -> ImageRequest:
+        return ImageRequest(f"a house {i}", None, 40 + i, 0, 64, 64, steps, 6.0, None, scheduler)
+
+    background = [request(0, 8, "DPMSolverMultistepScheduler"), request(1, 6, schedulers.default)]
+    urgent = request(2, 3, schedulers.default)
+    jobs, _ = run_with_a_late_priority_request(adapter, background, urgent)
+    paused = jobs[0]
+    assert paused.pauses == 1 and paused.paused_s > 0, "the flex job was not paused"
+    assert_each_image_equals_the_pipelines_own(family, [*background, urgent], jobs)
+
+
+@pytest.fixture(scope="module")
+def flux() -> Family:
+    return Family("tiny-flux", deeper=True)
+
+
+def test_a_paused_flux_job_keeps_its_step_cache_and_equals_diffusers(flux):
+    background = [flux.request(0, "fbc:0.5"), flux.request(1, "taylorseer:2")]
+    urgent = flux.request(2, "none", steps=3)
+    jobs, _ = run_with_a_late_priority_request(flux.adapter, background, urgent)
+    assert jobs[0].pauses == 1 and jobs[0].rows_reused > 0
+    for request, job in zip([*background, urgent], jobs, strict=True):
+        difference = np.abs(served(job) - flux.expected(request)).max()
+        assert difference <= 1, (request.step_cache.text, difference)
+    # The pause kept the state: the same job unpaused gives the same image.
+    (alone,) = run_alone(flux.adapter, background[0])
+    assert np.abs(served(alone) - served(jobs[0])).max() <= 1
+
+
+def run_alone(adapter, request: ImageRequest) -> list[Job]:
+    return run_engine(adapter, [(0, replace(request, step_cache=parse_step_cache(request.step_cache.text)))])

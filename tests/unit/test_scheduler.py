@@ -1,0 +1,243 @@
+"""The step engine's scheduler without a model (engine/scheduler.py, ordering.py): service tiers, least
+slack, admission refusal from the engine's own estimate, pausing and resuming, deadlines that pass, aging
+and the starvation bound. A fake adapter counts each job's steps in its own state, and a fake clock moves
+only when a test says so."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.unit.recording import tracked
+from tests.unit.test_step_engine import FakeAdapter, Host, Spec
+from triton_diffusion.engine.jobs import Job
+from triton_diffusion.engine.ordering import AdmissionPacing, Service, make_policy
+from triton_diffusion.engine.scheduler import EngineLimits
+from triton_diffusion.engine.step_engine import StepEngine
+from triton_diffusion.errors import ErrorCode
+
+PRIORITY, DEFAULT, FLEX = 0, 1, 2
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Harness:
+    def __init__(
+        self,
+        max_running: int = 2,
+        max_per_forward: int = 2,
+        max_paused: int = 4,
+        aging_s: float = 0.0,
+        refuse_late: bool = True,
+        policy: str = "oldest",
+    ) -> None:
+        self.clock = Clock()
+        self.adapter = FakeAdapter()
+        self.host = Host()
+        # Caps by group, as the served engines have them (a waiting job has no group yet).
+        cap_for = {"64x64": max_per_forward, "256x256": 1}.__getitem__
+        limits = EngineLimits(max_running, max_per_forward, cap_for, max_paused=max_paused, starvation_steps=16)
+        service = Service(("priority", "default", "flex"), aging_s, refuse_late)
+        pacing = AdmissionPacing(1)
+        self.engine = StepEngine(self.adapter, limits, make_policy(policy), pacing, service, self.clock)
+
+    def job(self, name: str, tier: int = DEFAULT, steps: int = 4, deadline_s: float | None = None) -> Job:
+        job = Job(tracked(name), Spec(steps=steps), tier=tier, planned_steps=steps)
+        job.request.entered = self.clock.now
+        job.ready_at = self.clock.now
+        if deadline_s is not None:
+            job.deadline = self.clock.now + deadline_s
+        return job
+
+    def add(self, *jobs: Job) -> None:
+        for job in jobs:
+            self.engine.add(job)
+
+    def step(self, seconds: float = 0.1) -> None:
+        self.clock.now += seconds
+        self.host.render(self.engine.step())
+
+    def drain(self, limit: int = 500) -> None:
+        for _ in range(limit):
+            if not self.engine.active:
+                return
+            self.step()
+        raise AssertionError("engine did not drain")
+
+    def measure(self, seconds_per_forward: float = 0.1) -> None:
+        """What the engine would have measured: a forward of any size takes this long."""
+        for jobs in range(1, 9):
+            self.engine.times.forward_ran(jobs, seconds_per_forward)
+
+    def order(self) -> list[str]:
+        """Jobs in the order they first stepped."""
+        seen: list[str] = []
+        for forward in self.adapter.forwards:
+            for name in forward:
+                if name not in seen:
+                    seen.append(name)
+        return seen
+
+
+def finals(*jobs: Job) -> dict[str, object]:
+    return {job.request.request_id: job.request.channel.finals for job in jobs}
+
+
+def test_a_higher_tier_is_admitted_first():
+    h = Harness(max_running=1, max_per_forward=1, max_paused=0)
+    jobs = [h.job("flex", FLEX, 2), h.job("default", DEFAULT, 2), h.job("priority", PRIORITY, 2)]
+    h.add(*jobs)
+    h.drain()
+    assert h.order() == ["priority", "default", "flex"]
+    assert all(len(f) == 1 and not isinstance(f[0], Exception) for f in finals(*jobs).values())
+
+
+def test_within_a_tier_jobs_with_a_deadline_go_by_least_slack():
+    h = Harness(max_running=1, max_per_forward=1, max_paused=0)
+    h.measure(0.1)
+    relaxed = h.job("relaxed", PRIORITY, 2, deadline_s=60.0)
+    urgent = h.job("urgent", PRIORITY, 2, deadline_s=5.0)
+    none = h.job("no-deadline", PRIORITY, 2)
+    h.add(none, relaxed, urgent)
+    h.drain()
+    assert h.order() == ["urgent", "relaxed", "no-deadline"]  # no deadline: after those with one
+
+
+def test_a_request_that_cannot_meet_its_deadline_is_refused_at_once_with_the_estimate():
+    h = Harness(max_running=2, max_per_forward=2, max_paused=0)
+    h.measure(0.5)  # half a second a forward
+    ahead = [h.job(f"ahead{i}", DEFAULT, 10) for i in range(2)]
+    h.add(*ahead)
+    h.step()
+    late = h.job("late", DEFAULT, 8, deadline_s=2.0)  # 8 steps x 0.5 s, behind 18 job-steps
+    able = h.job("able", PRIORITY, 2, deadline_s=5.0)  # the top tier: 2 forwards, nobody ahead
+    h.add(late, able)
+    h.step()
+    (refused,) = late.request.channel.finals
+    assert refused.code is ErrorCode.UNAVAILABLE
+    assert "deadline" in refused.message and "2000 ms" in refused.message and "estimated" in refused.message
+    assert "late" not in h.order()  # never computed
+    h.drain()
+    assert not isinstance(able.request.channel.finals[0], Exception)
+
+
+def test_best_effort_never_refuses_or_ends_for_a_deadline():
+    h = Harness(max_running=1, max_per_forward=1, max_paused=0, refuse_late=False)
+    h.measure(0.5)
+    late = h.job("late", DEFAULT, 6, deadline_s=0.2)
+    h.add(late)
+    h.drain()
+    assert not isinstance(late.request.channel.finals[0], Exception)
+
+
+def test_a_running_job_whose_deadline_passes_ends_and_frees_its_row_at_the_next_step():
+    h = Harness(max_running=1, max_per_forward=1, max_paused=0)
+    slow = h.job("slow", DEFAULT, 50, deadline_s=1.0)
+    waiting = h.job("waiting", DEFAULT, 2)
+    h.add(slow, waiting)
+    for _ in range(5):
+        h.step(0.1)
+    assert not slow.request.ended
+    h.step(1.0)  # the deadline passed during this step's wait
+    (ended,) = slow.request.channel.finals
+    assert ended.code is ErrorCode.UNAVAILABLE and "timeout of 1000 ms passed after step" in ended.message
+    h.drain()
+    assert "waiting" in h.order() and not isinstance(waiting.request.channel.finals[0], Exception)
+
+
+def test_a_higher_tier_pauses_the_lowest_running_job_which_resumes_where_it_was():
+    h = Harness(max_running=2, max_per_forward=2, max_paused=2)
+    low = h.job("low-flex", FLEX, 6)
+    mid = h.job("default", DEFAULT, 6)
+    h.add(low, mid)
+    h.step()
+    h.step()  # both ran two steps
+    urgent = h.job("urgent", PRIORITY, 3)
+    h.add(urgent)
+    h.step()
+    assert low in h.engine.scheduler.paused and low.steps_done == 2 and low.pauses == 1
+    assert h.adapter.forwards[-1] == ["urgent", "default"]  # the priority job first, in the freed row
+    h.drain()
+    for job in (low, mid, urgent):
+        assert job.request.channel.finals == [{"out": f"out:{job.request.request_id}"}]
+        assert job.steps_done == job.total_steps  # every step, none twice (FakeAdapter counts its own)
+    assert low.state[0] == 6 and low.paused_s > 0
+
+
+def test_nobody_is_paused_for_a_peer_or_beyond_max_paused():
+    h = Harness(max_running=1, max_per_forward=1, max_paused=0)
+    running = h.job("running", FLEX, 4)
+    h.add(running)
+    h.step()
+    h.add(h.job("urgent", PRIORITY, 1))
+    h.step()
+    assert not h.engine.scheduler.paused  # no room to hold a paused job: the higher tier waits
+    h = Harness(max_running=1, max_per_forward=1, max_paused=2)
+    first = h.job("first", DEFAULT, 4)
+    h.add(first)
+    h.step()
+    h.add(h.job("peer", DEFAULT, 1))
+    h.step()
+    assert not h.engine.scheduler.paused  # the same tier never pauses a running job
+
+
+def test_a_higher_tier_is_not_held_back_by_admission_pacing():
+    h = Harness(max_running=4, max_per_forward=4, max_paused=0)
+    h.engine.scheduler.pacing = AdmissionPacing(cohort=4, max_wait_steps=50)
+    h.add(h.job("a", DEFAULT, 20))
+    h.step()
+    h.add(h.job("default", DEFAULT, 2))
+    h.step()  # 3 places free < a cohort of 4: the default job waits
+    assert "default" not in h.order()
+    h.add(h.job("urgent", PRIORITY, 2))
+    h.step()  # outranks the running one: admitted at once
+    assert "urgent" in h.order()
+
+
+def test_aging_lifts_a_waiting_job_above_fresh_higher_tiers_within_its_bound():
+    aging_s = 1.0
+    h = Harness(max_running=1, max_per_forward=1, max_paused=4, aging_s=aging_s)
+    flex = h.job("flex", FLEX, 3)
+    h.add(flex)
+    started = h.clock.now
+    # A stream of fresh priority jobs that alone would keep the engine busy for ever.
+    for i in range(200):
+        if flex.request.ended:
+            break
+        h.add(h.job(f"p{i}", PRIORITY, 2))
+        h.step(0.1)
+    assert flex.request.channel.finals == [{"out": "out:flex"}]
+    # The bound: (rank + 1) x aging_s of waiting to outrank every fresh job, then its own steps (each
+    # behind at most the one priority job already running) and the starvation bound of the forward pick.
+    bound = (FLEX + 1) * aging_s + 2 * 3 * 0.1 + 1.0
+    assert h.clock.now - started <= bound, (h.clock.now - started, bound)
+
+
+def test_an_aged_job_is_never_paused_again_for_a_fresh_one():
+    h = Harness(max_running=1, max_per_forward=1, max_paused=4, aging_s=1.0)
+    old = h.job("old", FLEX, 30)
+    old.waited_s = 10.0  # waited long enough to outrank any tier
+    h.add(old)
+    h.step()
+    for i in range(5):
+        h.add(h.job(f"p{i}", PRIORITY, 1))
+        h.step()
+    assert old.pauses == 0 and h.order()[0] == "old"
+
+
+@pytest.mark.parametrize(
+    "policy", ["oldest", "fewest_remaining", "round_robin", "largest", "first_step_first"]
+)
+def test_with_one_tier_and_no_deadlines_the_order_is_the_policy_alone(policy):
+    # The service order adds nothing when every job has the default tier and no deadline: every policy
+    # still finishes every job once.
+    h = Harness(max_running=4, max_per_forward=2, max_paused=0, policy=policy)
+    jobs = [h.job(f"j{i}", DEFAULT, 2 + i % 3) for i in range(6)]
+    h.add(*jobs)
+    h.drain()
+    assert all(job.request.channel.finals == [{"out": f"out:j{i}"}] for i, job in enumerate(jobs))
