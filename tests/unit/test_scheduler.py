@@ -41,7 +41,9 @@ class Harness:
         self.host = Host()
         # Caps by group, as the served engines have them (a waiting job has no group yet).
         cap_for = {"64x64": max_per_forward, "256x256": 1}.__getitem__
-        limits = EngineLimits(max_running, max_per_forward, cap_for, max_paused=max_paused, starvation_steps=16)
+        limits = EngineLimits(
+            max_running, max_per_forward, cap_for, max_paused=max_paused, starvation_steps=16
+        )
         service = Service(("priority", "default", "flex"), aging_s, refuse_late)
         pacing = AdmissionPacing(1)
         self.engine = StepEngine(self.adapter, limits, make_policy(policy), pacing, service, self.clock)
