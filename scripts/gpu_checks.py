@@ -58,9 +58,9 @@ SCRIPTS = REPO_ROOT / "scripts"
 DEFAULT_BUDGET_S = 480.0
 MIN_START_S = 10.0  # a part is not started with less of the budget left
 SD15 = "--arch sd15 --height 512 --width 512 --steps 20 --dtype bfloat16"
-# The name the full-size FLUX.1 builder will be registered under (issue 33); change it here when it lands.
-FLUX_FULL = "flux1"
-FLUX1_1024 = f"--arch {FLUX_FULL} --height 1024 --width 1024 --dtype bfloat16"
+# FLUX.1's transformer at full size (19 + 38 blocks, 3072 wide; random weights, built on the GPU) over the
+# tiny pipeline's text encoders and VAE: bench_caches.py --flux1-size.
+FLUX1_1024 = "--arch tiny-flux --flux1-size --height 1024 --width 1024 --dtype bfloat16"
 
 
 @dataclass
@@ -153,13 +153,19 @@ def family_command(run: Run) -> list[str]:
 
 
 def step_caches_command(run: Run) -> list[str]:
-    sizes = "--arch tiny-flux --steps 2 --requests 4" if run.smoke else f"{FLUX1_1024} --steps 20"
-    return ["bench_engines.py", *sizes.split(), "--step-cache", "--out", str(run.folder("step_caches"))]
+    if run.smoke:
+        sizes = "--arch tiny-flux --height 64 --width 64 --steps 3 --requests 4 --cap 2 --concurrency 2"
+    else:
+        sizes = f"{FLUX1_1024} --steps 20 --requests 12 --cap 4 --concurrency 4"
+    return ["bench_caches.py", *sizes.split(), "--out", str(run.folder("step_caches"))]
 
 
 def slo_command(run: Run) -> list[str]:
-    sizes = "--steps 2 --requests 4" if run.smoke else SD15
-    return ["bench_engines.py", *sizes.split(), "--slo", "--out", str(run.folder("slo"))]
+    if run.smoke:
+        sizes = "--requests 8 --loads 0.9 --cap 2 --interactive-steps 2 --background-steps 3-4"
+    else:
+        sizes = "--arch sd15 --height 512 --width 512 --requests 120 --background-steps 16-30"
+    return ["bench_slo.py", *sizes.split(), "--out", str(run.folder("slo"))]
 
 
 # The registry, in running order: the cheapest and most important first.
@@ -210,24 +216,25 @@ PARTS: list[Part] = [
     ),
     Part(
         "step_caches",
-        "step caches (FBC, TaylorSeer) at 1024x1024 FLUX.1 bf16 (issue 33)",
-        120,
+        "step caches per request (none, FBC at two thresholds, TaylorSeer) on FLUX.1's full-size "
+        "transformer at 1024x1024 bf16 (random weights: speed only, the reuse fractions say nothing about "
+        "a real model's) (issue 33)",
+        150,
         step_caches_command,
-        ("bench_engines.json", "bench_engines.md"),
+        ("bench_caches.json", "bench_caches.md"),
         no_figures,
-        needs=(
-            ("scripts/bench_engines.py", "--step-cache"),
-            ("src/triton_diffusion/tiny_models/registry.py", f'"{FLUX_FULL}"'),
-        ),
+        needs=(("scripts/bench_caches.py", "--flux1-size"),),
     ),
     Part(
         "slo",
-        "service tiers and deadlines: per-class latency, SLO attainment, preemptions (issue 34)",
-        120,
+        "service tiers and deadlines: interactive and background classes at 70/90/110% load, per-class "
+        "latency, SLO attainment, preemptions, against FIFO and the request-level engine (SD 1.5 512x512 "
+        "bf16) (issue 34)",
+        150,
         slo_command,
-        ("bench_engines.json", "bench_engines.md"),
+        ("bench_slo.json", "bench_slo.md"),
         no_figures,
-        needs=(("scripts/bench_engines.py", "--slo"),),
+        needs=(("scripts/bench_slo.py", "--trace"),),
     ),
 ]
 

@@ -82,6 +82,10 @@ def parse_step_cache(text: str, field: str = "step_cache") -> StepCache:
                 field,
                 f"{text[:64]!r}: INTERVAL 1..{MAX_INTERVAL}, WARMUP 0..{MAX_INTERVAL} (allowed: {ALLOWED})",
             )
+        if warmup == 0 and interval > 1:  # diffusers' schedule would predict step 0 from nothing
+            raise invalid_field(
+                field, f"{text[:64]!r}: WARMUP 0 needs INTERVAL 1 (step 0 must compute; allowed: {ALLOWED})"
+            )
         return StepCache("taylorseer", interval=interval, warmup=warmup)
     shown = text[:64]
     if method not in METHODS:

@@ -243,3 +243,20 @@ def test_with_one_tier_and_no_deadlines_the_order_is_the_policy_alone(policy):
     h.add(*jobs)
     h.drain()
     assert all(job.request.channel.finals == [{"out": f"out:j{i}"}] for i, job in enumerate(jobs))
+
+
+def test_with_one_tier_aging_never_pauses_a_peer_nor_skips_the_cohort():
+    # The shipped default ages jobs (tier_aging_s 30): under overload a long wait must not turn a job of
+    # the same tier into one that pauses its peers or jumps admission pacing.
+    h = Harness(max_running=2, max_per_forward=2, max_paused=2, aging_s=1.0)
+    h.engine.scheduler.pacing = AdmissionPacing(cohort=2, max_wait_steps=1000)
+    running = [h.job(f"r{i}", DEFAULT, 150) for i in range(2)]
+    h.add(*running)
+    h.step()
+    late = h.job("late", DEFAULT, 2)
+    h.add(late)
+    for _ in range(100):  # 10 s of waiting: aged far past the top tier
+        h.step(0.1)
+    assert not any(job.pauses for job in running) and "late" not in h.order()
+    h.drain()
+    assert late.request.channel.finals == [{"out": "out:late"}]

@@ -252,6 +252,7 @@ def wan_reference(family: Family, request: ImageRequest) -> np.ndarray:
         ("taylorseer:0", "INTERVAL 1..1000"),
         ("taylorseer:2:-1", "WARMUP 0..1000"),
         ("taylorseer:two", "integers"),
+        ("taylorseer:4:0", "WARMUP 0 needs INTERVAL 1"),
         ("teacache:0.1", "unknown method 'teacache'"),
         ("none:1", "malformed"),
     ],
@@ -268,3 +269,57 @@ def test_the_canonical_text_round_trips():
     for text in ("none", "fbc:0.08", "taylorseer:5:3"):
         assert parse_step_cache(text).text == text
     assert parse_step_cache("TaylorSeer:4").text == "taylorseer:4:3"
+
+
+def test_lora_rows_keep_their_adapters_on_the_rows_that_run_gathered(caplog):
+    # FLUX.1 with LoRA adapters loaded once: rows with different adapters (or none) and different caches
+    # share forwards; a reusing row skips the last block, so the rows that run it are a subset whose
+    # adapters must follow them. Reference: diffusers' load_lora_weights + set_adapters + its own cache.
+    from diffusers import DiffusionPipeline
+
+    from tests.unit.test_lora import reference as lora_reference
+    from triton_diffusion.adapters.diffusers_pipeline import SchedulerChoices
+    from triton_diffusion.adapters.lora import load_loras
+    from triton_diffusion.families import PipelineFacts
+    from triton_diffusion.serving.server_process import WEIGHTS
+    from triton_diffusion.tiny_models import build_missing
+
+    adapters = {"ink": "tiny-flux-lora-ink", "neon": "tiny-flux-lora-neon"}
+    build_missing(WEIGHTS, only=["tiny-flux", *adapters.values()])
+
+    def pipeline():
+        pipe = DiffusionPipeline.from_pretrained(WEIGHTS / "tiny-flux", use_safetensors=True)
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
+    served_pipe, reference_pipe = pipeline(), pipeline()
+    bank = load_loras(served_pipe, WEIGHTS, adapters, "m")
+    for name, folder in adapters.items():
+        reference_pipe.load_lora_weights(str(WEIGHTS / folder), adapter_name=name)
+    facts = PipelineFacts.of(served_pipe)
+    schedulers = SchedulerChoices(served_pipe, facts, (), "m")
+    adapter = step_adapter_for(served_pipe, facts, schedulers, None)
+    adapter.loras = bank
+
+    def request(i: int, cache: str, lora: tuple) -> ImageRequest:
+        return ImageRequest(
+            "a red house", None, 7 + i, 0, 64, 64, 8, 3.5, 1.0, schedulers.default,
+            lora=lora, step_cache=parse_step_cache(cache),
+        )  # fmt: skip
+
+    requests = [
+        request(0, "fbc:1.0", (("ink", 1.0),)),
+        request(1, "none", (("neon", 0.7),)),
+        request(2, "taylorseer:2:1", (("neon", 1.0),)),
+        request(3, "fbc:1.0", (("ink", 0.5), ("neon", 1.2))),
+        request(4, "taylorseer:3:1", ()),
+    ]
+    with caplog.at_level("WARNING", logger="triton_diffusion"):
+        jobs = run_engine(adapter, [(0, r) for r in requests])
+    # a forward that failed would be retried in halves and still be exact: it must not have failed
+    assert not [r for r in caplog.records if "forward of" in r.getMessage()]
+    assert all(jobs[i].rows_reused > 0 for i in (0, 2, 3, 4)), [j.rows_reused for j in jobs]
+    for req, job in zip(requests, jobs, strict=True):
+        with cache_on(reference_pipe.transformer, req.step_cache.text):
+            expected = lora_reference(reference_pipe, facts, req)
+        assert np.abs(served(job) - expected).max() <= 1, (req.lora, req.step_cache.text)

@@ -487,6 +487,38 @@ def test_a_stuck_engine_is_noticed_its_requests_answered_and_the_process_asked_t
     assert submit(worker, late) == [-1.0] and late.request.channel.finals[0].code is ErrorCode.UNAVAILABLE
 
 
+def test_a_full_engine_lets_a_higher_tier_in_and_keeps_its_own_tier_waiting():
+    class Gated(FakeAdapter):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate = threading.Event()
+
+        def step(self, jobs, previews=None):
+            self.gate.wait(10)
+            return super().step(jobs)
+
+    adapter = Gated()
+    engine = engine_for(adapter, max_running=2, max_per_forward=2)
+    worker = worker_for(engine, waiting_room=0)  # room for 2 jobs
+    low = [Job(tracked(f"low{i}"), Spec(steps=1), tier=2) for i in range(2)]
+    high, same = Job(tracked("high"), Spec(steps=1), tier=0), Job(tracked("same"), Spec(steps=1), tier=2)
+    try:
+        assert submit(worker, *low, max_wait_s=0.2) == [pytest.approx(0, abs=0.1)] * 2
+        assert submit(worker, high, max_wait_s=0.2)[0] >= 0  # outranks a job held: in at once
+        assert submit(worker, same, max_wait_s=0.2) == [-1.0]  # the same tier waits for room
+        adapter.gate.set()
+        deadline = time.monotonic() + 5
+        while not all(j.request.ended for j in [*low, high]) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        adapter.gate.set()
+        worker.close()
+    assert [j.request.channel.finals for j in [*low, high]] == [
+        [{"out": f"out:{n}"}] for n in ("low0", "low1", "high")
+    ]
+    assert same.request.channel.finals[0].code is ErrorCode.UNAVAILABLE
+
+
 def test_a_batch_larger_than_the_room_starts_at_once_and_the_rest_is_admitted_as_room_frees():
     engine = engine_for(FakeAdapter(), max_running=2, max_per_forward=2)
     worker = worker_for(engine, waiting_room=0)

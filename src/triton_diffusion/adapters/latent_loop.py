@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -48,7 +48,7 @@ from triton_diffusion.adapters.step_caches import (
     reused_rows,
     servable,
 )
-from triton_diffusion.engine.failures import Failure
+from triton_diffusion.engine.failures import Failure, is_device_lost
 from triton_diffusion.engine.jobs import ForwardResult, Job, JobStep
 from triton_diffusion.families import PipelineFacts
 
@@ -257,8 +257,25 @@ class LatentStepAdapter(LatentStarts):
             row += len(rows)
         if not slots:
             return None
-        subset = lambda rows: self.adapted_rows([adapters[r] for r in rows])  # noqa: E731
-        return CachePlan(row, slots, states, subset)
+        return CachePlan(row, slots, states, self._lora_subsets(adapters))
+
+    def _lora_subsets(
+        self, adapters: list[LoraSet]
+    ) -> Callable[[list[int]], contextlib.AbstractContextManager]:
+        """Around a block call over some of a forward's rows, with their adapters: each subset's plan is
+        built once per forward, though every block runs under it."""
+        loras = self.loras
+        if loras is None:
+            return lambda rows: contextlib.nullcontext()
+        plans: dict[tuple[int, ...], Any] = {}
+
+        def subset(rows: list[int]) -> contextlib.AbstractContextManager:
+            key = tuple(rows)
+            if key not in plans:
+                plans[key] = loras.plan_for([adapters[r] for r in key], self.to_device)
+            return loras.planned(plans[key])
+
+        return subset
 
     def model_rows(self, job: Job) -> int:
         """The denoiser rows a job adds to a forward: 2 with (true) classifier-free guidance."""
@@ -374,9 +391,20 @@ class LatentStepAdapter(LatentStarts):
             return JobStep(job.steps_done, error=error)
         step = job.steps_done + 1
         rows = self.model_rows(job)
-        snapshot = self.snapshot(job) if preview else None
+        snapshot = self._preview_snapshot(job) if preview else None
         done = step >= job.total_steps
         return JobStep(step, done, rows_computed=rows - reused, rows_reused=reused, snapshot=snapshot)
+
+    def _preview_snapshot(self, job: Job) -> Any:
+        """The job's snapshot, or None if taking it fails: every state has changed by now, so a raise
+        would have the engine retry (and step) the jobs again; a lost preview costs nothing else."""
+        try:
+            return self.snapshot(job)
+        except Exception as exc:
+            if is_device_lost(exc):
+                raise
+            log.warning("request %s: preview snapshot failed: %s", job.request.request_id, exc)
+            return None
 
     def _blend_source(self, state: LatentJob, i: int) -> str | None:
         """StableDiffusionInpaintPipeline after step ``i`` (4-channel UNet): outside the mask the latents

@@ -245,13 +245,18 @@ class LoraBank:
     def rows(
         self, adapters_per_row: Sequence[LoraSet], to_device: Callable[[torch.Tensor], torch.Tensor]
     ) -> Iterator[None]:
-        """Around one model call whose batch rows are ``adapters_per_row`` (in order). Everything the
-        layers need is built here on the host and sent once per call (``to_device``: without a sync)."""
+        """Around one model call whose batch rows are ``adapters_per_row`` (in order)."""
+        with self.planned(self.plan_for(adapters_per_row, to_device)):
+            yield
+
+    def plan_for(
+        self, adapters_per_row: Sequence[LoraSet], to_device: Callable[[torch.Tensor], torch.Tensor]
+    ) -> _Plan | None:
+        """What the layers need for a call whose batch rows are ``adapters_per_row``: built here on the
+        host and sent once (``to_device``: without a sync); a step cache reuses it for every block."""
         first = adapters_per_row[0] if adapters_per_row else NO_LORA
         if all(adapters == first for adapters in adapters_per_row):
-            with self.uniform(first):  # every row alike: peft's own arithmetic, any batch layout
-                yield
-            return
+            return _Plan(None, first) if first else None  # every row alike: peft's own arithmetic
         count = len(adapters_per_row)
         by_name: dict[str, tuple[list[int], list[float]]] = {n: ([], []) for n in self.names}
         for row, adapters in enumerate(adapters_per_row):
@@ -275,17 +280,17 @@ class LoraBank:
                     blocks.append(per_row[:, None].expand(count, kind.ranks[j]))
                 names = tuple(kind.names[j] for j in used)
                 plan.by_kind[kind] = _Stack(names, to_device(torch.cat(blocks, dim=1)))
-        with self._planned(plan):
-            yield
+        return plan
 
     @contextlib.contextmanager
     def uniform(self, adapters: LoraSet) -> Iterator[None]:
         """Around a call in which every row has ``adapters`` (text encoding, a request-level call)."""
-        with self._planned(_Plan(None, adapters) if adapters else None):
+        with self.planned(_Plan(None, adapters) if adapters else None):
             yield
 
     @contextlib.contextmanager
-    def _planned(self, plan: _Plan | None) -> Iterator[None]:
+    def planned(self, plan: _Plan | None) -> Iterator[None]:
+        """Around a call the layers run under ``plan`` (from ``plan_for``)."""
         previous, self._plan = self._plan, plan
         try:
             yield

@@ -131,6 +131,15 @@ class CachePlan:
     skipped: set[int] = field(default_factory=set)  # rows whose FBC branch reuses: they skip the blocks
     head: tuple[torch.Tensor, torch.Tensor | None] | None = None  # the first block's output (all rows)
     staged: list[Callable[[], None]] = field(default_factory=list)
+    indices: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)  # built once per forward
+
+    def index(self, rows: list[int], device: Any) -> torch.Tensor:
+        """The rows as an index tensor on ``device``: sent once per forward, not once per block."""
+        key = tuple(rows)
+        index = self.indices.get(key)
+        if index is None:
+            index = self.indices[key] = torch.tensor(rows, device=device)
+        return index
 
     def __post_init__(self) -> None:
         self.active = list(range(self.rows))
@@ -289,7 +298,7 @@ class RowCaches:
         hidden, encoder = hidden.clone(), None if encoder is None else encoder.clone()
         for slot in reusing:
             cached_hidden, cached_encoder = slot.branch.tail_residuals
-            index = _index(slot.rows, hidden.device)
+            index = plan.index(slot.rows, hidden.device)
             hidden.index_copy_(0, index, cached_hidden + hidden.index_select(0, index))
             if encoder is not None:
                 encoder.index_copy_(0, index, cached_encoder + encoder.index_select(0, index))
@@ -333,12 +342,11 @@ class RowCaches:
             encoder_in = _argument(module, meta.encoder_hidden_states_argument_name, args, kwargs)
         if not running:  # every row reuses: the block does not run
             return _join(None, meta, hidden_in, encoder_in)
-        bound = _bound(module, args, kwargs)
-        gathered = _gather(bound, running, plan.rows, hidden_in.device)
+        index = plan.index(running, hidden_in.device)
+        gathered = _gather(_bound(module, args, kwargs), index, plan.rows)
         with self._rows_active(plan, running):
             output = original(**gathered)
         hidden, encoder = _split(output, meta)
-        index = _index(running, hidden.device)
         hidden = hidden_in.index_copy(0, index, hidden)
         if encoder is not None:
             encoder = encoder_in.index_copy(0, index, encoder)
@@ -381,9 +389,12 @@ class RowCaches:
         outputs: tuple[torch.Tensor, ...] | None = None
         single = False
         if running:
-            if predicting:
+            if predicting:  # the computing rows alone, with their own LoRA adapters
                 bound = _bound(module, args, kwargs)
-                computed = original(**_gather(bound, running, len(active), _device_of(bound)))
+                rows = [active[i] for i in running]
+                gather = plan.index(running, _device_of(bound))
+                with self._rows_active(plan, rows):
+                    computed = original(**_gather(bound, gather, len(active)))
             else:
                 computed = original(*args, **kwargs)
             single = isinstance(computed, torch.Tensor)
@@ -437,7 +448,8 @@ def _taylor_update(state: TaylorFactors, outputs: tuple[torch.Tensor, ...], step
                 if old is None or old.shape != new[j].shape:
                     break
                 new[j + 1] = (new[j] - old.to(features.dtype)) / delta
-        factors[i] = {order: factor.to(TAYLOR_FACTORS_DTYPE) for order, factor in new.items()}
+        # copy=True: order 0 is the block's own output, which the model may later change in place
+        factors[i] = {order: factor.to(TAYLOR_FACTORS_DTYPE, copy=True) for order, factor in new.items()}
     dtypes = tuple(o.dtype for o in outputs)
 
     def apply() -> None:
@@ -495,8 +507,7 @@ def _argument(module: torch.nn.Module, name: str, args: tuple, kwargs: dict) -> 
     return _bound(module, args, kwargs)[name]
 
 
-def _gather(arguments: dict[str, Any], rows: list[int], batch: int, device: Any) -> dict[str, Any]:
-    index = _index(rows, device)
+def _gather(arguments: dict[str, Any], index: torch.Tensor, batch: int) -> dict[str, Any]:
     return {
         name: value.index_select(0, index)
         if name in PER_ROW_ARGUMENTS and isinstance(value, torch.Tensor) and value.shape[:1] == (batch,)
@@ -509,15 +520,11 @@ def _device_of(arguments: dict[str, Any]) -> Any:
     return next(v.device for v in arguments.values() if isinstance(v, torch.Tensor))
 
 
-def _index(rows: list[int], device: Any) -> torch.Tensor:
-    return torch.tensor(rows, device=device)
-
-
 def _rows(values: torch.Tensor, rows: list[int]) -> torch.Tensor:
     """Consecutive rows as a view (a job's rows are), else gathered."""
     if rows == list(range(rows[0], rows[0] + len(rows))):
         return values[rows[0] : rows[0] + len(rows)]
-    return values.index_select(0, _index(rows, values.device))
+    return values.index_select(0, torch.tensor(rows, device=values.device))
 
 
 def _split(output: Any, meta: Any) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -41,6 +41,7 @@ class Job:
     deadline: float | None = None
     planned_steps: int = 1
     cache_method: str = "none"  # its step cache's method (for the metrics)
+    shape: Hashable = None  # the group it is expected to join (for estimates before it starts)
     # Set from the adapter's JobStart when the job is started.
     state: Any = None
     group: Hashable = None  # jobs of one group can share a forward (latent shape, or compatibility key)

@@ -43,6 +43,9 @@ class Policy:
     def choose_group(self, groups: dict[Hashable, list[Schedulable]], first: Schedulable) -> Hashable:
         return first.group
 
+    def picked(self, group: Hashable) -> None:
+        """The group that stepped (whoever chose it: this policy, or the starvation bound)."""
+
 
 class Oldest(Policy):
     name, doc = "oldest", "the group of the oldest job; oldest jobs first (FIFO, the default)"
@@ -57,11 +60,11 @@ class RoundRobin(Policy):
     def choose_group(self, groups: dict[Hashable, list[Schedulable]], first: Schedulable) -> Hashable:
         ordered = sorted(groups, key=lambda g: min(j.arrival for j in groups[g]))
         if len(ordered) > 1 and self._last in ordered:
-            group = ordered[(ordered.index(self._last) + 1) % len(ordered)]
-        else:
-            group = ordered[0]
+            return ordered[(ordered.index(self._last) + 1) % len(ordered)]
+        return ordered[0]
+
+    def picked(self, group: Hashable) -> None:
         self._last = group
-        return group
 
 
 class FewestRemaining(Policy):

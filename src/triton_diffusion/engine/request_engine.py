@@ -123,9 +123,9 @@ class RequestEngine:
         with self._lock:
             return len(self._waiting) + len(self._jobs)
 
-    def held(self) -> list[Job]:
-        with self._lock:
-            return [*self._waiting, *self._jobs.values()]
+    def outranks_held(self, tier: int) -> bool:
+        """Fused calls are not paused: a higher tier waits for room like any request."""
+        return False
 
     def take_report(self) -> StepReport:
         report, self.report = self.report, StepReport()

@@ -142,6 +142,7 @@ class Scheduler:
     def add(self, job: Job) -> None:
         with self._lock:
             job.queued = next(self._queued)
+            job.ready_at = self.clock()  # its wait in the engine (what ages it) starts now
             self._inbox.append(job)
 
     @property
@@ -150,10 +151,10 @@ class Scheduler:
         with self._lock:
             return sum(map(len, self._queues())) + len(self._inbox)
 
-    def held(self) -> list[Job]:
-        """Every job held, whatever its queue (the watchdog answers them when the engine is stuck)."""
+    def outranks_held(self, tier: int) -> bool:
+        """Whether a job of ``tier`` outranks a job held (it would pause it, or pass it in the queue)."""
         with self._lock:
-            return [job for queue in (self._inbox, *self._queues()) for job in queue]
+            return any(job.tier > tier for queue in (self._inbox, *self._queues()) for job in queue)
 
     def _queues(self) -> tuple[list[Job], ...]:
         return (self.waiting, self.starting, self.running, self.paused, self.finishing)
@@ -170,11 +171,11 @@ class Scheduler:
             for job in arrived:
                 job.queued_at = step - 1  # it arrived while the last engine step ran (or after it)
             self.waiting.extend(arrived)
-            self._drop_ended(out)
             self._expire(out, now)
             for job in arrived:
                 if job in self.waiting:
                     self._refused(job, now, out)
+            self._drop_ended(out)  # after the deadlines: a refused request's other images leave too
             self._admit(out, now)
         return out
 
@@ -198,6 +199,7 @@ class Scheduler:
                     f"deadline: the request's timeout of {timeout_ms:.0f} ms passed after step "
                     f"{job.steps_done}/{job.total_steps or job.planned_steps}",
                 )
+                job.request.end(error)  # decided here; the host delivers it
                 out.leave.append(Left(job, "expired", error))
 
     def _refused(self, job: Job, now: float, out: SchedulerOutput) -> None:
@@ -207,7 +209,14 @@ class Scheduler:
         mine = self.order_key(job, now)
         ahead = [j for q in (self.waiting, self.running, self.paused) for j in q if j is not job]
         ahead_steps = sum(j.remaining for j in ahead if self.order_key(j, now) < mine)
-        estimate = self.times.finish_in(job.planned_steps, ahead_steps, self.limits.max_per_forward, False)
+        group = job.group if job.group is not None else job.shape
+        cap = self.caps.cap_for(group)
+        estimate = self.times.finish_in(job.planned_steps, ahead_steps, cap, False, group)
+        # A full running set that it may not pause anyone in holds it until a running job is done.
+        behind = [j for j in self.running if self.order_key(j, now) >= mine]
+        full = len(self.running) + len(self.starting) >= self.limits.max_running
+        if full and behind and self._victim(job, now) is None:
+            estimate += min(j.remaining for j in behind) * self.times.forward(len(self.running), group)
         if now + estimate <= job.deadline:
             return
         self.waiting.remove(job)
@@ -217,6 +226,7 @@ class Scheduler:
             f"deadline: the request cannot finish within its timeout of {timeout_ms:.0f} ms: estimated "
             f"{(now - job.request.entered + estimate) * 1000:.0f} ms with {ahead_steps} job-steps ahead",
         )
+        job.request.end(error)  # decided here; the host delivers it
         out.leave.append(Left(job, "refused", error))
 
     def _admit(self, out: SchedulerOutput, now: float) -> None:
@@ -227,13 +237,13 @@ class Scheduler:
         oldest = min((j.queued_at for j in self.waiting), default=self.step)
         due = self.pacing.due(len(self.running), room, self.step - 1 - oldest)
         for job in candidates:
-            tier = self.service.effective_tier(job, now)
-            lowest = max((self.service.effective_tier(j, now) for j in self.running), default=tier)
-            outranks = tier < lowest
+            # Only a strictly higher tier (by its own, not by aging) pauses a running job or skips the
+            # cohort: with one tier nobody is ever paused and pacing is the only gate.
+            outranks = any(j.tier > job.tier for j in self.running)
             if room <= 0:
-                victim = self._victim(now) if outranks else None
-                if victim is None or self.service.effective_tier(victim, now) <= tier:
-                    break  # in order: nobody after this one can get in either
+                victim = self._victim(job, now) if outranks else None
+                if victim is None:
+                    continue  # a higher tier behind it in order may still pause someone
                 self._pause(victim, now, out)
                 room += 1
             if job in self.paused:
@@ -243,14 +253,17 @@ class Scheduler:
                 self._ready(job, now)
                 self.starting.append(job)
                 out.admit.append(job)
-            else:
-                continue  # held for a cohort; a paused job after it may still resume
+            # else: held for a cohort; its place is kept, so no lower job resumes into it
             room -= 1
 
-    def _victim(self, now: float) -> Job | None:
-        if len(self.paused) >= self.limits.max_paused or not self.running:
+    def _victim(self, job: Job, now: float) -> Job | None:
+        """The running job to pause for ``job``: of a strictly lower tier and not aged up to ``job``'s
+        effective tier (an aged job is never paused again), the lowest, most slack, most work left."""
+        if len(self.paused) >= self.limits.max_paused:
             return None
-        return max(self.running, key=lambda j: self.service.victim_key(j, now, self._finish_s))
+        tier = self.service.effective_tier(job, now)
+        lower = [j for j in self.running if j.tier > job.tier and self.service.effective_tier(j, now) > tier]
+        return max(lower, key=lambda j: self.service.victim_key(j, now, self._finish_s), default=None)
 
     def _pause(self, job: Job, now: float, out: SchedulerOutput) -> None:
         self.running.remove(job)
@@ -278,7 +291,7 @@ class Scheduler:
         """The jobs of the next forward: one group, at most its cap, in order."""
         now = self.clock() if now is None else now
         with self._lock:
-            running = list(self.running)
+            running = [j for j in self.running if not j.request.ended]  # ended while starting: not run
         if not running:
             return []
         step, bound = self.step, self.limits.starvation_steps
@@ -286,13 +299,16 @@ class Scheduler:
         if starved:
             group = min(starved, key=lambda j: (j.waited_since, j.arrival)).group
         else:
-            top = min(self.service.effective_tier(j, now) for j in running)
-            candidates = [j for j in running if self.service.effective_tier(j, now) == top]
+            # The policy chooses among the groups of the highest tier running (by their own tiers: aging
+            # orders jobs, the starvation bound above serves a lower group).
+            top = min(j.tier for j in running)
+            candidates = [j for j in running if j.tier == top]
             groups: dict[Hashable, list[Job]] = {}
             for job in candidates:
                 groups.setdefault(job.group, []).append(job)
             first = min(candidates, key=lambda j: self.order_key(j, now))
             group = self.policy.choose_group(groups, first)
+        self.policy.picked(group)
         members = [j for j in running if j.group == group]
         # Starved jobs of the group first, then the order.
         members.sort(key=lambda j: (step - j.waited_since < bound, self.order_key(j, now)))
@@ -306,8 +322,8 @@ class Scheduler:
 
     def _finish_s(self, job: Job) -> float:
         """The estimated seconds to finish this job alone in its forwards (for its slack)."""
-        cap = self.caps.cap_for(job.group)
-        return self.times.finish_in(job.remaining, 0, cap, job.state is not None)
+        group = job.group if job.group is not None else job.shape
+        return self.times.finish_in(job.remaining, 0, self.caps.cap_for(group), job.state is not None, group)
 
     # ---- the engine thread: what happened ------------------------------------------------------------
     def started(self, jobs: list[Job]) -> None:

@@ -95,8 +95,8 @@ class StepEngine:
     def active(self) -> int:
         return self.scheduler.active
 
-    def held(self) -> list[Job]:
-        return self.scheduler.held()
+    def outranks_held(self, tier: int) -> bool:
+        return self.scheduler.outranks_held(tier)
 
     # ---- the engine thread --------------------------------------------------------------------------
     def cap_for(self, group: Any) -> int:
@@ -107,14 +107,13 @@ class StepEngine:
         self.report = StepReport()
         self.steps += 1
         scheduler = self.scheduler
-        stepping = scheduler.running + scheduler.paused
+        held = scheduler.running + scheduler.paused + scheduler.waiting  # a waiting client may leave too
         self.polls.end_cancelled(
-            (job.request, f"after step {job.steps_done}/{job.total_steps}") for job in stepping
+            (job.request, f"after step {job.steps_done}/{job.total_steps or job.planned_steps}")
+            for job in held
         )
         plan = scheduler.schedule(self.steps)
-        for left in plan.leave:
-            if left.error is not None:
-                left.job.request.end(left.error)
+        for left in plan.leave:  # the scheduler ended the refused and expired ones
             self._leave(left.job, left.reason, left.error)
         self.report.paused.extend(plan.pause)
         self.report.resumed.extend(plan.resume)
@@ -193,7 +192,7 @@ class StepEngine:
         """One forward's per-job results, applied: counters, reports, failures, the jobs now done."""
         self.forwards += 1
         self.scheduler.caps.ran(jobs[0].group, len(jobs))
-        self.times.forward_ran(len(jobs), seconds)
+        self.times.forward_ran(len(jobs), seconds, jobs[0].group)
         self.scheduler.stepped(jobs)
         done, reused = [], 0
         for job, out in zip(jobs, result.steps, strict=True):

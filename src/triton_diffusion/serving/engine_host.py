@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from triton_diffusion.engine.jobs import Job, Stepped, StepReport
+from triton_diffusion.engine.jobs import Job, Left, Stepped, StepReport
 from triton_diffusion.errors import ErrorCode, RequestError
 from triton_diffusion.serving.engine_worker import EngineWorker
 from triton_diffusion.serving.engines import EngineKind
@@ -42,6 +42,7 @@ class RequestRecord:
     progress: bool = False  # the kind renders progress responses for this request
     state: Any = None  # the kind's own per-request state (the LM's streamed text)
     first_step_seen: bool = False
+    deadline_counted: bool = False  # its deadline outcome went into the metrics (once per request)
 
 
 class HostedKind(Protocol):
@@ -124,10 +125,11 @@ class EngineHost:
     # ---- the engine thread: reports into work for the response thread --------------------------------
     def render(self, report: StepReport) -> None:
         submit = self.responses.submit
+        deadlines = self._deadline_outcomes(report.left)
         # Metrics go on the response thread's queue before the answers: a client that reads /metrics
         # after its answer sees the work that answered it.
         if report.forwards or report.calls or report.cuts or report.stepped or report.left or report.paused:
-            submit(None, lambda: self._record_metrics(report))
+            submit(None, lambda: self._record_metrics(report, deadlines))
         for job in report.admitted:
             log.info(
                 "request %s image %d admitted: %s (%d running)",
@@ -140,24 +142,47 @@ class EngineHost:
             request_id, step = job.request.request_id, job.steps_done
             log.info("request %s image %d paused at step %d", request_id, job.index, step)
         for stepped in report.stepped:
-            self._stepped(stepped)
+            self._guarded(stepped.job, self._stepped, stepped)
         for finished in report.finished:
-            self._finished(finished.job, finished.output)
+            self._guarded(finished.job, self._finished, finished.job, finished.output)
         for left in report.left:
-            job = left.job
-            if left.reason != "finished":
-                self.responses.deliver(job.request)  # the error the engine decided, if not out yet
-            log.info(
-                "request %s image %d left (%s) after %d/%d steps, %d forwards, shared with up to %d%s",
-                job.request.request_id,
-                job.index,
-                left.reason,
-                job.steps_done,
-                job.total_steps,
-                job.forwards,
-                job.most_shared,
-                f": {left.error.message}" if left.error is not None else "",
-            )
+            self._guarded(left.job, self._left, left)
+
+    def _guarded(self, job: Job, render: Callable[..., None], *args: Any) -> None:
+        """Render one job's part of a report: should it raise (a bug), its request alone is answered."""
+        try:
+            render(*args)
+        except Exception as exc:  # noqa: BLE001
+            log.exception("request %s: rendering its step failed", job.request.request_id)
+            job.record.tracked.fail(RequestError(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"))
+
+    def _left(self, left: Left) -> None:
+        job = left.job
+        if left.reason != "finished":
+            self.responses.deliver(job.request)  # the error the engine decided, if not out yet
+        log.info(
+            "request %s image %d left (%s) after %d/%d steps, %d forwards, shared with up to %d%s",
+            job.request.request_id,
+            job.index,
+            left.reason,
+            job.steps_done,
+            job.total_steps,
+            job.forwards,
+            job.most_shared,
+            f": {left.error.message}" if left.error is not None else "",
+        )
+
+    @staticmethod
+    def _deadline_outcomes(left: list[Left]) -> list[str]:
+        """``missed`` or ``refused`` for each request these departures end for its deadline (once a
+        request, whichever of its images leaves first)."""
+        outcomes = []
+        for departure in left:
+            record: RequestRecord = departure.job.record
+            if departure.reason in ("expired", "refused") and not record.deadline_counted:
+                record.deadline_counted = True
+                outcomes.append("missed" if departure.reason == "expired" else "refused")
+        return outcomes
 
     def _progress_in_call(self, report: StepReport) -> None:
         """A denoising step inside a fused call (request-level engine): progress, and a heartbeat."""
@@ -197,7 +222,7 @@ class EngineHost:
         if record.remaining:
             return
         batch = self.engine_kind.batch(record.values, record.jobs)
-        batch["service"] = self.service_report(job)
+        batch["service"] = self.service_report(record.jobs)
         outputs = list(record.outputs)
         latency = time.perf_counter() - job.request.entered
         tier = self.tiers[job.tier]
@@ -205,7 +230,8 @@ class EngineHost:
         def answer() -> None:
             if record.tracked.finish(self.kind.final_outputs(record, outputs, batch)):
                 self.metrics.observe("triton_diffusion_tier_latency_seconds", latency, tier=tier)
-                if job.deadline is not None:  # done: in time, or late (deadline_policy best_effort)
+                if job.deadline is not None and not record.deadline_counted:  # in time, or late
+                    record.deadline_counted = True  # (deadline_policy best_effort)
                     met = job.request.entered + latency <= job.deadline
                     self.metrics.increment(
                         "triton_diffusion_deadlines_total", outcome="met" if met else "missed"
@@ -213,15 +239,17 @@ class EngineHost:
 
         self.responses.submit(record.tracked, answer)
 
-    def service_report(self, job: Job) -> dict[str, Any]:
-        """BATCH's service part: the request's tier, its deadline, and how long it was paused."""
-        report: dict[str, Any] = {"tier": self.tiers[job.tier], "paused_times": job.pauses}
-        report["paused_s"] = round(job.paused_s, 3)
+    def service_report(self, jobs: list[Job]) -> dict[str, Any]:
+        """BATCH's service part: the request's tier, its deadline, and how often and long its images
+        were paused (in all, the longest)."""
+        job = jobs[0]
+        report: dict[str, Any] = {"tier": self.tiers[job.tier], "paused_times": sum(j.pauses for j in jobs)}
+        report["paused_s"] = round(max(j.paused_s for j in jobs), 3)
         if job.deadline is not None:
             report["deadline_ms"] = round((job.deadline - job.request.entered) * 1000, 1)
         return report
 
-    def _record_metrics(self, report: StepReport) -> None:
+    def _record_metrics(self, report: StepReport, deadlines: list[str]) -> None:
         names, metrics = self.names, self.metrics
         for forward in report.forwards:
             if names.forward_images:
@@ -248,9 +276,8 @@ class EngineHost:
         for left in report.left:
             if left.reason == "cancelled":
                 metrics.increment(names.cancelled)
-            elif left.reason in ("expired", "refused"):
-                outcome = "missed" if left.reason == "expired" else "refused"
-                metrics.increment("triton_diffusion_deadlines_total", outcome=outcome)
+        for outcome in deadlines:
+            metrics.increment("triton_diffusion_deadlines_total", outcome=outcome)
         if report.paused:
             metrics.increment("triton_diffusion_preemptions_total", len(report.paused))
         if names.cache_rows and report.stepped:  # summed per method first: each metric call is a round trip

@@ -3,7 +3,10 @@ after a bug, and what happens when the device fails or the engine is stuck.
 
 - Triton's ``execute()`` thread calls :meth:`EngineWorker.submit`, which hands each request's jobs straight
   to the engine (its scheduler owns every queue); it blocks while the engine holds ``capacity`` jobs, at
-  most ``max_admission_wait_s`` from ``execute()`` entry, then answers UNAVAILABLE.
+  most ``max_admission_wait_s`` from ``execute()`` entry, then answers UNAVAILABLE. A request of a higher
+  service tier than a job held passes (up to twice ``capacity``). Triton hands one instance's requests to
+  ``execute()`` one batch at a time, so a higher tier arriving while ``execute()`` waits for room for a
+  lower one waits with it (at most ``max_admission_wait_s``).
 - The engine thread runs ``report = engine.step()`` and hands the report to ``render`` (the host sorts it
   into work for its response thread), so the next step starts at once. Should the loop raise (a bug),
   what it held is answered INTERNAL and it starts again; after a failed device it answers what it held
@@ -23,7 +26,7 @@ from typing import Protocol
 from triton_diffusion.engine.failures import DeviceLostError, device_lost_error
 from triton_diffusion.engine.jobs import Job, StepReport
 from triton_diffusion.errors import ErrorCode, RequestError
-from triton_diffusion.serving.requests import TrackedRequest
+from triton_diffusion.serving.requests import Stage, TrackedRequest
 from triton_diffusion.serving.watchdog import StallWatchdog
 
 log = logging.getLogger("triton_diffusion")
@@ -40,8 +43,8 @@ class Engine(Protocol):
     def active(self) -> int:
         """Jobs held (from any thread)."""
 
-    def held(self) -> list[Job]:
-        """Every job held (from any thread: the watchdog)."""
+    def outranks_held(self, tier: int) -> bool:
+        """Whether a job of ``tier`` outranks a job held (from any thread)."""
 
     def step(self) -> StepReport: ...
 
@@ -71,6 +74,9 @@ class EngineWorker:
         self.restarts = 0
         self._condition = threading.Condition()
         self._closed = False
+        # Every request handed to the engine and not answered yet: the watchdog answers them when the
+        # engine thread is stuck, wherever their jobs are (a queue, the adapter's hands, a report).
+        self._live: set[TrackedRequest] = set()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.watchdog = StallWatchdog(stall_s, self._thread.is_alive, self._stalled, f"{name}-watchdog")
         self._thread.start()
@@ -90,7 +96,7 @@ class EngineWorker:
                 started = time.perf_counter()
                 deadline = tracked.entered + max_wait_s
                 refused = None
-                while self._full(len(jobs)) and not self._closed:
+                while self._full(jobs) and not self._closed:
                     remaining = deadline - time.perf_counter()
                     if remaining <= 0:
                         refused = RequestError(
@@ -105,15 +111,23 @@ class EngineWorker:
                     tracked.fail(refused)
                     waited.append(-1.0)
                     continue
+                if len(self._live) > 2 * self.capacity:
+                    self._live = {r for r in self._live if r.stage is not Stage.ANSWERED}
+                self._live.add(tracked)
                 for job in jobs:
                     self.engine.add(job)
                 self._condition.notify_all()  # an idle engine starts now, not after the whole batch
                 waited.append(time.perf_counter() - started)
         return waited
 
-    def _full(self, jobs: int) -> bool:
+    def _full(self, jobs: list[Job]) -> bool:
+        """No room for ``jobs``. A request of a higher tier than a job held does not wait behind it: it
+        may take up to ``capacity`` more (the scheduler pauses the lower job or lets it wait)."""
         held = self.engine.active
-        return bool(held) and held + jobs > self.capacity
+        if not held or held + len(jobs) <= self.capacity:
+            return False
+        tier = min((job.tier for job in jobs), default=0)
+        return held + len(jobs) > 2 * self.capacity or not self.engine.outranks_held(tier)
 
     def close(self, timeout_s: float = 30.0) -> None:
         with self._condition:
@@ -196,6 +210,7 @@ class EngineWorker:
         with self._condition:
             self._closed = True
             self._condition.notify_all()
-        for job in self.engine.held():
-            job.request.fail(RequestError(ErrorCode.UNAVAILABLE, f"{error}; the model is restarting"))
+            live = list(self._live)
+        for tracked in live:  # no-op for one answered already; an ended one gets its decided error
+            tracked.fail(RequestError(ErrorCode.UNAVAILABLE, f"{error}; the model is restarting"))
         self.on_stall(error)

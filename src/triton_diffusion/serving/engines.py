@@ -110,11 +110,6 @@ class StepEngineKind:
             "engine": "step",
             "forwards": max(job.forwards for job in jobs),
             "most_rows_shared": max(job.most_shared for job in jobs),
-            # Preemption (scheduler.py): how often its images were paused for a higher tier, for how long.
-            "paused": {
-                "times": sum(job.pauses for job in jobs),
-                "seconds": round(max(j.paused_s for j in jobs), 3),
-            },
         }
         if values.get("step_cache"):  # its denoiser rows: run in full, or from its cache
             report["step_cache"] = {

@@ -346,7 +346,9 @@ class DiffusionModel(TritonModel):
             if record.progress and i == 0:  # the first image speaks for its request
                 job.preview_every, job.previews = values.get("preview_every", 0), values.get("previews", 0)
             job.tier, job.deadline = parsed.service.tier, parsed.service.deadline
-            job.planned_steps = values.get("num_inference_steps") or 1
+            job.planned_steps = planned_steps(values)
+            # the latent shape group the adapter will give it (ImageRequest.shape), for estimates before
+            job.shape = (values.get("height"), values.get("width"), *filter(None, [values.get("num_frames")]))
             job.cache_method = (values.get("step_cache") or "none").partition(":")[0]
             jobs.append(job)
         record.summary = self.summary(values)
@@ -386,3 +388,13 @@ class DiffusionModel(TritonModel):
 
     def describe_more(self) -> dict[str, Any]:
         return {"step_caches": ["none", *self.step_cache_methods]}
+
+
+def planned_steps(values: dict[str, Any]) -> int:
+    """The denoising steps a request's image will run: an image start runs the last ``strength`` of its
+    schedule (diffusers' ``get_timesteps``)."""
+    steps = values.get("num_inference_steps") or 1
+    strength = values.get("strength")
+    if values.get("image") is not None and strength is not None:
+        steps = min(int(steps * strength), steps)
+    return max(steps, 1)
