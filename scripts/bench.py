@@ -657,8 +657,20 @@ def main(argv: list[str] | None = None) -> None:
         "--openai", action="store_true", help="also the OpenAI front's overhead against gRPC direct"
     )
     parser.add_argument("--no-raw", action="store_true", help="skip the in-process ceiling")
+    parser.add_argument(
+        "--slo",
+        action="store_true",
+        help="instead: service tiers and deadlines through the server (bench_slo_server.py; its own "
+        "options follow --slo-args)",
+    )
+    parser.add_argument("--slo-args", default="", help="options for bench_slo_server.py, as one string")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench_results")
     args = parser.parse_args(argv)
+    if args.slo:
+        import bench_slo_server
+
+        bench_slo_server.main([*args.slo_args.split(), "--arch", args.arch, "--out", str(args.out)])
+        return
 
     build_missing(WEIGHTS, only=[args.arch])
     weights = WEIGHTS / args.arch

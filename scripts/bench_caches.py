@@ -114,13 +114,15 @@ def forward_costs(bench: Bench, steps: int, repeats: int = 5) -> dict[int, dict[
 
 
 def overhead(forwards: list[tuple[int, int, int, float]], costs: dict[int, dict[str, float]]) -> float | None:
-    """The cached forwards' time over their ideal (uncached time x fraction computed + the first block)."""
+    """The cached forwards' time over their ideal: what always runs (``head``: the same jobs with every row
+    reusing) plus the rest of an uncached forward (``full - head``) in proportion to the rows computed."""
     cached = [f for f in forwards if f[2]]
     if not cached:
         return None
-    ideal = sum(
-        costs[jobs]["full"] * (rows - reused) / rows + costs[jobs]["head"] for jobs, rows, reused, _ in cached
-    )
+    ideal = 0.0
+    for jobs, rows, reused, _ in cached:
+        cost = costs[jobs]
+        ideal += cost["head"] + (cost["full"] - cost["head"]) * (rows - reused) / rows
     return sum(f[3] for f in cached) / ideal - 1
 
 

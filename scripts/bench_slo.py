@@ -127,6 +127,7 @@ def run(
     engine = engine_for(bench, variant, bench.max_running)
     if step_engine and times is not None:
         engine.times.forward_s.update(times.forward_s)  # what a warm server has measured
+        engine.times.by_group.update({group: dict(table) for group, table in times.by_group.items()})
         engine.times.start_s, engine.times.finish_s = times.start_s, times.finish_s
     if not step_engine:
         engine.on_progress = recorder.render
@@ -155,49 +156,75 @@ def run(
 def summarize(
     variant: str, items: list[Item], traffic: Traffic, outcomes: Outcomes, deadline_scale: float
 ) -> dict:
-    first = traffic.warm_up
-    result: dict = {"variant": variant, "preemptions": outcomes.preemptions}
+    timings = traffic.timings
+    measured = [i for i in sorted(timings) if i >= traffic.warm_up]
+    spans = {i: (timings[i].submitted, timings[i].done) for i in measured if i not in outcomes.left}
+    refused = [i for i in measured if outcomes.left.get(i) == "refused"]
+    refusals = {i: outcomes.answered_at[i] - timings[i].submitted for i in refused}
+    return class_report(variant, items, measured, spans, outcomes.left, refusals, deadline_scale) | {
+        "preemptions": outcomes.preemptions
+    }
+
+
+def class_report(
+    variant: str,
+    items: list[Item],
+    measured: list[int],
+    spans: dict[int, tuple[float, float]],
+    left: dict[int, str],
+    refusals: dict[int, float],
+    deadline_scale: float,
+) -> dict:
+    """Per class, over the ``measured`` requests: ``spans`` (arrival, answer) of the answered ones, why the
+    others ``left`` (refused, expired, failed), how long each refusal took (seconds)."""
+    result: dict = {"variant": variant}
     for name, interactive in (("interactive", True), ("background", False)):
-        indices = [i for i in sorted(traffic.timings) if i >= first and items[i].interactive == interactive]
-        answered = [i for i in indices if i not in outcomes.left]
-        latencies = [traffic.timings[i].done - traffic.timings[i].submitted for i in answered]
+        indices = [i for i in measured if items[i].interactive == interactive]
+        answered = [i for i in indices if i in spans]
+        latency = {i: spans[i][1] - spans[i][0] for i in answered}
         stats: dict = {
             "requests": len(indices),
             "answered": len(answered),
-            "refused": sum(outcomes.left.get(i) == "refused" for i in indices),
-            "expired": sum(outcomes.left.get(i) == "expired" for i in indices),
-            "latency_mean_s": mean(latencies) if latencies else None,
-            "latency_p95_s": percentile(latencies, 0.95) if latencies else None,
+            "refused": sum(left.get(i) == "refused" for i in indices),
+            "expired": sum(left.get(i) == "expired" for i in indices),
+            "latency_mean_s": mean(list(latency.values())) if latency else None,
+            "latency_p95_s": percentile(list(latency.values()), 0.95) if latency else None,
         }
         if interactive:
-            slo = {i: items[i].slo_s for i in indices}
-            for scale in SLO_SCALES:  # the deadline is deadline_scale x alone: scale x alone is this
-                met = sum(
-                    1
-                    for i in answered
-                    if traffic.timings[i].done - traffic.timings[i].submitted
-                    <= slo[i] * scale / deadline_scale
-                )
+            # The deadline is deadline_scale x alone, so scale x alone is slo x scale / deadline_scale.
+            for scale in SLO_SCALES:
+                met = sum(latency[i] <= items[i].slo_s * scale / deadline_scale for i in answered)
                 stats[f"slo_attainment_{scale:g}"] = met / len(indices) if indices else None
-            deadline_met = sum(
-                1 for i in answered if traffic.timings[i].done - traffic.timings[i].submitted <= slo[i]
-            )
+            deadline_met = sum(latency[i] <= items[i].slo_s for i in answered)
             stats["deadlines_met"] = deadline_met / len(indices) if indices else None
-            refusal_s = [
-                outcomes.answered_at[i] - traffic.timings[i].submitted
-                for i in indices
-                if outcomes.left.get(i) == "refused"
-            ]
-            stats["refusal_max_s"] = max(refusal_s) if refusal_s else None
+            refused = [refusals[i] for i in indices if i in refusals]
+            stats["refusal_max_s"] = max(refused) if refused else None
         else:
-            done = [traffic.timings[i].done for i in answered]
-            span = max(done) - min(traffic.timings[i].submitted for i in answered) if done else 0
+            span = max(spans[i][1] for i in answered) - min(spans[i][0] for i in answered) if answered else 0
             stats["images_per_s"] = len(answered) / span if span > 0 else None
         result[name] = stats
     return result
 
 
-def alone_latency(bench: Bench, steps: int, repeats: int = 3) -> float:
+def merged(rounds: list[dict]) -> dict:
+    """Several rounds' reports of one variant as one: counts summed, figures averaged over the rounds."""
+    if len(rounds) == 1:
+        return rounds[0]
+
+    def merge(values: list):
+        if isinstance(values[0], dict):
+            return {key: merge([v[key] for v in values]) for key in values[0]}
+        if isinstance(values[0], str):
+            return values[0]
+        if isinstance(values[0], int) and not isinstance(values[0], bool):
+            return sum(values)
+        present = [v for v in values if v is not None]
+        return sum(present) / len(present) if present else None
+
+    return merge(rounds) | {"rounds": len(rounds)}
+
+
+def alone_latency(bench: Bench, steps: int, repeats: int = 7) -> float:
     """One request alone through the step engine, median seconds."""
     times = []
     for i in range(repeats):
@@ -278,7 +305,7 @@ def markdown(report: dict) -> str:
     alone = report["interactive_alone_s"]
     for load in report["loads"]:
         runs = report["runs"][str(load)]
-        fifo = next(r for r in runs if r["variant"] == "oldest")["background"]["images_per_s"]
+        fifo = next((r["background"]["images_per_s"] for r in runs if r["variant"] == "oldest"), None)
         for r in runs:
             i, b = r["interactive"], r["background"]
 
@@ -314,6 +341,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--deadline-scale", type=float, default=2.0)
     parser.add_argument("--window", type=int, default=32)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=1, help="runs per variant, in alternating order")
     parser.add_argument("--trace", type=Path, help="replay this trace (vLLM-Omni's format) instead")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench_results" / "slo")
     args = parser.parse_args(argv)
@@ -321,12 +349,14 @@ def main(argv: list[str] | None = None) -> dict:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     bench = Bench(args.arch, args.height, args.width, args.cap, device, dtype)
     background = tuple(int(x) for x in args.background_steps.split("-"))
-    # What a warm step engine has measured before the run (its deadline estimates start from these).
+    # What a warm step engine has measured before the run, at every forward size up to the cap (a server
+    # learns these in its first seconds; its deadline estimates start from them).
     warm = engine_for(bench, "oldest", bench.max_running)
-    for i in range(bench.cap):
-        warm.add(bench.job(20_000 + i, bench.request(20_000 + i, 4, 7.5), "step"))
-    while warm.active:
-        warm.step()
+    for size in range(1, bench.cap + 1):
+        for i in range(size):
+            warm.add(bench.job(20_000 + i, bench.request(20_000 + i, 4, 7.5), "step"))
+        while warm.active:
+            warm.step()
     alone = alone_latency(bench, args.interactive_steps)
     slo_s = args.deadline_scale * alone
     if args.trace:
@@ -352,16 +382,19 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"alone {alone:.3f} s, capacity {cap_rate:.2f} req/s", flush=True)
     for load in report["loads"]:
         arrivals = trace_arrivals or poisson_arrivals(len(items), load * cap_rate, args.seed)
-        runs = []
-        for variant in args.variants.split(","):
-            result = run(bench, variant, items, arrivals, args.window, warm.times, args.deadline_scale)
-            runs.append(result)
-            i = result["interactive"]
-            print(
-                f"  {load} {variant}: interactive p95 {i['latency_p95_s']}, SLO@2 {i['slo_attainment_2']}",
-                flush=True,
-            )
-        report["runs"][str(load)] = runs
+        variants = args.variants.split(",")
+        rounds: dict[str, list[dict]] = {variant: [] for variant in variants}
+        for round_index in range(args.rounds):  # every other round in reverse: drift hits all alike
+            for variant in variants if round_index % 2 == 0 else variants[::-1]:
+                result = run(bench, variant, items, arrivals, args.window, warm.times, args.deadline_scale)
+                rounds[variant].append(result)
+                i = result["interactive"]
+                print(
+                    f"  {load} {variant}: interactive p95 {i['latency_p95_s']}, "
+                    f"SLO@2 {i['slo_attainment_2']}",
+                    flush=True,
+                )
+        report["runs"][str(load)] = [merged(rounds[variant]) for variant in variants]
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "bench_slo.json").write_text(json.dumps(report, indent=2))
     if trace_arrivals is None:

@@ -38,7 +38,7 @@ class StepCache:
     def text(self) -> str:
         """The canonical spelling (what BATCH reports and the result cache keys on)."""
         if self.method == "fbc":
-            return f"fbc:{self.threshold:g}"
+            return f"fbc:{self.threshold!r}"  # every digit: the request is served with this text
         if self.method == "taylorseer":
             return f"taylorseer:{self.interval}:{self.warmup}"
         return "none"

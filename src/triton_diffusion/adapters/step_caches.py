@@ -26,6 +26,7 @@ A forward changes no state until it returned: the updates of a forward are stage
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import math
 import re
@@ -35,6 +36,7 @@ from typing import Any
 
 import torch
 
+from triton_diffusion.adapters.devices import to_device
 from triton_diffusion.step_cache_spec import StepCache
 
 # The per-row arguments of a transformer block or attention module (their first dimension is the batch):
@@ -129,8 +131,14 @@ class CachePlan:
     subset: Callable[[list[int]], contextlib.AbstractContextManager] = contextlib.nullcontext
     active: list[int] = field(default_factory=list)  # the model rows of the module call under way
     skipped: set[int] = field(default_factory=set)  # rows whose FBC branch reuses: they skip the blocks
+    running: list[int] = field(default_factory=list)  # ... and the rows that run them
     head: tuple[torch.Tensor, torch.Tensor | None] | None = None  # the first block's output (all rows)
+    # The input of the first block after the head (every row): the blocks between run on the rows that
+    # compute alone, gathered once, and the last block's output goes back into it.
+    full: tuple[torch.Tensor, torch.Tensor | None] | None = None
     staged: list[Callable[[], None]] = field(default_factory=list)
+    fbc: list[Slot] = field(init=False)
+    taylor: list[Slot] = field(init=False)
     indices: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)  # built once per forward
 
     def index(self, rows: list[int], device: Any) -> torch.Tensor:
@@ -138,22 +146,16 @@ class CachePlan:
         key = tuple(rows)
         index = self.indices.get(key)
         if index is None:
-            index = self.indices[key] = torch.tensor(rows, device=device)
+            index = self.indices[key] = to_device(torch.tensor(rows), device)  # no sync mid-forward
         return index
 
     def __post_init__(self) -> None:
         self.active = list(range(self.rows))
-        for slot in self.slots:
-            if isinstance(slot.branch, TaylorBranch):
-                slot.computes = slot.branch.computes(slot.branch.step + 1)
-
-    @property
-    def fbc(self) -> list[Slot]:
-        return [s for s in self.slots if isinstance(s.branch, FbcBranch)]
-
-    @property
-    def taylor(self) -> list[Slot]:
-        return [s for s in self.slots if isinstance(s.branch, TaylorBranch)]
+        # Sorted once per forward: every hooked block and attention module reads these.
+        self.fbc = [s for s in self.slots if isinstance(s.branch, FbcBranch)]
+        self.taylor = [s for s in self.slots if isinstance(s.branch, TaylorBranch)]
+        for slot in self.taylor:
+            slot.computes = slot.branch.computes(slot.branch.step + 1)
 
 
 def _blocks(transformer: torch.nn.Module) -> list[torch.nn.Module]:
@@ -303,20 +305,23 @@ class RowCaches:
             if encoder is not None:
                 encoder.index_copy_(0, index, cached_encoder + encoder.index_select(0, index))
             plan.skipped.update(slot.rows)
+        plan.running = [row for row in range(plan.rows) if row not in plan.skipped]
         return _join(output, meta, hidden, encoder)
 
     def _block_forward(self, original: Callable, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
         plan = self._plan
         if plan is None or not plan.skipped:
             return original(*args, **kwargs)
-        return self._on_rows(original, module, args, kwargs, plan)
+        return self._on_rows(original, module, args, kwargs, plan, last=False)
 
     def _tail_forward(self, original: Callable, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
         plan = self._plan
         if plan is None or not plan.fbc:
             return original(*args, **kwargs)
         output = (
-            self._on_rows(original, module, args, kwargs, plan) if plan.skipped else original(*args, **kwargs)
+            self._on_rows(original, module, args, kwargs, plan, last=True)
+            if plan.skipped
+            else original(*args, **kwargs)
         )
         meta = self._meta[type(module)]
         hidden, encoder = _split(output, meta)
@@ -331,25 +336,39 @@ class RowCaches:
         return output
 
     def _on_rows(
-        self, original: Callable, module: torch.nn.Module, args: tuple, kwargs: dict, plan: CachePlan
+        self,
+        original: Callable,
+        module: torch.nn.Module,
+        args: tuple,
+        kwargs: dict,
+        plan: CachePlan,
+        last: bool,
     ) -> Any:
-        """A block over the rows that compute (gathered); the skipped rows pass through unchanged."""
+        """A block after the head over the rows that compute; the skipped rows pass through unchanged.
+        The first such block gathers the computing rows' states once; the blocks between pass them on
+        gathered (only per-row inputs such as ``temb`` are gathered again); the last puts them back."""
         meta = self._meta[type(module)]
-        running = [row for row in range(plan.rows) if row not in plan.skipped]
-        hidden_in = _argument(module, meta.hidden_states_argument_name, args, kwargs)
+        bound = _bound(module, args, kwargs)
+        hidden_in = bound[meta.hidden_states_argument_name]
         encoder_in = None
         if meta.return_encoder_hidden_states_index is not None:
-            encoder_in = _argument(module, meta.encoder_hidden_states_argument_name, args, kwargs)
+            encoder_in = bound[meta.encoder_hidden_states_argument_name]
+        running = plan.running
         if not running:  # every row reuses: the block does not run
             return _join(None, meta, hidden_in, encoder_in)
+        if plan.full is None:
+            plan.full = (hidden_in, encoder_in)
         index = plan.index(running, hidden_in.device)
-        gathered = _gather(_bound(module, args, kwargs), index, plan.rows)
+        gathered = _gather(bound, index, plan.rows)  # arguments of every row; gathered ones stay
         with self._rows_active(plan, running):
             output = original(**gathered)
+        if not last:
+            return output
         hidden, encoder = _split(output, meta)
-        hidden = hidden_in.index_copy(0, index, hidden)
+        full_hidden, full_encoder = plan.full
+        hidden = full_hidden.index_copy(0, index, hidden)
         if encoder is not None:
-            encoder = encoder_in.index_copy(0, index, encoder)
+            encoder = full_encoder.index_copy(0, index, encoder)
         return _join(output, meta, hidden, encoder)
 
     @contextlib.contextmanager
@@ -404,8 +423,10 @@ class RowCaches:
                 if slot.computes:
                     rows = [local[position[row]] for row in slot.rows]
                     step = slot.branch.step + 1
-                    state = slot.branch.modules.setdefault(index, TaylorFactors())
+                    modules = slot.branch.modules  # a new module's state joins the job's at commit
+                    state = modules.get(index) or TaylorFactors()
                     plan.staged.append(_taylor_update(state, tuple(_rows(o, rows) for o in outputs), step))
+                    plan.staged.append(functools.partial(modules.__setitem__, index, state))
             if not predicting:
                 return computed
         pieces: dict[int, list[torch.Tensor]] = {}  # local row -> its outputs
@@ -524,7 +545,7 @@ def _rows(values: torch.Tensor, rows: list[int]) -> torch.Tensor:
     """Consecutive rows as a view (a job's rows are), else gathered."""
     if rows == list(range(rows[0], rows[0] + len(rows))):
         return values[rows[0] : rows[0] + len(rows)]
-    return values.index_select(0, torch.tensor(rows, device=values.device))
+    return values.index_select(0, to_device(torch.tensor(rows), values.device))
 
 
 def _split(output: Any, meta: Any) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -16,8 +16,8 @@ decides and tells it what happened.
 - Caps: a forward's cap per group is the configured one, lowered after an out-of-memory forward and
   raised again after enough full forwards (:class:`ForwardCaps`).
 
-Thread-safety: the execute() thread adds jobs (:meth:`add`), the watchdog reads what is held
-(:meth:`held`); everything else runs on the engine thread. One lock guards the queues.
+Thread-safety: the execute() thread adds jobs (:meth:`add`) and asks what is held (:attr:`active`,
+:meth:`outranks_held`); everything else runs on the engine thread. One lock guards the queues.
 """
 
 from __future__ import annotations
@@ -191,21 +191,21 @@ class Scheduler:
         if not self.service.refuse_late:
             return  # best_effort: deadlines only order the work
         for queue in (self.waiting, self.running, self.paused):
-            for job in [j for j in queue if j.deadline is not None and j.deadline <= now]:
+            # A job whose request ended already (a sibling image, a cancel) is dropped as ended below.
+            passed = [
+                j for j in queue if j.deadline is not None and j.deadline <= now and not j.request.ended
+            ]
+            for job in passed:
                 queue.remove(job)
-                timeout_ms = (job.deadline - job.request.entered) * 1000
-                error = RequestError(
-                    ErrorCode.UNAVAILABLE,
-                    f"deadline: the request's timeout of {timeout_ms:.0f} ms passed after step "
-                    f"{job.steps_done}/{job.total_steps or job.planned_steps}",
-                )
-                job.request.end(error)  # decided here; the host delivers it
-                out.leave.append(Left(job, "expired", error))
+                steps = f"{job.steps_done}/{job.total_steps or job.planned_steps}"
+                self._leave(job, "expired", f"the request's {timeout_of(job)} passed after step {steps}", out)
 
     def _refused(self, job: Job, now: float, out: SchedulerOutput) -> None:
         """A newcomer that cannot meet its deadline, given the work that goes before it, leaves now."""
         if job.deadline is None or not self.service.refuse_late or not self.times.measured:
             return
+        if job.request.ended:
+            return  # dropped as ended below
         mine = self.order_key(job, now)
         ahead = [j for q in (self.waiting, self.running, self.paused) for j in q if j is not job]
         ahead_steps = sum(j.remaining for j in ahead if self.order_key(j, now) < mine)
@@ -220,14 +220,16 @@ class Scheduler:
         if now + estimate <= job.deadline:
             return
         self.waiting.remove(job)
-        timeout_ms = (job.deadline - job.request.entered) * 1000
-        error = RequestError(
-            ErrorCode.UNAVAILABLE,
-            f"deadline: the request cannot finish within its timeout of {timeout_ms:.0f} ms: estimated "
-            f"{(now - job.request.entered + estimate) * 1000:.0f} ms with {ahead_steps} job-steps ahead",
-        )
-        job.request.end(error)  # decided here; the host delivers it
-        out.leave.append(Left(job, "refused", error))
+        estimated = (now - job.request.entered + estimate) * 1000
+        why = f"estimated {estimated:.0f} ms with {ahead_steps} job-steps ahead"
+        self._leave(job, "refused", f"the request cannot finish within its {timeout_of(job)}: {why}", out)
+
+    @staticmethod
+    def _leave(job: Job, reason: str, message: str, out: SchedulerOutput) -> None:
+        """End a job for its deadline: decided here, the host delivers it."""
+        error = RequestError(ErrorCode.UNAVAILABLE, f"deadline: {message}")
+        job.request.end(error)
+        out.leave.append(Left(job, reason, error))
 
     def _admit(self, out: SchedulerOutput, now: float) -> None:
         candidates = sorted(self.waiting + self.paused, key=lambda j: self.admission_key(j, now))
@@ -370,3 +372,8 @@ class Scheduler:
                 if job in self.starting:
                     self.starting.remove(job)
                     self.waiting.append(job)
+
+
+def timeout_of(job: Job) -> str:
+    """``timeout of 300 ms``: the job's deadline as its request's timeout."""
+    return f"timeout of {(job.deadline - job.request.entered) * 1000:.0f} ms"

@@ -89,6 +89,7 @@ class EngineHost:
             on_device_lost=lambda error: on_exit(f"the accelerator failed ({error})"),
             on_stall=lambda error: on_exit(f"the engine is stuck ({error})"),
             name=f"{engine_kind.name}-engine",
+            flush_answers=lambda: self.responses.close(timeout_s=10),
         )
 
     # ---- execute() thread -------------------------------------------------------------------------
@@ -154,7 +155,9 @@ class EngineHost:
             render(*args)
         except Exception as exc:  # noqa: BLE001
             log.exception("request %s: rendering its step failed", job.request.request_id)
-            job.record.tracked.fail(RequestError(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"))
+            # Ended here, answered on the response thread: the engine thread never sends.
+            job.request.end(RequestError(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"))
+            self.responses.deliver(job.request)
 
     def _left(self, left: Left) -> None:
         job = left.job

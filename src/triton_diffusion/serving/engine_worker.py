@@ -31,6 +31,9 @@ from triton_diffusion.serving.watchdog import StallWatchdog
 
 log = logging.getLogger("triton_diffusion")
 
+# How long the watchdog waits for the stuck engine's requests to be answered before the process leaves.
+STALL_ANSWER_S = 10.0
+
 
 class Engine(Protocol):
     """What the worker runs: the step engine (engine/step_engine.py) or the request-level engine
@@ -65,12 +68,14 @@ class EngineWorker:
         on_device_lost: Callable[[str], None],
         on_stall: Callable[[str], None],
         name: str = "engine",
+        flush_answers: Callable[[], None] = lambda: None,
     ) -> None:
         self.engine = engine
         self.capacity = capacity
         self.render = render
         self.on_device_lost = on_device_lost
         self.on_stall = on_stall
+        self.flush_answers = flush_answers  # sends what the response thread holds (bounded)
         self.restarts = 0
         self._condition = threading.Condition()
         self._closed = False
@@ -211,6 +216,18 @@ class EngineWorker:
             self._closed = True
             self._condition.notify_all()
             live = list(self._live)
-        for tracked in live:  # no-op for one answered already; an ended one gets its decided error
-            tracked.fail(RequestError(ErrorCode.UNAVAILABLE, f"{error}; the model is restarting"))
-        self.on_stall(error)
+        failure = RequestError(ErrorCode.UNAVAILABLE, f"{error}; the model is restarting")
+        try:
+            self.flush_answers()  # results already computed go out first, not UNAVAILABLE in their place
+            # From a thread of its own, bounded: a send stuck in Triton holds its request's lock, and
+            # the process must leave for its restart whatever happens here.
+            answering = threading.Thread(target=_fail_each, args=(live, failure), daemon=True)
+            answering.start()
+            answering.join(STALL_ANSWER_S)
+        finally:
+            self.on_stall(error)
+
+
+def _fail_each(requests: list[TrackedRequest], error: RequestError) -> None:
+    for tracked in requests:  # no-op for one answered already; an ended one gets its decided error
+        tracked.fail(error)

@@ -86,8 +86,9 @@ class TrackedRequest:
         return self._decided
 
     def start(self) -> None:
-        if not self._claimed:
-            self.stage = Stage.RUNNING
+        with self._lock:  # never over an answer given meanwhile on another thread
+            if self.stage is Stage.WAITING:
+                self.stage = Stage.RUNNING
 
     def progress(self, outputs: Mapping[str, Any]) -> bool:
         """A non-final response. A send that raises fails the request (with an error FINAL if possible).
@@ -111,11 +112,15 @@ class TrackedRequest:
     def fail(self, error: RequestError) -> bool:
         """Answer with an error (an engine's decided one, if it ended the request and it is not out yet).
         Returns False when the request was answered already."""
-        with self._lock:
-            decided = self._decided if self.stage is Stage.ENDED else None
-        if decided is not None:
-            return self.deliver()
-        return self._answer(lambda: self.channel.send_error(error), error.code)
+        with self._lock:  # one critical section: an end() in between cannot leave it unanswered
+            if self.stage is Stage.ENDED and self._decided is not None:
+                error = self._decided  # the engine's decision goes out, not this one
+            elif self._claimed:
+                return False
+            self._claimed = True
+            code = self._send(lambda: self.channel.send_error(error)) or error.code
+        self._answered(code)
+        return True
 
     def end(self, error: RequestError) -> bool:
         """An engine decides this request's error: it counts as ended now; :meth:`deliver` sends it.

@@ -331,7 +331,10 @@ class DiffusionModel(TritonModel):
             return None
         self.metrics.increment("triton_diffusion_result_cache_hits_total")
         batch = json.loads(answer["BATCH"].reshape(-1)[0])
-        return {**answer, "BATCH": batch_output({**batch, "result_cache": "hit"})}
+        # Its own service, not the first request's: nothing waited or was paused for this one.
+        service = {"tier": self.settings.config.service_tiers[parsed.service.tier], "paused_times": 0}
+        batch.update(result_cache="hit", service={**service, "paused_s": 0.0})
+        return {**answer, "BATCH": batch_output(batch)}
 
     # ---- the host's model kind --------------------------------------------------------------------
     def jobs_for(self, record: RequestRecord) -> list[Job]:

@@ -1,0 +1,230 @@
+"""Service tiers and deadlines through the real server (``bench.py --slo`` runs this): bench_slo.py's traffic
+sent by the standalone client over gRPC to one tritonserver holding three copies of the model.
+
+  interactive  ``service_tier`` priority, --interactive-steps steps, ``timeout`` (the deadline, µs) =
+               --deadline-scale x its latency alone through the server
+  background   the default tier, --background-steps (a range) steps, no deadline
+
+Variants on the same Poisson arrivals, at --loads of the request-level copy's capacity on the mix:
+  tiers    the step engine; interactive requests send their tier and timeout
+  oldest   the step engine; the same requests without tier or timeout (first come, first served)
+  request  ``engine: request`` (fused calls in arrival order; it enforces neither tiers nor deadlines)
+
+Per class: mean and p95 latency from each request's scheduled arrival, SLO attainment at scales 1.5, 2
+and 3 of its latency alone (refused and expired requests count as missed), background throughput,
+refusals and how long they took to arrive, preemptions (from the server's metrics).
+
+    .venv/bin/python scripts/bench.py --slo --out bench_results/slo_server
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_common import REPO_ROOT, machine_description, metric_delta, poisson_arrivals  # noqa: E402
+from bench_slo import Item, class_report  # noqa: E402
+from triton_diffusion_client import GenerateResult, generate_one  # noqa: E402
+
+from triton_diffusion.serving.server_process import copy_model, read_metrics, start_server  # noqa: E402
+from triton_diffusion.tiny_models import build_missing  # noqa: E402
+
+VARIANTS = ("tiers", "oldest", "request")
+WARM_UP_FRACTION = 0.1
+
+
+def request_of(index: int, steps: int, size: tuple[int, int]) -> dict:
+    return {"prompt": f"a lighthouse at dusk {index}", "seed": index, "height": size[0], "width": size[1],
+            "num_inference_steps": steps, "guidance_scale": 7.5}  # fmt: skip
+
+
+def mix(count: int, share: float, steps: int, background: tuple[int, int], slo_s: float, size, seed: int):
+    rng = random.Random(seed)
+    return [
+        Item(True, request_of(i, steps, size), slo_s)
+        if rng.random() < share
+        else Item(False, request_of(i, rng.randint(*background), size))
+        for i in range(count)
+    ]
+
+
+def sent(item: Item, variant: str) -> dict:
+    """What the client sends: the tier and deadline only where the variant uses them."""
+    if variant != "tiers" or not item.interactive:
+        return item.values
+    return {**item.values, "service_tier": "priority", "timeout": int(item.slo_s * 1e6)}
+
+
+def why_left(result: GenerateResult) -> str:
+    message = result.error or ""
+    if "cannot finish within" in message:
+        return "refused"
+    return "expired" if "passed after step" in message else "failed"
+
+
+def run(url: str, model: str, items: list[Item], arrivals: list[float], variant: str) -> tuple[dict, int]:
+    """Every item at its arrival (a thread each, charged its lateness); (spans, left, refusal seconds)."""
+    results: list[GenerateResult | None] = [None] * len(items)
+    late = [0.0] * len(items)
+    started = time.perf_counter()
+
+    def send(index: int) -> None:
+        time.sleep(max(0.0, started + arrivals[index] - time.perf_counter()))
+        late[index] = time.perf_counter() - (started + arrivals[index])
+        results[index] = generate_one(sent(items[index], variant), f"slo-{index}", url, model, 600.0)
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(len(items))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    measured = list(range(int(len(items) * WARM_UP_FRACTION), len(items)))
+    spans, left, refusals = {}, {}, {}
+    for i in measured:
+        result = results[i]
+        took = result.latency_s + late[i]
+        if result.ok:
+            spans[i] = (arrivals[i], arrivals[i] + took)
+        else:
+            left[i] = why_left(result)
+            if left[i] == "refused":
+                refusals[i] = took
+    return {"measured": measured, "spans": spans, "left": left, "refusals": refusals}, sum(
+        r is not None and not r.ok and why_left(r) == "failed" for r in results
+    )
+
+
+def alone_latency(url: str, model: str, steps: int, size, repeats: int = 5) -> float:
+    times = [generate_one(request_of(50_000 + i, steps, size), f"alone-{i}", url, model).latency_s
+             for i in range(repeats)]  # fmt: skip
+    return statistics.median(times)
+
+
+def capacity(url: str, model: str, items: list[Item], concurrency: int) -> float:
+    """The request-level copy's throughput on the mix, closed loop at ``concurrency`` (requests/s)."""
+    sample = [item.values for item in items[: 3 * concurrency]]
+    pending = list(enumerate(sample))
+    lock = threading.Lock()
+
+    def worker() -> None:
+        while True:
+            with lock:
+                if not pending:
+                    return
+                index, values = pending.pop()
+            generate_one(values, f"cap-{index}", url, model, 600.0)
+
+    started = time.perf_counter()
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return len(sample) / (time.perf_counter() - started)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--arch", default="tiny-sd")
+    parser.add_argument("--height", type=int, default=64)
+    parser.add_argument("--width", type=int, default=64)
+    parser.add_argument("--cap", type=int, default=8, help="max_running and max_rows_per_call")
+    parser.add_argument("--requests", type=int, default=120)
+    parser.add_argument("--loads", default="0.7,0.9,1.1")
+    parser.add_argument("--interactive-share", type=float, default=0.5)
+    parser.add_argument("--interactive-steps", type=int, default=4)
+    parser.add_argument("--background-steps", default="16-30")
+    parser.add_argument("--deadline-scale", type=float, default=2.0)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench_results" / "slo_server")
+    args = parser.parse_args(argv)
+    weights = REPO_ROOT / "weights"
+    build_missing(weights, only=[args.arch])
+    size = (args.height, args.width)
+    common = {"model": str(weights / args.arch), "max_rows_per_call": str(args.cap)}
+    step = {**common, "engine": "step", "max_running": str(args.cap), "max_paused": str(args.cap)}
+    configs = {"tiers": step, "oldest": step, "request": {**common, "engine": "request"}}
+    with tempfile.TemporaryDirectory(prefix="bench-slo-") as tmp:
+        repo = Path(tmp) / "repo"
+        repo.mkdir()
+        for variant in VARIANTS:
+            copy_model("text_to_image", repo, f"slo_{variant}", configs[variant])
+        server = start_server(repo, Path(tmp) / "tritonserver.log", [f"slo_{v}" for v in VARIANTS])
+        try:
+            report = measure(server, args, size)
+        finally:
+            server.stop()
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "bench_slo_server.json").write_text(json.dumps(report, indent=2))
+    (args.out / "bench_slo_server.md").write_text(markdown(report))
+    print(markdown(report))
+    return report
+
+
+def measure(server, args: argparse.Namespace, size: tuple[int, int]) -> dict:
+    url = server.grpc_url
+    for variant in VARIANTS:  # warm: the step engines' estimates start from measured forwards
+        for i in range(2):
+            generate_one(request_of(60_000 + i, args.interactive_steps, size), "warm", url, f"slo_{variant}")
+    alone = alone_latency(url, "slo_tiers", args.interactive_steps, size)
+    slo_s = args.deadline_scale * alone
+    background = tuple(int(x) for x in args.background_steps.split("-"))
+    share = args.interactive_share
+    items = mix(args.requests, share, args.interactive_steps, background, slo_s, size, args.seed)
+    cap_rate = capacity(url, "slo_request", items, args.cap)
+    print(f"alone {alone:.3f} s, request-level capacity {cap_rate:.2f} req/s", flush=True)
+    report: dict = {
+        "machine": machine_description("through tritonserver, gRPC"),
+        "arch": args.arch,
+        "size": f"{args.width}x{args.height}",
+        "interactive_steps": args.interactive_steps,
+        "background_steps": args.background_steps,
+        "interactive_share": share,
+        "interactive_alone_s": alone,
+        "deadline_scale": args.deadline_scale,
+        "capacity": cap_rate,
+        "loads": [float(x) for x in args.loads.split(",")],
+        "runs": {},
+    }
+    for load in report["loads"]:
+        arrivals = poisson_arrivals(len(items), load * cap_rate, args.seed)
+        runs = []
+        for variant in VARIANTS:
+            model = f"slo_{variant}"
+            before = read_metrics(server)
+            outcome, failed = run(url, model, items, arrivals, variant)
+            after = read_metrics(server)
+            result = class_report(
+                variant, items, outcome["measured"], outcome["spans"], outcome["left"], outcome["refusals"],
+                args.deadline_scale,
+            )  # fmt: skip
+            preempted = metric_delta(before, after, "triton_diffusion_preemptions_total", model)
+            result["preemptions"] = int(preempted)
+            result["failed"] = failed
+            runs.append(result)
+            i = result["interactive"]
+            print(f"  {load} {variant}: interactive p95 {i['latency_p95_s']}, SLO@2 {i['slo_attainment_2']}, "
+                  f"refused {i['refused']}, failed {failed}", flush=True)  # fmt: skip
+        report["runs"][str(load)] = runs
+    return report
+
+
+def markdown(report: dict) -> str:
+    from bench_slo import markdown as in_process_table
+
+    return in_process_table(report).replace("SLO benchmark (", "SLO benchmark through the server (", 1)
+
+
+if __name__ == "__main__":
+    main()
