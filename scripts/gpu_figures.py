@@ -80,9 +80,12 @@ def engines_figures(folder: Path, run: Any) -> str:
 
 
 def lora_figures(folder: Path, run: Any) -> str:
-    (path,) = sorted(folder.glob("lora_*.json"))
+    (path,) = sorted(folder.glob("bench_lora.json")) or sorted(folder.glob("lora_*.json"))
     report = load_json(path)
-    parts = [f"{name} {value:.2f}" for name, value in report["ratios"].items() if name.startswith("mixed-4")]
+    ratios = {
+        name: value[0] if isinstance(value, list) else value for name, value in report["ratios"].items()
+    }
+    parts = [f"{name} {value:.2f}" for name, value in ratios.items() if name.startswith("mixed-4")]
     bound = report.get("exactness")
     if bound:
         parts.append(
@@ -93,7 +96,7 @@ def lora_figures(folder: Path, run: Any) -> str:
 
 
 def family_figures(folder: Path, run: Any) -> str:
-    rows = load_json(folder / "family.json")
+    rows = load_json(folder / "family.json")["rows"]
     parts = []
     for dtype in dict.fromkeys(row["dtype"] for row in rows):
         of = [row for row in rows if row["dtype"] == dtype]

@@ -6,13 +6,17 @@ it holds more than 4 rows, and sleep 100 ms after every denoising step (a stalle
 cancel mid-call). ``{"stall_on_prompt": "hang"}`` blocks a forward holding such a prompt for good (a
 deadlock, a kernel that never returns), for the engine host's watchdog. ``{"device_lost_on_prompt":
 "xid"}`` raises what a failed GPU raises (a sticky CUDA error), so the process exits and the supervisor
-restarts the server. This lets integration tests exercise failure isolation through the real server and
-the real pipeline.
+restarts the server. ``{"hold_on_prompt": "__hold__"}`` (step engine): a request whose prompt carries
+the marker and that has shared no forward yet waits before its second forward (``__hold__10``: its
+eleventh) until the engine holds another job, at most ``hold_s`` (30 s): a second request sent once the
+first one's progress says it runs certainly shares its forwards, whatever the machine's speed. This lets
+integration tests exercise failure isolation and sharing through the real server and the real pipeline.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -39,6 +43,8 @@ class FaultInjection:
     step_delay_ms: float = 0.0
     device_lost_on_prompt: str | None = None
     stall_on_prompt: str | None = None
+    hold_on_prompt: str | None = None
+    hold_s: float = 30.0  # the longest hold (far below engine_stall_s: the watchdog never fires for it)
 
     @classmethod
     def from_config(cls, text: str | None) -> FaultInjection | None:
@@ -66,6 +72,14 @@ class FaultInjection:
         if self.step_delay_ms:
             time.sleep(self.step_delay_ms / 1000)
 
+    def hold_from(self, prompt: str) -> int | None:
+        """The steps a row with this prompt takes before it is held (None: never held): the number right
+        after the marker, 1 without one."""
+        if not self.hold_on_prompt:
+            return None
+        found = re.search(re.escape(self.hold_on_prompt) + r"(\d*)", prompt)
+        return None if found is None else int(found.group(1) or 1)
+
 
 class FaultyStepAdapter:
     """A step adapter (engine/step_engine.py's StepAdapter) with the faults around its forward: the engine
@@ -75,15 +89,32 @@ class FaultyStepAdapter:
         self.adapter = adapter
         self.faults = faults
         self.prompt_of = prompt_of
+        self.held: Callable[[], int] | None = None  # the jobs the engine holds (set where it is built)
 
     def prepare(self, jobs: list[Any]) -> list[Any]:
         return self.adapter.prepare(jobs)
 
     def step(self, jobs: list[Any], previews: Any = None) -> Any:
         self.faults.before_call([self.prompt_of(job) for job in jobs])
+        self._hold(jobs)
         result = self.adapter.step(jobs, previews)
         self.faults.after_step()
         return result
 
     def finish(self, jobs: list[Any]) -> list[Any]:
         return self.adapter.finish(jobs)
+
+    def _hold(self, jobs: list[Any]) -> None:
+        """``hold_on_prompt``: a forward whose jobs all carry the marker, have taken exactly their steps
+        before the hold (so each is held once) and never shared a forward waits until the engine holds a
+        job beside them (the newcomer joins at the next engine step), at most ``hold_s``. Between two
+        forwards, so the progress of the last one goes out."""
+        if self.held is None:
+            return
+        for job in jobs:
+            steps = self.faults.hold_from(self.prompt_of(job))
+            if steps is None or job.steps_done != steps or job.most_shared > 1:
+                return
+        deadline = time.monotonic() + self.faults.hold_s
+        while self.held() <= len(jobs) and time.monotonic() < deadline:
+            time.sleep(0.005)

@@ -144,6 +144,12 @@ class Field:
             raise invalid_field(self.name, "is not supported by this model's pipeline")
         value = self._check_type(value)
         if self.type is str:
+            nul = value.find("\0")
+            if nul >= 0:  # before any length check: C code (Triton's among it) ends a text at its NUL
+                raise invalid_field(
+                    self.name,
+                    f"contains a NUL character at position {nul} (allowed: no NUL, {self.allowed()})",
+                )
             if not self.allow_empty and not value.strip():
                 raise invalid_field(self.name, f"must not be empty (allowed: {self.allowed()})")
             if self.max_length is not None and len(value) > self.max_length:
@@ -256,6 +262,33 @@ SERVICE_FIELDS = (
         "(tritonclient's timeout=, which over gRPC arrives as that and over HTTP as this parameter)",
     ),
 )
+
+
+def merge_parameters(
+    tensors: Mapping[str, Any], parameters: Mapping[str, Any], fields: FieldSet
+) -> dict[str, Any]:
+    """What a request sent: the fields read from its input tensors, with its request parameters added by
+    lower-case name (a field's tensor is its name in upper case; a parameter's name counts without case).
+    A field sent twice is refused, naming both: as a tensor and as a parameter, or as two parameters whose
+    names differ only by case (``height`` and ``HEIGHT``). A bytes field sent as a (base64) string
+    parameter becomes its UTF-8 bytes."""
+    merged = dict(tensors)
+    sent_as: dict[str, str] = {}
+    for name, value in parameters.items():
+        canonical = name.lower()
+        shown = canonical if len(canonical) <= 64 and canonical.isprintable() else short_text(canonical)
+        if canonical in sent_as:
+            both = f"{short_text(sent_as[canonical], 64)} and {short_text(name, 64)}"
+            raise invalid_field(
+                shown, f"sent twice, as request parameters whose names differ only by case: {both}"
+            )
+        if canonical in tensors:
+            raise invalid_field(shown, "sent both as an input tensor and as a request parameter")
+        sent_as[canonical] = name
+        if canonical in fields and fields[canonical].type is bytes and isinstance(value, str):
+            value = value.encode("utf-8")
+        merged[canonical] = value
+    return merged
 
 
 class FieldSet:

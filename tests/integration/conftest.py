@@ -10,7 +10,9 @@ from triton_diffusion.tiny_models import build_missing
 QUEUE_DELAY_US = 300_000
 FAULT_INJECTION = '{\\"fail_on_prompt\\": \\"__explode__\\", \\"oom_above_rows\\": 3}'
 STEP_DELAY = '{\\"step_delay_ms\\": 80}'
-STEP_SLOW = '{\\"step_delay_ms\\": 60}'
+# The step engine's stalled step, and its hold (faults.py): a request whose prompt carries __hold__ waits
+# before its second forward until another job arrives, so a second request certainly joins it.
+STEP_SLOW = '{\\"step_delay_ms\\": 60, \\"hold_on_prompt\\": \\"__hold__\\"}'
 # The diffusion LM with a stalled step (so a request can join or be cancelled mid-generation) and a
 # forward that fails while a prompt contains __explode__.
 DLLM_FAULTS = '{\\"step_delay_ms\\": 25, \\"fail_on_prompt\\": \\"__explode__\\"}'
@@ -99,6 +101,14 @@ def server(tmp_path_factory):
         "flux_cached",
         {"model": str(WEIGHTS / "tiny-flux"), "result_cache_mb": "16"},
     )
+    # The same img2img request on both engines (test_service_and_caches.py): image_to_image over the tiny
+    # FLUX.1 weights on the request-level engine, its prompts encoded as text_to_image_flux's.
+    copy_model(
+        "image_to_image",
+        repo,
+        "flux_img2img_request",
+        {"model": str(WEIGHTS / "tiny-flux"), "max_sequence_length": "64", **REQUEST_LEVEL},
+    )
     # Service tiers: one running job at a time and a stalled step, so a higher tier must pause a lower one.
     copy_model(
         "text_to_image",
@@ -131,6 +141,7 @@ def server(tmp_path_factory):
         "sd_lora",
         "sd_lora_request",
         "flux_cached",
+        "flux_img2img_request",
         "sd_tiers",
     ]
     running = start_server(repo, log_path, models)

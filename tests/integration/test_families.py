@@ -1,5 +1,6 @@
 """The family matrix: every diffusers family a user points ``model`` at, served from the shipped config with
-only ``model`` changed (and a short queue delay: every family here is on the step engine).
+only ``model`` changed (and a short queue delay: every family here is on the step engine; and the test-only
+hold of faults.py, which acts on prompts carrying ``__hold__`` alone).
 
 Each family is a tiny random-weight pipeline built from the real diffusers classes (tiny_models/), big
 enough that the prompt visibly changes the image. For each: it loads; a request gives an image of the
@@ -66,9 +67,17 @@ INPAINTING_CHECKPOINTS = {
 }
 
 
+# faults.py's hold: a request whose prompt carries HOLD waits before its second forward until another
+# job arrives, so a request sent after its first progress response certainly joins it.
+HOLD = "__hold__"
+HOLD_FAULTS = '{\\"hold_on_prompt\\": \\"' + HOLD + '\\"}'
+
+
 def second_joins_first(server, name: str, first: dict, second: dict) -> tuple:
-    """Send ``first`` (many steps, with progress) and, once it has taken a step, ``second``: the second
-    starts while the first runs, so they share forwards whatever the machine's timing."""
+    """Send ``first`` (its prompt carrying HOLD, with progress) and, once it has taken a step, ``second``:
+    the first waits before its second forward until the second has arrived, so they share forwards
+    whatever the machine's speed (the second joins at the next engine step)."""
+    assert HOLD in first["prompt"], "the first request must carry the hold marker"
     stepped, results = threading.Event(), {}
 
     def run_first() -> None:
@@ -107,7 +116,7 @@ def family_server(tmp_path_factory):
     for name, (weights, _) in INPAINTING_CHECKPOINTS.items():
         models[name] = ("text_to_image", weights)
     for name, (config, weights) in models.items():
-        copy_model(config, repo, name, {"model": str(WEIGHTS / weights)})
+        copy_model(config, repo, name, {"model": str(WEIGHTS / weights), "fault_injection": HOLD_FAULTS})
         set_batching(repo, name, STEP_QUEUE_DELAY_US)
     running = start_server(repo, tmp_path_factory.mktemp("family_logs") / "server.log", list(models))
     yield running
@@ -247,7 +256,7 @@ def test_inpainting_on_the_text_to_image_model_shares_forwards_and_equals_the_in
     text, edit = second_joins_first(
         family_server,
         name,
-        {"prompt": "a quiet street", "seed": 8, "num_inference_steps": 50, "height": 64, "width": 64},
+        {"prompt": f"a quiet street {HOLD}", "seed": 8, "num_inference_steps": 50, "height": 64, "width": 64},
         {**inpaint, "image": source, "mask_image": mask_png()},
     )
     assert text.ok and edit.ok, (text.error, edit.error)
@@ -288,7 +297,7 @@ def test_an_inpainting_checkpoint_serves_inpainting_only_each_request_as_its_pip
         "mask_image": mask_png(),
     }
     requests = [
-        {"prompt": "a blue window", "seed": 4, "strength": 1.0, **common},
+        {"prompt": f"a blue window {HOLD}", "seed": 4, "strength": 1.0, **common},
         {"prompt": "a green door", "seed": 5, "strength": 0.75, **common},
         {"prompt": "text only", "seed": 6},
     ]

@@ -119,6 +119,18 @@ BAD_INPUT = [
     ("progress-not-bool", SD, VALID, None, {"progress": "yes"}, "progress"),
     ("preview-every-negative", SD, VALID, None, {"preview_every": -1}, "preview_every"),
     ("tensor-and-parameter", SD, VALID, {"HEIGHT": np.array([[64]], dtype=I32)}, {"height": 64}, "height"),
+    ("parameters-differing-by-case", SD, VALID, None, {"height": 64, "HEIGHT": 128}, "HEIGHT"),
+    ("service-tier-empty", SD, VALID, None, {"service_tier": ""}, "service_tier"),
+    ("service-tier-blank", SD, VALID, None, {"service_tier": "  "}, "service_tier"),
+    ("prompt-with-nul", SD, b"a\0b", None, None, "prompt"),
+    (
+        "negative-prompt-with-nul-tensor",
+        SD,
+        VALID,
+        {"NEGATIVE_PROMPT": np.array([[b"fog\0rain"]], dtype=object)},
+        None,
+        "negative_prompt",
+    ),
     ("tensor-wrong-dtype", SD, VALID, {"HEIGHT": np.array([[64.0]], dtype=np.float32)}, None, "HEIGHT"),
     ("tensor-wrong-shape", SD, VALID, {"WIDTH": np.array([[64, 64]], dtype=I32)}, None, "WIDTH"),
     (
@@ -140,6 +152,8 @@ EXPLANATIONS = (
     "expects",
     "shape",
     "missing required",
+    "NUL",
+    "differ only by case",
 )
 
 
@@ -186,6 +200,83 @@ def test_bad_input_over_http_is_a_400_naming_the_field(server, parameters, field
     assert info.value.code == 400
     error = json.loads(info.value.read())["error"]
     assert error.startswith(f"{field}: ") and "allowed" in error
+
+
+TIERS = "(allowed: one of priority, default, flex)"
+
+
+@pytest.mark.parametrize(
+    "prompt, tensors, parameters, says",
+    [
+        (VALID, None, {"service_tier": ""}, f"service_tier: got '' {TIERS}"),
+        (VALID, None, {"service_tier": "  "}, f"service_tier: got '  ' {TIERS}"),
+        (b"a\0b", None, None, "prompt: contains a NUL character at position 1 (allowed: no NUL"),
+        (
+            VALID,
+            {"NEGATIVE_PROMPT": np.array([[b"a\0" + b"n" * 5000]], dtype=object)},
+            None,
+            "negative_prompt: contains a NUL character at position 1 (allowed: no NUL",
+        ),
+        (
+            VALID,
+            None,
+            {"height": 64, "HEIGHT": 128},
+            "height: sent twice, as request parameters whose names differ only by case:",
+        ),
+    ],
+    ids=["tier-empty", "tier-blank", "prompt-nul", "negative-prompt-nul", "names-by-case"],
+)
+def test_hostile_strings_and_names_are_refused_saying_what_they_are(
+    server, prompt, tensors, parameters, says
+):
+    ok, error = send_raw(server.grpc_url, SD, prompt, tensors, parameters)
+    assert not ok and says in error and error.rstrip().endswith("[INVALID_ARG]"), error
+    if parameters and "HEIGHT" in parameters:
+        assert "'height'" in error and "'HEIGHT'" in error, error  # both names
+
+
+def test_a_nul_in_a_request_parameter_is_cut_by_triton_before_the_model_sees_it(server):
+    """A limit, pinned (README, Limits and security): Triton hands a string parameter to the model cut at
+    its first NUL (its frontends pass it on as a C string), so "a\\0" and 5,000 more characters reach the
+    model as "a", which it cannot refuse. As an input tensor the same value is refused by name (above);
+    the project's client refuses it before sending (streams.py check_sendable). Should Triton ever pass
+    the whole value on, this request is refused and the README's paragraph must change."""
+    ok, error = send_raw(server.grpc_url, SD, VALID, parameters={"negative_prompt": "a\0" + "n" * 5000})
+    assert ok, error
+
+
+def test_invalid_utf8_in_a_raw_grpc_request_ends_its_stream_unanswered_and_the_server_serves_on(server):
+    """A limit, pinned (README, Limits and security): Triton's gRPC layer cannot parse a request whose
+    request id or string parameter is not valid UTF-8 (protobuf refuses it); on a stream it then ends the
+    whole stream with status OK, answering neither that request nor the ones sent after it on the stream.
+    The model never sees it. The server itself serves on."""
+    import grpc
+    from tritonclient.grpc import service_pb2
+
+    def raw(request_id: str, parameters: dict[str, str]) -> bytes:
+        request = service_pb2.ModelInferRequest(model_name=SD, id=request_id)
+        request.inputs.add(name="PROMPT", datatype="BYTES", shape=[1, 1])  # bytes: raw_input_contents
+        request.raw_input_contents.append(len(VALID).to_bytes(4, "little") + VALID)
+        for name, value in parameters.items():
+            request.parameters[name].string_param = value
+        request.parameters["seed"].int64_param = 1
+        return request.SerializeToString()
+
+    channel = grpc.insecure_channel(server.grpc_url)
+    stream = channel.stream_stream(
+        "/inference.GRPCInferenceService/ModelStreamInfer",
+        request_serializer=lambda message: message,
+        response_deserializer=service_pb2.ModelStreamInferResponse.FromString,
+    )
+    bad_id = raw("XXXX", {}).replace(b"XXXX", b"\xff\xfe\xfd\xfc")
+    bad_parameter = raw("bad", {"negative_prompt": "XXXX"}).replace(b"XXXX", b"\xff\xfe\xfd\xfc")
+    try:
+        for bad in (bad_id, bad_parameter):
+            answered = [r.infer_response.id for r in stream(iter([bad, raw("after", {})]), timeout=120)]
+            assert answered == [], answered  # ended with status OK (no RpcError), nothing answered
+    finally:
+        channel.close()
+    assert send_raw(server.grpc_url, SD, b"the next request")[0]
 
 
 @pytest.fixture(scope="module")

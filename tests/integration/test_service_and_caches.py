@@ -4,6 +4,13 @@
   gives the image diffusers' own cache gives it alone, amid uncached rows; BATCH and Prometheus count
   the rows reused; a bad value is refused by name; a repeated seeded request is answered from memory with
   the same bytes.
+- ``flux_cached`` and ``flux_img2img_request`` (image_to_image over the same weights on the request-level
+  engine): one img2img request with true CFG and a step cache gives one image on both engines, the one
+  FluxImg2ImgPipeline gives under diffusers' cache with a state per CFG branch.
+
+Each cached reference differs from the uncached image by more than 5 uint8 levels, and its transformer's
+blocks computed fewer rows than uncached (counted by forward hooks, in this process: the server's own
+transformer is out of reach, so what it computed shows in its image equalling the cached reference).
 - ``sd_tiers`` (tiny SD, one running job, a stalled step): a ``priority`` request pauses a running
   ``flex`` one, which resumes and still equals its image alone; a bad tier is refused by name; a deadline
   (tritonclient's ``timeout=`` over gRPC, the ``timeout`` parameter over HTTP) that cannot be met is
@@ -12,16 +19,21 @@
 
 from __future__ import annotations
 
+import io
 import json
 import threading
 import time
 
+import diffusers
 import numpy as np
 import pytest
+import torch
 import tritonclient.grpc as grpcclient
 from diffusers.hooks import FirstBlockCacheConfig, TaylorSeerCacheConfig
+from PIL import Image
 from triton_diffusion_client import generate_many, generate_one
 
+from tests.unit.test_step_caches import ComputedRows
 from triton_diffusion.serving.server_process import read_metrics
 
 from .test_step_engine import _PIPES, reference
@@ -30,24 +42,37 @@ from .test_text_to_image import http_generate, pixels
 pytestmark = pytest.mark.integration
 
 
-def cached_reference(request: dict) -> np.ndarray:
-    """FluxPipeline's image with diffusers' own cache (``transformer.enable_cache``) for this request."""
+def cache_config(text: str):
+    method, _, rest = text.partition(":")
+    if method == "fbc":
+        return FirstBlockCacheConfig(threshold=float(rest))
+    interval, _, warmup = rest.partition(":")
+    return TaylorSeerCacheConfig(cache_interval=int(interval), disable_cache_before_step=int(warmup or 3))
+
+
+def flux_pipe():
     if "tiny-flux" not in _PIPES:
         reference("tiny-flux", {"prompt": "load", "seed": 0, "num_inference_steps": 1})
-    pipe, _ = _PIPES["tiny-flux"]
-    method, _, rest = request["step_cache"].partition(":")
-    if method == "fbc":
-        config = FirstBlockCacheConfig(threshold=float(rest))
-    else:
-        interval, _, warmup = rest.partition(":")
-        config = TaylorSeerCacheConfig(
-            cache_interval=int(interval), disable_cache_before_step=int(warmup or 3)
-        )
-    pipe.transformer.enable_cache(config)
-    try:
-        return reference("tiny-flux", request)
-    finally:
-        pipe.transformer.disable_cache()
+    return _PIPES["tiny-flux"][0]
+
+
+def cached_reference(request: dict) -> tuple[np.ndarray, int]:
+    """FluxPipeline's image with diffusers' own cache (``transformer.enable_cache``) for this request, and
+    the rows its transformer's blocks computed (FluxPipeline names its calls' cache contexts itself)."""
+    pipe = flux_pipe()
+    with ComputedRows(pipe.transformer) as rows:
+        if not request.get("step_cache"):
+            return reference("tiny-flux", request), rows.rows
+        pipe.transformer.enable_cache(cache_config(request["step_cache"]))
+        try:
+            image = reference("tiny-flux", request)
+        finally:
+            pipe.transformer.disable_cache()
+    return image, rows.rows
+
+
+def uncached(request: dict) -> dict:
+    return {k: v for k, v in request.items() if k != "step_cache"}
 
 
 def test_step_caches_per_request_equal_diffusers_amid_uncached_rows(server):
@@ -62,14 +87,99 @@ def test_step_caches_per_request_equal_diffusers_amid_uncached_rows(server):
     for request, result in zip(requests[:2], results[:2], strict=True):
         cache = result.batch["step_cache"]
         assert cache["cache"].startswith(request["step_cache"].split(":")[0]) and cache["rows_reused"] > 0
-        assert np.abs(pixels(result.images[0]) - cached_reference(request)).max() <= 1
+        expected, rows = cached_reference(request)
+        plain, plain_rows = cached_reference(uncached(request))
+        assert np.abs(expected - plain).max() > 5 and rows < plain_rows, "the cache changed nothing"
+        assert np.abs(pixels(result.images[0]) - expected).max() <= 1
     assert "step_cache" not in results[2].batch, results[2].batch
     assert np.abs(pixels(results[2].images[0]) - reference("tiny-flux", requests[2])).max() <= 1
-    uncached = reference("tiny-flux", {k: v for k, v in requests[0].items() if k != "step_cache"})
-    assert np.abs(pixels(results[0].images[0]) - uncached).max() > 1, "the cache changed nothing"
     after = read_metrics(server)
     reused = 'triton_diffusion_cache_rows_total{method="fbc",model="flux_cached",outcome="reused"}'
     assert after.get(reused, 0) - before.get(reused, 0) >= results[0].batch["step_cache"]["rows_reused"]
+
+
+def source_png() -> bytes:
+    """A 64x64 source with shapes and noise, as PNG."""
+    y, x = np.indices((64, 64))
+    pixels = np.stack([x * 4, y * 4, ((x // 16 + y // 16) % 2) * 200], axis=-1)
+    pixels = pixels + np.random.default_rng(3).integers(0, 40, pixels.shape)
+    buffer = io.BytesIO()
+    Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8)).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def img2img_reference(request: dict) -> tuple[np.ndarray, int]:
+    """FluxImg2ImgPipeline's image for this request over the tiny-flux weights (max_sequence_length 64, as
+    both models' configs set it), and the rows its transformer's blocks computed. With a step cache:
+    diffusers' own (``transformer.enable_cache``), each denoiser call under its CFG branch's context (the
+    pipeline sets none): "uncond" for the call with the negative prompt's pooled embeddings, else "cond"."""
+    pipe = diffusers.FluxImg2ImgPipeline.from_pipe(flux_pipe())
+    pipe.set_progress_bar_config(disable=True)
+    pipe.scheduler = _PIPES["tiny-flux"][1]
+    kwargs = {
+        "prompt": [request["prompt"]],
+        "negative_prompt": [request["negative_prompt"]],
+        "true_cfg_scale": request["true_cfg_scale"],
+        "guidance_scale": request["guidance_scale"],
+        "image": Image.open(io.BytesIO(request["image"])).convert("RGB"),
+        "strength": request["strength"],
+        "height": 64,
+        "width": 64,
+        "num_inference_steps": request["num_inference_steps"],
+        "generator": [torch.Generator().manual_seed(request["seed"])],
+        "max_sequence_length": 64,
+    }
+    transformer = pipe.transformer
+    with ComputedRows(transformer) as rows:
+        if not request.get("step_cache"):
+            return np.asarray(pipe(**kwargs).images[0], dtype=np.int16), rows.rows
+        _, negative, _ = pipe.encode_prompt(
+            prompt=kwargs["negative_prompt"], prompt_2=None, max_sequence_length=64
+        )
+        forward = transformer.forward
+
+        def named(*args, **call):
+            uncond = torch.equal(call["pooled_projections"], negative)
+            with transformer.cache_context("uncond" if uncond else "cond"):
+                return forward(*args, **call)
+
+        transformer.enable_cache(cache_config(request["step_cache"]))
+        transformer.forward = named
+        try:
+            image = pipe(**kwargs).images[0]
+        finally:
+            del transformer.forward
+            transformer.disable_cache()
+    return np.asarray(image, dtype=np.int16), rows.rows
+
+
+@pytest.mark.parametrize("cache", ["fbc:1.0", "taylorseer:2:1"])
+def test_img2img_with_true_cfg_and_a_step_cache_is_one_image_on_both_engines(server, cache):
+    # text_to_image on the step engine (per-row caches) and image_to_image on the request-level engine
+    # (diffusers' cache on a call of its own): the same request, the same weights, one image.
+    request = {
+        "prompt": "a harbour at night",
+        "seed": 21,
+        "num_inference_steps": 8,
+        "image": source_png(),
+        "strength": 0.9,
+        "negative_prompt": "blurry",
+        "true_cfg_scale": 4.0,
+        "guidance_scale": 3.5,  # sent: the models' defaults differ (FluxPipeline's 3.5, FluxImg2Img's 7.0)
+        "step_cache": cache,
+    }
+    (step,) = generate_many([request], url=server.grpc_url, model="flux_cached")
+    (call,) = generate_many([request], url=server.grpc_url, model="flux_img2img_request")
+    assert step.ok and call.ok, (step.error, call.error)
+    assert step.batch["engine"] == "step" and step.batch["step_cache"]["rows_reused"] > 0, step.batch
+    assert call.batch["step_cache"] == {"cache": cache, "own_calls": True}, call.batch
+    expected, rows = img2img_reference(request)
+    plain, plain_rows = img2img_reference(uncached(request))
+    assert np.abs(expected - plain).max() > 5 and rows < plain_rows, "the cache changed nothing"
+    step_image, call_image = pixels(step.images[0]), pixels(call.images[0])
+    assert np.abs(step_image - expected).max() <= 1, np.abs(step_image - expected).max()
+    assert np.abs(call_image - expected).max() <= 1, np.abs(call_image - expected).max()
+    assert np.abs(step_image - call_image).max() <= 1, "the two engines differ"
 
 
 def test_a_bad_step_cache_is_refused_by_name_and_its_neighbours_succeed(server):

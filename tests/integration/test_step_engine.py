@@ -26,6 +26,10 @@ from triton_diffusion.serving.server_process import WEIGHTS, read_metrics
 from .test_text_to_image import pixels
 
 MODELS = {"sd_step_slow": "tiny-sd", "flux_step_slow": "tiny-flux"}
+# The slow models' hold (conftest STEP_SLOW, faults.py): a request whose prompt carries it, alone so far,
+# waits before its second forward (HOLD + "10": its eleventh) until another job arrives, so a request
+# sent after its progress says it runs certainly joins it, however fast or slow the machine.
+HOLD = "__hold__"
 _PIPES: dict[str, object] = {}
 
 
@@ -73,7 +77,13 @@ def reference(weights: str, request: dict) -> np.ndarray:
 def test_a_request_joining_mid_way_equals_the_pipelines_own_and_a_cancelled_neighbour_leaves(server, model):
     weights = MODELS[model]
     sd = weights == "tiny-sd"
-    long_request = {"prompt": "a long one", "seed": 1, "num_inference_steps": 14, "guidance_scale": 7.5}
+    # Held before its fourth forward until the target arrives: the target joins at its fifth of 14.
+    long_request = {
+        "prompt": f"a long one {HOLD}3",
+        "seed": 1,
+        "num_inference_steps": 14,
+        "guidance_scale": 7.5,
+    }
     target = {
         "prompt": "a lighthouse at dusk",
         "negative_prompt": "fog",
@@ -84,7 +94,7 @@ def test_a_request_joining_mid_way_equals_the_pipelines_own_and_a_cancelled_neig
     }
     victim = {"prompt": "cancel me", "seed": 7, "num_inference_steps": 12, "guidance_scale": 1.0}
     results: dict = {}
-    started = threading.Event()
+    started, target_stepped = threading.Event(), threading.Event()
 
     def run_long():
         def on_progress(progress):
@@ -94,20 +104,26 @@ def test_a_request_joining_mid_way_equals_the_pipelines_own_and_a_cancelled_neig
         results["long"] = generate_one(long_request, "long", server.grpc_url, model, on_progress=on_progress)
         results["long_done"] = time.monotonic()
 
+    def run_target():
+        results["target"] = generate_one(
+            target, "target", server.grpc_url, model, on_progress=lambda p: target_stepped.set()
+        )
+        results["target_done"] = time.monotonic()
+
     def run_victim():
         results["victim"] = generate_one(
             victim, "victim", server.grpc_url, model, on_progress=lambda progress: progress.step >= 2
         )
 
-    threads = [threading.Thread(target=run_long)]
+    threads = [threading.Thread(target=run, daemon=True) for run in (run_long, run_target, run_victim)]
     threads[0].start()
-    assert started.wait(60)  # the long request is at step 3 of 14: the loop is running
-    threads.append(threading.Thread(target=run_victim))
+    assert started.wait(60)  # the long request is at step 3 of 14 (and held there for the target)
     threads[1].start()
-    results["target"] = generate_one(target, "target", server.grpc_url, model, on_progress=lambda p: None)
-    target_done = time.monotonic()
+    assert target_stepped.wait(60)  # the target runs beside it; the victim joins the two
+    threads[2].start()
     for thread in threads:
         thread.join(120)
+    target_done = results["target_done"]
 
     long_result, target_result, victim_result = results["long"], results["target"], results["victim"]
     assert long_result.ok and target_result.ok, (long_result.error, target_result.error)
@@ -244,9 +260,15 @@ def send_with_parameters(server, model: str, requests: list[dict]) -> list[tuple
 
 
 def test_a_text_only_and_an_image_conditioned_request_share_forwards_on_text_to_image(server):
-    text = {"prompt": "a harbour at night", "seed": 11, "num_inference_steps": 4, "guidance_scale": 5.0}
+    # Both carry the hold: whichever the engine starts first waits for the other before its second step.
+    text = {
+        "prompt": f"a harbour at night {HOLD}",
+        "seed": 11,
+        "num_inference_steps": 4,
+        "guidance_scale": 5.0,
+    }
     edit = {
-        "prompt": "make it a watercolor",
+        "prompt": f"make it a watercolor {HOLD}",
         "image": structured_png(),
         "strength": 0.75,  # int(4 x 0.75) = 3 of the 4 steps run
         "seed": 12,
@@ -278,7 +300,13 @@ def mask_png(size: int = 64) -> bytes:
 
 def test_a_short_inpaint_request_sent_at_step_10_of_a_long_one_starts_at_once_and_finishes_first(server):
     # The project's client sends the source and the mask as IMAGE and MASK_IMAGE tensors.
-    long = {"prompt": "a long walk by the sea", "seed": 21, "num_inference_steps": 30, "guidance_scale": 5.0}
+    # Held before its eleventh forward until the short one arrives.
+    long = {
+        "prompt": f"a long walk by the sea {HOLD}10",
+        "seed": 21,
+        "num_inference_steps": 30,
+        "guidance_scale": 5.0,
+    }
     short = {
         "prompt": "a red door",
         "image": structured_png(),

@@ -3,7 +3,7 @@ import math
 import pytest
 
 from triton_diffusion.errors import ErrorCode, RequestError
-from triton_diffusion.fields import REQUIRED, Field, FieldSet, Role
+from triton_diffusion.fields import REQUIRED, Field, FieldSet, Role, merge_parameters
 from triton_diffusion.models.text_to_image import TEXT_TO_IMAGE_FIELDS
 
 FIELDS = FieldSet(
@@ -122,3 +122,35 @@ def test_docs_table_is_derived_from_the_declarations():
     for field in TEXT_TO_IMAGE_FIELDS:
         assert f"`{field.name}` / `{field.input_name}`" in table
     assert "presence is in the key" in table
+
+
+@pytest.mark.parametrize(
+    "raw, position",
+    [
+        ({"prompt": "a\0b"}, 1),
+        ({"prompt": "a\0" + "x" * 5000}, 1),  # refused for its NUL, before its length is looked at
+        ({"prompt": "\0"}, 0),
+        ({"prompt": "a", "scheduler": "DDIM\0"}, 4),
+    ],
+)
+def test_a_nul_inside_any_string_field_is_refused_naming_the_field_before_its_length(raw, position):
+    field = "scheduler" if "scheduler" in raw else "prompt"
+    message = error_of(raw)
+    assert message.startswith(f"{field}: contains a NUL character at position {position} (allowed: no NUL")
+    assert "characters long" not in message
+
+
+def test_parameters_join_the_tensors_by_name_without_case_and_a_field_sent_twice_is_refused():
+    tensors = {"prompt": "a cat"}
+    merged = merge_parameters(tensors, {"HEIGHT": 128, "seed": 3}, FIELDS)
+    assert merged == {"prompt": "a cat", "height": 128, "seed": 3}
+    with pytest.raises(RequestError) as both:
+        merge_parameters(tensors, {"height": 64, "HEIGHT": 128}, FIELDS)
+    assert both.value.message == (
+        "height: sent twice, as request parameters whose names differ only by case: 'height' and 'HEIGHT'"
+    )
+    with pytest.raises(RequestError) as twice:
+        merge_parameters({**tensors, "height": 64}, {"Height": 64}, FIELDS)
+    assert twice.value.message == "height: sent both as an input tensor and as a request parameter"
+    image = FieldSet([Field("image", bytes)])
+    assert merge_parameters({}, {"image": "aGk="}, image) == {"image": b"aGk="}  # base64 text: bytes

@@ -52,16 +52,19 @@ def test_the_smoke_reaches_every_part_and_each_built_part_writes_its_files(tmp_p
 
 
 def stand_in(tmp_path: Path, name: str, body: str, needs: tuple = ()) -> gpu_checks.Part:
-    """A part whose script writes ``<name>.json`` into its folder, then runs ``body``."""
+    """A part whose script writes ``<name>.json`` into its folder (two rows so far, as the bench scripts
+    write after each row), then runs ``body``."""
     script = tmp_path / f"{name}.py"
     script.write_text(
         "import json, sys, time\nfrom pathlib import Path\n"
-        f"Path(sys.argv[1], '{name}.json').write_text(json.dumps({{'x': 1}}))\n{body}\n"
+        f"Path(sys.argv[1], '{name}.json')"
+        ".write_text(json.dumps({'x': 1, 'rows': [1, 2], 'complete': False}))"
+        f"\n{body}\n"
     )
     return gpu_checks.Part(
         name,
         f"stand-in {name}",
-        1,
+        lambda: [gpu_checks.Work("a second", seconds=1)],
         lambda run: [str(script), str(run.folder(name))],
         (f"{name}.json",),
         lambda folder, run: f"x={json.loads((folder / f'{name}.json').read_text())['x']}",
@@ -81,6 +84,9 @@ def stand_ins(tmp_path, monkeypatch):
     monkeypatch.setattr(gpu_checks.tempfile, "tempdir", str(tmp_path))  # the bundle's scratch folder
     monkeypatch.setattr(gpu_checks, "MIN_START_S", 0.5)
     monkeypatch.setattr(gpu_checks, "machine", lambda python, commit: {"device": "CPU", "commit": "abc"})
+    monkeypatch.setattr(
+        gpu_checks, "probe_imports", lambda python, scripts, smoke: None
+    )  # they run at import
     return parts
 
 
@@ -92,7 +98,8 @@ def test_a_part_cut_at_the_budget_keeps_what_it_wrote_and_out_gets_a_bundle(tmp_
     assert sorted(p.name for p in bundle.iterdir()) == ["gpu_checks.tar.gz", "summary.md"]  # 8 files at most
     summary = (bundle / "summary.md").read_text()
     assert "| fast | done | " in summary and "x=1" in summary
-    assert "| slow | cut short (stopped at the budget" in summary
+    assert "| slow | cut short (stopped at the budget, " in summary
+    assert "kept slow.json: 2 rows, incomplete" in summary
     assert "| later | not reached (" in summary
     assert "| future | not built yet (needs scripts/no_such_bench.py) |" in summary
     with tarfile.open(bundle / "gpu_checks.tar.gz") as tar:
@@ -108,3 +115,94 @@ def test_a_rerun_of_one_part_keeps_the_others_outcomes(tmp_path, monkeypatch, st
     summary = (out / "summary.md").read_text()
     assert "| fast | done (an earlier run) | " in summary and "| later | done | " in summary
     assert (out / "fast" / "fast.json").is_file() and (out / "later" / "later.json").is_file()
+
+
+def test_each_budget_is_the_parts_forwards_at_the_step_costs_and_the_plan_fits_the_call():
+    assert gpu_checks.step_seconds("sd15-512", 1) == 0.037 and gpu_checks.step_seconds("sd15-512", 8) == 0.066
+    assert gpu_checks.step_seconds("sd15-512", 16) == pytest.approx(0.132)  # compute-bound above
+    assert gpu_checks.step_seconds("flux1-1024", 4) == pytest.approx(4 * 0.128)
+    assert all(point.source for points in gpu_checks.STEP_COSTS.values() for point in points)
+    caches = next(p for p in gpu_checks.PARTS if p.name == "step_caches")
+    work = gpu_checks.step_caches_work()
+    assert caches.budget() == pytest.approx(gpu_checks.MARGIN * sum(w.estimate() for w in work))
+    # every forward of the step caches' run is FLUX.1's at 1024x1024: 128 ms an image
+    closed = next(w for w in work if "closed loop" in w.what)
+    assert closed.estimate() == pytest.approx(closed.forwards * closed.images * 0.128)
+    # one call holds what the plan keeps; what it leaves out fits in one more
+    names = [p.name for p in gpu_checks.PARTS]
+    plan = gpu_checks.make_plan(gpu_checks.PARTS, names, gpu_checks.DEFAULT_BUDGET_S)
+    assert 0 < plan.total <= gpu_checks.DEFAULT_BUDGET_S
+    rest = gpu_checks.make_plan(gpu_checks.PARTS, list(plan.left_out), gpu_checks.DEFAULT_BUDGET_S)
+    assert not rest.left_out and rest.total <= gpu_checks.DEFAULT_BUDGET_S
+    assert caches.name in rest.budgets and caches.budget() < gpu_checks.DEFAULT_BUDGET_S / 2  # its share
+
+
+def test_the_plan_leaves_out_what_does_not_fit_and_refuses_when_nothing_does(monkeypatch, capsys):
+    budgets = {p.name: p.budget() for p in gpu_checks.PARTS}
+    first, second = list(budgets)[:2]
+    limit = budgets[first] + 1
+    plan = gpu_checks.make_plan(gpu_checks.PARTS, [first, second], limit)
+    assert list(plan.budgets) == [first] and second in plan.left_out
+    assert f"another call: --parts {second}" in "\n".join(plan.lines())
+    assert plan.later(first) == 0
+
+    def no_machine(*args, **kwargs):
+        raise AssertionError("the plan refuses before anything starts")
+
+    monkeypatch.setattr(gpu_checks, "machine", no_machine)
+    assert gpu_checks.main(["--budget-s", "5", "--out", "/nonexistent"]) == 2
+    out = capsys.readouterr()
+    assert "total" in out.out and "nothing fits in --budget-s: not started" in out.err
+
+
+def test_the_gpu_commands_use_flags_their_scripts_have():
+    """The smoke runs the smoke's flags only: a GPU flag a script renamed would show first on the GPU."""
+    run = gpu_checks.Run(Path("/nonexistent"), smoke=False)
+    for part in gpu_checks.PARTS:
+        if part.missing():
+            continue
+        script, *args = part.command(run)
+        source = (SCRIPTS / script).read_text()
+        for flag in (a.split("=")[0] for a in args if a.startswith("--")):
+            assert f'"{flag}"' in source, (part.name, flag)
+
+
+def test_the_family_count_is_family_invariances():
+    import family_invariance
+
+    assert gpu_checks.FAMILIES == len(family_invariance.FAMILIES)
+
+
+def test_the_wheel_list_names_one_version_of_each_and_no_torch():
+    pins = gpu_checks.wheel_pins()
+    assert len(pins) == len(
+        [line for line in gpu_checks.WHEEL_LIST.read_text().splitlines() if line.split("#")[0].strip()]
+    )
+    assert {"diffusers", "transformers", "requests", "huggingface_hub"} <= set(pins)
+    assert not {"torch", "torchvision", "triton"} & set(pins)
+
+
+def test_on_a_gpu_each_part_has_its_budget_and_a_running_part_reaches_the_bundle(
+    tmp_path, monkeypatch, stand_ins
+):
+    """Not the smoke: the plan keeps what fits in --budget-s (each stand-in's budget is 1.25 s), names what
+    it leaves out, stops the slow part at its budget, and publishes while a part's files change."""
+    monkeypatch.setattr(gpu_checks, "machine", lambda python, commit: {"device": "A GPU", "commit": "abc"})
+    monkeypatch.setattr(gpu_checks, "REFRESH_S", 0.3)
+    seen = []
+    publish = gpu_checks.publish
+
+    def recording(run, bundle, text, info):
+        seen.append({name: o.status + " " + o.detail for name, o in run.outcomes.items()})
+        publish(run, bundle, text, info)
+
+    monkeypatch.setattr(gpu_checks, "publish", recording)
+    out = tmp_path / "figures"
+    monkeypatch.delenv("OUT", raising=False)
+    assert gpu_checks.main(["--budget-s", "3", "--out", str(out)]) == 1
+    summary = (out / "summary.md").read_text()
+    assert "| fast | done | " in summary
+    assert "| slow | cut short (stopped at the budget, " in summary and "2 rows, incomplete" in summary
+    assert "| later | not planned (needs 1 s, 0 s left: another call, --parts later) |" in summary
+    assert "| future | not built yet (needs scripts/no_such_bench.py) |" in summary
+    assert any(s.get("slow", "").startswith("running kept slow.json: 2 rows") for s in seen), seen

@@ -1128,6 +1128,30 @@ def test_streams_are_reused_after_a_final_response_and_dropped_otherwise():
     asyncio.run(asyncio.wait_for(scenario(), 30))
 
 
+def test_a_parameter_triton_would_cut_is_a_400_naming_it_and_nothing_is_sent():
+    class NoStreams:
+        def stream_infer(self, requests, stream_timeout=None):
+            raise AssertionError("a stream was opened for a request that cannot be sent")
+
+        async def close(self) -> None:
+            pass
+
+    info = described("m", "text_to_image", ["prompt", "negative_prompt"])
+    bridge = TritonBridge("127.0.0.1:1")
+    bridge._client = NoStreams()
+    # A NUL: Triton would cut the parameter there; a lone surrogate (JSON's "\udcff"): not UTF-8.
+    for text in ("a\0" + "x" * 5000, "ab\udcff"):
+        request = TritonRequest("m", {"PROMPT": b"x"}, {"negative_prompt": text})
+
+        async def drain(request=request) -> list:
+            return [r async for r in bridge.stream(request, info, 5.0)]
+
+        with pytest.raises(ApiError) as refused:
+            asyncio.run(drain())
+        assert (refused.value.status, refused.value.param) == (400, "negative_prompt")
+        assert refused.value.message.startswith("negative_prompt: "), refused.value.message
+
+
 class LoggedRequests:
     """The request iterator a stream was given, keeping each request's parameters."""
 

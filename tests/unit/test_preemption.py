@@ -1,7 +1,7 @@
 """Pausing at a step boundary changes nothing: a job paused for a higher tier, its latents, scheduler state,
 step cache and LoRA rows left as they were, resumes later and its image equals diffusers' own pipeline for
-it alone (SD 1.x with a multistep solver, whose history a pause must keep, and FLUX.1 with a step cache),
-whoever ran while it waited."""
+it alone (SD 1.x with a multistep solver, whose history a pause must keep; FLUX.1 with a step cache; SD 1.x
+with LoRA adapters per row, against diffusers' ``set_adapters``), whoever ran while it waited."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from diffusers import DiffusionPipeline
 
 from tests.unit.recording import RecordingChannel
 from tests.unit.step_harness import (
@@ -26,7 +27,9 @@ from triton_diffusion.engine.ordering import Service
 from triton_diffusion.engine.scheduler import EngineLimits
 from triton_diffusion.engine.step_engine import StepEngine
 from triton_diffusion.serving.requests import TrackedRequest
+from triton_diffusion.serving.server_process import WEIGHTS
 from triton_diffusion.step_cache_spec import parse_step_cache
+from triton_diffusion.tiny_models import build_missing
 
 PRIORITY, DEFAULT, FLEX = 0, 1, 2
 
@@ -88,3 +91,36 @@ def test_a_paused_flux_job_keeps_its_step_cache_and_equals_diffusers(flux):
 
 def run_alone(adapter, request: ImageRequest) -> list[Job]:
     return run_engine(adapter, [(0, replace(request, step_cache=parse_step_cache(request.step_cache.text)))])
+
+
+def test_paused_sd_jobs_keep_their_lora_rows_and_each_equals_diffusers_set_adapters():
+    from tests.unit.test_lora import reference as lora_reference
+    from triton_diffusion.adapters.lora import load_loras
+
+    adapters = {"ink": "tiny-sd-lora-ink", "neon": "tiny-sd-lora-neon"}
+    build_missing(WEIGHTS, only=["tiny-sd", *adapters.values()])
+    pipe, facts, schedulers = load_family("tiny-sd")
+    adapter = step_adapter_for(pipe, facts, schedulers, None)
+    adapter.loras = load_loras(pipe, WEIGHTS, adapters, "tiny-sd")
+
+    def request(steps: int, lora) -> ImageRequest:
+        return ImageRequest(
+            "a red house", None, 7, 0, 64, 64, steps, 4.0, None, schedulers.default, lora=lora
+        )
+
+    # The same prompt and seed: only the adapters tell the rows apart. The flex job (ink) is paused for
+    # the priority one (ink and neon, other scales) while the default job (no adapter) runs on.
+    background = [request(6, (("ink", 1.0),)), request(5, ())]
+    urgent = request(3, (("ink", 0.5), ("neon", 1.3)))
+    jobs, _ = run_with_a_late_priority_request(adapter, background, urgent)
+    assert jobs[0].pauses == 1, "the flex job was not paused"
+    assert max(job.most_shared for job in jobs) == 2  # rows with other adapters shared its forwards
+    images = [served(job) for job in jobs]
+    assert np.abs(images[0] - images[1]).max() > 20, "the adapter does not visibly change the image"
+    reference_pipe = DiffusionPipeline.from_pretrained(WEIGHTS / "tiny-sd", use_safetensors=True)
+    reference_pipe.set_progress_bar_config(disable=True)
+    for name, folder in adapters.items():  # diffusers' own way, from the same files
+        reference_pipe.load_lora_weights(str(WEIGHTS / folder), adapter_name=name)
+    for one, image in zip([*background, urgent], images, strict=True):
+        expected = lora_reference(reference_pipe, facts, one)
+        assert np.abs(image - expected).max() <= 1, one.lora

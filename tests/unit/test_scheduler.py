@@ -13,7 +13,7 @@ from triton_diffusion.engine.jobs import Job
 from triton_diffusion.engine.ordering import AdmissionPacing, Service, make_policy
 from triton_diffusion.engine.scheduler import EngineLimits
 from triton_diffusion.engine.step_engine import StepEngine
-from triton_diffusion.errors import ErrorCode
+from triton_diffusion.errors import ErrorCode, RequestError
 
 PRIORITY, DEFAULT, FLEX = 0, 1, 2
 
@@ -152,6 +152,27 @@ def test_a_running_job_whose_deadline_passes_ends_and_frees_its_row_at_the_next_
     assert "waiting" in h.order() and not isinstance(waiting.request.channel.finals[0], Exception)
 
 
+def test_a_request_that_ended_already_leaves_as_ended_not_for_its_deadline():
+    # A cancelled (or otherwise ended) request leaves with its own outcome: its deadline passing or an
+    # estimate refusing it afterwards is not a deadline outcome (no "expired" or "refused" departure, no
+    # deadline error in place of the decided one).
+    cancelled = RequestError(ErrorCode.CANCELLED, "cancelled by the client")
+    h = Harness(max_running=1, max_per_forward=1, max_paused=0)
+    h.measure(0.5)
+    running = h.job("running", DEFAULT, 4, deadline_s=3.0)  # 4 steps x 0.5 s: admitted
+    h.add(running)
+    h.step(0.1)
+    assert running.steps_done == 1
+    running.request.end(cancelled)  # ended while it ran; its deadline passes before the next step
+    late = h.job("late", DEFAULT, 8, deadline_s=2.0)  # 8 steps x 0.5 s: the estimate would refuse it
+    late.request.end(cancelled)  # ended while it waited to be scheduled
+    h.add(late)
+    h.step(5.0)
+    assert ("running", "cancelled") in h.host.left and ("late", "cancelled") in h.host.left, h.host.left
+    assert not [left for left in h.host.left if left[1] in ("expired", "refused")], h.host.left
+    assert running.request.channel.finals == [cancelled] and late.request.channel.finals == [cancelled]
+
+
 def test_a_higher_tier_pauses_the_lowest_running_job_which_resumes_where_it_was():
     h = Harness(max_running=2, max_per_forward=2, max_paused=2)
     low = h.job("low-flex", FLEX, 6)
@@ -232,17 +253,46 @@ def test_an_aged_job_is_never_paused_again_for_a_fresh_one():
     assert old.pauses == 0 and h.order()[0] == "old"
 
 
-@pytest.mark.parametrize(
-    "policy", ["oldest", "fewest_remaining", "round_robin", "largest", "first_step_first"]
-)
-def test_with_one_tier_and_no_deadlines_the_order_is_the_policy_alone(policy):
-    # The service order adds nothing when every job has the default tier and no deadline: every policy
-    # still finishes every job once.
+class PolicyAlone(Service):
+    """No service order at all: admission by arrival, forwards by the policy's own key."""
+
+    def key(self, job, now, finish_s) -> tuple:
+        return ()
+
+    def victim_key(self, job, now, finish_s) -> tuple:
+        return ()
+
+
+POLICIES = ["oldest", "fewest_remaining", "round_robin", "largest", "first_step_first"]
+
+
+def forwards_of(policy: str, service: Service | None = None) -> list[list[str]]:
+    """The forwards (job names, in their order) of one mixed workload: one tier, no deadlines, jobs of
+    two sizes, arriving over the first steps, more than the running set holds."""
     h = Harness(max_running=4, max_per_forward=2, max_paused=0, policy=policy)
-    jobs = [h.job(f"j{i}", DEFAULT, 2 + i % 3) for i in range(6)]
-    h.add(*jobs)
+    if service is not None:
+        h.engine.scheduler.service = service
+    jobs = [h.job(f"j{i}", DEFAULT, 2 + i % 3) for i in range(8)]
+    for i in (2, 5):
+        jobs[i].params = Spec(group="256x256", steps=jobs[i].params.steps)
+    h.add(*jobs[:5])
+    h.step()
+    h.add(*jobs[5:])
     h.drain()
     assert all(job.request.channel.finals == [{"out": f"out:j{i}"}] for i, job in enumerate(jobs))
+    return h.adapter.forwards
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_with_one_tier_and_no_deadlines_the_order_is_the_policy_alone(policy):
+    # The service order adds nothing when every job has the default tier and no deadline: every forward,
+    # and the order of the jobs in it, is what the policy gives with no service order at all.
+    assert forwards_of(policy) == forwards_of(policy, PolicyAlone())
+
+
+def test_the_policies_order_this_workload_differently():
+    # What makes the test above able to fail: the order there is the policy's, not one any policy gives.
+    assert len({str(forwards_of(policy, PolicyAlone())) for policy in POLICIES}) >= 3
 
 
 def test_with_one_tier_aging_never_pauses_a_peer_nor_skips_the_cohort():

@@ -1,19 +1,27 @@
-"""Step caches per request inside the step engine's forwards (adapters/step_caches.py), in process, CPU fp32:
-each served image equals diffusers' own cache hooks on the request's own pipeline call, alone and amid rows
-with other thresholds, other methods, no cache, other step counts, late joiners and a cancelled neighbour.
+"""Step caches per request (adapters/step_caches.py), in process, CPU fp32: the step engine's per-row caches
+and the request-level engine's diffusers cache (``call_cache``) against diffusers' own cache hooks.
 
-The reference is diffusers' hooks themselves (``apply_first_block_cache`` / ``apply_taylorseer_cache``,
-what ``transformer.enable_cache`` applies) on a second copy of the same weights, with a cache context for
-pipelines that set none (SD3, PixArt). Each test checks that its cache reused work (from the job's counts)
-and visibly changed the image, or it would prove nothing.
+The reference is diffusers' cache itself (``transformer.enable_cache``; for PixArt's transformer, which is
+no CacheMixin, the hook that would apply) on a second copy of the same weights, in the request's own
+pipeline call, each denoiser call under its CFG branch's cache context: the pipeline's own where its
+``__call__`` names its calls (FluxPipeline, WanPipeline), else "uncond" for the call that carries true
+CFG's negative prompt and "cond" for every other (named here from the call's pooled embeddings, not by the
+code under test).
+
+Every test of a cached image checks that the reference differs from the uncached image by more than 5
+uint8 levels (a cache that computed everything would fail it) and counts what was computed itself
+(:class:`ComputedRows`: forward pre-hooks on the linear layers of the transformer's blocks), apart from the
+cache's own counters.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Iterator
+import io
+from collections.abc import Callable, Iterator
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -26,47 +34,131 @@ from diffusers.hooks import (
     apply_first_block_cache,
     apply_taylorseer_cache,
 )
-from diffusers.hooks.hooks import CacheContext, _set_cache_context
+from diffusers.models.cache_utils import CacheMixin
+from PIL import Image
 
-from tests.unit.step_harness import load_family, reference, run_engine, served
+from tests.unit.recording import RecordingChannel
+from tests.unit.step_harness import load_family, pipeline_for, reference, run_engine, served
+from triton_diffusion.adapters.call_caches import call_cache, names_its_calls
 from triton_diffusion.adapters.image_requests import ImageRequest
 from triton_diffusion.adapters.step_adapters import step_adapter_for
+from triton_diffusion.engine.jobs import Job
+from triton_diffusion.engine.request_engine import RequestEngine
 from triton_diffusion.errors import RequestError
-from triton_diffusion.step_cache_spec import NO_CACHE, parse_step_cache
+from triton_diffusion.models.image_to_image import ImageToImageModel
+from triton_diffusion.serving.engines import RequestEngineKind
+from triton_diffusion.serving.requests import TrackedRequest
+from triton_diffusion.serving.server_process import WEIGHTS
+from triton_diffusion.serving.triton_model import RowInput
+from triton_diffusion.settings import ModelConfig, ModelSettings
+from triton_diffusion.step_cache_spec import NO_CACHE, StepCache, parse_step_cache
+from triton_diffusion.tiny_models import build_missing
+from triton_diffusion.tiny_models.encoders import reinit_normal
+
+# The pipelines whose __call__ runs each denoiser call under a cache context it names itself
+# (``with self.transformer.cache_context("cond")`` / ``("uncond")``), read off diffusers 0.42's source.
+NAMES_ITS_OWN_CALLS = {"FluxPipeline", "WanPipeline"}
+MORE_THAN = 5  # uint8 levels by which a cache must change its reference image, or the test proves nothing
+
+
+# ---- diffusers' own cache, the reference ---------------------------------------------------------------
+def diffusers_config(spec: StepCache) -> Any:
+    if spec.method == "fbc":
+        return FirstBlockCacheConfig(threshold=spec.threshold)
+    return TaylorSeerCacheConfig(cache_interval=spec.interval, disable_cache_before_step=spec.warmup)
+
+
+def enable_diffusers_cache(transformer: torch.nn.Module, spec: StepCache) -> Callable[[], None]:
+    """diffusers' cache on ``transformer``, fresh; returns what takes it off again."""
+    config = diffusers_config(spec)
+    if isinstance(transformer, CacheMixin):
+        transformer.enable_cache(config)
+        return transformer.disable_cache
+    # PixArt's transformer is no CacheMixin: the hooks enable_cache would apply, applied directly.
+    (apply_first_block_cache if spec.method == "fbc" else apply_taylorseer_cache)(transformer, config)
+    registry = HookRegistry.check_if_exists_or_initialize(transformer)
+    registry.invalidate_child_registries_cache()
+
+    def disable() -> None:
+        for hook in ("fbc_leader_block_hook", "fbc_block_hook", "taylorseer_cache"):
+            registry.remove_hook(hook, recurse=True)
+        registry.invalidate_child_registries_cache()
+
+    return disable
+
+
+def negative_pooled(pipe: Any, request: ImageRequest) -> torch.Tensor | None:
+    """The pooled embeddings of the request's true-CFG negative prompt (FLUX.1), which its negative
+    branch's denoiser calls carry; None without true CFG."""
+    if request.negative_prompt is None or (request.true_cfg_scale or 0.0) <= 1.0:
+        return None
+    _, pooled, _ = pipe.encode_prompt(
+        prompt=[request.negative_prompt], prompt_2=None, device=pipe.device, num_images_per_prompt=1
+    )
+    return pooled
 
 
 @contextlib.contextmanager
-def cache_on(transformer: torch.nn.Module, text: str) -> Iterator[None]:
-    """diffusers' own cache on ``transformer`` for one pipeline call (fresh state), with a context for
-    pipelines that set none."""
-    spec = parse_step_cache(text)
+def cache_on(pipe: Any, request: ImageRequest) -> Iterator[None]:
+    """diffusers' own cache for one call of ``pipe`` (fresh state), each denoiser call under its branch's
+    context: the pipeline's own where it names its calls; else, wrapped here, "uncond" for a call with the
+    negative prompt's pooled embeddings and "cond" for every other (one call a step where the pipeline
+    batches its CFG branches: SD3, PixArt)."""
+    spec = request.step_cache
     if not spec:
         yield
         return
-    forget_registries(transformer)  # an uncached call left one whose cached child list is stale
-    if spec.method == "fbc":
-        apply_first_block_cache(transformer, FirstBlockCacheConfig(threshold=spec.threshold))
-    else:
-        config = TaylorSeerCacheConfig(cache_interval=spec.interval, disable_cache_before_step=spec.warmup)
-        apply_taylorseer_cache(transformer, config)
-    _set_cache_context(transformer, CacheContext("cond"))
+    transformer = pipe.transformer
+    disable = enable_diffusers_cache(transformer, spec)
+    own_forward = transformer.__dict__.get("forward")
     try:
+        if type(pipe).__name__ not in NAMES_ITS_OWN_CALLS:
+            negative = negative_pooled(pipe, request)
+            forward = transformer.forward
+
+            def named(*args: Any, **kwargs: Any) -> Any:
+                pooled = kwargs.get("pooled_projections")
+                uncond = negative is not None and pooled is not None and torch.equal(pooled, negative)
+                with CacheMixin.cache_context(transformer, "uncond" if uncond else "cond"):
+                    return forward(*args, **kwargs)
+
+            transformer.forward = named
         yield
     finally:
-        _set_cache_context(transformer, None)
-        registry = HookRegistry.check_if_exists_or_initialize(transformer)
-        for hook in ("fbc_leader_block_hook", "fbc_block_hook", "taylorseer_cache"):
-            registry.remove_hook(hook, recurse=True)
-        forget_registries(transformer)
+        if own_forward is None:
+            transformer.__dict__.pop("forward", None)
+        else:
+            transformer.forward = own_forward
+        disable()
 
 
-def forget_registries(transformer: torch.nn.Module) -> None:
-    """diffusers keeps a hook registry per module, and the transformer's caches its children's: a registry
-    made for an uncached call would hide the hooks applied later from ``_set_cache_context``."""
-    for module in transformer.modules():
-        module.__dict__.pop("_diffusers_hook", None)
+class ComputedRows:
+    """The batch rows the linear layers inside a transformer's blocks ran on, summed over every call
+    (forward pre-hooks on torch's own modules): what was computed, whatever a cache's counters say. A
+    block a cache skips, or an attention module whose output it predicts, adds nothing for those rows."""
+
+    def __init__(self, transformer: torch.nn.Module) -> None:
+        self.transformer = transformer
+        self.rows = 0
+
+    def __enter__(self) -> ComputedRows:
+        self.handles = [
+            module.register_forward_pre_hook(self._count)
+            for name, module in self.transformer.named_modules()
+            if isinstance(module, torch.nn.Linear) and "blocks." in name and "lora_" not in name
+        ]
+        assert self.handles, "no linear layer in the transformer's blocks"
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+    def _count(self, module: torch.nn.Module, args: tuple) -> None:
+        self.rows += args[0].shape[0]
 
 
+# ---- families -------------------------------------------------------------------------------------------
 class Family:
     """A served pipeline with its step adapter, and a second copy of the same weights for diffusers'
     own cached calls."""
@@ -80,6 +172,9 @@ class Family:
             self.pipe.transformer = FluxTransformer2DModel(
                 **{**config, "num_layers": 2, "num_single_layers": 2}
             )
+            # Drawn as the tiny models are (tiny_models/): under PyTorch's fan-in init TaylorSeer's
+            # predictions move the image by 1-2 levels, too little to tell predicting from computing.
+            reinit_normal(self.pipe.transformer, 0.1)
             self.reference_pipe.transformer = copy.deepcopy(self.pipe.transformer)
         self.adapter = step_adapter_for(self.pipe, self.facts, self.schedulers, None)
 
@@ -99,10 +194,13 @@ class Family:
         )
         return replace(request, **changes)
 
-    def expected(self, request: ImageRequest) -> np.ndarray:
-        with cache_on(self.reference_pipe.transformer, request.step_cache.text):
+    def diffusers_image(self, request: ImageRequest) -> tuple[np.ndarray, int]:
+        """The request's own diffusers pipeline call under diffusers' cache: its image and the rows its
+        transformer's blocks computed."""
+        pipe = pipeline_for(self.reference_pipe, request)
+        with cache_on(pipe, request), ComputedRows(pipe.transformer) as rows:
             image = reference(self.reference_pipe, self.facts, self.reference_schedulers, request)
-        return np.asarray(image, dtype=int)
+        return np.asarray(image, dtype=int), rows.rows
 
 
 @pytest.fixture(scope="module")
@@ -110,86 +208,334 @@ def flux() -> Family:
     return Family("tiny-flux", deeper=True)
 
 
-def check(family: Family, requests: list[ImageRequest], jobs: list) -> None:
-    for request, job in zip(requests, jobs, strict=True):
-        difference = np.abs(served(job) - family.expected(request)).max()
+def run_counted(adapter: Any, arrivals: list, **options: Any) -> tuple[list[Job], int]:
+    """:func:`run_engine`, and the rows the adapter's transformer blocks computed meanwhile."""
+    with ComputedRows(adapter.pipe.transformer) as rows:
+        jobs = run_engine(adapter, arrivals, **options)
+    return jobs, rows.rows
+
+
+def check(
+    family: Family | None,
+    requests: list[ImageRequest],
+    images: list[np.ndarray],
+    run: Callable[[ImageRequest], tuple[np.ndarray, int]] | None = None,
+) -> tuple[int, int]:
+    """Each image equals its request's diffusers image (``run``, by default the family's; within 1 uint8
+    level), and each cached request's diffusers image differs from its uncached one by more than
+    MORE_THAN, with fewer rows computed. Returns the rows diffusers computed for all of them, with their
+    caches and without."""
+    run = run or family.diffusers_image
+    cached_rows = uncached_rows = 0
+    for request, image in zip(requests, images, strict=True):
+        expected, rows = run(request)
+        difference = np.abs(image - expected).max()
         assert difference <= 1, (request.step_cache.text, request.steps, difference)
+        plain_rows = rows
+        if request.step_cache:
+            uncached, plain_rows = run(replace(request, step_cache=NO_CACHE))
+            changed = np.abs(expected - uncached).max()
+            assert changed > MORE_THAN, (request.step_cache.text, "changes the image by", changed)
+            assert rows < plain_rows, (request.step_cache.text, "diffusers computed every row", rows)
+        cached_rows += rows
+        uncached_rows += plain_rows
+    return cached_rows, uncached_rows
 
 
-def test_first_block_cache_alone_equals_diffusers_and_reuses(flux):
-    request = flux.request(0, "fbc:0.5")
-    (job,) = run_engine(flux.adapter, [(0, request)])
-    assert job.rows_reused >= 4 and job.rows_computed >= 1, (job.rows_reused, job.rows_computed)
-    uncached = served(run_engine(flux.adapter, [(0, replace(request, step_cache=NO_CACHE))])[0])
-    assert np.abs(served(job) - uncached).max() > 5, "the cache does not visibly change the image"
-    check(flux, [request], [job])
+def served_images(jobs: list[Job]) -> list[np.ndarray]:
+    return [served(job) for job in jobs]
 
 
-def test_taylorseer_alone_equals_diffusers_and_predicts(flux):
+# ---- the step engine ------------------------------------------------------------------------------------
+def test_first_block_cache_alone_equals_diffusers_and_skips_what_diffusers_skips(flux):
+    request = flux.request(0, "fbc:0.9")
+    (job,), rows = run_counted(flux.adapter, [(0, request)])
+    assert job.rows_reused >= 2 and job.rows_computed >= 1, (job.rows_reused, job.rows_computed)
+    expected_rows, uncached_rows = check(flux, [request], [served(job)])
+    assert rows == expected_rows < uncached_rows, (rows, expected_rows, uncached_rows)
+
+
+def test_taylorseer_alone_equals_diffusers_and_skips_what_diffusers_skips(flux):
     request = flux.request(0, "taylorseer:3:2")
-    (job,) = run_engine(flux.adapter, [(0, request)])
+    (job,), rows = run_counted(flux.adapter, [(0, request)])
     assert job.rows_reused == 4, job.rows_reused  # steps 2, 3, 5, 6 predicted
-    check(flux, [request], [job])
+    expected_rows, uncached_rows = check(flux, [request], [served(job)])
+    assert rows == expected_rows < uncached_rows, (rows, expected_rows, uncached_rows)
 
 
 def test_rows_with_their_own_caches_share_forwards_and_each_equals_its_own_call(flux):
     # Two thresholds, TaylorSeer, no cache, other step counts, late joiners, true CFG (each branch its
     # own state), and a neighbour cancelled after its second step.
     requests = [
-        flux.request(0, "fbc:0.5"),
-        flux.request(1, "fbc:0.2"),
+        flux.request(0, "fbc:0.9"),
+        flux.request(1, "fbc:1.0"),
         flux.request(2, "taylorseer:2"),
         flux.request(3, "none", steps=6),
-        flux.request(4, "fbc:0.4", negative_prompt="blurry", true_cfg_scale=4.0),
+        flux.request(4, "fbc:0.9", negative_prompt="blurry", true_cfg_scale=4.0),
         flux.request(5, "taylorseer:2:1", steps=5, negative_prompt="dark", true_cfg_scale=3.0),
     ]
-    arrivals = [
-        (0, requests[0]),
-        (0, requests[1]),
-        (1, requests[2]),
-        (2, requests[3]),
-        (2, requests[4]),
-        (4, requests[5]),
-    ]
+    arrivals = list(zip([0, 0, 1, 2, 2, 4], requests, strict=True))
     victim = flux.request(9, "fbc:0.3")
-    jobs = run_engine(flux.adapter, arrivals, victim=victim)
+    jobs, rows = run_counted(flux.adapter, arrivals, victim=victim)
     assert max(job.most_shared for job in jobs) >= 5, "cached rows did not share forwards"
     assert all(job.rows_reused > 0 for i, job in enumerate(jobs) if i != 3)
     assert jobs[3].rows_reused == 0 and jobs[4].rows_computed + jobs[4].rows_reused == 16  # two branches
-    check(flux, requests, jobs)
+    check(flux, requests, served_images(jobs))
+    plain = [(at, replace(r, step_cache=NO_CACHE)) for at, r in arrivals]
+    _, uncached_rows = run_counted(flux.adapter, plain, victim=replace(victim, step_cache=NO_CACHE))
+    assert rows < uncached_rows, (rows, uncached_rows)
 
 
-def test_an_image_conditioned_row_keeps_its_own_cache(flux):
-    source = served(run_engine(flux.adapter, [(0, flux.request(7, "none"))])[0]).astype(np.uint8)
-    from PIL import Image
+@pytest.fixture(scope="module")
+def source(flux) -> Image.Image:
+    return Image.fromarray(
+        served(run_engine(flux.adapter, [(0, flux.request(7, "none"))])[0]).astype(np.uint8)
+    )
 
-    image = Image.fromarray(source)
+
+@pytest.fixture(scope="module")
+def mask() -> Image.Image:
+    return Image.fromarray((np.indices((64, 64))[1] >= 24).astype(np.uint8) * 255)
+
+
+def test_an_image_conditioned_row_keeps_its_own_cache(flux, source):
     requests = [
-        flux.request(0, "fbc:0.3", image=image, strength=0.75),
-        flux.request(1, "taylorseer:2:1", image=image, strength=0.9),
-        flux.request(2, "fbc:0.5"),
+        flux.request(0, "fbc:0.9", image=source, strength=0.75),
+        flux.request(1, "taylorseer:2:1", image=source, strength=0.9),
+        flux.request(2, "fbc:1.0"),
     ]
-    jobs = run_engine(flux.adapter, [(0, r) for r in requests])
-    assert jobs[0].rows_reused > 0 and jobs[1].rows_reused > 0
-    check(flux, requests, jobs)
+    jobs, rows = run_counted(flux.adapter, [(0, r) for r in requests])
+    assert all(job.rows_reused > 0 for job in jobs)
+    expected_rows, uncached_rows = check(flux, requests, served_images(jobs))
+    assert rows == expected_rows < uncached_rows, (rows, expected_rows, uncached_rows)
 
 
-def test_a_failed_forward_changes_no_cache_state(flux):
-    # A forward that raises after the first block decided (out of memory): the retry must decide the same
-    # way, so nothing of the failed forward may have reached the job's cache state.
-    request = flux.request(0, "fbc:0.5")
-    (job,) = run_engine(flux.adapter, [(0, request)])
-    state = job.state.cache.branches[0]
-    before = (state.head_residual, state.tail_residuals)
-    plan = flux.adapter.cache_plan([job], [()])
-    assert plan is not None and not plan.staged
-    with flux.adapter.caching(plan):
-        latents, timesteps, inputs, _ = flux.adapter.forward_inputs([job], [job.state.timesteps[-1]])
-        flux.adapter.predict(latents, timesteps, inputs, (64, 64))
-    assert plan.staged  # the forward ran and staged its updates, which nobody committed
-    assert (state.head_residual, state.tail_residuals) == before
+# ---- FLUX.1 img2img and inpaint: a state per CFG branch on both engines -----------------------------------
+BRANCH_CASES = [
+    pytest.param(start, cfg, cache, id=f"{start}-{'true_cfg' if cfg else 'no_cfg'}-{cache}")
+    for start in ("image", "mask")
+    for cfg in (False, True)
+    for cache in ("fbc:0.9", "taylorseer:2:1")
+]
 
 
+def image_request(
+    flux: Family, source: Image.Image, mask: Image.Image, start: str, cfg: bool, cache: str, i: int = 0
+) -> ImageRequest:
+    changes: dict[str, Any] = {"image": source, "strength": 0.9}
+    if start == "mask":
+        changes["mask_image"] = mask
+    if cfg:
+        changes.update(negative_prompt="blurry", true_cfg_scale=4.0)
+    return flux.request(i, cache, **changes)
+
+
+@pytest.fixture(scope="module")
+def request_level(flux) -> ImageToImageModel:
+    """image_to_image on the request-level engine (``engine: request``), in process: its
+    FluxImg2ImgPipeline called by its own run_call (models/fused_calls.py), over a third copy of the
+    flux fixture's weights."""
+    build_missing(WEIGHTS, only=["tiny-flux"])
+    texts = {"model": str(WEIGHTS / "tiny-flux"), "engine": "request"}
+    config = ModelConfig.parse(texts, ImageToImageModel.CONFIG_KINDS, [], "flux_request")
+    settings = ModelSettings("flux_request", WEIGHTS, config, {}, 4, "CPU", 0)
+    model = ImageToImageModel()
+    model.fields, adapter = model.load(settings)
+    assert adapter is None and type(model.pipe).__name__ == "FluxImg2ImgPipeline"
+    model.pipe.transformer = copy.deepcopy(flux.reference_pipe.transformer)
+    model.pipe.set_progress_bar_config(disable=True)
+    model.settings = settings
+    model.engine_kind = RequestEngineKind(model.run_call, RowInput, model.row_caps(settings))
+    return model
+
+
+def raw_request(request: ImageRequest) -> dict[str, Any]:
+    """What a client sends image_to_image for this img2img request."""
+    png = io.BytesIO()
+    request.image.save(png, format="PNG")
+    raw = {
+        "prompt": request.prompt,
+        "seed": request.seed,
+        "num_inference_steps": request.steps,
+        "image": png.getvalue(),
+        "strength": request.strength,
+        "guidance_scale": request.guidance_scale,
+    }
+    if request.step_cache:
+        raw["step_cache"] = request.step_cache.text
+    if request.negative_prompt is not None:
+        raw.update(negative_prompt=request.negative_prompt, true_cfg_scale=request.true_cfg_scale)
+    return raw
+
+
+def request_level_run(
+    model: ImageToImageModel, requests: list[ImageRequest]
+) -> tuple[list[np.ndarray], list[Job], int]:
+    """The requests through one step of a request-level engine, keyed as the server keys them: their
+    images, jobs and the rows the transformer's blocks computed."""
+    kind = model.engine_kind
+    engine = RequestEngine(model.run_call, model.row_caps(model.settings), lambda report: None)
+    jobs = []
+    for i, request in enumerate(requests):
+        values = model.resolve(model.fields.parse(raw_request(request)))
+        params, group = kind.job_params(values, 0, kind.key_for(model.fields, values))
+        jobs.append(Job(TrackedRequest(str(i), RecordingChannel()), params, group=group))
+        engine.add(jobs[-1])
+    with ComputedRows(model.pipe.transformer) as rows:
+        report = engine.step()
+    outputs = {id(finished.job): finished.output for finished in report.finished}
+    return [np.asarray(outputs[id(job)], dtype=int) for job in jobs], jobs, rows.rows
+
+
+def call_cache_run(model: ImageToImageModel, flux: Family, request: ImageRequest) -> tuple[np.ndarray, int]:
+    """The request's own diffusers pipeline over the request-level model's modules, under ``call_cache``
+    (what run_call wraps its call in): its image and the rows computed."""
+    pipe = pipeline_for(model.pipe, request)
+    with call_cache(pipe, request.step_cache), ComputedRows(pipe.transformer) as rows:
+        image = reference(model.pipe, flux.facts, flux.reference_schedulers, request)
+    return np.asarray(image, dtype=int), rows.rows
+
+
+@pytest.mark.parametrize("start, cfg, cache", BRANCH_CASES)
+def test_img2img_and_inpaint_alone_keep_a_cache_state_per_cfg_branch_on_both_engines(
+    flux, request_level, source, mask, start, cfg, cache
+):
+    request = image_request(flux, source, mask, start, cfg, cache)
+    (job,), step_rows = run_counted(flux.adapter, [(0, request)])
+    if start == "image":  # image_to_image's request-level engine, as the server runs it
+        (call_image,), _, call_rows = request_level_run(request_level, [request])
+    else:  # no request-level model serves inpainting: FluxInpaintPipeline under call_cache
+        call_image, call_rows = call_cache_run(request_level, flux, request)
+    expected_rows, uncached_rows = check(flux, [request], [served(job)])
+    expected, _ = flux.diffusers_image(request)
+    assert np.abs(call_image - expected).max() <= 1, np.abs(call_image - expected).max()
+    assert np.abs(call_image - served(job)).max() <= 1, "the two engines differ"
+    assert step_rows == call_rows == expected_rows < uncached_rows, (step_rows, call_rows, expected_rows)
+    pipe = pipeline_for(flux.reference_pipe, request)
+    assert not names_its_calls(type(pipe)) and type(pipe).__name__ not in NAMES_ITS_OWN_CALLS
+
+
+def test_pipelines_that_name_their_calls_are_told_apart():
+    from diffusers import (
+        FluxImg2ImgPipeline,
+        FluxInpaintPipeline,
+        FluxPipeline,
+        PixArtSigmaPipeline,
+        WanPipeline,
+    )
+
+    named = {cls.__name__: names_its_calls(cls) for cls in (FluxPipeline, WanPipeline, PixArtSigmaPipeline)}
+    named |= {cls.__name__: names_its_calls(cls) for cls in (FluxImg2ImgPipeline, FluxInpaintPipeline)}
+    assert {name for name, names in named.items() if names} == NAMES_ITS_OWN_CALLS
+
+
+def test_img2img_and_inpaint_amid_other_rows_keep_a_cache_state_per_cfg_branch(flux, source, mask):
+    cases = [(start, cfg, cache) for start in ("image", "mask") for cfg in (False, True) for cache in
+             ("fbc:0.9", "taylorseer:2:1")]  # fmt: skip
+    requests = [image_request(flux, source, mask, *case, i=k) for k, case in enumerate(cases)]
+    requests += [
+        flux.request(8, "fbc:1.0"),
+        flux.request(9, "none", steps=6, negative_prompt="grey", true_cfg_scale=2.0),
+        flux.request(10, "taylorseer:3:2", negative_prompt="grey", true_cfg_scale=2.0),
+    ]
+    arrivals = [(k % 3, request) for k, request in enumerate(requests)]
+    jobs, rows = run_counted(flux.adapter, arrivals)
+    assert max(job.most_shared for job in jobs) >= 6, "the rows did not share forwards"
+    expected_rows, uncached_rows = check(flux, requests, served_images(jobs))
+    assert rows == expected_rows < uncached_rows, (rows, expected_rows, uncached_rows)
+
+
+def test_the_request_level_engine_gives_each_cached_request_a_call_of_its_own(flux, request_level, source):
+    # own_call (serving/engines.py): diffusers' cache decides per call, so a cached request shares its call
+    # with nobody, even one with the same values; uncached requests of one key share a call.
+    model = request_level
+    requests = [
+        image_request(flux, source, None, "image", True, "fbc:0.9", i=0),
+        image_request(flux, source, None, "image", True, "fbc:0.9", i=1),
+        image_request(flux, source, None, "image", False, "taylorseer:2:1", i=2),
+        image_request(flux, source, None, "image", True, "none", i=3),
+        image_request(flux, source, None, "image", True, "none", i=4),
+    ]
+    values = [model.resolve(model.fields.parse(raw_request(r))) for r in requests]
+    same = {**values[0], "prompt": "the same", "seed": 1}
+    kind = model.engine_kind
+    assert kind.key_for(model.fields, same) != kind.key_for(model.fields, same)
+    assert kind.key_for(model.fields, values[3]) == kind.key_for(model.fields, values[4])
+    images, jobs, rows = request_level_run(model, requests)
+    assert [[call["rows"] for call in job.calls] for job in jobs] == [[1], [1], [1], [2], [2]]
+    assert len({job.calls[0]["id"] for job in jobs}) == 4
+    batch = kind.batch(values[0], jobs[:1])
+    assert batch["step_cache"] == {"cache": "fbc:0.9", "own_calls": True} and "own_call" not in batch["key"]
+    expected_rows, uncached_rows = check(flux, requests, images)
+    assert rows == expected_rows < uncached_rows, (rows, expected_rows, uncached_rows)
+    # The step engine, the same requests sharing its forwards: the same images.
+    step_jobs = run_engine(flux.adapter, [(0, r) for r in requests])
+    for image, job in zip(images, step_jobs, strict=True):
+        assert np.abs(image - served(job)).max() <= 1, "the two engines differ"
+
+
+# ---- a forward that raises ------------------------------------------------------------------------------
+def cache_contents(cache: Any) -> list[Any]:
+    """Everything a job's cache state holds, flattened: the objects themselves (compared by identity)."""
+    contents: list[Any] = []
+    for branch in cache.branches:
+        if hasattr(branch, "head_residual"):  # First Block Cache
+            contents += [branch.head_residual, *(branch.tail_residuals or (None, None))]
+        else:  # TaylorSeer: its step, and each attention module's factors
+            contents += [branch.step, *branch.modules]
+            for factors in branch.modules.values():
+                contents += [factors, factors.last_update_step, factors.factors, factors.dtypes]
+    return contents
+
+
+def unchanged(before: list[Any], after: list[Any]) -> bool:
+    if len(before) != len(after):
+        return False
+    pairs = zip(before, after, strict=True)
+    return all(a is b or (isinstance(a, int) and isinstance(b, int) and a == b) for a, b in pairs)
+
+
+@pytest.mark.parametrize("cache", ["fbc:0.9", "taylorseer:2:2"])
+def test_a_forward_that_raises_leaves_no_cache_state_and_its_retry_decides_the_same(flux, cache):
+    # Every forward first raises after the last block ran (out of memory in the output norm): nothing it
+    # staged may reach the job's cache state (TaylorSeer's module state of the job's first forward
+    # included: it joins at commit), so the retry decides as an unfailed forward would, and the image is
+    # diffusers' own.
+    request = flux.request(0, cache)
+    job = Job(TrackedRequest("r", RecordingChannel()), request)
+    (start,) = flux.adapter.prepare([job])
+    job.state, job.group, job.total_steps = start.state, start.group, start.total_steps
+    state = job.state.cache
+
+    def out_of_memory(module: Any, args: tuple) -> None:
+        raise RuntimeError("CUDA out of memory (injected after every block ran)")
+
+    computed = ComputedRows(flux.pipe.transformer)
+    while job.steps_done < job.total_steps:
+        before = cache_contents(state)
+        handle = flux.pipe.transformer.norm_out.register_forward_pre_hook(out_of_memory)
+        try:
+            with pytest.raises(RuntimeError, match="injected"):
+                flux.adapter.step([job])
+        finally:
+            handle.remove()
+        assert unchanged(before, cache_contents(state)), f"the failed forward {job.steps_done} changed state"
+        if job.steps_done == 0 and cache.startswith("taylorseer"):
+            assert state.branches[0].modules == {} and state.branches[0].step == -1
+        with computed:
+            (step,) = flux.adapter.step([job]).steps
+        assert step.error is None
+        if step.rows_computed or cache.startswith("taylorseer"):  # (TaylorSeer counts every step)
+            assert not unchanged(before, cache_contents(state)), "the forward's updates were not committed"
+        job.steps_done = step.step
+    if cache.startswith("taylorseer"):
+        assert len(state.branches[0].modules) == 4  # each block's attention joined at its first commit
+    (image,) = flux.adapter.finish([job])
+    expected_rows, uncached_rows = check(flux, [request], [np.asarray(image, dtype=int)])
+    assert computed.rows == expected_rows < uncached_rows, (computed.rows, expected_rows)
+
+
+# ---- other families -------------------------------------------------------------------------------------
 def test_sd3_taylorseer_equals_diffusers_alone_and_amid_other_rows():
     sd3 = Family("tiny-sd3")
     assert sd3.adapter.cache_methods == ("taylorseer",)  # diffusers' FBC fails on SD3's last block
@@ -199,46 +545,56 @@ def test_sd3_taylorseer_equals_diffusers_alone_and_amid_other_rows():
         sd3.request(2, "taylorseer:3:1", steps=7, guidance_scale=1.0),  # no CFG: one row
         sd3.request(3, "taylorseer:2:2", guidance_scale=7.0),
     ]
-    (alone,) = run_engine(sd3.adapter, [(0, requests[0])])
-    uncached = served(run_engine(sd3.adapter, [(0, replace(requests[0], step_cache=NO_CACHE))])[0])
-    assert alone.rows_reused > 0 and np.abs(served(alone) - uncached).max() > 5
-    check(sd3, requests[:1], [alone])
-    jobs = run_engine(sd3.adapter, [(0, requests[0]), (1, requests[1]), (2, requests[2]), (2, requests[3])])
-    check(sd3, requests, jobs)
+    (alone,), rows = run_counted(sd3.adapter, [(0, requests[0])])
+    assert alone.rows_reused > 0
+    expected_rows, uncached_rows = check(sd3, requests[:1], [served(alone)])
+    assert rows == expected_rows < uncached_rows, (rows, expected_rows, uncached_rows)
+    arrivals = [(0, requests[0]), (1, requests[1]), (2, requests[2]), (2, requests[3])]
+    jobs, rows = run_counted(sd3.adapter, arrivals)
+    expected_rows, uncached_rows = check(sd3, requests, served_images(jobs))
+    assert rows == expected_rows < uncached_rows, (rows, expected_rows, uncached_rows)
 
 
-@pytest.mark.parametrize("name", ["tiny-pixart-sigma", "tiny-wan"])
-def test_first_block_cache_on_pixart_and_wan_equals_diffusers(name):
+@pytest.mark.parametrize(
+    "name, steps",
+    # PixArt's two blocks: FBC skips one, which moves the image by 3-4 levels in 6 steps, 8-9 in 16.
+    [("tiny-pixart-sigma", 16), ("tiny-pixart-alpha", 16), ("tiny-wan", 6)],
+)
+def test_first_block_cache_on_pixart_and_wan_equals_diffusers(name, steps):
     family = Family(name)
     assert family.adapter.cache_methods == ("fbc",)
     video = {"num_frames": 9} if name == "tiny-wan" else {}
-    requests = [family.request(0, "fbc:0.5", steps=6, **video), family.request(1, "none", steps=5, **video)]
-    jobs = run_engine(family.adapter, [(0, r) for r in requests], host=None)
+    requests = [
+        family.request(0, "fbc:0.5", steps=steps, **video),
+        family.request(1, "none", steps=5, **video),
+    ]
+    jobs, rows = run_counted(family.adapter, [(0, r) for r in requests], host=None)
     assert jobs[0].rows_reused > 0
     if video:  # a video: compared frame by frame with WanPipeline's own cached call
-        for request, job in zip(requests, jobs, strict=True):
-            with cache_on(family.reference_pipe.transformer, request.step_cache.text):
-                expected = wan_reference(family, request)
-            assert np.abs(np.asarray(job.request.channel.finals[0]["image"], dtype=int) - expected).max() <= 1
-        return
-    check(family, requests, jobs)
+        images = [np.asarray(job.request.channel.finals[0]["image"], dtype=int) for job in jobs]
+        expected_rows, uncached_rows = check(family, requests, images, run=lambda r: wan_frames(family, r))
+    else:
+        expected_rows, uncached_rows = check(family, requests, served_images(jobs))
+    assert rows == expected_rows < uncached_rows, (rows, expected_rows, uncached_rows)
 
 
-def wan_reference(family: Family, request: ImageRequest) -> np.ndarray:
+def wan_frames(family: Family, request: ImageRequest) -> tuple[np.ndarray, int]:
     from triton_diffusion.adapters.diffusers_pipeline import row_generator
     from triton_diffusion.codecs.video import to_uint8
 
-    frames = family.reference_pipe(
-        prompt=[request.prompt],
-        height=request.height,
-        width=request.width,
-        num_frames=request.num_frames,
-        num_inference_steps=request.steps,
-        guidance_scale=request.guidance_scale,
-        generator=[row_generator(request.seed, 0)],
-        output_type="np",
-    ).frames[0]
-    return np.asarray(to_uint8(frames), dtype=int)
+    pipe = family.reference_pipe
+    with cache_on(pipe, request), ComputedRows(pipe.transformer) as rows:
+        frames = pipe(
+            prompt=[request.prompt],
+            height=request.height,
+            width=request.width,
+            num_frames=request.num_frames,
+            num_inference_steps=request.steps,
+            guidance_scale=request.guidance_scale,
+            generator=[row_generator(request.seed, 0)],
+            output_type="np",
+        ).frames[0]
+    return np.asarray(to_uint8(frames), dtype=int), rows.rows
 
 
 @pytest.mark.parametrize(
@@ -315,11 +671,15 @@ def test_lora_rows_keep_their_adapters_on_the_rows_that_run_gathered(caplog):
         request(4, "taylorseer:3:1", ()),
     ]
     with caplog.at_level("WARNING", logger="triton_diffusion"):
-        jobs = run_engine(adapter, [(0, r) for r in requests])
+        jobs, rows = run_counted(adapter, [(0, r) for r in requests])
     # a forward that failed would be retried in halves and still be exact: it must not have failed
     assert not [r for r in caplog.records if "forward of" in r.getMessage()]
     assert all(jobs[i].rows_reused > 0 for i in (0, 2, 3, 4)), [j.rows_reused for j in jobs]
-    for req, job in zip(requests, jobs, strict=True):
-        with cache_on(reference_pipe.transformer, req.step_cache.text):
-            expected = lora_reference(reference_pipe, facts, req)
-        assert np.abs(served(job) - expected).max() <= 1, (req.lora, req.step_cache.text)
+
+    def diffusers_image(req: ImageRequest) -> tuple[np.ndarray, int]:
+        with cache_on(reference_pipe, req), ComputedRows(reference_pipe.transformer) as computed:
+            image = lora_reference(reference_pipe, facts, req)
+        return image, computed.rows
+
+    expected_rows, uncached_rows = check(None, requests, served_images(jobs), run=diffusers_image)
+    assert rows == expected_rows < uncached_rows, (rows, expected_rows, uncached_rows)

@@ -581,3 +581,163 @@ def test_racing_answers_send_exactly_one_final(threads):
         for w in workers:
             w.join()
         assert len(request.channel.finals) == 1
+
+
+class HookedLock:
+    """A request's lock that, the first time it is released, runs ``between`` on another thread (and waits
+    for it): whatever another thread may do between two critical sections of one call happens there,
+    every time."""
+
+    def __init__(self, between) -> None:
+        self._lock = threading.Lock()
+        self._between = between
+        self._fired = False
+
+    def __enter__(self) -> HookedLock:
+        self._lock.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._lock.release()
+        if not self._fired:
+            self._fired = True
+            other = threading.Thread(target=self._between)
+            other.start()
+            other.join()
+
+
+def test_fail_is_one_critical_section_so_an_end_or_a_delivery_racing_it_loses_no_final():
+    stuck = RequestError(ErrorCode.UNAVAILABLE, "the engine is stuck; the model is restarting")
+    decided = RequestError(ErrorCode.UNAVAILABLE, "deadline: the request's timeout of 300 ms passed")
+    # An engine ends the request (a deadline) right after fail() first looks at it: one FINAL, fail's.
+    request = tracked("ended-meanwhile")
+    request._lock = HookedLock(lambda: request.end(decided))
+    request.fail(stuck)
+    assert request.channel.finals == [stuck] and request.stage is Stage.ANSWERED
+    assert not request.deliver()  # the decision came too late: nothing more goes out
+    # Ended before: fail() sends the engine's decision, and the response thread's delivery racing it
+    # sends nothing more.
+    request = tracked("delivered-meanwhile")
+    request.end(decided)
+    request._lock = HookedLock(request.deliver)
+    request.fail(stuck)
+    assert request.channel.finals == [decided] and request.stage is Stage.ANSWERED
+
+
+def stuck_adapter(gate: threading.Event) -> FakeAdapter:
+    class Stuck(FakeAdapter):
+        def step(self, jobs, previews=None):
+            if any(job.request.request_id == "hang" for job in jobs):
+                gate.wait(30)  # a deadlock, or a kernel that never returns (released at the test's end)
+            return super().step(jobs)
+
+    return Stuck()
+
+
+def test_a_stuck_engine_sends_the_answers_it_computed_before_failing_the_rest():
+    from triton_diffusion.serving.responses import ResponseWorker
+
+    gate, computed, stalled_seen, stalled = (threading.Event() for _ in range(4))
+    responses = ResponseWorker()
+    engine = engine_for(stuck_adapter(gate), max_running=2, max_per_forward=2)
+
+    def render(report: StepReport) -> None:  # as the engine host: answers go out on the response thread
+        for finished in report.finished:
+            request, output = finished.job.request, finished.output
+            responses.submit(request, lambda request=request, output=output: request.finish({"out": output}))
+            computed.set()
+        for left in report.left:
+            if left.reason != "finished":
+                responses.deliver(left.job.request)
+
+    worker = EngineWorker(
+        engine.engine,
+        8,
+        render,
+        0.4,
+        on_device_lost=lambda error: None,
+        on_stall=lambda error: stalled.set(),
+        flush_answers=lambda: responses.close(timeout_s=10),  # as EngineHost wires it
+    )
+    watched = worker.watchdog.on_stall
+    worker.watchdog.on_stall = lambda error: (stalled_seen.set(), watched(error))
+    # The response thread is busy (encoding a large image, say) until the watchdog fires: the quick
+    # request's result, computed before the stall, waits behind it.
+    responses.submit(None, lambda: stalled_seen.wait(30))
+    quick, hang = job("quick", Spec(steps=1)), job("hang")
+    try:
+        submit(worker, quick)
+        assert computed.wait(10), "the quick request was never computed"
+        submit(worker, hang)
+        assert stalled.wait(10), "the stuck engine was never noticed"
+    finally:
+        gate.set()
+        worker.close()
+    assert quick.request.channel.finals == [{"out": "out:quick"}]  # its result, not UNAVAILABLE
+    (final,) = hang.request.channel.finals
+    assert final.code is ErrorCode.UNAVAILABLE and "restarting" in final.message, final
+
+
+def test_a_send_stuck_in_triton_does_not_keep_a_stuck_engine_from_leaving(monkeypatch):
+    import triton_diffusion.serving.engine_worker as engine_worker
+
+    monkeypatch.setattr(engine_worker, "STALL_ANSWER_S", 0.2)
+    gate, release, stalled = threading.Event(), threading.Event(), threading.Event()
+
+    class StuckSend(RecordingChannel):
+        def send_error(self, error: RequestError) -> None:
+            release.wait(30)  # Triton never returns from this send (it holds the request's lock)
+            super().send_error(error)
+
+    engine = engine_for(stuck_adapter(gate), max_running=2, max_per_forward=2)
+    worker = worker_for(engine, waiting_room=4, stall_s=0.4, on_stall=lambda error: stalled.set())
+    hang = Job(TrackedRequest("hang", StuckSend()), Spec())
+    try:
+        submit(worker, hang)
+        # The process is asked to leave (for its restart) although the answer's send never returned.
+        assert stalled.wait(10), "the watchdog waited on a send stuck in Triton"
+    finally:
+        release.set()
+        gate.set()
+        worker.close()
+
+
+def test_a_held_request_waits_before_its_second_forward_until_another_joins_it():
+    from triton_diffusion.faults import FaultInjection, FaultyStepAdapter
+
+    adapter = FakeAdapter()
+    faulty = FaultyStepAdapter(
+        adapter, FaultInjection(hold_on_prompt="__hold__"), lambda job: job.request.request_id
+    )
+    engine = Engine(StepEngine(faulty, EngineLimits(8, 8)), Host())
+    faulty.held = lambda: engine.engine.active  # as StepEngineKind.build wires it
+    stepped = threading.Event()
+
+    def render(report: StepReport) -> None:
+        engine.host.render(report)
+        if report.stepped:
+            stepped.set()
+
+    worker = EngineWorker(engine.engine, 8, render, 60.0, lambda error: None, lambda error: None)
+    first, second = job("first __hold__", Spec(steps=5)), job("second", Spec(steps=2))
+    try:
+        submit(worker, first)
+        assert stepped.wait(10), "the first request never stepped"
+        submit(worker, second)  # however late: the first waits for it before its second forward
+        deadline = time.monotonic() + 10
+        while not (first.request.ended and second.request.ended) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        worker.close()
+    assert adapter.forwards[:2] == [["first __hold__"]] * 2
+    assert sorted(adapter.forwards[2]) == ["first __hold__", "second"]
+    assert first.most_shared == second.most_shared == 2
+    # Held once, at most hold_s: a request nobody joins still finishes.
+    briefly = FaultInjection(hold_on_prompt="__hold__", hold_s=0.05)
+    alone = FaultyStepAdapter(FakeAdapter(), briefly, lambda job: job.request.request_id)
+    solo = Engine(StepEngine(alone, EngineLimits(8, 8)), Host())
+    alone.held = lambda: solo.engine.active
+    lonely = job("lonely __hold__", Spec(steps=4))
+    solo.add(lonely)
+    drain(solo)
+    assert lonely.request.channel.finals == [{"out": "out:lonely __hold__"}]

@@ -40,6 +40,40 @@ class ResponseError(Exception):
         self.message = error if isinstance(error, str) else error.message()
 
 
+class UnsendableRequest(ResponseError):
+    """A request refused here, before it is sent, as the model would refuse it (``field: ...
+    [INVALID_ARG]``): a request id or string parameter that cannot reach the model as it is."""
+
+
+def check_sendable(request_id: str, parameters: Mapping[str, Any]) -> None:
+    """Refuse, naming it, a request id or string parameter (name or value) that Triton cannot carry to
+    the model intact. Text that is not valid UTF-8 (a ``str`` holding a lone surrogate, as
+    ``errors="surrogateescape"`` makes): in a gRPC request it makes Triton end the whole stream, with no
+    response for that request or the ones after it on the stream. A NUL character: Triton cuts the text
+    there (its C API takes NUL-terminated strings), so the model would get a shorter value, unaware."""
+    texts = [("request_id", request_id)]
+    for name, value in parameters.items():
+        texts.append((f"parameter name {name[:64]!r}", name))
+        texts.append((name if name.isprintable() and len(name) <= 64 else repr(name[:64]), value))
+    for field, text in texts:
+        if isinstance(text, str) and (why := _unsendable(text)) is not None:
+            raise UnsendableRequest(f"{field}: {why} [INVALID_ARG]")
+
+
+def _unsendable(text: str) -> str | None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return (
+            f"is not valid UTF-8 (character {exc.start} is a lone surrogate); Triton would end the stream "
+            "without an answer"
+        )
+    nul = text.find("\0")
+    if nul >= 0:
+        return f"contains a NUL character at position {nul}; Triton would cut the text there"
+    return None
+
+
 @dataclass(frozen=True)
 class StreamResponse:
     """One response: its outputs by name (every output the model sent) and whether it is the FINAL one."""
@@ -58,7 +92,9 @@ def request_message(
 ) -> dict[str, Any]:
     """One request as both tritonclient APIs take it (``async_stream_infer(**message)``, and the items of
     ``stream_infer``'s request iterator). No requested outputs: the model sends what it has (IMAGE or
-    VIDEO or TEXT, ...)."""
+    VIDEO or TEXT, ...). Raises :class:`UnsendableRequest` for an id or parameter Triton would not carry
+    to the model intact (:func:`check_sendable`)."""
+    check_sendable(request_id, parameters)
     inputs = []
     for name, value in tensors.items():
         tensor = grpcclient.InferInput(name, [1, 1], "BYTES")

@@ -59,7 +59,9 @@ class FlowMatchingImageStart:
 
 class FluxAdapter(FlowMatchingImageStart, LatentStepAdapter):
     fallback_max_sequence_length = 512
-    cache_methods = ("fbc", "taylorseer")  # FluxPipeline runs each CFG branch under its own cache_context
+    cache_methods = ("fbc", "taylorseer")
+    # A state per true-CFG branch in every start (step_caches.py): FluxPipeline's cache_context("cond") and
+    # ("uncond"), which the img2img and inpaint pipelines do not set but the request-level engine names.
     cache_per_branch = True
 
     def __init__(self, pipe: Any, facts: Any, schedulers: Any, max_sequence_length: int | None) -> None:

@@ -4,9 +4,23 @@ for itself at each of its own steps, so a request's image is what diffusers' own
 diffusers' hooks (``hooks/first_block_cache.py``, ``hooks/taylorseer_cache.py``) keep one state per
 denoiser call (per ``cache_context``) and decide once for the whole batch: FBC compares the mean change of
 the *batch's* first-block residual with the threshold, so a request's output depends on its batch-mates.
-Here the same arithmetic runs per *branch*: one job's rows (a pipeline that batches classifier-free
-guidance, SD3, decides over both), or each CFG branch's row on its own (FLUX.1 true CFG, Qwen-Image, Wan:
-their pipelines call the denoiser once per branch, each under its own ``cache_context``).
+Here the same arithmetic runs per *branch*.
+
+**One semantic, both engines: a cache state per CFG branch.** A pipeline that calls the denoiser once per
+classifier-free-guidance branch keeps one cache state per branch, as ``FluxPipeline`` names them: each
+step's first call (the prompt's) is the "cond" branch, its second (true CFG's negative prompt) the
+"uncond" branch, each deciding and predicting from its own history. That holds for every such pipeline,
+whether its ``__call__`` names its calls (``transformer.cache_context("cond")`` / ``("uncond")``:
+FluxPipeline, Qwen-Image, Wan) or not (FluxImg2ImgPipeline, FluxInpaintPipeline, which under diffusers'
+``enable_cache`` alone raise "No cache context is set"). A pipeline that batches its branches into one
+call (SD3, PixArt) has one branch: its rows decide together, as diffusers decides over that call.
+
+- The step engine: a guided job of a family that calls per branch (``cache_per_branch``: FLUX.1 in every
+  start, text, img2img and inpainting; Wan) holds [uncond, cond] states, each row its own :class:`Slot`.
+- The request-level engine: diffusers' own cache on a call of its own (``adapters/call_caches.py``),
+  which names the calls of a pipeline whose ``__call__`` names none.
+
+The methods:
 
 - **First Block Cache** (``fbc:THRESHOLD``): the first block runs for every row; each FBC branch compares
   its residual with the one of its last computed step (``mean |r - r_prev| / mean |r_prev|``); a branch at
@@ -19,8 +33,9 @@ their pipelines call the denoiser once per branch, each under its own ``cache_co
 
 Rows with different methods, thresholds, steps and none share one forward. Cache state lives in each job
 (:class:`CacheState`, in ``LatentJob.cache``), so a paused job keeps it and a failed job takes it along.
-A forward changes no state until it returned: the updates of a forward are staged and applied by
-:meth:`RowCaches.commit`, so the engine's retry of a failed forward decides the same way.
+A forward changes no state until it returned: the updates of a forward (a TaylorSeer module's first
+factors included) are staged and applied by :meth:`RowCaches.commit`, so the engine's retry of a failed
+forward decides the same way.
 """
 
 from __future__ import annotations
@@ -199,36 +214,6 @@ def servable(transformer: torch.nn.Module, methods: Sequence[str]) -> tuple[str,
     if "taylorseer" in methods and _attention_modules(transformer):
         served.append("taylorseer")
     return tuple(served)
-
-
-def call_methods(transformer: Any) -> tuple[str, ...]:
-    """The step caches a request-level call serves: diffusers' own, where the transformer has them."""
-    from diffusers.models.cache_utils import CacheMixin
-
-    if not isinstance(transformer, CacheMixin):
-        return ()
-    return servable(transformer, ("fbc", "taylorseer"))
-
-
-@contextlib.contextmanager
-def call_cache(transformer: Any, spec: StepCache) -> Iterator[None]:
-    """diffusers' own cache on a request-level call (its decision is per call: such requests run in calls
-    of their own), with a context for pipelines that set none; those that do set their own per call."""
-    from diffusers.hooks import FirstBlockCacheConfig, TaylorSeerCacheConfig
-
-    if not spec:
-        yield
-        return
-    if spec.method == "fbc":
-        config: Any = FirstBlockCacheConfig(threshold=spec.threshold)
-    else:
-        config = TaylorSeerCacheConfig(cache_interval=spec.interval, disable_cache_before_step=spec.warmup)
-    transformer.enable_cache(config)
-    try:
-        with transformer.cache_context("cond"):
-            yield
-    finally:
-        transformer.disable_cache()
 
 
 class RowCaches:

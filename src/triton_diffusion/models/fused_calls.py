@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
+from triton_diffusion.adapters.call_caches import call_cache
 from triton_diffusion.adapters.diffusers_pipeline import row_generator
 from triton_diffusion.adapters.lora import lora_set
-from triton_diffusion.adapters.step_caches import call_cache
 from triton_diffusion.compatibility import CompatibilityKey
 from triton_diffusion.engine.jobs import Job
 from triton_diffusion.engine.request_engine import CallAbandoned, CallSteps
@@ -60,7 +60,7 @@ class FusedCalls:
         with (
             torch.inference_mode(),
             self.loras.uniform(adapters) if self.loras else contextlib.nullcontext(),
-            call_cache(self.pipe.transformer, cache) if cache else contextlib.nullcontext(),
+            call_cache(self.pipe, cache) if cache else contextlib.nullcontext(),
         ):
             images = list(getattr(self.pipe(**kwargs), self.OUTPUT_ATTRIBUTE))
         return steps.scatter(images)

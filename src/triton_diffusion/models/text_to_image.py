@@ -19,12 +19,12 @@ from typing import Any
 
 import numpy as np
 
+from triton_diffusion.adapters.call_caches import call_methods
 from triton_diffusion.adapters.captured_forwards import CaptureError
 from triton_diffusion.adapters.diffusers_pipeline import SchedulerChoices, load_pipeline
 from triton_diffusion.adapters.image_requests import ImageRequest
 from triton_diffusion.adapters.lora import NO_LORA, LoraLimits, load_loras, lora_set, lora_text, parse_lora
 from triton_diffusion.adapters.step_adapters import step_adapter_for
-from triton_diffusion.adapters.step_caches import call_methods
 from triton_diffusion.codecs.image import encode_image
 from triton_diffusion.errors import RequestError, invalid_field
 from triton_diffusion.families import PipelineFacts

@@ -231,10 +231,12 @@ class TritonBridge:
         """Send one request and yield its responses up to the FINAL one. A per-request error raises an
         ApiError (400 naming the field, 503, 500; 504 past ``timeout_s``); closing the iterator early
         cancels the request."""
-        message = request_message(
-            request.model, request.tensors, request.parameters, "oai-" + uuid.uuid4().hex[:16]
-        )
         try:
+            # A parameter Triton would not carry intact (a NUL, a lone surrogate) is refused here as the
+            # model would refuse it: a ResponseError naming the field, a 400.
+            message = request_message(
+                request.model, request.tensors, request.parameters, "oai-" + uuid.uuid4().hex[:16]
+            )
             async with aclosing(pooled_responses(self._streams, message, timeout_s)) as responses:
                 async for response in responses:
                     yield response

@@ -80,7 +80,10 @@ class StepEngineKind:
             pacing.cohort,
             ",".join(service.tiers),
         )
-        return StepEngine(adapter, limits, policy, pacing, service)
+        engine = StepEngine(adapter, limits, policy, pacing, service)
+        if isinstance(adapter, FaultyStepAdapter):
+            adapter.held = lambda: engine.active  # what hold_on_prompt waits on (tests only)
+        return engine
 
     def capacity(self, settings: ModelSettings) -> int:
         """Jobs held before execute() blocks: the running set and the waiting room."""

@@ -15,7 +15,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from triton_diffusion.errors import RequestError, invalid_field, short_text
-from triton_diffusion.fields import REQUIRED, FieldSet
+from triton_diffusion.fields import REQUIRED, FieldSet, merge_parameters
 from triton_diffusion.serving.metrics import FAMILIES, BatchingMetrics
 
 
@@ -31,19 +31,15 @@ def read_raw_fields(request: Any, fields: FieldSet) -> dict[str, Any]:
             raise invalid_field(field.input_name, f"cannot be read ({type(exc).__name__})") from None
         if array is not None:
             raw[field.name] = _scalar(field.name, array, keep_bytes=field.type is bytes)
-    for name, value in _parameters(request).items():
-        canonical = name.lower()
-        if canonical in raw:
-            raise invalid_field(canonical, "sent both as an input tensor and as a request parameter")
-        if canonical in fields and fields[canonical].type is bytes and isinstance(value, str):
-            value = value.encode("utf-8")  # a bytes field sent as a (base64) string parameter
-        raw[canonical] = value
-    return raw
+    return merge_parameters(raw, _parameters(request), fields)
 
 
 def _parameters(request: Any) -> dict[str, Any]:
     """The request parameters. Triton hands them over as one JSON text; it raises before that text exists
-    when a parameter holds invalid UTF-8 (possible over HTTP), so no single name can be blamed."""
+    when a parameter holds invalid UTF-8 (possible over HTTP), so no single name can be blamed. A string
+    parameter (name or value) with a NUL in it arrives cut at the NUL, over gRPC and HTTP alike (Triton's
+    frontends pass it to its core as a C string): the text holds no trace of it, so it cannot be refused
+    here; the same value as an input tensor is refused by its field (fields.py)."""
     try:
         text = request.parameters()
     except UnicodeDecodeError as exc:

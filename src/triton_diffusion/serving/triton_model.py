@@ -176,7 +176,9 @@ class TritonModel:
         timeout, or over HTTP the ``timeout`` parameter, in microseconds from its arrival). Raises
         INVALID_ARG naming the field and what is allowed."""
         config = self.settings.config
-        tier = values.get("service_tier") or config.default_service_tier
+        tier = values.get("service_tier")
+        if tier is None:  # absent: the model's default; sent, it must be a tier ("" and " " are not)
+            tier = config.default_service_tier
         if tier not in config.service_tiers:
             allowed = ", ".join(config.service_tiers)
             raise invalid_field("service_tier", f"got {tier[:64]!r} (allowed: one of {allowed})")

@@ -1,0 +1,82 @@
+"""A deadline that passes while its request runs, through the real server (``sd_tiers``: tiny SD, one
+running job, a stalled step of 60 ms, and the hold of faults.py). test_service_and_caches.py checks the
+refusal at admission; this is the other half: a request the estimate admits, overrun because a higher tier
+takes the one running slot, is ended with the deadline's error and counted missed."""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from triton_diffusion_client import generate_one
+
+from triton_diffusion.serving.server_process import read_metrics
+
+pytestmark = pytest.mark.integration
+
+
+def stream_with_timeout(
+    server, prompt: str, steps: int, timeout_us: int, on_step: Callable[[], None]
+) -> str | None:
+    """One request with tritonclient's own ``timeout=`` and progress; ``on_step`` at each progress
+    response. Returns its error message, or None when it succeeded."""
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    outcome: list[str | None] = []
+    done = threading.Event()
+
+    def callback(result, error) -> None:
+        if error is not None:
+            outcome.append(str(error))
+            done.set()
+        elif result.get_response().parameters["triton_final_response"].bool_param:
+            outcome.append(None)
+            done.set()
+        elif result.as_numpy("STEP") is not None:
+            on_step()
+
+    prompt_input = grpcclient.InferInput("PROMPT", [1, 1], "BYTES")
+    prompt_input.set_data_from_numpy(np.array([[prompt.encode()]], dtype=object))
+    client.start_stream(callback=callback)
+    try:
+        client.async_stream_infer(
+            "sd_tiers",
+            [prompt_input],
+            request_id="overrun",
+            parameters={"num_inference_steps": steps, "seed": 5, "progress": True},
+            timeout=timeout_us,
+            enable_empty_final_response=True,
+        )
+        assert done.wait(120), "no final response"
+    finally:
+        client.stop_stream()
+        client.close()
+    return outcome[0]
+
+
+def test_a_grpc_timeout_that_passes_while_the_request_runs_ends_it_with_the_deadline_error(server):
+    # The estimate admits it (4 steps in 2.5 s); it holds before its second forward until the priority
+    # request arrives, which then takes the one running slot for its 50 stalled steps (3 s at least):
+    # its deadline certainly passes before it can finish, whatever the machine's speed.
+    before = read_metrics(server)
+    stepped, results = threading.Event(), {}
+
+    def run_overrun() -> None:
+        results["overrun"] = stream_with_timeout(server, "overrun __hold__", 4, 2_500_000, stepped.set)
+
+    thread = threading.Thread(target=run_overrun, daemon=True)
+    thread.start()
+    assert stepped.wait(60), "the request with the deadline never took a step"
+    urgent = {"prompt": "urgent", "seed": 6, "num_inference_steps": 50, "service_tier": "priority"}
+    results["urgent"] = generate_one(urgent, "urgent", server.grpc_url, "sd_tiers", timeout_s=120)
+    thread.join(120)
+    error = results["overrun"]
+    assert error is not None and "[UNAVAILABLE]" in error, error
+    assert re.search(r"deadline: the request's timeout of 2500 ms passed after step [1-3]/4", error), error
+    assert results["urgent"].ok, results["urgent"].error
+    assert re.search(r"request overrun image 0 left \(expired\) after [1-3]/4 steps", server.log())
+    missed = 'triton_diffusion_deadlines_total{model="sd_tiers",outcome="missed"}'
+    assert read_metrics(server).get(missed, 0) - before.get(missed, 0) == 1

@@ -1,0 +1,54 @@
+"""The project's client refuses, before sending, what Triton cannot carry to the model intact
+(client/src/triton_diffusion_client/streams.py ``check_sendable``): text that is not valid UTF-8 in a
+request id or a parameter (a gRPC request holding one makes Triton end the whole stream, answering
+nothing on it), and a NUL in one (Triton cuts the text there: the model would get a shorter value)."""
+
+from __future__ import annotations
+
+import pytest
+from triton_diffusion_client import ImageSession
+from triton_diffusion_client.streams import UnsendableRequest, request_message
+
+from triton_diffusion.errors import ErrorCode, code_of
+
+
+@pytest.mark.parametrize(
+    ("request_id", "parameters", "says"),
+    [
+        (
+            "r",
+            {"negative_prompt": "a\0" + "x" * 5000},
+            "negative_prompt: contains a NUL character at position 1",
+        ),
+        ("r", {"service_tier": "flex\0"}, "service_tier: contains a NUL character at position 4"),
+        ("r", {"neg\0x": "v"}, "parameter name 'neg\\x00x': contains a NUL character at position 3"),
+        ("a\0b", {}, "request_id: contains a NUL character at position 1"),
+        ("r", {"negative_prompt": "ab\udcff"}, "negative_prompt: is not valid UTF-8 (character 2"),
+        ("id\udcff", {}, "request_id: is not valid UTF-8 (character 2"),
+        ("r", {"x\udcff": 1}, "parameter name 'x\\udcff': is not valid UTF-8 (character 1"),
+    ],
+)
+def test_what_triton_would_cut_or_choke_on_is_refused_before_sending_naming_it(request_id, parameters, says):
+    with pytest.raises(UnsendableRequest) as refused:
+        request_message("text_to_image", {"PROMPT": b"x"}, parameters, request_id)
+    assert refused.value.message.startswith(says), refused.value.message
+    assert code_of(refused.value.message) is ErrorCode.INVALID_ARG  # tagged as the model tags its own
+
+
+def test_what_travels_intact_is_sent_as_it_is():
+    # A NUL in a tensor travels intact (the model refuses it by name); numbers and booleans are no text.
+    message = request_message(
+        "text_to_image",
+        {"PROMPT": b"a\0b"},
+        {"negative_prompt": "blurry, caf\u00e9 \u2615", "seed": 0, "progress": True},
+        "r-1",
+    )
+    assert message["request_id"] == "r-1" and message["parameters"]["seed"] == 0
+    assert message["parameters"]["negative_prompt"] == "blurry, caf\u00e9 \u2615"
+
+
+def test_the_image_client_answers_an_unsendable_request_with_its_error_and_sends_nothing():
+    with ImageSession("127.0.0.1:1", "text_to_image") as session:  # nothing listens there
+        result = session.generate({"prompt": "a cat", "negative_prompt": "a\0b"}, "r")
+    assert not result.ok and result.error.startswith("negative_prompt: contains a NUL"), result.error
+    assert not session._streaming  # no stream was opened
