@@ -39,6 +39,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_common, also when loaded by file path
 
+import artefacts  # noqa: E402
 from bench_common import (  # noqa: E402
     MIXED_GUIDANCE,
     MIXED_STEPS,
@@ -767,7 +768,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.sweep:
         report["sweep"] = run_sweep(args, model, weights, size_edits, requests, top)
 
-    (args.out / "bench.json").write_text(json.dumps(report, indent=2))
+    artefacts.write(args.out / "bench.json", report)
     (args.out / "bench.md").write_text(markdown(report))
     write_plot([r for r in runs if r.traffic == "homogeneous"], args.out / "bench.png")
     print(markdown(report))

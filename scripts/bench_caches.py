@@ -1,44 +1,49 @@
 """Step caches per request on the step engine, in one process: the same traffic with no cache, First Block
-Cache at two thresholds and TaylorSeer, side by side (``bench_engines.py --step-cache`` runs this).
+Cache at two thresholds and TaylorSeer, alternating within one run (``bench_engines.py --step-cache`` runs
+this).
 
-For each variant, on the same requests (each with that ``step_cache``):
-  closed    a closed loop at --concurrency: throughput, mean and p95 latency
-  poisson   an open loop at --load of the uncached run's throughput (the same arrival times for every
-            variant): mean and p95 latency
-  reuse     the fraction of denoiser row-steps served from the caches
-  overhead  (FBC) the cached forwards' time against their ideal: what always runs (a forward of the same
-            jobs with every row reusing: the first block, embeddings, output layers, scheduler steps)
-            plus the rest of an uncached forward in proportion to the rows that computed (both measured
-            here per number of jobs); the per-row machinery (gathering rows, the per-branch decision)
-            is what is above it
+Each of --rounds rounds runs every variant on the same requests (each with that ``step_cache``), the order
+rotated from round to round so that a drift of the machine hits every variant alike:
+  closed    a closed loop at --concurrency: throughput, mean and p95 latency, the share of denoiser
+            row-steps served from the caches, and every forward's time by (jobs, rows, rows reused)
+  poisson   an open loop at --load of round 1's uncached closed throughput (the same arrival times for
+            every variant and round): mean and p95 latency
+  probe     (closed, not a variant) ``fbc:1.0``, whose forwards mostly reuse every row: what a forward of
+            k jobs costs when every row skips the blocks after the first
+
+The FBC overhead of a round is measured against that round's own forwards only. The ideal of a cached
+forward of k jobs is ``head(k) + (full(k) - head(k)) x rows computed / rows``, with ``full(k)`` the median
+uncached forward of k jobs of the round's ``none`` run and ``head(k)`` the median of the probe's forwards of
+k jobs that reused every row; so a forward that reuses nothing has for its ideal exactly what the same
+round's uncached forwards took. The overhead is the cached run's forwards (the median of each (jobs, rows,
+reused) group, weighted by its count) over their ideal; forwards of a job count that the round's ``none``
+or probe run never ran are left out (and counted). The artefact keeps every round; its ``summary`` gives
+the median over rounds and the spread (min-max), and ``verdicts`` read each figure against the noise:
+a value whose rounds straddle the neutral value, or that lies within the round-to-round spread of the
+uncached baseline itself, is "within noise", never a gain or a loss.
 
 Random weights say nothing about quality, and little about how often a real model reuses: the reuse
-fractions here are the tiny model's. Works on CPU (``flux-bench`` at 128x128) and on a GPU (bf16).
+fractions here are the tiny model's. Works on CPU (``flux-bench`` at 128x128) and on a GPU (bf16). The
+artefact (``<out>/bench_caches.json``, ``scripts/artefacts.py``) is rewritten after every measured run, so a
+run cut short keeps what it measured; ``scripts/tables/caches.py`` renders it.
 
-    .venv/bin/python scripts/bench_caches.py --out bench_results/caches
+    .venv/bin/python scripts/bench_caches.py --requests 32 --rounds 3 --out docs/cpu/caches
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
-import time
+from collections import defaultdict
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_common import (  # noqa: E402
-    REPO_ROOT,
-    Traffic,
-    machine_description,
-    mean,
-    percentile,
-    poisson_arrivals,
-)
+from artefacts import provenance, read, write  # noqa: E402
+from bench_common import REPO_ROOT, Traffic, mean, percentile, poisson_arrivals  # noqa: E402
 from bench_engines import Bench, Recorder, sync  # noqa: E402
 
 from triton_diffusion.engine.jobs import StepReport  # noqa: E402
@@ -48,6 +53,25 @@ from triton_diffusion.tiny_models import ARCHITECTURES  # noqa: E402
 # FBC starts to reuse at about 0.7 (a trained FLUX.1 at 0.05-0.12), so these thresholds are the random
 # model's, chosen to reuse some and most steps.
 VARIANTS = ("none", "fbc:0.7", "fbc:0.9", "taylorseer:4:2")
+PROBE = "fbc:1.0"  # the highest threshold: from its second step a job reuses whenever its residual allows
+
+NOTES = [
+    "Every round runs every variant (closed loop, then Poisson) in an order rotated from round to round; "
+    "summary figures are the median over rounds with min and max.",
+    "FBC overhead: the cached run's forwards over their ideal, head(k) + (full(k) - head(k)) x computed "
+    "rows / rows, with full(k) the same round's median uncached forward of k jobs (the none run) and "
+    "head(k) the same round's median forward of k jobs that reused every row (the fbc:1.0 probe); medians "
+    "per (jobs, rows, reused) group, weighted by count. A forward that reuses nothing has exactly the "
+    "round's uncached forward for its ideal, so the ideal is never below what an uncached forward took.",
+    "Noise: a figure whose rounds straddle its neutral value (0 for an overhead, 1 for a ratio), or that "
+    "lies within the round-to-round spread (half the min-max range, relative to the median) of the "
+    "baseline it is compared with, reads 'within noise', never as a gain or a loss.",
+    "The ideal charges the computing rows their proportional share of an uncached forward; where a "
+    "forward of fewer rows costs more per row (a CPU's fixed per-layer cost), that share is a lower bound, "
+    "so the overhead holds that as well as the per-row machinery (gathering, the per-branch decision).",
+    "Random weights: the reuse fractions are the tiny model's and say nothing about a trained model's, or "
+    "about quality.",
+]
 
 
 class CacheRecorder(Recorder):
@@ -86,44 +110,171 @@ def run(bench: Bench, variant: str, requests: list[dict], traffic: Traffic) -> d
     }
 
 
-def forward_costs(bench: Bench, steps: int, repeats: int = 5) -> dict[int, dict[str, float]]:
-    """Median seconds of one forward of k jobs uncached (``full``) and with every row reusing its First
-    Block Cache (``head``: the first block, and the machinery around it)."""
-    costs: dict[int, dict[str, float]] = {}
-    adapter = bench.adapter
-    for jobs_count in range(1, bench.cap + 1):
-        full, head = [], []
-        for cache, times in (("none", full), ("fbc:1.0", head)):
-            jobs = [
-                bench.job(i, {**bench.request(i, steps, 3.5), "step_cache": cache}, "step")
-                for i in range(jobs_count)
-            ]
-            for job, start in zip(jobs, adapter.prepare(jobs), strict=True):
-                job.begin(start)
-            adapter.step(jobs)  # the first step computes and fills each job's cache
-            for job in jobs:
-                job.steps_done = 1
-            for _ in range(repeats):
-                sync(bench.device)
-                started = time.perf_counter()
-                adapter.step(jobs)  # fbc:1.0 reuses every row from the second step on
-                sync(bench.device)
-                times.append(time.perf_counter() - started)
-        costs[jobs_count] = {"full": statistics.median(full), "head": statistics.median(head)}
-    return costs
+# ---- the same round's forwards: groups, the baseline and the overhead ---------------------------------
 
 
-def overhead(forwards: list[tuple[int, int, int, float]], costs: dict[int, dict[str, float]]) -> float | None:
-    """The cached forwards' time over their ideal: what always runs (``head``: the same jobs with every row
-    reusing) plus the rest of an uncached forward (``full - head``) in proportion to the rows computed."""
-    cached = [f for f in forwards if f[2]]
-    if not cached:
+def forward_groups(forwards: list[tuple[int, int, int, float]]) -> list[dict]:
+    """A run's forwards by (jobs, rows, rows reused): count and median, min and max milliseconds."""
+    groups: dict[tuple[int, int, int], list[float]] = defaultdict(list)
+    for jobs, rows, reused, seconds in forwards:
+        groups[jobs, rows, reused].append(seconds * 1000)
+    return [
+        {"jobs": jobs, "rows": rows, "reused": reused, "count": len(times),
+         "median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times)}
+        for (jobs, rows, reused), times in sorted(groups.items())
+    ]  # fmt: skip
+
+
+def pooled_median(groups: list[dict], jobs: int, keep) -> tuple[float | None, int]:
+    """The median forward time (ms) of ``jobs`` jobs over the groups ``keep`` accepts, each group's median
+    weighted by its count (a weighted median of the group medians), and how many forwards that is."""
+    points = sorted((g["median_ms"], g["count"]) for g in groups if g["jobs"] == jobs and keep(g))
+    total = sum(count for _, count in points)
+    if not total:
+        return None, 0
+    seen = 0
+    for value, count in points:
+        seen += count
+        if seen * 2 >= total:
+            return value, total
+    return points[-1][0], total
+
+
+def baseline(none_groups: list[dict], probe_groups: list[dict]) -> dict[str, dict]:
+    """Per job count: ``full_ms``, the median uncached forward (the none run); ``head_ms``, the median
+    forward whose rows all reused (the probe); and their counts."""
+    out: dict[str, dict] = {}
+    for jobs in sorted({g["jobs"] for g in none_groups}):
+        full, full_n = pooled_median(none_groups, jobs, lambda g: g["reused"] == 0)
+        head, head_n = pooled_median(probe_groups, jobs, lambda g: g["reused"] == g["rows"])
+        if full is not None:
+            out[str(jobs)] = {"full_ms": full, "full_n": full_n, "head_ms": head, "head_n": head_n}
+    return out
+
+
+def overhead(groups: list[dict], base: dict[str, dict]) -> dict:
+    """The cached run's forwards over their ideal (see the module's docstring), with the forwards covered
+    and those left out for want of a baseline of their job count."""
+    actual = ideal = 0.0
+    covered = left_out = 0
+    for g in groups:
+        cost = base.get(str(g["jobs"]))
+        if cost is None or cost["head_ms"] is None:
+            left_out += g["count"]
+            continue
+        full, head = cost["full_ms"], cost["head_ms"]
+        ideal += g["count"] * (head + (full - head) * (g["rows"] - g["reused"]) / g["rows"])
+        actual += g["count"] * g["median_ms"]
+        covered += g["count"]
+    value = actual / ideal - 1 if ideal else None
+    return {"overhead": value, "forwards": covered, "forwards_without_baseline": left_out}
+
+
+# ---- rounds into a summary and verdicts ---------------------------------------------------------------
+
+
+def spread(values: list[float | None]) -> dict | None:
+    present = [v for v in values if v is not None]
+    if not present:
         return None
-    ideal = 0.0
-    for jobs, rows, reused, _ in cached:
-        cost = costs[jobs]
-        ideal += cost["head"] + (cost["full"] - cost["head"]) * (rows - reused) / rows
-    return sum(f[3] for f in cached) / ideal - 1
+    return {"median": statistics.median(present), "min": min(present), "max": max(present),
+            "rounds": values}  # fmt: skip
+
+
+def relative_half_range(summary: dict | None) -> float | None:
+    """Half the min-max range relative to the median: how far one round of a figure moves; None for one
+    round."""
+    if not summary or len(summary["rounds"]) < 2 or not summary["median"]:
+        return None
+    return (summary["max"] - summary["min"]) / 2 / abs(summary["median"])
+
+
+def verdict(summary: dict | None, neutral: float, noise: float | None, kind: str, words=("", "")) -> str:
+    """How a figure over rounds reads: ``kind`` "overhead" (neutral 0, shown as a percentage) or "ratio"
+    (neutral 1, shown as a factor; ``words`` name a ratio above and below 1). Within noise when its rounds
+    straddle ``neutral`` or it lies within ``noise`` (relative) of it; one round has no spread to judge by."""
+    if summary is None:
+        return "not measured"
+
+    def show(value: float) -> str:
+        return f"{value + 0.0:+.0%}".replace("-0%", "+0%") if kind == "overhead" else f"{value:.2f}x"
+
+    value, low, high = summary["median"], summary["min"], summary["max"]
+    if len(summary["rounds"]) < 2:
+        return f"{show(value)} (one round: no spread measured, not a finding)"
+    margin = noise or 0.0
+    span = f"rounds {show(low)} to {show(high)}, baseline noise ±{margin:.0%}"
+    distance = value - neutral if kind == "overhead" else value / neutral - 1
+    if low <= neutral <= high or abs(distance) <= margin:
+        return f"{show(value)} ({span}: within noise)"
+    if kind == "overhead":
+        if value < neutral:
+            return f"{show(value)} ({span}: below its ideal beyond noise: the ideal is not a floor, check it)"
+        return f"{show(value)} ({span}: above its ideal)"
+    return f"{show(value)} ({span}: {words[0] if value > neutral else words[1]})"
+
+
+def summarize(report: dict) -> None:
+    """``summary`` and ``verdicts`` from the rounds so far (called after every measured run)."""
+    variants = report["config"]["variants"]
+    rounds = report["rounds"]
+    closed: dict[str, dict] = {}
+    for variant in variants:
+        done = [r["closed"][variant] for r in rounds if variant in r["closed"]]
+        ratios = [
+            r["closed"][variant]["images_per_s"] / r["closed"]["none"]["images_per_s"]
+            for r in rounds
+            if variant in r["closed"] and "none" in r["closed"]
+        ]
+        closed[variant] = {
+            key: spread([d[key] for d in done])
+            for key in ("images_per_s", "latency_mean_s", "latency_p95_s", "reused_fraction")
+        } | {"vs_none": spread(ratios)}
+        overheads = [r["overhead"][variant]["overhead"] for r in rounds if variant in r.get("overhead", {})]
+        closed[variant]["overhead"] = spread(overheads) if overheads else None
+    poisson: dict[str, dict] = {}
+    for variant in variants:
+        done = [r["poisson"][variant] for r in rounds if variant in r["poisson"]]
+        p95_ratio = [
+            r["poisson"][variant]["latency_p95_s"] / r["poisson"]["none"]["latency_p95_s"]
+            for r in rounds
+            if variant in r["poisson"] and "none" in r["poisson"]
+        ]
+        poisson[variant] = {
+            key: spread([d[key] for d in done]) for key in ("latency_mean_s", "latency_p95_s")
+        }
+        poisson[variant]["p95_vs_none"] = spread(p95_ratio)
+    # The uncached baseline's own noise: its median forward at the most common job count, and its
+    # closed-loop throughput, from round to round.
+    top = max((int(k) for r in rounds for k in r.get("baseline", {})), default=None)
+    full = spread([r["baseline"][str(top)]["full_ms"] for r in rounds if str(top) in r.get("baseline", {})])
+    noise = {
+        "uncached_forward": relative_half_range(full),
+        "uncached_images_per_s": relative_half_range(closed.get("none", {}).get("images_per_s")),
+        "uncached_poisson_p95": relative_half_range(poisson.get("none", {}).get("latency_p95_s")),
+        "uncached_forward_jobs": top,
+    }
+    verdicts = {}
+    for variant in variants[1:]:
+        if closed[variant]["overhead"] is not None:
+            verdicts[f"{variant} overhead over its same-round ideal"] = verdict(
+                closed[variant]["overhead"], 0.0, noise["uncached_forward"], "overhead"
+            )
+        verdicts[f"{variant} closed-loop images/s vs none"] = verdict(
+            closed[variant]["vs_none"], 1.0, noise["uncached_images_per_s"], "ratio", ("faster", "slower")
+        )
+        verdicts[f"{variant} Poisson p95 vs none"] = verdict(
+            poisson[variant]["p95_vs_none"],
+            1.0,
+            noise["uncached_poisson_p95"],
+            "ratio",
+            ("higher p95: worse", "lower p95: better"),
+        )
+    report["summary"] = {"closed": closed, "poisson": poisson, "noise": noise}
+    report["verdicts"] = verdicts
+
+
+# ---- the run ------------------------------------------------------------------------------------------
 
 
 def full_size_flux1(bench: Bench, device: str, dtype: torch.dtype) -> None:
@@ -156,26 +307,9 @@ def full_size_flux1(bench: Bench, device: str, dtype: torch.dtype) -> None:
     )
 
 
-def markdown(report: dict) -> str:
-    lines = [
-        f"Step caches per request ({report['machine']}), {report['arch']} {report['size']}, "
-        f"{report['steps']} steps, {report['requests']} requests; closed loop at c={report['concurrency']}, "
-        f"Poisson at {report['load']:.0%} of the uncached throughput.",
-        "",
-        "| variant | closed images/s | vs none | mean s | p95 s | Poisson mean s | Poisson p95 s | reused "
-        "| overhead over ideal |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    base = report["closed"][0]["images_per_s"]
-    for closed, poisson in zip(report["closed"], report["poisson"], strict=True):
-        extra = closed.get("overhead")
-        lines.append(
-            f"| {closed['variant']} | {closed['images_per_s']:.2f} | {closed['images_per_s'] / base:.2f}x "
-            f"| {closed['latency_mean_s']:.2f} | {closed['latency_p95_s']:.2f} "
-            f"| {poisson['latency_mean_s']:.2f} | {poisson['latency_p95_s']:.2f} "
-            f"| {closed['reused_fraction']:.0%} | {'-' if extra is None else f'{extra:+.0%}'} |"
-        )
-    return "\n".join(lines) + "\n"
+def rotated(items: list[str], round_index: int) -> list[str]:
+    shift = round_index % len(items)
+    return items[shift:] + items[:shift]
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -183,7 +317,7 @@ def main(argv: list[str] | None = None) -> dict:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--arch", choices=sorted(ARCHITECTURES), default="flux-bench")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help="step_cache values, 'none' first")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="step_cache values ('none' is added)")
     parser.add_argument("--height", type=int, default=128)
     parser.add_argument("--width", type=int, default=128)
     parser.add_argument("--steps", type=int, default=20)
@@ -191,6 +325,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--requests", type=int, default=24)
     parser.add_argument("--load", type=float, default=0.8)
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of every variant, order rotated")
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument(
         "--flux1-size",
@@ -199,8 +335,22 @@ def main(argv: list[str] | None = None) -> dict:
         "device) in place of the loaded one, over its text encoders and VAE (a GPU's step-cache figures)",
     )
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench_results" / "caches")
+    parser.add_argument(
+        "--summarize-only",
+        action="store_true",
+        help="measure nothing: recompute <out>/bench_caches.json's summary and verdicts from its rounds",
+    )
     args = parser.parse_args(argv)
-    variants = args.variants.split(",")
+    path = args.out / "bench_caches.json"
+    if args.summarize_only:
+        report = read(path)
+        summarize(report)
+        report["summary_recomputed"] = provenance()["date"]
+        write(path, report)
+        return report
+    variants = ["none", *(v for v in args.variants.split(",") if v and v != "none")]
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(
         args.dtype, torch.bfloat16 if device == "cuda" else torch.float32
@@ -209,38 +359,78 @@ def main(argv: list[str] | None = None) -> dict:
     if args.flux1_size:
         full_size_flux1(bench, device, dtype)
     requests = [bench.request(i, args.steps, 3.5) for i in range(args.requests)]
-    print("warm-up and forward costs", flush=True)
-    costs = forward_costs(bench, args.steps)
+    print("warm-up", flush=True)
+    warm = requests[: max(1, args.concurrency)]
+    for variant in ("none", PROBE):
+        run(bench, variant, warm, Traffic(warm, concurrency=args.concurrency))
     report: dict = {
-        "machine": machine_description(f"{torch.get_num_threads()} torch threads", device),
-        "arch": args.arch,
-        "size": f"{args.width}x{args.height}",
-        "steps": args.steps,
-        "requests": args.requests,
-        "concurrency": args.concurrency,
-        "load": args.load,
-        "forward_costs": costs,
-        "closed": [],
-        "poisson": [],
+        "benchmark": "bench_caches",
+        "config": {
+            "arch": args.arch + (" (FLUX.1 transformer at full size)" if args.flux1_size else ""),
+            "size": f"{args.width}x{args.height}",
+            "steps": args.steps,
+            "requests": args.requests,
+            "cap": args.cap,
+            "concurrency": args.concurrency,
+            "load": args.load,
+            "rounds": args.rounds,
+            "variants": variants,
+            "probe": PROBE,
+            "device": device,
+            "dtype": str(dtype).removeprefix("torch."),
+            "torch_threads": torch.get_num_threads(),
+        },
+        "notes": NOTES,
+        "poisson_rate": None,
+        "rounds": [],
+        "complete": False,
+        "provenance": provenance(),
     }
-    for variant in variants:
-        result = run(bench, variant, requests, Traffic(requests, concurrency=args.concurrency))
-        forwards = result.pop("forwards")  # the ideal is FBC's (skipped blocks), not TaylorSeer's (attention)
-        result["overhead"] = overhead(forwards, costs) if variant.startswith("fbc") else None
-        report["closed"].append(result)
-        images, reused = result["images_per_s"], result["reused_fraction"]
-        print(f"  closed {variant}: {images:.2f} images/s, reused {reused:.0%}", flush=True)
-    rate = args.load * report["closed"][0]["images_per_s"]
-    arrivals = poisson_arrivals(len(requests), rate, seed=1)
-    for variant in variants:
-        result = run(bench, variant, requests, Traffic(requests, arrivals=arrivals, warm_up_fraction=0.1))
-        result.pop("forwards")
-        report["poisson"].append(result)
-        print(f"  poisson {variant}: p95 {result['latency_p95_s']:.2f} s", flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "bench_caches.json").write_text(json.dumps(report, indent=2, default=str))
-    (args.out / "bench_caches.md").write_text(markdown(report))
-    print(markdown(report))
+
+    def save() -> None:
+        summarize(report)
+        write(path, report)
+
+    closed_order = [*variants, PROBE]
+    for round_index in range(args.rounds):
+        entry: dict = {"round": round_index + 1, "closed_order": rotated(closed_order, round_index)}
+        entry |= {"closed": {}, "probe": None, "baseline": {}, "overhead": {}, "poisson": {}}
+        report["rounds"].append(entry)
+        groups: dict[str, list[dict]] = {}
+        for variant in entry["closed_order"]:
+            result = run(bench, variant, requests, Traffic(requests, concurrency=args.concurrency))
+            groups[variant] = forward_groups(result.pop("forwards"))
+            result["forward_groups"] = groups[variant]
+            if variant == PROBE:
+                entry["probe"] = result
+            else:
+                entry["closed"][variant] = result
+            print(f"  round {round_index + 1} closed {variant}: {result['images_per_s']:.2f} images/s, "
+                  f"reused {result['reused_fraction']:.0%}", flush=True)  # fmt: skip
+            if "none" in groups and PROBE in groups:
+                entry["baseline"] = baseline(groups["none"], groups[PROBE])
+                for name in variants:  # the ideal is FBC's (skipped blocks), not TaylorSeer's (attention)
+                    if name.startswith("fbc") and name in groups:
+                        entry["overhead"][name] = overhead(groups[name], entry["baseline"])
+            save()
+        if report["poisson_rate"] is None:
+            report["poisson_rate"] = args.load * entry["closed"]["none"]["images_per_s"]
+        arrivals = poisson_arrivals(len(requests), report["poisson_rate"], seed=1)
+        entry["poisson_order"] = rotated(variants, round_index)
+        for variant in entry["poisson_order"]:
+            traffic = Traffic(requests, arrivals=arrivals, warm_up_fraction=0.1)
+            result = run(bench, variant, requests, traffic)
+            result.pop("forwards")
+            entry["poisson"][variant] = result
+            print(
+                f"  round {round_index + 1} poisson {variant}: p95 {result['latency_p95_s']:.2f} s",
+                flush=True,
+            )
+            save()
+    report["complete"] = True  # every planned run measured (gpu_checks reads a cut one's rows as kept)
+    save()
+    for label, text in report["verdicts"].items():
+        print(f"{label}: {text}")
     return report
 
 

@@ -14,7 +14,6 @@ dllm_bench.md and dllm_bench.png to --out.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import tempfile
@@ -25,6 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_common, also when loaded by file path
 
+import artefacts  # noqa: E402
 from bench_common import (  # noqa: E402
     PROMPTS,
     REPO_ROOT,
@@ -311,7 +311,7 @@ def main(argv: list[str] | None = None) -> None:
         "engine_ceiling": ceiling,
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "dllm_bench.json").write_text(json.dumps(report, indent=2))
+    artefacts.write(args.out / "dllm_bench.json", report)
     (args.out / "dllm_bench.md").write_text(markdown(report))
     write_plot(runs, args.out / "dllm_bench.png", "tokens_per_s", "tokens/s", "concurrent clients")
     print(markdown(report))

@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import io
-import json
 import random
 import statistics
 import sys
@@ -46,6 +45,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_common, also when loaded by file path
 
+import artefacts  # noqa: E402
 from bench_common import (  # noqa: E402
     DELIVERED_TARGET,
     MIXED_GUIDANCE,
@@ -894,7 +894,7 @@ def main(argv: list[str] | None = None) -> None:
     report["ratios"] = ratios(report)
     report["runs"] = [r.__dict__ for r in report["runs"]]
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "bench_engines.json").write_text(json.dumps(report, indent=2))
+    artefacts.write(args.out / "bench_engines.json", report)
     (args.out / "bench_engines.md").write_text(markdown(report))
     print(markdown(report))
 

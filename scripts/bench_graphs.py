@@ -22,7 +22,6 @@ only, as a smoke run. Medians of --repeats after a warm-up.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -32,6 +31,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import artefacts  # noqa: E402
 from bench_common import REPO_ROOT  # noqa: E402
 from bench_engines import Bench, sync, timed_median  # noqa: E402
 
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
         report["replays"] = graphs.replays
         adapter.captured = None
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "bench_graphs.json").write_text(json.dumps(report, indent=2))
+    artefacts.write(args.out / "bench_graphs.json", report)
     (args.out / "bench_graphs.md").write_text(markdown(report))
     print(markdown(report))
 

@@ -25,7 +25,6 @@ alone, the largest uint8 difference (and how far the adapters move the image, so
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -36,6 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import artefacts  # noqa: E402
 from bench_common import PROMPTS, REPO_ROOT, machine_description  # noqa: E402
 from bench_engines import Channel  # noqa: E402
 
@@ -104,20 +104,42 @@ def run_batch(
     return time.perf_counter() - started, forwards
 
 
-def measure(model: TextToImageModel, args, batches: list[list[str | None]]) -> dict:
-    """Median over repeats of running ``batches`` one after another."""
-    runs = []
+def measure_alternated(variants: dict[str, tuple[TextToImageModel, list]], args) -> dict[str, dict]:
+    """Each variant's batches run once per round, the variants one after another in an order rotated
+    every round (a machine whose speed drifts favours none); a warm-up round first. Per variant: the
+    median round's throughput and each round's seconds (the ratios' spread comes from them)."""
+    names = list(variants)
+    rounds: dict[str, list[tuple[float, int]]] = {name: [] for name in names}
     for repeat in range(args.repeats + 1):
-        seconds, forwards = 0.0, 0
-        for adapters in batches:
-            s, f = run_batch(model, args, adapters)
-            seconds, forwards = seconds + s, forwards + f
-        if repeat:  # the first is a warm-up
-            runs.append((seconds, forwards))
-    seconds = statistics.median(s for s, _ in runs)
-    forwards = runs[0][1]
-    images = sum(len(b) for b in batches)
-    return {"images_per_s": images / seconds, "step_ms": 1000 * seconds / forwards, "forwards": forwards}
+        order = names[repeat % len(names) :] + names[: repeat % len(names)]
+        for name in order:
+            model, batches = variants[name]
+            seconds, forwards = 0.0, 0
+            for adapters in batches:
+                s, f = run_batch(model, args, adapters)
+                seconds, forwards = seconds + s, forwards + f
+            if repeat:  # the first round is a warm-up
+                rounds[name].append((seconds, forwards))
+    results = {}
+    for name in names:
+        images = sum(len(b) for b in variants[name][1])
+        seconds = statistics.median(s for s, _ in rounds[name])
+        forwards = rounds[name][0][1]
+        results[name] = {
+            "images_per_s": images / seconds,
+            "step_ms": 1000 * seconds / forwards,
+            "forwards": forwards,
+            "round_seconds": [s for s, _ in rounds[name]],
+        }
+    return results
+
+
+def ratio_spread(results: dict[str, dict], a: str, b: str) -> tuple[float, float, float]:
+    """Throughput a / b: the ratio of the medians, and the lowest and highest of the per-round ratios."""
+    per_round = [
+        sb / sa for sa, sb in zip(results[a]["round_seconds"], results[b]["round_seconds"], strict=True)
+    ]
+    return results[a]["images_per_s"] / results[b]["images_per_s"], min(per_round), max(per_round)
 
 
 def exactness(model: TextToImageModel, args, paths: dict[str, str]) -> dict:
@@ -187,15 +209,16 @@ def main(argv: list[str] | None = None) -> None:
     base = load_model(args.arch, None, args.rows, args.device, args.dtype)
     adapted = load_model(args.arch, paths, args.rows, args.device, args.dtype)
     rows = range(args.rows)
-    results = {
-        "none": measure(base, args, [[None] * args.rows]),
-        "unused": measure(adapted, args, [[None] * args.rows]),
+    variants: dict[str, tuple[TextToImageModel, list]] = {
+        "none": (base, [[None] * args.rows]),
+        "unused": (adapted, [[None] * args.rows]),
     }
     for k in (int(x) for x in args.distinct.split(",")):
         mixed = [f"{names[i % k]}:1.0" for i in rows]
-        results[f"mixed-{k}"] = measure(adapted, args, [mixed])
+        variants[f"mixed-{k}"] = (adapted, [mixed])
         groups = [[a for a in mixed if a == f"{names[j]}:1.0"] for j in range(k)]
-        results[f"split-{k}"] = measure(adapted, args, [g for g in groups if g])
+        variants[f"split-{k}"] = (adapted, [g for g in groups if g])
+    results = measure_alternated(variants, args)
     lines = [
         f"# LoRA mixing: {args.arch} {args.width}x{args.height}, {args.rows} rows x {args.steps} steps, "
         f"rank {args.rank}, {args.device} {base.adapter.dtype}",
@@ -207,16 +230,14 @@ def main(argv: list[str] | None = None) -> None:
     ]
     for name, r in results.items():
         lines.append(f"| {name} | {r['images_per_s']:.2f} | {r['step_ms']:.1f} | {r['forwards']} |")
-    ratios = {}
+    pairs = [("unused", "none")]
     for k in (int(x) for x in args.distinct.split(",")):
-        ratios[f"mixed-{k} / none"] = results[f"mixed-{k}"]["images_per_s"] / results["none"]["images_per_s"]
-        ratios[f"mixed-{k} / split-{k}"] = (
-            results[f"mixed-{k}"]["images_per_s"] / results[f"split-{k}"]["images_per_s"]
-        )
-    ratios["unused / none"] = results["unused"]["images_per_s"] / results["none"]["images_per_s"]
+        pairs += [(f"mixed-{k}", "none"), (f"mixed-{k}", f"split-{k}")]
+    spreads = {f"{a} / {b}": ratio_spread(results, a, b) for a, b in pairs}
+    ratios = {name: value for name, (value, _, _) in spreads.items()}
     lines += ["", "| ratio (throughput) | value | target |", "|---|---|---|"]
     targets = {"mixed-4 / none": ">= 0.8", "mixed-4 / split-4": ">= 1.5"}
-    lines += [f"| {name} | {value:.2f} | {targets.get(name, '')} |" for name, value in ratios.items()]
+    lines += [f"| {name} | {value:.2f} | {targets.get(name, '-')} |" for name, value in ratios.items()]
     bound = exactness(adapted, args, paths) if args.exactness else None
     if bound is not None:
         lines += [
@@ -229,10 +250,20 @@ def main(argv: list[str] | None = None) -> None:
     text = "\n".join(lines)
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"lora_{args.arch}_{args.device.split(':')[0]}"
-    (args.out / f"{stem}.md").write_text(text + "\n")
-    (args.out / f"{stem}.json").write_text(
-        json.dumps({"results": results, "ratios": ratios, "exactness": bound}, indent=2)
+    artefacts.write(
+        args.out / "bench_lora.json",
+        {
+            "arch": args.arch,
+            "size": f"{args.width}x{args.height}",
+            "rows": args.rows,
+            "steps": args.steps,
+            "rank": args.rank,
+            "repeats": args.repeats,
+            "results": results,
+            "ratios": {name: [value, targets.get(name, "-")] for name, value in ratios.items()},
+            "round_spread": {name: [low, high] for name, (_, low, high) in spreads.items()},
+            "exactness": bound,
+        },
     )
 
 

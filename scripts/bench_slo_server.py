@@ -10,17 +10,21 @@ Variants on the same Poisson arrivals, at --loads of the request-level copy's ca
   oldest   the step engine; the same requests without tier or timeout (first come, first served)
   request  ``engine: request`` (fused calls in arrival order; it enforces neither tiers nor deadlines)
 
-Per class: mean and p95 latency from each request's scheduled arrival, SLO attainment at scales 1.5, 2
-and 3 of its latency alone (refused and expired requests count as missed), background throughput,
-refusals and how long they took to arrive, preemptions (from the server's metrics).
+Latency runs from each request's scheduled arrival. The figures are bench_slo.py's (``class_report``):
+every offered request counts, a refused, expired or failed one as a miss in attainment and goodput and
+as infinitely late in the p95 over offered requests, beside the p95 over the answered ones only; plus
+preemptions (from the server's metrics) and the steady-state check. --rounds rounds per load, the order of
+the variants rotated from round to round; the artefact (``<out>/bench_slo_server.json``, written with
+``scripts/artefacts.py`` after every measured run) keeps every round with bench_slo.py's ``summary`` and
+``verdicts``; ``scripts/tables/slo.py`` (``render_server``) renders it.
 
-    .venv/bin/python scripts/bench.py --slo --out bench_results/slo_server
+    .venv/bin/python scripts/bench.py --slo --slo-args "--requests 200 --loads 0.9,1.1,3.0" \
+        --out bench_results/slo_server
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
@@ -31,8 +35,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_common import REPO_ROOT, machine_description, metric_delta, poisson_arrivals  # noqa: E402
-from bench_slo import Item, class_report  # noqa: E402
+from artefacts import provenance, write  # noqa: E402
+from bench_common import REPO_ROOT, metric_delta, poisson_arrivals  # noqa: E402
+from bench_slo import NOTES, Item, class_report, progress, summarize_rounds  # noqa: E402
 from triton_diffusion_client import GenerateResult, generate_one  # noqa: E402
 
 from triton_diffusion.serving.server_process import copy_model, read_metrics, start_server  # noqa: E402
@@ -88,19 +93,20 @@ def run(url: str, model: str, items: list[Item], arrivals: list[float], variant:
     for thread in threads:
         thread.join()
     measured = list(range(int(len(items) * WARM_UP_FRACTION), len(items)))
-    spans, left, refusals = {}, {}, {}
+    spans, left, refusals, ends = {}, {}, {}, []
     for i in measured:
         result = results[i]
         took = result.latency_s + late[i]
+        ends.append(arrivals[i] + took)
         if result.ok:
             spans[i] = (arrivals[i], arrivals[i] + took)
         else:
             left[i] = why_left(result)
             if left[i] == "refused":
                 refusals[i] = took
-    return {"measured": measured, "spans": spans, "left": left, "refusals": refusals}, sum(
-        r is not None and not r.ok and why_left(r) == "failed" for r in results
-    )
+    window = max(ends) - min(arrivals[i] for i in measured) if measured else 0.0
+    outcome = {"measured": measured, "spans": spans, "left": left, "refusals": refusals, "window": window}
+    return outcome, sum(r is not None and not r.ok and why_left(r) == "failed" for r in results)
 
 
 def alone_latency(url: str, model: str, steps: int, size, repeats: int = 5) -> float:
@@ -147,6 +153,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--background-steps", default="16-30")
     parser.add_argument("--deadline-scale", type=float, default=2.0)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=1, help="runs per variant and load, order rotated")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench_results" / "slo_server")
     args = parser.parse_args(argv)
     weights = REPO_ROOT / "weights"
@@ -162,17 +169,15 @@ def main(argv: list[str] | None = None) -> dict:
             copy_model("text_to_image", repo, f"slo_{variant}", configs[variant])
         server = start_server(repo, Path(tmp) / "tritonserver.log", [f"slo_{v}" for v in VARIANTS])
         try:
-            report = measure(server, args, size)
+            report = measure(server, args, size, args.out / "bench_slo_server.json")
         finally:
             server.stop()
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "bench_slo_server.json").write_text(json.dumps(report, indent=2))
-    (args.out / "bench_slo_server.md").write_text(markdown(report))
-    print(markdown(report))
+    for label, text in report.get("verdicts", {}).items():
+        print(f"{label}: {text}")
     return report
 
 
-def measure(server, args: argparse.Namespace, size: tuple[int, int]) -> dict:
+def measure(server, args: argparse.Namespace, size: tuple[int, int], path: Path) -> dict:
     url = server.grpc_url
     for variant in VARIANTS:  # warm: the step engines' estimates start from measured forwards
         for i in range(2):
@@ -185,45 +190,57 @@ def measure(server, args: argparse.Namespace, size: tuple[int, int]) -> dict:
     cap_rate = capacity(url, "slo_request", items, args.cap)
     print(f"alone {alone:.3f} s, request-level capacity {cap_rate:.2f} req/s", flush=True)
     report: dict = {
-        "machine": machine_description("through tritonserver, gRPC"),
-        "arch": args.arch,
-        "size": f"{args.width}x{args.height}",
-        "interactive_steps": args.interactive_steps,
-        "background_steps": args.background_steps,
-        "interactive_share": share,
+        "benchmark": "bench_slo_server",
+        "config": {
+            "arch": args.arch,
+            "size": f"{args.width}x{args.height}",
+            "cap": args.cap,
+            "requests": args.requests,
+            "interactive_steps": args.interactive_steps,
+            "background_steps": args.background_steps,
+            "interactive_share": share,
+            "deadline_scale": args.deadline_scale,
+            "rounds": args.rounds,
+            "variants": list(VARIANTS),
+            "warm_up_fraction": WARM_UP_FRACTION,
+            "through": "tritonserver, gRPC, the project's client (one thread per request)",
+        },
         "interactive_alone_s": alone,
-        "deadline_scale": args.deadline_scale,
+        "deadline_s": slo_s,
         "capacity": cap_rate,
         "loads": [float(x) for x in args.loads.split(",")],
-        "runs": {},
-    }
+        "notes": [*NOTES, "Through the server: alone and capacity are measured through it; 'failed' counts "
+                  "requests that ended with any other error (none expected)."],
+        "rounds": [],
+        "complete": False,
+        "provenance": provenance(),
+    }  # fmt: skip
     for load in report["loads"]:
         arrivals = poisson_arrivals(len(items), load * cap_rate, args.seed)
-        runs = []
-        for variant in VARIANTS:
-            model = f"slo_{variant}"
-            before = read_metrics(server)
-            outcome, failed = run(url, model, items, arrivals, variant)
-            after = read_metrics(server)
-            result = class_report(
-                variant, items, outcome["measured"], outcome["spans"], outcome["left"], outcome["refusals"],
-                args.deadline_scale,
-            )  # fmt: skip
-            preempted = metric_delta(before, after, "triton_diffusion_preemptions_total", model)
-            result["preemptions"] = int(preempted)
-            result["failed"] = failed
-            runs.append(result)
-            i = result["interactive"]
-            print(f"  {load} {variant}: interactive p95 {i['latency_p95_s']}, SLO@2 {i['slo_attainment_2']}, "
-                  f"refused {i['refused']}, failed {failed}", flush=True)  # fmt: skip
-        report["runs"][str(load)] = runs
+        for round_index in range(args.rounds):
+            shift = round_index % len(VARIANTS)
+            order = [*VARIANTS[shift:], *VARIANTS[:shift]]
+            entry: dict = {"load": load, "round": round_index + 1, "order": order, "runs": {}}
+            report["rounds"].append(entry)
+            for variant in order:
+                model = f"slo_{variant}"
+                before = read_metrics(server)
+                outcome, failed = run(url, model, items, arrivals, variant)
+                after = read_metrics(server)
+                result = class_report(
+                    variant, items, outcome["measured"], outcome["spans"], outcome["left"],
+                    outcome["refusals"], args.deadline_scale, outcome["window"], alone,
+                )  # fmt: skip
+                preempted = metric_delta(before, after, "triton_diffusion_preemptions_total", model)
+                result["preemptions"] = int(preempted)
+                result["failed_all_requests"] = failed  # the warm-up's included
+                entry["runs"][variant] = result
+                summarize_rounds(report)
+                write(path, report)
+                print(f"  {load} round {round_index + 1} {variant}: {progress(result)}", flush=True)
+    report["complete"] = True  # every planned run measured
+    write(path, report)
     return report
-
-
-def markdown(report: dict) -> str:
-    from bench_slo import markdown as in_process_table
-
-    return in_process_table(report).replace("SLO benchmark (", "SLO benchmark through the server (", 1)
 
 
 if __name__ == "__main__":

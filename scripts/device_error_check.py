@@ -16,6 +16,8 @@ import torch
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT / "src"))
+sys.path.insert(0, str(REPO_ROOT / "scripts"))
+import artefacts  # noqa: E402
 
 from triton_diffusion.engine.failures import is_device_lost, is_out_of_memory  # noqa: E402
 
@@ -52,11 +54,7 @@ def main() -> None:
         ),
     ]
     out = REPO_ROOT / "docs" / "gpu" / "device_errors.json"
-    out.write_text(
-        json.dumps(
-            {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cases": rows}, indent=1
-        )
-    )
+    artefacts.write(out, {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cases": rows})
 
 
 if __name__ == "__main__":

@@ -34,6 +34,9 @@ from triton_diffusion.serving.requests import TrackedRequest
 from triton_diffusion.serving.server_process import WEIGHTS
 from triton_diffusion.tiny_models import TINY_FAMILIES, build_missing
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import artefacts  # noqa: E402
+
 FAMILIES = [
     "tiny-sd",
     "tiny-sdxl",
@@ -215,8 +218,7 @@ def main(argv: list[str] | None = None) -> None:
             rows.append(result)
             print(json.dumps(result), flush=True)
             if args.out:
-                args.out.parent.mkdir(parents=True, exist_ok=True)
-                args.out.write_text(json.dumps(rows, indent=2))
+                artefacts.write(args.out, {"rows": rows})
                 args.out.with_suffix(".md").write_text(markdown(rows))
 
 

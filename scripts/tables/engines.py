@@ -1,0 +1,146 @@
+"""Figure blocks of the engine benchmarks: bench.py (through the server), bench_engines.py (in process),
+bench_graphs.py and bench_dllm.py. Pure functions of the artefacts' JSON."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tables.markdown import SINGLE_RUN_NOISE, number, ratio_rows, table
+
+RATIO_HEADERS = ("ratio", "value", "target", "reading")
+
+
+def ratio_table(artefact: dict[str, Any]) -> str:
+    """The artefact's ``ratios`` ({label: [value, target]}), each read against its target and the noise:
+    the spread of its own rounds where it records them (``round_spread``), else one run's ±15%."""
+    rows = ratio_rows(artefact["ratios"], SINGLE_RUN_NOISE, artefact.get("round_spread"))
+    return table(RATIO_HEADERS, rows)
+
+
+def _traffic(run: dict[str, Any]) -> str:
+    if run.get("rate") is not None:
+        return f"{run['traffic']} ({number(run['rate'])} req/s offered)"
+    return f"{run['traffic']}, c={run['concurrency']}"
+
+
+def _runs_table(runs: list[dict[str, Any]], variant_key: str, first: str) -> str:
+    rows = []
+    for run in runs:
+        delivered = number(run.get("images_per_s"))
+        per_forward = run.get("mean_rows_per_call", run.get("rows_per_forward"))
+        rows.append(
+            [
+                _traffic(run),
+                run[variant_key],
+                delivered,
+                number(run.get("latency_mean_s")),
+                number(run.get("latency_p95_s")),
+                number(run.get(first)),
+                number(per_forward, 2),
+                run.get("errors", 0),
+            ]
+        )
+    headers = (
+        "traffic",
+        "engine",
+        "images/s",
+        "mean s",
+        "p95 s",
+        "first step s",
+        "images per forward/call",
+        "errors",
+    )
+    return table(headers, rows)
+
+
+def server_ratios(artefact: dict[str, Any]) -> str:
+    """bench.py: every run (the engines side by side) and the ratios."""
+    runs = [r for r in artefact["runs"] if r.get("traffic") not in ("grpc", "openai", "http")]
+    return "\n\n".join([_runs_table(runs, "variant", "first_progress_mean_s"), ratio_table(artefact)])
+
+
+def in_process_ratios(artefact: dict[str, Any]) -> str:
+    """bench_engines.py: every run, then the ratios and the step engine's profile at full occupancy."""
+    parts = [_runs_table(artefact["runs"], "engine", "first_step_mean_s"), ratio_table(artefact)]
+    profile = artefact.get("profile")
+    if profile:
+        parts.append(
+            f"At full occupancy ({profile['rows_per_forward']} images per forward) a step took "
+            f"{number(profile['step_ms'])} ms: the model forward {number(profile['model_forward_ms'])} ms, "
+            f"row math {number(profile['row_math_ms'])} ms, the engine's own work "
+            f"{number(profile['own_ms'])} ms ({profile['own_share_of_step']:.1%} of the step)."
+        )
+    return "\n\n".join(parts)
+
+
+def openai_front(*artefacts: dict[str, Any]) -> str:
+    """bench.py --openai, one column per run: the front's ratios against gRPC direct."""
+    labels = [label for label in artefacts[0]["ratios"] if "OpenAI" in label or "client's CPU" in label]
+    rows = []
+    for label in labels:
+        values = [a["ratios"].get(label, [None, "-"]) for a in artefacts]
+        target = values[0][1]
+        cells = [f"**{number(v[0])}**" for v in values]
+        rows.append([label, *cells, target])
+    headers = ("ratio", *(f"run {i + 1}" for i in range(len(artefacts))), "target")
+    return table(headers, rows)
+
+
+def graphs(artefact: dict[str, Any]) -> str:
+    """bench_graphs.py: one forward's FLOPs and time per batch size; one request alone."""
+    rows = []
+    for forward in artefact["forward"]:
+        tflops = forward["flops"] / forward["eager_s"] / 1e12
+        captured = forward.get("captured_s")
+        rows.append(
+            [
+                forward["images"],
+                forward["model_rows"],
+                number(forward["flops"] / 1e9),
+                number(forward["eager_s"] * 1e3),
+                number(captured * 1e3) if captured else "-",
+                number(tflops, 2),
+            ]
+        )
+    headers = ("images", "model rows", "GFLOP", "eager ms", "captured ms", "TFLOP/s eager")
+    text = table(headers, rows)
+    return (
+        f"{text}\n\nOne request alone: the step engine {number(artefact['eager_alone_s'])} s, "
+        f"`pipeline(...)` {number(artefact['pipeline_alone_s'])} s."
+    )
+
+
+def dllm(artefact: dict[str, Any]) -> str:
+    """bench_dllm.py: continuous batching against one request at a time, and the engine's ceiling."""
+    rows = [
+        [
+            run["variant"],
+            run["concurrency"],
+            number(run["tokens_per_s"]),
+            number(run["latency_mean_s"]),
+            number(run["latency_p95_s"]),
+            number(run["first_block_mean_s"]),
+            number(run["rows_per_forward"], 2),
+            run["failed"],
+        ]
+        for run in artefact["runs"]
+    ]
+    headers = (
+        "variant",
+        "concurrency",
+        "tokens/s",
+        "mean s",
+        "p95 s",
+        "first block s",
+        "rows per forward",
+        "failed",
+    )
+    ceiling = artefact.get("engine_ceiling")
+    text = f"Workload: {artefact['workload']}.\n\n{table(headers, rows)}"
+    if ceiling:
+        text += (
+            f"\n\nThe engine alone ({ceiling['requests']} requests): "
+            f"{number(ceiling['together_tokens_per_s'])} tokens/s together against "
+            f"{number(ceiling['alone_tokens_per_s'])} one at a time."
+        )
+    return text

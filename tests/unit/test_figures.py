@@ -1,0 +1,60 @@
+"""scripts/figures.py: every figure block of README and docs/ is what the committed artefacts render to,
+and every artefact says where it came from."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import figures  # noqa: E402
+from tables.markdown import reading, target_met  # noqa: E402
+
+
+def test_every_block_in_readme_and_docs_is_what_its_artefacts_render_to():
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "figures.py"), "--check"], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "blocks shown nowhere" not in result.stdout, result.stdout
+
+
+def test_check_fails_when_a_block_was_edited_by_hand(tmp_path, monkeypatch):
+    text = (ROOT / "README.md").read_text()
+    name = "server-engines"
+    start = text.index(f"<!-- figures: {name} -->")
+    edited = text[:start] + text[start:].replace("| **", "| **9", 1)
+    assert edited != text
+    used: set[str] = set()
+    assert figures.rewrite(edited, ROOT, used) == figures.rewrite(text, ROOT, used) != edited
+
+
+@pytest.mark.parametrize("name", list(figures.BLOCKS))
+def test_every_artefact_records_command_commit_date_and_machine(name):
+    for path in figures.BLOCKS[name].artefacts:
+        source = json.loads((ROOT / path).read_text())["provenance"]
+        assert source["command"] and source["commit"] and source["date"], path
+        assert source["machine"], path
+        if not source.get("backfilled"):  # written by scripts/artefacts.py
+            assert {"cpu", "cores", "gpu"} <= set(source["machine"]), path
+            assert "torch" in source["versions"], path
+
+
+def test_a_block_names_its_artefact_commit_and_command():
+    body = figures.render_block("graphs-cpu", ROOT)
+    source = json.loads((ROOT / "docs/cpu/bench_graphs.json").read_text())["provenance"]
+    assert source["commit"][:7] in body and source["command"] in body
+
+
+def test_a_ratio_within_the_noise_is_never_read_as_a_gain_or_a_loss():
+    assert reading("a / b throughput", 1.08, "-") == "within noise of 1 (±15%)"
+    assert reading("a / b throughput", 1.08, ">= 1.0", noise=0.05) == "met"
+    assert reading("a / b throughput", 0.97, ">= 1.0") == "missed, within noise of 1 (±15%)"
+    assert reading("a / b throughput", 2.5, ">= 2") == "met"
+    assert reading("a / b", 0.84, ">= 0.8", spread=(0.67, 1.05)) == "met, rounds 0.67-1.05, within noise of 1"
+    assert reading("a / b", 2.6, ">= 1.5", spread=(2.3, 3.0)) == "met, rounds 2.30-3.00"
+    assert target_met(0.4, "<= 0.3") is False and target_met(1.0, "-") is None
