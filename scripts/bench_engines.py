@@ -822,7 +822,19 @@ def main(argv: list[str] | None = None) -> None:
         "warm_up_fraction": WARM_UP_FRACTION,
         "arrival_seed": args.arrival_seed,
         "runs": [],
+        "complete": False,  # until the last figure: a run cut short keeps what it measured
+        "provenance": artefacts.provenance(),
     }
+    path = args.out / "bench_engines.json"
+
+    def save() -> None:
+        """The report so far, rewritten after every measured run."""
+        artefacts.write(path, {**report, "runs": [r.__dict__ for r in report["runs"]]})
+
+    def measured(run: Outcome) -> None:
+        report["runs"].append(run)
+        save()
+
     homogeneous = [bench.request(i, args.steps, 7.5) for i in range(args.requests)]
     print("[warm-up]", flush=True)
     for engine in ("request", "step"):
@@ -835,9 +847,7 @@ def main(argv: list[str] | None = None) -> None:
                 # Each engine goes first in every other round: a machine slowing down (or warming up)
                 # through the run does not always favour the same engine.
                 for engine in ("request", "step") if round_ % 2 == 0 else ("step", "request"):
-                    report["runs"].append(
-                        run_closed(bench, engine, homogeneous, concurrency, "homogeneous", args.window)
-                    )
+                    measured(run_closed(bench, engine, homogeneous, concurrency, "homogeneous", args.window))
     if not args.no_closed and not args.no_mixed:
         print("[mixed closed loop]", flush=True)
         rng = random.Random(5)
@@ -846,12 +856,13 @@ def main(argv: list[str] | None = None) -> None:
             for i in range(args.requests)
         ]
         for engine in ("request", "step"):
-            report["runs"].append(run_closed(bench, engine, mixed, top, "mixed", args.window))
+            measured(run_closed(bench, engine, mixed, top, "mixed", args.window))
     img2img = "image" in getattr(bench.adapter, "starts", ())  # the family's step adapter starts from images
     if not args.no_closed and not args.no_image_mix and img2img:
         print("[text-only and img2img requests: one model (step) vs two models (request)]", flush=True)
         image_runs, report["image_mix_weights"] = run_image_mix(bench, args, top)
         report["runs"] += image_runs
+        save()
     loads = [float(load) for load in args.loads.split(",")] if args.loads else []
     if loads:
         request_runs = [r for r in report["runs"] if r.engine == "request" and r.traffic == "homogeneous"]
@@ -867,7 +878,7 @@ def main(argv: list[str] | None = None) -> None:
         poisson = [bench.request(i, args.steps, 7.5) for i in range(args.poisson_requests)]
         for load in loads:
             for engine in ("request", *STEP_COHORTS):
-                report["runs"].append(
+                measured(
                     run_poisson(
                         bench,
                         engine,
@@ -884,17 +895,19 @@ def main(argv: list[str] | None = None) -> None:
         report["stage_costs"] = {stage: {str(k): v for k, v in by_k.items()} for stage, by_k in costs.items()}
         print("  engine_sim.py " + sim_arguments(costs) + f" --steps {args.steps} --cap {args.cap}")
         report["model"] = model_prediction(args.sim, costs, args, saturated, loads)
+        save()
     if args.profile_forwards:
         print("[profile of the step engine at full occupancy]", flush=True)
         report["profile"] = profile_step_engine(bench, args.steps, args.profile_forwards)
         print("  " + timeline_line(report["profile"]), flush=True)
+        save()
     if not args.no_raw:
         print("[raw pipeline]", flush=True)
         report["raw"] = raw_ceiling(bench, args.steps, max(args.requests // 2, args.cap * 2))
     report["ratios"] = ratios(report)
     report["runs"] = [r.__dict__ for r in report["runs"]]
-    args.out.mkdir(parents=True, exist_ok=True)
-    artefacts.write(args.out / "bench_engines.json", report)
+    report["complete"] = True
+    artefacts.write(path, report)
     (args.out / "bench_engines.md").write_text(markdown(report))
     print(markdown(report))
 

@@ -59,9 +59,10 @@ def prepared_jobs(bench: Bench, count: int, steps: int, first: int = 0) -> list[
     return jobs
 
 
-def forward_figures(bench: Bench, steps: int, repeats: int, graphs) -> list[dict]:
-    """Each image count's forward: eager and replayed seconds, FLOPs, the replay's largest difference."""
-    adapter, size, out = bench.adapter, (bench.height, bench.width), []
+def forward_figures(bench: Bench, steps: int, repeats: int, graphs, out: list[dict], save) -> list[dict]:
+    """Each image count's forward: eager and replayed seconds, FLOPs, the replay's largest difference;
+    each row appended to ``out``, then ``save()``."""
+    adapter, size = bench.adapter, (bench.height, bench.width)
     for images in IMAGES:
         jobs = prepared_jobs(bench, images, steps)
         with torch.inference_mode():
@@ -84,6 +85,7 @@ def forward_figures(bench: Bench, steps: int, repeats: int, graphs) -> list[dict
                     lambda inputs=inputs: graphs(*inputs, size), bench.device, repeats
                 )
         out.append(row)
+        save()
         print(f"  forward, {images} images: {row}", flush=True)
     return out
 
@@ -139,19 +141,30 @@ def main(argv: list[str] | None = None) -> None:
         **bench.report_header(args.steps),
         "peak_tflops": peak,
         "graphs": None if graphs is None else len(graphs.graphs),
+        "forward": [],
+        "complete": False,  # until the last figure: a run cut short keeps what it measured
+        "provenance": artefacts.provenance(),
     }
+    path = args.out / "bench_graphs.json"
+
+    def save() -> None:
+        artefacts.write(path, report)
+
     print("[forwards]", flush=True)
-    report["forward"] = forward_figures(bench, args.steps, args.repeats, graphs)
+    forward_figures(bench, args.steps, args.repeats, graphs, report["forward"], save)
 
     print("[one request alone, and exactness]", flush=True)
     report["pipeline_alone_s"] = timed_median(
         lambda: bench.raw_pipeline_call([bench.request(0, args.steps, 7.5)]), device, args.repeats
     )
+    save()
     report["eager_alone_s"] = alone_seconds(bench, args.steps, args.repeats)
+    save()
     eager_image = serve(bench, [bench.job(0, bench.request(0, args.steps, 7.5), "step")])[0]
     if graphs is not None:
         adapter.captured = graphs
         report["captured_alone_s"] = alone_seconds(bench, args.steps, args.repeats)
+        save()
         alone = serve(bench, [bench.job(0, bench.request(0, args.steps, 7.5), "step")])[0]
         amid = serve(bench, [bench.job(i, bench.request(i, args.steps, 7.5), "step") for i in range(8)])[0]
         report["uint8_difference"] = {
@@ -160,8 +173,8 @@ def main(argv: list[str] | None = None) -> None:
         }
         report["replays"] = graphs.replays
         adapter.captured = None
-    args.out.mkdir(parents=True, exist_ok=True)
-    artefacts.write(args.out / "bench_graphs.json", report)
+    report["complete"] = True
+    save()
     (args.out / "bench_graphs.md").write_text(markdown(report))
     print(markdown(report))
 

@@ -104,12 +104,16 @@ def run_batch(
     return time.perf_counter() - started, forwards
 
 
-def measure_alternated(variants: dict[str, tuple[TextToImageModel, list]], args) -> dict[str, dict]:
+def measure_alternated(
+    variants: dict[str, tuple[TextToImageModel, list]], args, save=None
+) -> dict[str, dict]:
     """Each variant's batches run once per round, the variants one after another in an order rotated
     every round (a machine whose speed drifts favours none); a warm-up round first. Per variant: the
-    median round's throughput and each round's seconds (the ratios' spread comes from them)."""
+    median round's throughput and each round's seconds (the ratios' spread comes from them). After each
+    measured round ``save`` gets the rounds so far (``{variant: {seconds, forwards}}`` each)."""
     names = list(variants)
     rounds: dict[str, list[tuple[float, int]]] = {name: [] for name in names}
+    measured: list[dict[str, dict]] = []
     for repeat in range(args.repeats + 1):
         order = names[repeat % len(names) :] + names[: repeat % len(names)]
         for name in order:
@@ -120,6 +124,10 @@ def measure_alternated(variants: dict[str, tuple[TextToImageModel, list]], args)
                 seconds, forwards = seconds + s, forwards + f
             if repeat:  # the first round is a warm-up
                 rounds[name].append((seconds, forwards))
+        if repeat and save is not None:
+            measured.append({name: {"seconds": rounds[name][-1][0], "forwards": rounds[name][-1][1]}
+                             for name in order})  # fmt: skip
+            save(measured)
     results = {}
     for name in names:
         images = sum(len(b) for b in variants[name][1])
@@ -218,7 +226,24 @@ def main(argv: list[str] | None = None) -> None:
         variants[f"mixed-{k}"] = (adapted, [mixed])
         groups = [[a for a in mixed if a == f"{names[j]}:1.0"] for j in range(k)]
         variants[f"split-{k}"] = (adapted, [g for g in groups if g])
-    results = measure_alternated(variants, args)
+    config = {
+        "arch": args.arch,
+        "size": f"{args.width}x{args.height}",
+        "rows": args.rows,
+        "steps": args.steps,
+        "rank": args.rank,
+        "repeats": args.repeats,
+        "provenance": artefacts.provenance(),
+    }
+    path = args.out / "bench_lora.json"
+    kept: dict[str, list[dict]] = {"rounds": []}
+
+    def save(rounds: list[dict], **final) -> None:
+        """The rounds so far, rewritten after each (a run cut short keeps them); ``final``: the figures."""
+        kept["rounds"] = rounds
+        artefacts.write(path, {**config, **final, "rounds": rounds, "complete": bool(final)})
+
+    results = measure_alternated(variants, args, save)
     lines = [
         f"# LoRA mixing: {args.arch} {args.width}x{args.height}, {args.rows} rows x {args.steps} steps, "
         f"rank {args.rank}, {args.device} {base.adapter.dtype}",
@@ -249,21 +274,12 @@ def main(argv: list[str] | None = None) -> None:
         ]
     text = "\n".join(lines)
     print(text)
-    args.out.mkdir(parents=True, exist_ok=True)
-    artefacts.write(
-        args.out / "bench_lora.json",
-        {
-            "arch": args.arch,
-            "size": f"{args.width}x{args.height}",
-            "rows": args.rows,
-            "steps": args.steps,
-            "rank": args.rank,
-            "repeats": args.repeats,
-            "results": results,
-            "ratios": {name: [value, targets.get(name, "-")] for name, value in ratios.items()},
-            "round_spread": {name: [low, high] for name, (_, low, high) in spreads.items()},
-            "exactness": bound,
-        },
+    save(
+        kept["rounds"],
+        results=results,
+        ratios={name: [value, targets.get(name, "-")] for name, value in ratios.items()},
+        round_spread={name: [low, high] for name, (_, low, high) in spreads.items()},
+        exactness=bound,
     )
 
 

@@ -302,8 +302,8 @@ def spread(values: list) -> dict | None:
 
 def attainment_verdict(ours: dict | None, theirs: dict | None, rounds: list[float]) -> str:
     """Attainment of one variant against another, in points: within noise when the per-round
-    differences straddle 0 or the median difference lies within either variant's own round-to-round
-    half-range; one round has no spread."""
+    differences (both variants on the same arrivals in the same round) straddle 0; one round has no
+    spread."""
     if ours is None or theirs is None or not rounds:
         return "not measured"
     difference = statistics.median(rounds)
@@ -311,9 +311,8 @@ def attainment_verdict(ours: dict | None, theirs: dict | None, rounds: list[floa
     text += f"{100 * difference:+.0f} points"
     if len(rounds) < 2:
         return text + "; one round: no spread measured, not a finding)"
-    noise = max((s["max"] - s["min"]) / 2 for s in (ours, theirs))
-    text += f", rounds {100 * min(rounds):+.0f} to {100 * max(rounds):+.0f}, noise ±{100 * noise:.0f} points"
-    if min(rounds) <= 0 <= max(rounds) or abs(difference) <= noise:
+    text += f", rounds {100 * min(rounds):+.0f} to {100 * max(rounds):+.0f}"
+    if min(rounds) <= 0 <= max(rounds):
         return text + ": within noise)"
     return text + (": better)" if difference > 0 else ": worse)")
 

@@ -217,9 +217,11 @@ def main(argv: list[str] | None = None) -> None:
             result["model"], result["dtype"], result["device"] = name, dtype, device
             rows.append(result)
             print(json.dumps(result), flush=True)
-            if args.out:
-                artefacts.write(args.out, {"rows": rows})
+            if args.out:  # after each family: a run cut short keeps its rows
+                artefacts.write(args.out, {"rows": rows, "complete": False})
                 args.out.with_suffix(".md").write_text(markdown(rows))
+    if args.out:
+        artefacts.write(args.out, {"rows": rows, "complete": True})
 
 
 if __name__ == "__main__":

@@ -36,10 +36,19 @@ def render(artefact: dict[str, Any]) -> str:
     closed, poisson = summary.get("closed", {}), summary.get("poisson", {})
     rounds = len(artefact.get("rounds", []))
     rate = artefact.get("poisson_rate")
+    # What the arrivals offered, measured over the run (a short Poisson draw can come faster than planned).
+    offered = [
+        run["offered_per_s"]
+        for entry in artefact.get("rounds", [])
+        for run in entry.get("poisson", {}).values()
+        if run.get("offered_per_s")
+    ]
+    measured = f", measured {number(min(offered))} to {number(max(offered))} req/s offered" if offered else ""
     head = (
         f"{config['arch']} {config['size']}, {config['steps']} steps, {config['requests']} requests per "
         f"run, `max_rows_per_call` {config['cap']}, closed loop at concurrency {config['concurrency']}, "
-        f"Poisson at {config['load']:.0%} of round 1's uncached throughput ({number(rate)} req/s); "
+        f"Poisson planned at {config['load']:.0%} of round 1's uncached throughput ({number(rate)} req/s"
+        f"{measured}); "
         f"{rounds} round(s), variants alternating (order rotated each round), "
         f"{config['torch_threads']} torch thread(s), {config['device']} {config['dtype']}. Each cell: the "
         "median over rounds (min to max)."

@@ -35,7 +35,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO_ROOT / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 
-import gpu_checks  # noqa: E402
+from gpu import environment, parts  # noqa: E402
 
 # What the device machine has besides torch's own requirements: pip.
 BASE = ["torch", "pip"]
@@ -106,7 +106,7 @@ def machine(tmp_path_factory) -> Path:
     link_distributions(dists, root / "torch_only")
     (site / "machine_torch.pth").write_text(str(root / "torch_only") + "\n")
     # The machine holds torch and its requirements only: nothing the wheel list names besides.
-    assert not {key(n) for n in gpu_checks.wheel_pins()} & {"torch", "torchvision"}
+    assert not {key(n) for n in environment.wheel_pins()} & {"torch", "torchvision"}
     found = subprocess.run(
         [str(python), "-c", "import torch, pip; import importlib.util as u; print(u.find_spec('diffusers'))"],
         capture_output=True,
@@ -121,11 +121,11 @@ def machine(tmp_path_factory) -> Path:
 def wheels(tmp_path_factory) -> Path:
     """The list's wheels for this machine's Python, downloaded with the recipe's pip flags."""
     folder = tmp_path_factory.mktemp("wheels")
-    command = gpu_checks.download_command(folder, for_device=False)
+    command = environment.download_command(folder, for_device=False)
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, f"{' '.join(command)}\n{done.stderr[-3000:]}"
-    names = {gpu_checks.normalise(w.name.split("-")[0]) for w in folder.glob("*.whl")}
-    assert names == set(gpu_checks.wheel_pins()), names ^ set(gpu_checks.wheel_pins())
+    names = {environment.normalise(w.name.split("-")[0]) for w in folder.glob("*.whl")}
+    assert names == set(environment.wheel_pins()), names ^ set(environment.wheel_pins())
     return folder
 
 
@@ -150,11 +150,11 @@ def test_the_smoke_passes_on_a_machine_with_torch_and_the_carried_wheels_only(ma
     assert result.returncode == 0, output
     state = json.loads((tmp_path / "summary.json").read_text())
     statuses = {o["part"]: o["status"] for o in state["parts"]}
-    built = [p.name for p in gpu_checks.PARTS if not p.missing()]
+    built = [p.name for p in parts.PARTS if not p.missing()]
     assert all(statuses[name] == "done" for name in built), statuses
     # the parts ran on the carried wheels, not on anything of the dev venv's
     versions = state["provenance"]["versions"]
-    assert versions["diffusers"] == gpu_checks.wheel_pins()["diffusers"], versions
+    assert versions["diffusers"] == environment.wheel_pins()["diffusers"], versions
     assert "wheels installed into" in result.stdout
 
 
@@ -185,8 +185,8 @@ def test_the_recipe_downloads_every_listed_wheel_for_the_device(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     wheels = list(tmp_path.glob("*.whl"))
-    assert {gpu_checks.normalise(w.name.split("-")[0]) for w in wheels} == set(gpu_checks.wheel_pins())
-    assert not gpu_checks.wheel_differences(wheels)
+    assert {environment.normalise(w.name.split("-")[0]) for w in wheels} == set(environment.wheel_pins())
+    assert not environment.wheel_differences(wheels)
     assert all("cp311" not in w.name for w in wheels)
     assert sum(w.stat().st_size for w in wheels) < 58 * 2**20  # the device tool carries 64 MiB in all
     shutil.rmtree(tmp_path)

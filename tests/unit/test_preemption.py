@@ -19,7 +19,7 @@ from tests.unit.step_harness import (
     run_engine,
     served,
 )
-from tests.unit.test_step_caches import Family
+from tests.unit.test_step_caches import Family, check
 from triton_diffusion.adapters.image_requests import ImageRequest
 from triton_diffusion.adapters.step_adapters import step_adapter_for
 from triton_diffusion.engine.jobs import Job
@@ -77,13 +77,12 @@ def flux() -> Family:
 
 
 def test_a_paused_flux_job_keeps_its_step_cache_and_equals_diffusers(flux):
-    background = [flux.request(0, "fbc:0.5"), flux.request(1, "taylorseer:2")]
+    background = [flux.request(0, "fbc:0.9"), flux.request(1, "taylorseer:2")]
     urgent = flux.request(2, "none", steps=3)
     jobs, _ = run_with_a_late_priority_request(flux.adapter, background, urgent)
     assert jobs[0].pauses == 1 and jobs[0].rows_reused > 0
-    for request, job in zip([*background, urgent], jobs, strict=True):
-        difference = np.abs(served(job) - flux.expected(request)).max()
-        assert difference <= 1, (request.step_cache.text, difference)
+    # Each within 1 uint8 of diffusers' own cached call, whose image the cache moves by more than 5 levels.
+    check(flux, [*background, urgent], [served(job) for job in jobs])
     # The pause kept the state: the same job unpaused gives the same image.
     (alone,) = run_alone(flux.adapter, background[0])
     assert np.abs(served(alone) - served(jobs[0])).max() <= 1

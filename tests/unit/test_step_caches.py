@@ -461,11 +461,17 @@ def test_the_request_level_engine_gives_each_cached_request_a_call_of_its_own(fl
     kind = model.engine_kind
     assert kind.key_for(model.fields, same) != kind.key_for(model.fields, same)
     assert kind.key_for(model.fields, values[3]) == kind.key_for(model.fields, values[4])
+    # Each image of a cached request in a call of its own (diffusers decides over a call's whole batch);
+    # the images of an uncached one share their key.
+    cached_key, plain_key = kind.key_for(model.fields, same), kind.key_for(model.fields, values[3])
+    assert kind.job_params(same, 0, cached_key)[1] != kind.job_params(same, 1, cached_key)[1]
+    assert kind.job_params(values[3], 0, plain_key)[1] == kind.job_params(values[3], 1, plain_key)[1]
     images, jobs, rows = request_level_run(model, requests)
     assert [[call["rows"] for call in job.calls] for job in jobs] == [[1], [1], [1], [2], [2]]
     assert len({job.calls[0]["id"] for job in jobs}) == 4
     batch = kind.batch(values[0], jobs[:1])
-    assert batch["step_cache"] == {"cache": "fbc:0.9", "own_calls": True} and "own_call" not in batch["key"]
+    assert batch["step_cache"] == {"cache": "fbc:0.9", "own_calls": True}
+    assert "own_call" not in batch["key"] and "own_image" not in batch["key"]
     expected_rows, uncached_rows = check(flux, requests, images)
     assert rows == expected_rows < uncached_rows, (rows, expected_rows, uncached_rows)
     # The step engine, the same requests sharing its forwards: the same images.
