@@ -71,6 +71,15 @@ BLOCKS: dict[str, Block] = {
     "caches": Block(("docs/cpu/caches/bench_caches.json",), "caches.render"),
     "slo": Block(("docs/cpu/slo/bench_slo.json",), "slo.render"),
     "slo-server": Block(("docs/cpu/slo/bench_slo_server.json",), "slo.render_server"),
+    # GPU: scripts/gpu_checks.py on one H100 (docs/gpu/checks*/)
+    "gpu-graphs": Block(("docs/gpu/checks/cuda_graphs/bench_graphs.json",), "engines.graphs"),
+    "gpu-engines-graphs": Block(
+        ("docs/gpu/checks/engines_graphs/bench_engines.json",), "engines.in_process_ratios"
+    ),
+    "gpu-engines-eager": Block(("docs/gpu/checks/engines_eager/bench_engines.json",), "engines.ratio_table"),
+    "gpu-lora": Block(("docs/gpu/checks/lora/bench_lora.json",), "engines.ratio_table"),
+    "gpu-family-now": Block(("docs/gpu/checks/family_invariance/family.json",), "gpu.family_invariance"),
+    "gpu-caches": Block(("docs/gpu/checks_step_caches/step_caches/bench_caches.json",), "caches.render"),
     # GPU (older figures, kept with their dates)
     "gpu-engines-sd15": Block(("docs/gpu/bench_engines_sd15.json",), "engines.ratio_table"),
     "gpu-family-invariance": Block(("docs/gpu/family_invariance.json",), "gpu.family_invariance"),

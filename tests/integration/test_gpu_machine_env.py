@@ -37,8 +37,9 @@ sys.path.insert(0, str(SCRIPTS))
 
 from gpu import environment, parts  # noqa: E402
 
-# What the device machine has besides torch's own requirements: pip.
-BASE = ["torch", "pip"]
+# What the device machine has besides torch's own requirements: pip, and numpy (2.x on the H100 image:
+# a carried numpy 1.x shadowed it and broke its scipy, found on the first device call).
+BASE = ["torch", "pip", "numpy"]
 
 
 def key(name: str) -> str:

@@ -480,6 +480,33 @@ def test_the_request_level_engine_gives_each_cached_request_a_call_of_its_own(fl
         assert np.abs(image - served(job)).max() <= 1, "the two engines differ"
 
 
+def test_each_image_of_a_cached_request_gets_a_request_level_call_of_its_own(flux, request_level, source):
+    # own_image (serving/engines.py): diffusers' cache decides over a call's whole batch, the step engine per
+    # image, so each image of a cached request runs alone; each equals its image made alone.
+    model, kind = request_level, request_level.engine_kind
+    request = image_request(flux, source, None, "image", True, "fbc:0.9")
+    values = model.resolve(model.fields.parse({**raw_request(request), "num_images_per_prompt": 2}))
+    key = kind.key_for(model.fields, values)
+    engine = RequestEngine(model.run_call, model.row_caps(model.settings), lambda report: None)
+    jobs, tracked = [], TrackedRequest("r", RecordingChannel())
+    for i in range(2):  # as triton_model.py makes a request's jobs
+        params, group = kind.job_params(values, i, key)
+        jobs.append(Job(tracked, params, index=i, group=group))
+        engine.add(jobs[-1])
+    with ComputedRows(model.pipe.transformer) as rows:
+        report = engine.step()
+    outputs = {id(finished.job): finished.output for finished in report.finished}
+    images = [np.asarray(outputs[id(job)], dtype=int) for job in jobs]
+    assert [[call["rows"] for call in job.calls] for job in jobs] == [[1], [1]]
+    assert jobs[0].calls[0]["id"] != jobs[1].calls[0]["id"]
+    requests = [replace(request, image_index=i) for i in range(2)]
+    expected_rows, uncached_rows = check(flux, requests, images)
+    assert rows.rows == expected_rows < uncached_rows, (rows.rows, expected_rows, uncached_rows)
+    step_jobs = run_engine(flux.adapter, [(0, r) for r in requests])
+    for image, job in zip(images, step_jobs, strict=True):
+        assert np.abs(image - served(job)).max() <= 1, "the two engines differ"
+
+
 # ---- a forward that raises ------------------------------------------------------------------------------
 def cache_contents(cache: Any) -> list[Any]:
     """Everything a job's cache state holds, flattened: the objects themselves (compared by identity)."""
