@@ -43,7 +43,6 @@ from triton_diffusion.adapters.call_caches import call_cache, names_its_calls
 from triton_diffusion.adapters.image_requests import ImageRequest
 from triton_diffusion.adapters.step_adapters import step_adapter_for
 from triton_diffusion.engine.jobs import Job
-from triton_diffusion.engine.request_engine import RequestEngine
 from triton_diffusion.errors import RequestError
 from triton_diffusion.models.image_to_image import ImageToImageModel
 from triton_diffusion.serving.engines import RequestEngineKind
@@ -374,7 +373,7 @@ def request_level_run(
     """The requests through one step of a request-level engine, keyed as the server keys them: their
     images, jobs and the rows the transformer's blocks computed."""
     kind = model.engine_kind
-    engine = RequestEngine(model.run_call, model.row_caps(model.settings), lambda report: None)
+    engine = kind.build(model.settings, lambda report: None)
     jobs = []
     for i, request in enumerate(requests):
         values = model.resolve(model.fields.parse(raw_request(request)))
@@ -461,17 +460,12 @@ def test_the_request_level_engine_gives_each_cached_request_a_call_of_its_own(fl
     kind = model.engine_kind
     assert kind.key_for(model.fields, same) != kind.key_for(model.fields, same)
     assert kind.key_for(model.fields, values[3]) == kind.key_for(model.fields, values[4])
-    # Each image of a cached request in a call of its own (diffusers decides over a call's whole batch);
-    # the images of an uncached one share their key.
-    cached_key, plain_key = kind.key_for(model.fields, same), kind.key_for(model.fields, values[3])
-    assert kind.job_params(same, 0, cached_key)[1] != kind.job_params(same, 1, cached_key)[1]
-    assert kind.job_params(values[3], 0, plain_key)[1] == kind.job_params(values[3], 1, plain_key)[1]
     images, jobs, rows = request_level_run(model, requests)
     assert [[call["rows"] for call in job.calls] for job in jobs] == [[1], [1], [1], [2], [2]]
     assert len({job.calls[0]["id"] for job in jobs}) == 4
     batch = kind.batch(values[0], jobs[:1])
     assert batch["step_cache"] == {"cache": "fbc:0.9", "own_calls": True}
-    assert "own_call" not in batch["key"] and "own_image" not in batch["key"]
+    assert "own_call" not in batch["key"]
     expected_rows, uncached_rows = check(flux, requests, images)
     assert rows == expected_rows < uncached_rows, (rows, expected_rows, uncached_rows)
     # The step engine, the same requests sharing its forwards: the same images.
@@ -481,13 +475,13 @@ def test_the_request_level_engine_gives_each_cached_request_a_call_of_its_own(fl
 
 
 def test_each_image_of_a_cached_request_gets_a_request_level_call_of_its_own(flux, request_level, source):
-    # own_image (serving/engines.py): diffusers' cache decides over a call's whole batch, the step engine per
-    # image, so each image of a cached request runs alone; each equals its image made alone.
+    # OwnCallCaps (serving/engines.py): diffusers' cache decides over a call's whole batch, the step engine
+    # per image, so each image of a cached request runs in a call of its own; each equals its image alone.
     model, kind = request_level, request_level.engine_kind
     request = image_request(flux, source, None, "image", True, "fbc:0.9")
     values = model.resolve(model.fields.parse({**raw_request(request), "num_images_per_prompt": 2}))
     key = kind.key_for(model.fields, values)
-    engine = RequestEngine(model.run_call, model.row_caps(model.settings), lambda report: None)
+    engine = kind.build(model.settings, lambda report: None)  # as the server builds it
     jobs, tracked = [], TrackedRequest("r", RecordingChannel())
     for i in range(2):  # as triton_model.py makes a request's jobs
         params, group = kind.job_params(values, i, key)
@@ -497,8 +491,9 @@ def test_each_image_of_a_cached_request_gets_a_request_level_call_of_its_own(flu
         report = engine.step()
     outputs = {id(finished.job): finished.output for finished in report.finished}
     images = [np.asarray(outputs[id(job)], dtype=int) for job in jobs]
-    assert [[call["rows"] for call in job.calls] for job in jobs] == [[1], [1]]
-    assert jobs[0].calls[0]["id"] != jobs[1].calls[0]["id"]
+    # The request's two fused calls (recorded on each of its jobs), one image each.
+    assert [[call["rows"] for call in job.calls] for job in jobs] == [[1, 1], [1, 1]]
+    assert len({call["id"] for call in jobs[0].calls}) == 2
     requests = [replace(request, image_index=i) for i in range(2)]
     expected_rows, uncached_rows = check(flux, requests, images)
     assert rows.rows == expected_rows < uncached_rows, (rows.rows, expected_rows, uncached_rows)

@@ -57,7 +57,10 @@ class RowCaps:
 
     def cap_for(self, key: CompatibilityKey) -> tuple[int, str]:
         """The cap for a key and the reason to name when it cuts a group: the size's cap (a video's frame
-        count's if it has one) where it is lower than the global one."""
+        count's if it has one) where it is lower than the global one; one image for a key with a step cache
+        (``own_call``: diffusers' cache decides over a call's whole batch, the step engine per image)."""
+        if key.get("own_call") is not None:
+            return 1, "step_cache"
         return self.cap_for_size(key.get("height"), key.get("width"), key.get("num_frames"))
 
     def cap_for_shape(self, shape: tuple[int, ...]) -> int:

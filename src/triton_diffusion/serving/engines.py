@@ -144,10 +144,7 @@ class RequestEngineKind:
         return self.caps.max_rows + waiting
 
     def job_params(self, values: dict[str, Any], image: int, key: Hashable) -> tuple[Any, Hashable]:
-        """The job's params, and its group: its request's compatibility key; with a step cache each image's
-        own (diffusers decides over a call's whole batch, the step engine per image: one call an image)."""
-        if values.get("step_cache") and isinstance(key, CompatibilityKey):
-            key = CompatibilityKey((*key.items, ("own_image", image)))
+        """The job's params, and its group: its request's compatibility key."""
         return self.params_of(values, image), key
 
     def key_for(self, fields: FieldSet, values: dict[str, Any]) -> CompatibilityKey:
@@ -161,8 +158,7 @@ class RequestEngineKind:
     @staticmethod
     def batch(values: dict[str, Any], jobs: list[Job]) -> dict[str, Any]:
         """How the request was batched: its compatibility key and the fused calls it went through."""
-        own = ("own_call", "own_image")
-        key = {name: value for name, value in jobs[0].group.as_dict().items() if name not in own}
+        key = {name: value for name, value in jobs[0].group.as_dict().items() if name != "own_call"}
         report = {"key": key, "fused_calls": jobs[0].calls}
         if values.get("step_cache"):  # diffusers' own cache, on calls of its own
             report["step_cache"] = {"cache": values["step_cache"], "own_calls": True}
