@@ -144,7 +144,9 @@ def server(tmp_path_factory):
         "flux_img2img_request",
         "sd_tiers",
     ]
-    running = start_server(repo, log_path, models)
+    # Every model of the session loads here (a stub each, each importing torch): on 2 busy cores that took
+    # more than the default 180 s, which failed every test of the session at once.
+    running = start_server(repo, log_path, models, timeout_s=420)
     yield running
     running.stop()
 
