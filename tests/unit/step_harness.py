@@ -5,6 +5,7 @@ pipeline's own image for a request to compare with."""
 from __future__ import annotations
 
 import inspect
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -100,7 +101,9 @@ def served(job: Job) -> np.ndarray:
     return np.asarray(final["image"], dtype=int)
 
 
-_COUNTERPARTS: dict = {}
+# Keyed by the pipeline itself, weakly: a key of id(pipe) outlives a collected pipeline, and a later pipeline
+# given the same id got the old one's counterpart (other weights), an order-dependent failure.
+_COUNTERPARTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def pipeline_for(pipe: Any, request: ImageRequest) -> Any:
@@ -111,11 +114,11 @@ def pipeline_for(pipe: Any, request: ImageRequest) -> Any:
     if request.mask_image is not None and "mask_image" in inspect.signature(pipe.__call__).parameters:
         return pipe  # an inpainting checkpoint's own class (FluxFillPipeline has no AutoPipeline entry)
     auto = AutoPipelineForInpainting if request.mask_image is not None else AutoPipelineForImage2Image
-    key = (id(pipe), auto)
-    if key not in _COUNTERPARTS:
-        _COUNTERPARTS[key] = auto.from_pipe(pipe)  # float32 here: from_pipe's cast changes nothing
-        _COUNTERPARTS[key].set_progress_bar_config(disable=True)
-    return _COUNTERPARTS[key]
+    counterparts = _COUNTERPARTS.setdefault(pipe, {})
+    if auto not in counterparts:
+        counterparts[auto] = auto.from_pipe(pipe)  # float32 here: from_pipe's cast changes nothing
+        counterparts[auto].set_progress_bar_config(disable=True)
+    return counterparts[auto]
 
 
 def call_arguments(request: ImageRequest) -> dict[str, Any]:
