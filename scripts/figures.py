@@ -62,6 +62,7 @@ BLOCKS: dict[str, Block] = {
     ),
     # in process (scripts/bench_engines.py)
     "engines": Block(("docs/cpu/bench_engines.json",), "engines.in_process_ratios"),
+    "request-walk": Block(("docs/design/request_walk.json",), "walk.render", "request_walk.py"),
     "engines-rounds": Block(("docs/cpu/rounds/bench_engines.json",), "engines.ratio_table"),
     "image-mix": Block(("docs/cpu/image_mix/bench_engines.json",), "engines.ratio_table"),
     "graphs-cpu": Block(("docs/cpu/bench_graphs.json",), "engines.graphs"),

@@ -1,13 +1,13 @@
 """Measure one text-to-image request's walk through the package on the step engine: the modules whose code
 runs for it, in order, on each thread, and any call from a lower layer into a higher one (README's "How
-batching works" is this script's output).
+batching works" table is rendered from the artefact it writes, ``docs/design/request_walk.json``).
 
 The model is the shipped ``text_to_image`` model class on the tiny SD weights, initialised and executed as
 Triton does it; Triton's ``triton_python_backend_utils`` is replaced by a minimal stand-in (a request with
 a PROMPT tensor and parameters, a response sender that records), so this runs anywhere. Calls are recorded
 with ``sys.setprofile`` on every thread while the one request runs, after a warm-up request.
 
-    .venv/bin/python scripts/request_walk.py
+    .venv/bin/python scripts/request_walk.py [--out docs/design/request_walk.json]
 """
 
 from __future__ import annotations
@@ -101,7 +101,12 @@ def _stand_in() -> types.ModuleType:
     return module
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=str(REPO_ROOT / "docs" / "design" / "request_walk.json"))
+    args = parser.parse_args(argv)
     sys.modules["triton_python_backend_utils"] = _stand_in()
     sys.path.insert(0, str(REPO_ROOT / "src"))
     from triton_diffusion.models.text_to_image import TextToImageModel
@@ -159,6 +164,7 @@ def main() -> None:
     assert request.sender.finals and request.sender.finals[0].error is None
 
     modules: list[str] = []
+    threads: dict[str, list[str]] = {}
     print("One text-to-image request on the step engine (tiny SD, 2 steps), modules in order of first call:")
     for thread, calls in walk.items():
         seen: list[str] = []
@@ -166,27 +172,31 @@ def main() -> None:
             if module not in seen:
                 seen.append(module)
         modules += [m for m in seen if m not in modules]
+        threads[thread] = seen
         print(f"\n{thread}:")
         for module in seen:
             print(f"  {module}")
-    # A lower layer calling what a higher one implements of the lower layer's own Protocol is how the
-    # layers are meant to meet (the engine ends a request through engine/requests.py's Request).
-    from triton_diffusion.engine.requests import Request
-
-    through_protocol = {("serving/requests.py", name) for name in vars(Request) if not name.startswith("_")}
     upward = set()
     for calls in walk.values():
         for module, call in calls:
             function, caller, caller_function = call.split("<-")
             if caller == "None" or "/" not in module or "/" not in caller or function == caller_function:
                 continue  # the same method up its class hierarchy (super()) is not a layer crossing
-            if (module, function) in through_protocol:
-                continue
             callee_layer, caller_layer = module.split("/")[0], caller.split("/")[0]
             if callee_layer in LAYERS and caller_layer in LAYERS:
                 if LAYERS.index(callee_layer) < LAYERS.index(caller_layer):
                     upward.add(f"{caller} -> {module} ({function})")
     print(f"\n{len(modules)} modules in all; calls back up a layer: {sorted(upward) or 'none'}")
+    sys.path.insert(0, str(REPO_ROOT / "scripts"))
+    from artefacts import write
+
+    walk_artefact = {
+        "layers": list(LAYERS),
+        "threads": threads,
+        "modules": len(modules),
+        "upward": sorted(upward),
+    }
+    print(f"written: {write(args.out, walk_artefact)}")
 
 
 if __name__ == "__main__":

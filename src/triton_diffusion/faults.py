@@ -1,6 +1,6 @@
 """Test-only fault injection, enabled by the ``fault_injection`` config parameter (off by default).
 
-``{"fail_on_prompt": "boom", "oom_above_rows": 4, "step_delay_ms": 100}`` makes any pipeline call (or
+``{"fail_on_prompt": "boom", "oom_above_rows": 4, "step_delay_s": 0.1}`` makes any pipeline call (or
 step-engine forward) raise when one of its prompts contains "boom", raise a simulated out-of-memory when
 it holds more than 4 rows, and sleep 100 ms after every denoising step (a stalled step, so a test can
 cancel mid-call). ``{"stall_on_prompt": "hang"}`` blocks a forward holding such a prompt for good (a
@@ -11,6 +11,7 @@ the marker and that has shared no forward yet waits before its second forward (`
 eleventh) until the engine holds another job, at most ``hold_s`` (30 s): a second request sent once the
 first one's progress says it runs certainly shares its forwards, whatever the machine's speed. This lets
 integration tests exercise failure isolation and sharing through the real server and the real pipeline.
+Durations are in seconds, as in the config; ``step_delay_ms`` (milliseconds) is still read.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ class AcceleratorError(RuntimeError):
 class FaultInjection:
     fail_on_prompt: str | None = None
     oom_above_rows: int | None = None
-    step_delay_ms: float = 0.0
+    step_delay_s: float = 0.0
     device_lost_on_prompt: str | None = None
     stall_on_prompt: str | None = None
     hold_on_prompt: str | None = None
@@ -51,6 +52,10 @@ class FaultInjection:
         if not text:
             return None
         raw = json.loads(text)
+        if isinstance(raw, dict) and "step_delay_ms" in raw:  # the old name, in milliseconds
+            if "step_delay_s" in raw:
+                raise ValueError("fault_injection: step_delay_s and step_delay_ms (its old name) both given")
+            raw["step_delay_s"] = raw.pop("step_delay_ms") / 1000
         unknown = set(raw) - {f.name for f in fields(cls)}
         if unknown:
             raise ValueError(f"fault_injection: unknown keys {sorted(unknown)}")
@@ -69,8 +74,8 @@ class FaultInjection:
             raise InjectedFault(f"injected failure for a prompt containing {self.fail_on_prompt!r}")
 
     def after_step(self) -> None:
-        if self.step_delay_ms:
-            time.sleep(self.step_delay_ms / 1000)
+        if self.step_delay_s:
+            time.sleep(self.step_delay_s)
 
     def hold_from(self, prompt: str) -> int | None:
         """The steps a row with this prompt takes before it is held (None: never held): the number right

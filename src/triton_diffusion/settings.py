@@ -28,8 +28,6 @@ ALL = (IMAGE, IMAGE_SOURCE, LM)
 ENGINES = ("auto", "step", "request")
 # Prefixes and suffixes of the request-field parameters fields.py applies (Field.configured).
 FIELD_PARAMETER_FORMS = ("default_{}", "min_{}", "max_{}", "{}_choices", "{}_multiple_of", "max_{}_length")
-# Old names still accepted for one meaning: the running set's size in jobs (images, or LM requests).
-RENAMED = {"max_running_rows": "max_running", "max_running_requests": "max_running"}
 
 
 def _flag(text: str) -> bool:
@@ -129,6 +127,59 @@ def _step_cache(text: str) -> Any:
         raise ValueError(error.message) from None
 
 
+@dataclass(frozen=True)
+class Renamed:
+    """An old name still read for a parameter: its value divided by ``per`` (an old unit: ``unit``)."""
+
+    name: str
+    per: int = 1
+    unit: str = ""
+
+
+# Old names still read: the running set's size in jobs (images, or LM requests); durations in seconds.
+RENAMED = {
+    "max_running_rows": Renamed("max_running"),
+    "max_running_requests": Renamed("max_running"),
+    "cancel_poll_ms": Renamed("cancel_poll_s", 1000, "milliseconds"),
+}
+# The engines a derived default tells apart (Derived), as README names them.
+DERIVED_CASES = {"step": "step engine", "request": "request engine", LM: "diffusion_lm"}
+
+
+@dataclass(frozen=True)
+class Derived:
+    """A default computed at load from other parameters, declared beside its parameter as Python
+    expressions over the resolved parameters, ``max_batch_size`` (config.pbtxt's) and ``max``/``min``:
+    ``step`` for an image model's step engine, ``request`` for the request-level engine and ``lm`` for
+    the diffusion LM (each as ``step`` unless given); ``at_most``: a cap on the value, configured or
+    derived. :meth:`ModelSettings.resolved` evaluates these expressions and README's text of the default
+    is made of them (:meth:`doc`), so what runs and what is documented are one text."""
+
+    step: str
+    request: str | None = None
+    lm: str | None = None
+    at_most: str | None = None
+
+    def expression(self, case: str) -> str:
+        """The expression for ``case``, one of :data:`DERIVED_CASES`."""
+        return {"step": self.step, "request": self.request or self.step, LM: self.lm or self.step}[case]
+
+    def doc(self) -> str:
+        """``default: EXPR (where), ...; at most EXPR``, for README's table."""
+        where: dict[str, list[str]] = {}
+        for case, label in DERIVED_CASES.items():
+            where.setdefault(self.expression(case), []).append(label)
+        if len(where) == 1:
+            text = f"default: {self.step}"
+        else:
+            label = {"step engine and request engine": "image and video models"}
+            text = "default: " + ", ".join(
+                f"{expression} ({label.get(' and '.join(cases), ' and '.join(cases))})"
+                for expression, cases in where.items()
+            )
+        return text + (f"; at most {self.at_most}" if self.at_most else "")
+
+
 def _parameter(
     default: Any,
     doc: str,
@@ -136,16 +187,31 @@ def _parameter(
     choices: tuple[str, ...] = (),
     parse: Callable[[str], Any] | None = None,
     written: str | None = None,
+    derived: Derived | None = None,
+    tests_only: bool = False,
 ) -> Any:
     """A config parameter: its default, meaning, the model kinds that read it, its choices; a parser for
-    a value that is not a plain number, flag or word (``written``: how it is written, for README)."""
-    metadata = {"doc": doc, "kinds": kinds, "choices": choices, "parse": parse, "written": written}
+    a value that is not a plain number, flag or word (``written``: how it is written, for README); a
+    default computed at load from other parameters (``derived``: the declared default is then None);
+    ``tests_only``: a test hook, accepted but left out of README's table (README: Reliability)."""
+    assert derived is None or default is None, "a derived default is declared as None"
+    metadata = {
+        "doc": doc,
+        "kinds": kinds,
+        "choices": choices,
+        "parse": parse,
+        "written": written,
+        "derived": derived,
+        "tests_only": tests_only,
+    }
     return field(default=default, metadata=metadata)
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The model's parameters, typed. ``None`` means "derived at load" where the doc says so."""
+    """The model's parameters, typed. ``None`` means "derived at load" where the doc says so: from other
+    parameters where the declaration has a :class:`Derived` (read it through
+    :meth:`ModelSettings.resolved`), from the model itself where the doc says whose."""
 
     # ---- the model --------------------------------------------------------------------------------
     model: str | None = _parameter(
@@ -232,8 +298,9 @@ class ModelConfig:
     )
     max_rows_per_call: int | None = _parameter(
         None,
-        "images per fused call (request engine) or per forward (step engine); default: max_batch_size",
+        "images per fused call (request engine) or per forward (step engine)",
         (IMAGE, IMAGE_SOURCE),
+        derived=Derived("max(max_batch_size, 1)"),
     )
     max_rows_by_resolution: dict[str, int] | None = _parameter(
         None,
@@ -244,15 +311,17 @@ class ModelConfig:
     )
     max_running: int | None = _parameter(
         None,
-        "jobs in the step engine's running set (images, or LM requests); default: max_rows_per_call; LM: 8",
+        "jobs in the step engine's running set (images, or LM requests)",
+        derived=Derived("max_rows_per_call", lm="8"),
     )
     waiting_room: int | None = _parameter(
         None,
-        "jobs held beyond the running set before execute() blocks; default: max_rows_per_call (step), "
-        "max_batch_size (request), 4 (LM)",
+        "jobs held beyond the running set (request engine: beyond one fused call of max_rows_per_call) "
+        "before execute() blocks",
+        derived=Derived("max_rows_per_call", request="max(max_batch_size, max_rows_per_call)", lm="4"),
     )
     max_admission_wait_s: float = _parameter(120.0, "longest a request waits for room before UNAVAILABLE")
-    cancel_poll_ms: float = _parameter(50.0, "ask a running request about cancellation at most this often")
+    cancel_poll_s: float = _parameter(0.05, "ask a running request about cancellation at most this often")
     scheduling_policy: str = _parameter(
         "oldest",
         "which group of running jobs steps next, and their order (engine/ordering.py): "
@@ -287,7 +356,8 @@ class ModelConfig:
     )
     max_paused: int | None = _parameter(
         None,
-        "jobs held paused at once for a higher tier (their latents stay in memory); default: max_running",
+        "jobs held paused at once for a higher tier (their latents stay in memory)",
+        derived=Derived("max_running"),
     )
     step_cache: Any = _parameter(
         None,
@@ -306,8 +376,11 @@ class ModelConfig:
     admission_cohort: int | None = _parameter(
         None,
         "a busy step engine admits newcomers once this many places are free, so they are encoded, and "
-        "later decoded, together (engine/ordering.py AdmissionPacing); 1: whenever there is room; "
-        "default: half the forward's cap (images), 1 (LM); at most half of max_running",
+        "later decoded, together (engine/ordering.py AdmissionPacing); 1: whenever there is room (the "
+        "LM's default: tokenizing costs nearly nothing)",
+        # At most half the running set: a busy engine must be able to see that many places free, or every
+        # newcomer would wait the whole admission_max_wait_steps.
+        derived=Derived("max(1, max_rows_per_call // 2)", lm="1", at_most="max(1, max_running // 2)"),
     )
     admission_max_wait_steps: int = _parameter(
         8, "... or once the oldest waiting job has waited this many engine steps"
@@ -332,7 +405,11 @@ class ModelConfig:
         "stuck: what it holds is answered UNAVAILABLE and the process exits for a restart",
     )
     fault_injection: Any = _parameter(
-        None, "tests only: JSON of faults to inject (faults.py)", parse=_fault_injection, written="JSON"
+        None,
+        "tests only: JSON of faults to inject (faults.py; README: Reliability)",
+        parse=_fault_injection,
+        written="JSON",
+        tests_only=True,
     )
 
     @classmethod
@@ -345,10 +422,12 @@ class ModelConfig:
         readable = {name for name, f in declared.items() if kinds & set(f.metadata["kinds"])}
         field_keys = {form.format(name) for name in request_fields for form in FIELD_PARAMETER_FORMS}
         values: dict[str, Any] = {}
+        given: dict[str, str] = {}  # parameter -> the name config.pbtxt gave it
         for key, text in params.items():
             if key in field_keys and key not in declared:  # scheduler_choices is a parameter of its own
                 continue
-            key = RENAMED.get(key, key)
+            renamed = RENAMED.get(key)
+            written, key = key, renamed.name if renamed else key
             if key not in readable:
                 known = sorted(readable | field_keys)
                 hint = difflib.get_close_matches(key, known, n=1)
@@ -357,12 +436,24 @@ class ModelConfig:
                 raise ValueError(
                     f"model {model}: config parameter {key!r} {what}{suggestion} (README: Configuration)"
                 )
+            if key in given:
+                twice = f"given twice (as {given[key]!r} and {written!r})"
+                raise ValueError(f"model {model}: config parameter {key!r} is {twice}")
+            given[key] = written
             if text == "":
                 continue  # an empty value keeps the default
             values[key] = _typed(declared[key], text, model)
+            if renamed and renamed.per != 1:
+                values[key] /= renamed.per
         if values.get("engine_stall_s", 1.0) <= 0:
             raise ValueError(f"model {model}: config parameter 'engine_stall_s' must be > 0")
-        for key, least in (("admission_cohort", 1), ("admission_max_wait_steps", 0)):
+        at_least = {
+            "max_rows_per_call": 1,
+            "max_running": 1,
+            "admission_cohort": 1,
+            "admission_max_wait_steps": 0,
+        }
+        for key, least in at_least.items():
             if values.get(key) is not None and values[key] < least:
                 raise ValueError(f"model {model}: config parameter {key!r} must be >= {least}")
         config = cls(**values)
@@ -407,10 +498,13 @@ def config_parameters(model_config: Mapping[str, Any]) -> dict[str, str]:
 
 
 def parameters_markdown() -> str:
-    """README's configuration table, straight from the declarations."""
+    """README's configuration table, straight from the declarations: a derived default's text from its
+    :class:`Derived`, old names from :data:`RENAMED`; the test hooks (``tests_only``) left out."""
     names = {IMAGE: "image and video models", IMAGE_SOURCE: "image models", LM: "diffusion_lm"}
     lines = ["| parameter | type | default | read by | meaning |", "|---|---|---|---|---|"]
     for f in fields(ModelConfig):
+        if f.metadata["tests_only"]:
+            continue
         kinds = f.metadata["kinds"]
         read_by = (
             "all"
@@ -426,11 +520,17 @@ def parameters_markdown() -> str:
             default = default if f.default else "none"
         elif f.default is not None:
             default = f"`{f.default}`"
+        elif f.metadata["derived"] is not None or "default:" in f.metadata["doc"]:
+            default = "derived"
         else:
-            default = (
-                "required" if f.name == "model" else "derived" if "default:" in f.metadata["doc"] else "none"
+            default = "required" if f.name == "model" else "none"
+        doc = f.metadata["doc"] + (f"; {f.metadata['derived'].doc()}" if f.metadata["derived"] else "")
+        old = [(name, r.unit) for name, r in RENAMED.items() if r.name == f.name]
+        if old:
+            doc += "; also read as " + ", ".join(
+                f"{name} (in {unit})" if unit else name for name, unit in old
             )
-        lines.append(f"| `{f.name}` | {kind} | {default} | {read_by} | {f.metadata['doc']}{allowed} |")
+        lines.append(f"| `{f.name}` | {kind} | {default} | {read_by} | {doc}{allowed} |")
     return "\n".join(lines)
 
 
@@ -443,6 +543,7 @@ class ModelSettings:
     max_batch_size: int
     instance_kind: str  # "CPU", "GPU" or "MODEL"
     device_id: int
+    kinds: tuple[str, ...] = (IMAGE,)  # the model kinds it was read for (LM: the diffusion LM's defaults)
 
     @classmethod
     def from_triton_args(
@@ -451,7 +552,7 @@ class ModelSettings:
         model_config = json.loads(args["model_config"])
         name = args["model_name"]
         params = config_parameters(model_config)
-        request_fields = list(request_fields)
+        request_fields, kinds = list(request_fields), tuple(kinds)
         field_keys = {form.format(f) for f in request_fields for form in FIELD_PARAMETER_FORMS}
         return cls(
             name=name,
@@ -461,6 +562,7 @@ class ModelSettings:
             max_batch_size=int(model_config.get("max_batch_size", 0)),
             instance_kind=args.get("model_instance_kind", "CPU"),
             device_id=int(args.get("model_instance_device_id", 0)),
+            kinds=kinds,
         )
 
     def model_source(self) -> str:
@@ -492,5 +594,51 @@ class ModelSettings:
             return torch.bfloat16 if device.startswith("cuda") else torch.float32
         return getattr(torch, self.config.dtype)
 
+    def resolved(self, name: str, engine: str = "step") -> Any:
+        """Parameter ``name`` for this model on ``engine`` (step or request): config.pbtxt's value, else
+        its declared derived default (:class:`Derived`, the diffusion LM's where this is one), capped by
+        the declaration's ``at_most``. Derived defaults are computed here only."""
+        if engine not in ("step", "request"):
+            raise ValueError(f"engine must be step or request, got {engine!r}")
+        value = getattr(self.config, name)
+        derived: Derived | None = _DECLARED[name].metadata["derived"]
+        if derived is None:
+            return value
+        names = _Resolving(self, engine)
+        if value is None:
+            value = _evaluate(derived.expression(LM if LM in self.kinds else engine), names)
+        if derived.at_most is not None:
+            value = min(value, _evaluate(derived.at_most, names))
+        return value
+
     def max_rows_per_call(self) -> int:
-        return self.config.max_rows_per_call or max(self.max_batch_size, 1)
+        return self.resolved("max_rows_per_call")
+
+
+_DECLARED = {f.name: f for f in fields(ModelConfig)}
+
+
+class _Resolving(Mapping[str, Any]):
+    """The names a :class:`Derived` expression may read: ``max_batch_size`` and every parameter, each
+    resolved for the same engine."""
+
+    def __init__(self, settings: ModelSettings, engine: str) -> None:
+        self.settings, self.engine = settings, engine
+
+    def __getitem__(self, name: str) -> Any:
+        if name == "max_batch_size":
+            return self.settings.max_batch_size
+        if name not in _DECLARED:
+            raise KeyError(name)
+        return self.settings.resolved(name, self.engine)
+
+    def __iter__(self):
+        return iter(["max_batch_size", *_DECLARED])
+
+    def __len__(self) -> int:
+        return len(_DECLARED) + 1
+
+
+def _evaluate(expression: str, names: Mapping[str, Any]) -> Any:
+    """A :class:`Derived` expression (written in this module, never read from a config)."""
+    return eval(expression, {"__builtins__": {}, "max": max, "min": min}, names)  # noqa: S307

@@ -9,13 +9,13 @@ from triton_diffusion.tiny_models import build_missing
 # execute() call, so the tests can see fusing; the shipped configs use a short one.
 QUEUE_DELAY_US = 300_000
 FAULT_INJECTION = '{\\"fail_on_prompt\\": \\"__explode__\\", \\"oom_above_rows\\": 3}'
-STEP_DELAY = '{\\"step_delay_ms\\": 80}'
+STEP_DELAY = '{\\"step_delay_s\\": 0.08}'
 # The step engine's stalled step, and its hold (faults.py): a request whose prompt carries __hold__ waits
 # before its second forward until another job arrives, so a second request certainly joins it.
-STEP_SLOW = '{\\"step_delay_ms\\": 60, \\"hold_on_prompt\\": \\"__hold__\\"}'
+STEP_SLOW = '{\\"step_delay_s\\": 0.06, \\"hold_on_prompt\\": \\"__hold__\\"}'
 # The diffusion LM with a stalled step (so a request can join or be cancelled mid-generation) and a
 # forward that fails while a prompt contains __explode__.
-DLLM_FAULTS = '{\\"step_delay_ms\\": 25, \\"fail_on_prompt\\": \\"__explode__\\"}'
+DLLM_FAULTS = '{\\"step_delay_s\\": 0.025, \\"fail_on_prompt\\": \\"__explode__\\"}'
 
 # The tiny SD adapters (tiny_models/lora.py) the LoRA models serve, by adapter name.
 LORA_WEIGHTS = {"ink": "tiny-sd-lora-ink", "neon": "tiny-sd-lora-neon"}

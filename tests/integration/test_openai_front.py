@@ -64,7 +64,7 @@ def front(tmp_path_factory):
     ):
         copy_model(name, repo, name, {"model": str(WEIGHTS / weights)})
     # A stalled step, so a request is still running when its client goes away.
-    slow = {"model": str(WEIGHTS / "tiny-sd"), "fault_injection": '{\\"step_delay_ms\\": 150}'}
+    slow = {"model": str(WEIGHTS / "tiny-sd"), "fault_injection": '{\\"step_delay_s\\": 0.15}'}
     copy_model("text_to_image", repo, "text_to_image_slow", slow)
     key_file = tmp_path_factory.mktemp("keys") / "keys.txt"
     key_file.write_text(f"# the test's key\n{KEY}\n")

@@ -289,7 +289,7 @@ def small_queue_server(tmp_path_factory):
         "text_to_image",
         {
             "model": str(WEIGHTS / "tiny-sd"),
-            "fault_injection": '{\\"step_delay_ms\\": 50}',
+            "fault_injection": '{\\"step_delay_s\\": 0.05}',
         },
     )
     set_batching(repo, "text_to_image", 0, max_batch_size=1)
@@ -345,7 +345,7 @@ def test_shutdown_with_a_request_in_flight_gives_the_client_an_error_not_a_hang(
             # 50 steps of 400 ms: the request outlives the exit timeout (2 s) and the supervisor's kill
             # (10 s later), so even a Triton that hangs in its abort handler with connections open
             # cannot deliver its answer.
-            "fault_injection": '{\\"step_delay_ms\\": 400}',
+            "fault_injection": '{\\"step_delay_s\\": 0.4}',
         },
     )
     running = start_server(

@@ -45,7 +45,7 @@ def test_a_killed_stub_is_noticed_reported_and_recovered(tmp_path):
         "text_to_image",
         repo,
         "text_to_image",
-        {"model": str(WEIGHTS / "tiny-sd"), "fault_injection": '{\\"step_delay_ms\\": 100}'},
+        {"model": str(WEIGHTS / "tiny-sd"), "fault_injection": '{\\"step_delay_s\\": 0.1}'},
     )
     log_path = tmp_path / "server.log"
     front_port = free_port()
@@ -147,7 +147,7 @@ def test_a_failed_gpu_or_a_stuck_engine_answers_what_it_held_and_the_model_comes
     repo = tmp_path / "repo"
     repo.mkdir()
     trigger = "xid" if fault == "device_lost" else "hang"
-    faults = f'{{\\"{fault}_on_prompt\\": \\"{trigger}\\", \\"step_delay_ms\\": 50}}'
+    faults = f'{{\\"{fault}_on_prompt\\": \\"{trigger}\\", \\"step_delay_s\\": 0.05}}'
     parameters = {"model": str(WEIGHTS / "tiny-sd"), "engine": engine, "fault_injection": faults}
     if fault == "stall":
         parameters["engine_stall_s"] = "3"

@@ -208,7 +208,7 @@ def test_step_engine_metrics_and_log_lines(server):
     def grew(name: str) -> float:
         return after.get(name + label, 0.0) - before.get(name + label, 0.0)
 
-    assert grew("triton_diffusion_forward_rows_count") >= 3
+    assert grew("triton_diffusion_forward_images_count") >= 3
     assert grew("triton_diffusion_admission_wait_seconds_count") == 3
     assert grew("triton_diffusion_first_step_seconds_count") == 3
     assert after["triton_diffusion_rows_in_flight" + label] == 0

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from triton_diffusion.errors import RequestError
+from triton_diffusion.serving.cancellations import ClientAborts
 from triton_diffusion.serving.requests import TrackedRequest
 
 
@@ -38,7 +39,20 @@ def tracked(name: str, **channel: Any) -> TrackedRequest:
 
 def deliver_errors(report: Any) -> None:
     """What the serving host does with a step report's departures: the error an engine decided for a
-    request (a failure, a cancellation, a deadline) goes out (TrackedRequest.deliver; a no-op otherwise)."""
+    request (a failure, a cancellation, a deadline) ends it and goes out (TrackedRequest.end, then
+    TrackedRequest.deliver; each a no-op the second time)."""
+    for left in report.left:
+        if left.error is not None:
+            left.job.request.end(left.error)
     for left in report.left:
         if left.reason != "finished":
             left.job.request.deliver()
+
+
+def step_as_worker(engine: Any) -> Any:
+    """One engine step as the host's worker runs it: the aborts of the requests the engine holds (cancelled
+    by their clients, or answered already) handed in first."""
+    held = engine.held_requests()
+    if held:
+        engine.abort(ClientAborts().aborted(held))
+    return engine.step()

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 from diffusers import AutoPipelineForImage2Image, AutoPipelineForInpainting, DiffusionPipeline
 
-from tests.unit.recording import RecordingChannel, deliver_errors
+from tests.unit.recording import RecordingChannel, deliver_errors, step_as_worker
 from triton_diffusion.adapters.diffusers_pipeline import SchedulerChoices, row_generator
 from triton_diffusion.adapters.image_requests import ImageRequest
 from triton_diffusion.engine.jobs import Job, StepReport
@@ -86,7 +86,7 @@ def run_engine(
     while pending or engine.active:
         while pending and pending[0][0] <= step:
             engine.add(pending.pop(0)[1])
-        host.render(engine.step())
+        host.render(step_as_worker(engine))
         step += 1
         if cancelled is not None:
             cancel["now"] = cancelled.steps_done >= 2

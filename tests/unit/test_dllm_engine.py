@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from tests.unit.recording import RecordingChannel, deliver_errors
+from tests.unit.recording import RecordingChannel, deliver_errors, step_as_worker
 from triton_diffusion.adapters.diffusion_lm_adapter import (
     DecodingRequest,
     DiffusionLMAdapter,
@@ -111,7 +111,7 @@ class Harness:
         return getattr(self.engine, name)
 
     def step(self) -> None:
-        self.recorder.render(self.engine.step())
+        self.recorder.render(step_as_worker(self.engine))
 
 
 def make_engine(forward, recorder, pad_id, max_running, padding_side="left", group_by_length=False):

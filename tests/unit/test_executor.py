@@ -12,6 +12,7 @@ from triton_diffusion.engine.failures import DeviceLostError, is_device_lost
 from triton_diffusion.engine.planner import PlannedRequest, RowCaps, plan_groups
 from triton_diffusion.errors import ErrorCode, RequestError
 from triton_diffusion.faults import AcceleratorError, SimulatedOutOfMemoryError
+from triton_diffusion.serving.cancellations import ClientAborts
 
 KEY = CompatibilityKey((("height", 64),))
 
@@ -40,8 +41,16 @@ class Stats:
 
 def executor_for(pipeline, tracked_requests, on_call=None) -> FusedCallExecutor:
     """The executor as the request-level engine wires it: a request's error is decided (``end``) and the
-    host delivers it (here after the run, by :func:`deliver`)."""
-    return FusedCallExecutor(pipeline, lambda i, error: tracked_requests[i].end(error), on_call)
+    host delivers it (here after the run, by :func:`deliver`); before a call, the host's aborts of its
+    requests are taken (``before_call``: a cancelled one ends)."""
+    aborts = ClientAborts()
+
+    def before_call(indices):
+        for abort in aborts.aborted([tracked_requests[i] for i in indices]):
+            abort.request.end(RequestError(ErrorCode.CANCELLED, "cancelled before its call started"))
+
+    end = lambda i, error: tracked_requests[i].end(error)  # noqa: E731
+    return FusedCallExecutor(pipeline, end, on_call, before_call)
 
 
 def deliver(tracked_requests) -> None:

@@ -23,7 +23,7 @@ from tests.unit.step_harness import (
     run_engine,
     served,
 )
-from tests.unit.test_latent_steps import source_image
+from tests.unit.test_latent_loop import source_image
 from triton_diffusion.adapters.image_requests import ImageRequest
 from triton_diffusion.adapters.qwen_image import QwenImageAdapter
 from triton_diffusion.adapters.step_adapters import step_adapter_for

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.unit.recording import tracked
+from tests.unit.recording import step_as_worker, tracked
 from tests.unit.test_step_engine import FakeAdapter, Host, Spec
 from triton_diffusion.engine.jobs import Job
 from triton_diffusion.engine.ordering import AdmissionPacing, Service, make_policy
@@ -62,7 +62,7 @@ class Harness:
 
     def step(self, seconds: float = 0.1) -> None:
         self.clock.now += seconds
-        self.host.render(self.engine.step())
+        self.host.render(step_as_worker(self.engine))
 
     def drain(self, limit: int = 500) -> None:
         for _ in range(limit):

@@ -1,25 +1,32 @@
-"""The typed model config: every parameter declared once, parsed and checked at load."""
+"""The typed model config: every parameter declared once, parsed and checked at load; derived defaults
+computed, documented and used from one declaration."""
 
 import json
+import re
+from dataclasses import fields
+from pathlib import Path
 
 import pytest
 
 from triton_diffusion.settings import IMAGE, IMAGE_SOURCE, LM, ModelConfig, ModelSettings
 
+README = Path(__file__).resolve().parents[2] / "README.md"
+
 FIELDS = ["prompt", "height", "num_inference_steps", "image", "scheduler"]
 
 
-def settings(params: dict[str, str], kinds=(IMAGE,)) -> ModelSettings:
-    config = {"parameters": {k: {"string_value": v} for k, v in params.items()}, "max_batch_size": 32}
+def settings(params: dict[str, str], kinds=(IMAGE,), max_batch_size: int = 32) -> ModelSettings:
+    parameters = {k: {"string_value": v} for k, v in params.items()}
+    config = {"parameters": parameters, "max_batch_size": max_batch_size}
     args = {"model_config": json.dumps(config), "model_name": "m", "model_repository": "/tmp"}
     return ModelSettings.from_triton_args(args, kinds, FIELDS)
 
 
 def test_parameters_are_typed_once_and_field_limits_pass_through():
     loaded = settings(
-        {"max_rows_per_call": "4", "cancel_poll_ms": "10", "trust_remote_code": "yes", "max_height": "256"}
+        {"max_rows_per_call": "4", "cancel_poll_s": "0.01", "trust_remote_code": "yes", "max_height": "256"}
     )
-    assert loaded.config.max_rows_per_call == 4 and loaded.config.cancel_poll_ms == 10.0
+    assert loaded.config.max_rows_per_call == 4 and loaded.config.cancel_poll_s == 0.01
     assert loaded.config.trust_remote_code is True and loaded.config.engine == "auto"
     assert loaded.field_params == {"max_height": "256"} and loaded.max_rows_per_call() == 4
     assert settings({}).max_rows_per_call() == 32  # max_batch_size when not set
@@ -54,6 +61,10 @@ def test_a_key_another_kind_reads_is_refused_naming_why():
         ({"engine": "turbo"}, "engine' must be one of auto, step, request"),
         ({"waiting_room": "-1"}, "waiting_room' must be >= 0"),
         ({"engine_stall_s": "0"}, "engine_stall_s' must be > 0"),
+        ({"max_rows_per_call": "0"}, "max_rows_per_call' must be >= 1"),
+        ({"max_running": "0"}, "max_running' must be >= 1"),
+        ({"max_running": "2", "max_running_rows": "4"}, "'max_running' is given twice"),
+        ({"cancel_poll_s": "1", "cancel_poll_ms": "10"}, "'cancel_poll_s' is given twice"),
         # Values that are not a plain number, flag or word are parsed here too, once (item 6).
         ({"max_rows_by_resolution": '{"big": 2}'}, "'max_rows_by_resolution': row cap 'big'"),
         ({"max_rows_by_resolution": "{"}, "'max_rows_by_resolution': not JSON"),
@@ -82,7 +93,7 @@ def test_structured_values_are_typed_at_load():
         {
             "max_rows_by_resolution": '{"1024X768": 2, "832x480x81": 1}',
             "loras": '{"ink": "a/b"}',
-            "fault_injection": '{"step_delay_ms": 5}',
+            "fault_injection": '{"step_delay_s": 0.005}',
             "service_tiers": "gold,silver",
             "default_service_tier": "silver",
             "step_cache": "taylorseer:4",
@@ -91,16 +102,160 @@ def test_structured_values_are_typed_at_load():
         kinds=(IMAGE, IMAGE_SOURCE),
     ).config
     assert loaded.max_rows_by_resolution == {"1024x768": 2, "832x480x81": 1}
-    assert loaded.loras == {"ink": "a/b"} and loaded.fault_injection.step_delay_ms == 5
+    assert loaded.loras == {"ink": "a/b"} and loaded.fault_injection.step_delay_s == 0.005
     assert loaded.service_tiers == ("gold", "silver") and loaded.default_service_tier == "silver"
     assert loaded.step_cache.text == "taylorseer:4:3" and loaded.image_formats == ("PNG", "WEBP")
 
 
-def test_old_names_of_the_running_set_size_still_load():
+def test_old_names_still_load_in_their_own_units():
     assert settings({"max_running_rows": "16"}).config.max_running == 16
     assert settings({"max_running_requests": "2"}, kinds=(LM,)).config.max_running == 2
+    # Durations are in seconds; the old millisecond name is converted.
+    assert settings({"cancel_poll_ms": "10"}).config.cancel_poll_s == 0.01
+    assert settings({}).config.cancel_poll_s == 0.05
+    faults = settings({"fault_injection": '{"step_delay_ms": 250}'}).config.fault_injection
+    assert faults.step_delay_s == 0.25
+    with pytest.raises(ValueError, match="step_delay_ms"):
+        settings({"fault_injection": '{"step_delay_ms": 250, "step_delay_s": 1}'})
+
+
+def test_durations_are_in_seconds():
+    """One unit for durations: no parameter is named in another (an old name may be, converted)."""
+    other_units = re.compile(r"_(ns|us|ms|min|minutes|h|hours|seconds|secs?)$")
+    assert not [f.name for f in fields(ModelConfig) if other_units.search(f.name)]
+    assert {f.name for f in fields(ModelConfig) if f.name.endswith("_s")} >= {
+        "cancel_poll_s",
+        "engine_stall_s",
+    }
+
+
+def test_the_test_hook_is_accepted_but_not_in_the_users_table():
+    from triton_diffusion.settings import parameters_markdown
+
+    assert settings({"fault_injection": '{"fail_on_prompt": "x"}'}).config.fault_injection is not None
+    assert "fault_injection" not in parameters_markdown()
+    config_section = README.read_text().split("<!-- config -->")[1].split("<!-- /config -->")[0]
+    assert "fault_injection" not in config_section
+    assert "test hook" in README.read_text()  # documented where the tests are (Reliability)
 
 
 def test_the_config_is_frozen():
     with pytest.raises(AttributeError):
         ModelConfig().engine = "step"  # type: ignore[misc]
+
+
+# ---- derived defaults: README documents them, settings.py computes them, the engines use them --------
+# Each is declared once (settings.Derived): the engines read it through ModelSettings.resolved and README's
+# text is written from it. This checks the whole chain from the outside: every default README documents
+# as an expression is evaluated here from README's own text and compared with what the engines built from
+# the same settings actually hold, so a README left stale, or an engine (serving/engines.py,
+# serving/triton_model.py, models/diffusion_lm.py) computing a default of its own, fails.
+
+LABELS = {
+    "step engine": ("step",),
+    "request engine": ("request",),
+    "diffusion_lm": ("lm",),
+    "image and video models": ("step", "request"),
+}
+SAFE = {"__builtins__": {}, "max": max, "min": min}
+
+
+def documented_defaults() -> dict[str, tuple[dict[str, str], str | None]]:
+    """README's config table: each parameter whose derived default is written as expressions -> (the
+    expression per engine: step, request, lm; its "at most" expression)."""
+    section = README.read_text().split("<!-- config -->")[1].split("<!-- /config -->")[0]
+    known = {f.name for f in fields(ModelConfig)} | {"max_batch_size", "max", "min"}
+    documented = {}
+    for row in section.strip().splitlines()[2:]:
+        name, _, default, _, meaning = (cell.strip() for cell in row.strip().strip("|").split(" | ", 4))
+        found = re.search(r"; default: (.*?)(?:; at most (.*?))?(?:; also read as .*)?$", meaning)
+        if default != "derived" or found is None:
+            continue
+        text, at_most = found.groups()
+        labelled = re.findall(rf"(.+?) \(({'|'.join(LABELS)})\)(?:, |$)", text)
+        by_case = {case: expr for expr, label in labelled for case in LABELS[label]} or dict.fromkeys(
+            ("step", "request", "lm"), text
+        )
+        try:
+            names = {
+                n for e in [*by_case.values(), at_most or "0"] for n in compile(e, name, "eval").co_names
+            }
+        except SyntaxError:
+            continue  # a default taken from the model itself ("the tokenizer's")
+        if names <= known:
+            documented[name.strip("`")] = (by_case, at_most)
+    return documented
+
+
+class Documented(dict):
+    """Parameter values for one engine as README documents them: config.pbtxt's, else the default's
+    expression evaluated over the others, within its "at most"."""
+
+    def __init__(self, documented, params: dict[str, str], max_batch_size: int, case: str) -> None:
+        super().__init__(max_batch_size=max_batch_size)
+        self.documented, self.params, self.case = documented, params, case
+
+    def __missing__(self, name: str) -> int:
+        by_case, at_most = self.documented[name]
+        value = int(self.params[name]) if name in self.params else eval(by_case[self.case], SAFE, self)
+        if at_most:
+            value = min(value, eval(at_most, SAFE, self))
+        self[name] = value
+        return value
+
+
+def engine_values(params: dict[str, str], max_batch_size: int, case: str) -> dict[str, int]:
+    """What the engines the models build (their own code path) hold, for each derived parameter."""
+    from triton_diffusion.serving.engines import RequestEngineKind, StepEngineKind
+    from triton_diffusion.serving.triton_model import DiffusionModel, RowInput
+
+    loaded = settings(params, kinds=(LM,) if case == "lm" else (IMAGE,), max_batch_size=max_batch_size)
+    if case == "request":
+        caps = DiffusionModel.row_caps(loaded)  # what DiffusionModel.setup builds its engine with
+        kind = RequestEngineKind(lambda *args: [], RowInput, caps)
+        return {"max_rows_per_call": caps.max_rows, "waiting_room": kind.capacity(loaded) - caps.max_rows}
+    caps = None if case == "lm" else DiffusionModel.row_caps(loaded)
+    step_kind = StepEngineKind(object(), lambda values, image: None, caps)  # as the models build it
+    engine = step_kind.build(loaded, lambda report: None)
+    values = {
+        "max_running": engine.limits.max_running,
+        "waiting_room": step_kind.capacity(loaded) - engine.limits.max_running,
+        "max_paused": engine.limits.max_paused,
+        "admission_cohort": engine.scheduler.pacing.cohort,
+    }
+    if case == "step":
+        values["max_rows_per_call"] = engine.limits.max_per_forward
+    return values
+
+
+SCENARIOS = [
+    ({}, 32),
+    ({}, 1),
+    ({}, 0),  # Triton does not batch: one image per call
+    ({"max_rows_per_call": "8"}, 6),  # more per call than Triton batches: where waiting_room had drifted
+    ({"max_rows_per_call": "4"}, 32),
+    ({"max_running": "3"}, 8),
+    ({"max_rows_per_call": "2", "max_running": "16", "waiting_room": "0", "max_paused": "1"}, 8),
+    ({"admission_cohort": "9", "max_running": "6"}, 8),  # a configured cohort is capped too
+    ({"admission_cohort": "2", "max_rows_per_call": "12"}, 4),
+]
+
+
+def test_every_derived_default_is_documented_as_expressions_and_declared_once():
+    declared = {f.name for f in fields(ModelConfig) if f.metadata["derived"] is not None}
+    covered = set().union(*(engine_values({}, 8, case) for case in ("step", "request", "lm")))
+    assert set(documented_defaults()) == declared == covered
+
+
+@pytest.mark.parametrize("case", ["step", "request", "lm"])
+@pytest.mark.parametrize("params, max_batch_size", SCENARIOS)
+def test_the_engines_hold_the_documented_defaults(params, max_batch_size, case):
+    if case == "lm":  # the diffusion LM reads no max_rows_per_call
+        params = {k: v for k, v in params.items() if k != "max_rows_per_call"}
+    got = engine_values(params, max_batch_size, case)
+    documented = Documented(documented_defaults(), params, max_batch_size, case)
+    assert got == {name: documented[name] for name in got}
+    # ... and they are what settings.py resolves (the one place that computes them).
+    loaded = settings(params, kinds=(LM,) if case == "lm" else (IMAGE,), max_batch_size=max_batch_size)
+    engine = "request" if case == "request" else "step"
+    assert got == {name: loaded.resolved(name, engine) for name in got}

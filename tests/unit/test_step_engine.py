@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.unit.recording import RecordingChannel, deliver_errors, tracked
+from tests.unit.recording import RecordingChannel, deliver_errors, step_as_worker, tracked
 from triton_diffusion.engine.failures import DeviceLostError
 from triton_diffusion.engine.jobs import ForwardResult, Job, JobStart, JobStep, StepReport
 from triton_diffusion.engine.ordering import AdmissionPacing, make_policy
+from triton_diffusion.engine.requests import Abort
 from triton_diffusion.engine.scheduler import CAP_RECOVERY_FORWARDS, EngineLimits
 from triton_diffusion.engine.step_engine import StepEngine
 from triton_diffusion.errors import ErrorCode, RequestError
@@ -86,7 +87,7 @@ class Engine:
         return getattr(self.engine, name)
 
     def step(self) -> None:
-        self.host.render(self.engine.step())
+        self.host.render(step_as_worker(self.engine))
 
 
 def engine_for(
@@ -205,7 +206,7 @@ def test_out_of_memory_splits_the_forward_and_lowers_the_groups_cap():
         engine.add(j)
     drain(engine)
     assert all(finals == [{"out": f"out:{name}"}] for name, finals in answers(jobs).items())
-    assert max(len(f) for f in adapter.forwards) <= 3 and engine.cap_for("64x64") <= 3
+    assert max(len(f) for f in adapter.forwards) <= 3 and engine.scheduler.caps.cap_for("64x64") <= 3
     # A job that does not fit alone is answered UNAVAILABLE; the others go on.
     lonely = FakeAdapter(max_rows=0)
     engine = engine_for(lonely)
@@ -221,13 +222,13 @@ def test_a_learned_cap_recovers_after_good_forwards_once_memory_is_back():
     for i in range(8):
         engine.add(job(f"a{i}", Spec(steps=2)))
     drain(engine)
-    assert engine.cap_for("64x64") == 2
+    assert engine.scheduler.caps.cap_for("64x64") == 2
     adapter.max_rows = None  # the other tenant left
     long_jobs = [job(f"b{i}", Spec(steps=2 * CAP_RECOVERY_FORWARDS)) for i in range(8)]
     for j in long_jobs:
         engine.add(j)
     drain(engine, limit=20 * CAP_RECOVERY_FORWARDS)
-    assert engine.cap_for("64x64") == 8 and max(len(f) for f in adapter.forwards) == 8
+    assert engine.scheduler.caps.cap_for("64x64") == 8 and max(len(f) for f in adapter.forwards) == 8
     assert all(len(j.request.channel.finals) == 1 for j in long_jobs)
 
 
@@ -745,3 +746,59 @@ def test_a_held_request_waits_before_its_second_forward_until_another_joins_it()
     solo.add(lonely)
     drain(solo)
     assert lonely.request.channel.finals == [{"out": "out:lonely __hold__"}]
+
+
+@dataclass(frozen=True)
+class DataOnly:
+    """A request that is data only: an engine that called any method of it (end, is_cancelled, start,
+    ended) would raise AttributeError here."""
+
+    request_id: str
+    entered: float = 0.0
+
+
+class Aborts:
+    """An abort source that cancels the named requests once asked about them."""
+
+    def __init__(self, *names: str) -> None:
+        self.names, self.asked = set(names), []
+
+    def aborted(self, held):
+        self.asked.extend(request.request_id for request in held)
+        return [Abort(request) for request in held if request.request_id in self.names]
+
+
+def test_the_step_engine_reads_requests_as_data_and_reports_every_end():
+    # A failing forward, a cancellation (an abort handed in as data), a deadline and a finished job: the
+    # engine decides each end on its own record and reports it; the request objects are only read.
+    adapter = FakeAdapter()
+    aborts = Aborts("cancelled")
+    limits = EngineLimits(8, 8, starvation_steps=4)
+    engine = StepEngine(adapter, limits, make_policy("oldest"))
+    jobs = {
+        name: Job(DataOnly(name), spec)
+        for name, spec in [("ok", Spec()), ("bad", Spec(fail_forward=True)), ("cancelled", Spec(steps=9))]
+    }
+    expired = Job(DataOnly("late", entered=time.perf_counter()), Spec(), deadline=time.perf_counter() - 1)
+    for each in [*jobs.values(), expired]:
+        engine.add(each)
+    left = {}
+    for _ in range(20):
+        engine.abort(aborts.aborted(engine.held_requests()))  # as the host's worker hands them in
+        for departure in engine.step().left:
+            left[departure.job.request.request_id] = (departure.reason, departure.error)
+        if not engine.active:
+            break
+    assert {name: reason for name, (reason, _) in left.items()} == {
+        "ok": "finished",
+        "bad": "failed",
+        "cancelled": "cancelled",
+        "late": "expired",
+    }
+    assert (
+        left["cancelled"][1].code is ErrorCode.CANCELLED
+        and "cancelled after step" in left["cancelled"][1].message
+    )
+    assert left["bad"][1].code is ErrorCode.INTERNAL and left["ok"][1] is None
+    assert "cancelled" in aborts.asked  # the engine asked its abort source, and only with data
+    assert not engine.scheduler.requests._by_request  # every request's record left with its jobs

@@ -16,9 +16,9 @@ its VAE and image processor); only the loop body of ``__call__`` is written here
 - :meth:`LatentStepAdapter.step` returns what happened to each job (a JobStep); it never changes the
   engine's state.
 
-How a job starts (text, img2img, inpainting) is starts.py. A family subclass fills in the hooks of
-contract.py (stable_diffusion.py: SD 1.x/2.x and SDXL; flow_matching.py: FLUX.1 and SD3; dit.py, wan.py,
-qwen_image.py, z_image.py).
+How a job starts (text, img2img, inpainting) is starts.py. A family subclass fills in the hooks this
+class declares, each raising NotImplementedError here (stable_diffusion.py: SD 1.x/2.x and SDXL;
+flow_matching.py: FLUX.1 and SD3; dit.py, wan.py, qwen_image.py, z_image.py).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ log = logging.getLogger("triton_diffusion")
 
 
 class LatentStepAdapter(LatentStarts):
-    """The loop body shared by every latent diffusion family. Subclasses fill in the hooks (contract.py)."""
+    """The loop body shared by every latent diffusion family. Subclasses fill in the hooks."""
 
     scales_model_input = False  # UNet schedulers scale the input per step; flow matching does not
     # Pipelines that scale the model input pass prepare_extra_step_kwargs' eta and generator to the

@@ -8,7 +8,7 @@ generator and so its own result. Retries start only after the failed call's exce
 an out-of-memory error, once the accelerator's cache is freed. A failed device is not retried:
 :class:`DeviceLostError` is raised and the engine's owner answers what it holds.
 
-Before each call, the requests in it are asked once whether they were cancelled. A request can also end
+Before each call, the engine takes the aborts of the requests in it (``before_call``). A request can also end
 while a call runs (cancelled between two denoising steps): its rows' outputs are ignored and its
 remaining rows are never run. Requests are never answered here: ``end`` decides a request's error and the
 engine reports it; ``on_complete`` hands over a request whose rows all succeeded.
@@ -24,10 +24,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from triton_diffusion.compatibility import CompatibilityKey
-from triton_diffusion.engine.cancellation import CancellationPolls
 from triton_diffusion.engine.failures import DeviceLostError, Failure, device_lost_error, isolate
 from triton_diffusion.engine.planner import FusedCall, Row
-from triton_diffusion.engine.requests import Request
+from triton_diffusion.engine.requests import RequestStatus
 from triton_diffusion.errors import ErrorCode, RequestError
 
 log = logging.getLogger("triton_diffusion")
@@ -83,13 +82,14 @@ class FusedCallExecutor:
         run_rows: RunRows,
         end: Callable[[int, RequestError], None],
         on_call: Callable[[CallReport], None] | None = None,
+        before_call: Callable[[list[int]], None] = lambda indices: None,
     ) -> None:
         self.run_rows = run_rows
         self.end = end  # decide a request's error (by its index); the engine reports it
         self.on_call = on_call
-        self.polls = CancellationPolls()
+        self.before_call = before_call  # the engine takes the aborts of these requests (by index)
         self._call_ids = itertools.count(1)
-        self._requests: Mapping[int, Request] = {}
+        self._requests: Mapping[int, RequestStatus] = {}
         self._pending: dict[int, _Pending] = {}
         self._attempt: _Attempt | None = None
 
@@ -99,7 +99,7 @@ class FusedCallExecutor:
     def run(
         self,
         calls: list[FusedCall],
-        requests: Mapping[int, Request],
+        requests: Mapping[int, RequestStatus],
         request_rows: Mapping[int, int],
         on_complete: Callable[[int, list[Any], list[CallRecord]], None],
     ) -> None:
@@ -114,17 +114,13 @@ class FusedCallExecutor:
 
     def _run_call(self, call: FusedCall, on_complete: Callable) -> None:
         def work(rows: list[Row]) -> list[Any]:
-            indices = list(dict.fromkeys(r.request_index for r in rows))
-            asked = [(self._requests[i], "before its call started") for i in indices if not self.is_ended(i)]
-            for request in self.polls.end_cancelled(asked):
-                self.end(next(i for i in indices if self._requests[i] is request), request.error)
+            indices = dict.fromkeys(r.request_index for r in rows)
+            self.before_call([index for index in indices if not self.is_ended(index)])
             live = self._live(rows)
             requests = list(dict.fromkeys(r.request_index for r in live))
             self._attempt = _Attempt(next(self._call_ids), time.perf_counter(), live, requests)
             if not live:
                 return []
-            for index in requests:
-                self._requests[index].start()
             outputs = self.run_rows(call.key, live)
             if len(outputs) != len(live):
                 raise RuntimeError(f"pipeline returned {len(outputs)} outputs for {len(live)} rows")

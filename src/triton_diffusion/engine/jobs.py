@@ -19,15 +19,17 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
-from triton_diffusion.engine.requests import Request
+from triton_diffusion.engine.requests import Request, RequestStatus
 from triton_diffusion.errors import RequestError
 
 
 @dataclass(eq=False)
 class Job:
-    """One image (or video, or LM request) in an engine. ``params`` is what the adapter needs to start it;
-    ``record`` is the serving host's per-request bookkeeping, opaque to the engine; ``state`` is the
-    adapter's own (latents, scheduler, cache). The rest is the engine's and its scheduler's."""
+    """One image (or video, or LM request) in an engine. ``request`` is the host's request, which the engine
+    reads as data (its id, when it entered); ``params`` is what the adapter needs to start it; ``record``
+    is the serving host's per-request bookkeeping, opaque to the engine; ``state`` is the adapter's own
+    (latents, scheduler, cache); ``status`` is the engine's record of its request (shared by the request's
+    jobs once the engine holds them). The rest is the engine's and its scheduler's."""
 
     request: Request
     params: Any
@@ -63,7 +65,10 @@ class Job:
     rows_computed: int = 0  # denoiser row-steps computed in full for this job
     rows_reused: int = 0  # denoiser row-steps served from its step cache
     calls: list[dict[str, int]] = field(default_factory=list)  # request-level: the fused calls it was in
-    submitted_at: float = field(default_factory=time.perf_counter)
+    status: RequestStatus = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.status = RequestStatus(self.request)  # its own until an engine's RequestTable attaches it
 
     @property
     def remaining(self) -> int:
@@ -168,13 +173,11 @@ class StepReport:
     finished: list[Finished] = field(default_factory=list)
     left: list[Left] = field(default_factory=list)
     paused: list[Job] = field(default_factory=list)
-    resumed: list[Job] = field(default_factory=list)
     forwards: list[Forward] = field(default_factory=list)
     calls: list[Any] = field(default_factory=list)  # request-level: each fused call as run (CallReport)
     cuts: list[str] = field(default_factory=list)  # request-level: why planned calls were cut short
     running: int = 0  # jobs in the running set after the step
     paused_now: int = 0  # jobs paused after the step
-    held: int = 0  # jobs in the engine after the step (waiting, running, paused)
 
     def __bool__(self) -> bool:
         return bool(

@@ -3,12 +3,13 @@ adapter.
 
 Each engine step takes every job waiting (one per image), plans the fused calls (planner.py: grouped by
 compatibility key, capped in images, oldest first) and runs them (executor.py: bisection and out-of-memory
-splits, so only a request that fails alone gets an error). Between two denoising steps of a call,
-:class:`CallSteps` asks each request once whether it was cancelled, and hands the host a
-:class:`StepReport` of the step (progress, preview snapshots, cancelled jobs) through ``on_progress``, so
-progress and cancellation work as on the step engine. The step itself returns a report with the finished
-images and the jobs that failed. Like the step engine it never answers a request itself: it ends a request
-with its error (``Request.end``) and the host delivers it.
+splits, so only a request that fails alone gets an error). Before each call and between two denoising
+steps of a call, :class:`CallSteps` takes the aborts of the call's requests from the host's
+:class:`AbortSource`, and hands the host a :class:`StepReport` of the step (progress, preview snapshots,
+cancelled jobs) through ``on_progress``, so progress and cancellation work as on the step engine. The
+step itself returns a report with the finished images and the jobs that failed. Like the step engine it
+never answers a request nor calls one: it decides a request's error on its own record (engine/requests.py)
+and reports it; the host delivers it.
 """
 
 from __future__ import annotations
@@ -19,11 +20,19 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from triton_diffusion.compatibility import CompatibilityKey
-from triton_diffusion.engine.cancellation import CancellationPolls
 from triton_diffusion.engine.executor import CallRecord, CallReport, FusedCallExecutor
 from triton_diffusion.engine.jobs import Finished, Job, Left, Stepped, StepReport
 from triton_diffusion.engine.planner import PlannedRequest, Row, RowCaps, plan_groups
-from triton_diffusion.engine.requests import Request
+from triton_diffusion.engine.requests import (
+    Abort,
+    AbortSource,
+    NoAborts,
+    Request,
+    RequestStatus,
+    RequestTable,
+    apply_aborts,
+    take_aborts,
+)
 from triton_diffusion.errors import ErrorCode, RequestError
 
 log = logging.getLogger("triton_diffusion")
@@ -37,40 +46,42 @@ class CallAbandoned(Exception):
 class CallSteps:
     """The jobs of one running fused call, in tensor order, and what happens between two steps.
 
-    The pipeline's step callback calls :meth:`on_step` after every denoising step: each request in the call
-    is asked once whether it was cancelled (and ended at once if so), the jobs still running are reported
+    The pipeline's step callback calls :meth:`on_step` after every denoising step: the aborts of the call's
+    requests are taken (a cancelled one is ended at once), the jobs still running are reported
     as stepped (with a preview snapshot where due), and the positions of jobs whose request has ended are
     returned. The caller drops those rows (:meth:`compact`) where its loop allows it, or keeps computing
     them otherwise.
     """
 
     def __init__(
-        self, jobs: list[Job], on_progress: Callable[[StepReport], None], left: set[int] | None = None
+        self,
+        jobs: list[Job],
+        on_progress: Callable[[StepReport], None],
+        left: set[int] | None = None,
+        aborts: AbortSource | None = None,
     ) -> None:
         self.jobs = list(jobs)
         self.alive = list(jobs)
         self._on_progress = on_progress
-        self._polls = CancellationPolls()
+        self._aborts = aborts or NoAborts()
         self._reported = left if left is not None else set()  # id() of jobs reported as left
 
     def on_step(self, step: int, total: int, snapshot: Callable[[int], Any] | None = None) -> list[int]:
         report = StepReport(running=len(self.alive))
-        live = [job for job in self.alive if not job.request.ended]
-        self._polls.end_cancelled((job.request, f"after step {step}/{total}") for job in live)
+        take_aborts(self.alive, self._aborts, f"after step {step}/{total}")
         for position, job in enumerate(self.alive):
-            request = job.request
-            if request.ended:
+            status = job.status
+            if status.ended:
                 if id(job) not in self._reported:
                     self._reported.add(id(job))
-                    error = request.error
-                    cancelled = error is not None and error.code is ErrorCode.CANCELLED
-                    report.left.append(Left(job, "cancelled" if cancelled else "ended", error))
+                    reason = "cancelled" if status.cancelled else "ended"
+                    report.left.append(Left(job, reason, status.error))
                 continue
             job.steps_done, job.total_steps = step, total
             due = snapshot is not None and job.preview_due(step)
             report.stepped.append(Stepped(job, step, total, snapshot(position) if due else None))
         self._on_progress(report)
-        return [p for p, job in enumerate(self.alive) if job.request.ended]
+        return [p for p, job in enumerate(self.alive) if job.status.ended]
 
     def all_ended(self, ended_positions: list[int]) -> bool:
         return len(ended_positions) == len(self.alive)
@@ -102,12 +113,20 @@ class RequestEngine:
     """Waiting jobs, planned and run as fused calls. One thread (the host's engine thread) steps it; jobs
     may be added from any thread. A job's ``group`` is its request's compatibility key."""
 
-    def __init__(self, call: PipelineCall, caps: RowCaps, on_progress: Callable[[StepReport], None]) -> None:
+    def __init__(
+        self,
+        call: PipelineCall,
+        caps: RowCaps,
+        on_progress: Callable[[StepReport], None],
+        aborts: AbortSource | None = None,
+    ) -> None:
         self.call = call
         self.caps = caps
         self.on_progress = on_progress
+        self.aborts = aborts or NoAborts()
         self.report = StepReport()
-        self.executor = FusedCallExecutor(self._run_rows, self._end, self._on_call)
+        self.requests = RequestTable()  # the engine's record of each request held
+        self.executor = FusedCallExecutor(self._run_rows, self._end, self._on_call, self._before_call)
         self._waiting: list[Job] = []
         self._lock = threading.Lock()
         self._jobs: dict[tuple[int, int], Job] = {}  # (request index, image index) -> job, this step
@@ -115,6 +134,7 @@ class RequestEngine:
         self._left: set[int] = set()  # jobs reported as left this step
 
     def add(self, job: Job) -> None:
+        self.requests.attach(job)
         with self._lock:
             self._waiting.append(job)
 
@@ -127,6 +147,15 @@ class RequestEngine:
         """Fused calls are not paused: a higher tier waits for room like any request."""
         return False
 
+    def held_requests(self) -> list[Request]:
+        """None: this engine asks its AbortSource itself, before each call and between its steps."""
+        return []
+
+    def abort(self, aborts: list[Abort]) -> None:
+        with self._lock:
+            waiting = list(self._waiting)
+        apply_aborts(waiting, aborts)
+
     def take_report(self) -> StepReport:
         report, self.report = self.report, StepReport()
         report.running = len(self._jobs)
@@ -138,14 +167,14 @@ class RequestEngine:
         with self._lock:
             waiting, self._waiting = self._waiting, []
         by_request: dict[int, list[Job]] = {}
-        requests: dict[int, Request] = {}
+        requests: dict[int, RequestStatus] = {}
         for job in waiting:
-            if job.request.ended:
-                self.report.left.append(Left(job, "ended"))
+            if job.status.ended:
+                self._gone(job, "cancelled" if job.status.cancelled else "ended", job.status.error)
                 continue
             key = id(job.request)
             if key not in by_request:
-                requests[len(requests)] = job.request
+                requests[len(requests)] = job.status
                 by_request[key] = []
             by_request[key].append(job)
         self._by_index = list(by_request.values())
@@ -173,7 +202,7 @@ class RequestEngine:
             self.executor.run(calls, requests, rows, on_complete)
         finally:
             for job in self._jobs.values():
-                if id(job) not in self._left and job.request.ended:
+                if id(job) not in self._left and job.status.ended:
                     self._leave(job, "ended")
             held = [job for job in self._jobs.values() if id(job) not in self._left]
             with self._lock:
@@ -186,14 +215,22 @@ class RequestEngine:
             ended, self._waiting = self._waiting + list(self._jobs.values()), []
             self._jobs = {}
         for job in ended:
-            job.request.end(error)
-            self.report.left.append(Left(job, "failed", error))
+            job.status.end(error)
+            self._gone(job, "failed", error)
         return self.take_report()
 
+    def _before_call(self, indices: list[int]) -> None:
+        """Take the aborts of these requests before their call: a cancelled one leaves now."""
+        jobs = [job for index in indices for job in self._by_index[index]]
+        for status in take_aborts(jobs, self.aborts, "before its call started"):
+            index = next(i for i in indices if self._by_index[i][0].status is status)
+            assert status.error is not None
+            self._end(index, status.error)
+
     def _end(self, index: int, error: RequestError) -> None:
-        """The executor decided a request's error: end it, and its jobs leave."""
+        """The executor decided a request's error (or an abort ended it): end it, and its jobs leave."""
         jobs = self._by_index[index]
-        jobs[0].request.end(error)
+        jobs[0].status.end(error)
         reason = "cancelled" if error.code is ErrorCode.CANCELLED else "failed"
         for job in jobs:
             self._leave(job, reason, error)
@@ -201,14 +238,18 @@ class RequestEngine:
     def _leave(self, job: Job, reason: str, error: RequestError | None = None) -> None:
         if id(job) not in self._left:
             self._left.add(id(job))
-            self.report.left.append(Left(job, reason, error))
+            self._gone(job, reason, error)
+
+    def _gone(self, job: Job, reason: str, error: RequestError | None) -> None:
+        self.requests.detach(job)
+        self.report.left.append(Left(job, reason, error))
 
     def _run_rows(self, key: CompatibilityKey, rows: list[Row]) -> list[Any]:
         jobs = [self._jobs[(row.request_index, row.image_index)] for row in rows]
         for job in jobs:
             job.forwards += 1
             job.most_shared = max(job.most_shared, len(jobs))
-        steps = CallSteps(jobs, self.on_progress, self._left)
+        steps = CallSteps(jobs, self.on_progress, self._left, self.aborts)
         try:
             return self.call(key, jobs, steps)
         except CallAbandoned:

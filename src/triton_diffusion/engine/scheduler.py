@@ -16,6 +16,11 @@ decides and tells it what happened.
 - Caps: a forward's cap per group is the configured one, lowered after an out-of-memory forward and
   raised again after enough full forwards (:class:`ForwardCaps`).
 
+State: the scheduler is the one writer of a job's engine state and of its request's record
+(engine/requests.py): it takes what the adapter made of a started job (:meth:`started`), applies each
+forward's per-job results (:meth:`update`, as vLLM's ``update_from_output``), and ends requests (a
+failure, a deadline, an abort: :meth:`end`); the engine only carries those results to it and reports.
+
 Thread-safety: the execute() thread adds jobs (:meth:`add`) and asks what is held (:attr:`active`,
 :meth:`outranks_held`); everything else runs on the engine thread. One lock guards the queues.
 """
@@ -30,8 +35,9 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 from triton_diffusion.engine.estimates import WorkTimes
-from triton_diffusion.engine.jobs import Job, Left
+from triton_diffusion.engine.jobs import ForwardResult, Job, JobStart, Left, Stepped
 from triton_diffusion.engine.ordering import AdmissionPacing, Policy, Service, make_policy
+from triton_diffusion.engine.requests import Abort, Request, RequestTable, apply_aborts, held_requests
 from triton_diffusion.errors import ErrorCode, RequestError
 
 log = logging.getLogger("triton_diffusion")
@@ -45,7 +51,6 @@ class EngineLimits:
     max_running: int  # jobs in the running set
     max_per_forward: int  # jobs per forward
     cap_for: Callable[[Hashable], int] | None = None  # a lower cap for some groups (sizes)
-    cancel_poll_s: float = 0.0  # ask each running request about cancellation at most this often
     max_paused: int = 0  # jobs held paused at once for higher tiers (0: never pause)
     starvation_steps: int = 16  # a running job not stepped for this many engine steps goes next
 
@@ -110,6 +115,16 @@ class SchedulerOutput:
     leave: list[Left] = field(default_factory=list)  # ended, refused or expired: out of every queue
 
 
+@dataclass
+class ForwardOutcome:
+    """One forward's results as applied (:meth:`Scheduler.update`): what to report and what follows."""
+
+    stepped: list[Stepped] = field(default_factory=list)
+    done: list[Job] = field(default_factory=list)  # took their last step: decode them
+    failed: list[tuple[Job, RequestError]] = field(default_factory=list)  # their own step failed
+    rows_reused: int = 0
+
+
 class Scheduler:
     def __init__(
         self,
@@ -132,6 +147,7 @@ class Scheduler:
         self.running: list[Job] = []
         self.paused: list[Job] = []
         self.finishing: list[Job] = []  # done, being decoded
+        self.requests = RequestTable()  # the engine's record of each request held
         self._inbox: list[Job] = []
         self._lock = threading.Lock()
         self._queued = itertools.count()
@@ -140,6 +156,7 @@ class Scheduler:
 
     # ---- any thread ---------------------------------------------------------------------------------
     def add(self, job: Job) -> None:
+        self.requests.attach(job)
         with self._lock:
             job.queued = next(self._queued)
             job.ready_at = self.clock()  # its wait in the engine (what ages it) starts now
@@ -179,22 +196,35 @@ class Scheduler:
             self._admit(out, now)
         return out
 
+    def held_requests(self) -> list[Request]:
+        """The requests of the jobs waiting, running or paused (a waiting client may leave too) and just
+        added, not ended: those an abort may name."""
+        return held_requests(self._abortable())
+
+    def abort(self, aborts: list[Abort]) -> None:
+        """End the requests the host aborts (cancelled, or answered elsewhere); their jobs leave at
+        :meth:`schedule`."""
+        apply_aborts(self._abortable(), aborts)
+
+    def _abortable(self) -> list[Job]:
+        with self._lock:
+            return self.running + self.paused + self.waiting + self._inbox
+
     def _drop_ended(self, out: SchedulerOutput) -> None:
         for queue in (self.waiting, self.running, self.paused):
-            for job in [j for j in queue if j.request.ended]:
+            for job in [j for j in queue if j.status.ended]:
                 queue.remove(job)
-                error = job.request.error
-                cancelled = error is not None and error.code is ErrorCode.CANCELLED
-                out.leave.append(Left(job, "cancelled" if cancelled else "ended"))
+                status = job.status
+                reason = "cancelled" if status.cancelled else "ended"
+                # A cancelled request's jobs carry its error to the host (which ends it once).
+                out.leave.append(Left(job, reason, status.error if status.cancelled else None))
 
     def _expire(self, out: SchedulerOutput, now: float) -> None:
         if not self.service.refuse_late:
             return  # best_effort: deadlines only order the work
         for queue in (self.waiting, self.running, self.paused):
             # A job whose request ended already (a sibling image, a cancel) is dropped as ended below.
-            passed = [
-                j for j in queue if j.deadline is not None and j.deadline <= now and not j.request.ended
-            ]
+            passed = [j for j in queue if j.deadline is not None and j.deadline <= now and not j.status.ended]
             for job in passed:
                 queue.remove(job)
                 steps = f"{job.steps_done}/{job.total_steps or job.planned_steps}"
@@ -204,7 +234,7 @@ class Scheduler:
         """A newcomer that cannot meet its deadline, given the work that goes before it, leaves now."""
         if job.deadline is None or not self.service.refuse_late or not self.times.measured:
             return
-        if job.request.ended:
+        if job.status.ended:
             return  # dropped as ended below
         mine = self.order_key(job, now)
         ahead = [j for q in (self.waiting, self.running, self.paused) for j in q if j is not job]
@@ -228,7 +258,7 @@ class Scheduler:
     def _leave(job: Job, reason: str, message: str, out: SchedulerOutput) -> None:
         """End a job for its deadline: decided here, the host delivers it."""
         error = RequestError(ErrorCode.UNAVAILABLE, f"deadline: {message}")
-        job.request.end(error)
+        job.status.end(error)
         out.leave.append(Left(job, reason, error))
 
     def _admit(self, out: SchedulerOutput, now: float) -> None:
@@ -293,7 +323,7 @@ class Scheduler:
         """The jobs of the next forward: one group, at most its cap, in order."""
         now = self.clock() if now is None else now
         with self._lock:
-            running = [j for j in self.running if not j.request.ended]  # ended while starting: not run
+            running = [j for j in self.running if not j.status.ended]  # ended while starting: not run
         if not running:
             return []
         step, bound = self.step, self.limits.starvation_steps
@@ -328,26 +358,51 @@ class Scheduler:
         return self.times.finish_in(job.remaining, 0, self.caps.cap_for(group), job.state is not None, group)
 
     # ---- the engine thread: what happened ------------------------------------------------------------
-    def started(self, jobs: list[Job]) -> None:
-        """The adapter started these admitted jobs: they run from now on."""
+    def started(self, jobs: list[Job], starts: list[JobStart]) -> None:
+        """The adapter started these admitted jobs (``starts``: what it made of each): they run from now."""
         with self._lock:
-            for job in jobs:
+            for job, start in zip(jobs, starts, strict=True):
+                job.state, job.group, job.total_steps = start.state, start.group, start.total_steps
                 self.starting.remove(job)
                 job.arrival = next(self._arrivals)
                 job.waited_since = self.step
                 self.running.append(job)
 
-    def stepped(self, jobs: list[Job]) -> None:
-        for job in jobs:
+    def update(self, jobs: list[Job], result: ForwardResult, forward: int) -> ForwardOutcome:
+        """Apply one forward's per-job results (the ``forward``-th): each job's counters and denoising
+        step; a job whose own step failed is returned as failed (not advanced); those that took their
+        last step move to finishing (decoded next)."""
+        self.caps.ran(jobs[0].group, len(jobs))
+        outcome = ForwardOutcome()
+        for job, out in zip(jobs, result.steps, strict=True):
             job.waited_since = self.step
-
-    def done(self, jobs: list[Job]) -> None:
-        """These jobs took their last step: decoded next, out of the running set."""
+            if job.first_forward is None:
+                job.first_forward = forward
+            job.forwards += 1
+            job.most_shared = max(job.most_shared, len(jobs))
+            if out.error is not None:
+                error = RequestError(ErrorCode.INTERNAL, f"denoising step failed: {out.error}")
+                outcome.failed.append((job, error))
+                continue
+            job.steps_done = out.step
+            job.rows_computed += out.rows_computed
+            job.rows_reused += out.rows_reused
+            outcome.rows_reused += out.rows_reused
+            outcome.stepped.append(
+                Stepped(job, out.step, job.total_steps, out.snapshot, out.rows_computed, out.rows_reused)
+            )
+            if out.done:
+                outcome.done.append(job)
         with self._lock:
-            for job in jobs:
+            for job in outcome.done:
                 if job in self.running:
                     self.running.remove(job)
                     self.finishing.append(job)
+        return outcome
+
+    def end(self, job: Job, error: RequestError) -> None:
+        """Decide the error of the job's request (its other jobs leave at the next :meth:`schedule`)."""
+        job.status.end(error)
 
     def remove(self, job: Job) -> None:
         """The job left the engine (finished, failed): out of whatever queue holds it."""
@@ -355,7 +410,8 @@ class Scheduler:
             for queue in (self._inbox, *self._queues()):
                 if job in queue:
                     queue.remove(job)
-                    return
+                    break
+        self.requests.detach(job)
 
     def take_all(self) -> list[Job]:
         """Every job held, removed from the queues (the engine answers them all: shutdown, a lost device)."""
@@ -363,7 +419,7 @@ class Scheduler:
             held = [job for queue in (self._inbox, *self._queues()) for job in queue]
             for queue in (self._inbox, *self._queues()):
                 queue.clear()
-            return held
+        return held  # each leaves through remove()
 
     def put_back(self, jobs: list[Job]) -> None:
         """Admitted jobs that could not be started (a lost device): held as waiting again."""

@@ -12,9 +12,11 @@ The engine core, as vLLM v1 draws it: each engine step (:meth:`StepEngine.step`)
    which the engine applies to the job;
 5. ``adapter.finish(done)``: the jobs that took their last step decoded together (one VAE decode).
 
-It returns a :class:`StepReport` of what happened; it never answers a request itself. A request whose
-job fails is ended here (``TrackedRequest.end``) and its error goes out from the serving host's response
-thread with every other answer, in the order decided. Failures stay with the jobs that cause them
+It returns a :class:`StepReport` of what happened; it never answers a request, nor calls a method of one
+(engine/requests.py): cancellations come in as aborts the host's worker hands over before each step
+(:meth:`StepEngine.abort`), a request's error is decided on the engine's own record of it, and both
+leave in the report's ``left`` for the host to answer, in the order decided. The scheduler is the one
+writer of job state (``started``, ``update``, ``end``). Failures stay with the jobs that cause them
 (``failures.isolate``): a failing forward, start or decode is bisected until the culprit is alone; an
 out-of-memory forward is split and the group's cap lowered (a job fails with UNAVAILABLE only if it does
 not fit alone). A failed device is not retried: the engine raises :class:`DeviceLostError`, and whoever
@@ -28,7 +30,6 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from triton_diffusion.engine.cancellation import CancellationPolls
 from triton_diffusion.engine.estimates import WorkTimes
 from triton_diffusion.engine.failures import DeviceLostError, Failure, device_lost_error, isolate
 from triton_diffusion.engine.jobs import (
@@ -38,12 +39,12 @@ from triton_diffusion.engine.jobs import (
     Job,
     JobStart,
     Left,
-    Stepped,
     StepReport,
 )
 from triton_diffusion.engine.ordering import AdmissionPacing, Policy, Service
+from triton_diffusion.engine.requests import Abort, Request
 from triton_diffusion.engine.scheduler import EngineLimits, Scheduler
-from triton_diffusion.errors import ErrorCode, RequestError
+from triton_diffusion.errors import RequestError
 
 log = logging.getLogger("triton_diffusion")
 
@@ -82,7 +83,6 @@ class StepEngine:
         self.limits = limits
         self.times = WorkTimes()
         self.scheduler = Scheduler(limits, policy, pacing, service, self.times, clock)
-        self.polls = CancellationPolls(limits.cancel_poll_s)
         self.steps = 0  # engine steps so far
         self.forwards = 0  # forwards run
         self.report = StepReport()  # what the step under way did so far
@@ -99,24 +99,23 @@ class StepEngine:
         return self.scheduler.outranks_held(tier)
 
     # ---- the engine thread --------------------------------------------------------------------------
-    def cap_for(self, group: Any) -> int:
-        return self.scheduler.caps.cap_for(group)
+    def held_requests(self) -> list[Request]:
+        """The requests an abort may name now (held, not ended)."""
+        return self.scheduler.held_requests()
+
+    def abort(self, aborts: list[Abort]) -> None:
+        """Drop these requests (cancelled, or answered by the host): their jobs leave at the next step."""
+        self.scheduler.abort(aborts)
 
     def step(self) -> StepReport:
         """Schedule, start the admitted, run one forward for the next group, finish what is done."""
         self.report = StepReport()
         self.steps += 1
         scheduler = self.scheduler
-        held = scheduler.running + scheduler.paused + scheduler.waiting  # a waiting client may leave too
-        self.polls.end_cancelled(
-            (job.request, f"after step {job.steps_done}/{job.total_steps or job.planned_steps}")
-            for job in held
-        )
         plan = scheduler.schedule(self.steps)
-        for left in plan.leave:  # the scheduler ended the refused and expired ones
+        for left in plan.leave:  # aborted, ended, refused and expired: decided by the scheduler
             self._leave(left.job, left.reason, left.error)
         self.report.paused.extend(plan.pause)
-        self.report.resumed.extend(plan.resume)
         if plan.admit:
             self._start(plan.admit)
         batch = scheduler.next_forward()
@@ -129,7 +128,6 @@ class StepEngine:
         report, self.report = self.report, StepReport()
         report.running = len(self.scheduler.running)
         report.paused_now = len(self.scheduler.paused)
-        report.held = self.scheduler.active
         return report
 
     def fail_all(self, error: RequestError) -> StepReport:
@@ -149,10 +147,7 @@ class StepEngine:
             return starts
 
         def done(part: list[Job], starts: list[JobStart]) -> None:
-            for job, start in zip(part, starts, strict=True):
-                job.begin(start)
-                job.request.start()
-            self.scheduler.started(part)
+            self.scheduler.started(part, starts)
             self.report.admitted.extend(part)
 
         def fail(part: list[Job], failure: Failure) -> None:
@@ -189,40 +184,23 @@ class StepEngine:
         isolate(work, batch, done=lambda part, ran: self._apply(part, *ran), fail=fail, failed=failed)
 
     def _apply(self, jobs: list[Job], result: ForwardResult, seconds: float) -> None:
-        """One forward's per-job results, applied: counters, reports, failures, the jobs now done."""
+        """One forward's per-job results, applied by the scheduler, then reported; the done decoded."""
         self.forwards += 1
-        self.scheduler.caps.ran(jobs[0].group, len(jobs))
         self.times.forward_ran(len(jobs), seconds, jobs[0].group)
-        self.scheduler.stepped(jobs)
-        done, reused = [], 0
-        for job, out in zip(jobs, result.steps, strict=True):
-            if job.first_forward is None:
-                job.first_forward = self.forwards
-            job.forwards += 1
-            job.most_shared = max(job.most_shared, len(jobs))
-            if out.error is not None:
-                self._fail(job, RequestError(ErrorCode.INTERNAL, f"denoising step failed: {out.error}"))
-                continue
-            job.steps_done = out.step
-            job.rows_computed += out.rows_computed
-            job.rows_reused += out.rows_reused
-            reused += out.rows_reused
-            stepped = Stepped(
-                job, out.step, job.total_steps, out.snapshot, out.rows_computed, out.rows_reused
-            )
-            self.report.stepped.append(stepped)
-            if out.done:
-                done.append(job)
-        self.report.forwards.append(Forward(len(jobs), result.rows, seconds, result.adapters, reused))
-        if done:
-            self.scheduler.done(done)
-            self._finish(done)
+        outcome = self.scheduler.update(jobs, result, self.forwards)
+        for job, error in outcome.failed:
+            self._fail(job, error)
+        self.report.stepped.extend(outcome.stepped)
+        forward = Forward(len(jobs), result.rows, seconds, result.adapters, outcome.rows_reused)
+        self.report.forwards.append(forward)
+        if outcome.done:
+            self._finish(outcome.done)
 
     def _finish(self, jobs: list[Job]) -> None:
         """Outputs for jobs that took their last step: one batched call, split if it fails."""
-        live = [job for job in jobs if not job.request.ended]
+        live = [job for job in jobs if not job.status.ended]
         for job in jobs:
-            if job.request.ended:
+            if job.status.ended:
                 self._leave(job, "ended")
         if not live:
             return
@@ -254,10 +232,9 @@ class StepEngine:
 
     # ---- leaving ------------------------------------------------------------------------------------
     def _fail(self, job: Job, error: RequestError) -> None:
-        job.request.end(error)
+        self.scheduler.end(job, error)
         self._leave(job, "failed", error)
 
     def _leave(self, job: Job, reason: str, error: RequestError | None = None) -> None:
         self.scheduler.remove(job)
-        self.polls.forget(job.request)
         self.report.left.append(Left(job, reason, error))

@@ -184,9 +184,6 @@ class DiffusionLMModel(TritonModel):
         engine_kind = StepEngineKind(
             adapter,
             lambda values, image: None,  # jobs_for makes the one job from the parsed request
-            default_running=8,
-            default_waiting=4,
-            default_cohort=1,  # tokenizing a prompt costs nearly nothing: admit whenever there is room
             prompt_of=lambda job: job.record.parsed.prompt,
         )
         self.host = EngineHost(

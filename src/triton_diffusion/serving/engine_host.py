@@ -90,6 +90,7 @@ class EngineHost:
             on_stall=lambda error: on_exit(f"the engine is stuck ({error})"),
             name=f"{engine_kind.name}-engine",
             flush_answers=lambda: self.responses.close(timeout_s=10),
+            aborts=engine_kind.aborts(settings),
         )
 
     # ---- execute() thread -------------------------------------------------------------------------
@@ -126,12 +127,16 @@ class EngineHost:
     # ---- the engine thread: reports into work for the response thread --------------------------------
     def render(self, report: StepReport) -> None:
         submit = self.responses.submit
+        for left in report.left:  # the engine's decisions first: nothing more goes out for those requests
+            if left.error is not None:
+                left.job.record.tracked.end(left.error)  # once a request: later ones are no-ops
         deadlines = self._deadline_outcomes(report.left)
         # Metrics go on the response thread's queue before the answers: a client that reads /metrics
         # after its answer sees the work that answered it.
         if report.forwards or report.calls or report.cuts or report.stepped or report.left or report.paused:
             submit(None, lambda: self._record_metrics(report, deadlines))
         for job in report.admitted:
+            job.record.tracked.start()
             log.info(
                 "request %s image %d admitted: %s (%d running)",
                 job.request.request_id,
@@ -155,14 +160,17 @@ class EngineHost:
             render(*args)
         except Exception as exc:  # noqa: BLE001
             log.exception("request %s: rendering its step failed", job.request.request_id)
-            # Ended here, answered on the response thread: the engine thread never sends.
-            job.request.end(RequestError(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"))
-            self.responses.deliver(job.request)
+            # Ended here, answered on the response thread: the engine thread never sends. The engine
+            # drops the request's other jobs at its next abort check (ClientAborts).
+            tracked: TrackedRequest = job.record.tracked
+            tracked.end(RequestError(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"))
+            self.responses.deliver(tracked)
 
     def _left(self, left: Left) -> None:
         job = left.job
+        tracked: TrackedRequest = job.record.tracked
         if left.reason != "finished":
-            self.responses.deliver(job.request)  # the error the engine decided, if not out yet
+            self.responses.deliver(tracked)  # the error the engine decided, if not out yet
         log.info(
             "request %s image %d left (%s) after %d/%d steps, %d forwards, shared with up to %d%s",
             job.request.request_id,
@@ -195,7 +203,7 @@ class EngineHost:
     def _stepped(self, stepped: Stepped) -> None:
         job = stepped.job
         record: RequestRecord = job.record
-        if job.index != 0 or job.request.ended:
+        if job.index != 0 or record.tracked.ended:
             return  # the first image speaks for its request
         if not record.first_step_seen and (
             stepped.snapshot is not None or not self.names.first_step_on_snapshot
@@ -216,7 +224,7 @@ class EngineHost:
                 if outputs is not None:
                     record.tracked.progress(outputs)
 
-            self.responses.submit(job.request, send)
+            self.responses.submit(record.tracked, send)
 
     def _finished(self, job: Job, output: Any) -> None:
         record: RequestRecord = job.record
@@ -257,8 +265,6 @@ class EngineHost:
         for forward in report.forwards:
             if names.forward_images:
                 metrics.observe(names.forward_images, forward.images)
-            if names.forward_images_legacy:
-                metrics.observe(names.forward_images_legacy, forward.images)
             metrics.observe(names.forward_model_rows, forward.rows)
             metrics.observe(names.step_seconds, forward.seconds)
             if names.forward_adapters and forward.adapters:

@@ -7,7 +7,9 @@ after a bug, and what happens when the device fails or the engine is stuck.
   service tier than a job held passes (up to twice ``capacity``). Triton hands one instance's requests to
   ``execute()`` one batch at a time, so a higher tier arriving while ``execute()`` waits for room for a
   lower one waits with it (at most ``max_admission_wait_s``).
-- The engine thread runs ``report = engine.step()`` and hands the report to ``render`` (the host sorts it
+- The engine thread hands the engine the aborts of the requests it holds (``engine.abort``: cancelled
+  by their clients, or answered by the host), runs ``report = engine.step()`` and hands the report to
+  ``render`` (the host sorts it
   into work for its response thread), so the next step starts at once. Should the loop raise (a bug),
   what it held is answered INTERNAL and it starts again; after a failed device it answers what it held
   UNAVAILABLE and the process exits for a restart.
@@ -25,7 +27,9 @@ from typing import Protocol
 
 from triton_diffusion.engine.failures import DeviceLostError, device_lost_error
 from triton_diffusion.engine.jobs import Job, StepReport
+from triton_diffusion.engine.requests import Abort, AbortSource, Request
 from triton_diffusion.errors import ErrorCode, RequestError
+from triton_diffusion.serving.cancellations import ClientAborts
 from triton_diffusion.serving.requests import Stage, TrackedRequest
 from triton_diffusion.serving.watchdog import StallWatchdog
 
@@ -38,6 +42,12 @@ STALL_ANSWER_S = 10.0
 class Engine(Protocol):
     """What the worker runs: the step engine (engine/step_engine.py) or the request-level engine
     (engine/request_engine.py)."""
+
+    def held_requests(self) -> list[Request]:
+        """The requests an abort may name now (the engine thread)."""
+
+    def abort(self, aborts: list[Abort]) -> None:
+        """Drop these requests at the next step (the engine thread)."""
 
     def add(self, job: Job) -> None:
         """Take a job (from any thread)."""
@@ -69,8 +79,10 @@ class EngineWorker:
         on_stall: Callable[[str], None],
         name: str = "engine",
         flush_answers: Callable[[], None] = lambda: None,
+        aborts: AbortSource | None = None,
     ) -> None:
         self.engine = engine
+        self.aborts = aborts or ClientAborts()  # asked before each step: the aborts handed to the engine
         self.capacity = capacity
         self.render = render
         self.on_device_lost = on_device_lost
@@ -171,6 +183,9 @@ class EngineWorker:
         while self._next_round():
             self.watchdog.step_started()
             try:
+                held = self.engine.held_requests()
+                if held:
+                    self.engine.abort(self.aborts.aborted(held))
                 self._render(self.engine.step())
             finally:
                 self.watchdog.step_ended()

@@ -4,7 +4,9 @@ output). A model picks one at load (its step adapter, or its fused pipeline call
 which it is.
 
 Caps come from one place, the model's :class:`RowCaps` (``max_rows_per_call`` and its per-size caps):
-jobs per forward of one size on the step engine, images per fused call on the request-level engine.
+jobs per forward of one size on the step engine, images per fused call on the request-level engine. Every
+other limit is read from the settings resolved for the engine (``settings.resolved``): derived defaults
+are computed beside their declarations in settings.py, never here.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from triton_diffusion.engine.scheduler import EngineLimits
 from triton_diffusion.engine.step_engine import StepAdapter, StepEngine
 from triton_diffusion.faults import FaultyStepAdapter
 from triton_diffusion.fields import FieldSet
+from triton_diffusion.serving.cancellations import ClientAborts
 from triton_diffusion.settings import ModelSettings
 
 log = logging.getLogger("triton_diffusion")
@@ -40,9 +43,6 @@ class StepEngineKind:
     adapter: StepAdapter
     params_of: ParamsOf
     caps: RowCaps | None = None
-    default_running: int = 8
-    default_waiting: int = 4
-    default_cohort: int | None = None
     prompt_of: Callable[[Job], str] = lambda job: ""  # for fault injection
 
     name = "step"
@@ -52,21 +52,17 @@ class StepEngineKind:
         adapter = self.adapter
         if config.fault_injection is not None:  # the engine sees the failures a model would give it
             adapter = FaultyStepAdapter(adapter, config.fault_injection, self.prompt_of)
-        running = config.max_running or self.default_running
+        running = settings.resolved("max_running", self.name)
         caps = self.caps
         limits = EngineLimits(
             max_running=running,
             max_per_forward=caps.max_rows if caps is not None else running,
             # An image's group is (height, width), a video's (height, width, frames): caps are by size.
             cap_for=caps.cap_for_shape if caps is not None else None,
-            cancel_poll_s=config.cancel_poll_ms / 1000,
-            max_paused=config.max_paused if config.max_paused is not None else running,
+            max_paused=settings.resolved("max_paused", self.name),
             starvation_steps=config.starvation_steps,
         )
-        cohort = config.admission_cohort or self.default_cohort or max(1, limits.max_per_forward // 2)
-        # At most half the running set: a busy engine must be able to see that many places free, or
-        # every newcomer would wait the whole admission_max_wait_steps.
-        cohort = min(cohort, max(1, limits.max_running // 2))
+        cohort = settings.resolved("admission_cohort", self.name)
         pacing = AdmissionPacing(cohort, config.admission_max_wait_steps)
         service = Service(config.service_tiers, config.tier_aging_s, config.deadline_policy == "refuse")
         policy = make_policy(config.scheduling_policy)
@@ -85,12 +81,14 @@ class StepEngineKind:
             adapter.held = lambda: engine.active  # what hold_on_prompt waits on (tests only)
         return engine
 
+    @staticmethod
+    def aborts(settings: ModelSettings) -> ClientAborts:
+        """What the worker asks before each step: a client is asked at most every ``cancel_poll_s``."""
+        return ClientAborts(settings.config.cancel_poll_s)
+
     def capacity(self, settings: ModelSettings) -> int:
         """Jobs held before execute() blocks: the running set and the waiting room."""
-        config = settings.config
-        running = config.max_running or self.default_running
-        waiting = config.waiting_room if config.waiting_room is not None else self.default_waiting
-        return running + waiting
+        return settings.resolved("max_running", self.name) + settings.resolved("waiting_room", self.name)
 
     def job_params(self, values: dict[str, Any], image: int, key: Hashable) -> tuple[Any, Hashable]:
         """The job's params; its group is set when the adapter starts it."""
@@ -130,18 +128,22 @@ class RequestEngineKind:
     call: PipelineCall
     params_of: ParamsOf
     caps: RowCaps
-    default_waiting: int = 4
     _own_calls: Iterator[int] = field(default_factory=itertools.count, compare=False, repr=False)
 
     name = "request"
 
     def build(self, settings: ModelSettings, on_progress: Callable[[StepReport], None]) -> RequestEngine:
-        return RequestEngine(self.call, self.caps, on_progress)
+        # Asked before each fused call and between its denoising steps, every time (one round trip each).
+        return RequestEngine(self.call, self.caps, on_progress, ClientAborts())
+
+    @staticmethod
+    def aborts(settings: ModelSettings) -> ClientAborts:
+        """The worker's (nothing to ask: this engine asks its own before each call)."""
+        return ClientAborts()
 
     def capacity(self, settings: ModelSettings) -> int:
-        config = settings.config
-        waiting = config.waiting_room if config.waiting_room is not None else self.default_waiting
-        return self.caps.max_rows + waiting
+        """Images held before execute() blocks: one fused call's and the waiting room."""
+        return self.caps.max_rows + settings.resolved("waiting_room", self.name)
 
     def job_params(self, values: dict[str, Any], image: int, key: Hashable) -> tuple[Any, Hashable]:
         """The job's params, and its group: its request's compatibility key."""

@@ -39,10 +39,6 @@ FAMILIES = {
         "HISTOGRAM",
         "Step engine: model rows per forward (an image with classifier-free guidance is 2)",
     ),
-    "triton_diffusion_forward_rows": (
-        "HISTOGRAM",
-        "Deprecated, same as triton_diffusion_forward_images (it always counted images)",
-    ),
     "triton_diffusion_step_seconds": ("HISTOGRAM", "Step engine: time per forward and scheduler steps"),
     "triton_diffusion_forward_adapters": (
         "HISTOGRAM",
@@ -120,7 +116,6 @@ class MetricNames:
     running: str
     cancelled: str
     forward_images: str | None = None
-    forward_images_legacy: str | None = None
     forwards_total: str | None = None
     forward_adapters: str | None = None
     cache_rows: str | None = None  # step caches: row-steps computed and reused, by method
@@ -135,7 +130,6 @@ IMAGE_METRICS = MetricNames(
     running="triton_diffusion_rows_in_flight",
     cancelled="triton_diffusion_rows_cancelled_total",
     forward_images="triton_diffusion_forward_images",
-    forward_images_legacy="triton_diffusion_forward_rows",
     forward_adapters="triton_diffusion_forward_adapters",
     cache_rows="triton_diffusion_cache_rows_total",
 )

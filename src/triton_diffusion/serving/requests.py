@@ -1,5 +1,5 @@
 """A request's life, tracked in one place: waiting, running, answered (exactly one FINAL). The engines see
-it through engine/requests.py's Request protocol: they end a request, they never answer one.
+it as data (engine/requests.py's Request: its id, when it entered): they never call it, nor answer it.
 
 Every path that answers a request (a result, a validation error, a cancellation, a failed forward,
 shutdown), on whatever thread, goes through :meth:`TrackedRequest.finish` or :meth:`TrackedRequest.fail`.
@@ -7,11 +7,12 @@ The first caller claims the answer and sends it; later callers are no-ops. The r
 answered only after the send was tried: if sending the result raises (shared memory full, sender
 closed), an error FINAL is sent in its place, so the client never hangs and no batch-mate is touched.
 
-An engine decides an error without sending it (:meth:`TrackedRequest.end`): the request counts as ended at
-once (its other images leave at the next step, nothing more is computed for it), and the error goes out on
-the response thread (:meth:`TrackedRequest.deliver`), in the order the engine decided it, behind the
-progress responses handed over before it. Whoever calls :meth:`fail` on an ended request that was not
-delivered yet (shutdown, the watchdog) sends the decided error, so a decision is never lost.
+An engine decides an error without sending it; the host ends the request with it when it renders the
+engine's report (:meth:`TrackedRequest.end`): the request counts as ended at once (nothing more is sent
+for it), and the error goes out on the response thread (:meth:`TrackedRequest.deliver`), in the order the
+engine decided it, behind the progress responses handed over before it. Whoever calls :meth:`fail` on an
+ended request that was not delivered yet (shutdown, the watchdog) sends the decided error, so a decision
+is never lost.
 """
 
 from __future__ import annotations

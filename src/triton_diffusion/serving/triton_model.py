@@ -293,16 +293,10 @@ class DiffusionModel(TritonModel):
         engine_kind: EngineKind
         if adapter is not None:
             engine_kind = StepEngineKind(
-                adapter,
-                self.step_request,
-                caps,
-                default_running=caps.max_rows,
-                default_waiting=caps.max_rows,
-                prompt_of=lambda job: job.params.prompt,
+                adapter, self.step_request, caps, prompt_of=lambda job: job.params.prompt
             )
         else:
-            waiting = max(settings.max_batch_size, caps.max_rows)
-            engine_kind = RequestEngineKind(self.run_call, RowInput, caps, default_waiting=waiting)
+            engine_kind = RequestEngineKind(self.run_call, RowInput, caps)
         self.engine_kind = engine_kind
         self.host = EngineHost(
             self, engine_kind, settings, self.metrics, IMAGE_METRICS, self.exit_for_restart

@@ -7,7 +7,7 @@ a few kernel launches and a few dozen Python calls per row; here rows that share
 in one set of tensor ops over ``[n, ...]`` with per-row scalars as ``[n, 1, ...]`` columns.
 
 Bit-identity: every row gets exactly the bits its own ``step`` would give (``torch.equal``, measured max
-abs difference 0 on CPU float32 for every class below; see tests/unit/test_batched_schedulers.py). Each
+abs difference 0 on CPU float32 for every class below; see tests/unit/test_noise_schedulers.py). Each
 per-row scalar is computed by the scheduler's own 0-d float32 arithmetic, in its order (once per schedule
 and step: cached, so the per-step cost is a table lookup), and each ``scalar op tensor`` is reproduced with
 the rounding PyTorch gives that op when the scalar is a 0-d tensor:

@@ -1,4 +1,4 @@
-"""Vectorised scheduler steps (batched_schedulers.py) against each row's own scheduler, step by step.
+"""Vectorised noise-scheduler steps (adapters/schedulers/) against each row's own scheduler, step by step.
 
 A small engine is simulated: rows with their own step counts (1 to 25) join at different engine steps, so
 one call holds rows at their first, middle and last steps; each row's model output is drawn per row and

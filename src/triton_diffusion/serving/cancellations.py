@@ -1,0 +1,39 @@
+"""The host's side of aborts (engine/requests.py's AbortSource): which held requests an engine must drop.
+
+A request the host ended already (a bug while rendering it, the watchdog) is dropped at once, with the
+host's error. Whether a
+client cancelled is asked at most once per ``poll_s`` per request, since every ask is a round trip to the
+server process (``request.is_cancelled()``).
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import Sequence
+from typing import cast
+
+from triton_diffusion.engine.requests import Abort, Request
+from triton_diffusion.errors import ErrorCode, RequestError
+from triton_diffusion.serving.requests import TrackedRequest
+
+
+class ClientAborts:
+    def __init__(self, poll_s: float = 0.0) -> None:
+        self.poll_s = poll_s
+        # When each request was last asked; weak, so a request gone from every engine is forgotten.
+        self._last: weakref.WeakKeyDictionary[TrackedRequest, float] = weakref.WeakKeyDictionary()
+
+    def aborted(self, held: Sequence[Request]) -> list[Abort]:
+        now = time.perf_counter()
+        aborts = []
+        for request in held:
+            tracked = cast(TrackedRequest, request)  # the host's jobs hold its own requests
+            if tracked.ended:
+                error = tracked.error or RequestError(ErrorCode.INTERNAL, "the request was answered")
+                aborts.append(Abort(request, error))
+            elif now - self._last.get(tracked, float("-inf")) >= self.poll_s:
+                self._last[tracked] = now
+                if tracked.is_cancelled():
+                    aborts.append(Abort(request))
+        return aborts
