@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import io
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
@@ -30,8 +31,10 @@ from diffusers import FluxTransformer2DModel
 from diffusers.hooks import (
     FirstBlockCacheConfig,
     HookRegistry,
+    ModelHook,
     TaylorSeerCacheConfig,
     apply_first_block_cache,
+    apply_group_offloading,
     apply_taylorseer_cache,
 )
 from diffusers.models.cache_utils import CacheMixin
@@ -42,6 +45,13 @@ from tests.unit.step_harness import load_family, pipeline_for, reference, run_en
 from triton_diffusion.adapters.call_caches import call_cache, names_its_calls
 from triton_diffusion.adapters.image_requests import ImageRequest
 from triton_diffusion.adapters.step_adapters import step_adapter_for
+from triton_diffusion.adapters.step_caches import (
+    BLOCK_LISTS,
+    HOOK_PREFIX,
+    TAYLOR_MODULES,
+    BlockLayout,
+    block_layout,
+)
 from triton_diffusion.engine.jobs import Job
 from triton_diffusion.errors import RequestError
 from triton_diffusion.models.image_to_image import ImageToImageModel
@@ -561,6 +571,123 @@ def test_a_forward_that_raises_leaves_no_cache_state_and_its_retry_decides_the_s
     (image,) = flux.adapter.finish([job])
     expected_rows, uncached_rows = check(flux, [request], [np.asarray(image, dtype=int)])
     assert computed.rows == expected_rows < uncached_rows, (computed.rows, expected_rows)
+
+
+# ---- diffusers' hooks ------------------------------------------------------------------------------------
+class PassThrough(ModelHook):
+    """Another diffusers hook on a module: it calls the chain below it, counting the rows it saw."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows = 0
+
+    def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        self.rows += kwargs.get("hidden_states", args[0] if args else None).shape[0]
+        return self.fn_ref.original_forward(*args, **kwargs)
+
+
+def pass_through(modules: list[torch.nn.Module], name: str) -> list[PassThrough]:
+    hooks = [PassThrough() for _ in modules]
+    for module, hook in zip(modules, hooks, strict=True):
+        HookRegistry.check_if_exists_or_initialize(module).register_hook(hook, name)
+    return hooks
+
+
+def test_a_model_carrying_other_diffusers_hooks_still_caches_each_row_exactly(flux):
+    # flux's weights in a transformer carrying diffusers' group offloading (CPU to CPU) and a hook of the
+    # test's own below the step caches' hooks (registered before the adapter), and another above them:
+    # each row's image, what it reused and the rows computed equal those on flux's own transformer.
+    requests = [
+        flux.request(0, "fbc:0.9"),
+        flux.request(1, "taylorseer:2"),
+        flux.request(2, "fbc:0.9", negative_prompt="blurry", true_cfg_scale=4.0),
+        flux.request(3, "none", steps=6),
+    ]
+    arrivals = list(zip([0, 0, 1, 2], requests, strict=True))
+    plain, plain_rows = run_counted(flux.adapter, arrivals)
+    pipe, _, schedulers = load_family("tiny-flux")
+    config = {k: v for k, v in flux.pipe.transformer.config.items() if not k.startswith("_")}
+    pipe.transformer = FluxTransformer2DModel(**config)
+    pipe.transformer.load_state_dict(flux.pipe.transformer.state_dict())
+    # Every module the step caches hook: each block (FBC) and its attention module (TaylorSeer).
+    named = pipe.transformer.named_modules()
+    modules = [m for n, m in named if re.fullmatch(r"(single_)?transformer_blocks\.\d+(\.attn)?", n)]
+    assert len(modules) == 8
+    apply_group_offloading(pipe.transformer, "cpu", offload_type="block_level", num_blocks_per_group=1)
+    below = pass_through(modules, "test_below")
+    adapter = step_adapter_for(pipe, flux.facts, schedulers, None)
+    above = pass_through(modules, "test_above")
+    for module in modules:  # the registry's order is its chain's, innermost first
+        names = list(HookRegistry.check_if_exists_or_initialize(module).hooks)
+        (ours,) = [name for name in names if name.startswith(HOOK_PREFIX)]
+        assert names.index("test_below") < names.index(ours) < names.index("test_above"), names
+    offloaded = [
+        m for m in modules if "group_offloading" in HookRegistry.check_if_exists_or_initialize(m).hooks
+    ]
+    assert len(offloaded) == 4  # diffusers' group offloading on every block
+
+    def same_as_plain(jobs: list[Job], rows: int) -> None:
+        assert [j.rows_reused for j in jobs] == [j.rows_reused for j in plain] and plain[0].rows_reused > 0
+        for job, expected in zip(jobs, plain, strict=True):
+            assert np.abs(served(job) - served(expected)).max() <= 1
+        assert rows == plain_rows, (rows, plain_rows)
+
+    same_as_plain(*run_counted(adapter, arrivals))
+    assert all(hook.rows for hook in [*below, *above]), "another hook did not run"
+    # Below the step caches' hooks a hook sees only the rows that compute; above them, every row.
+    assert sum(h.rows for h in below) < sum(h.rows for h in above), "the caches skipped no row below"
+    # Taking the hooks above off again (through the registry) leaves the step caches on.
+    seen = [h.rows for h in above]
+    for module in modules:
+        HookRegistry.check_if_exists_or_initialize(module).remove_hook("test_above", recurse=False)
+    same_as_plain(*run_counted(adapter, arrivals))
+    assert [h.rows for h in above] == seen
+
+
+def test_what_step_caches_spells_of_diffusers_private_pieces_is_still_diffusers_own(monkeypatch):
+    # A diffusers upgrade that moves or changes what its caches keep privately fails here, by name:
+    # where FBC finds blocks and TaylorSeer attention modules (spelled in step_caches.py), and the block
+    # layouts step_caches.block_layout reads, the one private piece it uses.
+    import importlib
+
+    import diffusers
+    from diffusers.models.attention import BasicTransformerBlock, JointTransformerBlock
+    from diffusers.models.transformers.sana_transformer import SanaTransformerBlock
+    from diffusers.models.transformers.transformer_flux import (
+        FluxSingleTransformerBlock,
+        FluxTransformerBlock,
+    )
+    from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformerBlock
+    from diffusers.models.transformers.transformer_wan import WanTransformerBlock
+
+    def private(module: str, name: str) -> Any:
+        try:
+            return getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError) as exc:
+            pytest.fail(f"diffusers {diffusers.__version__}: no {module}.{name} ({exc}): see step_caches.py")
+
+    blocks = private("diffusers.hooks._common", "_ALL_TRANSFORMER_BLOCK_IDENTIFIERS")
+    assert set(blocks) == BLOCK_LISTS, f"diffusers' FBC finds blocks in {sorted(blocks)}: update BLOCK_LISTS"
+    attention = private("diffusers.hooks.taylorseer_cache", "_TRANSFORMER_BLOCK_IDENTIFIERS")
+    assert set(attention) == set(TAYLOR_MODULES), (
+        f"diffusers' TaylorSeer hooks {attention}: see TAYLOR_MODULES"
+    )
+    names = ("hidden_states", "encoder_hidden_states")
+    expected = {
+        FluxTransformerBlock: BlockLayout(1, 0, *names),
+        FluxSingleTransformerBlock: BlockLayout(1, 0, *names),
+        BasicTransformerBlock: BlockLayout(0, None, *names),  # PixArt
+        JointTransformerBlock: BlockLayout(1, 0, *names),  # SD3
+        WanTransformerBlock: BlockLayout(0, None, *names),
+        QwenImageTransformerBlock: BlockLayout(1, 0, *names),
+        SanaTransformerBlock: None,  # diffusers' FBC refuses it
+    }
+    layouts = {cls: block_layout(cls) for cls in expected}
+    assert layouts == expected, f"diffusers {diffusers.__version__} changed its blocks' layouts: {layouts}"
+    # Without the record at all, a model load fails by name rather than serving a wrong cache.
+    monkeypatch.delattr("diffusers.hooks._helpers.TransformerBlockRegistry")
+    with pytest.raises(RuntimeError, match="step_caches.block_layout must learn"):
+        block_layout.__wrapped__(FluxTransformerBlock)
 
 
 # ---- other families -------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from triton_diffusion.step_cache_spec import StepCache
 
 def call_methods(transformer: Any) -> tuple[str, ...]:
     """The step caches a request-level call serves: diffusers' own, where the transformer has them."""
-    from diffusers.models.cache_utils import CacheMixin
+    from diffusers import CacheMixin
 
     if not isinstance(transformer, CacheMixin):
         return ()

@@ -43,11 +43,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import itertools
 import math
 import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -173,44 +174,75 @@ class CachePlan:
             slot.computes = slot.branch.computes(slot.branch.step + 1)
 
 
+# The denoiser's ModuleLists whose blocks diffusers' First Block Cache chains, and the module names its
+# TaylorSeer caches by default (re.fullmatch): private constants there, so spelled here (and tested).
+_TAYLOR_LISTS = ("blocks", "transformer_blocks", "single_transformer_blocks", "temporal_transformer_blocks")
+BLOCK_LISTS = frozenset({*_TAYLOR_LISTS, "layers", "visual_transformer_blocks"})
+TAYLOR_MODULES = tuple(f"^{name}.*attn" for name in _TAYLOR_LISTS)
+HOOK_PREFIX = "triton_diffusion_step_cache_"  # the names of RowCaches' hooks in diffusers' HookRegistry
+_INSTALLS = itertools.count()
+
+
 def _blocks(transformer: torch.nn.Module) -> list[torch.nn.Module]:
     """The transformer blocks diffusers' First Block Cache hooks, in its order (head first, tail last)."""
-    from diffusers.hooks._common import _ALL_TRANSFORMER_BLOCK_IDENTIFIERS
-
     return [
         block
         for name, child in transformer.named_children()
-        if name in _ALL_TRANSFORMER_BLOCK_IDENTIFIERS and isinstance(child, torch.nn.ModuleList)
+        if name in BLOCK_LISTS and isinstance(child, torch.nn.ModuleList)
         for block in child
     ]
 
 
 def _attention_modules(transformer: torch.nn.Module) -> list[torch.nn.Module]:
     """The modules diffusers' TaylorSeer hooks by default (its attention patterns), in its order."""
-    from diffusers.hooks.taylorseer_cache import _TRANSFORMER_BLOCK_IDENTIFIERS
-
     return [
         module
         for name, module in transformer.named_modules()
-        if any(re.fullmatch(pattern, name) for pattern in _TRANSFORMER_BLOCK_IDENTIFIERS)
+        if any(re.fullmatch(pattern, name) for pattern in TAYLOR_MODULES)
     ]
+
+
+class BlockLayout(NamedTuple):
+    """Where a block takes its hidden (encoder) states and returns them in its tuple (None: it does not)."""
+
+    hidden_index: int
+    encoder_index: int | None
+    hidden_argument: str
+    encoder_argument: str
+
+
+@functools.cache
+def block_layout(block_class: type) -> BlockLayout | None:
+    """``block_class``'s layout as diffusers' First Block Cache reads it; None for a class it has none of
+    (it refuses such a model: Sana's blocks). The one private piece used: it has no public form, and FBC
+    per row must read what diffusers' FBC reads to equal it. A change fails here by name (and in tests)."""
+    try:
+        from diffusers.hooks._helpers import TransformerBlockRegistry
+
+        meta = TransformerBlockRegistry.get(block_class)
+        return BlockLayout(
+            meta.return_hidden_states_index,
+            meta.return_encoder_hidden_states_index,
+            meta.hidden_states_argument_name,
+            meta.encoder_hidden_states_argument_name,
+        )
+    except ValueError:  # "Model class ... not registered"
+        return None
+    except (ImportError, AttributeError) as exc:
+        raise RuntimeError(
+            f"diffusers moved or changed hooks._helpers.TransformerBlockRegistry ({exc}): "
+            "step_caches.block_layout must learn where it now keeps the blocks' layouts"
+        ) from exc
 
 
 def servable(transformer: torch.nn.Module, methods: Sequence[str]) -> tuple[str, ...]:
     """Of a family's ``methods`` (those its tests check against diffusers), the ones diffusers' own hooks
-    apply to this transformer: FBC needs two blocks of classes its registry knows (not Sana's), TaylorSeer
-    at least one attention module its patterns match (not PixArt's ``attn1``: there it would do nothing)."""
-    from diffusers.hooks._helpers import TransformerBlockRegistry
-
+    apply to this transformer: FBC needs two blocks of classes with a :func:`block_layout` (not Sana's),
+    TaylorSeer an attention module its patterns match (not PixArt's ``attn1``: there it would do nothing)."""
     served = []
     blocks = _blocks(transformer)
-    if "fbc" in methods and len(blocks) >= 2:
-        try:
-            for block in blocks:
-                TransformerBlockRegistry.get(type(block))
-            served.append("fbc")
-        except ValueError:
-            pass
+    if "fbc" in methods and len(blocks) >= 2 and all(block_layout(type(b)) for b in blocks):
+        served.append("fbc")
     if "taylorseer" in methods and _attention_modules(transformer):
         served.append("taylorseer")
     return tuple(served)
@@ -222,20 +254,25 @@ class RowCaches:
     each is its module's own forward."""
 
     def __init__(self, transformer: torch.nn.Module, methods: Sequence[str]) -> None:
-        from diffusers.hooks._helpers import TransformerBlockRegistry
+        from diffusers.hooks import HookRegistry
 
         self.methods = tuple(methods)
         self._plan: CachePlan | None = None
+        # Hooks in each module's HookRegistry: other diffusers hooks on it (offloading's, a cache's) stay in
+        # the chain. Names of its own: a second RowCaches on the same modules stacks (tests make two).
+        name = f"{HOOK_PREFIX}{next(_INSTALLS)}"
+        hooked: list[tuple[torch.nn.Module, Callable]] = []
         if "fbc" in self.methods:
             blocks = _blocks(transformer)
-            self._meta = {type(b): TransformerBlockRegistry.get(type(b)) for b in blocks}
-            _wrap(blocks[0], self._head_forward)
-            for block in blocks[1:-1]:
-                _wrap(block, self._block_forward)
-            _wrap(blocks[-1], self._tail_forward)
+            self._layouts = {type(b): block_layout(type(b)) for b in blocks}
+            roles = [self._head_forward, *[self._block_forward] * (len(blocks) - 2), self._tail_forward]
+            hooked += zip(blocks, roles, strict=True)
         if "taylorseer" in self.methods:
-            for index, module in enumerate(_attention_modules(transformer)):
-                _wrap(module, self._taylor_forward(index))
+            hooked += [(m, self._taylor_forward(i)) for i, m in enumerate(_attention_modules(transformer))]
+        for module, forward in hooked:
+            HookRegistry.check_if_exists_or_initialize(module).register_hook(_hook_class()(forward), name)
+        # diffusers caches which submodules carry registries (for its cache contexts): new ones stale it.
+        HookRegistry.check_if_exists_or_initialize(transformer).invalidate_child_registries_cache()
 
     @contextlib.contextmanager
     def running(self, plan: CachePlan | None) -> Iterator[None]:
@@ -259,9 +296,9 @@ class RowCaches:
         plan = self._plan
         if plan is None or not plan.fbc:
             return output
-        meta = self._meta[type(module)]
-        hidden_in = _argument(module, meta.hidden_states_argument_name, args, kwargs)
-        hidden, encoder = _split(output, meta)
+        layout = self._layouts[type(module)]
+        hidden_in = _argument(module, layout.hidden_argument, args, kwargs)
+        hidden, encoder = _split(output, layout)
         residual = hidden - hidden_in
         judged = [slot for slot in plan.fbc if slot.branch.head_residual is not None]
         if judged:  # diffusers' _should_compute_remaining_blocks per branch, one host sync for all
@@ -291,7 +328,7 @@ class RowCaches:
                 encoder.index_copy_(0, index, cached_encoder + encoder.index_select(0, index))
             plan.skipped.update(slot.rows)
         plan.running = [row for row in range(plan.rows) if row not in plan.skipped]
-        return _join(output, meta, hidden, encoder)
+        return _join(output, layout, hidden, encoder)
 
     def _block_forward(self, original: Callable, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
         plan = self._plan
@@ -308,8 +345,8 @@ class RowCaches:
             if plan.skipped
             else original(*args, **kwargs)
         )
-        meta = self._meta[type(module)]
-        hidden, encoder = _split(output, meta)
+        layout = self._layouts[type(module)]
+        hidden, encoder = _split(output, layout)
         head_hidden, head_encoder = plan.head
         for slot in plan.fbc:
             if slot.computes:
@@ -332,15 +369,15 @@ class RowCaches:
         """A block after the head over the rows that compute; the skipped rows pass through unchanged.
         The first such block gathers the computing rows' states once; the blocks between pass them on
         gathered (only per-row inputs such as ``temb`` are gathered again); the last puts them back."""
-        meta = self._meta[type(module)]
+        layout = self._layouts[type(module)]
         bound = _bound(module, args, kwargs)
-        hidden_in = bound[meta.hidden_states_argument_name]
+        hidden_in = bound[layout.hidden_argument]
         encoder_in = None
-        if meta.return_encoder_hidden_states_index is not None:
-            encoder_in = bound[meta.encoder_hidden_states_argument_name]
+        if layout.encoder_index is not None:
+            encoder_in = bound[layout.encoder_argument]
         running = plan.running
         if not running:  # every row reuses: the block does not run
-            return _join(None, meta, hidden_in, encoder_in)
+            return _join(None, layout, hidden_in, encoder_in)
         if plan.full is None:
             plan.full = (hidden_in, encoder_in)
         index = plan.index(running, hidden_in.device)
@@ -349,12 +386,12 @@ class RowCaches:
             output = original(**gathered)
         if not last:
             return output
-        hidden, encoder = _split(output, meta)
+        hidden, encoder = _split(output, layout)
         full_hidden, full_encoder = plan.full
         hidden = full_hidden.index_copy(0, index, hidden)
         if encoder is not None:
             encoder = full_encoder.index_copy(0, index, encoder)
-        return _join(output, meta, hidden, encoder)
+        return _join(output, layout, hidden, encoder)
 
     @contextlib.contextmanager
     def _rows_active(self, plan: CachePlan, rows: list[int]) -> Iterator[None]:
@@ -480,14 +517,21 @@ def _taylor_predict(state: TaylorFactors, step: int) -> list[torch.Tensor]:
 
 
 # ---- plumbing ----------------------------------------------------------------------------------------------
-def _wrap(module: torch.nn.Module, hook: Callable) -> None:
-    """``module.forward`` through ``hook(original, module, args, kwargs)``."""
-    original = module.forward
+@functools.cache
+def _hook_class() -> type:
+    """A diffusers ``ModelHook`` running a RowCaches ``forward(original, module, args, kwargs)``, original
+    being the chain below it (the module's forward, or hooks registered before). Built on first use."""
+    from diffusers.hooks import ModelHook
 
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        return hook(original, module, args, kwargs)
+    class RowCacheHook(ModelHook):
+        def __init__(self, forward: Callable) -> None:
+            super().__init__()
+            self.row_forward = forward
 
-    module.forward = forward
+        def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+            return self.row_forward(self.fn_ref.original_forward, module, args, kwargs)
+
+    return RowCacheHook
 
 
 _SIGNATURES: dict[type, inspect.Signature] = {}
@@ -533,23 +577,21 @@ def _rows(values: torch.Tensor, rows: list[int]) -> torch.Tensor:
     return values.index_select(0, to_device(torch.tensor(rows), values.device))
 
 
-def _split(output: Any, meta: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _split(output: Any, layout: BlockLayout) -> tuple[torch.Tensor, torch.Tensor | None]:
     if not isinstance(output, tuple):
         return output, None
-    encoder = None
-    if meta.return_encoder_hidden_states_index is not None:
-        encoder = output[meta.return_encoder_hidden_states_index]
-    return output[meta.return_hidden_states_index], encoder
+    encoder = None if layout.encoder_index is None else output[layout.encoder_index]
+    return output[layout.hidden_index], encoder
 
 
-def _join(output: Any, meta: Any, hidden: torch.Tensor, encoder: torch.Tensor | None) -> Any:
+def _join(output: Any, layout: BlockLayout, hidden: torch.Tensor, encoder: torch.Tensor | None) -> Any:
     """A block's output with its hidden (and encoder) states replaced, in the block's own order."""
-    if meta.return_encoder_hidden_states_index is None and not isinstance(output, tuple):
+    if layout.encoder_index is None and not isinstance(output, tuple):
         return hidden
     joined: list[Any] = list(output) if isinstance(output, tuple) else [None, None]
-    joined[meta.return_hidden_states_index] = hidden
-    if meta.return_encoder_hidden_states_index is not None:
-        joined[meta.return_encoder_hidden_states_index] = encoder
+    joined[layout.hidden_index] = hidden
+    if layout.encoder_index is not None:
+        joined[layout.encoder_index] = encoder
     return tuple(joined)
 
 
