@@ -204,7 +204,8 @@ class Scheduler:
     def abort(self, aborts: list[Abort]) -> None:
         """End the requests the host aborts (cancelled, or answered elsewhere); their jobs leave at
         :meth:`schedule`."""
-        apply_aborts(self._abortable(), aborts)
+        if aborts:
+            apply_aborts(self._abortable(), aborts)
 
     def _abortable(self) -> list[Job]:
         with self._lock:

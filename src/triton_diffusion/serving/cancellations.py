@@ -9,7 +9,6 @@ server process (``request.is_cancelled()``).
 from __future__ import annotations
 
 import time
-import weakref
 from collections.abc import Sequence
 from typing import cast
 
@@ -21,19 +20,23 @@ from triton_diffusion.serving.requests import TrackedRequest
 class ClientAborts:
     def __init__(self, poll_s: float = 0.0) -> None:
         self.poll_s = poll_s
-        # When each request was last asked; weak, so a request gone from every engine is forgotten.
-        self._last: weakref.WeakKeyDictionary[TrackedRequest, float] = weakref.WeakKeyDictionary()
+        # When each held request was last asked, by id(); kept for the requests held at the last call only.
+        self._last: dict[int, float] = {}
 
     def aborted(self, held: Sequence[Request]) -> list[Abort]:
         now = time.perf_counter()
         aborts = []
+        last, self._last = self._last, {}
         for request in held:
             tracked = cast(TrackedRequest, request)  # the host's jobs hold its own requests
             if tracked.ended:
                 error = tracked.error or RequestError(ErrorCode.INTERNAL, "the request was answered")
                 aborts.append(Abort(request, error))
-            elif now - self._last.get(tracked, float("-inf")) >= self.poll_s:
-                self._last[tracked] = now
+                continue
+            asked = last.get(id(request), float("-inf"))
+            if now - asked >= self.poll_s:
+                asked = now
                 if tracked.is_cancelled():
                     aborts.append(Abort(request))
+            self._last[id(request)] = asked
         return aborts
