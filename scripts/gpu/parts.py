@@ -66,7 +66,7 @@ SLO = {
 
 def cuda_graphs_work() -> list[Work]:
     repeats, steps = CUDA_GRAPHS["repeats"], SD15_STEPS
-    timed = repeats + 1  # bench_engines.timed_median: a warm-up, then the repeats
+    timed = repeats + 1  # benchmarks/inprocess.timed_median: a warm-up, then the repeats
     return [
         Work("start, imports, SD 1.5's weights built, graphs captured at 1-8 images (estimate)", seconds=30),
         *[
@@ -103,7 +103,7 @@ def engines_work(graphs: bool) -> list[Work]:
         Work("profile: 3 warm-up requests, then forwards at 8 images", steps + e["profile"], cap),
     ]
     if not graphs:
-        calls = max(requests // 2, cap * 2)  # bench_engines.raw_ceiling: images per batch size
+        calls = max(requests // 2, cap * 2)  # benchmarks/engines.raw_ceiling: images per batch size
         work += [
             Work("diffusers' pipeline at batch 1 (a warm-up + calls)", (calls + 1) * steps, 1),
             Work("diffusers' pipeline at batch 8 (a warm-up + calls)", (calls // cap + 1) * steps, cap),
@@ -178,7 +178,7 @@ def step_caches_work() -> list[Work]:
 
 def slo_work() -> list[Work]:
     s, cap = SLO, SLO["cap"]
-    sample = max(2 * cap, 16)  # bench_slo.capacity's sample of the mix
+    sample = max(2 * cap, 16)  # benchmarks/slo.capacity's sample of the mix
     return [
         Work("start, imports, SD 1.5's weights built (estimate)", seconds=20),
         Work("a warm step engine at 1-8 images, 4 steps each", cap * 4, cap // 2),
@@ -379,7 +379,7 @@ PARTS: list[Part] = [
         step_caches_command,
         ("bench_caches.json",),
         no_figures,
-        needs=(("scripts/bench_caches.py", "--flux1-size"),),
+        needs=(("scripts/benchmarks/caches.py", "--flux1-size"),),
     ),
     Part(
         "slo",
@@ -390,6 +390,6 @@ PARTS: list[Part] = [
         slo_command,
         ("bench_slo.json",),
         no_figures,
-        needs=(("scripts/bench_slo.py", "--trace"),),
+        needs=(("scripts/benchmarks/slo.py", "--trace"),),
     ),
 ]

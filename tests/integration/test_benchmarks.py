@@ -201,14 +201,12 @@ def test_perf_analyzer_script_fails_when_the_sweep_ends_early(tmp_path):
 
 def test_the_diffusion_lm_benchmarks_in_process_ceiling_runs_on_the_shared_engine():
     import argparse
-    import importlib.util
 
-    spec = importlib.util.spec_from_file_location("bench_dllm", REPO_ROOT / "scripts" / "bench_dllm.py")
-    bench_dllm = importlib.util.module_from_spec(spec)
-    sys.modules["bench_dllm"] = bench_dllm  # its dataclasses look their module up
-    spec.loader.exec_module(bench_dllm)
+    sys.path.insert(0, str(REPO_ROOT / "scripts"))  # the benchmarks' package (scripts/benchmarks/)
+    from benchmarks import dllm
+
     args = argparse.Namespace(param=[], gen_lengths=[32], block_length=16, tokens_per_step=2, temperature=0.0)
-    ceiling = bench_dllm.engine_ceiling(args, 3)
+    ceiling = dllm.engine_ceiling(args, 3)
     assert (
         ceiling["requests"] == 3
         and ceiling["together_tokens_per_s"] > 0

@@ -1,4 +1,4 @@
-"""The in-process benchmark's clock (scripts/bench_common.py), driven with fake time and no model: a
+"""The in-process benchmark's clock (scripts/benchmarks/arrivals.py), driven with fake time and no model: a
 request is charged from when it was sent, not from when the engine loop got round to taking it."""
 
 import math
@@ -7,16 +7,10 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))  # the scripts are not a package
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))  # the benchmarks' package
 
-from bench_common import (  # noqa: E402
-    Traffic,
-    alternated_rounds,
-    percentile,
-    poisson_arrivals,
-    poisson_label,
-    step_request_ratios,
-)
+from benchmarks.arrivals import Traffic, poisson_arrivals  # noqa: E402
+from benchmarks.common import alternated_rounds, percentile, poisson_label, step_request_ratios  # noqa: E402
 
 
 class FakeTime:
@@ -31,7 +25,7 @@ class FakeTime:
 
 
 def request_level_loop(traffic: Traffic, time: FakeTime, call_s: float, first_step_s: float) -> list[int]:
-    """bench_engines.run_request_level's shape: take what has arrived, run one whole call for it, answer
+    """engine_runs.run_request_level's shape: take what has arrived, run one whole call for it, answer
     it; the loop looks for arrivals only between calls. Returns the rows of each call."""
     rows = []
     while not traffic.finished:

@@ -1,0 +1,99 @@
+"""The benchmarks, one module each, and the one entry point that runs them: ``scripts/bench.py NAME [args]``.
+
+Each benchmark (``BENCHMARKS``) is a module with ``main(argv)``, and imports only the shared modules, never
+another benchmark:
+
+    common       the prompts, traffic constants, statistics, target ratios, the machine line, the parser
+    arrivals     Poisson arrival times and ``Traffic``, the true clock of the in-process runs
+    reports      the markdown cells and ratio table a benchmark prints beside its JSON, and its plots
+    inprocess    the served model in one process (``Bench``), ``Recorder``, ``Channel``, ``sync``
+    engine_runs  the in-process engines benchmark's runs of each engine, stage clock and image mix
+    servers      a real server per configuration (``ServerVariant``) and its gRPC / OpenAI-front clients
+    slo_figures  the service-tier benchmarks' per-class figures, summary and verdicts
+
+and ``scripts/artefacts.py`` (every artefact's provenance and atomic write, shared beyond the benchmarks).
+Nothing in this package imports a benchmark module but this dispatcher, and it only by name
+(``importlib``), so there is no import circle; ``tests/unit/test_benchmarks_package.py`` holds that.
+
+The old scripts (``scripts/bench_engines.py`` and the others in ``script``) stay as shims that run their
+benchmark here with the same arguments: the committed artefacts and README record those command lines.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    name: str  # its module in this package, and bench.py's NAME
+    script: str  # the old script under scripts/ that runs it (the shim; bench.py for server)
+    what: str
+
+
+BENCHMARKS = {
+    b.name: b
+    for b in (
+        Benchmark("server", "bench.py", "the two image engines through the real server (the default)"),
+        Benchmark("engines", "bench_engines.py", "the two image engines in one process (CPU or GPU)"),
+        Benchmark("caches", "bench_caches.py", "step caches per request on the step engine, in process"),
+        Benchmark("slo", "bench_slo.py", "service tiers and deadlines under mixed traffic, in process"),
+        Benchmark("slo_server", "bench_slo_server.py", "service tiers and deadlines through the server"),
+        Benchmark("graphs", "bench_graphs.py", "captured (CUDA graph) forwards against eager, FLOPs"),
+        Benchmark("lora", "bench_lora.py", "per-request LoRA: mixed adapters vs none vs one batch each"),
+        Benchmark("dllm", "bench_dllm.py", "the diffusion LM: continuous batching vs one at a time"),
+    )
+}
+DEFAULT = "server"  # what bench.py ran before it took a NAME: a first argument that is no NAME runs it
+
+USAGE = """usage: bench.py [NAME] [options]
+
+Runs one benchmark of scripts/benchmarks/. `bench.py NAME --help` gives its options. Without a NAME (no
+argument, or a first argument that is an option) it runs `server`, as bench.py always has, so
+`bench.py --concurrency 1,4,16 --mixed` and `bench.py --slo --slo-args '...'` still work.
+
+benchmarks:
+{names}
+
+Each one's old script runs it too, with the same arguments (the commands the artefacts record):
+{scripts}
+"""
+
+
+def usage() -> str:
+    names = "\n".join(f"  {b.name:11} {b.what}" for b in BENCHMARKS.values())
+    scripts = "\n".join(
+        f"  scripts/{b.script:20} = bench.py {b.name}" for b in BENCHMARKS.values() if b.script != "bench.py"
+    )
+    return USAGE.format(names=names, scripts=scripts)
+
+
+def load(name: str):
+    """The benchmark module ``name`` (imported only now: each pulls in torch or a server's client)."""
+    return importlib.import_module(f"{__name__}.{name}")
+
+
+def resolve(argv: list[str]) -> tuple[str, list[str]]:
+    """Which benchmark ``bench.py`` runs for ``argv``, and its arguments: the NAME first, else the default.
+    A benchmark's ``instead(argv)``, where it has one, may name another in its place (``engines
+    --step-cache`` runs ``caches``, ``server --slo`` runs ``slo_server``: the old scripts' switches)."""
+    if argv and argv[0] in BENCHMARKS:
+        name, argv = argv[0], argv[1:]
+    else:
+        name = DEFAULT
+    switch = getattr(load(name), "instead", None)
+    other = switch(argv) if switch is not None else None
+    return other if other is not None else (name, argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``scripts/bench.py``: run the benchmark ``argv`` names (see ``resolve``); 0 when it ends."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] in (["-h"], ["--help"]):
+        print(usage().rstrip())
+        return 0
+    name, argv = resolve(argv)
+    load(name).main(argv)
+    return 0

@@ -1,0 +1,168 @@
+"""The served text-to-image model in one process, as the in-process benchmarks drive it: ``Bench`` loads it
+as Triton's stub would (TextToImageModel.load) and makes its requests, jobs and step engines; ``Recorder``
+renders the engines' reports into a ``Traffic``'s clock; ``Channel`` stands in for Triton's response
+sender; ``sync`` and ``timed_median`` time work on a GPU as on a CPU.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from benchmarks.arrivals import Traffic
+from benchmarks.common import PROMPTS, machine_description, max_sequence_length
+from triton_diffusion.adapters.diffusers_pipeline import row_generator
+from triton_diffusion.compatibility import compatibility_key
+from triton_diffusion.engine.jobs import Job, StepReport
+from triton_diffusion.engine.ordering import AdmissionPacing, make_policy
+from triton_diffusion.engine.scheduler import EngineLimits
+from triton_diffusion.engine.step_engine import StepEngine
+from triton_diffusion.models.text_to_image import TextToImageModel
+from triton_diffusion.serving.requests import TrackedRequest
+from triton_diffusion.serving.server_process import WEIGHTS
+from triton_diffusion.serving.triton_model import RowInput
+from triton_diffusion.settings import ModelConfig, ModelSettings
+from triton_diffusion.tiny_models import build_missing
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+class Channel:
+    """No Triton here: nothing is sent, nothing is cancelled."""
+
+    def send_partial(self, outputs):
+        pass
+
+    def send_final(self, outputs):
+        pass
+
+    def send_error(self, error):
+        raise RuntimeError(error)
+
+    def is_cancelled(self):
+        return False
+
+
+class Recorder:
+    """Renders the engines' reports into the traffic's clock (a job's ``record`` is its request index)."""
+
+    def __init__(self, traffic: Traffic) -> None:
+        self.traffic = traffic
+        self.images: list[int] = []
+
+    def render(self, report: StepReport) -> None:
+        for stepped in report.stepped:
+            self.traffic.first_step(stepped.job.record)
+        for finished in report.finished:
+            self.traffic.done(finished.job.record)
+        self.images.extend(forward.images for forward in report.forwards)
+
+
+def timed_median(work, device: str, repeats: int = 7) -> float:
+    work()
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        started = time.perf_counter()
+        work()
+        sync(device)
+        times.append(time.perf_counter() - started)
+    return sorted(times)[len(times) // 2]
+
+
+class Bench:
+    """The served text-to-image model, loaded as Triton's stub would load it (TextToImageModel.load)."""
+
+    def __init__(
+        self,
+        arch: str,
+        height: int,
+        width: int,
+        cap: int,
+        device: str,
+        dtype: torch.dtype,
+        cuda_graphs: bool = False,
+    ) -> None:
+        build_missing(WEIGHTS, only=[arch])
+        config = ModelConfig(
+            model=str(WEIGHTS / arch),
+            dtype=str(dtype).removeprefix("torch."),
+            max_sequence_length=max_sequence_length(arch),
+            cuda_graphs=cuda_graphs,
+        )
+        kind = "GPU" if device.startswith("cuda") else "CPU"
+        # The bench's size as the model's default: what cuda_graphs captures at load.
+        sizes = {"default_height": str(height), "default_width": str(width)}
+        self.settings = settings = ModelSettings(arch, WEIGHTS, config, sizes, cap, kind, 0)
+        self.model = TextToImageModel()
+        self.model.fields, self.adapter = self.model.load(settings)
+        self.pipe = self.model.pipe
+        self.height, self.width, self.cap, self.device = height, width, cap, device
+        self.arch, self.dtype_name = arch, config.dtype
+        self.max_running, self.policy = cap, "oldest"
+        self.timeline = False  # on a GPU: time each step's stages under Poisson load (synchronising)
+        self.cohort = max(1, cap // 2)  # the served default (EngineHost), for max_running >= cap
+
+    def report_header(self, steps: int) -> dict:
+        """What a report says of the machine and the model it measured."""
+        return {
+            "machine": machine_description(
+                f"{torch.get_num_threads()} torch threads",
+                torch.cuda.get_device_name() if self.device.startswith("cuda") else "CPU",
+            ),
+            "arch": self.arch,
+            "dtype": self.dtype_name,
+            "size": f"{self.width}x{self.height}",
+            "steps": steps,
+        }
+
+    def step_engine(self, cohort: int) -> StepEngine:
+        limits = EngineLimits(self.max_running, self.cap)
+        pacing = AdmissionPacing(min(cohort, max(1, self.max_running // 2)))
+        return StepEngine(self.adapter, limits, make_policy(self.policy), pacing)
+
+    def request(self, index: int, steps: int, guidance: float) -> dict:
+        """A request's validated fields, as execute() parses them."""
+        return self.model.fields.parse(self.raw_request(index, steps, guidance))
+
+    def raw_request(self, index: int, steps: int, guidance: float) -> dict:
+        """A request as a client sends it."""
+        raw = {
+            "prompt": PROMPTS[index % len(PROMPTS)],
+            "seed": index,
+            "height": self.height,
+            "width": self.width,
+            "num_inference_steps": steps,
+        }
+        if self.model.fields["guidance_scale"].supported:
+            raw["guidance_scale"] = guidance
+        return raw
+
+    def job(self, index: int, values: dict, engine: str) -> Job:
+        tracked = TrackedRequest(str(index), Channel())
+        if engine == "step":
+            return Job(tracked, self.model.step_request(values, 0), record=index)
+        key = compatibility_key(self.model.fields, values)
+        return Job(tracked, RowInput(values, 0), record=index, group=key)
+
+    def raw_pipeline_call(self, requests: list[dict]) -> list:
+        """diffusers' own ``pipeline(...)`` for a batch of equal requests: the ceiling."""
+        first = requests[0]
+        kwargs = {
+            "prompt": [r["prompt"] for r in requests],
+            "generator": [row_generator(r["seed"], 0) for r in requests],
+            "height": first["height"],
+            "width": first["width"],
+            "num_inference_steps": first["num_inference_steps"],
+            **self.model.call_extras,
+        }
+        if self.model.fields["guidance_scale"].supported:
+            kwargs["guidance_scale"] = first["guidance_scale"]
+        with torch.inference_mode():
+            images = self.pipe(**kwargs).images
+        sync(self.device)
+        return images
