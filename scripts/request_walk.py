@@ -23,8 +23,11 @@ import numpy as np
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = REPO_ROOT / "src" / "triton_diffusion"
-# The layers, highest first: a call from a module of a lower layer into a higher one runs back up.
-LAYERS = ("serving", "models", "engine", "adapters")
+# The layers in import order, highest first (models import serving, serving imports engine, the engine
+# imports nothing of either): a call from a module of a lower layer into a higher one runs back up, unless
+# it goes through a contract the lower layer declares (a Protocol method, or a hook of its own base class
+# that the higher layer's class overrides): that is the lower layer calling what it defined.
+LAYERS = ("models", "serving", "engine", "adapters")
 
 
 class _Tensor:
@@ -101,6 +104,31 @@ def _stand_in() -> types.ModuleType:
     return module
 
 
+def contract_methods(layer: str, callee_module: str, qualname: str) -> set[str]:
+    """The methods ``layer`` declares for a higher layer to implement: those of the Protocols defined in its
+    modules, and those of its classes that the callee's class (``qualname`` in ``callee_module``) inherits
+    and overrides."""
+    import importlib
+    import inspect
+    from typing import Protocol
+
+    names: set[str] = set()
+    for path in sorted((PACKAGE / layer).glob("*.py")):
+        module = importlib.import_module(f"triton_diffusion.{layer}.{path.stem}")
+        for _, cls in inspect.getmembers(module, inspect.isclass):
+            if cls.__module__ == module.__name__ and Protocol in getattr(cls, "__mro__", ()):
+                names |= {name for name in vars(cls) if not name.startswith("_")}
+    owner_name = qualname.rsplit(".", 1)[0]
+    callee = importlib.import_module(
+        "triton_diffusion." + callee_module.removesuffix(".py").replace("/", ".")
+    )
+    owner = getattr(callee, owner_name, None)
+    for base in getattr(owner, "__mro__", ())[1:]:
+        if base.__module__.startswith(f"triton_diffusion.{layer}."):
+            names |= {name for name in vars(base) if not name.startswith("_")}
+    return names
+
+
 def main(argv: list[str] | None = None) -> None:
     import argparse
 
@@ -133,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
             walk.setdefault(threading.current_thread().name, []).append(
                 (
                     module,
-                    f"{frame.f_code.co_name}<-{caller_module}<-{caller.f_code.co_name if caller else ''}",
+                    f"{frame.f_code.co_qualname}<-{caller_module}<-{caller.f_code.co_name if caller else ''}",
                 )
             )
 
@@ -176,17 +204,23 @@ def main(argv: list[str] | None = None) -> None:
         print(f"\n{thread}:")
         for module in seen:
             print(f"  {module}")
-    upward = set()
+    upward, through_contracts = set(), set()
     for calls in walk.values():
         for module, call in calls:
-            function, caller, caller_function = call.split("<-")
+            qualname, caller, caller_function = call.split("<-")
+            function = qualname.rsplit(".", 1)[-1]
             if caller == "None" or "/" not in module or "/" not in caller or function == caller_function:
                 continue  # the same method up its class hierarchy (super()) is not a layer crossing
             callee_layer, caller_layer = module.split("/")[0], caller.split("/")[0]
             if callee_layer in LAYERS and caller_layer in LAYERS:
                 if LAYERS.index(callee_layer) < LAYERS.index(caller_layer):
-                    upward.add(f"{caller} -> {module} ({function})")
+                    crossing = f"{caller} -> {module} ({function})"
+                    if function in contract_methods(caller_layer, module, qualname):
+                        through_contracts.add(crossing)
+                    else:
+                        upward.add(crossing)
     print(f"\n{len(modules)} modules in all; calls back up a layer: {sorted(upward) or 'none'}")
+    print(f"through the lower layer's own contracts: {sorted(through_contracts)}")
     sys.path.insert(0, str(REPO_ROOT / "scripts"))
     from artefacts import write
 
@@ -195,6 +229,7 @@ def main(argv: list[str] | None = None) -> None:
         "threads": threads,
         "modules": len(modules),
         "upward": sorted(upward),
+        "through_contracts": sorted(through_contracts),
     }
     print(f"written: {write(args.out, walk_artefact)}")
 

@@ -26,10 +26,10 @@ from triton_diffusion.compatibility import compatibility_key
 from triton_diffusion.engine.jobs import Job
 from triton_diffusion.engine.planner import RowCaps
 from triton_diffusion.engine.request_engine import RequestEngine
+from triton_diffusion.models.diffusion_model import RowInput
 from triton_diffusion.models.image_to_image import ImageToImageModel
 from triton_diffusion.serving.requests import TrackedRequest
 from triton_diffusion.serving.server_process import WEIGHTS
-from triton_diffusion.serving.triton_model import RowInput
 from triton_diffusion.settings import ModelConfig, ModelSettings
 
 

@@ -18,10 +18,10 @@ from triton_diffusion.engine.jobs import Job, StepReport
 from triton_diffusion.engine.ordering import AdmissionPacing, make_policy
 from triton_diffusion.engine.scheduler import EngineLimits
 from triton_diffusion.engine.step_engine import StepEngine
+from triton_diffusion.models.diffusion_model import RowInput
 from triton_diffusion.models.text_to_image import TextToImageModel
 from triton_diffusion.serving.requests import TrackedRequest
 from triton_diffusion.serving.server_process import WEIGHTS
-from triton_diffusion.serving.triton_model import RowInput
 from triton_diffusion.settings import ModelConfig, ModelSettings
 from triton_diffusion.tiny_models import build_missing
 

@@ -18,10 +18,13 @@ def render(walk: dict[str, Any]) -> str:
     layers = " > ".join(walk["layers"])
     upward = walk["upward"]
     crossings = "no call from a lower layer into a higher one" if not upward else f"calls back up: {upward}"
+    contracts = ", ".join(f"`{call}`" for call in walk.get("through_contracts", [])) or "none"
     return "\n".join(
         [
             table(("thread", "modules, in order of first call"), rows),
             "",
-            f"{walk['modules']} modules in all, and {crossings} ({layers}).",
+            f"{walk['modules']} modules in all, and {crossings} outside its own contracts (layers in import"
+            f" order: {layers}). Calls into a higher layer through a contract the lower one declares (a"
+            f" Protocol, or its base class's hook): {contracts}.",
         ]
     )

@@ -11,6 +11,8 @@ import pytest
 from PIL import Image
 
 from tests.unit.recording import tracked
+from triton_diffusion.adapters.flow_matching import FluxAdapter, StableDiffusion3Adapter
+from triton_diffusion.adapters.stable_diffusion import StableDiffusionAdapter
 from triton_diffusion.errors import RequestError
 from triton_diffusion.models.text_to_image import TEXT_TO_IMAGE_FIELDS, TextToImageModel
 from triton_diffusion.serving.engines import StepEngineKind
@@ -30,7 +32,7 @@ def model(starts: tuple[str, ...] = ("text", "image", "mask")) -> TextToImageMod
     m.OPTIONAL_CALL_FIELDS = ()
     config = ModelConfig(max_image_pixels=512 * 512)
     m.settings = ModelSettings("m", Path("."), config, {}, 8, "CPU", 0)
-    m.engine_kind = StepEngineKind(None, m.step_request)
+    m.engine_kind = StepEngineKind(None)
     unsupported = m.load_sources(config, FakeAdapter(starts))
     defaults = {"default_height": "64", "default_width": "96", "default_num_inference_steps": "4"}
     m.fields = TEXT_TO_IMAGE_FIELDS.configured(
@@ -107,3 +109,17 @@ def test_a_model_kind_that_cannot_send_any_start_the_checkpoint_serves_is_refuse
     m.facts = type("Facts", (), {"class_name": "StableDiffusionImg2ImgPipeline"})()
     with pytest.raises(ValueError, match="serves only mask jobs here, which ImageToImageModel cannot serve"):
         m.load_sources(ModelConfig(), FakeAdapter(("mask",)))
+
+
+@pytest.mark.parametrize(
+    ("adapter_class", "planned"),
+    [(StableDiffusionAdapter, 5), (FluxAdapter, 6), (StableDiffusion3Adapter, 6)],
+)
+def test_an_image_starts_planned_steps_follow_its_familys_own_first_step(adapter_class, planned):
+    # 10 steps at strength 0.55: SD's get_timesteps rounds 5.5 down (5 run), FLUX.1's and SD3's subtract it
+    # unrounded (6 run). The scheduler's estimates plan with what the job will run.
+    m = model()
+    m.adapter = adapter_class.__new__(adapter_class)  # first_step reads nothing of the loaded model
+    values = {"num_inference_steps": 10, "strength": 0.55, "image": object()}
+    assert m.planned_steps(values) == planned
+    assert m.planned_steps({**values, "image": None}) == 10  # a text start runs them all

@@ -206,16 +206,16 @@ class Documented(dict):
 
 def engine_values(params: dict[str, str], max_batch_size: int, case: str) -> dict[str, int]:
     """What the engines the models build (their own code path) hold, for each derived parameter."""
+    from triton_diffusion.models.diffusion_model import DiffusionModel
     from triton_diffusion.serving.engines import RequestEngineKind, StepEngineKind
-    from triton_diffusion.serving.triton_model import DiffusionModel, RowInput
 
     loaded = settings(params, kinds=(LM,) if case == "lm" else (IMAGE,), max_batch_size=max_batch_size)
     if case == "request":
         caps = DiffusionModel.row_caps(loaded)  # what DiffusionModel.setup builds its engine with
-        kind = RequestEngineKind(lambda *args: [], RowInput, caps)
+        kind = RequestEngineKind(lambda *args: [], caps)
         return {"max_rows_per_call": caps.max_rows, "waiting_room": kind.capacity(loaded) - caps.max_rows}
     caps = None if case == "lm" else DiffusionModel.row_caps(loaded)
-    step_kind = StepEngineKind(object(), lambda values, image: None, caps)  # as the models build it
+    step_kind = StepEngineKind(object(), caps)  # as the models build it
     engine = step_kind.build(loaded, lambda report: None)
     values = {
         "max_running": engine.limits.max_running,

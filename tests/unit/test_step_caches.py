@@ -58,7 +58,7 @@ from triton_diffusion.models.image_to_image import ImageToImageModel
 from triton_diffusion.serving.engines import RequestEngineKind
 from triton_diffusion.serving.requests import TrackedRequest
 from triton_diffusion.serving.server_process import WEIGHTS
-from triton_diffusion.serving.triton_model import RowInput
+from triton_diffusion.serving.triton_model import Urgency
 from triton_diffusion.settings import ModelConfig, ModelSettings
 from triton_diffusion.step_cache_spec import NO_CACHE, StepCache, parse_step_cache
 from triton_diffusion.tiny_models import build_missing
@@ -354,7 +354,7 @@ def request_level(flux) -> ImageToImageModel:
     model.pipe.transformer = copy.deepcopy(flux.reference_pipe.transformer)
     model.pipe.set_progress_bar_config(disable=True)
     model.settings = settings
-    model.engine_kind = RequestEngineKind(model.run_call, RowInput, model.row_caps(settings))
+    model.engine_kind = RequestEngineKind(model.run_call, model.row_caps(settings))
     return model
 
 
@@ -387,8 +387,8 @@ def request_level_run(
     jobs = []
     for i, request in enumerate(requests):
         values = model.resolve(model.fields.parse(raw_request(request)))
-        params, group = kind.job_params(values, 0, kind.key_for(model.fields, values))
-        jobs.append(Job(TrackedRequest(str(i), RecordingChannel()), params, group=group))
+        spec = model.job_spec(values, 0, model.key_for(values), Urgency())  # as the model parses it
+        jobs.append(Job.of(TrackedRequest(str(i), RecordingChannel()), spec))
         engine.add(jobs[-1])
     with ComputedRows(model.pipe.transformer) as rows:
         report = engine.step()
@@ -455,8 +455,8 @@ def test_img2img_and_inpaint_amid_other_rows_keep_a_cache_state_per_cfg_branch(f
 
 
 def test_the_request_level_engine_gives_each_cached_request_a_call_of_its_own(flux, request_level, source):
-    # own_call (serving/engines.py): diffusers' cache decides per call, so a cached request shares its call
-    # with nobody, even one with the same values; uncached requests of one key share a call.
+    # own_call (models/diffusion_model.py key_for): diffusers' cache decides per call, so a cached request
+    # shares its call with nobody, even one with the same values; uncached requests of one key share a call.
     model = request_level
     requests = [
         image_request(flux, source, None, "image", True, "fbc:0.9", i=0),
@@ -467,13 +467,12 @@ def test_the_request_level_engine_gives_each_cached_request_a_call_of_its_own(fl
     ]
     values = [model.resolve(model.fields.parse(raw_request(r))) for r in requests]
     same = {**values[0], "prompt": "the same", "seed": 1}
-    kind = model.engine_kind
-    assert kind.key_for(model.fields, same) != kind.key_for(model.fields, same)
-    assert kind.key_for(model.fields, values[3]) == kind.key_for(model.fields, values[4])
+    assert model.key_for(same) != model.key_for(same)
+    assert model.key_for(values[3]) == model.key_for(values[4])
     images, jobs, rows = request_level_run(model, requests)
     assert [[call["rows"] for call in job.calls] for job in jobs] == [[1], [1], [1], [2], [2]]
     assert len({job.calls[0]["id"] for job in jobs}) == 4
-    batch = kind.batch(values[0], jobs[:1])
+    batch = model.batch_report(values[0], jobs[:1])
     assert batch["step_cache"] == {"cache": "fbc:0.9", "own_calls": True}
     assert "own_call" not in batch["key"]
     expected_rows, uncached_rows = check(flux, requests, images)
@@ -485,17 +484,16 @@ def test_the_request_level_engine_gives_each_cached_request_a_call_of_its_own(fl
 
 
 def test_each_image_of_a_cached_request_gets_a_request_level_call_of_its_own(flux, request_level, source):
-    # OwnCallCaps (serving/engines.py): diffusers' cache decides over a call's whole batch, the step engine
+    # RowCaps.cap_for (engine/planner.py): diffusers' cache decides over a call's whole batch, the step engine
     # per image, so each image of a cached request runs in a call of its own; each equals its image alone.
     model, kind = request_level, request_level.engine_kind
     request = image_request(flux, source, None, "image", True, "fbc:0.9")
     values = model.resolve(model.fields.parse({**raw_request(request), "num_images_per_prompt": 2}))
-    key = kind.key_for(model.fields, values)
+    key = model.key_for(values)
     engine = kind.build(model.settings, lambda report: None)  # as the server builds it
     jobs, tracked = [], TrackedRequest("r", RecordingChannel())
-    for i in range(2):  # as triton_model.py makes a request's jobs
-        params, group = kind.job_params(values, i, key)
-        jobs.append(Job(tracked, params, index=i, group=group))
+    for i in range(2):  # as the model parses a request into its jobs, and the host makes them
+        jobs.append(Job.of(tracked, model.job_spec(values, i, key, Urgency())))
         engine.add(jobs[-1])
     with ComputedRows(model.pipe.transformer) as rows:
         report = engine.step()

@@ -8,12 +8,13 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tests.unit.recording import RecordingChannel, deliver_errors, step_as_worker, tracked
 from triton_diffusion.engine.failures import DeviceLostError
-from triton_diffusion.engine.jobs import ForwardResult, Job, JobStart, JobStep, StepReport
+from triton_diffusion.engine.jobs import ForwardResult, Job, JobSpec, JobStart, JobStep, StepReport
 from triton_diffusion.engine.ordering import AdmissionPacing, make_policy
 from triton_diffusion.engine.requests import Abort
 from triton_diffusion.engine.scheduler import CAP_RECOVERY_FORWARDS, EngineLimits
@@ -130,20 +131,31 @@ def answers(jobs):
 
 
 class RaisingKind:
-    """A model kind whose own parts raise for some requests: making its jobs (at submit), rendering a
-    progress response, rendering the FINAL response."""
+    """A model kind whose own parts raise for some requests: its parsed request's jobs (read at submit),
+    rendering a progress response, rendering the FINAL response."""
 
     def __init__(self, raise_in: dict[str, str]) -> None:
         self.raise_in = raise_in
 
     def _maybe_raise(self, where: str, record) -> None:
-        if self.raise_in.get(record.tracked.request_id) == where:
+        self._raise_for(where, record.tracked.request_id)
+
+    def _raise_for(self, where: str, name: str) -> None:
+        if self.raise_in.get(name) == where:
             raise RuntimeError(f"kind {where} failed")
 
-    def jobs_for(self, record):
-        self._maybe_raise("jobs", record)
-        record.progress = True
-        return [Job(record.tracked, record.parsed, record)]
+    def parsed(self, name: str) -> Any:
+        kind = self
+
+        class Parsed:
+            progress, summary = True, ""
+
+            @property
+            def jobs(self):
+                kind._raise_for("jobs", name)
+                return [JobSpec(Spec())]
+
+        return Parsed()
 
     def progress_outputs(self, record, stepped):
         self._maybe_raise("stepped", record)
@@ -167,11 +179,11 @@ def test_every_request_gets_exactly_one_answer_whatever_its_model_kind_raises():
 
     settings = ModelSettings("m", Path("."), ModelConfig(), {}, 8, "CPU", 0)
     kind = RaisingKind(raise_in={"b": "finished", "c": "stepped", "d": "jobs"})
-    engine_kind = StepEngineKind(FakeAdapter(), lambda values, image: None)
+    engine_kind = StepEngineKind(FakeAdapter())
     host = EngineHost(kind, engine_kind, settings, Metrics(), IMAGE_METRICS, lambda error: None)
     requests = [tracked(name) for name in "abcde"]
     try:
-        host.submit([(request, Spec()) for request in requests])
+        host.submit([(request, kind.parsed(request.request_id)) for request in requests])
         deadline = time.monotonic() + 10
         while not all(r.ended for r in requests) and time.monotonic() < deadline:
             time.sleep(0.01)

@@ -13,13 +13,9 @@ import pytest
 from tests.unit.recording import tracked
 from triton_diffusion.errors import ErrorCode, RequestError
 from triton_diffusion.fields import SERVICE_FIELDS, FieldSet
+from triton_diffusion.models.diffusion_model import DiffusionModel, ParsedRequest, batch_output
 from triton_diffusion.serving.result_cache import ResultCache
-from triton_diffusion.serving.triton_model import (
-    DiffusionModel,
-    ParsedRequest,
-    Service,
-    batch_output,
-)
+from triton_diffusion.serving.triton_model import Urgency
 from triton_diffusion.settings import ModelConfig
 
 
@@ -34,8 +30,8 @@ def model() -> DiffusionModel:
 
 def test_a_request_without_a_tier_gets_the_default_and_a_named_tier_its_rank():
     served = model()
-    assert served.service_of({}, tracked("none")) == Service(1, None)
-    assert served.service_of({"service_tier": None}, tracked("none")) == Service(1, None)
+    assert served.service_of({}, tracked("none")) == Urgency(1, None)
+    assert served.service_of({"service_tier": None}, tracked("none")) == Urgency(1, None)
     assert served.service_of({"service_tier": "flex"}, tracked("flex")).tier == 2
 
 
@@ -56,13 +52,13 @@ def test_a_result_cache_hit_reports_its_own_service_not_the_first_requests():
     image = np.array([[b"png bytes"]], dtype=object)
     first = {"IMAGE": image, "BATCH": batch_output({"engine": "step", "service": first_service})}
     served.results.put("key", first)
-    parsed = ParsedRequest(0, {}, None, 1, Service(tier=0), result_key="key")  # priority, no deadline
+    parsed = ParsedRequest(0, {}, None, (), Urgency(tier=0), result_key="key")  # priority, no deadline
     answer = served.cached_answer(parsed)
     batch = json.loads(answer["BATCH"].reshape(-1)[0])
     assert batch["result_cache"] == "hit" and batch["engine"] == "step"
     assert batch["service"] == {"tier": "priority", "paused_times": 0, "paused_s": 0.0}
     assert answer["IMAGE"][0, 0] == b"png bytes"  # the same bytes
     # The cached answer itself is untouched: a later hit of another tier reports that tier.
-    later = served.cached_answer(ParsedRequest(1, {}, None, 1, Service(tier=1), result_key="key"))
+    later = served.cached_answer(ParsedRequest(1, {}, None, (), Urgency(tier=1), result_key="key"))
     assert json.loads(later["BATCH"].reshape(-1)[0])["service"]["tier"] == "default"
     assert json.loads(served.results.get("key")["BATCH"].reshape(-1)[0])["service"] == first_service

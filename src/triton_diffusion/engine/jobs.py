@@ -23,6 +23,23 @@ from triton_diffusion.engine.requests import Request, RequestStatus
 from triton_diffusion.errors import RequestError
 
 
+@dataclass(frozen=True)
+class JobSpec:
+    """What a model kind decides about one job when it parses a request: data the host hands to an engine
+    as it is (:meth:`Job.of`)."""
+
+    params: Any  # what the adapter needs to start it (or the request-level engine's pipeline call)
+    index: int = 0  # which image of its request
+    group: Hashable = None  # the request-level engine's compatibility key (the step engine sets its own)
+    tier: int = 0
+    deadline: float | None = None
+    planned_steps: int = 1  # the denoising steps it will run (for estimates before it starts)
+    shape: Hashable = None  # the group it is expected to join (for estimates before it starts)
+    cache_method: str = "none"
+    preview_every: int = 0
+    previews: int = 0
+
+
 @dataclass(eq=False)
 class Job:
     """One image (or video, or LM request) in an engine. ``request`` is the host's request, which the engine
@@ -69,6 +86,24 @@ class Job:
 
     def __post_init__(self) -> None:
         self.status = RequestStatus(self.request)  # its own until an engine's RequestTable attaches it
+
+    @classmethod
+    def of(cls, request: Request, spec: JobSpec, record: Any = None) -> Job:
+        """The job a spec describes, for ``request`` (the host's ``record`` kept opaque)."""
+        return cls(
+            request,
+            spec.params,
+            record,
+            index=spec.index,
+            preview_every=spec.preview_every,
+            previews=spec.previews,
+            tier=spec.tier,
+            deadline=spec.deadline,
+            planned_steps=spec.planned_steps,
+            cache_method=spec.cache_method,
+            shape=spec.shape,
+            group=spec.group,
+        )
 
     @property
     def remaining(self) -> int:

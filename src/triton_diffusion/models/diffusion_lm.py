@@ -26,7 +26,7 @@ from triton_diffusion.adapters.diffusion_lm_adapter import (
 )
 from triton_diffusion.adapters.masked_diffusion import REMASKING, DecodeParams
 from triton_diffusion.adapters.masked_lm import LoadedMaskedLM, load_masked_lm, prompt_token_ids
-from triton_diffusion.engine.jobs import Job, Stepped
+from triton_diffusion.engine.jobs import JobSpec, Stepped
 from triton_diffusion.errors import invalid_field
 from triton_diffusion.fields import (
     DESCRIBE_FIELD,
@@ -41,7 +41,7 @@ from triton_diffusion.serving.engine_host import EngineHost, RequestRecord
 from triton_diffusion.serving.engines import StepEngineKind
 from triton_diffusion.serving.metrics import DIFFUSION_LM_FAMILIES, DIFFUSION_LM_METRICS
 from triton_diffusion.serving.requests import TrackedRequest
-from triton_diffusion.serving.triton_model import Service, TritonModel
+from triton_diffusion.serving.triton_model import TritonModel, Urgency
 from triton_diffusion.settings import LM, ModelSettings
 
 log = logging.getLogger("triton_diffusion")
@@ -143,13 +143,34 @@ OUTPUTS = [
 
 @dataclass(frozen=True)
 class ParsedGeneration:
-    """A validated request: its decoding state to be, the seed used and whether blocks are streamed."""
+    """A validated request: its decoding state to be, the seed used and whether blocks are streamed; its
+    one job (``jobs``) decided."""
 
     prompt: str
     decoding: DecodingRequest
     seed: int
     stream: bool
-    service: Service = Service()
+    service: Urgency = Urgency()
+
+    @property
+    def jobs(self) -> tuple[JobSpec, ...]:
+        params = self.decoding.params
+        return (
+            JobSpec(
+                self.decoding,
+                tier=self.service.tier,
+                deadline=self.service.deadline,
+                planned_steps=params.steps,
+            ),
+        )
+
+    @property
+    def progress(self) -> bool:
+        return self.stream
+
+    @property
+    def summary(self) -> str:
+        return f"{len(self.decoding.prompt)} prompt tokens, {self.decoding.params.gen_length} to generate"
 
 
 def _array(value: Any, dtype: Any) -> np.ndarray:
@@ -181,11 +202,7 @@ class DiffusionLMModel(TritonModel):
         # A model that ignores the attention mask (LLaDA's published code) must never see padding.
         unpadded = padding_changes_logits(forward, self.lm.pad_id, side, self.lm.vocab_size, self.lm.device)
         adapter = DiffusionLMAdapter(forward, self.lm.pad_id, side, self.lm.device, unpadded)
-        engine_kind = StepEngineKind(
-            adapter,
-            lambda values, image: None,  # jobs_for makes the one job from the parsed request
-            prompt_of=lambda job: job.record.parsed.prompt,
-        )
+        engine_kind = StepEngineKind(adapter, prompt_of=lambda job: job.record.parsed.prompt)
         self.host = EngineHost(
             self, engine_kind, settings, self.metrics, DIFFUSION_LM_METRICS, self.exit_for_restart
         )
@@ -233,22 +250,12 @@ class DiffusionLMModel(TritonModel):
         return torch.tensor(ids, dtype=torch.long)
 
     # ---- the host's model kind (progress and outputs on the response thread, in order) ---------------
-    def jobs_for(self, record: RequestRecord) -> list[Job]:
-        parsed: ParsedGeneration = record.parsed
-        record.progress = parsed.stream
-        record.state = ""  # the text streamed so far
-        params = parsed.decoding.params
-        record.summary = f"{len(parsed.decoding.prompt)} prompt tokens, {params.gen_length} to generate"
-        job = Job(record.tracked, parsed.decoding, record, planned_steps=params.steps)
-        job.tier, job.deadline = parsed.service.tier, parsed.service.deadline
-        return [job]
-
     def progress_outputs(self, record: RequestRecord, stepped: Stepped) -> Mapping[str, Any] | None:
         if stepped.snapshot is None:
             return None  # no block completed at this step
         tokens, block = stepped.snapshot
         text = self.lm.tokenizer.decode(tokens, skip_special_tokens=True)
-        new_text, record.state = _new_text(record.state, text)
+        new_text, record.state = _new_text(record.state or "", text)  # the text streamed so far
         return {
             "TEXT": _array(new_text.encode(), object),
             "BLOCK": _array(block, np.int32),
@@ -256,7 +263,7 @@ class DiffusionLMModel(TritonModel):
         }
 
     def final_outputs(
-        self, record: RequestRecord, outputs: list[Any], batch: dict[str, Any]
+        self, record: RequestRecord, outputs: list[Any], service: dict[str, Any]
     ) -> Mapping[str, Any]:
         (output,) = outputs
         tokens = output.tokens()

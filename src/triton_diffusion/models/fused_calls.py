@@ -15,7 +15,7 @@ from triton_diffusion.adapters.lora import lora_set
 from triton_diffusion.compatibility import CompatibilityKey
 from triton_diffusion.engine.jobs import Job
 from triton_diffusion.engine.request_engine import CallAbandoned, CallSteps
-from triton_diffusion.serving.triton_model import RowInput
+from triton_diffusion.models.diffusion_model import RowInput
 from triton_diffusion.step_cache_spec import NO_CACHE, parse_step_cache
 
 

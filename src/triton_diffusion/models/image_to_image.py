@@ -20,8 +20,8 @@ from dataclasses import replace
 from typing import Any
 
 from triton_diffusion.fields import REQUIRED, Field, FieldSet
+from triton_diffusion.models.diffusion_model import RowInput
 from triton_diffusion.models.text_to_image import TEXT_TO_IMAGE_FIELDS, TextToImageModel
-from triton_diffusion.serving.triton_model import RowInput
 
 IMAGE_TO_IMAGE_FIELDS = FieldSet(
     [

@@ -12,7 +12,6 @@ from PIL import Image
 from triton_diffusion.codecs.image import decode_image
 from triton_diffusion.errors import invalid_field
 from triton_diffusion.fields import REQUIRED
-from triton_diffusion.serving.requests import TrackedRequest
 
 
 class SourceImages:
@@ -49,7 +48,8 @@ class SourceImages:
             unsupported.append("mask_image")
         return [name for name in unsupported if name not in self.OPTIONAL_CALL_FIELDS]
 
-    def parse(self, index: int, raw: dict[str, Any], tracked: TrackedRequest) -> Any:
+    def check_source_fields(self, raw: dict[str, Any]) -> None:
+        """Refuse source fields this model cannot take, before the request is parsed."""
         if self.starts == ("mask",):  # an inpainting checkpoint: nothing else to serve
             for name in ("image", "mask_image"):
                 if raw.get(name) is None:
@@ -64,7 +64,6 @@ class SourceImages:
             for name in ("strength", "mask_image"):
                 if raw.get(name) is not None and name in self.fields and self.fields[name].supported:
                     raise invalid_field(name, "applies only to a request with a source image: send image too")
-        return super().parse(index, raw, tracked)
 
     def resolve_source(self, values: dict[str, Any]) -> dict[str, Any]:
         """Decode the source image (and mask), fill in the strength of its start and check it, and fix

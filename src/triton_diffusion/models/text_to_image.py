@@ -29,11 +29,12 @@ from triton_diffusion.codecs.image import encode_image
 from triton_diffusion.errors import RequestError, invalid_field
 from triton_diffusion.families import PipelineFacts
 from triton_diffusion.fields import FieldSet
+from triton_diffusion.models.diffusion_model import RENDER_OUTPUTS, DiffusionModel, ParsedRequest
 from triton_diffusion.models.fused_calls import FusedCalls
 from triton_diffusion.models.image_fields import TEXT_TO_IMAGE_FIELDS
 from triton_diffusion.models.source_images import SourceImages
 from triton_diffusion.serving.progress import PROGRESS_FIELDS, PROGRESS_OUTPUTS
-from triton_diffusion.serving.triton_model import RENDER_OUTPUTS, DiffusionModel, ParsedRequest
+from triton_diffusion.serving.requests import TrackedRequest
 from triton_diffusion.settings import IMAGE, IMAGE_SOURCE, ModelSettings
 from triton_diffusion.step_cache_spec import NO_CACHE, parse_step_cache
 
@@ -219,6 +220,10 @@ class TextToImageModel(SourceImages, FusedCalls, DiffusionModel):
         return values["num_images_per_prompt"]
 
     # ---- requests -----------------------------------------------------------------------------------
+    def parse(self, index: int, raw: dict[str, Any], tracked: TrackedRequest) -> ParsedRequest:
+        self.check_source_fields(raw)
+        return super().parse(index, raw, tracked)
+
     def resolve(self, values: dict[str, Any]) -> dict[str, Any]:
         """What a request needs before planning (its values here are part of the compatibility key): the
         ``lora`` and ``step_cache`` fields in their canonical text, a one-step scheduler that keeps the

@@ -21,9 +21,9 @@ from triton_diffusion.compatibility import CompatibilityKey
 from triton_diffusion.engine.jobs import Job
 from triton_diffusion.engine.request_engine import CallSteps
 from triton_diffusion.fields import Field, FieldSet, Role
+from triton_diffusion.models.diffusion_model import RENDER_OUTPUTS, ParsedRequest, RowInput
 from triton_diffusion.models.text_to_image import TEXT_TO_IMAGE_FIELDS, TextToImageModel
 from triton_diffusion.serving.progress import PROGRESS_OUTPUTS
-from triton_diffusion.serving.triton_model import RENDER_OUTPUTS, ParsedRequest, RowInput
 from triton_diffusion.settings import IMAGE, ModelSettings
 
 

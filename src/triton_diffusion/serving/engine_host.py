@@ -2,8 +2,9 @@
 thread (engine_worker.py), and one response thread that renders the engine's reports into Triton
 responses (responses.py): the one answer path.
 
-A model kind supplies only what is its own (:class:`HostedKind`): how a request becomes jobs, and how
-progress and outputs become tensors. What a step report holds becomes, on the engine thread, work for the
+A model kind supplies only what is its own (:class:`HostedKind`): its parsed requests already hold their
+job specs (:class:`Parsed`, made when the request is read), and it says how progress and outputs become
+tensors. What a step report holds becomes, on the engine thread, work for the
 response thread (nothing is encoded or sent here, so the next step starts at once), in the order it
 happened: progress, FINAL responses, and the errors the engine decided.
 """
@@ -16,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from triton_diffusion.engine.jobs import Job, Left, Stepped, StepReport
+from triton_diffusion.engine.jobs import Job, JobSpec, Left, Stepped, StepReport
 from triton_diffusion.errors import ErrorCode, RequestError
 from triton_diffusion.serving.engine_worker import EngineWorker
 from triton_diffusion.serving.engines import EngineKind
@@ -28,36 +29,47 @@ from triton_diffusion.settings import ModelSettings
 log = logging.getLogger("triton_diffusion")
 
 
+class Parsed(Protocol):
+    """A model kind's validated request, as the host reads it."""
+
+    @property
+    def jobs(self) -> Sequence[JobSpec]:
+        """Its jobs (images, videos, the LM request), as the kind decided them."""
+
+    @property
+    def progress(self) -> bool:
+        """The kind renders progress responses for this request."""
+
+    @property
+    def summary(self) -> str:
+        """What it asks for, for the admission log line."""
+
+
 @dataclass(eq=False)
 class RequestRecord:
     """What the host keeps per request while its jobs run (each job's ``record``)."""
 
     tracked: TrackedRequest
-    parsed: Any  # the model kind's validated request
+    parsed: Any  # the model kind's validated request (a Parsed)
     jobs: list[Job] = field(default_factory=list)
     outputs: list[Any] = field(default_factory=list)
     remaining: int = 0  # jobs not finished yet
-    values: dict[str, Any] = field(default_factory=dict)  # its validated fields (images: for BATCH)
-    summary: str = ""  # what it asks for, for the admission log line
-    progress: bool = False  # the kind renders progress responses for this request
     state: Any = None  # the kind's own per-request state (the LM's streamed text)
     first_step_seen: bool = False
     deadline_counted: bool = False  # its deadline outcome went into the metrics (once per request)
 
 
 class HostedKind(Protocol):
-    """What a model kind supplies to the host."""
-
-    def jobs_for(self, record: RequestRecord) -> list[Job]:
-        """The request's jobs (each with ``record`` set); may raise RequestError for this request."""
+    """What a model kind supplies to the host (both run on the response thread, in order)."""
 
     def progress_outputs(self, record: RequestRecord, stepped: Stepped) -> Mapping[str, Any] | None:
-        """A progress response for this step, or None (runs on the response thread, in order)."""
+        """A progress response for this step, or None."""
 
     def final_outputs(
-        self, record: RequestRecord, outputs: list[Any], batch: dict[str, Any]
+        self, record: RequestRecord, outputs: list[Any], service: dict[str, Any]
     ) -> Mapping[str, Any]:
-        """The FINAL response's tensors (runs on the response thread)."""
+        """The FINAL response's tensors; ``service`` is the host's report of the request's tier, deadline
+        and pauses (for BATCH)."""
 
 
 class EngineHost:
@@ -94,17 +106,14 @@ class EngineHost:
         )
 
     # ---- execute() thread -------------------------------------------------------------------------
-    def submit(self, admitted: Sequence[tuple[TrackedRequest, Any]]) -> None:
-        """Turn each valid request into jobs and hand them all to the engine, in order."""
+    def submit(self, admitted: Sequence[tuple[TrackedRequest, Parsed]]) -> None:
+        """Make each valid request's jobs from its specs and hand them all to the engine, in order."""
         batch = []
         for tracked, parsed in admitted:
             record = RequestRecord(tracked, parsed)
             try:
-                jobs = self.kind.jobs_for(record)
-            except RequestError as error:
-                tracked.fail(error)
-                continue
-            except Exception as exc:  # noqa: BLE001  (never the requests already in the engine)
+                jobs = [Job.of(tracked, spec, record) for spec in parsed.jobs]
+            except Exception as exc:  # noqa: BLE001  (a bug in one request's kind: it alone is answered)
                 log.exception("request %s: making its jobs failed", tracked.request_id)
                 tracked.fail(RequestError(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"))
                 continue
@@ -141,7 +150,7 @@ class EngineHost:
                 "request %s image %d admitted: %s (%d running)",
                 job.request.request_id,
                 job.index,
-                job.record.summary or f"{job.total_steps} steps",
+                job.record.parsed.summary or f"{job.total_steps} steps",
                 report.running,
             )
         for job in report.paused:
@@ -217,7 +226,7 @@ class EngineHost:
                 self.metrics.observe("triton_diffusion_tier_first_step_seconds", waited, tier=tier)
 
             self.responses.submit(None, observe)
-        if record.progress:
+        if record.parsed.progress:
 
             def send() -> None:
                 outputs = self.kind.progress_outputs(record, stepped)
@@ -232,14 +241,13 @@ class EngineHost:
         record.remaining -= 1
         if record.remaining:
             return
-        batch = self.engine_kind.batch(record.values, record.jobs)
-        batch["service"] = self.service_report(record.jobs)
+        service = self.service_report(record.jobs)
         outputs = list(record.outputs)
         latency = time.perf_counter() - job.request.entered
         tier = self.tiers[job.tier]
 
         def answer() -> None:
-            if record.tracked.finish(self.kind.final_outputs(record, outputs, batch)):
+            if record.tracked.finish(self.kind.final_outputs(record, outputs, service)):
                 self.metrics.observe("triton_diffusion_tier_latency_seconds", latency, tier=tier)
                 if job.deadline is not None and not record.deadline_counted:  # in time, or late
                     record.deadline_counted = True  # (deadline_policy best_effort)

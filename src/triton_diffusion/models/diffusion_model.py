@@ -1,0 +1,283 @@
+"""Image and video models (text-to-image, image-to-image, text-to-video): what a request is in images.
+
+A request is parsed once, into a :class:`ParsedRequest` that already holds its jobs (one
+:class:`JobSpec` per image or video: its params, tier, deadline, planned steps, expected shape, step
+cache), so the serving host hands them to the engine without asking back. Sizes, strength, frames, seeds
+and BATCH are known here and nowhere in serving/.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from triton_diffusion.adapters.diffusers_pipeline import row_seed
+from triton_diffusion.compatibility import CompatibilityKey, compatibility_key
+from triton_diffusion.engine.jobs import Job, JobSpec, Stepped
+from triton_diffusion.engine.planner import RowCaps
+from triton_diffusion.fields import FieldSet
+from triton_diffusion.serving.engine_host import EngineHost, RequestRecord
+from triton_diffusion.serving.engines import EngineKind, RequestEngineKind, StepEngineKind
+from triton_diffusion.serving.metrics import IMAGE_METRICS
+from triton_diffusion.serving.requests import TrackedRequest
+from triton_diffusion.serving.result_cache import ResultCache, result_key
+from triton_diffusion.serving.triton_model import TritonModel, Urgency, json_output
+from triton_diffusion.settings import ModelSettings
+
+log = logging.getLogger("triton_diffusion")
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    """A validated image or video request, with its jobs decided (one per image or video)."""
+
+    index: int
+    values: dict[str, Any]
+    key: CompatibilityKey | None  # the request-level engine's (None on the step engine: groups are shapes)
+    jobs: tuple[JobSpec, ...] = ()
+    service: Urgency = Urgency()
+    result_key: str | None = None  # its answer's key in the result cache (None: not cached, no seed given)
+    progress: bool = False  # progress responses were asked for
+    summary: str = ""  # what it asks for, for the admission log line
+
+
+@dataclass(frozen=True)
+class RowInput:
+    """What the request-level engine's pipeline call needs of one image: its request's validated values
+    and which of its images this is (a job's ``params``)."""
+
+    values: dict[str, Any]
+    image_index: int
+
+
+# Outputs every image and video model has beside its images: the size it rendered at, and MODEL_INFO.
+RENDER_OUTPUTS = [
+    ("WIDTH", "TYPE_INT32", [1]),
+    ("HEIGHT", "TYPE_INT32", [1]),
+    ("MODEL_INFO", "TYPE_STRING", [1]),  # the answer to a describe request (JSON)
+]
+
+
+def batch_output(report: dict[str, Any]) -> np.ndarray:
+    """The BATCH output: JSON of how the request was batched (its key and its fused calls, or for the
+    step engine its shape group, the forwards it took part in and the most rows it shared one with)."""
+    return json_output(report)
+
+
+def seed_output(seed: int, count: int) -> np.ndarray:
+    return np.array([[row_seed(seed, i) for i in range(count)]], dtype=np.int64)
+
+
+class DiffusionModel(TritonModel):
+    """Image and video models: one job per image (or video). With a step adapter for the loaded pipeline
+    (and ``engine`` auto or step) the host runs the step engine; otherwise the request-level engine, one
+    fused diffusers call (:meth:`run_call`) per compatible group."""
+
+    step_cache_methods: tuple[str, ...] = ()  # the step caches its denoiser serves per request (at load)
+    results = ResultCache(0)  # answers to repeated requests (result_cache_mb; set at load; 0: off)
+    adapter: Any = None  # the step adapter (None: the request-level engine)
+
+    def __init__(self) -> None:
+        self._own_calls = itertools.count()  # cached requests' own compatibility keys
+
+    # ---- what a model kind provides -------------------------------------------------------------
+    def load(self, settings: ModelSettings) -> tuple[FieldSet, Any]:
+        """Load the pipeline; return FIELDS configured with this model's defaults and limits, and the
+        step adapter for it (None: the request-level engine)."""
+        raise NotImplementedError
+
+    def images_for(self, values: dict[str, Any]) -> int:
+        return 1
+
+    def resolve(self, values: dict[str, Any]) -> dict[str, Any]:
+        """Work a request needs before planning (decode an image, resolve its size): whatever this
+        sets can be part of the compatibility key. Raises RequestError for this request only."""
+        return values
+
+    def step_request(self, values: dict[str, Any], image_index: int) -> Any:
+        """What the step adapter needs of one image (a job's ``params`` on the step engine)."""
+        raise NotImplementedError
+
+    def run_call(self, key: CompatibilityKey, jobs: list[Job], steps: Any) -> list[Any]:
+        """One fused pipeline call; one output per job, in order (``steps.scatter`` helps)."""
+        raise NotImplementedError
+
+    def respond(self, request: ParsedRequest, outputs: list[Any]) -> dict[str, np.ndarray]:
+        """The outputs of a request whose images are all done (SEED and BATCH are added here)."""
+        raise NotImplementedError
+
+    def preview_png(self, snapshot: Any) -> bytes:
+        from triton_diffusion.codecs.preview import preview_png
+
+        return preview_png(snapshot)
+
+    # ---- setup and parsing --------------------------------------------------------------------------
+    @staticmethod
+    def row_caps(settings: ModelSettings) -> RowCaps:
+        """Jobs per forward or fused call: ``max_rows_per_call``, lower for the sizes of
+        ``max_rows_by_resolution``."""
+        return RowCaps.from_config(settings.max_rows_per_call(), settings.config.max_rows_by_resolution)
+
+    def setup(self, settings: ModelSettings) -> None:
+        self.fields, adapter = self.load(settings)
+        self.adapter = adapter
+        self.results = ResultCache(int(settings.config.result_cache_mb * 2**20))
+        caps = self.row_caps(settings)
+        engine_kind: EngineKind
+        if adapter is not None:
+            engine_kind = StepEngineKind(adapter, caps, prompt_of=lambda job: job.params.prompt)
+        else:
+            engine_kind = RequestEngineKind(self.run_call, caps)
+        self.engine_kind = engine_kind
+        self.host = EngineHost(
+            self, engine_kind, settings, self.metrics, IMAGE_METRICS, self.exit_for_restart
+        )
+        log.info(
+            "%s ready: engine=%s max_rows_per_call=%d caps_by_resolution=%s",
+            settings.name,
+            engine_kind.name,
+            caps.max_rows,
+            dict(caps.by_resolution),
+        )
+
+    def parse(self, index: int, raw: dict[str, Any], tracked: TrackedRequest) -> ParsedRequest:
+        """Validate a request and decide its jobs: one per image (or video), each with its params, tier,
+        deadline, planned steps, expected shape and step cache."""
+        values = self.resolve(self.fields.parse(raw))
+        seed_given = values.get("seed") is not None
+        if not seed_given:
+            values["seed"] = random.randrange(2**32)  # drawn here so the response can return it
+        key = self.key_for(values)
+        service = self.service_of(values, tracked)
+        answer_key = result_key(values, seed_given) if self.results else None
+        jobs = tuple(self.job_spec(values, i, key, service) for i in range(self.images_for(values)))
+        progress = bool(values.get("progress"))
+        return ParsedRequest(index, values, key, jobs, service, answer_key, progress, self.summary(values))
+
+    def key_for(self, values: dict[str, Any]) -> CompatibilityKey | None:
+        """The request-level engine's compatibility key (None on the step engine: rows of any fields
+        share forwards there, grouped by latent shape). With a step cache, a key of its own: diffusers'
+        cache decides once per call over all its rows, so a cached request shares a call with nobody."""
+        if self.adapter is not None:
+            return None
+        key = compatibility_key(self.fields, values)
+        if not values.get("step_cache"):
+            return key
+        return CompatibilityKey((*key.items, ("own_call", next(self._own_calls))))
+
+    def job_spec(
+        self, values: dict[str, Any], index: int, key: CompatibilityKey | None, service: Urgency
+    ) -> JobSpec:
+        """Image ``index`` of a request: what its engine needs (the step adapter's params, or the values
+        and image index for a fused call) and what the scheduler orders and estimates it by."""
+        previews = bool(values.get("progress")) and index == 0  # the first image speaks for its request
+        return JobSpec(
+            params=self.step_request(values, index) if self.adapter is not None else RowInput(values, index),
+            index=index,
+            group=key,
+            tier=service.tier,
+            deadline=service.deadline,
+            planned_steps=self.planned_steps(values),
+            # The latent shape group the adapter will give it (ImageRequest.shape), for estimates before.
+            shape=(values.get("height"), values.get("width"), *filter(None, [values.get("num_frames")])),
+            cache_method=(values.get("step_cache") or "none").partition(":")[0],
+            preview_every=values.get("preview_every", 0) if previews else 0,
+            previews=values.get("previews", 0) if previews else 0,
+        )
+
+    def planned_steps(self, values: dict[str, Any]) -> int:
+        """The denoising steps a request's image will run: an image start runs the steps after its first
+        one, by the step adapter's own rule (each family's ``get_timesteps``: SD rounds ``steps x strength``
+        down, FLUX.1 and SD3 subtract it unrounded)."""
+        steps = values.get("num_inference_steps") or 1
+        strength = values.get("strength")
+        if values.get("image") is not None and strength is not None:
+            if self.adapter is not None:
+                steps -= self.adapter.first_step(steps, strength)
+            else:  # only estimates read this, and the request-level engine makes none
+                steps = min(int(steps * strength), steps)
+        return max(steps, 1)
+
+    def cached_answer(self, parsed: ParsedRequest) -> dict[str, Any] | None:
+        if parsed.result_key is None:
+            return None
+        answer = self.results.get(parsed.result_key)
+        if answer is None:
+            return None
+        self.metrics.increment("triton_diffusion_result_cache_hits_total")
+        batch = json.loads(answer["BATCH"].reshape(-1)[0])
+        # Its own service, not the first request's: nothing waited or was paused for this one.
+        service = {"tier": self.settings.config.service_tiers[parsed.service.tier], "paused_times": 0}
+        batch.update(result_cache="hit", service={**service, "paused_s": 0.0})
+        return {**answer, "BATCH": batch_output(batch)}
+
+    # ---- the host's model kind --------------------------------------------------------------------
+    def summary(self, values: dict[str, Any]) -> str:
+        """What a request asks for, for the admission log line."""
+        size = f"{values.get('width')}x{values.get('height')}"
+        if values.get("num_frames"):
+            size += f", {values['num_frames']} frames"
+        source = (
+            f", from an image (strength {values.get('strength')})" if values.get("image") is not None else ""
+        )
+        return f"{size}, {values.get('num_inference_steps')} steps, {values.get('scheduler')}{source}"
+
+    def progress_outputs(self, record: RequestRecord, stepped: Stepped) -> Mapping[str, Any]:
+        from triton_diffusion.serving.triton_io import progress_outputs
+
+        preview = self.preview_png(stepped.snapshot) if stepped.snapshot is not None else None
+        return progress_outputs(stepped.step, stepped.total, preview)
+
+    def final_outputs(
+        self, record: RequestRecord, outputs: list[Any], service: dict[str, Any]
+    ) -> dict[str, Any]:
+        parsed: ParsedRequest = record.parsed
+        batch = {**self.batch_report(parsed.values, record.jobs), "service": service}
+        answer = {
+            **self.respond(parsed, outputs),
+            "SEED": seed_output(parsed.values["seed"], len(outputs)),
+            "BATCH": batch_output(batch),
+            # The size it was rendered at (an image's size may come from its source): told, not scraped.
+            "WIDTH": np.array([[parsed.values["width"]]], dtype=np.int32),
+            "HEIGHT": np.array([[parsed.values["height"]]], dtype=np.int32),
+        }
+        if parsed.result_key is not None:
+            self.results.put(parsed.result_key, answer)
+        return answer
+
+    def batch_report(self, values: dict[str, Any], jobs: list[Job]) -> dict[str, Any]:
+        """BATCH: how the request was batched. On the step engine its shape group (what its rows shared
+        forwards by), the forwards its images took part in and the most images they shared one with; on
+        the request-level engine its compatibility key and the fused calls it went through."""
+        if self.engine_kind.name == "request":
+            key = {name: value for name, value in jobs[0].group.as_dict().items() if name != "own_call"}
+            report = {"key": key, "fused_calls": jobs[0].calls}
+            if values.get("step_cache"):  # diffusers' own cache, on calls of its own
+                report["step_cache"] = {"cache": values["step_cache"], "own_calls": True}
+            return report
+        shape = {name: values[name] for name in ("height", "width", "num_frames") if name in values}
+        if values.get("lora"):  # the adapters and scales this request's rows had
+            shape["lora"] = values["lora"]
+        report = {
+            "key": shape,
+            "engine": "step",
+            "forwards": max(job.forwards for job in jobs),
+            "most_rows_shared": max(job.most_shared for job in jobs),
+        }
+        if values.get("step_cache"):  # its denoiser rows: run in full, or from its cache
+            report["step_cache"] = {
+                "cache": values["step_cache"],
+                "rows_computed": sum(job.rows_computed for job in jobs),
+                "rows_reused": sum(job.rows_reused for job in jobs),
+            }
+        return report
+
+    def describe_more(self) -> dict[str, Any]:
+        return {"step_caches": ["none", *self.step_cache_methods]}
