@@ -16,7 +16,7 @@ from tests.unit.recording import RecordingChannel, deliver_errors, step_as_worke
 from triton_diffusion.engine.failures import DeviceLostError
 from triton_diffusion.engine.jobs import ForwardResult, Job, JobSpec, JobStart, JobStep, StepReport
 from triton_diffusion.engine.ordering import AdmissionPacing, make_policy
-from triton_diffusion.engine.requests import Abort
+from triton_diffusion.engine.request_status import Abort
 from triton_diffusion.engine.scheduler import CAP_RECOVERY_FORWARDS, EngineLimits
 from triton_diffusion.engine.step_engine import StepEngine
 from triton_diffusion.errors import ErrorCode, RequestError

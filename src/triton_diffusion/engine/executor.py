@@ -26,7 +26,7 @@ from typing import Any
 from triton_diffusion.compatibility import CompatibilityKey
 from triton_diffusion.engine.failures import DeviceLostError, Failure, device_lost_error, isolate
 from triton_diffusion.engine.planner import FusedCall, Row
-from triton_diffusion.engine.requests import RequestStatus
+from triton_diffusion.engine.request_status import RequestStatus
 from triton_diffusion.errors import ErrorCode, RequestError
 
 log = logging.getLogger("triton_diffusion")

@@ -19,7 +19,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
-from triton_diffusion.engine.requests import Request, RequestStatus
+from triton_diffusion.engine.request_status import Request, RequestStatus
 from triton_diffusion.errors import RequestError
 
 
@@ -67,9 +67,9 @@ class Job:
     total_steps: int = 0
     steps_done: int = 0
     # The scheduler's bookkeeping.
-    queued: int = 0  # order of arrival at the engine
+    arrived: int = 0  # order of arrival at the engine
     queued_at: int = 0  # the engine step at which it joined the waiting queue
-    arrival: int = 0  # admission order
+    admitted: int = 0  # order of admission to the running set (the policies' "oldest")
     waited_since: int = 0  # the engine step at which it last stepped (or was admitted)
     waited_s: float = 0.0  # seconds spent waiting or paused so far (aging), up to ``ready_at``
     # Since when it waits or is paused (None while it runs).

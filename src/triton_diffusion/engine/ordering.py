@@ -19,8 +19,8 @@ from typing import ClassVar, Protocol
 
 class Schedulable(Protocol):
     group: Hashable
-    queued: int  # order of arrival at the engine
-    arrival: int  # admission order
+    arrived: int  # order of arrival at the engine
+    admitted: int  # order of admission to the running set
     remaining: int  # steps left
     steps_done: int
     waited_since: int  # the engine step at which it last stepped (or was admitted)
@@ -38,7 +38,7 @@ class Policy:
     doc: ClassVar[str]
 
     def job_key(self, job: Schedulable) -> tuple:
-        return (job.arrival,)
+        return (job.admitted,)
 
     def choose_group(self, groups: dict[Hashable, list[Schedulable]], first: Schedulable) -> Hashable:
         return first.group
@@ -58,7 +58,7 @@ class RoundRobin(Policy):
         self._last: Hashable = None
 
     def choose_group(self, groups: dict[Hashable, list[Schedulable]], first: Schedulable) -> Hashable:
-        ordered = sorted(groups, key=lambda g: min(j.arrival for j in groups[g]))
+        ordered = sorted(groups, key=lambda g: min(j.admitted for j in groups[g]))
         if len(ordered) > 1 and self._last in ordered:
             return ordered[(ordered.index(self._last) + 1) % len(ordered)]
         return ordered[0]
@@ -72,14 +72,14 @@ class FewestRemaining(Policy):
     doc = "the job closest to done and its group; fewest remaining steps first (SRPT: lowest mean latency)"
 
     def job_key(self, job: Schedulable) -> tuple:
-        return (job.remaining, job.arrival)
+        return (job.remaining, job.admitted)
 
 
 class Largest(Policy):
     name, doc = "largest", "the group with the most jobs (SGLang's default: fullest forwards)"
 
     def choose_group(self, groups: dict[Hashable, list[Schedulable]], first: Schedulable) -> Hashable:
-        return max(groups, key=lambda g: (len(groups[g]), -min(j.arrival for j in groups[g])))
+        return max(groups, key=lambda g: (len(groups[g]), -min(j.admitted for j in groups[g])))
 
 
 class FirstStepFirst(Policy):
@@ -87,7 +87,7 @@ class FirstStepFirst(Policy):
     doc = "jobs that have not stepped yet first, then the oldest (lowest time to the first step)"
 
     def job_key(self, job: Schedulable) -> tuple:
-        return (job.steps_done > 0, job.arrival)
+        return (job.steps_done > 0, job.admitted)
 
 
 POLICIES: dict[str, type[Policy]] = {

@@ -8,8 +8,8 @@ steps of a call, :class:`CallSteps` takes the aborts of the call's requests from
 :class:`AbortSource`, and hands the host a :class:`StepReport` of the step (progress, preview snapshots,
 cancelled jobs) through ``on_progress``, so progress and cancellation work as on the step engine. The
 step itself returns a report with the finished images and the jobs that failed. Like the step engine it
-never answers a request nor calls one: it decides a request's error on its own record (engine/requests.py)
-and reports it; the host delivers it.
+never answers a request nor calls one: it decides a request's error on its own record
+(engine/request_status.py) and reports it; the host delivers it.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from triton_diffusion.compatibility import CompatibilityKey
 from triton_diffusion.engine.executor import CallRecord, CallReport, FusedCallExecutor
 from triton_diffusion.engine.jobs import Finished, Job, Left, Stepped, StepReport
 from triton_diffusion.engine.planner import PlannedRequest, Row, RowCaps, plan_groups
-from triton_diffusion.engine.requests import (
+from triton_diffusion.engine.request_status import (
     Abort,
     AbortSource,
     NoAborts,

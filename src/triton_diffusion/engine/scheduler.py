@@ -17,7 +17,7 @@ decides and tells it what happened.
   raised again after enough full forwards (:class:`ForwardCaps`).
 
 State: the scheduler is the one writer of a job's engine state and of its request's record
-(engine/requests.py): it takes what the adapter made of a started job (:meth:`started`), applies each
+(engine/request_status.py): it takes what the adapter made of a started job (:meth:`started`), applies each
 forward's per-job results (:meth:`update`, as vLLM's ``update_from_output``), and ends requests (a
 failure, a deadline, an abort: :meth:`end`); the engine only carries those results to it and reports.
 
@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from triton_diffusion.engine.estimates import WorkTimes
 from triton_diffusion.engine.jobs import ForwardResult, Job, JobStart, Left, Stepped
 from triton_diffusion.engine.ordering import AdmissionPacing, Policy, Service, make_policy
-from triton_diffusion.engine.requests import Abort, Request, RequestTable, apply_aborts, held_requests
+from triton_diffusion.engine.request_status import Abort, Request, RequestTable, apply_aborts, held_requests
 from triton_diffusion.errors import ErrorCode, RequestError
 
 log = logging.getLogger("triton_diffusion")
@@ -150,15 +150,15 @@ class Scheduler:
         self.requests = RequestTable()  # the engine's record of each request held
         self._inbox: list[Job] = []
         self._lock = threading.Lock()
-        self._queued = itertools.count()
         self._arrivals = itertools.count()
+        self._admissions = itertools.count()
         self.step = 0  # the engine step being scheduled
 
     # ---- any thread ---------------------------------------------------------------------------------
     def add(self, job: Job) -> None:
         self.requests.attach(job)
         with self._lock:
-            job.queued = next(self._queued)
+            job.arrived = next(self._arrivals)
             job.ready_at = self.clock()  # its wait in the engine (what ages it) starts now
             self._inbox.append(job)
 
@@ -330,7 +330,7 @@ class Scheduler:
         step, bound = self.step, self.limits.starvation_steps
         starved = [j for j in running if step - j.waited_since >= bound]
         if starved:
-            group = min(starved, key=lambda j: (j.waited_since, j.arrival)).group
+            group = min(starved, key=lambda j: (j.waited_since, j.admitted)).group
         else:
             # The policy chooses among the groups of the highest tier running (by their own tiers: aging
             # orders jobs, the starvation bound above serves a lower group).
@@ -351,7 +351,7 @@ class Scheduler:
         return (*self.service.key(job, now, self._finish_s), *self.policy.job_key(job))
 
     def admission_key(self, job: Job, now: float) -> tuple:
-        return (*self.service.key(job, now, self._finish_s), job.queued)
+        return (*self.service.key(job, now, self._finish_s), job.arrived)
 
     def _finish_s(self, job: Job) -> float:
         """The estimated seconds to finish this job alone in its forwards (for its slack)."""
@@ -365,7 +365,7 @@ class Scheduler:
             for job, start in zip(jobs, starts, strict=True):
                 job.state, job.group, job.total_steps = start.state, start.group, start.total_steps
                 self.starting.remove(job)
-                job.arrival = next(self._arrivals)
+                job.admitted = next(self._admissions)
                 job.waited_since = self.step
                 self.running.append(job)
 

@@ -13,7 +13,7 @@ The engine core, as vLLM v1 draws it: each engine step (:meth:`StepEngine.step`)
 5. ``adapter.finish(done)``: the jobs that took their last step decoded together (one VAE decode).
 
 It returns a :class:`StepReport` of what happened; it never answers a request, nor calls a method of one
-(engine/requests.py): cancellations come in as aborts the host's worker hands over before each step
+(engine/request_status.py): cancellations come in as aborts the host's worker hands over before each step
 (:meth:`StepEngine.abort`), a request's error is decided on the engine's own record of it, and both
 leave in the report's ``left`` for the host to answer, in the order decided. The scheduler is the one
 writer of job state (``started``, ``update``, ``end``). Failures stay with the jobs that cause them
@@ -42,7 +42,7 @@ from triton_diffusion.engine.jobs import (
     StepReport,
 )
 from triton_diffusion.engine.ordering import AdmissionPacing, Policy, Service
-from triton_diffusion.engine.requests import Abort, Request
+from triton_diffusion.engine.request_status import Abort, Request
 from triton_diffusion.engine.scheduler import EngineLimits, Scheduler
 from triton_diffusion.errors import RequestError
 

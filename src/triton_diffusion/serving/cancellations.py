@@ -1,4 +1,5 @@
-"""The host's side of aborts (engine/requests.py's AbortSource): which held requests an engine must drop.
+"""The host's side of aborts (engine/request_status.py's AbortSource): which held requests an engine must
+drop.
 
 A request the host ended already (a bug while rendering it, the watchdog) is dropped at once, with the
 host's error. Whether a
@@ -12,7 +13,7 @@ import time
 from collections.abc import Sequence
 from typing import cast
 
-from triton_diffusion.engine.requests import Abort, Request
+from triton_diffusion.engine.request_status import Abort, Request
 from triton_diffusion.errors import ErrorCode, RequestError
 from triton_diffusion.serving.requests import TrackedRequest
 

@@ -27,7 +27,7 @@ from typing import Protocol
 
 from triton_diffusion.engine.failures import DeviceLostError, device_lost_error
 from triton_diffusion.engine.jobs import Job, StepReport
-from triton_diffusion.engine.requests import Abort, AbortSource, Request
+from triton_diffusion.engine.request_status import Abort, AbortSource, Request
 from triton_diffusion.errors import ErrorCode, RequestError
 from triton_diffusion.serving.cancellations import ClientAborts
 from triton_diffusion.serving.requests import Stage, TrackedRequest

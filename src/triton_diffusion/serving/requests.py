@@ -1,5 +1,5 @@
 """A request's life, tracked in one place: waiting, running, answered (exactly one FINAL). The engines see
-it as data (engine/requests.py's Request: its id, when it entered): they never call it, nor answer it.
+it as data (engine/request_status.py's Request: its id, when it entered): they never call it, nor answer it.
 
 Every path that answers a request (a result, a validation error, a cancellation, a failed forward,
 shutdown), on whatever thread, goes through :meth:`TrackedRequest.finish` or :meth:`TrackedRequest.fail`.

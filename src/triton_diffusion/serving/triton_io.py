@@ -92,7 +92,7 @@ def _response(outputs: Mapping[str, np.ndarray]) -> Any:
 
 
 class TritonChannel:
-    """A request's response sender and cancellation flag (the ``ResponseChannel`` of engine/requests.py).
+    """A request's response sender and cancellation flag (the ``ResponseChannel`` of serving/requests.py).
     Work that outlives ``execute()`` keeps this, not the request."""
 
     def __init__(self, request: Any) -> None:
