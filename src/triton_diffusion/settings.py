@@ -172,9 +172,9 @@ class Derived:
         if len(where) == 1:
             text = f"default: {self.step}"
         else:
-            label = {"step engine and request engine": "image and video models"}
+            names = {"step engine and request engine": "image and video models"}
             text = "default: " + ", ".join(
-                f"{expression} ({label.get(' and '.join(cases), ' and '.join(cases))})"
+                f"{expression} ({names.get(' and '.join(cases), ' and '.join(cases))})"
                 for expression, cases in where.items()
             )
         return text + (f"; at most {self.at_most}" if self.at_most else "")

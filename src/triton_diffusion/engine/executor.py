@@ -128,6 +128,7 @@ class FusedCallExecutor:
 
         def done(rows: list[Row], outputs: list[Any]) -> None:
             attempt = self._attempt
+            assert attempt is not None  # work() set it
             if not attempt.rows:
                 return
             seconds = time.perf_counter() - attempt.started
@@ -147,6 +148,7 @@ class FusedCallExecutor:
 
         def failed(rows: list[Row], failure: Failure) -> None:
             attempt = self._attempt
+            assert attempt is not None  # work() set it
             live = self._live(rows)
             bisect = len({r.request_index for r in live}) > 1
             oom_split = failure.oom and (bisect or len(live) > 1)

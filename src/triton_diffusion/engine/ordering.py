@@ -12,22 +12,30 @@ finish it), then the policy's own order. With one tier and no deadlines this is 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Protocol
+from typing import ClassVar, Protocol, TypeVar
 
 
 class Schedulable(Protocol):
+    """What the policies and the service order jobs by (engine/jobs.py's Job)."""
+
     group: Hashable
     arrived: int  # order of arrival at the engine
     admitted: int  # order of admission to the running set
-    remaining: int  # steps left
     steps_done: int
     waited_since: int  # the engine step at which it last stepped (or was admitted)
     tier: int
     deadline: float | None
     waited_s: float
-    ready_at: float
+    ready_at: float | None  # since when it waits or is paused (None while it runs)
+
+    @property
+    def remaining(self) -> int:
+        """Denoising steps left."""
+
+
+J = TypeVar("J", bound=Schedulable)
 
 
 class Policy:
@@ -40,7 +48,7 @@ class Policy:
     def job_key(self, job: Schedulable) -> tuple:
         return (job.admitted,)
 
-    def choose_group(self, groups: dict[Hashable, list[Schedulable]], first: Schedulable) -> Hashable:
+    def choose_group(self, groups: Mapping[Hashable, Sequence[Schedulable]], first: Schedulable) -> Hashable:
         return first.group
 
     def picked(self, group: Hashable) -> None:
@@ -57,7 +65,7 @@ class RoundRobin(Policy):
     def __init__(self) -> None:
         self._last: Hashable = None
 
-    def choose_group(self, groups: dict[Hashable, list[Schedulable]], first: Schedulable) -> Hashable:
+    def choose_group(self, groups: Mapping[Hashable, Sequence[Schedulable]], first: Schedulable) -> Hashable:
         ordered = sorted(groups, key=lambda g: min(j.admitted for j in groups[g]))
         if len(ordered) > 1 and self._last in ordered:
             return ordered[(ordered.index(self._last) + 1) % len(ordered)]
@@ -78,7 +86,7 @@ class FewestRemaining(Policy):
 class Largest(Policy):
     name, doc = "largest", "the group with the most jobs (SGLang's default: fullest forwards)"
 
-    def choose_group(self, groups: dict[Hashable, list[Schedulable]], first: Schedulable) -> Hashable:
+    def choose_group(self, groups: Mapping[Hashable, Sequence[Schedulable]], first: Schedulable) -> Hashable:
         return max(groups, key=lambda g: (len(groups[g]), -min(j.admitted for j in groups[g])))
 
 
@@ -123,13 +131,13 @@ class Service:
         waited = job.waited_s + (now - job.ready_at if job.ready_at is not None else 0.0)
         return max(job.tier - math.floor(waited / self.aging_s), -1)
 
-    def key(self, job: Schedulable, now: float, finish_s: Callable[[Schedulable], float]) -> tuple:
+    def key(self, job: J, now: float, finish_s: Callable[[J], float]) -> tuple:
         """The service part of a job's order: effective tier, then least slack (jobs without a deadline
         after those with one)."""
         slack = math.inf if job.deadline is None else job.deadline - now - finish_s(job)
         return (self.effective_tier(job, now), slack)
 
-    def victim_key(self, job: Schedulable, now: float, finish_s: Callable[[Schedulable], float]) -> tuple:
+    def victim_key(self, job: J, now: float, finish_s: Callable[[J], float]) -> tuple:
         """Which running job is paused first (largest first): the lowest effective tier, then the most
         slack (no deadline: the most), then the most remaining work."""
         slack = math.inf if job.deadline is None else job.deadline - now - finish_s(job)

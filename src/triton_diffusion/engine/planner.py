@@ -8,8 +8,9 @@ incompatible request at the head of the batch is never starved and never blocks 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 from triton_diffusion.compatibility import CompatibilityKey
 
@@ -63,9 +64,9 @@ class RowCaps:
             return 1, "step_cache"
         return self.cap_for_size(key.get("height"), key.get("width"), key.get("num_frames"))
 
-    def cap_for_shape(self, shape: tuple[int, ...]) -> int:
+    def cap_for_shape(self, shape: Hashable) -> int:
         """The cap of a step-engine group: an image's (height, width), a video's (height, width, frames)."""
-        return self.cap_for_size(*shape)[0]
+        return self.cap_for_size(*cast(tuple[int, ...], shape))[0]
 
     def cap_for_size(self, height: int, width: int, frames: int | None = None) -> tuple[int, str]:
         res_cap = self.by_resolution.get(f"{width}x{height}")

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from triton_diffusion.compatibility import CompatibilityKey
 from triton_diffusion.engine.executor import CallRecord, CallReport, FusedCallExecutor
@@ -78,8 +78,8 @@ class CallSteps:
                     report.left.append(Left(job, reason, status.error))
                 continue
             job.steps_done, job.total_steps = step, total
-            due = snapshot is not None and job.preview_due(step)
-            report.stepped.append(Stepped(job, step, total, snapshot(position) if due else None))
+            preview = snapshot(position) if snapshot is not None and job.preview_due(step) else None
+            report.stepped.append(Stepped(job, step, total, preview))
         self._on_progress(report)
         return [p for p, job in enumerate(self.alive) if job.status.ended]
 
@@ -183,7 +183,10 @@ class RequestEngine:
             self._jobs = {(i, job.index): job for i, jobs in enumerate(self._by_index) for job in jobs}
         self.report.admitted.extend(self._jobs.values())
         try:
-            planned = [PlannedRequest(i, jobs[0].group, len(jobs)) for i, jobs in enumerate(self._by_index)]
+            planned = [  # a job's group here is its request's compatibility key
+                PlannedRequest(i, cast(CompatibilityKey, jobs[0].group), len(jobs))
+                for i, jobs in enumerate(self._by_index)
+            ]
             calls = plan_groups(planned, self.caps.cap_for)
             for call in calls:  # why calls were cut short (metrics)
                 if call.cut_reason != "drained":

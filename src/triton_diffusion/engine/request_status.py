@@ -131,16 +131,16 @@ def apply_aborts(
         first.setdefault(id(job.request), job)
     ended = []
     for abort in aborts:
-        job = first.get(id(abort.request))
-        if job is None:
+        held = first.get(id(abort.request))
+        if held is None:
             continue  # it left meanwhile
         error = abort.error
         if error is None:
-            at = where or f"after step {job.steps_done}/{job.total_steps or job.planned_steps}"
+            at = where or f"after step {held.steps_done}/{held.total_steps or held.planned_steps}"
             error = RequestError(ErrorCode.CANCELLED, f"cancelled {at}")
-        if job.status.end(error):
+        if held.status.end(error):
             log.info("request %s aborted: %s", abort.request.request_id, error.message)
-            ended.append(job.status)
+            ended.append(held.status)
     return ended
 
 

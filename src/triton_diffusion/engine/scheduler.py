@@ -433,4 +433,5 @@ class Scheduler:
 
 def timeout_of(job: Job) -> str:
     """``timeout of 300 ms``: the job's deadline as its request's timeout."""
+    assert job.deadline is not None  # only jobs with a deadline expire or are refused
     return f"timeout of {(job.deadline - job.request.entered) * 1000:.0f} ms"

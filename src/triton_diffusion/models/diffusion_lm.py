@@ -209,7 +209,7 @@ class DiffusionLMModel(TritonModel):
         log.info(
             "%s ready: max_running=%d padding=%s mask_id=%d eos_ids=%s device=%s",
             settings.name,
-            self.host.engine.limits.max_running,
+            settings.resolved("max_running", "step"),
             "none (the model ignores its attention mask: equal lengths share forwards)" if unpadded else side,
             self.lm.mask_id,
             list(self.lm.eos_ids),

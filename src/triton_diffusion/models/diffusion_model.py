@@ -14,7 +14,7 @@ import logging
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -256,13 +256,17 @@ class DiffusionModel(TritonModel):
         """BATCH: how the request was batched. On the step engine its shape group (what its rows shared
         forwards by), the forwards its images took part in and the most images they shared one with; on
         the request-level engine its compatibility key and the fused calls it went through."""
+        report: dict[str, Any]
         if self.engine_kind.name == "request":
-            key = {name: value for name, value in jobs[0].group.as_dict().items() if name != "own_call"}
+            group = cast(CompatibilityKey, jobs[0].group)  # the request-level engine's groups are keys
+            key = {name: value for name, value in group.as_dict().items() if name != "own_call"}
             report = {"key": key, "fused_calls": jobs[0].calls}
             if values.get("step_cache"):  # diffusers' own cache, on calls of its own
                 report["step_cache"] = {"cache": values["step_cache"], "own_calls": True}
             return report
-        shape = {name: values[name] for name in ("height", "width", "num_frames") if name in values}
+        shape: dict[str, Any] = {
+            name: values[name] for name in ("height", "width", "num_frames") if name in values
+        }
         if values.get("lora"):  # the adapters and scales this request's rows had
             shape["lora"] = values["lora"]
         report = {

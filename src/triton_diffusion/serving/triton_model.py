@@ -139,7 +139,8 @@ class TritonModel:
             allowed = ", ".join(config.service_tiers)
             raise invalid_field("service_tier", f"got {tier[:64]!r} (allowed: one of {allowed})")
         timeout_us = values.get("timeout") or tracked.timeout_us
-        if timeout_us and not 0 < timeout_us <= self.fields["timeout"].maximum:
+        most = self.fields["timeout"].maximum
+        if timeout_us and not (0 < timeout_us and (most is None or timeout_us <= most)):
             raise invalid_field(
                 "timeout", f"got {timeout_us} us (allowed: {self.fields['timeout'].allowed()})"
             )
@@ -183,12 +184,13 @@ class TritonModel:
                 tracked.finish(answer)
                 return tracked, None
             return tracked, parsed
-        except RequestError as error:
-            tracked.fail(error)
+        except RequestError as refused:
+            tracked.fail(refused)
         except Exception as exc:  # noqa: BLE001  (a bug while reading one request fails it alone)
             log.exception("request %s: could not be read", tracked.request_id)
-            error = RequestError(ErrorCode.INTERNAL, f"reading the request failed: {type(exc).__name__}")
-            tracked.fail(error)
+            tracked.fail(
+                RequestError(ErrorCode.INTERNAL, f"reading the request failed: {type(exc).__name__}")
+            )
         return tracked, None
 
     def _on_answered(self, tracked: TrackedRequest, code: ErrorCode | None) -> None:
