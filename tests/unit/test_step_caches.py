@@ -50,6 +50,7 @@ from triton_diffusion.adapters.step_caches import (
     HOOK_PREFIX,
     TAYLOR_MODULES,
     BlockLayout,
+    _registered_layout,
     block_layout,
 )
 from triton_diffusion.engine.jobs import Job
@@ -685,7 +686,7 @@ def test_what_step_caches_spells_of_diffusers_private_pieces_is_still_diffusers_
     # Without the record at all, a model load fails by name rather than serving a wrong cache.
     monkeypatch.delattr("diffusers.hooks._helpers.TransformerBlockRegistry")
     with pytest.raises(RuntimeError, match="step_caches.block_layout must learn"):
-        block_layout.__wrapped__(FluxTransformerBlock)
+        _registered_layout(FluxTransformerBlock)  # block_layout's uncached reading
 
 
 # ---- other families -------------------------------------------------------------------------------------

@@ -6,7 +6,6 @@ names; one that names none (FluxImg2ImgPipeline, FluxInpaintPipeline) gets FluxP
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 from collections.abc import Iterator
 from typing import Any
@@ -21,7 +20,7 @@ def call_methods(transformer: Any) -> tuple[str, ...]:
     """The step caches a request-level call serves: diffusers' own, where the transformer has them."""
     from diffusers import CacheMixin
 
-    if not isinstance(transformer, CacheMixin):
+    if not isinstance(transformer, CacheMixin) or not isinstance(transformer, torch.nn.Module):
         return ()
     return servable(transformer, ("fbc", "taylorseer"))
 
@@ -30,15 +29,19 @@ def call_methods(transformer: Any) -> tuple[str, ...]:
 BRANCH_CONTEXTS = ("cond", "uncond")
 
 
-@functools.cache
+_NAMES_ITS_CALLS: dict[type, bool] = {}
+
+
 def names_its_calls(pipeline_class: type) -> bool:
     """Whether the pipeline's ``__call__`` puts its denoiser calls under cache contexts of its own
     (``transformer.cache_context(...)``, as FluxPipeline, Qwen-Image and Wan do): read once per class."""
-    try:
-        source = inspect.getsource(pipeline_class.__call__)
-    except (OSError, TypeError):  # no source to read: name its calls here, as for one that names none
-        return False
-    return "cache_context" in source
+    if pipeline_class not in _NAMES_ITS_CALLS:
+        try:
+            source = inspect.getsource(pipeline_class.__call__)
+        except (OSError, TypeError):  # no source to read: name its calls here, as for one that names none
+            source = ""
+        _NAMES_ITS_CALLS[pipeline_class] = "cache_context" in source
+    return _NAMES_ITS_CALLS[pipeline_class]
 
 
 class StepCalls:

@@ -44,15 +44,15 @@ import contextlib
 import functools
 import inspect
 import itertools
-import math
 import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, Generic, NamedTuple, TypeVar
 
 import torch
 
 from triton_diffusion.adapters.devices import to_device
+from triton_diffusion.adapters.taylor_factors import TaylorFactors, taylor_predict, taylor_update
 from triton_diffusion.step_cache_spec import StepCache
 
 # The per-row arguments of a transformer block or attention module (their first dimension is the batch):
@@ -68,9 +68,6 @@ PER_ROW_ARGUMENTS = frozenset(
         "encoder_hidden_states_mask",
     }
 )
-# diffusers' TaylorSeerCacheConfig defaults.
-TAYLOR_MAX_ORDER = 1
-TAYLOR_FACTORS_DTYPE = torch.bfloat16
 
 
 # ---- a job's state ---------------------------------------------------------------------------------------
@@ -82,15 +79,6 @@ class FbcBranch:
     threshold: float
     head_residual: torch.Tensor | None = None
     tail_residuals: tuple[torch.Tensor, torch.Tensor | None] | None = None
-
-
-@dataclass(eq=False)
-class TaylorFactors:
-    """One attention module's TaylorSeer state for one branch (diffusers' ``TaylorSeerState``)."""
-
-    last_update_step: int | None = None
-    factors: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)
-    dtypes: tuple[torch.dtype, ...] = ()
 
 
 @dataclass(eq=False)
@@ -108,6 +96,7 @@ class TaylorBranch:
 
 
 Branch = FbcBranch | TaylorBranch
+B = TypeVar("B", FbcBranch, TaylorBranch)
 
 
 @dataclass(eq=False)
@@ -129,10 +118,10 @@ def new_cache_state(spec: StepCache, branches: int) -> CacheState | None:
 
 # ---- one forward -----------------------------------------------------------------------------------------
 @dataclass(eq=False)
-class Slot:
+class Slot(Generic[B]):
     """A branch in this forward: its model rows."""
 
-    branch: Branch
+    branch: B
     rows: list[int]
     computes: bool = True  # decided before the forward (TaylorSeer) or by the first block (FBC)
 
@@ -142,7 +131,7 @@ class CachePlan:
     """The cached branches of one forward over ``rows`` model rows, and what the forward stages."""
 
     rows: int
-    slots: list[Slot]
+    slots: list[Slot[Any]]
     states: list[CacheState]  # the jobs' states the slots' branches belong to
     subset: Callable[[list[int]], contextlib.AbstractContextManager] = contextlib.nullcontext
     active: list[int] = field(default_factory=list)  # the model rows of the module call under way
@@ -153,8 +142,8 @@ class CachePlan:
     # compute alone, gathered once, and the last block's output goes back into it.
     full: tuple[torch.Tensor, torch.Tensor | None] | None = None
     staged: list[Callable[[], None]] = field(default_factory=list)
-    fbc: list[Slot] = field(init=False)
-    taylor: list[Slot] = field(init=False)
+    fbc: list[Slot[FbcBranch]] = field(init=False)
+    taylor: list[Slot[TaylorBranch]] = field(init=False)
     indices: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)  # built once per forward
 
     def index(self, rows: list[int], device: Any) -> torch.Tensor:
@@ -211,11 +200,19 @@ class BlockLayout(NamedTuple):
     encoder_argument: str
 
 
-@functools.cache
+_LAYOUTS: dict[type, BlockLayout | None] = {}
+
+
 def block_layout(block_class: type) -> BlockLayout | None:
     """``block_class``'s layout as diffusers' First Block Cache reads it; None for a class it has none of
     (it refuses such a model: Sana's blocks). The one private piece used: it has no public form, and FBC
     per row must read what diffusers' FBC reads to equal it. A change fails here by name (and in tests)."""
+    if block_class not in _LAYOUTS:
+        _LAYOUTS[block_class] = _registered_layout(block_class)
+    return _LAYOUTS[block_class]
+
+
+def _registered_layout(block_class: type) -> BlockLayout | None:
     try:
         from diffusers.hooks._helpers import TransformerBlockRegistry
 
@@ -264,7 +261,8 @@ class RowCaches:
         hooked: list[tuple[torch.nn.Module, Callable]] = []
         if "fbc" in self.methods:
             blocks = _blocks(transformer)
-            self._layouts = {type(b): block_layout(type(b)) for b in blocks}
+            layouts = {type(b): block_layout(type(b)) for b in blocks}
+            self._layouts = {cls: layout for cls, layout in layouts.items() if layout is not None}  # servable
             roles = [self._head_forward, *[self._block_forward] * (len(blocks) - 2), self._tail_forward]
             hooked += zip(blocks, roles, strict=True)
         if "taylorseer" in self.methods:
@@ -305,6 +303,7 @@ class RowCaches:
             changes = []
             for slot in judged:
                 previous = slot.branch.head_residual
+                assert previous is not None
                 change = (_rows(residual, slot.rows) - previous).abs().mean()
                 changes.append(change / previous.abs().mean())
             values = torch.stack(changes).tolist()
@@ -321,10 +320,11 @@ class RowCaches:
         # other blocks (diffusers returns this from the first block and skips the rest).
         hidden, encoder = hidden.clone(), None if encoder is None else encoder.clone()
         for slot in reusing:
+            assert slot.branch.tail_residuals is not None  # it reuses: it computed before
             cached_hidden, cached_encoder = slot.branch.tail_residuals
             index = plan.index(slot.rows, hidden.device)
             hidden.index_copy_(0, index, cached_hidden + hidden.index_select(0, index))
-            if encoder is not None:
+            if encoder is not None and cached_encoder is not None:
                 encoder.index_copy_(0, index, cached_encoder + encoder.index_select(0, index))
             plan.skipped.update(slot.rows)
         plan.running = [row for row in range(plan.rows) if row not in plan.skipped]
@@ -347,12 +347,13 @@ class RowCaches:
         )
         layout = self._layouts[type(module)]
         hidden, encoder = _split(output, layout)
+        assert plan.head is not None  # the head block ran first
         head_hidden, head_encoder = plan.head
         for slot in plan.fbc:
             if slot.computes:
                 tail = _rows(hidden, slot.rows) - _rows(head_hidden, slot.rows)
                 tail_encoder = None
-                if encoder is not None:
+                if encoder is not None and head_encoder is not None:
                     tail_encoder = _rows(encoder, slot.rows) - _rows(head_encoder, slot.rows)
                 plan.staged.append(_setter(slot.branch, "tail_residuals", (tail, tail_encoder)))
         return output
@@ -389,7 +390,7 @@ class RowCaches:
         hidden, encoder = _split(output, layout)
         full_hidden, full_encoder = plan.full
         hidden = full_hidden.index_copy(0, index, hidden)
-        if encoder is not None:
+        if encoder is not None and full_encoder is not None:
             encoder = full_encoder.index_copy(0, index, encoder)
         return _join(output, layout, hidden, encoder)
 
@@ -447,7 +448,7 @@ class RowCaches:
                     step = slot.branch.step + 1
                     modules = slot.branch.modules  # a new module's state joins the job's at commit
                     state = modules.get(index) or TaylorFactors()
-                    plan.staged.append(_taylor_update(state, tuple(_rows(o, rows) for o in outputs), step))
+                    plan.staged.append(taylor_update(state, tuple(_rows(o, rows) for o in outputs), step))
                     plan.staged.append(functools.partial(modules.__setitem__, index, state))
             if not predicting:
                 return computed
@@ -457,7 +458,7 @@ class RowCaches:
                 pieces[i] = [o[k : k + 1] for o in outputs]
         for slot in predicting:
             state = slot.branch.modules[index]
-            predicted = _taylor_predict(state, slot.branch.step + 1)
+            predicted = taylor_predict(state, slot.branch.step + 1)
             single = len(predicted) == 1 if outputs is None else single
             for k, row in enumerate(slot.rows):
                 pieces[position[row]] = [p[k : k + 1] for p in predicted]
@@ -476,44 +477,6 @@ def reused_rows(plan: CachePlan) -> dict[int, int]:
             key = id(owners[id(slot.branch)])
             reused[key] = reused.get(key, 0) + len(slot.rows)
     return reused
-
-
-# ---- TaylorSeer's arithmetic (diffusers' TaylorSeerState.update and .predict, staged) ----------------------
-def _taylor_update(state: TaylorFactors, outputs: tuple[torch.Tensor, ...], step: int) -> Callable[[], None]:
-    factors: dict[int, dict[int, torch.Tensor]] = {}
-    for i, features in enumerate(outputs):
-        new = {0: features}
-        if state.last_update_step is not None:
-            delta = step - state.last_update_step
-            previous = state.factors.get(i, {})
-            for j in range(TAYLOR_MAX_ORDER):
-                old = previous.get(j)
-                if old is None or old.shape != new[j].shape:
-                    break
-                new[j + 1] = (new[j] - old.to(features.dtype)) / delta
-        # copy=True: order 0 is the block's own output, which the model may later change in place
-        factors[i] = {order: factor.to(TAYLOR_FACTORS_DTYPE, copy=True) for order, factor in new.items()}
-    dtypes = tuple(o.dtype for o in outputs)
-
-    def apply() -> None:
-        state.factors, state.dtypes, state.last_update_step = factors, dtypes, step
-
-    return apply
-
-
-def _taylor_predict(state: TaylorFactors, step: int) -> list[torch.Tensor]:
-    offset = step - state.last_update_step
-    orders = len(state.factors[0])
-    outputs = []
-    for i in range(len(state.factors)):
-        dtype = state.dtypes[i]
-        factors = state.factors[i]
-        output = torch.zeros_like(factors[0], dtype=dtype)
-        for order in range(orders):
-            coefficient = (offset**order) / math.factorial(order)
-            output = output + factors[order].to(dtype) * coefficient
-        outputs.append(output)
-    return outputs
 
 
 # ---- plumbing ----------------------------------------------------------------------------------------------
