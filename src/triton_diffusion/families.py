@@ -17,7 +17,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 
 @dataclass(frozen=True)
@@ -53,34 +53,44 @@ class PipelineTraits:
 
 DEFAULT_TRAITS = PipelineTraits()
 
+
+class _StepTraits(TypedDict, total=False):
+    """The step-engine fields of PipelineTraits a family's classes share."""
+
+    step_adapter: str
+    text_pipeline: str
+    image_pipeline: str
+    inpaint_pipeline: str
+
+
 _NONE_IS_EMPTY = PipelineTraits(negative_prompt_none_is_empty=True)
 # The step-engine families: a text-to-image class and its img2img class share one record of starts, so
 # text_to_image and image_to_image (which loads the img2img class) serve the same jobs.
-_SD_STEP = {
+_SD_STEP: _StepTraits = {
     "step_adapter": "stable_diffusion",
     "text_pipeline": "StableDiffusionPipeline",
     "image_pipeline": "StableDiffusionImg2ImgPipeline",
     "inpaint_pipeline": "StableDiffusionInpaintPipeline",  # the 4-channel masked blend (an ordinary UNet)
 }
-_SDXL_STEP = {
+_SDXL_STEP: _StepTraits = {
     "step_adapter": "stable_diffusion",
     "text_pipeline": "StableDiffusionXLPipeline",
     "image_pipeline": "StableDiffusionXLImg2ImgPipeline",
     "inpaint_pipeline": "StableDiffusionXLInpaintPipeline",  # the 4-channel masked blend, as SD's
 }
-_SD3_STEP = {
+_SD3_STEP: _StepTraits = {
     "step_adapter": "sd3",
     "text_pipeline": "StableDiffusion3Pipeline",
     "image_pipeline": "StableDiffusion3Img2ImgPipeline",
     "inpaint_pipeline": "StableDiffusion3InpaintPipeline",  # the masked blend of a 16-channel transformer
 }
-_FLUX_STEP = {
+_FLUX_STEP: _StepTraits = {
     "step_adapter": "flux",
     "text_pipeline": "FluxPipeline",
     "image_pipeline": "FluxImg2ImgPipeline",
     "inpaint_pipeline": "FluxInpaintPipeline",  # the masked blend, in the packed layout
 }
-_QWEN_STEP = {
+_QWEN_STEP: _StepTraits = {
     "step_adapter": "qwen_image",
     "text_pipeline": "QwenImagePipeline",
     "image_pipeline": "QwenImageImg2ImgPipeline",
@@ -190,7 +200,7 @@ class PipelineFacts:
 
 
 def _vae_scale_factor(pipe: Any) -> int:
-    return int(getattr(pipe, "vae_scale_factor", None) or getattr(pipe, "vae_scale_factor_spatial", 8))
+    return int(getattr(pipe, "vae_scale_factor", 0) or getattr(pipe, "vae_scale_factor_spatial", 8))
 
 
 def _size_multiple(pipe: Any, traits: PipelineTraits) -> int:

@@ -5,9 +5,11 @@ nothing on it), and a NUL in one (Triton cuts the text there: the model would ge
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from triton_diffusion_client import ImageSession
-from triton_diffusion_client.streams import UnsendableRequest, request_message
+from triton_diffusion_client.streams import UnsendableRequest, pooled_responses, request_message
 
 from triton_diffusion.errors import ErrorCode, code_of
 
@@ -52,3 +54,42 @@ def test_the_image_client_answers_an_unsendable_request_with_its_error_and_sends
         result = session.generate({"prompt": "a cat", "negative_prompt": "a\0b"}, "r")
     assert not result.ok and result.error.startswith("negative_prompt: contains a NUL"), result.error
     assert not session._streaming  # no stream was opened
+
+
+class SilentStream:
+    """A pooled stream that takes a request and never answers."""
+
+    def __init__(self) -> None:
+        self.sent: list = []
+
+        async def never():
+            await asyncio.sleep(3600)
+            yield None
+
+        self.responses = never()
+
+    def send(self, message) -> None:
+        self.sent.append(message)
+
+
+class OnePool:
+    def __init__(self) -> None:
+        self.stream, self.returned = SilentStream(), []
+
+    def take(self):
+        return self.stream
+
+    def give_back(self, stream, reusable: bool) -> None:
+        self.returned.append(reusable)
+
+
+def test_a_pooled_request_without_an_answer_times_out_and_its_stream_is_dropped():
+    # The deadline is read with asyncio.wait_for, which Python 3.10 has (asyncio.timeout_at is 3.11+).
+    pool = OnePool()
+
+    async def read() -> list:
+        return [response async for response in pooled_responses(pool, {"id": "t"}, 0.05)]
+
+    with pytest.raises(TimeoutError, match="no FINAL response within 0.05 s"):
+        asyncio.run(read())
+    assert pool.stream.sent == [{"id": "t"}] and pool.returned == [False]  # not reusable: cancelled

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -261,7 +261,7 @@ class StreamPool:
 
 async def pooled_responses(
     pool: StreamPool, message: dict[str, Any], timeout_s: float
-) -> AsyncIterator[StreamResponse]:
+) -> AsyncGenerator[StreamResponse, None]:
     """Send one request (:func:`request_message`) on a pooled stream and yield its responses up to the
     FINAL one (an empty FINAL is not yielded; a stream that ends without one just stops). Raises
     :class:`ResponseError` for an error response, ``TimeoutError`` past ``timeout_s``; a broken stream's
@@ -269,14 +269,15 @@ async def pooled_responses(
     early (``contextlib.aclosing``) cancels the request."""
     stream = pool.take()
     answered = False  # the FINAL response came: the stream is free for the next request
-    deadline = asyncio.get_running_loop().time() + timeout_s
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
     try:
         stream.send(message)
         while not answered:
             # The deadline around each read only (never around a yield: the caller may go on reading
-            # from another task).
-            async with asyncio.timeout_at(deadline):
-                result, error = await anext(stream.responses, (None, None))
+            # from another task). wait_for, not asyncio.timeout_at: that is Python 3.11+.
+            left = deadline - loop.time()
+            result, error = await asyncio.wait_for(anext(stream.responses, (None, None)), max(left, 0))
             if result is None and error is None:
                 return  # the stream ended
             if error is not None:
@@ -285,7 +286,7 @@ async def pooled_responses(
             answered = response.final
             if response.outputs:
                 yield response
-    except TimeoutError:
+    except (TimeoutError, asyncio.TimeoutError):  # one class from Python 3.11, two before
         raise TimeoutError(f"no FINAL response within {timeout_s} s") from None
     finally:
         # Back to the pool after its FINAL response; else (left early, an error response, a failed

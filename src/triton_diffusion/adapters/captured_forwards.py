@@ -265,6 +265,14 @@ def _reserved(device: str) -> int:
     return torch.cuda.memory_reserved(device) if str(device).startswith("cuda") else 0
 
 
+@dataclass(frozen=True)
+class _WarmUp:
+    """The request of a throwaway warm-up job (an engine's Request: nothing reads it)."""
+
+    request_id: str = "warm-up"
+    entered: float = 0.0
+
+
 def capture_adapter_forwards(adapter: Any, warm: Sequence[tuple[Any, int]], capture: Capture | None) -> int:
     """A step adapter's forwards through CUDA graphs, captured now for the shape of each ``warm`` request
     (one per size to serve captured) at every row bucket up to its model rows. Sets ``adapter.captured``
@@ -276,7 +284,8 @@ def capture_adapter_forwards(adapter: Any, warm: Sequence[tuple[Any, int]], capt
     captured = CapturedForwards(adapter.predict, adapter.device, capture)
     count = 0
     for request, max_rows in warm:
-        job = Job(request=None, params=request)  # never stepped: only its first forward's inputs are used
+        # Never stepped: only its first forward's inputs are used.
+        job = Job(request=_WarmUp(), params=request)
         try:
             (start,) = adapter.prepare([job])
             job.begin(start)

@@ -26,10 +26,11 @@ from PIL import Image
 
 from triton_diffusion.adapters.image_requests import Conditioning, ImageRequest, row_conditioning
 from triton_diffusion.adapters.latent_loop import LatentStepAdapter
+from triton_diffusion.adapters.starts import LatentStarts
 from triton_diffusion.adapters.vae import sample_latents
 
 
-class FlowMatchingImageStart:
+class FlowMatchingImageStart(LatentStarts):
     """img2img as ``FluxImg2ImgPipeline`` and ``StableDiffusion3Img2ImgPipeline`` start it: the schedule
     trimmed by steps x strength unrounded, the source encoded (each row sampled with its own generator),
     shifted and scaled, then noised to the first remaining sigma with the row's noise (``scale_noise``).
@@ -128,7 +129,8 @@ class FluxAdapter(FlowMatchingImageStart, LatentStepAdapter):
         guided = [i for i, r in enumerate(requests) if self.uses_guidance(r)]
         negatives: dict[int, dict[str, torch.Tensor]] = {}
         if guided:
-            negative_embeds, negative_pooled = self._encode([requests[i].negative_prompt for i in guided])
+            negatives_of = [requests[i].negative_prompt or "" for i in guided]  # each set (uses_guidance)
+            negative_embeds, negative_pooled = self._encode(negatives_of)
             for row, i in enumerate(guided):
                 negatives[i] = {
                     "encoder_hidden_states": negative_embeds[row : row + 1],

@@ -30,7 +30,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from PIL import Image
 
 from triton_diffusion.adapters.captured_forwards import Capture, CapturedForwards, capture_adapter_forwards
 from triton_diffusion.adapters.devices import take_rows, to_device
@@ -97,7 +96,7 @@ class LatentStepAdapter(LatentStarts):
         for start, name in (("image", traits.image_pipeline), ("mask", traits.inpaint_pipeline)):
             if name is not None and self.supports(start):
                 self.pipelines[start] = counterpart_pipeline(pipe, name)
-        self.max_sequence_length = (
+        self.max_sequence_length: int | None = (
             max_sequence_length or facts.default("max_sequence_length") or self.fallback_max_sequence_length
         )
         self.device = self.pipe._execution_device
@@ -153,7 +152,7 @@ class LatentStepAdapter(LatentStarts):
         raise NotImplementedError
 
     @property
-    def schedule_device(self) -> str:
+    def schedule_device(self) -> torch.device | str:
         """Where each job's timesteps (and so its scheduler's tables) live: the device, as in the
         pipeline, unless the family's schedulers would then wait for the GPU on every job's step."""
         return self.device
@@ -218,9 +217,11 @@ class LatentStepAdapter(LatentStarts):
         shared by both CFG rows."""
         if not self.guidance_embeds:
             return {}
+        assert request.guidance_scale is not None  # a guidance-distilled model's default is filled in
         return {"guidance": torch.full([1], request.guidance_scale, device=self.device, dtype=torch.float32)}
 
-    def decode(self, latents: torch.Tensor, size: tuple[int, int]) -> list[Image.Image]:
+    def decode(self, latents: torch.Tensor, size: tuple[int, int]) -> list[Any]:
+        """Each job's output: a PIL image (a video family: its uint8 frames, wan.py)."""
         raise NotImplementedError
 
     def preview_latent(self, latents: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
@@ -251,9 +252,9 @@ class LatentStepAdapter(LatentStarts):
             if cache is not None:
                 states.append(cache)
                 if len(cache.branches) == len(rows):  # each CFG branch its own
-                    slots += [Slot(branch, [r]) for branch, r in zip(cache.branches, rows, strict=True)]
+                    slots += [Slot[Any](branch, [r]) for branch, r in zip(cache.branches, rows, strict=True)]
                 else:
-                    slots.append(Slot(cache.branches[0], rows))
+                    slots.append(Slot[Any](cache.branches[0], rows))
             row += len(rows)
         if not slots:
             return None
@@ -357,6 +358,7 @@ class LatentStepAdapter(LatentStarts):
         # job as it was, so the engine's retry cannot step a job twice.
         groups = [(members, take_rows(noise, members)) for members in by_class.values()]
         if plan is not None:  # nothing below raises for everyone: the caches' staged updates take effect
+            assert self.row_caches is not None  # a plan is made only with them (cache_plan)
             self.row_caches.commit(plan)
         errors: dict[int, str] = {}
         for j in alone:
@@ -384,6 +386,7 @@ class LatentStepAdapter(LatentStarts):
         """Around a forward with cached rows: the step caches' hooks follow ``plan``."""
         if plan is None:
             return contextlib.nullcontext()
+        assert self.row_caches is not None  # a plan is made only with them (cache_plan)
         return self.row_caches.running(plan)
 
     def _job_step(self, job: Job, error: str | None, reused: int, preview: bool) -> JobStep:
@@ -412,6 +415,8 @@ class LatentStepAdapter(LatentStarts):
         job's own failure, if any."""
         source = state.inpaint
         try:
+            # Blended sources only (an ordinary denoiser's): the encoded source and its mask are set.
+            assert source is not None and source.image_latents is not None and source.mask is not None
             proper = source.image_latents
             if i < len(state.timesteps) - 1:
                 next_timestep = state.timesteps[i + 1 : i + 2]  # a view where it lives: no host sync

@@ -218,7 +218,8 @@ class LoraBank:
                     )
                 kind = self._kind_of(layer)
                 self.kinds.add(kind)
-                layer.forward = self._forward_of(layer, kind)
+                # The one layer's forward, as torch patches a module instance (mypy: a method).
+                layer.forward = self._forward_of(layer, kind)  # type: ignore[method-assign]
                 self.layers += 1
                 if component.startswith("text_encoder"):
                     self.text_encoder_layers += 1

@@ -79,10 +79,12 @@ class QwenImageAdapter(FlowMatchingImageStart, LatentStepAdapter):
             max_sequence_length=self.max_sequence_length,
         )
         lengths = [embeds.shape[1]] * len(texts) if mask is None else mask.sum(dim=1).tolist()
-        padded = embeds.new_zeros(len(texts), self.max_sequence_length, embeds.shape[2])
+        max_length = self.max_sequence_length
+        assert max_length is not None  # the family's fallback at least
+        padded = embeds.new_zeros(len(texts), max_length, embeds.shape[2])
         padded[:, : embeds.shape[1]] = embeds
         # Masks stay on the host: each forward reads its longest row from them without waiting for the GPU.
-        masks = torch.zeros(len(texts), self.max_sequence_length, dtype=torch.long)
+        masks = torch.zeros(len(texts), max_length, dtype=torch.long)
         for row, length in enumerate(lengths):
             masks[row, : int(length)] = 1
         return [
@@ -124,12 +126,12 @@ class QwenImageAdapter(FlowMatchingImageStart, LatentStepAdapter):
         mask = inputs["encoder_hidden_states_mask"]
         length = int(mask.sum(dim=1).max())
         embeds, mask = inputs["encoder_hidden_states"][:, :length], mask[:, :length]
-        mask = None if bool(mask.all()) else self.to_device(mask)
+        model_mask = None if bool(mask.all()) else self.to_device(mask)
         return self.model(
             hidden_states=latents,
             timestep=timesteps,
             guidance=inputs.get("guidance"),
-            encoder_hidden_states_mask=mask,
+            encoder_hidden_states_mask=model_mask,
             encoder_hidden_states=embeds,
             img_shapes=[[(1, *self._tokens(size))]] * latents.shape[0],
             attention_kwargs={},

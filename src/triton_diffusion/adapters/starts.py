@@ -17,7 +17,7 @@ from __future__ import annotations
 import copy
 import inspect
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import diffusers
 import torch
@@ -28,10 +28,47 @@ from triton_diffusion.adapters.image_requests import Conditioning, ImageRequest,
 from triton_diffusion.adapters.lora import LoraSet
 from triton_diffusion.engine.jobs import Job, JobStart
 
+if TYPE_CHECKING:
+    from triton_diffusion.adapters.lora import LoraBank
+    from triton_diffusion.adapters.step_caches import CacheState
+    from triton_diffusion.families import PipelineFacts
+
 
 class LatentStarts:
     """The start of every latent job: text, img2img and inpainting. Mixed into LatentStepAdapter
     (latent_loop.py), whose hooks (``encode``, ``initial_latents``, ``set_timesteps``, ...) it calls."""
+
+    # What LatentStepAdapter sets (its class attributes and __init__) and the hooks it declares: declared
+    # here for the type checker only.
+    inpainting_checkpoint: bool
+    scales_model_input: bool
+    always_passes_step_kwargs: bool
+    loras: LoraBank | None
+    facts: PipelineFacts
+    pipe: Any
+    pipelines: dict[str, Any]
+    templates: dict[str, Any]
+    device: torch.device
+    dtype: torch.dtype
+    latent_dtype: torch.dtype
+
+    if TYPE_CHECKING:
+
+        @property
+        def model(self) -> Any: ...
+        def encode(self, requests: Sequence[ImageRequest]) -> list[Conditioning]: ...
+        def initial_latents(
+            self,
+            requests: Sequence[ImageRequest],
+            schedulers: Sequence[Any],
+            generators: list[torch.Generator],
+        ) -> torch.Tensor: ...
+        def set_timesteps(self, scheduler: Any, request: ImageRequest) -> torch.Tensor: ...
+        def pack(self, latents: torch.Tensor, size: tuple[int, int]) -> torch.Tensor: ...
+        def uses_guidance(self, request: ImageRequest) -> bool: ...
+        def guidance_scale(self, request: ImageRequest) -> float: ...
+        def extra_inputs(self, request: ImageRequest) -> dict[str, torch.Tensor]: ...
+        def new_cache_state(self, request: ImageRequest, guided: bool) -> CacheState | None: ...
 
     def supports(self, start: str) -> bool:
         """Whether this family's adapter can start jobs this way (``image``, ``mask``) with this model."""
@@ -90,12 +127,12 @@ class LatentStarts:
         by_set: dict[LoraSet, list[int]] = {}
         for i, request in enumerate(requests):
             by_set.setdefault(request.lora, []).append(i)
-        conditioning: list[Conditioning | None] = [None] * len(requests)
+        conditioning: dict[int, Conditioning] = {}
         for adapters, indices in by_set.items():
             with self.loras.uniform(adapters):
                 for i, encoded in zip(indices, self.encode([requests[i] for i in indices]), strict=True):
                     conditioning[i] = encoded
-        return conditioning  # type: ignore[return-value]
+        return [conditioning[i] for i in range(len(requests))]
 
     # ---- the start of every job ---------------------------------------------------------------------
     def prepare(self, jobs: list[Job]) -> list[JobStart]:
@@ -117,6 +154,7 @@ class LatentStarts:
             job_timesteps = self.set_timesteps(scheduler, request)
             begin = 0
             if request.image is not None:
+                assert request.strength is not None  # an image start's is filled in at parse (source_images)
                 begin = self.first_step(request.steps, request.strength) * scheduler.order
                 job_timesteps = job_timesteps[begin:]
             if hasattr(scheduler, "set_begin_index"):  # a diffusers scheduler API, not ours
@@ -205,7 +243,8 @@ class LatentStarts:
             )
             image_latents = {i: latents[row : row + 1] for row, i in enumerate(encoded)}
         shape = self.source_noise_shape(size)
-        rows, sources = [], []
+        rows: list[torch.Tensor] = []
+        sources: list[InpaintSource | None] = []
         for i, request in enumerate(requests):
             scheduler, timestep = schedulers[i], first_timesteps[i]
             # In the loop's layout from here on: noising and the inpaint blend are elementwise.
@@ -215,6 +254,7 @@ class LatentStarts:
             row_noise = self.pack(row_noise, size)
             source = self.pack(image_latents[i], size) if i in image_latents else None
             if request.mask_image is None:
+                assert source is not None  # img2img always encodes its source (encodes_source)
                 rows.append(self.noise_source(scheduler, source, row_noise, timestep))
                 sources.append(None)
                 continue
@@ -223,6 +263,7 @@ class LatentStarts:
                 # source to sigma 1, the same thing)
                 rows.append(row_noise * getattr(scheduler, "init_noise_sigma", 1.0))
             else:
+                assert source is not None  # below strength 1 the source is encoded (encodes_source)
                 rows.append(self.noise_source(scheduler, source, row_noise, timestep))
             sources.append(self.inpaint_source(request, generators[i], source, row_noise, pixels[i]))
         return torch.cat(rows), sources

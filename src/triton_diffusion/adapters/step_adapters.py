@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from triton_diffusion.adapters.dit import DiTAdapter
 from triton_diffusion.adapters.flow_matching import FluxAdapter, StableDiffusion3Adapter
@@ -12,6 +12,14 @@ from triton_diffusion.adapters.stable_diffusion import StableDiffusionAdapter
 from triton_diffusion.adapters.wan import WanAdapter
 from triton_diffusion.adapters.z_image import ZImageAdapter
 from triton_diffusion.families import PipelineFacts
+
+if TYPE_CHECKING:
+    from triton_diffusion.adapters.diffusion_lm_adapter import DiffusionLMAdapter
+    from triton_diffusion.engine.step_engine import StepAdapter
+
+    # Both are the step engine's StepAdapter: checked here, as the models hand adapters on untyped.
+    _LATENT: type[StepAdapter] = LatentStepAdapter
+    _LM: type[StepAdapter] = DiffusionLMAdapter
 
 STEP_ADAPTERS: dict[str, type[LatentStepAdapter]] = {
     "stable_diffusion": StableDiffusionAdapter,

@@ -71,7 +71,7 @@ def decode_image(
     if sniffed is not None and sniffed not in formats:
         raise invalid_field(field, f"format {sniffed} is not allowed (allowed: {allowed})")
     try:
-        image = Image.open(io.BytesIO(data), formats=formats)
+        image: Image.Image = Image.open(io.BytesIO(data), formats=formats)
     except Image.DecompressionBombError:  # Pillow's own guard, for sizes far above any sane limit
         raise invalid_field(field, f"is too large to decode (allowed: at most {max_pixels} pixels)") from None
     except (OSError, ValueError, SyntaxError):

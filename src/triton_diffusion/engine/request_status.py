@@ -139,7 +139,10 @@ def apply_aborts(
             at = where or f"after step {held.steps_done}/{held.total_steps or held.planned_steps}"
             error = RequestError(ErrorCode.CANCELLED, f"cancelled {at}")
         if held.status.end(error):
-            log.info("request %s aborted: %s", abort.request.request_id, error.message)
+            if abort.error is None:  # "request 7 cancelled after step 3/8", as the log has always said
+                log.info("request %s %s", abort.request.request_id, error.message)
+            else:
+                log.info("request %s ended by the host: %s", abort.request.request_id, error.message)
             ended.append(held.status)
     return ended
 

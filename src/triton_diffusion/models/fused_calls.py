@@ -5,7 +5,8 @@ pipeline's step callback."""
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -18,9 +19,32 @@ from triton_diffusion.engine.request_engine import CallAbandoned, CallSteps
 from triton_diffusion.models.diffusion_model import RowInput
 from triton_diffusion.step_cache_spec import NO_CACHE, parse_step_cache
 
+if TYPE_CHECKING:
+    from triton_diffusion.adapters.diffusers_pipeline import SchedulerChoices
+    from triton_diffusion.adapters.lora import LoraBank
+    from triton_diffusion.families import PipelineFacts
+    from triton_diffusion.faults import FaultInjection
+    from triton_diffusion.models.diffusion_model import DiffusionModel as _Model
+else:
+    _Model = object  # a mixin: the type checker reads it as the model it is mixed into
 
-class FusedCalls:
+
+class FusedCalls(_Model):
     """Mixed into TextToImageModel: its ``run_call`` (the request-level engine's PipelineCall)."""
+
+    # Set by TextToImageModel (its class attributes and load()).
+    OPTIONAL_CALL_FIELDS: tuple[str, ...]
+    OUTPUT_ATTRIBUTE: str
+    pipe: Any
+    facts: PipelineFacts
+    faults: FaultInjection | None
+    schedulers: SchedulerChoices
+    loras: LoraBank | None
+    call_extras: dict[str, Any]
+    has_step_callback: bool
+    has_legacy_callback: bool
+    compacting_schedulers: frozenset[str]
+    callback_tensors: list[str]
 
     def call_arguments(self, shared: dict[str, Any], rows: list[RowInput]) -> dict[str, Any]:
         """The pipeline's keyword arguments for one fused call: the key's values, one entry per row."""
@@ -65,7 +89,9 @@ class FusedCalls:
             images = list(getattr(self.pipe(**kwargs), self.OUTPUT_ATTRIBUTE))
         return steps.scatter(images)
 
-    def _step_callback(self, steps: CallSteps, shared: dict[str, Any]):
+    def _step_callback(
+        self, steps: CallSteps, shared: dict[str, Any]
+    ) -> Callable[[Any, int, Any, dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
         compacts = shared["scheduler"] in self.compacting_schedulers
 
         def callback(pipe: Any, i: int, t: Any, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -95,7 +121,9 @@ class FusedCalls:
 
         return callback
 
-    def _legacy_callback(self, steps: CallSteps, shared: dict[str, Any]):
+    def _legacy_callback(
+        self, steps: CallSteps, shared: dict[str, Any]
+    ) -> Callable[[int, Any, torch.Tensor], None]:
         """Pipelines with the older ``callback(step, t, latents)`` API (PixArt): progress, previews and
         cancellation, but no row compaction (the callback cannot hand tensors back)."""
         total = shared["num_inference_steps"]

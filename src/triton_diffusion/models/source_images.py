@@ -5,17 +5,28 @@ checked, and its output size fixed while the request is parsed, so the engine se
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from PIL import Image
 
 from triton_diffusion.codecs.image import decode_image
 from triton_diffusion.errors import invalid_field
-from triton_diffusion.fields import REQUIRED
+from triton_diffusion.fields import REQUIRED, Field
+
+if TYPE_CHECKING:
+    from triton_diffusion.families import PipelineFacts
+    from triton_diffusion.models.diffusion_model import DiffusionModel as _Model
+else:
+    _Model = object  # a mixin: the type checker reads it as the model it is mixed into
 
 
-class SourceImages:
+class SourceImages(_Model):
     """Mixed into TextToImageModel: what it does with a source image and mask."""
+
+    # Set by TextToImageModel (its class attributes and load()).
+    REQUEST_LEVEL_STARTS: tuple[str, ...]
+    OPTIONAL_CALL_FIELDS: tuple[str, ...]
+    facts: PipelineFacts
 
     def load_sources(self, config: Any, adapter: Any) -> list[str]:
         """Which image-conditioned starts this model serves (``text``, ``image``: img2img, ``mask``:
@@ -111,8 +122,9 @@ class SourceImages:
         if width and height:
             return width, height
         source_w, source_h = image.size
-        if width or height:  # one side given: keep the source's aspect ratio
-            scale = (width / source_w) if width else (height / source_h)
+        side = width or height
+        if side:  # one side given: keep the source's aspect ratio
+            scale = side / (source_w if width else source_h)
             return self._fit(source_w * scale, source_h * scale)
         if self.buckets:
             aspect = math.log(source_w / source_h)
@@ -121,13 +133,21 @@ class SourceImages:
 
     def _fit(self, width: float, height: float) -> tuple[int, int]:
         w_field, h_field = self.fields["width"], self.fields["height"]
-        scale = min(1.0, w_field.maximum / width, h_field.maximum / height)
-        scale = max(scale, w_field.minimum / width, h_field.minimum / height)
+        (w_min, w_max), (h_min, h_max) = _bounds(w_field), _bounds(h_field)
+        scale = min(1.0, w_max / width, h_max / height)
+        scale = max(scale, w_min / width, h_min / height)
         sizes = []
         for value, field in ((width * scale, w_field), (height * scale, h_field)):
+            minimum, maximum = _bounds(field)
             multiple = field.multiple_of or 1
-            size = max(int(field.minimum), int(value) // multiple * multiple)
-            if size > field.maximum:
+            size = max(int(minimum), int(value) // multiple * multiple)
+            if size > maximum:
                 raise invalid_field("image", f"cannot be fitted into the allowed size ({field.allowed()})")
             sizes.append(size)
         return sizes[0], sizes[1]
+
+
+def _bounds(field: Field) -> tuple[float, float]:
+    """A size field's minimum and maximum (the image fields declare both)."""
+    assert field.minimum is not None and field.maximum is not None
+    return field.minimum, field.maximum

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import replace
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -44,14 +44,14 @@ log = logging.getLogger("triton_diffusion")
 class TextToImageModel(SourceImages, FusedCalls, DiffusionModel):
     KIND = "text_to_image"
     FIELDS = TEXT_TO_IMAGE_FIELDS
-    CONFIG_KINDS = (IMAGE, IMAGE_SOURCE)
+    CONFIG_KINDS: ClassVar[tuple[str, ...]] = (IMAGE, IMAGE_SOURCE)
     PIPELINE_LOADER = "DiffusionPipeline"  # overridden by the pipeline_class config parameter
     # How jobs start on the request-level engine, which calls the loaded pipeline as it is: text-to-image
     # pipelines from text only (image-conditioned requests need the step engine's adapter).
     REQUEST_LEVEL_STARTS: tuple[str, ...] = ("text",)
-    REQUIRED_CALL_ARGS = ("prompt", "generator", "height", "width", "num_inference_steps")
+    REQUIRED_CALL_ARGS: tuple[str, ...] = ("prompt", "generator", "height", "width", "num_inference_steps")
     # Fields passed only when the pipeline's __call__ has them; refused per request otherwise.
-    OPTIONAL_CALL_FIELDS = ("negative_prompt", "guidance_scale", "true_cfg_scale")
+    OPTIONAL_CALL_FIELDS: tuple[str, ...] = ("negative_prompt", "guidance_scale", "true_cfg_scale")
     OUTPUT_ATTRIBUTE = "images"  # where the pipeline's output keeps one result per row
     # Set at load (here: what a model serves before it is loaded).
     step_cache_default = NO_CACHE  # config step_cache: for requests that send none

@@ -3,7 +3,7 @@ Triton request each; streamed as one chunk per committed block."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -55,12 +55,12 @@ async def complete(request: Request, chat: bool) -> Response:
     responses = front.bridge.stream(call.request, info, limits.request_timeout_s)
     if not call.stream:
         answered, response = await final_response(request, responses)
-        if not answered:
+        if not answered or response is None:  # None only when the client left first
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         return JSONResponse(completion_response(call, response, chat))
     # The first response before the status line: a refused request is a plain 4xx, not a stream.
     answered, first = await first_response(request, responses)
-    if not answered:
+    if not answered or first is None:  # None only when the client left first
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     chunks = text_chunks(call, chat, info, first, responses)
     return StreamingResponse(stream_until_disconnected(request, chunks), media_type="text/event-stream")
@@ -71,7 +71,7 @@ async def text_chunks(
     chat: bool,
     info: ModelInfo,
     first: TritonResponse,
-    responses: AsyncIterator[TritonResponse],
+    responses: AsyncGenerator[TritonResponse, None],
 ) -> AsyncIterator[bytes]:
     async def all_responses() -> AsyncIterator[TritonResponse]:
         yield first

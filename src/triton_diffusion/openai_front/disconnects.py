@@ -12,16 +12,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Awaitable, Mapping
-from typing import Any, TypeVar
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Mapping
+from typing import Any, Protocol, TypeVar
 
 import anyio
 from starlette.requests import Request
 
 from triton_diffusion.openai_front.errors import ApiError, bad_gateway
 
+
+class _Response(Protocol):
+    @property
+    def final(self) -> bool:
+        """Whether it is the request's FINAL response."""
+
+
 T = TypeVar("T")
-R = TypeVar("R")  # a Triton response (triton_bridge.TritonResponse)
+R = TypeVar("R", bound=_Response)  # a Triton response (triton_bridge.TritonResponse)
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the answer
 
@@ -72,7 +79,7 @@ async def until_disconnected(request: Request, work: Awaitable[T]) -> tuple[bool
     return True, task.result()
 
 
-async def final_response(request: Request, responses: AsyncIterator[R]) -> tuple[bool, R | None]:
+async def final_response(request: Request, responses: AsyncGenerator[R, None]) -> tuple[bool, R | None]:
     """The stream's FINAL response (``final`` set), or (False, None) when the client left first; the
     stream is closed either way. A stream that ends without one is a 502."""
 
@@ -86,7 +93,7 @@ async def final_response(request: Request, responses: AsyncIterator[R]) -> tuple
     return await until_disconnected(request, final())
 
 
-async def first_response(request: Request, responses: AsyncIterator[R]) -> tuple[bool, R | None]:
+async def first_response(request: Request, responses: AsyncGenerator[R, None]) -> tuple[bool, R | None]:
     """The stream's first response (what decides between a plain 4xx and a stream), or (False, None) when
     the client left first, the stream then closed. A stream that ends without any response is a 502."""
     answered, first = await until_disconnected(request, anext(responses, None))

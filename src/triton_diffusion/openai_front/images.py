@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -96,19 +96,19 @@ async def answer(
     responses = front.bridge.stream(call.request, info, front.limits.request_timeout_s)
     if not call.stream:
         answered, response = await final_response(request, responses)
-        if not answered:
+        if not answered or response is None:  # None only when the client left first
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         return JSONResponse(images_response(call, response))
     # The first response before the status line: a refused request is a plain 4xx, not a stream.
     answered, first = await first_response(request, responses)
-    if not answered:
+    if not answered or first is None:  # None only when the client left first
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     events = image_events(call, prefix, first, responses)
     return StreamingResponse(stream_until_disconnected(request, events), media_type="text/event-stream")
 
 
 async def image_events(
-    call: ImageCall, prefix: str, first: TritonResponse, responses: AsyncIterator[TritonResponse]
+    call: ImageCall, prefix: str, first: TritonResponse, responses: AsyncGenerator[TritonResponse, None]
 ) -> AsyncIterator[bytes]:
     partial = 0  # partial images sent: each PREVIEW the model sends (it sends as many as asked) is one
 

@@ -144,10 +144,10 @@ def text_call(body: Mapping[str, Any], info: ModelInfo, limits: Limits, chat: bo
     if chat:
         prompt = chat_prompt(body.get("messages"), limits)
     else:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1:
-            prompt = prompt[0]
-        prompt = text_param("prompt", prompt)
+        raw = body.get("prompt")
+        if isinstance(raw, list) and len(raw) == 1:
+            raw = raw[0]
+        prompt = text_param("prompt", raw)
     if body.get("n") not in (None, 1):
         raise field_error("n", f"got {short_text(body.get('n'))} (allowed: 1)")
     if body.get("stop") is not None:

@@ -23,7 +23,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, Mapping
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
@@ -227,7 +227,7 @@ class TritonBridge:
     # ---- requests ----------------------------------------------------------------------------------
     async def stream(
         self, request: TritonRequest, info: ModelInfo, timeout_s: float
-    ) -> AsyncIterator[TritonResponse]:
+    ) -> AsyncGenerator[TritonResponse, None]:
         """Send one request and yield its responses up to the FINAL one. A per-request error raises an
         ApiError (400 naming the field, 503, 500; 504 past ``timeout_s``); closing the iterator early
         cancels the request."""

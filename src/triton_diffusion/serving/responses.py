@@ -26,7 +26,7 @@ log = logging.getLogger("triton_diffusion")
 @dataclass(frozen=True)
 class _Work:
     request: TrackedRequest | None  # None: metrics
-    run: Callable[[], None]
+    run: Callable[[], object]  # what it returns is not read
     delivery: bool = False  # an engine's decided error: runs although the request has ended
 
 

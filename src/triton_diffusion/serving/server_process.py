@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,7 +73,11 @@ def copy_model(source: str, target_repo: Path, name: str, edits: dict[str, str],
     for key, value in edits.items():
         # Only live lines: the shipped configs show optional parameters in comments.
         pattern = rf'(?m)(^parameters {{ key: "{re.escape(key)}" value: {{ string_value: )"[^"]*"'
-        config, count = re.subn(pattern, lambda m, v=value: f'{m.group(1)}"{v}"', config)
+
+        def replace(match: re.Match[str], value: str = value) -> str:
+            return f'{match.group(1)}"{value}"'
+
+        config, count = re.subn(pattern, replace, config)
         if count == 0:
             config += f'\nparameters {{ key: "{key}" value: {{ string_value: "{value}" }} }}\n'
     (target / "config.pbtxt").write_text(config + extra)
@@ -94,7 +99,7 @@ def set_batching(
 
 
 def start_server(
-    repo: Path, log_path: Path, models: list[str], timeout_s: float = 180, extra_args: list[str] = ()
+    repo: Path, log_path: Path, models: list[str], timeout_s: float = 180, extra_args: Sequence[str] = ()
 ) -> RunningServer:
     http, grpc, metrics, health = free_port(), free_port(), free_port(), free_port()
     launcher = Path(sys.executable).parent / "triton-diffusion-serve"

@@ -80,10 +80,10 @@ def list_stubs(server_pid: int, proc: Path = Path("/proc")) -> list[Stub]:
     stubs = []
     for pid in descendants(server_pid, proc):
         try:
-            argv = (proc / str(pid) / "cmdline").read_bytes().split(b"\0")
+            raw = (proc / str(pid) / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        argv = [a.decode(errors="replace") for a in argv if a]
+        argv = [a.decode(errors="replace") for a in raw if a]
         if len(argv) < 4 or not argv[0].endswith(STUB_NAME):
             continue
         stubs.append(Stub(pid, Path(argv[1]).parent.parent.name, argv[-2], argv[2]))
@@ -225,7 +225,7 @@ class Supervisor:
             was_down = self._down_since
             self._ready = ready
             self._down_since = None if ready else (self._down_since or time.monotonic())
-        if ready and was_down is not None and sum(self.restarts.values()):
+        if ready and was_down is not None and sum(self.restarts.values()) > 0:
             seconds = time.monotonic() - was_down
             log.info("supervisor: the server serves again, %.1f s after it went down", seconds)
 

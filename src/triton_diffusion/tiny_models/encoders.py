@@ -4,7 +4,7 @@ here for every family that uses them, and the re-initialisation that lets a prom
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 if TYPE_CHECKING:
     import torch
@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 
 
 # A two-layer T5 encoder, shared by the T5 (Flux, SD3, PixArt-Sigma) and UMT5 (Wan) text encoders.
-TINY_T5_ENCODER = dict(
+TINY_T5_ENCODER: dict[str, Any] = dict(
     d_model=32,
     d_ff=37,
     d_kv=8,
@@ -26,6 +26,10 @@ TINY_T5_ENCODER = dict(
 )
 
 
+@overload
+def clip_text_encoder(vocab_size: int, with_projection: Literal[False] = False) -> CLIPTextModel: ...
+@overload
+def clip_text_encoder(vocab_size: int, with_projection: Literal[True]) -> CLIPTextModelWithProjection: ...
 def clip_text_encoder(
     vocab_size: int, with_projection: bool = False
 ) -> CLIPTextModel | CLIPTextModelWithProjection:
@@ -84,7 +88,8 @@ def gemma2_text_encoder(tokenizer: PreTrainedTokenizerBase, hidden: int) -> Gemm
             pad_token_id=tokenizer.pad_token_id,
             eos_token_id=tokenizer.eos_token_id,
             bos_token_id=tokenizer.bos_token_id,
-            attn_implementation="eager",
+            # A PretrainedConfig keyword that Gemma2Config's own signature does not list.
+            attn_implementation="eager",  # type: ignore[call-arg]
         )
     )
     # Gemma 2 adds RMS-normalised sublayer outputs to its residual stream: next to them, embeddings drawn

@@ -32,7 +32,12 @@ def build_tiny_qwen_image(target: Path) -> None:
 
     tokenizer = qwen_tokenizer(_QWEN_IMAGE_SYSTEM_PROMPT)
     torch.manual_seed(0)
-    ids = tokenizer.convert_tokens_to_ids
+
+    def ids(token: str) -> int:
+        found = tokenizer.convert_tokens_to_ids(token)
+        assert isinstance(found, int)  # one token, one id
+        return found
+
     hidden = 32
     config = Qwen2_5_VLConfig(
         text_config=dict(

@@ -48,11 +48,16 @@ ARCHITECTURES: dict[str, Callable[[Path], None]] = {
 }
 # Tiny LoRA adapters (tiny_models/lora.py), two per family that takes adapters: <family>-lora-<name>.
 LORA_SEEDS = {"ink": 1, "neon": 2}
+
+
+def _lora_builder(family: str, seed: int) -> Callable[[Path], None]:
+    """Builds an adapter for the family's tiny pipeline, a sibling of the adapter's folder."""
+    return lambda target: build_tiny_lora(target.parent / family, target, seed)
+
+
 for _family in ("tiny-sd", "tiny-sdxl", "tiny-flux"):
     for _name, _seed in LORA_SEEDS.items():
-        ARCHITECTURES[f"{_family}-lora-{_name}"] = lambda target, family=_family, seed=_seed: build_tiny_lora(
-            target.parent / family, target, seed
-        )
+        ARCHITECTURES[f"{_family}-lora-{_name}"] = _lora_builder(_family, _seed)
 TINY_DEFAULTS = ["tiny-sd", "tiny-flux", "tiny-wan", "tiny-dllm"]
 # The tiny families the family-matrix test serves (built on first use, then cached in weights/).
 TINY_FAMILIES = [

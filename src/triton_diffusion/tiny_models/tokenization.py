@@ -122,10 +122,12 @@ def qwen_tokenizer(*texts: str) -> Qwen2Tokenizer:
     vocab, merges = _train_bpe(
         _corpus(*texts), pre_tokenizer, _QWEN_SPECIALS, pre_tokenizers.ByteLevel.alphabet()
     )
+    # transformers annotates merges as "a b" strings and unk_token as str; its BPE takes (a, b) pairs and
+    # no unknown token as well.
     tokenizer = Qwen2Tokenizer(
         vocab=vocab,
-        merges=merges,
-        unk_token=None,
+        merges=merges,  # type: ignore[arg-type]
+        unk_token=None,  # type: ignore[arg-type]
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
         additional_special_tokens=_QWEN_SPECIALS[1:],
@@ -150,7 +152,7 @@ def gemma_tokenizer(*texts: str) -> GemmaTokenizer:
     vocab, merges = _train_bpe(normalized, pre_tokenizer, specials, alphabet)
     return GemmaTokenizer(
         vocab=vocab,
-        merges=merges,
+        merges=merges,  # type: ignore[arg-type]  # (a, b) pairs, as for qwen_tokenizer
         add_bos_token=True,
         additional_special_tokens=specials[5:7],
         model_max_length=8192,

@@ -74,9 +74,10 @@ from triton_diffusion.adapters.schedulers.plms import PLMS
 
 __all__ = ["batched_step", "can_batch", "can_batch_step", "guide", "scale_model_inputs", "vectorised_step"]
 
+EULER = Euler()  # scale_model_inputs' too
 METHODS: dict[type, Method] = {
     diffusers.DDIMScheduler: DDIM(),
-    diffusers.EulerDiscreteScheduler: Euler(),
+    diffusers.EulerDiscreteScheduler: EULER,
     diffusers.FlowMatchEulerDiscreteScheduler: FlowMatchEuler(),
     diffusers.DPMSolverMultistepScheduler: DPMSolverPP2M(),
     diffusers.PNDMScheduler: PLMS(),
@@ -180,7 +181,7 @@ def scale_model_inputs(
     scaled = [type(s) not in UNSCALED for s in schedulers]
     if not any(scaled):
         return samples
-    euler = METHODS[diffusers.EulerDiscreteScheduler]
+    euler = EULER
     vectorised = vectorisable(samples, samples) and all(
         not scale or (type(s) is diffusers.EulerDiscreteScheduler and euler.supports(s) and euler.scale_ok(s))
         for s, scale in zip(schedulers, scaled, strict=True)

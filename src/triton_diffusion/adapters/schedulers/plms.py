@@ -96,7 +96,11 @@ class PLMS(Method):
         samples: torch.Tensor,
     ) -> tuple[torch.Tensor, Commit]:
         n = len(schedulers)
-        phases = [self._phase(s) for s in schedulers]
+        phases: list[str] = []
+        for s in schedulers:
+            phase = self._phase(s)
+            assert phase is not None  # row_ok let no other row in
+            phases.append(phase)
         ets = [
             s.ets if s.counter == 1 else [*s.ets[-3:], model_outputs[k : k + 1]]
             for k, s in enumerate(schedulers)
@@ -116,11 +120,11 @@ class PLMS(Method):
         estimates = {}
         for phase, rows_of_phase in members.items():
             current = take_rows(model_outputs, rows_of_phase)
-            estimates[phase] = self._estimate(
-                phase,
-                current,
-                lambda back, rows_of_phase=rows_of_phase: torch.cat([ets[k][-back] for k in rows_of_phase]),
-            )
+
+            def past(back: int, rows_of_phase: list[int] = rows_of_phase) -> torch.Tensor:
+                return torch.cat([ets[k][-back] for k in rows_of_phase])
+
+            estimates[phase] = self._estimate(phase, current, past)
         if len(members) == 1:
             (estimate,) = estimates.values()
         else:  # back in row order
