@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from PIL import Image
@@ -14,6 +15,7 @@ from tests.unit.recording import tracked
 from triton_diffusion.adapters.flow_matching import FluxAdapter, StableDiffusion3Adapter
 from triton_diffusion.adapters.stable_diffusion import StableDiffusionAdapter
 from triton_diffusion.errors import RequestError
+from triton_diffusion.models.source_images import SourceImages
 from triton_diffusion.models.text_to_image import TEXT_TO_IMAGE_FIELDS, TextToImageModel
 from triton_diffusion.serving.engines import StepEngineKind
 from triton_diffusion.settings import ModelConfig, ModelSettings
@@ -33,7 +35,11 @@ def model(starts: tuple[str, ...] = ("text", "image", "mask")) -> TextToImageMod
     config = ModelConfig(max_image_pixels=512 * 512)
     m.settings = ModelSettings("m", Path("."), config, {}, 8, "CPU", 0)
     m.engine_kind = StepEngineKind(None)
-    unsupported = m.load_sources(config, FakeAdapter(starts))
+    facts = SimpleNamespace(class_name="StableDiffusionPipeline", accepts=lambda name: False)
+    m.sources = SourceImages.at_load(
+        "TextToImageModel", TEXT_TO_IMAGE_FIELDS, config, FakeAdapter(starts), facts, ("text",), ()
+    )
+    unsupported = m.sources.unsupported
     defaults = {"default_height": "64", "default_width": "96", "default_num_inference_steps": "4"}
     m.fields = TEXT_TO_IMAGE_FIELDS.configured(
         {**defaults, "height_multiple_of": "8", "width_multiple_of": "8", "max_mask_image_length": "5000"},
@@ -108,7 +114,9 @@ def test_a_model_kind_that_cannot_send_any_start_the_checkpoint_serves_is_refuse
     m = ImageToImageModel.__new__(ImageToImageModel)  # an inpainting checkpoint on image_to_image
     m.facts = type("Facts", (), {"class_name": "StableDiffusionImg2ImgPipeline"})()
     with pytest.raises(ValueError, match="serves only mask jobs here, which ImageToImageModel cannot serve"):
-        m.load_sources(ModelConfig(), FakeAdapter(("mask",)))
+        SourceImages.at_load(
+            "ImageToImageModel", m.FIELDS, ModelConfig(), FakeAdapter(("mask",)), m.facts, ("image",), ()
+        )
 
 
 @pytest.mark.parametrize(

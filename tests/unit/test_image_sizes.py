@@ -5,6 +5,7 @@ from PIL import Image
 
 from triton_diffusion.errors import RequestError
 from triton_diffusion.models.image_to_image import IMAGE_TO_IMAGE_FIELDS, ImageToImageModel
+from triton_diffusion.models.source_images import SourceImages
 from triton_diffusion.settings import parse_sizes
 
 
@@ -18,13 +19,13 @@ def model(buckets="", max_size=512):
             "max_width": str(max_size),
         }
     )
-    m.buckets = parse_sizes(buckets)
+    m.sources = SourceImages(buckets=parse_sizes(buckets))
     return m
 
 
 def size(m, source_width, source_height, **requested):
     source = Image.new("RGB", (source_width, source_height))
-    return m.output_size(source, requested.get("width"), requested.get("height"))
+    return m.sources.output_size(source, requested.get("width"), requested.get("height"), m.fields)
 
 
 def test_source_size_is_rounded_down_to_the_multiple():

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from triton_diffusion.adapters.call_caches import call_cache
-from triton_diffusion.adapters.diffusers_pipeline import row_generator
 from triton_diffusion.adapters.lora import lora_set
 from triton_diffusion.compatibility import CompatibilityKey
 from triton_diffusion.engine.jobs import Job
@@ -24,57 +24,38 @@ if TYPE_CHECKING:
     from triton_diffusion.adapters.lora import LoraBank
     from triton_diffusion.families import PipelineFacts
     from triton_diffusion.faults import FaultInjection
-    from triton_diffusion.models.diffusion_model import DiffusionModel as _Model
-else:
-    _Model = object  # a mixin: the type checker reads it as the model it is mixed into
+
+# A model kind's keyword arguments of its pipeline for one call: (the key's values, the rows) -> kwargs.
+CallArguments = Callable[[dict[str, Any], list[RowInput]], dict[str, Any]]
 
 
-class FusedCalls(_Model):
-    """Mixed into TextToImageModel: its ``run_call`` (the request-level engine's PipelineCall)."""
+@dataclass(frozen=True)
+class FusedCalls:
+    """The request-level engine's PipelineCall for a loaded pipeline (a collaborator of TextToImageModel,
+    made at load): ``arguments`` is the model kind's own part (its pipeline's keyword arguments), the rest
+    (callbacks, scheduler, LoRA adapters, step cache, the output) is the same for every kind."""
 
-    # Set by TextToImageModel (its class attributes and load()).
-    OPTIONAL_CALL_FIELDS: tuple[str, ...]
-    OUTPUT_ATTRIBUTE: str
     pipe: Any
     facts: PipelineFacts
-    faults: FaultInjection | None
     schedulers: SchedulerChoices
-    loras: LoraBank | None
-    call_extras: dict[str, Any]
-    has_step_callback: bool
-    has_legacy_callback: bool
-    compacting_schedulers: frozenset[str]
-    callback_tensors: list[str]
+    arguments: CallArguments
+    output_attribute: str  # where the pipeline's output keeps one result per row
+    loras: LoraBank | None = None
+    faults: FaultInjection | None = None
+    step_callback: bool = False  # the pipeline takes callback_on_step_end
+    legacy_callback: bool = False  # ... or the older callback(step, t, latents)
+    compacting_schedulers: frozenset[str] = frozenset()
+    callback_tensors: tuple[str, ...] = ("latents",)
 
-    def call_arguments(self, shared: dict[str, Any], rows: list[RowInput]) -> dict[str, Any]:
-        """The pipeline's keyword arguments for one fused call: the key's values, one entry per row."""
-        kwargs: dict[str, Any] = {
-            "prompt": [r.values["prompt"] for r in rows],
-            "height": shared["height"],
-            "width": shared["width"],
-            "num_inference_steps": shared["num_inference_steps"],
-            "generator": [row_generator(r.values["seed"], r.image_index) for r in rows],
-            "output_type": "pil",
-            **self.call_extras,
-        }
-        for name in self.OPTIONAL_CALL_FIELDS:
-            if name != "negative_prompt" and self.fields[name].supported:
-                kwargs[name] = shared[name]
-        negatives = [r.values["negative_prompt"] for r in rows]
-        if any(n is not None for n in negatives):
-            # The key keeps rows with and without a negative prompt apart unless None means "" anyway.
-            kwargs["negative_prompt"] = [n or "" for n in negatives]
-        return kwargs
-
-    def run_call(self, key: CompatibilityKey, jobs: list[Job], steps: CallSteps) -> list[Any]:
+    def __call__(self, key: CompatibilityKey, jobs: list[Job], steps: CallSteps) -> list[Any]:
         shared = key.as_dict()
-        kwargs = self.call_arguments(shared, [job.params for job in jobs])
+        kwargs = self.arguments(shared, [job.params for job in jobs])
         if self.faults:
             self.faults.before_call(kwargs["prompt"])
-        if self.has_step_callback:
+        if self.step_callback:
             kwargs["callback_on_step_end"] = self._step_callback(steps, shared)
-            kwargs["callback_on_step_end_tensor_inputs"] = self.callback_tensors
-        elif self.has_legacy_callback:
+            kwargs["callback_on_step_end_tensor_inputs"] = list(self.callback_tensors)
+        elif self.legacy_callback:
             kwargs["callback"] = self._legacy_callback(steps, shared)
             kwargs["callback_steps"] = 1
         self.pipe.scheduler = self.schedulers[shared["scheduler"]]
@@ -86,7 +67,7 @@ class FusedCalls(_Model):
             self.loras.uniform(adapters) if self.loras else contextlib.nullcontext(),
             call_cache(self.pipe, cache) if cache else contextlib.nullcontext(),
         ):
-            images = list(getattr(self.pipe(**kwargs), self.OUTPUT_ATTRIBUTE))
+            images = list(getattr(self.pipe(**kwargs), self.output_attribute))
         return steps.scatter(images)
 
     def _step_callback(

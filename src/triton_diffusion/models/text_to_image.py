@@ -21,15 +21,18 @@ import numpy as np
 
 from triton_diffusion.adapters.call_caches import call_methods
 from triton_diffusion.adapters.captured_forwards import CaptureError
-from triton_diffusion.adapters.diffusers_pipeline import SchedulerChoices, load_pipeline
+from triton_diffusion.adapters.diffusers_pipeline import SchedulerChoices, load_pipeline, row_generator
 from triton_diffusion.adapters.image_requests import ImageRequest
 from triton_diffusion.adapters.lora import NO_LORA, LoraLimits, load_loras, lora_set, lora_text, parse_lora
 from triton_diffusion.adapters.step_adapters import step_adapter_for
 from triton_diffusion.codecs.image import encode_image
+from triton_diffusion.compatibility import CompatibilityKey
+from triton_diffusion.engine.jobs import Job
+from triton_diffusion.engine.request_engine import CallSteps
 from triton_diffusion.errors import RequestError, invalid_field
 from triton_diffusion.families import PipelineFacts
 from triton_diffusion.fields import FieldSet
-from triton_diffusion.models.diffusion_model import RENDER_OUTPUTS, DiffusionModel, ParsedRequest
+from triton_diffusion.models.diffusion_model import RENDER_OUTPUTS, DiffusionModel, ParsedRequest, RowInput
 from triton_diffusion.models.fused_calls import FusedCalls
 from triton_diffusion.models.image_fields import TEXT_TO_IMAGE_FIELDS
 from triton_diffusion.models.source_images import SourceImages
@@ -41,7 +44,7 @@ from triton_diffusion.step_cache_spec import NO_CACHE, parse_step_cache
 log = logging.getLogger("triton_diffusion")
 
 
-class TextToImageModel(SourceImages, FusedCalls, DiffusionModel):
+class TextToImageModel(DiffusionModel):
     KIND = "text_to_image"
     FIELDS = TEXT_TO_IMAGE_FIELDS
     CONFIG_KINDS: ClassVar[tuple[str, ...]] = (IMAGE, IMAGE_SOURCE)
@@ -56,6 +59,7 @@ class TextToImageModel(SourceImages, FusedCalls, DiffusionModel):
     # Set at load (here: what a model serves before it is loaded).
     step_cache_default = NO_CACHE  # config step_cache: for requests that send none
     one_step_schedulers: frozenset[str] | None = None  # PixArt-Alpha: schedulers that keep x0 at one step
+    sources = SourceImages()  # what it does with a source image and mask (set at load)
     OUTPUTS = [
         ("IMAGE", "TYPE_STRING", [-1]),  # one encoded image per generated image
         ("SEED", "TYPE_INT64", [-1]),  # the seed of each image
@@ -96,26 +100,47 @@ class TextToImageModel(SourceImages, FusedCalls, DiffusionModel):
             fields = FieldSet(
                 replace(f, key_on_presence=False) if f.name == "negative_prompt" else f for f in fields
             )
-        self.has_step_callback = facts.accepts("callback_on_step_end")
-        self.has_legacy_callback = facts.accepts("callback") and facts.accepts("callback_steps")
+        step_callback = facts.accepts("callback_on_step_end")
+        legacy_callback = facts.accepts("callback") and facts.accepts("callback_steps")
         unsupported = [name for name in self.OPTIONAL_CALL_FIELDS if not self.uses(name)]
-        unsupported += self.load_sources(config, adapter)
+        self.sources = SourceImages.at_load(
+            type(self).__name__,
+            self.FIELDS,
+            config,
+            adapter,
+            facts,
+            self.REQUEST_LEVEL_STARTS,
+            self.OPTIONAL_CALL_FIELDS,
+        )
+        unsupported += self.sources.unsupported
         if self.loras is None:
             unsupported.append("lora")
-        if not (self.has_step_callback or self.has_legacy_callback):
+        if not (step_callback or legacy_callback):
             unsupported += [f.name for f in PROGRESS_FIELDS]
-        self.compacting_schedulers = facts.traits.compaction_schedulers
         # PixArt-Alpha keeps step(...)[1] after one step: the schedulers that have one (both engines).
         self.one_step_schedulers = (
             self.schedulers.with_original_sample() if facts.traits.one_step_keeps_original else None
         )
-        self.callback_tensors = ["latents"] + (["prompt_embeds"] if self.compacting_schedulers else [])
+        compacting = facts.traits.compaction_schedulers
+        self.calls = FusedCalls(
+            self.pipe,
+            facts,
+            self.schedulers,
+            self.call_arguments,
+            self.OUTPUT_ATTRIBUTE,
+            self.loras,
+            self.faults,
+            step_callback,
+            legacy_callback,
+            compacting,
+            ("latents", "prompt_embeds") if compacting else ("latents",),
+        )
         # The scheduler list is what SchedulerChoices accepted: always the pipeline's own first.
         derived = {"scheduler_choices": ",".join(self.schedulers.names)}
         fields = fields.configured(
             {**self.derived_defaults(), **settings.field_params, **derived}, unsupported
         )
-        for width, height in self.buckets:
+        for width, height in self.sources.buckets:
             fields["width"].validate(width)  # a bucket outside the limits is a config error
             fields["height"].validate(height)
         if config.cuda_graphs and adapter is None:
@@ -221,7 +246,7 @@ class TextToImageModel(SourceImages, FusedCalls, DiffusionModel):
 
     # ---- requests -----------------------------------------------------------------------------------
     def parse(self, index: int, raw: dict[str, Any], tracked: TrackedRequest) -> ParsedRequest:
-        self.check_source_fields(raw)
+        self.sources.check_fields(raw, self.fields)
         return super().parse(index, raw, tracked)
 
     def resolve(self, values: dict[str, Any]) -> dict[str, Any]:
@@ -252,7 +277,7 @@ class TextToImageModel(SourceImages, FusedCalls, DiffusionModel):
                 f"{values['scheduler']} returns no predicted original sample, which this pipeline keeps "
                 f"after a single step: with num_inference_steps 1 send one of {allowed}, or 2 or more steps",
             )
-        return self.resolve_source(values)
+        return self.sources.resolve(values, self.fields)
 
     def step_request(self, values: dict[str, Any], image_index: int) -> ImageRequest:
         return ImageRequest(
@@ -272,6 +297,29 @@ class TextToImageModel(SourceImages, FusedCalls, DiffusionModel):
             lora=lora_set(values["lora"]) if values.get("lora") else NO_LORA,
             step_cache=parse_step_cache(values["step_cache"]) if values.get("step_cache") else NO_CACHE,
         )
+
+    def call_arguments(self, shared: dict[str, Any], rows: list[RowInput]) -> dict[str, Any]:
+        """The pipeline's keyword arguments for one fused call: the key's values, one entry per row."""
+        kwargs: dict[str, Any] = {
+            "prompt": [r.values["prompt"] for r in rows],
+            "height": shared["height"],
+            "width": shared["width"],
+            "num_inference_steps": shared["num_inference_steps"],
+            "generator": [row_generator(r.values["seed"], r.image_index) for r in rows],
+            "output_type": "pil",
+            **self.call_extras,
+        }
+        for name in self.OPTIONAL_CALL_FIELDS:
+            if name != "negative_prompt" and self.fields[name].supported:
+                kwargs[name] = shared[name]
+        negatives = [r.values["negative_prompt"] for r in rows]
+        if any(n is not None for n in negatives):
+            # The key keeps rows with and without a negative prompt apart unless None means "" anyway.
+            kwargs["negative_prompt"] = [n or "" for n in negatives]
+        return kwargs
+
+    def run_call(self, key: CompatibilityKey, jobs: list[Job], steps: CallSteps) -> list[Any]:
+        return self.calls(key, jobs, steps)
 
     def respond(self, request: ParsedRequest, outputs: list[Any]) -> dict[str, np.ndarray]:
         values = request.values
