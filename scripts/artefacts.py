@@ -1,9 +1,9 @@
-"""Benchmark artefacts: where every figure of README and docs comes from.
+"""Benchmark artefacts: where every figure of the docs comes from.
 
 An artefact is a JSON object with a ``provenance`` (the command that wrote it, the commit, the date, the
 machine and the library versions) beside its rows. :func:`write` saves one atomically (a temporary file,
 then ``os.replace``), so a benchmark that writes after each measurement keeps what it measured when it is
-cut; ``scripts/figures.py`` renders the README and docs blocks from these files and nothing else.
+cut; ``scripts/figures.py`` renders the docs' figure blocks from these files and nothing else.
 
 Nothing here imports torch at module level: the unit tests load it in milliseconds.
 """

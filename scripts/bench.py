@@ -1,6 +1,6 @@
 """The benchmarks' one entry point: ``python scripts/bench.py NAME [args]`` runs benchmark NAME of
 scripts/benchmarks/ (``--help`` lists them); without a NAME, the through-server benchmark (``server``), as
-before, so the commands README and the artefacts record keep working."""
+before, so the commands the docs and the artefacts record keep working."""
 
 import sys
 

@@ -1,4 +1,4 @@
-"""``scripts/bench.py graphs`` (scripts/benchmarks/graphs.py), kept for the commands README and the
+"""``scripts/bench.py graphs`` (scripts/benchmarks/graphs.py), kept for the commands the docs and the
 artefacts record: same arguments, same outputs. Importing it imports the benchmark (as gpu_checks' import
 probe does)."""
 

@@ -9,7 +9,9 @@ A figure lives between two markers in a markdown file::
 ``NAME`` is a block of :data:`BLOCKS`: the artefacts it reads (JSON under ``docs/``, each with the
 ``provenance`` that ``scripts/artefacts.py`` records) and the function that renders them. Every block
 ends with the provenance of what it shows (date, commit, machine, command), so a reader sees where each
-number came from and how old it is.
+number came from and how old it is; a block whose figures no longer describe the code (declared with
+``stale``) starts by saying so. The block ``index`` lists every block, where it is shown, its artefacts'
+provenance and whether it is stale, CPU and GPU apart (docs/performance/index.md).
 
     python scripts/figures.py           # rewrite every block in place
     python scripts/figures.py --check   # exit 1 when a block differs from what it would write
@@ -33,6 +35,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from artefacts import REPO_ROOT, read  # noqa: E402
+from tables.markdown import table  # noqa: E402
 
 MARKDOWN = ("README.md", "docs")
 BLOCK = re.compile(r"(<!-- figures: (?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- /figures -->)", re.S)
@@ -45,6 +48,11 @@ class Block:
     artefacts: tuple[str, ...]
     renderer: str  # "module.function" under scripts/tables/
     doc: str = ""
+    stale: str = ""  # why these figures no longer describe the code, when they do not
+
+    @property
+    def gpu(self) -> bool:
+        return all(path.startswith("docs/gpu/") for path in self.artefacts)
 
     def render(self, *artefacts: dict[str, Any]) -> str:
         module, function = self.renderer.rsplit(".", 1)
@@ -52,22 +60,43 @@ class Block:
         return render(*artefacts)
 
 
+# Why a block's figures no longer describe the code (Block.stale), for the reasons several blocks share.
+BEFORE_ENGINE_CORE = "taken before the engine core was rewritten (commit 1586aec) and not taken again since"
+
 BLOCKS: dict[str, Block] = {
     # the real server (scripts/bench.py)
-    "server-engines": Block(("docs/bench.json",), "engines.server_ratios", "bench.py: served engines"),
+    "server-engines": Block(
+        ("docs/bench.json",), "engines.server_ratios", "bench.py: served engines", stale=BEFORE_ENGINE_CORE
+    ),
     "openai-front": Block(
         ("docs/openai_front/bench.json", "docs/openai_front/repeat/bench.json"),
         "engines.openai_front",
         "bench.py --openai: the front against gRPC direct",
+        stale=BEFORE_ENGINE_CORE + "; both runs took the three paths in the same order in both rounds,"
+        " where bench.py --openai reverses the second round",
     ),
     # in process (scripts/bench_engines.py)
-    "engines": Block(("docs/cpu/bench_engines.json",), "engines.in_process_ratios"),
+    "engines": Block(
+        ("docs/cpu/bench_engines.json",),
+        "engines.in_process_ratios",
+        stale=BEFORE_ENGINE_CORE + "; its text+image rows gave each request-level model a whole Triton"
+        " batch per turn (the image-mix block takes them with one fused call per turn)",
+    ),
     "request-walk": Block(("docs/design/request_walk.json",), "walk.render", "request_walk.py"),
-    "engines-rounds": Block(("docs/cpu/rounds/bench_engines.json",), "engines.ratio_table"),
-    "image-mix": Block(("docs/cpu/image_mix/bench_engines.json",), "engines.ratio_table"),
-    "graphs-cpu": Block(("docs/cpu/bench_graphs.json",), "engines.graphs"),
+    "engines-rounds": Block(
+        ("docs/cpu/rounds/bench_engines.json",), "engines.ratio_table", stale=BEFORE_ENGINE_CORE
+    ),
+    "image-mix": Block(
+        ("docs/cpu/image_mix/bench_engines.json",), "engines.ratio_table", stale=BEFORE_ENGINE_CORE
+    ),
+    "graphs-cpu": Block(("docs/cpu/bench_graphs.json",), "engines.graphs", stale=BEFORE_ENGINE_CORE),
     "lora": Block(("docs/cpu/lora/bench_lora.json",), "engines.ratio_table"),
-    "dllm": Block(("docs/dllm_bench.json",), "engines.dllm"),
+    "dllm": Block(
+        ("docs/dllm_bench.json",),
+        "engines.dllm",
+        stale="taken when the diffusion LM ran on an engine of its own, before it ran on the shared step"
+        " engine",
+    ),
     # step caches, tiers and deadlines
     "caches": Block(("docs/cpu/caches/bench_caches.json",), "caches.render"),
     "slo": Block(("docs/cpu/slo/bench_slo.json",), "slo.render"),
@@ -82,27 +111,52 @@ BLOCKS: dict[str, Block] = {
     "gpu-family-now": Block(("docs/gpu/checks/family_invariance/family.json",), "gpu.family_invariance"),
     "gpu-caches": Block(("docs/gpu/checks_step_caches/step_caches/bench_caches.json",), "caches.render"),
     # GPU (older figures, kept with their dates)
-    "gpu-engines-sd15": Block(("docs/gpu/bench_engines_sd15.json",), "engines.ratio_table"),
-    "gpu-family-invariance": Block(("docs/gpu/family_invariance.json",), "gpu.family_invariance"),
-    "gpu-device-errors": Block(("docs/gpu/device_errors.json",), "gpu.device_errors"),
+    "gpu-engines-sd15": Block(
+        ("docs/gpu/bench_engines_sd15.json",),
+        "engines.ratio_table",
+        stale=BEFORE_ENGINE_CORE + ", with bench_engines.py's earlier clock (a request stamped when the"
+        " loop polled for it): its latency ratios are not comparable with the other tables'; its throughput"
+        " ratios do not depend on the clock",
+    ),
+    "gpu-family-invariance": Block(
+        ("docs/gpu/family_invariance.json",),
+        "gpu.family_invariance",
+        stale="taken before Qwen-Image, Sana, PixArt-Sigma and Z-Image had step adapters, without"
+        " PixArt-Alpha, the inpainting checkpoints or Wan, and with an earlier tiny Qwen-Image VAE;"
+        " the block gpu-family-now takes it again",
+    ),
+    "gpu-device-errors": Block(
+        ("docs/gpu/device_errors.json",),
+        "gpu.device_errors",
+        stale="taken with the failure classifier of its commit, which engine/failures.py has changed since;"
+        " not a part of gpu_checks.py (it provokes a sticky device-side assert)",
+    ),
 }
+# Rendered from the other blocks, not from an artefact of its own.
+INDEX = "index"
 
 
-def provenance_line(artefact: dict[str, Any], path: str) -> str:
-    """Where a block's numbers came from, in one line."""
+def provenance_line(artefact: dict[str, Any], path: str, href: str | None = None) -> str:
+    """Where a block's numbers came from, in one line: the artefact's repository path, linked by ``href``
+    (relative to the page that shows it)."""
+    source = artefact.get("provenance") or {}
+    date, commit, where = provenance(artefact)
+    note = " (provenance from git history)" if source.get("backfilled") else ""
+    command = source.get("command", "unknown")
+    return f"<sub>[`{path}`]({href or path}): {date}, commit `{commit}`, {where}{note}: `{command}`</sub>"
+
+
+def provenance(artefact: dict[str, Any]) -> tuple[str, str, str]:
+    """An artefact's date, short commit and machine, as the provenance line gives them."""
     source = artefact.get("provenance") or {}
     machine = source.get("machine") or {}
     if isinstance(machine, dict):
-        gpu_name = machine.get("gpu")
-        where = gpu_name or f"{machine.get('cpu', '?')}, {machine.get('cores', '?')} cores"
+        where = machine.get("gpu") or f"{machine.get('cpu', '?')}, {machine.get('cores', '?')} cores"
     else:
         where = str(machine)
     commit = str(source.get("commit", "unknown"))
     commit = commit[:7] + ("+dirty" if commit.endswith("+dirty") else "")
-    date = str(source.get("date", "unknown"))[:10]
-    note = " (provenance from git history)" if source.get("backfilled") else ""
-    command = source.get("command", "unknown")
-    return f"<sub>[`{path}`]({path}): {date}, commit `{commit}`, {where}{note}: `{command}`</sub>"
+    return str(source.get("date", "unknown"))[:10], commit, where
 
 
 def render_block(name: str, relative_to: Path) -> str:
@@ -113,12 +167,36 @@ def render_block(name: str, relative_to: Path) -> str:
         raise SystemExit(f"figures: block {name!r} reads {missing}, which do not exist")
     artefacts = [read(REPO_ROOT / p) for p in block.artefacts]
     body = block.render(*artefacts).rstrip("\n")
-    lines = [body, ""]
+    lines = [f"**Stale:** {block.stale}.", "", body, ""] if block.stale else [body, ""]
     for path, artefact in zip(block.artefacts, artefacts, strict=True):
         link = Path(_relative(REPO_ROOT / path, relative_to))
-        lines.append(provenance_line(artefact, link.as_posix()))
+        lines.append(provenance_line(artefact, path, link.as_posix()))
         lines.append("")
     return "\n".join(lines)
+
+
+def render_index(relative_to: Path, shown: dict[str, list[Path]]) -> str:
+    """Every block: where it is shown, its artefacts' date, commit and machine, and whether it is stale;
+    the CPU's and the GPU's in two tables."""
+    parts = []
+    for title, gpu in (("CPU", False), ("GPU", True)):
+        rows = []
+        for name, block in BLOCKS.items():
+            if block.gpu != gpu:
+                continue
+            pages = ", ".join(_link(page, relative_to) for page in shown.get(name, [])) or "nowhere"
+            for path in block.artefacts:
+                date, commit, where = provenance(read(REPO_ROOT / path))
+                href = Path(_relative(REPO_ROOT / path, relative_to)).as_posix()
+                state = f"stale: {block.stale}" if block.stale else "current"
+                rows.append((f"`{name}`", pages, f"[`{path}`]({href})", date, f"`{commit}`", where, state))
+        headers = ("block", "shown on", "artefact", "date", "commit", "machine", "state")
+        parts += [f"**{title}**", "", table(headers, rows), ""]
+    return "\n".join(parts)
+
+
+def _link(page: Path, relative_to: Path) -> str:
+    return f"[{page.relative_to(REPO_ROOT).as_posix()}]({Path(_relative(page, relative_to)).as_posix()})"
 
 
 def _relative(target: Path, start: Path) -> str:
@@ -135,9 +213,21 @@ def markdown_files(roots: Sequence[str] = MARKDOWN) -> list[Path]:
     return files
 
 
-def rewrite(text: str, relative_to: Path, used: set[str]) -> str:
+def shown_on(files: Sequence[Path]) -> dict[str, list[Path]]:
+    """Block name -> the markdown files that show it."""
+    shown: dict[str, list[Path]] = {}
+    for path in files:
+        for match in BLOCK.finditer(path.read_text()):
+            shown.setdefault(match.group("name"), []).append(path)
+    return shown
+
+
+def rewrite(text: str, relative_to: Path, used: set[str], shown: dict[str, list[Path]] | None = None) -> str:
     def replace(match: re.Match[str]) -> str:
         name = match.group("name")
+        if name == INDEX:
+            body = render_index(relative_to, shown if shown is not None else shown_on(markdown_files()))
+            return f"{match.group(1)}{body}{match.group(4)}"
         if name not in BLOCKS:
             raise SystemExit(f"figures: unknown block {name!r} (known: {', '.join(BLOCKS)})")
         used.add(name)
@@ -157,9 +247,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     stale = []
     used: set[str] = set()
-    for path in markdown_files():
+    files = markdown_files()
+    shown = shown_on(files)
+    for path in files:
         text = path.read_text()
-        new = rewrite(text, path.parent, used)
+        new = rewrite(text, path.parent, used, shown)
         if new == text:
             continue
         relative = path.relative_to(REPO_ROOT)

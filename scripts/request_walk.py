@@ -1,6 +1,6 @@
 """Measure one text-to-image request's walk through the package on the step engine: the modules whose code
-runs for it, in order, on each thread, and any call from a lower layer into a higher one (README's "How
-batching works" table is rendered from the artefact it writes, ``docs/design/request_walk.json``).
+runs for it, in order, on each thread, and any call from a lower layer into a higher one (the walk's table
+of docs/design/engine.md is rendered from the artefact it writes, ``docs/design/request_walk.json``).
 
 The model is the shipped ``text_to_image`` model class on the tiny SD weights, initialised and executed as
 Triton does it; Triton's ``triton_python_backend_utils`` is replaced by a minimal stand-in (a request with

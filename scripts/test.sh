@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Set everything up (first run only) and run the whole test suite: unit tests, then integration tests
-# against a real tritonserver on the tiny models, after ruff and the type checker. Extra arguments go to
-# pytest.
+# Set everything up (first run only) and run the whole test suite: ruff, the type checker, the
+# documentation site's strict build (a broken link, a page missing from the navigation or a bad anchor
+# fails it), then the unit tests and the integration tests against a real tritonserver on the tiny
+# models. Extra arguments go to pytest.
 set -euo pipefail
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$REPO_ROOT/scripts/setup_env.sh"
 cd "$REPO_ROOT"
 "$REPO_ROOT/.venv/bin/ruff" check src client scripts tests model_repository
 "$REPO_ROOT/.venv/bin/mypy"  # src/ (pyproject.toml [tool.mypy]): each Protocol where an implementation meets it
+NO_MKDOCS_2_WARNING=1 "$REPO_ROOT/.venv/bin/mkdocs" build --strict --quiet --site-dir "$(mktemp -d)"
 exec "$REPO_ROOT/.venv/bin/python" -m pytest -q "$@"

@@ -16,7 +16,7 @@ Nothing in this package imports a benchmark module but this dispatcher, and it o
 (``importlib``), so there is no import circle; ``tests/unit/test_benchmarks_package.py`` holds that.
 
 The old scripts (``scripts/bench_engines.py`` and the others in ``script``) stay as shims that run their
-benchmark here with the same arguments: the committed artefacts and README record those command lines.
+benchmark here with the same arguments: the committed artefacts and the docs record those command lines.
 """
 
 from __future__ import annotations

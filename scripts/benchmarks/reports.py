@@ -1,5 +1,5 @@
 """The markdown a benchmark prints and writes beside its JSON artefact (cells, the ratio table) and its
-plots. The README's and docs' figure blocks are rendered from the artefacts by ``scripts/figures.py`` and
+plots. The docs' figure blocks are rendered from the artefacts by ``scripts/figures.py`` and
 ``scripts/tables/``, not from these.
 
 Nothing here imports torch; matplotlib only when a plot is drawn.

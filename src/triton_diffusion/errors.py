@@ -6,7 +6,19 @@ from enum import Enum
 
 
 class ErrorCode(str, Enum):
-    """The subset of ``pb_utils.TritonError`` codes this project answers with."""
+    """The subset of ``pb_utils.TritonError`` codes this project answers with. What each means to a
+    client (docs/reference/errors.md is generated from these lines):
+
+    INVALID_ARG: the request itself is wrong (a field unknown, malformed, out of its limits or not
+        supported by the model's pipeline); the message starts with the field's name and says what is
+        allowed. Sending it again unchanged fails again; its batch-mates are not affected.
+    UNAVAILABLE: the model cannot serve it now: at capacity (no room within max_admission_wait_s), out
+        of memory for this request alone, a deadline the engine estimates it cannot meet or that passed,
+        a model unloading or restarting after a failed accelerator or a stuck engine. Retry later.
+    CANCELLED: the client cancelled the request (or went away); nobody reads the answer.
+    INTERNAL: the model failed on this request alone (a forward or pipeline call that fails with it
+        and not without it); its batch-mates are answered normally.
+    """
 
     INVALID_ARG = "INVALID_ARG"
     INTERNAL = "INTERNAL"

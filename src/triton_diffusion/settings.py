@@ -352,7 +352,7 @@ class ModelConfig:
     tier_aging_s: float = _parameter(
         30.0,
         "every this many seconds a job has waited or been paused raise it one tier (no starvation: see "
-        "README, Service tiers); 0: no aging",
+        "docs/design/tiers-and-deadlines.md); 0: no aging",
     )
     max_paused: int | None = _parameter(
         None,
@@ -362,7 +362,7 @@ class ModelConfig:
     step_cache: Any = _parameter(
         None,
         "the step cache of requests that send no step_cache field: none, fbc:THRESHOLD or "
-        "taylorseer:INTERVAL[:WARMUP] (README, Step caches)",
+        "taylorseer:INTERVAL[:WARMUP] (docs/usage/step-caches.md)",
         (IMAGE, IMAGE_SOURCE),
         parse=_step_cache,
         written="METHOD[:...]",

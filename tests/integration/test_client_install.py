@@ -2,7 +2,7 @@
 server package, no PyAV) generates an image and an MP4 from the tiny server through its installed CLI.
 
 pip's cache is reused, so once warm this takes about 20 s; it needs the package index only as the
-README's setup does."""
+the docs' setup does."""
 
 from __future__ import annotations
 

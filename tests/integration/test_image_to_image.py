@@ -186,7 +186,7 @@ def test_base64_variants_and_image_as_a_parameter_give_the_same_image(server):
         status, body = http_generate(server, {"PROMPT": "variants", "IMAGE": text, "parameters": parameters})
         assert status == 200, (name, body)
         images[name] = base64.b64decode(body["IMAGE"])
-    # The image as a request parameter (base64 text), as README says every field can be sent.
+    # The image as a request parameter (base64 text), as the docs say every field can be sent.
     status, body = http_generate(
         server, {"PROMPT": "variants", "parameters": {"image": plain, "seed": 4, "output_encoding": "base64"}}
     )

@@ -236,17 +236,17 @@ def test_hostile_strings_and_names_are_refused_saying_what_they_are(
 
 
 def test_a_nul_in_a_request_parameter_is_cut_by_triton_before_the_model_sees_it(server):
-    """A limit, pinned (README, Limits and security): Triton hands a string parameter to the model cut at
+    """A limit, pinned (docs/operations/security.md): Triton hands a string parameter to the model cut at
     its first NUL (its frontends pass it on as a C string), so "a\\0" and 5,000 more characters reach the
     model as "a", which it cannot refuse. As an input tensor the same value is refused by name (above);
     the project's client refuses it before sending (streams.py check_sendable). Should Triton ever pass
-    the whole value on, this request is refused and the README's paragraph must change."""
+    the whole value on, this request is refused and the docs' paragraph must change."""
     ok, error = send_raw(server.grpc_url, SD, VALID, parameters={"negative_prompt": "a\0" + "n" * 5000})
     assert ok, error
 
 
 def test_invalid_utf8_in_a_raw_grpc_request_ends_its_stream_unanswered_and_the_server_serves_on(server):
-    """A limit, pinned (README, Limits and security): Triton's gRPC layer cannot parse a request whose
+    """A limit, pinned (docs/operations/security.md): Triton's gRPC layer cannot parse a request whose
     request id or string parameter is not valid UTF-8 (protobuf refuses it); on a stream it then ends the
     whole stream with status OK, answering neither that request nor the ones sent after it on the stream.
     The model never sees it. The server itself serves on."""

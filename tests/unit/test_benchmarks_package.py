@@ -163,7 +163,7 @@ def test_the_checker_finds_a_benchmark_importing_another_a_cycle_and_a_long_file
 
 
 OLD_COMMANDS = [
-    # (bench.py's argv, the benchmark it runs, that one's argv): the commands README and the artefacts record
+    # (bench.py's argv, the benchmark it runs, that one's argv): the commands docs and artefacts record
     ([], "server", []),
     (
         ["--concurrency", "16", "--openai", "--out", "o"],

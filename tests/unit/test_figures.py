@@ -1,5 +1,6 @@
-"""scripts/figures.py: every figure block of README and docs/ is what the committed artefacts render to,
-and every artefact says where it came from."""
+"""scripts/figures.py: every figure block of the docs is what the committed artefacts render to, every
+artefact says where it came from, and the performance pages show the CPU's and the GPU's apart, each
+block with its provenance and, when stale, why."""
 
 import json
 import subprocess
@@ -24,13 +25,47 @@ def test_every_block_in_readme_and_docs_is_what_its_artefacts_render_to():
 
 
 def test_check_fails_when_a_block_was_edited_by_hand(tmp_path, monkeypatch):
-    text = (ROOT / "README.md").read_text()
+    page = ROOT / "docs" / "performance" / "cpu.md"
+    text = page.read_text()
     name = "server-engines"
     start = text.index(f"<!-- figures: {name} -->")
     edited = text[:start] + text[start:].replace("| **", "| **9", 1)
     assert edited != text
     used: set[str] = set()
-    assert figures.rewrite(edited, ROOT, used) == figures.rewrite(text, ROOT, used) != edited
+    assert figures.rewrite(edited, page.parent, used) == figures.rewrite(text, page.parent, used) != edited
+
+
+def test_the_cpu_and_the_gpu_figures_are_on_pages_of_their_own():
+    shown = figures.shown_on(figures.markdown_files())
+    for name, block in figures.BLOCKS.items():
+        pages = {page.relative_to(ROOT).as_posix() for page in shown.get(name, [])}
+        assert pages, f"{name} is shown nowhere"
+        if block.gpu:
+            assert pages == {"docs/performance/gpu.md"}, name
+        elif name != "request-walk":  # a design figure, on the page it illustrates
+            assert pages == {"docs/performance/cpu.md"}, name
+
+
+def test_the_index_names_every_block_its_page_provenance_and_state():
+    page = ROOT / "docs" / "performance" / "index.md"
+    index = figures.render_index(page.parent, figures.shown_on(figures.markdown_files()))
+    cpu, gpu = index.split("**GPU**")
+    for name, block in figures.BLOCKS.items():
+        row = next(
+            line for line in (gpu if block.gpu else cpu).splitlines() if line.startswith(f"| `{name}` |")
+        )
+        artefact = json.loads((ROOT / block.artefacts[0]).read_text())
+        date, commit, _ = figures.provenance(artefact)
+        assert date in row and commit in row, name
+        assert ("stale: " in row) == bool(block.stale), name
+
+
+def test_a_stale_block_says_so_first_and_links_its_artefact_from_its_page():
+    page = ROOT / "docs" / "performance" / "gpu.md"
+    body = figures.render_block("gpu-engines-sd15", page.parent)
+    assert body.startswith("**Stale:** ")
+    assert "[`docs/gpu/bench_engines_sd15.json`](../gpu/bench_engines_sd15.json)" in body
+    assert (page.parent / "../gpu/bench_engines_sd15.json").resolve().is_file()
 
 
 @pytest.mark.parametrize("name", list(figures.BLOCKS))

@@ -10,7 +10,8 @@ import pytest
 
 from triton_diffusion.settings import IMAGE, IMAGE_SOURCE, LM, ModelConfig, ModelSettings
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs"
+CONFIG_REFERENCE = DOCS / "reference" / "config.md"
 
 FIELDS = ["prompt", "height", "num_inference_steps", "image", "scheduler"]
 
@@ -134,9 +135,10 @@ def test_the_test_hook_is_accepted_but_not_in_the_users_table():
 
     assert settings({"fault_injection": '{"fail_on_prompt": "x"}'}).config.fault_injection is not None
     assert "fault_injection" not in parameters_markdown()
-    config_section = README.read_text().split("<!-- config -->")[1].split("<!-- /config -->")[0]
+    config_section = CONFIG_REFERENCE.read_text().split("<!-- config -->")[1].split("<!-- /config -->")[0]
     assert "fault_injection" not in config_section
-    assert "test hook" in README.read_text()  # documented where the tests are (Reliability)
+    # documented where the tests are (Reliability)
+    assert "test hook" in (DOCS / "operations" / "reliability.md").read_text()
 
 
 def test_the_config_is_frozen():
@@ -144,12 +146,13 @@ def test_the_config_is_frozen():
         ModelConfig().engine = "step"  # type: ignore[misc]
 
 
-# ---- derived defaults: README documents them, settings.py computes them, the engines use them --------
-# Each is declared once (settings.Derived): the engines read it through ModelSettings.resolved and README's
-# text is written from it. This checks the whole chain from the outside: every default README documents
-# as an expression is evaluated here from README's own text and compared with what the engines built from
-# the same settings actually hold, so a README left stale, or an engine (serving/engines.py,
-# serving/triton_model.py, models/diffusion_lm.py) computing a default of its own, fails.
+# ---- derived defaults: the docs document them, settings.py computes them, the engines use them ------
+# Each is declared once (settings.Derived): the engines read it through ModelSettings.resolved and the config
+# reference's text is written from it. This checks the whole chain from the outside: every default the
+# reference documents as an expression is evaluated here from its own text and compared with what the
+# engines built from the same settings actually hold, so a reference left stale, or an engine
+# (serving/engines.py, serving/triton_model.py, models/diffusion_lm.py) computing a default of its own,
+# fails.
 
 LABELS = {
     "step engine": ("step",),
@@ -161,9 +164,9 @@ SAFE = {"__builtins__": {}, "max": max, "min": min}
 
 
 def documented_defaults() -> dict[str, tuple[dict[str, str], str | None]]:
-    """README's config table: each parameter whose derived default is written as expressions -> (the
+    """The config reference's table: each parameter whose derived default is written as expressions -> (the
     expression per engine: step, request, lm; its "at most" expression)."""
-    section = README.read_text().split("<!-- config -->")[1].split("<!-- /config -->")[0]
+    section = CONFIG_REFERENCE.read_text().split("<!-- config -->")[1].split("<!-- /config -->")[0]
     known = {f.name for f in fields(ModelConfig)} | {"max_batch_size", "max", "min"}
     documented = {}
     for row in section.strip().splitlines()[2:]:
@@ -188,8 +191,8 @@ def documented_defaults() -> dict[str, tuple[dict[str, str], str | None]]:
 
 
 class Documented(dict):
-    """Parameter values for one engine as README documents them: config.pbtxt's, else the default's
-    expression evaluated over the others, within its "at most"."""
+    """Parameter values for one engine as the config reference documents them: config.pbtxt's, else the
+    default's expression evaluated over the others, within its "at most"."""
 
     def __init__(self, documented, params: dict[str, str], max_batch_size: int, case: str) -> None:
         super().__init__(max_batch_size=max_batch_size)

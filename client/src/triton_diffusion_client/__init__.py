@@ -8,7 +8,7 @@ numpy and pillow; no torch, no server), then ``from triton_diffusion_client impo
 - ``streams``: the gRPC stream client they (and the server's OpenAI front) are built on
 
 Applications written against the OpenAI API use the official ``openai`` package against the OpenAI
-front instead (README "OpenAI-compatible front").
+front instead (docs/usage/openai-front.md).
 """
 
 from triton_diffusion_client.concurrency import send_concurrently

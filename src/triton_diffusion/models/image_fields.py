@@ -76,7 +76,7 @@ TEXT_TO_IMAGE_FIELDS = FieldSet(
             None,
             max_length=64,
             doc="skip denoiser work per request on a DiT: none, fbc:THRESHOLD (First Block Cache) or "
-            "taylorseer:INTERVAL[:WARMUP] (README, Step caches); default: the model's step_cache",
+            "taylorseer:INTERVAL[:WARMUP] (docs/usage/step-caches.md); default: the model's step_cache",
         ),
         *PROGRESS_FIELDS,
         *SERVICE_FIELDS,
