@@ -2,8 +2,8 @@
 
 A :class:`Field` says what a request may send (name, type, default, limits) and how it takes part in
 batching (:class:`Role`). Parsing, validation, the compatibility key, the Triton input declarations and
-the README table are all derived from these declarations. Strict by default: a field is part of the
-compatibility key unless it is declared per-row or applied after the split.
+the reference tables (docs/reference/) are all derived from these declarations. Strict by default: a
+field is part of the compatibility key unless it is declared per-row or applied after the split.
 """
 
 from __future__ import annotations
@@ -347,7 +347,7 @@ class FieldSet:
         return parts[close[0]] if close else None
 
     def markdown_table(self) -> str:
-        """The request-field reference for README, straight from the declarations."""
+        """The request-field reference (docs/reference/fields.md), straight from the declarations."""
         lines = [
             "| field (parameter / input tensor) | type | default | allowed | batching role | meaning |",
             "|---|---|---|---|---|---|",

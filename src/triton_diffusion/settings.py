@@ -4,7 +4,7 @@ at load into a typed, frozen :class:`ModelConfig`, plus the model's device and d
 A parameter is declared with its type, default and meaning, and with the model kinds that read it; a key
 no kind of this model reads is a load error with a did-you-mean (as an unknown request field is a request
 error). Request-field parameters (``default_<field>``, ``min_<field>``, ``max_<field>``, ...) are passed on
-to the field declarations (fields.py). README's "Configuration" table is generated from :data:`PARAMETERS`.
+to the field declarations (fields.py). docs/reference/config.md is generated from :data:`PARAMETERS`.
 This is the only module that reads config parameters. Model and LoRA paths come from here, never from a
 request.
 """
@@ -142,7 +142,7 @@ RENAMED = {
     "max_running_requests": Renamed("max_running"),
     "cancel_poll_ms": Renamed("cancel_poll_s", 1000, "milliseconds"),
 }
-# The engines a derived default tells apart (Derived), as README names them.
+# The engines a derived default tells apart (Derived), as docs/reference/config.md names them.
 DERIVED_CASES = {"step": "step engine", "request": "request engine", LM: "diffusion_lm"}
 
 
@@ -152,8 +152,8 @@ class Derived:
     expressions over the resolved parameters, ``max_batch_size`` (config.pbtxt's) and ``max``/``min``:
     ``step`` for an image model's step engine, ``request`` for the request-level engine and ``lm`` for
     the diffusion LM (each as ``step`` unless given); ``at_most``: a cap on the value, configured or
-    derived. :meth:`ModelSettings.resolved` evaluates these expressions and README's text of the default
-    is made of them (:meth:`doc`), so what runs and what is documented are one text."""
+    derived. :meth:`ModelSettings.resolved` evaluates these expressions and the reference's text of the
+    default is made of them (:meth:`doc`), so what runs and what is documented are one text."""
 
     step: str
     request: str | None = None
@@ -165,7 +165,7 @@ class Derived:
         return {"step": self.step, "request": self.request or self.step, LM: self.lm or self.step}[case]
 
     def doc(self) -> str:
-        """``default: EXPR (where), ...; at most EXPR``, for README's table."""
+        """``default: EXPR (where), ...; at most EXPR``, for docs/reference/config.md."""
         where: dict[str, list[str]] = {}
         for case, label in DERIVED_CASES.items():
             where.setdefault(self.expression(case), []).append(label)
@@ -191,9 +191,9 @@ def _parameter(
     tests_only: bool = False,
 ) -> Any:
     """A config parameter: its default, meaning, the model kinds that read it, its choices; a parser for
-    a value that is not a plain number, flag or word (``written``: how it is written, for README); a
+    a value that is not a plain number, flag or word (``written``: how it is written, for the reference); a
     default computed at load from other parameters (``derived``: the declared default is then None);
-    ``tests_only``: a test hook, accepted but left out of README's table (README: Reliability)."""
+    ``tests_only``: a test hook, accepted but left out of the reference (docs/operations/reliability.md)."""
     assert derived is None or default is None, "a derived default is declared as None"
     metadata = {
         "doc": doc,
@@ -406,7 +406,7 @@ class ModelConfig:
     )
     fault_injection: Any = _parameter(
         None,
-        "tests only: JSON of faults to inject (faults.py; README: Reliability)",
+        "tests only: JSON of faults to inject (faults.py; docs/operations/reliability.md)",
         parse=_fault_injection,
         written="JSON",
         tests_only=True,
@@ -434,7 +434,7 @@ class ModelConfig:
                 suggestion = f"; did you mean {hint[0]!r}?" if hint else ""
                 what = "is not read by this kind of model" if key in declared else "is not a known parameter"
                 raise ValueError(
-                    f"model {model}: config parameter {key!r} {what}{suggestion} (README: Configuration)"
+                    f"model {model}: config parameter {key!r} {what}{suggestion} (docs/reference/config.md)"
                 )
             if key in given:
                 twice = f"given twice (as {given[key]!r} and {written!r})"
@@ -498,8 +498,9 @@ def config_parameters(model_config: Mapping[str, Any]) -> dict[str, str]:
 
 
 def parameters_markdown() -> str:
-    """README's configuration table, straight from the declarations: a derived default's text from its
-    :class:`Derived`, old names from :data:`RENAMED`; the test hooks (``tests_only``) left out."""
+    """The configuration reference (docs/reference/config.md), straight from the declarations: a derived
+    default's text from its :class:`Derived`, old names from :data:`RENAMED`; the test hooks
+    (``tests_only``) left out."""
     names = {IMAGE: "image and video models", IMAGE_SOURCE: "image models", LM: "diffusion_lm"}
     lines = ["| parameter | type | default | read by | meaning |", "|---|---|---|---|---|"]
     for f in fields(ModelConfig):

@@ -4,8 +4,8 @@
 * Device lost: a CUDA error other than out-of-memory (illegal address, launch failure, ECC error) is
   sticky: every later call in this process fails too. Retrying or bisecting is pointless; the requests
   held are answered UNAVAILABLE and the process exits, so the launcher's supervisor restarts the server
-  with a fresh CUDA context (README "Reliability"). A device error counts as that only if a probe on the
-  device fails as well.
+  with a fresh CUDA context (docs/operations/reliability.md). A device error counts as that only if a
+  probe on the device fails as well.
 * Anything else: this call's own problem (a bad input, a bug).
 
 :func:`isolate` is failure isolation, written once for every batched call of both engines (a forward, a

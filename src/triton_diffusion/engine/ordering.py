@@ -1,7 +1,7 @@
 """The scheduler's swappable parts, each declared once (name, parameters, doc): the scheduling policy
 (which group of running jobs steps next and in what order), service tiers and deadlines (who goes first
 across groups, who is paused, who ages), and admission pacing (when newcomers join a busy running set).
-settings.py takes the policy names and docs from :data:`POLICIES`; README's configuration table is made
+settings.py takes the policy names and docs from :data:`POLICIES`; docs/reference/config.md is made
 from settings.py.
 
 Order, for admission, pausing and each forward alike: a job's *effective tier* first (its tier, raised by

@@ -4,8 +4,8 @@ and readiness.
 The requests go through the client's stream code (``triton_diffusion_client.streams``, the one the
 project's gRPC client uses): prompts and images as input tensors, every other field as a request
 parameter; progress responses, then one FINAL response. Streams are pooled and carry one request at a
-time: opening a gRPC stream per request was about a third of the front's CPU (2.5-2.7 ms a request before
-pooling, 1.4-1.8 after, README), and Triton 2.51 cancels a whole stream, not one request on it, so one
+time: opening a gRPC stream per request cost a large part of the front's CPU, and Triton 2.51 cancels a
+whole stream, not one request on it, so one
 stream shared by requests in flight could not cancel just one. Leaving a request early (the HTTP client
 went away, a video job was deleted, the timeout passed) cancels its stream, which cancels the Triton
 request (its rows leave at the next step). Here the client's errors become the front's: ApiError with

@@ -17,7 +17,7 @@ log = logging.getLogger("triton_diffusion")
 ROWS_BUCKETS = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64]
 SECONDS_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120]
 
-# name -> (kind, description); the README's metrics table lists the same names.
+# name -> (kind, description); docs/reference/metrics.md is generated from these.
 FAMILIES = {
     "triton_diffusion_fused_call_rows": ("HISTOGRAM", "Rows (images) per fused pipeline call"),
     "triton_diffusion_execute_requests": ("HISTOGRAM", "Requests per execute() call"),

@@ -1,0 +1,80 @@
+"""The in-process engine benchmark (``bench.py engines``) on two source trees, side by side: each round runs
+the old tree's own benchmark script on its own ``src/`` and the new one's on its own, alternating which goes
+first, and keeps both artefacts. The summary sets each ratio the benchmark reports (homogeneous, mixed,
+Poisson) of the old tree beside the new one's, round by round: a change of a ratio is read against how
+much the same tree's ratio moves between rounds (the noise).
+
+    .venv/bin/python scripts/compare_trees.py --old /tmp/old --old-script scripts/bench_engines.py \\
+        --rounds 2 --out docs/cpu/boundary -- --concurrency 16 --requests 32 --poisson-requests 150
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(tree: Path, script: str, bench_args: list[str], out: Path) -> dict:
+    env = {**os.environ, "PYTHONPATH": f"{tree / 'src'}:{tree}"}
+    command = [sys.executable, str(tree / script), *bench_args, "--out", str(out)]
+    subprocess.run(command, check=True, cwd=tree, env=env)
+    return json.loads((out / "bench_engines.json").read_text())  # the script writes its folder
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--old", required=True, type=Path, help="the old tree (a git worktree)")
+    parser.add_argument("--old-script", default="scripts/bench_engines.py")
+    parser.add_argument("--old-commit", default="")
+    parser.add_argument("--new", default=REPO_ROOT, type=Path)
+    parser.add_argument("--new-script", default="scripts/bench_engines.py")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "docs" / "cpu" / "boundary")
+    parser.add_argument("bench_args", nargs=argparse.REMAINDER, help="after --: the benchmark's arguments")
+    args = parser.parse_args(argv)
+    bench_args = [a for a in args.bench_args if a != "--"]
+    args.out.mkdir(parents=True, exist_ok=True)
+    ratios: dict[str, dict[str, list[float]]] = {}
+    rounds = []
+    for index in range(args.rounds):
+        order = ("old", "new") if index % 2 == 0 else ("new", "old")
+        for name in order:
+            tree, script = (args.old, args.old_script) if name == "old" else (args.new, args.new_script)
+            artefact = run(tree, script, bench_args, args.out / f"{name}_{index}")
+            for label, (value, _target) in artefact["ratios"].items():
+                ratios.setdefault(label, {"old": [], "new": []})[name].append(value)
+        rounds.append(list(order))
+    noise = 0.15  # one run to the next on this 2-core host (DEVELOPERS.md); the rounds' own spread if larger
+    summary = {}
+    for label, values in ratios.items():
+        old, new = values["old"], values["new"]
+        if not old or not new:
+            continue
+        spread = max(max(old) - min(old), max(new) - min(new))
+        change = statistics.median(new) - statistics.median(old)
+        summary[label] = {
+            "old": old,
+            "new": new,
+            "change": change,
+            "spread": spread,
+            "verdict": "within noise"
+            if abs(change) <= max(spread, noise * abs(statistics.median(old)))
+            else "moved",
+        }
+        print(f"{label}: old {old} new {new} -> {summary[label]['verdict']}")
+    sys.path.insert(0, str(REPO_ROOT / "scripts"))
+    from artefacts import write
+
+    config = {"old_commit": args.old_commit, "bench_args": bench_args, "rounds": rounds}
+    print(f"written: {write(args.out / 'summary.json', {'config': config, 'ratios': summary})}")
+
+
+if __name__ == "__main__":
+    main()
