@@ -42,7 +42,7 @@ BLOCK = re.compile(r"(<!-- figures: (?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- /
 
 
 @dataclass(frozen=True)
-class Block:
+class Figure:
     """One rendered figure: the artefacts it reads (paths under the repository) and how."""
 
     artefacts: tuple[str, ...]
@@ -60,15 +60,24 @@ class Block:
         return render(*artefacts)
 
 
-# Why a block's figures no longer describe the code (Block.stale), for the reasons several blocks share.
+# Why a block's figures no longer describe the code (Figure.stale), for the reasons several blocks share.
 BEFORE_ENGINE_CORE = "taken before the engine core was rewritten (commit 1586aec) and not taken again since"
+BEFORE_BOUNDARY = (
+    "taken before the engine boundary changed (commit 4229cc8: aborts handed in as data, the scheduler's"
+    " update) and not taken again since; the engine's own work per step was measured old against new"
+    " (engine_step_cost.json)"
+)
+BEFORE_HOOKS = (
+    "taken before the per-row step caches moved to diffusers' HookRegistry (commit c35f2df) and not taken"
+    " again since: its overhead column measures the machinery it replaced"
+)
 
-BLOCKS: dict[str, Block] = {
+BLOCKS: dict[str, Figure] = {
     # the real server (scripts/bench.py)
-    "server-engines": Block(
+    "server-engines": Figure(
         ("docs/bench.json",), "engines.server_ratios", "bench.py: served engines", stale=BEFORE_ENGINE_CORE
     ),
-    "openai-front": Block(
+    "openai-front": Figure(
         ("docs/openai_front/bench.json", "docs/openai_front/repeat/bench.json"),
         "engines.openai_front",
         "bench.py --openai: the front against gRPC direct",
@@ -76,56 +85,66 @@ BLOCKS: dict[str, Block] = {
         " where bench.py --openai reverses the second round",
     ),
     # in process (scripts/bench_engines.py)
-    "engines": Block(
+    "engines": Figure(
         ("docs/cpu/bench_engines.json",),
         "engines.in_process_ratios",
         stale=BEFORE_ENGINE_CORE + "; its text+image rows gave each request-level model a whole Triton"
         " batch per turn (the image-mix block takes them with one fused call per turn)",
     ),
-    "request-walk": Block(("docs/design/request_walk.json",), "walk.render", "request_walk.py"),
-    "engines-rounds": Block(
+    "request-walk": Figure(("docs/design/request_walk.json",), "walk.render", "request_walk.py"),
+    "engines-rounds": Figure(
         ("docs/cpu/rounds/bench_engines.json",), "engines.ratio_table", stale=BEFORE_ENGINE_CORE
     ),
-    "image-mix": Block(
+    "image-mix": Figure(
         ("docs/cpu/image_mix/bench_engines.json",), "engines.ratio_table", stale=BEFORE_ENGINE_CORE
     ),
-    "graphs-cpu": Block(("docs/cpu/bench_graphs.json",), "engines.graphs", stale=BEFORE_ENGINE_CORE),
-    "lora": Block(("docs/cpu/lora/bench_lora.json",), "engines.ratio_table"),
-    "dllm": Block(
+    "graphs-cpu": Figure(("docs/cpu/bench_graphs.json",), "engines.graphs", stale=BEFORE_ENGINE_CORE),
+    "lora": Figure(("docs/cpu/lora/bench_lora.json",), "engines.ratio_table", stale=BEFORE_BOUNDARY),
+    "dllm": Figure(
         ("docs/dllm_bench.json",),
         "engines.dllm",
         stale="taken when the diffusion LM ran on an engine of its own, before it ran on the shared step"
         " engine",
     ),
     # step caches, tiers and deadlines
-    "caches": Block(("docs/cpu/caches/bench_caches.json",), "caches.render"),
-    "slo": Block(("docs/cpu/slo/bench_slo.json",), "slo.render"),
-    "slo-server": Block(("docs/cpu/slo/bench_slo_server.json",), "slo.render_server"),
+    "caches": Figure(("docs/cpu/caches/bench_caches.json",), "caches.render", stale=BEFORE_HOOKS),
+    "slo": Figure(("docs/cpu/slo/bench_slo.json",), "slo.render", stale=BEFORE_BOUNDARY),
+    "slo-server": Figure(("docs/cpu/slo/bench_slo_server.json",), "slo.render_server", stale=BEFORE_BOUNDARY),
     # GPU: scripts/gpu_checks.py on one H100 (docs/gpu/checks*/)
-    "gpu-graphs": Block(("docs/gpu/checks/cuda_graphs/bench_graphs.json",), "engines.graphs"),
-    "gpu-engines-graphs": Block(
-        ("docs/gpu/checks/engines_graphs/bench_engines.json",), "engines.in_process_ratios"
+    "gpu-graphs": Figure(
+        ("docs/gpu/checks/cuda_graphs/bench_graphs.json",), "engines.graphs", stale=BEFORE_BOUNDARY
     ),
-    "gpu-engines-eager": Block(("docs/gpu/checks/engines_eager/bench_engines.json",), "engines.ratio_table"),
-    "gpu-lora": Block(("docs/gpu/checks/lora/bench_lora.json",), "engines.ratio_table"),
-    "gpu-family-now": Block(("docs/gpu/checks/family_invariance/family.json",), "gpu.family_invariance"),
-    "gpu-caches": Block(("docs/gpu/checks_step_caches/step_caches/bench_caches.json",), "caches.render"),
+    "gpu-engines-graphs": Figure(
+        ("docs/gpu/checks/engines_graphs/bench_engines.json",),
+        "engines.in_process_ratios",
+        stale=BEFORE_BOUNDARY,
+    ),
+    "gpu-engines-eager": Figure(
+        ("docs/gpu/checks/engines_eager/bench_engines.json",), "engines.ratio_table", stale=BEFORE_BOUNDARY
+    ),
+    "gpu-lora": Figure(
+        ("docs/gpu/checks/lora/bench_lora.json",), "engines.ratio_table", stale=BEFORE_BOUNDARY
+    ),
+    "gpu-family-now": Figure(("docs/gpu/checks/family_invariance/family.json",), "gpu.family_invariance"),
+    "gpu-caches": Figure(
+        ("docs/gpu/checks_step_caches/step_caches/bench_caches.json",), "caches.render", stale=BEFORE_HOOKS
+    ),
     # GPU (older figures, kept with their dates)
-    "gpu-engines-sd15": Block(
+    "gpu-engines-sd15": Figure(
         ("docs/gpu/bench_engines_sd15.json",),
         "engines.ratio_table",
         stale=BEFORE_ENGINE_CORE + ", with bench_engines.py's earlier clock (a request stamped when the"
         " loop polled for it): its latency ratios are not comparable with the other tables'; its throughput"
         " ratios do not depend on the clock",
     ),
-    "gpu-family-invariance": Block(
+    "gpu-family-invariance": Figure(
         ("docs/gpu/family_invariance.json",),
         "gpu.family_invariance",
         stale="taken before Qwen-Image, Sana, PixArt-Sigma and Z-Image had step adapters, without"
         " PixArt-Alpha, the inpainting checkpoints or Wan, and with an earlier tiny Qwen-Image VAE;"
         " the block gpu-family-now takes it again",
     ),
-    "gpu-device-errors": Block(
+    "gpu-device-errors": Figure(
         ("docs/gpu/device_errors.json",),
         "gpu.device_errors",
         stale="taken with the failure classifier of its commit, which engine/failures.py has changed since;"
@@ -214,7 +233,7 @@ def markdown_files(roots: Sequence[str] = MARKDOWN) -> list[Path]:
 
 
 def shown_on(files: Sequence[Path]) -> dict[str, list[Path]]:
-    """Block name -> the markdown files that show it."""
+    """Figure name -> the markdown files that show it."""
     shown: dict[str, list[Path]] = {}
     for path in files:
         for match in BLOCK.finditer(path.read_text()):

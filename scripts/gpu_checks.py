@@ -53,7 +53,7 @@ from pathlib import Path
 
 from gpu.budget import STEP_COSTS, Plan, make_plan
 from gpu.environment import REPO_ROOT, download_wheels, install_wheels, machine, probe_imports
-from gpu.parts import PARTS, Outcome, Run
+from gpu.parts import PARTS, PartOutcome, Run
 from gpu.runner import Checks, Child, run_parts
 
 # The device tool's longest command is 600 s; around the parts go installing the wheels, the import probe,
@@ -135,7 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     if problem := probe_imports(run.python, scripts, args.smoke):
         print(f"[gpu_checks] not started: {problem}", file=sys.stderr, flush=True)
         for part in PARTS:
-            run.outcomes[part.name] = Outcome(part.name, "not started", "the import probe failed: see above")
+            run.outcomes[part.name] = PartOutcome(
+                part.name, "not started", "the import probe failed: see above"
+            )
         info["probe"] = problem
         checks.publish()
         return 3

@@ -189,9 +189,10 @@ def relative_half_range(summary: dict | None) -> float | None:
 def verdict(summary: dict | None, neutral: float, noise: float | None, kind: str, words=("", "")) -> str:
     """How a figure over rounds reads: ``kind`` "overhead" (neutral 0, shown as a percentage) or "ratio"
     (neutral 1, shown as a factor; ``words`` name a ratio above and below 1). Each round's figure compares
-    variants measured in that round, so the machine's drift between rounds cancels: within noise when the
-    rounds straddle ``neutral`` (``noise``, the uncached baseline's own drift between rounds, is shown for
-    reference only); one round has no spread to judge by."""
+    variants measured in that round, so the machine's drift between rounds cancels in part: within noise
+    when the rounds straddle ``neutral``, or when the median is within ``noise`` of it (the uncached
+    baseline's own drift between rounds, relative: a figure that moves less than the baseline does is not a
+    finding); one round has no spread to judge by."""
     if summary is None:
         return "not measured"
 
@@ -203,7 +204,8 @@ def verdict(summary: dict | None, neutral: float, noise: float | None, kind: str
         return f"{show(value)} (one round: no spread measured, not a finding)"
     margin = noise or 0.0
     span = f"rounds {show(low)} to {show(high)}; the baseline drifted ±{margin:.0%} between rounds"
-    if low <= neutral <= high:
+    distance = abs(value - neutral) if kind == "overhead" else abs(value / neutral - 1)
+    if low <= neutral <= high or distance <= margin:
         return f"{show(value)} ({span}: within noise)"
     if kind == "overhead":
         if value < neutral:

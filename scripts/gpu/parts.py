@@ -204,7 +204,7 @@ class Run:
     out: Path  # where the parts' folders are
     smoke: bool
     python: str = sys.executable
-    outcomes: dict[str, Outcome] = field(default_factory=dict)
+    outcomes: dict[str, PartOutcome] = field(default_factory=dict)
 
     def folder(self, part: str) -> Path:
         return self.out / part
@@ -243,7 +243,7 @@ class Part:
 
 
 @dataclass
-class Outcome:
+class PartOutcome:
     part: str
     status: str  # done, cut short, failed, running, not built yet, not reached, not selected, not planned
     detail: str = ""

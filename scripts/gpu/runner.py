@@ -23,7 +23,7 @@ from pathlib import Path
 
 from gpu.budget import Plan
 from gpu.environment import REPO_ROOT, SCRIPTS, child_environment
-from gpu.parts import Outcome, Part, Run
+from gpu.parts import Part, PartOutcome, Run
 
 MIN_START_S = 10.0  # a part is not started with less of the budget left
 REFRESH_S = 15.0  # while a part runs, the summary and bundle are refreshed this often if its files changed
@@ -136,7 +136,7 @@ class Checks:
         publish(self.run, self.bundle, self.summary(), self.info)
 
 
-def run_part(part: Part, checks: Checks, timeout: float) -> Outcome:
+def run_part(part: Part, checks: Checks, timeout: float) -> PartOutcome:
     run = checks.run
     folder = run.folder(part.name)
     if folder.exists():
@@ -157,7 +157,7 @@ def run_part(part: Part, checks: Checks, timeout: float) -> Outcome:
         newest = max((p.stat().st_mtime for p in folder.iterdir() if p.name != "log.txt"), default=0.0)
         if newest > seen["newest"]:
             seen["newest"] = newest
-            running = Outcome(part.name, "running", seconds=time.monotonic() - started)
+            running = PartOutcome(part.name, "running", seconds=time.monotonic() - started)
             running.files = sorted(
                 str(p.relative_to(run.out)) for pat in part.writes for p in folder.glob(pat)
             )
@@ -166,7 +166,7 @@ def run_part(part: Part, checks: Checks, timeout: float) -> Outcome:
             checks.publish()
 
     code = Child.run([run.python, str(SCRIPTS / args[0]), *args[1:]], log, timeout, run.smoke, tick)
-    outcome = Outcome(part.name, "done", seconds=time.monotonic() - started)
+    outcome = PartOutcome(part.name, "done", seconds=time.monotonic() - started)
     if code is None:
         outcome.status = "cut short"
         outcome.detail = f"stopped at the budget, {timeout:.0f} s; {kept_rows(folder, part)}"
@@ -216,7 +216,7 @@ def summary(
         "|---|---|---|---|---|",
     ]
     for part in parts:
-        outcome = run.outcomes.get(part.name, Outcome(part.name, "not reached"))
+        outcome = run.outcomes.get(part.name, PartOutcome(part.name, "not reached"))
         status = outcome.status + (f" ({outcome.detail})" if outcome.detail else "")
         seconds = "-" if outcome.seconds is None else f"{outcome.seconds:.0f}"
         files = ", ".join(f"[{Path(f).name}]({f})" for f in outcome.files) or "-"
@@ -257,7 +257,7 @@ def publish(run: Run, bundle: Path | None, text: str, info: dict) -> None:
     partial.replace(bundle / "gpu_checks.tar.gz")
 
 
-def earlier_outcomes(out: Path) -> dict[str, Outcome]:
+def earlier_outcomes(out: Path) -> dict[str, PartOutcome]:
     """The outcomes an earlier run left in this folder (kept for the parts ``--parts`` leaves out)."""
     path = out / "summary.json"
     if not path.is_file():
@@ -265,7 +265,7 @@ def earlier_outcomes(out: Path) -> dict[str, Outcome]:
     outcomes = {}
     for saved in json.loads(path.read_text()).get("parts", []):
         if saved["status"] in ("done", "cut short", "failed") and (out / saved["part"]).is_dir():
-            outcome = Outcome(**saved)
+            outcome = PartOutcome(**saved)
             if "an earlier run" not in outcome.detail:
                 outcome.detail = "; ".join(x for x in (outcome.detail, "an earlier run") if x)
             outcomes[outcome.part] = outcome
@@ -283,14 +283,16 @@ def run_parts(checks: Checks, args: argparse.Namespace, chosen: list[str]) -> No
         left = args.budget_s - (time.monotonic() - started)
         timeout = left if run.smoke else left - plan.later(part.name) if part.name in plan.budgets else 0
         if part.name not in chosen:
-            run.outcomes[part.name] = earlier.get(part.name) or Outcome(part.name, "not selected", "--parts")
+            run.outcomes[part.name] = earlier.get(part.name) or PartOutcome(
+                part.name, "not selected", "--parts"
+            )
         elif missing := part.missing():
-            run.outcomes[part.name] = Outcome(part.name, "not built yet", missing)
+            run.outcomes[part.name] = PartOutcome(part.name, "not built yet", missing)
         elif not run.smoke and part.name in plan.left_out:
             detail = f"{plan.left_out[part.name]}: another call, --parts {','.join(plan.left_out)}"
-            run.outcomes[part.name] = Outcome(part.name, "not planned", detail)
+            run.outcomes[part.name] = PartOutcome(part.name, "not planned", detail)
         elif timeout < MIN_START_S:
-            run.outcomes[part.name] = Outcome(
+            run.outcomes[part.name] = PartOutcome(
                 part.name, "not reached", f"{max(timeout, 0):.0f} s of budget left"
             )
         else:
@@ -298,7 +300,9 @@ def run_parts(checks: Checks, args: argparse.Namespace, chosen: list[str]) -> No
                 run.outcomes[part.name] = run_part(part, checks, timeout)
             except (SystemExit, KeyboardInterrupt):
                 Child.stop()
-                run.outcomes[part.name] = Outcome(part.name, "cut short", "the run was stopped from outside")
+                run.outcomes[part.name] = PartOutcome(
+                    part.name, "cut short", "the run was stopped from outside"
+                )
                 checks.publish()
                 raise
         checks.publish()

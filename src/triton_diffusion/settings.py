@@ -18,6 +18,17 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from triton_diffusion.config_values import (
+    parse_fault_injection,
+    parse_flag,
+    parse_ints,
+    parse_lora_paths,
+    parse_names,
+    parse_row_caps,
+    parse_sizes,
+    parse_step_cache_text,
+    parse_tiers,
+)
 from triton_diffusion.engine.ordering import POLICIES  # noqa: E402  (torch-free: the policies' names and docs)
 
 # Which models read a parameter.
@@ -28,103 +39,6 @@ ALL = (IMAGE, IMAGE_SOURCE, LM)
 ENGINES = ("auto", "step", "request")
 # Prefixes and suffixes of the request-field parameters fields.py applies (Field.configured).
 FIELD_PARAMETER_FORMS = ("default_{}", "min_{}", "max_{}", "{}_choices", "{}_multiple_of", "max_{}_length")
-
-
-def _flag(text: str) -> bool:
-    value = text.strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off", ""):
-        return False
-    raise ValueError(f"expected true or false, got {text!r}")
-
-
-# ---- parsers of the values that are not a plain number, flag or word: each raises ValueError saying what
-# is expected; the caller names the key.
-def parse_names(text: str) -> tuple[str, ...]:
-    """``a,b,c`` -> ("a", "b", "c"), blanks dropped."""
-    return tuple(item.strip() for item in text.split(",") if item.strip())
-
-
-def parse_ints(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(item) for item in parse_names(text))
-    except ValueError:
-        raise ValueError(f"expected comma-separated integers, got {text!r}") from None
-
-
-def parse_sizes(text: str) -> tuple[tuple[int, int], ...]:
-    """``WIDTHxHEIGHT,...`` -> ((width, height), ...)."""
-    sizes = []
-    for item in parse_names(text):
-        width, x, height = item.lower().partition("x")
-        if not (x and width.isdigit() and height.isdigit() and int(width) > 0 and int(height) > 0):
-            raise ValueError(f"expected WIDTHxHEIGHT,..., got {item!r}")
-        sizes.append((int(width), int(height)))
-    return tuple(sizes)
-
-
-def parse_row_caps(text: str) -> dict[str, int]:
-    """``{"WIDTHxHEIGHT": images, "WIDTHxHEIGHTxFRAMES": images}`` -> the same, canonical keys."""
-    raw = _json_object(text)
-    caps: dict[str, int] = {}
-    for size, cap in raw.items():
-        parts = str(size).lower().split("x")
-        if (
-            not (2 <= len(parts) <= 3 and all(p.isdigit() for p in parts))
-            or not isinstance(cap, int)
-            or cap < 1
-        ):
-            expected = "'WIDTHxHEIGHT' or 'WIDTHxHEIGHTxFRAMES': positive int"
-            raise ValueError(f"row cap {size!r}: {cap!r}: expected {expected}")
-        caps["x".join(str(int(p)) for p in parts)] = cap
-    return caps
-
-
-def parse_lora_paths(text: str) -> dict[str, str]:
-    """``{"name": "path", ...}``: each name 1-64 characters, no comma, colon or space."""
-    paths = _json_object(text)
-    if not all(isinstance(v, str) for v in paths.values()):
-        raise ValueError('expected {"name": "path", ...}')
-    for name in paths:
-        if not name or any(c in name for c in ",: ") or len(name) > 64:
-            raise ValueError(f"LoRA name {name!r}: 1-64 characters, no comma, colon or space")
-    return paths
-
-
-def parse_tiers(text: str) -> tuple[str, ...]:
-    tiers = parse_names(text)
-    if not tiers or len(set(tiers)) != len(tiers) or not all(t.isidentifier() for t in tiers):
-        raise ValueError(
-            f"expected distinct tier names, highest first (as priority,default,flex), got {text!r}"
-        )
-    return tiers
-
-
-def _json_object(text: str) -> dict[str, Any]:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"not JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise ValueError("expected a JSON object")
-    return value
-
-
-def _fault_injection(text: str) -> Any:
-    from triton_diffusion.faults import FaultInjection
-
-    return FaultInjection.from_config(text)
-
-
-def _step_cache(text: str) -> Any:
-    from triton_diffusion.errors import RequestError
-    from triton_diffusion.step_cache_spec import parse_step_cache
-
-    try:
-        return parse_step_cache(text, field="step_cache")
-    except RequestError as error:  # the request field's own message: a load error here
-        raise ValueError(error.message) from None
 
 
 @dataclass(frozen=True)
@@ -321,7 +235,11 @@ class ModelConfig:
         derived=Derived("max_rows_per_call", request="max(max_batch_size, max_rows_per_call)", lm="4"),
     )
     max_admission_wait_s: float = _parameter(120.0, "longest a request waits for room before UNAVAILABLE")
-    cancel_poll_s: float = _parameter(0.05, "ask a running request about cancellation at most this often")
+    cancel_poll_s: float = _parameter(
+        0.05,
+        "step engine: ask a held request about cancellation at most this often (the request-level engine"
+        " asks before each fused call and between its steps)",
+    )
     scheduling_policy: str = _parameter(
         "oldest",
         "which group of running jobs steps next, and their order (engine/ordering.py): "
@@ -364,7 +282,7 @@ class ModelConfig:
         "the step cache of requests that send no step_cache field: none, fbc:THRESHOLD or "
         "taylorseer:INTERVAL[:WARMUP] (docs/usage/step-caches.md)",
         (IMAGE, IMAGE_SOURCE),
-        parse=_step_cache,
+        parse=parse_step_cache_text,
         written="METHOD[:...]",
     )
     result_cache_mb: float = _parameter(
@@ -407,7 +325,7 @@ class ModelConfig:
     fault_injection: Any = _parameter(
         None,
         "tests only: JSON of faults to inject (faults.py; docs/operations/reliability.md)",
-        parse=_fault_injection,
+        parse=parse_fault_injection,
         written="JSON",
         tests_only=True,
     )
@@ -471,7 +389,7 @@ def _typed(spec: Any, text: str, model: str) -> Any:
         if spec.metadata["parse"] is not None:
             return spec.metadata["parse"](text)
         if "bool" in kind:
-            value: Any = _flag(text)
+            value: Any = parse_flag(text)
         elif "int" in kind:
             value = int(text)
         elif "float" in kind:

@@ -15,13 +15,13 @@ from diffusers import AutoPipelineForImage2Image, AutoPipelineForInpainting, Dif
 from tests.unit.recording import RecordingChannel, deliver_errors, step_as_worker
 from triton_diffusion.adapters.diffusers_pipeline import SchedulerChoices, row_generator
 from triton_diffusion.adapters.image_requests import ImageRequest
+from triton_diffusion.config_values import parse_names
 from triton_diffusion.engine.jobs import Job, StepReport
 from triton_diffusion.engine.scheduler import EngineLimits
 from triton_diffusion.engine.step_engine import StepEngine
 from triton_diffusion.families import PipelineFacts
 from triton_diffusion.serving.requests import TrackedRequest
 from triton_diffusion.serving.server_process import WEIGHTS
-from triton_diffusion.settings import parse_names
 from triton_diffusion.tiny_models import build_missing
 
 

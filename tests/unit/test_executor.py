@@ -212,3 +212,30 @@ def test_device_errors_are_told_apart():
     assert is_device_lost(RuntimeError("CUDA error: device-side assert triggered"))
     assert not is_device_lost(RuntimeError("shape mismatch"))
     assert not is_device_lost(SimulatedOutOfMemoryError("CUDA error: out of memory"))
+
+
+def test_a_request_cancelled_inside_a_fused_call_leaves_the_engines_table():
+    # The request-level engine's record of a request cancelled between two denoising steps of its call
+    # goes with its jobs (a leak held its TrackedRequest and Triton sender for good).
+    from triton_diffusion.engine.jobs import Job
+    from triton_diffusion.engine.request_engine import RequestEngine
+
+    cancelled = {"now": False}
+    requests = {
+        name: tracked(name, cancelled=(lambda: cancelled["now"]) if name == "a" else False) for name in "ab"
+    }
+
+    def call(key, jobs, steps):
+        for step in (1, 2, 3):
+            steps.on_step(step, 3)
+            cancelled["now"] = True  # "a" is cancelled after its first step
+        return steps.scatter([f"img {job.request.request_id}" for job in steps.alive])
+
+    left = []
+    engine = RequestEngine(call, RowCaps(8), lambda report: left.extend(report.left), ClientAborts())
+    for request in requests.values():
+        engine.add(Job(request, None, group=KEY))
+    report = engine.step()
+    assert [(entry.job.request.request_id, entry.reason) for entry in left] == [("a", "cancelled")]
+    assert [finished.job.request.request_id for finished in report.finished] == ["b"]
+    assert len(engine.requests) == 0 and not engine.active

@@ -3,10 +3,10 @@
 import pytest
 from PIL import Image
 
+from triton_diffusion.config_values import parse_sizes
 from triton_diffusion.errors import RequestError
 from triton_diffusion.models.image_to_image import IMAGE_TO_IMAGE_FIELDS, ImageToImageModel
 from triton_diffusion.models.source_images import SourceImages
-from triton_diffusion.settings import parse_sizes
 
 
 def model(buckets="", max_size=512):

@@ -25,10 +25,11 @@ from triton_diffusion.adapters.lora import (
     parse_lora,
 )
 from triton_diffusion.adapters.step_adapters import step_adapter_for
+from triton_diffusion.config_values import parse_lora_paths
 from triton_diffusion.errors import RequestError
 from triton_diffusion.families import PipelineFacts
 from triton_diffusion.serving.server_process import WEIGHTS
-from triton_diffusion.settings import ModelConfig, parse_lora_paths
+from triton_diffusion.settings import ModelConfig
 from triton_diffusion.tiny_models import build_missing
 
 LIMITS = LoraLimits(("ink", "neon"), max_scale=2.0, max_per_request=2)

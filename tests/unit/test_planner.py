@@ -1,8 +1,8 @@
 import pytest
 
 from triton_diffusion.compatibility import CompatibilityKey
+from triton_diffusion.config_values import parse_row_caps
 from triton_diffusion.engine.planner import PlannedRequest, Row, RowCaps, plan_groups
-from triton_diffusion.settings import parse_row_caps
 
 
 def k(width=64, height=64, steps=4):

@@ -150,9 +150,9 @@ def test_the_config_is_frozen():
 # Each is declared once (settings.Derived): the engines read it through ModelSettings.resolved and the config
 # reference's text is written from it. This checks the whole chain from the outside: every default the
 # reference documents as an expression is evaluated here from its own text and compared with what the
-# engines built from the same settings actually hold, so a reference left stale, or an engine
-# (serving/engines.py, serving/triton_model.py, models/diffusion_lm.py) computing a default of its own,
-# fails.
+# engines built from the same settings actually hold, so a reference left stale, or an engine kind
+# (serving/engines.py) computing a default of its own, fails. The engine kinds are built here as the models
+# build them (DiffusionModel.row_caps, StepEngineKind over the adapter), not through the models' own load.
 
 LABELS = {
     "step engine": ("step",),

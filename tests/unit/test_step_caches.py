@@ -8,10 +8,12 @@ pipeline call, each denoiser call under its CFG branch's cache context: the pipe
 CFG's negative prompt and "cond" for every other (named here from the call's pooled embeddings, not by the
 code under test).
 
-Every test of a cached image checks that the reference differs from the uncached image by more than 5
-uint8 levels (a cache that computed everything would fail it) and counts what was computed itself
-(:class:`ComputedRows`: forward pre-hooks on the linear layers of the transformer's blocks), apart from the
-cache's own counters.
+Every test of a cached image against diffusers' reference checks that the reference differs from the
+uncached image by more than 5 uint8 levels (a cache that computed everything would fail it) and counts
+what was computed itself (:class:`ComputedRows`: forward pre-hooks on the linear layers of the
+transformer's blocks), apart from the cache's own counters. The test of other diffusers hooks on the same
+modules compares with the same rows served without them (its images, what they reused and the rows
+computed), and checks that every other hook ran.
 """
 
 from __future__ import annotations

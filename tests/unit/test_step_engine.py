@@ -14,13 +14,23 @@ import pytest
 
 from tests.unit.recording import RecordingChannel, deliver_errors, step_as_worker, tracked
 from triton_diffusion.engine.failures import DeviceLostError
-from triton_diffusion.engine.jobs import ForwardResult, Job, JobSpec, JobStart, JobStep, StepReport
+from triton_diffusion.engine.jobs import (
+    Finished,
+    ForwardResult,
+    Job,
+    JobSpec,
+    JobStart,
+    JobStep,
+    Left,
+    StepReport,
+)
 from triton_diffusion.engine.ordering import AdmissionPacing, make_policy
 from triton_diffusion.engine.request_status import Abort
 from triton_diffusion.engine.scheduler import CAP_RECOVERY_FORWARDS, EngineLimits
 from triton_diffusion.engine.step_engine import StepEngine
 from triton_diffusion.errors import ErrorCode, RequestError
 from triton_diffusion.faults import AcceleratorError, SimulatedOutOfMemoryError
+from triton_diffusion.serving.cancellations import ClientAborts
 from triton_diffusion.serving.engine_worker import EngineWorker
 from triton_diffusion.serving.requests import Stage, TrackedRequest
 
@@ -148,12 +158,17 @@ class RaisingKind:
         kind = self
 
         class Parsed:
-            progress, summary = True, ""
+            progress = True
 
             @property
             def jobs(self):
                 kind._raise_for("jobs", name)
                 return [JobSpec(Spec())]
+
+            @property
+            def summary(self):  # read when the request is admitted
+                kind._raise_for("admitted", name)
+                return ""
 
         return Parsed()
 
@@ -178,10 +193,10 @@ def test_every_request_gets_exactly_one_answer_whatever_its_model_kind_raises():
         increment = set = observe
 
     settings = ModelSettings("m", Path("."), ModelConfig(), {}, 8, "CPU", 0)
-    kind = RaisingKind(raise_in={"b": "finished", "c": "stepped", "d": "jobs"})
+    kind = RaisingKind(raise_in={"b": "finished", "c": "stepped", "d": "jobs", "f": "admitted"})
     engine_kind = StepEngineKind(FakeAdapter())
     host = EngineHost(kind, engine_kind, settings, Metrics(), IMAGE_METRICS, lambda error: None)
-    requests = [tracked(name) for name in "abcde"]
+    requests = [tracked(name) for name in "abcdef"]
     try:
         host.submit([(request, kind.parsed(request.request_id)) for request in requests])
         deadline = time.monotonic() + 10
@@ -192,7 +207,7 @@ def test_every_request_gets_exactly_one_answer_whatever_its_model_kind_raises():
     got = {r.request_id: r.channel.finals for r in requests}
     assert all(len(finals) == 1 for finals in got.values()), got
     assert got["a"] == [{"out": "out:a"}] and got["e"] == [{"out": "out:e"}]
-    for name in "bcd":
+    for name in "bcdf":
         assert isinstance(got[name][0], RequestError) and got[name][0].code is ErrorCode.INTERNAL
     assert all(r.stage is Stage.ANSWERED for r in requests)
     assert len(requests[0].channel.partials) == Spec().steps  # progress went out for the others
@@ -770,26 +785,36 @@ class DataOnly:
 
 
 class Aborts:
-    """An abort source that cancels the named requests once asked about them."""
+    """An abort source: the requests named ``cancelled`` were cancelled by their clients, those named
+    ``answered`` were ended by the host (with its error)."""
 
-    def __init__(self, *names: str) -> None:
-        self.names, self.asked = set(names), []
+    def __init__(self, cancelled: tuple[str, ...] = (), answered: tuple[str, ...] = ()) -> None:
+        self.cancelled, self.answered, self.asked = set(cancelled), set(answered), []
 
     def aborted(self, held):
         self.asked.extend(request.request_id for request in held)
-        return [Abort(request) for request in held if request.request_id in self.names]
+        by_host = RequestError(ErrorCode.INTERNAL, "answered by the host")
+        return [Abort(request) for request in held if request.request_id in self.cancelled] + [
+            Abort(request, by_host) for request in held if request.request_id in self.answered
+        ]
 
 
 def test_the_step_engine_reads_requests_as_data_and_reports_every_end():
-    # A failing forward, a cancellation (an abort handed in as data), a deadline and a finished job: the
-    # engine decides each end on its own record and reports it; the request objects are only read.
+    # A failing forward, a cancellation and a request the host answered (aborts handed in as data), an
+    # expired deadline and a finished job: the engine decides each end on its own record and reports it;
+    # the request objects are only read. (A refusal for a deadline: test_scheduler.py.)
     adapter = FakeAdapter()
-    aborts = Aborts("cancelled")
+    aborts = Aborts(cancelled=("cancelled",), answered=("answered",))
     limits = EngineLimits(8, 8, starvation_steps=4)
     engine = StepEngine(adapter, limits, make_policy("oldest"))
     jobs = {
         name: Job(DataOnly(name), spec)
-        for name, spec in [("ok", Spec()), ("bad", Spec(fail_forward=True)), ("cancelled", Spec(steps=9))]
+        for name, spec in [
+            ("ok", Spec()),
+            ("bad", Spec(fail_forward=True)),
+            ("cancelled", Spec(steps=9)),
+            ("answered", Spec(steps=9)),
+        ]
     }
     expired = Job(DataOnly("late", entered=time.perf_counter()), Spec(), deadline=time.perf_counter() - 1)
     for each in [*jobs.values(), expired]:
@@ -805,6 +830,7 @@ def test_the_step_engine_reads_requests_as_data_and_reports_every_end():
         "ok": "finished",
         "bad": "failed",
         "cancelled": "cancelled",
+        "answered": "ended",
         "late": "expired",
     }
     assert (
@@ -814,3 +840,70 @@ def test_the_step_engine_reads_requests_as_data_and_reports_every_end():
     assert left["bad"][1].code is ErrorCode.INTERNAL and left["ok"][1] is None
     assert "cancelled" in aborts.asked  # the engine asked its abort source, and only with data
     assert not engine.scheduler.requests._by_request  # every request's record left with its jobs
+
+
+def test_a_step_report_that_cannot_be_rendered_answers_every_request_it_names():
+    # A bug outside the per-job parts of rendering (here: counting deadline outcomes) would drop the whole
+    # report, and a request whose last job finished in it would never be answered: each gets INTERNAL.
+    from triton_diffusion.serving.engine_host import EngineHost, RequestRecord
+    from triton_diffusion.serving.engines import StepEngineKind
+    from triton_diffusion.serving.metrics import IMAGE_METRICS
+    from triton_diffusion.settings import ModelConfig, ModelSettings
+
+    class Metrics:
+        def observe(self, *args, **kwargs): ...
+
+        increment = set = observe
+
+    settings = ModelSettings("m", Path("."), ModelConfig(), {}, 8, "CPU", 0)
+    host = EngineHost(
+        RaisingKind({}), StepEngineKind(FakeAdapter()), settings, Metrics(), IMAGE_METRICS, print
+    )
+    try:
+        requests = [tracked(name) for name in "xy"]
+        jobs = [Job(r, Spec(), RequestRecord(r, None)) for r in requests]
+        report = StepReport(finished=[Finished(jobs[0], "out")], left=[Left(jobs[1], "finished")])
+
+        def broken(left):
+            raise RuntimeError("a bug")
+
+        host._deadline_outcomes = broken
+        host.render(report)
+        host.responses.close()
+    finally:
+        host.close()
+    for request in requests:
+        (final,) = request.channel.finals
+        assert isinstance(final, RequestError) and final.code is ErrorCode.INTERNAL, final
+
+
+def test_a_client_is_asked_about_cancellation_at_most_once_per_poll_interval():
+    # ClientAborts: each ask is a round trip to the server process, so a held request is asked at most
+    # every poll_s (time from a fake clock); a request the host answered is dropped without asking.
+    import triton_diffusion.serving.cancellations as cancellations
+
+    now = {"t": 100.0}
+    asks = {"a": 0, "b": 0}
+
+    def counting(name):
+        def ask():
+            asks[name] += 1
+            return False
+
+        return ask
+
+    requests = [tracked(name, cancelled=counting(name)) for name in "ab"]
+    aborts = ClientAborts(poll_s=0.05)
+    original = cancellations.time.perf_counter
+    cancellations.time.perf_counter = lambda: now["t"]
+    try:
+        for _ in range(10):  # 10 engine steps 10 ms apart: 0.1 s, two poll intervals
+            assert aborts.aborted(requests) == []
+            now["t"] += 0.01
+        assert asks == {"a": 2, "b": 2}
+        requests[1].end(RequestError(ErrorCode.INTERNAL, "answered by the host"))
+        (dropped,) = aborts.aborted(requests)
+        assert dropped.request is requests[1] and dropped.error.code is ErrorCode.INTERNAL
+        assert asks["b"] == 2  # not asked again: its answer is decided
+    finally:
+        cancellations.time.perf_counter = original

@@ -270,7 +270,12 @@ class RowCaches:
         for module, forward in hooked:
             HookRegistry.check_if_exists_or_initialize(module).register_hook(_hook_class()(forward), name)
         # diffusers caches which submodules carry registries (for its cache contexts): new ones stale it.
-        HookRegistry.check_if_exists_or_initialize(transformer).invalidate_child_registries_cache()
+        # (Older diffusers keep no such cache and have no such method.)
+        invalidate = getattr(
+            HookRegistry.check_if_exists_or_initialize(transformer), "invalidate_child_registries_cache", None
+        )
+        if invalidate is not None:
+            invalidate()
 
     @contextlib.contextmanager
     def running(self, plan: CachePlan | None) -> Iterator[None]:

@@ -213,8 +213,3 @@ class StepReport:
     cuts: list[str] = field(default_factory=list)  # request-level: why planned calls were cut short
     running: int = 0  # jobs in the running set after the step
     paused_now: int = 0  # jobs paused after the step
-
-    def __bool__(self) -> bool:
-        return bool(
-            self.admitted or self.stepped or self.finished or self.left or self.forwards or self.paused
-        )

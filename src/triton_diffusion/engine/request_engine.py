@@ -133,10 +133,11 @@ class RequestEngine:
         self._by_index: list[list[Job]] = []  # the jobs of each request of this step, by its index
         self._left: set[int] = set()  # jobs reported as left this step
 
-    def add(self, job: Job) -> None:
-        self.requests.attach(job)
+    def add(self, *jobs: Job) -> None:
+        """Jobs, from any thread (a request's together)."""
+        self.requests.attach(*jobs)
         with self._lock:
-            self._waiting.append(job)
+            self._waiting.extend(jobs)
 
     @property
     def active(self) -> int:
@@ -207,6 +208,8 @@ class RequestEngine:
             for job in self._jobs.values():
                 if id(job) not in self._left and job.status.ended:
                     self._leave(job, "ended")
+                elif id(job) in self._left:  # left inside a call (CallSteps reported it): out of the table
+                    self.requests.detach(job)
             held = [job for job in self._jobs.values() if id(job) not in self._left]
             with self._lock:
                 self._jobs = {}
@@ -218,8 +221,8 @@ class RequestEngine:
             ended, self._waiting = self._waiting + list(self._jobs.values()), []
             self._jobs = {}
         for job in ended:
-            job.status.end(error)
-            self._gone(job, "failed", error)
+            job.status.end(error)  # an end decided before (a cancel) stands
+            self._gone(job, "cancelled" if job.status.cancelled else "failed", job.status.error)
         return self.take_report()
 
     def _before_call(self, indices: list[int]) -> None:

@@ -155,12 +155,14 @@ class Scheduler:
         self.step = 0  # the engine step being scheduled
 
     # ---- any thread ---------------------------------------------------------------------------------
-    def add(self, job: Job) -> None:
-        self.requests.attach(job)
+    def add(self, *jobs: Job) -> None:
+        """Jobs arrive (a request's together: they share its record before any can be scheduled)."""
+        self.requests.attach(*jobs)
         with self._lock:
-            job.arrived = next(self._arrivals)
-            job.ready_at = self.clock()  # its wait in the engine (what ages it) starts now
-            self._inbox.append(job)
+            for job in jobs:
+                job.arrived = next(self._arrivals)
+                job.ready_at = self.clock()  # its wait in the engine (what ages it) starts now
+                self._inbox.append(job)
 
     @property
     def active(self) -> int:

@@ -88,8 +88,9 @@ class StepEngine:
         self.report = StepReport()  # what the step under way did so far
 
     # ---- any thread -------------------------------------------------------------------------------
-    def add(self, job: Job) -> None:
-        self.scheduler.add(job)
+    def add(self, *jobs: Job) -> None:
+        """Jobs, from any thread (a request's together)."""
+        self.scheduler.add(*jobs)
 
     @property
     def active(self) -> int:
@@ -233,7 +234,8 @@ class StepEngine:
     # ---- leaving ------------------------------------------------------------------------------------
     def _fail(self, job: Job, error: RequestError) -> None:
         self.scheduler.end(job, error)
-        self._leave(job, "failed", error)
+        decided = job.status.error or error  # an end decided before (a cancel) stands
+        self._leave(job, "cancelled" if job.status.cancelled else "failed", decided)
 
     def _leave(self, job: Job, reason: str, error: RequestError | None = None) -> None:
         self.scheduler.remove(job)

@@ -135,6 +135,22 @@ class EngineHost:
 
     # ---- the engine thread: reports into work for the response thread --------------------------------
     def render(self, report: StepReport) -> None:
+        """Sort a step report into work for the response thread. Should that raise outside the per-job
+        parts (a bug), every request the report names is answered INTERNAL: its jobs may have left the
+        engine, and nothing else would answer it (the engine drops the others' jobs at its next abort
+        check)."""
+        try:
+            self._render(report)
+        except Exception as exc:  # noqa: BLE001
+            log.exception("rendering a step report failed; answering its requests")
+            error = RequestError(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+            jobs = [*report.admitted, *(s.job for s in report.stepped), *(f.job for f in report.finished)]
+            for job in [*jobs, *(left.job for left in report.left)]:
+                tracked: TrackedRequest = job.record.tracked
+                tracked.end(error)
+                self.responses.deliver(tracked)
+
+    def _render(self, report: StepReport) -> None:
         submit = self.responses.submit
         for left in report.left:  # the engine's decisions first: nothing more goes out for those requests
             if left.error is not None:
@@ -145,14 +161,7 @@ class EngineHost:
         if report.forwards or report.calls or report.cuts or report.stepped or report.left or report.paused:
             submit(None, lambda: self._record_metrics(report, deadlines))
         for job in report.admitted:
-            job.record.tracked.start()
-            log.info(
-                "request %s image %d admitted: %s (%d running)",
-                job.request.request_id,
-                job.index,
-                job.record.parsed.summary or f"{job.total_steps} steps",
-                report.running,
-            )
+            self._guarded(job, self._admitted, job, report.running)
         for job in report.paused:
             request_id, step = job.request.request_id, job.steps_done
             log.info("request %s image %d paused at step %d", request_id, job.index, step)
@@ -162,6 +171,18 @@ class EngineHost:
             self._guarded(finished.job, self._finished, finished.job, finished.output)
         for left in report.left:
             self._guarded(left.job, self._left, left)
+
+    @staticmethod
+    def _admitted(job: Job, running: int) -> None:
+        job.record.tracked.start()
+        summary = job.record.parsed.summary or f"{job.total_steps} steps"
+        log.info(
+            "request %s image %d admitted: %s (%d running)",
+            job.request.request_id,
+            job.index,
+            summary,
+            running,
+        )
 
     def _guarded(self, job: Job, render: Callable[..., None], *args: Any) -> None:
         """Render one job's part of a report: should it raise (a bug), its request alone is answered."""

@@ -49,8 +49,8 @@ class Engine(Protocol):
     def abort(self, aborts: list[Abort]) -> None:
         """Drop these requests at the next step (the engine thread)."""
 
-    def add(self, job: Job) -> None:
-        """Take a job (from any thread)."""
+    def add(self, *jobs: Job) -> None:
+        """Take a request's jobs, together (from any thread)."""
 
     @property
     def active(self) -> int:
@@ -131,8 +131,7 @@ class EngineWorker:
                 if len(self._live) > 2 * self.capacity:
                     self._live = {r for r in self._live if r.stage is not Stage.ANSWERED}
                 self._live.add(tracked)
-                for job in jobs:
-                    self.engine.add(job)
+                self.engine.add(*jobs)
                 self._condition.notify_all()  # an idle engine starts now, not after the whole batch
                 waited.append(time.perf_counter() - started)
         return waited

@@ -9,8 +9,8 @@ closed), an error FINAL is sent in its place, so the client never hangs and no b
 
 An engine decides an error without sending it; the host ends the request with it when it renders the
 engine's report (:meth:`TrackedRequest.end`): the request counts as ended at once (nothing more is sent
-for it), and the error goes out on the response thread (:meth:`TrackedRequest.deliver`), in the order the
-engine decided it, behind the progress responses handed over before it. Whoever calls :meth:`fail` on an
+for it: progress responses still queued for it are dropped), and the error goes out on the response
+thread (:meth:`TrackedRequest.deliver`), in the order the engine decided it. Whoever calls :meth:`fail` on an
 ended request that was not delivered yet (shutdown, the watchdog) sends the decided error, so a decision
 is never lost.
 """
