@@ -40,6 +40,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("bench_args", nargs=argparse.REMAINDER, help="after --: the benchmark's arguments")
     args = parser.parse_args(argv)
     bench_args = [a for a in args.bench_args if a != "--"]
+    args.out = args.out.resolve()  # each tree runs in its own folder
     args.out.mkdir(parents=True, exist_ok=True)
     ratios: dict[str, dict[str, list[float]]] = {}
     rounds = []

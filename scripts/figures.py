@@ -92,6 +92,9 @@ BLOCKS: dict[str, Figure] = {
         " batch per turn (the image-mix block takes them with one fused call per turn)",
     ),
     "request-walk": Figure(("docs/design/request_walk.json",), "walk.render", "request_walk.py"),
+    # old code against new, side by side (scripts/engine_step_cost.py, scripts/compare_trees.py)
+    "boundary-step-cost": Figure(("docs/cpu/engine_step_cost.json",), "boundary.step_cost"),
+    "boundary-engines": Figure(("docs/cpu/boundary/summary.json",), "boundary.engines"),
     "engines-rounds": Figure(
         ("docs/cpu/rounds/bench_engines.json",), "engines.ratio_table", stale=BEFORE_ENGINE_CORE
     ),
