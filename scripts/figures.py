@@ -23,7 +23,6 @@ or a block edited by hand, fails it. Nothing here imports torch.
 from __future__ import annotations
 
 import argparse
-import difflib
 import importlib
 import re
 import sys
@@ -35,9 +34,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from artefacts import REPO_ROOT, read  # noqa: E402
+from generated_pages import markdown_files, rewrite_pages  # noqa: E402
 from tables.markdown import table  # noqa: E402
 
-MARKDOWN = ("README.md", "docs")
 BLOCK = re.compile(r"(<!-- figures: (?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- /figures -->)", re.S)
 
 
@@ -227,14 +226,6 @@ def _relative(target: Path, start: Path) -> str:
     return os.path.relpath(target, start)
 
 
-def markdown_files(roots: Sequence[str] = MARKDOWN) -> list[Path]:
-    files: list[Path] = []
-    for root in roots:
-        path = REPO_ROOT / root
-        files.extend(sorted(path.rglob("*.md")) if path.is_dir() else [path])
-    return files
-
-
 def shown_on(files: Sequence[Path]) -> dict[str, list[Path]]:
     """Figure name -> the markdown files that show it."""
     shown: dict[str, list[Path]] = {}
@@ -271,19 +262,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     used: set[str] = set()
     files = markdown_files()
     shown = shown_on(files)
-    for path in files:
-        text = path.read_text()
-        new = rewrite(text, path.parent, used, shown)
-        if new == text:
-            continue
-        relative = path.relative_to(REPO_ROOT)
-        if args.check:
-            stale.append(str(relative))
-            diff = difflib.unified_diff(text.splitlines(), new.splitlines(), str(relative), "figures.py", n=1)
-            sys.stdout.writelines(line + "\n" for line in list(diff)[:40])
-        else:
-            path.write_text(new)
-            print(f"figures: rewrote {relative}")
+    stale += rewrite_pages(
+        files, lambda path, text: rewrite(text, path.parent, used, shown), args.check, "figures"
+    )
     unused = sorted(set(BLOCKS) - used)
     if unused:
         print(f"figures: blocks shown nowhere: {', '.join(unused)}")

@@ -26,15 +26,16 @@ from __future__ import annotations
 
 import argparse
 import ast
-import difflib
 import re
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from generated_pages import REPO_ROOT, markdown_files, rewrite_pages  # noqa: E402
+
 PACKAGE = REPO_ROOT / "src" / "triton_diffusion"
-MARKDOWN = ("README.md", "docs")
 MARKER = re.compile(r"(<!-- (?P<name>[\w:]+) -->\n)(?P<body>.*?)(<!-- /(?P=name) -->)", re.S)
 
 
@@ -197,14 +198,6 @@ TABLES: dict[str, Callable[[], str]] = {
 }
 
 
-def markdown_files(roots: Iterable[str] = MARKDOWN) -> list[Path]:
-    files: list[Path] = []
-    for root in roots:
-        path = REPO_ROOT / root
-        files.extend(sorted(path.rglob("*.md")) if path.is_dir() else [path])
-    return files
-
-
 def rewrite(text: str, used: set[str]) -> str:
     def replace(match: re.Match[str]) -> str:
         name = match.group("name")
@@ -221,19 +214,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="exit 1 when a table is not what it would write")
     args = parser.parse_args(argv)
     stale, used = [], set()
-    for path in markdown_files():
-        text = path.read_text()
-        new = rewrite(text, used)
-        if new == text:
-            continue
-        relative = path.relative_to(REPO_ROOT)
-        if args.check:
-            stale.append(str(relative))
-            diff = difflib.unified_diff(text.splitlines(), new.splitlines(), str(relative), "generated", n=1)
-            sys.stdout.writelines(line + "\n" for line in list(diff)[:40])
-        else:
-            path.write_text(new)
-            print(f"update_reference: rewrote {relative}")
+    stale += rewrite_pages(
+        markdown_files(), lambda path, text: rewrite(text, used), args.check, "update_reference"
+    )
     unused = sorted(set(TABLES) - used)
     if unused:
         print(f"update_reference: tables shown nowhere: {', '.join(unused)}", file=sys.stderr)
