@@ -8,8 +8,9 @@ deadlock, a kernel that never returns), for the engine host's watchdog. ``{"devi
 "xid"}`` raises what a failed GPU raises (a sticky CUDA error), so the process exits and the supervisor
 restarts the server. ``{"hold_on_prompt": "__hold__"}`` (step engine): a request whose prompt carries
 the marker and that has shared no forward yet waits before its second forward (``__hold__10``: its
-eleventh) until the engine holds another job, at most ``hold_s`` (30 s): a second request sent once the
-first one's progress says it runs certainly shares its forwards, whatever the machine's speed. This lets
+eleventh) until the engine holds another job (``__hold__1of9``: until it holds nine), at most ``hold_s``
+(30 s): requests sent once the first one's progress says it runs certainly share its forwards, whatever
+the machine's speed. This lets
 integration tests exercise failure isolation and sharing through the real server and the real pipeline.
 Durations are in seconds, as in the config; ``step_delay_ms`` (milliseconds) is still read.
 """
@@ -80,10 +81,19 @@ class FaultInjection:
     def hold_from(self, prompt: str) -> int | None:
         """The steps a row with this prompt takes before it is held (None: never held): the number right
         after the marker, 1 without one."""
+        found = self._hold_marker(prompt)
+        return None if found is None else int(found.group(1) or 1)
+
+    def hold_until(self, prompt: str) -> int:
+        """The jobs the engine must hold before a held row goes on: ``of N`` after the marker, else 0 (one
+        more than the forward's own jobs)."""
+        found = self._hold_marker(prompt)
+        return 0 if found is None or not found.group(2) else int(found.group(2))
+
+    def _hold_marker(self, prompt: str) -> re.Match[str] | None:
         if not self.hold_on_prompt:
             return None
-        found = re.search(re.escape(self.hold_on_prompt) + r"(\d*)", prompt)
-        return None if found is None else int(found.group(1) or 1)
+        return re.search(re.escape(self.hold_on_prompt) + r"(\d*)(?:of(\d+))?", prompt)
 
 
 class FaultyStepAdapter:
@@ -120,6 +130,7 @@ class FaultyStepAdapter:
             steps = self.faults.hold_from(self.prompt_of(job))
             if steps is None or job.steps_done != steps or job.most_shared > 1:
                 return
+        needed = max([len(jobs) + 1, *(self.faults.hold_until(self.prompt_of(job)) for job in jobs)])
         deadline = time.monotonic() + self.faults.hold_s
-        while self.held() <= len(jobs) and time.monotonic() < deadline:
+        while self.held() < needed and time.monotonic() < deadline:
             time.sleep(0.005)

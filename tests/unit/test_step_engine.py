@@ -907,3 +907,28 @@ def test_a_client_is_asked_about_cancellation_at_most_once_per_poll_interval():
         assert asks["b"] == 2  # not asked again: its answer is decided
     finally:
         cancellations.time.perf_counter = original
+
+
+def test_a_hold_with_a_count_waits_until_the_engine_holds_that_many_jobs(monkeypatch):
+    # "__hold__1of4": held after its first forward until the engine holds four jobs (it and three more),
+    # so requests sent in parts all arrive while it runs. Three held do not release it; four do.
+    import triton_diffusion.faults as faults_module
+    from triton_diffusion.faults import FaultInjection, FaultyStepAdapter
+
+    faults = FaultInjection(hold_on_prompt="__hold__", hold_s=0.05)
+    assert (faults.hold_from("a __hold__1of4"), faults.hold_until("a __hold__1of4")) == (1, 4)
+    assert (faults.hold_from("a __hold__"), faults.hold_until("a __hold__")) == (1, 0)
+    waits = []
+    monkeypatch.setattr(faults_module.time, "sleep", lambda s: waits.append(s))
+    held = {"n": 3}
+    faulty = FaultyStepAdapter(FakeAdapter(), faults, lambda job: job.request.request_id)
+    faulty.held = lambda: held["n"]
+    holder = job("h __hold__1of4", Spec(steps=3))
+    holder.state, holder.steps_done, holder.total_steps = [1], 1, 3
+    faulty.step([holder])  # it and two more held: it waits (until hold_s)
+    assert waits, "three held released a hold for four"
+    waits.clear()
+    holder.state, holder.steps_done = [1], 1
+    held["n"] = 4
+    faulty.step([holder])  # four held: it goes on at once
+    assert not waits
