@@ -223,6 +223,20 @@ class ModelConfig:
         parse=parse_row_caps,
         written="JSON",
     )
+    max_tokens_per_forward: int | None = _parameter(
+        None,
+        "step engine: denoiser tokens per forward (rows x latent tokens, frames included; a guided image has "
+        "two rows), the main cap of a forward (max_rows_per_call and max_rows_by_resolution still bound its "
+        "images); default: max_rows_per_call x the tokens of a guided image at the default size",
+        (IMAGE, IMAGE_SOURCE),
+    )
+    pack_sizes: bool = _parameter(
+        True,
+        "step engine: images of different sizes share one forward where the family packs them (FLUX.1, SD3: "
+        "rows padded to a common grid of latent tokens, attention masked to each row's own; MODEL_INFO's "
+        "packed_sizes says whether, and why not); false: one size per forward",
+        (IMAGE, IMAGE_SOURCE),
+    )
     max_running: int | None = _parameter(
         None,
         "jobs in the step engine's running set (images, or LM requests)",

@@ -370,3 +370,40 @@ def test_pixart_alpha_refuses_one_step_with_a_scheduler_that_has_no_predicted_or
     )
     assert not one.ok and "scheduler: DPMSolverMultistepScheduler returns no predicted original" in one.error
     assert two.ok, two.error
+
+
+# The issue's three CPU sizes (WIDTHxHEIGHT 64x64, 96x64, 64x128): each a size of its own in one forward.
+PACKED_SIZES = [(64, 64), (96, 64), (64, 128)]
+
+
+@pytest.mark.parametrize("packed", ["flux", "sd3"])
+def test_three_sizes_share_forwards_through_the_server_each_equal_to_its_pipeline_alone(
+    family_server, packed
+):
+    """FLUX.1 and SD3 pack images of different sizes into one forward (adapters/packed_rows.py): a request
+    of each size joins a held 64x64 one, shares forwards with another size (the only one of its size but
+    for the holder) and equals ``pipeline(...)`` alone at its size and seed."""
+    requests = [
+        {
+            "prompt": f"a boat {w}x{h}",
+            "seed": 60 + i,
+            "width": w,
+            "height": h,
+            "num_inference_steps": 6,
+            **extra(packed),
+        }
+        for i, (w, h) in enumerate(PACKED_SIZES)
+    ]
+    holder = {"prompt": f"a harbour {HOLD}1of{len(requests) + 1}", "seed": 99, "width": 64, "height": 64}
+    batch = with_holder(family_server, packed, {**holder, **extra(packed)}, requests)
+    assert all(r.ok for r in batch), [r.error for r in batch]
+    pipe = diffusers.DiffusionPipeline.from_pretrained(WEIGHTS / FAMILIES[packed].weights)
+    pipe.set_progress_bar_config(disable=True)
+    for request, result in zip(requests, batch, strict=True):
+        assert result.batch["most_rows_shared"] >= 2, (request["width"], request["height"], result.batch)
+        kwargs = {k: v for k, v in request.items() if k != "seed"}
+        kwargs.update(prompt=[request["prompt"]], generator=[torch.Generator().manual_seed(request["seed"])])
+        expected = np.asarray(pipe(**kwargs).images[0], dtype=int)
+        image = pixels(result.images[0])
+        assert image.shape == expected.shape == (request["height"], request["width"], 3)
+        assert np.abs(image - expected).max() <= 1, (packed, request["width"], request["height"])

@@ -290,7 +290,8 @@ def capture_adapter_forwards(adapter: Any, warm: Sequence[tuple[Any, int]], capt
             (start,) = adapter.prepare([job])
             job.begin(start)
             with torch.inference_mode():
-                latents, timesteps, inputs, _ = adapter.forward_inputs([job], [start.state.timesteps[0]])
+                rows, timesteps, inputs, _ = adapter.forward_inputs([job], [start.state.timesteps[0]])
+                latents = torch.cat(rows)
         except Exception as exc:
             if Failure.of(exc).lost:
                 raise

@@ -91,6 +91,9 @@ class DiTAdapter(LatentStepAdapter):
     # PixArt's BasicTransformerBlock (Sana's blocks are not in diffusers' registry: none). CFG is one
     # batch of two: a job's rows decide together. (TaylorSeer's patterns match none of PixArt's attn1/attn2.)
     cache_methods = ("fbc",)
+    # PixArt's position table is interpolated to each size (not a crop of one), and Sana's linear
+    # attention has no key mask: a size per forward.
+    packs_sizes_not = "positions interpolated per size (PixArt); linear attention without a key mask (Sana)"
 
     def __init__(self, pipe: Any, facts: Any, schedulers: Any, max_sequence_length: int | None) -> None:
         super().__init__(pipe, facts, schedulers, max_sequence_length)

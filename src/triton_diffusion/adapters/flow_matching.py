@@ -26,6 +26,14 @@ from PIL import Image
 
 from triton_diffusion.adapters.image_requests import Conditioning, ImageRequest, row_conditioning
 from triton_diffusion.adapters.latent_loop import LatentStepAdapter
+from triton_diffusion.adapters.packed_rows import (
+    MaskedJointAttnProcessor,
+    canvas_for,
+    place_patches,
+    place_tokens,
+    take_patches,
+    take_tokens,
+)
 from triton_diffusion.adapters.starts import LatentStarts
 from triton_diffusion.adapters.vae import sample_latents
 
@@ -76,6 +84,10 @@ class FluxAdapter(FlowMatchingImageStart, LatentStepAdapter):
         super().__init__(pipe, facts, schedulers, max_sequence_length)
         self.guidance_embeds = bool(pipe.transformer.config.guidance_embeds)
         self._ids_by_shape: dict[tuple[int, tuple[int, int]], tuple[torch.Tensor, torch.Tensor]] = {}
+        # Sizes share forwards (a patch's ids are its own position from the origin, packed_rows.py); a
+        # Fill checkpoint's mask channels are not placed on a canvas.
+        self.packs_sizes = not self.inpainting_checkpoint
+        self.packs_sizes_not = "a FLUX.1 Fill checkpoint: its mask channels are not packed"
 
     def supports(self, start: str) -> bool:
         if self.inpainting_checkpoint:
@@ -100,9 +112,30 @@ class FluxAdapter(FlowMatchingImageStart, LatentStepAdapter):
         )
         return torch.cat((masked, mask), dim=-1)
 
+    @property
+    def token_patch(self) -> int:
+        return 2  # FluxPipeline packs 2x2 latent patches into a token
+
     def pack(self, latents: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
         count, channels, height, width = latents.shape
         return self.pipe._pack_latents(latents, count, channels, height, width)
+
+    def predict_packed(
+        self,
+        latent_rows: list[torch.Tensor],
+        timesteps: torch.Tensor,
+        inputs: dict[str, torch.Tensor],
+        sizes: list[tuple[int, int]],
+    ) -> tuple[list[torch.Tensor], int]:
+        # Each row at the canvas's origin: the canvas's ids are each row's own (FluxPipeline's ids).
+        canvas = canvas_for([self.token_grid(size) for size in sizes])
+        latents = place_tokens(latent_rows, canvas)
+        factor = self.pipe.vae_scale_factor * self.token_patch
+        text = inputs["encoder_hidden_states"].shape[1]
+        mask = canvas.key_mask(text, text_first=True, device=self.device)  # FluxAttention: [text, image]
+        size = (canvas.height * factor, canvas.width * factor)
+        predictions = self.predict(latents, timesteps, {**inputs, "attention_mask": mask}, size)
+        return take_tokens(predictions, canvas), canvas.padded_tokens
 
     def pack_mask(self, mask: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
         # FluxInpaintPipeline.prepare_mask_latents: the mask repeated over the channels, then packed.
@@ -184,7 +217,10 @@ class FluxAdapter(FlowMatchingImageStart, LatentStepAdapter):
             encoder_hidden_states=embeds,
             txt_ids=text_ids,
             img_ids=image_ids,
-            joint_attention_kwargs={},
+            # A packed forward's key mask (FluxAttnProcessor passes it to the attention as is).
+            joint_attention_kwargs={"attention_mask": inputs["attention_mask"]}
+            if "attention_mask" in inputs
+            else {},
             return_dict=False,
         )[0]
 
@@ -228,6 +264,27 @@ class StableDiffusion3Adapter(FlowMatchingImageStart, LatentStepAdapter):
             pipe.transformer.config.in_channels == 2 * pipe.vae.config.latent_channels + 1
         )
         super().__init__(pipe, facts, schedulers, max_sequence_length)
+        # Sizes share forwards where each size's positions are a crop of one table (packed_rows.py) and
+        # every attention is joint (SD3.5's second attention would need the mask too).
+        config = self.model.config
+        self.packs_sizes_not = next(
+            (
+                why
+                for why, applies in (
+                    (
+                        "an inpainting checkpoint: its mask channels are not packed",
+                        self.inpainting_checkpoint,
+                    ),
+                    ("no position table to crop (pos_embed_max_size)", not config.get("pos_embed_max_size")),
+                    ("SD3.5's dual attention layers", bool(config.get("dual_attention_layers"))),
+                )
+                if applies
+            ),
+            "",
+        )
+        self.packs_sizes = not self.packs_sizes_not
+        if self.packs_sizes:  # diffusers' own processor unless a packed forward passes a mask
+            self.model.set_attn_processor(MaskedJointAttnProcessor())
 
     def supports(self, start: str) -> bool:
         if self.inpainting_checkpoint:
@@ -274,14 +331,35 @@ class StableDiffusion3Adapter(FlowMatchingImageStart, LatentStepAdapter):
     ) -> Any:
         if self.inpainting_checkpoint:  # the mask and masked latents after the latents, as the pipeline
             latents = torch.cat([latents, inputs["inpaint_channels"]], dim=1)
+        mask = inputs.get("attention_mask")  # a packed forward's (MaskedJointAttnProcessor)
         return self.model(
             hidden_states=latents,
             timestep=timesteps,
             encoder_hidden_states=inputs["encoder_hidden_states"],
             pooled_projections=inputs["pooled_projections"],
-            joint_attention_kwargs=None,
+            joint_attention_kwargs=None if mask is None else {"attention_mask": mask},
             return_dict=False,
         )[0]
+
+    def predict_packed(
+        self,
+        latent_rows: list[torch.Tensor],
+        timesteps: torch.Tensor,
+        inputs: dict[str, torch.Tensor],
+        sizes: list[tuple[int, int]],
+    ) -> tuple[list[torch.Tensor], int]:
+        # Each row where its crop of the position table lies in the canvas's crop (PatchEmbed).
+        canvas = canvas_for([self.token_grid(size) for size in sizes], self.model.config.pos_embed_max_size)
+        patch = self.token_patch
+        latents = place_patches(latent_rows, canvas, patch)
+        text = inputs["encoder_hidden_states"].shape[1]
+        mask = canvas.key_mask(
+            text, text_first=False, device=self.device
+        )  # JointAttnProcessor: [image, text]
+        factor = self.pipe.vae_scale_factor * patch
+        size = (canvas.height * factor, canvas.width * factor)
+        predictions = self.predict(latents, timesteps, {**inputs, "attention_mask": mask}, size)
+        return take_patches(predictions, canvas, patch), canvas.padded_tokens
 
     def decode(self, latents: torch.Tensor, size: tuple[int, int]) -> list[Image.Image]:
         vae = self.pipe.vae

@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
@@ -48,7 +48,7 @@ from triton_diffusion.adapters.step_caches import (
     servable,
 )
 from triton_diffusion.engine.failures import Failure, is_device_lost
-from triton_diffusion.engine.jobs import ForwardResult, Job, JobStep
+from triton_diffusion.engine.jobs import ANY_SIZE, ForwardResult, Job, JobStep
 from triton_diffusion.families import PipelineFacts
 
 log = logging.getLogger("triton_diffusion")
@@ -84,6 +84,11 @@ class LatentStepAdapter(LatentStarts):
     # CFG, Qwen-Image, Wan), so each branch keeps its own cache state; else a job's rows decide together.
     cache_per_branch = False
     row_caches: RowCaches | None = None  # the hooks of the step caches (set in __init__ where served)
+    # Whether jobs of different sizes share a forward (packed_rows.py: FLUX.1 and SD3 set it where their
+    # checkpoint allows); the model turns it off with config ``pack_sizes: false``. Else (and for a UNet,
+    # whose convolutions cannot share a tensor across sizes) a forward holds one latent shape.
+    packs_sizes = False
+    packs_sizes_not = "its denoiser is a UNet: convolutions cannot share a tensor across sizes"
 
     def __init__(self, pipe: Any, facts: PipelineFacts, schedulers: Any, max_sequence_length: int | None):
         traits = facts.traits
@@ -117,6 +122,48 @@ class LatentStepAdapter(LatentStarts):
     def model(self) -> Any:
         """The denoising network: the pipeline's transformer (the UNet families override it)."""
         return self.pipe.transformer
+
+    @property
+    def token_patch(self) -> int:
+        """Latent pixels a denoiser token spans per side: the transformer's patch (FLUX.1 and Qwen-Image
+        pack 2x2 latents in the pipeline instead; a UNet: 1, a token per latent pixel)."""
+        patch = getattr(self.model.config, "patch_size", None) or 1
+        return int(patch[-1] if isinstance(patch, (tuple, list)) else patch)
+
+    def token_grid(self, size: tuple[int, int]) -> tuple[int, int]:
+        """(height, width) in denoiser tokens of one frame of an image of ``size`` pixels."""
+        factor = (getattr(self.pipe, "vae_scale_factor", None) or 8) * self.token_patch
+        return size[0] // factor, size[1] // factor
+
+    def latent_frames(self, request: ImageRequest) -> int:
+        """Latent frames of a job (a video family's temporal compression; an image: 1)."""
+        return 1
+
+    def tokens_of(self, request: ImageRequest) -> int:
+        """The denoiser tokens a job adds to a forward (what a forward's cost and the token budget count):
+        its rows (2 with classifier-free guidance) x its latent tokens, frames included."""
+        height, width = self.token_grid(request.size)
+        rows = 2 if self.uses_guidance(request) else 1
+        return rows * height * width * self.latent_frames(request)
+
+    def group_of(self, request: ImageRequest) -> Hashable:
+        """Whom a started job shares forwards with: jobs of every size where the family packs sizes, else
+        of its latent shape. A job with a step cache keeps to its shape: its cache's hooks run later blocks
+        on the rows that compute, gathered, which a packed forward's shared key mask does not follow."""
+        if self.packs_sizes and not request.step_cache:
+            return ANY_SIZE
+        return request.shape
+
+    def predict_packed(
+        self,
+        latent_rows: list[torch.Tensor],
+        timesteps: torch.Tensor,
+        inputs: dict[str, torch.Tensor],
+        sizes: list[tuple[int, int]],
+    ) -> tuple[list[torch.Tensor], int]:
+        """The model over rows of different ``sizes`` in one call (packed_rows.py): each row's prediction
+        in its own shape, and the canvas slots computed for no row."""
+        raise NotImplementedError
 
     def pack(self, latents: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
         """[n, C, h, w] latents into the loop's layout (Flux packs 2x2 patches)."""
@@ -290,10 +337,10 @@ class LatentStepAdapter(LatentStarts):
 
     def forward_inputs(
         self, jobs: list[Job], job_timesteps: list[torch.Tensor]
-    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], list[LoraSet]]:
-        """One forward's model rows for these jobs at these timesteps: the latents (scaled by each job's
-        scheduler where the family scales them), the per-row timestep vector, the conditioning inputs and
-        each row's LoRA adapters; a guided job's rows are [uncond, cond]."""
+    ) -> tuple[list[torch.Tensor], torch.Tensor, dict[str, torch.Tensor], list[LoraSet]]:
+        """One forward's model rows for these jobs at these timesteps: each row's latents (scaled by its
+        job's scheduler where the family scales them), the per-row timestep vector, the conditioning inputs
+        and each row's LoRA adapters; a guided job's rows are [uncond, cond]."""
         states: list[LatentJob] = [job.state for job in jobs]
         inputs_of = [state.latents for state in states]
         if self.scales_model_input:  # every job's scale_model_input in one op (Euler's per-row sigma)
@@ -311,7 +358,7 @@ class LatentStepAdapter(LatentStarts):
                 conditioning.append({**branch, **state.extra})
                 adapters.append(job.params.lora)  # both CFG rows: the pipeline adapts both halves
         inputs = {name: torch.cat([c[name] for c in conditioning]) for name in conditioning[0]}
-        return torch.cat(latent_rows), self.timestep_rows(timesteps), inputs, adapters
+        return latent_rows, self.timestep_rows(timesteps), inputs, adapters
 
     @property
     def uncapturable(self) -> str | None:
@@ -333,36 +380,48 @@ class LatentStepAdapter(LatentStarts):
     # ---- one forward ---------------------------------------------------------------------------------
     def step(self, jobs: list[Job], previews: Sequence[bool] | None = None) -> ForwardResult:
         """One forward over every job's rows, guidance and each job's own scheduler step; ``previews[i]``:
-        job i's latents are copied for a preview. Returns a JobStep per job; raising means no job's state
-        changed (the engine retries smaller)."""
+        job i's latents are copied for a preview. Jobs of different sizes share the forward packed
+        (:meth:`predict_packed`), then each size's rows are guided and stepped together. Returns a JobStep
+        per job; raising means no job's state changed (the engine retries smaller)."""
         states: list[LatentJob] = [job.state for job in jobs]
         job_timesteps = [state.timesteps[job.steps_done] for job, state in zip(jobs, states, strict=True)]
-        latents, timesteps, inputs, adapters = self.forward_inputs(jobs, job_timesteps)
-        size = jobs[0].params.size  # one shape group per forward
+        latent_rows, timesteps, inputs, adapters = self.forward_inputs(jobs, job_timesteps)
+        by_size: dict[tuple[int, int], list[int]] = {}
+        for j, job in enumerate(jobs):
+            by_size.setdefault(job.params.size, []).append(j)
         plan = self.cache_plan(jobs, adapters)
-        # A forward with cached rows runs eagerly: its blocks run on the rows that compute, which a
-        # captured graph's fixed shapes cannot follow.
-        forward = self.predict if self.captured is None or plan is not None else self.captured
+        padded = 0
         with torch.inference_mode(), self.adapted_rows(adapters), self.caching(plan):
-            predictions = forward(latents, timesteps, inputs, size)
-        # The forward succeeded: only now does any job's state change.
-        noise = self._guided_noise(states, predictions)
-        by_class: dict[type, list[int]] = {}
-        alone: list[int] = []
-        for j, state in enumerate(states):
-            if can_batch(state.scheduler) and not self.step_output(jobs[j]):
-                by_class.setdefault(type(state.scheduler), []).append(j)
-            else:
-                alone.append(j)
-        # Every group's rows are gathered before any job steps: a raise here (out of memory) leaves every
-        # job as it was, so the engine's retry cannot step a job twice.
-        groups = [(members, take_rows(noise, members)) for members in by_class.values()]
+            if len(by_size) == 1:
+                # A captured graph where there is one (a forward with cached rows runs eagerly: its blocks
+                # run on the rows that compute, which a graph's fixed shapes cannot follow).
+                forward = self.predict if self.captured is None or plan is not None else self.captured
+                predictions = forward(torch.cat(latent_rows), timesteps, inputs, jobs[0].params.size)
+                parts = [(list(range(len(jobs))), self._guided_noise(states, predictions))]
+            else:  # packed: eagerly (graphs are captured per shape); never with cached rows (group_of)
+                assert plan is None, "a job with a step cache shares forwards with its own size only"
+                sizes = [job.params.size for job in jobs for _ in range(self.model_rows(job))]
+                rows, padded = self.predict_packed(latent_rows, timesteps, inputs, sizes)
+                parts = self._guided_by_size(jobs, states, rows, by_size)
+        # The forward succeeded: only now does any job's state change. Every group's rows are gathered
+        # before any job steps: a raise here (out of memory) leaves every job as it was, so the engine's
+        # retry cannot step a job twice.
+        groups: list[tuple[list[int], torch.Tensor]] = []
+        alone: list[tuple[int, torch.Tensor]] = []
+        for members, noise in parts:
+            by_class: dict[type, list[int]] = {}
+            for k, j in enumerate(members):
+                if can_batch(states[j].scheduler) and not self.step_output(jobs[j]):
+                    by_class.setdefault(type(states[j].scheduler), []).append(k)
+                else:
+                    alone.append((j, noise[k : k + 1]))
+            groups += [([members[k] for k in ks], take_rows(noise, ks)) for ks in by_class.values()]
         if plan is not None:  # nothing below raises for everyone: the caches' staged updates take effect
             assert self.row_caches is not None  # a plan is made only with them (cache_plan)
             self.row_caches.commit(plan)
         errors: dict[int, str] = {}
-        for j in alone:
-            error = self._step_alone(states[j], noise[j : j + 1], job_timesteps[j], self.step_output(jobs[j]))
+        for j, job_noise in alone:
+            error = self._step_alone(states[j], job_noise, job_timesteps[j], self.step_output(jobs[j]))
             if error is not None:
                 errors[j] = error
         for members, group_noise in groups:
@@ -380,7 +439,30 @@ class LatentStepAdapter(LatentStarts):
             self._job_step(job, errors.get(j), reused.get(id(job.state.cache), 0), previews[j])
             for j, job in enumerate(jobs)
         ]
-        return ForwardResult(steps, rows=len(adapters), adapters=len({n for a in adapters for n, _ in a}))
+        return ForwardResult(
+            steps,
+            rows=len(adapters),
+            adapters=len({n for a in adapters for n, _ in a}),
+            padded_tokens=padded,
+        )
+
+    def _guided_by_size(
+        self,
+        jobs: list[Job],
+        states: list[LatentJob],
+        rows: list[torch.Tensor],
+        by_size: dict[tuple[int, int], list[int]],
+    ) -> list[tuple[list[int], torch.Tensor]]:
+        """A packed forward's per-row predictions, guided per size: (the jobs, their noise) for each size."""
+        first, row = [], 0  # each job's first model row
+        for job in jobs:
+            first.append(row)
+            row += self.model_rows(job)
+        parts = []
+        for members in by_size.values():
+            taken = [rows[r] for j in members for r in range(first[j], first[j] + self.model_rows(jobs[j]))]
+            parts.append((members, self._guided_noise([states[j] for j in members], torch.cat(taken))))
+        return parts
 
     def caching(self, plan: CachePlan | None) -> contextlib.AbstractContextManager:
         """Around a forward with cached rows: the step caches' hooks follow ``plan``."""
@@ -495,10 +577,17 @@ class LatentStepAdapter(LatentStarts):
         return None
 
     def finish(self, jobs: list[Job]) -> list[Any]:
-        """Decode the done jobs of one size together."""
-        latents = torch.cat([job.state.latents for job in jobs])
+        """Decode the done jobs, those of one size together; outputs in the jobs' order."""
+        by_size: dict[tuple[int, int], list[int]] = {}
+        for j, job in enumerate(jobs):
+            by_size.setdefault(job.params.size, []).append(j)
+        outputs: list[Any] = [None] * len(jobs)
         with torch.inference_mode():
-            return self.decode(latents, jobs[0].params.size)
+            for size, members in by_size.items():
+                decoded = self.decode(torch.cat([jobs[j].state.latents for j in members]), size)
+                for j, output in zip(members, decoded, strict=True):
+                    outputs[j] = output
+        return outputs
 
     def snapshot(self, job: Job) -> torch.Tensor:
         """A copy of the job's latents for a preview (the PNG is made on the response thread while the job

@@ -38,6 +38,7 @@ from triton_diffusion.adapters.vae import denormalized_latents, normalized_laten
 class QwenImageAdapter(FlowMatchingImageStart, LatentStepAdapter):
     fallback_max_sequence_length = 512
     captures_forwards = False  # predict trims the text to the longest row's length, read from the GPU
+    packs_sizes_not = "not built: its rotary takes image shapes per row and its text lengths differ per row"
 
     def __init__(self, pipe: Any, facts: Any, schedulers: Any, max_sequence_length: int | None) -> None:
         super().__init__(pipe, facts, schedulers, max_sequence_length)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import copy
 import inspect
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import diffusers
@@ -69,6 +69,7 @@ class LatentStarts:
         def guidance_scale(self, request: ImageRequest) -> float: ...
         def extra_inputs(self, request: ImageRequest) -> dict[str, torch.Tensor]: ...
         def new_cache_state(self, request: ImageRequest, guided: bool) -> CacheState | None: ...
+        def group_of(self, request: ImageRequest) -> Hashable: ...
 
     def supports(self, start: str) -> bool:
         """Whether this family's adapter can start jobs this way (``image``, ``mask``) with this model."""
@@ -184,7 +185,7 @@ class LatentStarts:
                 inpaint=inpaint if inpaint is not None and inpaint.blended else None,
                 cache=self.new_cache_state(request, guided),
             )
-            prepared.append(JobStart(state, request.shape, len(timesteps[i])))
+            prepared.append(JobStart(state, self.group_of(request), len(timesteps[i])))
         return prepared
 
     def starting_latents(

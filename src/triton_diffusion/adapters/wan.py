@@ -33,6 +33,15 @@ class WanAdapter(LatentStepAdapter):
     # Wan's attn1/attn2: there it would do nothing.)
     cache_methods = ("fbc",)
     cache_per_branch = True
+    packs_sizes_not = "not built: WanAttnProcessor would need the key mask, and frames a 3-D canvas"
+
+    def latent_frames(self, request: ImageRequest) -> int:
+        assert request.num_frames is not None  # a video's frame count is filled in at parse
+        return (request.num_frames - 1) // self.pipe.vae_scale_factor_temporal + 1
+
+    def token_grid(self, size: tuple[int, int]) -> tuple[int, int]:
+        factor = self.pipe.vae_scale_factor_spatial * self.token_patch
+        return size[0] // factor, size[1] // factor
 
     def __init__(self, pipe: Any, facts: Any, schedulers: Any, max_sequence_length: int | None) -> None:
         config = pipe.config

@@ -31,6 +31,11 @@ from triton_diffusion.adapters.latent_loop import LatentStepAdapter
 class ZImageAdapter(LatentStepAdapter):
     fallback_max_sequence_length = 512
     captures_forwards = False  # predict reads the caption lengths back to the host
+    packs_sizes_not = "not built: its forward pads each caption and image itself, per call"
+
+    @property
+    def token_patch(self) -> int:
+        return int(self.model.config.all_patch_size[0])
 
     def __init__(self, pipe: Any, facts: Any, schedulers: Any, max_sequence_length: int | None) -> None:
         if facts.default("cfg_normalization") or (facts.default("cfg_truncation") or 1.0) < 1.0:

@@ -22,6 +22,9 @@ from typing import Any
 from triton_diffusion.engine.request_status import Request, RequestStatus
 from triton_diffusion.errors import RequestError
 
+# The group of a job that shares forwards with jobs of every size (an adapter that packs sizes).
+ANY_SIZE = "any size"
+
 
 @dataclass(frozen=True)
 class JobSpec:
@@ -156,6 +159,7 @@ class ForwardResult:
     steps: list[JobStep]
     rows: int  # denoiser rows of the forward (images plus their unconditional rows)
     adapters: int = 0  # distinct LoRA adapters among its rows
+    padded_tokens: int = 0  # tokens computed for no row: the padding of a packed forward (sizes mixed)
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from typing import Any, cast
 import numpy as np
 
 from triton_diffusion.adapters.diffusers_pipeline import row_seed
+from triton_diffusion.adapters.image_requests import ImageRequest
 from triton_diffusion.compatibility import CompatibilityKey, compatibility_key
 from triton_diffusion.engine.jobs import Job, JobSpec, Stepped
 from triton_diffusion.engine.planner import RowCaps
@@ -132,7 +133,11 @@ class DiffusionModel(TritonModel):
         caps = self.row_caps(settings)
         engine_kind: EngineKind
         if adapter is not None:
-            engine_kind = StepEngineKind(adapter, caps, prompt_of=lambda job: job.params.prompt)
+            adapter.packs_sizes = adapter.packs_sizes and settings.config.pack_sizes
+            tokens = settings.config.max_tokens_per_forward or caps.max_rows * self.image_tokens(adapter)
+            engine_kind = StepEngineKind(
+                adapter, caps, prompt_of=lambda job: job.params.prompt, max_tokens_per_forward=tokens
+            )
         else:
             engine_kind = RequestEngineKind(self.run_call, caps)
         self.engine_kind = engine_kind
@@ -146,6 +151,14 @@ class DiffusionModel(TritonModel):
             caps.max_rows,
             dict(caps.by_resolution),
         )
+
+    def image_tokens(self, adapter: Any) -> int:
+        """The denoiser tokens of one image (or video) at the default size, with classifier-free guidance:
+        what the default token budget (``max_tokens_per_forward``) is counted in."""
+        size = self.facts.default_size
+        frames = self.facts.default("num_frames")
+        probe = ImageRequest("", "", 0, 0, size, size, 1, 7.5, 7.5, "", num_frames=frames)
+        return int(adapter.tokens_of(probe))
 
     def parse(self, index: int, raw: dict[str, Any], tracked: TrackedRequest) -> ParsedRequest:
         """Validate a request and decide its jobs: one per image (or video), each with its params, tier,
@@ -178,8 +191,10 @@ class DiffusionModel(TritonModel):
         """Image ``index`` of a request: what its engine needs (the step adapter's params, or the values
         and image index for a fused call) and what the scheduler orders and estimates it by."""
         previews = bool(values.get("progress")) and index == 0  # the first image speaks for its request
+        params = self.step_request(values, index) if self.adapter is not None else RowInput(values, index)
         return JobSpec(
-            params=self.step_request(values, index) if self.adapter is not None else RowInput(values, index),
+            params=params,
+            tokens=self.adapter.tokens_of(params) if self.adapter is not None else 1,
             index=index,
             group=key,
             tier=service.tier,
@@ -284,4 +299,9 @@ class DiffusionModel(TritonModel):
         return report
 
     def describe_more(self) -> dict[str, Any]:
-        return {"step_caches": ["none", *self.step_cache_methods]}
+        more: dict[str, Any] = {"step_caches": ["none", *self.step_cache_methods]}
+        if self.adapter is not None:  # whether images of different sizes share forwards, and why not
+            packs = bool(self.adapter.packs_sizes)
+            why = "" if packs else (self.adapter.packs_sizes_not or "config pack_sizes is false")
+            more["packed_sizes"] = {"served": packs, "why_not": why} if why else {"served": packs}
+        return more

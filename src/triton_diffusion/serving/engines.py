@@ -36,6 +36,7 @@ class StepEngineKind:
     adapter: StepAdapter
     caps: RowCaps | None = None
     prompt_of: Callable[[Job], str] = lambda job: ""  # for fault injection
+    max_tokens_per_forward: int | None = None  # denoiser tokens per forward (None: no token budget)
 
     name = "step"
 
@@ -51,6 +52,7 @@ class StepEngineKind:
             max_per_forward=caps.max_rows if caps is not None else running,
             # An image's group is (height, width), a video's (height, width, frames): caps are by size.
             cap_for=caps.cap_for_shape if caps is not None else None,
+            max_tokens_per_forward=self.max_tokens_per_forward,
             max_paused=settings.resolved("max_paused", self.name),
             starvation_steps=config.starvation_steps,
         )
@@ -59,11 +61,13 @@ class StepEngineKind:
         service = Service(config.service_tiers, config.tier_aging_s, config.deadline_policy == "refuse")
         policy = make_policy(config.scheduling_policy)
         log.info(
-            "%s: step engine (%s), running %d, %d per forward, policy %s, admission cohort %d, tiers %s",
+            "%s: step engine (%s), running %d, %d per forward, %s tokens per forward, policy %s, "
+            "admission cohort %d, tiers %s",
             settings.name,
             type(self.adapter).__name__,
             limits.max_running,
             limits.max_per_forward,
+            limits.max_tokens_per_forward or "any",
             policy.name,
             pacing.cohort,
             ",".join(service.tiers),

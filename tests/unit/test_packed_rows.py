@@ -1,0 +1,176 @@
+"""Packed forwards (adapters/packed_rows.py): rows of different sizes in one denoiser call on FLUX.1 and SD3.
+
+Each row of a packed forward gets what it gets alone (the model), each image equals its pipeline called alone
+at its size and seed (the engine, amid rows of other sizes, a LoRA row, an img2img row and a cached row),
+and the count of model calls shows the sizes shared them: counted by a hook on the transformer, not by the
+engine's own report.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from tests.unit.step_harness import Host, load_family, reference, run_engine, served
+from triton_diffusion.adapters.image_requests import ImageRequest
+from triton_diffusion.adapters.packed_rows import Canvas, canvas_for
+from triton_diffusion.adapters.step_adapters import step_adapter_for
+from triton_diffusion.step_cache_spec import parse_step_cache
+
+# (height, width): the issue's three CPU sizes, 64x64, 96x64 and 64x128 (WIDTHxHEIGHT).
+SIZES = [(64, 64), (64, 96), (128, 64)]
+
+
+@pytest.fixture(scope="module", params=["tiny-flux", "tiny-sd3"])
+def family(request):
+    return load_family(request.param)
+
+
+def adapter_of(family):
+    pipe, facts, schedulers = family
+    adapter = step_adapter_for(pipe, facts, schedulers, None)
+    assert adapter is not None and adapter.packs_sizes, facts.class_name
+    return adapter
+
+
+class ModelCalls:
+    """Calls of the transformer, counted by a forward hook (independent of the engine's bookkeeping)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model, self.calls = model, 0
+
+    def __enter__(self) -> ModelCalls:
+        self.handle = self.model.register_forward_hook(lambda *_: setattr(self, "calls", self.calls + 1))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.handle.remove()
+
+
+def random_rows(adapter, sizes, seed: int = 0) -> list[torch.Tensor]:
+    """A latent row per size, in the family's loop layout (FLUX.1's packed 2x2 patches)."""
+    generator = torch.Generator().manual_seed(seed)
+    factor = adapter.pipe.vae_scale_factor
+    channels = adapter.pipe.vae.config.latent_channels
+    rows = []
+    for height, width in sizes:
+        latents = torch.randn(1, channels, height // factor, width // factor, generator=generator)
+        rows.append(adapter.pack(latents, (height, width)))
+    return rows
+
+
+def model_inputs(adapter, rows: int, seed: int = 1) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-row timesteps and text conditioning, drawn at random in the model's shapes."""
+    generator = torch.Generator().manual_seed(seed)
+    config = adapter.model.config
+    text = torch.randn(rows, 16, config.joint_attention_dim, generator=generator)
+    inputs = {
+        "encoder_hidden_states": text,
+        "pooled_projections": torch.randn(rows, config.pooled_projection_dim, generator=generator),
+    }
+    if adapter.guidance_embeds:
+        inputs["guidance"] = torch.tensor([3.5, 2.0, 5.0][:rows])
+    timesteps = adapter.timestep_rows([torch.tensor(t) for t in (900.0, 500.0, 120.0)][:rows])
+    return timesteps, inputs
+
+
+def test_each_row_of_a_packed_forward_gets_what_it_gets_alone_and_the_mask_matters(family, monkeypatch):
+    adapter = adapter_of(family)
+    rows = random_rows(adapter, SIZES)
+    timesteps, inputs = model_inputs(adapter, len(rows))
+    with torch.inference_mode():
+        alone = [
+            adapter.predict(row, timesteps[i : i + 1], {k: v[i : i + 1] for k, v in inputs.items()}, size)
+            for i, (row, size) in enumerate(zip(rows, SIZES, strict=True))
+        ]
+        packed, padded = adapter.predict_packed(rows, timesteps, inputs, SIZES)
+        # Without the key mask, rows attend to padding: the comparison below would fail.
+        monkeypatch.setattr(Canvas, "key_mask", lambda *args, **kwargs: None)
+        unmasked, _ = adapter.predict_packed(rows, timesteps, inputs, SIZES)
+    tokens = [adapter.token_grid(size)[0] * adapter.token_grid(size)[1] for size in SIZES]
+    assert padded == 3 * max(g[0] for g in map(adapter.token_grid, SIZES)) * max(
+        g[1] for g in map(adapter.token_grid, SIZES)
+    ) - sum(tokens)
+    for size, own, mine, leaky in zip(SIZES, alone, packed, unmasked, strict=True):
+        assert mine.shape == own.shape, size
+        assert (mine - own).abs().max() <= 1e-4, (size, (mine - own).abs().max())
+        assert (leaky - own).abs().max() > 1e-2, (size, "the mask changed nothing")  # every row pads
+
+
+def test_sd3_rows_sit_where_their_crop_of_the_position_table_lies():
+    # PatchEmbed crops its table around the centre: a 4x4 grid inside an 8x6 canvas of a 64-wide table.
+    canvas = canvas_for([(4, 4), (4, 6), (8, 4)], centred_in=64)
+    assert (canvas.height, canvas.width) == (8, 6)
+    assert [(r.top, r.left) for r in canvas.rows] == [(2, 1), (2, 0), (0, 1)]
+    assert canvas.padded_tokens == 3 * 48 - (16 + 24 + 32)
+    at_origin = canvas_for([(4, 4), (4, 6), (8, 4)])
+    assert [(r.top, r.left) for r in at_origin.rows] == [(0, 0)] * 3
+
+
+def source_image(size: tuple[int, int]) -> Image.Image:
+    height, width = size
+    y, x = np.indices((height, width))
+    pixels = np.stack([(x * 4) % 256, (y * 3) % 256, ((x + y) * 2) % 256], axis=-1)
+    return Image.fromarray(pixels.astype(np.uint8))
+
+
+def mixed_requests(family) -> list[tuple[int, ImageRequest]]:
+    """Three sizes, each with its own steps, guidance and CFG, an img2img row at the middle size and a
+    late joiner: (arrives at engine step, request)."""
+    _, facts, schedulers = family
+    default = schedulers.default
+
+    def request(
+        i: int, size: tuple[int, int], steps: int, negative: str | None = None, **more
+    ) -> ImageRequest:
+        return ImageRequest(f"mixed {i}", negative, 40 + i, 0, *size, steps, 5.0, 2.0, default, **more)
+
+    return [
+        (0, request(0, SIZES[0], 4)),
+        (0, request(1, SIZES[1], 4, "blurry")),
+        (0, request(2, SIZES[2], 3)),
+        (1, request(3, SIZES[1], 4, image=source_image(SIZES[1]), strength=0.7)),
+        (2, request(4, SIZES[0], 3, "dark")),
+    ]
+
+
+def test_images_of_three_sizes_share_forwards_and_each_equals_its_pipeline_alone(family):
+    pipe, facts, schedulers = family
+    adapter = adapter_of(family)
+    arrivals = mixed_requests(family)
+    host = Host()
+    with ModelCalls(adapter.model) as packed:
+        jobs = run_engine(adapter, arrivals, host)
+    adapter.packs_sizes = False  # one size per forward: the same images, more calls
+    try:
+        with ModelCalls(adapter.model) as by_shape:
+            by_size = run_engine(adapter, arrivals)
+    finally:
+        adapter.packs_sizes = True
+    # By shape, one call per size in flight at each step: three sizes for the first three steps at least.
+    assert by_shape.calls >= packed.calls + 4, (packed.calls, by_shape.calls)
+    assert max(host.forwards) >= 4, "no forward held more than two sizes' jobs"  # at most two of a size
+    for (_, request), job, other in zip(arrivals, jobs, by_size, strict=True):
+        expected = np.asarray(reference(pipe, facts, schedulers, request), dtype=int)
+        image = served(job)
+        assert image.shape == (request.height, request.width, 3)
+        assert np.abs(image - expected).max() <= 1, (facts.class_name, request.size, request.start)
+        assert np.abs(served(other) - expected).max() <= 1, ("by shape", facts.class_name, request.size)
+
+
+def test_a_cached_job_keeps_to_its_size_and_shares_with_uncached_jobs_of_it(family):
+    pipe, facts, schedulers = family
+    adapter = adapter_of(family)
+    method = "fbc:0.2" if "fbc" in adapter.cache_methods else "taylorseer:2"
+    arrivals = mixed_requests(family)[:3]
+    cached = replace(arrivals[0][1], prompt="cached", seed=77, step_cache=parse_step_cache(method))
+    jobs = run_engine(adapter, [*arrivals, (0, cached)])
+    plain = jobs[:3]
+    assert jobs[3].group == SIZES[0] and all(job.group != SIZES[0] for job in plain)
+    assert jobs[3].most_shared == 2, "the cached job did not share with the uncached one of its size"
+    (alone,) = run_engine(adapter, [(0, cached)])
+    assert np.abs(served(jobs[3]) - served(alone)).max() <= 1
