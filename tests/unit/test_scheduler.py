@@ -39,7 +39,7 @@ class Harness:
         self.clock = Clock()
         self.adapter = FakeAdapter()
         self.host = Host()
-        # Caps by group, as the served engines have them (a waiting job has no group yet).
+        # Caps by shape, as the served engines have them (the fake adapter's groups are its shapes).
         cap_for = {"64x64": max_per_forward, "256x256": 1}.__getitem__
         limits = EngineLimits(
             max_running, max_per_forward, cap_for, max_paused=max_paused, starvation_steps=16
@@ -49,7 +49,7 @@ class Harness:
         self.engine = StepEngine(self.adapter, limits, make_policy(policy), pacing, service, self.clock)
 
     def job(self, name: str, tier: int = DEFAULT, steps: int = 4, deadline_s: float | None = None) -> Job:
-        job = Job(tracked(name), Spec(steps=steps), tier=tier, planned_steps=steps)
+        job = Job(tracked(name), Spec(steps=steps), tier=tier, planned_steps=steps, shape="64x64")
         job.request.entered = self.clock.now
         job.ready_at = self.clock.now
         if deadline_s is not None:
@@ -74,7 +74,7 @@ class Harness:
     def measure(self, seconds_per_forward: float = 0.1) -> None:
         """What the engine would have measured: a forward of any size takes this long."""
         for jobs in range(1, 9):
-            self.engine.times.forward_ran(jobs, seconds_per_forward)
+            self.engine.times.forward_ran(jobs, jobs, seconds_per_forward)  # a job is one token here
 
     def order(self) -> list[str]:
         """Jobs in the order they first stepped."""
@@ -117,7 +117,8 @@ def test_a_request_that_cannot_meet_its_deadline_is_refused_at_once_with_the_est
     h.add(*ahead)
     h.step()
     late = h.job("late", DEFAULT, 8, deadline_s=2.0)  # 8 steps x 0.5 s, behind 18 job-steps
-    able = h.job("able", PRIORITY, 2, deadline_s=5.0)  # the top tier: 2 forwards, nobody ahead
+    # The top tier: nobody ahead, but it may not pause anyone: 9 steps of the full running set, then 2.
+    able = h.job("able", PRIORITY, 2, deadline_s=6.0)
     h.add(late, able)
     h.step()
     (refused,) = late.request.channel.finals
@@ -275,6 +276,7 @@ def forwards_of(policy: str, service: Service | None = None) -> list[list[str]]:
     jobs = [h.job(f"j{i}", DEFAULT, 2 + i % 3) for i in range(8)]
     for i in (2, 5):
         jobs[i].params = Spec(group="256x256", steps=jobs[i].params.steps)
+        jobs[i].shape = "256x256"
     h.add(*jobs[:5])
     h.step()
     h.add(*jobs[5:])

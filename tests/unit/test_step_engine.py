@@ -124,8 +124,10 @@ def submit(worker: EngineWorker, *jobs: Job, max_wait_s: float = 60.0) -> list[f
     return worker.submit([(j.request, [j]) for j in jobs], max_wait_s)
 
 
-def job(name: str, spec: Spec | None = None, **channel) -> Job:
-    return Job(tracked(name, **channel), spec or Spec())
+def job(name: str, spec: Spec | None = None, tokens: int = 1, **channel) -> Job:
+    """A job of the fake adapter: its group (what it will share forwards with) is also its shape."""
+    spec = spec or Spec()
+    return Job(tracked(name, **channel), spec, shape=spec.group, tokens=tokens)
 
 
 def drain(engine: StepEngine, limit: int = 200) -> None:
@@ -233,7 +235,7 @@ def test_out_of_memory_splits_the_forward_and_lowers_the_groups_cap():
         engine.add(j)
     drain(engine)
     assert all(finals == [{"out": f"out:{name}"}] for name, finals in answers(jobs).items())
-    assert max(len(f) for f in adapter.forwards) <= 3 and engine.scheduler.caps.cap_for("64x64") <= 3
+    assert max(len(f) for f in adapter.forwards) <= 3 and engine.scheduler.caps.jobs_for("64x64") <= 3
     # A job that does not fit alone is answered UNAVAILABLE; the others go on.
     lonely = FakeAdapter(max_rows=0)
     engine = engine_for(lonely)
@@ -249,13 +251,13 @@ def test_a_learned_cap_recovers_after_good_forwards_once_memory_is_back():
     for i in range(8):
         engine.add(job(f"a{i}", Spec(steps=2)))
     drain(engine)
-    assert engine.scheduler.caps.cap_for("64x64") == 2
+    assert engine.scheduler.caps.jobs_for("64x64") == 2
     adapter.max_rows = None  # the other tenant left
     long_jobs = [job(f"b{i}", Spec(steps=2 * CAP_RECOVERY_FORWARDS)) for i in range(8)]
     for j in long_jobs:
         engine.add(j)
     drain(engine, limit=20 * CAP_RECOVERY_FORWARDS)
-    assert engine.scheduler.caps.cap_for("64x64") == 8 and max(len(f) for f in adapter.forwards) == 8
+    assert engine.scheduler.caps.jobs_for("64x64") == 8 and max(len(f) for f in adapter.forwards) == 8
     assert all(len(j.request.channel.finals) == 1 for j in long_jobs)
 
 
