@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from tests.unit.recording import step_as_worker, tracked
-from tests.unit.test_step_engine import FakeAdapter, Host, Spec
+from tests.unit.test_step_engine import Engine, FakeAdapter, Host, Spec
 from triton_diffusion.engine.jobs import Job
 from triton_diffusion.engine.ordering import AdmissionPacing, Service, make_policy
 from triton_diffusion.engine.scheduler import EngineLimits
@@ -312,3 +312,106 @@ def test_with_one_tier_aging_never_pauses_a_peer_nor_skips_the_cohort():
     assert not any(job.pauses for job in running) and "late" not in h.order()
     h.drain()
     assert late.request.channel.finals == [{"out": "out:late"}]
+
+
+# ---- packed forwards: a token budget, scheduling and pricing by tokens -------------------------------
+
+
+def packed_engine(
+    budget: int | None = 10,
+    max_per_forward: int = 8,
+    cap_for=None,
+    starvation_steps: int = 16,
+    policy: str = "oldest",
+) -> Engine:
+    """An engine (with its host) whose jobs all share one group ("packed": the adapter pads rows of any
+    size)."""
+    limits = EngineLimits(
+        64, max_per_forward, cap_for, starvation_steps=starvation_steps, max_tokens_per_forward=budget
+    )
+    return Engine(StepEngine(FakeAdapter(), limits, make_policy(policy)), Host())
+
+
+def packed(name: str, tokens: int, steps: int = 3, shape: str = "S") -> Job:
+    return Job(tracked(name), Spec(group="packed", steps=steps), shape=shape, tokens=tokens)
+
+
+def first_forward(engine: Engine, *jobs: Job) -> list[str]:
+    for job in jobs:
+        engine.add(job)
+    engine.step()
+    return engine.adapter.forwards[0]
+
+
+def test_a_forward_fills_its_token_budget_in_order_skipping_what_does_not_fit():
+    # 4, then 8 does not fit (12 > 10) but 2 and 4 after it do (10); 1 more would not.
+    jobs = [packed("a4", 4), packed("b8", 8), packed("c2", 2), packed("d4", 4), packed("e1", 1)]
+    assert first_forward(packed_engine(budget=10), *jobs) == ["a4", "c2", "d4"]
+    # Without a budget only the jobs cap bounds it.
+    jobs = [packed("a4", 4), packed("b8", 8), packed("c2", 2), packed("d4", 4), packed("e1", 1)]
+    assert first_forward(packed_engine(budget=None, max_per_forward=4), *jobs) == ["a4", "b8", "c2", "d4"]
+
+
+def test_the_first_job_always_goes_even_alone_over_the_budget():
+    engine = packed_engine(budget=10)
+    huge, small = packed("huge", 15, steps=2), packed("small", 1, steps=2)
+    assert first_forward(engine, huge, small) == ["huge"]  # alone: nothing fits beside it
+    for _ in range(10):
+        if not engine.active:
+            break
+        engine.step()
+    assert huge.request.ended and huge.request.channel.finals == [{"out": "out:huge"}]
+    assert engine.adapter.forwards == [["huge"], ["huge"], ["small"], ["small"]]
+
+
+def test_per_shape_caps_bound_each_shape_within_one_mixed_forward():
+    caps = {"L": 1, "S": 8}.__getitem__
+    jobs = [packed("L0", 1, shape="L"), packed("L1", 1, shape="L"), packed("S0", 1), packed("S1", 1)]
+    assert first_forward(packed_engine(budget=None, cap_for=caps), *jobs) == ["L0", "S0", "S1"]
+    # ... and max_per_forward bounds the jobs in all.
+    jobs = [packed("L0", 1, shape="L"), packed("S0", 1), packed("S1", 1), packed("S2", 1)]
+    assert first_forward(packed_engine(budget=None, max_per_forward=3, cap_for=caps), *jobs) == [
+        "L0",
+        "S0",
+        "S1",
+    ]
+
+
+def large_job_steps(starvation_steps: int, smalls_per_step: int, engine_steps: int = 40) -> list[int]:
+    """The engine steps at which a large job (8 tokens of a budget of 10) stepped, amid small jobs (3 tokens,
+    one step each) arriving every engine step, which the policy (fewest remaining) puts before it."""
+    engine = packed_engine(budget=10, max_per_forward=64, starvation_steps=starvation_steps)
+    engine.scheduler.policy = make_policy("fewest_remaining")
+    large = packed("large", 8, steps=engine_steps)
+    engine.add(large)
+    stepped = []
+    for step in range(1, engine_steps + 1):
+        for i in range(smalls_per_step):
+            engine.add(packed(f"s{step}.{i}", 3, steps=1))
+        engine.step()
+        assert engine.steps == step
+        if "large" in engine.adapter.forwards[-1]:
+            stepped.append(step)
+    return stepped
+
+
+def test_a_large_job_is_not_starved_by_a_stream_of_small_ones():
+    bound = 4
+    # Without the starvation rule (a bound never reached) the smalls always fill the forward first (3 + 8
+    # > 10) and the large job never steps: the stream would starve it.
+    assert large_job_steps(starvation_steps=1000, smalls_per_step=1) == []
+    # With it: admitted at step 1, the large job steps at least once every `bound` engine steps (exactly:
+    # not stepped for `bound` steps it goes first, and the first always goes), first by step 1 + bound.
+    stepped = large_job_steps(starvation_steps=bound, smalls_per_step=1)
+    gaps = [b - a for a, b in zip([1, *stepped], stepped, strict=False)]
+    assert stepped and max(gaps) == bound and 40 - stepped[-1] < bound, stepped
+
+
+def test_under_overload_a_large_job_still_steps_within_the_bound_plus_those_starved_before_it():
+    # More small work arrives than the budget serves (4 x 3 tokens a step, 3 fit): small jobs starve
+    # too. The longest starved goes first, so small jobs that starve later never pass the large one: it
+    # steps within starvation_steps + the running jobs starved before it (max_running - 1 at most).
+    bound = 4
+    stepped = large_job_steps(starvation_steps=bound, smalls_per_step=4)
+    gaps = [b - a for a, b in zip([1, *stepped], stepped, strict=False)]
+    assert len(stepped) >= 3 and max(gaps) <= bound + 63, stepped

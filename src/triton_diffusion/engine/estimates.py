@@ -81,7 +81,8 @@ class WorkTimes:
         the forwards it needs (its own steps, or the whole work shared out a budget at a time, whichever is
         more), each holding the work shared out over them (at least its own tokens: a job larger than the
         budget runs alone), plus its start (unless ``started``) and its decode."""
-        job_tokens, budget = max(job_tokens, 1), max(token_budget, 1)
+        job_tokens = max(job_tokens, 1)
+        budget = max(token_budget, job_tokens)  # one larger than the budget runs alone: a forward its size
         work = ahead_token_steps + job_tokens * steps
         forwards = max(steps, math.ceil(work / budget))
         size = max(job_tokens, math.ceil(work / max(forwards, 1)))

@@ -386,9 +386,16 @@ class Scheduler:
             group = self.policy.choose_group(groups, first)
         self.policy.picked(group)
         members = [j for j in running if j.group == group]
-        # Starved jobs of the group first, then the order.
-        members.sort(key=lambda j: (step - j.waited_since < bound, self.order_key(j, now)))
+        # Starved jobs first, the longest starved first (the one the group was chosen for, so it goes; one
+        # that starves later never passes a starved job, which goes within as many steps as are before
+        # it: starvation_steps + max_running - 1 at most), then the order.
+        members.sort(key=lambda j: self._forward_key(j, now))
         return self._fill(group, members)
+
+    def _forward_key(self, job: Job, now: float) -> tuple:
+        if self.step - job.waited_since >= self.limits.starvation_steps:
+            return (False, job.waited_since, job.admitted)
+        return (True, *self.order_key(job, now))
 
     def _fill(self, group: Hashable, members: list[Job]) -> list[Job]:
         """The members, in order, that fit one forward: within its jobs, its token budget and each shape's
