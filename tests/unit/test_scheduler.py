@@ -35,6 +35,7 @@ class Harness:
         aging_s: float = 0.0,
         refuse_late: bool = True,
         policy: str = "oldest",
+        max_tokens: int | None = None,
     ) -> None:
         self.clock = Clock()
         self.adapter = FakeAdapter()
@@ -42,14 +43,22 @@ class Harness:
         # Caps by shape, as the served engines have them (the fake adapter's groups are its shapes).
         cap_for = {"64x64": max_per_forward, "256x256": 1}.__getitem__
         limits = EngineLimits(
-            max_running, max_per_forward, cap_for, max_paused=max_paused, starvation_steps=16
+            max_running,
+            max_per_forward,
+            cap_for,
+            max_paused=max_paused,
+            starvation_steps=16,
+            max_tokens_per_forward=max_tokens,
         )
         service = Service(("priority", "default", "flex"), aging_s, refuse_late)
         pacing = AdmissionPacing(1)
         self.engine = StepEngine(self.adapter, limits, make_policy(policy), pacing, service, self.clock)
 
-    def job(self, name: str, tier: int = DEFAULT, steps: int = 4, deadline_s: float | None = None) -> Job:
-        job = Job(tracked(name), Spec(steps=steps), tier=tier, planned_steps=steps, shape="64x64")
+    def job(
+        self, name: str, tier: int = DEFAULT, steps: int = 4, deadline_s: float | None = None, tokens: int = 1
+    ) -> Job:
+        spec = Spec(steps=steps)
+        job = Job(tracked(name), spec, tier=tier, planned_steps=steps, shape="64x64", tokens=tokens)
         job.request.entered = self.clock.now
         job.ready_at = self.clock.now
         if deadline_s is not None:
@@ -415,3 +424,25 @@ def test_under_overload_a_large_job_still_steps_within_the_bound_plus_those_star
     stepped = large_job_steps(starvation_steps=bound, smalls_per_step=4)
     gaps = [b - a for a, b in zip([1, *stepped], stepped, strict=False)]
     assert len(stepped) >= 3 and max(gaps) <= bound + 63, stepped
+
+
+@pytest.mark.parametrize(("ahead_tokens", "refused"), [(10, True), (2, False)])
+def test_a_deadline_is_checked_against_the_tokens_ahead_not_the_jobs(ahead_tokens, refused):
+    # The same four jobs ahead (a higher tier), 9 steps left each; the newcomer: 10 tokens, 4 steps, 2 s.
+    # 10 tokens each: 360 token-steps ahead + its 40 = 10 forwards of the 40-token budget, 4 s: late.
+    # 2 tokens each: 72 + 40 = its own 4 forwards of 28 tokens, 1.12 s: in time. (By jobs, the two are
+    # the same: 36 job-steps ahead.)
+    h = Harness(max_running=8, max_per_forward=8, max_paused=0, max_tokens=40)
+    h.add(*[h.job(f"ahead{i}", PRIORITY, 10, tokens=ahead_tokens) for i in range(4)])
+    h.step()
+    for tokens in (10, 20, 40, 80):  # 10 ms a token, measured after the step (its own forward took ~0 s)
+        h.engine.times.forward_ran(1, tokens, tokens / 100)
+    newcomer = h.job("newcomer", DEFAULT, 4, deadline_s=2.0, tokens=10)
+    h.add(newcomer)
+    h.step()
+    if refused:
+        (final,) = newcomer.request.channel.finals
+        assert final.code is ErrorCode.UNAVAILABLE and "360 token-steps ahead" in final.message, final
+    else:
+        h.drain()
+        assert newcomer.request.channel.finals == [{"out": "out:newcomer"}]
