@@ -124,8 +124,7 @@ def run(
     step_engine = variant != "request"
     engine = engine_for(bench, variant, bench.max_running)
     if step_engine and times is not None:
-        engine.times.forward_s.update(times.forward_s)  # what a warm server has measured
-        engine.times.by_group.update({group: dict(table) for group, table in times.by_group.items()})
+        engine.times.by_tokens.update(times.by_tokens)  # what a warm server has measured
         engine.times.start_s, engine.times.finish_s = times.start_s, times.finish_s
     if not step_engine:
         engine.on_progress = recorder.render

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from tests.unit.recording import step_as_worker, tracked
-from tests.unit.test_step_engine import FakeAdapter, Host, Spec
+from tests.unit.test_step_engine import Engine, FakeAdapter, Host, Spec
 from triton_diffusion.engine.jobs import Job
 from triton_diffusion.engine.ordering import AdmissionPacing, Service, make_policy
 from triton_diffusion.engine.scheduler import EngineLimits
@@ -35,21 +35,30 @@ class Harness:
         aging_s: float = 0.0,
         refuse_late: bool = True,
         policy: str = "oldest",
+        max_tokens: int | None = None,
     ) -> None:
         self.clock = Clock()
         self.adapter = FakeAdapter()
         self.host = Host()
-        # Caps by group, as the served engines have them (a waiting job has no group yet).
+        # Caps by shape, as the served engines have them (the fake adapter's groups are its shapes).
         cap_for = {"64x64": max_per_forward, "256x256": 1}.__getitem__
         limits = EngineLimits(
-            max_running, max_per_forward, cap_for, max_paused=max_paused, starvation_steps=16
+            max_running,
+            max_per_forward,
+            cap_for,
+            max_paused=max_paused,
+            starvation_steps=16,
+            max_tokens_per_forward=max_tokens,
         )
         service = Service(("priority", "default", "flex"), aging_s, refuse_late)
         pacing = AdmissionPacing(1)
         self.engine = StepEngine(self.adapter, limits, make_policy(policy), pacing, service, self.clock)
 
-    def job(self, name: str, tier: int = DEFAULT, steps: int = 4, deadline_s: float | None = None) -> Job:
-        job = Job(tracked(name), Spec(steps=steps), tier=tier, planned_steps=steps)
+    def job(
+        self, name: str, tier: int = DEFAULT, steps: int = 4, deadline_s: float | None = None, tokens: int = 1
+    ) -> Job:
+        spec = Spec(steps=steps)
+        job = Job(tracked(name), spec, tier=tier, planned_steps=steps, shape="64x64", tokens=tokens)
         job.request.entered = self.clock.now
         job.ready_at = self.clock.now
         if deadline_s is not None:
@@ -74,7 +83,7 @@ class Harness:
     def measure(self, seconds_per_forward: float = 0.1) -> None:
         """What the engine would have measured: a forward of any size takes this long."""
         for jobs in range(1, 9):
-            self.engine.times.forward_ran(jobs, seconds_per_forward)
+            self.engine.times.forward_ran(jobs, jobs, seconds_per_forward)  # a job is one token here
 
     def order(self) -> list[str]:
         """Jobs in the order they first stepped."""
@@ -117,7 +126,8 @@ def test_a_request_that_cannot_meet_its_deadline_is_refused_at_once_with_the_est
     h.add(*ahead)
     h.step()
     late = h.job("late", DEFAULT, 8, deadline_s=2.0)  # 8 steps x 0.5 s, behind 18 job-steps
-    able = h.job("able", PRIORITY, 2, deadline_s=5.0)  # the top tier: 2 forwards, nobody ahead
+    # The top tier: nobody ahead, but it may not pause anyone: 9 steps of the full running set, then 2.
+    able = h.job("able", PRIORITY, 2, deadline_s=6.0)
     h.add(late, able)
     h.step()
     (refused,) = late.request.channel.finals
@@ -275,6 +285,7 @@ def forwards_of(policy: str, service: Service | None = None) -> list[list[str]]:
     jobs = [h.job(f"j{i}", DEFAULT, 2 + i % 3) for i in range(8)]
     for i in (2, 5):
         jobs[i].params = Spec(group="256x256", steps=jobs[i].params.steps)
+        jobs[i].shape = "256x256"
     h.add(*jobs[:5])
     h.step()
     h.add(*jobs[5:])
@@ -310,3 +321,128 @@ def test_with_one_tier_aging_never_pauses_a_peer_nor_skips_the_cohort():
     assert not any(job.pauses for job in running) and "late" not in h.order()
     h.drain()
     assert late.request.channel.finals == [{"out": "out:late"}]
+
+
+# ---- packed forwards: a token budget, scheduling and pricing by tokens -------------------------------
+
+
+def packed_engine(
+    budget: int | None = 10,
+    max_per_forward: int = 8,
+    cap_for=None,
+    starvation_steps: int = 16,
+    policy: str = "oldest",
+) -> Engine:
+    """An engine (with its host) whose jobs all share one group ("packed": the adapter pads rows of any
+    size)."""
+    limits = EngineLimits(
+        64, max_per_forward, cap_for, starvation_steps=starvation_steps, max_tokens_per_forward=budget
+    )
+    return Engine(StepEngine(FakeAdapter(), limits, make_policy(policy)), Host())
+
+
+def packed(name: str, tokens: int, steps: int = 3, shape: str = "S") -> Job:
+    return Job(tracked(name), Spec(group="packed", steps=steps), shape=shape, tokens=tokens)
+
+
+def first_forward(engine: Engine, *jobs: Job) -> list[str]:
+    for job in jobs:
+        engine.add(job)
+    engine.step()
+    return engine.adapter.forwards[0]
+
+
+def test_a_forward_fills_its_token_budget_in_order_skipping_what_does_not_fit():
+    # 4, then 8 does not fit (12 > 10) but 2 and 4 after it do (10); 1 more would not.
+    jobs = [packed("a4", 4), packed("b8", 8), packed("c2", 2), packed("d4", 4), packed("e1", 1)]
+    assert first_forward(packed_engine(budget=10), *jobs) == ["a4", "c2", "d4"]
+    # Without a budget only the jobs cap bounds it.
+    jobs = [packed("a4", 4), packed("b8", 8), packed("c2", 2), packed("d4", 4), packed("e1", 1)]
+    assert first_forward(packed_engine(budget=None, max_per_forward=4), *jobs) == ["a4", "b8", "c2", "d4"]
+
+
+def test_the_first_job_always_goes_even_alone_over_the_budget():
+    engine = packed_engine(budget=10)
+    huge, small = packed("huge", 15, steps=2), packed("small", 1, steps=2)
+    assert first_forward(engine, huge, small) == ["huge"]  # alone: nothing fits beside it
+    for _ in range(10):
+        if not engine.active:
+            break
+        engine.step()
+    assert huge.request.ended and huge.request.channel.finals == [{"out": "out:huge"}]
+    assert engine.adapter.forwards == [["huge"], ["huge"], ["small"], ["small"]]
+
+
+def test_per_shape_caps_bound_each_shape_within_one_mixed_forward():
+    caps = {"L": 1, "S": 8}.__getitem__
+    jobs = [packed("L0", 1, shape="L"), packed("L1", 1, shape="L"), packed("S0", 1), packed("S1", 1)]
+    assert first_forward(packed_engine(budget=None, cap_for=caps), *jobs) == ["L0", "S0", "S1"]
+    # ... and max_per_forward bounds the jobs in all.
+    jobs = [packed("L0", 1, shape="L"), packed("S0", 1), packed("S1", 1), packed("S2", 1)]
+    assert first_forward(packed_engine(budget=None, max_per_forward=3, cap_for=caps), *jobs) == [
+        "L0",
+        "S0",
+        "S1",
+    ]
+
+
+def large_job_steps(starvation_steps: int, smalls_per_step: int, engine_steps: int = 40) -> list[int]:
+    """The engine steps at which a large job (8 tokens of a budget of 10) stepped, amid small jobs (3 tokens,
+    one step each) arriving every engine step, which the policy (fewest remaining) puts before it."""
+    engine = packed_engine(budget=10, max_per_forward=64, starvation_steps=starvation_steps)
+    engine.scheduler.policy = make_policy("fewest_remaining")
+    large = packed("large", 8, steps=engine_steps)
+    engine.add(large)
+    stepped = []
+    for step in range(1, engine_steps + 1):
+        for i in range(smalls_per_step):
+            engine.add(packed(f"s{step}.{i}", 3, steps=1))
+        engine.step()
+        assert engine.steps == step
+        if "large" in engine.adapter.forwards[-1]:
+            stepped.append(step)
+    return stepped
+
+
+def test_a_large_job_is_not_starved_by_a_stream_of_small_ones():
+    bound = 4
+    # Without the starvation rule (a bound never reached) the smalls always fill the forward first (3 + 8
+    # > 10) and the large job never steps: the stream would starve it.
+    assert large_job_steps(starvation_steps=1000, smalls_per_step=1) == []
+    # With it: admitted at step 1, the large job steps at least once every `bound` engine steps (exactly:
+    # not stepped for `bound` steps it goes first, and the first always goes), first by step 1 + bound.
+    stepped = large_job_steps(starvation_steps=bound, smalls_per_step=1)
+    gaps = [b - a for a, b in zip([1, *stepped], stepped, strict=False)]
+    assert stepped and max(gaps) == bound and 40 - stepped[-1] < bound, stepped
+
+
+def test_under_overload_a_large_job_still_steps_within_the_bound_plus_those_starved_before_it():
+    # More small work arrives than the budget serves (4 x 3 tokens a step, 3 fit): small jobs starve
+    # too. The longest starved goes first, so small jobs that starve later never pass the large one: it
+    # steps within starvation_steps + the running jobs starved before it (max_running - 1 at most).
+    bound = 4
+    stepped = large_job_steps(starvation_steps=bound, smalls_per_step=4)
+    gaps = [b - a for a, b in zip([1, *stepped], stepped, strict=False)]
+    assert len(stepped) >= 3 and max(gaps) <= bound + 63, stepped
+
+
+@pytest.mark.parametrize(("ahead_tokens", "refused"), [(10, True), (2, False)])
+def test_a_deadline_is_checked_against_the_tokens_ahead_not_the_jobs(ahead_tokens, refused):
+    # The same four jobs ahead (a higher tier), 9 steps left each; the newcomer: 10 tokens, 4 steps, 2 s.
+    # 10 tokens each: 360 token-steps ahead + its 40 = 10 forwards of the 40-token budget, 4 s: late.
+    # 2 tokens each: 72 + 40 = its own 4 forwards of 28 tokens, 1.12 s: in time. (By jobs, the two are
+    # the same: 36 job-steps ahead.)
+    h = Harness(max_running=8, max_per_forward=8, max_paused=0, max_tokens=40)
+    h.add(*[h.job(f"ahead{i}", PRIORITY, 10, tokens=ahead_tokens) for i in range(4)])
+    h.step()
+    for tokens in (10, 20, 40, 80):  # 10 ms a token, measured after the step (its own forward took ~0 s)
+        h.engine.times.forward_ran(1, tokens, tokens / 100)
+    newcomer = h.job("newcomer", DEFAULT, 4, deadline_s=2.0, tokens=10)
+    h.add(newcomer)
+    h.step()
+    if refused:
+        (final,) = newcomer.request.channel.finals
+        assert final.code is ErrorCode.UNAVAILABLE and "360 token-steps ahead" in final.message, final
+    else:
+        h.drain()
+        assert newcomer.request.channel.finals == [{"out": "out:newcomer"}]

@@ -26,7 +26,7 @@ from triton_diffusion.engine.jobs import (
 )
 from triton_diffusion.engine.ordering import AdmissionPacing, make_policy
 from triton_diffusion.engine.request_status import Abort
-from triton_diffusion.engine.scheduler import CAP_RECOVERY_FORWARDS, EngineLimits
+from triton_diffusion.engine.scheduler import CAP_RECOVERY_FORWARDS, EngineLimits, ForwardCaps
 from triton_diffusion.engine.step_engine import StepEngine
 from triton_diffusion.errors import ErrorCode, RequestError
 from triton_diffusion.faults import AcceleratorError, SimulatedOutOfMemoryError
@@ -124,8 +124,10 @@ def submit(worker: EngineWorker, *jobs: Job, max_wait_s: float = 60.0) -> list[f
     return worker.submit([(j.request, [j]) for j in jobs], max_wait_s)
 
 
-def job(name: str, spec: Spec | None = None, **channel) -> Job:
-    return Job(tracked(name, **channel), spec or Spec())
+def job(name: str, spec: Spec | None = None, tokens: int = 1, **channel) -> Job:
+    """A job of the fake adapter: its group (what it will share forwards with) is also its shape."""
+    spec = spec or Spec()
+    return Job(tracked(name, **channel), spec, shape=spec.group, tokens=tokens)
 
 
 def drain(engine: StepEngine, limit: int = 200) -> None:
@@ -233,7 +235,7 @@ def test_out_of_memory_splits_the_forward_and_lowers_the_groups_cap():
         engine.add(j)
     drain(engine)
     assert all(finals == [{"out": f"out:{name}"}] for name, finals in answers(jobs).items())
-    assert max(len(f) for f in adapter.forwards) <= 3 and engine.scheduler.caps.cap_for("64x64") <= 3
+    assert max(len(f) for f in adapter.forwards) <= 3 and engine.scheduler.caps.jobs_for("64x64") <= 3
     # A job that does not fit alone is answered UNAVAILABLE; the others go on.
     lonely = FakeAdapter(max_rows=0)
     engine = engine_for(lonely)
@@ -249,14 +251,91 @@ def test_a_learned_cap_recovers_after_good_forwards_once_memory_is_back():
     for i in range(8):
         engine.add(job(f"a{i}", Spec(steps=2)))
     drain(engine)
-    assert engine.scheduler.caps.cap_for("64x64") == 2
+    assert engine.scheduler.caps.jobs_for("64x64") == 2
     adapter.max_rows = None  # the other tenant left
     long_jobs = [job(f"b{i}", Spec(steps=2 * CAP_RECOVERY_FORWARDS)) for i in range(8)]
     for j in long_jobs:
         engine.add(j)
     drain(engine, limit=20 * CAP_RECOVERY_FORWARDS)
-    assert engine.scheduler.caps.cap_for("64x64") == 8 and max(len(f) for f in adapter.forwards) == 8
+    assert engine.scheduler.caps.jobs_for("64x64") == 8 and max(len(f) for f in adapter.forwards) == 8
     assert all(len(j.request.channel.finals) == 1 for j in long_jobs)
+
+
+class PackingAdapter(FakeAdapter):
+    """Packs jobs of any size into one forward (padded to the longest), out of memory over ``max_tokens``
+    of its jobs' tokens."""
+
+    def __init__(self, max_tokens: int) -> None:
+        super().__init__()
+        self.max_tokens = max_tokens
+        self.out_of_memory = 0
+
+    def step(self, jobs, previews=None):
+        tokens = [job.tokens for job in jobs]
+        if sum(tokens) > self.max_tokens:
+            self.out_of_memory += 1
+            raise SimulatedOutOfMemoryError(f"{sum(tokens)} tokens")
+        result = super().step(jobs, previews)
+        return ForwardResult(result.steps, result.rows, padded_tokens=len(jobs) * max(tokens) - sum(tokens))
+
+
+def test_out_of_memory_learns_a_token_cap_that_keeps_mixed_forwards_within_memory():
+    adapter = PackingAdapter(max_tokens=10)
+    engine = engine_for(adapter)
+    mixed = [job(f"m{i}", Spec(group="packed"), tokens=6 if i % 2 == 0 else 1) for i in range(8)]
+    for j in mixed:
+        engine.add(j)
+    drain(engine)
+    assert all(finals == [{"out": f"out:{name}"}] for name, finals in answers(mixed).items())
+    caps = engine.scheduler.caps
+    # 28 tokens, then 14 ran out of memory: half of those a forward, 2 jobs and 7 tokens.
+    assert (caps.jobs_for("packed"), caps.tokens_for("packed")) == (2, 7)
+    forwards = [f for report in engine.host.reports for f in report.forwards]
+    assert forwards and all(f.tokens == 7 and f.padded_tokens == 5 for f in forwards)  # [6, 1], padded to 6
+    # Large jobs now: the job cap alone would pair them (12 tokens: out of memory), the token cap does not.
+    before = adapter.out_of_memory
+    large = [job(f"l{i}", Spec(group="packed"), tokens=6) for i in range(4)]
+    for j in large:
+        engine.add(j)
+    drain(engine)
+    assert adapter.out_of_memory == before and all(len(f) == 1 for f in adapter.forwards[-12:])
+    assert all(finals == [{"out": f"out:{name}"}] for name, finals in answers(large).items())
+
+
+def test_a_learned_token_cap_recovers_like_the_job_cap():
+    caps = ForwardCaps(EngineLimits(8, 8, max_tokens_per_forward=100))
+    caps.out_of_memory("g", 1, 90)  # alone: nothing to learn (the job fails UNAVAILABLE)
+    assert (caps.jobs_for("g"), caps.tokens_for("g")) == (8, 100)
+    caps.out_of_memory("g", 4, 60)
+    assert (caps.jobs_for("g"), caps.tokens_for("g")) == (2, 30) and caps.tokens_for("other") == 100
+    # Forwards below the learned job cap and within half the token cap are not full: no recovery.
+    for _ in range(3 * CAP_RECOVERY_FORWARDS):
+        caps.ran("g", 1, 15)
+    assert (caps.jobs_for("g"), caps.tokens_for("g")) == (2, 30)
+    # Full by tokens (more than half the token cap, one job each): both double after enough of them.
+    for _ in range(CAP_RECOVERY_FORWARDS - 1):
+        caps.ran("g", 1, 16)
+    assert (caps.jobs_for("g"), caps.tokens_for("g")) == (2, 30)
+    caps.ran("g", 1, 16)
+    assert (caps.jobs_for("g"), caps.tokens_for("g")) == (4, 60)
+    # Full by jobs (few tokens): both reach the configured caps and are dropped.
+    for _ in range(CAP_RECOVERY_FORWARDS):
+        caps.ran("g", 4, 4)
+    assert (caps.jobs_for("g"), caps.tokens_for("g")) == (8, 100)
+    # Raising them failed: learned again, and the next raise waits twice as long.
+    caps.out_of_memory("g", 8, 100)
+    assert (caps.jobs_for("g"), caps.tokens_for("g")) == (4, 50)
+    for _ in range(2 * CAP_RECOVERY_FORWARDS - 1):
+        caps.ran("g", 4, 50)
+    assert (caps.jobs_for("g"), caps.tokens_for("g")) == (4, 50)
+    caps.ran("g", 4, 50)
+    assert (caps.jobs_for("g"), caps.tokens_for("g")) == (8, 100)
+    # With no token budget configured, a learned token cap is dropped with the job cap.
+    caps = ForwardCaps(EngineLimits(8, 8))
+    caps.out_of_memory("g", 4, 60)
+    for _ in range(2 * CAP_RECOVERY_FORWARDS):
+        caps.ran("g", 4, 60)
+    assert (caps.jobs_for("g"), caps.tokens_for("g")) == (8, None)
 
 
 def test_a_failing_decode_is_retried_job_by_job():

@@ -1,36 +1,41 @@
 """How long work takes, from the engine's own measurements: what deadlines are checked against.
 
-The step engine times every forward (by its jobs), every start and every decode. A job's time to finish
-is estimated as the forwards it still needs times the forward time at the number of jobs it will share
-them with, plus a start and a decode; the work queued ahead of it (jobs that go first) adds the forwards
-it needs. Before anything was measured there is no estimate, and nothing is refused for it.
+The step engine times every forward (by its tokens: jobs of any size may share one), every start and
+every decode. A forward's cost is a line in its tokens, ``a + b x tokens`` (a fixed part, then about
+linear growth), fitted by least squares to the running average seconds of each token count measured. A
+job's time to finish is the forwards it still needs, each priced by the tokens it holds, plus a start and
+a decode; the work queued ahead of it (jobs that go first) adds forwards where it does not fit beside it.
+Before anything was measured there is no estimate, and nothing is refused for it.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 # Weight of the newest measurement in the running averages.
 SMOOTHING = 0.2
+# Token counts kept for the fit (the least recently measured is dropped): a served model sees few sizes,
+# and a bounded table keeps the fit cheap and following what runs now.
+MAX_SIZES = 64
 
 
 @dataclass
 class WorkTimes:
-    """Running averages: forward seconds by the number of jobs in it (over every group, and per group: a
-    group is a latent shape, whose forwards cost what its size does), start and decode seconds per job."""
+    """Running averages: forward seconds by the tokens in it (over every group: a forward's cost is what
+    its tokens are, whatever their shapes), start and decode seconds per job."""
 
-    forward_s: dict[int, float] = field(default_factory=dict)
-    by_group: dict[Hashable, dict[int, float]] = field(default_factory=dict)
+    by_tokens: dict[int, float] = field(default_factory=dict)  # least recently measured first
     start_s: float | None = None  # per job started
     finish_s: float | None = None  # per job decoded
 
-    def forward_ran(self, jobs: int, seconds: float, group: Hashable = None) -> None:
-        self.forward_s[jobs] = _blend(self.forward_s.get(jobs), seconds)
-        if group is not None:
-            table = self.by_group.setdefault(group, {})
-            table[jobs] = _blend(table.get(jobs), seconds)
+    def forward_ran(self, jobs: int, tokens: int, seconds: float) -> None:
+        """A forward of ``jobs`` jobs and ``tokens`` tokens took ``seconds``."""
+        tokens = max(tokens, 1)
+        old = self.by_tokens.pop(tokens, None)  # re-inserted last: the most recently measured
+        self.by_tokens[tokens] = _blend(old, seconds)
+        if len(self.by_tokens) > MAX_SIZES:
+            del self.by_tokens[next(iter(self.by_tokens))]
 
     def started(self, jobs: int, seconds: float) -> None:
         if jobs:
@@ -42,39 +47,46 @@ class WorkTimes:
 
     @property
     def measured(self) -> bool:
-        return bool(self.forward_s)
+        return bool(self.by_tokens)
 
-    def forward(self, jobs: int, group: Hashable = None) -> float:
-        """Seconds of a forward of ``jobs`` jobs of ``group`` (its own measurements where it has any, else
-        every group's): measured, else interpolated between the nearest measured sizes (linearly: a
-        forward's cost grows about linearly past its fixed part), else 0."""
-        times = self.by_group.get(group) or self.forward_s
-        jobs = max(jobs, 1)
-        if jobs in times:
-            return times[jobs]
-        if not times:
+    def forward_s(self, tokens: int) -> float:
+        """Seconds of a forward of ``tokens`` tokens: the least-squares line over the token counts measured,
+        never below 0. With one count measured, proportional above it and the same below (no slope is
+        known); a falling fit (noise) is flat at the mean; a fit with a negative fixed part is taken
+        through the origin (a small forward costs its share, never nothing). Before any measurement 0."""
+        points = self.by_tokens
+        tokens = max(tokens, 1)
+        if not points:
             return 0.0
-        sizes = sorted(times)
-        below = [s for s in sizes if s < jobs]
-        above = [s for s in sizes if s > jobs]
-        if below and above:
-            low, high = below[-1], above[0]
-            share = (jobs - low) / (high - low)
-            return times[low] + share * (times[high] - times[low])
-        nearest = below[-1] if below else above[0]
-        return times[nearest] * jobs / nearest if below else times[nearest]
+        if len(points) == 1:
+            ((size, seconds),) = points.items()
+            return seconds * max(tokens / size, 1.0)
+        n = len(points)
+        mean_t = sum(points) / n
+        mean_s = sum(points.values()) / n
+        spread = sum((t - mean_t) ** 2 for t in points)
+        slope = sum((t - mean_t) * (s - mean_s) for t, s in points.items()) / spread
+        if slope <= 0:
+            return mean_s
+        fixed = mean_s - slope * mean_t
+        if fixed < 0:
+            slope, fixed = sum(t * s for t, s in points.items()) / sum(t * t for t in points), 0.0
+        return max(fixed + slope * tokens, 0.0)
 
     def finish_in(
-        self, steps: int, ahead_steps: int, cap: int, started: bool, group: Hashable = None
+        self, job_tokens: int, steps: int, ahead_token_steps: int, token_budget: int, started: bool
     ) -> float:
-        """Seconds until a job with ``steps`` denoising steps to go is done, when ``ahead_steps`` job-steps
-        of work go before it and a forward holds at most ``cap`` jobs: the forwards it needs (its own steps,
-        or the whole work shared out ``cap`` at a time, whichever is more), each of the size the work
-        fills, plus its start (unless ``started``) and its decode."""
-        cap = max(cap, 1)
-        forwards = max(steps, math.ceil((ahead_steps + steps) / cap))
-        size = min(cap, max(1, math.ceil((ahead_steps + steps) / max(forwards, 1))))
-        seconds = forwards * self.forward(size, group)
+        """Seconds until a job of ``job_tokens`` tokens with ``steps`` denoising steps to go is done, when
+        ``ahead_token_steps`` token-steps of work go before it and a forward holds ``token_budget`` tokens:
+        the forwards it needs (its own steps, or the whole work shared out a budget at a time, whichever is
+        more), each holding the work shared out over them (at least its own tokens: a job larger than the
+        budget runs alone), plus its start (unless ``started``) and its decode."""
+        job_tokens = max(job_tokens, 1)
+        budget = max(token_budget, job_tokens)  # one larger than the budget runs alone: a forward its size
+        work = ahead_token_steps + job_tokens * steps
+        forwards = max(steps, math.ceil(work / budget))
+        size = max(job_tokens, math.ceil(work / max(forwards, 1)))
+        seconds = forwards * self.forward_s(size)
         if not started:
             seconds += self.start_s or 0.0
         return seconds + (self.finish_s or 0.0)

@@ -9,7 +9,9 @@ place in a queue); the adapter owns only ``job.state``.
 Words (the glossary): an *image* (or video, or LM request) is one job; a *row* is one row of the
 denoiser's batch (a job with classifier-free guidance has two); a *forward* is one model call over the
 rows of the jobs stepping together; an *engine step* is one turn of the engine loop (at most one
-forward); a job's *denoising steps* are its ``total_steps``, of which it has done ``steps_done``.
+forward); a job's *denoising steps* are its ``total_steps``, of which it has done ``steps_done``; a job's
+*tokens* are what it adds to a forward (its ``tokens``): its denoiser rows times the latent tokens of one
+row (frames included), what a forward's cost and memory grow with when jobs of any size share it.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ class JobSpec:
     tier: int = 0
     deadline: float | None = None
     planned_steps: int = 1  # the denoising steps it will run (for estimates before it starts)
-    shape: Hashable = None  # the group it is expected to join (for estimates before it starts)
+    shape: Hashable = None  # its latent (height, width[, frames]): the group it is expected to join
+    tokens: int = 1  # denoiser tokens it adds to a forward (rows x latent tokens per row)
     cache_method: str = "none"
     preview_every: int = 0
     previews: int = 0
@@ -63,7 +66,8 @@ class Job:
     deadline: float | None = None
     planned_steps: int = 1
     cache_method: str = "none"  # its step cache's method (for the metrics)
-    shape: Hashable = None  # the group it is expected to join (for estimates before it starts)
+    shape: Hashable = None  # its latent (height, width[, frames]): per-size caps, estimates before it starts
+    tokens: int = 1  # denoiser tokens it adds to a forward (rows x latent tokens per row): the token budget
     # Set from the adapter's JobStart when the job is started.
     state: Any = None
     group: Hashable = None  # jobs of one group can share a forward (latent shape, or compatibility key)
@@ -105,6 +109,7 @@ class Job:
             planned_steps=spec.planned_steps,
             cache_method=spec.cache_method,
             shape=spec.shape,
+            tokens=spec.tokens,
             group=spec.group,
         )
 
@@ -201,6 +206,8 @@ class Forward:
     seconds: float
     adapters: int = 0  # distinct LoRA adapters among its rows
     rows_reused: int = 0  # rows served from step caches
+    tokens: int = 0  # its jobs' tokens (the sum of their ``tokens``)
+    padded_tokens: int = 0  # padding the adapter added to pack rows of different lengths (ForwardResult)
 
 
 @dataclass

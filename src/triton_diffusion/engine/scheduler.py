@@ -10,11 +10,14 @@ decides and tells it what happened.
   jobs are held paused). Paused jobs resume before newcomers of their tier, with their state untouched.
 - Deadlines: a newcomer whose deadline the estimate (estimates.py) says it cannot meet, given the work
   that goes before it, is refused at once; a job whose deadline passes leaves at the next step.
-- Forwards: only jobs of one group (same latent shape) share a forward; the group of the best job goes
-  (the policy chooses among the groups of the top tier), at most the group's cap of jobs. Whatever the
-  policy, no running job starves: one not stepped for ``starvation_steps`` engine steps goes next.
-- Caps: a forward's cap per group is the configured one, lowered after an out-of-memory forward and
-  raised again after enough full forwards (:class:`ForwardCaps`).
+- Forwards: only jobs of one group share a forward (a latent shape, or any size where the adapter packs
+  rows of different lengths); the group of the best job goes (the policy chooses among the groups of the
+  top tier), filled in order within its caps: a job that does not fit is skipped for a smaller one after
+  it, and the first always goes. Whatever the policy, no running job starves: one not stepped for
+  ``starvation_steps`` engine steps goes first (so it steps, even one larger than the token budget).
+- Caps: a forward holds at most ``max_per_forward`` jobs, ``max_tokens_per_forward`` tokens (the jobs'
+  ``tokens``) and, of each shape, its size's cap; the group's job and token caps are lowered after an
+  out-of-memory forward and raised again after enough full forwards (:class:`ForwardCaps`).
 
 State: the scheduler is the one writer of a job's engine state and of its request's record
 (engine/request_status.py): it takes what the adapter made of a started job (:meth:`started`), applies each
@@ -49,60 +52,99 @@ CAP_RECOVERY_FORWARDS = 50
 @dataclass(frozen=True)
 class EngineLimits:
     max_running: int  # jobs in the running set
-    max_per_forward: int  # jobs per forward
-    cap_for: Callable[[Hashable], int] | None = None  # a lower cap for some groups (sizes)
+    max_per_forward: int  # jobs per forward, in all
+    cap_for: Callable[[Hashable], int] | None = None  # a lower cap on jobs of some shapes (sizes)
     max_paused: int = 0  # jobs held paused at once for higher tiers (0: never pause)
     starvation_steps: int = 16  # a running job not stepped for this many engine steps goes next
+    max_tokens_per_forward: int | None = None  # the jobs' tokens in one forward (None: no token bound)
 
     def __post_init__(self) -> None:
         if self.max_running < 1 or self.max_per_forward < 1 or self.starvation_steps < 1:
             raise ValueError(f"max_running, max_per_forward and starvation_steps must be >= 1, got {self}")
+        if self.max_tokens_per_forward is not None and self.max_tokens_per_forward < 1:
+            raise ValueError(f"max_tokens_per_forward must be >= 1 when set, got {self}")
 
 
 class ForwardCaps:
-    """Jobs per forward, per group: the configured cap, lowered to half a forward that ran out of memory.
-    An out-of-memory may be transient (another process held memory for a while), so a learned cap doubles
-    after enough full forwards at it and is dropped once it reaches the configured one. A real limit is
-    re-learned by the next out-of-memory (one split forward), and each time the wait before the next try
-    doubles, so a real limit is probed ever more rarely."""
+    """What one forward of a group holds: at most ``jobs_for`` jobs, ``tokens_for`` tokens and, of each
+    shape, ``shape_cap`` jobs. The first two are the configured ones, lowered to half a forward that ran
+    out of memory (its jobs and its tokens: a forward of mixed sizes runs out by its tokens as much as by
+    its jobs). An out-of-memory may be transient (another process held memory for a while), so learned
+    caps double after enough full forwards (at the learned job cap, or above half the learned token cap)
+    and are dropped once they reach the configured ones (a token cap with no configured one, with the job
+    cap). A real limit is re-learned by the next out-of-memory (one split forward), and each time the wait
+    before the next try doubles, so a real limit is probed ever more rarely."""
 
     def __init__(self, limits: EngineLimits) -> None:
         self.limits = limits
-        self._learned: dict[Hashable, int] = {}
-        self._good: dict[Hashable, int] = {}  # full forwards at the learned cap since it changed
-        self._wait: dict[Hashable, int] = {}  # full forwards to wait before raising it again
-        self._raised_from: dict[Hashable, int] = {}  # groups whose cap was raised and not yet re-proven
+        self._jobs: dict[Hashable, int] = {}  # learned job caps
+        self._tokens: dict[Hashable, int] = {}  # learned token caps
+        self._good: dict[Hashable, int] = {}  # full forwards at the learned caps since they changed
+        self._wait: dict[Hashable, int] = {}  # full forwards to wait before raising them again
+        self._raised: set[Hashable] = set()  # groups whose caps were raised and not yet re-proven
 
-    def cap_for(self, group: Hashable) -> int:
-        """The group's cap (a job not started yet has no group: the largest cap)."""
+    def jobs_for(self, group: Hashable) -> int:
+        """Jobs in one forward of the group (a job not started yet has no group: the configured cap)."""
         cap = self.limits.max_per_forward
-        if self.limits.cap_for is not None and group is not None:
-            cap = min(cap, self.limits.cap_for(group))
-        return min(cap, self._learned.get(group, cap))
+        return min(cap, self._jobs.get(group, cap))
 
-    def out_of_memory(self, group: Hashable, jobs: int) -> None:
+    def tokens_for(self, group: Hashable) -> int | None:
+        """Tokens in one forward of the group (None: no bound)."""
+        caps = [c for c in (self.limits.max_tokens_per_forward, self._tokens.get(group)) if c is not None]
+        return min(caps, default=None)
+
+    def shape_cap(self, shape: Hashable) -> int:
+        """Jobs of this shape (latent size) in one forward: the configured cap for its size."""
+        cap = self.limits.max_per_forward
+        if self.limits.cap_for is not None and shape is not None:
+            cap = min(cap, self.limits.cap_for(shape))
+        return cap
+
+    def out_of_memory(self, group: Hashable, jobs: int, tokens: int) -> None:
         if jobs < 2:
             return
-        if self._raised_from.pop(group, None) is not None:  # raising it failed: wait longer next time
+        if group in self._raised:  # raising them failed: wait longer next time
+            self._raised.discard(group)
             self._wait[group] = self._wait.get(group, CAP_RECOVERY_FORWARDS) * 2
-        self._learned[group] = min(self.cap_for(group), jobs // 2)
+        self._jobs[group] = min(self.jobs_for(group), jobs // 2)
+        self._tokens[group] = max(1, min(self.tokens_for(group) or tokens, tokens // 2))
         self._good[group] = 0
-        log.warning("out of memory: forwards of group %s capped at %d", group, jobs // 2)
+        log.warning(
+            "out of memory: forwards of group %s capped at %d jobs, %d tokens",
+            group,
+            self._jobs[group],
+            self._tokens[group],
+        )
 
-    def ran(self, group: Hashable, jobs: int) -> None:
-        learned = self._learned.get(group)
-        if learned is None or jobs < learned:
+    def ran(self, group: Hashable, jobs: int, tokens: int) -> None:
+        learned_jobs, learned_tokens = self._jobs.get(group), self._tokens.get(group)
+        if learned_jobs is None and learned_tokens is None:
+            return
+        full = (learned_jobs is not None and jobs >= learned_jobs) or (
+            learned_tokens is not None and tokens > learned_tokens // 2
+        )
+        if not full:
             return
         good = self._good.get(group, 0) + 1
         if good < self._wait.get(group, CAP_RECOVERY_FORWARDS):
             self._good[group] = good
             return
         self._good[group] = 0
-        self._raised_from[group] = learned
-        del self._learned[group]
-        if learned * 2 < self.cap_for(group):
-            self._learned[group] = learned * 2
-        log.info("forwards of group %s capped at %d again", group, self.cap_for(group))
+        self._raised.add(group)
+        self._jobs.pop(group, None)
+        self._tokens.pop(group, None)
+        if learned_jobs is not None and learned_jobs * 2 < self.limits.max_per_forward:
+            self._jobs[group] = learned_jobs * 2
+        budget = self.limits.max_tokens_per_forward
+        if learned_tokens is not None and (budget is None or learned_tokens * 2 < budget):
+            if budget is not None or group in self._jobs:  # no configured budget: dropped with the job cap
+                self._tokens[group] = learned_tokens * 2
+        log.info(
+            "forwards of group %s capped at %d jobs, %s tokens again",
+            group,
+            self.jobs_for(group),
+            self.tokens_for(group),
+        )
 
 
 @dataclass
@@ -241,20 +283,19 @@ class Scheduler:
             return  # dropped as ended below
         mine = self.order_key(job, now)
         ahead = [j for q in (self.waiting, self.running, self.paused) for j in q if j is not job]
-        ahead_steps = sum(j.remaining for j in ahead if self.order_key(j, now) < mine)
-        group = job.group if job.group is not None else job.shape
-        cap = self.caps.cap_for(group)
-        estimate = self.times.finish_in(job.planned_steps, ahead_steps, cap, False, group)
+        ahead_work = sum(j.remaining * j.tokens for j in ahead if self.order_key(j, now) < mine)
+        estimate = self.times.finish_in(job.tokens, job.planned_steps, ahead_work, self._budget(job), False)
         # A full running set that it may not pause anyone in holds it until a running job is done.
         behind = [j for j in self.running if self.order_key(j, now) >= mine]
         full = len(self.running) + len(self.starting) >= self.limits.max_running
         if full and behind and self._victim(job, now) is None:
-            estimate += min(j.remaining for j in behind) * self.times.forward(len(self.running), group)
+            running_tokens = sum(j.tokens for j in self.running)
+            estimate += min(j.remaining for j in behind) * self.times.forward_s(running_tokens)
         if now + estimate <= job.deadline:
             return
         self.waiting.remove(job)
         estimated = (now - job.request.entered + estimate) * 1000
-        why = f"estimated {estimated:.0f} ms with {ahead_steps} job-steps ahead"
+        why = f"estimated {estimated:.0f} ms with {ahead_work} token-steps ahead"
         self._leave(job, "refused", f"the request cannot finish within its {timeout_of(job)}: {why}", out)
 
     @staticmethod
@@ -323,7 +364,7 @@ class Scheduler:
         job.ready_at = None
 
     def next_forward(self, now: float | None = None) -> list[Job]:
-        """The jobs of the next forward: one group, at most its cap, in order."""
+        """The jobs of the next forward: one group, filled in order within its caps (:meth:`_fill`)."""
         now = self.clock() if now is None else now
         with self._lock:
             running = [j for j in self.running if not j.status.ended]  # ended while starting: not run
@@ -345,9 +386,36 @@ class Scheduler:
             group = self.policy.choose_group(groups, first)
         self.policy.picked(group)
         members = [j for j in running if j.group == group]
-        # Starved jobs of the group first, then the order.
-        members.sort(key=lambda j: (step - j.waited_since < bound, self.order_key(j, now)))
-        return members[: max(1, self.caps.cap_for(group))]
+        # Starved jobs first, the longest starved first (the one the group was chosen for, so it goes; one
+        # that starves later never passes a starved job, which goes within as many steps as are before
+        # it: starvation_steps + max_running - 1 at most), then the order.
+        members.sort(key=lambda j: self._forward_key(j, now))
+        return self._fill(group, members)
+
+    def _forward_key(self, job: Job, now: float) -> tuple:
+        if self.step - job.waited_since >= self.limits.starvation_steps:
+            return (False, job.waited_since, job.admitted)
+        return (True, *self.order_key(job, now))
+
+    def _fill(self, group: Hashable, members: list[Job]) -> list[Job]:
+        """The members, in order, that fit one forward: within its jobs, its token budget and each shape's
+        cap. One that does not fit is skipped (a smaller one after it may fill the room); the first is
+        always taken, even alone over the budget (it runs alone, never refused for its size), so a starved
+        job, put first, steps whatever keeps arriving."""
+        jobs_cap, budget = self.caps.jobs_for(group), self.caps.tokens_for(group)
+        taken: list[Job] = []
+        tokens = 0
+        of_shape: dict[Hashable, int] = {}
+        for job in members:
+            if len(taken) >= jobs_cap:
+                break
+            over_budget = budget is not None and tokens + job.tokens > budget
+            if taken and (over_budget or of_shape.get(job.shape, 0) >= self.caps.shape_cap(job.shape)):
+                continue
+            taken.append(job)
+            tokens += job.tokens
+            of_shape[job.shape] = of_shape.get(job.shape, 0) + 1
+        return taken
 
     def order_key(self, job: Job, now: float) -> tuple:
         return (*self.service.key(job, now, self._finish_s), *self.policy.job_key(job))
@@ -357,8 +425,15 @@ class Scheduler:
 
     def _finish_s(self, job: Job) -> float:
         """The estimated seconds to finish this job alone in its forwards (for its slack)."""
+        return self.times.finish_in(job.tokens, job.remaining, 0, self._budget(job), job.state is not None)
+
+    def _budget(self, job: Job) -> int:
+        """The tokens a forward holds, for estimating ``job``: the group's token budget, or its cap of jobs
+        of this job's size where that is less (without a token budget, the row-based estimate of before)."""
         group = job.group if job.group is not None else job.shape
-        return self.times.finish_in(job.remaining, 0, self.caps.cap_for(group), job.state is not None, group)
+        jobs = min(self.caps.jobs_for(group), self.caps.shape_cap(job.shape)) * job.tokens
+        budget = self.caps.tokens_for(group)
+        return jobs if budget is None else min(budget, jobs)
 
     # ---- the engine thread: what happened ------------------------------------------------------------
     def started(self, jobs: list[Job], starts: list[JobStart]) -> None:
@@ -375,7 +450,7 @@ class Scheduler:
         """Apply one forward's per-job results (the ``forward``-th): each job's counters and denoising
         step; a job whose own step failed is returned as failed (not advanced); those that took their
         last step move to finishing (decoded next)."""
-        self.caps.ran(jobs[0].group, len(jobs))
+        self.caps.ran(jobs[0].group, len(jobs), sum(job.tokens for job in jobs))
         outcome = ForwardOutcome()
         for job, out in zip(jobs, result.steps, strict=True):
             job.waited_since = self.step

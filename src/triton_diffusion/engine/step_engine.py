@@ -18,9 +18,9 @@ It returns a :class:`StepReport` of what happened; it never answers a request, n
 leave in the report's ``left`` for the host to answer, in the order decided. The scheduler is the one
 writer of job state (``started``, ``update``, ``end``). Failures stay with the jobs that cause them
 (``failures.isolate``): a failing forward, start or decode is bisected until the culprit is alone; an
-out-of-memory forward is split and the group's cap lowered (a job fails with UNAVAILABLE only if it does
-not fit alone). A failed device is not retried: the engine raises :class:`DeviceLostError`, and whoever
-runs it answers what it holds (:meth:`fail_all`).
+out-of-memory forward is split and the group's caps (jobs, tokens) lowered (a job fails with UNAVAILABLE
+only if it does not fit alone). A failed device is not retried: the engine raises
+:class:`DeviceLostError`, and whoever runs it answers what it holds (:meth:`fail_all`).
 """
 
 from __future__ import annotations
@@ -176,7 +176,7 @@ class StepEngine:
         def failed(part: list[Job], failure: Failure) -> None:
             log.warning("forward of %d job(s) failed: %s", len(part), failure.text)
             if failure.oom:
-                self.scheduler.caps.out_of_memory(group, len(part))
+                self.scheduler.caps.out_of_memory(group, len(part), sum(job.tokens for job in part))
 
         def fail(part: list[Job], failure: Failure) -> None:
             for job in part:
@@ -187,12 +187,21 @@ class StepEngine:
     def _apply(self, jobs: list[Job], result: ForwardResult, seconds: float) -> None:
         """One forward's per-job results, applied by the scheduler, then reported; the done decoded."""
         self.forwards += 1
-        self.times.forward_ran(len(jobs), seconds, jobs[0].group)
+        tokens = sum(job.tokens for job in jobs)
+        self.times.forward_ran(len(jobs), tokens, seconds)
         outcome = self.scheduler.update(jobs, result, self.forwards)
         for job, error in outcome.failed:
             self._fail(job, error)
         self.report.stepped.extend(outcome.stepped)
-        forward = Forward(len(jobs), result.rows, seconds, result.adapters, outcome.rows_reused)
+        forward = Forward(
+            len(jobs),
+            result.rows,
+            seconds,
+            result.adapters,
+            outcome.rows_reused,
+            tokens=tokens,
+            padded_tokens=result.padded_tokens,
+        )
         self.report.forwards.append(forward)
         if outcome.done:
             self._finish(outcome.done)

@@ -1,0 +1,79 @@
+"""The step engine's cost model (engine/estimates.py): a forward priced by its tokens, a line fitted to
+what was measured, and a job's time to finish from its tokens and the token-steps ahead of it."""
+
+from __future__ import annotations
+
+import pytest
+
+from triton_diffusion.engine.estimates import MAX_SIZES, WorkTimes
+
+
+def times_of(*forwards: tuple[int, float]) -> WorkTimes:
+    """Measured forwards of (tokens, seconds), each of one job (the job count is not what is priced)."""
+    times = WorkTimes()
+    for tokens, seconds in forwards:
+        times.forward_ran(1, tokens, seconds)
+    return times
+
+
+def test_nothing_measured_prices_nothing():
+    times = WorkTimes()
+    assert not times.measured and times.forward_s(1000) == 0.0
+    assert times.finish_in(100, 10, 5000, 1000, False) == 0.0
+
+
+def test_a_line_fitted_to_the_measurements_predicts_between_and_beyond_them():
+    times = times_of((100, 1.1), (200, 1.2), (400, 1.4))  # 1 s fixed, 1 ms a token
+    assert times.measured
+    assert times.forward_s(300) == pytest.approx(1.3)  # between
+    assert times.forward_s(800) == pytest.approx(1.8)  # beyond
+    assert times.forward_s(10) == pytest.approx(1.01)  # below: the fixed part stays
+
+
+def test_one_token_count_measured_scales_proportionally_above_it():
+    times = times_of((100, 2.0))
+    assert times.forward_s(300) == pytest.approx(6.0)
+    assert times.forward_s(50) == pytest.approx(2.0)  # below: no slope known, the same
+
+
+def test_the_fit_is_never_negative_nor_falling():
+    falling = times_of((100, 2.0), (200, 1.0))  # noise: no evidence a forward costs less with more
+    assert falling.forward_s(1000) == pytest.approx(1.5) and falling.forward_s(1) == pytest.approx(1.5)
+    steep = times_of((100, 0.1), (200, 1.1))  # the line crosses 0 at 90 tokens: through the origin instead
+    assert 0 < steep.forward_s(10) < steep.forward_s(100) < steep.forward_s(200)
+    assert steep.forward_s(1) >= 0 and steep.forward_s(10) == pytest.approx(10 * steep.forward_s(1))
+
+
+def test_forwards_of_the_same_jobs_are_priced_by_their_tokens():
+    # Two jobs a forward either way; the larger sizes cost what their tokens do (a per-jobs table would
+    # price both the same).
+    times = WorkTimes()
+    times.forward_ran(2, 100, 1.0)
+    times.forward_ran(2, 1000, 10.0)
+    assert times.forward_s(100) == pytest.approx(1.0) and times.forward_s(1000) == pytest.approx(10.0)
+    assert times.forward_s(550) == pytest.approx(5.5)
+
+
+def test_measurements_are_running_averages_over_a_bounded_table():
+    times = times_of((100, 1.0), (100, 2.0))
+    assert times.forward_s(100) == pytest.approx(1.2)  # smoothed, not replaced
+    for tokens in range(1, 2 * MAX_SIZES):
+        times.forward_ran(1, tokens, float(tokens))
+    assert len(times.by_tokens) == MAX_SIZES and 1 not in times.by_tokens  # the least recent dropped
+
+
+def test_a_jobs_finish_is_priced_by_its_tokens_and_the_token_steps_ahead():
+    times = times_of((100, 1.0), (1000, 10.0))  # 10 ms a token
+    # Alone: 10 forwards of its own 100 tokens.
+    assert times.finish_in(100, 10, 0, 1000, started=True) == pytest.approx(10 * 1.0)
+    # 9000 token-steps ahead share its 10 forwards: each full (1000 tokens).
+    assert times.finish_in(100, 10, 9000, 1000, started=True) == pytest.approx(10 * 10.0)
+    # 19000 ahead: 20 full forwards before it is done.
+    assert times.finish_in(100, 10, 19000, 1000, started=True) == pytest.approx(20 * 10.0)
+    # A job over the budget runs alone: its own steps, each a forward of its size.
+    assert times.finish_in(2000, 5, 0, 1000, started=True) == pytest.approx(5 * 20.0)
+    # Start and decode, per job, unless it started.
+    times.started(2, 1.0)
+    times.finished(1, 0.25)
+    assert times.finish_in(100, 1, 0, 1000, started=False) == pytest.approx(1.0 + 0.5 + 0.25)
+    assert times.finish_in(100, 1, 0, 1000, started=True) == pytest.approx(1.0 + 0.25)
