@@ -71,15 +71,13 @@ def run_engine(
     its second step (checked here), so the others run on around a cancellation. ``first_preview_every``:
     the first request's preview interval (0: none)."""
     engine, host = StepEngine(adapter, EngineLimits(8, 8)), host or Host()
-    jobs = [
-        Job(TrackedRequest(str(i), RecordingChannel()), request) for i, (_, request) in enumerate(arrivals)
-    ]
+    jobs = [job_of(adapter, str(i), RecordingChannel(), request) for i, (_, request) in enumerate(arrivals)]
     jobs[0].preview_every = first_preview_every
     pending = list(zip([at for at, _ in arrivals], jobs, strict=True))
     cancel = {"now": False}
     if victim is not None:
         channel = RecordingChannel(cancelled=lambda: cancel["now"])
-        pending.append((0, Job(TrackedRequest("victim", channel), victim)))
+        pending.append((0, job_of(adapter, "victim", channel, victim)))
     cancelled = pending[-1][1] if victim is not None else None
     pending.sort(key=lambda pair: pair[0])
     step = 0
@@ -93,6 +91,13 @@ def run_engine(
     if cancelled is not None:
         assert cancelled.request.channel.finals[0].code.value == "CANCELLED" and cancelled.steps_done == 2
     return jobs
+
+
+def job_of(adapter: Any, request_id: str, channel: RecordingChannel, request: ImageRequest) -> Job:
+    """A job as the model kind makes it (models/diffusion_model.py job_spec): its shape and its tokens."""
+    job = Job(TrackedRequest(request_id, channel), request, shape=request.shape)
+    job.tokens = adapter.tokens_of(request)
+    return job
 
 
 def served(job: Job) -> np.ndarray:

@@ -168,9 +168,11 @@ def test_a_cached_job_keeps_to_its_size_and_shares_with_uncached_jobs_of_it(fami
     method = "fbc:0.2" if "fbc" in adapter.cache_methods else "taylorseer:2"
     arrivals = mixed_requests(family)[:3]
     cached = replace(arrivals[0][1], prompt="cached", seed=77, step_cache=parse_step_cache(method))
-    jobs = run_engine(adapter, [*arrivals, (0, cached)])
-    plain = jobs[:3]
-    assert jobs[3].group == SIZES[0] and all(job.group != SIZES[0] for job in plain)
-    assert jobs[3].most_shared == 2, "the cached job did not share with the uncached one of its size"
+    # The cached job first: its size's group goes first (the oldest job's), and the uncached job of its size
+    # joins it (scheduler.py: a job of every size joins a forward of its own shape's group).
+    jobs = run_engine(adapter, [(0, cached), *arrivals])
+    assert jobs[0].group == SIZES[0] and all(job.group != SIZES[0] for job in jobs[1:])
+    assert jobs[0].most_shared == 2, "the cached job did not share with the uncached one of its size"
+    assert jobs[2].most_shared == 2, "the uncached jobs of the other two sizes did not share a forward"
     (alone,) = run_engine(adapter, [(0, cached)])
-    assert np.abs(served(jobs[3]) - served(alone)).max() <= 1
+    assert np.abs(served(jobs[0]) - served(alone)).max() <= 1

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -128,7 +129,7 @@ class MaskedJointAttnProcessor(JointAttnProcessor2_0):
 
     def __call__(  # type: ignore[override]
         self,
-        attn: torch.nn.Module,
+        attn: Any,  # diffusers' Attention
         hidden_states: torch.Tensor,
         encoder_hidden_states: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
@@ -136,7 +137,7 @@ class MaskedJointAttnProcessor(JointAttnProcessor2_0):
         **kwargs: object,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if attention_mask is None:
-            return super().__call__(attn, hidden_states, encoder_hidden_states, None, *args, **kwargs)
+            return super().__call__(attn, hidden_states, encoder_hidden_states, None, *args, **kwargs)  # type: ignore[arg-type]
         rows, image_tokens = hidden_states.shape[:2]
         heads = attn.heads
 

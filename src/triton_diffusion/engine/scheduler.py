@@ -38,7 +38,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 from triton_diffusion.engine.estimates import WorkTimes
-from triton_diffusion.engine.jobs import ForwardResult, Job, JobStart, Left, Stepped
+from triton_diffusion.engine.jobs import ANY_SIZE, ForwardResult, Job, JobStart, Left, Stepped
 from triton_diffusion.engine.ordering import AdmissionPacing, Policy, Service, make_policy
 from triton_diffusion.engine.request_status import Abort, Request, RequestTable, apply_aborts, held_requests
 from triton_diffusion.errors import ErrorCode, RequestError
@@ -385,7 +385,9 @@ class Scheduler:
             first = min(candidates, key=lambda j: self.order_key(j, now))
             group = self.policy.choose_group(groups, first)
         self.policy.picked(group)
-        members = [j for j in running if j.group == group]
+        # A job that shares forwards with every size (ANY_SIZE) also joins a forward of its own shape's
+        # group (a size whose jobs with a step cache keep to it: adapters/latent_loop.py group_of).
+        members = [j for j in running if j.group == group or (j.group == ANY_SIZE and j.shape == group)]
         # Starved jobs first, the longest starved first (the one the group was chosen for, so it goes; one
         # that starves later never passes a starved job, which goes within as many steps as are before
         # it: starvation_steps + max_running - 1 at most), then the order.

@@ -23,6 +23,7 @@ from triton_diffusion.adapters.image_requests import ImageRequest
 from triton_diffusion.compatibility import CompatibilityKey, compatibility_key
 from triton_diffusion.engine.jobs import Job, JobSpec, Stepped
 from triton_diffusion.engine.planner import RowCaps
+from triton_diffusion.families import PipelineFacts
 from triton_diffusion.fields import FieldSet
 from triton_diffusion.serving.engine_host import EngineHost, RequestRecord
 from triton_diffusion.serving.engines import EngineKind, RequestEngineKind, StepEngineKind
@@ -81,6 +82,7 @@ class DiffusionModel(TritonModel):
     (and ``engine`` auto or step) the host runs the step engine; otherwise the request-level engine, one
     fused diffusers call (:meth:`run_call`) per compatible group."""
 
+    facts: PipelineFacts  # what the loaded pipeline is (set by load)
     step_cache_methods: tuple[str, ...] = ()  # the step caches its denoiser serves per request (at load)
     results = ResultCache(0)  # answers to repeated requests (result_cache_mb; set at load; 0: off)
     adapter: Any = None  # the step adapter (None: the request-level engine)
