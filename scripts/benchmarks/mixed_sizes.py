@@ -32,7 +32,12 @@ answer), forwards per engine step (request-level: pipeline calls per engine step
 (images per call), distinct sizes per engine step (step engine), and the padded-token share of the
 forwards (padded tokens over tokens plus padded tokens; 0 where the forwards do not report tokens).
 
-    .venv/bin/python scripts/bench.py mixed-sizes --rounds 3 --out docs/cpu
+The defaults are the full run (both families, both traffic kinds, closed loop and three loads, three
+rounds): about 12 minutes on this project's 2-core CPU host (15 with other work on its cores), written to
+--out/mixed_sizes.json after every run:
+
+    .venv/bin/python scripts/bench.py mixed-sizes --out docs/cpu
+    .venv/bin/python scripts/bench.py mixed-sizes --rounds 1 --requests 16 --loads '' --out /tmp/smoke
 """
 
 from __future__ import annotations
@@ -122,6 +127,16 @@ class SizedRecorder(Recorder):
         }
 
 
+def cpu_stall_us() -> float | None:
+    """Microseconds so far that some runnable task waited for a CPU (Linux PSI, /proc/pressure/cpu), or
+    None where the kernel does not say: its growth over a run is how much other work took the cores."""
+    try:
+        line = Path("/proc/pressure/cpu").read_text().splitlines()[0]
+    except (OSError, IndexError):
+        return None
+    return float(line.rsplit("total=", 1)[1])
+
+
 def size_draw(count: int, traffic: str, seed: int) -> list[str]:
     """Each request's size: drawn uniformly from the traffic's sizes (seeded: every variant and round sees
     the same sequence)."""
@@ -181,7 +196,11 @@ class SizedBench:
         else:
             arrivals = poisson_arrivals(len(requests), rate, self.args.arrival_seed)
             traffic = Traffic(requests, arrivals=arrivals, warm_up_fraction=WARM_UP_FRACTION)
+        stalled, started = cpu_stall_us(), time.perf_counter()
         recorder = self.run(variant, traffic, sizes)
+        wall = time.perf_counter() - started
+        after = cpu_stall_us()
+        pressure = None if stalled is None or after is None else (after - stalled) / 1e6 / wall
         result = outcome(variant, labels["load"], traffic, concurrency, rate, [])
         measured = [i for i in range(traffic.warm_up, len(requests))]
         misses = sum(1 for i in measured if i in recorder.misses)
@@ -201,6 +220,7 @@ class SizedBench:
             "latency_mean_s": result.latency_mean_s,
             "latency_p95_s": result.latency_p95_s,
             "first_step_mean_s": result.first_step_mean_s,
+            "cpu_pressure": pressure,  # share of the run's time some task waited for a CPU (other work)
             **recorder.figures(),
         }
 
@@ -215,8 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rounds", type=int, default=3, help="alternated rounds (each runs every variant)")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="of packed, by-shape, request")
     parser.add_argument("--concurrency", type=int, default=8, help="closed-loop clients")
-    parser.add_argument("--requests", type=int, default=32, help="requests per closed-loop run")
-    parser.add_argument("--poisson-requests", type=int, default=60, help="requests per Poisson run")
+    parser.add_argument("--requests", type=int, default=160, help="requests per closed-loop run")
+    parser.add_argument("--poisson-requests", type=int, default=120, help="requests per Poisson run")
     parser.add_argument(
         "--loads",
         default=",".join(str(load) for load in POISSON_LOADS),

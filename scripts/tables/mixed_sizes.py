@@ -94,6 +94,15 @@ def render(artefact: dict[str, Any]) -> str:
             f"**Not a measurement of packing for {', '.join(without)}:** the step adapter had no "
             "`packs_sizes` at this commit, so `packed` ran what `by-shape` runs."
         )
+    pressures = [
+        run["cpu_pressure"] for run in artefact.get("runs", []) if run.get("cpu_pressure") is not None
+    ]
+    if pressures:
+        parts.append(
+            f"CPU pressure (a task waiting for a core, Linux PSI) over the runs: median "
+            f"{percent(sorted(pressures)[len(pressures) // 2])}, at most {percent(max(pressures))}; a run "
+            "with other work on the cores can be many times slower (each run's figure is in the artefact)."
+        )
     if not artefact.get("complete"):
         parts.append("**Incomplete:** the run was cut short; these are the runs it finished.")
     concurrency = settings["concurrency"]
