@@ -29,7 +29,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Benchmark:
     name: str  # its module in this package, and bench.py's NAME
-    script: str  # the old script under scripts/ that runs it (the shim; bench.py for server)
+    script: str  # the old script under scripts/ that runs it (the shim; bench.py for server; "" for none)
     what: str
 
 
@@ -44,6 +44,7 @@ BENCHMARKS = {
         Benchmark("graphs", "bench_graphs.py", "captured (CUDA graph) forwards against eager, FLOPs"),
         Benchmark("lora", "bench_lora.py", "per-request LoRA: mixed adapters vs none vs one batch each"),
         Benchmark("dllm", "bench_dllm.py", "the diffusion LM: continuous batching vs one at a time"),
+        Benchmark("mixed_sizes", "", "mixed sizes: packed forwards vs one shape per forward vs request"),
     )
 }
 DEFAULT = "server"  # what bench.py ran before it took a NAME: a first argument that is no NAME runs it
@@ -62,10 +63,19 @@ Each one's old script runs it too, with the same arguments (the commands the art
 """
 
 
+def command(benchmark: Benchmark) -> str:
+    """Its NAME on bench.py's command line: the module's name, with hyphens for a benchmark without an old
+    script (``mixed-sizes``; the older ones keep the spelling their recorded commands use). Either
+    spelling runs it (``resolve``)."""
+    return benchmark.name if benchmark.script else benchmark.name.replace("_", "-")
+
+
 def usage() -> str:
-    names = "\n".join(f"  {b.name:11} {b.what}" for b in BENCHMARKS.values())
+    names = "\n".join(f"  {command(b):11} {b.what}" for b in BENCHMARKS.values())
     scripts = "\n".join(
-        f"  scripts/{b.script:20} = bench.py {b.name}" for b in BENCHMARKS.values() if b.script != "bench.py"
+        f"  scripts/{b.script:20} = bench.py {b.name}"
+        for b in BENCHMARKS.values()
+        if b.script not in ("", "bench.py")
     )
     return USAGE.format(names=names, scripts=scripts)
 
@@ -79,8 +89,8 @@ def resolve(argv: list[str]) -> tuple[str, list[str]]:
     """Which benchmark ``bench.py`` runs for ``argv``, and its arguments: the NAME first, else the default.
     A benchmark's ``instead(argv)``, where it has one, may name another in its place (``engines
     --step-cache`` runs ``caches``, ``server --slo`` runs ``slo_server``: the old scripts' switches)."""
-    if argv and argv[0] in BENCHMARKS:
-        name, argv = argv[0], argv[1:]
+    if argv and argv[0].replace("-", "_") in BENCHMARKS:
+        name, argv = argv[0].replace("-", "_"), argv[1:]
     else:
         name = DEFAULT
     switch = getattr(load(name), "instead", None)

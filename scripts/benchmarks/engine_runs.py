@@ -52,10 +52,13 @@ class Outcome:
     extra: dict = field(default_factory=dict)
 
 
-def run_request_level(bench: Bench, traffic: Traffic, window: int) -> list[int]:
+def run_request_level(
+    bench: Bench, traffic: Traffic, window: int, recorder: Recorder | None = None
+) -> list[int]:
     """The request-level engine over batches as Triton forms them for execute(): what arrived while the
-    last batch ran, at most ``window`` requests."""
-    recorder = Recorder(traffic)
+    last batch ran, at most ``window`` requests. ``recorder``: one that keeps more of the reports (a
+    ``Recorder`` subclass), else a plain one."""
+    recorder = recorder or Recorder(traffic)
     engine = RequestEngine(bench.model.run_call, RowCaps(bench.cap), recorder.render)
     waiting: list[tuple[int, dict]] = []
     while not traffic.finished:
@@ -72,9 +75,13 @@ def run_request_level(bench: Bench, traffic: Traffic, window: int) -> list[int]:
 
 
 def run_step_engine(
-    bench: Bench, traffic: Traffic, cohort: int, clock: StageClock | None = None
+    bench: Bench,
+    traffic: Traffic,
+    cohort: int,
+    clock: StageClock | None = None,
+    recorder: Recorder | None = None,
 ) -> list[int]:
-    recorder = Recorder(traffic)
+    recorder = recorder or Recorder(traffic)
     engine = bench.step_engine(cohort)
     while not traffic.finished:
         for index, values in traffic.arrived():

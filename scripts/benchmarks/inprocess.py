@@ -145,7 +145,13 @@ class Bench:
     def job(self, index: int, values: dict, engine: str) -> Job:
         tracked = TrackedRequest(str(index), Channel())
         if engine == "step":
-            return Job(tracked, self.model.step_request(values, 0), record=index)
+            job = Job(tracked, self.model.step_request(values, 0), record=index)
+            # The denoiser tokens a job brings to a forward (rows x latent tokens), where the adapter counts
+            # them (families whose forwards pack sizes): what the served host sets.
+            tokens_of = getattr(self.adapter, "tokens_of", None)
+            if tokens_of is not None and hasattr(job, "tokens"):
+                job.tokens = tokens_of(job.params)
+            return job
         key = compatibility_key(self.model.fields, values)
         return Job(tracked, RowInput(values, 0), record=index, group=key)
 

@@ -1,7 +1,7 @@
 """Every command-line script answers ``--help`` (argparse formats help strings with ``%``: a bare ``%`` in
 one crashes ``--help`` and nothing else, so nothing else would notice). The benchmarks' old scripts are
 shims into scripts/benchmarks/ without argparse of their own: each runs its benchmark's ``--help``, and
-``bench.py server --help`` the one benchmark without a shim of its own."""
+``bench.py server --help`` and ``bench.py mixed-sizes --help`` the benchmarks without a shim of their own."""
 
 from __future__ import annotations
 
@@ -17,7 +17,10 @@ SCRIPTS = sorted(
     for path in (ROOT / "scripts").glob("*.py")
     if "argparse" in path.read_text() or "from benchmarks import main" in path.read_text()
 )
-COMMANDS = [[path] for path in SCRIPTS] + [[ROOT / "scripts" / "bench.py", "server"]]
+COMMANDS = [[path] for path in SCRIPTS] + [
+    [ROOT / "scripts" / "bench.py", name]
+    for name in ("server", "mixed-sizes")  # no shims of their own
+]
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=lambda command: " ".join([command[0].name, *command[1:]]))

@@ -1,0 +1,129 @@
+"""The figure block of the mixed-sizes benchmark (scripts/bench.py mixed-sizes): packed forwards against
+one shape per forward against the request-level engine, per family, traffic and load. A pure function of
+the artefact's JSON (its ``summary``: medians over alternated rounds with min and max); the benchmark prints
+the same text when it ends."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tables.markdown import number, percent, reading, table
+
+HEADERS = (
+    "family",
+    "traffic",
+    "load",
+    "variant",
+    "images/s",
+    "/ by-shape (min-max)",
+    "mean s",
+    "p95 s",
+    "forwards per step",
+    "jobs per forward",
+    "padded tokens",
+)
+
+
+def _median(cell: dict[str, Any] | None, digits: int = 3) -> str:
+    return number(cell["median"], digits) if cell else "-"
+
+
+def _ratio(cell: dict[str, Any] | None) -> str:
+    if not cell:
+        return "-"
+    return f"**{cell['median']:.2f}** ({cell['min']:.2f}-{cell['max']:.2f})"
+
+
+def _load(load: str, concurrency: int) -> str:
+    if load == "closed":
+        return f"closed, c={concurrency}"
+    return f"Poisson {load.removeprefix('poisson')}%"
+
+
+def _verdicts(artefact: dict[str, Any]) -> list[list[str]]:
+    """The issue's targets: packed / by-shape closed-loop throughput, read against the rounds' spread."""
+    targets = artefact["settings"]["targets"]
+    rows = []
+    for row in artefact["summary"]:
+        ratio = row.get("throughput_vs_by_shape")
+        if (
+            row["variant"] != "packed"
+            or row["load"] != "closed"
+            or not ratio
+            or row["traffic"] not in targets
+        ):
+            continue
+        label = f"{row['family']} {row['traffic']}, closed loop: packed / by-shape throughput"
+        spread = (ratio["min"], ratio["max"]) if len(ratio["rounds"]) > 1 else None
+        target = targets[row["traffic"]]
+        rows.append(
+            [
+                label,
+                f"**{number(ratio['median'])}**",
+                target,
+                reading(label, ratio["median"], target, spread=spread),
+            ]
+        )
+    return rows
+
+
+def render(artefact: dict[str, Any]) -> str:
+    settings = artefact["settings"]
+    sizes = ", ".join(settings["sizes"])
+    loads = "/".join(f"{round(100 * load)}%" for load in settings["loads"])
+    poisson = (
+        f"Poisson at {loads} of the {settings['capacity_of']} variant's closed-loop images/s "
+        f"({settings['poisson_requests']} requests a run, the first {percent(settings['warm_up_fraction'])} "
+        "left out)"
+        if loads
+        else "no Poisson runs"
+    )
+    parts = [
+        f"Sizes (WxH) {sizes} drawn uniformly for `mixed`, 64x64 for `homogeneous`; "
+        f"{settings['steps']} steps, "
+        f"guidance {settings['guidance_scale']}, at most {settings['cap']} jobs a forward or images a call; "
+        f"closed loop at {settings['concurrency']} clients ({settings['requests']} requests a run), "
+        f"{poisson}. {settings['rounds']} alternated rounds (packed, by-shape, request in each): medians, "
+        "ratios to the same round's by-shape run with their min-max over rounds. Forwards per step: the "
+        "request-level engine's pipeline calls per engine step. Padded tokens: their share of the tokens "
+        "the forwards computed (- where the forwards do not report tokens)."
+    ]
+    without = [arch for arch, family in artefact["families"].items() if not family.get("packing_available")]
+    if without:
+        parts.append(
+            f"**Not a measurement of packing for {', '.join(without)}:** the step adapter had no "
+            "`packs_sizes` at this commit, so `packed` ran what `by-shape` runs."
+        )
+    pressures = [
+        run["cpu_pressure"] for run in artefact.get("runs", []) if run.get("cpu_pressure") is not None
+    ]
+    if pressures:
+        parts.append(
+            f"CPU pressure (a task waiting for a core, Linux PSI) over the runs: median "
+            f"{percent(sorted(pressures)[len(pressures) // 2])}, at most {percent(max(pressures))}; a run "
+            "with other work on the cores can be many times slower (each run's figure is in the artefact)."
+        )
+    if not artefact.get("complete"):
+        parts.append("**Incomplete:** the run was cut short; these are the runs it finished.")
+    concurrency = settings["concurrency"]
+    rows = [
+        [
+            row["family"],
+            row["traffic"],
+            _load(row["load"], concurrency),
+            row["variant"],
+            _median(row["images_per_s"]),
+            "1" if row["variant"] == settings["baseline"] else _ratio(row.get("throughput_vs_by_shape")),
+            _median(row["latency_mean_s"]),
+            _median(row["latency_p95_s"]),
+            _median(row["forwards_per_step"], 2),
+            _median(row["jobs_per_forward"], 2),
+            percent(row["padded_share"]["median"], 1) if row.get("tokens_reported") else "-",
+        ]
+        for row in artefact["summary"]
+    ]
+    parts.append(table(HEADERS, rows))
+    verdicts = _verdicts(artefact)
+    if verdicts:
+        parts.append(table(("ratio", "value", "target", "reading"), verdicts))
+    return "\n\n".join(parts) + "\n"

@@ -1,0 +1,105 @@
+"""The mixed-sizes benchmark's bookkeeping (scripts/benchmarks/mixed_sizes.py) and its figure block
+(scripts/tables/mixed_sizes.py), with made-up reports and runs, no model: what a run counts (engine steps,
+forwards, padded tokens, misses) and how rounds become medians, ratios and readings."""
+
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))  # the benchmarks' package
+
+from benchmarks.arrivals import Traffic  # noqa: E402
+from benchmarks.mixed_sizes import SizedRecorder, size_draw, summarise  # noqa: E402
+from tables.mixed_sizes import render  # noqa: E402
+
+from triton_diffusion.engine.jobs import Left, StepReport  # noqa: E402
+
+
+def job(index: int) -> SimpleNamespace:
+    return SimpleNamespace(record=index)
+
+
+def test_a_run_counts_forwards_tokens_sizes_and_misses():
+    traffic = Traffic(["a", "b", "c"], concurrency=3)
+    traffic.arrived()
+    recorder = SizedRecorder(traffic, ["64x64", "96x64", "64x64"])
+    packed = SimpleNamespace(images=3, tokens=300, padded_tokens=100)  # a forward of the packing engine
+    stepped = [SimpleNamespace(job=job(i)) for i in range(3)]
+    recorder.render(StepReport(stepped=stepped, forwards=[packed]))
+    recorder.render(StepReport(stepped=stepped[:1], left=[Left(job(1), "refused")]))  # a progress report
+    figures = recorder.figures()
+    assert figures["engine_steps"] == 1 and figures["forwards"] == 1 and figures["jobs_per_forward"] == 3
+    assert figures["padded_share"] == 0.25 and figures["tokens_reported"]
+    assert figures["sizes_per_step"] == 2
+    assert recorder.misses == {1} and traffic.timings[1].done is not None  # ended: the loop goes on
+
+
+def test_forwards_without_tokens_have_no_padded_share():
+    traffic = Traffic(["a"], concurrency=1)
+    traffic.arrived()
+    recorder = SizedRecorder(traffic, ["64x64"])
+    recorder.render(StepReport(forwards=[SimpleNamespace(images=1)]))
+    assert recorder.figures()["padded_share"] == 0.0 and not recorder.figures()["tokens_reported"]
+
+
+def test_sizes_are_drawn_from_the_traffic_and_seeded():
+    assert size_draw(50, "mixed", 5) == size_draw(50, "mixed", 5)
+    assert set(size_draw(50, "mixed", 5)) == {"64x64", "96x64", "64x128"}
+    assert set(size_draw(5, "homogeneous", 5)) == {"64x64"}
+
+
+def run(traffic: str, variant: str, round_: int, images_per_s: float) -> dict:
+    return {
+        "family": "tiny-flux",
+        "traffic": traffic,
+        "load": "closed",
+        "round": round_,
+        "variant": variant,
+        "images_per_s": images_per_s,
+        "latency_mean_s": 0.1,
+        "latency_p95_s": 0.2,
+        "forwards_per_step": 1.0,
+        "jobs_per_forward": 4.0,
+        "sizes_per_step": 1.0,
+        "padded_share": 0.0,
+        "tokens_reported": False,
+    }
+
+
+def test_rounds_become_medians_ratios_and_readings():
+    runs = [
+        run("mixed", "packed", 0, 15.0),
+        run("mixed", "by-shape", 0, 10.0),
+        run("mixed", "packed", 1, 28.0),
+        run("mixed", "by-shape", 1, 20.0),
+        run("homogeneous", "packed", 0, 9.5),
+        run("homogeneous", "by-shape", 0, 10.0),
+        run("homogeneous", "packed", 1, 21.0),
+        run("homogeneous", "by-shape", 1, 20.0),
+    ]
+    summary = summarise(runs)
+    mixed = next(r for r in summary if r["traffic"] == "mixed" and r["variant"] == "packed")
+    assert mixed["throughput_vs_by_shape"]["rounds"] == [1.5, 1.4]
+    assert mixed["images_per_s"]["median"] == 21.5
+    artefact = {
+        "settings": {
+            "sizes": {"64x64": {}, "96x64": {}, "64x128": {}},
+            "steps": 8,
+            "guidance_scale": 7.5,
+            "cap": 8,
+            "concurrency": 8,
+            "requests": 4,
+            "loads": [],
+            "rounds": 2,
+            "baseline": "by-shape",
+            "targets": {"mixed": ">= 1.3", "homogeneous": ">= 1.0"},
+        },
+        "families": {"tiny-flux": {"packing_available": False}},
+        "summary": summary,
+        "complete": True,
+    }
+    text = render(artefact)
+    assert "**Not a measurement of packing for tiny-flux:**" in text
+    assert "| tiny-flux mixed, closed loop: packed / by-shape throughput | **1.45** | >= 1.3 | met" in text
+    homogeneous = next(line for line in text.splitlines() if "homogeneous, closed loop" in line)
+    assert "within noise of 1" in homogeneous  # rounds 0.95 and 1.05 straddle 1
