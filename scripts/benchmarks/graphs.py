@@ -62,7 +62,10 @@ def forward_figures(bench: Bench, steps: int, repeats: int, graphs, out: list[di
     for images in IMAGES:
         jobs = prepared_jobs(bench, images, steps)
         with torch.inference_mode():
-            inputs = adapter.forward_inputs(jobs, [job.state.timesteps[0] for job in jobs])[:3]
+            rows, timesteps, conditioning, _ = adapter.forward_inputs(
+                jobs, [job.state.timesteps[0] for job in jobs]
+            )
+            inputs = (torch.cat(rows), timesteps, conditioning)
             with FlopCounterMode(display=False) as counter:
                 eager = adapter.predict(*inputs, size)
             row = {

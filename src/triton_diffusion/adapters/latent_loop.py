@@ -374,8 +374,16 @@ class LatentStepAdapter(LatentStarts):
     ) -> int:
         """Run forwards through CUDA graphs (config ``cuda_graphs``), captured now for the shape of each
         ``warm`` request at every row bucket up to its model rows (captured_forwards.py). Returns the
-        graphs captured; raises CaptureError. (``capture``: CUDA's, unless a test's.)"""
-        return capture_adapter_forwards(self, warm, capture)
+        graphs captured; raises CaptureError. (``capture``: CUDA's, unless a test's.) A model with graphs
+        forwards one size at a time: a packed forward's canvas is no captured shape, so it would run
+        eagerly."""
+        count = capture_adapter_forwards(self, warm, capture)
+        if self.packs_sizes:
+            self.packs_sizes = False
+            self.packs_sizes_not = (
+                "cuda_graphs: graphs are captured per size, a packed forward would run eagerly"
+            )
+        return count
 
     # ---- one forward ---------------------------------------------------------------------------------
     def step(self, jobs: list[Job], previews: Sequence[bool] | None = None) -> ForwardResult:
@@ -386,9 +394,11 @@ class LatentStepAdapter(LatentStarts):
         states: list[LatentJob] = [job.state for job in jobs]
         job_timesteps = [state.timesteps[job.steps_done] for job, state in zip(jobs, states, strict=True)]
         latent_rows, timesteps, inputs, adapters = self.forward_inputs(jobs, job_timesteps)
-        by_size: dict[tuple[int, int], list[int]] = {}
+        # Jobs by latent shape: a job's group where it keeps to one (a shape; DiT's bin of sizes), its size
+        # where it shares forwards with every size.
+        by_size: dict[Hashable, list[int]] = {}
         for j, job in enumerate(jobs):
-            by_size.setdefault(job.params.size, []).append(j)
+            by_size.setdefault(job.params.size if job.group == ANY_SIZE else job.group, []).append(j)
         plan = self.cache_plan(jobs, adapters)
         padded = 0
         with torch.inference_mode(), self.adapted_rows(adapters), self.caching(plan):
@@ -451,7 +461,7 @@ class LatentStepAdapter(LatentStarts):
         jobs: list[Job],
         states: list[LatentJob],
         rows: list[torch.Tensor],
-        by_size: dict[tuple[int, int], list[int]],
+        by_size: dict[Hashable, list[int]],
     ) -> list[tuple[list[int], torch.Tensor]]:
         """A packed forward's per-row predictions, guided per size: (the jobs, their noise) for each size."""
         first, row = [], 0  # each job's first model row
