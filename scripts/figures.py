@@ -94,6 +94,7 @@ BLOCKS: dict[str, Figure] = {
     # old code against new, side by side (scripts/engine_step_cost.py, scripts/compare_trees.py)
     "boundary-step-cost": Figure(("docs/cpu/engine_step_cost.json",), "boundary.step_cost"),
     "boundary-engines": Figure(("docs/cpu/boundary/summary.json",), "boundary.engines"),
+    "mixed-sizes": Figure(("docs/cpu/mixed_sizes.json",), "mixed_sizes.render", "bench.py mixed-sizes"),
     "engines-rounds": Figure(
         ("docs/cpu/rounds/bench_engines.json",), "engines.ratio_table", stale=BEFORE_ENGINE_CORE
     ),

@@ -13,13 +13,31 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
+from diffusers import DiffusionPipeline
 from PIL import Image
 
-from tests.unit.step_harness import Host, load_family, reference, run_engine, served
+from tests.unit.recording import RecordingChannel, step_as_worker
+from tests.unit.step_harness import (
+    Host,
+    assert_each_image_equals_the_pipelines_own,
+    job_of,
+    load_family,
+    reference,
+    run_engine,
+    served,
+)
+from tests.unit.test_lora import reference as lora_reference
+from tests.unit.test_preemption import run_with_a_late_priority_request
 from triton_diffusion.adapters.image_requests import ImageRequest
+from triton_diffusion.adapters.lora import load_loras
 from triton_diffusion.adapters.packed_rows import Canvas, canvas_for
 from triton_diffusion.adapters.step_adapters import step_adapter_for
+from triton_diffusion.engine.scheduler import EngineLimits
+from triton_diffusion.engine.step_engine import StepEngine
+from triton_diffusion.faults import FaultInjection, FaultyStepAdapter
+from triton_diffusion.serving.server_process import WEIGHTS
 from triton_diffusion.step_cache_spec import parse_step_cache
+from triton_diffusion.tiny_models import build_missing
 
 # (height, width): the issue's three CPU sizes, 64x64, 96x64 and 64x128 (WIDTHxHEIGHT).
 SIZES = [(64, 64), (64, 96), (128, 64)]
@@ -135,7 +153,20 @@ def mixed_requests(family) -> list[tuple[int, ImageRequest]]:
         (0, request(2, SIZES[2], 3)),
         (1, request(3, SIZES[1], 4, image=source_image(SIZES[1]), strength=0.7)),
         (2, request(4, SIZES[0], 3, "dark")),
+        (
+            1,
+            request(
+                5, SIZES[2], 4, image=source_image(SIZES[2]), strength=0.8, mask_image=mask_image(SIZES[2])
+            ),
+        ),
     ]
+
+
+def mask_image(size: tuple[int, int]) -> Image.Image:
+    height, width = size
+    mask = np.zeros((height, width), dtype=np.uint8)
+    mask[height // 4 : 3 * height // 4, 5 : width // 2 + 3] = 255  # off the latent grid: resized as diffusers
+    return Image.fromarray(mask).convert("RGB")
 
 
 def test_images_of_three_sizes_share_forwards_and_each_equals_its_pipeline_alone(family):
@@ -143,8 +174,13 @@ def test_images_of_three_sizes_share_forwards_and_each_equals_its_pipeline_alone
     adapter = adapter_of(family)
     arrivals = mixed_requests(family)
     host = Host()
+    # A neighbour of the middle size cancelled after its second step, and previews of the first job.
+    victim = ImageRequest("cancel me", None, 99, 0, *SIZES[1], 6, 5.0, 2.0, schedulers.default)
     with ModelCalls(adapter.model) as packed:
-        jobs = run_engine(adapter, arrivals, host)
+        jobs = run_engine(adapter, arrivals, host, victim, first_preview_every=1)
+    factor = adapter.pipe.vae_scale_factor
+    assert len(host.previews) == jobs[0].total_steps, "a preview after every step"
+    assert all(tuple(p.shape[-2:]) == (SIZES[0][0] // factor, SIZES[0][1] // factor) for p in host.previews)
     adapter.packs_sizes = False  # one size per forward: the same images, more calls
     try:
         with ModelCalls(adapter.model) as by_shape:
@@ -153,7 +189,7 @@ def test_images_of_three_sizes_share_forwards_and_each_equals_its_pipeline_alone
         adapter.packs_sizes = True
     # By shape, one call per size in flight at each step: three sizes for the first three steps at least.
     assert by_shape.calls >= packed.calls + 4, (packed.calls, by_shape.calls)
-    assert max(host.forwards) >= 4, "no forward held more than two sizes' jobs"  # at most two of a size
+    assert max(host.forwards) >= 5, "no forward held more than two sizes' jobs"  # at most three of a size
     for (_, request), job, other in zip(arrivals, jobs, by_size, strict=True):
         expected = np.asarray(reference(pipe, facts, schedulers, request), dtype=int)
         image = served(job)
@@ -176,3 +212,65 @@ def test_a_cached_job_keeps_to_its_size_and_shares_with_uncached_jobs_of_it(fami
     assert jobs[2].most_shared == 2, "the uncached jobs of the other two sizes did not share a forward"
     (alone,) = run_engine(adapter, [(0, cached)])
     assert np.abs(served(jobs[0]) - served(alone)).max() <= 1
+
+
+def test_a_row_that_fails_fails_alone_in_a_packed_forward(family):
+    pipe, facts, schedulers = family
+    adapter = adapter_of(family)
+    arrivals = mixed_requests(family)[:3]
+    culprit = replace(arrivals[1][1], prompt="boom here", seed=5)
+    faulty = FaultyStepAdapter(adapter, FaultInjection(fail_on_prompt="boom"), lambda job: job.params.prompt)
+    engine = StepEngine(faulty, EngineLimits(8, 8))
+    jobs = [
+        job_of(adapter, str(i), RecordingChannel(), r) for i, (_, r) in enumerate([*arrivals, (0, culprit)])
+    ]
+    for job in jobs:
+        engine.add(job)
+    host = Host()
+    while engine.active:
+        host.render(step_as_worker(engine))
+    assert jobs[3].request.channel.finals[0].code.value == "INTERNAL"
+    assert min(job.most_shared for job in jobs[:3]) >= 2, "the others did not go on sharing forwards"
+    for (_, request), job in zip(arrivals, jobs[:3], strict=True):
+        expected = np.asarray(reference(pipe, facts, schedulers, request), dtype=int)
+        (final,) = job.request.channel.finals
+        assert np.abs(np.asarray(final["image"], dtype=int) - expected).max() <= 1, request.size
+
+
+def test_a_job_paused_in_a_packed_forward_resumes_and_equals_its_pipeline():
+    family = load_family("tiny-flux")
+    adapter = adapter_of(family)
+    _, _, schedulers = family
+
+    def request(i: int, size: tuple[int, int], steps: int) -> ImageRequest:
+        return ImageRequest(f"a tower {i}", None, 70 + i, 0, *size, steps, 3.5, 1.0, schedulers.default)
+
+    background = [request(0, SIZES[0], 6), request(1, SIZES[2], 5)]
+    jobs, _ = run_with_a_late_priority_request(adapter, background, request(2, SIZES[1], 3))
+    assert jobs[0].pauses == 1, "the flex job was not paused"
+    assert jobs[1].most_shared == 2 and jobs[2].most_shared == 2, "sizes did not share forwards"
+    assert_each_image_equals_the_pipelines_own(family, [*background, request(2, SIZES[1], 3)], jobs)
+
+
+LORAS = {"ink": "tiny-flux-lora-ink", "neon": "tiny-flux-lora-neon"}
+
+
+def test_rows_of_other_sizes_and_adapters_share_a_forward_each_equal_to_diffusers_set_adapters():
+    build_missing(WEIGHTS, only=["tiny-flux", *LORAS.values()])
+    pipe, facts, schedulers = load_family("tiny-flux")
+    adapter = adapter_of((pipe, facts, schedulers))
+    adapter.loras = load_loras(pipe, WEIGHTS, LORAS, "tiny-flux")
+    reference_pipe = DiffusionPipeline.from_pretrained(WEIGHTS / "tiny-flux", use_safetensors=True)
+    reference_pipe.set_progress_bar_config(disable=True)
+    for name, folder in LORAS.items():
+        reference_pipe.load_lora_weights(str(WEIGHTS / folder), adapter_name=name)
+    adapters = [(), (("ink", 1.0),), (("ink", 0.5), ("neon", 1.3))]
+    requests = [
+        ImageRequest("a red house", None, 7, 0, *size, 3, 4.0, None, schedulers.default, lora=lora)
+        for size, lora in zip(SIZES, adapters, strict=True)
+    ]
+    jobs = run_engine(adapter, [(0, r) for r in requests])
+    assert all(job.most_shared == 3 for job in jobs), "rows of three sizes did not share forwards"
+    for request, job in zip(requests, jobs, strict=True):
+        expected = lora_reference(reference_pipe, facts, request)
+        assert np.abs(served(job) - expected).max() <= 1, (request.size, request.lora)
