@@ -28,14 +28,18 @@ from tests.unit.step_harness import (
 )
 from tests.unit.test_lora import reference as lora_reference
 from tests.unit.test_preemption import run_with_a_late_priority_request
+from triton_diffusion.adapters.dit import DiTAdapter
 from triton_diffusion.adapters.image_requests import ImageRequest
+from triton_diffusion.adapters.latent_loop import LatentStepAdapter
 from triton_diffusion.adapters.lora import load_loras
 from triton_diffusion.adapters.packed_rows import Canvas, canvas_for
 from triton_diffusion.adapters.step_adapters import step_adapter_for
 from triton_diffusion.engine.scheduler import EngineLimits
 from triton_diffusion.engine.step_engine import StepEngine
 from triton_diffusion.faults import FaultInjection, FaultyStepAdapter
+from triton_diffusion.models.text_to_image import TextToImageModel
 from triton_diffusion.serving.server_process import WEIGHTS
+from triton_diffusion.settings import ModelConfig, ModelSettings
 from triton_diffusion.step_cache_spec import parse_step_cache
 from triton_diffusion.tiny_models import build_missing
 
@@ -274,3 +278,29 @@ def test_rows_of_other_sizes_and_adapters_share_a_forward_each_equal_to_diffuser
     for request, job in zip(requests, jobs, strict=True):
         expected = lora_reference(reference_pipe, facts, request)
         assert np.abs(served(job) - expected).max() <= 1, (request.size, request.lora)
+
+
+def loaded(name: str, **config: str) -> TextToImageModel:
+    build_missing(WEIGHTS, only=[name])
+    texts = {"model": str(WEIGHTS / name), **config}
+    settings = ModelSettings(
+        "m", WEIGHTS, ModelConfig.parse(texts, ("image", "image_source"), [], "m"), {}, 4, "CPU", 0
+    )
+    model = TextToImageModel()
+    model.fields, model.adapter = model.load(settings)
+    return model
+
+
+@pytest.mark.parametrize(
+    ("name", "config", "said"),
+    [
+        ("tiny-flux", {}, {"served": True}),
+        ("tiny-sd3", {"pack_sizes": "false"}, {"served": False, "why_not": "config pack_sizes is false"}),
+        ("tiny-sd", {}, {"served": False, "why_not": LatentStepAdapter.packs_sizes_not}),
+        ("tiny-pixart-sigma", {}, {"served": False, "why_not": DiTAdapter.packs_sizes_not}),
+    ],
+)
+def test_model_info_says_whether_sizes_share_forwards_and_why_not(name, config, said):
+    model = loaded(name, **config)
+    assert model.describe_more()["packed_sizes"] == said
+    assert model.adapter.packs_sizes == said["served"]

@@ -135,7 +135,6 @@ class DiffusionModel(TritonModel):
         caps = self.row_caps(settings)
         engine_kind: EngineKind
         if adapter is not None:
-            adapter.packs_sizes = adapter.packs_sizes and settings.config.pack_sizes
             tokens = settings.config.max_tokens_per_forward or caps.max_rows * self.image_tokens(adapter)
             engine_kind = StepEngineKind(
                 adapter, caps, prompt_of=lambda job: job.params.prompt, max_tokens_per_forward=tokens
@@ -304,6 +303,7 @@ class DiffusionModel(TritonModel):
         more: dict[str, Any] = {"step_caches": ["none", *self.step_cache_methods]}
         if self.adapter is not None:  # whether images of different sizes share forwards, and why not
             packs = bool(self.adapter.packs_sizes)
-            why = "" if packs else (self.adapter.packs_sizes_not or "config pack_sizes is false")
-            more["packed_sizes"] = {"served": packs, "why_not": why} if why else {"served": packs}
+            more["packed_sizes"] = (
+                {"served": True} if packs else {"served": False, "why_not": self.adapter.packs_sizes_not}
+            )
         return more

@@ -86,6 +86,8 @@ class TextToImageModel(DiffusionModel):
         adapter = self.choose_step_adapter(settings)
         if adapter is not None:
             adapter.loras = self.loras
+            if adapter.packs_sizes and not config.pack_sizes:
+                adapter.packs_sizes, adapter.packs_sizes_not = False, "config pack_sizes is false"
         # Step caches (adapters/step_caches.py): the methods this model's denoiser serves per request.
         self.step_cache_methods = self.cache_methods(adapter)
         self.step_cache_default = config.step_cache or NO_CACHE
