@@ -120,7 +120,7 @@ class Supervisor:
         self.drain_s = drain_s
         self.stopping = threading.Event()
         self.hurry = threading.Event()  # a second signal while draining: stop now
-        self.stop_signal = signal.SIGTERM
+        self.stop_signal: int = signal.SIGTERM
         self.watched_models: list[str] = []  # the models of the stubs watched (the server was ready)
         self.process: subprocess.Popen | None = None
         self.restarts: Counter = Counter()  # (reason, model) -> count
