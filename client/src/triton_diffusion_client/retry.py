@@ -18,10 +18,11 @@ request's own total deadline (``timeout_s``).
 
 from __future__ import annotations
 
+import asyncio
 import re
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 DEFAULT_RETRIES = 3
@@ -129,5 +130,20 @@ def wait_ready(
             return False
         sleep(min(wait, left))
         if clock() < deadline and ready():
+            return True
+        wait = min(wait * 2, MOST_WAIT_S)
+
+
+async def wait_ready_async(
+    ready: Callable[[], Awaitable[bool]], deadline: float, clock: Callable[[], float] = time.monotonic
+) -> bool:
+    """:func:`wait_ready` on an event loop (the OpenAI front)."""
+    wait = FIRST_WAIT_S
+    while True:
+        left = deadline - clock()
+        if left <= 0:
+            return False
+        await asyncio.sleep(min(wait, left))
+        if clock() < deadline and await ready():
             return True
         wait = min(wait * 2, MOST_WAIT_S)
