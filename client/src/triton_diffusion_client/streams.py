@@ -22,9 +22,9 @@ from __future__ import annotations
 import asyncio
 import queue
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Generator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import tritonclient.grpc as grpcclient
@@ -126,6 +126,9 @@ def read_result(result: Any) -> StreamResponse:
 
 
 # ---- threads -------------------------------------------------------------------------------------------
+_Session = TypeVar("_Session", bound="StreamSession")
+
+
 class StreamSession:
     """One gRPC connection and stream to a model, reused for requests sent one after another.
     Concurrency comes from several sessions (each on its own thread)."""
@@ -137,7 +140,7 @@ class StreamSession:
         self._responses: queue.Queue = queue.Queue()
         self._streaming = False
 
-    def __enter__(self) -> StreamSession:
+    def __enter__(self: _Session) -> _Session:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -166,7 +169,7 @@ class StreamSession:
         parameters: Mapping[str, Any],
         request_id: str,
         timeout_s: float = 300.0,
-    ) -> Iterator[StreamResponse]:
+    ) -> Generator[StreamResponse, None, None]:
         """Send one request and yield its responses up to the FINAL one (an empty FINAL is not
         yielded). Raises :class:`ResponseError` for an error response or an unreachable server,
         ``TimeoutError`` past ``timeout_s``. Closing the iterator early (``contextlib.closing``) cancels
@@ -211,7 +214,7 @@ class StreamSession:
         parameters: Mapping[str, Any],
         request_id: str,
         budget: RetryBudget,
-    ) -> Iterator[StreamResponse]:
+    ) -> Generator[StreamResponse, None, None]:
         """:meth:`responses`, resent (same fields, same resume key) after a failure :mod:`.retry` deems
         retryable, once the server and the model are ready again, within ``budget``. A resumed request
         goes on from its checkpoint: its progress responses start from that step. Raises as
