@@ -95,6 +95,9 @@ class FakeClient:
             )
         self.server.sent.append(message)
         for result, error in self.server.scripts.pop(0):
+            if result == "sleep":  # the server takes this long before its next answer
+                time.sleep(error)
+                continue
             self.callback(result, error)
 
     def stop_stream(self, cancel_requests: bool = False) -> None:
@@ -200,6 +203,14 @@ def test_the_deadline_bounds_every_attempt_and_wait_together(triton):
     assert not result.ok and result.error.startswith("no final response within 0.5 s (1 attempts"), (
         result.error
     )
+
+
+def test_a_resend_gets_what_is_left_of_the_deadline_not_a_new_one(triton):
+    triton([[("sleep", 0.6), BROKEN], []])  # the resend is never answered
+    started = time.monotonic()
+    result, _ = generate(timeout_s=1.0)
+    assert time.monotonic() - started < 1.4  # not 0.6 + 1.0
+    assert result.error.startswith("no final response within 1.0 s (2 attempts"), result.error
 
 
 def test_off_with_no_retries_and_then_no_key_is_sent(triton):

@@ -208,10 +208,12 @@ def test_the_launcher_drains_a_fake_servers_model_before_stopping_it(tmp_path):
     server.write_text(FAKE_TRITONSERVER.replace("{python}", sys.executable).replace("{env}", drain.ENV))
     server.chmod(0o755)
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "PYTHONPATH": str(SRC)}
-    env[drain.ENV] = str(tmp_path / "run" / "serve.drain")
+    env.pop(drain.ENV, None)  # the launcher picks the path (in its TMPDIR) and tells the server
+    env["TMPDIR"] = str(tmp_path / "run")
+    (tmp_path / "run").mkdir()
     port = launcher_port()
     command = [sys.executable, "-m", "triton_diffusion.serving.launcher", "--model-repository", str(repo)]
-    command += ["--health-port=0", "--drain-s=20", f"--http-port={port}"]
+    command += ["--health-port=0", "--drain-s=10", f"--http-port={port}"]
     log_path = tmp_path / "launcher.log"
     with log_path.open("w") as log_file:
         process = subprocess.Popen(command, env=env, stderr=log_file, start_new_session=True)
@@ -232,7 +234,7 @@ def test_the_launcher_drains_a_fake_servers_model_before_stopping_it(tmp_path):
     assert events.read_text().splitlines() == [
         "server started",
         "model drained",
-        "server got SIGTERM; marks: serve.drain.fake.done",
+        f"server got SIGTERM; marks: triton-diffusion-{port}.drain.fake.done",
     ], log
     assert "draining fake" in log and "every model drained" in log
     assert log.count("+ ") == 1  # started once: a stop is no crash, nothing restarts it
