@@ -79,6 +79,25 @@ def test_monitoring_and_autoscaling_point_at_the_deployment():
     assert all((K8S / resource).is_file() for resource in kustomize["resources"])
 
 
+def test_a_stopping_pod_drains_into_a_volume_that_outlives_it():
+    deployment, *claims = docs("deployment.yaml")
+    pod = deployment["spec"]["template"]["spec"]
+    args = pod["containers"][0]["args"]
+
+    def seconds(option: str) -> float:
+        return float(next(a for a in args if a.startswith(f"--{option}=")).split("=", 1)[1])
+
+    # The drain, then Triton's exit timeout and the supervisor's margin, all before Kubernetes' SIGKILL.
+    assert pod["terminationGracePeriodSeconds"] > seconds("drain-s") + seconds("exit-timeout-secs") + 10
+    assert seconds("drain-s") > 0
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    claim = volumes["checkpoints"]["persistentVolumeClaim"]["claimName"]  # not an emptyDir: lost with the pod
+    assert claim in {c["metadata"]["name"] for c in claims if c["kind"] == "PersistentVolumeClaim"}
+    assert "checkpoints" in {m["name"] for m in pod["containers"][0]["volumeMounts"]}
+    compose = yaml.safe_load((DOCKER / "compose.yaml").read_text())["services"]["triton"]
+    assert float(compose["stop_grace_period"].rstrip("s")) > 30 + 30 + 10  # the image's defaults
+
+
 def test_compose_file_matches_the_compose_specification():
     compose = compose_spec.PyCompose.from_yaml((DOCKER / "compose.yaml").read_text())
     compose.validate()

@@ -760,7 +760,9 @@ def test_an_open_front_listens_on_loopback_unless_told_otherwise(tmp_path, monke
     started = []
     command = launcher.ServerCommand(["tritonserver"], {})
     monkeypatch.setattr(launcher, "server_command", lambda *args: command)
-    monkeypatch.setattr(launcher, "supervise", lambda command, extra, port, front: started.append(front) or 0)
+    monkeypatch.setattr(
+        launcher, "supervise", lambda command, extra, port, front, *drain_s: started.append(front) or 0
+    )
     for argv, address in (
         (["--openai-port=9000"], "127.0.0.1"),
         (["--openai-port=9000", f"--openai-api-key-file={keys}"], "0.0.0.0"),

@@ -6,6 +6,8 @@ numpy and pillow; no torch, no server), then ``from triton_diffusion_client impo
 - ``text``: the diffusion language model: :func:`generate_text`, :func:`generate_text_many`,
   :class:`TextSession` (CLI ``triton-diffusion-generate-text``)
 - ``streams``: the gRPC stream client they (and the server's OpenAI front) are built on
+- ``retry``: which failures are resent with the request's resume key, and the budget for it (on by
+  default; ``retries=0`` turns it off)
 
 Applications written against the OpenAI API use the official ``openai`` package against the OpenAI
 front instead (docs/usage/openai-front.md).
@@ -20,6 +22,7 @@ from triton_diffusion_client.images import (
     generate_many,
     generate_one,
 )
+from triton_diffusion_client.retry import DEFAULT_RETRIES, new_resume_key
 from triton_diffusion_client.streams import ResponseError, StreamResponse, StreamSession
 from triton_diffusion_client.text import (
     Block,
@@ -31,6 +34,7 @@ from triton_diffusion_client.text import (
 )
 
 __all__ = [
+    "DEFAULT_RETRIES",
     "Block",
     "GenerateResult",
     "ImageSession",
@@ -46,5 +50,6 @@ __all__ = [
     "generate_text",
     "generate_text_many",
     "generate_text_one",
+    "new_resume_key",
     "send_concurrently",
 ]

@@ -10,8 +10,12 @@ CLI:
     triton-diffusion-generate "a boat" --model text_to_video --param num_frames=9 --out out/  # MP4 files
 
 Every prompt is its own Triton request (own seed, own error), sent concurrently so the server's batcher
-can fuse them. The prompt, a source image and a mask travel as input tensors; every other field is a
-request parameter (streams.py).
+can fuse them. A request the server lost (it restarted, drained or the connection broke) is resent with
+its resume key once the server is ready again, up to ``retries`` times within ``timeout_s`` (retry.py;
+``retries=0`` or ``--no-retry``: never).
+
+The prompt, a source image and a mask travel as input tensors; every other field is a request parameter
+(streams.py).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import closing
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +37,7 @@ import numpy as np
 from PIL import Image
 
 from triton_diffusion_client.concurrency import send_concurrently
+from triton_diffusion_client.retry import DEFAULT_RETRIES, RESUME_KEY_FIELD, RetryBudget, new_resume_key
 from triton_diffusion_client.streams import ResponseError, StreamResponse, StreamSession
 
 # Request fields sent as input tensors (encoded image files), by the tensor's name.
@@ -63,6 +69,8 @@ class GenerateResult:
     steps: list[int] = field(default_factory=list)  # STEP of each progress response, in arrival order
     first_progress_s: float | None = None  # time to the first progress response
     cancelled: bool = False  # cancelled by this client
+    attempts: int = 0  # requests sent: 1, or more when it was resent after a failure (retry.py)
+    resume_key: str | None = None  # sent with the request (None: retry was off, or the server too old)
 
     @property
     def ok(self) -> bool:
@@ -109,13 +117,19 @@ class ImageSession(StreamSession):
         request_id: str,
         timeout_s: float = 300.0,
         on_progress: OnProgress | None = None,
+        retries: int = DEFAULT_RETRIES,
     ) -> GenerateResult:
         """Send one request (``prompt`` and any other fields; ``image`` and ``mask_image`` as bytes, a
         path or a PIL image) and wait for its FINAL response. With ``on_progress`` the request asks for
-        per-step progress; the callback may return True to cancel the request."""
+        per-step progress; the callback may return True to cancel the request. With ``retries`` (the
+        default) it carries a resume key (its own ``resume_key``, else a new one) and is resent after a
+        lost connection, a restart or a drain: ``timeout_s`` bounds all its attempts together."""
         fields = dict(request)
         if on_progress is not None:
             fields.setdefault("progress", True)
+        if retries > 0 and fields.get(RESUME_KEY_FIELD) is None:
+            fields[RESUME_KEY_FIELD] = new_resume_key()
+        budget = RetryBudget(retries, timeout_s, fields.get(RESUME_KEY_FIELD))
         prompt = fields.pop("prompt")
         out = GenerateResult(request_id=request_id, prompt=prompt)
         tensors = {"PROMPT": prompt.encode("utf-8")}
@@ -125,7 +139,8 @@ class ImageSession(StreamSession):
                 tensors[tensor] = encoded_image(value)
         started = time.perf_counter()
         try:
-            with closing(self.responses(tensors, fields, request_id, timeout_s)) as responses:
+            attempts = self.resilient_responses(tensors, fields, request_id, budget)
+            with closing(attempts) as responses:
                 for response in responses:
                     if response.scalar("STEP") is not None:
                         progress = _progress(response)
@@ -139,6 +154,7 @@ class ImageSession(StreamSession):
         except (ResponseError, TimeoutError) as exc:
             out.error = str(exc)
         out.latency_s = time.perf_counter() - started
+        out.attempts, out.resume_key = budget.attempts, budget.resume_key
         return out
 
 
@@ -149,10 +165,11 @@ def generate_one(
     model: str = "text_to_image",
     timeout_s: float = 300.0,
     on_progress: OnProgress | None = None,
+    retries: int = DEFAULT_RETRIES,
 ) -> GenerateResult:
     """Send one request on a stream of its own and wait for its FINAL response."""
     with ImageSession(url, model) as session:
-        return session.generate(request, request_id, timeout_s, on_progress)
+        return session.generate(request, request_id, timeout_s, on_progress, retries)
 
 
 def _progress(response: StreamResponse) -> Progress:
@@ -189,10 +206,13 @@ def generate_many(
     model: str = "text_to_image",
     timeout_s: float = 300.0,
     on_progress: Callable[[int, Progress], bool | None] | None = None,
+    retries: int = DEFAULT_RETRIES,
 ) -> list[GenerateResult]:
     """Send each request (a dict with ``prompt`` and any other fields) concurrently; results in order.
-    ``on_progress(index, progress)`` is called per progress response; return True to cancel that request."""
-    return send_concurrently(generate_one, requests, url, model, timeout_s, on_progress)
+    ``on_progress(index, progress)`` is called per progress response; return True to cancel that request.
+    Each is resent up to ``retries`` times after a lost connection, a restart or a drain (0: never)."""
+    send_one = partial(generate_one, retries=retries)
+    return send_concurrently(send_one, requests, url, model, timeout_s, on_progress)
 
 
 def generate(
@@ -201,12 +221,18 @@ def generate(
     model: str = "text_to_image",
     timeout_s: float = 300.0,
     on_progress: Callable[[int, Progress], bool | None] | None = None,
+    retries: int = DEFAULT_RETRIES,
     **fields: Any,
 ) -> list[GenerateResult]:
-    """One request per prompt, all with the same fields (seed, height, width, num_inference_steps, ...)."""
+    """One request per prompt, all with the same fields (seed, height, width, num_inference_steps, ...);
+    each gets its own resume key (a ``resume_key`` among the fields would be shared: pass it per request
+    with :func:`generate_many`)."""
     if isinstance(prompts, str):
         prompts = [prompts]
-    return generate_many([{"prompt": p, **fields} for p in prompts], url, model, timeout_s, on_progress)
+    if fields.get(RESUME_KEY_FIELD) is not None and len(prompts) > 1:
+        raise ValueError("one resume_key for several prompts: each request needs its own (generate_many)")
+    requests = [{"prompt": p, **fields} for p in prompts]
+    return generate_many(requests, url, model, timeout_s, on_progress, retries)
 
 
 def _parse_value(text: str) -> Any:
@@ -229,6 +255,19 @@ class ProgressLine:
     def close(self) -> None:
         if any(step != "-" for step in self.steps):
             print(file=sys.stderr)
+
+
+def add_retry_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--retries",
+        type=int,
+        default=DEFAULT_RETRIES,
+        help="resend a request the server lost (it restarted, drained, the connection broke) with its "
+        "resume key, at most this many times",
+    )
+    parser.add_argument(
+        "--no-retry", action="store_true", help="never resend (no resume key): the same as --retries 0"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -258,7 +297,10 @@ def main(argv: list[str] | None = None) -> int:
         metavar="NAME=VALUE",
         help="any other field, e.g. --param scheduler=EulerDiscreteScheduler or --param num_frames=9",
     )
-    parser.add_argument("--timeout", type=float, default=300.0)
+    parser.add_argument(
+        "--timeout", type=float, default=300.0, help="seconds for each request, its resends included"
+    )
+    add_retry_options(parser)
     parser.add_argument("--no-progress", action="store_true", help="no per-request progress")
     parser.add_argument(
         "--preview-every",
@@ -304,7 +346,8 @@ def main(argv: list[str] | None = None) -> int:
                 folder.mkdir(parents=True, exist_ok=True)
                 (folder / f"{index}_step{progress.step}.png").write_bytes(progress.preview)
 
-    results = generate(args.prompts, args.url, args.model, args.timeout, on_progress, **fields)
+    retries = 0 if args.no_retry else args.retries
+    results = generate(args.prompts, args.url, args.model, args.timeout, on_progress, retries, **fields)
     line.close()
     failed = 0
     for result in results:

@@ -22,22 +22,26 @@ from __future__ import annotations
 import asyncio
 import queue
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Generator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from triton_diffusion_client.retry import RESUME_KEY_FIELD, RetryBudget, unknown_resume_key, wait_ready
+
 
 class ResponseError(Exception):
     """The request failed: the model's own message (``field: ...``), or the stream's (``[StatusCode.X]
-    ...`` when the connection failed). ``message`` is the text alone, ``str()`` adds the gRPC status."""
+    ...`` when the connection failed). ``message`` is the text alone, ``str()`` adds the gRPC status;
+    ``status`` is that status (``StatusCode.UNAVAILABLE``), None for the model's own answer."""
 
-    def __init__(self, error: InferenceServerException | str) -> None:
+    def __init__(self, error: InferenceServerException | str, status: str | None = None) -> None:
         super().__init__(str(error))
         self.message = error if isinstance(error, str) else error.message()
+        self.status = status if isinstance(error, str) else error.status()
 
 
 class UnsendableRequest(ResponseError):
@@ -122,17 +126,21 @@ def read_result(result: Any) -> StreamResponse:
 
 
 # ---- threads -------------------------------------------------------------------------------------------
+_Session = TypeVar("_Session", bound="StreamSession")
+
+
 class StreamSession:
     """One gRPC connection and stream to a model, reused for requests sent one after another.
     Concurrency comes from several sessions (each on its own thread)."""
 
     def __init__(self, url: str = "localhost:8001", model: str = "text_to_image") -> None:
+        self.url = url
         self.model = model
         self.client = grpcclient.InferenceServerClient(url)
         self._responses: queue.Queue = queue.Queue()
         self._streaming = False
 
-    def __enter__(self) -> StreamSession:
+    def __enter__(self: _Session) -> _Session:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -161,7 +169,7 @@ class StreamSession:
         parameters: Mapping[str, Any],
         request_id: str,
         timeout_s: float = 300.0,
-    ) -> Iterator[StreamResponse]:
+    ) -> Generator[StreamResponse, None, None]:
         """Send one request and yield its responses up to the FINAL one (an empty FINAL is not
         yielded). Raises :class:`ResponseError` for an error response or an unreachable server,
         ``TimeoutError`` past ``timeout_s``. Closing the iterator early (``contextlib.closing``) cancels
@@ -177,7 +185,8 @@ class StreamSession:
             except InferenceServerException as exc:
                 self._stop_stream(cancel=False)
                 raise ResponseError(
-                    f"UNAVAILABLE: the server cannot be reached now ({exc.message()})"
+                    f"UNAVAILABLE: the server cannot be reached now ({exc.message()})",
+                    "StatusCode.UNAVAILABLE",
                 ) from None
         deadline = time.monotonic() + timeout_s
         answered = False
@@ -198,6 +207,54 @@ class StreamSession:
         finally:
             if not answered:  # left early, timed out or failed: cancel the request, drop the stream
                 self._stop_stream(cancel=True)
+
+    def resilient_responses(
+        self,
+        tensors: Mapping[str, bytes],
+        parameters: Mapping[str, Any],
+        request_id: str,
+        budget: RetryBudget,
+    ) -> Generator[StreamResponse, None, None]:
+        """:meth:`responses`, resent (same fields, same resume key) after a failure :mod:`.retry` deems
+        retryable, once the server and the model are ready again, within ``budget``. A resumed request
+        goes on from its checkpoint: its progress responses start from that step. Raises as
+        :meth:`responses` does for the last attempt, ``TimeoutError`` past the budget's deadline."""
+        parameters = dict(parameters)
+        while True:
+            budget.attempts += 1
+            try:
+                yield from self.responses(tensors, parameters, request_id, budget.left_s())
+                return
+            except TimeoutError:
+                raise budget.timed_out() from None
+            except ResponseError as error:
+                if budget.resume_key is not None and unknown_resume_key(error.message):
+                    # A server from before resume keys: the same request without one, at once.
+                    parameters.pop(RESUME_KEY_FIELD, None)
+                    budget.resume_key = None
+                    continue
+                if not budget.may_resend(error.status, error.message):
+                    raise
+            # A new connection: behind a load balancer it may reach another replica than the draining one.
+            self._reconnect()
+            if not wait_ready(self.server_ready, budget.deadline, budget.clock):
+                raise budget.timed_out()
+
+    def server_ready(self) -> bool:
+        """The server and this session's model answer ready (a restarted server loads its models)."""
+        try:
+            return bool(
+                self.client.is_server_ready(client_timeout=2.0)
+                and self.client.is_model_ready(self.model, client_timeout=2.0)
+            )
+        except InferenceServerException:
+            return False
+
+    def _reconnect(self) -> None:
+        if self._streaming:
+            self._stop_stream(cancel=True)
+        self.client.close()
+        self.client = grpcclient.InferenceServerClient(self.url)
 
 
 # ---- asyncio (the OpenAI front) ------------------------------------------------------------------------

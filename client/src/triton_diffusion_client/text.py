@@ -8,7 +8,8 @@ Python:
 CLI (prints each block as the server commits it):
     triton-diffusion-generate-text "Tell me about the sea" --gen-length 64 --block-length 16
 
-Each request is its own Triton request; several run concurrently in threads, each on its own stream.
+Each request is its own Triton request; several run concurrently in threads, each on its own stream. A
+request the server lost (restart, drain, broken connection) is resent with its resume key (retry.py).
 Only PROMPT travels as an input tensor; every other field is a request parameter (streams.py).
 """
 
@@ -20,9 +21,12 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import closing
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from triton_diffusion_client.concurrency import send_concurrently
+from triton_diffusion_client.images import add_retry_options
+from triton_diffusion_client.retry import DEFAULT_RETRIES, RESUME_KEY_FIELD, RetryBudget, new_resume_key
 from triton_diffusion_client.streams import ResponseError, StreamResponse, StreamSession
 
 
@@ -48,6 +52,8 @@ class TextResult:
     sent_wall: float = 0.0  # time.time() when sent
     latency_s: float = 0.0  # to the FINAL response
     cancelled: bool = False  # cancelled by this client
+    attempts: int = 0  # requests sent: more than 1 when it was resent after a failure (retry.py)
+    resume_key: str | None = None  # sent with the request (None: retry was off, or the server too old)
 
     @property
     def ok(self) -> bool:
@@ -74,17 +80,24 @@ class TextSession(StreamSession):
         request_id: str = "0",
         timeout_s: float = 300.0,
         on_block: OnBlock | None = None,
+        retries: int = DEFAULT_RETRIES,
     ) -> TextResult:
         """Send one request; return when its FINAL response arrives. ``on_block`` may return True to
-        cancel the request (the stream closes with cancel_requests=True, which reaches the model)."""
+        cancel the request (the stream closes with cancel_requests=True, which reaches the model). It is
+        resent with its resume key after a restart, a drain or a lost connection, at most ``retries``
+        times within ``timeout_s`` (0: never, and no key)."""
         fields = dict(request)
+        if retries > 0 and fields.get(RESUME_KEY_FIELD) is None:
+            fields[RESUME_KEY_FIELD] = new_resume_key()
+        budget = RetryBudget(retries, timeout_s, fields.get(RESUME_KEY_FIELD))
         prompt = fields.pop("prompt")
         out = TextResult(request_id=request_id, prompt=prompt)
         out.sent_wall = time.time()
         started = time.perf_counter()
         tensors = {"PROMPT": prompt.encode("utf-8")}
         try:
-            with closing(self.responses(tensors, fields, request_id, timeout_s)) as responses:
+            attempts = self.resilient_responses(tensors, fields, request_id, budget)
+            with closing(attempts) as responses:
                 for response in responses:
                     if _read_response(response, out, started, on_block):
                         out.cancelled, out.error = True, "cancelled by the client"
@@ -92,6 +105,7 @@ class TextSession(StreamSession):
         except (ResponseError, TimeoutError) as exc:
             out.error = str(exc)
         out.latency_s = time.perf_counter() - started
+        out.attempts, out.resume_key = budget.attempts, budget.resume_key
         return out
 
 
@@ -126,10 +140,11 @@ def generate_text_one(
     model: str = "diffusion_lm",
     timeout_s: float = 300.0,
     on_block: OnBlock | None = None,
+    retries: int = DEFAULT_RETRIES,
 ) -> TextResult:
     """Send one request on a connection of its own; return when its FINAL response arrives."""
     with TextSession(url, model) as session:
-        return session.generate(request, request_id, timeout_s, on_block)
+        return session.generate(request, request_id, timeout_s, on_block, retries)
 
 
 def generate_text_many(
@@ -138,10 +153,12 @@ def generate_text_many(
     model: str = "diffusion_lm",
     timeout_s: float = 300.0,
     on_block: Callable[[int, Block], bool | None] | None = None,
+    retries: int = DEFAULT_RETRIES,
 ) -> list[TextResult]:
     """Send every request concurrently, each on its own stream; results in request order.
     ``on_block(index, block)`` is called per streamed block; return True to cancel that request."""
-    return send_concurrently(generate_text_one, requests, url, model, timeout_s, on_block)
+    send_one = partial(generate_text_one, retries=retries)
+    return send_concurrently(send_one, requests, url, model, timeout_s, on_block)
 
 
 def generate_text(
@@ -164,7 +181,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cfg-scale", type=float, dest="cfg_scale")
     parser.add_argument("--seed", type=int)
     parser.add_argument("--no-chat", action="store_false", dest="apply_chat_template", default=None)
-    parser.add_argument("--timeout", type=float, default=300.0)
+    parser.add_argument(
+        "--timeout", type=float, default=300.0, help="seconds for each request, its resends included"
+    )
+    add_retry_options(parser)
     args = parser.parse_args(argv)
     names = ("gen_length", "block_length", "steps", "temperature", "remasking", "threshold", "cfg_scale")
     fields = {
@@ -179,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{index}] block {block.index} ({block.at_s:.2f} s): {block.text!r}", flush=True)
 
     requests = [{"prompt": p, **fields} for p in args.prompts]
-    results = generate_text_many(requests, args.url, args.model, args.timeout, on_block)
+    retries = 0 if args.no_retry else args.retries
+    results = generate_text_many(requests, args.url, args.model, args.timeout, on_block, retries)
     if single:
         print()
     failed = 0

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import uvicorn
+from triton_diffusion_client.retry import DEFAULT_RETRIES
 
 from triton_diffusion.openai_front.app import create_app
 from triton_diffusion.openai_front.front_state import DefaultModels, FrontState
@@ -35,6 +36,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--edit-model", default=DefaultModels.edit)
     p.add_argument("--video-model", default=DefaultModels.video)
     p.add_argument("--text-model", default=DefaultModels.text)
+    p.add_argument(
+        "--retries",
+        type=int,
+        default=DEFAULT_RETRIES,
+        help="resend a request Triton lost (restart, drain) with its resume key, at most this many times",
+    )
     return p
 
 
@@ -53,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
             args.port,
         )
     models = DefaultModels(args.image_model, args.edit_model, args.video_model, args.text_model)
-    front = FrontState(TritonBridge(args.triton_grpc), models=models, keys=keys)
+    front = FrontState(TritonBridge(args.triton_grpc, retries=args.retries), models=models, keys=keys)
     logging.getLogger("triton_diffusion.openai_front").info(
         "OpenAI front on %s:%d for Triton at %s (%s)",
         host,

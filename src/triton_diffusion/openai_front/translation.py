@@ -35,8 +35,12 @@ _BOOLEANS = {
 }
 
 # Fields the front never sends for a client: ``describe`` asks a model for its MODEL_INFO (the front's own
-# catalog), not for a result.
-FRONT_ONLY_FIELDS = {"describe": "the front asks each model for its catalog itself"}
+# catalog), not for a result; ``resume_key`` is the front's own (triton_bridge.py): one from a client
+# could name another client's checkpointed job, and resume it.
+FRONT_ONLY_FIELDS = {
+    "describe": "the front asks each model for its catalog itself",
+    "resume_key": "the front gives every request its own and resends it after a server restart",
+}
 
 
 # ---- values -------------------------------------------------------------------------------------------

@@ -11,6 +11,12 @@ went away, a video job was deleted, the timeout passed) cancels its stream, whic
 request (its rows leave at the next step). Here the client's errors become the front's: ApiError with
 the OpenAI status.
 
+A request Triton lost (it restarted after a model process died, it drained, the stream broke) is resent
+as the project's client resends it (``triton_diffusion_client.retry``): with the resume key the front gave
+it, once Triton and the model are ready again, within ``retries`` and the request's timeout, so the HTTP
+client sees one answer. The key is always the front's own, and sent only to a model that declares the
+field: an OpenAI client cannot send one (translation.py refuses it).
+
 The catalog is what the models say they serve: each ready model that declares a MODEL_INFO output is
 sent one describe request (its kind, its fields with their real defaults and limits), asked again only
 once it has left READY or Triton restarted. A model that does not describe itself is not served.
@@ -30,6 +36,13 @@ from typing import Any
 
 import grpc
 import tritonclient.grpc.aio as grpcclient_aio
+from triton_diffusion_client.retry import (
+    DEFAULT_RETRIES,
+    RESUME_KEY_FIELD,
+    RetryBudget,
+    new_resume_key,
+    wait_ready_async,
+)
 from triton_diffusion_client.streams import (
     RequestStream,
     ResponseError,
@@ -111,8 +124,10 @@ class TritonBridge:
         ready_ttl_s: float = 1.0,
         max_idle_streams: int = 64,
         describe_timeout_s: float = 10.0,
+        retries: int = DEFAULT_RETRIES,
     ) -> None:
         self.url = url
+        self.retries = retries
         self.catalog_ttl_s = catalog_ttl_s
         self.ready_ttl_s = ready_ttl_s
         self.describe_timeout_s = describe_timeout_s
@@ -228,38 +243,75 @@ class TritonBridge:
     async def stream(
         self, request: TritonRequest, info: ModelInfo, timeout_s: float
     ) -> AsyncGenerator[TritonResponse, None]:
-        """Send one request and yield its responses up to the FINAL one. A per-request error raises an
-        ApiError (400 naming the field, 503, 500; 504 past ``timeout_s``); closing the iterator early
-        cancels the request."""
+        """Send one request and yield its responses up to the FINAL one, resent after a failure the
+        client's retry module deems retryable (its responses go on from where it resumed). A per-request
+        error raises an ApiError (400 naming the field, 503, 500; 504 past ``timeout_s``, which bounds
+        every attempt together); closing the iterator early cancels the request."""
+        parameters = dict(request.parameters)
+        parameters.pop(RESUME_KEY_FIELD, None)  # only ever the front's own (translation.py refuses one)
+        key = None
+        if self.retries > 0 and info.serves(RESUME_KEY_FIELD):
+            key = parameters[RESUME_KEY_FIELD] = new_resume_key()
+        budget = RetryBudget(self.retries, timeout_s, key)
         try:
             # A parameter Triton would not carry intact (a NUL, a lone surrogate) is refused here as the
             # model would refuse it: a ResponseError naming the field, a 400.
             message = request_message(
-                request.model, request.tensors, request.parameters, "oai-" + uuid.uuid4().hex[:16]
+                request.model, request.tensors, parameters, "oai-" + uuid.uuid4().hex[:16]
             )
-            async with aclosing(pooled_responses(self._streams, message, timeout_s)) as responses:
-                async for response in responses:
-                    yield response
-        except InferenceServerException as exc:  # no stream could be opened
-            raise unavailable(f"Triton cannot be reached now ({_short(exc)})") from None
         except ResponseError as exc:
             raise from_triton_message(exc.message, info.fields, request.openai_names) from None
-        except TimeoutError:
-            raise ApiError(
-                504, f"no FINAL response within {timeout_s} s", "server_error", None, "timeout"
-            ) from None
-        except grpc.RpcError as exc:
-            self._ready_at = -1e9  # ask again: the server may be going down
-            self._streams.clear()  # the others may have gone with it
-            code = exc.code() if hasattr(exc, "code") else None
-            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
-                raise unavailable(f"Triton went away during the request ({_short(exc)})") from None
-            raise ApiError(
-                502, f"Triton stream failed: {_short(exc)}", "server_error", None, "bad_gateway"
-            ) from None
+        while True:
+            budget.attempts += 1
+            try:
+                async with aclosing(pooled_responses(self._streams, message, budget.left_s())) as responses:
+                    async for response in responses:
+                        yield response
+                return
+            except InferenceServerException as exc:  # no stream could be opened
+                if not budget.may_resend(exc.status() or "StatusCode.UNAVAILABLE", exc.message()):
+                    raise unavailable(f"Triton cannot be reached now ({_short(exc)})") from None
+            except ResponseError as exc:
+                if not budget.may_resend(exc.status, exc.message):
+                    raise from_triton_message(exc.message, info.fields, request.openai_names) from None
+            except TimeoutError:
+                raise ApiError(
+                    504, f"no FINAL response within {timeout_s} s", "server_error", None, "timeout"
+                ) from None
+            except grpc.RpcError as exc:
+                self._ready_at = -1e9  # ask again: the server may be going down
+                self._streams.clear()  # the others may have gone with it
+                code = exc.code() if hasattr(exc, "code") else None
+                if not budget.may_resend(str(code), _short(exc)):
+                    raise _stream_failed(exc, code) from None
+            self._streams.clear()  # streams of a server that failed this request: not for its resend
+            if not await wait_ready_async(lambda: self._model_ready(request.model), budget.deadline):
+                raise ApiError(
+                    504,
+                    f"no FINAL response within {timeout_s} s: Triton was not ready again in time to resend "
+                    f"the request ({budget.failures[-1][:200]})",
+                    "server_error",
+                    None,
+                    "timeout",
+                )
+
+    async def _model_ready(self, model: str) -> bool:
+        try:
+            return bool(
+                await self.client.is_server_ready(client_timeout=2.0)
+                and await self.client.is_model_ready(model, client_timeout=2.0)
+            )
+        except (InferenceServerException, grpc.RpcError, OSError):
+            return False
 
     def _open_stream(self) -> RequestStream:
         return RequestStream(self.client)
+
+
+def _stream_failed(exc: grpc.RpcError, code: Any) -> ApiError:
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+        return unavailable(f"Triton went away during the request ({_short(exc)})")
+    return ApiError(502, f"Triton stream failed: {_short(exc)}", "server_error", None, "bad_gateway")
 
 
 def _short(exc: BaseException) -> str:

@@ -20,6 +20,8 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
+from triton_diffusion.serving import drain
+
 REPO_ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 
@@ -147,21 +149,42 @@ def openai_front_command(extra: list[str], port: int, address: str, api_key_file
     return argv
 
 
+def with_drain_file(command: ServerCommand, extra: list[str]) -> tuple[ServerCommand, Path]:
+    """The server command with the drain file's path in its environment (its Python backend stubs inherit
+    it: serving/drain.py), and that path, cleared of what an earlier run left there."""
+    path = drain.drain_path(_option(extra, "http-port", "8000"), command.env)
+    drain.clear(path)
+    return ServerCommand(command.argv, {**command.env, drain.ENV: str(path)}), path
+
+
 def supervise(
-    command: ServerCommand, extra: list[str], health_port: int, front_argv: list[str] | None = None
+    command: ServerCommand,
+    extra: list[str],
+    health_port: int,
+    front_argv: list[str] | None = None,
+    drain_s: float = 30.0,
 ) -> int:
     """Run tritonserver as a child with the supervisor beside it, which restarts it when one of its
     Python backend processes (or the server itself) dies; with ``front_argv``, the OpenAI front as a
-    second child, started again if it exits. Forward SIGTERM/SIGINT; return the server's status."""
+    second child, started again if it exits. SIGTERM drains the models first (at most ``drain_s``; 0: no
+    drain), then goes to the server; SIGINT goes at once. Returns the server's status."""
     from triton_diffusion.serving.companion import CompanionProcess
     from triton_diffusion.serving.supervisor import Supervisor
+
+    command, drain_file = with_drain_file(command, extra)
 
     def start() -> subprocess.Popen:
         print("+ " + " ".join(command.argv), file=sys.stderr, flush=True)
         return subprocess.Popen(command.argv, env=command.env)
 
     http = f"http://127.0.0.1:{_option(extra, 'http-port', '8000')}"
-    supervisor = Supervisor(start, http, exit_timeout_s=float(_option(extra, "exit-timeout-secs", "30")))
+    supervisor = Supervisor(
+        start,
+        http,
+        exit_timeout_s=float(_option(extra, "exit-timeout-secs", "30")),
+        drain_file=drain_file if drain_s > 0 else None,
+        drain_s=drain_s,
+    )
     front = CompanionProcess(front_argv, "the OpenAI front") if front_argv else None
 
     def stop(signum: int, _frame: object) -> None:
@@ -180,6 +203,7 @@ def supervise(
     finally:
         if front is not None:
             front.stop()
+        drain.clear(drain_file)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -221,7 +245,18 @@ def main(argv: list[str] | None = None) -> None:
         type=Path,
         help="bearer tokens for the OpenAI front, one per line (none: open to anyone)",
     )
+    parser.add_argument(
+        "--drain-s",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="on SIGTERM, first let the models drain for at most this long: they refuse new requests, "
+        "finish what can finish and checkpoint the rest, so clients resend it elsewhere or after the "
+        "restart (0: no drain; SIGINT never drains). Needs the supervisor",
+    )
     known, extra = parser.parse_known_args(argv)
+    if known.drain_s < 0:
+        parser.error("--drain-s must be 0 or more")
     front_argv = None
     if known.openai_port:
         if known.no_supervise:
@@ -251,7 +286,7 @@ def main(argv: list[str] | None = None) -> None:
         print("+ " + " ".join(command.argv), file=sys.stderr, flush=True)
         os.execvpe(command.argv[0], command.argv, command.env)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
-    sys.exit(supervise(command, extra, known.health_port, front_argv))
+    sys.exit(supervise(command, extra, known.health_port, front_argv, known.drain_s))
 
 
 if __name__ == "__main__":

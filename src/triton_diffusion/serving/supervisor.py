@@ -19,6 +19,10 @@ It serves ``/healthz`` (liveness: false once the server has not come back within
 so an orchestrator restarts the container), ``/readyz`` (the server is ready and not restarting) and
 ``/metrics`` (``triton_diffusion_server_restarts_total`` by reason and model, ``triton_diffusion_up``)
 on its own port.
+
+On SIGTERM with a drain file (drain.py) it drains before it stops: it reports not ready, writes the file,
+waits until every model it watches has marked itself drained or ``drain_s`` passed, and only then sends
+tritonserver SIGTERM. A second signal, or a server that exits meanwhile, ends the wait at once.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+
+from triton_diffusion.serving import drain
 
 log = logging.getLogger("triton_diffusion.supervisor")
 
@@ -101,6 +107,8 @@ class Supervisor:
         grace_s: float = 5.0,
         liveness_grace_s: float = 300.0,
         exit_timeout_s: float = 30.0,
+        drain_file: Path | None = None,
+        drain_s: float = 30.0,
     ) -> None:
         self.start = start
         self.http_url = http_url.rstrip("/")
@@ -108,7 +116,12 @@ class Supervisor:
         self.grace_s = grace_s
         self.liveness_grace_s = liveness_grace_s
         self.exit_timeout_s = exit_timeout_s
+        self.drain_file = drain_file
+        self.drain_s = drain_s
         self.stopping = threading.Event()
+        self.hurry = threading.Event()  # a second signal while draining: stop now
+        self.stop_signal: int = signal.SIGTERM
+        self.watched_models: list[str] = []  # the models of the stubs watched (the server was ready)
         self.process: subprocess.Popen | None = None
         self.restarts: Counter = Counter()  # (reason, model) -> count
         self._lock = threading.Lock()
@@ -131,14 +144,19 @@ class Supervisor:
             last_restart = time.monotonic()
 
     def stop(self, signum: int = signal.SIGTERM) -> None:
-        """Shut down (SIGTERM/SIGINT to the launcher): forward it; no restart afterwards."""
+        """Shut down (SIGTERM/SIGINT to the launcher); no restart afterwards. The watch loop forwards the
+        signal (after draining, for SIGTERM with a drain file); a second signal cuts a drain short. Safe
+        in a signal handler: it only sets events."""
+        if self.stopping.is_set():
+            self.hurry.set()
+        else:
+            self.stop_signal = signum
         self.stopping.set()
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signum)
 
     def _watch(self, process: subprocess.Popen) -> int:
         expected: dict[str, Stub] | None = None  # instance -> stub, once the server is ready
         seen: dict[str, Stub] = {}  # the latest listing: a server dying while loading leaves these
+        self.watched_models = []  # none until this server is ready: a loading model has nothing to drain
         while True:
             status = process.poll()
             if status is not None:
@@ -147,9 +165,7 @@ class Supervisor:
                     self._kill_stubs({**seen, **(expected or {})}.values())
                 return status
             if self.stopping.wait(self.interval_s):
-                if process.poll() is None:
-                    process.send_signal(signal.SIGTERM)  # stop() may have signalled an older process
-                return self._wait_for_exit(process)
+                return self._shut_down(process)
             try:
                 stubs = {s.instance: s for s in list_stubs(process.pid)}
             except Exception:  # noqa: BLE001  (an odd /proc entry: look again next time)
@@ -159,6 +175,7 @@ class Supervisor:
             if expected is None:
                 if self._server_ready():
                     expected = stubs
+                    self.watched_models = sorted({s.model for s in stubs.values()})
                     self._set_ready(True)
                     names = ", ".join(sorted(stubs)) or "-"
                     log.info("supervisor: server ready, watching stubs %s", names)
@@ -169,6 +186,37 @@ class Supervisor:
                 detail = f"Python backend stub {', '.join(s.instance for s in dead)} died"
                 self._restarting("stub died", models, detail)
                 return self._stop_server(process, expected.values())
+
+    def _shut_down(self, process: subprocess.Popen) -> int:
+        """Drain (SIGTERM, a drain file, models that were serving), then forward the signal and wait."""
+        if self.stop_signal == signal.SIGTERM and self.drain_file is not None and self.watched_models:
+            self.drain_models(process)
+        if process.poll() is None:
+            process.send_signal(self.stop_signal)
+        return self._wait_for_exit(process)
+
+    def drain_models(self, process: subprocess.Popen) -> list[str]:
+        """Not ready (no new traffic), the drain file written, then wait for every watched model's mark,
+        ``drain_s``, a second signal or the server's exit. Returns the models that did not drain."""
+        assert self.drain_file is not None
+        self._set_ready(False)
+        models = ", ".join(self.watched_models)
+        log.info("supervisor: draining %s (at most %.0f s) before stopping the server", models, self.drain_s)
+        drain.request_drain(self.drain_file)
+        started = time.monotonic()
+        pending = drain.wait_drained(
+            self.drain_file,
+            self.watched_models,
+            self.drain_s,
+            give_up=lambda: self.hurry.is_set() or process.poll() is not None,
+        )
+        seconds = time.monotonic() - started
+        if pending:
+            still = ", ".join(pending)
+            log.warning("supervisor: %s not drained after %.1f s; stopping anyway", still, seconds)
+        else:
+            log.info("supervisor: every model drained in %.1f s", seconds)
+        return pending
 
     def _wait_for_exit(self, process: subprocess.Popen) -> int:
         """Triton 2.51 sometimes hangs in its own abort handler after the exit timeout, holding client

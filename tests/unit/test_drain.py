@@ -1,0 +1,261 @@
+"""Draining on SIGTERM (serving/drain.py, supervisor.py, launcher.py): the files the launcher and the
+models share, the supervisor's order (not ready, drain file, the models' marks or the drain time, then
+SIGTERM to the server, no restart), and the whole launcher against a fake tritonserver whose fake model
+drains as the contract says."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from triton_diffusion.serving import drain, launcher
+from triton_diffusion.serving.supervisor import Stub, Supervisor
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+
+
+def test_the_drain_file_travels_in_the_environment_and_a_stale_one_is_removed(tmp_path):
+    assert drain.drain_file_from_env({}) is None and not drain.is_draining(None)
+    path = drain.drain_path("8123", {drain.ENV: str(tmp_path / "d")})
+    assert path == tmp_path / "d" == drain.drain_file_from_env({drain.ENV: str(path)})
+    assert drain.drain_path("8123", {}).name == "triton-diffusion-8123.drain"  # one per server
+    drain.request_drain(path)
+    drain.mark_drained(path, "text_to_image")
+    assert drain.is_draining(path) and (tmp_path / "d.text_to_image.done").is_file()
+    # A launcher killed while draining left both: the next start clears them, or every request is refused.
+    command = launcher.ServerCommand(["tritonserver"], {drain.ENV: str(path), "PATH": "/bin"})
+    started, same = launcher.with_drain_file(command, ["--http-port=8123"])
+    assert same == path and started.env[drain.ENV] == str(path) and started.env["PATH"] == "/bin"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_wait_drained_waits_for_every_model_or_the_time_or_a_reason_to_give_up(tmp_path):
+    path = tmp_path / "d"
+    clock = [0.0]
+
+    def sleep(seconds: float) -> None:
+        clock[0] += seconds
+        if clock[0] >= 1.0:
+            drain.mark_drained(path, "a")  # "a" drains after a second; "b" never does
+
+    waited = drain.wait_drained(path, ["a", "b", "a"], 3.0, sleep=sleep, clock=lambda: clock[0])
+    assert waited == ["b"] and clock[0] == pytest.approx(3.0)  # the whole drain time, then gives up
+    drain.mark_drained(path, "b")
+    assert drain.wait_drained(path, ["a", "b"], 3.0, sleep=sleep, clock=lambda: clock[0]) == []
+    assert drain.wait_drained(path, ["c"], 3.0, give_up=lambda: True) == ["c"]  # the server exited
+
+
+class FakeServer:
+    """A tritonserver process as the supervisor drives it: records the signals it gets, in order with
+    the drain file's state at that moment."""
+
+    pid = 1 << 30  # no such process: its stubs are listed by the fake list_stubs
+
+    def __init__(self, drain_file: Path, events: list) -> None:
+        self.drain_file, self.events = drain_file, events
+        self.status: int | None = None
+
+    def poll(self) -> int | None:
+        return self.status
+
+    def send_signal(self, signum: int) -> None:
+        self.events.append(("signal", signum, sorted(p.name for p in self.drain_file.parent.iterdir())))
+        self.status = -signum
+
+    def wait(self, timeout: float | None = None) -> int:
+        assert self.status is not None
+        return self.status
+
+    def kill(self) -> None:
+        self.status = -9
+
+
+def supervised(tmp_path, monkeypatch, drain_s: float = 5.0) -> tuple[Supervisor, list]:
+    events: list = []
+    drain_file = tmp_path / "drain" / "triton.drain"
+    drain_file.parent.mkdir()
+    stubs = [Stub(1, "a", "a_0", "shm-a"), Stub(2, "b", "b_0", "shm-b"), Stub(3, "b", "b_1", "shm-b1")]
+    monkeypatch.setattr("triton_diffusion.serving.supervisor.list_stubs", lambda pid: stubs)
+
+    def start() -> FakeServer:
+        events.append(("start",))
+        return FakeServer(drain_file, events)
+
+    supervisor = Supervisor(start, "http://127.0.0.1:1", 0.02, drain_file=drain_file, drain_s=drain_s)
+    monkeypatch.setattr(supervisor, "_server_ready", lambda: True)
+    return supervisor, events
+
+
+def run_until_ready(supervisor: Supervisor) -> tuple[threading.Thread, list]:
+    status: list = []
+    thread = threading.Thread(target=lambda: status.append(supervisor.run()), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 5
+    while not supervisor.ready():
+        assert time.monotonic() < deadline, "the fake server never became ready"
+        time.sleep(0.01)
+    return thread, status
+
+
+def test_sigterm_drains_every_model_then_stops_the_server_without_a_restart(tmp_path, monkeypatch):
+    supervisor, events = supervised(tmp_path, monkeypatch)
+    drain_file = supervisor.drain_file
+    thread, status = run_until_ready(supervisor)
+    supervisor.stop(signal.SIGTERM)
+    deadline = time.monotonic() + 5
+    while not drain.is_draining(drain_file):  # the drain file comes first, with readiness gone
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert not supervisor.ready() and thread.is_alive() and len(events) == 1  # no signal yet
+    drain.mark_drained(drain_file, "a")
+    time.sleep(0.3)
+    assert thread.is_alive() and len(events) == 1  # "b" (two instances) is still draining
+    drain.mark_drained(drain_file, "b")
+    thread.join(5)
+    assert not thread.is_alive() and status == [-signal.SIGTERM]
+    marks = ["triton.drain", "triton.drain.a.done", "triton.drain.b.done"]
+    assert events == [("start",), ("signal", signal.SIGTERM, marks)]  # one start: no restart
+
+
+def test_a_model_that_never_drains_holds_the_stop_for_the_drain_time_only(tmp_path, monkeypatch):
+    supervisor, events = supervised(tmp_path, monkeypatch, drain_s=0.4)
+    thread, status = run_until_ready(supervisor)
+    started = time.monotonic()
+    supervisor.stop(signal.SIGTERM)
+    thread.join(5)
+    assert 0.4 <= time.monotonic() - started < 3 and status == [-signal.SIGTERM]
+    assert events[-1] == ("signal", signal.SIGTERM, ["triton.drain"])
+
+
+def test_a_second_signal_cuts_the_drain_short(tmp_path, monkeypatch):
+    supervisor, events = supervised(tmp_path, monkeypatch, drain_s=30)
+    thread, status = run_until_ready(supervisor)
+    supervisor.stop(signal.SIGTERM)
+    time.sleep(0.2)
+    started = time.monotonic()
+    supervisor.stop(signal.SIGINT)  # impatient: stop now (the first signal's kind is forwarded)
+    thread.join(5)
+    assert time.monotonic() - started < 2 and status == [-signal.SIGTERM]
+
+
+def test_sigint_never_drains(tmp_path, monkeypatch):
+    supervisor, events = supervised(tmp_path, monkeypatch, drain_s=30)
+    thread, status = run_until_ready(supervisor)
+    supervisor.stop(signal.SIGINT)
+    thread.join(5)
+    assert status == [-signal.SIGINT] and events[-1] == ("signal", signal.SIGINT, [])
+
+
+FAKE_TRITONSERVER = """#!{python}
+# A tritonserver as the launcher sees it: ready on its HTTP port, one Python backend "stub" (a Python run
+# through a link named like the stub, on a model.py), SIGTERM recorded and obeyed.
+import http.server, os, pathlib, signal, subprocess, sys, threading
+args = sys.argv[1:]
+repo = pathlib.Path(args[args.index("--model-repository") + 1])
+port = int(next(a for a in args if a.startswith("--http-port=")).split("=")[1])
+events = repo / "events"
+def event(text):
+    with events.open("a") as f:
+        f.write(text + "\\n")
+class Ready(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers()
+    def log_message(self, *a):
+        pass
+server = http.server.HTTPServer(("127.0.0.1", port), Ready)
+stub = subprocess.Popen([str(repo / "triton_python_backend_stub"), str(repo / "fake/1/model.py"), "shm-fake",
+                         "x", "fake_0", "runtime"])
+def stop(signum, frame):
+    marks = pathlib.Path(os.environ["{env}"]).parent.glob("*.done")
+    event("server got SIGTERM; marks: " + ",".join(sorted(p.name for p in marks)))
+    stub.kill(); stub.wait()
+    os._exit(0)
+signal.signal(signal.SIGTERM, stop)
+event("server started")
+server.serve_forever()
+"""
+
+FAKE_MODEL = """
+# A model's engine host as the drain contract says: polls the drain file, drains, marks itself drained.
+import pathlib, time
+from triton_diffusion.serving import drain
+path = drain.drain_file_from_env()
+events = pathlib.Path(__file__).parents[2] / "events"
+while not drain.is_draining(path):
+    time.sleep(0.05)
+with events.open("a") as f:
+    f.write("model drained\\n")
+drain.mark_drained(path, "fake")
+time.sleep(3600)
+"""
+
+
+def test_the_launcher_drains_a_fake_servers_model_before_stopping_it(tmp_path):
+    repo = tmp_path / "repo"
+    (repo / "fake" / "1").mkdir(parents=True)
+    (repo / "fake" / "1" / "model.py").write_text(FAKE_MODEL)
+    (repo / "triton_python_backend_stub").symlink_to(sys.executable)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    server = bin_dir / "tritonserver"
+    server.write_text(FAKE_TRITONSERVER.replace("{python}", sys.executable).replace("{env}", drain.ENV))
+    server.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "PYTHONPATH": str(SRC)}
+    env.pop(drain.ENV, None)  # the launcher picks the path (in its TMPDIR) and tells the server
+    env["TMPDIR"] = str(tmp_path / "run")
+    (tmp_path / "run").mkdir()
+    port = launcher_port()
+    command = [sys.executable, "-m", "triton_diffusion.serving.launcher", "--model-repository", str(repo)]
+    command += ["--health-port=0", "--drain-s=10", f"--http-port={port}"]
+    log_path = tmp_path / "launcher.log"
+    with log_path.open("w") as log_file:
+        process = subprocess.Popen(command, env=env, stderr=log_file, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while "watching stubs fake_0" not in log_path.read_text():  # the supervisor watches the model
+            assert time.monotonic() < deadline and process.poll() is None, log_path.read_text()
+            time.sleep(0.05)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
+    finally:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)  # whatever of the fake server is left
+        except ProcessLookupError:
+            pass
+        process.wait()
+    events, log = repo / "events", log_path.read_text()
+    assert events.read_text().splitlines() == [
+        "server started",
+        "model drained",
+        f"server got SIGTERM; marks: triton-diffusion-{port}.drain.fake.done",
+    ], log
+    assert "draining fake" in log and "every model drained" in log
+    assert log.count("+ ") == 1  # started once: a stop is no crash, nothing restarts it
+    assert list((tmp_path / "run").iterdir()) == []  # the drain file and its marks are gone
+
+
+def test_the_drain_time_is_a_launcher_option(monkeypatch):
+    taken: list = []
+    monkeypatch.setattr(launcher, "server_command", lambda *a: launcher.ServerCommand(["t"], {}))
+    monkeypatch.setattr(launcher, "supervise", lambda *args: taken.append(args) or 0)
+    for argv, drain_s in (([], 30.0), (["--drain-s", "90"], 90.0), (["--drain-s=0"], 0.0)):
+        with pytest.raises(SystemExit):
+            launcher.main(["--log-verbose=1", *argv])
+        assert taken[-1][-1] == drain_s and taken[-1][1] == ["--log-verbose=1"]
+    with pytest.raises(SystemExit, match="2"):
+        launcher.main(["--drain-s=-1"])
+
+
+def launcher_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
