@@ -127,8 +127,8 @@ class CheckpointStore:
         with self._changed:
             self._pending.pop(key, None)
             self._changed.wait_for(lambda: self._writing != key)
-            with self._files:
-                self._delete(self._path(key))
+        with self._files:
+            self._delete(self._path(key))
 
     def remove_request(self, resume_key: str) -> None:
         """Drop the checkpoint of every image of a request (``resume_key`` and ``resume_key.<i>``)."""
@@ -141,10 +141,10 @@ class CheckpointStore:
             for key in [key for key in self._pending if of_request(key)]:
                 del self._pending[key]
             self._changed.wait_for(lambda: self._writing is None or not of_request(self._writing))
-            with self._files:
-                for path in self._checkpoint_files():
-                    if of_request(path.name[: -len(SUFFIX)]):
-                        self._delete(path)
+        with self._files:
+            for path in self._checkpoint_files():
+                if of_request(path.name[: -len(SUFFIX)]):
+                    self._delete(path)
 
     def flush(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for every pending write; whether they are all done."""
@@ -208,9 +208,11 @@ class CheckpointStore:
                 file.flush()
                 os.fsync(file.fileno())
             os.utime(temporary, (created, created))  # its age by the store's clock (ttl, eviction)
+            # Outside the files' lock: a reader of this key waits for its write, and of another key
+            # reads its own file.
+            os.replace(temporary, self._path(key))
+            _fsync_directory(self.directory)
             with self._files:
-                os.replace(temporary, self._path(key))
-                _fsync_directory(self.directory)
                 self._evict(keep=self._path(key))
         finally:
             temporary.unlink(missing_ok=True)
