@@ -1,0 +1,312 @@
+"""Job checkpoints on disk (adapters/job_checkpoints.py), so a request resubmitted after a crash resumes
+its images where they were (issue 43).
+
+- One file per image, ``<key>.safetensors``, the key a request's resume key and, per image, ``.<index>``
+  (:func:`valid_key`: nothing else, so a key can never name a path outside the directory, which comes
+  from the config only).
+- Safetensors only (no pickle: a file read back can hold nothing but tensors and a JSON header), its
+  metadata one JSON string: the request's fields hash (a resumed request must be the same request), the
+  step, the checkpoint's meta, when it was written and a SHA-256 over all of that and every tensor's
+  bytes in name order, so a flipped bit is detected; a truncated file does not parse. Either is a
+  :class:`CorruptCheckpoint`, and the file is deleted.
+- Written by a thread of its own: :meth:`CheckpointStore.put` is called from the engine's host thread,
+  which must not wait for a disk. A key's latest pending checkpoint replaces an older pending one (only
+  the newest state is worth writing). Each write is atomic: a hidden temporary file in the same
+  directory, fsynced, then ``os.replace``d onto the key's name, so a crash leaves the old checkpoint or
+  the new one, never half of one (a leftover temporary file is removed at the next start).
+- Bounded: after each write the oldest files go until the directory holds at most ``max_bytes``; files
+  older than ``ttl_s`` are dropped (a file's modification time is set to its ``created`` time by the
+  store's clock, so age and order survive a restart without reading every header).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import struct
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import safetensors.torch
+import torch
+
+from triton_diffusion.adapters.job_checkpoints import JobCheckpoint
+
+log = logging.getLogger("triton_diffusion")
+
+SUFFIX = ".safetensors"
+_KEY = re.compile(r"[A-Za-z0-9_-]{16,128}(\.[0-9]{1,9})?")
+_TEMPORARY = ".tmp"  # a temporary file is ``.<key>.<random>.tmp``: hidden, and never ``*.safetensors``
+
+
+def valid_key(key: str) -> bool:
+    """A request's resume key (16 to 128 of ``[A-Za-z0-9_-]``), optionally ``.<image index>``."""
+    return isinstance(key, str) and _KEY.fullmatch(key) is not None
+
+
+class CorruptCheckpoint(Exception):
+    """A checkpoint file that does not parse or whose digest does not match (it has been deleted)."""
+
+
+@dataclass(frozen=True)
+class Stored:
+    """A checkpoint read back, with the fields hash of the request that wrote it."""
+
+    fields_hash: str
+    checkpoint: JobCheckpoint
+
+
+class CheckpointStore:
+    """Checkpoints in ``directory`` (created if missing), at most ``max_bytes`` of them, each kept
+    ``ttl_s`` seconds by ``clock``. Thread-safe; writes happen on its own writer thread."""
+
+    def __init__(
+        self, directory: Path, max_bytes: int, ttl_s: float, clock: Callable[[], float] = time.time
+    ) -> None:
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.max_bytes = max_bytes
+        self.ttl_s = ttl_s
+        self.clock = clock
+        self.bytes_used = 0  # bytes of checkpoint files in the directory (for a metric)
+        self._pending: dict[str, tuple[str, JobCheckpoint, float]] = {}  # key: fields hash, checkpoint, at
+        self._writing: str | None = None  # the key being written now
+        self._closed = False
+        self._changed = threading.Condition()  # guards the pending writes and the key being written
+        self._files = threading.RLock()  # guards the directory's files and bytes_used
+        for leftover in self.directory.glob(f".*{_TEMPORARY}"):  # a write a crash cut short
+            leftover.unlink(missing_ok=True)
+        self.sweep()
+        self._thread = threading.Thread(target=self._write_loop, name="checkpoint-writer", daemon=True)
+        self._thread.start()
+
+    # ---- the caller's side ------------------------------------------------------------------------------
+    def put(self, key: str, fields_hash: str, checkpoint: JobCheckpoint) -> None:
+        """Write ``checkpoint`` under ``key`` on the writer thread (returns at once); a newer put of the
+        same key before it is written replaces it."""
+        self._check(key)
+        created = self.clock()
+        with self._changed:
+            if self._closed:
+                raise RuntimeError("the checkpoint store is closed")
+            self._pending[key] = (fields_hash, checkpoint, created)
+            self._changed.notify_all()
+
+    def get(self, key: str) -> Stored | None:
+        """The key's checkpoint (after its pending write, if any), or None if there is none or it expired
+        (then it is deleted). Raises CorruptCheckpoint (and deletes the file) if it is damaged."""
+        self._check(key)
+        with self._changed:
+            self._changed.wait_for(lambda: key not in self._pending and self._writing != key)
+        path = self._path(key)
+        with self._files:
+            try:
+                stat = path.stat()
+            except FileNotFoundError:
+                return None
+            if self.clock() - stat.st_mtime > self.ttl_s:
+                self._delete(path)
+                return None
+            try:
+                data = path.read_bytes()
+                return _parse(data, key)
+            except Exception as exc:
+                self._delete(path)
+                raise CorruptCheckpoint(f"checkpoint {key}: {exc}") from exc
+
+    def remove(self, key: str) -> None:
+        """Drop the key's checkpoint, and its pending write (one under way finishes first, then goes)."""
+        self._check(key)
+        with self._changed:
+            self._pending.pop(key, None)
+            self._changed.wait_for(lambda: self._writing != key)
+        with self._files:
+            self._delete(self._path(key))
+
+    def remove_request(self, resume_key: str) -> None:
+        """Drop the checkpoint of every image of a request (``resume_key`` and ``resume_key.<i>``)."""
+        self._check(resume_key)
+
+        def of_request(key: str) -> bool:
+            return key == resume_key or (key.startswith(resume_key + ".") and valid_key(key))
+
+        with self._changed:
+            for key in [key for key in self._pending if of_request(key)]:
+                del self._pending[key]
+            self._changed.wait_for(lambda: self._writing is None or not of_request(self._writing))
+        with self._files:
+            for path in self._checkpoint_files():
+                if of_request(path.name[: -len(SUFFIX)]):
+                    self._delete(path)
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for every pending write; whether they are all done."""
+        with self._changed:
+            return self._changed.wait_for(lambda: not self._pending and self._writing is None, timeout_s)
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Finish the pending writes (up to ``timeout_s``) and stop the writer thread."""
+        self.flush(timeout_s)
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
+        self._thread.join(timeout_s)
+
+    def sweep(self) -> None:
+        """Delete the checkpoints older than ``ttl_s`` (at construction, and before each write)."""
+        now = self.clock()
+        with self._files:
+            for path in self._checkpoint_files():
+                try:
+                    if now - path.stat().st_mtime > self.ttl_s:
+                        self._delete(path)
+                except FileNotFoundError:
+                    pass
+            self._count()
+
+    # ---- the writer thread ------------------------------------------------------------------------------
+    def _write_loop(self) -> None:
+        while True:
+            with self._changed:
+                self._changed.wait_for(lambda: self._pending or self._closed)
+                if not self._pending:  # closed, nothing left
+                    return
+                key = next(iter(self._pending))
+                fields_hash, checkpoint, created = self._pending.pop(key)
+                self._writing = key
+            try:
+                self.sweep()
+                self._write(key, fields_hash, checkpoint, created)
+            except Exception:  # one checkpoint lost is a slower resume, not a failed request
+                log.exception("checkpoint %s: write failed", key)
+            finally:
+                with self._changed:
+                    self._writing = None
+                    self._changed.notify_all()
+
+    def _write(self, key: str, fields_hash: str, checkpoint: JobCheckpoint, created: float) -> None:
+        data = _serialise(key, fields_hash, checkpoint, created)
+        if len(data) > self.max_bytes:
+            log.warning(
+                "checkpoint %s: %d bytes exceed the store's bound of %d bytes alone: not kept",
+                key,
+                len(data),
+                self.max_bytes,
+            )
+            return
+        temporary = self.directory / f".{key}.{os.urandom(6).hex()}{_TEMPORARY}"
+        try:
+            with open(temporary, "wb") as file:
+                file.write(data)
+                file.flush()
+                os.fsync(file.fileno())
+            os.utime(temporary, (created, created))  # its age by the store's clock (ttl, eviction)
+            # Outside the files' lock: a reader of this key waits for its write, and of another key
+            # reads its own file.
+            os.replace(temporary, self._path(key))
+            _fsync_directory(self.directory)
+            with self._files:
+                self._evict(keep=self._path(key))
+        finally:
+            temporary.unlink(missing_ok=True)
+
+    def _evict(self, keep: Path) -> None:
+        """The oldest checkpoints go until the directory holds at most ``max_bytes`` (``keep``, the one
+        just written, fits alone and goes last)."""
+        files = []
+        for path in self._checkpoint_files():
+            try:
+                stat = path.stat()
+            except FileNotFoundError:
+                continue
+            files.append((path == keep, stat.st_mtime, path.name, stat.st_size, path))
+        total = sum(size for *_, size, _ in files)
+        for _, _, _, size, path in sorted(files):
+            if total <= self.max_bytes:
+                break
+            self._delete(path)
+            total -= size
+        self._count()
+
+    # ---- files ------------------------------------------------------------------------------------------
+    @staticmethod
+    def _check(key: str) -> None:
+        if not valid_key(key):
+            raise ValueError(f"invalid checkpoint key {key!r}")
+
+    def _path(self, key: str) -> Path:
+        return self.directory / f"{key}{SUFFIX}"
+
+    def _checkpoint_files(self) -> list[Path]:
+        return [p for p in self.directory.glob(f"*{SUFFIX}") if valid_key(p.name[: -len(SUFFIX)])]
+
+    def _delete(self, path: Path) -> None:
+        path.unlink(missing_ok=True)
+        self._count()
+
+    def _count(self) -> None:
+        total = 0
+        for path in self._checkpoint_files():
+            try:
+                total += path.stat().st_size
+            except FileNotFoundError:
+                pass
+        self.bytes_used = total
+
+
+def _fsync_directory(directory: Path) -> None:
+    """The rename itself made durable (where the platform can open a directory)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+# ---- the format --------------------------------------------------------------------------------------------
+def _digest(header: dict[str, Any], tensors: dict[str, torch.Tensor]) -> str:
+    """SHA-256 of the header's fields (canonical JSON) and every tensor (name, dtype, shape, bytes) in
+    name order."""
+    digest = hashlib.sha256(json.dumps(header, sort_keys=True).encode())
+    for name in sorted(tensors):
+        tensor = tensors[name].contiguous()
+        digest.update(f"\0{name}\0{tensor.dtype}\0{tuple(tensor.shape)}\0".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _serialise(key: str, fields_hash: str, checkpoint: JobCheckpoint, created: float) -> bytes:
+    header = {
+        "key": key,
+        "fields_hash": fields_hash,
+        "step": checkpoint.step,
+        "meta": checkpoint.meta,
+        "created": created,
+    }
+    header["sha256"] = _digest(header, checkpoint.tensors)
+    return safetensors.torch.save(checkpoint.tensors, metadata={"checkpoint": json.dumps(header)})
+
+
+def _parse(data: bytes, key: str) -> Stored:
+    """A file's checkpoint; raises (anything) where it does not parse or its digest does not match."""
+    tensors = safetensors.torch.load(data)  # a truncated or malformed file raises here
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(json.loads(data[8 : 8 + length])["__metadata__"]["checkpoint"])
+    sha256 = header.pop("sha256")
+    if _digest(header, tensors) != sha256:
+        raise ValueError("its digest does not match its contents")
+    if header["key"] != key:
+        raise ValueError(f"it was written for key {header['key']!r}")
+    return Stored(header["fields_hash"], JobCheckpoint(header["step"], tensors, header["meta"]))

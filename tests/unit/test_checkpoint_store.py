@@ -1,0 +1,276 @@
+"""The checkpoint store (serving/checkpoint_store.py): checkpoints written atomically by a writer thread,
+the latest of a key winning, damaged files detected and deleted, expiry, the byte bound and keys that
+cannot name a path elsewhere."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from triton_diffusion.adapters.job_checkpoints import JobCheckpoint
+from triton_diffusion.serving import checkpoint_store
+from triton_diffusion.serving.checkpoint_store import CheckpointStore, CorruptCheckpoint, valid_key
+
+KEY = "0123456789abcdef-request"
+
+
+def checkpoint(step: int, size: int = 64) -> JobCheckpoint:
+    """A checkpoint of every kind of tensor a job's has: float, half, 0-d, integer, bytes."""
+    generator = torch.Generator().manual_seed(step)
+    tensors = {
+        "latents": torch.randn(1, 4, size // 8, size // 8, generator=generator),
+        "scheduler.sigmas": torch.linspace(14.6, 0.0, 7),
+        "scheduler.model_outputs.1": torch.randn(1, 4, 2, 2, generator=generator).to(torch.bfloat16),
+        "scheduler.final": torch.tensor(0.5),
+        "scheduler.timesteps": torch.arange(7, dtype=torch.int64),
+        "generator.0": torch.Generator().manual_seed(step).get_state(),
+    }
+    return JobCheckpoint(
+        step, tensors, {"scheduler": {"_step_index": {"value": step}}, "x": [1.5, None, "s"]}
+    )
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class HeldWrites:
+    """``os.replace`` in the store held until released: a write under way, seen from outside."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.reached = threading.Event()
+        self.go = threading.Event()
+        self.replaced: list[str] = []
+        real = os.replace
+
+        def replace(source, target) -> None:
+            self.reached.set()
+            assert self.go.wait(10), "the test never released the write"
+            self.replaced.append(Path(target).name)
+            real(source, target)
+
+        monkeypatch.setattr(checkpoint_store.os, "replace", replace)
+
+
+def files(directory: Path) -> list[str]:
+    return sorted(path.name for path in directory.iterdir())
+
+
+def checkpoints(directory: Path) -> list[str]:
+    return sorted(path.name for path in directory.glob("*.safetensors"))
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def store(tmp_path, clock):
+    store = CheckpointStore(tmp_path / "checkpoints", 1 << 20, 3600.0, clock)
+    yield store
+    store.close()
+
+
+def test_a_checkpoint_reads_back_as_it_was_written(store):
+    written = checkpoint(3)
+    store.put(KEY + ".0", "fields-hash", written)
+    stored = store.get(KEY + ".0")  # waits for the pending write
+    assert stored is not None and stored.fields_hash == "fields-hash"
+    assert stored.checkpoint.step == 3 and stored.checkpoint.meta == written.meta
+    assert set(stored.checkpoint.tensors) == set(written.tensors)
+    for name, tensor in written.tensors.items():
+        read = stored.checkpoint.tensors[name]
+        assert read.dtype == tensor.dtype and torch.equal(read, tensor), name
+    assert store.bytes_used == (store.directory / f"{KEY}.0.safetensors").stat().st_size
+    assert store.get(KEY + ".1") is None
+
+
+def test_a_get_waits_for_the_pending_write_of_its_key(store, monkeypatch):
+    held = HeldWrites(monkeypatch)
+    store.put(KEY, "h", checkpoint(2))
+    assert held.reached.wait(5)
+    threading.Timer(0.3, held.go.set).start()  # released while get waits
+    stored = store.get(KEY)
+    assert stored is not None and stored.checkpoint.step == 2
+
+
+def test_a_write_is_atomic_no_partial_file_is_ever_a_checkpoint(store, monkeypatch, tmp_path):
+    store.put(KEY, "h", checkpoint(1))
+    assert store.flush(5)
+    held = HeldWrites(monkeypatch)
+    store.put(KEY, "h", checkpoint(2))
+    assert held.reached.wait(5), "the write did not go through a rename"
+    # Written in full and fsynced, not yet renamed: the old checkpoint is the key's, the new one hidden.
+    (temporary,) = [name for name in files(store.directory) if not name.endswith(".safetensors")]
+    assert temporary.startswith(".") and not valid_key(temporary.split(".safetensors")[0])
+    assert checkpoints(store.directory) == [f"{KEY}.safetensors"]
+    assert store.flush(0.1) is False  # the write is under way
+    held.go.set()
+    assert store.flush(5)
+    assert files(store.directory) == [f"{KEY}.safetensors"]
+    stored = store.get(KEY)
+    assert stored is not None and stored.checkpoint.step == 2
+    # A temporary file a crash left behind is removed at the next start and is never a checkpoint.
+    (store.directory / f".{KEY}.0a1b2c.tmp").write_bytes(b"half a checkpoint")
+    again = CheckpointStore(store.directory, 1 << 20, 3600.0, store.clock)
+    assert files(again.directory) == [f"{KEY}.safetensors"]
+    again.close()
+
+
+def test_the_latest_pending_checkpoint_of_a_key_wins(store, monkeypatch):
+    held = HeldWrites(monkeypatch)
+    store.put(KEY, "h", checkpoint(1))
+    assert held.reached.wait(5)  # step 1 is being written; 2 and 3 wait, 3 replaces 2
+    store.put(KEY, "h", checkpoint(2))
+    store.put(KEY, "h", checkpoint(3))
+    held.go.set()
+    assert store.flush(5)
+    assert held.replaced == [f"{KEY}.safetensors"] * 2  # steps 1 and 3: step 2 was never written
+    stored = store.get(KEY)
+    assert stored is not None and stored.checkpoint.step == 3
+
+
+def damage(path: Path, how: str) -> None:
+    data = bytearray(path.read_bytes())
+    if how == "truncated":
+        path.write_bytes(bytes(data[: len(data) - 10]))
+    else:  # one bit of the payload (the last tensor's last byte)
+        data[-1] ^= 0x01
+        path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("how", ["truncated", "flipped"])
+def test_a_damaged_checkpoint_is_corrupt_and_deleted(store, how):
+    store.put(KEY, "h", checkpoint(4))
+    assert store.flush(5)
+    path = store.directory / f"{KEY}.safetensors"
+    damage(path, how)
+    with pytest.raises(CorruptCheckpoint):
+        store.get(KEY)
+    assert not path.exists() and store.bytes_used == 0
+    assert store.get(KEY) is None
+
+
+def test_checkpoints_expire_after_the_ttl(store, clock, tmp_path):
+    store.put(KEY + ".0", "h", checkpoint(1))
+    assert store.flush(5)
+    clock.now += 3599.0
+    assert store.get(KEY + ".0") is not None
+    clock.now += 2.0
+    assert store.get(KEY + ".0") is None
+    assert checkpoints(store.directory) == []
+    # The sweep at construction, and before each write.
+    store.put(KEY + ".1", "h", checkpoint(1))
+    assert store.flush(5)
+    clock.now += 3601.0
+    again = CheckpointStore(store.directory, 1 << 20, 3600.0, clock)
+    assert checkpoints(again.directory) == [] and again.bytes_used == 0
+    again.close()
+
+
+def test_the_byte_bound_evicts_the_oldest_first(tmp_path, clock, caplog):
+    size = len(checkpoint_store._serialise(KEY, "h", checkpoint(1), clock.now))
+    store = CheckpointStore(tmp_path / "c", int(size * 2.5), 3600.0, clock)
+    for i in range(3):
+        store.put(f"{KEY}.{i}", "h", checkpoint(1))
+        assert store.flush(5)
+        clock.now += 1.0
+    assert checkpoints(store.directory) == [f"{KEY}.1.safetensors", f"{KEY}.2.safetensors"]
+    assert store.bytes_used <= store.max_bytes
+    store.put(f"{KEY}.1", "h", checkpoint(2))  # rewritten: now the newest, .2 the oldest
+    assert store.flush(5)
+    store.put(f"{KEY}.3", "h", checkpoint(1))
+    assert store.flush(5)
+    assert checkpoints(store.directory) == [f"{KEY}.1.safetensors", f"{KEY}.3.safetensors"]
+    # One larger than the bound alone is not kept (and evicts nothing).
+    with caplog.at_level(logging.WARNING, logger="triton_diffusion"):
+        store.put(f"{KEY}.4", "h", checkpoint(1, size=512))
+        assert store.flush(5)
+    assert "not kept" in caplog.text
+    assert checkpoints(store.directory) == [f"{KEY}.1.safetensors", f"{KEY}.3.safetensors"]
+    store.close()
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "../x",
+        "a/b",
+        "../../../../etc/passwd",
+        "0123456789abcdef/../x",
+        "short",
+        "x" * 129,
+        "0123456789abcdef.x",
+        "0123456789abcdef..0",
+        "0123456789abcdef.0.1",
+        ".0123456789abcdef",
+        "0123456789abcdef\x00",
+        "",
+    ],
+)
+def test_a_bad_key_is_refused(store, key):
+    assert not valid_key(key)
+    with pytest.raises(ValueError, match="invalid checkpoint key"):
+        store.put(key, "h", checkpoint(1))
+    for call in (store.get, store.remove, store.remove_request):
+        with pytest.raises(ValueError, match="invalid checkpoint key"):
+            call(key)
+    assert checkpoints(store.directory) == []
+
+
+def test_good_keys():
+    assert valid_key("0123456789abcdef") and valid_key("A-z_" * 32) and valid_key(KEY + ".12")
+
+
+def test_remove_request_removes_every_image_of_the_request_and_their_pending_writes(store, monkeypatch):
+    other = "fedcba9876543210-other"
+    for key in (f"{KEY}.0", f"{KEY}.1", KEY, f"{other}.0", f"{KEY}x.0"):
+        store.put(key, "h", checkpoint(1))
+    assert store.flush(5)
+    held = HeldWrites(monkeypatch)
+    store.put(f"{other}.1", "h", checkpoint(1))  # under way
+    assert held.reached.wait(5)
+    store.put(f"{KEY}.2", "h", checkpoint(2))  # pending
+    threading.Timer(0.2, held.go.set).start()
+    store.remove_request(KEY)
+    assert store.flush(5)
+    assert checkpoints(store.directory) == [
+        f"{KEY}x.0.safetensors",
+        f"{other}.0.safetensors",
+        f"{other}.1.safetensors",
+    ]
+
+
+def test_remove_cancels_a_pending_write(store, monkeypatch):
+    held = HeldWrites(monkeypatch)
+    store.put(f"{KEY}.0", "h", checkpoint(1))
+    assert held.reached.wait(5)
+    store.put(f"{KEY}.1", "h", checkpoint(1))
+    store.remove(f"{KEY}.1")
+    held.go.set()
+    assert store.flush(5)
+    assert checkpoints(store.directory) == [f"{KEY}.0.safetensors"]
+    store.remove(f"{KEY}.0")
+    assert checkpoints(store.directory) == [] and store.bytes_used == 0
+
+
+def test_flush_waits_for_the_writer(store, monkeypatch):
+    held = HeldWrites(monkeypatch)
+    store.put(KEY, "h", checkpoint(1))
+    assert store.flush(0.2) is False
+    held.go.set()
+    assert store.flush(5) is True
+    assert checkpoints(store.directory) == [f"{KEY}.safetensors"]
+    store.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        store.put(KEY, "h", checkpoint(2))
