@@ -10,7 +10,12 @@ restarts the server. ``{"hold_on_prompt": "__hold__"}`` (step engine): a request
 the marker and that has shared no forward yet waits before its second forward (``__hold__10``: its
 eleventh) until the engine holds another job (``__hold__1of9``: until it holds nine), at most ``hold_s``
 (30 s): requests sent once the first one's progress says it runs certainly share its forwards, whatever
-the machine's speed. This lets
+the machine's speed. ``{"exit_on_seed": 1234, "exit_after_step": 7}`` (step engine, with checkpoints):
+the process dies (``os._exit(1)``: what the OOM killer or a lost device does to it, no answer sent) right
+after the engine step in which a job of a request with seed 1234 completed its 7th denoising step, once
+the checkpoints taken so far are on disk; only the first time for a checkpoint_dir (a marker file
+``<checkpoint_dir>.exited`` beside it says it happened), so the restarted server serves the resend. Keyed
+on the seed, not the prompt, so the resend and its reference are the same pipeline call. This lets
 integration tests exercise failure isolation and sharing through the real server and the real pipeline.
 Durations are in seconds, as in the config; ``step_delay_ms`` (milliseconds) is still read.
 """
@@ -47,6 +52,8 @@ class FaultInjection:
     stall_on_prompt: str | None = None
     hold_on_prompt: str | None = None
     hold_s: float = 30.0  # the longest hold (far below engine_stall_s: the watchdog never fires for it)
+    exit_on_seed: int | None = None
+    exit_after_step: int = 1
 
     @classmethod
     def from_config(cls, text: str | None) -> FaultInjection | None:
@@ -77,6 +84,11 @@ class FaultInjection:
     def after_step(self) -> None:
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
+
+    def exit_due(self, seed: int, step: int) -> bool:
+        """``exit_on_seed``: a job of a request with this seed just completed its ``exit_after_step``-th
+        denoising step."""
+        return self.exit_on_seed is not None and seed == self.exit_on_seed and step == self.exit_after_step
 
     def hold_from(self, prompt: str) -> int | None:
         """The steps a row with this prompt takes before it is held (None: never held): the number right
@@ -118,6 +130,9 @@ class FaultyStepAdapter:
 
     def finish(self, jobs: list[Any]) -> list[Any]:
         return self.adapter.finish(jobs)
+
+    def checkpoint(self, jobs: list[Any]) -> list[Any]:
+        return self.adapter.checkpoint(jobs)
 
     def _hold(self, jobs: list[Any]) -> None:
         """``hold_on_prompt``: a forward whose jobs all carry the marker, have taken exactly their steps

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from enum import Enum
@@ -55,6 +56,9 @@ class Field:
     remainder: int = 0  # with multiple_of: value % multiple_of must equal this (Wan frames: 4k+1)
     choices: tuple[Any, ...] | None = None
     max_length: int | None = None  # characters, for strings
+    min_length: int | None = None  # characters, for strings
+    pattern: str | None = None  # a regular expression a string must match in full ...
+    pattern_text: str = ""  # ... as the allowed range says it in words
     allow_empty: bool = True
     # A ROW field whose mere presence switches the behaviour of a whole pipeline call (Flux true CFG
     # turns on when any row has a negative prompt): requests with and without it never share a call.
@@ -134,6 +138,10 @@ class Field:
         if self.type in (str, bytes):
             if not self.allow_empty:
                 parts.append("non-empty")
+            if self.pattern is not None:
+                parts.append(self.pattern_text or f"matching {self.pattern}")
+            if self.min_length is not None:
+                parts.append(f"at least {self.min_length} characters")
             if self.max_length is not None:
                 parts.append(f"at most {self.max_length} {'characters' if self.type is str else 'bytes'}")
         return ", ".join(parts) or "any " + _TYPE_NAMES[self.type]
@@ -154,6 +162,10 @@ class Field:
                 raise invalid_field(self.name, f"must not be empty (allowed: {self.allowed()})")
             if self.max_length is not None and len(value) > self.max_length:
                 raise invalid_field(self.name, f"is {len(value)} characters long (allowed: {self.allowed()})")
+            if self.min_length is not None and len(value) < self.min_length:
+                raise invalid_field(self.name, f"is {len(value)} characters long (allowed: {self.allowed()})")
+            if self.pattern is not None and re.fullmatch(self.pattern, value) is None:
+                raise invalid_field(self.name, f"got {short_text(value)} (allowed: {self.allowed()})")
         if self.type is float and not math.isfinite(value):
             raise invalid_field(
                 self.name, f"must be a finite number, got {value} (allowed: {self.allowed()})"
@@ -236,6 +248,25 @@ DESCRIBE_FIELD = Field(
     Role.AFTER_SPLIT,
     doc="answer at once with MODEL_INFO (JSON: the model's kind, fields, defaults, limits, tiers, step "
     "caches) instead of generating",
+)
+
+# A crash loses no work (serving/job_resumes.py): a client names its request with a key of its own, and a
+# resend after the model restarted resumes from the last checkpoint of that request instead of starting
+# over. Not in the compatibility key, nor in the result cache's (it decides no pixel); where the request
+# gives no seed, its seed is derived from the key, so a resend draws the same noise.
+RESUME_FIELD = Field(
+    "resume_key",
+    str,
+    None,
+    Role.ROW,
+    min_length=16,
+    max_length=128,
+    pattern=r"[A-Za-z0-9_-]+",
+    pattern_text="letters, digits, _ and -",
+    doc="a key the client makes up (16-128 letters, digits, _ or -, e.g. a UUID), the same on "
+    "a resend: where the model writes checkpoints (checkpoint_every_steps) a resend after a crash resumes "
+    "from the request's last one (BATCH resumed_from_step); without a seed, the seed is derived from the "
+    "key; a model without checkpoints ignores it",
 )
 
 # How urgent a request is, read by the step engine's scheduler (engine/ordering.py): its service tier and

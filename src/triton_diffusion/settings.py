@@ -336,6 +336,20 @@ class ModelConfig:
         "an engine with work that reports nothing for this long (or 5x its slowest step, if longer) is "
         "stuck: what it holds is answered UNAVAILABLE and the process exits for a restart",
     )
+    # ---- checkpoints (serving/job_resumes.py): a crash loses no work ----------------------------------
+    checkpoint_every_steps: int = _parameter(
+        0,
+        "step engine: write a running job's state every this many denoising steps when its request has a "
+        "resume_key, so a resend after a crash resumes from it; 0: off",
+        (IMAGE,),
+    )
+    checkpoint_dir: str | None = _parameter(
+        None,
+        "where checkpoints are written (relative to the model's folder, or absolute); needed with them",
+        (IMAGE,),
+    )
+    checkpoint_max_mb: float = _parameter(1024.0, "disk the checkpoints may take, in MB", (IMAGE,))
+    checkpoint_ttl_s: float = _parameter(3600.0, "seconds a checkpoint is kept", (IMAGE,))
     fault_injection: Any = _parameter(
         None,
         "tests only: JSON of faults to inject (faults.py; docs/operations/reliability.md)",
@@ -388,6 +402,10 @@ class ModelConfig:
         for key, least in at_least.items():
             if values.get(key) is not None and values[key] < least:
                 raise ValueError(f"model {model}: config parameter {key!r} must be >= {least}")
+        if values.get("checkpoint_every_steps") and not values.get("checkpoint_dir"):
+            raise ValueError(
+                f"model {model}: config parameter 'checkpoint_every_steps' needs 'checkpoint_dir'"
+            )
         config = cls(**values)
         if config.default_service_tier not in config.service_tiers:
             raise ValueError(

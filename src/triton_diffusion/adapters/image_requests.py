@@ -37,6 +37,10 @@ class ImageRequest:
     # A video job's frame count (text_to_video); None for an image.
     num_frames: int | None = None
     step_cache: StepCache = NO_CACHE  # the request's step cache (adapters/step_caches.py)
+    # A checkpoint of this very job (adapters/job_checkpoints.py' JobCheckpoint) found when its request was
+    # resent: the job starts as usual, then takes the checkpoint's state (starts.py). Not part of what
+    # the job is (equality, hashing, logs).
+    resume: Any = field(default=None, compare=False, repr=False)
 
     @property
     def size(self) -> tuple[int, int]:

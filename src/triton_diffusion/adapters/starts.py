@@ -9,14 +9,18 @@ checkpoint the mask and the masked source's latents are model inputs instead). T
 job's params (``ImageRequest.start``), not another engine: from then on every job is the same.
 
 :meth:`LatentStarts.prepare` reads as a diffusers ``__call__`` does: encode the prompts, set each job's
-timesteps, make its starting latents, and return each job's start.
+timesteps, make its starting latents, and return each job's start. A job whose request was resent after
+a crash with a checkpoint of it starts the same way, then takes the checkpoint's state and steps on from
+there (:meth:`LatentStarts.resumed`); :meth:`LatentStarts.checkpoint` takes those checkpoints.
 """
 
 from __future__ import annotations
 
 import copy
 import inspect
+import logging
 from collections.abc import Hashable, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import diffusers
@@ -27,6 +31,8 @@ from triton_diffusion.adapters.diffusers_pipeline import row_generator
 from triton_diffusion.adapters.image_requests import Conditioning, ImageRequest, InpaintSource, LatentJob
 from triton_diffusion.adapters.lora import LoraSet
 from triton_diffusion.engine.jobs import Job, JobStart
+
+log = logging.getLogger("triton_diffusion")
 
 if TYPE_CHECKING:
     from triton_diffusion.adapters.lora import LoraBank
@@ -137,7 +143,37 @@ class LatentStarts:
 
     # ---- the start of every job ---------------------------------------------------------------------
     def prepare(self, jobs: list[Job]) -> list[JobStart]:
-        return self.start_requests([job.params for job in jobs])
+        starts = self.start_requests([job.params for job in jobs])
+        return [self.resumed(job.params, start) for job, start in zip(jobs, starts, strict=True)]
+
+    def resumed(self, request: ImageRequest, start: JobStart) -> JobStart:
+        """A job started as any other, then given its checkpoint's state where its request carries one
+        (``ImageRequest.resume``): it goes on after the checkpoint's step. Started like any other first, so
+        everything not in the checkpoint (text conditioning, the inpainting source) is made as usual. A
+        checkpoint that does not fit the job (another model, another version) is dropped: the job starts
+        afresh (never from a half-restored state) and its request's BATCH says why."""
+        if request.resume is None:
+            return start
+        from triton_diffusion.adapters.job_checkpoints import CheckpointMismatch, restore
+
+        try:
+            restore(start.state, request.resume)
+        except CheckpointMismatch as exc:
+            log.warning("a checkpoint does not fit its job (%s): it starts over", exc)
+            (fresh,) = self.start_requests([replace(request, resume=None)])
+            return replace(fresh, warning=f"its checkpoint did not fit ({exc}): started over")
+        return replace(start, steps_done=request.resume.step)
+
+    def checkpoint(self, jobs: list[Job]) -> list[Any]:
+        """Each job's resumable state now (CPU copies: the host writes them while the jobs step on), or
+        None where it cannot be checkpointed exactly (a step cache's state: it would restart from its
+        first step), in order (engine/step_engine.py Checkpointing)."""
+        from triton_diffusion.adapters.job_checkpoints import checkpoint_refusal, snapshot
+
+        return [
+            None if checkpoint_refusal(job.state) is not None else snapshot(job.state, job.steps_done)
+            for job in jobs
+        ]
 
     @torch.no_grad()  # text encoders and the VAE encoder: nothing here is differentiated
     def start_requests(self, requests: list[ImageRequest]) -> list[JobStart]:

@@ -44,6 +44,9 @@ class JobSpec:
     cache_method: str = "none"
     preview_every: int = 0
     previews: int = 0
+    # Where the host keeps this job's checkpoints (serving/job_resumes.py), None: none are taken. The
+    # engine takes one every ``checkpoint_every`` denoising steps (step_engine.py) and reports it.
+    checkpoint_key: str | None = None
 
 
 @dataclass(eq=False)
@@ -68,7 +71,10 @@ class Job:
     cache_method: str = "none"  # its step cache's method (for the metrics)
     shape: Hashable = None  # its latent (height, width[, frames]): per-size caps, estimates before it starts
     tokens: int = 1  # denoiser tokens it adds to a forward (rows x latent tokens per row): the token budget
+    checkpoint_key: str | None = None  # its checkpoints' key in the host's store (None: none are taken)
     # Set from the adapter's JobStart when the job is started.
+    resumed_from_step: int | None = None  # the step a checkpoint let it start after (None: from the start)
+    start_warning: str | None = None  # why a checkpoint it was given could not be used (it started over)
     state: Any = None
     group: Hashable = None  # jobs of one group can share a forward (latent shape, or compatibility key)
     total_steps: int = 0
@@ -111,6 +117,7 @@ class Job:
             shape=spec.shape,
             tokens=spec.tokens,
             group=spec.group,
+            checkpoint_key=spec.checkpoint_key,
         )
 
     @property
@@ -128,18 +135,25 @@ class Job:
         return any(step == -(-(k + 1) * total // (self.previews + 1)) for k in range(self.previews))
 
     def begin(self, start: JobStart) -> None:
-        """Take what the adapter made of this job when it started it."""
+        """Take what the adapter made of this job when it started it: a job resumed from a checkpoint has
+        done its ``steps_done`` already."""
         self.state, self.group, self.total_steps = start.state, start.group, start.total_steps
+        self.steps_done = start.steps_done
+        self.resumed_from_step = start.steps_done or None
+        self.start_warning = start.warning
 
 
 @dataclass(frozen=True)
 class JobStart:
     """What the adapter made of a job it started: its state, the group it can share forwards with and
-    its denoising steps."""
+    its denoising steps; ``steps_done``: those a checkpoint restored (it goes on from there), and
+    ``warning``: why the checkpoint it was given was not used (it starts from the beginning)."""
 
     state: Any
     group: Hashable
     total_steps: int
+    steps_done: int = 0
+    warning: str | None = None
 
 
 @dataclass(frozen=True)
@@ -222,5 +236,7 @@ class StepReport:
     forwards: list[Forward] = field(default_factory=list)
     calls: list[Any] = field(default_factory=list)  # request-level: each fused call as run (CallReport)
     cuts: list[str] = field(default_factory=list)  # request-level: why planned calls were cut short
+    # Jobs' checkpoints taken after this step's forward (the adapter's, CPU copies), for the host to store.
+    checkpoints: list[tuple[Job, Any]] = field(default_factory=list)
     running: int = 0  # jobs in the running set after the step
     paused_now: int = 0  # jobs paused after the step

@@ -442,7 +442,7 @@ class Scheduler:
         """The adapter started these admitted jobs (``starts``: what it made of each): they run from now."""
         with self._lock:
             for job, start in zip(jobs, starts, strict=True):
-                job.state, job.group, job.total_steps = start.state, start.group, start.total_steps
+                job.begin(start)  # a job resumed from a checkpoint starts with its steps done
                 self.starting.remove(job)
                 job.admitted = next(self._admissions)
                 job.waited_since = self.step

@@ -12,6 +12,11 @@ The engine core, as vLLM v1 draws it: each engine step (:meth:`StepEngine.step`)
    which the engine applies to the job;
 5. ``adapter.finish(done)``: the jobs that took their last step decoded together (one VAE decode).
 
+With ``checkpoint_every`` set, a job that has a checkpoint key and just completed a multiple of that many
+denoising steps (not its last) is handed to ``adapter.checkpoint`` after its forward: the adapter's CPU
+copy of its state goes out in the report's ``checkpoints``, and the host stores it (the engine does no
+I/O). A checkpoint that fails costs only itself: the job steps on.
+
 It returns a :class:`StepReport` of what happened; it never answers a request, nor calls a method of one
 (engine/request_status.py): cancellations come in as aborts the host's worker hands over before each step
 (:meth:`StepEngine.abort`), a request's error is decided on the engine's own record of it, and both
@@ -28,7 +33,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from triton_diffusion.engine.estimates import WorkTimes
 from triton_diffusion.engine.failures import DeviceLostError, Failure, device_lost_error, isolate
@@ -66,6 +71,14 @@ class StepAdapter(Protocol):
         """The outputs of done jobs of one group, together (one decode), one per job."""
 
 
+class Checkpointing(Protocol):
+    """What a step adapter adds to take checkpoints (adapters/starts.py for the latent families)."""
+
+    def checkpoint(self, jobs: list[Job]) -> list[Any]:
+        """Each job's resumable state now (CPU copies), or None for a job that cannot be checkpointed
+        exactly (it would restart from its first step on resume), in order."""
+
+
 class StepEngine:
     """The running set and one step at a time. One thread (the host's engine thread) steps it; jobs may
     be added from any thread."""
@@ -78,8 +91,12 @@ class StepEngine:
         pacing: AdmissionPacing | None = None,
         service: Service | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        checkpoint_every: int = 0,
     ):
         self.adapter = adapter
+        # Denoising steps between two checkpoints of a job with a checkpoint key (0: none are taken); the
+        # adapter must then be Checkpointing.
+        self.checkpoint_every = checkpoint_every
         self.limits = limits
         self.times = WorkTimes()
         self.scheduler = Scheduler(limits, policy, pacing, service, self.times, clock)
@@ -203,8 +220,39 @@ class StepEngine:
             padded_tokens=result.padded_tokens,
         )
         self.report.forwards.append(forward)
+        if self.checkpoint_every:
+            self._checkpoint([stepped.job for stepped in outcome.stepped])
         if outcome.done:
             self._finish(outcome.done)
+
+    def _checkpoint(self, stepped: list[Job]) -> None:
+        """Checkpoints of the jobs just stepped that are due one: a checkpoint key, a multiple of
+        ``checkpoint_every`` steps done, not done (a done job's answer is near), not ended."""
+        every = self.checkpoint_every
+        due = [
+            job
+            for job in stepped
+            if job.checkpoint_key is not None
+            and 0 < job.steps_done < job.total_steps
+            and job.steps_done % every == 0
+            and not job.status.ended
+        ]
+        if not due:
+            return
+        adapter = cast(Checkpointing, self.adapter)  # checkpoint_every is set for one that is
+        try:
+            taken = adapter.checkpoint(due)
+            if len(taken) != len(due):
+                raise RuntimeError(f"checkpoint returned {len(taken)} checkpoints for {len(due)} jobs")
+        except Exception as exc:  # noqa: BLE001  (a checkpoint is an extra: the jobs step on without it)
+            failure = Failure.of(exc)
+            if failure.lost:
+                raise DeviceLostError(failure.text) from exc
+            log.warning("checkpoint of %d job(s) failed: %s", len(due), failure.text)
+            return
+        self.report.checkpoints.extend(
+            (job, checkpoint) for job, checkpoint in zip(due, taken, strict=True) if checkpoint is not None
+        )
 
     def _finish(self, jobs: list[Job]) -> None:
         """Outputs for jobs that took their last step: one batched call, split if it fails."""

@@ -3,7 +3,9 @@
 A request is parsed once, into a :class:`ParsedRequest` that already holds its jobs (one
 :class:`JobSpec` per image or video: its params, tier, deadline, planned steps, expected shape, step
 cache), so the serving host hands them to the engine without asking back. Sizes, strength, frames, seeds
-and BATCH are known here and nowhere in serving/.
+and BATCH are known here and nowhere in serving/. A request with a ``resume_key`` on a model that takes
+checkpoints is looked up in its store as it is read (serving/job_resumes.py): an image whose checkpoint
+is found starts from it.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import json
 import logging
 import random
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, cast
 
 import numpy as np
@@ -23,10 +25,12 @@ from triton_diffusion.adapters.image_requests import ImageRequest
 from triton_diffusion.compatibility import CompatibilityKey, compatibility_key
 from triton_diffusion.engine.jobs import Job, JobSpec, Stepped
 from triton_diffusion.engine.planner import RowCaps
+from triton_diffusion.errors import ErrorCode
 from triton_diffusion.families import PipelineFacts
 from triton_diffusion.fields import FieldSet
 from triton_diffusion.serving.engine_host import EngineHost, RequestRecord
 from triton_diffusion.serving.engines import EngineKind, RequestEngineKind, StepEngineKind
+from triton_diffusion.serving.job_resumes import Resume, Resumes, fields_hash, seed_from_key
 from triton_diffusion.serving.metrics import IMAGE_METRICS
 from triton_diffusion.serving.requests import TrackedRequest
 from triton_diffusion.serving.result_cache import ResultCache, result_key
@@ -48,6 +52,7 @@ class ParsedRequest:
     result_key: str | None = None  # its answer's key in the result cache (None: not cached, no seed given)
     progress: bool = False  # progress responses were asked for
     summary: str = ""  # what it asks for, for the admission log line
+    resume: Resume | None = None  # its checkpoints' lookup (None: the model takes none, or no resume_key)
 
 
 @dataclass(frozen=True)
@@ -86,6 +91,7 @@ class DiffusionModel(TritonModel):
     step_cache_methods: tuple[str, ...] = ()  # the step caches its denoiser serves per request (at load)
     results = ResultCache(0)  # answers to repeated requests (result_cache_mb; set at load; 0: off)
     adapter: Any = None  # the step adapter (None: the request-level engine)
+    resumes: Resumes | None = None  # its jobs' checkpoints (checkpoint_every_steps; None: off)
 
     def __init__(self) -> None:
         self._own_calls = itertools.count()  # cached requests' own compatibility keys
@@ -132,6 +138,12 @@ class DiffusionModel(TritonModel):
         self.fields, adapter = self.load(settings)
         self.adapter = adapter
         self.results = ResultCache(int(settings.config.result_cache_mb * 2**20))
+        if settings.config.checkpoint_every_steps and adapter is None:
+            raise ValueError(
+                f"model {settings.name}: config parameter 'checkpoint_every_steps' needs the step engine "
+                "(this model runs the request-level engine: see 'engine')"
+            )
+        self.resumes = Resumes.from_settings(settings, seed_of=lambda job: job.params.seed)
         caps = self.row_caps(settings)
         engine_kind: EngineKind
         if adapter is not None:
@@ -143,7 +155,7 @@ class DiffusionModel(TritonModel):
             engine_kind = RequestEngineKind(self.run_call, caps)
         self.engine_kind = engine_kind
         self.host = EngineHost(
-            self, engine_kind, settings, self.metrics, IMAGE_METRICS, self.exit_for_restart
+            self, engine_kind, settings, self.metrics, IMAGE_METRICS, self.exit_for_restart, self.resumes
         )
         log.info(
             "%s ready: engine=%s max_rows_per_call=%d caps_by_resolution=%s",
@@ -166,14 +178,34 @@ class DiffusionModel(TritonModel):
         deadline, planned steps, expected shape and step cache."""
         values = self.resolve(self.fields.parse(raw))
         seed_given = values.get("seed") is not None
-        if not seed_given:
-            values["seed"] = random.randrange(2**32)  # drawn here so the response can return it
+        if not seed_given:  # drawn here so the response can return it; a resend with its key draws the same
+            resume_key = values.get("resume_key")
+            values["seed"] = seed_from_key(resume_key) if resume_key else random.randrange(2**32)
         key = self.key_for(values)
         service = self.service_of(values, tracked)
         answer_key = result_key(values, seed_given) if self.results else None
-        jobs = tuple(self.job_spec(values, i, key, service) for i in range(self.images_for(values)))
+        images = self.images_for(values)
+        resume = self.resume_of(values, images, tracked)
+        jobs = tuple(self.job_spec(values, i, key, service, resume) for i in range(images))
         progress = bool(values.get("progress"))
-        return ParsedRequest(index, values, key, jobs, service, answer_key, progress, self.summary(values))
+        summary = self.summary(values)
+        return ParsedRequest(index, values, key, jobs, service, answer_key, progress, summary, resume)
+
+    def resume_of(self, values: dict[str, Any], images: int, tracked: TrackedRequest) -> Resume | None:
+        """Where the model takes checkpoints and the request gives a resume_key: its images' checkpoints
+        (each image's own, found or not), the request watched until it is answered. Raises INVALID_ARG
+        naming resume_key when a checkpoint under it belongs to a request with other fields."""
+        resume_key = values.get("resume_key")
+        if self.resumes is None or not resume_key:
+            return None
+        hashed = fields_hash(self.settings.name, values)
+        resume = self.resumes.lookup(resume_key, images, hashed)
+        self.resumes.watch(tracked, resume_key, hashed)
+        return resume
+
+    def answered(self, tracked: TrackedRequest, code: ErrorCode | None) -> None:
+        if self.resumes is not None:
+            self.resumes.answered(tracked, code)
 
     def key_for(self, values: dict[str, Any]) -> CompatibilityKey | None:
         """The request-level engine's compatibility key (None on the step engine: rows of any fields
@@ -187,12 +219,21 @@ class DiffusionModel(TritonModel):
         return CompatibilityKey((*key.items, ("own_call", next(self._own_calls))))
 
     def job_spec(
-        self, values: dict[str, Any], index: int, key: CompatibilityKey | None, service: Urgency
+        self,
+        values: dict[str, Any],
+        index: int,
+        key: CompatibilityKey | None,
+        service: Urgency,
+        resume: Resume | None = None,
     ) -> JobSpec:
         """Image ``index`` of a request: what its engine needs (the step adapter's params, or the values
-        and image index for a fused call) and what the scheduler orders and estimates it by."""
+        and image index for a fused call) and what the scheduler orders and estimates it by; with
+        ``resume``, its checkpoints' key and the checkpoint it starts from (if one was found)."""
         previews = bool(values.get("progress")) and index == 0  # the first image speaks for its request
         params = self.step_request(values, index) if self.adapter is not None else RowInput(values, index)
+        checkpoint = resume.checkpoints[index] if resume is not None else None
+        if checkpoint is not None:
+            params = replace(params, resume=checkpoint)
         return JobSpec(
             params=params,
             tokens=self.adapter.tokens_of(params) if self.adapter is not None else 1,
@@ -206,6 +247,7 @@ class DiffusionModel(TritonModel):
             cache_method=(values.get("step_cache") or "none").partition(":")[0],
             preview_every=values.get("preview_every", 0) if previews else 0,
             previews=values.get("previews", 0) if previews else 0,
+            checkpoint_key=f"{values['resume_key']}.{index}" if resume is not None else None,
         )
 
     def planned_steps(self, values: dict[str, Any]) -> int:
@@ -256,6 +298,7 @@ class DiffusionModel(TritonModel):
     ) -> dict[str, Any]:
         parsed: ParsedRequest = record.parsed
         batch = {**self.batch_report(parsed.values, record.jobs), "service": service}
+        batch.update(self.resume_report(parsed, record.jobs))
         answer = {
             **self.respond(parsed, outputs),
             "SEED": seed_output(parsed.values["seed"], len(outputs)),
@@ -297,6 +340,21 @@ class DiffusionModel(TritonModel):
                 "rows_computed": sum(job.rows_computed for job in jobs),
                 "rows_reused": sum(job.rows_reused for job in jobs),
             }
+        return report
+
+    def resume_report(self, parsed: ParsedRequest, jobs: list[Job]) -> dict[str, Any]:
+        """BATCH's part on checkpoints, for a request that gave a resume_key: whether the model takes
+        them; the step its images resumed from (the smallest: an image that started over counts 0;
+        absent when none resumed); and why a checkpoint found was not used."""
+        if not parsed.values.get("resume_key"):
+            return {}
+        report: dict[str, Any] = {"checkpoints": "on" if self.resumes is not None else "off"}
+        if any(job.resumed_from_step for job in jobs):
+            report["resumed_from_step"] = min(job.resumed_from_step or 0 for job in jobs)
+        warnings = [*(parsed.resume.warnings if parsed.resume is not None else ())]
+        warnings += [f"image {job.index}: {job.start_warning}" for job in jobs if job.start_warning]
+        if warnings:
+            report["warnings"] = warnings
         return report
 
     def describe_more(self) -> dict[str, Any]:

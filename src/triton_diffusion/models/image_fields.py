@@ -9,6 +9,7 @@ from triton_diffusion.codecs.image import IMAGE_FORMATS, OUTPUT_ENCODINGS
 from triton_diffusion.fields import (
     DESCRIBE_FIELD,
     REQUIRED,
+    RESUME_FIELD,
     SERVICE_FIELDS,
     SOURCE_IMAGE_FIELDS,
     Field,
@@ -80,6 +81,7 @@ TEXT_TO_IMAGE_FIELDS = FieldSet(
         ),
         *PROGRESS_FIELDS,
         *SERVICE_FIELDS,
+        RESUME_FIELD,
         *SOURCE_IMAGE_FIELDS,  # served where the step adapter can start a job from an image
         DESCRIBE_FIELD,
     ]

@@ -56,6 +56,7 @@ TEXT_TO_VIDEO_FIELDS = FieldSet(
             "previews",
             "service_tier",
             "timeout",
+            "resume_key",
             "describe",
         ),
         Field(

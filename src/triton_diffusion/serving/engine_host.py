@@ -6,7 +6,8 @@ A model kind supplies only what is its own (:class:`HostedKind`): its parsed req
 job specs (:class:`Parsed`, made when the request is read), and it says how progress and outputs become
 tensors. What a step report holds becomes, on the engine thread, work for the
 response thread (nothing is encoded or sent here, so the next step starts at once), in the order it
-happened: progress, FINAL responses, and the errors the engine decided.
+happened: progress, FINAL responses, and the errors the engine decided. The jobs' checkpoints a report
+carries go to the model's store (job_resumes.py), which writes them on its own thread.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from triton_diffusion.engine.jobs import Job, JobSpec, Left, Stepped, StepReport
 from triton_diffusion.errors import ErrorCode, RequestError
 from triton_diffusion.serving.engine_worker import EngineWorker
 from triton_diffusion.serving.engines import EngineKind
+from triton_diffusion.serving.job_resumes import Resumes
 from triton_diffusion.serving.metrics import BatchingMetrics, MetricNames
 from triton_diffusion.serving.requests import TrackedRequest
 from triton_diffusion.serving.responses import ResponseWorker
@@ -83,9 +85,11 @@ class EngineHost:
         metrics: BatchingMetrics,
         names: MetricNames,
         on_exit: Callable[[str], None],  # answer what is queued, then leave the process (say why)
+        resumes: Resumes | None = None,  # where the jobs' checkpoints go (None: none are taken)
     ) -> None:
         config = settings.config
         self.kind = kind
+        self.resumes = resumes
         self.engine_kind = engine_kind
         self.tiers = config.service_tiers  # a job's tier is its rank here
         self.metrics = metrics
@@ -126,6 +130,8 @@ class EngineHost:
     def close(self) -> None:
         self.worker.close()  # what it held is answered UNAVAILABLE
         self.responses.close()
+        if self.resumes is not None:
+            self.resumes.close()
 
     def before_exit(self, reason: str) -> None:
         """Send what is queued for sending, then answer what 10 s did not send (the process leaves)."""
@@ -171,6 +177,11 @@ class EngineHost:
             self._guarded(finished.job, self._finished, finished.job, finished.output)
         for left in report.left:
             self._guarded(left.job, self._left, left)
+        if self.resumes is not None and (report.checkpoints or report.stepped):
+            try:
+                self.resumes.persist(report)
+            except Exception:  # noqa: BLE001  (a checkpoint lost costs no request its answer)
+                log.exception("storing checkpoints failed")
 
     @staticmethod
     def _admitted(job: Job, running: int) -> None:

@@ -72,7 +72,9 @@ class StepEngineKind:
             pacing.cohort,
             ",".join(service.tiers),
         )
-        engine = StepEngine(adapter, limits, policy, pacing, service)
+        # Checkpoints of the jobs that have a checkpoint key (job_resumes.py), every this many steps.
+        every = config.checkpoint_every_steps
+        engine = StepEngine(adapter, limits, policy, pacing, service, checkpoint_every=every)
         if isinstance(adapter, FaultyStepAdapter):
             adapter.held = lambda: engine.active  # what hold_on_prompt waits on (tests only)
         return engine

@@ -20,8 +20,11 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-# Fields that change how a request is served, never what it answers.
-NOT_IN_KEY = frozenset({"progress", "preview_every", "previews", "describe", "service_tier", "timeout"})
+# Fields that change how a request is served, never what it answers (resume_key: where its work may
+# resume from, job_resumes.py).
+NOT_IN_KEY = frozenset(
+    {"progress", "preview_every", "previews", "describe", "service_tier", "timeout", "resume_key"}
+)
 
 
 def result_key(
@@ -30,6 +33,13 @@ def result_key(
     """The key of a request's answer, or None when it must not be cached (no seed given)."""
     if not seed_given:
         return None
+    return values_digest(values, ignored)
+
+
+def values_digest(values: Mapping[str, Any], ignored: Iterable[str] = NOT_IN_KEY) -> str:
+    """A sha256 over a request's validated values in canonical form, those ``ignored`` left out: equal
+    exactly when everything that decides its answer is (the result cache's key, a checkpoint's fields
+    hash)."""
     skip = set(ignored)
     digest = hashlib.sha256()
     for name in sorted(values):

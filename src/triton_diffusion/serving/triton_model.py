@@ -196,3 +196,8 @@ class TritonModel:
     def _on_answered(self, tracked: TrackedRequest, code: ErrorCode | None) -> None:
         if code is not None:
             self.metrics.increment("triton_diffusion_requests_failed_total", code=code.value)
+        self.answered(tracked, code)
+
+    def answered(self, tracked: TrackedRequest, code: ErrorCode | None) -> None:
+        """A request's FINAL response went out (``code``: its error's, None for a result), once per request,
+        whichever path answered it: what a model kind keeps for a request until then is let go here."""

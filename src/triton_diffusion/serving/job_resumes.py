@@ -1,0 +1,187 @@
+"""A crash loses no work: the serving side of job checkpoints (config ``checkpoint_every_steps``,
+``checkpoint_dir``, ``checkpoint_max_mb``, ``checkpoint_ttl_s``; the request field ``resume_key``).
+
+When a model's process dies (the OOM killer, a CUDA fault) the launcher restarts the server and every
+request in flight is lost; its client resends. A request that carries a ``resume_key`` of the client's
+making has its running jobs' state written every ``checkpoint_every_steps`` denoising steps, so the
+resend goes on from the last one instead of starting over. Data flows one way:
+
+- the step engine decides when a job is due one and the adapter takes it (a CPU copy); the step report
+  carries it here (:meth:`Resumes.persist`, on the engine thread), and the store writes it on its own
+  thread (serving/checkpoint_store.py: atomic files, bounded in bytes and age);
+- a request is read (models/diffusion_model.py): :meth:`Resumes.lookup` finds each image's checkpoint
+  (key ``<resume_key>.<image>``), checks it belongs to a request with the same fields (its
+  :func:`fields_hash`: one client can neither resume nor read another's job by reusing its key; a
+  checkpoint is never returned to a client), and the job starts from it;
+- a request is answered (:meth:`Resumes.answered`): its checkpoints are removed, unless it was answered
+  UNAVAILABLE: that is what a client is told when the model fails and restarts ("retry shortly"), and
+  the retry is exactly what should resume. A checkpoint nobody resumes goes with ``checkpoint_ttl_s``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from triton_diffusion.engine.jobs import Job, StepReport
+from triton_diffusion.errors import ErrorCode, invalid_field
+from triton_diffusion.faults import FaultInjection
+from triton_diffusion.serving.requests import TrackedRequest
+from triton_diffusion.serving.result_cache import NOT_IN_KEY, values_digest
+from triton_diffusion.settings import ModelSettings
+
+log = logging.getLogger("triton_diffusion")
+
+# How long the test-only exit fault waits for the checkpoints taken so far to be on disk.
+FLUSH_BEFORE_EXIT_S = 30.0
+
+
+def seed_from_key(resume_key: str) -> int:
+    """The seed of a request that gives a resume_key and no seed: derived from the key (as a drawn seed,
+    below 2**32), so a resend of the same request draws the same noise and its checkpoints fit it."""
+    return int.from_bytes(hashlib.sha256(b"seed:" + resume_key.encode()).digest()[:4], "big")
+
+
+def fields_hash(model: str, values: Mapping[str, Any]) -> str:
+    """What a checkpoint is bound to: the model's name and every validated value that decides the request's
+    images (all but resume_key, progress and previews, service tier and timeout, describe: the result
+    cache's key, serving/result_cache.py), the seed among them."""
+    return hashlib.sha256(f"{model}\0{values_digest(values, NOT_IN_KEY)}".encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Resume:
+    """What a request's lookup found: each image's checkpoint (None: it starts from the beginning) and
+    why a checkpoint found could not be used (for BATCH)."""
+
+    checkpoints: tuple[Any, ...]
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def found(self) -> bool:
+        return any(checkpoint is not None for checkpoint in self.checkpoints)
+
+
+class Resumes:
+    """One model's checkpoints: its store, the requests whose jobs are checkpointed (``resume_key`` and
+    fields hash, until answered), and the test-only exit fault (faults.py ``exit_on_seed``)."""
+
+    def __init__(
+        self,
+        store: Any,
+        every: int,
+        faults: FaultInjection | None = None,
+        seed_of: Callable[[Job], int] | None = None,
+        marker: Path | None = None,
+    ) -> None:
+        self.store = store  # a serving/checkpoint_store.py CheckpointStore (or a test's)
+        self.every = every
+        self.faults = faults if faults is not None and faults.exit_on_seed is not None else None
+        self.seed_of = seed_of
+        self.marker = marker  # the exit fault's "it happened" file, beside the checkpoint folder
+        self._lock = threading.Lock()
+        self._watched: dict[TrackedRequest, tuple[str, str]] = {}  # -> (resume_key, fields hash)
+
+    @classmethod
+    def from_settings(cls, settings: ModelSettings, seed_of: Callable[[Job], int]) -> Resumes | None:
+        """The model's checkpoints where ``checkpoint_every_steps`` turns them on (None: off). Its folder
+        is ``checkpoint_dir``, relative to the model's folder unless absolute."""
+        config = settings.config
+        if not config.checkpoint_every_steps:
+            return None
+        from triton_diffusion.serving.checkpoint_store import CheckpointStore
+
+        assert config.checkpoint_dir is not None  # ModelConfig.parse refuses checkpoints without one
+        directory = Path(config.checkpoint_dir).expanduser()
+        if not directory.is_absolute():
+            directory = settings.model_dir / directory
+        directory.mkdir(parents=True, exist_ok=True)
+        store = CheckpointStore(directory, int(config.checkpoint_max_mb * 2**20), config.checkpoint_ttl_s)
+        marker = directory.with_name(directory.name + ".exited")
+        log.info(
+            "%s: checkpoints every %d steps in %s (at most %g MB, %g s)",
+            settings.name,
+            config.checkpoint_every_steps,
+            directory,
+            config.checkpoint_max_mb,
+            config.checkpoint_ttl_s,
+        )
+        return cls(store, config.checkpoint_every_steps, config.fault_injection, seed_of, marker)
+
+    # ---- execute() thread: reading a request --------------------------------------------------------
+    def lookup(self, resume_key: str, images: int, hashed: str) -> Resume:
+        """Each image's checkpoint for a request: none (it starts normally); one of a request with other
+        fields (refused INVALID_ARG naming resume_key: the key is someone else's, or the fields changed);
+        an unreadable one (the store deleted it: it starts over, and BATCH says so); else its checkpoint."""
+        from triton_diffusion.serving.checkpoint_store import CorruptCheckpoint
+
+        checkpoints: list[Any] = []
+        warnings: list[str] = []
+        for image in range(images):
+            try:
+                stored = self.store.get(f"{resume_key}.{image}")
+            except CorruptCheckpoint as exc:
+                warnings.append(f"image {image}: its checkpoint could not be read ({exc}): started over")
+                checkpoints.append(None)
+                continue
+            if stored is not None and stored.fields_hash != hashed:
+                raise invalid_field(
+                    "resume_key",
+                    "belongs to a request with other fields (resend the same fields to resume it, or "
+                    "send another key)",
+                )
+            checkpoints.append(None if stored is None else stored.checkpoint)
+        return Resume(tuple(checkpoints), tuple(warnings))
+
+    def watch(self, tracked: TrackedRequest, resume_key: str, hashed: str) -> None:
+        """This request's jobs are checkpointed (under ``resume_key``, bound to ``hashed``) until it is
+        answered."""
+        with self._lock:
+            self._watched[tracked] = (resume_key, hashed)
+
+    # ---- the engine thread --------------------------------------------------------------------------
+    def persist(self, report: StepReport) -> None:
+        """Hand the checkpoints of a step report to the store (it writes on its own thread), those of
+        requests still unanswered; then the test-only exit fault."""
+        for job, checkpoint in report.checkpoints:
+            tracked: TrackedRequest = job.record.tracked
+            with self._lock:
+                watched = self._watched.get(tracked)
+            if watched is None or tracked.ended or job.checkpoint_key is None:
+                continue  # answered meanwhile: nothing to resume
+            self.store.put(job.checkpoint_key, watched[1], checkpoint)
+        if self.faults is not None and self.seed_of is not None:
+            for stepped in report.stepped:
+                if self.faults.exit_due(self.seed_of(stepped.job), stepped.step):
+                    self._exit_once(stepped.step)
+
+    def _exit_once(self, step: int) -> None:
+        """faults.py ``exit_on_seed``: die as the OOM killer kills, once the checkpoints taken so far are
+        written, the first time only (the marker says it happened)."""
+        assert self.marker is not None
+        if self.marker.exists():
+            return
+        self.store.flush(FLUSH_BEFORE_EXIT_S)
+        self.marker.write_text(f"exited after step {step}\n")
+        log.critical("fault injection: exiting after step %d (exit_on_seed)", step)
+        os._exit(1)
+
+    # ---- whichever thread answers -------------------------------------------------------------------
+    def answered(self, tracked: TrackedRequest, code: ErrorCode | None) -> None:
+        """A request was answered: its checkpoints go, unless the answer was UNAVAILABLE (the model failed
+        and restarts, or is at capacity: the client's retry is what resumes from them)."""
+        with self._lock:
+            watched = self._watched.pop(tracked, None)
+        if watched is not None and code is not ErrorCode.UNAVAILABLE:
+            self.store.remove_request(watched[0])
+
+    def close(self) -> None:
+        """Write what is queued, then stop the store's writer (the model unloads)."""
+        self.store.flush(FLUSH_BEFORE_EXIT_S)
+        self.store.close()

@@ -1,0 +1,341 @@
+"""A crash loses no work, without a server: the resume_key field, the fields hash a checkpoint is bound to,
+the lookup as a request is read (each branch, with a fake store), the seed a resend draws, BATCH, the
+host storing and removing checkpoints, and the test-only exit fault (serving/job_resumes.py).
+
+The checkpoint store and the adapters' checkpoints are built on branch ``ckpt``: stubbed here (a fake
+``serving.checkpoint_store`` module with its ``CorruptCheckpoint``, a dict for the store)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from tests.unit.recording import tracked
+from triton_diffusion.adapters.image_requests import ImageRequest
+from triton_diffusion.engine.jobs import Job, JobSpec, JobStart, Stepped, StepReport
+from triton_diffusion.errors import ErrorCode, RequestError
+from triton_diffusion.faults import FaultInjection
+from triton_diffusion.models.diffusion_model import DiffusionModel
+from triton_diffusion.models.image_fields import TEXT_TO_IMAGE_FIELDS
+from triton_diffusion.serving.engine_host import RequestRecord
+from triton_diffusion.serving.job_resumes import Resumes, fields_hash, seed_from_key
+from triton_diffusion.settings import ModelConfig
+
+KEY = "client-key_0123456789"
+
+
+# ---- stand-ins for branch ckpt's store --------------------------------------------------------------
+@dataclass(frozen=True)
+class Stored:
+    fields_hash: str
+    checkpoint: Any
+
+
+class FakeStore:
+    """CheckpointStore's API over a dict: ``corrupt`` keys raise CorruptCheckpoint once (and are gone)."""
+
+    def __init__(self) -> None:
+        self.files: dict[str, Stored] = {}
+        self.corrupt: set[str] = set()
+        self.removed: list[str] = []
+        self.flushes = 0
+
+    def put(self, key: str, hashed: str, checkpoint: Any) -> None:
+        self.files[key] = Stored(hashed, checkpoint)
+
+    def get(self, key: str) -> Stored | None:
+        if key in self.corrupt:
+            self.corrupt.discard(key)
+            self.files.pop(key, None)
+            raise sys.modules["triton_diffusion.serving.checkpoint_store"].CorruptCheckpoint("truncated")
+        return self.files.get(key)
+
+    def remove_request(self, resume_key: str) -> None:
+        self.removed.append(resume_key)
+        self.files = {k: v for k, v in self.files.items() if not k.startswith(resume_key + ".")}
+
+    def flush(self, timeout_s: float) -> bool:
+        self.flushes += 1
+        return True
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture(autouse=True)
+def store_module(monkeypatch):
+    """``triton_diffusion.serving.checkpoint_store`` as far as the lookup needs it."""
+    module = types.ModuleType("triton_diffusion.serving.checkpoint_store")
+
+    class CorruptCheckpoint(Exception):
+        pass
+
+    module.CorruptCheckpoint = CorruptCheckpoint  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    return module
+
+
+# ---- the field ----------------------------------------------------------------------------------------
+def parse_key(key: Any) -> dict[str, Any]:
+    return TEXT_TO_IMAGE_FIELDS.parse({"prompt": "a cat", "resume_key": key})
+
+
+def test_a_well_formed_resume_key_is_accepted_and_absent_is_none():
+    assert parse_key("A" * 16)["resume_key"] == "A" * 16
+    assert parse_key("uuid-4f1e_" + "9" * 118)["resume_key"].startswith("uuid")
+    assert TEXT_TO_IMAGE_FIELDS.parse({"prompt": "a cat"})["resume_key"] is None
+
+
+@pytest.mark.parametrize(
+    "key, says",
+    [
+        ("short-key", "is 9 characters long"),
+        ("k" * 129, "is 129 characters long"),
+        ("has.a.dot.in.it.x.y", "got 'has.a.dot.in.it.x.y'"),
+        ("slash/../../etc/passwd", "got"),
+        ("spaces are not ok here", "got"),
+        (12345678901234567, "must be a string"),
+    ],
+)
+def test_a_malformed_or_oversized_resume_key_is_refused_naming_the_field_and_what_is_allowed(key, says):
+    with pytest.raises(RequestError) as refused:
+        parse_key(key)
+    assert refused.value.code is ErrorCode.INVALID_ARG
+    message = refused.value.message
+    assert message.startswith("resume_key: ") and says in message, message
+    assert "letters, digits, _ and -, at least 16 characters, at most 128 characters" in message, message
+
+
+def test_the_resume_key_is_in_neither_the_compatibility_key_nor_the_result_cache_key():
+    from triton_diffusion.compatibility import compatibility_key
+    from triton_diffusion.serving.result_cache import result_key
+
+    with_key, without = parse_key(KEY), parse_key(None)
+    assert compatibility_key(TEXT_TO_IMAGE_FIELDS, with_key) == compatibility_key(
+        TEXT_TO_IMAGE_FIELDS, without
+    )
+    assert result_key(with_key, True) == result_key(without, True)
+
+
+# ---- the fields hash and the seed -------------------------------------------------------------------
+def test_the_fields_hash_changes_with_what_decides_the_image_and_not_with_how_it_is_served():
+    values = parse_key(KEY) | {"seed": 7, "guidance_scale": 7.5}
+    hashed = fields_hash("m", values)
+    assert fields_hash("m", dict(values)) == hashed  # deterministic
+    for name, value in [("guidance_scale", 3.0), ("seed", 8), ("prompt", "a dog"), ("output_format", "jpeg")]:
+        assert fields_hash("m", values | {name: value}) != hashed, name
+    assert fields_hash("other_model", values) != hashed
+    served_otherwise = {
+        "progress": True,
+        "preview_every": 2,
+        "previews": 3,
+        "service_tier": "flex",
+        "timeout": 1000,
+        "resume_key": "another-key-0123456789",
+        "describe": True,
+    }
+    for name, value in served_otherwise.items():
+        assert fields_hash("m", values | {name: value}) == hashed, name
+
+
+def test_a_seed_derived_from_the_key_is_the_same_on_a_resend_and_differs_by_key():
+    assert seed_from_key(KEY) == seed_from_key(KEY)
+    assert seed_from_key(KEY) != seed_from_key(KEY + "x")
+    assert 0 <= seed_from_key(KEY) < 2**32
+
+
+# ---- resume at parse --------------------------------------------------------------------------------
+class Bare(DiffusionModel):
+    """An image model with nothing loaded: the step engine's parse over a fake adapter."""
+
+    def images_for(self, values: dict[str, Any]) -> int:
+        return values["num_images_per_prompt"]
+
+    def step_request(self, values: dict[str, Any], image_index: int) -> ImageRequest:
+        return ImageRequest(
+            values["prompt"],
+            None,
+            values["seed"],
+            image_index,
+            64,
+            64,
+            4,
+            values["guidance_scale"],
+            None,
+            "DDIM",
+        )
+
+
+def bare_model(store: FakeStore | None) -> Bare:
+    model = Bare()
+    model.settings = SimpleNamespace(name="m", config=ModelConfig.parse({}, ["image"], [], "m"))
+    defaults = {
+        "default_height": "64",
+        "default_width": "64",
+        "default_num_inference_steps": "4",
+        "default_guidance_scale": "7.5",
+        "default_scheduler": "DDIM",
+    }
+    model.fields = TEXT_TO_IMAGE_FIELDS.configured(defaults)
+    model.adapter = SimpleNamespace(tokens_of=lambda params: 1)
+    model.resumes = Resumes(store, 2) if store is not None else None
+    return model
+
+
+def request(**fields: Any) -> dict[str, Any]:
+    return {"prompt": "a cat", "seed": 1234, "num_images_per_prompt": 2, "resume_key": KEY, **fields}
+
+
+def test_a_request_whose_checkpoints_exist_starts_its_images_from_them_with_their_keys():
+    store = FakeStore()
+    model = bare_model(store)
+    first = model.parse(0, request(), tracked("first"))
+    assert [job.checkpoint_key for job in first.jobs] == [f"{KEY}.0", f"{KEY}.1"]
+    assert all(job.params.resume is None for job in first.jobs)  # nothing stored yet: a normal start
+    hashed = fields_hash("m", first.values)
+    store.put(f"{KEY}.0", hashed, "checkpoint of image 0")  # image 1 has none (it had not reached one)
+    resend = model.parse(0, request(progress=True, service_tier="flex"), tracked("resend"))
+    assert [job.params.resume for job in resend.jobs] == ["checkpoint of image 0", None]
+    assert resend.resume is not None and resend.resume.warnings == ()
+
+
+def test_a_resume_key_whose_checkpoint_has_other_fields_is_refused_naming_resume_key():
+    store = FakeStore()
+    model = bare_model(store)
+    parsed = model.parse(0, request(), tracked("first"))
+    store.put(f"{KEY}.0", fields_hash("m", parsed.values), "checkpoint")
+    with pytest.raises(RequestError) as refused:
+        model.parse(0, request(guidance_scale=3.0), tracked("changed"))
+    assert refused.value.code is ErrorCode.INVALID_ARG
+    assert refused.value.message.startswith("resume_key: belongs to a request with other fields")
+    assert f"{KEY}.0" in store.files  # another's checkpoint is neither used nor removed
+
+
+def test_an_unreadable_checkpoint_starts_its_image_over_with_a_warning():
+    store = FakeStore()
+    model = bare_model(store)
+    parsed = model.parse(0, request(), tracked("first"))
+    store.put(f"{KEY}.0", fields_hash("m", parsed.values), "checkpoint")
+    store.put(f"{KEY}.1", fields_hash("m", parsed.values), "checkpoint 1")
+    store.corrupt.add(f"{KEY}.0")
+    resend = model.parse(0, request(), tracked("resend"))
+    assert [job.params.resume for job in resend.jobs] == [None, "checkpoint 1"]
+    assert resend.resume is not None
+    (warning,) = resend.resume.warnings
+    assert warning.startswith("image 0: its checkpoint could not be read (truncated)"), warning
+
+
+def test_without_a_seed_the_resend_draws_the_seed_the_key_gives():
+    model = bare_model(FakeStore())
+    first = model.parse(0, request(seed=None), tracked("first"))
+    again = model.parse(0, request(seed=None), tracked("again"))
+    assert first.values["seed"] == again.values["seed"] == seed_from_key(KEY)
+    assert first.jobs[0].params.seed == seed_from_key(KEY)
+
+
+def test_a_model_without_checkpoints_accepts_the_key_and_ignores_it():
+    model = bare_model(None)
+    parsed = model.parse(0, request(), tracked("plain"))
+    assert parsed.resume is None and all(job.checkpoint_key is None for job in parsed.jobs)
+    assert model.resume_report(parsed, []) == {"checkpoints": "off"}
+    assert model.resume_report(model.parse(0, request(resume_key=None), tracked("none")), []) == {}
+
+
+def test_batch_reports_the_smallest_step_resumed_from_and_every_warning():
+    store = FakeStore()
+    model = bare_model(store)
+    parsed = model.parse(0, request(), tracked("r"))
+    jobs = [Job.of(tracked("r"), spec) for spec in parsed.jobs]
+    assert model.resume_report(parsed, jobs) == {"checkpoints": "on"}  # none resumed: no step
+    jobs[0].begin(JobStart(None, "g", 12, steps_done=6))
+    jobs[1].begin(JobStart(None, "g", 12, steps_done=4))
+    assert model.resume_report(parsed, jobs) == {"checkpoints": "on", "resumed_from_step": 4}
+    jobs[1].begin(JobStart(None, "g", 12, warning="its checkpoint did not fit (shape): started over"))
+    report = model.resume_report(parsed, jobs)
+    assert report["resumed_from_step"] == 0  # image 1 started over: the request resumed from 0
+    assert report["warnings"] == ["image 1: its checkpoint did not fit (shape): started over"]
+    json.dumps(report)
+
+
+# ---- the host: storing, removing, the exit fault ----------------------------------------------------
+def watched_job(resumes: Resumes, name: str, key: str = KEY, seed: int = 1) -> Job:
+    request_ = tracked(name)
+    params = SimpleNamespace(seed=seed)
+    job = Job.of(request_, JobSpec(params, checkpoint_key=f"{key}.0"), RequestRecord(request_, None))
+    resumes.watch(request_, key, "hash-" + name)
+    return job
+
+
+def test_the_host_stores_the_checkpoints_of_unanswered_requests_and_removes_them_once_answered():
+    store = FakeStore()
+    resumes = Resumes(store, 2)
+    running = watched_job(resumes, "running")
+    answered = watched_job(resumes, "answered", key="answered-key-0123456789")
+    answered.request.finish({})
+    resumes.answered(answered.request, None)
+    # Ended by the engine, its error not out yet (its answered hook not run): nothing to resume either.
+    ending = watched_job(resumes, "ending", key="ending-key-0123456789")
+    ending.request.end(RequestError(ErrorCode.INTERNAL, "its forward failed"))
+    checkpoints = [(running, "at 2"), (answered, "late"), (ending, "too late")]
+    resumes.persist(StepReport(checkpoints=checkpoints))
+    assert store.files == {f"{KEY}.0": Stored("hash-running", "at 2")}
+    assert store.removed == ["answered-key-0123456789"]
+    resumes.answered(running.request, ErrorCode.INTERNAL)
+    assert store.files == {} and store.removed[-1] == KEY
+    resumes.answered(running.request, None)  # once only
+    assert store.removed.count(KEY) == 1
+
+
+def test_an_unavailable_answer_keeps_the_checkpoints_for_the_retry():
+    store = FakeStore()
+    resumes = Resumes(store, 2)
+    job = watched_job(resumes, "held when the device failed")
+    resumes.persist(StepReport(checkpoints=[(job, "at 4")]))
+    resumes.answered(job.request, ErrorCode.UNAVAILABLE)
+    assert f"{KEY}.0" in store.files and store.removed == []
+
+
+def test_the_exit_fault_fires_after_its_step_once_per_checkpoint_dir(tmp_path, monkeypatch):
+    exits: list[int] = []
+
+    def fake_exit(code: int) -> None:
+        exits.append(code)
+
+    monkeypatch.setattr("triton_diffusion.serving.job_resumes.os._exit", fake_exit)
+    faults = FaultInjection.from_config('{"exit_on_seed": 1234, "exit_after_step": 7}')
+    store = FakeStore()
+    marker = tmp_path / "checkpoints.exited"
+    resumes = Resumes(store, 2, faults, seed_of=lambda job: job.params.seed, marker=marker)
+    other = watched_job(resumes, "other", seed=99)
+    victim = watched_job(resumes, "victim", seed=1234)
+    resumes.persist(StepReport(stepped=[Stepped(victim, 6, 12), Stepped(other, 7, 12)]))
+    assert exits == [] and not marker.exists()
+    resumes.persist(StepReport(stepped=[Stepped(victim, 7, 12)]))
+    assert exits == [1] and marker.exists() and store.flushes == 1  # written first, then the exit
+    resumes.persist(StepReport(stepped=[Stepped(victim, 7, 12)]))  # the restarted server: not again
+    assert exits == [1]
+
+
+def test_checkpoints_without_a_folder_are_a_load_error_naming_both():
+    with pytest.raises(ValueError, match="'checkpoint_every_steps' needs 'checkpoint_dir'"):
+        ModelConfig.parse({"checkpoint_every_steps": "2"}, ["image"], [], "m")
+    config = ModelConfig.parse(
+        {"checkpoint_every_steps": "2", "checkpoint_dir": "ckpt", "checkpoint_max_mb": "8"},
+        ["image"],
+        [],
+        "m",
+    )
+    assert (config.checkpoint_every_steps, config.checkpoint_dir, config.checkpoint_max_mb) == (
+        2,
+        "ckpt",
+        8.0,
+    )
+    assert ModelConfig.parse({}, ["image"], [], "m").checkpoint_every_steps == 0  # off by default
+    with pytest.raises(ValueError, match="not read by this kind of model"):
+        ModelConfig.parse({"checkpoint_every_steps": "2"}, ["lm"], [], "m")
