@@ -17,16 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pytest
 import tritonclient.grpc as grpcclient
 from PIL import Image
 
-import triton_diffusion
 from triton_diffusion.serving.server_process import WEIGHTS, RunningServer, copy_model, start_server
 from triton_diffusion.tiny_models import build_missing
-
-pytest.importorskip("triton_diffusion.serving.checkpoint_store")  # branch ckpt: until it is merged
-pytest.importorskip("triton_diffusion.adapters.job_checkpoints")
 
 RESUMING, PLAIN = "sd_resume", "sd_plain"
 SEED, DIES_AFTER, EVERY = 1234, 7, 2
@@ -77,14 +72,6 @@ def restarts(server: RunningServer) -> str:
     return "\n".join(line for line in text.splitlines() if "server_restarts_total" in line)
 
 
-def same_package(repo: Path, model: str) -> None:
-    """The model's stub imports the triton_diffusion this test imports (a worktree's, not the one installed
-    in the venv: Triton's Python stub does not read PYTHONPATH)."""
-    source = Path(triton_diffusion.__file__).resolve().parents[1]
-    path = repo / model / "1" / "model.py"
-    path.write_text(f"import sys\nsys.path.insert(0, {str(source)!r})\n" + path.read_text())
-
-
 def wait_restarted(server: RunningServer, times: int) -> None:
     """Until the supervisor has restarted the server ``times`` times in all (its stub died) and both
     models are ready again: certain, not a sleep."""
@@ -116,8 +103,6 @@ def test_a_request_resumed_after_its_process_died_equals_the_uninterrupted_one(t
         },
     )
     copy_model("text_to_image", repo, PLAIN, weights)
-    for model in (RESUMING, PLAIN):
-        same_package(repo, model)
     server = start_server(
         repo, tmp_path / "server.log", [RESUMING, PLAIN], extra_args=["--exit-timeout-secs=5"]
     )

@@ -2,11 +2,10 @@
 every ``checkpoint_every`` denoising steps (never after its last, never without a key) and reports it
 for the host; a failed checkpoint costs nothing else; a job started from a checkpoint goes on from its
 step (the scheduler applies JobStart.steps_done); the latent adapters' start restores a checkpoint, or
-starts afresh when it does not fit (adapters/starts.py, with branch ckpt's job_checkpoints stubbed)."""
+starts afresh when it does not fit (adapters/starts.py, job_checkpoints' functions faked)."""
 
 from __future__ import annotations
 
-import sys
 import types
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,7 +13,9 @@ from typing import Any
 import pytest
 
 from tests.unit.recording import step_as_worker, tracked
+from triton_diffusion.adapters import starts
 from triton_diffusion.adapters.image_requests import ImageRequest
+from triton_diffusion.adapters.job_checkpoints import CheckpointMismatch
 from triton_diffusion.adapters.starts import LatentStarts
 from triton_diffusion.engine.jobs import ForwardResult, Job, JobStart, JobStep
 from triton_diffusion.engine.scheduler import EngineLimits
@@ -112,28 +113,24 @@ def test_a_job_started_from_a_checkpoint_goes_on_from_its_step():
     assert fresh.resumed_from_step is None
 
 
-# ---- the latent adapters' start (starts.py), branch ckpt's job_checkpoints stubbed ---------------------
-class CheckpointMismatch(ValueError):
-    pass
-
-
+# ---- the latent adapters' start (starts.py), its job_checkpoints functions faked --------------------------
 @pytest.fixture
 def job_checkpoints(monkeypatch):
-    module = types.ModuleType("triton_diffusion.adapters.job_checkpoints")
-    restored: list[tuple[Any, Any]] = []
+    """starts.py's restore, checkpoint_refusal and snapshot faked (job states here are strings): what it
+    restored is recorded; a checkpoint whose meta says "bad" does not fit."""
+    fakes = types.SimpleNamespace(restored=[])
 
     def restore(state: Any, checkpoint: Any) -> None:
         if checkpoint.meta.get("bad"):
             raise CheckpointMismatch("latents [1, 4, 8, 8], the job's [1, 4, 16, 16]")
-        restored.append((state, checkpoint))
+        fakes.restored.append((state, checkpoint))
 
-    module.CheckpointMismatch = CheckpointMismatch  # type: ignore[attr-defined]
-    module.restore = restore  # type: ignore[attr-defined]
-    module.checkpoint_refusal = lambda state: "a step cache" if state == "cached" else None  # type: ignore[attr-defined]
-    module.snapshot = lambda state, step: ("snapshot", state, step)  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, module.__name__, module)
-    module.restored = restored  # type: ignore[attr-defined]
-    return module
+    monkeypatch.setattr(starts, "restore", restore)
+    monkeypatch.setattr(
+        starts, "checkpoint_refusal", lambda state: "a step cache" if state == "cached" else None
+    )
+    monkeypatch.setattr(starts, "snapshot", lambda state, step: ("snapshot", state, step))
+    return fakes
 
 
 @dataclass

@@ -2,14 +2,11 @@
 the lookup as a request is read (each branch, with a fake store), the seed a resend draws, BATCH, the
 host storing and removing checkpoints, and the test-only exit fault (serving/job_resumes.py).
 
-The checkpoint store and the adapters' checkpoints are built on branch ``ckpt``: stubbed here (a fake
-``serving.checkpoint_store`` module with its ``CorruptCheckpoint``, a dict for the store)."""
+The checkpoint store is faked here (a dict); tests/unit/test_checkpoint_store.py tests the real one."""
 
 from __future__ import annotations
 
 import json
-import sys
-import types
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -23,6 +20,7 @@ from triton_diffusion.errors import ErrorCode, RequestError
 from triton_diffusion.faults import FaultInjection
 from triton_diffusion.models.diffusion_model import DiffusionModel
 from triton_diffusion.models.image_fields import TEXT_TO_IMAGE_FIELDS
+from triton_diffusion.serving.checkpoint_store import CorruptCheckpoint
 from triton_diffusion.serving.engine_host import RequestRecord
 from triton_diffusion.serving.job_resumes import Resumes, fields_hash, seed_from_key
 from triton_diffusion.settings import ModelConfig
@@ -53,7 +51,7 @@ class FakeStore:
         if key in self.corrupt:
             self.corrupt.discard(key)
             self.files.pop(key, None)
-            raise sys.modules["triton_diffusion.serving.checkpoint_store"].CorruptCheckpoint("truncated")
+            raise CorruptCheckpoint("truncated")
         return self.files.get(key)
 
     def remove_request(self, resume_key: str) -> None:
@@ -66,19 +64,6 @@ class FakeStore:
 
     def close(self) -> None:
         pass
-
-
-@pytest.fixture(autouse=True)
-def store_module(monkeypatch):
-    """``triton_diffusion.serving.checkpoint_store`` as far as the lookup needs it."""
-    module = types.ModuleType("triton_diffusion.serving.checkpoint_store")
-
-    class CorruptCheckpoint(Exception):
-        pass
-
-    module.CorruptCheckpoint = CorruptCheckpoint  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, module.__name__, module)
-    return module
 
 
 # ---- the field ----------------------------------------------------------------------------------------

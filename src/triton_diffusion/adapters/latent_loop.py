@@ -36,6 +36,7 @@ from triton_diffusion.adapters.devices import take_rows, to_device
 from triton_diffusion.adapters.diffusers_pipeline import counterpart_pipeline
 from triton_diffusion.adapters.image_requests import Conditioning, ImageRequest, LatentJob
 from triton_diffusion.adapters.lora import LoraBank, LoraSet
+from triton_diffusion.adapters.packed_rows import SizedRows
 from triton_diffusion.adapters.schedulers import can_batch, guide, scale_model_inputs, vectorised_step
 from triton_diffusion.adapters.starts import LatentStarts
 from triton_diffusion.adapters.step_caches import (
@@ -54,7 +55,7 @@ from triton_diffusion.families import PipelineFacts
 log = logging.getLogger("triton_diffusion")
 
 
-class LatentStepAdapter(LatentStarts):
+class LatentStepAdapter(SizedRows, LatentStarts):
     """The loop body shared by every latent diffusion family. Subclasses fill in the hooks."""
 
     scales_model_input = False  # UNet schedulers scale the input per step; flow matching does not
@@ -84,11 +85,6 @@ class LatentStepAdapter(LatentStarts):
     # CFG, Qwen-Image, Wan), so each branch keeps its own cache state; else a job's rows decide together.
     cache_per_branch = False
     row_caches: RowCaches | None = None  # the hooks of the step caches (set in __init__ where served)
-    # Whether jobs of different sizes share a forward (packed_rows.py: FLUX.1 and SD3 set it where their
-    # checkpoint allows); the model turns it off with config ``pack_sizes: false``. Else (and for a UNet,
-    # whose convolutions cannot share a tensor across sizes) a forward holds one latent shape.
-    packs_sizes = False
-    packs_sizes_not = "its denoiser is a UNet: convolutions cannot share a tensor across sizes"
 
     def __init__(self, pipe: Any, facts: PipelineFacts, schedulers: Any, max_sequence_length: int | None):
         traits = facts.traits
@@ -122,48 +118,6 @@ class LatentStepAdapter(LatentStarts):
     def model(self) -> Any:
         """The denoising network: the pipeline's transformer (the UNet families override it)."""
         return self.pipe.transformer
-
-    @property
-    def token_patch(self) -> int:
-        """Latent pixels a denoiser token spans per side: the transformer's patch (FLUX.1 and Qwen-Image
-        pack 2x2 latents in the pipeline instead; a UNet: 1, a token per latent pixel)."""
-        patch = getattr(self.model.config, "patch_size", None) or 1
-        return int(patch[-1] if isinstance(patch, (tuple, list)) else patch)
-
-    def token_grid(self, size: tuple[int, int]) -> tuple[int, int]:
-        """(height, width) in denoiser tokens of one frame of an image of ``size`` pixels."""
-        factor = (getattr(self.pipe, "vae_scale_factor", None) or 8) * self.token_patch
-        return size[0] // factor, size[1] // factor
-
-    def latent_frames(self, request: ImageRequest) -> int:
-        """Latent frames of a job (a video family's temporal compression; an image: 1)."""
-        return 1
-
-    def tokens_of(self, request: ImageRequest) -> int:
-        """The denoiser tokens a job adds to a forward (what a forward's cost and the token budget count):
-        its rows (2 with classifier-free guidance) x its latent tokens, frames included."""
-        height, width = self.token_grid(request.size)
-        rows = 2 if self.uses_guidance(request) else 1
-        return rows * height * width * self.latent_frames(request)
-
-    def group_of(self, request: ImageRequest) -> Hashable:
-        """Whom a started job shares forwards with: jobs of every size where the family packs sizes, else
-        of its latent shape. A job with a step cache keeps to its shape: its cache's hooks run later blocks
-        on the rows that compute, gathered, which a packed forward's shared key mask does not follow."""
-        if self.packs_sizes and not request.step_cache:
-            return ANY_SIZE
-        return request.shape
-
-    def predict_packed(
-        self,
-        latent_rows: list[torch.Tensor],
-        timesteps: torch.Tensor,
-        inputs: dict[str, torch.Tensor],
-        sizes: list[tuple[int, int]],
-    ) -> tuple[list[torch.Tensor], int]:
-        """The model over rows of different ``sizes`` in one call (packed_rows.py): each row's prediction
-        in its own shape, and the canvas slots computed for no row."""
-        raise NotImplementedError
 
     def pack(self, latents: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
         """[n, C, h, w] latents into the loop's layout (Flux packs 2x2 patches)."""

@@ -21,13 +21,16 @@ batch row: rows concatenated into one sequence would need per-token modulation, 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from diffusers.models.attention_processor import JointAttnProcessor2_0
+
+from triton_diffusion.adapters.image_requests import ImageRequest
+from triton_diffusion.engine.jobs import ANY_SIZE
 
 
 @dataclass(frozen=True)
@@ -175,3 +178,64 @@ class MaskedJointAttnProcessor(JointAttnProcessor2_0):
         if not attn.context_pre_only:
             text = attn.to_add_out(text)
         return attn.to_out[1](attn.to_out[0](image)), text
+
+
+class SizedRows:
+    """What a step adapter says about its jobs' sizes (mixed into LatentStepAdapter): their tokens (what
+    the token budget and the cost model count), the group a job shares forwards with, and, where the family
+    packs sizes, the packed forward."""
+
+    # Whether jobs of different sizes share a forward (FLUX.1 and SD3 set it where their checkpoint allows);
+    # the model turns it off with config ``pack_sizes: false``. Else (and for a UNet, whose convolutions
+    # cannot share a tensor across sizes) a forward holds one latent shape.
+    packs_sizes = False
+    packs_sizes_not = "its denoiser is a UNet: convolutions cannot share a tensor across sizes"
+    pipe: Any
+
+    if TYPE_CHECKING:
+
+        @property
+        def model(self) -> Any: ...
+        def uses_guidance(self, request: ImageRequest) -> bool: ...
+
+    @property
+    def token_patch(self) -> int:
+        """Latent pixels a denoiser token spans per side: the transformer's patch (FLUX.1 and Qwen-Image
+        pack 2x2 latents in the pipeline instead; a UNet: 1, a token per latent pixel)."""
+        patch = getattr(self.model.config, "patch_size", None) or 1
+        return int(patch[-1] if isinstance(patch, (tuple, list)) else patch)
+
+    def token_grid(self, size: tuple[int, int]) -> tuple[int, int]:
+        """(height, width) in denoiser tokens of one frame of an image of ``size`` pixels."""
+        factor = (getattr(self.pipe, "vae_scale_factor", None) or 8) * self.token_patch
+        return size[0] // factor, size[1] // factor
+
+    def latent_frames(self, request: ImageRequest) -> int:
+        """Latent frames of a job (a video family's temporal compression; an image: 1)."""
+        return 1
+
+    def tokens_of(self, request: ImageRequest) -> int:
+        """The denoiser tokens a job adds to a forward (what a forward's cost and the token budget count):
+        its rows (2 with classifier-free guidance) x its latent tokens, frames included."""
+        height, width = self.token_grid(request.size)
+        rows = 2 if self.uses_guidance(request) else 1
+        return rows * height * width * self.latent_frames(request)
+
+    def group_of(self, request: ImageRequest) -> Hashable:
+        """Whom a started job shares forwards with: jobs of every size where the family packs sizes, else
+        of its latent shape. A job with a step cache keeps to its shape: its cache's hooks run later blocks
+        on the rows that compute, gathered, which a packed forward's shared key mask does not follow."""
+        if self.packs_sizes and not request.step_cache:
+            return ANY_SIZE
+        return request.shape
+
+    def predict_packed(
+        self,
+        latent_rows: list[torch.Tensor],
+        timesteps: torch.Tensor,
+        inputs: dict[str, torch.Tensor],
+        sizes: list[tuple[int, int]],
+    ) -> tuple[list[torch.Tensor], int]:
+        """The model over rows of different ``sizes`` in one call (packed_rows.py): each row's prediction
+        in its own shape, and the canvas slots computed for no row."""
+        raise NotImplementedError

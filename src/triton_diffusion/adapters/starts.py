@@ -29,6 +29,12 @@ from diffusers.utils.torch_utils import randn_tensor
 
 from triton_diffusion.adapters.diffusers_pipeline import row_generator
 from triton_diffusion.adapters.image_requests import Conditioning, ImageRequest, InpaintSource, LatentJob
+from triton_diffusion.adapters.job_checkpoints import (
+    CheckpointMismatch,
+    checkpoint_refusal,
+    restore,
+    snapshot,
+)
 from triton_diffusion.adapters.lora import LoraSet
 from triton_diffusion.engine.jobs import Job, JobStart
 
@@ -154,8 +160,6 @@ class LatentStarts:
         afresh (never from a half-restored state) and its request's BATCH says why."""
         if request.resume is None:
             return start
-        from triton_diffusion.adapters.job_checkpoints import CheckpointMismatch, restore
-
         try:
             restore(start.state, request.resume)
         except CheckpointMismatch as exc:
@@ -168,8 +172,6 @@ class LatentStarts:
         """Each job's resumable state now (CPU copies: the host writes them while the jobs step on), or
         None where it cannot be checkpointed exactly (a step cache's state: it would restart from its
         first step), in order (engine/step_engine.py Checkpointing)."""
-        from triton_diffusion.adapters.job_checkpoints import checkpoint_refusal, snapshot
-
         return [
             None if checkpoint_refusal(job.state) is not None else snapshot(job.state, job.steps_done)
             for job in jobs

@@ -32,6 +32,7 @@ from typing import Any
 from triton_diffusion.engine.jobs import Job, StepReport
 from triton_diffusion.errors import ErrorCode, invalid_field
 from triton_diffusion.faults import FaultInjection
+from triton_diffusion.serving.checkpoint_store import CheckpointStore, CorruptCheckpoint
 from triton_diffusion.serving.requests import TrackedRequest
 from triton_diffusion.serving.result_cache import NOT_IN_KEY, values_digest
 from triton_diffusion.settings import ModelSettings
@@ -95,8 +96,6 @@ class Resumes:
         config = settings.config
         if not config.checkpoint_every_steps:
             return None
-        from triton_diffusion.serving.checkpoint_store import CheckpointStore
-
         assert config.checkpoint_dir is not None  # ModelConfig.parse refuses checkpoints without one
         directory = Path(config.checkpoint_dir).expanduser()
         if not directory.is_absolute():
@@ -119,8 +118,6 @@ class Resumes:
         """Each image's checkpoint for a request: none (it starts normally); one of a request with other
         fields (refused INVALID_ARG naming resume_key: the key is someone else's, or the fields changed);
         an unreadable one (the store deleted it: it starts over, and BATCH says so); else its checkpoint."""
-        from triton_diffusion.serving.checkpoint_store import CorruptCheckpoint
-
         checkpoints: list[Any] = []
         warnings: list[str] = []
         for image in range(images):
