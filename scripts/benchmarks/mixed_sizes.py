@@ -44,8 +44,9 @@ transformer at full size (random weights, built on the device: speed only) into 
 encoders and VAE, as the step caches' benchmark does (``benchmarks.inprocess.full_size_flux1``); the GPU
 check (``scripts/gpu_checks.py``, part ``mixed_sizes``) runs it at real sizes:
 
-    python scripts/bench.py mixed-sizes --arch tiny-flux --flux1-size --sizes 512x512,768x768,1024x1024 \
-        --steps 4 --requests 6 --poisson-requests 6 --loads 0.8 --rounds 2 --out docs/gpu/mixed_sizes
+    python scripts/bench.py mixed-sizes --arch tiny-flux --traffic mixed --flux1-size --dtype bfloat16 \
+        --sizes 512x512,768x768,1024x1024 --steps 4 --requests 6 --poisson-requests 6 --cap 3 \
+        --concurrency 3 --rounds 2 --loads 0.8 --out docs/gpu/mixed_sizes
 """
 
 from __future__ import annotations
