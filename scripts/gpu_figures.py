@@ -112,5 +112,25 @@ def family_figures(folder: Path, run: Any) -> str:
     return "; ".join(parts)
 
 
+def mixed_sizes_figures(folder: Path, run: Any) -> str:
+    """Per traffic and load: packed's and request's throughput over by-shape's (closed loop), or their p95
+    latency over by-shape's (Poisson), medians over rounds with the min-max."""
+    report = load_json(folder / "mixed_sizes.json")
+    parts = [f"{report['settings'].get('device', '?')} {report['settings'].get('dtype', '')}".strip()]
+    for row in report["summary"]:
+        if row["variant"] == report["settings"]["baseline"]:
+            continue
+        closed = row["load"] == "closed"
+        ratio = row.get("throughput_vs_by_shape" if closed else "p95_vs_by_shape")
+        if not ratio:
+            continue
+        figure = "img/s" if closed else "p95"
+        parts.append(
+            f"{row['traffic']} {row['load']} {row['variant']} / by-shape {figure} {ratio['median']:.2f} "
+            f"({ratio['min']:.2f}-{ratio['max']:.2f})"
+        )
+    return "; ".join(parts)
+
+
 def no_figures(folder: Path, run: Any) -> str:
     return "see its files"

@@ -6,7 +6,8 @@ another benchmark:
     common       the prompts, traffic constants, statistics, target ratios, the machine line, the parser
     arrivals     Poisson arrival times and ``Traffic``, the true clock of the in-process runs
     reports      the markdown cells and ratio table a benchmark prints beside its JSON, and its plots
-    inprocess    the served model in one process (``Bench``), ``Recorder``, ``Channel``, ``sync``
+    inprocess    the served model in one process (``Bench``), ``Recorder``, ``Channel``, ``sync``,
+                 ``full_size_flux1`` (FLUX.1's transformer at full size, for the GPU runs)
     engine_runs  the in-process engines benchmark's runs of each engine, stage clock and image mix
     servers      a real server per configuration (``ServerVariant``) and its gRPC / OpenAI-front clients
     slo_figures  the service-tier benchmarks' per-class figures, summary and verdicts

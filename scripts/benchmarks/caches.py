@@ -42,7 +42,7 @@ from artefacts import provenance, read, write
 
 from benchmarks.arrivals import Traffic, poisson_arrivals
 from benchmarks.common import REPO_ROOT, benchmark_parser, mean, percentile
-from benchmarks.inprocess import Bench, Recorder, sync
+from benchmarks.inprocess import Bench, Recorder, full_size_flux1, sync
 from triton_diffusion.engine.jobs import StepReport
 from triton_diffusion.tiny_models import ARCHITECTURES
 
@@ -275,36 +275,6 @@ def summarize(report: dict) -> None:
 
 
 # ---- the run ------------------------------------------------------------------------------------------
-
-
-def full_size_flux1(bench: Bench, device: str, dtype: torch.dtype) -> None:
-    """Swap in FLUX.1-dev's transformer shape (random weights, made on the device: no 24 GB on disk), fed
-    by the loaded pipeline's own text encoders (so only its input projections differ from FLUX.1's)."""
-    from diffusers import FluxTransformer2DModel
-
-    from triton_diffusion.adapters.step_adapters import step_adapter_for
-
-    pipe = bench.pipe
-    tiny = pipe.transformer.config
-    with torch.device(device):
-        transformer = FluxTransformer2DModel(
-            patch_size=1,
-            in_channels=tiny.in_channels,
-            out_channels=tiny.out_channels,
-            num_layers=19,
-            num_single_layers=38,
-            attention_head_dim=128,
-            num_attention_heads=24,
-            joint_attention_dim=tiny.joint_attention_dim,
-            pooled_projection_dim=tiny.pooled_projection_dim,
-            guidance_embeds=True,
-            axes_dims_rope=(16, 56, 56),
-        ).to(dtype)
-    pipe.transformer = transformer
-    model = bench.model
-    bench.adapter = step_adapter_for(
-        pipe, model.facts, model.schedulers, model.call_extras.get("max_sequence_length")
-    )
 
 
 def rotated(items: list[str], round_index: int) -> list[str]:

@@ -1,7 +1,8 @@
 """The served text-to-image model in one process, as the in-process benchmarks drive it: ``Bench`` loads it
 as Triton's stub would (TextToImageModel.load) and makes its requests, jobs and step engines; ``Recorder``
 renders the engines' reports into a ``Traffic``'s clock; ``Channel`` stands in for Triton's response
-sender; ``sync`` and ``timed_median`` time work on a GPU as on a CPU.
+sender; ``sync`` and ``timed_median`` time work on a GPU as on a CPU; ``device_and_dtype`` picks what a GPU
+run uses; ``full_size_flux1`` swaps FLUX.1's transformer at full size into tiny FLUX (random weights).
 """
 
 from __future__ import annotations
@@ -24,6 +25,17 @@ from triton_diffusion.serving.requests import TrackedRequest
 from triton_diffusion.serving.server_process import WEIGHTS
 from triton_diffusion.settings import ModelConfig, ModelSettings
 from triton_diffusion.tiny_models import build_missing
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def device_and_dtype(device: str = "auto", dtype: str = "auto") -> tuple[str, torch.dtype]:
+    """The device (``auto``: cuda where there is one) and dtype (``auto``: bfloat16 on cuda, float32 on a
+    CPU) a benchmark runs in, as the GPU runs of the engines' and caches' benchmarks pick them."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    chosen = DTYPES.get(dtype, torch.bfloat16 if device.startswith("cuda") else torch.float32)
+    return device, chosen
 
 
 def sync(device: str) -> None:
@@ -172,3 +184,33 @@ class Bench:
             images = self.pipe(**kwargs).images
         sync(self.device)
         return images
+
+
+def full_size_flux1(bench: Bench, device: str, dtype: torch.dtype) -> None:
+    """Swap in FLUX.1-dev's transformer shape (random weights, made on the device: no 24 GB on disk), fed
+    by the loaded pipeline's own text encoders (so only its input projections differ from FLUX.1's)."""
+    from diffusers import FluxTransformer2DModel
+
+    from triton_diffusion.adapters.step_adapters import step_adapter_for
+
+    pipe = bench.pipe
+    tiny = pipe.transformer.config
+    with torch.device(device):
+        transformer = FluxTransformer2DModel(
+            patch_size=1,
+            in_channels=tiny.in_channels,
+            out_channels=tiny.out_channels,
+            num_layers=19,
+            num_single_layers=38,
+            attention_head_dim=128,
+            num_attention_heads=24,
+            joint_attention_dim=tiny.joint_attention_dim,
+            pooled_projection_dim=tiny.pooled_projection_dim,
+            guidance_embeds=True,
+            axes_dims_rope=(16, 56, 56),
+        ).to(dtype)
+    pipe.transformer = transformer
+    model = bench.model
+    bench.adapter = step_adapter_for(
+        pipe, model.facts, model.schedulers, model.call_extras.get("max_sequence_length")
+    )

@@ -12,9 +12,9 @@ Variants (one loaded model per family; the switch is flipped on its step adapter
 Where the adapter has no ``packs_sizes`` (a tree before the feature) ``packed`` runs what ``by-shape`` runs;
 the artefact records it (``families.<arch>.packing_available``) and the figures block says so.
 
-Traffic, sizes given as WxH:
-  mixed        each request's size drawn uniformly (seed --size-seed) from 64x64, 96x64 and 64x128
-  homogeneous  every request 64x64
+Traffic, sizes given as WxH (--sizes; the defaults are the tiny models' CPU sizes):
+  mixed        each request's size drawn uniformly (seed --size-seed) from --sizes: 64x64, 96x64, 64x128
+  homogeneous  every request at the first of --sizes (64x64)
 each at --steps steps and guidance 7.5, closed loop at --concurrency clients, then Poisson arrivals at
 --loads (50/80/95%) of the capacity: the closed loop's images/s of the --capacity-of variant (default
 by-shape, the baseline packing is measured against; the engines benchmark takes the request-level
@@ -34,10 +34,19 @@ forwards (padded tokens over tokens plus padded tokens; 0 where the forwards do 
 
 The defaults are the full run (both families, both traffic kinds, closed loop and three loads, three
 rounds): about 12 minutes on this project's 2-core CPU host (15 with other work on its cores), written to
---out/mixed_sizes.json after every run:
+--out/mixed_sizes.json after every run (with the sizes, the device and the dtype it ran):
 
     .venv/bin/python scripts/bench.py mixed-sizes --out docs/cpu
     .venv/bin/python scripts/bench.py mixed-sizes --rounds 1 --requests 16 --loads '' --out /tmp/smoke
+
+On a GPU (bf16 by default there; ``--dtype`` and ``--device`` choose), ``--flux1-size`` swaps FLUX.1's
+transformer at full size (random weights, built on the device: speed only) into tiny-flux, over its text
+encoders and VAE, as the step caches' benchmark does (``benchmarks.inprocess.full_size_flux1``); the GPU
+check (``scripts/gpu_checks.py``, part ``mixed_sizes``) runs it at real sizes:
+
+    python scripts/bench.py mixed-sizes --arch tiny-flux --traffic mixed --flux1-size --dtype bfloat16 \
+        --sizes 512x512,768x768,1024x1024 --steps 4 --requests 6 --poisson-requests 6 --cap 3 \
+        --concurrency 3 --rounds 2 --loads 0.8 --out docs/gpu/mixed_sizes
 """
 
 from __future__ import annotations
@@ -61,13 +70,13 @@ from benchmarks.common import (
     poisson_label,
 )
 from benchmarks.engine_runs import outcome, run_request_level, run_step_engine
-from benchmarks.inprocess import Bench, Recorder
+from benchmarks.inprocess import DTYPES, Bench, Recorder, device_and_dtype, full_size_flux1
 from triton_diffusion.engine.jobs import StepReport
 from triton_diffusion.tiny_models import ARCHITECTURES
 
-# (width, height): width 96 and height 64, width 64 and height 128.
-SIZES = {"64x64": (64, 64), "96x64": (96, 64), "64x128": (64, 128)}
-TRAFFIC = {"mixed": tuple(SIZES), "homogeneous": ("64x64",)}
+# The default sizes, WxH (width 96 and height 64, width 64 and height 128): the tiny models' on a CPU.
+SIZES = ("64x64", "96x64", "64x128")
+TRAFFIC_KINDS = ("mixed", "homogeneous")
 VARIANTS = {"packed": True, "by-shape": False, "request": None}  # variant -> adapter.packs_sizes
 BASELINE = "by-shape"
 GUIDANCE = 7.5
@@ -137,11 +146,24 @@ def cpu_stall_us() -> float | None:
     return float(line.rsplit("total=", 1)[1])
 
 
-def size_draw(count: int, traffic: str, seed: int) -> list[str]:
+def parse_size(size: str) -> tuple[int, int]:
+    """``"WxH"`` -> (width, height)."""
+    width, _, height = size.lower().partition("x")
+    if not (width.isdigit() and height.isdigit()) or int(width) < 1 or int(height) < 1:
+        raise ValueError(f"a size is WxH, like 512x768: got {size!r}")
+    return int(width), int(height)
+
+
+def traffic_sizes(sizes: tuple[str, ...] = SIZES) -> dict[str, tuple[str, ...]]:
+    """Each traffic kind's sizes: mixed draws from all of them, homogeneous runs the first."""
+    return {"mixed": tuple(sizes), "homogeneous": tuple(sizes[:1])}
+
+
+def size_draw(count: int, traffic: str, seed: int, sizes: tuple[str, ...] = SIZES) -> list[str]:
     """Each request's size: drawn uniformly from the traffic's sizes (seeded: every variant and round sees
     the same sequence)."""
     rng = random.Random(seed)
-    return [rng.choice(TRAFFIC[traffic]) for _ in range(count)]
+    return [rng.choice(traffic_sizes(sizes)[traffic]) for _ in range(count)]
 
 
 def sized_requests(bench: Bench, sizes: list[str], steps: int) -> list[dict]:
@@ -149,7 +171,7 @@ def sized_requests(bench: Bench, sizes: list[str], steps: int) -> list[dict]:
     out = []
     for index, size in enumerate(sizes):
         raw = bench.raw_request(index, steps, GUIDANCE)
-        raw["width"], raw["height"] = SIZES[size]
+        raw["width"], raw["height"] = parse_size(size)
         out.append(bench.model.fields.parse(raw))
     return out
 
@@ -158,7 +180,10 @@ class SizedBench:
     """One family's loaded model and its runs of the three variants."""
 
     def __init__(self, arch: str, args: argparse.Namespace, device: str, dtype: torch.dtype) -> None:
-        self.bench = Bench(arch, 64, 64, args.cap, device, dtype)
+        width, height = parse_size(args.sizes.split(",")[0])  # the model's default size: the first
+        self.bench = Bench(arch, height, width, args.cap, device, dtype)
+        if args.flux1_size:  # FLUX.1's transformer at full size, and a step adapter over it
+            full_size_flux1(self.bench, device, dtype)
         self.args = args
         adapter = self.bench.adapter
         self.packing_available = adapter is not None and hasattr(adapter, "packs_sizes")
@@ -232,6 +257,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--arch", default="tiny-flux,tiny-sd3", help=f"families, comma-separated (of {step_families})"
     )
     parser.add_argument("--traffic", default="mixed,homogeneous", help="traffic kinds: mixed, homogeneous")
+    parser.add_argument(
+        "--sizes",
+        default=",".join(SIZES),
+        help="WxH, comma-separated: mixed traffic draws from them, homogeneous runs the first",
+    )
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if any")
+    parser.add_argument(
+        "--dtype", default="auto", choices=["auto", *DTYPES], help="auto: bfloat16 on cuda, float32 on cpu"
+    )
+    parser.add_argument(
+        "--flux1-size",
+        action="store_true",
+        help="FLUX.1's transformer at full size (19 + 38 blocks, 3072 wide, random weights, built on the "
+        "device) in place of tiny-flux's, over its text encoders and VAE (a GPU's figures; speed only)",
+    )
     parser.add_argument("--rounds", type=int, default=3, help="alternated rounds (each runs every variant)")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="of packed, by-shape, request")
     parser.add_argument("--concurrency", type=int, default=8, help="closed-loop clients")
@@ -296,22 +336,34 @@ def main(argv: list[str] | None = None) -> None:
     kinds = [t for t in args.traffic.split(",") if t]
     variants = [v for v in args.variants.split(",") if v]
     loads = [float(load) for load in args.loads.split(",")] if args.loads else []
-    for name, chosen, known in (("--arch", archs, ARCHITECTURES), ("--traffic", kinds, TRAFFIC),
+    for name, chosen, known in (("--arch", archs, ARCHITECTURES), ("--traffic", kinds, TRAFFIC_KINDS),
                                 ("--variants", variants, VARIANTS)):  # fmt: skip
         if not chosen or set(chosen) - set(known):
             parser.error(f"{name}: choose from {sorted(known)}")
+    sizes = tuple(dict.fromkeys(size.strip().lower() for size in args.sizes.split(",") if size.strip()))
+    try:
+        dimensions = {size: parse_size(size) for size in sizes}
+    except ValueError as exc:
+        parser.error(f"--sizes: {exc}")
+    if not sizes:
+        parser.error("--sizes: at least one WxH")
+    args.sizes = ",".join(sizes)
+    if args.flux1_size and archs != ["tiny-flux"]:
+        parser.error("--flux1-size swaps FLUX.1's transformer into tiny-flux: --arch tiny-flux alone")
     if loads and args.capacity_of not in variants:
         parser.error("--capacity-of must be one of --variants for Poisson loads")
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    device, dtype = device_and_dtype(args.device, args.dtype)
     report: dict = {
         "benchmark": "mixed-sizes",
         "settings": {
-            "sizes": {name: {"width": w, "height": h} for name, (w, h) in SIZES.items()},
-            "traffic": {kind: list(TRAFFIC[kind]) for kind in kinds},
+            "sizes": {name: {"width": w, "height": h} for name, (w, h) in dimensions.items()},
+            "traffic": {kind: list(traffic_sizes(sizes)[kind]) for kind in kinds},
+            "device": device,
+            "dtype": str(dtype).removeprefix("torch."),
+            "flux1_size": args.flux1_size,
             "variants": variants,
             "baseline": BASELINE,
             "targets": TARGETS,
@@ -353,23 +405,24 @@ def main(argv: list[str] | None = None) -> None:
         sized = SizedBench(arch, args, device, dtype)
         family = report["families"][arch] = {
             **sized.bench.report_header(args.steps),
+            "transformer": "FLUX.1 at full size (random weights)" if args.flux1_size else "its own",
             "packing_available": sized.packing_available,
             "capacity_images_per_s": {},
         }
-        warm_sizes = list(SIZES) * 2  # every shape through every variant once before measuring
+        warm_sizes = list(sizes) * 2  # every shape through every variant once before measuring
         warm = sized_requests(sized.bench, warm_sizes, args.steps)
         for variant in variants:
             sized.measure(variant, warm, warm_sizes, {"load": "warm-up"}, concurrency=len(warm))
         for kind in kinds:
-            sizes = size_draw(max(args.requests, args.poisson_requests), kind, args.size_seed)
-            requests = sized_requests(sized.bench, sizes, args.steps)
+            drawn = size_draw(max(args.requests, args.poisson_requests), kind, args.size_seed, sizes)
+            requests = sized_requests(sized.bench, drawn, args.steps)
             closed = {"family": arch, "traffic": kind, "load": "closed"}
             print(f"[{arch} {kind}: closed loop at {args.concurrency}]", flush=True)
             for round_ in range(args.rounds):
                 for variant in variants:
                     labels = {**closed, "round": round_}
                     measured(
-                        sized.measure(variant, requests[: args.requests], sizes, labels, args.concurrency)
+                        sized.measure(variant, requests[: args.requests], drawn, labels, args.concurrency)
                     )
             if not loads:
                 continue
@@ -391,7 +444,7 @@ def main(argv: list[str] | None = None) -> None:
                             "load": poisson_label(load),
                             "round": round_,
                         }
-                        measured(sized.measure(variant, poisson, sizes, labels, rate=load * capacity))
+                        measured(sized.measure(variant, poisson, drawn, labels, rate=load * capacity))
     report["complete"] = True
     report["wall_s"] = time.perf_counter() - started
     artefacts.write(path, report)

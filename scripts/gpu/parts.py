@@ -10,6 +10,7 @@ yet" and skipped.
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,11 +21,12 @@ from gpu_figures import (
     engines_figures,
     family_figures,
     lora_figures,
+    mixed_sizes_figures,
     no_figures,
     request_saturation,
 )
 
-from gpu.budget import MARGIN, Work, estimate, open_loop
+from gpu.budget import MARGIN, Work, estimate, open_loop, step_seconds
 from gpu.environment import REPO_ROOT
 
 SD15_STEPS = 20
@@ -61,6 +63,21 @@ SLO = {
     "rounds": 2,
     "cap": 8,
     "steps": 0.5 * 4 + 0.5 * 23,
+}
+# The mixed-sizes part (issue: packed forwards): FLUX.1's full-size transformer in bf16, mixed traffic over
+# 512x512, 768x768 and 1024x1024, 4 steps, packed vs by-shape vs the request-level engine, 6 requests at
+# c=3 (3 jobs a forward), closed loop and Poisson at 80% of by-shape's closed loop, 2 rounds: about 113 s
+# (at 5 steps 134 s, at 8 requests 143 s). Homogeneous traffic is left out: at one size packed and
+# by-shape run the same forwards (a forward of one size is never packed).
+MIXED_SIZES = {
+    "sizes": (512, 768, 1024),
+    "steps": 4,
+    "requests": 6,
+    "poisson": 6,
+    "concurrency": 3,
+    "cap": 3,
+    "rounds": 2,
+    "load": 0.8,
 }
 
 
@@ -197,6 +214,74 @@ def slo_work() -> list[Work]:
     ]
 
 
+def flux1_share(side: int) -> float:
+    """A FLUX.1 forward of one side x side image over one of 1024x1024, by FLOPs (STEP_COSTS' flux1-1024:
+    at 4096 image + 512 text tokens, linear layers 59.4 TFLOP, in proportion to tokens, attention 14.9, to
+    their square). The text counted at FLUX.1-dev's 512 tokens, more than tiny-flux's 64: an upper bound,
+    like the compute-bound cost itself at the smaller sizes."""
+    share = ((side // 16) ** 2 + 512) / (4096 + 512)
+    return (59.4 * share + 14.9 * share**2) / (59.4 + 14.9)
+
+
+def mixed_sizes_work() -> list[Work]:
+    """In forwards of one 1024x1024 image (flux1-1024; flux1_share converts): a packed forward pads every
+    row to the largest in it, counted here as 1024x1024 (at most); by-shape and the request-level engine
+    compute each size at its own cost, the mixed traffic's mean."""
+    m, model = MIXED_SIZES, "flux1-1024"
+    steps, requests, rounds, load = m["steps"], m["requests"], m["rounds"], m["load"]
+    shares = [flux1_share(side) for side in m["sizes"]]
+    mean = sum(shares) / len(shares)
+    one = step_seconds(model, 1)
+
+    def forwards(image_steps: float) -> int:
+        return math.ceil(image_steps)
+
+    def poisson(what: str, share: float) -> Work:
+        # arrivals at 80% of by-shape's capacity: a variant slower than that (packed) runs its work; plus
+        # the last request's own latency at a full forward a step (as budget.open_loop)
+        work = m["poisson"] * steps * one
+        span = max(work * mean / load, work * share) + steps * one * mean * m["cap"]
+        return Work(what, seconds=span)
+
+    sizes = len(m["sizes"])
+    return [
+        Work(
+            "start, imports, tiny FLUX.1, FLUX.1's transformer built at full size on the GPU (estimate)",
+            seconds=30,
+        ),
+        Work(
+            "warm-up, packed: every size twice (at most 1024x1024 a row)",
+            forwards(2 * sizes * steps),
+            1,
+            model,
+        ),
+        Work(
+            "warm-up, by-shape and request: every size twice", forwards(2 * 2 * steps * sum(shares)), 1, model
+        ),
+        *[
+            piece
+            for r in range(1, rounds + 1)
+            for piece in (
+                Work(
+                    f"round {r}, closed loop c={m['concurrency']}: packed (rows padded: at most 1024x1024)",
+                    forwards(requests * steps),
+                    1,
+                    model,
+                ),
+                Work(
+                    f"round {r}, closed loop c={m['concurrency']}: by-shape and request",
+                    forwards(2 * requests * steps * mean),
+                    1,
+                    model,
+                ),
+                poisson(f"round {r}, Poisson {load:.0%}: packed", 1.0),
+                poisson(f"round {r}, Poisson {load:.0%}: by-shape", mean),
+                poisson(f"round {r}, Poisson {load:.0%}: request", mean),
+            )
+        ],
+    ]
+
+
 @dataclass
 class Run:
     """One run of the checks: where parts write, smoke or GPU, and what earlier parts left."""
@@ -324,6 +409,22 @@ def slo_command(run: Run) -> list[str]:
     return ["bench_slo.py", *sizes.split(), "--out", str(run.folder("slo"))]
 
 
+def mixed_sizes_command(run: Run) -> list[str]:
+    m = MIXED_SIZES
+    if run.smoke:
+        sizes = (
+            "--sizes 64x64,96x64,64x128 --steps 2 --requests 4 --cap 2 --concurrency 2 --rounds 1 --loads="
+        )
+    else:
+        sizes = (
+            f"--flux1-size --dtype bfloat16 --sizes {joined(f'{s}x{s}' for s in m['sizes'])} "
+            f"--steps {m['steps']} --requests {m['requests']} --poisson-requests {m['poisson']} "
+            f"--cap {m['cap']} --concurrency {m['concurrency']} --rounds {m['rounds']} --loads {m['load']}"
+        )
+    args = ["mixed-sizes", "--arch", "tiny-flux", "--traffic", "mixed", *sizes.split()]
+    return ["bench.py", *args, "--out", str(run.folder("mixed_sizes"))]
+
+
 # The registry, in running order: the cheapest and most important first.
 PARTS: list[Part] = [
     Part(
@@ -391,5 +492,16 @@ PARTS: list[Part] = [
         ("bench_slo.json",),
         no_figures,
         needs=(("scripts/benchmarks/slo.py", "--trace"),),
+    ),
+    Part(
+        "mixed_sizes",
+        "mixed sizes in one forward: packed vs one size per forward vs the request-level engine on FLUX.1's "
+        "full-size transformer in bf16 (random weights: speed only), 512x512 / 768x768 / 1024x1024 drawn "
+        "per request, 4 steps, 6 requests at c=3, closed loop and Poisson at 80%, 2 rounds",
+        mixed_sizes_work,
+        mixed_sizes_command,
+        ("mixed_sizes.json",),
+        mixed_sizes_figures,
+        needs=(("scripts/benchmarks/mixed_sizes.py", "--flux1-size"),),
     ),
 ]

@@ -78,8 +78,13 @@ def render(artefact: dict[str, Any]) -> str:
         if loads
         else "no Poisson runs"
     )
+    homogeneous = settings.get("traffic", {}).get("homogeneous") or list(settings["sizes"])[:1]
+    device = f" on {settings['device']} in {settings['dtype']}" if "device" in settings else ""
+    if settings.get("flux1_size"):
+        device += ", FLUX.1's transformer at full size (random weights: speed only)"
     parts = [
-        f"Sizes (WxH) {sizes} drawn uniformly for `mixed`, 64x64 for `homogeneous`; "
+        f"Sizes (WxH) {sizes} drawn uniformly for `mixed`, {', '.join(homogeneous)} for `homogeneous`"
+        f"{device}; "
         f"{settings['steps']} steps, "
         f"guidance {settings['guidance_scale']}, at most {settings['cap']} jobs a forward or images a call; "
         f"closed loop at {settings['concurrency']} clients ({settings['requests']} requests a run), "

@@ -137,14 +137,36 @@ def test_each_budget_is_the_parts_forwards_at_the_step_costs_and_the_plan_fits_t
     # every forward of the step caches' run is FLUX.1's at 1024x1024: 254 ms an image
     closed = next(w for w in work if "closed loop" in w.what)
     assert closed.estimate() == pytest.approx(closed.forwards * closed.images * 0.254)
-    # one call holds what the plan keeps; what it leaves out fits in one more
-    names = [p.name for p in parts.PARTS]
-    plan = budget.make_plan(parts.PARTS, names, gpu_checks.DEFAULT_BUDGET_S)
-    assert 0 < plan.total <= gpu_checks.DEFAULT_BUDGET_S
-    rest = budget.make_plan(parts.PARTS, list(plan.left_out), gpu_checks.DEFAULT_BUDGET_S)
-    assert not rest.left_out and rest.total <= gpu_checks.DEFAULT_BUDGET_S
-    # the step caches' part shares one call with slo: both fit, in that order
-    assert list(rest.budgets) == ["step_caches", "slo"] and caches.budget() < gpu_checks.DEFAULT_BUDGET_S / 2
+    # one call holds what the plan keeps; what it leaves out runs in the next calls, each within the limit
+    calls, left = [], [p.name for p in parts.PARTS]
+    while left:
+        plan = budget.make_plan(parts.PARTS, left, gpu_checks.DEFAULT_BUDGET_S)
+        assert 0 < plan.total <= gpu_checks.DEFAULT_BUDGET_S, left  # every part fits in a call of its own
+        calls.append(list(plan.budgets))
+        left = list(plan.left_out)
+    # the step caches' part shares one call with slo: both fit, in that order; mixed sizes has a third
+    assert calls[1:] == [["step_caches", "slo"], ["mixed_sizes"]]
+    assert caches.budget() < gpu_checks.DEFAULT_BUDGET_S / 2
+
+
+def test_the_mixed_sizes_budget_counts_its_forwards_at_flux1_sizes():
+    mixed = next(p for p in parts.PARTS if p.name == "mixed_sizes")
+    work = parts.mixed_sizes_work()
+    assert mixed.budget() == pytest.approx(budget.MARGIN * sum(w.estimate() for w in work))
+    assert budget.estimate(work) <= 120 and mixed.budget() < 150  # one short call on one H100
+    # by FLOPs: 1024x1024 is the measured step; the smaller sizes cost their share of it
+    assert parts.flux1_share(1024) == pytest.approx(1.0, abs=0.01)
+    assert 0.25 < parts.flux1_share(512) < parts.flux1_share(768) < 0.6
+    # a packed closed loop: every row padded to 1024x1024 at most, requests x steps of them a round
+    m = parts.MIXED_SIZES
+    packed = next(w for w in work if "closed loop" in w.what and "packed" in w.what)
+    assert packed.forwards == m["requests"] * m["steps"] and packed.model == "flux1-1024"
+    assert sum("Poisson" in w.what for w in work) == 3 * m["rounds"]  # packed, by-shape, request
+    # the GPU command: FLUX.1's full-size transformer in bf16 at the three sizes, mixed traffic only
+    command = " ".join(mixed.command(parts.Run(Path("/out"), smoke=False)))
+    assert command.startswith("bench.py mixed-sizes --arch tiny-flux --traffic mixed --flux1-size")
+    assert "--sizes 512x512,768x768,1024x1024" in command and "--dtype bfloat16" in command
+    assert "--loads 0.8" in command and "--rounds 2" in command
 
 
 def test_the_plan_leaves_out_what_does_not_fit_and_refuses_when_nothing_does(monkeypatch, capsys):
@@ -173,7 +195,9 @@ def test_the_gpu_commands_use_flags_their_scripts_have():
             continue
         script, *args = part.command(run)
         source = (SCRIPTS / script).read_text()
-        if script in RUNS:  # a shim: the flags are its benchmark module's
+        if script == "bench.py" and args and not args[0].startswith("-"):  # bench.py NAME: NAME's flags
+            source += (SCRIPTS / "benchmarks" / f"{args.pop(0).replace('-', '_')}.py").read_text()
+        elif script in RUNS:  # a shim: the flags are its benchmark module's
             source += (SCRIPTS / "benchmarks" / f"{RUNS[script]}.py").read_text()
         for flag in (a.split("=")[0] for a in args if a.startswith("--")):
             assert f'"{flag}"' in source, (part.name, flag)

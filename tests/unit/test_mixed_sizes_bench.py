@@ -6,10 +6,20 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))  # the benchmarks' package
 
 from benchmarks.arrivals import Traffic  # noqa: E402
-from benchmarks.mixed_sizes import SizedRecorder, size_draw, summarise  # noqa: E402
+from benchmarks.mixed_sizes import (  # noqa: E402
+    SizedRecorder,
+    build_parser,
+    main,
+    parse_size,
+    size_draw,
+    summarise,
+    traffic_sizes,
+)
 from tables.mixed_sizes import render  # noqa: E402
 
 from triton_diffusion.engine.jobs import Left, StepReport  # noqa: E402
@@ -46,6 +56,34 @@ def test_sizes_are_drawn_from_the_traffic_and_seeded():
     assert size_draw(50, "mixed", 5) == size_draw(50, "mixed", 5)
     assert set(size_draw(50, "mixed", 5)) == {"64x64", "96x64", "64x128"}
     assert set(size_draw(5, "homogeneous", 5)) == {"64x64"}
+
+
+def test_sizes_are_given_as_wxh_mixed_draws_from_all_and_homogeneous_runs_the_first():
+    assert parse_size("96x64") == (96, 64) and parse_size("1024X768") == (1024, 768)
+    for bad in ("512", "x512", "512x", "0x64", "axb"):
+        with pytest.raises(ValueError):
+            parse_size(bad)
+    gpu = ("512x512", "768x768", "1024x1024")
+    assert traffic_sizes(gpu) == {"mixed": gpu, "homogeneous": ("512x512",)}
+    assert set(size_draw(60, "mixed", 5, gpu)) == set(gpu)
+    assert set(size_draw(5, "homogeneous", 5, gpu)) == {"512x512"}
+    defaults = build_parser().parse_args([])  # the CPU run's defaults stay what they were
+    assert defaults.sizes == "64x64,96x64,64x128" and not defaults.flux1_size
+    assert (defaults.device, defaults.dtype) == ("auto", "auto")
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--sizes", "64x64,big"],
+        ["--sizes", ","],
+        ["--flux1-size"],  # FLUX.1's transformer goes into tiny-flux only, not tiny-sd3 as well
+    ],
+)
+def test_bad_size_options_are_refused_before_anything_loads(argv, capsys):
+    with pytest.raises(SystemExit):
+        main(argv)
+    assert "error:" in capsys.readouterr().err
 
 
 def run(traffic: str, variant: str, round_: int, images_per_s: float) -> dict:
@@ -103,3 +141,14 @@ def test_rounds_become_medians_ratios_and_readings():
     assert "| tiny-flux mixed, closed loop: packed / by-shape throughput | **1.45** | >= 1.3 | met" in text
     homogeneous = next(line for line in text.splitlines() if "homogeneous, closed loop" in line)
     assert "within noise of 1" in homogeneous  # rounds 0.95 and 1.05 straddle 1
+
+
+def test_the_block_names_the_sizes_device_and_transformer_a_gpu_run_used():
+    sizes = {name: {} for name in ("512x512", "768x768", "1024x1024")}
+    settings = {"sizes": sizes, "traffic": {"mixed": list(sizes)}, "device": "cuda", "dtype": "bfloat16"}
+    settings |= {"flux1_size": True, "steps": 4, "guidance_scale": 7.5, "cap": 3, "concurrency": 3}
+    settings |= {"requests": 6, "loads": [], "rounds": 2, "baseline": "by-shape", "targets": {}}
+    artefact = {"settings": settings, "families": {}, "summary": [], "complete": True}
+    text = render(artefact)
+    assert "Sizes (WxH) 512x512, 768x768, 1024x1024 drawn uniformly for `mixed`, 512x512 for" in text
+    assert "on cuda in bfloat16, FLUX.1's transformer at full size (random weights: speed only)" in text
