@@ -173,6 +173,14 @@ def test_a_server_down_or_draining_or_that_checkpointed_the_request_gets_it_agai
     assert result.ok and result.attempts == 4 and keys(server) == [KEY, KEY, KEY], result.error
 
 
+def test_a_request_sent_while_a_restarted_server_loads_the_model_is_sent_again(triton):
+    # Triton's words, seen by the crash soak (benchmarks/crash_soak.py): the server is up, the model not yet.
+    loading = "Request for unknown model: 'text_to_image' has no available versions"
+    server = triton([[failure(loading, "StatusCode.INVALID_ARGUMENT")], [final()]])
+    result, _ = generate()
+    assert result.ok and result.attempts == 2 and server.polls >= 1, result.error
+
+
 def test_it_gives_up_after_its_retries(triton):
     server = triton([[BROKEN]] * 5)
     result, _ = generate(retries=2)
@@ -187,6 +195,7 @@ def test_it_gives_up_after_its_retries(triton):
         failure("at capacity: no room within max_admission_wait_s [UNAVAILABLE]"),  # neither drain nor key
         failure("pipeline failed [INTERNAL]"),
         failure("Deadline Exceeded", "StatusCode.DEADLINE_EXCEEDED"),
+        failure("Request for unknown model: 'text_to_imag' is not found", "StatusCode.NOT_FOUND"),
     ],
 )
 def test_what_would_fail_again_is_never_resent(triton, answer):
