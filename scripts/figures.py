@@ -91,6 +91,8 @@ BLOCKS: dict[str, Figure] = {
         " batch per turn (the image-mix block takes them with one fused call per turn)",
     ),
     "request-walk": Figure(("docs/design/request_walk.json",), "walk.render", "request_walk.py"),
+    # operations: reload one model after its stub died, or restart the server (docs/operations/reliability.md)
+    "model-reload": Figure(("docs/cpu/model_reload.json",), "model_reload.render", "model_reload_check.py"),
     # old code against new, side by side (scripts/engine_step_cost.py, scripts/compare_trees.py)
     "boundary-step-cost": Figure(("docs/cpu/engine_step_cost.json",), "boundary.step_cost"),
     "boundary-engines": Figure(("docs/cpu/boundary/summary.json",), "boundary.engines"),

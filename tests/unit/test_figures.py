@@ -15,6 +15,12 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import figures  # noqa: E402
 from tables.markdown import reading, target_met  # noqa: E402
 
+# Figures shown on the page they illustrate rather than the performance pages.
+PAGE_FIGURES = {
+    "request-walk": "docs/design/engine.md",
+    "model-reload": "docs/operations/reliability.md",
+}
+
 
 def test_every_block_in_readme_and_docs_is_what_its_artefacts_render_to():
     result = subprocess.run(
@@ -42,7 +48,9 @@ def test_the_cpu_and_the_gpu_figures_are_on_pages_of_their_own():
         assert pages, f"{name} is shown nowhere"
         if block.gpu:
             assert pages == {"docs/performance/gpu.md"}, name
-        elif name != "request-walk":  # a design figure, on the page it illustrates
+        elif name in PAGE_FIGURES:  # a design or operations figure, on the page it illustrates
+            assert pages == {PAGE_FIGURES[name]}, name
+        else:
             assert pages == {"docs/performance/cpu.md"}, name
 
 
