@@ -97,6 +97,7 @@ BLOCKS: dict[str, Figure] = {
     "boundary-step-cost": Figure(("docs/cpu/engine_step_cost.json",), "boundary.step_cost"),
     "boundary-engines": Figure(("docs/cpu/boundary/summary.json",), "boundary.engines"),
     "mixed-sizes": Figure(("docs/cpu/mixed_sizes.json",), "mixed_sizes.render", "bench.py mixed-sizes"),
+    "crash-soak": Figure(("docs/cpu/crash_soak.json",), "crash_soak.render", "bench.py crash-soak"),
     "engines-rounds": Figure(
         ("docs/cpu/rounds/bench_engines.json",), "engines.ratio_table", stale=BEFORE_ENGINE_CORE
     ),

@@ -1,0 +1,174 @@
+"""The crash soak's bookkeeping (scripts/benchmarks/crash_soak.py) and its figure block
+(scripts/tables/crash_soak.py), with made-up per-request records, no server: what a run counts (offered,
+completed, lost, goodput, latency) and how many steps each crash made the requests compute again, with and
+without a resumed step; how rounds become medians; what the block shows, a skipped variant included."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))  # the benchmarks' package
+
+from benchmarks.crash_soak import (  # noqa: E402
+    checkpoint_edits,
+    run_figures,
+    steps_recomputed,
+    summarise,
+    unreadable,
+)
+from tables.crash_soak import render  # noqa: E402
+
+
+def attempt(start=None, reached=None, error=None) -> dict:
+    return {"start": start, "reached": reached, "error": error}
+
+
+def record(index, attempts, ok=True, latency=2.0, arrival=0.0, resumed=None) -> dict:
+    return {
+        "index": index,
+        "ok": ok,
+        "error": None if ok else "no final response",
+        "latency_s": latency,
+        "arrival_s": arrival,
+        "images": 1 if ok else 0,
+        "attempts": attempts,
+        "resumed_from_step": resumed,
+        "resume_key": True,
+    }
+
+
+def test_a_request_never_resent_recomputes_nothing():
+    assert steps_recomputed(record(0, [attempt(0, 16)])) == 0
+
+
+def test_without_a_resumed_step_a_resent_request_recomputes_all_it_had_reached():
+    crashed = record(0, [attempt(0, 7, "UNAVAILABLE"), attempt(0, 16)])
+    assert steps_recomputed(crashed) == 7
+
+
+def test_a_resumed_request_recomputes_only_the_steps_past_its_checkpoint():
+    # Reached step 7, resumed from the checkpoint at 6: one step again. The final attempt's start is its
+    # BATCH resumed_from_step, not its first progress step.
+    crashed = record(0, [attempt(0, 7, "UNAVAILABLE"), attempt(6, 16)], resumed=6)
+    assert steps_recomputed(crashed) == 1
+    # A BATCH without resumed_from_step: it started again from 0, whatever the progress said.
+    assert steps_recomputed(record(0, [attempt(0, 7, "x"), attempt(6, 16)])) == 7
+
+
+def test_two_crashes_a_silent_attempt_and_a_lost_request():
+    # Reached 5; resent, resumed at 4 (first progress 5) and reached 9; resent, one attempt that never
+    # reported a step (the server not back), then resumed from 8: (5 - 4) + (9 - 8).
+    twice = record(
+        0,
+        [attempt(0, 5, "x"), attempt(4, 9, "x"), attempt(None, None, "x"), attempt(None, 16)],
+        resumed=8,
+    )
+    assert steps_recomputed(twice) == 2
+    # Lost after reaching 3, resent from 0, lost again at 6: the second failure has no next attempt.
+    lost = record(1, [attempt(0, 3, "x"), attempt(0, 6, "x")], ok=False)
+    assert steps_recomputed(lost) == 3
+    # A first attempt that failed before any step: nothing recomputed.
+    assert steps_recomputed(record(2, [attempt(None, None, "x"), attempt(0, 16)])) == 0
+
+
+def test_a_run_counts_offered_completed_lost_goodput_and_steps_per_crash():
+    records = [
+        record(0, [attempt(0, 16)], latency=1.0, arrival=0.0),
+        record(1, [attempt(0, 8, "x"), attempt(0, 16)], latency=3.0, arrival=2.0),
+        record(2, [attempt(0, 4, "x"), attempt(2, 16)], latency=5.0, arrival=7.0, resumed=2),
+        record(3, [attempt(None, None, "unknown model")], ok=False, latency=0.1, arrival=8.0),
+    ]
+    figures = run_figures(records, crashes=2, duration_s=10.0, hung=1)
+    assert figures["offered"] == 5 and figures["completed"] == 3 and figures["lost"] == 2
+    assert figures["span_s"] == 12.0  # the last answer, at 7 + 5, after the traffic's 10 s
+    assert figures["goodput_images_per_s"] == 3 / 12.0
+    assert figures["latency_mean_s"] == 3.0 and 4.5 < figures["latency_p95_s"] <= 5.0
+    assert figures["retried"] == 2 and figures["resumed"] == 1
+    assert figures["steps_recomputed"] == 8 + 2 and figures["steps_recomputed_per_crash"] == 5.0
+
+
+def test_a_run_without_crashes_or_answers_still_has_figures():
+    figures = run_figures([record(0, [attempt()], ok=False)], crashes=0, duration_s=5.0)
+    assert figures["completed"] == 0 and figures["latency_p95_s"] is None
+    assert figures["steps_recomputed_per_crash"] is None and figures["goodput_images_per_s"] == 0.0
+
+
+def run(variant: str, round_: int, goodput: float, per_crash: float | None) -> dict:
+    return {
+        "variant": variant,
+        "round": round_,
+        "offered": 40,
+        "completed": 39,
+        "lost": 1,
+        "goodput_images_per_s": goodput,
+        "crashes": 3,
+        "latency_mean_s": 2.0,
+        "latency_p95_s": 9.0,
+        "steps_recomputed_per_crash": per_crash,
+        "kills": [{"at_s": 60.0, "recovery_s": 14.2}, {"at_s": 120.0, "recovery_s": None}],
+        "crash_failure": None,
+    }
+
+
+def artefact(runs: list[dict], skipped: str | None = None) -> dict:
+    return {
+        "settings": {
+            "model": "tiny-sd text_to_image",
+            "rounds": 2,
+            "duration": 240.0,
+            "crash_every": 60.0,
+            "steps": 16,
+            "size": 64,
+            "load": 0.5,
+            "timeout": 120.0,
+            "retries": 3,
+            "checkpoint_every": 2,
+            "rate_per_s": 0.8,
+            "solo_latency_s": 0.625,
+        },
+        "variants": {"checkpoints": {"skipped": skipped}, "none": {"skipped": None}},
+        "runs": runs,
+        "summary": summarise(runs),
+        "complete": True,
+    }
+
+
+def test_rounds_become_medians_with_their_spread_per_variant():
+    runs = [run("checkpoints", 0, 0.5, 1.0), run("none", 0, 0.4, 9.0)]
+    runs += [run("checkpoints", 1, 0.7, 2.0), run("none", 1, 0.4, None)]
+    rows = {row["variant"]: row for row in summarise(runs)}
+    assert list(rows) == ["checkpoints", "none"]
+    assert rows["checkpoints"]["goodput_images_per_s"] == {
+        "median": 0.6,
+        "min": 0.5,
+        "max": 0.7,
+        "rounds": [0.5, 0.7],
+    }
+    assert rows["none"]["steps_recomputed_per_crash"]["rounds"] == [9.0]  # a round without crashes left out
+
+
+def test_the_block_shows_each_variant_and_run():
+    runs = [run("checkpoints", 0, 0.5, 1.0), run("none", 0, 0.4, 9.0)]
+    runs += [run("checkpoints", 1, 0.7, 2.0), run("none", 1, 0.4, 8.0)]
+    text = render(artefact(runs))
+    assert "0.80 requests/s (50% of one request at a time: 0.62 s alone)" in text
+    assert "| `checkpoints` | 40 | 39 | 1 | 0.6 (0.5-0.7) | 3 | 2 | 9 | 1.5 (1-2) |" in text
+    assert "| `none` | 40 | 39 | 1 | 0.4 | 3 | 2 | 9 | 8.5 (8-9) |" in text
+    assert "| 1 | `none` | 40 | 39 | 1 | 0.4 | 3 | 2 | 9 | 8 | 14.2 |" in text
+    assert "not run" not in text and "Incomplete" not in text
+
+
+def test_the_block_says_when_the_checkpointed_variant_could_not_run():
+    why = "model text_to_image: config parameter 'checkpoint_every_steps' is not a known parameter"
+    cut = {**artefact([run("none", 0, 0.4, 9.0)], skipped=why), "complete": False}
+    text = render(cut)
+    assert f"**`checkpoints` not run:** the server of this commit could not load it ({why})." in text
+    assert "**Incomplete:**" in text and "`checkpoints` |" not in text
+
+
+def test_the_checkpointed_variant_is_skipped_where_the_settings_do_not_read_it(tmp_path):
+    assert checkpoint_edits("none", tmp_path, 2) == {} and unreadable({}) is None
+    edits = checkpoint_edits("checkpoints", tmp_path, 2)
+    assert edits == {"checkpoint_every_steps": "2", "checkpoint_dir": str(tmp_path / "checkpoints")}
+    why = unreadable(edits)  # None once the server reads them; until then the load error, named
+    assert why is None or "checkpoint_every_steps" in why
+    assert "checkpoint" in (unreadable({"checkpoint_every_stepz": "2"}) or "")
