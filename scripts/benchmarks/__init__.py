@@ -47,6 +47,9 @@ BENCHMARKS = {
         Benchmark("dllm", "bench_dllm.py", "the diffusion LM: continuous batching vs one at a time"),
         Benchmark("mixed_sizes", "", "mixed sizes: packed forwards vs one shape per forward vs request"),
         Benchmark("crash_soak", "", "a model's process killed every N s under load: checkpoints vs none"),
+        Benchmark(
+            "checkpoint_cost", "", "what checkpoints cost an engine step, at each interval against off"
+        ),
     )
 }
 DEFAULT = "server"  # what bench.py ran before it took a NAME: a first argument that is no NAME runs it

@@ -1,0 +1,137 @@
+"""What checkpoints cost the step engine: engine steps with ``checkpoint_every_steps`` off and at each
+interval asked, side by side, in one process (no Triton), on the tiny SD at 64x64 (CPU fp32).
+
+A full running set (--running jobs, each of --steps denoising steps, a finished one replaced at once by a
+new one, so every engine step runs a full forward) runs for --engine-steps engine steps per run. Each job
+carries a checkpoint key; every ``interval`` of its steps the engine asks the adapter for a snapshot (CPU
+copies) and the host's part is done as the served host does it: each checkpoint handed to a real
+:class:`CheckpointStore` in a temporary folder, whose writer thread writes it (safetensors, fsync,
+rename) while the engine steps on. The time of an engine step includes the snapshots and the hand-over;
+the writer's work competes for the same cores, as it would served. Variants alternate within each round
+(off, every 1, every 5, off, ...) and every round is kept, so each ratio to ``off`` comes with its
+spread. Also recorded: bytes per checkpoint and checkpoints written.
+
+    .venv/bin/python scripts/bench.py checkpoint-cost --out docs/cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import artefacts
+import torch
+
+from benchmarks.common import REPO_ROOT
+from benchmarks.inprocess import Bench
+from triton_diffusion.engine.scheduler import EngineLimits
+from triton_diffusion.engine.step_engine import StepEngine
+from triton_diffusion.serving.checkpoint_store import CheckpointStore
+
+DEFAULT_INTERVALS = "0,1,5"
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--arch", default="tiny-sd")
+    p.add_argument("--size", type=int, default=64)
+    p.add_argument("--running", type=int, default=8, help="jobs in the running set")
+    p.add_argument("--steps", type=int, default=20, help="denoising steps of each job")
+    p.add_argument("--engine-steps", type=int, default=200, help="engine steps per run (after warm-up)")
+    p.add_argument("--intervals", default=DEFAULT_INTERVALS, help="checkpoint_every_steps values; 0: off")
+    p.add_argument("--rounds", type=int, default=5, help="alternated rounds")
+    p.add_argument("--out", type=Path, default=REPO_ROOT / "bench_results")
+    return p
+
+
+def one_run(bench: Bench, interval: int, args: argparse.Namespace, folder: Path) -> dict:
+    """A full running set for ``args.engine_steps`` engine steps, checkpoints every ``interval`` steps."""
+    engine = StepEngine(bench.adapter, EngineLimits(args.running, args.running), checkpoint_every=interval)
+    store = CheckpointStore(folder, 2**34, 3600.0)
+    made = iter(range(10**9))
+
+    def add() -> None:
+        index = next(made)
+        values = bench.request(index, args.steps, 7.5)
+        job = bench.job(index, values, "step")
+        job.checkpoint_key = f"bench-checkpoint-key-{index:06d}.0"
+        engine.add(job)
+
+    for _ in range(args.running):
+        add()
+    step_s: list[float] = []
+    written = 0
+    sizes: list[int] = []
+    warm_up = args.steps  # the first jobs' lifetime: starts and finishes spread out by then
+    for step in range(warm_up + args.engine_steps):
+        started = time.perf_counter()
+        report = engine.step()
+        for job, checkpoint in report.checkpoints:
+            store.put(job.checkpoint_key, "hash", checkpoint)
+            written += 1
+            sizes.append(sum(t.numel() * t.element_size() for t in checkpoint.tensors.values()))
+        if step >= warm_up:
+            step_s.append(time.perf_counter() - started)
+        for _ in report.finished:
+            add()
+        for _ in report.left:
+            if _.reason != "finished":
+                add()
+    store.close()
+    return {
+        "interval": interval,
+        "engine_steps": len(step_s),
+        "step_s_mean": statistics.fmean(step_s),
+        "step_s_median": statistics.median(step_s),
+        "checkpoints": written,
+        "bytes_per_checkpoint": statistics.fmean(sizes) if sizes else 0.0,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    intervals = [int(v) for v in args.intervals.split(",")]
+    torch.set_num_threads(2)
+    bench = Bench(args.arch, args.size, args.size, args.running, "cpu", torch.float32)
+    runs: list[dict] = []
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        one_run(bench, intervals[-1], args, Path(tmp) / "warm-up")  # the process's first steps: not kept
+        for round_ in range(args.rounds):
+            for interval in intervals:
+                folder = Path(tmp) / f"r{round_}-i{interval}"
+                run = {"round": round_, **one_run(bench, interval, args, folder)}
+                runs.append(run)
+                print(
+                    f"round {round_} every {interval or 'off'}: {run['step_s_mean'] * 1000:.2f} ms an engine "
+                    f"step, {run['checkpoints']} checkpoints",
+                    flush=True,
+                )
+    summary = []
+    for interval in intervals:
+        mine = [r for r in runs if r["interval"] == interval]
+        ratios = [
+            r["step_s_mean"]
+            / next(o["step_s_mean"] for o in runs if o["interval"] == 0 and o["round"] == r["round"])
+            for r in mine
+        ]
+        summary.append(
+            {
+                "interval": interval,
+                "step_ms_median": statistics.median(r["step_s_mean"] for r in mine) * 1000,
+                "ratio_to_off": {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)},
+                "bytes_per_checkpoint": statistics.fmean(r["bytes_per_checkpoint"] for r in mine),
+            }
+        )
+    artefact = {
+        "benchmark": "checkpoint-cost",
+        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "runs": runs,
+        "summary": summary,
+        "wall_s": time.perf_counter() - started,
+    }
+    path = artefacts.write(args.out / "checkpoint_cost.json", artefact)
+    print(f"wrote {path}")
