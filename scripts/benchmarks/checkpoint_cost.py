@@ -1,5 +1,6 @@
 """What checkpoints cost the step engine: engine steps with ``checkpoint_every_steps`` off and at each
-interval asked, side by side, in one process (no Triton), on the tiny SD at 64x64 (CPU fp32).
+interval asked, side by side, in one process (no Triton), on the tiny SD at 64x64 (CPU fp32; on a GPU,
+``--arch sd15 --size 512`` in bfloat16: each engine step ends with a device sync, as a step's snapshots do).
 
 A full running set (--running jobs, each of --steps denoising steps, a finished one replaced at once by a
 new one, so every engine step runs a full forward) runs for --engine-steps engine steps per run. Each job
@@ -26,7 +27,7 @@ import artefacts
 import torch
 
 from benchmarks.common import REPO_ROOT
-from benchmarks.inprocess import Bench
+from benchmarks.inprocess import Bench, device_and_dtype, sync
 from triton_diffusion.engine.scheduler import EngineLimits
 from triton_diffusion.engine.step_engine import StepEngine
 from triton_diffusion.serving.checkpoint_store import CheckpointStore
@@ -38,6 +39,8 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arch", default="tiny-sd")
     p.add_argument("--size", type=int, default=64)
+    p.add_argument("--device", default="auto", help="auto: cuda where there is one")
+    p.add_argument("--dtype", default="auto", help="auto: bfloat16 on cuda, float32 on a CPU")
     p.add_argument("--running", type=int, default=8, help="jobs in the running set")
     p.add_argument("--steps", type=int, default=20, help="denoising steps of each job")
     p.add_argument("--engine-steps", type=int, default=200, help="engine steps per run (after warm-up)")
@@ -73,6 +76,7 @@ def one_run(bench: Bench, interval: int, args: argparse.Namespace, folder: Path)
             store.put(job.checkpoint_key, "hash", checkpoint)
             written += 1
             sizes.append(sum(t.numel() * t.element_size() for t in checkpoint.tensors.values()))
+        sync(bench.device)
         if step >= warm_up:
             step_s.append(time.perf_counter() - started)
         for _ in report.finished:
@@ -94,8 +98,10 @@ def one_run(bench: Bench, interval: int, args: argparse.Namespace, folder: Path)
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     intervals = [int(v) for v in args.intervals.split(",")]
-    torch.set_num_threads(2)
-    bench = Bench(args.arch, args.size, args.size, args.running, "cpu", torch.float32)
+    device, dtype = device_and_dtype(args.device, args.dtype)
+    if device == "cpu":
+        torch.set_num_threads(2)
+    bench = Bench(args.arch, args.size, args.size, args.running, device, dtype)
     runs: list[dict] = []
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
@@ -128,6 +134,8 @@ def main(argv: list[str] | None = None) -> None:
         )
     artefact = {
         "benchmark": "checkpoint-cost",
+        "device": device,
+        "dtype": str(dtype).removeprefix("torch."),
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "runs": runs,
         "summary": summary,

@@ -80,6 +80,11 @@ MIXED_SIZES = {
     "load": 0.8,
 }
 
+# The checkpoint-cost part (issue: a crash loses no work): SD 1.5 at 512x512 bf16, a full running set of 8
+# jobs of 20 steps, checkpoints off / every step / every 5 steps, 3 alternated rounds of 60 engine steps
+# (after a warm-up of 20 each, and one warm-up run): what a checkpoint costs an engine step on a GPU.
+CHECKPOINT_COST = {"running": 8, "steps": 20, "engine_steps": 60, "rounds": 3, "intervals": (0, 1, 5)}
+
 
 def cuda_graphs_work() -> list[Work]:
     repeats, steps = CUDA_GRAPHS["repeats"], SD15_STEPS
@@ -409,6 +414,32 @@ def slo_command(run: Run) -> list[str]:
     return ["bench_slo.py", *sizes.split(), "--out", str(run.folder("slo"))]
 
 
+def checkpoint_cost_work() -> list[Work]:
+    c = CHECKPOINT_COST
+    runs = 1 + c["rounds"] * len(c["intervals"])  # the warm-up run, then every variant in every round
+    per_run = c["steps"] + c["engine_steps"]  # each run's warm-up steps, then the measured ones
+    return [
+        Work("start, imports, SD 1.5's weights built (estimate)", seconds=30),
+        Work(
+            f"{runs} runs of {per_run} engine steps, {c['running']} jobs a forward",
+            runs * per_run,
+            c["running"],
+        ),
+    ]
+
+
+def checkpoint_cost_command(run: Run) -> list[str]:
+    c = CHECKPOINT_COST
+    if run.smoke:
+        sizes = "--running 2 --steps 4 --engine-steps 6 --rounds 1"
+    else:
+        sizes = (
+            f"--arch sd15 --size 512 --running {c['running']} --steps {c['steps']} "
+            f"--engine-steps {c['engine_steps']} --rounds {c['rounds']} --intervals {joined(c['intervals'])}"
+        )
+    return ["bench.py", "checkpoint-cost", *sizes.split(), "--out", str(run.folder("checkpoint_cost"))]
+
+
 def mixed_sizes_command(run: Run) -> list[str]:
     m = MIXED_SIZES
     if run.smoke:
@@ -503,5 +534,14 @@ PARTS: list[Part] = [
         ("mixed_sizes.json",),
         mixed_sizes_figures,
         needs=(("scripts/benchmarks/mixed_sizes.py", "--flux1-size"),),
+    ),
+    Part(
+        "checkpoint_cost",
+        "what a job checkpoint costs an engine step: off vs every step vs every 5 steps, a full running set "
+        "of 8 jobs, 3 alternated rounds (SD 1.5 512x512 bf16) (issue 43)",
+        checkpoint_cost_work,
+        checkpoint_cost_command,
+        ("checkpoint_cost.json",),
+        no_figures,
     ),
 ]

@@ -9,7 +9,8 @@ with a resume key and no seed draws its seed from the key, so either way the res
 What is resent (:func:`retryable`): a failure of the connection or the stream (gRPC UNAVAILABLE, the
 stream cancelled or reset under the request: the server went away), a model process that died (Triton's
 "Stub process ... is not healthy": the supervisor restarts the server), a model the server knows but has
-not loaded yet (a restarted server: "... has no available versions"), and the server's own UNAVAILABLE
+not loaded yet (a restarted server: "... has no available versions"), a server being stopped ("Server is
+stopping": the supervisor restarts it), and the server's own UNAVAILABLE
 answers that say it is draining or name the request's resume key (a checkpointed job). Nothing else: a
 request refused for what it is (INVALID_ARG), at capacity, past its deadline or failed inside the model
 fails the same way again, so it is answered at once. Before a resend the client waits, polling with
@@ -67,6 +68,8 @@ def retryable(status: str | None, message: str, resume_key: str | None) -> bool:
         return True  # Triton's words for a model process that died: the supervisor restarts the server
     if "has no available versions" in message:
         return True  # a server back up that is still loading the model (a name it does not know: "not found")
+    if "Server is stopping" in message:
+        return True  # Triton refusing requests while the supervisor stops it to start it again
     if status is not None or not message.rstrip().endswith("[UNAVAILABLE]"):
         return False
     return "draining" in message or (resume_key is not None and resume_key in message)
