@@ -495,6 +495,7 @@ class ModelSettings:
     instance_kind: str  # "CPU", "GPU" or "MODEL"
     device_id: int
     kinds: tuple[str, ...] = (IMAGE,)  # the model kinds it was read for (LM: the diffusion LM's defaults)
+    instance: str = ""  # this model instance's name (Triton's model_instance_name; its drain mark)
 
     @classmethod
     def from_triton_args(
@@ -513,6 +514,7 @@ class ModelSettings:
             max_batch_size=int(model_config.get("max_batch_size", 0)),
             instance_kind=args.get("model_instance_kind", "CPU"),
             device_id=int(args.get("model_instance_device_id", 0)),
+            instance=args.get("model_instance_name", ""),
             kinds=kinds,
         )
 

@@ -36,6 +36,12 @@ def test_the_drain_file_travels_in_the_environment_and_a_stale_one_is_removed(tm
     assert list(tmp_path.iterdir()) == []
 
 
+def test_the_drain_file_holds_the_drain_deadline(tmp_path):
+    path = tmp_path / "d"
+    drain.request_drain(path, 30.0, clock=lambda: 1000.0)
+    assert drain.drain_deadline(path) == 1030.0 and not (tmp_path / "d.partial").exists()
+
+
 def test_wait_drained_waits_for_every_model_or_the_time_or_a_reason_to_give_up(tmp_path):
     path = tmp_path / "d"
     clock = [0.0]
@@ -122,6 +128,26 @@ def test_sigterm_drains_every_model_then_stops_the_server_without_a_restart(tmp_
     assert not thread.is_alive() and status == [-signal.SIGTERM]
     marks = ["triton.drain", "triton.drain.a.done", "triton.drain.b.done"]
     assert events == [("start",), ("signal", signal.SIGTERM, marks)]  # one start: no restart
+
+
+def test_sigterm_waits_for_every_instance_of_a_model_to_mark_itself(tmp_path, monkeypatch):
+    supervisor, events = supervised(tmp_path, monkeypatch)
+    drain_file = supervisor.drain_file
+    thread, status = run_until_ready(supervisor)
+    assert supervisor.watched_instances == {"a": ["a_0"], "b": ["b_0", "b_1"]}
+    supervisor.stop(signal.SIGTERM)
+    deadline = time.monotonic() + 5
+    while not drain.is_draining(drain_file):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert drain.drain_deadline(drain_file) > time.time() + 3  # now + drain_s (5 s)
+    drain.mark_drained(drain_file, "a", "a_0")
+    drain.mark_drained(drain_file, "b", "b_0")
+    time.sleep(0.8)  # more than a poll of the marks
+    assert thread.is_alive() and len(events) == 1  # b_1 still holds jobs
+    drain.mark_drained(drain_file, "b", "b_1")
+    thread.join(5)
+    assert not thread.is_alive() and status == [-signal.SIGTERM] and events[-1][1] == signal.SIGTERM
 
 
 def test_a_model_that_never_drains_holds_the_stop_for_the_drain_time_only(tmp_path, monkeypatch):

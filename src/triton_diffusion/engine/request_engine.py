@@ -10,6 +10,11 @@ cancelled jobs) through ``on_progress``, so progress and cancellation work as on
 step itself returns a report with the finished images and the jobs that failed. Like the step engine it
 never answers a request nor calls one: it decides a request's error on its own record
 (engine/request_status.py) and reports it; the host delivers it.
+
+Draining (serving/drain.py, on SIGTERM) on this engine: it has no checkpoints, so the host refuses new
+requests UNAVAILABLE "draining", lets the engine step under way (its fused calls) finish, and answers the
+jobs still waiting for a call UNAVAILABLE "draining" too (:meth:`RequestEngine.late_jobs`): their clients
+resend them, from the start, after the restart or to another replica.
 """
 
 from __future__ import annotations
@@ -156,6 +161,19 @@ class RequestEngine:
         with self._lock:
             waiting = list(self._waiting)
         apply_aborts(waiting, aborts)
+
+    def late_jobs(self, seconds: float) -> list[Job]:
+        """A drain: every job waiting for a fused call (not ended). This engine has no checkpoints and no
+        estimates: the fused call under way (the engine thread is between two steps when the host asks,
+        so none) finishes, and a job waiting would start another, so the host answers each of them
+        UNAVAILABLE "draining" (its client resends it after the restart, or to another replica)."""
+        with self._lock:
+            return [job for job in self._waiting if not job.status.ended]
+
+    @staticmethod
+    def checkpoint_now(jobs: list[Job]) -> list[Any]:
+        """No checkpoints here (a fused call's state is the pipeline's): None for each job."""
+        return [None] * len(jobs)
 
     def take_report(self) -> StepReport:
         report, self.report = self.report, StepReport()

@@ -429,6 +429,26 @@ class Scheduler:
         """The estimated seconds to finish this job alone in its forwards (for its slack)."""
         return self.times.finish_in(job.tokens, job.remaining, 0, self._budget(job), job.state is not None)
 
+    def late_jobs(self, seconds: float, now: float | None = None) -> list[Job]:
+        """The jobs held (not ended) that cannot be done within ``seconds`` (a drain): in the order they
+        go, each one's estimate counts the work of those before it that will be done in time (a late job
+        leaves, so its work goes before nobody). Before any forward was measured only ``seconds`` <= 0
+        makes a job late (nothing is known: the next look decides)."""
+        now = self.clock() if now is None else now
+        with self._lock:
+            queues = (self._inbox, self.waiting, self.starting, self.running, self.paused)
+            held = [job for queue in queues for job in queue if not job.status.ended]
+        held.sort(key=lambda job: self.order_key(job, now))
+        late, ahead = [], 0
+        for job in held:
+            started = job.state is not None
+            estimate = self.times.finish_in(job.tokens, job.remaining, ahead, self._budget(job), started)
+            if estimate > seconds or seconds <= 0:
+                late.append(job)
+            else:
+                ahead += job.remaining * job.tokens
+        return late
+
     def _budget(self, job: Job) -> int:
         """The tokens a forward holds, for estimating ``job``: the group's token budget, or its cap of jobs
         of this job's size where that is less (without a token budget, the row-based estimate of before)."""

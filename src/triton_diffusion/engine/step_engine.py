@@ -125,6 +125,27 @@ class StepEngine:
         """Drop these requests (cancelled, or answered by the host): their jobs leave at the next step."""
         self.scheduler.abort(aborts)
 
+    def late_jobs(self, seconds: float) -> list[Job]:
+        """The jobs held that the estimate says cannot be done within ``seconds`` (a drain: the host
+        checkpoints and answers them; the others go on)."""
+        return self.scheduler.late_jobs(seconds)
+
+    def checkpoint_now(self, jobs: list[Job]) -> list[Any]:
+        """Each job's checkpoint now (the adapter's CPU copy, as ``checkpoint_every`` takes them), in
+        order; None for a job that has none: no checkpoint key, checkpoints off, not started or done, one
+        the adapter cannot checkpoint exactly (a step cache), or a checkpoint that failed. Only data comes
+        back: the host stores it (a drain)."""
+        due = [
+            job
+            for job in jobs
+            if self.checkpoint_every
+            and job.checkpoint_key is not None
+            and job.state is not None
+            and 0 < job.steps_done < job.total_steps
+        ]
+        taken = dict(zip(map(id, due), self._take_checkpoints(due) or [], strict=False))
+        return [taken.get(id(job)) for job in jobs]
+
     def step(self) -> StepReport:
         """Schedule, start the admitted, run one forward for the next group, finish what is done."""
         self.report = StepReport()
@@ -237,8 +258,18 @@ class StepEngine:
             and job.steps_done % every == 0
             and not job.status.ended
         ]
-        if not due:
+        taken = self._take_checkpoints(due)
+        if taken is None:
             return
+        self.report.checkpoints.extend(
+            (job, checkpoint) for job, checkpoint in zip(due, taken, strict=True) if checkpoint is not None
+        )
+
+    def _take_checkpoints(self, due: list[Job]) -> list[Any] | None:
+        """The adapter's checkpoints of ``due``, in order; None when there are none or they failed (a
+        failed device raises)."""
+        if not due:
+            return None
         adapter = cast(Checkpointing, self.adapter)  # checkpoint_every is set for one that is
         try:
             taken = adapter.checkpoint(due)
@@ -249,10 +280,8 @@ class StepEngine:
             if failure.lost:
                 raise DeviceLostError(failure.text) from exc
             log.warning("checkpoint of %d job(s) failed: %s", len(due), failure.text)
-            return
-        self.report.checkpoints.extend(
-            (job, checkpoint) for job, checkpoint in zip(due, taken, strict=True) if checkpoint is not None
-        )
+            return None
+        return taken
 
     def _finish(self, jobs: list[Job]) -> None:
         """Outputs for jobs that took their last step: one batched call, split if it fails."""

@@ -10,26 +10,32 @@ The sequence (launcher.py, supervisor.py; the engine host on the model side):
 1. At start the launcher picks the drain file's path (:func:`drain_path`), removes a stale one and the
    ``.done`` marks beside it (:func:`clear`), and starts tritonserver with ``TRITON_DIFFUSION_DRAIN_FILE``
    set to it.
-2. On SIGTERM it writes the file (:func:`request_drain`) and reports not ready (the orchestrator sends no
-   new traffic here).
-3. Each model's engine host polls :func:`is_draining` (a ``stat``, every half second or so). Once the file
-   exists it refuses new requests with UNAVAILABLE ("draining: resend to another replica or after
-   restart"), lets the jobs that can finish within the drain time finish, checkpoints the others and
-   answers them UNAVAILABLE naming their resume key, then calls :func:`mark_drained` (``<drain
-   file>.<model>.done``).
-4. The launcher waits for every model's mark (:func:`wait_drained`) or the drain time, whichever comes
-   first, then sends tritonserver SIGTERM as it always did and does not restart it.
+2. On SIGTERM it writes the file (:func:`request_drain`: its content is the drain deadline, a unix time,
+   now + ``--drain-s``) and reports not ready (the orchestrator sends no new traffic here).
+3. Each model instance's engine host polls the file (:class:`DrainWatch`: a ``stat`` at most every half
+   second, between engine steps). Once the file exists it refuses new requests with UNAVAILABLE
+   ("draining: resend to another replica or after restart"), lets the jobs that can finish before the
+   drain deadline (:func:`drain_deadline`) finish, checkpoints the others and answers them UNAVAILABLE
+   naming their resume key, then, holding nothing any more, calls :func:`mark_drained`: ``<drain
+   file>.<model>.<instance>.done``, one mark per instance (a model of several instances is drained once
+   every one is).
+4. The launcher waits for every model's marks (:func:`wait_drained`: a model is drained when each of its
+   instances marked itself, or the model marked itself whole, ``<drain file>.<model>.done``) or the drain
+   time, whichever comes first, then sends tritonserver SIGTERM as it always did and does not restart it.
 
 A model that knows nothing of draining never writes its mark: the launcher just waits the drain time.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
+
+log = logging.getLogger("triton_diffusion")
 
 ENV = "TRITON_DIFFUSION_DRAIN_FILE"
 # What a model answers for a request it refuses while draining: clients resend these (the project's
@@ -52,8 +58,10 @@ def drain_path(http_port: str, environ: Mapping[str, str] | None = None) -> Path
     return drain_file_from_env(environ) or Path(tempfile.gettempdir()) / f"triton-diffusion-{http_port}.drain"
 
 
-def done_path(path: Path, model: str) -> Path:
-    return path.with_name(f"{path.name}.{model}.done")
+def done_path(path: Path, model: str, instance: str | None = None) -> Path:
+    """A model's mark (``instance`` None: the whole model), or one instance's."""
+    name = model if instance is None else f"{model}.{instance}"
+    return path.with_name(f"{path.name}.{name}.done")
 
 
 def is_draining(path: Path | None) -> bool:
@@ -61,29 +69,50 @@ def is_draining(path: Path | None) -> bool:
     return path is not None and path.exists()
 
 
-def request_drain(path: Path) -> None:
-    """Ask every model to drain (the launcher, on SIGTERM). Written whole then renamed, so a model never
-    sees a half-written file (its contents are informational: when it was asked)."""
+def request_drain(path: Path, drain_s: float = 0.0, clock: Callable[[], float] = time.time) -> None:
+    """Ask every model to drain (the launcher, on SIGTERM) within ``drain_s``: the file holds the drain
+    deadline, a unix time (what a model's jobs must be done by). Written whole then renamed, so a model
+    never sees a half-written file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
-    partial.write_text(f"{time.time():.3f}\n")
+    partial.write_text(f"{clock() + drain_s:.3f}\n")
     partial.replace(path)
 
 
-def mark_drained(path: Path, model: str) -> None:
-    """A model has nothing running any more (finished, or checkpointed and answered): the launcher need
-    not wait for it."""
-    done_path(path, model).write_text(f"{time.time():.3f}\n")
+def drain_deadline(path: Path) -> float:
+    """The drain deadline the launcher wrote (a unix time). A file that does not hold one (written by hand,
+    an older launcher) gives its modification time: no time left, every job is checkpointed at once."""
+    try:
+        return float(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        try:
+            return path.stat().st_mtime
+        except OSError:
+            return time.time()
 
 
-def not_drained(path: Path, models: Iterable[str]) -> list[str]:
-    """The models that have not marked themselves drained yet."""
-    return [model for model in models if not done_path(path, model).exists()]
+def mark_drained(path: Path, model: str, instance: str | None = None) -> None:
+    """A model instance (``instance`` None: the whole model) has nothing running any more (finished, or
+    checkpointed and answered): the launcher need not wait for it."""
+    done_path(path, model, instance).write_text(f"{time.time():.3f}\n")
+
+
+def not_drained(path: Path, models: Iterable[str] | Mapping[str, Iterable[str]]) -> list[str]:
+    """The models that have not marked themselves drained yet. With each model's instances (a mapping),
+    a model is drained once its own mark or every instance's mark is there."""
+    instances = models if isinstance(models, Mapping) else {model: () for model in models}
+    pending = []
+    for model, names in instances.items():
+        names = list(names)
+        whole = done_path(path, model).exists()
+        if not whole and not (names and all(done_path(path, model, name).exists() for name in names)):
+            pending.append(model)
+    return pending
 
 
 def wait_drained(
     path: Path,
-    models: Iterable[str],
+    models: Iterable[str] | Mapping[str, Iterable[str]],
     timeout_s: float,
     give_up: Callable[[], bool] = lambda: False,
     sleep: Callable[[float], None] = time.sleep,
@@ -91,11 +120,14 @@ def wait_drained(
 ) -> list[str]:
     """Wait until every model has marked itself drained, ``timeout_s`` passed or ``give_up()`` says
     there is no point waiting (the server exited, a second signal). Returns the models still not
-    drained (empty: all drained)."""
-    models = sorted(set(models))
+    drained (empty: all drained). ``models`` may map each model to its instances (:func:`not_drained`)."""
+    if isinstance(models, Mapping):
+        watched = {model: sorted(set(models[model])) for model in sorted(models)}
+    else:
+        watched = {model: [] for model in sorted(set(models))}
     deadline = clock() + timeout_s
     while True:
-        pending = not_drained(path, models)
+        pending = not_drained(path, watched)
         if not pending or give_up():
             return pending
         left = deadline - clock()
@@ -112,3 +144,50 @@ def clear(path: Path) -> None:
             stale.unlink()
         except FileNotFoundError:
             pass
+
+
+class DrainWatch:
+    """One model instance's side of the contract (the engine host, on its engine thread): whether the
+    launcher asked for a drain, a ``stat`` at most every ``poll_s``; the seconds left until its deadline;
+    the instance's mark, written once."""
+
+    def __init__(
+        self,
+        path: Path,
+        model: str,
+        instance: str | None = None,
+        poll_s: float = POLL_S,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        self.path, self.model, self.instance = path, model, instance or None
+        self.poll_s, self.clock, self.wall = poll_s, clock, wall
+        self.deadline: float | None = None  # the drain deadline (unix time) once draining
+        self.marked = False
+        self._next_look = float("-inf")
+
+    def draining(self) -> bool:
+        """The launcher asked for a drain (once seen, for good)."""
+        if self.deadline is not None:
+            return True
+        now = self.clock()
+        if now < self._next_look:
+            return False
+        self._next_look = now + self.poll_s
+        if not is_draining(self.path):
+            return False
+        self.deadline = drain_deadline(self.path)
+        return True
+
+    def seconds_left(self) -> float:
+        """Until the drain deadline (negative once it passed); only while draining."""
+        assert self.deadline is not None
+        return self.deadline - self.wall()
+
+    def mark(self) -> bool:
+        """Write this instance's mark (once). False if it was written before."""
+        if self.marked:
+            return False
+        self.marked = True
+        mark_drained(self.path, self.model, self.instance)
+        return True

@@ -8,6 +8,16 @@ tensors. What a step report holds becomes, on the engine thread, work for the
 response thread (nothing is encoded or sent here, so the next step starts at once), in the order it
 happened: progress, FINAL responses, and the errors the engine decided. The jobs' checkpoints a report
 carries go to the model's store (job_resumes.py), which writes them on its own thread.
+
+Draining (serving/drain.py: the launcher got SIGTERM), where the launcher set a drain file: between two
+engine steps (and every half second while idle) the engine thread looks for it, a ``stat`` at most every
+half second (:class:`DrainWatch`). Once it is there, new requests are answered UNAVAILABLE "draining"
+at once; each engine step, the jobs the engine's estimate says cannot be done before the drain deadline
+(less :data:`DRAIN_MARGIN_S`) are checkpointed (the engine returns the adapter's checkpoints, the host
+stores and flushes them) and their requests answered UNAVAILABLE naming their resume key ("draining:
+checkpointed at step 7; resend with resume_key ..."), or "draining" alone where nothing could be
+checkpointed (no resume key, checkpoints off, a step cache: the resend starts over); the others go on.
+Once the engine holds nothing, the answers are sent and this instance writes its mark.
 """
 
 from __future__ import annotations
@@ -18,8 +28,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from triton_diffusion.engine.failures import DeviceLostError
 from triton_diffusion.engine.jobs import Job, JobSpec, Left, Stepped, StepReport
+from triton_diffusion.engine.request_status import Abort
 from triton_diffusion.errors import ErrorCode, RequestError
+from triton_diffusion.serving.drain import DRAINING_MESSAGE, POLL_S, DrainWatch, drain_file_from_env
 from triton_diffusion.serving.engine_worker import EngineWorker
 from triton_diffusion.serving.engines import EngineKind
 from triton_diffusion.serving.job_resumes import Resumes
@@ -29,6 +42,10 @@ from triton_diffusion.serving.responses import ResponseWorker
 from triton_diffusion.settings import ModelSettings
 
 log = logging.getLogger("triton_diffusion")
+
+# A job kept while draining must be done this long before the drain deadline: the time its answer, the
+# other jobs' checkpoints and the mark take before the launcher stops the server.
+DRAIN_MARGIN_S = 1.0
 
 
 class Parsed(Protocol):
@@ -97,6 +114,11 @@ class EngineHost:
         self.max_wait_s = config.max_admission_wait_s
         self.responses = ResponseWorker()
         self.engine = engine_kind.build(settings, self._progress_in_call)
+        drain_file = drain_file_from_env()  # None (tritonserver run by hand, tests): never drains
+        self.drain = DrainWatch(drain_file, settings.name, settings.instance) if drain_file else None
+        self.draining = False  # set on the engine thread, read by execute()
+        if self.drain is not None:
+            log.info("%s: drains on SIGTERM (drain file %s)", settings.instance or settings.name, drain_file)
         self.worker = EngineWorker(
             self.engine,
             engine_kind.capacity(settings),
@@ -107,11 +129,20 @@ class EngineHost:
             name=f"{engine_kind.name}-engine",
             flush_answers=lambda: self.responses.close(timeout_s=10),
             aborts=engine_kind.aborts(settings),
+            between_steps=self._drain_pass if self.drain is not None else None,
+            idle_tick_s=POLL_S,
         )
 
     # ---- execute() thread -------------------------------------------------------------------------
     def submit(self, admitted: Sequence[tuple[TrackedRequest, Parsed]]) -> None:
-        """Make each valid request's jobs from its specs and hand them all to the engine, in order."""
+        """Make each valid request's jobs from its specs and hand them all to the engine, in order (none
+        while draining: each is answered UNAVAILABLE "draining", its client resends it elsewhere or
+        later)."""
+        if self.draining:
+            refused = RequestError(ErrorCode.UNAVAILABLE, DRAINING_MESSAGE)
+            for tracked, _ in admitted:
+                tracked.fail(refused)
+            return
         batch = []
         for tracked, parsed in admitted:
             record = RequestRecord(tracked, parsed)
@@ -138,6 +169,67 @@ class EngineHost:
         self.responses.close(timeout_s=10)
         message = f"{reason}; the model is restarting, retry shortly"
         self.responses.fail_queued(RequestError(ErrorCode.UNAVAILABLE, message))
+
+    # ---- the engine thread: draining ---------------------------------------------------------------
+    def _drain_pass(self) -> None:
+        """Between two engine steps: once the launcher asked for a drain, refuse new requests, checkpoint
+        and answer the jobs that cannot be done in time, and mark this instance drained once nothing is
+        held (its answers sent)."""
+        watch = self.drain
+        assert watch is not None
+        if not watch.draining():
+            return
+        if not self.draining:
+            self.draining = True
+            held, left = self.engine.active, watch.seconds_left()
+            log.warning("draining: new requests refused, %d job(s) held, %.1f s left", held, left)
+        try:
+            self._answer_late(watch.seconds_left() - DRAIN_MARGIN_S)
+        except DeviceLostError:
+            raise
+        except Exception:  # noqa: BLE001  (a bug here: the drain time still bounds the stop)
+            log.exception("draining: answering the jobs that cannot finish failed")
+        if not self.engine.active and not watch.marked:
+            self.responses.flush(max(watch.seconds_left(), 1.0))
+            watch.mark()
+            log.info("draining: nothing held any more; marked drained (%s)", watch.instance or watch.model)
+
+    def _answer_late(self, seconds: float) -> None:
+        """The requests of the jobs that cannot be done within ``seconds``: their jobs checkpointed (one
+        adapter call for all; stored and flushed), then each answered UNAVAILABLE, naming its resume key
+        where a checkpoint of it is on disk, and dropped from the engine (an abort with that error)."""
+        records: dict[int, RequestRecord] = {}
+        for job in self.engine.late_jobs(seconds):
+            record: RequestRecord = job.record
+            if not record.tracked.ended:
+                records.setdefault(id(record), record)
+        if not records:
+            return
+        keys = {id(r): self.resumes.resume_key(r.tracked) if self.resumes else None for r in records.values()}
+        jobs = [job for r in records.values() if keys[id(r)] is not None for job in r.jobs]
+        checkpoints = self.engine.checkpoint_now(jobs)
+        taken = [(job, cp) for job, cp in zip(jobs, checkpoints, strict=True) if cp is not None]
+        flushed = False
+        if taken and self.resumes is not None:
+            self.resumes.persist(StepReport(checkpoints=taken))
+            assert self.drain is not None
+            flushed = self.resumes.store.flush(max(self.drain.seconds_left(), 1.0))
+            if not flushed:
+                log.warning("draining: the checkpoints were not all written in time")
+        aborts = []
+        for record in records.values():
+            steps = [job.steps_done for job, _ in taken if job.record is record]
+            message = DRAINING_MESSAGE
+            if steps and flushed:
+                key = keys[id(record)]
+                message = f"draining: checkpointed at step {min(steps)}; resend with resume_key {key}"
+            error = RequestError(ErrorCode.UNAVAILABLE, message)
+            tracked = record.tracked
+            if tracked.end(error):
+                self.responses.deliver(tracked)
+                log.info("request %s answered while draining: %s", tracked.request_id, message)
+            aborts.append(Abort(tracked, tracked.error or error))
+        self.engine.abort(aborts)
 
     # ---- the engine thread: reports into work for the response thread --------------------------------
     def render(self, report: StepReport) -> None:

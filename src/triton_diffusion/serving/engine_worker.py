@@ -80,8 +80,14 @@ class EngineWorker:
         name: str = "engine",
         flush_answers: Callable[[], None] = lambda: None,
         aborts: AbortSource | None = None,
+        between_steps: Callable[[], None] | None = None,
+        idle_tick_s: float | None = None,
     ) -> None:
         self.engine = engine
+        # Called on the engine thread before each step and, with ``idle_tick_s``, every that many seconds
+        # while the engine holds nothing (the host's drain: engine_host.py). None: nothing is called.
+        self.between_steps = between_steps
+        self.idle_tick_s = idle_tick_s if between_steps is not None else None
         self.aborts = aborts or ClientAborts()  # asked before each step: the aborts handed to the engine
         self.capacity = capacity
         self.render = render
@@ -180,6 +186,10 @@ class EngineWorker:
 
     def _loop(self) -> None:
         while self._next_round():
+            if self.between_steps is not None:
+                self.between_steps()
+                if not self.engine.active:
+                    continue
             self.watchdog.step_started()
             try:
                 held = self.engine.held_requests()
@@ -201,11 +211,15 @@ class EngineWorker:
             log.exception("rendering an engine report failed")
 
     def _next_round(self) -> bool:
-        """Wait for work. False once closed."""
+        """Wait for work (at most ``idle_tick_s`` when set: the host looks between steps, idle too). False
+        once closed."""
         with self._condition:
             self._condition.notify_all()  # the last step may have made room
             while not self._closed and not self.engine.active:
-                self._condition.wait()
+                if self.idle_tick_s is None:
+                    self._condition.wait()
+                elif not self._condition.wait(self.idle_tick_s):
+                    break  # idle: a round with nothing to step, for between_steps
             return not self._closed
 
     def _stop_for_device_loss(self, error: str) -> None:

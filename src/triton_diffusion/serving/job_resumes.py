@@ -142,6 +142,12 @@ class Resumes:
         with self._lock:
             self._watched[tracked] = (resume_key, hashed)
 
+    def resume_key(self, tracked: TrackedRequest) -> str | None:
+        """The resume key of a request whose jobs are checkpointed (None: not one of those)."""
+        with self._lock:
+            watched = self._watched.get(tracked)
+        return None if watched is None else watched[0]
+
     # ---- the engine thread --------------------------------------------------------------------------
     def persist(self, report: StepReport) -> None:
         """Hand the checkpoints of a step report to the store (it writes on its own thread), those of

@@ -54,6 +54,12 @@ class ResponseWorker:
                 return
         self._do(work)
 
+    def flush(self, timeout_s: float) -> bool:
+        """Wait until what was handed over so far is done (sent), at most ``timeout_s``. False on time."""
+        done = threading.Event()
+        self._put(_Work(None, done.set))
+        return done.wait(timeout_s)
+
     def close(self, timeout_s: float = 30.0) -> None:
         """Finish what was handed over, then stop."""
         with self._lock:

@@ -20,9 +20,10 @@ so an orchestrator restarts the container), ``/readyz`` (the server is ready and
 ``/metrics`` (``triton_diffusion_server_restarts_total`` by reason and model, ``triton_diffusion_up``)
 on its own port.
 
-On SIGTERM with a drain file (drain.py) it drains before it stops: it reports not ready, writes the file,
-waits until every model it watches has marked itself drained or ``drain_s`` passed, and only then sends
-tritonserver SIGTERM. A second signal, or a server that exits meanwhile, ends the wait at once.
+On SIGTERM with a drain file (drain.py) it drains before it stops: it reports not ready, writes the file
+(the drain deadline: now + ``drain_s``), waits until every model it watches has marked itself drained
+(each of its instances, or the model whole) or ``drain_s`` passed, and only then sends tritonserver
+SIGTERM. A second signal, or a server that exits meanwhile, ends the wait at once.
 """
 
 from __future__ import annotations
@@ -122,6 +123,7 @@ class Supervisor:
         self.hurry = threading.Event()  # a second signal while draining: stop now
         self.stop_signal: int = signal.SIGTERM
         self.watched_models: list[str] = []  # the models of the stubs watched (the server was ready)
+        self.watched_instances: dict[str, list[str]] = {}  # each watched model's instances (drain marks)
         self.process: subprocess.Popen | None = None
         self.restarts: Counter = Counter()  # (reason, model) -> count
         self._lock = threading.Lock()
@@ -157,6 +159,7 @@ class Supervisor:
         expected: dict[str, Stub] | None = None  # instance -> stub, once the server is ready
         seen: dict[str, Stub] = {}  # the latest listing: a server dying while loading leaves these
         self.watched_models = []  # none until this server is ready: a loading model has nothing to drain
+        self.watched_instances = {}
         while True:
             status = process.poll()
             if status is not None:
@@ -176,6 +179,10 @@ class Supervisor:
                 if self._server_ready():
                     expected = stubs
                     self.watched_models = sorted({s.model for s in stubs.values()})
+                    self.watched_instances = {
+                        model: sorted(s.instance for s in stubs.values() if s.model == model)
+                        for model in self.watched_models
+                    }
                     self._set_ready(True)
                     names = ", ".join(sorted(stubs)) or "-"
                     log.info("supervisor: server ready, watching stubs %s", names)
@@ -202,11 +209,11 @@ class Supervisor:
         self._set_ready(False)
         models = ", ".join(self.watched_models)
         log.info("supervisor: draining %s (at most %.0f s) before stopping the server", models, self.drain_s)
-        drain.request_drain(self.drain_file)
+        drain.request_drain(self.drain_file, self.drain_s)
         started = time.monotonic()
         pending = drain.wait_drained(
             self.drain_file,
-            self.watched_models,
+            self.watched_instances or self.watched_models,
             self.drain_s,
             give_up=lambda: self.hurry.is_set() or process.poll() is not None,
         )
