@@ -176,7 +176,8 @@ def test_a_server_down_or_draining_or_that_checkpointed_the_request_gets_it_agai
 @pytest.mark.parametrize(
     "words",
     [
-        "Request for unknown model: 'text_to_image' has no available versions",  # up, the model not yet
+        # the server up, the model not yet
+        "Request for unknown model: 'text_to_image' has no available versions",
         "[request id: 7] Server is stopping, scheduler for model has stopped accepting new inference requests",
     ],
 )
