@@ -178,7 +178,8 @@ def test_a_server_down_or_draining_or_that_checkpointed_the_request_gets_it_agai
     [
         # the server up, the model not yet
         "Request for unknown model: 'text_to_image' has no available versions",
-        "[request id: 7] Server is stopping, scheduler for model has stopped accepting new inference requests",
+        "[request id: 7] Server is stopping, scheduler for model has stopped accepting new inference"
+        " requests",
     ],
 )
 def test_a_request_sent_while_the_server_restarts_is_sent_again(triton, words):
