@@ -98,6 +98,9 @@ BLOCKS: dict[str, Figure] = {
     "boundary-engines": Figure(("docs/cpu/boundary/summary.json",), "boundary.engines"),
     "mixed-sizes": Figure(("docs/cpu/mixed_sizes.json",), "mixed_sizes.render", "bench.py mixed-sizes"),
     "crash-soak": Figure(("docs/cpu/crash_soak.json",), "crash_soak.render", "bench.py crash-soak"),
+    "checkpoint-cost": Figure(
+        ("docs/cpu/checkpoint_cost.json",), "checkpoint_cost.render", "bench.py checkpoint-cost"
+    ),
     "engines-rounds": Figure(
         ("docs/cpu/rounds/bench_engines.json",), "engines.ratio_table", stale=BEFORE_ENGINE_CORE
     ),

@@ -1,8 +1,8 @@
 """Every command-line script answers ``--help`` (argparse formats help strings with ``%``: a bare ``%`` in
 one crashes ``--help`` and nothing else, so nothing else would notice). The benchmarks' old scripts are
 shims into scripts/benchmarks/ without argparse of their own: each runs its benchmark's ``--help``, and
-``bench.py server --help``, ``bench.py mixed-sizes --help`` and ``bench.py crash-soak --help`` the
-benchmarks without a shim of their own."""
+``bench.py NAME --help`` runs the benchmarks without a shim of their own (server, mixed-sizes, crash-soak,
+checkpoint-cost)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ SCRIPTS = sorted(
 )
 COMMANDS = [[path] for path in SCRIPTS] + [
     [ROOT / "scripts" / "bench.py", name]
-    for name in ("server", "mixed-sizes", "crash-soak")  # no shims of their own
+    for name in ("server", "mixed-sizes", "crash-soak", "checkpoint-cost")  # no shims of their own
 ]
 
 

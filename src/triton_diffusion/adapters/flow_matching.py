@@ -26,14 +26,7 @@ from PIL import Image
 
 from triton_diffusion.adapters.image_requests import Conditioning, ImageRequest, row_conditioning
 from triton_diffusion.adapters.latent_loop import LatentStepAdapter
-from triton_diffusion.adapters.packed_rows import (
-    MaskedJointAttnProcessor,
-    canvas_for,
-    place_patches,
-    place_tokens,
-    take_patches,
-    take_tokens,
-)
+from triton_diffusion.adapters.packed_rows import MaskedJointAttnProcessor
 from triton_diffusion.adapters.starts import LatentStarts
 from triton_diffusion.adapters.vae import sample_latents
 
@@ -119,23 +112,6 @@ class FluxAdapter(FlowMatchingImageStart, LatentStepAdapter):
     def pack(self, latents: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
         count, channels, height, width = latents.shape
         return self.pipe._pack_latents(latents, count, channels, height, width)
-
-    def predict_packed(
-        self,
-        latent_rows: list[torch.Tensor],
-        timesteps: torch.Tensor,
-        inputs: dict[str, torch.Tensor],
-        sizes: list[tuple[int, int]],
-    ) -> tuple[list[torch.Tensor], int]:
-        # Each row at the canvas's origin: the canvas's ids are each row's own (FluxPipeline's ids).
-        canvas = canvas_for([self.token_grid(size) for size in sizes])
-        latents = place_tokens(latent_rows, canvas)
-        factor = self.pipe.vae_scale_factor * self.token_patch
-        text = inputs["encoder_hidden_states"].shape[1]
-        mask = canvas.key_mask(text, text_first=True, device=self.device)  # FluxAttention: [text, image]
-        size = (canvas.height * factor, canvas.width * factor)
-        predictions = self.predict(latents, timesteps, {**inputs, "attention_mask": mask}, size)
-        return take_tokens(predictions, canvas), canvas.padded_tokens
 
     def pack_mask(self, mask: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
         # FluxInpaintPipeline.prepare_mask_latents: the mask repeated over the channels, then packed.
@@ -285,6 +261,10 @@ class StableDiffusion3Adapter(FlowMatchingImageStart, LatentStepAdapter):
         self.packs_sizes = not self.packs_sizes_not
         if self.packs_sizes:  # diffusers' own processor unless a packed forward passes a mask
             self.model.set_attn_processor(MaskedJointAttnProcessor())
+        # A packed forward: spatial latents, each size a centred crop of the position table (PatchEmbed),
+        # the text after the image in the joint attention.
+        self.packed_layout, self.text_first = "patches", False
+        self.positions_centred_in = config.get("pos_embed_max_size")
 
     def supports(self, start: str) -> bool:
         if self.inpainting_checkpoint:
@@ -340,26 +320,6 @@ class StableDiffusion3Adapter(FlowMatchingImageStart, LatentStepAdapter):
             joint_attention_kwargs=None if mask is None else {"attention_mask": mask},
             return_dict=False,
         )[0]
-
-    def predict_packed(
-        self,
-        latent_rows: list[torch.Tensor],
-        timesteps: torch.Tensor,
-        inputs: dict[str, torch.Tensor],
-        sizes: list[tuple[int, int]],
-    ) -> tuple[list[torch.Tensor], int]:
-        # Each row where its crop of the position table lies in the canvas's crop (PatchEmbed).
-        canvas = canvas_for([self.token_grid(size) for size in sizes], self.model.config.pos_embed_max_size)
-        patch = self.token_patch
-        latents = place_patches(latent_rows, canvas, patch)
-        text = inputs["encoder_hidden_states"].shape[1]
-        mask = canvas.key_mask(
-            text, text_first=False, device=self.device
-        )  # JointAttnProcessor: [image, text]
-        factor = self.pipe.vae_scale_factor * patch
-        size = (canvas.height * factor, canvas.width * factor)
-        predictions = self.predict(latents, timesteps, {**inputs, "attention_mask": mask}, size)
-        return take_patches(predictions, canvas, patch), canvas.padded_tokens
 
     def decode(self, latents: torch.Tensor, size: tuple[int, int]) -> list[Image.Image]:
         vae = self.pipe.vae

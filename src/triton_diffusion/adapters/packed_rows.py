@@ -190,13 +190,28 @@ class SizedRows:
     # cannot share a tensor across sizes) a forward holds one latent shape.
     packs_sizes = False
     packs_sizes_not = "its denoiser is a UNet: convolutions cannot share a tensor across sizes"
+    # How a family that packs lays a row out (its loop's latents: "tokens", FLUX.1's packed 2x2 patches;
+    # "patches", SD3's spatial latents), where its attention puts the text (FLUX.1 first, SD3 last), and
+    # the side of the position table its sizes are centred crops of (SD3's PatchEmbed; None: positions
+    # from the origin, FLUX.1's ids).
+    packed_layout = "tokens"
+    text_first = True
+    positions_centred_in: int | None = None
     pipe: Any
+    device: torch.device
 
     if TYPE_CHECKING:
 
         @property
         def model(self) -> Any: ...
         def uses_guidance(self, request: ImageRequest) -> bool: ...
+        def predict(
+            self,
+            latents: torch.Tensor,
+            timesteps: torch.Tensor,
+            inputs: dict[str, torch.Tensor],
+            size: tuple[int, int],
+        ) -> Any: ...
 
     @property
     def token_patch(self) -> int:
@@ -236,6 +251,19 @@ class SizedRows:
         inputs: dict[str, torch.Tensor],
         sizes: list[tuple[int, int]],
     ) -> tuple[list[torch.Tensor], int]:
-        """The model over rows of different ``sizes`` in one call (packed_rows.py): each row's prediction
-        in its own shape, and the canvas slots computed for no row."""
-        raise NotImplementedError
+        """The model over rows of different ``sizes`` in one call: each row on the canvas (in tokens or in
+        patches, as the family's loop lays its latents out), the key mask in the family's order of image
+        and text, the model called at the canvas's size, each row's prediction taken back in its own shape;
+        and the canvas slots computed for no row."""
+        canvas = canvas_for([self.token_grid(size) for size in sizes], self.positions_centred_in)
+        patch, as_tokens = self.token_patch, self.packed_layout == "tokens"
+        latents = (
+            place_tokens(latent_rows, canvas) if as_tokens else place_patches(latent_rows, canvas, patch)
+        )
+        text = inputs["encoder_hidden_states"].shape[1]
+        mask = canvas.key_mask(text, text_first=self.text_first, device=self.device)
+        factor = self.pipe.vae_scale_factor * patch
+        size = (canvas.height * factor, canvas.width * factor)
+        predictions = self.predict(latents, timesteps, {**inputs, "attention_mask": mask}, size)
+        rows = take_tokens(predictions, canvas) if as_tokens else take_patches(predictions, canvas, patch)
+        return rows, canvas.padded_tokens
