@@ -157,12 +157,10 @@ class Bench:
     def job(self, index: int, values: dict, engine: str) -> Job:
         tracked = TrackedRequest(str(index), Channel())
         if engine == "step":
-            job = Job(tracked, self.model.step_request(values, 0), record=index)
-            # The denoiser tokens a job brings to a forward (rows x latent tokens), where the adapter counts
-            # them (families whose forwards pack sizes): what the served host sets.
-            tokens_of = getattr(self.adapter, "tokens_of", None)
-            if tokens_of is not None and hasattr(job, "tokens"):
-                job.tokens = tokens_of(job.params)
+            params = self.model.step_request(values, 0)
+            # Its shape, tokens and grid, as the served model kind sets them (models/diffusion_model.py).
+            job = Job(tracked, params, record=index, shape=params.shape)
+            job.tokens, job.grid = self.adapter.tokens_of(params), self.adapter.grid_of(params)
             return job
         key = compatibility_key(self.model.fields, values)
         return Job(tracked, RowInput(values, 0), record=index, group=key)

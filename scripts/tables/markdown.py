@@ -48,13 +48,17 @@ def reading(
     noise: float = SINGLE_RUN_NOISE,
     spread: Sequence[float] | None = None,
 ) -> str:
-    """How a ratio reads: met or missed against its target, and "within noise" when it compares two
-    variants and 1 lies within its rounds' spread (``spread``: the lowest and highest round), or, for a
-    single run, within ``noise`` of it: never a gain or a loss then."""
+    """How a ratio reads: met or missed against its target (within noise of the target where its rounds'
+    spread holds the target: neither), and "within noise" when it compares two variants and 1 lies within
+    its rounds' spread (``spread``: the lowest and highest round), or, for a single run, within ``noise``
+    of it: never a gain or a loss then."""
     met = target_met(value, target)
     words = [] if met is None else ["met" if met else "missed"]
     if spread is not None:
         low, high = spread
+        parts = target.split()
+        if met is not None and low <= float(parts[1]) <= high:
+            words = ["within noise of the target"]  # its rounds fall on both sides: neither met nor missed
         words.append(f"rounds {low:.2f}-{high:.2f}")
         if low <= 1.0 <= high:
             words.append("within noise of 1")

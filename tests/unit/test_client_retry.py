@@ -216,18 +216,20 @@ def test_the_deadline_bounds_every_attempt_and_wait_together(triton):
     triton([[BROKEN], [final()]], ready=[False] * 1000)  # never back
     started = time.monotonic()
     result, _ = generate(timeout_s=0.5)
-    assert time.monotonic() - started < 2.0
+    # Without the deadline it would poll a server never back a thousand times: seconds are margin enough.
+    assert time.monotonic() - started < 5.0
     assert not result.ok and result.error.startswith("no final response within 0.5 s (1 attempts"), (
         result.error
     )
 
 
 def test_a_resend_gets_what_is_left_of_the_deadline_not_a_new_one(triton):
-    triton([[("sleep", 0.6), BROKEN], []])  # the resend is never answered
+    triton([[("sleep", 1.2), BROKEN], []])  # the resend is never answered
     started = time.monotonic()
-    result, _ = generate(timeout_s=1.0)
-    assert time.monotonic() - started < 1.4  # not 0.6 + 1.0
-    assert result.error.startswith("no final response within 1.0 s (2 attempts"), result.error
+    result, _ = generate(timeout_s=2.0)
+    # About 2.0 s, not 1.2 + 2.0: 0.9 s of margin for a loaded machine either way.
+    assert time.monotonic() - started < 2.9
+    assert result.error.startswith("no final response within 2.0 s (2 attempts"), result.error
 
 
 def test_off_with_no_retries_and_then_no_key_is_sent(triton):

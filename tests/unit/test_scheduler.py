@@ -9,7 +9,7 @@ import pytest
 
 from tests.unit.recording import step_as_worker, tracked
 from tests.unit.test_step_engine import Engine, FakeAdapter, Host, Spec
-from triton_diffusion.engine.jobs import Job
+from triton_diffusion.engine.jobs import Job, computed_tokens
 from triton_diffusion.engine.ordering import AdmissionPacing, Service, make_policy
 from triton_diffusion.engine.scheduler import EngineLimits
 from triton_diffusion.engine.step_engine import StepEngine
@@ -332,11 +332,16 @@ def packed_engine(
     cap_for=None,
     starvation_steps: int = 16,
     policy: str = "oldest",
+    max_running: int = 64,
 ) -> Engine:
     """An engine (with its host) whose jobs all share one group ("packed": the adapter pads rows of any
     size)."""
     limits = EngineLimits(
-        64, max_per_forward, cap_for, starvation_steps=starvation_steps, max_tokens_per_forward=budget
+        max_running,
+        max_per_forward,
+        cap_for,
+        starvation_steps=starvation_steps,
+        max_tokens_per_forward=budget,
     )
     return Engine(StepEngine(FakeAdapter(), limits, make_policy(policy)), Host())
 
@@ -386,10 +391,14 @@ def test_per_shape_caps_bound_each_shape_within_one_mixed_forward():
     ]
 
 
-def large_job_steps(starvation_steps: int, smalls_per_step: int, engine_steps: int = 40) -> list[int]:
+def large_job_steps(
+    starvation_steps: int, smalls_per_step: int, engine_steps: int = 40, max_running: int = 64
+) -> list[int]:
     """The engine steps at which a large job (8 tokens of a budget of 10) stepped, amid small jobs (3 tokens,
     one step each) arriving every engine step, which the policy (fewest remaining) puts before it."""
-    engine = packed_engine(budget=10, max_per_forward=64, starvation_steps=starvation_steps)
+    engine = packed_engine(
+        budget=10, max_per_forward=64, starvation_steps=starvation_steps, max_running=max_running
+    )
     engine.scheduler.policy = make_policy("fewest_remaining")
     large = packed("large", 8, steps=engine_steps)
     engine.add(large)
@@ -420,10 +429,13 @@ def test_under_overload_a_large_job_still_steps_within_the_bound_plus_those_star
     # More small work arrives than the budget serves (4 x 3 tokens a step, 3 fit): small jobs starve
     # too. The longest starved goes first, so small jobs that starve later never pass the large one: it
     # steps within starvation_steps + the running jobs starved before it (max_running - 1 at most).
-    bound = 4
-    stepped = large_job_steps(starvation_steps=bound, smalls_per_step=4)
+    bound, running = 4, 8
+    stepped = large_job_steps(starvation_steps=bound, smalls_per_step=4, max_running=running)
     gaps = [b - a for a, b in zip([1, *stepped], stepped, strict=False)]
-    assert len(stepped) >= 3 and max(gaps) <= bound + 63, stepped
+    # starvation_steps + max_running - 1 = 11, well inside the 40 steps run: a gap over it would show.
+    assert (
+        len(stepped) >= 3 and max(gaps) <= bound + running - 1 and 40 - stepped[-1] <= bound + running - 1
+    ), stepped
 
 
 @pytest.mark.parametrize(("ahead_tokens", "refused"), [(10, True), (2, False)])
@@ -446,3 +458,18 @@ def test_a_deadline_is_checked_against_the_tokens_ahead_not_the_jobs(ahead_token
     else:
         h.drain()
         assert newcomer.request.channel.finals == [{"out": "out:newcomer"}]
+
+
+def test_a_packed_forward_is_bounded_by_the_tokens_it_computes_padding_included():
+    # Two jobs of 16 tokens each, a 4x4 and an 8x2 grid: 32 tokens of their own, but packed every row pads
+    # to 8x4, 64 tokens computed: over a budget of 40, so they step apart; two 4x4 jobs fit together.
+    engine = packed_engine(budget=40)
+    tall, wide, square = packed("tall", 16, 1, "8x2"), packed("wide", 16, 1), packed("square", 16, 1)
+    tall.grid, wide.grid, square.grid = (1, 8, 2), (1, 4, 4), (1, 4, 4)
+    assert computed_tokens([tall, wide]) == 64 and computed_tokens([wide, square]) == 32
+    for job in (tall, wide, square):
+        engine.add(job)
+    engine.step()
+    assert engine.adapter.forwards[-1] == ["tall"]  # the oldest first, alone: no other fits beside it
+    engine.step()
+    assert engine.adapter.forwards[-1] == ["wide", "square"]

@@ -236,6 +236,13 @@ class SizedRows:
         rows = 2 if self.uses_guidance(request) else 1
         return rows * height * width * self.latent_frames(request)
 
+    def grid_of(self, request: ImageRequest) -> tuple[int, int, int] | None:
+        """An image job's denoiser rows and token grid, what a packed forward pads it to (a video: None,
+        its frames are never packed)."""
+        if request.num_frames is not None:
+            return None
+        return (2 if self.uses_guidance(request) else 1, *self.token_grid(request.size))
+
     def group_of(self, request: ImageRequest) -> Hashable:
         """Whom a started job shares forwards with: jobs of every size where the family packs sizes, else
         of its latent shape. A job with a step cache keeps to its shape: its cache's hooks run later blocks

@@ -17,7 +17,7 @@ row (frames included), what a forward's cost and memory grow with when jobs of a
 from __future__ import annotations
 
 import time
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +26,19 @@ from triton_diffusion.errors import RequestError
 
 # The group of a job that shares forwards with jobs of every size (an adapter that packs sizes).
 ANY_SIZE = "any size"
+# An image job's denoiser rows and its latent token grid (token rows, token columns).
+Grid = tuple[int, int, int]
+
+
+def computed_tokens(jobs: Sequence[Job]) -> int:
+    """The tokens a forward of these jobs computes: their own where they are of one size (or any has no
+    grid: a video); packed (sizes mixed), every row on a canvas of the tallest by the widest grid
+    (adapters/packed_rows.py), padding included: what the token budget bounds and a forward costs."""
+    grids = [job.grid for job in jobs]
+    known = [g for g in grids if g is not None]
+    if len(known) < len(grids) or len({g[1:] for g in known}) <= 1:
+        return sum(job.tokens for job in jobs)
+    return sum(g[0] for g in known) * max(g[1] for g in known) * max(g[2] for g in known)
 
 
 @dataclass(frozen=True)
@@ -41,6 +54,7 @@ class JobSpec:
     planned_steps: int = 1  # the denoising steps it will run (for estimates before it starts)
     shape: Hashable = None  # its latent (height, width[, frames]): the group it is expected to join
     tokens: int = 1  # denoiser tokens it adds to a forward (rows x latent tokens per row)
+    grid: Grid | None = None  # its rows and token grid, where a packed forward may pad it (computed_tokens)
     cache_method: str = "none"
     preview_every: int = 0
     previews: int = 0
@@ -71,6 +85,9 @@ class Job:
     cache_method: str = "none"  # its step cache's method (for the metrics)
     shape: Hashable = None  # its latent (height, width[, frames]): per-size caps, estimates before it starts
     tokens: int = 1  # denoiser tokens it adds to a forward (rows x latent tokens per row): the token budget
+    grid: Grid | None = (
+        None  # (denoiser rows, token rows, token columns) of an image: what padding is made of
+    )
     checkpoint_key: str | None = None  # its checkpoints' key in the host's store (None: none are taken)
     # Set from the adapter's JobStart when the job is started.
     resumed_from_step: int | None = None  # the step a checkpoint let it start after (None: from the start)
@@ -116,6 +133,7 @@ class Job:
             cache_method=spec.cache_method,
             shape=spec.shape,
             tokens=spec.tokens,
+            grid=spec.grid,
             group=spec.group,
             checkpoint_key=spec.checkpoint_key,
         )

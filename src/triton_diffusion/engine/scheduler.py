@@ -38,7 +38,15 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 from triton_diffusion.engine.estimates import WorkTimes
-from triton_diffusion.engine.jobs import ANY_SIZE, ForwardResult, Job, JobStart, Left, Stepped
+from triton_diffusion.engine.jobs import (
+    ANY_SIZE,
+    ForwardResult,
+    Job,
+    JobStart,
+    Left,
+    Stepped,
+    computed_tokens,
+)
 from triton_diffusion.engine.ordering import AdmissionPacing, Policy, Service, make_policy
 from triton_diffusion.engine.request_status import Abort, Request, RequestTable, apply_aborts, held_requests
 from triton_diffusion.errors import ErrorCode, RequestError
@@ -406,16 +414,15 @@ class Scheduler:
         job, put first, steps whatever keeps arriving."""
         jobs_cap, budget = self.caps.jobs_for(group), self.caps.tokens_for(group)
         taken: list[Job] = []
-        tokens = 0
         of_shape: dict[Hashable, int] = {}
         for job in members:
             if len(taken) >= jobs_cap:
                 break
-            over_budget = budget is not None and tokens + job.tokens > budget
+            # The tokens the forward would compute with it, padding included (sizes mixed: jobs.py).
+            over_budget = budget is not None and computed_tokens([*taken, job]) > budget
             if taken and (over_budget or of_shape.get(job.shape, 0) >= self.caps.shape_cap(job.shape)):
                 continue
             taken.append(job)
-            tokens += job.tokens
             of_shape[job.shape] = of_shape.get(job.shape, 0) + 1
         return taken
 
@@ -472,7 +479,7 @@ class Scheduler:
         """Apply one forward's per-job results (the ``forward``-th): each job's counters and denoising
         step; a job whose own step failed is returned as failed (not advanced); those that took their
         last step move to finishing (decoded next)."""
-        self.caps.ran(jobs[0].group, len(jobs), sum(job.tokens for job in jobs))
+        self.caps.ran(jobs[0].group, len(jobs), computed_tokens(jobs))
         outcome = ForwardOutcome()
         for job, out in zip(jobs, result.steps, strict=True):
             job.waited_since = self.step

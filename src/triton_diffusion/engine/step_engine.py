@@ -45,6 +45,7 @@ from triton_diffusion.engine.jobs import (
     JobStart,
     Left,
     StepReport,
+    computed_tokens,
 )
 from triton_diffusion.engine.ordering import AdmissionPacing, Policy, Service
 from triton_diffusion.engine.request_status import Abort, Request
@@ -214,7 +215,7 @@ class StepEngine:
         def failed(part: list[Job], failure: Failure) -> None:
             log.warning("forward of %d job(s) failed: %s", len(part), failure.text)
             if failure.oom:
-                self.scheduler.caps.out_of_memory(group, len(part), sum(job.tokens for job in part))
+                self.scheduler.caps.out_of_memory(group, len(part), computed_tokens(part))
 
         def fail(part: list[Job], failure: Failure) -> None:
             for job in part:
@@ -226,7 +227,8 @@ class StepEngine:
         """One forward's per-job results, applied by the scheduler, then reported; the done decoded."""
         self.forwards += 1
         tokens = sum(job.tokens for job in jobs)
-        self.times.forward_ran(len(jobs), tokens, seconds)
+        # What it computed, padding included (a packed forward's): what its seconds are the cost of.
+        self.times.forward_ran(len(jobs), tokens + result.padded_tokens, seconds)
         outcome = self.scheduler.update(jobs, result, self.forwards)
         for job, error in outcome.failed:
             self._fail(job, error)

@@ -237,6 +237,7 @@ class DiffusionModel(TritonModel):
         return JobSpec(
             params=params,
             tokens=self.adapter.tokens_of(params) if self.adapter is not None else 1,
+            grid=self.adapter.grid_of(params) if self.adapter is not None else None,
             index=index,
             group=key,
             tier=service.tier,
