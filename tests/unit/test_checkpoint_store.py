@@ -120,8 +120,15 @@ def test_a_write_is_atomic_no_partial_file_is_ever_a_checkpoint(store, monkeypat
     assert files(store.directory) == [f"{KEY}.safetensors"]
     stored = store.get(KEY)
     assert stored is not None and stored.checkpoint.step == 2
-    # A temporary file a crash left behind is removed at the next start and is never a checkpoint.
-    (store.directory / f".{KEY}.0a1b2c.tmp").write_bytes(b"half a checkpoint")
+    # A temporary file a crash left behind is never a checkpoint, and is removed at a later start once it
+    # is old (a fresh one may be another replica's write under way, in a folder replicas share).
+    leftover = store.directory / f".{KEY}.0a1b2c.tmp"
+    leftover.write_bytes(b"half a checkpoint")
+    os.utime(leftover, (store.clock() - 60, store.clock() - 60))
+    kept = CheckpointStore(store.directory, 1 << 20, 3600.0, store.clock)
+    assert sorted(files(kept.directory)) == sorted([leftover.name, f"{KEY}.safetensors"])
+    kept.close()
+    os.utime(leftover, (store.clock() - 601, store.clock() - 601))
     again = CheckpointStore(store.directory, 1 << 20, 3600.0, store.clock)
     assert files(again.directory) == [f"{KEY}.safetensors"]
     again.close()

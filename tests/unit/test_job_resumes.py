@@ -22,8 +22,8 @@ from triton_diffusion.models.diffusion_model import DiffusionModel
 from triton_diffusion.models.image_fields import TEXT_TO_IMAGE_FIELDS
 from triton_diffusion.serving.checkpoint_store import CorruptCheckpoint
 from triton_diffusion.serving.engine_host import RequestRecord
-from triton_diffusion.serving.job_resumes import Resumes, fields_hash, seed_from_key
-from triton_diffusion.settings import ModelConfig
+from triton_diffusion.serving.job_resumes import Resumes, fields_hash, model_identity, seed_from_key
+from triton_diffusion.settings import ModelConfig, ModelSettings
 
 KEY = "client-key_0123456789"
 
@@ -168,7 +168,7 @@ def bare_model(store: FakeStore | None) -> Bare:
         "default_scheduler": "DDIM",
     }
     model.fields = TEXT_TO_IMAGE_FIELDS.configured(defaults)
-    model.adapter = SimpleNamespace(tokens_of=lambda params: 1)
+    model.adapter = SimpleNamespace(tokens_of=lambda params: 1, grid_of=lambda params: None)
     model.resumes = Resumes(store, 2) if store is not None else None
     return model
 
@@ -324,3 +324,22 @@ def test_checkpoints_without_a_folder_are_a_load_error_naming_both():
     assert ModelConfig.parse({}, ["image"], [], "m").checkpoint_every_steps == 0  # off by default
     with pytest.raises(ValueError, match="not read by this kind of model"):
         ModelConfig.parse({"checkpoint_every_steps": "2"}, ["lm"], [], "m")
+
+
+def test_a_checkpoint_is_bound_to_the_weights_it_was_taken_under(tmp_path):
+    # A rollout onto a shared checkpoint folder: the same model name, other weights. Their files differ
+    # (size or time), so the model's identity, and every fields hash with it, differs: nothing resumes.
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    (weights / "model.safetensors").write_bytes(b"a" * 10)
+    config = ModelConfig.parse({"model": str(weights)}, ("image", "image_source"), [], "m")
+    settings = ModelSettings("m", tmp_path, config, {}, 4, "CPU", 0)
+    before = model_identity(settings)
+    assert model_identity(settings) == before
+    (weights / "model.safetensors").write_bytes(b"b" * 11)
+    after = model_identity(settings)
+    assert after != before
+    values = {"prompt": "a cat", "seed": 1}
+    assert Resumes(None, 2, identity=before).hash_of("m", values) != Resumes(None, 2, identity=after).hash_of(
+        "m", values
+    )

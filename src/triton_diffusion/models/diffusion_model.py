@@ -30,7 +30,7 @@ from triton_diffusion.families import PipelineFacts
 from triton_diffusion.fields import FieldSet
 from triton_diffusion.serving.engine_host import EngineHost, RequestRecord
 from triton_diffusion.serving.engines import EngineKind, RequestEngineKind, StepEngineKind
-from triton_diffusion.serving.job_resumes import Resume, Resumes, fields_hash, seed_from_key
+from triton_diffusion.serving.job_resumes import Resume, Resumes, seed_from_key
 from triton_diffusion.serving.metrics import IMAGE_METRICS
 from triton_diffusion.serving.requests import TrackedRequest
 from triton_diffusion.serving.result_cache import ResultCache, result_key
@@ -198,7 +198,7 @@ class DiffusionModel(TritonModel):
         resume_key = values.get("resume_key")
         if self.resumes is None or not resume_key:
             return None
-        hashed = fields_hash(self.settings.name, values)
+        hashed = self.resumes.hash_of(self.settings.name, values)
         resume = self.resumes.lookup(resume_key, images, hashed)
         self.resumes.watch(tracked, resume_key, hashed)
         return resume

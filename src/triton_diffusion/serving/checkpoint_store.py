@@ -44,6 +44,10 @@ log = logging.getLogger("triton_diffusion")
 SUFFIX = ".safetensors"
 _KEY = re.compile(r"[A-Za-z0-9_-]{16,128}(\.[0-9]{1,9})?")
 _TEMPORARY = ".tmp"  # a temporary file is ``.<key>.<random>.tmp``: hidden, and never ``*.safetensors``
+# Longest a caller waits for a write under way (a stuck disk must not stall the threads that read or
+# answer requests), and the age past which a temporary file is a crash's leftover, not a write under way.
+WAIT_S = 10.0
+LEFTOVER_S = 600.0
 
 
 def valid_key(key: str) -> bool:
@@ -82,7 +86,11 @@ class CheckpointStore:
         self._changed = threading.Condition()  # guards the pending writes and the key being written
         self._files = threading.RLock()  # guards the directory's files and bytes_used
         for leftover in self.directory.glob(f".*{_TEMPORARY}"):  # a write a crash cut short
-            leftover.unlink(missing_ok=True)
+            try:  # not another replica's write under way (a folder shared by replicas): old ones only
+                if self.clock() - leftover.stat().st_mtime > LEFTOVER_S:
+                    leftover.unlink(missing_ok=True)
+            except FileNotFoundError:
+                pass
         self.sweep()
         self._thread = threading.Thread(target=self._write_loop, name="checkpoint-writer", daemon=True)
         self._thread.start()
@@ -104,7 +112,11 @@ class CheckpointStore:
         (then it is deleted). Raises CorruptCheckpoint (and deletes the file) if it is damaged."""
         self._check(key)
         with self._changed:
-            self._changed.wait_for(lambda: key not in self._pending and self._writing != key)
+            if not self._changed.wait_for(lambda: key not in self._pending and self._writing != key, WAIT_S):
+                log.warning(
+                    "checkpoint %s: its write is still under way after %g s: read as none", key, WAIT_S
+                )
+                return None  # a stuck disk must not stall admission: the request starts over
         path = self._path(key)
         with self._files:
             try:
@@ -126,7 +138,7 @@ class CheckpointStore:
         self._check(key)
         with self._changed:
             self._pending.pop(key, None)
-            self._changed.wait_for(lambda: self._writing != key)
+            self._changed.wait_for(lambda: self._writing != key, WAIT_S)  # a stuck write: its TTL clears it
         with self._files:
             self._delete(self._path(key))
 
@@ -140,7 +152,7 @@ class CheckpointStore:
         with self._changed:
             for key in [key for key in self._pending if of_request(key)]:
                 del self._pending[key]
-            self._changed.wait_for(lambda: self._writing is None or not of_request(self._writing))
+            self._changed.wait_for(lambda: self._writing is None or not of_request(self._writing), WAIT_S)
         with self._files:
             for path in self._checkpoint_files():
                 if of_request(path.name[: -len(SUFFIX)]):

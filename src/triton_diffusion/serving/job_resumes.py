@@ -21,6 +21,7 @@ resend goes on from the last one instead of starting over. Data flows one way:
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import logging
 import os
 import threading
@@ -50,10 +51,37 @@ def seed_from_key(resume_key: str) -> int:
 
 
 def fields_hash(model: str, values: Mapping[str, Any]) -> str:
-    """What a checkpoint is bound to: the model's name and every validated value that decides the request's
-    images (all but resume_key, progress and previews, service tier and timeout, describe: the result
-    cache's key, serving/result_cache.py), the seed among them."""
+    """What a checkpoint is bound to: the model (its name and what it was loaded from: ``model_identity``)
+    and every validated value that decides the request's images (all but resume_key, progress and
+    previews, service tier and timeout, describe: the result cache's key, serving/result_cache.py), the
+    seed among them."""
     return hashlib.sha256(f"{model}\0{values_digest(values, NOT_IN_KEY)}".encode()).hexdigest()
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("triton-diffusion")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree
+        return "source"
+
+
+def model_identity(settings: ModelSettings) -> str:
+    """The model as loaded, for ``fields_hash``: its name, its weights folder's files (path, size, mtime),
+    its LoRA adapters' config, and the versions of diffusers, torch and this package. A checkpoint taken
+    under other weights (a rollout onto a shared checkpoint folder) fits no request of this one."""
+    import diffusers
+    import torch
+
+    parts = [settings.name, str(settings.config.loras), diffusers.__version__, torch.__version__, _version()]
+    source = Path(settings.model_source())
+    if source.is_dir():
+        for path in sorted(source.rglob("*")):
+            if path.is_file():
+                stat = path.stat()
+                parts.append(f"{path.relative_to(source)}:{stat.st_size}:{stat.st_mtime_ns}")
+    else:
+        parts.append(str(source))  # a hub id (its files live in the hub's cache)
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 
 @dataclass(frozen=True)
@@ -80,14 +108,20 @@ class Resumes:
         faults: FaultInjection | None = None,
         seed_of: Callable[[Job], int] | None = None,
         marker: Path | None = None,
+        identity: str = "",
     ) -> None:
         self.store = store  # a serving/checkpoint_store.py CheckpointStore (or a test's)
         self.every = every
+        self.identity = identity  # the model as loaded (model_identity): part of every fields hash
         self.faults = faults if faults is not None and faults.exit_on_seed is not None else None
         self.seed_of = seed_of
         self.marker = marker  # the exit fault's "it happened" file, beside the checkpoint folder
         self._lock = threading.Lock()
         self._watched: dict[TrackedRequest, tuple[str, str]] = {}  # -> (resume_key, fields hash)
+
+    def hash_of(self, model: str, values: Mapping[str, Any]) -> str:
+        """A request's fields hash on this model as loaded (its identity, where known)."""
+        return fields_hash(f"{model}:{self.identity}" if self.identity else model, values)
 
     @classmethod
     def from_settings(cls, settings: ModelSettings, seed_of: Callable[[Job], int]) -> Resumes | None:
@@ -111,7 +145,8 @@ class Resumes:
             config.checkpoint_max_mb,
             config.checkpoint_ttl_s,
         )
-        return cls(store, config.checkpoint_every_steps, config.fault_injection, seed_of, marker)
+        identity = model_identity(settings)
+        return cls(store, config.checkpoint_every_steps, config.fault_injection, seed_of, marker, identity)
 
     # ---- execute() thread: reading a request --------------------------------------------------------
     def lookup(self, resume_key: str, images: int, hashed: str) -> Resume:
@@ -154,11 +189,13 @@ class Resumes:
         requests still unanswered; then the test-only exit fault."""
         for job, checkpoint in report.checkpoints:
             tracked: TrackedRequest = job.record.tracked
+            # Checked and handed over under the lock ``answered`` takes: a request answered meanwhile has
+            # either had this put removed with it, or is no longer watched (nothing to resume).
             with self._lock:
                 watched = self._watched.get(tracked)
-            if watched is None or tracked.ended or job.checkpoint_key is None:
-                continue  # answered meanwhile: nothing to resume
-            self.store.put(job.checkpoint_key, watched[1], checkpoint)
+                if watched is None or tracked.ended or job.checkpoint_key is None:
+                    continue
+                self.store.put(job.checkpoint_key, watched[1], checkpoint)
         if self.faults is not None and self.seed_of is not None:
             for stepped in report.stepped:
                 if self.faults.exit_due(self.seed_of(stepped.job), stepped.step):
@@ -181,8 +218,10 @@ class Resumes:
         and restarts, or is at capacity: the client's retry is what resumes from them)."""
         with self._lock:
             watched = self._watched.pop(tracked, None)
-        if watched is not None and code is not ErrorCode.UNAVAILABLE:
-            self.store.remove_request(watched[0])
+            if watched is not None and code is not ErrorCode.UNAVAILABLE:
+                self.store.remove_request(
+                    watched[0]
+                )  # cancels its pending writes, under the lock persist takes
 
     def close(self) -> None:
         """Write what is queued, then stop the store's writer (the model unloads)."""
