@@ -15,6 +15,7 @@ PNDM, DEIS, single-step and SDE DPM-Solver) round-trip as schedulers alone.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 from collections.abc import Callable
 from dataclasses import replace
@@ -77,12 +78,15 @@ class Resuming:
 
     def prepare(self, jobs: list[Job]) -> list[Any]:
         starts = self.adapter.prepare(jobs)
-        for job, start in zip(jobs, starts, strict=True):
+        for i, (job, start) in enumerate(zip(jobs, starts, strict=True)):
             if job.request.request_id == "target":
                 fresh = copy.deepcopy(start.state)
                 restore(start.state, self.checkpoint)
                 if self.tamper is not None:
                     self.tamper(start.state, fresh)
+                starts[i] = dataclasses.replace(
+                    start, steps_done=self.checkpoint.step
+                )  # it goes on from there
         return starts
 
 
@@ -119,7 +123,6 @@ def resumed(
     neighbour), run to the end: its image."""
     resuming = Resuming(adapter, checkpoint, tamper)
     target = job_of(resuming, "target", RecordingChannel(), request)
-    target.steps_done = checkpoint.step
     run(resuming, [target, job_of(resuming, "neighbour", RecordingChannel(), neighbour)])
     assert target.forwards == target.total_steps - checkpoint.step
     return served(target)

@@ -190,6 +190,15 @@ def restore(state: LatentJob, checkpoint: JobCheckpoint) -> None:
     missing = sorted(set(current) - set(saved["attributes"]))
     if missing:
         raise CheckpointMismatch(f"scheduler attributes missing from the checkpoint: {', '.join(missing)}")
+    # Only values a scheduler holds as data: never one of its methods or its config (a checksum tells a
+    # damaged file, not a forged one written into a shared folder).
+    for name in set(saved["attributes"]) - set(current):
+        if (
+            name.startswith("__")
+            or name in ("config", "_internal_dict")
+            or callable(getattr(scheduler, name, None))
+        ):
+            raise CheckpointMismatch(f"scheduler.{name}: not a value a scheduler keeps")
     attributes = {
         name: _decode(encoded, current.get(name), f"scheduler.{name}", checkpoint, device)
         for name, encoded in saved["attributes"].items()
@@ -204,6 +213,10 @@ def restore(state: LatentJob, checkpoint: JobCheckpoint) -> None:
     for generator, saved_state in zip(generators, generator_states, strict=True):
         if saved_state.shape != generator.get_state().shape:
             raise CheckpointMismatch(f"generator state: {tuple(saved_state.shape)} bytes, another kind")
+        try:  # tried on a scratch generator first: a state torch refuses must not leave a job half set
+            torch.Generator(device=generator.device).set_state(saved_state.clone())
+        except RuntimeError as exc:
+            raise CheckpointMismatch(f"generator state: {exc}") from exc
     # Everything fits: set it.
     state.latents = latents.to(device)
     for name, value in attributes.items():

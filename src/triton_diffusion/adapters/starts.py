@@ -36,6 +36,7 @@ from triton_diffusion.adapters.job_checkpoints import (
     snapshot,
 )
 from triton_diffusion.adapters.lora import LoraSet
+from triton_diffusion.engine.failures import Failure
 from triton_diffusion.engine.jobs import Job, JobStart
 
 log = logging.getLogger("triton_diffusion")
@@ -162,7 +163,9 @@ class LatentStarts:
             return start
         try:
             restore(start.state, request.resume)
-        except CheckpointMismatch as exc:
+        except Exception as exc:  # noqa: BLE001  (any checkpoint that cannot be restored: start afresh)
+            if not isinstance(exc, CheckpointMismatch) and Failure.of(exc).lost:
+                raise
             log.warning("a checkpoint does not fit its job (%s): it starts over", exc)
             (fresh,) = self.start_requests([replace(request, resume=None)])
             return replace(fresh, warning=f"its checkpoint did not fit ({exc}): started over")
