@@ -17,6 +17,7 @@ latents), as ``StableDiffusion3InpaintPipeline`` runs it.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,6 +30,9 @@ from triton_diffusion.adapters.latent_loop import LatentStepAdapter
 from triton_diffusion.adapters.packed_rows import MaskedJointAttnProcessor
 from triton_diffusion.adapters.starts import LatentStarts
 from triton_diffusion.adapters.vae import sample_latents
+
+# FLUX.1's position ids kept per (text length, canvas size): a few, as the sizes that meet change.
+IDS_KEPT = 16
 
 
 class FlowMatchingImageStart(LatentStarts):
@@ -79,8 +83,18 @@ class FluxAdapter(FlowMatchingImageStart, LatentStepAdapter):
         self._ids_by_shape: dict[tuple[int, tuple[int, int]], tuple[torch.Tensor, torch.Tensor]] = {}
         # Sizes share forwards (a patch's ids are its own position from the origin, packed_rows.py); a
         # Fill checkpoint's mask channels are not placed on a canvas.
-        self.packs_sizes = not self.inpainting_checkpoint
-        self.packs_sizes_not = "a FLUX.1 Fill checkpoint: its mask channels are not packed"
+        # The key mask reaches the attention through FluxAttnProcessor as is: diffusers' native attention
+        # (SDPA) honours it; another backend (flash, sage: set_attention_backend) is not assured to.
+        backends = {getattr(p, "_attention_backend", None) for p in self.model.attn_processors.values()}
+        native = (
+            backends <= {None, "native"} and os.environ.get("DIFFUSERS_ATTN_BACKEND", "native") == "native"
+        )
+        self.packs_sizes = not self.inpainting_checkpoint and native
+        self.packs_sizes_not = (
+            "a FLUX.1 Fill checkpoint: its mask channels are not packed"
+            if self.inpainting_checkpoint
+            else "an attention backend other than native SDPA: the key mask is not assured"
+        )
 
     def supports(self, start: str) -> bool:
         if self.inpainting_checkpoint:
@@ -182,6 +196,7 @@ class FluxAdapter(FlowMatchingImageStart, LatentStepAdapter):
         size: tuple[int, int],
     ) -> Any:
         embeds = inputs["encoder_hidden_states"]
+        mask = inputs.get("attention_mask")
         text_ids, image_ids = self._position_ids(embeds.shape[1], size)
         if self.inpainting_checkpoint:  # FluxFillPipeline: the mask and masked latents beside the latents
             latents = torch.cat((latents, inputs["inpaint_channels"]), dim=2)
@@ -193,10 +208,8 @@ class FluxAdapter(FlowMatchingImageStart, LatentStepAdapter):
             encoder_hidden_states=embeds,
             txt_ids=text_ids,
             img_ids=image_ids,
-            # A packed forward's key mask (FluxAttnProcessor passes it to the attention as is).
-            joint_attention_kwargs={"attention_mask": inputs["attention_mask"]}
-            if "attention_mask" in inputs
-            else {},
+            # A packed forward's key mask, [rows, 1, 1, keys] as SDPA takes it (FluxAttnProcessor passes it).
+            joint_attention_kwargs={} if mask is None else {"attention_mask": mask[:, None, None, :]},
             return_dict=False,
         )[0]
 
@@ -211,6 +224,8 @@ class FluxAdapter(FlowMatchingImageStart, LatentStepAdapter):
             image_ids = self.pipe._prepare_latent_image_ids(
                 1, size[0] // factor, size[1] // factor, self.device, self.dtype
             )
+            if len(self._ids_by_shape) >= IDS_KEPT:  # canvases follow the sizes that met: keep a few
+                del self._ids_by_shape[next(iter(self._ids_by_shape))]
             self._ids_by_shape[key] = (text_ids, image_ids)
         return self._ids_by_shape[key]
 
