@@ -381,8 +381,8 @@ def test_three_sizes_share_forwards_through_the_server_each_equal_to_its_pipelin
     family_server, packed
 ):
     """FLUX.1 and SD3 pack images of different sizes into one forward (adapters/packed_rows.py): a request
-    of each size joins a held 64x64 one, shares forwards with another size (the only one of its size but
-    for the holder) and equals ``pipeline(...)`` alone at its size and seed."""
+    of each size joins a held 64x64 one and equals ``pipeline(...)`` alone at its size and seed; the 96x64
+    and 64x128 ones, each the only one of its size, share forwards (so with another size)."""
     requests = [
         {
             "prompt": f"a boat {w}x{h}",
