@@ -142,6 +142,7 @@ def main(argv: list[str] | None = None) -> None:
         "runs": runs,
         "summary": summary,
         "wall_s": time.perf_counter() - started,
+        "complete": True,
     }
     path = artefacts.write(args.out / "checkpoint_cost.json", artefact)
     print(f"wrote {path}")

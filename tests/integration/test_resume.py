@@ -23,6 +23,8 @@ from PIL import Image
 from triton_diffusion.serving.server_process import WEIGHTS, RunningServer, copy_model, start_server
 from triton_diffusion.tiny_models import build_missing
 
+from .test_self_healing import status
+
 RESUMING, PLAIN = "sd_resume", "sd_plain"
 SEED, DIES_AFTER, EVERY = 1234, 7, 2
 REQUEST = {"num_inference_steps": 12, "seed": SEED, "guidance_scale": 7.5}
@@ -51,16 +53,6 @@ def answer(server: RunningServer, model: str, prompt: str, fields: dict[str, Any
     finally:
         client.stop_stream()
         client.close()
-
-
-def status(url: str) -> int:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as response:
-            return response.status
-    except urllib.error.HTTPError as error:
-        return error.code
-    except OSError:
-        return 0
 
 
 def restarts(server: RunningServer) -> str:
