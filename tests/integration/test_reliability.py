@@ -348,8 +348,10 @@ def test_shutdown_with_a_request_in_flight_gives_the_client_an_error_not_a_hang(
             "fault_injection": '{\\"step_delay_s\\": 0.4}',
         },
     )
+    # No drain (--drain-s=0): what a request cut off by shutdown gets (a drain lets it finish first, or
+    # checkpoints it: tests/integration/test_drain.py).
     running = start_server(
-        repo, tmp_path / "server.log", ["text_to_image"], extra_args=["--exit-timeout-secs=2"]
+        repo, tmp_path / "server.log", ["text_to_image"], extra_args=["--exit-timeout-secs=2", "--drain-s=0"]
     )
     outcome = queue.Queue()
     threading.Thread(

@@ -98,6 +98,10 @@ def test_a_ratio_within_the_noise_is_never_read_as_a_gain_or_a_loss():
     assert reading("a / b throughput", 1.08, ">= 1.0", noise=0.05) == "met"
     assert reading("a / b throughput", 0.97, ">= 1.0") == "missed, within noise of 1 (±15%)"
     assert reading("a / b throughput", 2.5, ">= 2") == "met"
-    assert reading("a / b", 0.84, ">= 0.8", spread=(0.67, 1.05)) == "met, rounds 0.67-1.05, within noise of 1"
+    # Rounds on both sides of the target: neither met nor missed.
+    assert reading("a / b", 0.84, ">= 0.8", spread=(0.67, 1.05)) == (
+        "within noise of the target, rounds 0.67-1.05, within noise of 1"
+    )
+    assert reading("a / b", 0.84, ">= 0.6", spread=(0.67, 1.05)) == "met, rounds 0.67-1.05, within noise of 1"
     assert reading("a / b", 2.6, ">= 1.5", spread=(2.3, 3.0)) == "met, rounds 2.30-3.00"
     assert target_met(0.4, "<= 0.3") is False and target_met(1.0, "-") is None

@@ -13,7 +13,7 @@ import logging
 import os
 import random
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -31,6 +31,7 @@ from triton_diffusion.errors import invalid_field
 from triton_diffusion.fields import (
     DESCRIBE_FIELD,
     REQUIRED,
+    RESUME_FIELD,
     SERVICE_FIELDS,
     Field,
     FieldSet,
@@ -126,6 +127,12 @@ DIFFUSION_LM_FIELDS = FieldSet(
         seed_field("seed of the request's own generator; drawn and returned when absent"),
         *SERVICE_FIELDS,
         DESCRIBE_FIELD,
+        # Accepted so that clients may send a key to any model (they resend with it after a crash); the
+        # diffusion LM takes no checkpoints: a resend generates again.
+        replace(
+            RESUME_FIELD,
+            doc="accepted and ignored: the diffusion LM takes no checkpoints (a resend runs again)",
+        ),
     ]
 )
 
