@@ -35,43 +35,41 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--old-commit", default="")
     parser.add_argument("--new", default=REPO_ROOT, type=Path)
     parser.add_argument("--new-script", default="scripts/bench_engines.py")
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument(
+        "--rounds", type=int, default=5, help="at least 5 for a verdict (scripts/verdicts.py)"
+    )
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "docs" / "cpu" / "boundary")
     parser.add_argument("bench_args", nargs=argparse.REMAINDER, help="after --: the benchmark's arguments")
     args = parser.parse_args(argv)
     bench_args = [a for a in args.bench_args if a != "--"]
     args.out = args.out.resolve()  # each tree runs in its own folder
     args.out.mkdir(parents=True, exist_ok=True)
+    sys.path.insert(0, str(REPO_ROOT / "scripts"))
+    from artefacts import write
+    from verdicts import rotated_orders, verdict
+
     ratios: dict[str, dict[str, list[float]]] = {}
     rounds = []
-    for index in range(args.rounds):
-        order = ("old", "new") if index % 2 == 0 else ("new", "old")
+    for index, order in enumerate(rotated_orders(["old", "new"], args.rounds)):
         for name in order:
             tree, script = (args.old, args.old_script) if name == "old" else (args.new, args.new_script)
             artefact = run(tree, script, bench_args, args.out / f"{name}_{index}")
             for label, (value, _target) in artefact["ratios"].items():
                 ratios.setdefault(label, {"old": [], "new": []})[name].append(value)
         rounds.append(list(order))
-    noise = 0.15  # one run to the next on this 2-core host (DEVELOPERS.md); the rounds' own spread if larger
     summary = {}
     for label, values in ratios.items():
         old, new = values["old"], values["new"]
         if not old or not new:
             continue
-        spread = max(max(old) - min(old), max(new) - min(new))
-        change = statistics.median(new) - statistics.median(old)
+        found = verdict([n / o for n, o in zip(new, old, strict=False) if o], higher_is_better=None)
         summary[label] = {
             "old": old,
             "new": new,
-            "change": change,
-            "spread": spread,
-            "verdict": "within noise"
-            if abs(change) <= max(spread, noise * abs(statistics.median(old)))
-            else "moved",
+            "change": statistics.median(new) - statistics.median(old),
+            "verdict": str(found),
         }
         print(f"{label}: old {old} new {new} -> {summary[label]['verdict']}")
-    sys.path.insert(0, str(REPO_ROOT / "scripts"))
-    from artefacts import write
 
     config = {"old_commit": args.old_commit, "bench_args": bench_args, "rounds": rounds}
     print(f"written: {write(args.out / 'summary.json', {'config': config, 'ratios': summary})}")

@@ -18,17 +18,17 @@ k jobs that reused every row; so a forward that reuses nothing has for its ideal
 round's uncached forwards took. The overhead is the cached run's forwards (the median of each (jobs, rows,
 reused) group, weighted by its count) over their ideal; forwards of a job count that the round's ``none``
 or probe run never ran are left out (and counted). The artefact keeps every round; its ``summary`` gives
-the median over rounds and the spread (min-max), and ``verdicts`` read each figure against the noise:
-a value whose rounds straddle the neutral value, or that lies within the round-to-round spread of the
-uncached baseline itself, is "within noise", never a gain or a loss.
+the median over rounds and the spread (min-max), and ``verdicts`` read each figure by the one verdict rule
+(scripts/verdicts.py): the median's 90% sign-test interval against the neutral value; fewer than 5 rounds
+give no verdict.
 
 Random weights say nothing about quality, and little about how often a real model reuses: the reuse
 fractions here are the tiny model's. Works on CPU (``flux-bench`` at 128x128) and on a GPU (bf16). The
 artefact (``<out>/bench_caches.json``, ``scripts/artefacts.py``) is rewritten after every measured run, so a
 run cut short keeps what it measured; ``scripts/tables/caches.py`` renders it.
 
-    .venv/bin/python scripts/bench.py caches --requests 32 --rounds 3 --out docs/cpu/caches
-    .venv/bin/python scripts/bench_caches.py --requests 32 --rounds 3 --out docs/cpu/caches   # the same
+    .venv/bin/python scripts/bench.py caches --requests 32 --rounds 5 --out docs/cpu/caches
+    .venv/bin/python scripts/bench_caches.py --requests 32 --rounds 5 --out docs/cpu/caches   # the same
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from pathlib import Path
 
 import torch
 from artefacts import provenance, read, write
+from verdicts import verdict as one_rule
 
 from benchmarks.arrivals import Traffic, poisson_arrivals
 from benchmarks.common import REPO_ROOT, benchmark_parser, mean, percentile
@@ -60,9 +61,8 @@ NOTES = [
     "head(k) the same round's median forward of k jobs that reused every row (the fbc:1.0 probe); medians "
     "per (jobs, rows, reused) group, weighted by count. A forward that reuses nothing has exactly the "
     "round's uncached forward for its ideal, so the ideal is never below what an uncached forward took.",
-    "Noise: a figure whose rounds straddle its neutral value (0 for an overhead, 1 for a ratio), or that "
-    "lies within the round-to-round spread (half the min-max range, relative to the median) of the "
-    "baseline it is compared with, reads 'within noise', never as a gain or a loss.",
+    "Verdicts: the one rule (scripts/verdicts.py): a figure's median over rounds with its 90% sign-test "
+    "interval against its neutral value (0 for an overhead, 1 for a ratio); fewer than 5 rounds give none.",
     "The ideal charges the computing rows their proportional share of an uncached forward; where a "
     "forward of fewer rows costs more per row (a CPU's fixed per-layer cost), that share is a lower bound, "
     "so the overhead holds that as well as the per-row machinery (gathering, the per-branch decision).",
@@ -186,32 +186,29 @@ def relative_half_range(summary: dict | None) -> float | None:
     return (summary["max"] - summary["min"]) / 2 / abs(summary["median"])
 
 
-def verdict(summary: dict | None, neutral: float, noise: float | None, kind: str, words=("", "")) -> str:
-    """How a figure over rounds reads: ``kind`` "overhead" (neutral 0, shown as a percentage) or "ratio"
-    (neutral 1, shown as a factor; ``words`` name a ratio above and below 1). Each round's figure compares
-    variants measured in that round, so the machine's drift between rounds cancels in part: within noise
-    when the rounds straddle ``neutral``, or when the median is within ``noise`` of it (the uncached
-    baseline's own drift between rounds, relative: a figure that moves less than the baseline does is not a
-    finding); one round has no spread to judge by."""
+def verdict(summary: dict | None, neutral: float, kind: str, words=("", "")) -> str:
+    """How a figure over rounds reads, by the one verdict rule (scripts/verdicts.py): ``kind`` "overhead"
+    (neutral 0, shown as a percentage) or "ratio" (neutral 1, shown as a factor; ``words`` name a ratio
+    above and below 1). Each round's figure compares variants measured in that round."""
     if summary is None:
         return "not measured"
 
     def show(value: float) -> str:
         return f"{value + 0.0:+.0%}".replace("-0%", "+0%") if kind == "overhead" else f"{value:.2f}x"
 
-    value, low, high = summary["median"], summary["min"], summary["max"]
-    if len(summary["rounds"]) < 2:
-        return f"{show(value)} (one round: no spread measured, not a finding)"
-    margin = noise or 0.0
-    span = f"rounds {show(low)} to {show(high)}; the baseline drifted ±{margin:.0%} between rounds"
-    distance = abs(value - neutral) if kind == "overhead" else abs(value / neutral - 1)
-    if low <= neutral <= high or distance <= margin:
-        return f"{show(value)} ({span}: within noise)"
+    rounds = [v for v in summary["rounds"] if v is not None]
+    found = one_rule(rounds, higher_is_better=None, neutral=neutral)
+    if found.low is None:
+        return f"{show(found.median)} ({found.interval}: not a finding)"
+    span = f"90% interval {show(found.low)} to {show(found.high)}"
+    if found.word == "no gain or loss shown":
+        return f"{show(found.median)} ({span}: neither above nor below {show(neutral)})"
+    above = found.word.startswith("above")
     if kind == "overhead":
-        if value < neutral:
-            return f"{show(value)} ({span}: below its ideal beyond noise: the ideal is not a floor, check it)"
-        return f"{show(value)} ({span}: above its ideal)"
-    return f"{show(value)} ({span}: {words[0] if value > neutral else words[1]})"
+        if not above:
+            return f"{show(found.median)} ({span}: below its ideal: the ideal is not a floor, check it)"
+        return f"{show(found.median)} ({span}: above its ideal)"
+    return f"{show(found.median)} ({span}: {words[0] if above else words[1]})"
 
 
 def summarize(report: dict) -> None:
@@ -258,15 +255,14 @@ def summarize(report: dict) -> None:
     for variant in variants[1:]:
         if closed[variant]["overhead"] is not None:
             verdicts[f"{variant} overhead over its same-round ideal"] = verdict(
-                closed[variant]["overhead"], 0.0, noise["uncached_forward"], "overhead"
+                closed[variant]["overhead"], 0.0, "overhead"
             )
         verdicts[f"{variant} closed-loop images/s vs none"] = verdict(
-            closed[variant]["vs_none"], 1.0, noise["uncached_images_per_s"], "ratio", ("faster", "slower")
+            closed[variant]["vs_none"], 1.0, "ratio", ("faster", "slower")
         )
         verdicts[f"{variant} Poisson p95 vs none"] = verdict(
             poisson[variant]["p95_vs_none"],
             1.0,
-            noise["uncached_poisson_p95"],
             "ratio",
             ("higher p95: worse", "lower p95: better"),
         )

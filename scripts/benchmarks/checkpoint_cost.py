@@ -26,6 +26,7 @@ from pathlib import Path
 
 import artefacts
 import torch
+from verdicts import rotated_orders
 
 from benchmarks.common import REPO_ROOT
 from benchmarks.inprocess import Bench, device_and_dtype, sync
@@ -108,8 +109,8 @@ def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         one_run(bench, intervals[-1], args, Path(tmp) / "warm-up")  # the process's first steps: not kept
-        for round_ in range(args.rounds):
-            for interval in intervals:
+        for round_, order in enumerate(rotated_orders(intervals, args.rounds)):
+            for interval in order:
                 folder = Path(tmp) / f"r{round_}-i{interval}"
                 run = {"round": round_, **one_run(bench, interval, args, folder)}
                 runs.append(run)
@@ -130,7 +131,12 @@ def main(argv: list[str] | None = None) -> None:
             {
                 "interval": interval,
                 "step_ms_median": statistics.median(r["step_s_mean"] for r in mine) * 1000,
-                "ratio_to_off": {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)},
+                "ratio_to_off": {
+                    "median": statistics.median(ratios),
+                    "min": min(ratios),
+                    "max": max(ratios),
+                    "rounds": ratios,
+                },
                 "bytes_per_checkpoint": statistics.fmean(r["bytes_per_checkpoint"] for r in mine),
             }
         )

@@ -21,10 +21,11 @@ by-shape, the baseline packing is measured against; the engines benchmark takes 
 engine's), its median over rounds, per family and traffic. Every Poisson run of one load has the same
 arrival times (--arrival-seed); its first 10% by arrival are left out (warm-up).
 
-Rounds: each of --rounds rounds runs the three variants back to back (packed, by-shape, request, then the
-same again in the next round), so each round's ratio compares runs that saw the same machine; the artefact
-keeps every run, and its summary takes the median over rounds with the min and max. A ratio whose rounds
-straddle 1 is within noise.
+Rounds: each of --rounds rounds runs the three variants back to back, in an order rotated from round to
+round (packed, by-shape, request; then by-shape, request, packed; ...), so each round's ratio compares runs
+that saw the same machine; the artefact keeps every run, and its summary takes the median over rounds. A
+ratio is read by the one verdict rule (scripts/verdicts.py): its median's 90% sign-test interval, at least
+5 rounds.
 
 Per run: images/s delivered (every offered request counts: one refused, expired or failed is a miss),
 mean and p95 latency from when the request was sent (its Poisson arrival, or its client's previous
@@ -60,6 +61,7 @@ from pathlib import Path
 import artefacts
 import torch
 from tables.mixed_sizes import render
+from verdicts import rotated_orders
 
 from benchmarks.arrivals import Traffic, poisson_arrivals
 from benchmarks.common import (
@@ -418,8 +420,8 @@ def main(argv: list[str] | None = None) -> None:
             requests = sized_requests(sized.bench, drawn, args.steps)
             closed = {"family": arch, "traffic": kind, "load": "closed"}
             print(f"[{arch} {kind}: closed loop at {args.concurrency}]", flush=True)
-            for round_ in range(args.rounds):
-                for variant in variants:
+            for round_, order in enumerate(rotated_orders(variants, args.rounds)):
+                for variant in order:
                     labels = {**closed, "round": round_}
                     measured(
                         sized.measure(variant, requests[: args.requests], drawn, labels, args.concurrency)
@@ -436,8 +438,8 @@ def main(argv: list[str] | None = None) -> None:
             poisson = requests[: args.poisson_requests]
             for load in loads:
                 print(f"[{arch} {kind}: Poisson at {load:.0%} of {capacity:.2f} images/s]", flush=True)
-                for round_ in range(args.rounds):
-                    for variant in variants:
+                for round_, order in enumerate(rotated_orders(variants, args.rounds)):
+                    for variant in order:
                         labels = {
                             "family": arch,
                             "traffic": kind,

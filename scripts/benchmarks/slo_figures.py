@@ -13,6 +13,8 @@ import math
 import statistics
 from dataclasses import dataclass
 
+from verdicts import verdict
+
 from benchmarks.common import mean, percentile
 
 SLO_SCALES = (1.5, 2.0, 3.0)
@@ -30,8 +32,8 @@ NOTES = [
     "steady_state: median answered latency and share unanswered over the first and second half of a "
     "class's requests by arrival; p50_ratio well above 1 means the queue kept growing (no steady state).",
     "summary: median, min and max over rounds; verdicts read tiers against each other variant in "
-    "attainment, within noise when the per-round differences straddle 0 or lie within either variant's "
-    "own round-to-round half-range.",
+    "attainment by the one verdict rule (scripts/verdicts.py): the per-round differences' median with its "
+    "90% sign-test interval against 0; fewer than 5 rounds give no verdict.",
 ]
 
 
@@ -149,20 +151,20 @@ def spread(values: list) -> dict | None:
 
 
 def attainment_verdict(ours: dict | None, theirs: dict | None, rounds: list[float]) -> str:
-    """Attainment of one variant against another, in points: within noise when the per-round
-    differences (both variants on the same arrivals in the same round) straddle 0; one round has no
-    spread."""
+    """Attainment of one variant against another, in points, by the one verdict rule
+    (scripts/verdicts.py): the per-round differences (both variants on the same arrivals in the same
+    round), their median's 90% interval against 0."""
     if ours is None or theirs is None or not rounds:
         return "not measured"
-    difference = statistics.median(rounds)
-    text = f"{ours['median']:.0%} vs {theirs['median']:.0%} (median round difference "
-    text += f"{100 * difference:+.0f} points"
-    if len(rounds) < 2:
-        return text + "; one round: no spread measured, not a finding)"
-    text += f", rounds {100 * min(rounds):+.0f} to {100 * max(rounds):+.0f}"
-    if min(rounds) <= 0 <= max(rounds):
-        return text + ": within noise)"
-    return text + (": better)" if difference > 0 else ": worse)")
+    found = verdict(rounds, neutral=0.0)
+    word = {"gain": "better", "loss": "worse"}.get(found.word, found.word)
+    interval = found.interval if found.low is None else (
+        f"90% interval {100 * found.low:+.0f} to {100 * found.high:+.0f} points"
+    )
+    return (
+        f"{ours['median']:.0%} vs {theirs['median']:.0%} (median round difference "
+        f"{100 * found.median:+.0f} points, {interval}: {word})"
+    )
 
 
 def summarize_rounds(report: dict) -> None:

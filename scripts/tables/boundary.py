@@ -6,16 +6,17 @@ from __future__ import annotations
 from statistics import median
 from typing import Any
 
-from tables.markdown import SINGLE_RUN_NOISE, number, table
+from verdicts import verdict
+
+from tables.markdown import number, table
 
 
-def _reads(values: list[float], neutral: float = 1.0) -> str:
-    """Within noise when the rounds straddle ``neutral`` or the median is within the host's run-to-run
-    noise of it; else higher or lower."""
-    middle = median(values)
-    if min(values) <= neutral <= max(values) or abs(middle / neutral - 1) <= SINGLE_RUN_NOISE:
-        return "within noise"
-    return "higher" if middle > neutral else "lower"
+def _reads(values: list[float]) -> str:
+    """New over old by the one verdict rule (scripts/verdicts.py): higher or lower where the rounds' 90%
+    interval lies on one side of 1."""
+    found = verdict(values, higher_is_better=None)
+    word = {"above 1": "higher", "below 1": "lower"}.get(found.word, found.word)
+    return f"{word} ({found.interval})"
 
 
 def step_cost(artefact: dict[str, Any]) -> str:
@@ -32,8 +33,8 @@ def step_cost(artefact: dict[str, Any]) -> str:
         "",
         f"Old = `{config.get('old_commit') or 'the tree before'}`; {config['jobs']} jobs held, "
         f"{config['per_forward']} per forward, {config['steps']} steps each, {config['engine_steps']} engine "
-        f"steps a run. New over old, median of {len(ratios)} rounds: **{median(ratios):.2f} "
-        f"({min(ratios):.2f} to {max(ratios):.2f}): {_reads(ratios)}**.",
+        f"steps a run. New over old, median of {len(ratios)} rounds: **{median(ratios):.2f}: "
+        f"{_reads(ratios)}**.",
     ]
     return "\n".join(lines)
 
@@ -49,7 +50,7 @@ def engines(summary: dict[str, Any]) -> str:
                 ", ".join(f"{v:.2f}" for v in old),
                 ", ".join(f"{v:.2f}" for v in new),
                 f"{entry['change']:+.2f}",
-                entry["verdict"],
+                _reads([n / o for n, o in zip(new, old, strict=False) if o]),
             )
         )
     config = summary["config"]
@@ -59,7 +60,7 @@ def engines(summary: dict[str, Any]) -> str:
         "",
         f"Old = `{config.get('old_commit')}`, each tree's own benchmark script on its own `src/`, "
         f"{len(config['rounds'])} rounds alternated ({orders}); "
-        f"arguments `{' '.join(config['bench_args'])}`. A change reads within noise when it is inside the "
-        "larger of the two trees' round-to-round spread and the host's run-to-run noise.",
+        f"arguments `{' '.join(config['bench_args'])}`. Read by the one verdict rule (new / old per "
+        "round, the median's 90% sign-test interval against 1; fewer than 5 rounds give none).",
     ]
     return "\n".join(lines)

@@ -5,15 +5,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from tables.markdown import SINGLE_RUN_NOISE, number, ratio_rows, table
+from tables.markdown import number, ratio_rows, table
 
 RATIO_HEADERS = ("ratio", "value", "target", "reading")
 
 
 def ratio_table(artefact: dict[str, Any]) -> str:
-    """The artefact's ``ratios`` ({label: [value, target]}), each read against its target and the noise:
-    the spread of its own rounds where it records them (``round_spread``), else one run's ±15%."""
-    rows = ratio_rows(artefact["ratios"], SINGLE_RUN_NOISE, artefact.get("round_spread"))
+    """The artefact's ``ratios`` ({label: [value, target]}), each read against its target from its rounds
+    where the artefact keeps them (``ratio_rounds``: {label: [one value a round]}); a ratio without its
+    rounds has no verdict."""
+    rows = ratio_rows(artefact["ratios"], artefact.get("ratio_rounds"))
     return table(RATIO_HEADERS, rows)
 
 

@@ -1,5 +1,5 @@
-"""Markdown for the figure blocks: tables, numbers and how a ratio reads against its target and the
-machine's noise. Pure functions of plain values; nothing here imports torch."""
+"""Markdown for the figure blocks: tables, numbers and how a ratio reads against its target (through
+scripts/verdicts.py). Pure functions of plain values; nothing here imports torch."""
 
 from __future__ import annotations
 
@@ -8,9 +8,7 @@ import operator
 from collections.abc import Sequence
 from typing import Any
 
-# Run to run, one benchmark on this project's 2-core CPU host moves by about ±15% (measured: the same code
-# twice, minutes apart). A single run's ratio of two variants inside that band says nothing either way.
-SINGLE_RUN_NOISE = 0.15
+from verdicts import verdict
 
 _COMPARE = {">=": operator.ge, "<=": operator.le, ">": operator.gt, "<": operator.lt}
 
@@ -41,39 +39,20 @@ def target_met(value: float, target: str) -> bool | None:
     return _COMPARE[parts[0]](value, float(parts[1]))
 
 
-def reading(
-    label: str,
-    value: float,
-    target: str,
-    noise: float = SINGLE_RUN_NOISE,
-    spread: Sequence[float] | None = None,
-) -> str:
-    """How a ratio reads: met or missed against its target (within noise of the target where its rounds'
-    spread holds the target: neither), and "within noise" when it compares two variants and 1 lies within
-    its rounds' spread (``spread``: the lowest and highest round), or, for a single run, within ``noise``
-    of it: never a gain or a loss then."""
-    met = target_met(value, target)
-    words = [] if met is None else ["met" if met else "missed"]
-    if spread is not None:
-        low, high = spread
-        parts = target.split()
-        if met is not None and low <= float(parts[1]) <= high:
-            words = ["within noise of the target"]  # its rounds fall on both sides: neither met nor missed
-        words.append(f"rounds {low:.2f}-{high:.2f}")
-        if low <= 1.0 <= high:
-            words.append("within noise of 1")
-    elif " / " in label and abs(value - 1.0) <= noise:
-        words.append(f"within noise of 1 (±{noise:.0%})")
-    return ", ".join(words) or "-"
+def reading(value: float, target: str, rounds: Sequence[float] | None = None) -> str:
+    """How a figure reads (scripts/verdicts.py, the one rule): from its rounds, the median's 90% interval
+    against the target, or against 1 for a ratio with no target; a figure without its rounds (one run, or
+    an artefact that kept only a summary) has no verdict."""
+    if not rounds:
+        return "one run: no verdict" if target_met(value, target) is not None else "-"
+    return str(verdict(rounds, target if target_met(value, target) is not None else None, None))
 
 
 def ratio_rows(
-    ratios: dict[str, Sequence[Any]],
-    noise: float = SINGLE_RUN_NOISE,
-    spreads: dict[str, Sequence[float]] | None = None,
+    ratios: dict[str, Sequence[Any]], rounds: dict[str, Sequence[float]] | None = None
 ) -> list[list[str]]:
-    spreads = spreads or {}
+    rounds = rounds or {}
     return [
-        [label, f"**{number(value)}**", target, reading(label, value, target, noise, spreads.get(label))]
+        [label, f"**{number(value)}**", target, reading(value, target, rounds.get(label))]
         for label, (value, target) in ratios.items()
     ]

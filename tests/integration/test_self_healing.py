@@ -59,6 +59,11 @@ def test_a_killed_stub_is_noticed_reported_and_recovered(tmp_path):
         deadline = time.monotonic() + 60
         while status(f"{front}/health") != 200 and time.monotonic() < deadline:
             time.sleep(0.2)
+        # One line says the server is ready, with where to reach it (the supervisor's next poll prints it).
+        while "READY" not in server.log() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        ready = next(line for line in server.log().splitlines() if "triton-diffusion: READY" in line)
+        assert "1 models (text_to_image)" in ready and f"http://localhost:{front_port}/v1" in ready, ready
         # The front keeps this request's gRPC stream for the next one: the restart must not strand it.
         assert httpx.post(f"{front}/v1/images/generations", json=image, timeout=60).status_code == 200
         in_flight = queue.Queue()

@@ -6,6 +6,7 @@ nothing on it), and a NUL in one (Triton cuts the text there: the model would ge
 from __future__ import annotations
 
 import asyncio
+import io
 
 import pytest
 from triton_diffusion_client import ImageSession
@@ -95,3 +96,29 @@ def test_a_pooled_request_without_an_answer_times_out_and_its_stream_is_dropped(
     with pytest.raises(TimeoutError, match="no FINAL response within 0.05 s"):
         asyncio.run(read())
     assert pool.stream.sent == [{"id": "t"}] and pool.returned == [False]  # not reusable: cancelled
+
+
+class _Stream(io.StringIO):
+    def __init__(self, terminal: bool) -> None:
+        super().__init__()
+        self.terminal = terminal
+
+    def isatty(self) -> bool:
+        return self.terminal
+
+
+def test_progress_is_a_line_each_in_a_log_and_one_redrawn_line_on_a_terminal():
+    from triton_diffusion_client.images import Progress, ProgressLine
+
+    log = _Stream(terminal=False)
+    line = ProgressLine(2, log)
+    line.update(0, Progress(1, 4, None))
+    line.update(1, Progress(2, 8, None))
+    line.close()
+    assert log.getvalue() == "[0] step 1/4\n[1] step 2/8\n"  # never run together
+    screen = _Stream(terminal=True)
+    line = ProgressLine(2, screen)
+    line.update(0, Progress(2, 4, None))
+    line.close()
+    text = screen.getvalue()
+    assert text.startswith("\r\x1b[K[#####     ]  2/4") and text.endswith("\n") and text.count("\n") == 1

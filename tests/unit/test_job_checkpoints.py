@@ -51,6 +51,11 @@ SD_SCHEDULERS = [
     "UniPCMultistepScheduler",
 ]
 KEY = "resume-key-0123456789.0"
+# The resumed job's last steps share forwards with another neighbour than the uninterrupted job's did (the
+# uninterrupted job's last step runs alone), and CPU rounding differs with batch composition (by vendor and
+# kernel: docs/contributing.md, "Exactness"): within 1 level, where the controls below move the image by
+# more than 5.
+TOLERANCE, CONTROL = 1, 5
 Tamper = Callable[[LatentJob, LatentJob], None]  # (the restored job's state, its fresh start's copy)
 
 
@@ -151,7 +156,7 @@ def sd_run(sd: Any, scheduler: str, tmp_path) -> tuple[ImageRequest, ImageReques
 def test_a_resumed_sd_job_ends_in_the_uninterrupted_image(sd, scheduler, tmp_path):
     request, neighbour, expected, checkpoint = sd_run(sd, scheduler, tmp_path)
     image = resumed(sd, request, neighbour, checkpoint)
-    assert np.abs(image - expected).max() == 0, scheduler
+    assert np.abs(image - expected).max() <= TOLERANCE, scheduler
 
 
 def test_without_its_generator_state_a_stochastic_job_resumes_to_another_image(sd, tmp_path):
@@ -161,7 +166,7 @@ def test_without_its_generator_state_a_stochastic_job_resumes_to_another_image(s
         state.step_kwargs["generator"][0].set_state(fresh.step_kwargs["generator"][0].get_state())
 
     image = resumed(sd, request, neighbour, checkpoint, fresh_generator)
-    assert np.abs(image - expected).max() > 1
+    assert np.abs(image - expected).max() > CONTROL
 
 
 def test_without_its_history_a_multistep_job_resumes_to_another_image(sd, tmp_path):
@@ -172,7 +177,7 @@ def test_without_its_history_a_multistep_job_resumes_to_another_image(sd, tmp_pa
         state.scheduler.lower_order_nums = fresh.scheduler.lower_order_nums
 
     image = resumed(sd, request, neighbour, checkpoint, no_history)
-    assert np.abs(image - expected).max() > 1
+    assert np.abs(image - expected).max() > CONTROL
 
 
 def test_a_resumed_flux_job_ends_in_the_uninterrupted_image(flux, tmp_path):
@@ -181,7 +186,7 @@ def test_a_resumed_flux_job_ends_in_the_uninterrupted_image(flux, tmp_path):
     # Another size, packed into the same forwards.
     neighbour = replace(request, prompt="a green field", negative_prompt=None, seed=8, steps=4, height=96)
     expected, checkpoint = interrupted(flux, request, neighbour, 2, tmp_path)
-    assert np.abs(resumed(flux, request, neighbour, checkpoint) - expected).max() == 0
+    assert np.abs(resumed(flux, request, neighbour, checkpoint) - expected).max() <= TOLERANCE
 
 
 @pytest.mark.parametrize(
@@ -196,7 +201,7 @@ def test_a_resumed_image_conditioned_job_ends_in_the_uninterrupted_image(
     neighbour = sd_request(scheduler, 1, steps=5)
     expected, checkpoint = interrupted(sd, request, neighbour, 2, tmp_path)
     assert checkpoint.meta["scheduler"]["attributes"]["_begin_index"]["value"] > 0  # the trimmed schedule
-    assert np.abs(resumed(sd, request, neighbour, checkpoint) - expected).max() == 0
+    assert np.abs(resumed(sd, request, neighbour, checkpoint) - expected).max() <= TOLERANCE
 
 
 # ---- schedulers without a tiny pipeline of their own: state round trips ------------------------------

@@ -41,3 +41,19 @@ def test_bundled_server_command_puts_this_python_first_on_path(tmp_path, monkeyp
     from pathlib import Path
 
     assert command.env["PATH"].split(":")[0] == str(Path(sys.executable).parent)
+
+
+def test_the_ready_line_names_every_model_and_the_ports_given():
+    extra = ["--http-port", "18000", "--grpc-port=18001", "--metrics-port", "18002"]
+    line = launcher.ready_line(extra, ["text_to_image", "diffusion_lm"], 18003, ("127.0.0.1", 19000))
+    assert line.startswith("triton-diffusion: READY, 2 models (text_to_image, diffusion_lm)")
+    for url in (
+        "http://localhost:18000",
+        "localhost:18001",
+        "http://localhost:18002/metrics",
+        "http://localhost:18003/readyz",
+        "http://localhost:19000/v1",
+    ):
+        assert url in line, url
+    plain = launcher.ready_line([], ["m"], 0)
+    assert "http://localhost:8000" in plain and "readyz" not in plain and "OpenAI" not in plain

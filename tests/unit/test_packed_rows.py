@@ -28,6 +28,7 @@ from tests.unit.step_harness import (
 )
 from tests.unit.test_lora import reference as lora_reference
 from tests.unit.test_preemption import run_with_a_late_priority_request
+from tests.unit.test_step_caches import ComputedRows
 from triton_diffusion.adapters.dit import DiTAdapter
 from triton_diffusion.adapters.image_requests import ImageRequest
 from triton_diffusion.adapters.latent_loop import LatentStepAdapter
@@ -40,7 +41,7 @@ from triton_diffusion.faults import FaultInjection, FaultyStepAdapter
 from triton_diffusion.models.text_to_image import TextToImageModel
 from triton_diffusion.serving.server_process import WEIGHTS
 from triton_diffusion.settings import ModelConfig, ModelSettings
-from triton_diffusion.step_cache_spec import parse_step_cache
+from triton_diffusion.step_cache_spec import NO_CACHE, parse_step_cache
 from triton_diffusion.tiny_models import build_missing
 
 # (height, width): the issue's three CPU sizes, 64x64, 96x64 and 64x128 (WIDTHxHEIGHT).
@@ -210,20 +211,36 @@ def test_images_of_three_sizes_share_forwards_and_each_equals_its_pipeline_alone
     assert worst_unmasked > 5, ("without the mask the images would still pass", worst_unmasked)
 
 
+# A step cache and step count per family that move the tiny model's image by more than 5 levels and skip
+# rows (fbc:0.2 and fbc:0.5 skip none on tiny FLUX.1; SD3's TaylorSeer moves a 4-step image by 2 levels):
+# so the checks below can tell a cache applied from one ignored.
+CACHES = {"FluxPipeline": ("fbc:0.9", 4), "StableDiffusion3Pipeline": ("taylorseer:2", 6)}
+
+
 def test_a_cached_job_keeps_to_its_size_and_shares_with_uncached_jobs_of_it(family):
     pipe, facts, schedulers = family
     adapter = adapter_of(family)
-    method = "fbc:0.2" if "fbc" in adapter.cache_methods else "taylorseer:2"
+    method, steps = CACHES[facts.class_name]
     arrivals = mixed_requests(family)[:3]
-    cached = replace(arrivals[0][1], prompt="cached", seed=77, step_cache=parse_step_cache(method))
+    cached = replace(
+        arrivals[0][1], prompt="cached", seed=77, steps=steps, step_cache=parse_step_cache(method)
+    )
     # The cached job first: its size's group goes first (the oldest job's), and the uncached job of its size
     # joins it (scheduler.py: a job of every size joins a forward of its own shape's group).
     jobs = run_engine(adapter, [(0, cached), *arrivals])
     assert jobs[0].group == SIZES[0] and all(job.group != SIZES[0] for job in jobs[1:])
     assert jobs[0].most_shared == 2, "the cached job did not share with the uncached one of its size"
     assert jobs[2].most_shared == 2, "the uncached jobs of the other two sizes did not share a forward"
-    (alone,) = run_engine(adapter, [(0, cached)])
+    # Alone, with and without its cache: the rows the transformer's blocks ran on, counted by hooks on
+    # torch's own modules (not by the engine's counters), and the images.
+    with ComputedRows(adapter.pipe.transformer) as with_cache:
+        (alone,) = run_engine(adapter, [(0, cached)])
+    with ComputedRows(adapter.pipe.transformer) as without:
+        (uncached,) = run_engine(adapter, [(0, replace(cached, step_cache=NO_CACHE))])
     assert np.abs(served(jobs[0]) - served(alone)).max() <= 1
+    assert with_cache.rows < without.rows, ("the cache computed every row", with_cache.rows, without.rows)
+    moved = np.abs(served(alone) - served(uncached)).max()
+    assert moved > 5, (method, "moves the image by only", moved)
 
 
 def test_a_row_that_fails_fails_alone_in_a_packed_forward(family):

@@ -31,7 +31,7 @@ from contextlib import closing
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import numpy as np
 from PIL import Image
@@ -243,18 +243,34 @@ def _parse_value(text: str) -> Any:
 
 
 class ProgressLine:
-    """One status line on stderr with every request's step (no progress-bar package needed)."""
+    """Every request's step on stderr (no progress-bar package needed): on a terminal one status line,
+    redrawn in place, with a bar per request; otherwise (a pipe, a log file) one line per progress response,
+    so the lines never run together."""
 
-    def __init__(self, count: int) -> None:
-        self.steps = ["-"] * count
+    WIDTH = 10  # characters of each request's bar
+
+    def __init__(self, count: int, stream: TextIO | None = None) -> None:
+        self.stream = stream or sys.stderr
+        self.steps: list[tuple[int, int] | None] = [None] * count
+        self.terminal = self.stream.isatty()
 
     def update(self, index: int, progress: Progress) -> None:
-        self.steps[index] = f"{progress.step}/{progress.total}"
-        print("\rsteps: " + " ".join(self.steps), end="", file=sys.stderr, flush=True)
+        self.steps[index] = (progress.step, progress.total)
+        if not self.terminal:
+            print(f"[{index}] step {progress.step}/{progress.total}", file=self.stream, flush=True)
+            return
+        cells = []
+        for done in self.steps:
+            if done is None:
+                cells.append("[" + " " * self.WIDTH + "]    -")
+                continue
+            filled = self.WIDTH * done[0] // max(done[1], 1)
+            cells.append(f"[{'#' * filled}{' ' * (self.WIDTH - filled)}] {done[0]:>2}/{done[1]}")
+        print("\r\x1b[K" + "  ".join(cells), end="", file=self.stream, flush=True)
 
     def close(self) -> None:
-        if any(step != "-" for step in self.steps):
-            print(file=sys.stderr)
+        if self.terminal and any(step is not None for step in self.steps):
+            print(file=self.stream)
 
 
 def add_retry_options(parser: argparse.ArgumentParser) -> None:

@@ -149,6 +149,25 @@ def openai_front_command(extra: list[str], port: int, address: str, api_key_file
     return argv
 
 
+def ready_line(
+    extra: list[str], models: list[str], health_port: int, front: tuple[str, int] | None = None
+) -> str:
+    """The one line that says every model is ready, with where to reach the server."""
+    http, grpc = _option(extra, "http-port", "8000"), _option(extra, "grpc-port", "8001")
+    metrics = _option(extra, "metrics-port", "8002")
+    parts = [
+        f"HTTP http://localhost:{http}",
+        f"gRPC localhost:{grpc}",
+        f"metrics http://localhost:{metrics}/metrics",
+    ]
+    if health_port:
+        parts.append(f"health http://localhost:{health_port}/readyz")
+    if front is not None:
+        host = "localhost" if front[0] in ("0.0.0.0", "127.0.0.1", "::") else front[0]
+        parts.append(f"OpenAI front http://{host}:{front[1]}/v1 (playground http://{host}:{front[1]}/)")
+    return f"triton-diffusion: READY, {len(models)} models ({', '.join(models) or '-'}): " + "; ".join(parts)
+
+
 def with_drain_file(command: ServerCommand, extra: list[str]) -> tuple[ServerCommand, Path]:
     """The server command with the drain file's path in its environment (its Python backend stubs inherit
     it: serving/drain.py), and that path, cleared of what an earlier run left there."""
@@ -163,6 +182,7 @@ def supervise(
     health_port: int,
     front_argv: list[str] | None = None,
     drain_s: float = 30.0,
+    front_at: tuple[str, int] | None = None,
 ) -> int:
     """Run tritonserver as a child with the supervisor beside it, which restarts it when one of its
     Python backend processes (or the server itself) dies; with ``front_argv``, the OpenAI front as a
@@ -184,6 +204,9 @@ def supervise(
         exit_timeout_s=float(_option(extra, "exit-timeout-secs", "30")),
         drain_file=drain_file if drain_s > 0 else None,
         drain_s=drain_s,
+        announce=lambda models: print(
+            ready_line(extra, models, health_port, front_at), file=sys.stderr, flush=True
+        ),
     )
     front = CompanionProcess(front_argv, "the OpenAI front") if front_argv else None
 
@@ -257,7 +280,7 @@ def main(argv: list[str] | None = None) -> None:
     known, extra = parser.parse_known_args(argv)
     if known.drain_s < 0:
         parser.error("--drain-s must be 0 or more")
-    front_argv = None
+    front_argv, front_at = None, None
     if known.openai_port:
         if known.no_supervise:
             sys.exit("triton-diffusion-serve: --openai-port needs the supervisor (drop --no-supervise)")
@@ -278,6 +301,7 @@ def main(argv: list[str] | None = None) -> None:
         front_argv = openai_front_command(
             extra, known.openai_port, address, key_file.resolve() if key_file else None
         )
+        front_at = (address, known.openai_port)
     try:
         command = server_command(known.model_repository.resolve(), extra, known.backend_cache)
     except LauncherError as exc:
@@ -286,7 +310,7 @@ def main(argv: list[str] | None = None) -> None:
         print("+ " + " ".join(command.argv), file=sys.stderr, flush=True)
         os.execvpe(command.argv[0], command.argv, command.env)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
-    sys.exit(supervise(command, extra, known.health_port, front_argv, known.drain_s))
+    sys.exit(supervise(command, extra, known.health_port, front_argv, known.drain_s, front_at))
 
 
 if __name__ == "__main__":

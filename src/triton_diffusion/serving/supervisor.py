@@ -110,8 +110,10 @@ class Supervisor:
         exit_timeout_s: float = 30.0,
         drain_file: Path | None = None,
         drain_s: float = 30.0,
+        announce: Callable[[list[str]], None] | None = None,
     ) -> None:
         self.start = start
+        self.announce = announce  # told the models each time the server becomes ready
         self.http_url = http_url.rstrip("/")
         self.interval_s = interval_s
         self.grace_s = grace_s
@@ -186,6 +188,8 @@ class Supervisor:
                     self._set_ready(True)
                     names = ", ".join(sorted(stubs)) or "-"
                     log.info("supervisor: server ready, watching stubs %s", names)
+                    if self.announce is not None:
+                        self.announce(self.watched_models)
                 continue
             dead = [s for name, s in expected.items() if name not in stubs]
             if dead:

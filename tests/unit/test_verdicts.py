@@ -1,0 +1,68 @@
+"""The one verdict rule (scripts/verdicts.py): the median over rounds with the sign test's 90% interval;
+met, missed or not shown against a target, gain, loss or neither against 1; no verdict from fewer than 5
+rounds. The cases the old readings got wrong are here by name."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+
+from verdicts import median_interval, rotated_orders, verdict  # noqa: E402
+
+
+def test_the_flux_mixed_sizes_rounds_never_read_as_met_or_within_noise():
+    # Three rounds, two short of the 1.3 target: the old min-max rule read "within noise of the target".
+    three = verdict([1.18, 1.52, 1.01], ">= 1.3")
+    assert three.word.startswith("not shown") and three.low is None
+    # With five rounds whose interval holds the target: not shown, never met.
+    five = verdict([1.18, 1.52, 1.01, 1.35, 1.22], ">= 1.3")
+    assert five.word == "not shown" and (five.low, five.high) == (1.01, 1.52)
+    # Every round short of it: missed.
+    assert verdict([1.18, 1.21, 1.01, 1.25, 1.22], ">= 1.3").word == "missed"
+
+
+def test_a_consistent_14_percent_regression_reads_as_a_loss():
+    # The old boundary rule ORed in a fixed ±15% band and read this as "within noise".
+    rounds = [0.86, 0.85, 0.87, 0.86, 0.84]
+    assert verdict(rounds).word == "loss"
+    assert verdict([1 / r for r in rounds], higher_is_better=False).word == "loss"
+    assert verdict([1 / r for r in rounds]).word == "gain"
+
+
+def test_an_interval_that_holds_one_is_neither_gain_nor_loss():
+    assert verdict([0.9, 1.1, 1.02, 0.97, 1.05]).word == "no gain or loss shown"
+
+
+def test_met_only_when_the_whole_interval_is_past_the_target():
+    assert verdict([1.001, 1.01, 1.015, 1.0, 1.012], "<= 1.02").word == "met"
+    assert verdict([1.001, 1.01, 1.025, 1.0, 1.012], "<= 1.02").word == "not shown"
+    assert verdict([1.21, 1.19, 1.25, 1.30, 1.06], "<= 1.02").word == "missed"
+
+
+def test_more_rounds_narrow_the_interval_instead_of_widening_it():
+    # Ten rounds: the 2nd lowest to the 2nd highest (97.9%), where a min-max would take the outliers.
+    rounds = [0.5, 1.1, 1.12, 1.13, 1.15, 1.16, 1.18, 1.2, 1.22, 2.0]
+    low, high, coverage = median_interval(rounds)
+    assert (low, high) == (1.1, 1.22) and coverage > 0.9
+    assert verdict(rounds, ">= 1.05").word == "met"
+
+
+@pytest.mark.parametrize("n", range(1, 5))
+def test_fewer_than_five_rounds_give_no_interval(n):
+    assert median_interval([1.0 + i for i in range(n)]) is None
+
+
+def test_the_interval_coverage_is_the_exact_binomial_one():
+    low, high, coverage = median_interval([5, 1, 4, 2, 3])
+    assert (low, high) == (1, 5) and coverage == pytest.approx(1 - 2 / 32)
+
+
+def test_rotated_orders_put_each_variant_first_equally_often():
+    assert rotated_orders(["A", "B"], 4) == [["A", "B"], ["B", "A"], ["A", "B"], ["B", "A"]]
+    three = rotated_orders(["A", "B", "C"], 3)
+    assert [order[0] for order in three] == ["A", "B", "C"]
+    assert sorted(map(tuple, three)) == sorted({tuple(o) for o in three})
