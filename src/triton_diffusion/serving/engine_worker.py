@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -98,8 +99,10 @@ class EngineWorker:
         self._condition = threading.Condition()
         self._closed = False
         # Every request handed to the engine and not answered yet: the watchdog answers them when the
-        # engine thread is stuck, wherever their jobs are (a queue, the adapter's hands, a report).
-        self._live: set[TrackedRequest] = set()
+        # engine thread is stuck, wherever their jobs are (a queue, the adapter's hands, a report). Weak:
+        # an answered request must be released (Triton's unload waits for every request of the model, so
+        # one kept here made every stop wait its whole exit timeout); one not answered is held by its jobs.
+        self._live: weakref.WeakSet[TrackedRequest] = weakref.WeakSet()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.watchdog = StallWatchdog(stall_s, self._thread.is_alive, self._stalled, f"{name}-watchdog")
         self._thread.start()
@@ -134,8 +137,6 @@ class EngineWorker:
                     tracked.fail(refused)
                     waited.append(-1.0)
                     continue
-                if len(self._live) > 2 * self.capacity:
-                    self._live = {r for r in self._live if r.stage is not Stage.ANSWERED}
                 self._live.add(tracked)
                 self.engine.add(*jobs)
                 self._condition.notify_all()  # an idle engine starts now, not after the whole batch
@@ -190,14 +191,19 @@ class EngineWorker:
                 self.between_steps()
                 if not self.engine.active:
                     continue
-            self.watchdog.step_started()
-            try:
-                held = self.engine.held_requests()
-                if held:
-                    self.engine.abort(self.aborts.aborted(held))
-                self._render(self.engine.step())
-            finally:
-                self.watchdog.step_ended()
+            self._step()
+
+    def _step(self) -> None:
+        """One engine step. Its own frame, so nothing of it (the requests held) stays referenced while the
+        loop waits for the next round: Triton's unload waits for every request to be released."""
+        self.watchdog.step_started()
+        try:
+            held = self.engine.held_requests()
+            if held:
+                self.engine.abort(self.aborts.aborted(held))
+            self._render(self.engine.step())
+        finally:
+            self.watchdog.step_ended()
 
     def beat(self) -> None:
         """The engine reported progress from inside a step (a denoising step of a fused call)."""
@@ -243,7 +249,7 @@ class EngineWorker:
         with self._condition:
             self._closed = True
             self._condition.notify_all()
-            live = list(self._live)
+            live = [r for r in self._live if r.stage is not Stage.ANSWERED]
         failure = RequestError(ErrorCode.UNAVAILABLE, f"{error}; the model is restarting")
         try:
             self.flush_answers()  # results already computed go out first, not UNAVAILABLE in their place

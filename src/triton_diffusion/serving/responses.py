@@ -79,8 +79,14 @@ class ResponseWorker:
                 work.request.fail(error)
 
     def _run(self) -> None:
-        while (work := self._queue.get()) is not None:
+        while True:
+            work = self._queue.get()
+            if work is None:
+                return
             self._do(work)
+            # Not kept while waiting for the next: a request referenced from here is never released, and
+            # Triton's unload waits for every request of the model (a stop then took its whole exit timeout).
+            del work
 
     @staticmethod
     def _do(work: _Work) -> None:
