@@ -145,7 +145,15 @@ def checks(python: Path, wheels: Path, out: Path) -> subprocess.CompletedProcess
     )
 
 
+def log_tail(folder: Path) -> str:
+    log = folder / "log.txt"
+    return log.read_text()[-3000:] if log.is_file() else "(no log)"
+
+
 def test_the_smoke_passes_on_a_machine_with_torch_and_the_carried_wheels_only(machine, wheels, tmp_path):
+    """The one smoke run of every part (tiny models, on this CPU), as the device runs it: each part's
+    command line and the engine API it uses, each built part's files (complete, with provenance) and
+    figures, and the carried wheels alone."""
     result = checks(machine, wheels, tmp_path)
     output = result.stdout[-4000:] + result.stderr[-4000:]
     assert result.returncode == 0, output
@@ -153,6 +161,23 @@ def test_the_smoke_passes_on_a_machine_with_torch_and_the_carried_wheels_only(ma
     statuses = {o["part"]: o["status"] for o in state["parts"]}
     built = [p.name for p in parts.PARTS if not p.missing()]
     assert all(statuses[name] == "done" for name in built), statuses
+    summary = (tmp_path / "summary.md").read_text()
+    assert "- device: " in summary and "- commit: " in summary and "diffusers " in summary
+    outcomes = {o["part"]: o for o in state["parts"]}
+    for part in parts.PARTS:
+        assert f"| {part.name} | " in summary, part.name
+        if part.missing():
+            assert outcomes[part.name]["status"] == "not built yet", outcomes[part.name]
+            continue
+        folder = tmp_path / part.name
+        for pattern in part.writes:
+            assert list(folder.glob(pattern)), (part.name, pattern, log_tail(folder))
+            for path in folder.glob(pattern):  # rewritten as it measured; now complete, with provenance
+                artefact = json.loads(path.read_text())
+                assert artefact.get("complete") is True, (part.name, path.name)
+                assert {"command", "commit", "date", "machine", "versions"} <= set(artefact["provenance"])
+        figures = outcomes[part.name]["figures"]
+        assert figures and "unreadable" not in figures, outcomes[part.name]
     # the parts ran on the carried wheels, not on anything of the dev venv's
     versions = state["provenance"]["versions"]
     assert versions["diffusers"] == environment.wheel_pins()["diffusers"], versions
