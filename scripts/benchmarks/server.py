@@ -163,24 +163,13 @@ def main(argv: list[str] | None = None) -> None:
                 for steps in MIXED_STEPS:
                     variant.warm_up(dict(mixed[0], num_inference_steps=steps), 2)
                 runs.append(replace(variant.run(mixed, top, None), traffic="mixed"))
-            if name != "step":
-                variants.pop(name).stop()
+            if name != "step" and not (args.poisson and name == "request"):
+                variants.pop(name).stop()  # kept for the Poisson runs (idle meanwhile): no second start
         if args.poisson:
             saturated = max(
                 r.requests_per_s for r in runs if r.variant == "request" and r.traffic == "homogeneous"
             )
             poisson_requests = make_requests(args.poisson_requests, [shape], True)
-            request_variant = ServerVariant(
-                "request",
-                model,
-                weights,
-                args.max_batch_size,
-                args.queue_delay_us,
-                args.triton_max_batch_size,
-                {**size_edits, **ENGINE_VARIANTS["request"]},
-            )
-            variants["request"] = request_variant
-            request_variant.warm_up(requests[0], args.max_batch_size)
             for load in POISSON_LOADS:
                 for name in ("request", "step"):
                     stats = variants[name].run(poisson_requests, None, load * saturated)
