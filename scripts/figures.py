@@ -101,6 +101,9 @@ BLOCKS: dict[str, Figure] = {
     "checkpoint-cost": Figure(
         ("docs/cpu/checkpoint_cost.json",), "checkpoint_cost.render", "bench.py checkpoint-cost"
     ),
+    "checkpoint-cost-line": Figure(
+        ("docs/cpu/checkpoint_cost.json",), "checkpoint_cost.sentence", "bench.py checkpoint-cost"
+    ),
     "engines-rounds": Figure(
         ("docs/cpu/rounds/bench_engines.json",), "engines.ratio_table", stale=BEFORE_ENGINE_CORE
     ),

@@ -10,4 +10,5 @@ cd "$REPO_ROOT"
 "$REPO_ROOT/.venv/bin/ruff" check src client scripts tests model_repository
 "$REPO_ROOT/.venv/bin/mypy"  # src/ (pyproject.toml [tool.mypy]): each Protocol where an implementation meets it
 NO_MKDOCS_2_WARNING=1 "$REPO_ROOT/.venv/bin/mkdocs" build --strict --quiet --site-dir "$(mktemp -d)"
-exec "$REPO_ROOT/.venv/bin/python" -m pytest -q "$@"
+# --durations: every CI log shows where the time goes.
+exec "$REPO_ROOT/.venv/bin/python" -m pytest -q --durations=25 "$@"

@@ -44,3 +44,23 @@ def _rounds(artefact: dict[str, Any], interval: int) -> list[float]:
     return [
         r["step_s_mean"] / off[r["round"]] for r in runs if r["interval"] == interval and r["round"] in off
     ]
+
+
+def sentence(artefact: dict[str, Any]) -> str:
+    """What checkpoints cost, said where they are turned on: each measured interval's engine step against
+    checkpoints off, with its reading."""
+    s = artefact["settings"]
+    parts = []
+    for row in artefact["summary"]:
+        if row["interval"] == 0:
+            continue
+        found = verdict(_rounds(artefact, row["interval"]), TARGET)
+        parts.append(
+            f"every {row['interval']} step{'s' * (row['interval'] != 1)}: **{row['ratio_to_off']['median']:.2f}x** "
+            f"({found})"
+        )
+    return (
+        "Checkpoints are **off by default** (no `checkpoint_every_steps`). What they cost, measured on "
+        f"{s['arch']} at {s['size']}x{s['size']} with {s['running']} running jobs on a CPU (an engine step "
+        f"with checkpoints against the same round's without, target {TARGET}): " + "; ".join(parts) + "."
+    )
