@@ -55,10 +55,8 @@ def sentence(artefact: dict[str, Any]) -> str:
         if row["interval"] == 0:
             continue
         found = verdict(_rounds(artefact, row["interval"]), TARGET)
-        parts.append(
-            f"every {row['interval']} step{'s' * (row['interval'] != 1)}: **{row['ratio_to_off']['median']:.2f}x** "
-            f"({found})"
-        )
+        steps = f"{row['interval']} step{'s' * (row['interval'] != 1)}"
+        parts.append(f"every {steps}: **{row['ratio_to_off']['median']:.2f}x** ({found})")
     return (
         "Checkpoints are **off by default** (no `checkpoint_every_steps`). What they cost, measured on "
         f"{s['arch']} at {s['size']}x{s['size']} with {s['running']} running jobs on a CPU (an engine step "
