@@ -33,6 +33,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import plots  # noqa: E402
 from artefacts import REPO_ROOT, read  # noqa: E402
 from generated_pages import markdown_files, rewrite_pages  # noqa: E402
 from tables.markdown import table  # noqa: E402
@@ -72,6 +73,18 @@ BEFORE_HOOKS = (
 )
 
 BLOCKS: dict[str, Figure] = {
+    # the performance index's headline: one row a feature, from the newest artefact of each
+    "headline": Figure(
+        (
+            "docs/cpu/bench_engines.json",
+            "docs/cpu/mixed_sizes.json",
+            "docs/cpu/checkpoint_cost.json",
+            "docs/cpu/lora/bench_lora.json",
+            "docs/cpu/caches/bench_caches.json",
+            "docs/gpu/checks/engines_graphs/bench_engines.json",
+        ),
+        "headline.render",
+    ),
     # the real server (scripts/bench.py)
     "server-engines": Figure(
         ("docs/bench.json",), "engines.server_ratios", "bench.py: served engines", stale=BEFORE_ENGINE_CORE
@@ -165,6 +178,7 @@ BLOCKS: dict[str, Figure] = {
 }
 # Rendered from the other blocks, not from an artefact of its own.
 INDEX = "index"
+HEADLINE = "headline"
 
 
 def provenance_line(artefact: dict[str, Any], path: str, href: str | None = None) -> str:
@@ -197,6 +211,9 @@ def render_block(name: str, relative_to: Path) -> str:
     if missing:
         raise SystemExit(f"figures: block {name!r} reads {missing}, which do not exist")
     artefacts = [read(REPO_ROOT / p) for p in block.artefacts]
+    if name == HEADLINE:  # its rows say which of their figures a block of their own marks stale
+        stale = {path for other in BLOCKS.values() if other.stale for path in other.artefacts}
+        artefacts = [{**a, "_stale": p in stale} for p, a in zip(block.artefacts, artefacts, strict=True)]
     body = block.render(*artefacts).rstrip("\n")
     lines = [f"**Stale:** {block.stale}.", "", body, ""] if block.stale else [body, ""]
     for path, artefact in zip(block.artefacts, artefacts, strict=True):
@@ -275,11 +292,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     stale += rewrite_pages(
         files, lambda path, text: rewrite(text, path.parent, used, shown), args.check, "figures"
     )
+    plotted = plots.write_all(args.check)
+    if plotted and not args.check:
+        print(f"figures: drew {', '.join(plotted)}")
     unused = sorted(set(BLOCKS) - used)
     if unused:
         print(f"figures: blocks shown nowhere: {', '.join(unused)}")
-    if stale:
-        print(f"figures: stale blocks in {', '.join(stale)}: run scripts/figures.py", file=sys.stderr)
+    if stale or (plotted and args.check):
+        where = ", ".join(stale + (plotted if args.check else []))
+        print(f"figures: stale blocks or plots in {where}: run scripts/figures.py", file=sys.stderr)
         return 1
     return 0
 

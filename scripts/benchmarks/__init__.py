@@ -50,6 +50,7 @@ BENCHMARKS = {
         Benchmark(
             "checkpoint_cost", "", "what checkpoints cost an engine step, at each interval against off"
         ),
+        Benchmark("all", "", "every CPU benchmark, each sized to its share of 30 minutes; then figures"),
     )
 }
 DEFAULT = "server"  # what bench.py ran before it took a NAME: a first argument that is no NAME runs it

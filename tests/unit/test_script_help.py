@@ -24,7 +24,7 @@ SCRIPTS = sorted(
 )
 COMMANDS = [[str(path)] for path in SCRIPTS] + [
     [str(ROOT / "scripts" / "bench.py"), name]
-    for name in ("server", "mixed-sizes", "crash-soak", "checkpoint-cost")  # no shims of their own
+    for name in ("server", "mixed-sizes", "crash-soak", "checkpoint-cost", "all")  # no shims of their own
 ]
 DRIVER = r"""
 import contextlib, io, json, runpy, sys

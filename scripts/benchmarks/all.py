@@ -1,0 +1,131 @@
+"""Re-take every CPU figure: each CPU benchmark in turn, sized to its share of one budget (30 minutes on the
+project's 2-core host), then ``scripts/figures.py`` renders every block.
+
+    .venv/bin/python scripts/bench.py all --out docs                 # every CPU benchmark, then figures
+    .venv/bin/python scripts/bench.py all --out docs --only engines,mixed_sizes
+    .venv/bin/python scripts/bench.py all --out docs --dry-run       # the plan, its shares, nothing run
+
+Each benchmark runs as its own process (a fresh torch, its own servers) with its share of the budget as a
+time limit; its artefact is written as it measures, so one cut short keeps what it measured and says so
+(``complete: false``), and the others still run. The run's own record (``<out>/cpu/all.json``: each
+benchmark's command, exit status and seconds) is written after each. Each command below is the one its
+artefact records (``provenance.command``), so the docs say how every figure was taken. The sizes are
+chosen so each benchmark reads a verdict (5 rounds where it has rounds: scripts/verdicts.py) within its
+share; a benchmark that needs more than its share is sized down here, not given more.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from benchmarks.common import REPO_ROOT
+
+BUDGET_S = 30 * 60
+
+
+@dataclass(frozen=True)
+class Take:
+    """One benchmark of the plan: its name (bench.py NAME), its arguments (``{out}`` is the --out folder)
+    and its share of the budget."""
+
+    name: str
+    args: tuple[str, ...]
+    share: float  # of the budget
+
+
+PLAN = (
+    # The headline: both engines in one process, closed loop and Poisson at 50/80/95% of the request-level
+    # engine's capacity, on the true arrival clock.
+    Take(
+        "engines",
+        (
+            "--concurrency",
+            "1,4,8",
+            "--requests",
+            "48",
+            "--poisson-requests",
+            "150",
+            "--no-image-mix",
+            "--out",
+            "{out}/cpu",
+        ),
+        0.20,
+    ),  # fmt: skip
+    Take(
+        "mixed_sizes",
+        ("--rounds", "5", "--requests", "16", "--loads", "", "--out", "{out}/cpu"),
+        0.20,
+    ),
+    Take("checkpoint_cost", ("--rounds", "5", "--out", "{out}/cpu"), 0.08),
+    Take(
+        "caches", ("--requests", "16", "--rounds", "5", "--threads", "1", "--out", "{out}/cpu/caches"), 0.14
+    ),
+    Take("lora", ("--repeats", "5", "--out", "{out}/cpu/lora"), 0.06),
+    Take(
+        "slo",
+        ("--requests", "60", "--loads", "0.9,1.1", "--rounds", "5", "--out", "{out}/cpu/slo"),
+        0.16,
+    ),
+    Take("graphs", ("--repeats", "3", "--out", "{out}/cpu"), 0.04),
+    Take("dllm", ("--concurrency", "1,4", "--requests-per-client", "3", "--out", "{out}"), 0.06),
+    Take(
+        "crash_soak", ("--rounds", "1", "--duration", "30", "--crash-every", "15", "--out", "{out}/cpu"), 0.06
+    ),
+)
+
+
+def command(take: Take, out: Path) -> list[str]:
+    args = [a.replace("{out}", str(out)) for a in take.args]
+    # Relative to the repository (where it runs): the artefacts record this command line.
+    return [sys.executable, "scripts/bench.py", take.name.replace("_", "-"), *args]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="bench.py all", description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--out", type=Path, default=Path("docs"), help="the docs folder (relative: to the repo)"
+    )
+    parser.add_argument("--budget-s", type=float, default=BUDGET_S, help="seconds for all of them")
+    parser.add_argument("--only", default="", help="these benchmarks of the plan (comma-separated)")
+    parser.add_argument("--dry-run", action="store_true", help="print the plan and its shares; run nothing")
+    args = parser.parse_args(argv)
+    only = {n.replace("-", "_") for n in args.only.split(",") if n}
+    unknown = only - {t.name for t in PLAN}
+    if unknown:
+        parser.error(f"--only: {sorted(unknown)} not in the plan ({', '.join(t.name for t in PLAN)})")
+    plan = [t for t in PLAN if not only or t.name in only]
+    record: dict = {"budget_s": args.budget_s, "benchmarks": []}
+    started = time.monotonic()
+    for take in plan:
+        limit = take.share * args.budget_s
+        argv_ = command(take, args.out)
+        print(f"[all] {take.name}: at most {limit:.0f} s: {' '.join(argv_[1:])}", flush=True)
+        if args.dry_run:
+            continue
+        began = time.monotonic()
+        try:
+            status: int | str = subprocess.run(argv_, cwd=REPO_ROOT, timeout=limit).returncode
+        except subprocess.TimeoutExpired:
+            status = "cut at its share"
+        entry = {
+            "name": take.name,
+            "command": argv_[1:],
+            "status": status,
+            "seconds": time.monotonic() - began,
+        }
+        record["benchmarks"].append(entry)
+        print(f"[all] {take.name}: {status} after {entry['seconds']:.0f} s", flush=True)
+        record["seconds"] = time.monotonic() - started
+        folder = REPO_ROOT / args.out / "cpu"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "all.json").write_text(json.dumps(record, indent=1) + "\n")
+    if args.dry_run:
+        return
+    subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "figures.py")], cwd=REPO_ROOT, check=True)
+    print(f"[all] done in {time.monotonic() - started:.0f} s (budget {args.budget_s:.0f} s)")

@@ -1,0 +1,173 @@
+"""The performance index's plots: PNGs drawn by matplotlib from the committed artefacts, written by
+``scripts/figures.py`` beside the figure blocks and checked by ``figures.py --check``.
+
+Each plot is a function of its artefacts that returns the series it draws (plain JSON data); the PNG
+carries a digest of that data in its metadata, so ``--check`` fails when an artefact changed and the plot
+was not drawn again, without comparing pixels (which differ between matplotlib and font versions).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from pathlib import Path
+from statistics import median
+from typing import Any
+
+from artefacts import REPO_ROOT, read
+from verdicts import median_interval
+
+FOLDER = REPO_ROOT / "docs" / "performance" / "plots"
+KEY = "figures-digest"
+
+
+def latency_vs_load(engines: dict[str, Any]) -> dict[str, Any]:
+    """Mean and p95 latency against offered load (share of the request-level engine's capacity)."""
+    series: dict[str, dict[str, list[float]]] = {}
+    for run in engines.get("runs", []):
+        traffic = run.get("traffic", "")
+        if not traffic.startswith("poisson") or run.get("engine") not in ("step", "request"):
+            continue
+        line = series.setdefault(run["engine"], {"load": [], "mean": [], "p95": []})
+        line["load"].append(int(traffic.removeprefix("poisson")))
+        line["mean"].append(run["latency_mean_s"])
+        line["p95"].append(run["latency_p95_s"])
+    return {
+        "kind": "lines",
+        "x": "offered load, % of request-level capacity",
+        "y": "latency, s",
+        "title": f"{engines.get('arch')} {engines.get('size')}x{engines.get('size')}: latency against load",
+        "series": series,
+    }
+
+
+def throughput_vs_concurrency(engines: dict[str, Any]) -> dict[str, Any]:
+    """Images/s against closed-loop clients, both engines."""
+    series: dict[str, dict[str, list[float]]] = {}
+    for run in engines.get("runs", []):
+        if run.get("traffic") != "homogeneous" or run.get("engine") not in ("step", "request"):
+            continue
+        line = series.setdefault(run["engine"], {"clients": [], "images_per_s": []})
+        line["clients"].append(run["concurrency"])
+        line["images_per_s"].append(run["images_per_s"])
+    return {
+        "kind": "lines",
+        "x": "closed-loop clients",
+        "y": "images/s",
+        "title": f"{engines.get('arch')}: throughput against concurrency",
+        "series": series,
+    }
+
+
+def gains(mixed: dict[str, Any], checkpoints: dict[str, Any], caches: dict[str, Any]) -> dict[str, Any]:
+    """Each feature's ratio over rounds: median and 90% sign-test interval (none from fewer than 5)."""
+    bars: list[dict[str, Any]] = []
+
+    def add(label: str, rounds: list[float]) -> None:
+        found = median_interval(rounds)
+        bars.append(
+            {
+                "label": label,
+                "median": median(rounds),
+                "interval": list(found[:2]) if found else None,
+                "rounds": len(rounds),
+            }
+        )
+
+    for row in mixed.get("summary", []):
+        ratio = row.get("throughput_vs_by_shape")
+        if row.get("variant") == "packed" and row.get("load") == "closed" and ratio:
+            add(f"packed / by shape, {row['family']} {row['traffic']}", ratio["rounds"])
+    for variant, entry in ((caches.get("summary") or {}).get("closed") or {}).items():
+        if variant != "none" and entry.get("vs_none"):
+            add(f"step cache {variant} / none", [v for v in entry["vs_none"]["rounds"] if v is not None])
+    runs = checkpoints.get("runs", [])
+    off = {r["round"]: r["step_s_mean"] for r in runs if r["interval"] == 0}
+    for interval in sorted({r["interval"] for r in runs if r["interval"]}):
+        add(
+            f"checkpoints every {interval} / off (step time)",
+            [r["step_s_mean"] / off[r["round"]] for r in runs if r["interval"] == interval],
+        )
+    return {
+        "kind": "bars",
+        "title": "each feature's ratio: median, 90% interval where 5+ rounds",
+        "bars": bars,
+    }
+
+
+PLOTS: dict[str, tuple[tuple[str, ...], Callable[..., dict[str, Any]]]] = {
+    "latency_vs_load": (("docs/cpu/bench_engines.json",), latency_vs_load),
+    "throughput_vs_concurrency": (("docs/cpu/bench_engines.json",), throughput_vs_concurrency),
+    "gains": (
+        ("docs/cpu/mixed_sizes.json", "docs/cpu/checkpoint_cost.json", "docs/cpu/caches/bench_caches.json"),
+        gains,
+    ),
+}
+
+
+def digest(data: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def draw(data: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4))
+    if data["kind"] == "lines":
+        for name, line in sorted(data["series"].items()):
+            keys = list(line)
+            xs = line[keys[0]]
+            for key in keys[1:]:
+                order = sorted(range(len(xs)), key=xs.__getitem__)
+                axes.plot(
+                    [xs[i] for i in order],
+                    [line[key][i] for i in order],
+                    marker="o",
+                    linestyle="-" if key in ("mean", "images_per_s") else "--",
+                    label=f"{name} {key}",
+                )
+        axes.set_xlabel(data["x"])
+        axes.set_ylabel(data["y"])
+        axes.legend()
+    else:
+        bars = data["bars"]
+        for i, bar in enumerate(bars):
+            if bar["interval"]:
+                low, high = bar["interval"]
+                axes.plot([low, high], [i, i], color="tab:blue", linewidth=3)
+            axes.plot([bar["median"]], [i], "o", color="black")
+        axes.axvline(1.0, color="grey", linewidth=1)
+        axes.set_yticks(range(len(bars)), [f"{b['label']} ({b['rounds']} rounds)" for b in bars], fontsize=7)
+        axes.set_xlabel("ratio")
+    axes.set_title(data["title"], fontsize=9)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=90, metadata={KEY: digest(data), "Software": None})
+    plt.close(figure)
+
+
+def stamped(path: Path) -> str | None:
+    """The digest a PNG was drawn with (None: missing or not ours)."""
+    if not path.is_file():
+        return None
+    from PIL import Image
+
+    with Image.open(path) as image:
+        return image.text.get(KEY)  # type: ignore[attr-defined]
+
+
+def write_all(check: bool) -> list[str]:
+    """Draw every plot whose digest differs from its data's (``check``: draw nothing); the stale ones."""
+    stale = []
+    for name, (paths, build) in PLOTS.items():
+        data = build(*[read(REPO_ROOT / p) for p in paths])
+        path = FOLDER / f"{name}.png"
+        if stamped(path) != digest(data):
+            stale.append(str(path.relative_to(REPO_ROOT)))
+            if not check:
+                draw(data, path)
+    return stale

@@ -1,0 +1,132 @@
+"""The performance index's headline: what to expect of the engine today, one row a feature, each with its
+figure, its reading by the one verdict rule (scripts/verdicts.py) and its date; CPU and GPU apart. Pure
+functions of the artefacts; nothing here imports torch."""
+
+from __future__ import annotations
+
+from statistics import median
+from typing import Any
+
+from verdicts import verdict
+
+from tables.markdown import number, table
+
+
+def _date(artefact: dict[str, Any]) -> str:
+    """Its date, and "stale" when a block that shows it says so (figures.py sets ``_stale``)."""
+    date = str((artefact.get("provenance") or {}).get("date", "?"))[:10]
+    return f"{date}, **stale**" if artefact.get("_stale") else date
+
+
+def _run(artefact: dict[str, Any], engine: str, traffic: str, concurrency: int | None = None) -> dict | None:
+    for run in artefact.get("runs", []):
+        if run.get("engine") == engine and run.get("traffic") == traffic:
+            if concurrency is None or run.get("concurrency") == concurrency:
+                return run
+    return None
+
+
+def engine_rows(artefact: dict[str, Any], where: str) -> list[list[str]]:
+    """Step engine against request-level batching from one engines artefact (one run each: no verdict)."""
+    rows = []
+    closed = [r["concurrency"] for r in artefact.get("runs", []) if r.get("traffic") == "homogeneous"]
+    if closed:
+        top = max(c for c in closed if c is not None)
+        step, request = (
+            _run(artefact, "step", "homogeneous", top),
+            _run(artefact, "request", "homogeneous", top),
+        )
+        if step and request:
+            value = step["images_per_s"] / request["images_per_s"]
+            rows.append([f"{where}: same requests, closed loop c={top}", "step / request images/s", value])
+    step, request = _run(artefact, "step", "mixed"), _run(artefact, "request", "mixed")
+    if step and request:
+        value = step["images_per_s"] / request["images_per_s"]
+        rows.append([f"{where}: mixed step counts and guidance", "step / request images/s", value])
+    for load in (50, 80, 95):
+        step, request = _run(artefact, "step", f"poisson{load}"), _run(artefact, "request", f"poisson{load}")
+        if step and request:
+            value = step["latency_mean_s"] / request["latency_mean_s"]
+            rows.append([f"{where}: Poisson at {load}% load", "step / request mean latency", value])
+    return [
+        [what, compared, f"**{number(value)}**", "one run: no verdict", _date(artefact)]
+        for what, compared, value in rows
+    ]
+
+
+def _rounds_row(what: str, compared: str, rounds: list[float], target: str, date: str) -> list[str]:
+    found = verdict(rounds, target or None, None)
+    return [what, compared, f"**{number(median(rounds))}**", str(found), date]
+
+
+def render(
+    engines: dict[str, Any],
+    mixed: dict[str, Any],
+    checkpoints: dict[str, Any],
+    lora: dict[str, Any],
+    caches: dict[str, Any],
+    gpu_engines: dict[str, Any],
+) -> str:
+    headers = ("what", "compared", "median", "reading", "measured")
+    cpu = engine_rows(engines, "tiny SD 64x64")
+    for row in mixed.get("summary", []):
+        ratio = row.get("throughput_vs_by_shape")
+        if row.get("variant") == "packed" and row.get("load") == "closed" and ratio:
+            target = mixed["settings"]["targets"].get(row["traffic"], "")
+            cpu.append(
+                _rounds_row(
+                    f"mixed sizes, {row['family']} {row['traffic']} traffic",
+                    "packed / one shape a forward images/s",
+                    ratio["rounds"],
+                    target,
+                    _date(mixed),
+                )
+            )
+    vs_none = (caches.get("summary") or {}).get("closed", {})
+    for variant, entry in vs_none.items():
+        if variant != "none" and entry.get("vs_none"):
+            cpu.append(
+                _rounds_row(
+                    f"step cache {variant}",
+                    "cached / uncached images/s",
+                    entry["vs_none"]["rounds"],
+                    "",
+                    _date(caches),
+                )
+            )
+    if "mixed-4 / split-4" in lora.get("ratios", {}):
+        value, target = lora["ratios"]["mixed-4 / split-4"]
+        cpu.append(
+            [
+                "LoRA: 4 adapters in one forward",
+                "mixed / one adapter a forward",
+                f"**{number(value)}**",
+                "rounds not kept: no verdict",
+                _date(lora),
+            ]
+        )
+    runs = checkpoints.get("runs", [])
+    off = {r["round"]: r["step_s_mean"] for r in runs if r["interval"] == 0}
+    for interval in sorted({r["interval"] for r in runs if r["interval"]}):
+        rounds = [r["step_s_mean"] / off[r["round"]] for r in runs if r["interval"] == interval]
+        cpu.append(
+            _rounds_row(
+                f"checkpoints every {interval} steps",
+                "engine step / without",
+                rounds,
+                "<= 1.02",
+                _date(checkpoints),
+            )
+        )
+    gpu = engine_rows(gpu_engines, f"{gpu_engines.get('arch', '?')} {gpu_engines.get('size', '?')}")
+    return "\n".join(
+        [
+            "**CPU** (2 cores, the tiny models)",
+            "",
+            table(headers, cpu),
+            "",
+            "**GPU** (one H100; the newest GPU figures)",
+            "",
+            table(headers, gpu),
+        ]
+    )
