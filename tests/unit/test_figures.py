@@ -19,6 +19,8 @@ from tables.markdown import reading, target_met  # noqa: E402
 PAGE_FIGURES = {
     "request-walk": "docs/design/engine.md",
     "model-reload": "docs/operations/reliability.md",
+    "checkpoint-cost-line": "docs/operations/crash-recovery.md",
+    "headline": "docs/performance/index.md",
 }
 
 
@@ -105,3 +107,15 @@ def test_a_figure_reads_by_the_one_verdict_rule():
     # Without a target, a ratio is compared with 1.
     assert reading(0.9, "-", rounds) == "no gain or loss shown (90% interval 0.67-1.05)"
     assert target_met(0.4, "<= 0.3") is False and target_met(1.0, "-") is None
+
+
+def test_a_plot_that_lags_its_artefact_fails_the_check(tmp_path, monkeypatch):
+    """Each plot's PNG carries the digest of the data it was drawn from: a changed artefact makes --check
+    name the plot (the pixels are never compared: they differ between matplotlib versions)."""
+    import plots
+
+    assert plots.write_all(check=True) == []  # the committed plots are current
+    name, (paths, build) = next(iter(plots.PLOTS.items()))
+    changed = {"arch": "other", "size": 1, "runs": []}
+    monkeypatch.setitem(plots.PLOTS, name, (paths, lambda *_: build(changed)))
+    assert plots.write_all(check=True) == [f"docs/performance/plots/{name}.png"]
