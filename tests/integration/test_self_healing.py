@@ -63,7 +63,7 @@ def test_a_killed_stub_is_noticed_reported_and_recovered(tmp_path):
         while "READY" not in server.log() and time.monotonic() < deadline:
             time.sleep(0.2)
         ready = next(line for line in server.log().splitlines() if "triton-diffusion: READY" in line)
-        assert "1 models (text_to_image)" in ready and f"http://localhost:{front_port}/v1" in ready, ready
+        assert "1 model (text_to_image)" in ready and f"http://localhost:{front_port}/v1" in ready, ready
         # The front keeps this request's gRPC stream for the next one: the restart must not strand it.
         assert httpx.post(f"{front}/v1/images/generations", json=image, timeout=60).status_code == 200
         in_flight = queue.Queue()

@@ -55,5 +55,13 @@ def test_the_ready_line_names_every_model_and_the_ports_given():
         "http://localhost:19000/v1",
     ):
         assert url in line, url
-    plain = launcher.ready_line([], ["m"], 0)
-    assert "http://localhost:8000" in plain and "readyz" not in plain and "OpenAI" not in plain
+    plain = launcher.ready_line([], ["m"], 0, ("::1", 9000))
+    assert "READY, 1 model (m)" in plain and "http://localhost:8000" in plain and "readyz" not in plain
+    assert "http://[::1]:9000/v1" in plain
+
+
+def test_the_last_of_a_repeated_option_wins_as_in_tritonserver():
+    # scripts/serve.sh passes its port defaults first and the user's arguments after them.
+    assert launcher._option(["--grpc-port", "8001", "--grpc-port=9001"], "grpc-port", "1") == "9001"
+    assert launcher._option(["--grpc-port=8001", "--grpc-port", "9001"], "grpc-port", "1") == "9001"
+    assert launcher._option([], "grpc-port", "8001") == "8001"

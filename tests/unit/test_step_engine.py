@@ -1012,28 +1012,3 @@ def test_a_hold_with_a_count_waits_until_the_engine_holds_that_many_jobs(monkeyp
     faulty.step([holder])  # four held: it goes on at once
     assert not waits
 
-
-def test_an_answered_request_is_not_kept_by_the_worker():
-    """Triton's unload waits for every request of the model to be released: a request the worker still
-    referenced after its answer made every server stop wait its whole exit timeout (30 s)."""
-    import gc
-    import weakref
-
-    class Answering(Host):  # answers, keeps nothing
-        def render(self, report: StepReport) -> None:
-            for finished in report.finished:
-                finished.job.request.finish({"out": finished.output})
-
-    engine = engine_for(FakeAdapter(), host=Answering())
-    worker = worker_for(engine, waiting_room=4)
-    jobs = [job(f"r{i}", Spec(steps=2)) for i in range(3)]
-    submit(worker, *jobs)
-    deadline = time.monotonic() + 5
-    while not all(j.request.ended for j in jobs) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    requests = [weakref.ref(j.request) for j in jobs]
-    del jobs
-    time.sleep(0.2)  # the engine thread back to waiting for work
-    gc.collect()
-    assert [r() for r in requests] == [None] * 3, "an answered request is still referenced"
-    worker.close()

@@ -106,8 +106,11 @@ class FusedCallExecutor:
         """Run every call; ``on_complete`` gets each request whose rows all succeeded."""
         self._requests = requests
         self._pending = {index: _Pending(rows) for index, rows in request_rows.items()}
-        for call in calls:
-            self._run_call(call, on_complete)
+        try:
+            for call in calls:
+                self._run_call(call, on_complete)
+        finally:  # nothing of these requests kept past the step (Triton's unload waits for each release)
+            self._requests, self._pending, self._attempt = {}, {}, None
 
     def _live(self, rows: list[Row]) -> list[Row]:
         return [r for r in rows if not self.is_ended(r.request_index)]

@@ -232,6 +232,8 @@ class RequestEngine:
             with self._lock:
                 self._jobs = {}
                 self._waiting[:0] = held  # only after a raise (a lost device, a bug): answered by the host
+            # Nothing of this step kept past it: Triton's unload waits for every request to be released.
+            self._by_index, self._left = [], set()
         return self.take_report()
 
     def fail_all(self, error: RequestError) -> StepReport:

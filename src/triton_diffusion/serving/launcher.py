@@ -101,13 +101,15 @@ def server_command(model_repository: Path, extra_args: list[str], backend_cache:
 
 
 def _option(args: list[str], name: str, default: str) -> str:
-    """The value of ``--name=value`` or ``--name value`` among tritonserver's arguments."""
+    """The value of ``--name=value`` or ``--name value`` among tritonserver's arguments: the last one, as
+    tritonserver takes it (scripts/serve.sh puts its defaults first, a user's arguments after)."""
+    found = default
     for i, arg in enumerate(args):
         if arg.startswith(f"--{name}="):
-            return arg.split("=", 1)[1]
-        if arg == f"--{name}" and i + 1 < len(args):
-            return args[i + 1]
-    return default
+            found = arg.split("=", 1)[1]
+        elif arg == f"--{name}" and i + 1 < len(args):
+            found = args[i + 1]
+    return found
 
 
 def openai_front_address(address: str | None, api_key_file: Path | None) -> str:
@@ -164,8 +166,10 @@ def ready_line(
         parts.append(f"health http://localhost:{health_port}/readyz")
     if front is not None:
         host = "localhost" if front[0] in ("0.0.0.0", "127.0.0.1", "::") else front[0]
+        host = f"[{host}]" if ":" in host else host  # an IPv6 address in a URL
         parts.append(f"OpenAI front http://{host}:{front[1]}/v1 (playground http://{host}:{front[1]}/)")
-    return f"triton-diffusion: READY, {len(models)} models ({', '.join(models) or '-'}): " + "; ".join(parts)
+    count = f"{len(models)} model{'s' * (len(models) != 1)}"
+    return f"triton-diffusion: READY, {count} ({', '.join(models) or '-'}): " + "; ".join(parts)
 
 
 def with_drain_file(command: ServerCommand, extra: list[str]) -> tuple[ServerCommand, Path]:

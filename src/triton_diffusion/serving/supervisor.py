@@ -189,7 +189,10 @@ class Supervisor:
                     names = ", ".join(sorted(stubs)) or "-"
                     log.info("supervisor: server ready, watching stubs %s", names)
                     if self.announce is not None:
-                        self.announce(self.watched_models)
+                        try:
+                            self.announce(self.watched_models)
+                        except Exception:  # noqa: BLE001  (a closed stderr must not end the watch)
+                            log.exception("supervisor: announcing readiness failed")
                 continue
             dead = [s for name, s in expected.items() if name not in stubs]
             if dead:
