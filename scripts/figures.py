@@ -236,7 +236,15 @@ def render_index(relative_to: Path, shown: dict[str, list[Path]]) -> str:
             for path in block.artefacts:
                 date, commit, where = provenance(read(REPO_ROOT / path))
                 href = Path(_relative(REPO_ROOT / path, relative_to)).as_posix()
-                state = f"stale: {block.stale}" if block.stale else "current"
+                reason = block.stale or next(  # a block reading another's stale artefact is as old
+                    (
+                        f"its artefact is stale ({other})"
+                        for other, b in BLOCKS.items()
+                        if b.stale and path in b.artefacts
+                    ),
+                    "",
+                )
+                state = f"stale: {reason}" if reason else "current"
                 rows.append((f"`{name}`", pages, f"[`{path}`]({href})", date, f"`{commit}`", where, state))
         headers = ("block", "shown on", "artefact", "date", "commit", "machine", "state")
         parts += [f"**{title}**", "", table(headers, rows), ""]

@@ -16,6 +16,7 @@ from statistics import median
 from typing import Any
 
 from artefacts import REPO_ROOT, read
+from tables.headline import checkpoint_rounds
 from verdicts import median_interval
 
 FOLDER = REPO_ROOT / "docs" / "performance" / "plots"
@@ -37,7 +38,7 @@ def latency_vs_load(engines: dict[str, Any]) -> dict[str, Any]:
         "kind": "lines",
         "x": "offered load, % of request-level capacity",
         "y": "latency, s",
-        "title": f"{engines.get('arch')} {engines.get('size')}x{engines.get('size')}: latency against load",
+        "title": f"{engines.get('arch')} {engines.get('size')}: latency against load",
         "series": series,
     }
 
@@ -82,16 +83,11 @@ def gains(mixed: dict[str, Any], checkpoints: dict[str, Any], caches: dict[str, 
     for variant, entry in ((caches.get("summary") or {}).get("closed") or {}).items():
         if variant != "none" and entry.get("vs_none"):
             add(f"step cache {variant} / none", [v for v in entry["vs_none"]["rounds"] if v is not None])
-    runs = checkpoints.get("runs", [])
-    off = {r["round"]: r["step_s_mean"] for r in runs if r["interval"] == 0}
-    for interval in sorted({r["interval"] for r in runs if r["interval"]}):
-        add(
-            f"checkpoints every {interval} / off (step time)",
-            [r["step_s_mean"] / off[r["round"]] for r in runs if r["interval"] == interval],
-        )
+    for interval, rounds in checkpoint_rounds(checkpoints).items():
+        add(f"checkpoints every {interval} / off (step time: above 1 is a cost)", rounds)
     return {
         "kind": "bars",
-        "title": "each feature's ratio: median, 90% interval where 5+ rounds",
+        "title": "each feature's ratio (above 1: faster, or for checkpoints a cost): median, 90% interval",
         "bars": bars,
     }
 
@@ -116,7 +112,7 @@ def draw(data: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(figsize=(7, 4))
+    figure, axes = plt.subplots(figsize=(9, 4))
     if data["kind"] == "lines":
         for name, line in sorted(data["series"].items()):
             keys = list(line)

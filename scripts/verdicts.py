@@ -2,21 +2,24 @@
 interval, and a verdict from where that interval lies.
 
 Every benchmark that reads a verdict runs its variants in rotated order (:func:`rotated_orders`: A B, B A,
-A B, ... or A B C, B C A, C A B, ...), so drift of the machine during a run falls on each variant alike,
-and stores each round's figure (a ratio of two variants measured in the same round). From those rounds:
+A B, ... or A B C, B C A, C A B, ...), so drift of the machine during a run falls on each variant alike
+(exactly alike when the rounds are a multiple of the variants), and stores each round's figure (a ratio
+of two variants measured in the same round). From those rounds:
 
 - the **median**, and a **90% interval** for it from the sign test (order statistics: the k-th lowest and
   the k-th highest round, k the largest for which the interval covers the median with at least 90%
   probability, whatever the distribution; :func:`median_interval`). With fewer than 5 rounds no such
-  interval exists (4 rounds reach 87.5% at most): no verdict is read;
+  interval exists (4 rounds reach 87.5% at most): no verdict is read. From 5 to 7 rounds the interval is
+  the lowest to the highest round (a verdict then needs every round on one side); from 8 rounds on it
+  leaves out the extremes, so one outlying round no longer decides;
 - against a **target** (``">= 1.3"``, ``"<= 1.02"``): *met* when the whole interval lies past it, *missed*
   when the whole interval lies short of it, otherwise *not shown* with the interval;
 - against **1** (a ratio of two variants with no target): *gain* or *loss* when the whole interval lies on
   one side of 1 (``higher_is_better`` says which side is a gain; without it, *above 1* or *below 1*),
   otherwise *no gain or loss shown*.
 
-There are no fixed noise bands and no min-max reading: adding rounds narrows the interval, it never makes a
-verdict easier to claim. Pure Python; nothing here imports torch.
+There are no fixed noise bands and no "within noise" reading: a value near its target with rounds on both
+sides is *not shown*, never met. Pure Python; nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ def median_interval(values: Sequence[float], level: float = LEVEL) -> tuple[floa
 @dataclass(frozen=True)
 class Verdict:
     """A figure over rounds and how it reads. ``word`` is one of met, missed, not shown (against a target)
-    or gain, loss, no gain or loss shown (against 1), or "too few rounds"."""
+    or gain, loss, no gain or loss shown (against 1), or "not shown: too few rounds"."""
 
     median: float
     low: float | None

@@ -158,8 +158,10 @@ def attainment_verdict(ours: dict | None, theirs: dict | None, rounds: list[floa
         return "not measured"
     found = verdict(rounds, neutral=0.0)
     word = {"gain": "better", "loss": "worse"}.get(found.word, found.word)
-    interval = found.interval if found.low is None else (
-        f"90% interval {100 * found.low:+.0f} to {100 * found.high:+.0f} points"
+    interval = (
+        found.interval
+        if found.low is None
+        else (f"90% interval {100 * found.low:+.0f} to {100 * found.high:+.0f} points")
     )
     return (
         f"{ours['median']:.0%} vs {theirs['median']:.0%} (median round difference "

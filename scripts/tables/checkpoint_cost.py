@@ -1,5 +1,5 @@
 """The checkpoint-cost block (scripts/benchmarks/checkpoint_cost.py): an engine step's time at each
-checkpoint interval against checkpoints off, with the spread over alternated rounds."""
+checkpoint interval against checkpoints off, read over rounds by the one verdict rule."""
 
 from __future__ import annotations
 

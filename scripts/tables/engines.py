@@ -14,8 +14,23 @@ def ratio_table(artefact: dict[str, Any]) -> str:
     """The artefact's ``ratios`` ({label: [value, target]}), each read against its target from its rounds
     where the artefact keeps them (``ratio_rounds``: {label: [one value a round]}); a ratio without its
     rounds has no verdict."""
-    rows = ratio_rows(artefact["ratios"], artefact.get("ratio_rounds"))
+    rows = ratio_rows(artefact["ratios"], artefact.get("ratio_rounds") or ratio_rounds(artefact))
     return table(RATIO_HEADERS, rows)
+
+
+def ratio_rounds(artefact: dict[str, Any]) -> dict[str, list[float]]:
+    """Per-round throughput ratios ``a / b`` from the rounds' seconds the LoRA benchmark keeps for each
+    variant (``results[name].round_seconds``, the same batches each round): b's seconds over a's."""
+    results = artefact.get("results")
+    if not isinstance(results, dict):
+        return {}
+    rounds = {}
+    for label in artefact.get("ratios", {}):
+        a, _, b = label.partition(" / ")
+        first, second = results.get(a, {}).get("round_seconds"), results.get(b, {}).get("round_seconds")
+        if first and second and len(first) == len(second):
+            rounds[label] = [s / f for f, s in zip(first, second, strict=True)]
+    return rounds
 
 
 def _traffic(run: dict[str, Any]) -> str:

@@ -9,6 +9,7 @@ from typing import Any
 
 from verdicts import verdict
 
+from tables.engines import ratio_rounds
 from tables.markdown import number, table
 
 
@@ -54,8 +55,11 @@ def engine_rows(artefact: dict[str, Any], where: str) -> list[list[str]]:
     ]
 
 
-def _rounds_row(what: str, compared: str, rounds: list[float], target: str, date: str) -> list[str]:
-    found = verdict(rounds, target or None, None)
+def _rounds_row(
+    what: str, compared: str, rounds: list[float], target: str, date: str, higher_is_better: bool | None
+) -> list[str]:
+    rounds = [r for r in rounds if r is not None]
+    found = verdict(rounds, target or None, higher_is_better)
     return [what, compared, f"**{number(median(rounds))}**", str(found), date]
 
 
@@ -68,7 +72,7 @@ def render(
     gpu_engines: dict[str, Any],
 ) -> str:
     headers = ("what", "compared", "median", "reading", "measured")
-    cpu = engine_rows(engines, "tiny SD 64x64")
+    cpu = engine_rows(engines, f"{engines.get('arch', '?')} {engines.get('size', '?')}")
     for row in mixed.get("summary", []):
         ratio = row.get("throughput_vs_by_shape")
         if row.get("variant") == "packed" and row.get("load") == "closed" and ratio:
@@ -80,6 +84,7 @@ def render(
                     ratio["rounds"],
                     target,
                     _date(mixed),
+                    True,
                 )
             )
     vs_none = (caches.get("summary") or {}).get("closed", {})
@@ -92,41 +97,58 @@ def render(
                     entry["vs_none"]["rounds"],
                     "",
                     _date(caches),
+                    True,
                 )
             )
-    if "mixed-4 / split-4" in lora.get("ratios", {}):
-        value, target = lora["ratios"]["mixed-4 / split-4"]
-        cpu.append(
-            [
-                "LoRA: 4 adapters in one forward",
-                "mixed / one adapter a forward",
-                f"**{number(value)}**",
-                "rounds not kept: no verdict",
-                _date(lora),
-            ]
-        )
-    runs = checkpoints.get("runs", [])
-    off = {r["round"]: r["step_s_mean"] for r in runs if r["interval"] == 0}
-    for interval in sorted({r["interval"] for r in runs if r["interval"]}):
-        rounds = [r["step_s_mean"] / off[r["round"]] for r in runs if r["interval"] == interval]
+    label = "mixed-4 / split-4"
+    if label in lora.get("ratios", {}) and label in ratio_rounds(lora):
+        target = lora["ratios"][label][1]
         cpu.append(
             _rounds_row(
-                f"checkpoints every {interval} steps",
+                "LoRA: 4 adapters in one forward",
+                "mixed / one adapter a forward images/s",
+                ratio_rounds(lora)[label],
+                target if target != "-" else "",
+                _date(lora),
+                True,
+            )
+        )
+    for interval, rounds in checkpoint_rounds(checkpoints).items():
+        cpu.append(
+            _rounds_row(
+                f"checkpoints every {interval} step{'s' * (interval != 1)}",
                 "engine step / without",
                 rounds,
                 "<= 1.02",
                 _date(checkpoints),
+                False,
             )
         )
     gpu = engine_rows(gpu_engines, f"{gpu_engines.get('arch', '?')} {gpu_engines.get('size', '?')}")
+    machine = lambda a: str(((a.get("provenance") or {}).get("machine") or {}).get("cpu", "?"))  # noqa: E731
     return "\n".join(
         [
-            "**CPU** (2 cores, the tiny models)",
+            f"**CPU** ({machine(engines)}; the tiny models)",
             "",
             table(headers, cpu),
             "",
-            "**GPU** (one H100; the newest GPU figures)",
+            f"**GPU** ({((gpu_engines.get('provenance') or {}).get('machine') or {}).get('gpu', '?')})",
             "",
             table(headers, gpu),
         ]
     )
+
+
+def checkpoint_rounds(artefact: dict[str, Any]) -> dict[int, list[float]]:
+    """Each checkpoint interval's per-round engine step over the same round's with checkpoints off (a
+    round without its "off" run, cut short, left out)."""
+    runs = artefact.get("runs", [])
+    off = {r["round"]: r["step_s_mean"] for r in runs if r["interval"] == 0}
+    return {
+        interval: [
+            r["step_s_mean"] / off[r["round"]]
+            for r in runs
+            if r["interval"] == interval and r["round"] in off
+        ]
+        for interval in sorted({r["interval"] for r in runs if r["interval"]})
+    }

@@ -29,10 +29,19 @@ COMMANDS = [[str(path)] for path in SCRIPTS] + [
 DRIVER = r"""
 import contextlib, io, json, runpy, sys
 results = {}
+base_path, base_modules = list(sys.path), set(sys.modules)
 for command in json.loads(sys.argv[1]):
+    # Each script as if alone: the path and the modules it found imported are this process's own, not
+    # what an earlier script set up (heavy libraries stay loaded: they are not the script's to set up).
+    sys.path[:] = [command[0].rsplit("/", 1)[0], *base_path]
+    scripts = command[0].rsplit("/", 1)[0]
+    for module in [
+        name for name, module in list(sys.modules.items())
+        if name not in base_modules and str(getattr(module, "__file__", "") or "").startswith(scripts)
+    ]:
+        del sys.modules[module]
     out, err = io.StringIO(), io.StringIO()
     sys.argv = [*command, "--help"]
-    sys.path.insert(0, command[0].rsplit("/", 1)[0])
     code = None
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
@@ -41,7 +50,6 @@ for command in json.loads(sys.argv[1]):
             code = exit.code
         except BaseException as exc:
             code = repr(exc)
-    sys.path.pop(0)
     results[" ".join(command)] = [code, out.getvalue()[:200], err.getvalue()[-1500:]]
 print(json.dumps(results))
 """

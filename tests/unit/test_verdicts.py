@@ -43,8 +43,11 @@ def test_met_only_when_the_whole_interval_is_past_the_target():
     assert verdict([1.21, 1.19, 1.25, 1.30, 1.06], "<= 1.02").word == "missed"
 
 
-def test_more_rounds_narrow_the_interval_instead_of_widening_it():
-    # Ten rounds: the 2nd lowest to the 2nd highest (97.9%), where a min-max would take the outliers.
+def test_from_eight_rounds_one_outlying_round_no_longer_decides():
+    # Five to seven rounds: the interval is the lowest to the highest round.
+    assert median_interval([0.5, 1.1, 1.12, 1.13, 2.0])[:2] == (0.5, 2.0)
+    assert verdict([0.5, 1.1, 1.12, 1.13, 2.0], ">= 1.05").word == "not shown"
+    # Ten rounds: the 2nd lowest to the 2nd highest (97.9%): the outliers 0.5 and 2.0 are left out.
     rounds = [0.5, 1.1, 1.12, 1.13, 1.15, 1.16, 1.18, 1.2, 1.22, 2.0]
     low, high, coverage = median_interval(rounds)
     assert (low, high) == (1.1, 1.22) and coverage > 0.9
