@@ -5,19 +5,23 @@ project's 2-core host), then ``scripts/figures.py`` renders every block.
     .venv/bin/python scripts/bench.py all --out docs --only engines,mixed_sizes
     .venv/bin/python scripts/bench.py all --out docs --dry-run       # the plan, its shares, nothing run
 
-Each benchmark runs as its own process (a fresh torch, its own servers) with its share of the budget as a
-time limit; its artefact is written as it measures, so one cut short keeps what it measured and says so
-(``complete: false``), and the others still run. The run's own record (``<out>/cpu/all.json``: each
-benchmark's command, exit status and seconds) is written after each. Each command below is the one its
-artefact records (``provenance.command``), so the docs say how every figure was taken. The sizes are
-chosen so each benchmark reads a verdict (5 rounds where it has rounds: scripts/verdicts.py) within its
-share; a benchmark that needs more than its share is sized down here, not given more.
+Each benchmark runs as its own process group (a fresh torch, its own servers) with its share of the budget
+as a time limit; at the limit the whole group is ended (servers included). Most benchmarks write their
+artefact as they measure, so one cut short keeps what it measured and says so (``complete: false``);
+checkpoint-cost and dllm write theirs at the end, so a cut one keeps its previous artefact. The run's own
+record (``<out>/cpu/all.json``: each benchmark's command, exit status and seconds) is written after each.
+Each command below is the one its artefact records (``provenance.command``). Where a benchmark has rounds,
+it runs 5 (the fewest from which scripts/verdicts.py reads a verdict), except where its share cannot hold
+them (graphs: 3 repeats of a timing, no ratio read; crash-soak: 1 round, its figures descriptive); the
+engines benchmark's Poisson and mixed runs are one run each (no verdict), its closed loop 5 rounds.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -49,6 +53,8 @@ PLAN = (
             "1,4,8",
             "--requests",
             "48",
+            "--rounds",
+            "5",
             "--poisson-requests",
             "150",
             "--no-image-mix",
@@ -56,7 +62,7 @@ PLAN = (
             "{out}/cpu",
         ),
         0.20,
-    ),  # fmt: skip
+    ),
     Take(
         "mixed_sizes",
         ("--rounds", "5", "--requests", "16", "--loads", "", "--out", "{out}/cpu"),
@@ -86,6 +92,25 @@ def command(take: Take, out: Path) -> list[str]:
     return [sys.executable, "scripts/bench.py", take.name.replace("_", "-"), *args]
 
 
+def run_group(argv: list[str], limit_s: float) -> int | str:
+    """Run ``argv`` as a process group; at ``limit_s`` end the whole group (its servers and their stubs)."""
+    process = subprocess.Popen(argv, cwd=REPO_ROOT, start_new_session=True)
+    try:
+        return process.wait(timeout=limit_s)
+    except subprocess.TimeoutExpired:
+        for sig, wait_s in ((signal.SIGTERM, 20.0), (signal.SIGKILL, None)):
+            try:
+                os.killpg(process.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                process.wait(timeout=wait_s)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        return "cut at its share"
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="bench.py all", description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -109,10 +134,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.dry_run:
             continue
         began = time.monotonic()
-        try:
-            status: int | str = subprocess.run(argv_, cwd=REPO_ROOT, timeout=limit).returncode
-        except subprocess.TimeoutExpired:
-            status = "cut at its share"
+        status = run_group(argv_, limit)
         entry = {
             "name": take.name,
             "command": argv_[1:],
