@@ -1,9 +1,9 @@
 """``scripts/gpu_checks.py`` on a machine that has a torch and only the wheels the device recipe carries.
 
 The device machine keeps its own CUDA torch and gets everything else as wheels installed with pip's
-``--no-deps`` (``gpu_checks.py --wheels``, from ``scripts/gpu_wheels.txt``); the unit smoke runs in the
-full dev venv, which has every package, so a wheel the recipe forgets shows there only on the GPU. Here a
-venv is built as that machine has it, and the smoke runs in it:
+``--no-deps`` (``gpu_checks.py --wheels``, from ``scripts/gpu_wheels.txt``). A smoke in the full dev venv,
+which has every package, would show a wheel the recipe forgets only on the GPU; so the one smoke run of the
+suite is here, in a venv built as that machine has it:
 
   torch     the dev venv's own, not downloaded again: a new venv (``--without-pip``) with a .pth file
             naming a folder of symbolic links to the files of torch and of what torch itself requires
