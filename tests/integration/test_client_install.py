@@ -53,7 +53,7 @@ def test_the_installed_client_generates_without_torch_or_the_server(server, clie
     request = ["--url", server.grpc_url, "--seed", "5", "--steps", "2", "--height", "64", "--width", "96"]
     made = run_in(client_venv, cli, "a red cat", *request, "--out", str(tmp_path / "images"), cwd=tmp_path)
     assert made.returncode == 0, made.stderr[-3000:]
-    assert "steps: 2/2" in made.stderr  # the progress line
+    assert "[0] step 2/2\n" in made.stderr  # the progress, a line per step off a terminal
     (path,) = (tmp_path / "images").glob("*.png")
     assert path.name == "0_5.png" and Image.open(path).size == (96, 64)
     # The same bytes as this environment's client (the server package's dependency) gets.
