@@ -65,3 +65,13 @@ def test_the_last_of_a_repeated_option_wins_as_in_tritonserver():
     assert launcher._option(["--grpc-port", "8001", "--grpc-port=9001"], "grpc-port", "1") == "9001"
     assert launcher._option(["--grpc-port=8001", "--grpc-port", "9001"], "grpc-port", "1") == "9001"
     assert launcher._option([], "grpc-port", "8001") == "8001"
+
+
+def test_the_supervised_server_gets_a_short_exit_timeout_unless_one_is_given(monkeypatch):
+    taken: list = []
+    monkeypatch.setattr(launcher, "server_command", lambda *a: launcher.ServerCommand(["t"], {}))
+    monkeypatch.setattr(launcher, "supervise", lambda *args: taken.append(args) or 0)
+    for argv, timeout in (([], "5"), (["--exit-timeout-secs=60"], "60")):
+        with pytest.raises(SystemExit):
+            launcher.main(argv)
+        assert launcher._option(taken[-1][1], "exit-timeout-secs", "30") == timeout

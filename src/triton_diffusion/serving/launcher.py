@@ -26,6 +26,13 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 
 
+# tritonserver's exit timeout under the supervisor (Triton's own default is 30 s). On SIGTERM the drain has
+# already let what can finish finish and answered the rest, so what is left is unloading the models; a model
+# Triton still counts as live then (a dead stub, a request not yet released) would hold every stop and every
+# crash restart for the whole timeout.
+EXIT_TIMEOUT_S = 5.0
+
+
 class LauncherError(RuntimeError):
     """A problem that stops the server from starting, with a message meant for the user."""
 
@@ -282,6 +289,8 @@ def main(argv: list[str] | None = None) -> None:
         "restart (0: no drain; SIGINT never drains). Needs the supervisor",
     )
     known, extra = parser.parse_known_args(argv)
+    if not known.no_supervise:
+        extra = [f"--exit-timeout-secs={EXIT_TIMEOUT_S:g}", *extra]  # a user's own comes later and wins
     if known.drain_s < 0:
         parser.error("--drain-s must be 0 or more")
     front_argv, front_at = None, None
