@@ -90,11 +90,10 @@ BLOCKS: dict[str, Figure] = {
         ("docs/bench.json",), "engines.server_ratios", "bench.py: served engines", stale=BEFORE_ENGINE_CORE
     ),
     "openai-front": Figure(
-        ("docs/openai_front/bench.json", "docs/openai_front/repeat/bench.json"),
+        ("docs/bench.json",),
         "engines.openai_front",
         "bench.py --openai: the front against gRPC direct",
-        stale=BEFORE_ENGINE_CORE + "; both runs took the three paths in the same order in both rounds,"
-        " where bench.py --openai reverses the second round",
+        stale=BEFORE_ENGINE_CORE,
     ),
     # in process (scripts/bench_engines.py)
     "engines": Figure(
@@ -116,12 +115,6 @@ BLOCKS: dict[str, Figure] = {
     ),
     "checkpoint-cost-line": Figure(
         ("docs/cpu/checkpoint_cost.json",), "checkpoint_cost.sentence", "bench.py checkpoint-cost"
-    ),
-    "engines-rounds": Figure(
-        ("docs/cpu/rounds/bench_engines.json",), "engines.ratio_table", stale=BEFORE_ENGINE_CORE
-    ),
-    "image-mix": Figure(
-        ("docs/cpu/image_mix/bench_engines.json",), "engines.ratio_table", stale=BEFORE_ENGINE_CORE
     ),
     "graphs-cpu": Figure(("docs/cpu/bench_graphs.json",), "engines.graphs", stale=BEFORE_ENGINE_CORE),
     "lora": Figure(("docs/cpu/lora/bench_lora.json",), "engines.ratio_table", stale=BEFORE_BOUNDARY),

@@ -61,25 +61,52 @@ PLAN = (
             "--out",
             "{out}/cpu",
         ),
-        0.20,
+        0.17,
+    ),
+    # The same engines through the real server and the project's gRPC client, and the OpenAI front's
+    # overhead against gRPC direct (one run each: figures, no verdict).
+    Take(
+        "server",
+        (
+            "--concurrency",
+            "1,4,8",
+            "--requests",
+            "48",
+            "--max-batch-size",
+            "8",
+            "--mixed",
+            "--poisson",
+            "--poisson-requests",
+            "120",
+            "--progress",
+            "--openai",
+            "--out",
+            "{out}",
+        ),
+        0.12,
     ),
     Take(
         "mixed_sizes",
         ("--rounds", "5", "--requests", "16", "--loads", "", "--out", "{out}/cpu"),
-        0.20,
+        0.15,
     ),
-    Take("checkpoint_cost", ("--rounds", "5", "--out", "{out}/cpu"), 0.08),
+    Take("checkpoint_cost", ("--rounds", "5", "--out", "{out}/cpu"), 0.06),
     Take(
-        "caches", ("--requests", "16", "--rounds", "5", "--threads", "1", "--out", "{out}/cpu/caches"), 0.14
+        "caches", ("--requests", "16", "--rounds", "5", "--threads", "1", "--out", "{out}/cpu/caches"), 0.11
     ),
-    Take("lora", ("--repeats", "5", "--out", "{out}/cpu/lora"), 0.06),
+    Take("lora", ("--repeats", "5", "--out", "{out}/cpu/lora"), 0.05),
     Take(
         "slo",
-        ("--requests", "60", "--loads", "0.9,1.1", "--rounds", "5", "--out", "{out}/cpu/slo"),
-        0.16,
+        ("--requests", "48", "--loads", "0.9,1.1", "--rounds", "5", "--out", "{out}/cpu/slo"),
+        0.12,
     ),
-    Take("graphs", ("--repeats", "3", "--out", "{out}/cpu"), 0.04),
-    Take("dllm", ("--concurrency", "1,4", "--requests-per-client", "3", "--out", "{out}"), 0.06),
+    Take(
+        "slo_server",
+        ("--requests", "40", "--loads", "1.1", "--rounds", "5", "--out", "{out}/cpu/slo"),
+        0.08,
+    ),
+    Take("graphs", ("--repeats", "3", "--out", "{out}/cpu"), 0.03),
+    Take("dllm", ("--concurrency", "1,4", "--requests-per-client", "3", "--out", "{out}"), 0.05),
     Take(
         "crash_soak", ("--rounds", "1", "--duration", "30", "--crash-every", "15", "--out", "{out}/cpu"), 0.06
     ),

@@ -89,17 +89,10 @@ def in_process_ratios(artefact: dict[str, Any]) -> str:
     return "\n\n".join(parts)
 
 
-def openai_front(*artefacts: dict[str, Any]) -> str:
-    """bench.py --openai, one column per run: the front's ratios against gRPC direct."""
-    labels = [label for label in artefacts[0]["ratios"] if "OpenAI" in label or "client's CPU" in label]
-    rows = []
-    for label in labels:
-        values = [a["ratios"].get(label, [None, "-"]) for a in artefacts]
-        target = values[0][1]
-        cells = [f"**{number(v[0])}**" for v in values]
-        rows.append([label, *cells, target])
-    headers = ("ratio", *(f"run {i + 1}" for i in range(len(artefacts))), "target")
-    return table(headers, rows)
+def openai_front(artefact: dict[str, Any]) -> str:
+    """bench.py --openai: the front against gRPC direct (two rounds, each path pooled: no verdict)."""
+    ratios = {k: v for k, v in artefact["ratios"].items() if "OpenAI" in k or "client's CPU" in k}
+    return table(RATIO_HEADERS, ratio_rows(ratios))
 
 
 def graphs(artefact: dict[str, Any]) -> str:
