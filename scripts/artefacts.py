@@ -56,7 +56,9 @@ def _commit() -> str:
             ["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, check=True
         ).stdout.strip()
         dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
+            # docs/ left out: the artefacts themselves live there (a run of several benchmarks writes one
+            # before the next starts), and no page changes what is measured.
+            ["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)docs"],
             cwd=REPO_ROOT,
             capture_output=True,
             text=True,
@@ -90,7 +92,7 @@ def machine() -> dict[str, Any]:
 
 def provenance(command: list[str] | None = None) -> dict[str, Any]:
     """What made an artefact: the command line (``sys.argv`` by default, the script's path relative to
-    the repository), the commit (``+dirty`` when tracked files differ from it), the UTC date, the machine
+    the repository), the commit (``+dirty`` when tracked files outside docs/ differ from it), the UTC date, the machine
     and the library versions."""
     argv = list(sys.argv if command is None else command)
     if argv:
