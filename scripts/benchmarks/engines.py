@@ -390,7 +390,8 @@ def homogeneous_rounds(report: dict) -> dict[str, list[float]]:
     if not runs:
         return {}
     top = max(r.concurrency for r in runs)
-    steps, requests = ([r for r in runs if r.engine == e and r.concurrency == top] for e in ("step", "request"))
+    at_top = [r for r in runs if r.concurrency == top]
+    steps, requests = ([r for r in at_top if r.engine == engine] for engine in ("step", "request"))
     _, each = alternated_rounds(steps, requests)
     return {f"homogeneous c={top}: step / request throughput": each} if len(each) > 1 else {}
 
