@@ -5,7 +5,7 @@ Poisson) of the old tree beside the new one's, round by round: a change of a rat
 much the same tree's ratio moves between rounds (the noise).
 
     .venv/bin/python scripts/compare_trees.py --old /tmp/old --old-script scripts/bench_engines.py \\
-        --rounds 2 --out docs/cpu/boundary -- --concurrency 16 --requests 32 --poisson-requests 150
+        --rounds 2 --out bench_results/boundary -- --concurrency 16 --requests 32 --poisson-requests 150
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--rounds", type=int, default=5, help="at least 5 for a verdict (scripts/verdicts.py)"
     )
-    parser.add_argument("--out", type=Path, default=REPO_ROOT / "docs" / "cpu" / "boundary")
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench_results" / "boundary")
     parser.add_argument("bench_args", nargs=argparse.REMAINDER, help="after --: the benchmark's arguments")
     args = parser.parse_args(argv)
     bench_args = [a for a in args.bench_args if a != "--"]

@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--per-forward", type=int, default=8)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--engine-steps", type=int, default=3000)
-    parser.add_argument("--out", default=str(REPO_ROOT / "docs" / "cpu" / "engine_step_cost.json"))
+    parser.add_argument("--out", default=str(REPO_ROOT / "bench_results" / "engine_step_cost.json"))
     args = parser.parse_args(argv)
     rounds = []
     for index in range(args.rounds):

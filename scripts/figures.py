@@ -64,8 +64,7 @@ class Figure:
 BEFORE_ENGINE_CORE = "taken before the engine core was rewritten (commit 1586aec) and not taken again since"
 BEFORE_BOUNDARY = (
     "taken before the engine boundary changed (commit 4229cc8: aborts handed in as data, the scheduler's"
-    " update) and not taken again since; the engine's own work per step was measured old against new"
-    " (engine_step_cost.json)"
+    " update) and not taken again since"
 )
 BEFORE_HOOKS = (
     "taken before the per-row step caches moved to diffusers' HookRegistry (commit c35f2df) and not taken"
@@ -105,9 +104,6 @@ BLOCKS: dict[str, Figure] = {
     "request-walk": Figure(("docs/design/request_walk.json",), "walk.render", "request_walk.py"),
     # operations: reload one model after its stub died, or restart the server (docs/operations/reliability.md)
     "model-reload": Figure(("docs/cpu/model_reload.json",), "model_reload.render", "model_reload_check.py"),
-    # old code against new, side by side (scripts/engine_step_cost.py, scripts/compare_trees.py)
-    "boundary-step-cost": Figure(("docs/cpu/engine_step_cost.json",), "boundary.step_cost"),
-    "boundary-engines": Figure(("docs/cpu/boundary/summary.json",), "boundary.engines"),
     "mixed-sizes": Figure(("docs/cpu/mixed_sizes.json",), "mixed_sizes.render", "bench.py mixed-sizes"),
     "crash-soak": Figure(("docs/cpu/crash_soak.json",), "crash_soak.render", "bench.py crash-soak"),
     "checkpoint-cost": Figure(

@@ -49,10 +49,16 @@ def engine_rows(artefact: dict[str, Any], where: str) -> list[list[str]]:
         if step and request:
             value = step["latency_mean_s"] / request["latency_mean_s"]
             rows.append([f"{where}: Poisson at {load}% load", "step / request mean latency", value])
-    return [
-        [what, compared, f"**{number(value)}**", "one run: no verdict", _date(artefact)]
-        for what, compared, value in rows
-    ]
+    # The closed loop's alternated rounds, where the benchmark ran them (--rounds), give its verdict.
+    label, rounds = next(iter((artefact.get("ratio_rounds") or {}).items()), (None, None))
+    out = []
+    for what, compared, value in rows:
+        if rounds and "closed loop" in what:
+            target = artefact["ratios"][label][1]
+            out.append(_rounds_row(what, compared, rounds, target, _date(artefact), None))
+        else:
+            out.append([what, compared, f"**{number(value)}**", "-", "one run: no verdict", _date(artefact)])
+    return out
 
 
 def _rounds_row(
@@ -60,7 +66,7 @@ def _rounds_row(
 ) -> list[str]:
     rounds = [r for r in rounds if r is not None]
     found = verdict(rounds, target or None, higher_is_better)
-    return [what, compared, f"**{number(median(rounds))}**", str(found), date]
+    return [what, compared, f"**{number(median(rounds))}**", target or "-", str(found), date]
 
 
 def render(
@@ -71,7 +77,7 @@ def render(
     caches: dict[str, Any],
     gpu_engines: dict[str, Any],
 ) -> str:
-    headers = ("what", "compared", "median", "reading", "measured")
+    headers = ("what", "compared", "median", "target", "reading", "measured")
     cpu = engine_rows(engines, f"{engines.get('arch', '?')} {engines.get('size', '?')}")
     for row in mixed.get("summary", []):
         ratio = row.get("throughput_vs_by_shape")

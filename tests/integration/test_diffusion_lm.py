@@ -237,3 +237,21 @@ def test_metrics_count_forwards_rows_and_tokens(server):
     assert 8 <= forwards < 32
     assert grew("triton_diffusion_lm_forward_rows_sum") == sum(r.steps for r in results)
     assert after["triton_diffusion_lm_running_requests" + label] == 0
+
+
+def test_without_a_seed_a_resend_with_its_key_generates_the_same_text(server, reference_lm):
+    """The diffusion LM has no checkpoints: a resend runs again from its first block. With the seed its
+    resume key gives (the request has none), it is the same sampled text, so the client and the front can
+    drop the blocks they delivered; another key draws another seed."""
+    from triton_diffusion.serving.job_resumes import seed_from_key
+
+    sampled = {"prompt": "hi", "gen_length": 16, "block_length": 4, "steps": 8, "temperature": 1.0}
+    key = "resend-the-same-text-0001"
+    first, again = (
+        generate_text_one({**sampled, "resume_key": key}, retries=0, url=server.grpc_url) for _ in range(2)
+    )
+    other = generate_text_one({**sampled, "resume_key": "another-key-of-its-own-1"}, url=server.grpc_url)
+    assert first.ok and again.ok and other.ok, (first.error, again.error, other.error)
+    assert first.seed == again.seed == seed_from_key(key) != other.seed
+    assert first.text == again.text == reference_text(reference_lm, {**sampled, "seed": first.seed})[0]
+    assert [b.text for b in first.blocks] == [b.text for b in again.blocks]

@@ -383,8 +383,8 @@ def test_three_sizes_share_forwards_through_the_server_each_equal_to_its_pipelin
     """FLUX.1 and SD3 pack images of different sizes into one forward (adapters/packed_rows.py): a request
     of each size joins a held 64x64 one and equals ``pipeline(...)`` alone at its size and seed; the 96x64
     and 64x128 ones, each the only one of its size, share forwards (so with another size)."""
-    # One row a request: four guided rows on the 8x6-token canvas of these sizes (384 tokens computed) are
-    # over the default token budget of this server's SD3 (8 guided 64x64 images: 256), four unguided fit.
+    # SD3 unguided, one row a request: four rows on the 8x6-token canvas of these sizes, within the tokens
+    # of the largest forward of one of these sizes (8 images of 64x128), as guided rows would be too.
     unguided = {"guidance_scale": 1.0} if packed == "sd3" else {}
     requests = [
         {

@@ -352,3 +352,47 @@ def test_a_short_inpaint_request_sent_at_step_10_of_a_long_one_starts_at_once_an
     # Each equals its own pipeline: StableDiffusionPipeline and StableDiffusionInpaintPipeline.
     assert np.abs(pixels(short_out.images[0]) - reference("tiny-sd", short)).max() <= 1
     assert np.abs(pixels(long_out.images[0]) - reference("tiny-sd", long)).max() <= 1
+
+
+def test_on_the_shipped_config_256x256_requests_fill_their_row_cap_and_short_ones_join_a_long_one(server):
+    """The shipped text_to_image caps a 256x256 forward at 4 images (max_rows_by_resolution) and sets no
+    token budget: three short 256x256 requests sent while a long one runs join it at its next step, all
+    four share forwards, and the short ones finish first (a budget of 8 guided 64x64 images, the old
+    default, let each run alone: the short ones waited out the starvation bound and finished after)."""
+    size = {"height": 256, "width": 256, "guidance_scale": 7.5}
+    long = {"prompt": f"a long one {HOLD}3", "seed": 1, "num_inference_steps": 16, **size}
+    shorts = [{"prompt": f"short {i}", "seed": 10 + i, "num_inference_steps": 4, **size} for i in range(3)]
+    at_step_3 = threading.Event()
+    long_step = [0]
+    first_seen: dict[int, int] = {}  # each short one's first step: the long one's latest step then
+    done: dict[str, float] = {}
+    results: dict[str, object] = {}
+
+    def on_long(progress) -> None:
+        long_step[0] = progress.step
+        if progress.step >= 3:
+            at_step_3.set()
+
+    def run(name: str, request: dict, on_progress) -> None:
+        results[name] = generate_one(request, name, server.grpc_url, "sd_step_slow", on_progress=on_progress)
+        done[name] = time.monotonic()
+
+    def on_short(i: int):
+        def seen(progress) -> None:
+            first_seen.setdefault(i, long_step[0])
+
+        return seen
+
+    threads = [threading.Thread(target=run, args=("long", long, on_long))]
+    threads += [threading.Thread(target=run, args=(f"s{i}", s, on_short(i))) for i, s in enumerate(shorts)]
+    threads[0].start()
+    assert at_step_3.wait(60), "the long request never reached step 3"  # held there until one arrives
+    for thread in threads[1:]:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert all(r.ok for r in results.values()), {k: r.error for k, r in results.items()}
+    assert max(first_seen.values()) <= 6, first_seen  # their first step within a few of the long one's
+    assert max(results[f"s{i}"].batch["most_rows_shared"] for i in range(3)) == 4
+    assert all(done[f"s{i}"] < done["long"] for i in range(3)), done
+    assert results["long"].batch["forwards"] == 16

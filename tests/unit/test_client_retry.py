@@ -257,6 +257,51 @@ def test_the_text_client_retries_too(triton):
     assert result.ok and result.text == "hi" and result.attempts == 2 and len(set(keys(server))) == 1
 
 
+def text_block(index: int, text: str) -> tuple:
+    outputs = {"TEXT": np.array([text.encode()], dtype=object), "BLOCK": np.array([index])}
+    return FakeResult({**outputs, "TOKENS": np.array([4 * (index + 1)])}, final=False), None
+
+
+def text_final(text: str) -> tuple:
+    counts = {n: np.array([1]) for n in ("TOKENS", "STEPS", "SEED")}
+    return FakeResult({"TEXT": np.array([text.encode()], dtype=object), **counts}, final=True), None
+
+
+def test_a_resent_text_request_never_repeats_text(triton):
+    """The diffusion LM runs a resend from its first block (with the seed its key gives): the blocks the
+    client had come again and are neither kept twice nor handed to on_block twice."""
+    first = [text_block(0, "Hello"), text_block(1, " world."), BROKEN]
+    again = [text_block(0, "Hello"), text_block(1, " world."), text_block(2, " Bye.")]
+    second = [*again, text_final("Hello world. Bye.")]
+    server = triton([first, second])
+    seen: list[str] = []
+    with TextSession("fake:8001") as session:
+        result = session.generate({"prompt": "hello"}, on_block=lambda b: seen.append(b.text))
+    assert result.ok and result.attempts == 2 and len(set(keys(server))) == 1
+    assert seen == [b.text for b in result.blocks] == ["Hello", " world.", " Bye."]
+    assert "".join(seen) == result.text
+
+
+def test_a_resent_text_request_whose_block_came_back_different_fails_saying_why(triton):
+    first = [text_block(0, "Hello"), BROKEN]
+    second = [text_block(0, "Goodbye"), text_block(1, " world."), text_final("Goodbye world.")]
+    triton([first, second])
+    seen: list[str] = []
+    with TextSession("fake:8001") as session:
+        result = session.generate({"prompt": "hello"}, on_block=lambda b: seen.append(b.text))
+    assert not result.ok and "block 0 came back different" in result.error, result.error
+    assert seen == ["Hello"]
+
+
+@pytest.mark.parametrize("resumed", [2, None])
+def test_progress_steps_a_resend_runs_again_replace_the_earlier_ones(triton, resumed):
+    """Resumed from step 2 (its steps 3 and 4 run) or started over (1 to 4): each step once, in order."""
+    again = [step(3), step(4)] if resumed else [step(n) for n in (1, 2, 3, 4)]
+    triton([[step(1), step(2), step(3), BROKEN], [*again, final(resumed)]])
+    result, seen = generate()
+    assert result.ok and result.attempts == 2 and result.steps == [1, 2, 3, 4]
+
+
 def test_the_clis_turn_retry_off_and_one_key_is_never_shared(monkeypatch):
     with pytest.raises(ValueError, match="each request needs its own"):
         images.generate(["a", "b"], resume_key=KEY)  # before anything is sent

@@ -6,6 +6,7 @@ forwards a resume key an OpenAI client sent."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import grpc
 import numpy as np
@@ -13,9 +14,11 @@ import pytest
 from triton_diffusion_client import retry
 from tritonclient.utils import InferenceServerException
 
+from triton_diffusion.openai_front.chat import text_chunks
 from triton_diffusion.openai_front.errors import ApiError
 from triton_diffusion.openai_front.image_translation import image_call
 from triton_diffusion.openai_front.limits import Limits
+from triton_diffusion.openai_front.text_translation import TextCall
 from triton_diffusion.openai_front.triton_bridge import ModelInfo, TritonBridge, TritonRequest
 
 
@@ -183,3 +186,45 @@ def test_the_requests_timeout_bounds_its_resends():
     with pytest.raises(ApiError) as late:
         run(triton, model(), timeout_s=0.3)
     assert late.value.status == 504 and "not ready again in time" in late.value.message
+
+
+class TextResponse:
+    """A diffusion-LM response as the front reads it: a committed block (its index) or the FINAL text."""
+
+    def __init__(self, text: str, block: int | None = None) -> None:
+        self.final = block is None
+        self.values = {"TEXT": text.encode(), "BLOCK": block, "TOKENS": 3}
+
+    def scalar(self, name: str):
+        return self.values.get(name)
+
+
+def streamed_chat(*responses: TextResponse) -> tuple[str, list[dict]]:
+    """The chat chunks' text and the error events, as the openai client would read the stream."""
+    call = TextCall(TritonRequest("m", {}, {}), True, False, "m", None)
+
+    async def rest():
+        for response in responses[1:]:
+            yield response
+
+    async def read() -> list[bytes]:
+        return [chunk async for chunk in text_chunks(call, True, None, responses[0], rest())]
+
+    events = [
+        json.loads(e[len("data: ") :])
+        for e in b"".join(asyncio.run(read())).decode().split("\n\n")
+        if e.startswith("data: {")
+    ]
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in events if c.get("choices"))
+    return text, [e for e in events if "error" in e]
+
+
+def test_a_resent_chat_stream_never_repeats_or_changes_what_was_sent():
+    """The bridge resends a request Triton lost; the diffusion LM runs it again from its first block, with
+    the seed the front's key gives: the blocks already sent come again and are dropped."""
+    hello, world, bye = TextResponse("Hello", 0), TextResponse(" world.", 1), TextResponse(" Bye.", 2)
+    text, errors = streamed_chat(hello, world, hello, world, bye, TextResponse("Hello world. Bye."))
+    assert text == "Hello world. Bye." and not errors
+    # A block that came back different cannot be taken back: the stream ends with an error saying why.
+    text, errors = streamed_chat(hello, TextResponse("Goodbye", 0), world, TextResponse("Goodbye world."))
+    assert text == "Hello" and "block 0 came back different" in errors[0]["error"]["message"]

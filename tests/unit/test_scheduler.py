@@ -9,7 +9,7 @@ import pytest
 
 from tests.unit.recording import step_as_worker, tracked
 from tests.unit.test_step_engine import Engine, FakeAdapter, Host, Spec
-from triton_diffusion.engine.jobs import Job, computed_tokens
+from triton_diffusion.engine.jobs import ANY_SIZE, Job, computed_tokens
 from triton_diffusion.engine.ordering import AdmissionPacing, Service, make_policy
 from triton_diffusion.engine.scheduler import EngineLimits
 from triton_diffusion.engine.step_engine import StepEngine
@@ -364,6 +364,48 @@ def test_a_forward_fills_its_token_budget_in_order_skipping_what_does_not_fit():
     # Without a budget only the jobs cap bounds it.
     jobs = [packed("a4", 4), packed("b8", 8), packed("c2", 2), packed("d4", 4), packed("e1", 1)]
     assert first_forward(packed_engine(budget=None, max_per_forward=4), *jobs) == ["a4", "b8", "c2", "d4"]
+
+
+def test_without_a_budget_one_size_fills_its_row_cap_and_mixed_sizes_the_largest_forward_of_one():
+    """The default (no token budget): a forward of one size is bounded by the row caps alone (the shipped
+    SD config's 256x256 cap of 4 is reached, where a budget of 8 default-size images let one run), and a
+    packed forward of mixed sizes computes no more tokens, padding included, than the largest forward of
+    one of its sizes the row caps allow."""
+    caps = {"small": 4, "large": 2}.__getitem__
+
+    def job(name: str, shape: str) -> Job:
+        side = 4 if shape == "small" else 8
+        made = packed(name, 2 * side * side, shape=shape)
+        made.grid = (2, side, side)  # a guided image: two rows of side x side latent tokens
+        return made
+
+    smalls = [job(f"s{i}", "small") for i in range(5)]
+    assert first_forward(packed_engine(budget=None, cap_for=caps), *smalls) == ["s0", "s1", "s2", "s3"]
+    larges = [job(f"l{i}", "large") for i in range(3)]
+    assert first_forward(packed_engine(budget=None, cap_for=caps), *larges) == ["l0", "l1"]
+    # A large one and a small one pad to 4 rows of 8x8 = 256 tokens, the two large ones' forward; a second
+    # small one (6 rows) or the second large one would pass it.
+    mixed = [job("l0", "large"), job("s0", "small"), job("s1", "small"), job("l1", "large")]
+    forward = first_forward(packed_engine(budget=None, cap_for=caps), *mixed)
+    assert forward == ["l0", "s0"] and computed_tokens(mixed[:2]) == 2 * 128
+    # A budget, where one is set, bounds a forward of one size too.
+    smalls = [job(f"s{i}", "small") for i in range(5)]
+    assert first_forward(packed_engine(budget=64, cap_for=caps), *smalls) == ["s0", "s1"]
+
+
+def test_a_packing_job_steps_with_the_cached_jobs_of_its_size_even_when_it_goes_first():
+    """A job without a step cache packs with every size (ANY_SIZE); jobs with one keep to their size. The
+    uncached job, oldest, goes first: its forward is its size's, so the cached ones share it rather than
+    wait (it ran alone every step while they starved)."""
+    engine = packed_engine(budget=None)
+    uncached = Job(tracked("plain"), Spec(group=ANY_SIZE, steps=3), shape="S", tokens=1)
+    cached = [Job(tracked(f"c{i}"), Spec(group="S", steps=3), shape="S", tokens=1) for i in range(3)]
+    other = Job(tracked("other"), Spec(group=ANY_SIZE, steps=3), shape="T", tokens=1)
+    assert first_forward(engine, uncached, *cached, other) == ["plain", "c0", "c1", "c2"]
+    engine.step()
+    engine.step()  # the size's jobs are done: the other size's packing job goes
+    engine.step()
+    assert engine.adapter.forwards[1:] == [["plain", "c0", "c1", "c2"]] * 2 + [["other"]]
 
 
 def test_the_first_job_always_goes_even_alone_over_the_budget():

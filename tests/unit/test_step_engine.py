@@ -1011,4 +1011,3 @@ def test_a_hold_with_a_count_waits_until_the_engine_holds_that_many_jobs(monkeyp
     held["n"] = 4
     faulty.step([holder])  # four held: it goes on at once
     assert not waits
-

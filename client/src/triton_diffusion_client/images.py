@@ -66,7 +66,8 @@ class GenerateResult:
     batch: dict[str, Any] | None = None  # the compatibility key and fused calls, as the server reports
     error: str | None = None
     latency_s: float = 0.0
-    steps: list[int] = field(default_factory=list)  # STEP of each progress response, in arrival order
+    # STEP of each progress response, in order (a resend's replace the steps it runs again)
+    steps: list[int] = field(default_factory=list)
     first_progress_s: float | None = None  # time to the first progress response
     cancelled: bool = False  # cancelled by this client
     attempts: int = 0  # requests sent: 1, or more when it was resent after a failure (retry.py)
@@ -144,7 +145,8 @@ class ImageSession(StreamSession):
                 for response in responses:
                     if response.scalar("STEP") is not None:
                         progress = _progress(response)
-                        out.steps.append(progress.step)
+                        # A resend resumes from a checkpoint or starts over: its steps replace those after.
+                        out.steps = [s for s in out.steps if s < progress.step] + [progress.step]
                         if out.first_progress_s is None:
                             out.first_progress_s = time.perf_counter() - started
                         if on_progress is not None and on_progress(progress):

@@ -129,8 +129,21 @@ def _read_response(
         at_s=time.perf_counter() - started,
         wall=time.time(),
     )
+    if block.index < len(out.blocks):  # a resend runs from the first block again: drop what was delivered
+        if out.blocks[block.index].text != block.text:
+            raise ResponseError(REPEAT_DIFFERS.format(index=block.index), "StatusCode.ABORTED")
+        return False
     out.blocks.append(block)
     return on_block is not None and bool(on_block(block))
+
+
+# The diffusion LM has no checkpoints: a resend generates again from its first block, with the seed its
+# resume key gives (where the request has none), and so the same blocks. Where one differs (a request that
+# gave another sampler's randomness, a server of other weights), what was delivered cannot be taken back.
+REPEAT_DIFFERS = (
+    "the request was resent after a failure and its block {index} came back different from the one "
+    "already delivered; send it again as a new request"
+)
 
 
 def generate_text_one(

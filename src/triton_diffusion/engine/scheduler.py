@@ -16,8 +16,9 @@ decides and tells it what happened.
   it, and the first always goes. Whatever the policy, no running job starves: one not stepped for
   ``starvation_steps`` engine steps goes first (so it steps, even one larger than the token budget).
 - Caps: a forward holds at most ``max_per_forward`` jobs, ``max_tokens_per_forward`` tokens (the jobs'
-  ``tokens``) and, of each shape, its size's cap; the group's job and token caps are lowered after an
-  out-of-memory forward and raised again after enough full forwards (:class:`ForwardCaps`).
+  ``tokens``; without one, a forward of mixed sizes at most the tokens of the largest forward of one of
+  its sizes the row caps allow) and, of each shape, its size's cap; the group's job and token caps are
+  lowered after an out-of-memory forward and raised again after enough full forwards (:class:`ForwardCaps`).
 
 State: the scheduler is the one writer of a job's engine state and of its request's record
 (engine/request_status.py): it takes what the adapter made of a started job (:meth:`started`), applies each
@@ -100,6 +101,13 @@ class ForwardCaps:
         """Tokens in one forward of the group (None: no bound)."""
         caps = [c for c in (self.limits.max_tokens_per_forward, self._tokens.get(group)) if c is not None]
         return min(caps, default=None)
+
+    def largest_of_one_shape(self, jobs: list[Job]) -> int:
+        """Without a token budget, the tokens a forward of mixed sizes may compute: those of the largest
+        forward of one of their sizes the row caps allow (its cap of its largest job). So a forward of one
+        size is bounded by the row caps alone, and packing never computes more than a forward the config
+        already allows (padding included)."""
+        return max(self.shape_cap(job.shape) * job.tokens for job in jobs)
 
     def shape_cap(self, shape: Hashable) -> int:
         """Jobs of this shape (latent size) in one forward: the configured cap for its size."""
@@ -392,9 +400,16 @@ class Scheduler:
                 groups.setdefault(job.group, []).append(job)
             first = min(candidates, key=lambda j: self.order_key(j, now))
             group = self.policy.choose_group(groups, first)
-        self.policy.picked(group)
         # A job that shares forwards with every size (ANY_SIZE) also joins a forward of its own shape's
-        # group (a size whose jobs with a step cache keep to it: adapters/latent_loop.py group_of).
+        # group (a size whose jobs with a step cache keep to it: adapters/latent_loop.py group_of); so where
+        # the packing job that would go first has such a group, that group steps, the two kinds together.
+        if group == ANY_SIZE:
+            packing = min(
+                (j for j in running if j.group == ANY_SIZE), key=lambda j: self._forward_key(j, now)
+            )
+            if any(j.group == packing.shape for j in running):
+                group = packing.shape
+        self.policy.picked(group)
         members = [j for j in running if j.group == group or (j.group == ANY_SIZE and j.shape == group)]
         # Starved jobs first, the longest starved first (the one the group was chosen for, so it goes; one
         # that starves later never passes a starved job, which goes within as many steps as are before
@@ -419,7 +434,9 @@ class Scheduler:
             if len(taken) >= jobs_cap:
                 break
             # The tokens the forward would compute with it, padding included (sizes mixed: jobs.py).
-            over_budget = budget is not None and computed_tokens([*taken, job]) > budget
+            over_budget = computed_tokens([*taken, job]) > (
+                budget if budget is not None else self.caps.largest_of_one_shape([*taken, job])
+            )
             if taken and (over_budget or of_shape.get(job.shape, 0) >= self.caps.shape_cap(job.shape)):
                 continue
             taken.append(job)

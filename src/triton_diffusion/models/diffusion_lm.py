@@ -40,6 +40,7 @@ from triton_diffusion.fields import (
 )
 from triton_diffusion.serving.engine_host import EngineHost, RequestRecord
 from triton_diffusion.serving.engines import StepEngineKind
+from triton_diffusion.serving.job_resumes import seed_from_key
 from triton_diffusion.serving.metrics import DIFFUSION_LM_FAMILIES, DIFFUSION_LM_METRICS
 from triton_diffusion.serving.requests import TrackedRequest
 from triton_diffusion.serving.triton_model import TritonModel, Urgency
@@ -127,11 +128,14 @@ DIFFUSION_LM_FIELDS = FieldSet(
         seed_field("seed of the request's own generator; drawn and returned when absent"),
         *SERVICE_FIELDS,
         DESCRIBE_FIELD,
-        # Accepted so that clients may send a key to any model (they resend with it after a crash); the
-        # diffusion LM takes no checkpoints: a resend generates again.
+        # Clients send a key to any model (they resend with it after a crash). The diffusion LM takes no
+        # checkpoints: a resend generates again from its first block, with the seed the key gives where the
+        # request has none, so the blocks a client already has come again, the same; it drops them.
         replace(
             RESUME_FIELD,
-            doc="accepted and ignored: the diffusion LM takes no checkpoints (a resend runs again)",
+            doc="without a seed, the seed is derived from the key, so a resend after a crash generates the "
+            "same blocks again (the diffusion LM takes no checkpoints: it runs from its first block; the "
+            "project's client and the OpenAI front drop the blocks they already delivered)",
         ),
     ]
 )
@@ -238,7 +242,10 @@ class DiffusionLMModel(TritonModel):
         )
         params.check()
         prompt = self.tokenize(values["prompt"], values["apply_chat_template"])
-        seed = values["seed"] if values["seed"] is not None else random.randrange(2**32)
+        seed = values["seed"]
+        if seed is None:  # a resend with its key draws the same seed, so it generates the same blocks again
+            key = values.get("resume_key")
+            seed = seed_from_key(key) if key else random.randrange(2**32)
         generator = torch.Generator(device=self.lm.device).manual_seed(seed)
         decoding = DecodingRequest(prompt, params, generator, self.lm.mask_id, self.lm.eos_ids)
         service = self.service_of(values, tracked)

@@ -21,7 +21,6 @@ from typing import Any, cast
 import numpy as np
 
 from triton_diffusion.adapters.diffusers_pipeline import row_seed
-from triton_diffusion.adapters.image_requests import ImageRequest
 from triton_diffusion.compatibility import CompatibilityKey, compatibility_key
 from triton_diffusion.engine.jobs import Job, JobSpec, Stepped
 from triton_diffusion.engine.planner import RowCaps
@@ -147,9 +146,11 @@ class DiffusionModel(TritonModel):
         caps = self.row_caps(settings)
         engine_kind: EngineKind
         if adapter is not None:
-            tokens = settings.config.max_tokens_per_forward or caps.max_rows * self.image_tokens(adapter)
             engine_kind = StepEngineKind(
-                adapter, caps, prompt_of=lambda job: job.params.prompt, max_tokens_per_forward=tokens
+                adapter,
+                caps,
+                prompt_of=lambda job: job.params.prompt,
+                max_tokens_per_forward=settings.config.max_tokens_per_forward,
             )
         else:
             engine_kind = RequestEngineKind(self.run_call, caps)
@@ -164,14 +165,6 @@ class DiffusionModel(TritonModel):
             caps.max_rows,
             dict(caps.by_resolution),
         )
-
-    def image_tokens(self, adapter: Any) -> int:
-        """The denoiser tokens of one image (or video) at the default size, with classifier-free guidance:
-        what the default token budget (``max_tokens_per_forward``) is counted in."""
-        size = self.facts.default_size
-        frames = self.facts.default("num_frames")
-        probe = ImageRequest("", "", 0, 0, size, size, 1, 7.5, 7.5, "", num_frames=frames)
-        return int(adapter.tokens_of(probe))
 
     def parse(self, index: int, raw: dict[str, Any], tracked: TrackedRequest) -> ParsedRequest:
         """Validate a request and decide its jobs: one per image (or video), each with its params, tier,

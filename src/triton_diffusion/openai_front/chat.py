@@ -66,6 +66,15 @@ async def complete(request: Request, chat: bool) -> Response:
     return StreamingResponse(stream_until_disconnected(request, chunks), media_type="text/event-stream")
 
 
+# The diffusion LM has no checkpoints: a resend (triton_bridge.py) generates again from its first block with
+# the seed its resume key gives, so the blocks already sent come again and are dropped; one that differs
+# cannot be taken back from the client.
+REPEAT_DIFFERS = (
+    "the request was resent after a failure and its block {index} came back different from the one "
+    "already sent; send it again as a new request"
+)
+
+
 async def text_chunks(
     call: TextCall,
     chat: bool,
@@ -79,9 +88,19 @@ async def text_chunks(
             yield response
 
     sent_first, streamed = False, ""
+    blocks: list[str] = []  # each block's text as sent
     try:
         async for response in all_responses():
             text = block_text(response)
+            if not response.final:
+                index = int(response.scalar("BLOCK"))
+                if index < len(blocks):  # resent after a failure: the same seed, the same blocks again
+                    if blocks[index] != text:
+                        raise ApiError(
+                            500, REPEAT_DIFFERS.format(index=index), "server_error", None, "resent"
+                        )
+                    continue
+                blocks.append(text)
             if response.final and text.startswith(streamed):
                 text = text[len(streamed) :]  # the FINAL response has the whole text: send what is new
             elif response.final:
