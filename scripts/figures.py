@@ -85,21 +85,16 @@ BLOCKS: dict[str, Figure] = {
         "headline.render",
     ),
     # the real server (scripts/bench.py)
-    "server-engines": Figure(
-        ("docs/bench.json",), "engines.server_ratios", "bench.py: served engines", stale=BEFORE_ENGINE_CORE
-    ),
+    "server-engines": Figure(("docs/bench.json",), "engines.server_ratios", "bench.py: served engines"),
     "openai-front": Figure(
         ("docs/bench.json",),
         "engines.openai_front",
         "bench.py --openai: the front against gRPC direct",
-        stale=BEFORE_ENGINE_CORE,
     ),
     # in process (scripts/bench_engines.py)
     "engines": Figure(
         ("docs/cpu/bench_engines.json",),
         "engines.in_process_ratios",
-        stale=BEFORE_ENGINE_CORE + "; its text+image rows gave each request-level model a whole Triton"
-        " batch per turn (the image-mix block takes them with one fused call per turn)",
     ),
     "request-walk": Figure(("docs/design/request_walk.json",), "walk.render", "request_walk.py"),
     # operations: reload one model after its stub died, or restart the server (docs/operations/reliability.md)
@@ -112,18 +107,13 @@ BLOCKS: dict[str, Figure] = {
     "checkpoint-cost-line": Figure(
         ("docs/cpu/checkpoint_cost.json",), "checkpoint_cost.sentence", "bench.py checkpoint-cost"
     ),
-    "graphs-cpu": Figure(("docs/cpu/bench_graphs.json",), "engines.graphs", stale=BEFORE_ENGINE_CORE),
-    "lora": Figure(("docs/cpu/lora/bench_lora.json",), "engines.ratio_table", stale=BEFORE_BOUNDARY),
-    "dllm": Figure(
-        ("docs/dllm_bench.json",),
-        "engines.dllm",
-        stale="taken when the diffusion LM ran on an engine of its own, before it ran on the shared step"
-        " engine",
-    ),
+    "graphs-cpu": Figure(("docs/cpu/bench_graphs.json",), "engines.graphs"),
+    "lora": Figure(("docs/cpu/lora/bench_lora.json",), "engines.ratio_table"),
+    "dllm": Figure(("docs/dllm_bench.json",), "engines.dllm"),
     # step caches, tiers and deadlines
-    "caches": Figure(("docs/cpu/caches/bench_caches.json",), "caches.render", stale=BEFORE_HOOKS),
-    "slo": Figure(("docs/cpu/slo/bench_slo.json",), "slo.render", stale=BEFORE_BOUNDARY),
-    "slo-server": Figure(("docs/cpu/slo/bench_slo_server.json",), "slo.render_server", stale=BEFORE_BOUNDARY),
+    "caches": Figure(("docs/cpu/caches/bench_caches.json",), "caches.render"),
+    "slo": Figure(("docs/cpu/slo/bench_slo.json",), "slo.render"),
+    "slo-server": Figure(("docs/cpu/slo/bench_slo_server.json",), "slo.render_server"),
     # GPU: scripts/gpu_checks.py on one H100 (docs/gpu/checks*/)
     "gpu-graphs": Figure(
         ("docs/gpu/checks/cuda_graphs/bench_graphs.json",), "engines.graphs", stale=BEFORE_BOUNDARY
