@@ -92,8 +92,8 @@ def machine() -> dict[str, Any]:
 
 def provenance(command: list[str] | None = None) -> dict[str, Any]:
     """What made an artefact: the command line (``sys.argv`` by default, the script's path relative to
-    the repository), the commit (``+dirty`` when tracked files outside docs/ differ from it), the UTC date, the machine
-    and the library versions."""
+    the repository), the commit (``+dirty`` when tracked files outside docs/ differ from it), the UTC
+    date, the machine and the library versions."""
     argv = list(sys.argv if command is None else command)
     if argv:
         script = Path(argv[0])
