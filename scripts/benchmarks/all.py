@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
     kept = []  # a run of some (--only) keeps the record of the others
     if only and (folder / "all.json").is_file():
         earlier = json.loads((folder / "all.json").read_text())["benchmarks"]
-        kept = [e for e in earlier if e["name"] not in only]
+        kept = [e for e in earlier if e["name"] not in only and e["name"] in {t.name for t in PLAN}]
     record: dict = {"budget_s": args.budget_s, "benchmarks": kept}
     started = time.monotonic()
     for take in plan:

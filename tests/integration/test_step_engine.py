@@ -360,7 +360,8 @@ def test_on_the_shipped_config_256x256_requests_fill_their_row_cap_and_short_one
     four share forwards, and the short ones finish first (a budget of 8 guided 64x64 images, the old
     default, let each run alone: the short ones waited out the starvation bound and finished after)."""
     size = {"height": 256, "width": 256, "guidance_scale": 7.5}
-    long = {"prompt": f"a long one {HOLD}3", "seed": 1, "num_inference_steps": 16, **size}
+    # Held before its fourth forward until the engine holds all four jobs.
+    long = {"prompt": f"a long one {HOLD}3of4", "seed": 1, "num_inference_steps": 16, **size}
     shorts = [{"prompt": f"short {i}", "seed": 10 + i, "num_inference_steps": 4, **size} for i in range(3)]
     at_step_3 = threading.Event()
     long_step = [0]
@@ -386,7 +387,7 @@ def test_on_the_shipped_config_256x256_requests_fill_their_row_cap_and_short_one
     threads = [threading.Thread(target=run, args=("long", long, on_long))]
     threads += [threading.Thread(target=run, args=(f"s{i}", s, on_short(i))) for i, s in enumerate(shorts)]
     threads[0].start()
-    assert at_step_3.wait(60), "the long request never reached step 3"  # held there until one arrives
+    assert at_step_3.wait(60), "the long request never reached step 3"  # held there until all arrive
     for thread in threads[1:]:
         thread.start()
     for thread in threads:

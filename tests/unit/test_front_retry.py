@@ -210,11 +210,8 @@ def streamed_chat(*responses: TextResponse) -> tuple[str, list[dict]]:
     async def read() -> list[bytes]:
         return [chunk async for chunk in text_chunks(call, True, None, responses[0], rest())]
 
-    events = [
-        json.loads(e[len("data: ") :])
-        for e in b"".join(asyncio.run(read())).decode().split("\n\n")
-        if e.startswith("data: {")
-    ]
+    lines = b"".join(asyncio.run(read())).decode().splitlines()
+    events = [json.loads(line[len("data: ") :]) for line in lines if line.startswith("data: {")]
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in events if c.get("choices"))
     return text, [e for e in events if "error" in e]
 

@@ -9,7 +9,7 @@ import pytest
 
 from tests.unit.recording import step_as_worker, tracked
 from tests.unit.test_step_engine import Engine, FakeAdapter, Host, Spec
-from triton_diffusion.engine.jobs import ANY_SIZE, Job, computed_tokens
+from triton_diffusion.engine.jobs import ANY_SIZE, Job, computed_tokens, forward_group
 from triton_diffusion.engine.ordering import AdmissionPacing, Service, make_policy
 from triton_diffusion.engine.scheduler import EngineLimits
 from triton_diffusion.engine.step_engine import StepEngine
@@ -361,16 +361,15 @@ def test_a_forward_fills_its_token_budget_in_order_skipping_what_does_not_fit():
     # 4, then 8 does not fit (12 > 10) but 2 and 4 after it do (10); 1 more would not.
     jobs = [packed("a4", 4), packed("b8", 8), packed("c2", 2), packed("d4", 4), packed("e1", 1)]
     assert first_forward(packed_engine(budget=10), *jobs) == ["a4", "c2", "d4"]
-    # Without a budget only the jobs cap bounds it.
+    # Without a budget (all of one size here) only the row caps bound it.
     jobs = [packed("a4", 4), packed("b8", 8), packed("c2", 2), packed("d4", 4), packed("e1", 1)]
     assert first_forward(packed_engine(budget=None, max_per_forward=4), *jobs) == ["a4", "b8", "c2", "d4"]
 
 
 def test_without_a_budget_one_size_fills_its_row_cap_and_mixed_sizes_the_largest_forward_of_one():
-    """The default (no token budget): a forward of one size is bounded by the row caps alone (the shipped
-    SD config's 256x256 cap of 4 is reached, where a budget of 8 default-size images let one run), and a
+    """The default (no token budget): a forward of one size is bounded by the row caps alone, and a
     packed forward of mixed sizes computes no more tokens, padding included, than the largest forward of
-    one of its sizes the row caps allow."""
+    one of its sizes the row caps allow (the server test with the shipped SD config: test_step_engine.py)."""
     caps = {"small": 4, "large": 2}.__getitem__
 
     def job(name: str, shape: str) -> Job:
@@ -402,6 +401,7 @@ def test_a_packing_job_steps_with_the_cached_jobs_of_its_size_even_when_it_goes_
     cached = [Job(tracked(f"c{i}"), Spec(group="S", steps=3), shape="S", tokens=1) for i in range(3)]
     other = Job(tracked("other"), Spec(group=ANY_SIZE, steps=3), shape="T", tokens=1)
     assert first_forward(engine, uncached, *cached, other) == ["plain", "c0", "c1", "c2"]
+    assert forward_group([uncached, *cached]) == "S"  # the caps an out-of-memory there lowers: its size's
     engine.step()
     engine.step()  # the size's jobs are done: the other size's packing job goes
     engine.step()

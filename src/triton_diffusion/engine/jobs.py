@@ -30,6 +30,13 @@ ANY_SIZE = "any size"
 Grid = tuple[int, int, int]
 
 
+def forward_group(jobs: Sequence[Job]) -> Hashable:
+    """The group a forward of these jobs ran as: a size's own where any keeps to its size (ANY_SIZE jobs
+    join a forward of their size's group: engine/scheduler.py), else the first's. Its caps are the ones
+    an out-of-memory lowers and a full forward re-proves."""
+    return next((job.group for job in jobs if job.group != ANY_SIZE), jobs[0].group)
+
+
 def computed_tokens(jobs: Sequence[Job]) -> int:
     """The tokens a forward of these jobs computes: their own where they are of one size (or any has no
     grid: a video); packed (sizes mixed), every row on a canvas of the tallest by the widest grid

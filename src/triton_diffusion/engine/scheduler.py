@@ -47,6 +47,7 @@ from triton_diffusion.engine.jobs import (
     Left,
     Stepped,
     computed_tokens,
+    forward_group,
 )
 from triton_diffusion.engine.ordering import AdmissionPacing, Policy, Service, make_policy
 from triton_diffusion.engine.request_status import Abort, Request, RequestTable, apply_aborts, held_requests
@@ -403,12 +404,15 @@ class Scheduler:
         # A job that shares forwards with every size (ANY_SIZE) also joins a forward of its own shape's
         # group (a size whose jobs with a step cache keep to it: adapters/latent_loop.py group_of); so where
         # the packing job that would go first has such a group, that group steps, the two kinds together.
+        # Only where that size's cached jobs go before any packing job of another size, so the switch never
+        # holds back another size (it steps in the next packed forward, as it would have).
         if group == ANY_SIZE:
-            packing = min(
-                (j for j in running if j.group == ANY_SIZE), key=lambda j: self._forward_key(j, now)
-            )
-            if any(j.group == packing.shape for j in running):
-                group = packing.shape
+            order = lambda j: self._forward_key(j, now)  # noqa: E731
+            packing = sorted((j for j in running if j.group == ANY_SIZE), key=order)
+            own = [j for j in running if j.group == packing[0].shape]
+            other = next((j for j in packing if j.shape != packing[0].shape), None)
+            if own and (other is None or order(min(own, key=order)) < order(other)):
+                group = packing[0].shape
         self.policy.picked(group)
         members = [j for j in running if j.group == group or (j.group == ANY_SIZE and j.shape == group)]
         # Starved jobs first, the longest starved first (the one the group was chosen for, so it goes; one
@@ -434,9 +438,11 @@ class Scheduler:
             if len(taken) >= jobs_cap:
                 break
             # The tokens the forward would compute with it, padding included (sizes mixed: jobs.py).
-            over_budget = computed_tokens([*taken, job]) > (
-                budget if budget is not None else self.caps.largest_of_one_shape([*taken, job])
-            )
+            trial = [*taken, job]
+            bounds = [] if budget is None else [budget]
+            if self.limits.max_tokens_per_forward is None:  # a learned budget only tightens the mixed bound
+                bounds.append(self.caps.largest_of_one_shape(trial))
+            over_budget = bool(bounds) and computed_tokens(trial) > min(bounds)
             if taken and (over_budget or of_shape.get(job.shape, 0) >= self.caps.shape_cap(job.shape)):
                 continue
             taken.append(job)
@@ -496,7 +502,7 @@ class Scheduler:
         """Apply one forward's per-job results (the ``forward``-th): each job's counters and denoising
         step; a job whose own step failed is returned as failed (not advanced); those that took their
         last step move to finishing (decoded next)."""
-        self.caps.ran(jobs[0].group, len(jobs), computed_tokens(jobs))
+        self.caps.ran(forward_group(jobs), len(jobs), computed_tokens(jobs))
         outcome = ForwardOutcome()
         for job, out in zip(jobs, result.steps, strict=True):
             job.waited_since = self.step

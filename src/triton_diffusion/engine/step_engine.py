@@ -46,6 +46,7 @@ from triton_diffusion.engine.jobs import (
     Left,
     StepReport,
     computed_tokens,
+    forward_group,
 )
 from triton_diffusion.engine.ordering import AdmissionPacing, Policy, Service
 from triton_diffusion.engine.request_status import Abort, Request
@@ -203,7 +204,7 @@ class StepEngine:
         self.times.started(len(jobs), time.perf_counter() - started)
 
     def _forward(self, batch: list[Job]) -> None:
-        group = batch[0].group
+        group = forward_group(batch)
 
         def work(part: list[Job]) -> tuple[ForwardResult, float]:
             started = time.perf_counter()

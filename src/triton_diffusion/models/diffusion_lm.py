@@ -133,9 +133,10 @@ DIFFUSION_LM_FIELDS = FieldSet(
         # request has none, so the blocks a client already has come again, the same; it drops them.
         replace(
             RESUME_FIELD,
-            doc="without a seed, the seed is derived from the key, so a resend after a crash generates the "
-            "same blocks again (the diffusion LM takes no checkpoints: it runs from its first block; the "
-            "project's client and the OpenAI front drop the blocks they already delivered)",
+            doc="without a seed, the seed is derived from the key, so a resend after a crash draws the same "
+            "samples (the diffusion LM takes no checkpoints: it runs from its first block; the project's "
+            "client and the OpenAI front drop the blocks they already delivered, and end the request with an "
+            "error where one came back different, as its neighbours' rounding may make it)",
         ),
     ]
 )
