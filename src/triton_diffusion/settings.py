@@ -226,9 +226,9 @@ class ModelConfig:
     max_tokens_per_forward: int | None = _parameter(
         None,
         "step engine: denoiser tokens per forward, padding included (rows x latent tokens, frames included; "
-        "a guided image has two rows), a cap beside max_rows_per_call and max_rows_by_resolution; unset, a "
-        "forward of one size holds what the row caps allow and a forward of mixed sizes at most the tokens "
-        "of the largest forward of one of its sizes (an out-of-memory forward lowers both)",
+        "a guided image has two rows), a cap beside max_rows_per_call and max_rows_by_resolution; unset, the "
+        "row caps alone bound a forward, of one size or packed, and a forward that runs out of memory "
+        "learns a token cap for its group",
         (IMAGE, IMAGE_SOURCE),
     )
     pack_sizes: bool = _parameter(

@@ -366,10 +366,10 @@ def test_a_forward_fills_its_token_budget_in_order_skipping_what_does_not_fit():
     assert first_forward(packed_engine(budget=None, max_per_forward=4), *jobs) == ["a4", "b8", "c2", "d4"]
 
 
-def test_without_a_budget_one_size_fills_its_row_cap_and_mixed_sizes_the_largest_forward_of_one():
-    """The default (no token budget): a forward of one size is bounded by the row caps alone, and a
-    packed forward of mixed sizes computes no more tokens, padding included, than the largest forward of
-    one of its sizes the row caps allow (the server test with the shipped SD config: test_step_engine.py)."""
+def test_without_a_budget_the_row_caps_alone_bound_a_forward_of_one_size_or_packed():
+    """The default (no token budget): the jobs cap and each size's cap bound a forward, of one size or of
+    mixed sizes packed (padding is not bounded by tokens: an out-of-memory forward learns a cap); a budget,
+    where one is set, bounds either (the served default: test_step_engine.py, the shipped SD config)."""
     caps = {"small": 4, "large": 2}.__getitem__
 
     def job(name: str, shape: str) -> Job:
@@ -380,16 +380,19 @@ def test_without_a_budget_one_size_fills_its_row_cap_and_mixed_sizes_the_largest
 
     smalls = [job(f"s{i}", "small") for i in range(5)]
     assert first_forward(packed_engine(budget=None, cap_for=caps), *smalls) == ["s0", "s1", "s2", "s3"]
-    larges = [job(f"l{i}", "large") for i in range(3)]
-    assert first_forward(packed_engine(budget=None, cap_for=caps), *larges) == ["l0", "l1"]
-    # A large one and a small one pad to 4 rows of 8x8 = 256 tokens, the two large ones' forward; a second
-    # small one (6 rows) or the second large one would pass it.
-    mixed = [job("l0", "large"), job("s0", "small"), job("s1", "small"), job("l1", "large")]
-    forward = first_forward(packed_engine(budget=None, cap_for=caps), *mixed)
-    assert forward == ["l0", "s0"] and computed_tokens(mixed[:2]) == 2 * 128
-    # A budget, where one is set, bounds a forward of one size too.
+    mixed = [
+        job("l0", "large"),
+        job("s0", "small"),
+        job("s1", "small"),
+        job("l1", "large"),
+        job("l2", "large"),
+    ]
+    forward = first_forward(packed_engine(budget=None, cap_for=caps, max_per_forward=8), *mixed)
+    assert forward == ["l0", "s0", "s1", "l1"] and computed_tokens(mixed[:4]) == 8 * 64
     smalls = [job(f"s{i}", "small") for i in range(5)]
     assert first_forward(packed_engine(budget=64, cap_for=caps), *smalls) == ["s0", "s1"]
+    fresh = [job("l0", "large"), job("s0", "small"), job("s1", "small"), job("l1", "large")]
+    assert first_forward(packed_engine(budget=256, cap_for=caps), *fresh) == ["l0", "s0"]
 
 
 def test_a_packing_job_steps_with_the_cached_jobs_of_its_size_even_when_it_goes_first():

@@ -16,8 +16,7 @@ decides and tells it what happened.
   it, and the first always goes. Whatever the policy, no running job starves: one not stepped for
   ``starvation_steps`` engine steps goes first (so it steps, even one larger than the token budget).
 - Caps: a forward holds at most ``max_per_forward`` jobs, ``max_tokens_per_forward`` tokens (the jobs'
-  ``tokens``; without one, a forward of mixed sizes at most the tokens of the largest forward of one of
-  its sizes the row caps allow) and, of each shape, its size's cap; the group's job and token caps are
+  ``tokens``, where one is set) and, of each shape, its size's cap; the group's job and token caps are
   lowered after an out-of-memory forward and raised again after enough full forwards (:class:`ForwardCaps`).
 
 State: the scheduler is the one writer of a job's engine state and of its request's record
@@ -102,13 +101,6 @@ class ForwardCaps:
         """Tokens in one forward of the group (None: no bound)."""
         caps = [c for c in (self.limits.max_tokens_per_forward, self._tokens.get(group)) if c is not None]
         return min(caps, default=None)
-
-    def largest_of_one_shape(self, jobs: list[Job]) -> int:
-        """Without a token budget, the tokens a forward of mixed sizes may compute: those of the largest
-        forward of one of their sizes the row caps allow (its cap of its largest job). So a forward of one
-        size is bounded by the row caps alone, and packing never computes more than a forward the config
-        already allows (padding included)."""
-        return max(self.shape_cap(job.shape) * job.tokens for job in jobs)
 
     def shape_cap(self, shape: Hashable) -> int:
         """Jobs of this shape (latent size) in one forward: the configured cap for its size."""
@@ -438,11 +430,7 @@ class Scheduler:
             if len(taken) >= jobs_cap:
                 break
             # The tokens the forward would compute with it, padding included (sizes mixed: jobs.py).
-            trial = [*taken, job]
-            bounds = [] if budget is None else [budget]
-            if self.limits.max_tokens_per_forward is None:  # a learned budget only tightens the mixed bound
-                bounds.append(self.caps.largest_of_one_shape(trial))
-            over_budget = bool(bounds) and computed_tokens(trial) > min(bounds)
+            over_budget = budget is not None and computed_tokens([*taken, job]) > budget
             if taken and (over_budget or of_shape.get(job.shape, 0) >= self.caps.shape_cap(job.shape)):
                 continue
             taken.append(job)
