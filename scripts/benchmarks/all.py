@@ -91,7 +91,7 @@ PLAN = (
         ("--rounds", "5", "--requests", "16", "--loads", "", "--out", "{out}/cpu"),
         0.04,
     ),
-    Take("checkpoint_cost", ("--rounds", "5", "--out", "{out}/cpu"), 0.07),
+    Take("checkpoint_cost", ("--rounds", "15", "--engine-steps", "100", "--out", "{out}/cpu"), 0.07),
     Take(
         "caches", ("--requests", "16", "--rounds", "5", "--threads", "1", "--out", "{out}/cpu/caches"), 0.20
     ),

@@ -110,7 +110,7 @@ def test_a_write_is_atomic_no_partial_file_is_ever_a_checkpoint(store, monkeypat
     held = HeldWrites(monkeypatch)
     store.put(KEY, "h", checkpoint(2))
     assert held.reached.wait(5), "the write did not go through a rename"
-    # Written in full and fsynced, not yet renamed: the old checkpoint is the key's, the new one hidden.
+    # Written in full, not yet renamed: the old checkpoint is the key's, the new one hidden.
     (temporary,) = [name for name in files(store.directory) if not name.endswith(".safetensors")]
     assert temporary.startswith(".") and not valid_key(temporary.split(".safetensors")[0])
     assert checkpoints(store.directory) == [f"{KEY}.safetensors"]
@@ -281,3 +281,35 @@ def test_flush_waits_for_the_writer(store, monkeypatch):
     store.close()
     with pytest.raises(RuntimeError, match="closed"):
         store.put(KEY, "h", checkpoint(2))
+
+
+def test_checkpoints_pending_together_are_written_as_one_batch_with_one_fsync(store, monkeypatch):
+    synced: list[Path] = []
+    monkeypatch.setattr(checkpoint_store, "_fsync_directory", synced.append)
+    held = HeldWrites(monkeypatch)
+    store.put(f"{KEY}.0", "h", checkpoint(1))
+    assert held.reached.wait(5)  # .0 is being written; the next three wait for it together
+    for i in (1, 2, 3):
+        store.put(f"{KEY}.{i}", "h", checkpoint(i))
+    held.go.set()
+    assert store.flush(5)
+    assert synced == [store.directory] * 2  # one for .0, one for the batch of three
+    assert checkpoints(store.directory) == [f"{KEY}.{i}.safetensors" for i in range(4)]
+    assert store.bytes_used == sum(p.stat().st_size for p in store.directory.glob("*.safetensors"))
+
+
+def test_expired_checkpoints_are_swept_before_a_batch_at_most_every_sweep_s(store, clock):
+    store.put(f"{KEY}.0", "h", checkpoint(1))
+    assert store.flush(5)
+    clock.now += 3601.0  # .0 has expired, and a sweep is due
+    store.put(f"{KEY}.1", "h", checkpoint(1))
+    assert store.flush(5)
+    assert checkpoints(store.directory) == [f"{KEY}.1.safetensors"]
+    clock.now += 3600.0 - checkpoint_store.SWEEP_S / 3
+    store.put(f"{KEY}.2", "h", checkpoint(1))  # a sweep, .1 not yet expired
+    assert store.flush(5)
+    clock.now += checkpoint_store.SWEEP_S / 2
+    store.put(f"{KEY}.3", "h", checkpoint(1))  # .1 has expired, but the last sweep was too recent
+    assert store.flush(5)
+    assert checkpoints(store.directory) == [f"{KEY}.{i}.safetensors" for i in (1, 2, 3)]
+    assert store.get(f"{KEY}.1") is None  # a read checks its own file's age

@@ -1,14 +1,17 @@
 """A latent job's resumable state, taken between two steps and put back onto a fresh start of the same
-request, so that a crash loses no work (issue 43): the resumed job's image is the uninterrupted one's.
+request, so that a crash loses no work: the resumed job's image is the uninterrupted one's.
 
 What changes while a job steps, and so what a checkpoint holds (everything else a fresh ``adapter.prepare``
-of the same request recomputes identically: the text conditioning, the timesteps, the model's extra
-inputs, an inpainting job's source, which the per-step blend only reads):
+of the same request recomputes identically: the text conditioning, the timesteps, the scheduler's tables,
+the model's extra inputs, an inpainting job's source, which the per-step blend only reads):
 
 - the latents;
-- its noise scheduler's mutable state, taken generically: every attribute of ``vars(scheduler)`` but its
-  config (the step index, DPM-Solver's and UniPC's history of model outputs, PNDM's ets, and the schedule
-  tables, which cost a few kilobytes and spare a per-class list that a diffusers upgrade would outdate);
+- its noise scheduler's attributes that changed since the job started (the step index, DPM-Solver's and
+  UniPC's history of model outputs, PNDM's ets): :func:`start_of` records each attribute at the start (a
+  copy of a tensor, an array's bytes, a list's items, a scalar's value), and a snapshot holds only those
+  that differ. The rest (the schedule's tables, most of a checkpoint's
+  bytes) a restore leaves as the fresh start made them from the scheduler's config and the request. A job
+  whose start was not recorded has every attribute saved;
 - the state of the row's generator (``step_kwargs["generator"]``): a stochastic sampler (Euler ancestral,
   SDE DPM-Solver) draws its step noise from it, so without it the resumed steps draw other noise.
 
@@ -31,7 +34,7 @@ import torch
 
 from triton_diffusion.adapters.image_requests import LatentJob
 
-FORMAT = 1  # the meta's layout: a checkpoint of another format does not fit
+FORMAT = 2  # the meta's layout: a checkpoint of another format does not fit
 CONFIG_ATTRIBUTES = frozenset({"config", "_internal_dict"})  # recomputed from the model's scheduler config
 SCALARS = (bool, int, float, str, type(None))
 
@@ -69,6 +72,64 @@ def checkpoint_refusal(state: Any) -> str | None:
 def _scheduler_attributes(scheduler: Any) -> dict[str, Any]:
     """The scheduler's mutable state: its instance attributes but its config."""
     return {name: value for name, value in vars(scheduler).items() if name not in CONFIG_ATTRIBUTES}
+
+
+def start_of(scheduler: Any) -> dict[str, Any]:
+    """Each scheduler attribute's identity at a job's start (``LatentJob.scheduler_start``): a later
+    snapshot saves only the attributes whose identity has changed since."""
+    return {name: _identity(value) for name, value in _scheduler_attributes(scheduler).items()}
+
+
+def _identity(value: Any) -> Any:
+    """What tells whether an attribute changed: a tensor's values (a copy: a step may write into a table in
+    place, and tensors made under inference mode count no versions), an array's bytes, a list's items, a
+    scalar's type and value, any other object itself."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", value.detach().clone())
+    if isinstance(value, np.ndarray):
+        return ("numpy", value.dtype.str, value.shape, value.tobytes())
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, tuple(_identity(item) for item in value))
+    if isinstance(value, (np.generic, *SCALARS)):
+        return ("value", type(value).__name__, value)
+    return ("object", value)
+
+
+def _same(start: Any, value: Any) -> bool:
+    """Whether ``value`` equals what :func:`_identity` recorded as ``start`` (a tensor on the same device,
+    of the same dtype and shape, with the same values)."""
+    kind = start[0]
+    if kind == "tensor":
+        saved = start[1]
+        return (
+            isinstance(value, torch.Tensor)
+            and value.device == saved.device
+            and value.dtype == saved.dtype
+            and value.shape == saved.shape
+            and torch.equal(value, saved)
+        )
+    if kind == "object":
+        return value is start[1]
+    if kind in ("list", "tuple"):
+        return (
+            type(value).__name__ == kind
+            and len(value) == len(start[1])
+            and all(_same(item, v) for item, v in zip(start[1], value, strict=True))
+        )
+    now = _identity(value)
+    return now[0] == kind and now[1:] == start[1:]
+
+
+def _changed(state: LatentJob) -> tuple[dict[str, Any], list[str]]:
+    """The scheduler's attributes to save, and the names left out as they were at the job's start."""
+    attributes = _scheduler_attributes(state.scheduler)
+    start = state.scheduler_start
+    if start is None:
+        return attributes, []
+    unchanged = sorted(
+        name for name, value in attributes.items() if name in start and _same(start[name], value)
+    )
+    return {name: value for name, value in attributes.items() if name not in unchanged}, unchanged
 
 
 def _generators(state: LatentJob) -> list[torch.Generator]:
@@ -114,9 +175,9 @@ def snapshot(state: LatentJob, step: int) -> JobCheckpoint:
         raise ValueError(f"step {step} is outside the job's {len(state.timesteps)} timesteps")
     device = state.latents.device
     tensors: dict[str, torch.Tensor] = {"latents": _copy(state.latents)}
+    changed, unchanged = _changed(state)
     attributes = {
-        name: _encode(value, f"scheduler.{name}", tensors, device)
-        for name, value in _scheduler_attributes(state.scheduler).items()
+        name: _encode(value, f"scheduler.{name}", tensors, device) for name, value in changed.items()
     }
     generators = _generators(state)
     for i, generator in enumerate(generators):
@@ -124,7 +185,11 @@ def snapshot(state: LatentJob, step: int) -> JobCheckpoint:
     meta = {
         "format": FORMAT,
         "timesteps": len(state.timesteps),
-        "scheduler": {"class": type(state.scheduler).__name__, "attributes": attributes},
+        "scheduler": {
+            "class": type(state.scheduler).__name__,
+            "attributes": attributes,
+            "unchanged": unchanged,  # as the fresh start of the same request makes them
+        },
         "generators": [str(generator.device) for generator in generators],
     }
     return JobCheckpoint(step, tensors, meta)
@@ -186,8 +251,10 @@ def restore(state: LatentJob, checkpoint: JobCheckpoint) -> None:
         )
     current = _scheduler_attributes(scheduler)
     # Some are set by the first step only (Heun's dt and sample): the checkpoint may hold more than a
-    # fresh start, never fewer (a scheduler of another diffusers version).
-    missing = sorted(set(current) - set(saved["attributes"]))
+    # fresh start, never fewer (a scheduler of another diffusers version); what it left out as unchanged
+    # since the start, the fresh start holds as it was.
+    missing = sorted(set(current) - set(saved["attributes"]) - set(saved["unchanged"]))
+    missing += sorted(set(saved["unchanged"]) - set(current))  # left out, yet the fresh start has none
     if missing:
         raise CheckpointMismatch(f"scheduler attributes missing from the checkpoint: {', '.join(missing)}")
     # Only values a scheduler holds as data: never one of its methods or its config (a checksum tells a

@@ -1,5 +1,5 @@
 """Job checkpoints on disk (adapters/job_checkpoints.py), so a request resubmitted after a crash resumes
-its images where they were (issue 43).
+its images where they were.
 
 - One file per image, ``<key>.safetensors``, the key a request's resume key and, per image, ``.<index>``
   (:func:`valid_key`: nothing else, so a key can never name a path outside the directory, which comes
@@ -11,12 +11,17 @@ its images where they were (issue 43).
   :class:`CorruptCheckpoint`, and the file is deleted.
 - Written by a thread of its own: :meth:`CheckpointStore.put` is called from the engine's host thread,
   which must not wait for a disk. A key's latest pending checkpoint replaces an older pending one (only
-  the newest state is worth writing). Each write is atomic: a hidden temporary file in the same
-  directory, fsynced, then ``os.replace``d onto the key's name, so a crash leaves the old checkpoint or
-  the new one, never half of one (a leftover temporary file is removed at the next start).
-- Bounded: after each write the oldest files go until the directory holds at most ``max_bytes``; files
-  older than ``ttl_s`` are dropped (a file's modification time is set to its ``created`` time by the
-  store's clock, so age and order survive a restart without reading every header).
+  the newest state is worth writing). The writer takes every pending checkpoint at once, a batch: each
+  written to a hidden temporary file in the same directory and ``os.replace``d onto the key's name (a
+  crashed process leaves the old checkpoint or the new one, never half of one; a leftover temporary file
+  is removed at a later start), then one fsync of the directory for the whole batch. Files are not
+  fsynced one by one: checkpoints guard against a stub or server process dying, which the page cache
+  survives; after a host crash a file the disk did not get in full fails its digest, is deleted, and its
+  request starts over (exact, only slower).
+- Bounded: after each batch the oldest files go until the directory holds at most ``max_bytes``; files
+  older than ``ttl_s`` are dropped, swept at start and then at most every ``SWEEP_S`` (a file's
+  modification time is set to its ``created`` time by the store's clock, so age and order survive a
+  restart without reading every header).
 """
 
 from __future__ import annotations
@@ -48,6 +53,8 @@ _TEMPORARY = ".tmp"  # a temporary file is ``.<key>.<random>.tmp``: hidden, and 
 # answer requests), and the age past which a temporary file is a crash's leftover, not a write under way.
 WAIT_S = 10.0
 LEFTOVER_S = 600.0
+BATCH_S = 0.25  # how long the writer gathers checkpoints into one batch when nobody waits for them
+SWEEP_S = 60.0  # at most this long between two sweeps for expired files (a get checks its own file's age)
 
 
 def valid_key(key: str) -> bool:
@@ -81,8 +88,10 @@ class CheckpointStore:
         self.clock = clock
         self.bytes_used = 0  # bytes of checkpoint files in the directory (for a metric)
         self._pending: dict[str, tuple[str, JobCheckpoint, float]] = {}  # key: fields hash, checkpoint, at
-        self._writing: str | None = None  # the key being written now
+        self._writing: frozenset[str] = frozenset()  # the keys of the batch being written now
         self._closed = False
+        self._swept_at = 0.0  # when the last sweep ran, by ``clock``
+        self._waiting = 0  # callers waiting for writes (get, remove, flush): the writer does not gather
         self._changed = threading.Condition()  # guards the pending writes and the key being written
         self._files = threading.RLock()  # guards the directory's files and bytes_used
         for leftover in self.directory.glob(f".*{_TEMPORARY}"):  # a write a crash cut short
@@ -112,7 +121,9 @@ class CheckpointStore:
         (then it is deleted). Raises CorruptCheckpoint (and deletes the file) if it is damaged."""
         self._check(key)
         with self._changed:
-            if not self._changed.wait_for(lambda: key not in self._pending and self._writing != key, WAIT_S):
+            if not self._wait_for_writes(
+                lambda: key not in self._pending and key not in self._writing, WAIT_S
+            ):
                 log.warning(
                     "checkpoint %s: its write is still under way after %g s: read as none", key, WAIT_S
                 )
@@ -131,6 +142,7 @@ class CheckpointStore:
                 return _parse(data, key)
             except Exception as exc:
                 self._delete(path)
+                self._count()  # damaged from outside: its size then may not be the one counted
                 raise CorruptCheckpoint(f"checkpoint {key}: {exc}") from exc
 
     def remove(self, key: str) -> None:
@@ -138,7 +150,9 @@ class CheckpointStore:
         self._check(key)
         with self._changed:
             self._pending.pop(key, None)
-            self._changed.wait_for(lambda: self._writing != key, WAIT_S)  # a stuck write: its TTL clears it
+            self._wait_for_writes(
+                lambda: key not in self._writing, WAIT_S
+            )  # a stuck write: its TTL clears it
         with self._files:
             self._delete(self._path(key))
 
@@ -152,7 +166,7 @@ class CheckpointStore:
         with self._changed:
             for key in [key for key in self._pending if of_request(key)]:
                 del self._pending[key]
-            self._changed.wait_for(lambda: self._writing is None or not of_request(self._writing), WAIT_S)
+            self._wait_for_writes(lambda: not any(map(of_request, self._writing)), WAIT_S)
         with self._files:
             for path in self._checkpoint_files():
                 if of_request(path.name[: -len(SUFFIX)]):
@@ -161,7 +175,7 @@ class CheckpointStore:
     def flush(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for every pending write; whether they are all done."""
         with self._changed:
-            return self._changed.wait_for(lambda: not self._pending and self._writing is None, timeout_s)
+            return self._wait_for_writes(lambda: not self._pending and not self._writing, timeout_s)
 
     def close(self, timeout_s: float = 60.0) -> None:
         """Finish the pending writes (up to ``timeout_s``) and stop the writer thread."""
@@ -172,8 +186,10 @@ class CheckpointStore:
         self._thread.join(timeout_s)
 
     def sweep(self) -> None:
-        """Delete the checkpoints older than ``ttl_s`` (at construction, and before each write)."""
+        """Delete the checkpoints older than ``ttl_s`` (at construction, then at most every ``SWEEP_S``
+        before a batch), and count the bytes the directory holds."""
         now = self.clock()
+        self._swept_at = now
         with self._files:
             for path in self._checkpoint_files():
                 try:
@@ -183,62 +199,80 @@ class CheckpointStore:
                     pass
             self._count()
 
+    def _wait_for_writes(self, predicate: Callable[[], bool], timeout_s: float) -> bool:
+        """Wait (holding ``_changed``) up to ``timeout_s`` for ``predicate``; the writer meanwhile writes at
+        once rather than gather a batch."""
+        self._waiting += 1
+        self._changed.notify_all()
+        try:
+            return self._changed.wait_for(predicate, timeout_s)
+        finally:
+            self._waiting -= 1
+
     # ---- the writer thread ------------------------------------------------------------------------------
     def _write_loop(self) -> None:
         while True:
             with self._changed:
                 self._changed.wait_for(lambda: self._pending or self._closed)
+                # Gather what else comes in ``BATCH_S`` (unless someone waits for the writes): a few wakeups
+                # of this thread cost the engine's thread less than one per checkpoint (measured:
+                # docs/cpu/checkpoint_cost.json).
+                self._changed.wait_for(lambda: self._closed or self._waiting > 0, BATCH_S)
                 if not self._pending:  # closed, nothing left
                     return
-                key = next(iter(self._pending))
-                fields_hash, checkpoint, created = self._pending.pop(key)
-                self._writing = key
+                batch, self._pending = self._pending, {}
+                self._writing = frozenset(batch)
             try:
-                self.sweep()
-                self._write(key, fields_hash, checkpoint, created)
-            except Exception:  # one checkpoint lost is a slower resume, not a failed request
-                log.exception("checkpoint %s: write failed", key)
+                if abs(self.clock() - self._swept_at) >= SWEEP_S:
+                    self.sweep()
+                self._write(batch)
+            except Exception:  # lost checkpoints are a slower resume, not a failed request
+                log.exception("checkpoints %s: write failed", ", ".join(batch))
             finally:
                 with self._changed:
-                    self._writing = None
+                    self._writing = frozenset()
                     self._changed.notify_all()
 
-    def _write(self, key: str, fields_hash: str, checkpoint: JobCheckpoint, created: float) -> None:
-        data = _serialise(key, fields_hash, checkpoint, created)
-        if len(data) > self.max_bytes:
-            log.warning(
-                "checkpoint %s: %d bytes exceed the store's bound of %d bytes alone: not kept",
-                key,
-                len(data),
-                self.max_bytes,
-            )
-            return
-        temporary = self.directory / f".{key}.{os.urandom(6).hex()}{_TEMPORARY}"
-        try:
-            with open(temporary, "wb") as file:
-                file.write(data)
-                file.flush()
-                os.fsync(file.fileno())
-            os.utime(temporary, (created, created))  # its age by the store's clock (ttl, eviction)
-            # Outside the files' lock: a reader of this key waits for its write, and of another key
-            # reads its own file.
-            os.replace(temporary, self._path(key))
+    def _write(self, batch: dict[str, tuple[str, JobCheckpoint, float]]) -> None:
+        """Each checkpoint of the batch to its file, then one fsync of the directory and one eviction."""
+        written = []
+        for key, (fields_hash, checkpoint, created) in batch.items():
+            data = _serialise(key, fields_hash, checkpoint, created)
+            if len(data) > self.max_bytes:
+                log.warning(
+                    "checkpoint %s: %d bytes exceed the store's bound of %d bytes alone: not kept",
+                    key,
+                    len(data),
+                    self.max_bytes,
+                )
+                continue
+            temporary = self.directory / f".{key}.{os.urandom(6).hex()}{_TEMPORARY}"
+            try:
+                temporary.write_bytes(data)
+                os.utime(temporary, (created, created))  # its age by the store's clock (ttl, eviction)
+                # Outside the files' lock: a reader of this key waits for its write, and of another key
+                # reads its own file.
+                os.replace(temporary, self._path(key))
+                written.append(self._path(key))
+            except OSError:
+                log.exception("checkpoint %s: write failed", key)
+            finally:
+                temporary.unlink(missing_ok=True)
+        if written:
             _fsync_directory(self.directory)
             with self._files:
-                self._evict(keep=self._path(key))
-        finally:
-            temporary.unlink(missing_ok=True)
+                self._evict(keep=frozenset(written))
 
-    def _evict(self, keep: Path) -> None:
-        """The oldest checkpoints go until the directory holds at most ``max_bytes`` (``keep``, the one
-        just written, fits alone and goes last)."""
+    def _evict(self, keep: frozenset[Path]) -> None:
+        """The oldest checkpoints go until the directory holds at most ``max_bytes`` (``keep``, the ones
+        just written, each fits alone and they go last)."""
         files = []
         for path in self._checkpoint_files():
             try:
                 stat = path.stat()
             except FileNotFoundError:
                 continue
-            files.append((path == keep, stat.st_mtime, path.name, stat.st_size, path))
+            files.append((path in keep, stat.st_mtime, path.name, stat.st_size, path))
         total = sum(size for *_, size, _ in files)
         for _, _, _, size, path in sorted(files):
             if total <= self.max_bytes:
@@ -260,8 +294,12 @@ class CheckpointStore:
         return [p for p in self.directory.glob(f"*{SUFFIX}") if valid_key(p.name[: -len(SUFFIX)])]
 
     def _delete(self, path: Path) -> None:
-        path.unlink(missing_ok=True)
-        self._count()
+        try:
+            size = path.stat().st_size
+            path.unlink()
+        except FileNotFoundError:
+            return
+        self.bytes_used = max(0, self.bytes_used - size)
 
     def _count(self) -> None:
         total = 0
