@@ -77,3 +77,20 @@ def test_a_jobs_finish_is_priced_by_its_tokens_and_the_token_steps_ahead():
     times.finished(1, 0.25)
     assert times.finish_in(100, 1, 0, 1000, started=False) == pytest.approx(1.0 + 0.5 + 0.25)
     assert times.finish_in(100, 1, 0, 1000, started=True) == pytest.approx(1.0 + 0.25)
+
+
+def test_a_forward_is_priced_by_its_rows_and_tokens_once_three_pairs_not_on_a_line_are_measured():
+    times = WorkTimes()
+    plane = lambda rows, tokens: 0.002 + 0.0001 * tokens + 0.003 * rows  # noqa: E731
+    times.forward_ran(1, 100, plane(1, 100), rows=1)
+    times.forward_ran(2, 200, plane(2, 200), rows=2)
+    assert times.forward_cost(3, 300) is None  # two pairs: no plane yet
+    times.forward_ran(3, 300, plane(3, 300), rows=3)
+    assert (
+        times.forward_cost(4, 400) is None
+    )  # three on one line (tokens = 100 x rows): rows and tokens unmixed
+    times.forward_ran(2, 800, plane(2, 800), rows=2)  # a packed forward: more tokens for the same rows
+    assert times.forward_cost(4, 1000) == pytest.approx(plane(4, 1000))
+    assert times.forward_cost(1, 50) == pytest.approx(plane(1, 50))
+    times.forward_ran(1, 100, 1.0)  # without rows: the token line only
+    assert times.forward_cost(4, 1000) == pytest.approx(plane(4, 1000))

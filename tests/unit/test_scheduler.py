@@ -518,3 +518,50 @@ def test_a_packed_forward_is_bounded_by_the_tokens_it_computes_padding_included(
     assert engine.adapter.forwards[-1] == ["tall"]  # the oldest first, alone: no other fits beside it
     engine.step()
     assert engine.adapter.forwards[-1] == ["wide", "square"]
+
+
+# ---- the packing gate: sizes mixed run packed only where the cost fit does not price it dearer ----------
+def gated(name: str, side: int) -> Job:
+    made = Job(tracked(name), Spec(group=ANY_SIZE, steps=3), shape=f"{side}x{side}", tokens=side * side)
+    made.grid = (1, side, side)
+    return made
+
+
+def with_plane(engine: Engine, fixed: float, per_token: float, per_row: float) -> Engine:
+    """The engine's cost fit as if these forwards had been measured: ``fixed + per_token x tokens +
+    per_row x rows``."""
+    for rows, tokens in ((1, 16), (2, 32), (2, 128), (4, 256), (1, 64)):
+        engine.engine.times.by_rows_tokens[rows, tokens] = fixed + per_token * tokens + per_row * rows
+    return engine
+
+
+@pytest.mark.parametrize(
+    ("fixed", "per_token", "expected"),
+    [
+        (0.0, 0.001, ["large"]),  # padding is what costs: packing (128 tokens) is dearer than 64 + 4
+        (0.05, 0.00001, ["large", "small"]),  # the forward's fixed part is what costs: packing saves one
+    ],
+    ids=["padding-dear: by size", "forward-dear: packed"],
+)
+def test_sizes_mixed_run_packed_only_where_the_fit_does_not_price_packing_dearer(fixed, per_token, expected):
+    engine = with_plane(packed_engine(budget=None), fixed, per_token, 0.0)
+    large, small = gated("large", 8), gated("small", 2)
+    assert computed_tokens([large, small]) == 128  # the small row padded to the large one's 8x8 canvas
+    assert first_forward(engine, large, small) == expected
+    packing = engine.engine.scheduler.packing
+    assert packing.packed == (expected == ["large", "small"])
+    assert packing.packed_s == pytest.approx(fixed + per_token * 128)
+    assert packing.by_size_s == pytest.approx(2 * fixed + per_token * (64 + 4))
+    if not packing.packed:  # by size as without packing: the oldest job's size goes until it is done
+        while engine.active:
+            engine.step()
+        assert engine.adapter.forwards == [["large"]] * 3 + [["small"]] * 3
+
+
+def test_before_the_fit_has_a_price_sizes_mixed_run_packed_and_the_jobs_count_it():
+    engine = packed_engine(budget=None)
+    large, small = gated("large", 8), gated("small", 2)
+    assert first_forward(engine, large, small) == ["large", "small"]
+    packing = engine.engine.scheduler.packing
+    assert packing.packed and packing.packed_s is None and packing.by_size_s is None
+    assert large.packed_forwards == small.packed_forwards == 1

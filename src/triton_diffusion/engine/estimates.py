@@ -6,6 +6,12 @@ linear growth), fitted by least squares to the running average seconds of each t
 job's time to finish is the forwards it still needs, each priced by the tokens it holds, plus a start and
 a decode; the work queued ahead of it (jobs that go first) adds forwards where it does not fit beside it.
 Before anything was measured there is no estimate, and nothing is refused for it.
+
+What one forward costs against another (the packing gate: scheduler.py) is priced by a second fit in two
+variables, ``a + b x tokens + c x rows``: a packed forward computes padding tokens for the same rows, and
+the rows carry what the tokens do not (each row's text tokens, its conditioning). It is fitted to the
+running average seconds of each (rows, tokens) pair measured, and gives no price until the pairs measured
+determine it (three, not on one line).
 """
 
 from __future__ import annotations
@@ -26,16 +32,26 @@ class WorkTimes:
     its tokens are, whatever their shapes), start and decode seconds per job."""
 
     by_tokens: dict[int, float] = field(default_factory=dict)  # least recently measured first
+    by_rows_tokens: dict[tuple[int, int], float] = field(default_factory=dict)  # (rows, tokens): seconds
     start_s: float | None = None  # per job started
     finish_s: float | None = None  # per job decoded
 
-    def forward_ran(self, jobs: int, tokens: int, seconds: float) -> None:
-        """A forward of ``jobs`` jobs and ``tokens`` tokens took ``seconds``."""
+    def forward_ran(self, jobs: int, tokens: int, seconds: float, rows: int | None = None) -> None:
+        """A forward of ``jobs`` jobs, ``rows`` denoiser rows (None: unknown) and ``tokens`` tokens (padding
+        included) took ``seconds``."""
         tokens = max(tokens, 1)
-        old = self.by_tokens.pop(tokens, None)  # re-inserted last: the most recently measured
-        self.by_tokens[tokens] = _blend(old, seconds)
-        if len(self.by_tokens) > MAX_SIZES:
-            del self.by_tokens[next(iter(self.by_tokens))]
+        _remember(self.by_tokens, tokens, seconds)
+        if rows is not None:
+            _remember(self.by_rows_tokens, (rows, tokens), seconds)
+
+    def forward_cost(self, rows: int, tokens: int) -> float | None:
+        """Seconds of a forward of ``rows`` rows and ``tokens`` tokens by the two-variable fit, or None
+        where the pairs measured do not determine it (fewer than three, or all on one line)."""
+        fit = _plane(self.by_rows_tokens)
+        if fit is None:
+            return None
+        fixed, per_token, per_row = fit
+        return max(fixed + per_token * tokens + per_row * rows, 0.0)
 
     def started(self, jobs: int, seconds: float) -> None:
         if jobs:
@@ -94,3 +110,36 @@ class WorkTimes:
 
 def _blend(old: float | None, new: float) -> float:
     return new if old is None else (1 - SMOOTHING) * old + SMOOTHING * new
+
+
+def _remember(table: dict, key: object, seconds: float) -> None:
+    """Blend ``seconds`` into ``table[key]``, the key moved last (the most recently measured); the least
+    recently measured key goes past ``MAX_SIZES``."""
+    old = table.pop(key, None)
+    table[key] = _blend(old, seconds)
+    if len(table) > MAX_SIZES:
+        del table[next(iter(table))]
+
+
+def _plane(points: dict[tuple[int, int], float]) -> tuple[float, float, float] | None:
+    """Least squares ``s = a + b t + c r`` over ``(r, t): s``, as ``(a, b, c)``; None with fewer than three
+    points or where they lie on one line (the normal equations' determinant is nothing next to its
+    terms)."""
+    if len(points) < 3:
+        return None
+    n = len(points)
+    mean_r = sum(r for r, _ in points) / n
+    mean_t = sum(t for _, t in points) / n
+    mean_s = sum(points.values()) / n
+    # Centred sums: the 2x2 normal equations for (b, c), then a from the means.
+    stt = sum((t - mean_t) ** 2 for _, t in points)
+    srr = sum((r - mean_r) ** 2 for r, _ in points)
+    srt = sum((r - mean_r) * (t - mean_t) for r, t in points)
+    sts = sum((t - mean_t) * (s - mean_s) for (_, t), s in points.items())
+    srs = sum((r - mean_r) * (s - mean_s) for (r, _), s in points.items())
+    determinant = stt * srr - srt * srt
+    if stt <= 0 or srr <= 0 or determinant <= 1e-9 * stt * srr:
+        return None
+    per_token = (sts * srr - srs * srt) / determinant
+    per_row = (srs * stt - sts * srt) / determinant
+    return mean_s - per_token * mean_t - per_row * mean_r, per_token, per_row

@@ -115,6 +115,7 @@ class Job:
     pauses: int = 0  # times it was paused to make room for a higher tier
     first_forward: int | None = None  # the engine forward it first took part in
     forwards: int = 0  # forwards (or fused calls) it took part in
+    packed_forwards: int = 0  # of them, forwards packed with jobs of other sizes
     most_shared: int = 0  # the most images it shared one forward with
     rows_computed: int = 0  # denoiser row-steps computed in full for this job
     rows_reused: int = 0  # denoiser row-steps served from its step cache
@@ -237,6 +238,16 @@ class Left:
 
 
 @dataclass(frozen=True)
+class Packing:
+    """The packing gate's decision for a forward whose jobs are of several sizes: packed or by size, with
+    the fit's prices of both (None before it has one: then it packs)."""
+
+    packed: bool
+    packed_s: float | None = None
+    by_size_s: float | None = None
+
+
+@dataclass(frozen=True)
 class Forward:
     """One forward of the step engine (or one fused pipeline call of the request-level engine)."""
 
@@ -247,6 +258,7 @@ class Forward:
     rows_reused: int = 0  # rows served from step caches
     tokens: int = 0  # its jobs' tokens (the sum of their ``tokens``)
     padded_tokens: int = 0  # padding the adapter added to pack rows of different lengths (ForwardResult)
+    packing: Packing | None = None  # the packing gate's decision where its jobs were of several sizes
 
 
 @dataclass

@@ -15,6 +15,11 @@ decides and tells it what happened.
   top tier), filled in order within its caps: a job that does not fit is skipped for a smaller one after
   it, and the first always goes. Whatever the policy, no running job starves: one not stepped for
   ``starvation_steps`` engine steps goes first (so it steps, even one larger than the token budget).
+- Packing: where a forward would hold jobs of several sizes (an adapter that packs them), the cost fit
+  (estimates.py) prices it packed (padding included) and as one forward per size; where by size is
+  cheaper by ``PACK_MARGIN`` and ``PACK_MIN_SAVING_S``, only the first job's size steps (the others in
+  later forwards, as without packing); else it runs packed, as before the fit has a price. The decision
+  and both prices go in the forward's report.
 - Caps: a forward holds at most ``max_per_forward`` jobs, ``max_tokens_per_forward`` tokens (the jobs'
   ``tokens``, where one is set) and, of each shape, its size's cap; the group's job and token caps are
   lowered after an out-of-memory forward and raised again after enough full forwards (:class:`ForwardCaps`).
@@ -44,6 +49,7 @@ from triton_diffusion.engine.jobs import (
     Job,
     JobStart,
     Left,
+    Packing,
     Stepped,
     computed_tokens,
     forward_group,
@@ -56,6 +62,12 @@ log = logging.getLogger("triton_diffusion")
 
 # Full forwards of a group at an out-of-memory-learned cap before the cap is doubled again (at first).
 CAP_RECOVERY_FORWARDS = 50
+# How much cheaper the same jobs' forwards by size must be priced than their packed forward for them to run
+# by size, relatively and in seconds: the fit is a plane through noisy timings, and a difference within
+# them (or below a timer's reach: a fake model's) is no reason to leave packing, which the mixed-sizes
+# benchmark measured a gain (tiny FLUX.1) or no loss (tiny SD3).
+PACK_MARGIN = 0.05
+PACK_MIN_SAVING_S = 0.001
 
 
 @dataclass(frozen=True)
@@ -192,6 +204,7 @@ class Scheduler:
         self.pacing = pacing or AdmissionPacing()
         self.service = service or Service()
         self.times = times or WorkTimes()
+        self.packing: Packing | None = None  # the packing gate's decision for the last forward chosen
         self.caps = ForwardCaps(limits)
         self.waiting: list[Job] = []
         self.starting: list[Job] = []  # admitted, being started by the adapter
@@ -411,7 +424,32 @@ class Scheduler:
         # that starves later never passes a starved job, which goes within as many steps as are before
         # it: starvation_steps + max_running - 1 at most), then the order.
         members.sort(key=lambda j: self._forward_key(j, now))
-        return self._fill(group, members)
+        taken = self._fill(group, members)
+        self.packing = self._gate(taken)
+        if self.packing is not None and not self.packing.packed:
+            taken = self._fill(group, [j for j in members if j.shape == taken[0].shape])
+        return taken
+
+    def _gate(self, taken: list[Job]) -> Packing | None:
+        """Whether jobs of several sizes run packed (None: one size). By the cost fit: the packed forward
+        (padding included) against one forward per size, each by its rows and tokens."""
+        sizes: dict[Hashable, list[Job]] = {}
+        for job in taken:
+            sizes.setdefault(job.shape, []).append(job)
+        if len(sizes) < 2:
+            return None
+
+        def price(jobs: list[Job]) -> float | None:
+            rows = sum(job.grid[0] if job.grid is not None else 1 for job in jobs)
+            return self.times.forward_cost(rows, computed_tokens(jobs))
+
+        packed = price(taken)
+        parts = [price(jobs) for jobs in sizes.values()]
+        if packed is None or any(part is None for part in parts):
+            return Packing(True)
+        by_size = sum(part for part in parts if part is not None)
+        cheaper_by_size = by_size * (1 + PACK_MARGIN) < packed and packed - by_size >= PACK_MIN_SAVING_S
+        return Packing(not cheaper_by_size, packed, by_size)
 
     def _forward_key(self, job: Job, now: float) -> tuple:
         if self.step - job.waited_since >= self.limits.starvation_steps:
@@ -491,6 +529,7 @@ class Scheduler:
         step; a job whose own step failed is returned as failed (not advanced); those that took their
         last step move to finishing (decoded next)."""
         self.caps.ran(forward_group(jobs), len(jobs), computed_tokens(jobs))
+        mixed = int(len({job.shape for job in jobs}) > 1)  # a packed forward: sizes mixed
         outcome = ForwardOutcome()
         for job, out in zip(jobs, result.steps, strict=True):
             job.waited_since = self.step
@@ -498,6 +537,7 @@ class Scheduler:
                 job.first_forward = forward
             job.forwards += 1
             job.most_shared = max(job.most_shared, len(jobs))
+            job.packed_forwards += mixed
             if out.error is not None:
                 error = RequestError(ErrorCode.INTERNAL, f"denoising step failed: {out.error}")
                 outcome.failed.append((job, error))

@@ -44,6 +44,7 @@ from triton_diffusion.engine.jobs import (
     Job,
     JobStart,
     Left,
+    Packing,
     StepReport,
     computed_tokens,
     forward_group,
@@ -161,7 +162,7 @@ class StepEngine:
             self._start(plan.admit)
         batch = scheduler.next_forward()
         if batch:
-            self._forward(batch)
+            self._forward(batch, scheduler.packing)
         return self.take_report()
 
     def take_report(self) -> StepReport:
@@ -203,7 +204,7 @@ class StepEngine:
             raise
         self.times.started(len(jobs), time.perf_counter() - started)
 
-    def _forward(self, batch: list[Job]) -> None:
+    def _forward(self, batch: list[Job], packing: Packing | None = None) -> None:
         group = forward_group(batch)
 
         def work(part: list[Job]) -> tuple[ForwardResult, float]:
@@ -222,14 +223,19 @@ class StepEngine:
             for job in part:
                 self._fail(job, failure.request_error("denoising step"))
 
-        isolate(work, batch, done=lambda part, ran: self._apply(part, *ran), fail=fail, failed=failed)
+        def done(part: list[Job], ran: tuple[ForwardResult, float]) -> None:
+            self._apply(part, ran[0], ran[1], packing)
 
-    def _apply(self, jobs: list[Job], result: ForwardResult, seconds: float) -> None:
+        isolate(work, batch, done=done, fail=fail, failed=failed)
+
+    def _apply(
+        self, jobs: list[Job], result: ForwardResult, seconds: float, packing: Packing | None = None
+    ) -> None:
         """One forward's per-job results, applied by the scheduler, then reported; the done decoded."""
         self.forwards += 1
         tokens = sum(job.tokens for job in jobs)
         # What it computed, padding included (a packed forward's): what its seconds are the cost of.
-        self.times.forward_ran(len(jobs), tokens + result.padded_tokens, seconds)
+        self.times.forward_ran(len(jobs), tokens + result.padded_tokens, seconds, result.rows)
         outcome = self.scheduler.update(jobs, result, self.forwards)
         for job, error in outcome.failed:
             self._fail(job, error)
@@ -242,6 +248,7 @@ class StepEngine:
             outcome.rows_reused,
             tokens=tokens,
             padded_tokens=result.padded_tokens,
+            packing=packing,
         )
         self.report.forwards.append(forward)
         if self.checkpoint_every:

@@ -22,7 +22,7 @@ import numpy as np
 
 from triton_diffusion.adapters.diffusers_pipeline import row_seed
 from triton_diffusion.compatibility import CompatibilityKey, compatibility_key
-from triton_diffusion.engine.jobs import Job, JobSpec, Stepped
+from triton_diffusion.engine.jobs import ANY_SIZE, Job, JobSpec, Stepped
 from triton_diffusion.engine.planner import RowCaps
 from triton_diffusion.errors import ErrorCode
 from triton_diffusion.families import PipelineFacts
@@ -328,6 +328,8 @@ class DiffusionModel(TritonModel):
             "forwards": max(job.forwards for job in jobs),
             "most_rows_shared": max(job.most_shared for job in jobs),
         }
+        if any(job.group == ANY_SIZE for job in jobs):  # it may share forwards with other sizes
+            report["packed_forwards"] = max(job.packed_forwards for job in jobs)
         if values.get("step_cache"):  # its denoiser rows: run in full, or from its cache
             report["step_cache"] = {
                 "cache": values["step_cache"],

@@ -403,6 +403,9 @@ class EngineHost:
                 metrics.observe(names.forward_adapters, forward.adapters)
             if names.forwards_total:
                 metrics.increment(names.forwards_total)
+            if forward.packing is not None:
+                decision = "packed" if forward.packing.packed else "by_size"
+                metrics.increment("triton_diffusion_packing_decisions_total", decision=decision)
         for call in report.calls:
             metrics.increment("triton_diffusion_fused_calls_total")
             if call.error is None:

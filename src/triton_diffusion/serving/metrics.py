@@ -44,6 +44,11 @@ FAMILIES = {
         "HISTOGRAM",
         "Step engine: distinct LoRA adapters per forward (forwards with adapters only)",
     ),
+    "triton_diffusion_packing_decisions_total": (
+        "COUNTER",
+        "Step engine: forwards whose jobs were of several sizes, run packed or by size (the packing gate's "
+        "decision, by the engine's cost fit)",
+    ),
     "triton_diffusion_admission_wait_seconds": (
         "HISTOGRAM",
         "Per request: time execute() waited for room in the engine (running set and waiting room)",
