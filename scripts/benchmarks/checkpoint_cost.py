@@ -7,11 +7,11 @@ new one, so every engine step runs a full forward) runs for --engine-steps engin
 carries a checkpoint key; every ``interval`` of its steps the engine asks the adapter for a snapshot (CPU
 copies) and the host's part is done as the served host does it: each checkpoint handed to a real
 :class:`CheckpointStore` in a temporary folder, whose writer thread writes it (safetensors, rename,
-one folder fsync per batch) while the engine steps on, and a finished job's checkpoint removed (its request answered). The
-time of an engine step includes the snapshots and the hand-over; the writer's work competes for the
-same cores, as it would served. Variants alternate within each round (off, every 1, every 5, off, ...)
-and every round is kept, so each ratio to ``off`` comes with its
-spread. Also recorded: bytes per checkpoint and checkpoints written.
+one folder fsync per batch) while the engine steps on, and a finished job's checkpoint removed (its
+request answered). The time of an engine step includes the snapshots and the hand-over; the writer's
+work competes for the same cores, as it would served. Variants alternate within each round (off, every 1,
+every 5, off, ...) and every round is kept, so each ratio to ``off`` comes with its spread. Also
+recorded: bytes per checkpoint and checkpoints written.
 
     .venv/bin/python scripts/bench.py checkpoint-cost --out docs/cpu
 """

@@ -31,7 +31,8 @@ Per run: images/s delivered (every offered request counts: one refused, expired 
 mean and p95 latency from when the request was sent (its Poisson arrival, or its client's previous
 answer), forwards per engine step (request-level: pipeline calls per engine step), jobs per forward
 (images per call), distinct sizes per engine step (step engine), and the padded-token share of the
-forwards (padded tokens over tokens plus padded tokens; 0 where the forwards do not report tokens).
+forwards (padded tokens over tokens plus padded tokens; 0 where the forwards do not report tokens), and
+of the forwards whose jobs were of several sizes, the share the packing gate ran by size.
 
 The defaults are the full run (both families, both traffic kinds, closed loop and three loads, three
 rounds): about 12 minutes on this project's 2-core CPU host (15 with other work on its cores), written to
@@ -95,6 +96,7 @@ class SizedRecorder(Recorder):
         super().__init__(traffic)
         self.sizes = sizes  # each request's size, by its index
         self.steps = self.forwards = self.jobs = self.tokens = self.padded = 0
+        self.gated = {True: 0, False: 0}  # forwards of several sizes the packing gate ran packed / by size
         self.tokens_reported = False
         self.sizes_per_step: list[int] = []
         self.misses: set[int] = set()
@@ -108,6 +110,9 @@ class SizedRecorder(Recorder):
             self.forwards += 1
             self.jobs += forward.images
             tokens, padded = getattr(forward, "tokens", None), getattr(forward, "padded_tokens", None)
+            packing = getattr(forward, "packing", None)
+            if packing is not None:
+                self.gated[packing.packed] += 1
             if tokens is not None:
                 self.tokens_reported = True
                 self.tokens += tokens
@@ -135,6 +140,10 @@ class SizedRecorder(Recorder):
             "padded_tokens": self.padded,
             "padded_share": self.padded / total if total else 0.0,
             "tokens_reported": self.tokens_reported,
+            # Of the forwards whose jobs were of several sizes, the share the gate ran by size.
+            "by_size_share": self.gated[False] / sum(self.gated.values())
+            if sum(self.gated.values())
+            else None,
         }
 
 
@@ -317,7 +326,7 @@ def summarise(runs: list[dict]) -> list[dict]:
             "rounds": len(by_round),
         }
         for name in ("images_per_s", "latency_mean_s", "latency_p95_s", "forwards_per_step",
-                     "jobs_per_forward", "sizes_per_step", "padded_share"):  # fmt: skip
+                     "jobs_per_forward", "sizes_per_step", "padded_share", "by_size_share"):  # fmt: skip
             values = [run[name] for run in by_round.values() if run[name] is not None]
             row[name] = spread(values) if values else None
         for name, figure in (

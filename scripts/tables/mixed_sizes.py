@@ -21,6 +21,7 @@ HEADERS = (
     "forwards per step",
     "jobs per forward",
     "padded tokens",
+    "gate: by size",
 )
 
 
@@ -124,6 +125,7 @@ def render(artefact: dict[str, Any]) -> str:
             _median(row["forwards_per_step"], 2),
             _median(row["jobs_per_forward"], 2),
             percent(row["padded_share"]["median"], 1) if row.get("tokens_reported") else "-",
+            percent(row["by_size_share"]["median"], 1) if row.get("by_size_share") else "-",
         ]
         for row in artefact["summary"]
     ]
