@@ -7,6 +7,7 @@ run uses; ``full_size_flux1`` swaps FLUX.1's transformer at full size into tiny 
 
 from __future__ import annotations
 
+import copy
 import time
 
 import torch
@@ -19,6 +20,7 @@ from triton_diffusion.engine.jobs import Job, StepReport
 from triton_diffusion.engine.ordering import AdmissionPacing, make_policy
 from triton_diffusion.engine.scheduler import EngineLimits
 from triton_diffusion.engine.step_engine import StepEngine
+from triton_diffusion.models.calibration import calibrate
 from triton_diffusion.models.diffusion_model import RowInput
 from triton_diffusion.models.text_to_image import TextToImageModel
 from triton_diffusion.serving.requests import TrackedRequest
@@ -118,6 +120,8 @@ class Bench:
         self.max_running, self.policy = cap, "oldest"
         self.timeline = False  # on a GPU: time each step's stages under Poisson load (synchronising)
         self.cohort = max(1, cap // 2)  # the served default (EngineHost), for max_running >= cap
+        # The packing gate's prices from load, as the served model has them (models/calibration.py).
+        self.calibration = calibrate(self.adapter, self.model.calibration_requests(), lambda request: cap)
 
     def report_header(self, steps: int) -> dict:
         """What a report says of the machine and the model it measured."""
@@ -135,7 +139,8 @@ class Bench:
     def step_engine(self, cohort: int) -> StepEngine:
         limits = EngineLimits(self.max_running, self.cap)
         pacing = AdmissionPacing(min(cohort, max(1, self.max_running // 2)))
-        return StepEngine(self.adapter, limits, make_policy(self.policy), pacing)
+        times = copy.deepcopy(self.calibration)  # each run's engine learns on from the load's prices
+        return StepEngine(self.adapter, limits, make_policy(self.policy), pacing, times=times)
 
     def request(self, index: int, steps: int, guidance: float) -> dict:
         """A request's validated fields, as execute() parses them."""

@@ -44,6 +44,11 @@ class WorkTimes:
         if rows is not None:
             _remember(self.by_rows_tokens, (rows, tokens), seconds)
 
+    def calibrated(self, rows: int, tokens: int, seconds: float) -> None:
+        """A calibration's forward at load (models/calibration.py): it prices forwards against each other
+        (``forward_cost``) and nothing else; deadlines wait for the traffic's own."""
+        _remember(self.by_rows_tokens, (rows, max(tokens, 1)), seconds)
+
     def forward_cost(self, rows: int, tokens: int) -> float | None:
         """Seconds of a forward of ``rows`` rows and ``tokens`` tokens by the two-variable fit, or None
         where the pairs measured do not determine it (fewer than three, or all on one line)."""

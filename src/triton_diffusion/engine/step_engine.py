@@ -95,13 +95,14 @@ class StepEngine:
         service: Service | None = None,
         clock: Callable[[], float] = time.perf_counter,
         checkpoint_every: int = 0,
+        times: WorkTimes | None = None,
     ):
         self.adapter = adapter
         # Denoising steps between two checkpoints of a job with a checkpoint key (0: none are taken); the
         # adapter must then be Checkpointing.
         self.checkpoint_every = checkpoint_every
         self.limits = limits
-        self.times = WorkTimes()
+        self.times = times or WorkTimes()  # a calibration's at load (models/calibration.py), or none yet
         self.scheduler = Scheduler(limits, policy, pacing, service, self.times, clock)
         self.steps = 0  # engine steps so far
         self.forwards = 0  # forwards run

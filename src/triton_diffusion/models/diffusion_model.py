@@ -24,9 +24,10 @@ from triton_diffusion.adapters.diffusers_pipeline import row_seed
 from triton_diffusion.compatibility import CompatibilityKey, compatibility_key
 from triton_diffusion.engine.jobs import ANY_SIZE, Job, JobSpec, Stepped
 from triton_diffusion.engine.planner import RowCaps
-from triton_diffusion.errors import ErrorCode
+from triton_diffusion.errors import ErrorCode, RequestError
 from triton_diffusion.families import PipelineFacts
 from triton_diffusion.fields import FieldSet
+from triton_diffusion.models.calibration import calibrate
 from triton_diffusion.serving.engine_host import EngineHost, RequestRecord
 from triton_diffusion.serving.engines import EngineKind, RequestEngineKind, StepEngineKind
 from triton_diffusion.serving.job_resumes import Resume, Resumes, seed_from_key
@@ -133,6 +134,26 @@ class DiffusionModel(TritonModel):
         ``max_rows_by_resolution``."""
         return RowCaps.from_config(settings.max_rows_per_call(), settings.config.max_rows_by_resolution)
 
+    def calibration_requests(self) -> list[Any]:
+        """Step requests at the default size and at another (half of it, else twice it, where the limits
+        allow one): what a calibration at load runs (models/calibration.py); none for a model whose
+        requests need more than a prompt (a source image)."""
+        raw = {"prompt": "calibration", "seed": 0}
+        try:
+            default = self.fields.parse(raw)
+        except RequestError:
+            return []
+        for scale in (0.5, 2.0):
+            sizes = {name: int(default[name] * scale) // 16 * 16 for name in ("width", "height")}
+            try:
+                return [
+                    self.step_request(default, 0),
+                    self.step_request(self.fields.parse({**raw, **sizes}), 0),
+                ]
+            except RequestError:
+                continue
+        return [self.step_request(default, 0)]
+
     def setup(self, settings: ModelSettings) -> None:
         self.fields, adapter = self.load(settings)
         self.adapter = adapter
@@ -151,6 +172,7 @@ class DiffusionModel(TritonModel):
                 caps,
                 prompt_of=lambda job: job.params.prompt,
                 max_tokens_per_forward=settings.config.max_tokens_per_forward,
+                times=calibrate(adapter, self.calibration_requests(), lambda r: caps.cap_for_shape(r.shape)),
             )
         else:
             engine_kind = RequestEngineKind(self.run_call, caps)

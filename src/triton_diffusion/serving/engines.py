@@ -15,6 +15,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from triton_diffusion.engine.estimates import WorkTimes
 from triton_diffusion.engine.jobs import Job, StepReport
 from triton_diffusion.engine.ordering import AdmissionPacing, Service, make_policy
 from triton_diffusion.engine.planner import RowCaps
@@ -37,6 +38,7 @@ class StepEngineKind:
     caps: RowCaps | None = None
     prompt_of: Callable[[Job], str] = lambda job: ""  # for fault injection
     max_tokens_per_forward: int | None = None  # denoiser tokens per forward (None: no token budget)
+    times: WorkTimes | None = None  # the cost fit a calibration at load seeded (models/calibration.py)
 
     name = "step"
 
@@ -74,7 +76,9 @@ class StepEngineKind:
         )
         # Checkpoints of the jobs that have a checkpoint key (job_resumes.py), every this many steps.
         every = config.checkpoint_every_steps
-        engine = StepEngine(adapter, limits, policy, pacing, service, checkpoint_every=every)
+        engine = StepEngine(
+            adapter, limits, policy, pacing, service, checkpoint_every=every, times=self.times
+        )
         if isinstance(adapter, FaultyStepAdapter):
             adapter.held = lambda: engine.active  # what hold_on_prompt waits on (tests only)
         return engine
