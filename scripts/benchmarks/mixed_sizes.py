@@ -327,7 +327,7 @@ def summarise(runs: list[dict]) -> list[dict]:
         }
         for name in ("images_per_s", "latency_mean_s", "latency_p95_s", "forwards_per_step",
                      "jobs_per_forward", "sizes_per_step", "padded_share", "by_size_share"):  # fmt: skip
-            values = [run[name] for run in by_round.values() if run[name] is not None]
+            values = [run[name] for run in by_round.values() if run.get(name) is not None]
             row[name] = spread(values) if values else None
         for name, figure in (
             ("throughput_vs_by_shape", "images_per_s"),
