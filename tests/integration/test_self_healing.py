@@ -1,6 +1,7 @@
 """A killed Python backend stub is noticed, reported and recovered without a person (the launcher's
-supervisor restarts the server), no request hangs, the OpenAI front follows Triton down and back up, and the
-server still stops on SIGTERM afterwards."""
+supervisor restarts the server), no request hangs, the OpenAI front follows Triton down and back up, a
+streamed diffusion-LM reply cut by the kill is resent by the project client and by the front without a
+block repeated or changed, and the server still stops on SIGTERM afterwards."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ import urllib.error
 import urllib.request
 
 import httpx
+import openai
 import pytest
+from triton_diffusion_client.text import generate_text_one
 from tritonclient.utils import InferenceServerException
 
 from triton_diffusion.serving.server_process import WEIGHTS, copy_model, free_port, start_server
@@ -47,11 +50,17 @@ def test_a_killed_stub_is_noticed_reported_and_recovered(tmp_path):
         "text_to_image",
         {"model": str(WEIGHTS / "tiny-sd"), "fault_injection": '{\\"step_delay_s\\": 0.1}'},
     )
+    copy_model(  # slowed so that a reply is mid-stream when its stub is killed
+        "diffusion_lm",
+        repo,
+        "diffusion_lm",
+        {"model": str(WEIGHTS / "tiny-dllm"), "fault_injection": '{\\"step_delay_s\\": 0.1}'},
+    )
     log_path = tmp_path / "server.log"
     front_port = free_port()
     front = f"http://127.0.0.1:{front_port}"
     args = ["--exit-timeout-secs=5", f"--openai-port={front_port}", "--openai-address=127.0.0.1"]
-    server = start_server(repo, log_path, ["text_to_image"], extra_args=args)
+    server = start_server(repo, log_path, ["diffusion_lm", "text_to_image"], extra_args=args)
     ready_url = f"{server.http_url}/v2/models/text_to_image/ready"
     image = {"prompt": "through the front", "num_inference_steps": 2, "response_format": "b64_json"}
     try:
@@ -63,7 +72,9 @@ def test_a_killed_stub_is_noticed_reported_and_recovered(tmp_path):
         while "READY" not in server.log() and time.monotonic() < deadline:
             time.sleep(0.2)
         ready = next(line for line in server.log().splitlines() if "triton-diffusion: READY" in line)
-        assert "1 model (text_to_image)" in ready and f"http://localhost:{front_port}/v1" in ready, ready
+        assert (
+            "2 models (diffusion_lm, text_to_image)" in ready and f"http://localhost:{front_port}/v1" in ready
+        ), ready
         # The front keeps this request's gRPC stream for the next one: the restart must not strand it.
         assert httpx.post(f"{front}/v1/images/generations", json=image, timeout=60).status_code == 200
         in_flight = queue.Queue()
@@ -73,9 +84,49 @@ def test_a_killed_stub_is_noticed_reported_and_recovered(tmp_path):
             ),
             daemon=True,
         ).start()
-        time.sleep(1.5)  # the request is now running (50 stalled steps: 5 s)
-        (stub,) = [s for s in list_stubs(server.process.pid) if s.model == "text_to_image"]
-        os.kill(stub.pid, signal.SIGKILL)
+        # Two streamed LM replies, 8 blocks of 4 tokens in 32 stalled steps (3.2 s): one through the project
+        # client, one through the front; both have delivered a block when the stubs die.
+        lm = {"gen_length": 32, "block_length": 4, "steps": 32, "temperature": 1.0}
+        streamed = {name: threading.Event() for name in ("client", "front")}
+        client_reply = queue.Queue()
+        threading.Thread(
+            target=lambda: client_reply.put(
+                generate_text_one(
+                    {"prompt": "the sea", **lm},
+                    url=server.grpc_url,
+                    timeout_s=120,
+                    on_block=lambda block: streamed["client"].set(),
+                )
+            ),
+            daemon=True,
+        ).start()
+        front_client = openai.OpenAI(base_url=f"{front}/v1", api_key="unused", max_retries=0, timeout=120)
+        chat = {"model": "diffusion_lm", "messages": [{"role": "user", "content": "the sea"}], "seed": 11}
+        front_body = {"block_length": 4, "steps": 32, "temperature": 1.0}
+        front_pieces = queue.Queue()
+
+        def front_stream() -> None:
+            try:
+                chunks = front_client.chat.completions.create(
+                    **chat, max_tokens=32, stream=True, extra_body=front_body
+                )
+                pieces = []
+                for chunk in chunks:
+                    if chunk.choices and chunk.choices[0].delta.content:
+                        pieces.append(chunk.choices[0].delta.content)
+                        streamed["front"].set()
+                front_pieces.put(pieces)
+            except Exception as exc:  # noqa: BLE001  (the main thread reports it)
+                front_pieces.put(exc)
+
+        threading.Thread(target=front_stream, daemon=True).start()
+        time.sleep(1.5)  # the image request is now running (50 stalled steps: 5 s)
+        waited = {name: event.wait(20) for name, event in streamed.items()}
+        assert all(waited.values()), (waited, list(front_pieces.queue), list(client_reply.queue))
+        stubs = [s for s in list_stubs(server.process.pid) if s.model in ("text_to_image", "diffusion_lm")]
+        assert len(stubs) == 2, stubs
+        for stub in stubs:
+            os.kill(stub.pid, signal.SIGKILL)
         killed = time.monotonic()
 
         # Noticed within seconds: not ready (the supervisor restarts the server).
@@ -100,11 +151,27 @@ def test_a_killed_stub_is_noticed_reported_and_recovered(tmp_path):
         if not ok:
             assert time.monotonic() - started < 5 and error, error
 
-        # Recovered within 60 s of the kill, without a person.
-        while status(ready_url) != 200 and time.monotonic() - killed < 60:
+        # Recovered within 60 s of the kill, without a person (the supervisor says so once the new server
+        # serves: the old one may answer its HTTP ready while it stops).
+        def recovered() -> bool:
+            return status(f"{server.health_url}/readyz") == 200 and status(ready_url) == 200
+
+        while not recovered() and time.monotonic() - killed < 60:
             time.sleep(0.2)
-        assert status(ready_url) == 200
-        ok, error = send_raw(server.grpc_url, "text_to_image", b"after recovery")
+        assert recovered()
+
+        # A gRPC channel to the address backs off reconnecting after the refusals of the restart (gRPC shares
+        # subchannels across clients): a few seconds more at most.
+        def after_recovery() -> tuple[bool, str]:
+            try:
+                return send_raw(server.grpc_url, "text_to_image", b"after recovery")
+            except InferenceServerException as exc:  # the stream of a channel still backing off
+                return False, f"failed to connect: {exc}"
+
+        ok, error = after_recovery()
+        while not ok and "failed to connect" in str(error) and time.monotonic() - killed < 60:
+            time.sleep(0.5)
+            ok, error = after_recovery()
         assert ok, error
         assert time.monotonic() - killed < 60
         # The front recovers with Triton, on a fresh stream (the pooled one went with the old server).
@@ -112,9 +179,24 @@ def test_a_killed_stub_is_noticed_reported_and_recovered(tmp_path):
             time.sleep(0.2)
         answers = [httpx.post(f"{front}/v1/images/generations", json=image, timeout=60) for _ in range(2)]
         assert [a.status_code for a in answers] == [200, 200], answers[0].text
+        # The LM replies cut by the kill were resent and end in what one uninterrupted run streams: the
+        # client's blocks are those of a fresh request with its resume key (its seed), none repeated; the
+        # front's pieces are the text of a fresh request with its seed.
+        reply = client_reply.get(timeout=120)
+        assert reply.ok and reply.attempts >= 2, (reply.error, reply.attempts)
+        again = generate_text_one(
+            {"prompt": "the sea", **lm, "resume_key": reply.resume_key}, url=server.grpc_url
+        )
+        assert again.ok and again.attempts == 1, again.error
+        assert [b.index for b in reply.blocks] == list(range(8))
+        assert [b.text for b in reply.blocks] == [b.text for b in again.blocks] and reply.text == again.text
+        pieces = front_pieces.get(timeout=120)
+        assert isinstance(pieces, list), pieces
+        whole = front_client.chat.completions.create(**chat, max_tokens=32, extra_body=front_body)
+        assert "".join(pieces) == whole.choices[0].message.content
 
         log = server.log()
-        assert "Python backend stub text_to_image_0_0 died" in log and "serves again" in log
+        assert "text_to_image_0_0" in log and "died" in log and "serves again" in log
         metrics = read(f"{server.health_url}/metrics")
         assert 'triton_diffusion_server_restarts_total{reason="stub died",model="text_to_image"} 1' in metrics
         assert "triton_diffusion_up 1" in metrics
