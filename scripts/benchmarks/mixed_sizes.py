@@ -418,6 +418,13 @@ def main(argv: list[str] | None = None) -> None:
             **sized.bench.report_header(args.steps),
             "transformer": "FLUX.1 at full size (random weights)" if args.flux1_size else "its own",
             "packing_available": sized.packing_available,
+            # The packing gate's prices from load (models/calibration.py): "rows x tokens": seconds.
+            "calibration": {
+                f"{rows}x{tokens}": seconds
+                for (rows, tokens), seconds in (
+                    sized.bench.calibration.calibration if sized.bench.calibration is not None else {}
+                ).items()
+            },
             "capacity_images_per_s": {},
         }
         warm_sizes = list(sizes) * 2  # every shape through every variant once before measuring

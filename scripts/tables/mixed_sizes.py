@@ -92,8 +92,15 @@ def render(artefact: dict[str, Any]) -> str:
         f"{poisson}. {settings['rounds']} alternated rounds (packed, by-shape, request in each): medians, "
         "ratios to the same round's by-shape run with their min-max over rounds. Forwards per step: the "
         "request-level engine's pipeline calls per engine step. Padded tokens: their share of the tokens "
-        "the forwards computed (- where the forwards do not report tokens)."
+        "the forwards computed (- where the forwards do not report tokens). Gate, by size: of the "
+        "forwards whose jobs were of several sizes, the share the packing gate ran one size at a time."
     ]
+    calibrated = [arch for arch, family in artefact["families"].items() if family.get("calibration")]
+    if calibrated:
+        parts.append(
+            f"The packing gate priced from a calibration at load for {', '.join(calibrated)} "
+            "(its forwards' seconds are in the artefact)."
+        )
     without = [arch for arch, family in artefact["families"].items() if not family.get("packing_available")]
     if without:
         parts.append(

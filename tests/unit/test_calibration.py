@@ -31,13 +31,13 @@ def test_a_packing_family_is_calibrated_at_two_sizes_with_one_row_and_its_cap(fl
     times = calibrate(flux, [request(64), request(128)], lambda r: 8)
     assert times is not None
     # FLUX.1 has no (true) CFG: a row per job; 64x64 is 16 latent tokens a row (2x2 patches of 8x8).
-    assert set(times.by_rows_tokens) == {
+    assert set(times.calibration) == {
         (1, 16),
         (MAX_ROWS, MAX_ROWS * 16),
         (1, 64),
         (MAX_ROWS, MAX_ROWS * 64),
     }
-    assert all(seconds > 0 for seconds in times.by_rows_tokens.values())
+    assert all(seconds > 0 for seconds in times.calibration.values()) and not times.by_rows_tokens
     assert times.forward_cost(8, 8 * 64) is not None  # the plane is determined: the gate has a price
     assert not times.measured  # deadlines are not priced by it: they wait for the traffic's own forwards
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -313,3 +314,33 @@ def test_expired_checkpoints_are_swept_before_a_batch_at_most_every_sweep_s(stor
     assert store.flush(5)
     assert checkpoints(store.directory) == [f"{KEY}.{i}.safetensors" for i in (1, 2, 3)]
     assert store.get(f"{KEY}.1") is None  # a read checks its own file's age
+
+
+def test_the_writer_lives_on_when_what_it_gathers_is_removed(store, monkeypatch):
+    monkeypatch.setattr(checkpoint_store, "BATCH_S", 1.0)
+    store.put(f"{KEY}.0", "h", checkpoint(1))
+    time.sleep(0.3)  # the writer is gathering
+    store.remove_request(KEY)  # nothing is left to write
+    time.sleep(1.0)  # the window ends with nothing pending
+    assert store._thread.is_alive()
+    store.put(f"{KEY}.1", "h", checkpoint(2))
+    stored = store.get(f"{KEY}.1")
+    assert stored is not None and stored.checkpoint.step == 2
+
+
+def test_a_checkpoint_that_cannot_be_serialised_loses_only_itself(store, monkeypatch):
+    real = checkpoint_store._serialise
+
+    def serialise(key, *args):
+        if key.endswith(".1"):
+            raise TypeError("not a tensor")
+        return real(key, *args)
+
+    monkeypatch.setattr(checkpoint_store, "_serialise", serialise)
+    synced: list[Path] = []
+    monkeypatch.setattr(checkpoint_store, "_fsync_directory", synced.append)
+    for i in range(3):
+        store.put(f"{KEY}.{i}", "h", checkpoint(i))
+    assert store.flush(5)
+    assert checkpoints(store.directory) == [f"{KEY}.0.safetensors", f"{KEY}.2.safetensors"]
+    assert synced == [store.directory]

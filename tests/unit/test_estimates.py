@@ -94,3 +94,14 @@ def test_a_forward_is_priced_by_its_rows_and_tokens_once_three_pairs_not_on_a_li
     assert times.forward_cost(1, 50) == pytest.approx(plane(1, 50))
     times.forward_ran(1, 100, 1.0)  # without rows: the token line only
     assert times.forward_cost(4, 1000) == pytest.approx(plane(4, 1000))
+
+
+def test_a_calibration_keeps_the_plane_determined_whatever_the_traffic_measures():
+    times = WorkTimes()
+    plane = lambda rows, tokens: 0.002 + 0.0001 * tokens + 0.003 * rows  # noqa: E731
+    for rows, tokens in ((1, 16), (4, 64), (1, 64), (4, 256)):
+        times.calibrated(rows, tokens, plane(rows, tokens))
+    for rows in range(1, MAX_SIZES + 10):  # all-packed traffic: 64 tokens a row, on one line
+        times.forward_ran(rows, 64 * rows, plane(rows, 64 * rows), rows=rows)
+    assert (1, 16) in times.calibration and (1, 16) not in times.by_rows_tokens
+    assert times.forward_cost(8, 8 * 16) == pytest.approx(plane(8, 8 * 16))

@@ -290,8 +290,10 @@ def test_a_table_changed_since_the_start_is_saved(change):
     elif change == "replaced":
         scheduler.sigmas = scheduler.sigmas.double()  # equal values, another dtype
         assert "scheduler.sigmas" in snapshot(state, 2).tensors
-    else:
-        scheduler.model_outputs[-1].add_(1.0)  # an item of a history written in place
+    else:  # an item of a history that was a tensor when the start was recorded, written in place
+        state.scheduler_start = start_of(scheduler)
+        assert "model_outputs" in snapshot(state, 2).meta["scheduler"]["unchanged"]
+        scheduler.model_outputs[-1].add_(1.0)
         assert "model_outputs" in snapshot(state, 2).meta["scheduler"]["attributes"]
 
 

@@ -521,38 +521,53 @@ def test_a_packed_forward_is_bounded_by_the_tokens_it_computes_padding_included(
 
 
 # ---- the packing gate: sizes mixed run packed only where the cost fit does not price it dearer ----------
-def gated(name: str, side: int) -> Job:
-    made = Job(tracked(name), Spec(group=ANY_SIZE, steps=3), shape=f"{side}x{side}", tokens=side * side)
-    made.grid = (1, side, side)
+def gated(name: str, side: int, rows: int = 1) -> Job:
+    made = Job(
+        tracked(name), Spec(group=ANY_SIZE, steps=3), shape=f"{side}x{side}", tokens=rows * side * side
+    )
+    made.grid = (rows, side, side)
     return made
 
 
 def with_plane(engine: Engine, fixed: float, per_token: float, per_row: float) -> Engine:
-    """The engine's cost fit as if these forwards had been measured: ``fixed + per_token x tokens +
-    per_row x rows``."""
+    """The engine's cost fit as if these forwards had been measured, ``fixed + per_token x tokens + per_row
+    x rows``, and kept so (the fake adapter's own timings are not what is tested)."""
+    times = engine.engine.times
     for rows, tokens in ((1, 16), (2, 32), (2, 128), (4, 256), (1, 64)):
-        engine.engine.times.by_rows_tokens[rows, tokens] = fixed + per_token * tokens + per_row * rows
+        times.by_rows_tokens[rows, tokens] = fixed + per_token * tokens + per_row * rows
+    times.forward_ran = lambda *args, **kwargs: None
     return engine
 
 
+# Two jobs, 8x8 and 2x2 latent tokens (64 and 4 a row); packed, the small row pads to the 8x8 canvas: 128
+# tokens against 64 + 4 by size. Packing saves the forward's fixed part once and costs 60 padded tokens.
+PACKED, BY_SIZE = 128, 68
+
+
 @pytest.mark.parametrize(
-    ("fixed", "per_token", "expected"),
+    ("fixed", "per_token", "per_row", "rows", "packed"),
     [
-        (0.0, 0.001, ["large"]),  # padding is what costs: packing (128 tokens) is dearer than 64 + 4
-        (0.05, 0.00001, ["large", "small"]),  # the forward's fixed part is what costs: packing saves one
+        (0.0, 0.001, 0.0, 1, False),  # padding dear: 128 ms packed against 68 by size
+        (0.05, 0.00001, 0.0, 1, True),  # the fixed part dear: packing saves a forward
+        (0.0, 0.001, 0.01, 2, False),  # two rows a job (guided): the rows cost alike both ways
+        (0.0575, 0.001, 0.0, 1, True),  # by size cheaper by 2.5 ms but 1.4%: within the margin, packed
+        (0.0, 0.00001, 0.0, 1, True),  # by size cheaper by 47%, but by 0.6 ms: under the floor, packed
     ],
-    ids=["padding-dear: by size", "forward-dear: packed"],
+    ids=["padding dear", "forward dear", "rows", "within the margin", "under the floor"],
 )
-def test_sizes_mixed_run_packed_only_where_the_fit_does_not_price_packing_dearer(fixed, per_token, expected):
-    engine = with_plane(packed_engine(budget=None), fixed, per_token, 0.0)
-    large, small = gated("large", 8), gated("small", 2)
-    assert computed_tokens([large, small]) == 128  # the small row padded to the large one's 8x8 canvas
+def test_sizes_mixed_run_by_size_only_where_the_fit_prices_that_cheaper_by_the_margins(
+    fixed, per_token, per_row, rows, packed
+):
+    engine = with_plane(packed_engine(budget=None), fixed, per_token, per_row)
+    large, small = gated("large", 8, rows), gated("small", 2, rows)
+    assert computed_tokens([large, small]) == rows * PACKED
+    expected = ["large", "small"] if packed else ["large"]
     assert first_forward(engine, large, small) == expected
-    packing = engine.engine.scheduler.packing
-    assert packing.packed == (expected == ["large", "small"])
-    assert packing.packed_s == pytest.approx(fixed + per_token * 128)
-    assert packing.by_size_s == pytest.approx(2 * fixed + per_token * (64 + 4))
-    if not packing.packed:  # by size as without packing: the oldest job's size goes until it is done
+    decision = engine.engine.scheduler.packing
+    assert decision.packed == packed
+    assert decision.packed_s == pytest.approx(fixed + per_token * rows * PACKED + per_row * 2 * rows)
+    assert decision.by_size_s == pytest.approx(2 * fixed + per_token * rows * BY_SIZE + per_row * 2 * rows)
+    if not packed:  # by size as without packing, under the oldest policy: the oldest job's size until done
         while engine.active:
             engine.step()
         assert engine.adapter.forwards == [["large"]] * 3 + [["small"]] * 3

@@ -9,9 +9,10 @@ Before anything was measured there is no estimate, and nothing is refused for it
 
 What one forward costs against another (the packing gate: scheduler.py) is priced by a second fit in two
 variables, ``a + b x tokens + c x rows``: a packed forward computes padding tokens for the same rows, and
-the rows carry what the tokens do not (each row's text tokens, its conditioning). It is fitted to the
-running average seconds of each (rows, tokens) pair measured, and gives no price until the pairs measured
-determine it (three, not on one line).
+the rows carry what the tokens do not (each row's text tokens, its conditioning). It is fitted by least
+squares to the distinct (rows, tokens) pairs measured, each the running average of its forwards (the
+latest ``MAX_SIZES`` pairs, and a calibration's at load: models/calibration.py), and gives no price until
+the pairs determine it (three, not on one line).
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ class WorkTimes:
 
     by_tokens: dict[int, float] = field(default_factory=dict)  # least recently measured first
     by_rows_tokens: dict[tuple[int, int], float] = field(default_factory=dict)  # (rows, tokens): seconds
+    # A calibration's at load (rows, tokens): seconds, kept whatever the traffic (which overrides a pair
+    # it measures itself): all-packed traffic alone never determines the plane.
+    calibration: dict[tuple[int, int], float] = field(default_factory=dict)
     start_s: float | None = None  # per job started
     finish_s: float | None = None  # per job decoded
 
@@ -47,12 +51,12 @@ class WorkTimes:
     def calibrated(self, rows: int, tokens: int, seconds: float) -> None:
         """A calibration's forward at load (models/calibration.py): it prices forwards against each other
         (``forward_cost``) and nothing else; deadlines wait for the traffic's own."""
-        _remember(self.by_rows_tokens, (rows, max(tokens, 1)), seconds)
+        self.calibration[rows, max(tokens, 1)] = seconds
 
     def forward_cost(self, rows: int, tokens: int) -> float | None:
         """Seconds of a forward of ``rows`` rows and ``tokens`` tokens by the two-variable fit, or None
         where the pairs measured do not determine it (fewer than three, or all on one line)."""
-        fit = _plane(self.by_rows_tokens)
+        fit = _plane({**self.calibration, **self.by_rows_tokens})
         if fit is None:
             return None
         fixed, per_token, per_row = fit

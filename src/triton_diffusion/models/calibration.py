@@ -52,7 +52,7 @@ def calibrate(adapter: Any, requests: Sequence[Any], rows_for: Callable[[Any], i
         return None
     log.info(
         "calibration: %d forwards at %s in %.2f s",
-        len(times.by_rows_tokens) * FORWARDS,
+        len(times.calibration) * FORWARDS,
         ", ".join(f"{r.width}x{r.height}" for r in requests),
         time.perf_counter() - started,
     )

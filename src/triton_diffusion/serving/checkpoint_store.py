@@ -201,7 +201,10 @@ class CheckpointStore:
 
     def _wait_for_writes(self, predicate: Callable[[], bool], timeout_s: float) -> bool:
         """Wait (holding ``_changed``) up to ``timeout_s`` for ``predicate``; the writer meanwhile writes at
-        once rather than gather a batch."""
+        once rather than gather a batch (only where the caller must wait: a read of a key with no write
+        pending ends no gathering)."""
+        if predicate():
+            return True
         self._waiting += 1
         self._changed.notify_all()
         try:
@@ -215,11 +218,12 @@ class CheckpointStore:
             with self._changed:
                 self._changed.wait_for(lambda: self._pending or self._closed)
                 # Gather what else comes in ``BATCH_S`` (unless someone waits for the writes): a few wakeups
-                # of this thread cost the engine's thread less than one per checkpoint (measured:
-                # docs/cpu/checkpoint_cost.json).
+                # of this thread cost the engine's thread less than one per checkpoint.
                 self._changed.wait_for(lambda: self._closed or self._waiting > 0, BATCH_S)
-                if not self._pending:  # closed, nothing left
-                    return
+                if not self._pending:  # removed while gathering, or closed with nothing left
+                    if self._closed:
+                        return
+                    continue
                 batch, self._pending = self._pending, {}
                 self._writing = frozenset(batch)
             try:
@@ -236,7 +240,21 @@ class CheckpointStore:
     def _write(self, batch: dict[str, tuple[str, JobCheckpoint, float]]) -> None:
         """Each checkpoint of the batch to its file, then one fsync of the directory and one eviction."""
         written = []
-        for key, (fields_hash, checkpoint, created) in batch.items():
+        try:
+            for key, (fields_hash, checkpoint, created) in batch.items():
+                if self._write_one(key, fields_hash, checkpoint, created):
+                    written.append(self._path(key))
+        finally:  # what was written is made durable and counted, whatever failed after it
+            if written:
+                _fsync_directory(self.directory)
+                with self._files:
+                    self._evict(keep=frozenset(written))
+
+    def _write_one(self, key: str, fields_hash: str, checkpoint: JobCheckpoint, created: float) -> bool:
+        """One checkpoint to its file (a temporary one renamed onto it); whether it was written. A failure
+        loses this checkpoint only."""
+        temporary = self.directory / f".{key}.{os.urandom(6).hex()}{_TEMPORARY}"
+        try:
             data = _serialise(key, fields_hash, checkpoint, created)
             if len(data) > self.max_bytes:
                 log.warning(
@@ -245,23 +263,18 @@ class CheckpointStore:
                     len(data),
                     self.max_bytes,
                 )
-                continue
-            temporary = self.directory / f".{key}.{os.urandom(6).hex()}{_TEMPORARY}"
-            try:
-                temporary.write_bytes(data)
-                os.utime(temporary, (created, created))  # its age by the store's clock (ttl, eviction)
-                # Outside the files' lock: a reader of this key waits for its write, and of another key
-                # reads its own file.
-                os.replace(temporary, self._path(key))
-                written.append(self._path(key))
-            except OSError:
-                log.exception("checkpoint %s: write failed", key)
-            finally:
-                temporary.unlink(missing_ok=True)
-        if written:
-            _fsync_directory(self.directory)
-            with self._files:
-                self._evict(keep=frozenset(written))
+                return False
+            temporary.write_bytes(data)
+            os.utime(temporary, (created, created))  # its age by the store's clock (ttl, eviction)
+            # Outside the files' lock: a reader of this key waits for its write, and of another key reads
+            # its own file.
+            os.replace(temporary, self._path(key))
+            return True
+        except Exception:  # noqa: BLE001  (one lost checkpoint is a slower resume, not a failed request)
+            log.exception("checkpoint %s: write failed", key)
+            return False
+        finally:
+            temporary.unlink(missing_ok=True)
 
     def _evict(self, keep: frozenset[Path]) -> None:
         """The oldest checkpoints go until the directory holds at most ``max_bytes`` (``keep``, the ones
