@@ -238,6 +238,13 @@ class ModelConfig:
         "packed_sizes says whether, and why not); false: one size per forward",
         (IMAGE, IMAGE_SOURCE),
     )
+    packing_gate: bool = _parameter(
+        True,
+        "step engine, where sizes are packed: a forward of several sizes runs one size at a time where the "
+        "engine's cost fit (calibrated at load) prices that cheaper by 5% and 1 ms; false: every such "
+        "forward runs packed, whatever it costs (a model measured to gain from packing, or a test of it)",
+        (IMAGE, IMAGE_SOURCE),
+    )
     max_running: int | None = _parameter(
         None,
         "jobs in the step engine's running set (images, or LM requests)",

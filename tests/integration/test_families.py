@@ -141,7 +141,10 @@ def family_server(tmp_path_factory):
     for name, (weights, _) in INPAINTING_CHECKPOINTS.items():
         models[name] = ("text_to_image", weights)
     for name, (config, weights) in models.items():
-        copy_model(config, repo, name, {"model": str(WEIGHTS / weights), "fault_injection": HOLD_FAULTS})
+        # Packing always (packing_gate false): these tests check what packed forwards compute, which the
+        # gate's timing-based choice would otherwise decide on each host.
+        params = {"model": str(WEIGHTS / weights), "fault_injection": HOLD_FAULTS, "packing_gate": "false"}
+        copy_model(config, repo, name, params)
         set_batching(repo, name, STEP_QUEUE_DELAY_US)
     running = start_server(repo, tmp_path_factory.mktemp("family_logs") / "server.log", list(models))
     yield running

@@ -333,6 +333,7 @@ def packed_engine(
     starvation_steps: int = 16,
     policy: str = "oldest",
     max_running: int = 64,
+    packing_gate: bool = True,
 ) -> Engine:
     """An engine (with its host) whose jobs all share one group ("packed": the adapter pads rows of any
     size)."""
@@ -342,6 +343,7 @@ def packed_engine(
         cap_for,
         starvation_steps=starvation_steps,
         max_tokens_per_forward=budget,
+        packing_gate=packing_gate,
     )
     return Engine(StepEngine(FakeAdapter(), limits, make_policy(policy)), Host())
 
@@ -580,3 +582,10 @@ def test_before_the_fit_has_a_price_sizes_mixed_run_packed_and_the_jobs_count_it
     packing = engine.engine.scheduler.packing
     assert packing.packed and packing.packed_s is None and packing.by_size_s is None
     assert large.packed_forwards == small.packed_forwards == 1
+
+
+def test_with_the_gate_off_sizes_mixed_run_packed_whatever_the_fit_prices():
+    engine = with_plane(packed_engine(budget=None, packing_gate=False), 0.0, 0.001, 0.0)  # padding dear
+    assert first_forward(engine, gated("large", 8), gated("small", 2)) == ["large", "small"]
+    decision = engine.engine.scheduler.packing
+    assert decision.packed and decision.packed_s is None

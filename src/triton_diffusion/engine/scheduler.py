@@ -78,6 +78,7 @@ class EngineLimits:
     max_paused: int = 0  # jobs held paused at once for higher tiers (0: never pause)
     starvation_steps: int = 16  # a running job not stepped for this many engine steps goes next
     max_tokens_per_forward: int | None = None  # the jobs' tokens in one forward (None: no token bound)
+    packing_gate: bool = True  # sizes mixed run by size where the cost fit prices that cheaper (else packed)
 
     def __post_init__(self) -> None:
         if self.max_running < 1 or self.max_per_forward < 1 or self.starvation_steps < 1:
@@ -443,6 +444,8 @@ class Scheduler:
             rows = sum(job.grid[0] if job.grid is not None else 1 for job in jobs)
             return self.times.forward_cost(rows, computed_tokens(jobs))
 
+        if not self.limits.packing_gate:
+            return Packing(True)
         packed = price(taken)
         parts = [price(jobs) for jobs in sizes.values()]
         if packed is None or any(part is None for part in parts):

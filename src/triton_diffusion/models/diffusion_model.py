@@ -172,7 +172,10 @@ class DiffusionModel(TritonModel):
                 caps,
                 prompt_of=lambda job: job.params.prompt,
                 max_tokens_per_forward=settings.config.max_tokens_per_forward,
-                times=calibrate(adapter, self.calibration_requests(), lambda r: caps.cap_for_shape(r.shape)),
+                # The packing gate's prices from load (not needed where it is off).
+                times=calibrate(adapter, self.calibration_requests(), lambda r: caps.cap_for_shape(r.shape))
+                if settings.config.packing_gate
+                else None,
             )
         else:
             engine_kind = RequestEngineKind(self.run_call, caps)

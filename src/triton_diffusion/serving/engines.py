@@ -57,6 +57,7 @@ class StepEngineKind:
             max_tokens_per_forward=self.max_tokens_per_forward,
             max_paused=settings.resolved("max_paused", self.name),
             starvation_steps=config.starvation_steps,
+            packing_gate=config.packing_gate,
         )
         cohort = settings.resolved("admission_cohort", self.name)
         pacing = AdmissionPacing(cohort, config.admission_max_wait_steps)
