@@ -75,3 +75,14 @@ def test_the_supervised_server_gets_a_short_exit_timeout_unless_one_is_given(mon
         with pytest.raises(SystemExit):
             launcher.main(argv)
         assert launcher._option(taken[-1][1], "exit-timeout-secs", "30") == timeout
+
+
+def test_a_ready_model_without_a_stub_lost_it():
+    """The supervisor's first listing: a model Triton calls ready whose stub is already gone (it died as the
+    server became ready) is one to restart for; models with a stub each are not."""
+    from triton_diffusion.serving.supervisor import Stub, stubless
+
+    stubs = [Stub(10, "sd_plain", "sd_plain_0_0", "shm1"), Stub(11, "lm", "lm_0_0", "shm2")]
+    assert stubless(["lm", "sd_plain"], stubs) == []
+    assert stubless(["lm", "sd_plain", "sd_resuming"], stubs) == ["sd_resuming"]
+    assert stubless([], stubs) == []  # an index that did not answer: nothing to say

@@ -28,6 +28,7 @@ SIGTERM. A second signal, or a server that exits meanwhile, ends the wait at onc
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -37,7 +38,7 @@ import time
 import urllib.error
 import urllib.request
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -95,6 +96,13 @@ def list_stubs(server_pid: int, proc: Path = Path("/proc")) -> list[Stub]:
             continue
         stubs.append(Stub(pid, Path(argv[1]).parent.parent.name, argv[-2], argv[2]))
     return stubs
+
+
+def stubless(ready_models: Iterable[str], stubs: Iterable[Stub]) -> list[str]:
+    """The ready models without a stub: each Python-backend model instance has one, so a model without any
+    lost its stub (Triton still calls the model ready)."""
+    served = {stub.model for stub in stubs}
+    return sorted(set(ready_models) - served)
 
 
 class Supervisor:
@@ -179,6 +187,15 @@ class Supervisor:
             seen = stubs
             if expected is None:
                 if self._server_ready():
+                    # A stub that died between Triton's readiness and this first listing is in no
+                    # listing, and its model still reports ready: every ready model must have a stub.
+                    missing = stubless(self._ready_models(), stubs.values())
+                    if missing:
+                        detail = (
+                            f"Python backend stub of {', '.join(missing)} died as the server became ready"
+                        )
+                        self._restarting("stub died", missing, detail)
+                        return self._stop_server(process, stubs.values())
                     expected = stubs
                     self.watched_models = sorted({s.model for s in stubs.values()})
                     self.watched_instances = {
@@ -274,6 +291,16 @@ class Supervisor:
                 (SHM_DIR / stub.shm_region).unlink()
             except OSError:
                 pass
+
+    def _ready_models(self) -> list[str]:
+        """The models Triton's repository index says are ready (none where it does not answer)."""
+        index = urllib.request.Request(f"{self.http_url}/v2/repository/index", data=b"{}", method="POST")
+        try:
+            with urllib.request.urlopen(index, timeout=2) as response:
+                entries = json.loads(response.read())
+        except (OSError, ValueError):
+            return []
+        return sorted({e["name"] for e in entries if isinstance(e, dict) and e.get("state") == "READY"})
 
     def _server_ready(self) -> bool:
         try:
