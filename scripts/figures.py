@@ -104,6 +104,11 @@ BLOCKS: dict[str, Figure] = {
     "checkpoint-cost": Figure(
         ("docs/cpu/checkpoint_cost.json",), "checkpoint_cost.render", "bench.py checkpoint-cost"
     ),
+    "checkpoint-cost-sd15-h100": Figure(
+        ("docs/profiles/sd15-h100/checkpoint_cost.json",),
+        "checkpoint_cost.render",
+        "bench.py checkpoint-cost --device-profile sd15-h100",
+    ),
     "checkpoint-cost-line": Figure(
         ("docs/cpu/checkpoint_cost.json",), "checkpoint_cost.sentence", "bench.py checkpoint-cost"
     ),

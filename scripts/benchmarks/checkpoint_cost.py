@@ -14,6 +14,8 @@ every 5, off, ...) and every round is kept, so each ratio to ``off`` comes with 
 recorded: bytes per checkpoint and checkpoints written.
 
     .venv/bin/python scripts/bench.py checkpoint-cost --out docs/cpu
+    .venv/bin/python scripts/bench.py checkpoint-cost --device-profile sd15-h100 --size 512 \
+        --out docs/profiles/sd15-h100      # at an H100's cost ratios (adapters/device_profiles.py)
 """
 
 from __future__ import annotations
@@ -41,6 +43,12 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arch", default="tiny-sd")
     p.add_argument("--size", type=int, default=64)
+    p.add_argument(
+        "--device-profile",
+        default=None,
+        help="time the denoiser and decode as this GPU was measured to (sd15-h100: use --size 512; "
+        "adapters/device_profiles.py)",
+    )
     p.add_argument("--device", default="auto", help="auto: cuda where there is one")
     p.add_argument("--dtype", default="auto", help="auto: bfloat16 on cuda, float32 on a CPU")
     p.add_argument("--running", type=int, default=8, help="jobs in the running set")
@@ -104,7 +112,9 @@ def main(argv: list[str] | None = None) -> None:
     device, dtype = device_and_dtype(args.device, args.dtype)
     if device == "cpu":
         torch.set_num_threads(2)
-    bench = Bench(args.arch, args.size, args.size, args.running, device, dtype)
+    bench = Bench(
+        args.arch, args.size, args.size, args.running, device, dtype, device_profile=args.device_profile
+    )
     runs: list[dict] = []
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
@@ -143,6 +153,7 @@ def main(argv: list[str] | None = None) -> None:
     artefact = {
         "benchmark": "checkpoint-cost",
         "device": device,
+        "device_profile": args.device_profile,
         "dtype": str(dtype).removeprefix("torch."),
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "runs": runs,

@@ -100,6 +100,7 @@ class Bench:
         device: str,
         dtype: torch.dtype,
         cuda_graphs: bool = False,
+        device_profile: str | None = None,
     ) -> None:
         build_missing(WEIGHTS, only=[arch])
         config = ModelConfig(
@@ -107,6 +108,7 @@ class Bench:
             dtype=str(dtype).removeprefix("torch."),
             max_sequence_length=max_sequence_length(arch),
             cuda_graphs=cuda_graphs,
+            device_profile=device_profile,  # a GPU's forward and decode times (adapters/device_profiles.py)
         )
         kind = "GPU" if device.startswith("cuda") else "CPU"
         # The bench's size as the model's default: what cuda_graphs captures at load.
@@ -116,7 +118,7 @@ class Bench:
         self.model.fields, self.adapter = self.model.load(settings)
         self.pipe = self.model.pipe
         self.height, self.width, self.cap, self.device = height, width, cap, device
-        self.arch, self.dtype_name = arch, config.dtype
+        self.arch, self.dtype_name, self.device_profile = arch, config.dtype, device_profile
         self.max_running, self.policy = cap, "oldest"
         self.timeline = False  # on a GPU: time each step's stages under Poisson load (synchronising)
         self.cohort = max(1, cap // 2)  # the served default (EngineHost), for max_running >= cap
@@ -131,6 +133,7 @@ class Bench:
                 torch.cuda.get_device_name() if self.device.startswith("cuda") else "CPU",
             ),
             "arch": self.arch,
+            "device_profile": self.device_profile,
             "dtype": self.dtype_name,
             "size": f"{self.width}x{self.height}",
             "steps": steps,

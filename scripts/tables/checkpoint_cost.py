@@ -14,8 +14,9 @@ TARGET = "<= 1.02"
 def render(artefact: dict[str, Any]) -> str:
     s = artefact["settings"]
     lines = [
-        f"{s['arch']} at {s['size']}x{s['size']}, a full running set of {s['running']} jobs of {s['steps']} "
-        f"steps (one finished is replaced at once), {s['engine_steps']} engine steps a run after a warm-up, "
+        f"{s['arch']} at {s['size']}x{s['size']}{_profile(s)}, a full running set of {s['running']} jobs "
+        f"of {s['steps']} steps (one finished is replaced at once), {s['engine_steps']} engine steps a run "
+        "after a warm-up, "
         f"{s['rounds']} alternated rounds; the checkpoints written by a real checkpoint store on its own "
         "thread while the engine steps on. Ratio: the mean engine step against the same round's with "
         "checkpoints off; its reading by the one verdict rule (the median's 90% sign-test interval against "
@@ -35,6 +36,17 @@ def render(artefact: dict[str, Any]) -> str:
             f"| {row['bytes_per_checkpoint']:.0f} | {found} |"
         )
     return "\n".join(lines)
+
+
+def _profile(settings: dict[str, Any]) -> str:
+    """How the run was timed, where a device profile timed its denoiser and decode."""
+    name = settings.get("device_profile")
+    if not name:
+        return ""
+    return (
+        f" under the device profile {name} (the denoiser and VAE decode wait the times an H100 was measured "
+        "to take and compute nothing; adapters/device_profiles.py)"
+    )
 
 
 def _rounds(artefact: dict[str, Any], interval: int) -> list[float]:

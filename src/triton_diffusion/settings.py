@@ -358,6 +358,13 @@ class ModelConfig:
     )
     checkpoint_max_mb: float = _parameter(1024.0, "disk the checkpoints may take, in MB", (IMAGE,))
     checkpoint_ttl_s: float = _parameter(3600.0, "seconds a checkpoint is kept", (IMAGE,))
+    device_profile: str | None = _parameter(
+        None,
+        "benchmarks only: the denoiser and VAE decode replaced by stand-ins that take a measured GPU's "
+        "time and compute nothing (sd15-h100; adapters/device_profiles.py), so the engine runs at that "
+        "GPU's cost ratios on a CPU; what it serves is not an image",
+        (IMAGE,),
+    )
     fault_injection: Any = _parameter(
         None,
         "tests only: JSON of faults to inject (faults.py; docs/operations/reliability.md)",

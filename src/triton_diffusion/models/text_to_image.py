@@ -21,6 +21,7 @@ import numpy as np
 
 from triton_diffusion.adapters.call_caches import call_methods
 from triton_diffusion.adapters.captured_forwards import CaptureError
+from triton_diffusion.adapters.device_profiles import apply_profile
 from triton_diffusion.adapters.diffusers_pipeline import SchedulerChoices, load_pipeline, row_generator
 from triton_diffusion.adapters.image_requests import ImageRequest
 from triton_diffusion.adapters.lora import NO_LORA, LoraLimits, load_loras, lora_set, lora_text, parse_lora
@@ -71,6 +72,8 @@ class TextToImageModel(DiffusionModel):
     def load(self, settings: ModelSettings) -> tuple[FieldSet, Any]:
         config = settings.config
         self.pipe = load_pipeline(settings, self.PIPELINE_LOADER)
+        if config.device_profile:  # before anything times a forward (the calibration, the adapter's)
+            apply_profile(self.pipe, config.device_profile)
         self.facts = facts = PipelineFacts.of(self.pipe)
         self.faults = config.fault_injection
         self.schedulers = SchedulerChoices(self.pipe, facts, config.scheduler_choices, settings.name)
