@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
 from enum import Enum
 
 
@@ -26,20 +28,68 @@ class ErrorCode(str, Enum):
     CANCELLED = "CANCELLED"
 
 
-class RequestError(Exception):
-    """An error that belongs to one request and is sent back on that request's stream only."""
+class Retry(str, Enum):
+    """What a client may do about an error (its :class:`RetryHint`): the protocol, where the words are not.
 
-    def __init__(self, code: ErrorCode, message: str) -> None:
+    RESEND: send the same request again (the same fields and resume key) once the server is ready: it was
+        refused before it ran (draining, shutting down) or lost with its model (an accelerator failure, a
+        stuck engine); where checkpoints were taken under its key, the resend resumes from them.
+    RESUME: as RESEND, and a checkpoint of it was written under ``resume_key`` at ``step``: the resend
+        goes on from there.
+    An error without a hint is not worth resending unchanged.
+    """
+
+    RESEND = "resend"
+    RESUME = "resume"
+
+
+@dataclass(frozen=True)
+class RetryHint:
+    """The machine-readable part of an error a client may act on. It travels at the end of the error's
+    message, before the code's tag (``draining: ... retry={"retry":"resume","resume_key":"k","step":7}
+    [UNAVAILABLE]``; :func:`tagged_message`), one JSON object without nested braces,
+    read by ``triton_diffusion_client.retry.hint_of`` (the project's client and the OpenAI front): rewording
+    the message changes nothing a client does."""
+
+    retry: Retry
+    resume_key: str | None = None
+    step: int | None = None
+
+    def text(self) -> str:
+        fields = {"retry": self.retry.value, "resume_key": self.resume_key, "step": self.step}
+        given = {k: v for k, v in fields.items() if v is not None}
+        return "retry=" + json.dumps(given, separators=(",", ":"))
+
+
+RESEND = RetryHint(Retry.RESEND)
+
+
+class RequestError(Exception):
+    """An error that belongs to one request and is sent back on that request's stream only; ``hint``: what
+    a client may do about it (None: nothing but fix the request or give up)."""
+
+    def __init__(self, code: ErrorCode, message: str, hint: RetryHint | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.hint = hint
 
     def __str__(self) -> str:
         return f"{self.code.value}: {self.message}"
 
 
+def tagged_message(error: RequestError) -> str:
+    """The error's message with its code as a stable tag at the end (``width: got 4096 (allowed: ...)
+    [INVALID_ARG]``): Triton's gRPC stream carries the message but not the code, so a client reads the
+    code from the tag (:func:`code_of`) instead of guessing it from the words. An error a client may
+    resend carries its retry hint before the tag (:class:`RetryHint`)."""
+    if error.hint is not None:
+        return f"{error.message} {error.hint.text()} [{error.code.value}]"
+    return f"{error.message} [{error.code.value}]"
+
+
 def code_of(message: str) -> ErrorCode | None:
-    """The code a served error message carries as its tag (serving/triton_io.py ``tagged_message``), or
+    """The code a served error message carries as its tag (:func:`tagged_message`), or
     None for a message without one (Triton's own errors)."""
     text = message.rstrip()
     if text.endswith("]") and "[" in text:

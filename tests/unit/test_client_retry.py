@@ -13,6 +13,9 @@ import pytest
 from triton_diffusion_client import ImageSession, TextSession, images, retry, streams, text
 from tritonclient.utils import InferenceServerException
 
+from triton_diffusion.errors import RESEND, ErrorCode, RequestError, Retry, RetryHint, tagged_message
+from triton_diffusion.serving.drain import DRAINING_MESSAGE
+
 KEY = "caller-chosen-key_0123"
 
 
@@ -157,20 +160,42 @@ def test_a_request_whose_stream_broke_is_resent_with_its_key_and_resumes(triton)
     assert server.polls == 2 and server.connections == 2  # waited for ready, on a new connection
 
 
-def test_a_server_down_or_draining_or_that_checkpointed_the_request_gets_it_again(triton):
+def served(message: str, hint: RetryHint | None = None) -> str:
+    """An UNAVAILABLE answer as the server words it on the wire (serving/triton_io.py tagged_message)."""
+    return tagged_message(RequestError(ErrorCode.UNAVAILABLE, message, hint))
+
+
+@pytest.mark.parametrize("reworded", [False, True])
+def test_a_server_down_or_draining_or_that_checkpointed_the_request_gets_it_again(triton, reworded):
+    # The server's own messages, and the same hints under words that say nothing: the client acts on the
+    # hint alone, so rewording a message changes nothing.
+    answers = [
+        (DRAINING_MESSAGE, RESEND),
+        (f"draining: checkpointed at step 2; resend with resume_key {KEY}", RetryHint(Retry.RESUME, KEY, 2)),
+        ("the model is shutting down", RESEND),
+    ]
     server = triton(
-        [
-            [failure(f"{retry_words} [UNAVAILABLE]")]
-            for retry_words in (
-                "draining: resend to another replica or after restart",
-                f"job {KEY}: checkpointed",
-            )
-        ]
-        + [[final()]],
+        [[failure(served("zzz" if reworded else words, hint))] for words, hint in answers] + [[final()]],
         down=True,  # connections refused while it restarts
     )
+    result, _ = generate({"prompt": "a cat", "resume_key": KEY}, retries=4)
+    # 3 answers, a connection refused while it restarts, then the result: 5 attempts, 4 of them sent
+    assert result.ok and result.attempts == 5 and keys(server) == [KEY] * 4, result.error
+
+
+def test_an_answer_without_a_hint_is_not_resent_whatever_its_words(triton):
+    # Last round's contract was words: "draining", or the request's own key, in an UNAVAILABLE answer.
+    server = triton([[failure(served(f"draining: checkpointed; resend with resume_key {KEY}"))], [final()]])
     result, _ = generate({"prompt": "a cat", "resume_key": KEY})
-    assert result.ok and result.attempts == 4 and keys(server) == [KEY, KEY, KEY], result.error
+    assert not result.ok and result.attempts == 1 and len(server.sent) == 1
+
+
+def test_a_hint_on_an_answer_other_than_unavailable_is_not_acted_on(triton):
+    # e.g. a prompt that ends with the hint's text, echoed in a field error
+    words = tagged_message(RequestError(ErrorCode.INVALID_ARG, "prompt: got 'x'", RESEND))
+    server = triton([[failure(words)], [final()]])
+    result, _ = generate()
+    assert not result.ok and result.attempts == 1 and len(server.sent) == 1
 
 
 @pytest.mark.parametrize(
@@ -200,7 +225,7 @@ def test_it_gives_up_after_its_retries(triton):
     "answer",
     [
         failure("seed: must be an integer, got 'x' [INVALID_ARG]"),
-        failure("at capacity: no room within max_admission_wait_s [UNAVAILABLE]"),  # neither drain nor key
+        failure("at capacity: no room within max_admission_wait_s [UNAVAILABLE]"),  # no retry hint
         failure("pipeline failed [INTERNAL]"),
         failure("Deadline Exceeded", "StatusCode.DEADLINE_EXCEEDED"),
         failure("Request for unknown model: 'text_to_imag' is not found", "StatusCode.NOT_FOUND"),

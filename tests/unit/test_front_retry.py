@@ -14,12 +14,14 @@ import pytest
 from triton_diffusion_client import retry
 from tritonclient.utils import InferenceServerException
 
+from triton_diffusion.errors import RESEND, ErrorCode, RequestError, tagged_message
 from triton_diffusion.openai_front.chat import text_chunks
 from triton_diffusion.openai_front.errors import ApiError
 from triton_diffusion.openai_front.image_translation import image_call
 from triton_diffusion.openai_front.limits import Limits
 from triton_diffusion.openai_front.text_translation import TextCall
 from triton_diffusion.openai_front.triton_bridge import ModelInfo, TritonBridge, TritonRequest
+from triton_diffusion.serving.drain import DRAINING_MESSAGE
 
 
 class Gone(grpc.RpcError):
@@ -83,11 +85,11 @@ class Call:
         if kind == "gone":
             raise Gone()
         if kind == "draining":
-            return None, InferenceServerException(
-                "draining: resend to another replica or after restart [UNAVAILABLE]"
-            )
+            draining = RequestError(ErrorCode.UNAVAILABLE, DRAINING_MESSAGE, RESEND)
+            return None, InferenceServerException(tagged_message(draining))
         if kind == "invalid":
-            return None, InferenceServerException("seed: must be an integer [INVALID_ARG]")
+            invalid = RequestError(ErrorCode.INVALID_ARG, "seed: must be an integer")
+            return None, InferenceServerException(tagged_message(invalid))
         return Result(final=kind == "final"), None
 
 

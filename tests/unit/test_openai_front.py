@@ -18,7 +18,7 @@ import pytest
 from fastapi.testclient import TestClient
 from triton_diffusion_client.streams import StreamPool
 
-from triton_diffusion.errors import ErrorCode, RequestError
+from triton_diffusion.errors import ErrorCode, RequestError, Retry, RetryHint, tagged_message
 from triton_diffusion.fields import Field, FieldSet
 from triton_diffusion.openai_front.app import create_app, require_key
 from triton_diffusion.openai_front.errors import ApiError, from_triton_message
@@ -204,6 +204,17 @@ def test_triton_messages_become_openai_errors():
     assert from_triton_message(stub, fields).status == 503
     assert from_triton_message("RuntimeError: boom", fields).status == 500
     assert from_triton_message("seed: must be an integer", fields).status == 500  # no tag: not a model's
+
+
+def test_a_retry_hint_goes_into_the_body_and_out_of_the_message():
+    hint = RetryHint(Retry.RESUME, "k" * 16, 7)
+    wire = tagged_message(RequestError(ErrorCode.UNAVAILABLE, "draining: checkpointed at step 7", hint))
+    assert wire.endswith(' retry={"retry":"resume","resume_key":"kkkkkkkkkkkkkkkk","step":7} [UNAVAILABLE]')
+    error = from_triton_message(wire, set(IMAGE_FIELDS))
+    assert error.status == 503 and error.message == "draining: checkpointed at step 7"
+    assert error.body()["error"]["retry"] == {"retry": "resume", "resume_key": "k" * 16, "step": 7}
+    plain = from_triton_message(tagged("out of memory", ErrorCode.UNAVAILABLE), set(IMAGE_FIELDS))
+    assert "retry" not in plain.body()["error"]
 
 
 def test_the_tag_decides_the_status_not_the_words():

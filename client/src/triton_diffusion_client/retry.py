@@ -10,10 +10,11 @@ What is resent (:func:`retryable`): a failure of the connection or the stream (g
 stream cancelled or reset under the request: the server went away), a model process that died (Triton's
 "Stub process ... is not healthy": the supervisor restarts the server), a model the server knows but has
 not loaded yet (a restarted server: "... has no available versions"), a server being stopped ("Server is
-stopping": the supervisor restarts it), and the server's own UNAVAILABLE
-answers that say it is draining or name the request's resume key (a checkpointed job). Nothing else: a
-request refused for what it is (INVALID_ARG), at capacity, past its deadline or failed inside the model
-fails the same way again, so it is answered at once. Before a resend the client waits, polling with
+stopping": the supervisor restarts it), and the server's own answers whose retry hint says ``resend`` or
+``resume`` (:func:`hint_of`: draining, a checkpointed job, a model shutting down or restarting after a
+failed accelerator or a stuck engine). Nothing else: a request refused for what it is (INVALID_ARG), at
+capacity, past its deadline or failed inside the model carries no hint and fails the same way again, so it
+is answered at once. Before a resend the client waits, polling with
 backoff, for the server and the model to be ready again; the budget is ``retries`` resends within the
 request's own total deadline (``timeout_s``).
 """
@@ -21,11 +22,13 @@ request's own total deadline (``timeout_s``).
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 DEFAULT_RETRIES = 3
 RESUME_KEY = re.compile(r"[A-Za-z0-9_-]{16,128}")
@@ -38,6 +41,9 @@ MOST_WAIT_S = 2.0
 # gRPC statuses of a stream or call that failed under the request, as tritonclient spells them.
 _GONE = {"StatusCode.UNAVAILABLE", "StatusCode.CANCELLED"}
 _BROKEN_WORDS = ("stream removed", "socket closed", "rst_stream", "connection reset", "goaway")
+# A served error's retry hint: one JSON object (no nested braces) before the code's tag at the end.
+_HINT = re.compile(r" retry=(\{[^{}]*\})(?=\s*(?:\[[A-Z_]+\])?\s*$)")
+RESENDABLE = ("resend", "resume")  # the hints that say: send the same request again
 
 
 def new_resume_key() -> str:
@@ -58,21 +64,41 @@ def transport_failure(status: str | None, details: str) -> bool:
     )
 
 
-def retryable(status: str | None, message: str, resume_key: str | None) -> bool:
+def hint_of(message: str) -> dict[str, Any] | None:
+    """The retry hint a served error carries (``... retry={"retry":"resume","resume_key":"k","step":7}
+    [UNAVAILABLE]``: ``triton_diffusion.errors.RetryHint``), or None: a message without one, or Triton's
+    own. Read here only: the project's client and the OpenAI front decide by it, never by the words."""
+    match = _HINT.search(message)
+    if match is None:
+        return None
+    try:
+        hint = json.loads(match.group(1))
+    except ValueError:
+        return None
+    return hint if isinstance(hint, dict) and isinstance(hint.get("retry"), str) else None
+
+
+def without_hint(message: str) -> str:
+    """The message as a person reads it: the retry hint taken out (the code's tag stays)."""
+    match = _HINT.search(message)
+    return message if match is None else message[: match.start()] + message[match.end(1) :]
+
+
+def retryable(status: str | None, message: str) -> bool:
     """Worth resending unchanged (the module's docstring says why each is). ``status`` is the gRPC
-    status of a failed call or stream, None for an answer from the model (``message`` then carries the
-    model's tag, ``... [UNAVAILABLE]``)."""
+    status of a failed call or stream, None for an answer from the model. The server's own errors say so
+    by their retry hint (``resend`` or ``resume``); only Triton's errors, which carry none, are read by
+    their words (Triton's, not ours: rewording ours changes nothing here)."""
     if transport_failure(status, message):
         return True
+    hint = hint_of(message)
+    if hint is not None:  # the server puts one only on UNAVAILABLE answers
+        return hint["retry"] in RESENDABLE and message.rstrip().endswith("[UNAVAILABLE]")
     if status is None and "Stub process" in message and "is not healthy" in message:
-        return True  # Triton's words for a model process that died: the supervisor restarts the server
+        return True  # a model process that died: the supervisor restarts the server
     if "has no available versions" in message:
         return True  # a server back up that is still loading the model (a name it does not know: "not found")
-    if "Server is stopping" in message:
-        return True  # Triton refusing requests while the supervisor stops it to start it again
-    if status is not None or not message.rstrip().endswith("[UNAVAILABLE]"):
-        return False
-    return "draining" in message or (resume_key is not None and resume_key in message)
+    return "Server is stopping" in message  # refused while the supervisor stops it to start it again
 
 
 def unknown_resume_key(message: str) -> bool:
@@ -107,7 +133,7 @@ class RetryBudget:
         """Resend after this failure (and count it), or give up: not retryable, or the budget is spent."""
         if self.resent >= self.retries or self.left_s() <= 0:
             return False
-        if not retryable(status, message, self.resume_key):
+        if not retryable(status, message):
             return False
         self.resent += 1
         self.failures.append(message)

@@ -13,6 +13,8 @@ import re
 from collections.abc import Collection, Mapping
 from typing import Any
 
+from triton_diffusion_client.retry import hint_of, without_hint
+
 from triton_diffusion.errors import ErrorCode, code_of
 
 INVALID_REQUEST = "invalid_request_error"
@@ -42,16 +44,18 @@ class ApiError(Exception):
         self.error_type = error_type
         self.param = param
         self.code = code
+        self.retry: dict[str, Any] | None = None  # the model's retry hint, where it gave one
 
     def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.error_type,
-                "param": self.param,
-                "code": self.code,
-            }
+        error: dict[str, Any] = {
+            "message": self.message,
+            "type": self.error_type,
+            "param": self.param,
+            "code": self.code,
         }
+        if self.retry is not None:  # beside OpenAI's four keys: {"retry": "resend" | "resume", ...}
+            error["retry"] = self.retry
+        return {"error": error}
 
 
 def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> ApiError:
@@ -96,12 +100,15 @@ def from_triton_message(
     code = code_of(message)
     if code is None:
         return _untagged(message)
-    text = message.rstrip()
+    hint = hint_of(message)
+    text = without_hint(message).rstrip()
     text = text[: text.rindex("[")].rstrip()  # the tag is for the front, not the client
     if code is ErrorCode.INVALID_ARG:
         return bad_request(text, _param(text, fields, openai_names or {}))
     if code is ErrorCode.UNAVAILABLE:
-        return unavailable(text)
+        refused = unavailable(text)
+        refused.retry = hint  # machine-readable, in the body: what the client may do
+        return refused
     if code is ErrorCode.CANCELLED:
         return ApiError(499, text, INVALID_REQUEST, None, "cancelled")
     return server_error(text)

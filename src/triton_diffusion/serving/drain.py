@@ -38,8 +38,8 @@ from pathlib import Path
 log = logging.getLogger("triton_diffusion")
 
 ENV = "TRITON_DIFFUSION_DRAIN_FILE"
-# What a model answers for a request it refuses while draining: clients resend these (the project's
-# client does, with the same resume key), so the words are part of the contract.
+# What a model answers for a request it refuses while draining, for people: clients resend it by its retry
+# hint (errors.py RetryHint), never by these words.
 DRAINING_MESSAGE = "draining: resend to another replica or after restart"
 POLL_S = 0.5  # how often a model looks for the file, and the launcher for the models' marks
 

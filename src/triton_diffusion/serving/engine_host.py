@@ -31,7 +31,7 @@ from typing import Any, Protocol
 from triton_diffusion.engine.failures import DeviceLostError
 from triton_diffusion.engine.jobs import Job, JobSpec, Left, Stepped, StepReport
 from triton_diffusion.engine.request_status import Abort
-from triton_diffusion.errors import ErrorCode, RequestError
+from triton_diffusion.errors import RESEND, ErrorCode, RequestError, Retry, RetryHint
 from triton_diffusion.serving.drain import DRAINING_MESSAGE, POLL_S, DrainWatch, drain_file_from_env
 from triton_diffusion.serving.engine_worker import EngineWorker
 from triton_diffusion.serving.engines import EngineKind
@@ -139,7 +139,7 @@ class EngineHost:
         while draining: each is answered UNAVAILABLE "draining", its client resends it elsewhere or
         later)."""
         if self.draining:
-            refused = RequestError(ErrorCode.UNAVAILABLE, DRAINING_MESSAGE)
+            refused = RequestError(ErrorCode.UNAVAILABLE, DRAINING_MESSAGE, RESEND)
             for tracked, _ in admitted:
                 tracked.fail(refused)
             return
@@ -168,7 +168,7 @@ class EngineHost:
         """Send what is queued for sending, then answer what 10 s did not send (the process leaves)."""
         self.responses.close(timeout_s=10)
         message = f"{reason}; the model is restarting, retry shortly"
-        self.responses.fail_queued(RequestError(ErrorCode.UNAVAILABLE, message))
+        self.responses.fail_queued(RequestError(ErrorCode.UNAVAILABLE, message, RESEND))
 
     # ---- the engine thread: draining ---------------------------------------------------------------
     def _drain_pass(self) -> None:
@@ -219,11 +219,12 @@ class EngineHost:
         aborts = []
         for record in records.values():
             steps = [job.steps_done for job, _ in taken if job.record is record]
-            message = DRAINING_MESSAGE
+            message, hint = DRAINING_MESSAGE, RESEND
             if steps and flushed:
                 key = keys[id(record)]
                 message = f"draining: checkpointed at step {min(steps)}; resend with resume_key {key}"
-            error = RequestError(ErrorCode.UNAVAILABLE, message)
+                hint = RetryHint(Retry.RESUME, key, min(steps))
+            error = RequestError(ErrorCode.UNAVAILABLE, message, hint)
             tracked = record.tracked
             if tracked.end(error):
                 self.responses.deliver(tracked)

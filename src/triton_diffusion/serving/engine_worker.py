@@ -29,7 +29,7 @@ from typing import Protocol
 from triton_diffusion.engine.failures import DeviceLostError, device_lost_error
 from triton_diffusion.engine.jobs import Job, StepReport
 from triton_diffusion.engine.request_status import Abort, AbortSource, Request
-from triton_diffusion.errors import ErrorCode, RequestError
+from triton_diffusion.errors import RESEND, ErrorCode, RequestError
 from triton_diffusion.serving.cancellations import ClientAborts
 from triton_diffusion.serving.requests import Stage, TrackedRequest
 from triton_diffusion.serving.watchdog import StallWatchdog
@@ -132,7 +132,7 @@ class EngineWorker:
                         break
                     self._condition.wait(remaining)
                 if self._closed:
-                    refused = RequestError(ErrorCode.UNAVAILABLE, "the model is shutting down")
+                    refused = RequestError(ErrorCode.UNAVAILABLE, "the model is shutting down", RESEND)
                 if refused is not None:
                     tracked.fail(refused)
                     waited.append(-1.0)
@@ -183,7 +183,7 @@ class EngineWorker:
             with self._condition:
                 self._closed = True
                 self._condition.notify_all()
-            self._fail_held(RequestError(ErrorCode.UNAVAILABLE, "the model is shutting down"))
+            self._fail_held(RequestError(ErrorCode.UNAVAILABLE, "the model is shutting down", RESEND))
 
     def _loop(self) -> None:
         while self._next_round():
@@ -250,7 +250,7 @@ class EngineWorker:
             self._closed = True
             self._condition.notify_all()
             live = [r for r in self._live if r.stage is not Stage.ANSWERED]
-        failure = RequestError(ErrorCode.UNAVAILABLE, f"{error}; the model is restarting")
+        failure = RequestError(ErrorCode.UNAVAILABLE, f"{error}; the model is restarting", RESEND)
         try:
             self.flush_answers()  # results already computed go out first, not UNAVAILABLE in their place
             # From a thread of its own, bounded: a send stuck in Triton holds its request's lock, and

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from triton_diffusion.errors import RequestError, invalid_field, short_text
+from triton_diffusion.errors import RequestError, invalid_field, short_text, tagged_message
 from triton_diffusion.fields import REQUIRED, FieldSet, merge_parameters
 from triton_diffusion.serving.metrics import FAMILIES, BatchingMetrics
 
@@ -69,13 +69,6 @@ def _scalar(name: str, array: np.ndarray, keep_bytes: bool = False) -> Any:
     if isinstance(value, np.generic):
         return value.item()
     return value
-
-
-def tagged_message(error: RequestError) -> str:
-    """The error's message with its code as a stable tag at the end (``width: got 4096 (allowed: ...)
-    [INVALID_ARG]``): Triton's gRPC stream carries the message but not the code, so a client reads the
-    code from the tag (errors.py ``code_of``) instead of guessing it from the words."""
-    return f"{error.message} [{error.code.value}]"
 
 
 def request_id(request: Any) -> str:
