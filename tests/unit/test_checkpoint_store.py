@@ -149,12 +149,15 @@ def test_the_latest_pending_checkpoint_of_a_key_wins(store, monkeypatch):
 
 
 def damage(path: Path, how: str) -> None:
+    """Damage the file in place, keeping its time (the store's clock, not the host's)."""
     data = bytearray(path.read_bytes())
+    written = path.stat().st_mtime
     if how == "truncated":
         path.write_bytes(bytes(data[: len(data) - 10]))
     else:  # one bit of the payload (the last tensor's last byte)
         data[-1] ^= 0x01
         path.write_bytes(bytes(data))
+    os.utime(path, (written, written))
 
 
 @pytest.mark.parametrize("how", ["truncated", "flipped"])
@@ -184,6 +187,67 @@ def test_checkpoints_expire_after_the_ttl(store, clock, tmp_path):
     again = CheckpointStore(store.directory, 1 << 20, 3600.0, clock)
     assert checkpoints(again.directory) == [] and again.bytes_used == 0
     again.close()
+
+
+def read_in_a_thread(store: CheckpointStore, key: str) -> BaseException | object:
+    """``store.get(key)`` from a thread, bounded: a read that blocks fails the test instead of hanging it."""
+    outcome: list[BaseException | object] = []
+
+    def read() -> None:
+        try:
+            outcome.append(store.get(key))
+        except BaseException as exc:  # noqa: BLE001
+            outcome.append(exc)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(10)
+    assert not reader.is_alive(), "the read blocked"
+    return outcome[0]
+
+
+@pytest.mark.parametrize("how", ["fifo", "link to a fifo", "empty directory", "directory with a file"])
+def test_an_entry_that_is_not_a_regular_file_is_corrupt_never_opened_and_never_fails_the_store(
+    store, clock, tmp_path, how
+):
+    path = store.directory / f"{KEY}.0.safetensors"
+    if how == "fifo":
+        os.mkfifo(path)
+    elif how == "link to a fifo":
+        os.mkfifo(tmp_path / "elsewhere")
+        path.symlink_to(tmp_path / "elsewhere")
+    else:
+        path.mkdir()
+        if how == "directory with a file":
+            (path / "inside").write_text("x")
+    outcome = read_in_a_thread(store, f"{KEY}.0")
+    assert isinstance(outcome, CorruptCheckpoint) and "not a regular file" in str(outcome), outcome
+    assert path.exists() == (how == "directory with a file")  # removed where it safely can be
+    assert (tmp_path / "elsewhere").exists() == (how == "link to a fifo")  # a link's target is not touched
+    assert store.bytes_used == 0
+    # Past the TTL, a new store (the model loading again) sweeps around it and writes beside it.
+    clock.now += 7200.0
+    again = CheckpointStore(store.directory, 1 << 20, 3600.0, clock)
+    again.put(KEY + ".1", "h", checkpoint(1))
+    assert again.flush(5) and again.get(KEY + ".1") is not None
+    again.close()
+
+
+def test_a_checkpoint_from_the_future_expires(store, clock):
+    store.put(KEY + ".0", "h", checkpoint(1))
+    assert store.flush(5)
+    path = store.directory / f"{KEY}.0.safetensors"
+    os.utime(path, (clock.now + 2 * 3600.0, clock.now + 2 * 3600.0))  # touched, or a clock set back
+    assert store.get(KEY + ".0") is None and not path.exists()
+
+
+def test_a_file_larger_than_the_bound_is_corrupt(store, clock):
+    path = store.directory / f"{KEY}.0.safetensors"
+    path.write_bytes(b"x" * ((1 << 20) + 1))
+    os.utime(path, (clock.now, clock.now))
+    with pytest.raises(CorruptCheckpoint, match="more than checkpoint_max_mb"):
+        store.get(KEY + ".0")
+    assert not path.exists()
 
 
 def test_the_byte_bound_evicts_the_oldest_first(tmp_path, clock, caplog):

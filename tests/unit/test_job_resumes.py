@@ -202,6 +202,21 @@ def test_a_resume_key_whose_checkpoint_has_other_fields_is_refused_naming_resume
     assert f"{KEY}.0" in store.files  # another's checkpoint is neither used nor removed
 
 
+def test_a_key_in_flight_is_refused_to_a_request_with_other_fields_until_it_is_answered():
+    store = FakeStore()
+    model = bare_model(store)
+    first = tracked("first")
+    model.parse(0, request(), first)
+    with pytest.raises(RequestError) as refused:
+        model.parse(0, request(guidance_scale=3.0), tracked("other fields"))
+    assert refused.value.message.startswith("resume_key: is held by a request in flight with other fields")
+    same = tracked("same fields")
+    model.parse(0, request(progress=True), same)  # the same request (a resend): its key
+    model.resumes.answered(first, None)
+    model.resumes.answered(same, None)
+    model.parse(0, request(guidance_scale=3.0), tracked("after"))  # the key is free again
+
+
 def test_an_unreadable_checkpoint_starts_its_image_over_with_a_warning():
     store = FakeStore()
     model = bare_model(store)
@@ -297,7 +312,7 @@ def test_the_exit_fault_fires_after_its_step_once_per_checkpoint_dir(tmp_path, m
     store = FakeStore()
     marker = tmp_path / "checkpoints.exited"
     resumes = Resumes(store, 2, faults, seed_of=lambda job: job.params.seed, marker=marker)
-    other = watched_job(resumes, "other", seed=99)
+    other = watched_job(resumes, "other", key="another-key-0123456789", seed=99)
     victim = watched_job(resumes, "victim", seed=1234)
     resumes.persist(StepReport(stepped=[Stepped(victim, 6, 12), Stepped(other, 7, 12)]))
     assert exits == [] and not marker.exists()

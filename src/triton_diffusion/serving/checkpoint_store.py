@@ -31,6 +31,7 @@ import json
 import logging
 import os
 import re
+import stat
 import struct
 import threading
 import time
@@ -131,15 +132,17 @@ class CheckpointStore:
         path = self._path(key)
         with self._files:
             try:
-                stat = path.stat()
+                entry = path.lstat()
             except FileNotFoundError:
                 return None
-            if self.clock() - stat.st_mtime > self.ttl_s:
+            if not stat.S_ISREG(entry.st_mode):  # a directory, link, FIFO...: not ours, never opened
+                self._delete(path)
+                raise CorruptCheckpoint(f"checkpoint {key}: not a regular file")
+            if self._expired(entry.st_mtime):
                 self._delete(path)
                 return None
             try:
-                data = path.read_bytes()
-                return _parse(data, key)
+                return _parse(_read_regular(path, self.max_bytes), key)
             except Exception as exc:
                 self._delete(path)
                 self._count()  # damaged from outside: its size then may not be the one counted
@@ -193,7 +196,7 @@ class CheckpointStore:
         with self._files:
             for path in self._checkpoint_files():
                 try:
-                    if now - path.stat().st_mtime > self.ttl_s:
+                    if self._expired(path.stat().st_mtime, now):
                         self._delete(path)
                 except FileNotFoundError:
                     pass
@@ -303,16 +306,34 @@ class CheckpointStore:
     def _path(self, key: str) -> Path:
         return self.directory / f"{key}{SUFFIX}"
 
+    def _expired(self, mtime: float, now: float | None = None) -> bool:
+        """Older than the TTL, or as far in the future (a clock set back, or a file touched from outside:
+        a future time must not keep it for ever)."""
+        return abs((self.clock() if now is None else now) - mtime) > self.ttl_s
+
     def _checkpoint_files(self) -> list[Path]:
-        return [p for p in self.directory.glob(f"*{SUFFIX}") if valid_key(p.name[: -len(SUFFIX)])]
+        """The regular files named like checkpoints (anything else there is not counted, swept or evicted:
+        a read of its key removes it, or says why it cannot)."""
+        return [
+            p
+            for p in self.directory.glob(f"*{SUFFIX}")
+            if valid_key(p.name[: -len(SUFFIX)]) and _is_regular(p)
+        ]
 
     def _delete(self, path: Path) -> None:
         try:
-            size = path.stat().st_size
-            path.unlink()
+            entry = path.lstat()
+            if stat.S_ISDIR(entry.st_mode):
+                path.rmdir()  # an empty one; one with files in it is left, and logged
+                return
+            path.unlink()  # a file, or a link itself (never what it points to)
         except FileNotFoundError:
             return
-        self.bytes_used = max(0, self.bytes_used - size)
+        except OSError as exc:
+            log.warning("checkpoint %s: could not be removed (%s)", path.name, exc)
+            return
+        if stat.S_ISREG(entry.st_mode):
+            self.bytes_used = max(0, self.bytes_used - entry.st_size)
 
     def _count(self) -> None:
         total = 0
@@ -322,6 +343,35 @@ class CheckpointStore:
             except FileNotFoundError:
                 pass
         self.bytes_used = total
+
+
+def _is_regular(path: Path) -> bool:
+    try:
+        return stat.S_ISREG(path.lstat().st_mode)
+    except FileNotFoundError:
+        return False
+
+
+def _read_regular(path: Path, limit: int) -> bytes:
+    """The bytes of ``path`` if it is a regular file of at most ``limit`` bytes, else ValueError: opened
+    without following a link and without blocking (a FIFO swapped in since the check cannot hang it)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        entry = os.fstat(fd)
+        if not stat.S_ISREG(entry.st_mode):
+            raise ValueError("not a regular file")
+        if entry.st_size > limit:
+            raise ValueError(f"{entry.st_size} bytes, more than checkpoint_max_mb allows")
+        chunks, left = [], entry.st_size
+        while left > 0:
+            chunk = os.read(fd, left)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
 def _fsync_directory(directory: Path) -> None:

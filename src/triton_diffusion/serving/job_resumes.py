@@ -173,8 +173,15 @@ class Resumes:
 
     def watch(self, tracked: TrackedRequest, resume_key: str, hashed: str) -> None:
         """This request's jobs are checkpointed (under ``resume_key``, bound to ``hashed``) until it is
-        answered."""
+        answered. Refused INVALID_ARG naming resume_key while a request with other fields holds the key
+        (the two would write and delete each other's checkpoints)."""
         with self._lock:
+            if any(key == resume_key and other != hashed for key, other in self._watched.values()):
+                raise invalid_field(
+                    "resume_key",
+                    "is held by a request in flight with other fields (send another key, or wait for its "
+                    "answer)",
+                )
             self._watched[tracked] = (resume_key, hashed)
 
     def resume_key(self, tracked: TrackedRequest) -> str | None:
