@@ -233,6 +233,27 @@ def test_an_entry_that_is_not_a_regular_file_is_corrupt_never_opened_and_never_f
     again.close()
 
 
+def test_what_could_not_be_written_is_said_once_and_kept_until_written_or_removed(tmp_path, clock, caplog):
+    store = CheckpointStore(tmp_path / "small", 1000, 3600.0, clock)  # below one checkpoint
+    try:
+        for _ in range(3):
+            store.put(KEY + ".0", "h", checkpoint(1))
+            assert store.flush(5)
+        assert "above checkpoint_max_mb" in (store.not_kept(KEY) or "")
+        assert store.not_kept("another-key-0123456789") is None
+        assert caplog.text.count("not kept") == 1  # said once per key, not once per checkpoint
+        store.max_bytes = 1 << 20
+        store.put(KEY + ".0", "h", checkpoint(2))
+        assert store.flush(5) and store.not_kept(KEY) is None  # written since
+        store.max_bytes = 1000
+        store.put(KEY + ".1", "h", checkpoint(2))
+        assert store.flush(5) and store.not_kept(KEY) is not None
+        store.remove_request(KEY)
+        assert store.not_kept(KEY) is None
+    finally:
+        store.close()
+
+
 def test_a_checkpoint_from_the_future_expires(store, clock):
     store.put(KEY + ".0", "h", checkpoint(1))
     assert store.flush(5)

@@ -43,6 +43,7 @@ class FakeStore:
         self.corrupt: set[str] = set()
         self.removed: list[str] = []
         self.flushes = 0
+        self.lost: str | None = None  # what not_kept says
 
     def put(self, key: str, hashed: str, checkpoint: Any) -> None:
         self.files[key] = Stored(hashed, checkpoint)
@@ -61,6 +62,9 @@ class FakeStore:
     def flush(self, timeout_s: float) -> bool:
         self.flushes += 1
         return True
+
+    def not_kept(self, resume_key: str) -> str | None:
+        return self.lost
 
     def close(self) -> None:
         pass
@@ -261,6 +265,8 @@ def test_batch_reports_the_smallest_step_resumed_from_and_every_warning():
     assert report["resumed_from_step"] == 0  # image 1 started over: the request resumed from 0
     assert report["warnings"] == ["image 1: its checkpoint did not fit (shape): started over"]
     json.dumps(report)
+    store.lost = "one checkpoint takes 70592 bytes, above checkpoint_max_mb"
+    assert model.resume_report(parsed, jobs)["checkpoints"] == f"not kept: {store.lost}"
 
 
 # ---- the host: storing, removing, the exit fault ----------------------------------------------------

@@ -365,11 +365,15 @@ class DiffusionModel(TritonModel):
 
     def resume_report(self, parsed: ParsedRequest, jobs: list[Job]) -> dict[str, Any]:
         """BATCH's part on checkpoints, for a request that gave a resume_key: whether the model takes
-        them; the step its images resumed from (the smallest: an image that started over counts 0;
-        absent when none resumed); and why a checkpoint found was not used."""
+        them ("on", "off", or "not kept: why" where its checkpoints could not be written); the step its
+        images resumed from (the smallest: an image that started over counts 0; absent when none
+        resumed); and why a checkpoint found was not used."""
         if not parsed.values.get("resume_key"):
             return {}
         report: dict[str, Any] = {"checkpoints": "on" if self.resumes is not None else "off"}
+        why = self.resumes.store.not_kept(parsed.values["resume_key"]) if self.resumes is not None else None
+        if why is not None:  # what the store failed to write, as far as known when the answer goes out
+            report["checkpoints"] = f"not kept: {why}"
         if any(job.resumed_from_step for job in jobs):
             report["resumed_from_step"] = min(job.resumed_from_step or 0 for job in jobs)
         warnings = [*(parsed.resume.warnings if parsed.resume is not None else ())]

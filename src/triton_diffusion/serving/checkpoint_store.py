@@ -90,6 +90,7 @@ class CheckpointStore:
         self.bytes_used = 0  # bytes of checkpoint files in the directory (for a metric)
         self._pending: dict[str, tuple[str, JobCheckpoint, float]] = {}  # key: fields hash, checkpoint, at
         self._writing: frozenset[str] = frozenset()  # the keys of the batch being written now
+        self._not_kept: dict[str, str] = {}  # key: why its last checkpoint could not be written
         self._closed = False
         self._swept_at = 0.0  # when the last sweep ran, by ``clock``
         self._waiting = 0  # callers waiting for writes (get, remove, flush): the writer does not gather
@@ -169,6 +170,8 @@ class CheckpointStore:
         with self._changed:
             for key in [key for key in self._pending if of_request(key)]:
                 del self._pending[key]
+            for key in [key for key in self._not_kept if of_request(key)]:
+                del self._not_kept[key]
             self._wait_for_writes(lambda: not any(map(of_request, self._writing)), WAIT_S)
         with self._files:
             for path in self._checkpoint_files():
@@ -260,24 +263,37 @@ class CheckpointStore:
         try:
             data = _serialise(key, fields_hash, checkpoint, created)
             if len(data) > self.max_bytes:
-                log.warning(
-                    "checkpoint %s: %d bytes exceed the store's bound of %d bytes alone: not kept",
-                    key,
-                    len(data),
-                    self.max_bytes,
-                )
-                return False
+                return self._lost(key, f"one checkpoint takes {len(data)} bytes, above checkpoint_max_mb")
             temporary.write_bytes(data)
             os.utime(temporary, (created, created))  # its age by the store's clock (ttl, eviction)
             # Outside the files' lock: a reader of this key waits for its write, and of another key reads
             # its own file.
             os.replace(temporary, self._path(key))
-            return True
-        except Exception:  # noqa: BLE001  (one lost checkpoint is a slower resume, not a failed request)
-            log.exception("checkpoint %s: write failed", key)
-            return False
+        except Exception as exc:  # noqa: BLE001  (one lost checkpoint is a slower resume, not a failure)
+            return self._lost(key, f"the write failed ({type(exc).__name__}: {str(exc)[:120]})")
         finally:
             temporary.unlink(missing_ok=True)
+        with self._changed:
+            self._not_kept.pop(key, None)
+        return True
+
+    def _lost(self, key: str, why: str) -> bool:
+        """A checkpoint not written: said once per key in the log, and kept for :meth:`not_kept`."""
+        with self._changed:
+            first = key not in self._not_kept
+            self._not_kept[key] = why
+        if first:
+            log.warning("checkpoint %s: not kept: %s", key, why)
+        return False
+
+    def not_kept(self, resume_key: str) -> str | None:
+        """Why the last checkpoint of an image of this request could not be written (None: every one
+        handed over so far was, or is being, written)."""
+        with self._changed:
+            for key, why in self._not_kept.items():
+                if key == resume_key or key.startswith(resume_key + "."):
+                    return why
+        return None
 
     def _evict(self, keep: frozenset[Path]) -> None:
         """The oldest checkpoints go until the directory holds at most ``max_bytes`` (``keep``, the ones
