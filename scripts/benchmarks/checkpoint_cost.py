@@ -32,6 +32,7 @@ from verdicts import rotated_orders
 
 from benchmarks.common import REPO_ROOT
 from benchmarks.inprocess import Bench, device_and_dtype, sync
+from triton_diffusion.adapters.device_profiles import PROFILES, load_table
 from triton_diffusion.engine.scheduler import EngineLimits
 from triton_diffusion.engine.step_engine import StepEngine
 from triton_diffusion.serving.checkpoint_store import CheckpointStore
@@ -108,6 +109,17 @@ def one_run(bench: Bench, interval: int, args: argparse.Namespace, folder: Path)
 
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
+    profile = None
+    if args.device_profile:  # its times hold at the size it was measured at only
+        table = load_table(PROFILES[args.device_profile])
+        if table.size != (args.size, args.size):
+            parser().error(f"--device-profile {args.device_profile} was measured at {table.size}: --size")
+        profile = {
+            "what": PROFILES[args.device_profile].what,
+            "forward": table.forward,
+            "decode": table.decode,
+            "source": table.source,
+        }
     intervals = [int(v) for v in args.intervals.split(",")]
     device, dtype = device_and_dtype(args.device, args.dtype)
     if device == "cpu":
@@ -154,6 +166,7 @@ def main(argv: list[str] | None = None) -> None:
         "benchmark": "checkpoint-cost",
         "device": device,
         "device_profile": args.device_profile,
+        "device_profile_table": profile,  # the times its stand-ins waited, and where they came from
         "dtype": str(dtype).removeprefix("torch."),
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "runs": runs,

@@ -14,9 +14,9 @@ TARGET = "<= 1.02"
 def render(artefact: dict[str, Any]) -> str:
     s = artefact["settings"]
     lines = [
-        f"{s['arch']} at {s['size']}x{s['size']}{_profile(s)}, a full running set of {s['running']} jobs "
-        f"of {s['steps']} steps (one finished is replaced at once), {s['engine_steps']} engine steps a run "
-        "after a warm-up, "
+        f"{s['arch']} at {s['size']}x{s['size']}{_profile(artefact)}, a full running set of "
+        f"{s['running']} jobs of {s['steps']} steps (one finished is replaced at once), "
+        f"{s['engine_steps']} engine steps a run after a warm-up, "
         f"{s['rounds']} alternated rounds; the checkpoints written by a real checkpoint store on its own "
         "thread while the engine steps on. Ratio: the mean engine step against the same round's with "
         "checkpoints off; its reading by the one verdict rule (the median's 90% sign-test interval against "
@@ -38,14 +38,15 @@ def render(artefact: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _profile(settings: dict[str, Any]) -> str:
+def _profile(artefact: dict[str, Any]) -> str:
     """How the run was timed, where a device profile timed its denoiser and decode."""
-    name = settings.get("device_profile")
-    if not name:
+    table = artefact.get("device_profile_table")
+    if not table:
         return ""
     return (
-        f" under the device profile {name} (the denoiser and VAE decode wait the times an H100 was measured "
-        "to take and compute nothing; adapters/device_profiles.py)"
+        f" under the device profile {artefact['device_profile']} (the denoiser and VAE decode wait the times "
+        f"measured for {table['what']}, in {table['source']['artefact']}, and compute nothing; the rest runs "
+        "at this CPU's speed; latents in float32; adapters/device_profiles.py)"
     )
 
 

@@ -32,11 +32,14 @@ class Retry(str, Enum):
     """What a client may do about an error (its :class:`RetryHint`): the protocol, where the words are not.
 
     RESEND: send the same request again (the same fields and resume key) once the server is ready: it was
-        refused before it ran (draining, shutting down) or lost with its model (an accelerator failure, a
-        stuck engine); where checkpoints were taken under its key, the resend resumes from them.
+        refused before it ran, or stopped unfinished, by a server draining or shutting down; where
+        checkpoints were taken under its key, the resend resumes from them. (A request in flight when the
+        accelerator failed or the engine got stuck gets none: it may be the cause, and each resend would
+        restart the model for everyone.)
     RESUME: as RESEND, and a checkpoint of it was written under ``resume_key`` at ``step``: the resend
         goes on from there.
-    An error without a hint is not worth resending unchanged.
+    The project's clients do not resend an error without a hint (some still say "retry later": at
+    capacity, out of memory, a deadline; a later try, not the same one at once).
     """
 
     RESEND = "resend"

@@ -360,9 +360,10 @@ class ModelConfig:
     checkpoint_ttl_s: float = _parameter(3600.0, "seconds a checkpoint is kept", (IMAGE,))
     device_profile: str | None = _parameter(
         None,
-        "benchmarks only: the denoiser and VAE decode replaced by stand-ins that take a measured GPU's "
-        "time and compute nothing (sd15-h100; adapters/device_profiles.py), so the engine runs at that "
-        "GPU's cost ratios on a CPU; what it serves is not an image",
+        "benchmarks only: the denoiser and VAE decode replaced by stand-ins that wait a measured GPU's "
+        "times and compute nothing (sd15-h100: StableDiffusionPipeline at 512x512; "
+        "adapters/device_profiles.py), so a forward is as long as on that GPU while the rest runs at this "
+        "machine's speed; what it serves is not an image",
         (IMAGE,),
     )
     fault_injection: Any = _parameter(

@@ -208,8 +208,12 @@ def read_in_a_thread(store: CheckpointStore, key: str) -> BaseException | object
 
 @pytest.mark.parametrize("how", ["fifo", "link to a fifo", "empty directory", "directory with a file"])
 def test_an_entry_that_is_not_a_regular_file_is_corrupt_never_opened_and_never_fails_the_store(
-    store, clock, tmp_path, how
+    store, clock, tmp_path, how, monkeypatch
 ):
+    def never(path: Path, limit: int) -> bytes:
+        raise AssertionError(f"{path.name} was opened")
+
+    monkeypatch.setattr(checkpoint_store, "_read_regular", never)
     path = store.directory / f"{KEY}.0.safetensors"
     if how == "fifo":
         os.mkfifo(path)
@@ -225,11 +229,16 @@ def test_an_entry_that_is_not_a_regular_file_is_corrupt_never_opened_and_never_f
     assert path.exists() == (how == "directory with a file")  # removed where it safely can be
     assert (tmp_path / "elsewhere").exists() == (how == "link to a fifo")  # a link's target is not touched
     assert store.bytes_used == 0
-    # Past the TTL, a new store (the model loading again) sweeps around it and writes beside it.
+    # Past the TTL, a new store (the model loading again) sweeps around it and writes beside it, and counts
+    # the checkpoint alone.
+    monkeypatch.undo()
+    if how == "directory with a file":
+        (path / "inside.safetensors").write_text("not counted either")
     clock.now += 7200.0
     again = CheckpointStore(store.directory, 1 << 20, 3600.0, clock)
     again.put(KEY + ".1", "h", checkpoint(1))
     assert again.flush(5) and again.get(KEY + ".1") is not None
+    assert again.bytes_used == (store.directory / f"{KEY}.1.safetensors").stat().st_size
     again.close()
 
 

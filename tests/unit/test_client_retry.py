@@ -161,12 +161,12 @@ def test_a_request_whose_stream_broke_is_resent_with_its_key_and_resumes(triton)
 
 
 def served(message: str, hint: RetryHint | None = None) -> str:
-    """An UNAVAILABLE answer as the server words it on the wire (serving/triton_io.py tagged_message)."""
+    """An UNAVAILABLE answer as the server words it on the wire (errors.py tagged_message)."""
     return tagged_message(RequestError(ErrorCode.UNAVAILABLE, message, hint))
 
 
 @pytest.mark.parametrize("reworded", [False, True])
-def test_a_server_down_or_draining_or_that_checkpointed_the_request_gets_it_again(triton, reworded):
+def test_a_server_down_draining_shutting_down_or_that_checkpointed_it_gets_it_again(triton, reworded):
     # The server's own messages, and the same hints under words that say nothing: the client acts on the
     # hint alone, so rewording a message changes nothing.
     answers = [

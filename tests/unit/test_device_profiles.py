@@ -31,18 +31,57 @@ def test_the_table_is_the_committed_artefacts_stage_costs_at_two_rows_an_image()
 
 
 def test_interpolation_is_flat_below_linear_between_and_extended_above():
-    table = CostTable(forward=((10.0, 1.0), (20.0, 1.0), (40.0, 3.0)), decode=((1.0, 0.5), (2.0, 1.0)))
-    assert table.forward_s(1.0) == 1.0  # below the smallest forward: latency-bound
-    assert table.forward_s(30.0) == pytest.approx(2.0)
-    assert table.forward_s(80.0) == pytest.approx(7.0)  # the last segment's slope, 0.1 s a unit
+    table = CostTable(forward=((10.0, 1.0), (20.0, 2.0), (40.0, 3.0)), decode=((1.0, 0.5), (2.0, 1.0)))
+    assert table.forward_s(1.0) == 1.0  # below the smallest forward: latency-bound, not extrapolated
+    assert table.forward_s(15.0) == pytest.approx(1.5)
+    assert table.forward_s(30.0) == pytest.approx(2.5)
+    assert table.forward_s(80.0) == pytest.approx(5.0)  # the last segment's slope, 0.05 s a unit
     assert table.decode_s(4.0) == pytest.approx(2.0)
 
 
-def test_an_artefact_without_stage_costs_is_refused_naming_the_file(tmp_path: Path):
-    (tmp_path / "gpu/checks/engines_eager").mkdir(parents=True)
-    (tmp_path / SD15.artefact).write_text(json.dumps({"size": "512x512"}))
-    with pytest.raises(ValueError, match="bench_engines.json has no stage costs"):
+def write_artefact(docs: Path, **fields) -> None:
+    """A bench_engines.json as scripts/benchmarks/engines.py writes it, at 64x64 (8x8 latent positions)."""
+    report = {
+        "arch": "sd15",
+        "size": "64x64",
+        "cuda_graphs": False,
+        "provenance": {"machine": {"gpu": "NVIDIA H100 80GB HBM3 x1"}},
+        "stage_costs": {"forward": {"1": 0.01, "2": 0.02, "4": 0.04}, "decode": {"1": 0.1, "2": 0.3}},
+        **fields,
+    }
+    (docs / SD15.artefact).parent.mkdir(parents=True, exist_ok=True)
+    (docs / SD15.artefact).write_text(json.dumps(report))
+
+
+@pytest.mark.parametrize(
+    "fields, says",
+    [
+        ({"stage_costs": None}, "has no stage costs"),
+        ({"arch": "sdxl"}, "is not sd15, eager, on an H100"),
+        ({"cuda_graphs": True}, "is not sd15, eager, on an H100"),
+        ({"provenance": {"machine": {"gpu": "NVIDIA A10G"}}}, "is not sd15, eager, on an H100"),
+    ],
+)
+def test_an_artefact_that_is_not_what_the_profile_names_is_refused_naming_the_file(tmp_path, fields, says):
+    write_artefact(tmp_path, **fields)
+    with pytest.raises(ValueError, match=f"bench_engines.json {says}"):
         load_table(SD15, tmp_path)
+
+
+@pytest.mark.parametrize("guidance, rows", [(7.5, 4), (1.0, 2)])
+def test_a_forward_waits_the_time_of_its_model_rows_times_positions(monkeypatch, tmp_path, guidance, rows):
+    # Two images at 64x64: with guidance, 4 model rows of 8x8 positions (the artefact's 2 images, 0.02 s);
+    # without, 2 rows (its 1 image, 0.01 s). A stand-in that counted images, or not positions, would not.
+    write_artefact(tmp_path)
+    pipe, _, _ = load_family("tiny-sd")
+    slept: list[float] = []
+    monkeypatch.setattr(device_profiles.time, "sleep", slept.append)
+    apply_profile(pipe, "sd15-h100", tmp_path)
+    pipe(["a red fox", "a blue bird"], height=64, width=64, num_inference_steps=2, guidance_scale=guidance)
+    assert slept == [0.01 * rows / 2] * 2 + [0.3]
+    slept.clear()
+    pipe(["a red fox"] * 2, height=128, width=128, num_inference_steps=1, guidance_scale=guidance)
+    assert slept[0] == pytest.approx(0.01 * rows / 2 * 4)  # 4x the positions: along the table
 
 
 def test_the_stand_ins_wait_the_tables_time_for_their_rows_and_compute_nothing(monkeypatch):

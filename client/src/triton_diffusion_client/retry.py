@@ -11,12 +11,11 @@ stream cancelled or reset under the request: the server went away), a model proc
 "Stub process ... is not healthy": the supervisor restarts the server), a model the server knows but has
 not loaded yet (a restarted server: "... has no available versions"), a server being stopped ("Server is
 stopping": the supervisor restarts it), and the server's own answers whose retry hint says ``resend`` or
-``resume`` (:func:`hint_of`: draining, a checkpointed job, a model shutting down or restarting after a
-failed accelerator or a stuck engine). Nothing else: a request refused for what it is (INVALID_ARG), at
-capacity, past its deadline or failed inside the model carries no hint and fails the same way again, so it
-is answered at once. Before a resend the client waits, polling with
-backoff, for the server and the model to be ready again; the budget is ``retries`` resends within the
-request's own total deadline (``timeout_s``).
+``resume`` (:func:`hint_of`: draining, a checkpointed job, a model shutting down). Nothing else: a request
+refused for what it is (INVALID_ARG), at capacity, past its deadline, failed inside the model, or in flight
+when the accelerator failed or the engine got stuck (it may be the cause) carries no hint and is answered
+at once. Before a resend the client waits, polling with backoff, for the server and the model to be ready
+again; the budget is ``retries`` resends within the request's own total deadline (``timeout_s``).
 """
 
 from __future__ import annotations

@@ -4,8 +4,12 @@ A profile replaces a loaded pipeline's denoiser and its VAE decode with stand-in
 was measured to take for the same work, and compute nothing: the denoiser returns zeros of its output's
 shape (so the scheduler's real update runs on real latents), the decode returns mid-grey pixels. Everything
 around them (request parsing, admission, the scheduler's decisions, checkpoints, responses) runs for real.
-What it answers is the cost of a feature where a forward is as long, relative to the engine's own work, as
-it is on that GPU; what it serves is not an image.
+What it answers is the cost of a feature where a forward is as long as it is on that GPU; what it serves
+is not an image. What is not modelled: the measured forward is the engine's whole step (the UNet, the
+guidance and the scheduler's update) and the measured decode includes its postprocessing, and both of
+those also run here on the CPU, at its speed; everything else (text encoding, the engine's own work,
+a checkpoint's copy, here a CPU copy of float32 latents rather than a device-to-host one of bfloat16)
+runs at this CPU's speed too.
 
 The times come from a committed GPU artefact, read at load (never copied into code): a forward's seconds
 against its model rows (images, doubled by classifier-free guidance) at the artefact's size, interpolated
@@ -39,6 +43,8 @@ class DeviceProfile:
     name: str
     pipeline: str  # the diffusers pipeline class it stands in for
     artefact: str  # under docs/: a bench_engines.json with ``stage_costs`` (scripts/benchmarks/engines.py)
+    arch: str  # what the artefact must say it measured: its ``arch`` ...
+    gpu: str  # ... and a word of its machine's GPU
     what: str
 
 
@@ -49,6 +55,8 @@ PROFILES = {
             "sd15-h100",
             "StableDiffusionPipeline",
             "gpu/checks/engines_eager/bench_engines.json",
+            "sd15",
+            "H100",
             "Stable Diffusion 1.5, 512x512, bfloat16, eager, on an NVIDIA H100 80GB (the step engine's "
             "own forward and decode, classifier-free guidance on)",
         ),
@@ -62,6 +70,8 @@ class CostTable:
 
     forward: tuple[tuple[float, float], ...]  # (model rows x latent positions, seconds), increasing
     decode: tuple[tuple[float, float], ...]  # (images, seconds), increasing
+    size: tuple[int, int] = (0, 0)  # (height, width) the artefact measured at: where its times hold
+    source: dict[str, Any] | None = None  # the artefact's path and provenance (for a benchmark's record)
 
     def forward_s(self, row_positions: float) -> float:
         return _interpolate(self.forward, row_positions)
@@ -85,15 +95,22 @@ def load_table(profile: DeviceProfile, docs: Path = DOCS) -> CostTable:
         report = json.loads(path.read_text())
         costs = report["stage_costs"]
         width, height = (int(v) for v in report["size"].split("x"))
-    except (OSError, KeyError, ValueError) as exc:
+        forward = sorted((int(k), float(s)) for k, s in costs["forward"].items())
+        decode = sorted((int(k), float(s)) for k, s in costs["decode"].items())
+    except (OSError, KeyError, TypeError, AttributeError, ValueError) as exc:
         raise ValueError(f"device profile {profile.name}: {path} has no stage costs ({exc})") from exc
+    machine = json.dumps(report.get("provenance", {}).get("machine", report.get("machine", "")))
+    if report.get("arch") != profile.arch or report.get("cuda_graphs") or profile.gpu not in machine:
+        raise ValueError(
+            f"device profile {profile.name}: {path} is not {profile.arch}, eager, on an {profile.gpu}"
+        )
     positions = (height // 8) * (width // 8)  # SD's VAE: 8x down each side
     guided = 2  # the artefact's forwards ran with classifier-free guidance: two model rows an image
-    forward = sorted((int(k) * guided * positions, float(s)) for k, s in costs["forward"].items())
-    decode = sorted((int(k), float(s)) for k, s in costs["decode"].items())
+    forward = [(images * guided * positions, seconds) for images, seconds in forward]
     if len(forward) < 2 or len(decode) < 2:
         raise ValueError(f"device profile {profile.name}: {path} measures fewer than two batch sizes")
-    return CostTable(tuple(forward), tuple(decode))
+    source = {"artefact": f"docs/{profile.artefact}", "provenance": report.get("provenance")}
+    return CostTable(tuple(forward), tuple(decode), (height, width), source)
 
 
 def apply_profile(pipe: Any, name: str, docs: Path = DOCS) -> CostTable:

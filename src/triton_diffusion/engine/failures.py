@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, TypeVar
 
-from triton_diffusion.errors import RESEND, ErrorCode, RequestError
+from triton_diffusion.errors import ErrorCode, RequestError
 
 log = logging.getLogger("triton_diffusion")
 
@@ -81,9 +81,7 @@ def _device_still_works() -> bool:
 
 def device_lost_error(error: str) -> RequestError:
     return RequestError(
-        ErrorCode.UNAVAILABLE,
-        f"the accelerator failed ({error}); the model is restarting, retry shortly",
-        RESEND,
+        ErrorCode.UNAVAILABLE, f"the accelerator failed ({error}); the model is restarting, retry shortly"
     )
 
 

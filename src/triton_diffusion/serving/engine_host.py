@@ -168,7 +168,7 @@ class EngineHost:
         """Send what is queued for sending, then answer what 10 s did not send (the process leaves)."""
         self.responses.close(timeout_s=10)
         message = f"{reason}; the model is restarting, retry shortly"
-        self.responses.fail_queued(RequestError(ErrorCode.UNAVAILABLE, message, RESEND))
+        self.responses.fail_queued(RequestError(ErrorCode.UNAVAILABLE, message))
 
     # ---- the engine thread: draining ---------------------------------------------------------------
     def _drain_pass(self) -> None:

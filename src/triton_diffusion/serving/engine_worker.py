@@ -250,7 +250,7 @@ class EngineWorker:
             self._closed = True
             self._condition.notify_all()
             live = [r for r in self._live if r.stage is not Stage.ANSWERED]
-        failure = RequestError(ErrorCode.UNAVAILABLE, f"{error}; the model is restarting", RESEND)
+        failure = RequestError(ErrorCode.UNAVAILABLE, f"{error}; the model is restarting")
         try:
             self.flush_answers()  # results already computed go out first, not UNAVAILABLE in their place
             # From a thread of its own, bounded: a send stuck in Triton holds its request's lock, and
