@@ -16,7 +16,8 @@ class ErrorCode(str, Enum):
         allowed. Sending it again unchanged fails again; its batch-mates are not affected.
     UNAVAILABLE: the model cannot serve it now: at capacity (no room within max_admission_wait_s), out
         of memory for this request alone, a deadline the engine estimates it cannot meet or that passed,
-        a model unloading or restarting after a failed accelerator or a stuck engine. Retry later.
+        a model unloading or restarting after a failed accelerator or a stuck engine. A later try may
+        succeed; the project's clients resend at once only what carries a retry hint (a drain).
     CANCELLED: the client cancelled the request (or went away); nobody reads the answer.
     INTERNAL: the model failed on this request alone (a forward or pipeline call that fails with it
         and not without it); its batch-mates are answered normally.
@@ -31,11 +32,11 @@ class ErrorCode(str, Enum):
 class Retry(str, Enum):
     """What a client may do about an error (its :class:`RetryHint`): the protocol, where the words are not.
 
-    RESEND: send the same request again (the same fields and resume key) once the server is ready: it was
-        refused before it ran, or stopped unfinished, by a server draining or shutting down; where
-        checkpoints were taken under its key, the resend resumes from them. (A request in flight when the
-        accelerator failed or the engine got stuck gets none: it may be the cause, and each resend would
-        restart the model for everyone.)
+    RESEND: send the same request again (the same fields and resume key) once the server is ready: a
+        draining server refused it, or stopped it unfinished with nothing checkpointed. (A request in
+        flight when the accelerator failed or the engine got stuck gets no hint: it may be the cause, and
+        each resend would restart the model for everyone; nor one refused by a model shutting down: it
+        may be unloaded on purpose, and a client would wait for it in vain.)
     RESUME: as RESEND, and a checkpoint of it was written under ``resume_key`` at ``step``: the resend
         goes on from there.
     The project's clients do not resend an error without a hint (some still say "retry later": at

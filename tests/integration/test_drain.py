@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import tritonclient.grpc as grpcclient
 from PIL import Image
+from triton_diffusion_client.retry import hint_of
 
 from triton_diffusion.serving.server_process import WEIGHTS, RunningServer, copy_model, start_server
 from triton_diffusion.tiny_models import build_missing
@@ -117,6 +118,7 @@ def test_sigterm_checkpoints_what_cannot_finish_and_a_new_server_resumes_it(tmp_
         assert result is None and error is not None, "a request of 30 slow steps finished within the drain"
         assert error.rstrip().endswith("[UNAVAILABLE]") and f"resend with resume_key {KEY}" in error, error
         checkpointed = int(error.split("checkpointed at step ")[1].split(";")[0])
+        assert hint_of(error) == {"retry": "resume", "resume_key": KEY, "step": checkpointed}, error
         assert checkpointed >= 7, error  # taken at the drain, past the last periodic one
         assert server.process.wait(timeout=60) is not None  # the launcher exits ...
         log = server.log()

@@ -21,7 +21,7 @@ from triton_diffusion.engine.request_engine import RequestEngine
 from triton_diffusion.engine.request_status import NoAborts
 from triton_diffusion.engine.scheduler import EngineLimits
 from triton_diffusion.engine.step_engine import StepEngine
-from triton_diffusion.errors import ErrorCode, RequestError
+from triton_diffusion.errors import RESEND, ErrorCode, RequestError, Retry, RetryHint
 from triton_diffusion.serving import drain
 from triton_diffusion.serving.engine_host import DRAIN_MARGIN_S, EngineHost
 from triton_diffusion.serving.engines import StepEngineKind
@@ -230,11 +230,12 @@ def test_draining_finishes_what_can_finish_checkpoints_the_rest_and_marks_once_n
     assert (
         step >= 3 and answer.message == f"draining: checkpointed at step {step}; resend with resume_key {KEY}"
     )
+    assert answer.hint == RetryHint(Retry.RESUME, KEY, step)  # what a client acts on
     assert store.flushes >= 1  # on disk before the answer went out
     for request in (cached, keyless):  # nothing to resume from: the resend starts over
         answer = final(request)
         assert isinstance(answer, RequestError) and answer.code is ErrorCode.UNAVAILABLE
-        assert answer.message == drain.DRAINING_MESSAGE
+        assert answer.message == drain.DRAINING_MESSAGE and answer.hint == RESEND
     assert "cache-key-0123456789.0" not in store.files
     mark = path.with_name("server.drain.m.m_0.done")
     wait_for(mark.is_file, "the instance's mark")
@@ -243,6 +244,7 @@ def test_draining_finishes_what_can_finish_checkpoints_the_rest_and_marks_once_n
     newcomer = send(host, "new", Spec(3))
     answer = final(newcomer)
     assert answer.code is ErrorCode.UNAVAILABLE and answer.message == drain.DRAINING_MESSAGE
+    assert answer.hint == RESEND
     assert "new" not in host.engine.adapter.prepared
 
 

@@ -204,7 +204,7 @@ def test_a_failed_device_is_not_retried_its_call_is_answered_unavailable_and_the
     assert len(pipeline.calls) == 1  # no bisection: every retry would fail too
     for request in held.values():
         (final,) = request.channel.finals
-        assert final.code is ErrorCode.UNAVAILABLE and "restarting" in final.message
+        assert final.code is ErrorCode.UNAVAILABLE and "restarting" in final.message and final.hint is None
 
 
 def test_device_errors_are_told_apart():

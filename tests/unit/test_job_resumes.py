@@ -44,6 +44,7 @@ class FakeStore:
         self.removed: list[str] = []
         self.flushes = 0
         self.lost: str | None = None  # what not_kept says
+        self.forgotten: list[str] = []  # forget_not_kept's calls
 
     def put(self, key: str, hashed: str, checkpoint: Any) -> None:
         self.files[key] = Stored(hashed, checkpoint)
@@ -65,6 +66,9 @@ class FakeStore:
 
     def not_kept(self, resume_key: str) -> str | None:
         return self.lost
+
+    def forget_not_kept(self, resume_key: str) -> None:
+        self.forgotten.append(resume_key)
 
     def close(self) -> None:
         pass
@@ -219,6 +223,8 @@ def test_a_key_in_flight_is_refused_to_a_request_with_other_fields_until_it_is_a
     model.resumes.answered(first, None)
     model.resumes.answered(same, None)
     model.parse(0, request(guidance_scale=3.0), tracked("after"))  # the key is free again
+    # Each attempt and each answer forgets what earlier checkpoints of the key could not keep.
+    assert store.forgotten == [KEY] * 5
 
 
 def test_an_unreadable_checkpoint_starts_its_image_over_with_a_warning():

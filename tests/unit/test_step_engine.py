@@ -536,6 +536,7 @@ def test_a_failed_device_stops_the_worker_after_answering_everything_it_held():
         for j in jobs:  # running, failing and waiting: one UNAVAILABLE answer each
             (final,) = j.request.channel.finals
             assert final.code is ErrorCode.UNAVAILABLE and "restarting" in final.message, final
+            assert final.hint is None, final  # it may be the cause: never a retry hint
         after = job("after")
         assert submit(worker, after) == [-1.0]  # refused at once
         assert after.request.channel.finals[0].code is ErrorCode.UNAVAILABLE
@@ -590,6 +591,7 @@ def test_a_stuck_engine_is_noticed_its_requests_answered_and_the_process_asked_t
     for j in jobs[1:]:  # running (stuck or not) and waiting: one UNAVAILABLE answer each
         (final,) = j.request.channel.finals
         assert final.code is ErrorCode.UNAVAILABLE and "restarting" in final.message, final
+        assert final.hint is None, final  # it may be the cause: never a retry hint
     late = job("late")
     assert submit(worker, late) == [-1.0] and late.request.channel.finals[0].code is ErrorCode.UNAVAILABLE
 
@@ -783,6 +785,7 @@ def test_a_stuck_engine_sends_the_answers_it_computed_before_failing_the_rest():
     assert quick.request.channel.finals == [{"out": "out:quick"}]  # its result, not UNAVAILABLE
     (final,) = hang.request.channel.finals
     assert final.code is ErrorCode.UNAVAILABLE and "restarting" in final.message, final
+    assert final.hint is None, final  # it may be the cause: never a retry hint
 
 
 def test_a_send_stuck_in_triton_does_not_keep_a_stuck_engine_from_leaving(monkeypatch):

@@ -11,11 +11,13 @@ stream cancelled or reset under the request: the server went away), a model proc
 "Stub process ... is not healthy": the supervisor restarts the server), a model the server knows but has
 not loaded yet (a restarted server: "... has no available versions"), a server being stopped ("Server is
 stopping": the supervisor restarts it), and the server's own answers whose retry hint says ``resend`` or
-``resume`` (:func:`hint_of`: draining, a checkpointed job, a model shutting down). Nothing else: a request
-refused for what it is (INVALID_ARG), at capacity, past its deadline, failed inside the model, or in flight
-when the accelerator failed or the engine got stuck (it may be the cause) carries no hint and is answered
-at once. Before a resend the client waits, polling with backoff, for the server and the model to be ready
-again; the budget is ``retries`` resends within the request's own total deadline (``timeout_s``).
+``resume`` (:func:`hint_of`: a draining server's refusal, or its checkpoint of the job). Nothing else: a
+request refused for what it is (INVALID_ARG), at capacity, past its deadline, failed inside the model, in
+flight when the accelerator failed or the engine got stuck (it may be the cause), or refused by a model
+shutting down (it may be unloaded on purpose) carries no hint and is answered at once. A server from
+before retry hints (their drain answers carry none) is not resent to: upgrade servers first. Before a
+resend the client waits, polling with backoff, for the server and the model to be ready again; the budget
+is ``retries`` resends within the request's own total deadline (``timeout_s``).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ MOST_WAIT_S = 2.0
 _GONE = {"StatusCode.UNAVAILABLE", "StatusCode.CANCELLED"}
 _BROKEN_WORDS = ("stream removed", "socket closed", "rst_stream", "connection reset", "goaway")
 # A served error's retry hint: one JSON object (no nested braces) before the code's tag at the end.
-_HINT = re.compile(r" retry=(\{[^{}]*\})(?=\s*(?:\[[A-Z_]+\])?\s*$)")
+_HINT = re.compile(r" retry=(\{[^{}]*\})(?= \[UNAVAILABLE\]\s*$)")
 RESENDABLE = ("resend", "resume")  # the hints that say: send the same request again
 
 
@@ -91,8 +93,8 @@ def retryable(status: str | None, message: str) -> bool:
     if transport_failure(status, message):
         return True
     hint = hint_of(message)
-    if hint is not None:  # the server puts one only on UNAVAILABLE answers
-        return hint["retry"] in RESENDABLE and message.rstrip().endswith("[UNAVAILABLE]")
+    if hint is not None:  # read on UNAVAILABLE answers only (where the server puts them)
+        return hint["retry"] in RESENDABLE
     if status is None and "Stub process" in message and "is not healthy" in message:
         return True  # a model process that died: the supervisor restarts the server
     if "has no available versions" in message:

@@ -107,7 +107,9 @@ def from_triton_message(
         return bad_request(text, _param(text, fields, openai_names or {}))
     if code is ErrorCode.UNAVAILABLE:
         refused = unavailable(text)
-        refused.retry = hint  # machine-readable, in the body: what the client may do
+        # Machine-readable, in the body. Only "resend": the key the model names is the front's own (it
+        # refuses a client's), so an OpenAI client's resend is a new request that starts over.
+        refused.retry = {"retry": "resend"} if hint is not None else None
         return refused
     if code is ErrorCode.CANCELLED:
         return ApiError(499, text, INVALID_REQUEST, None, "cancelled")

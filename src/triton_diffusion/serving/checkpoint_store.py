@@ -55,6 +55,7 @@ _TEMPORARY = ".tmp"  # a temporary file is ``.<key>.<random>.tmp``: hidden, and 
 WAIT_S = 10.0
 LEFTOVER_S = 600.0
 BATCH_S = 0.25  # how long the writer gathers checkpoints into one batch when nobody waits for them
+NOT_KEPT_MOST = 4096  # keys whose failed write is remembered for BATCH
 SWEEP_S = 60.0  # at most this long between two sweeps for expired files (a get checks its own file's age)
 
 
@@ -98,9 +99,10 @@ class CheckpointStore:
         self._files = threading.RLock()  # guards the directory's files and bytes_used
         for leftover in self.directory.glob(f".*{_TEMPORARY}"):  # a write a crash cut short
             try:  # not another replica's write under way (a folder shared by replicas): old ones only
-                if self.clock() - leftover.stat().st_mtime > LEFTOVER_S:
+                entry = leftover.lstat()
+                if stat.S_ISREG(entry.st_mode) and self.clock() - entry.st_mtime > LEFTOVER_S:
                     leftover.unlink(missing_ok=True)
-            except FileNotFoundError:
+            except OSError:  # gone meanwhile, or not ours to remove: never a reason not to load
                 pass
         self.sweep()
         self._thread = threading.Thread(target=self._write_loop, name="checkpoint-writer", daemon=True)
@@ -236,8 +238,10 @@ class CheckpointStore:
                 if abs(self.clock() - self._swept_at) >= SWEEP_S:
                     self.sweep()
                 self._write(batch)
-            except Exception:  # lost checkpoints are a slower resume, not a failed request
+            except Exception as exc:  # lost checkpoints are a slower resume, not a failed request
                 log.exception("checkpoints %s: write failed", ", ".join(batch))
+                for key in batch:
+                    self._lost(key, f"the write failed ({type(exc).__name__})")
             finally:
                 with self._changed:
                     self._writing = frozenset()
@@ -281,10 +285,20 @@ class CheckpointStore:
         """A checkpoint not written: said once per key in the log, and kept for :meth:`not_kept`."""
         with self._changed:
             first = key not in self._not_kept
+            self._not_kept.pop(key, None)
             self._not_kept[key] = why
+            while len(self._not_kept) > NOT_KEPT_MOST:  # bounded: the oldest reasons go first
+                del self._not_kept[next(iter(self._not_kept))]
         if first:
             log.warning("checkpoint %s: not kept: %s", key, why)
         return False
+
+    def forget_not_kept(self, resume_key: str) -> None:
+        """A new attempt of this request, or its answer: what its earlier checkpoints could not keep is
+        no longer its story."""
+        with self._changed:
+            for key in [k for k in self._not_kept if k == resume_key or k.startswith(resume_key + ".")]:
+                del self._not_kept[key]
 
     def not_kept(self, resume_key: str) -> str | None:
         """Why the last checkpoint of an image of this request could not be written (None: every one

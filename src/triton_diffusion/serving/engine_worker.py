@@ -29,7 +29,7 @@ from typing import Protocol
 from triton_diffusion.engine.failures import DeviceLostError, device_lost_error
 from triton_diffusion.engine.jobs import Job, StepReport
 from triton_diffusion.engine.request_status import Abort, AbortSource, Request
-from triton_diffusion.errors import RESEND, ErrorCode, RequestError
+from triton_diffusion.errors import ErrorCode, RequestError
 from triton_diffusion.serving.cancellations import ClientAborts
 from triton_diffusion.serving.requests import Stage, TrackedRequest
 from triton_diffusion.serving.watchdog import StallWatchdog
@@ -132,7 +132,7 @@ class EngineWorker:
                         break
                     self._condition.wait(remaining)
                 if self._closed:
-                    refused = RequestError(ErrorCode.UNAVAILABLE, "the model is shutting down", RESEND)
+                    refused = RequestError(ErrorCode.UNAVAILABLE, "the model is shutting down")
                 if refused is not None:
                     tracked.fail(refused)
                     waited.append(-1.0)
@@ -183,7 +183,7 @@ class EngineWorker:
             with self._condition:
                 self._closed = True
                 self._condition.notify_all()
-            self._fail_held(RequestError(ErrorCode.UNAVAILABLE, "the model is shutting down", RESEND))
+            self._fail_held(RequestError(ErrorCode.UNAVAILABLE, "the model is shutting down"))
 
     def _loop(self) -> None:
         while self._next_round():

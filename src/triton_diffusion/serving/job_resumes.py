@@ -183,6 +183,7 @@ class Resumes:
                     "answer)",
                 )
             self._watched[tracked] = (resume_key, hashed)
+        self.store.forget_not_kept(resume_key)  # this attempt's own checkpoints are what BATCH reports
 
     def resume_key(self, tracked: TrackedRequest) -> str | None:
         """The resume key of a request whose jobs are checkpointed (None: not one of those)."""
@@ -225,6 +226,8 @@ class Resumes:
         and restarts, or is at capacity: the client's retry is what resumes from them)."""
         with self._lock:
             watched = self._watched.pop(tracked, None)
+            if watched is not None:
+                self.store.forget_not_kept(watched[0])
             if watched is not None and code is not ErrorCode.UNAVAILABLE:
                 self.store.remove_request(
                     watched[0]
