@@ -191,14 +191,18 @@ def test_loads_and_renders_the_requested_size_and_the_prompt_matters(family_serv
     assert difference.mean() > 5, "the prompt does not change the image: the test would prove nothing"
 
 
-def test_alone_equals_fused_among_seven_others_with_and_without_negative_prompts(family_server, name):
+def test_alone_equals_fused_among_six_others_with_and_without_negative_prompts(family_server, name):
     family = FAMILIES[name]
     with_negative = {"prompt": "a castle", "negative_prompt": "blurry, dark", "seed": 5, **extra(name)}
     without = {"prompt": "a castle on a hill", "seed": 6, **extra(name)}
     alone = [send(family_server, name, [request])[0] for request in (with_negative, without)]
+    # Five mates: seven requests, with the holder eight jobs, which the running set (max_rows_per_call 8)
+    # holds at once.
+    # With one more, whichever request reached the engine last waited for a slot and, all of them taking
+    # the same steps, ran its every forward alone after the others finished (a CI run saw it).
     mates = [
         {"prompt": p, "seed": 40 + i, **extra(name), **({"negative_prompt": "noise"} if i % 2 else {})}
-        for i, p in enumerate(MATES + ["snow on pines"])
+        for i, p in enumerate(MATES)
     ]
     fused = [with_negative, *mates[:2], without, *mates[2:]]
     if family.step_engine:
