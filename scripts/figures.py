@@ -119,6 +119,7 @@ BLOCKS: dict[str, Figure] = {
     "caches": Figure(("docs/cpu/caches/bench_caches.json",), "caches.render"),
     "slo": Figure(("docs/cpu/slo/bench_slo.json",), "slo.render"),
     "slo-server": Figure(("docs/cpu/slo/bench_slo_server.json",), "slo.render_server"),
+    "goodput": Figure(("docs/cpu/goodput.json",), "goodput.render", "bench.py goodput"),
     # GPU: scripts/gpu_checks.py on one H100 (docs/gpu/checks*/)
     "gpu-graphs": Figure(
         ("docs/gpu/checks/cuda_graphs/bench_graphs.json",), "engines.graphs", stale=BEFORE_BOUNDARY

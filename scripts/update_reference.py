@@ -69,7 +69,7 @@ def fields_table(model: str) -> Callable[[], str]:
 
 
 def config_table() -> str:
-    from triton_diffusion.settings import parameters_markdown
+    from triton_diffusion.config_reference import parameters_markdown
 
     return _escape(parameters_markdown(), 5)
 

@@ -50,6 +50,7 @@ BENCHMARKS = {
         Benchmark(
             "checkpoint_cost", "", "what checkpoints cost an engine step, at each interval against off"
         ),
+        Benchmark("goodput", "", "degrading rows against refusing them under overload, through the server"),
         Benchmark("all", "", "every CPU benchmark, each sized to its share of 30 minutes; then figures"),
     )
 }

@@ -63,7 +63,7 @@ PLAN = (
             "--out",
             "{out}/cpu",
         ),
-        0.06,
+        0.05,
     ),
     # The same engines through the real server and the project's gRPC client, and the OpenAI front's
     # overhead against gRPC direct (one run each: figures, no verdict).
@@ -85,12 +85,12 @@ PLAN = (
             "--out",
             "{out}",
         ),
-        0.08,
+        0.06,
     ),
     Take(
         "mixed_sizes",
         ("--rounds", "5", "--requests", "16", "--loads", "", "--out", "{out}/cpu"),
-        0.03,
+        0.02,
     ),
     Take("checkpoint_cost", ("--rounds", "15", "--engine-steps", "100", "--out", "{out}/cpu"), 0.07),
     # The same at an H100's cost ratios: SD 1.5's forward and decode timed as measured on one.
@@ -114,25 +114,31 @@ PLAN = (
     Take(
         "caches", ("--requests", "16", "--rounds", "5", "--threads", "1", "--out", "{out}/cpu/caches"), 0.20
     ),
-    Take("lora", ("--repeats", "5", "--out", "{out}/cpu/lora"), 0.03),
+    Take("lora", ("--repeats", "5", "--out", "{out}/cpu/lora"), 0.02),
     Take(
         "slo",
         ("--requests", "48", "--loads", "0.9,1.1", "--rounds", "5", "--out", "{out}/cpu/slo"),
-        0.18,
+        0.13,
     ),
     Take(
         "slo_server",
         ("--requests", "40", "--loads", "1.1", "--rounds", "5", "--out", "{out}/cpu/slo"),
-        0.07,
+        0.06,
+    ),
+    # Degrading rows against refusing them, through the real server at loads below and above capacity.
+    Take(
+        "goodput",
+        ("--requests", "36", "--loads", "0.5,0.8,1.5,2.0", "--rounds", "5", "--out", "{out}/cpu"),
+        0.15,
     ),
     Take("graphs", ("--repeats", "3", "--out", "{out}/cpu"), 0.01),
-    Take("dllm", ("--concurrency", "1,4", "--requests-per-client", "3", "--out", "{out}"), 0.04),
+    Take("dllm", ("--concurrency", "1,4", "--requests-per-client", "3", "--out", "{out}"), 0.02),
     Take(
-        "crash_soak", ("--rounds", "1", "--duration", "30", "--crash-every", "15", "--out", "{out}/cpu"), 0.07
+        "crash_soak", ("--rounds", "1", "--duration", "30", "--crash-every", "15", "--out", "{out}/cpu"), 0.06
     ),
     # Not benchmarks, but CPU figures too: one request's walk through the package, and whether Triton can
     # reload one model whose stub died.
-    Take("request_walk", ("--out", "{out}/design/request_walk.json"), 0.02, "scripts/request_walk.py"),
+    Take("request_walk", ("--out", "{out}/design/request_walk.json"), 0.01, "scripts/request_walk.py"),
     Take("model_reload", ("--out", "{out}/cpu/model_reload.json"), 0.08, "scripts/model_reload_check.py"),
 )
 

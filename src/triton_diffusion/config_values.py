@@ -102,3 +102,44 @@ def parse_step_cache_text(text: str) -> Any:
         return parse_step_cache(text, field="step_cache")
     except RequestError as error:  # the request field's own message: a load error here
         raise ValueError(error.message) from None
+
+
+def parse_degrade_tiers(text: str) -> dict[str, float]:
+    """``{"TIER": share}`` with each share in (0, 1]: the least share of its steps a tier's request may run
+    with under overload (settings.py checks the names against service_tiers)."""
+    raw = parse_json_object(text)
+    shares: dict[str, float] = {}
+    for tier, share in raw.items():
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
+            raise ValueError(f"degrade tier {tier!r}: {share!r}: expected a share of the steps in (0, 1]")
+        shares[str(tier)] = float(share)
+    return shares
+
+
+def typed_value(spec: Any, text: str, model: str) -> Any:
+    """A parameter's text as its declared type (``spec``: its dataclass field), checked against its choices
+    and sign; a bad text raises ValueError naming the model and the parameter."""
+    kind = str(spec.type)
+    try:
+        if spec.metadata["parse"] is not None:
+            return spec.metadata["parse"](text)
+        if "bool" in kind:
+            value: Any = parse_flag(text)
+        elif "int" in kind:
+            value = int(text)
+        elif "float" in kind:
+            value = float(text)
+        else:
+            value = text
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"model {model}: config parameter {spec.name!r}: {exc}") from None
+    choices = spec.metadata["choices"]
+    if choices and str(value).lower() not in choices:
+        raise ValueError(
+            f"model {model}: config parameter {spec.name!r} must be one of {', '.join(choices)}, got {text!r}"
+        )
+    if choices:
+        value = str(value).lower()
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
+        raise ValueError(f"model {model}: config parameter {spec.name!r} must be >= 0, got {text!r}")
+    return value

@@ -371,7 +371,11 @@ class FieldSet:
         whole = difflib.get_close_matches(name.lower(), list(self._fields), n=1)
         if whole:
             return whole[0]
-        parts = {part: f.name for f in self for part in f.name.split("_") if len(part) > 3}
+        parts: dict[str, str] = {}
+        for f in self:  # a part two names share suggests the first declared (steps: num_inference_steps)
+            for part in f.name.split("_"):
+                if len(part) > 3:
+                    parts.setdefault(part, f.name)
         # A part that only begins another ("step" of step_cache, "steps") would outscore it for a plural.
         distinct = [p for p in parts if not any(q != p and q.startswith(p) for q in parts)]
         close = difflib.get_close_matches(name.lower(), distinct, n=1, cutoff=0.75)

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from triton_diffusion.config_values import (
+    parse_degrade_tiers,
     parse_fault_injection,
-    parse_flag,
     parse_ints,
     parse_lora_paths,
     parse_names,
@@ -28,6 +28,7 @@ from triton_diffusion.config_values import (
     parse_sizes,
     parse_step_cache_text,
     parse_tiers,
+    typed_value,
 )
 from triton_diffusion.engine.ordering import POLICIES  # noqa: E402  (torch-free: the policies' names and docs)
 
@@ -289,6 +290,16 @@ class ModelConfig:
         "orders the work",
         choices=("refuse", "best_effort"),
     )
+    degrade_tiers: dict[str, float] | None = _parameter(
+        None,
+        "step engine: under overload, the least share of its num_inference_steps a request of a tier may be "
+        'run with when it sends no min_inference_steps, JSON {"TIER": share in (0, 1]} (e.g. {"flex": 0.5}): '
+        "only where its deadline needs it (docs/usage/degradation.md); unset: only a request's own "
+        "min_inference_steps allows fewer steps",
+        (IMAGE, IMAGE_SOURCE),
+        parse=parse_degrade_tiers,
+        written="JSON",
+    )
     tier_aging_s: float = _parameter(
         30.0,
         "every this many seconds a job has waited or been paused raise it one tier (no starvation: see "
@@ -404,7 +415,7 @@ class ModelConfig:
             given[key] = written
             if text == "":
                 continue  # an empty value keeps the default
-            values[key] = _typed(declared[key], text, model)
+            values[key] = typed_value(declared[key], text, model)
             if renamed and renamed.per != 1:
                 values[key] /= renamed.per
         if values.get("engine_stall_s", 1.0) <= 0:
@@ -423,6 +434,12 @@ class ModelConfig:
                 f"model {model}: config parameter 'checkpoint_every_steps' needs 'checkpoint_dir'"
             )
         config = cls(**values)
+        unknown = sorted(set(config.degrade_tiers or ()) - set(config.service_tiers))
+        if unknown:
+            raise ValueError(
+                f"model {model}: config parameter 'degrade_tiers' names {', '.join(unknown)}, not among "
+                f"service_tiers ({', '.join(config.service_tiers)})"
+            )
         if config.default_service_tier not in config.service_tiers:
             raise ValueError(
                 f"model {model}: config parameter 'default_service_tier' must be one of "
@@ -431,74 +448,9 @@ class ModelConfig:
         return config
 
 
-def _typed(spec: Any, text: str, model: str) -> Any:
-    kind = str(spec.type)
-    try:
-        if spec.metadata["parse"] is not None:
-            return spec.metadata["parse"](text)
-        if "bool" in kind:
-            value: Any = parse_flag(text)
-        elif "int" in kind:
-            value = int(text)
-        elif "float" in kind:
-            value = float(text)
-        else:
-            value = text
-    except (ValueError, TypeError) as exc:
-        raise ValueError(f"model {model}: config parameter {spec.name!r}: {exc}") from None
-    choices = spec.metadata["choices"]
-    if choices and str(value).lower() not in choices:
-        raise ValueError(
-            f"model {model}: config parameter {spec.name!r} must be one of {', '.join(choices)}, got {text!r}"
-        )
-    if choices:
-        value = str(value).lower()
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
-        raise ValueError(f"model {model}: config parameter {spec.name!r} must be >= 0, got {text!r}")
-    return value
-
-
 def config_parameters(model_config: Mapping[str, Any]) -> dict[str, str]:
     """``parameters { key: "k" value: { string_value: "v" } }`` as a plain dict."""
     return {k: v["string_value"] for k, v in model_config.get("parameters", {}).items()}
-
-
-def parameters_markdown() -> str:
-    """The configuration reference (docs/reference/config.md), straight from the declarations: a derived
-    default's text from its :class:`Derived`, old names from :data:`RENAMED`; the test hooks
-    (``tests_only``) left out."""
-    names = {IMAGE: "image and video models", IMAGE_SOURCE: "image models", LM: "diffusion_lm"}
-    lines = ["| parameter | type | default | read by | meaning |", "|---|---|---|---|---|"]
-    for f in fields(ModelConfig):
-        if f.metadata["tests_only"]:
-            continue
-        kinds = f.metadata["kinds"]
-        read_by = (
-            "all"
-            if set(kinds) == set(ALL)
-            else ", ".join(names[k] for k in kinds if k != IMAGE_SOURCE or len(kinds) == 1)
-        )
-        kind = f.metadata["written"] or str(f.type).replace(" | None", "")
-        allowed = f" (one of {', '.join(f.metadata['choices'])})" if f.metadata["choices"] else ""
-        if isinstance(f.default, tuple):
-            default = (
-                f"`{','.join('x'.join(map(str, v)) if isinstance(v, tuple) else str(v) for v in f.default)}`"
-            )
-            default = default if f.default else "none"
-        elif f.default is not None:
-            default = f"`{f.default}`"
-        elif f.metadata["derived"] is not None or "default:" in f.metadata["doc"]:
-            default = "derived"
-        else:
-            default = "required" if f.name == "model" else "none"
-        doc = f.metadata["doc"] + (f"; {f.metadata['derived'].doc()}" if f.metadata["derived"] else "")
-        old = [(name, r.unit) for name, r in RENAMED.items() if r.name == f.name]
-        if old:
-            doc += "; also read as " + ", ".join(
-                f"{name} (in {unit})" if unit else name for name, unit in old
-            )
-        lines.append(f"| `{f.name}` | {kind} | {default} | {read_by} | {doc}{allowed} |")
-    return "\n".join(lines)
 
 
 @dataclass(frozen=True)

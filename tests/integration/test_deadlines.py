@@ -1,7 +1,9 @@
-"""A deadline that passes while its request runs, through the real server (``sd_tiers``: tiny SD, one
-running job, a stalled step of 60 ms, and the hold of faults.py). test_service_and_caches.py checks the
-refusal at admission; this is the other half: a request the estimate admits, overrun because a higher tier
-takes the one running slot, is ended with the deadline's error and counted missed."""
+"""Deadlines through the real server (``sd_tiers``: tiny SD, one running job, a stalled step of 60 ms, and
+the hold of faults.py). test_service_and_caches.py checks the refusal at admission; here a request the
+estimate admits, overrun because a higher tier takes the one running slot, is ended with the deadline's
+error and counted missed; and a request that allows fewer steps (``min_inference_steps``) is run with
+fewer where its deadline needs it, its image then ``pipeline(num_inference_steps=k)``'s for the k it ran,
+and with what it asked where there is room."""
 
 from __future__ import annotations
 
@@ -15,6 +17,9 @@ import tritonclient.grpc as grpcclient
 from triton_diffusion_client import generate_one
 
 from triton_diffusion.serving.server_process import read_metrics
+
+from .test_step_engine import reference
+from .test_text_to_image import pixels
 
 pytestmark = pytest.mark.integration
 
@@ -80,3 +85,30 @@ def test_a_grpc_timeout_that_passes_while_the_request_runs_ends_it_with_the_dead
     assert re.search(r"request overrun image 0 left \(expired\) after [1-3]/4 steps", server.log())
     missed = 'triton_diffusion_deadlines_total{model="sd_tiers",outcome="missed"}'
     assert read_metrics(server).get(missed, 0) - before.get(missed, 0) == 1
+
+
+def test_a_request_that_allows_fewer_steps_is_degraded_only_where_its_deadline_needs_it(server):
+    url = server.grpc_url
+    warm = generate_one({"prompt": "warm", "seed": 1, "num_inference_steps": 4}, "warm", url, "sd_tiers")
+    assert warm.ok  # the engine has measured its forwards (60 ms at least: the stalled step)
+    before = read_metrics(server)
+    asked = {"prompt": "a boat at dawn", "seed": 21, "num_inference_steps": 40, "min_inference_steps": 2}
+    # 40 steps take 2.4 s at least: past a 1.5 s deadline on any machine; 2 steps fit on any.
+    tight = generate_one({**asked, "timeout": 1_500_000}, "tight", url, "sd_tiers", timeout_s=120)
+    assert tight.ok, tight.error
+    degraded = tight.batch["degraded"]
+    assert degraded["steps_asked"] == 40 and 2 <= degraded["steps_run"] < 40, degraded
+    assert degraded["reason"].startswith("deadline: 40 steps estimated") and degraded["images"] == 1
+    image = pixels(tight.images[0])
+    ran = {**asked, "num_inference_steps": degraded["steps_run"]}
+    assert np.abs(image - reference("tiny-sd", ran)).max() <= 1
+    full = reference("tiny-sd", asked)
+    assert np.abs(image - full).max() > 5  # the cut shows: it is not the image of the steps asked
+    # With room (a deadline 40 steps meet), the same request runs what it asked.
+    roomy = generate_one(
+        {**asked, "timeout": 60_000_000}, "roomy", server.grpc_url, "sd_tiers", timeout_s=120
+    )
+    assert roomy.ok and "degraded" not in roomy.batch, roomy.batch
+    assert np.abs(pixels(roomy.images[0]) - full).max() <= 1
+    counted = 'triton_diffusion_degraded_total{model="sd_tiers",tier="default"}'
+    assert read_metrics(server).get(counted, 0) - before.get(counted, 0) == 1

@@ -72,6 +72,9 @@ def test_a_jobs_finish_is_priced_by_its_tokens_and_the_token_steps_ahead():
     assert times.finish_in(100, 10, 19000, 1000, started=True) == pytest.approx(20 * 10.0)
     # A job over the budget runs alone: its own steps, each a forward of its size.
     assert times.finish_in(2000, 5, 0, 1000, started=True) == pytest.approx(5 * 20.0)
+    # Jobs after it that share its forwards make each larger (600 tokens), within the budget (1000).
+    assert times.finish_in(100, 10, 0, 1000, True, alongside_tokens=500) == pytest.approx(10 * 6.0)
+    assert times.finish_in(100, 10, 0, 1000, True, alongside_tokens=5000) == pytest.approx(10 * 10.0)
     # Start and decode, per job, unless it started.
     times.started(2, 1.0)
     times.finished(1, 0.25)

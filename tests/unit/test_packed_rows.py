@@ -314,6 +314,7 @@ def loaded(name: str, **config: str) -> TextToImageModel:
     )
     model = TextToImageModel()
     model.fields, model.adapter = model.load(settings)
+    model.settings = settings
     return model
 
 

@@ -131,7 +131,7 @@ def test_durations_are_in_seconds():
 
 
 def test_the_test_hook_is_accepted_but_not_in_the_users_table():
-    from triton_diffusion.settings import parameters_markdown
+    from triton_diffusion.config_reference import parameters_markdown
 
     assert settings({"fault_injection": '{"fail_on_prompt": "x"}'}).config.fault_injection is not None
     assert "fault_injection" not in parameters_markdown()

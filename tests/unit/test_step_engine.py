@@ -14,6 +14,7 @@ import pytest
 
 from tests.unit.recording import RecordingChannel, deliver_errors, step_as_worker, tracked
 from triton_diffusion.engine.failures import DeviceLostError
+from triton_diffusion.engine.forward_caps import CAP_RECOVERY_FORWARDS, EngineLimits, ForwardCaps
 from triton_diffusion.engine.jobs import (
     Finished,
     ForwardResult,
@@ -26,7 +27,6 @@ from triton_diffusion.engine.jobs import (
 )
 from triton_diffusion.engine.ordering import AdmissionPacing, make_policy
 from triton_diffusion.engine.request_status import Abort
-from triton_diffusion.engine.scheduler import CAP_RECOVERY_FORWARDS, EngineLimits, ForwardCaps
 from triton_diffusion.engine.step_engine import StepEngine
 from triton_diffusion.errors import ErrorCode, RequestError
 from triton_diffusion.faults import AcceleratorError, SimulatedOutOfMemoryError

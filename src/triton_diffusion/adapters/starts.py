@@ -151,8 +151,9 @@ class LatentStarts:
 
     # ---- the start of every job ---------------------------------------------------------------------
     def prepare(self, jobs: list[Job]) -> list[JobStart]:
-        starts = self.start_requests([job.params for job in jobs])
-        return [self.resumed(job.params, start) for job, start in zip(jobs, starts, strict=True)]
+        requests = [as_run(job) for job in jobs]
+        starts = self.start_requests(requests)
+        return [self.resumed(request, start) for request, start in zip(requests, starts, strict=True)]
 
     def resumed(self, request: ImageRequest, start: JobStart) -> JobStart:
         """A job started as any other, then given its checkpoint's state where its request carries one
@@ -399,3 +400,11 @@ class LatentStarts:
         if "generator" in accepted:
             kwargs["generator"] = [generator]
         return kwargs
+
+
+def as_run(job: Job) -> ImageRequest:
+    """A job's request as it runs: where the scheduler cut its steps (engine/degradation.py), with those
+    steps, from its start (a checkpoint of its full schedule does not fit the shorter one)."""
+    if job.cut is None:
+        return job.params
+    return replace(job.params, steps=job.cut.steps, resume=None)

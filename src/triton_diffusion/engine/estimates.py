@@ -99,18 +99,26 @@ class WorkTimes:
         return max(fixed + slope * tokens, 0.0)
 
     def finish_in(
-        self, job_tokens: int, steps: int, ahead_token_steps: int, token_budget: int, started: bool
+        self,
+        job_tokens: int,
+        steps: int,
+        ahead_token_steps: int,
+        token_budget: int,
+        started: bool,
+        alongside_tokens: int = 0,
     ) -> float:
         """Seconds until a job of ``job_tokens`` tokens with ``steps`` denoising steps to go is done, when
         ``ahead_token_steps`` token-steps of work go before it and a forward holds ``token_budget`` tokens:
         the forwards it needs (its own steps, or the whole work shared out a budget at a time, whichever is
-        more), each holding the work shared out over them (at least its own tokens: a job larger than the
-        budget runs alone), plus its start (unless ``started``) and its decode."""
+        more), each holding the work shared out over them, and at least its own tokens and the
+        ``alongside_tokens`` of jobs after it that share its forwards (within the budget: a job larger
+        than the budget runs alone), plus its start (unless ``started``) and its decode."""
         job_tokens = max(job_tokens, 1)
         budget = max(token_budget, job_tokens)  # one larger than the budget runs alone: a forward its size
         work = ahead_token_steps + job_tokens * steps
         forwards = max(steps, math.ceil(work / budget))
-        size = max(job_tokens, math.ceil(work / max(forwards, 1)))
+        least = min(budget, job_tokens + max(alongside_tokens, 0))
+        size = max(least, math.ceil(work / max(forwards, 1)))
         seconds = forwards * self.forward_s(size)
         if not started:
             seconds += self.start_s or 0.0

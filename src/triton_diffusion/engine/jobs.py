@@ -21,6 +21,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from triton_diffusion.engine.degradation import StepsAllowed, StepsCut
 from triton_diffusion.engine.request_status import Request, RequestStatus
 from triton_diffusion.errors import RequestError
 
@@ -68,6 +69,9 @@ class JobSpec:
     # Where the host keeps this job's checkpoints (serving/job_resumes.py), None: none are taken. The
     # engine takes one every ``checkpoint_every`` denoising steps (step_engine.py) and reports it.
     checkpoint_key: str | None = None
+    # The num_inference_steps it may run under overload, what it asked first (engine/degradation.py);
+    # empty: never fewer than it asked.
+    steps_allowed: StepsAllowed = ()
 
 
 @dataclass(eq=False)
@@ -96,6 +100,8 @@ class Job:
         None  # (denoiser rows, token rows, token columns) of an image: what padding is made of
     )
     checkpoint_key: str | None = None  # its checkpoints' key in the host's store (None: none are taken)
+    steps_allowed: StepsAllowed = ()  # what it may run under overload (engine/degradation.py)
+    cut: StepsCut | None = None  # the scheduler's: fewer steps than it asked, decided before it starts
     # Set from the adapter's JobStart when the job is started.
     resumed_from_step: int | None = None  # the step a checkpoint let it start after (None: from the start)
     start_warning: str | None = None  # why a checkpoint it was given could not be used (it started over)
@@ -144,11 +150,18 @@ class Job:
             grid=spec.grid,
             group=spec.group,
             checkpoint_key=spec.checkpoint_key,
+            steps_allowed=spec.steps_allowed,
         )
 
     @property
+    def planned(self) -> int:
+        """The denoising steps it will run: its adapter's count once started, else what it asked for (or
+        the scheduler's cut of it)."""
+        return self.total_steps or (self.cut.denoising if self.cut is not None else self.planned_steps)
+
+    @property
     def remaining(self) -> int:
-        return max((self.total_steps or self.planned_steps) - self.steps_done, 0)
+        return max(self.planned - self.steps_done, 0)
 
     def preview_due(self, step: int) -> bool:
         """Whether the job's host wants a snapshot for a preview after denoising step ``step``."""

@@ -10,6 +10,8 @@ decides and tells it what happened.
   jobs are held paused). Paused jobs resume before newcomers of their tier, with their state untouched.
 - Deadlines: a newcomer whose deadline the estimate (estimates.py) says it cannot meet, given the work
   that goes before it, is refused at once; a job whose deadline passes leaves at the next step.
+- Degradation: before that, a waiting job whose request allows fewer steps is given the most steps with
+  which the same estimate meets its deadline (none cut where what it asked meets it: degradation.py).
 - Forwards: only jobs of one group share a forward (a latent shape, or any size where the adapter packs
   rows of different lengths); the group of the best job goes (the policy chooses among the groups of the
   top tier), filled in order within its caps: a job that does not fit is skipped for a smaller one after
@@ -41,8 +43,11 @@ import threading
 import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
+from functools import partial
 
+from triton_diffusion.engine.degradation import cut_for_deadline
 from triton_diffusion.engine.estimates import WorkTimes
+from triton_diffusion.engine.forward_caps import EngineLimits, ForwardCaps
 from triton_diffusion.engine.jobs import (
     ANY_SIZE,
     ForwardResult,
@@ -60,113 +65,12 @@ from triton_diffusion.errors import ErrorCode, RequestError
 
 log = logging.getLogger("triton_diffusion")
 
-# Full forwards of a group at an out-of-memory-learned cap before the cap is doubled again (at first).
-CAP_RECOVERY_FORWARDS = 50
 # How much cheaper the same jobs' forwards by size must be priced than their packed forward for them to run
 # by size, relatively and in seconds: the fit is a plane through noisy timings, and a difference within
 # them (or below a timer's reach: a fake model's) is no reason to leave packing, which the mixed-sizes
 # benchmark measured a gain (tiny FLUX.1) or no loss (tiny SD3).
 PACK_MARGIN = 0.05
 PACK_MIN_SAVING_S = 0.001
-
-
-@dataclass(frozen=True)
-class EngineLimits:
-    max_running: int  # jobs in the running set
-    max_per_forward: int  # jobs per forward, in all
-    cap_for: Callable[[Hashable], int] | None = None  # a lower cap on jobs of some shapes (sizes)
-    max_paused: int = 0  # jobs held paused at once for higher tiers (0: never pause)
-    starvation_steps: int = 16  # a running job not stepped for this many engine steps goes next
-    max_tokens_per_forward: int | None = None  # the jobs' tokens in one forward (None: no token bound)
-    packing_gate: bool = True  # sizes mixed run by size where the cost fit prices that cheaper (else packed)
-
-    def __post_init__(self) -> None:
-        if self.max_running < 1 or self.max_per_forward < 1 or self.starvation_steps < 1:
-            raise ValueError(f"max_running, max_per_forward and starvation_steps must be >= 1, got {self}")
-        if self.max_tokens_per_forward is not None and self.max_tokens_per_forward < 1:
-            raise ValueError(f"max_tokens_per_forward must be >= 1 when set, got {self}")
-
-
-class ForwardCaps:
-    """What one forward of a group holds: at most ``jobs_for`` jobs, ``tokens_for`` tokens and, of each
-    shape, ``shape_cap`` jobs. The first two are the configured ones, lowered to half a forward that ran
-    out of memory (its jobs and its tokens: a forward of mixed sizes runs out by its tokens as much as by
-    its jobs). An out-of-memory may be transient (another process held memory for a while), so learned
-    caps double after enough full forwards (at the learned job cap, or above half the learned token cap)
-    and are dropped once they reach the configured ones (a token cap with no configured one, with the job
-    cap). A real limit is re-learned by the next out-of-memory (one split forward), and each time the wait
-    before the next try doubles, so a real limit is probed ever more rarely."""
-
-    def __init__(self, limits: EngineLimits) -> None:
-        self.limits = limits
-        self._jobs: dict[Hashable, int] = {}  # learned job caps
-        self._tokens: dict[Hashable, int] = {}  # learned token caps
-        self._good: dict[Hashable, int] = {}  # full forwards at the learned caps since they changed
-        self._wait: dict[Hashable, int] = {}  # full forwards to wait before raising them again
-        self._raised: set[Hashable] = set()  # groups whose caps were raised and not yet re-proven
-
-    def jobs_for(self, group: Hashable) -> int:
-        """Jobs in one forward of the group (a job not started yet has no group: the configured cap)."""
-        cap = self.limits.max_per_forward
-        return min(cap, self._jobs.get(group, cap))
-
-    def tokens_for(self, group: Hashable) -> int | None:
-        """Tokens in one forward of the group (None: no bound)."""
-        caps = [c for c in (self.limits.max_tokens_per_forward, self._tokens.get(group)) if c is not None]
-        return min(caps, default=None)
-
-    def shape_cap(self, shape: Hashable) -> int:
-        """Jobs of this shape (latent size) in one forward: the configured cap for its size."""
-        cap = self.limits.max_per_forward
-        if self.limits.cap_for is not None and shape is not None:
-            cap = min(cap, self.limits.cap_for(shape))
-        return cap
-
-    def out_of_memory(self, group: Hashable, jobs: int, tokens: int) -> None:
-        if jobs < 2:
-            return
-        if group in self._raised:  # raising them failed: wait longer next time
-            self._raised.discard(group)
-            self._wait[group] = self._wait.get(group, CAP_RECOVERY_FORWARDS) * 2
-        self._jobs[group] = min(self.jobs_for(group), jobs // 2)
-        self._tokens[group] = max(1, min(self.tokens_for(group) or tokens, tokens // 2))
-        self._good[group] = 0
-        log.warning(
-            "out of memory: forwards of group %s capped at %d jobs, %d tokens",
-            group,
-            self._jobs[group],
-            self._tokens[group],
-        )
-
-    def ran(self, group: Hashable, jobs: int, tokens: int) -> None:
-        learned_jobs, learned_tokens = self._jobs.get(group), self._tokens.get(group)
-        if learned_jobs is None and learned_tokens is None:
-            return
-        full = (learned_jobs is not None and jobs >= learned_jobs) or (
-            learned_tokens is not None and tokens > learned_tokens // 2
-        )
-        if not full:
-            return
-        good = self._good.get(group, 0) + 1
-        if good < self._wait.get(group, CAP_RECOVERY_FORWARDS):
-            self._good[group] = good
-            return
-        self._good[group] = 0
-        self._raised.add(group)
-        self._jobs.pop(group, None)
-        self._tokens.pop(group, None)
-        if learned_jobs is not None and learned_jobs * 2 < self.limits.max_per_forward:
-            self._jobs[group] = learned_jobs * 2
-        budget = self.limits.max_tokens_per_forward
-        if learned_tokens is not None and (budget is None or learned_tokens * 2 < budget):
-            if budget is not None or group in self._jobs:  # no configured budget: dropped with the job cap
-                self._tokens[group] = learned_tokens * 2
-        log.info(
-            "forwards of group %s capped at %d jobs, %s tokens again",
-            group,
-            self.jobs_for(group),
-            self.tokens_for(group),
-        )
 
 
 @dataclass
@@ -256,6 +160,7 @@ class Scheduler:
                 job.queued_at = step - 1  # it arrived while the last engine step ran (or after it)
             self.waiting.extend(arrived)
             self._expire(out, now)
+            self._cut_steps(now)
             for job in arrived:
                 if job in self.waiting:
                     self._refused(job, now, out)
@@ -295,7 +200,7 @@ class Scheduler:
             passed = [j for j in queue if j.deadline is not None and j.deadline <= now and not j.status.ended]
             for job in passed:
                 queue.remove(job)
-                steps = f"{job.steps_done}/{job.total_steps or job.planned_steps}"
+                steps = f"{job.steps_done}/{job.planned}"
                 self._leave(job, "expired", f"the request's {timeout_of(job)} passed after step {steps}", out)
 
     def _refused(self, job: Job, now: float, out: SchedulerOutput) -> None:
@@ -307,19 +212,56 @@ class Scheduler:
         mine = self.order_key(job, now)
         ahead = [j for q in (self.waiting, self.running, self.paused) for j in q if j is not job]
         ahead_work = sum(j.remaining * j.tokens for j in ahead if self.order_key(j, now) < mine)
-        estimate = self.times.finish_in(job.tokens, job.planned_steps, ahead_work, self._budget(job), False)
-        # A full running set that it may not pause anyone in holds it until a running job is done.
-        behind = [j for j in self.running if self.order_key(j, now) >= mine]
-        full = len(self.running) + len(self.starting) >= self.limits.max_running
-        if full and behind and self._victim(job, now) is None:
-            running_tokens = sum(j.tokens for j in self.running)
-            estimate += min(j.remaining for j in behind) * self.times.forward_s(running_tokens)
+        behind = self._running_behind(now, mine)
+        estimate = self._finish_in(job, ahead_work, behind, self._held_back_s(job, now, mine), job.remaining)
         if now + estimate <= job.deadline:
             return
         self.waiting.remove(job)
         estimated = (now - job.request.entered + estimate) * 1000
         why = f"estimated {estimated:.0f} ms with {ahead_work} token-steps ahead"
         self._leave(job, "refused", f"the request cannot finish within its {timeout_of(job)}: {why}", out)
+
+    def _finish_in(
+        self, job: Job, ahead_work: int, behind: tuple[Job, ...], held_back_s: float, steps: int
+    ) -> float:
+        """Seconds until a waiting ``job`` is done with ``steps`` denoising steps, after ``ahead_work``
+        token-steps that go before it, beside the running jobs ``behind`` it in order (each sharing its
+        forwards for as many of its steps as it has left), and after ``held_back_s``
+        (:meth:`_held_back_s`)."""
+        alongside = sum(j.tokens * min(j.remaining, steps) // max(steps, 1) for j in behind)
+        budget = self._budget(job)
+        return self.times.finish_in(job.tokens, steps, ahead_work, budget, False, alongside) + held_back_s
+
+    def _running_behind(self, now: float, mine: tuple) -> tuple[Job, ...]:
+        return tuple(j for j in self.running if self.order_key(j, now) >= mine)
+
+    def _held_back_s(self, job: Job, now: float, mine: tuple) -> float:
+        """A full running set that a waiting ``job`` may not pause anyone in holds it until a running job
+        behind it in order is done: those seconds (else 0)."""
+        behind = [j for j in self.running if self.order_key(j, now) >= mine]
+        full = len(self.running) + len(self.starting) >= self.limits.max_running
+        if not (full and behind) or self._victim(job, now) is not None:
+            return 0.0
+        return min(j.remaining for j in behind) * self.times.forward_s(sum(j.tokens for j in self.running))
+
+    def _cut_steps(self, now: float) -> None:
+        """Each waiting job that may run fewer steps gets the most with which it meets its deadline
+        (engine/degradation.py): decided in the order jobs go, each after the work before it."""
+        if not self.service.refuse_late or not self.times.measured:
+            return
+        if not any(j.steps_allowed and j.deadline is not None for j in self.waiting):
+            return
+        held = [j for q in (self.waiting, self.starting, self.running, self.paused) for j in q]
+        keys = {id(j): self.order_key(j, now) for j in held if not j.status.ended}
+        waiting = set(map(id, self.waiting))
+        ahead = 0
+        for job in sorted((j for j in held if id(j) in keys), key=lambda j: keys[id(j)]):
+            mine = keys[id(job)]
+            if id(job) in waiting and job.steps_allowed and job.deadline is not None:
+                behind = self._running_behind(now, mine)
+                done_in = partial(self._finish_in, job, ahead, behind, self._held_back_s(job, now, mine))
+                job.cut = cut_for_deadline(job.steps_allowed, done_in, job.deadline - now)
+            ahead += job.remaining * job.tokens
 
     @staticmethod
     def _leave(job: Job, reason: str, message: str, out: SchedulerOutput) -> None:

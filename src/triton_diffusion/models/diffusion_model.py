@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import math
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -22,9 +23,10 @@ import numpy as np
 
 from triton_diffusion.adapters.diffusers_pipeline import row_seed
 from triton_diffusion.compatibility import CompatibilityKey, compatibility_key
+from triton_diffusion.engine.degradation import StepsAllowed, steps_allowed
 from triton_diffusion.engine.jobs import ANY_SIZE, Job, JobSpec, Stepped
 from triton_diffusion.engine.planner import RowCaps
-from triton_diffusion.errors import ErrorCode, RequestError
+from triton_diffusion.errors import ErrorCode, RequestError, invalid_field
 from triton_diffusion.families import PipelineFacts
 from triton_diffusion.fields import FieldSet
 from triton_diffusion.models.calibration import calibrate
@@ -267,7 +269,35 @@ class DiffusionModel(TritonModel):
             preview_every=values.get("preview_every", 0) if previews else 0,
             previews=values.get("previews", 0) if previews else 0,
             checkpoint_key=f"{values['resume_key']}.{index}" if resume is not None else None,
+            steps_allowed=self.steps_allowed(values, service.tier),
         )
+
+    def steps_allowed(self, values: dict[str, Any], tier: int) -> StepsAllowed:
+        """The steps a request's images may be run with under overload (engine/degradation.py): from what it
+        asked down to its ``min_inference_steps``, else its tier's ``degrade_tiers`` share of them; none on
+        the request-level engine (it runs what it asked). Raises INVALID_ARG naming min_inference_steps
+        where it is above num_inference_steps."""
+        asked, least = values.get("num_inference_steps") or 1, values.get("min_inference_steps")
+        if least is not None and least > asked:
+            allowed = f"1 to num_inference_steps, {asked}"
+            raise invalid_field("min_inference_steps", f"got {least} (allowed: {allowed})")
+        if self.adapter is None:
+            return ()
+        if least is None:
+            share = (self.settings.config.degrade_tiers or {}).get(self.settings.config.service_tiers[tier])
+            if share is None:
+                return ()
+            least = max(1, math.ceil(asked * share))
+        return steps_allowed(
+            asked,
+            least,
+            lambda steps: self.planned_steps({**values, "num_inference_steps": steps}),
+            lambda steps: self.takes_steps(values, steps),
+        )
+
+    def takes_steps(self, values: dict[str, Any], steps: int) -> bool:
+        """Whether the request could be run with ``steps`` num_inference_steps (a family's rules)."""
+        return True
 
     def planned_steps(self, values: dict[str, Any]) -> int:
         """The denoising steps a request's image will run: an image start runs the steps after its first
@@ -318,6 +348,10 @@ class DiffusionModel(TritonModel):
         parsed: ParsedRequest = record.parsed
         batch = {**self.batch_report(parsed.values, record.jobs), "service": service}
         batch.update(self.resume_report(parsed, record.jobs))
+        cuts = [job.cut for job in record.jobs if job.cut is not None]
+        if cuts:  # run with fewer steps than asked, where its deadline needed it (engine/degradation.py)
+            fewest = min(cuts, key=lambda cut: cut.steps)
+            batch["degraded"] = {**fewest.report(), "images": len(cuts)}
         answer = {
             **self.respond(parsed, outputs),
             "SEED": seed_output(parsed.values["seed"], len(outputs)),
@@ -326,7 +360,7 @@ class DiffusionModel(TritonModel):
             "WIDTH": np.array([[parsed.values["width"]]], dtype=np.int32),
             "HEIGHT": np.array([[parsed.values["height"]]], dtype=np.int32),
         }
-        if parsed.result_key is not None:
+        if parsed.result_key is not None and not cuts:  # a degraded answer is not what the fields ask
             self.results.put(parsed.result_key, answer)
         return answer
 
@@ -384,6 +418,8 @@ class DiffusionModel(TritonModel):
 
     def describe_more(self) -> dict[str, Any]:
         more: dict[str, Any] = {"step_caches": ["none", *self.step_cache_methods]}
+        if self.adapter is not None:  # per tier, the least share of its steps a request may be run with
+            more["degrade_tiers"] = dict(self.settings.config.degrade_tiers or {})
         if self.adapter is not None:  # whether images of different sizes share forwards, and why not
             packs = bool(self.adapter.packs_sizes)
             more["packed_sizes"] = (

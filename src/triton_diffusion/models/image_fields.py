@@ -45,6 +45,17 @@ TEXT_TO_IMAGE_FIELDS = FieldSet(
         Field("height", int, None, minimum=64, maximum=2048, doc="image height in pixels"),
         Field("width", int, None, minimum=64, maximum=2048, doc="image width in pixels"),
         Field("num_inference_steps", int, None, minimum=1, maximum=150, doc="denoising steps"),
+        Field(
+            "min_inference_steps",
+            int,
+            None,
+            Role.ROW,
+            minimum=1,
+            maximum=150,
+            doc="under overload, the fewest num_inference_steps the request may be run with where its "
+            "deadline needs it (step engine; BATCH degraded says so; docs/usage/degradation.md); absent: "
+            "the tier's degrade_tiers share, else never fewer",
+        ),
         Field("guidance_scale", float, None, minimum=0.0, maximum=30.0, doc="classifier-free guidance"),
         Field(
             "true_cfg_scale",

@@ -284,6 +284,15 @@ class TextToImageModel(DiffusionModel):
             )
         return self.sources.resolve(values, self.fields)
 
+    def takes_steps(self, values: dict[str, Any], steps: int) -> bool:
+        """What resolve (one step) and the source image's check (img2img runs int(steps x strength) steps)
+        would accept for ``steps``."""
+        one_step = self.one_step_schedulers
+        if steps == 1 and one_step is not None and values["scheduler"] not in one_step:
+            return False
+        strength = values.get("strength")
+        return values.get("image") is None or strength is None or int(steps * strength) >= 1
+
     def step_request(self, values: dict[str, Any], image_index: int) -> ImageRequest:
         return ImageRequest(
             prompt=values["prompt"],

@@ -374,6 +374,10 @@ class EngineHost:
         def answer() -> None:
             if record.tracked.finish(self.kind.final_outputs(record, outputs, service)):
                 self.metrics.observe("triton_diffusion_tier_latency_seconds", latency, tier=tier)
+                cut = [j.cut.asked - j.cut.steps for j in record.jobs if j.cut is not None]
+                if cut:  # degraded: run with fewer steps than asked (engine/degradation.py)
+                    self.metrics.increment("triton_diffusion_degraded_total", tier=tier)
+                    self.metrics.increment("triton_diffusion_degraded_steps_total", sum(cut), tier=tier)
                 if job.deadline is not None and not record.deadline_counted:  # in time, or late
                     record.deadline_counted = True  # (deadline_policy best_effort)
                     met = job.request.entered + latency <= job.deadline

@@ -80,6 +80,14 @@ FAMILIES.update(
             "Step engine: denoiser row-steps run in full (outcome computed) or served from a request's step "
             "cache (outcome reused), by method",
         ),
+        "triton_diffusion_degraded_total": (
+            "COUNTER",
+            "Requests answered with fewer steps than asked, where their deadline needed it, by service tier",
+        ),
+        "triton_diffusion_degraded_steps_total": (
+            "COUNTER",
+            "Steps cut from degraded requests' images (num_inference_steps asked minus run), by service tier",
+        ),
         "triton_diffusion_result_cache_hits_total": (
             "COUNTER",
             "Requests answered from the result cache (result_cache_mb) without running",

@@ -21,9 +21,19 @@ import numpy as np
 from PIL import Image
 
 # Fields that change how a request is served, never what it answers (resume_key: where its work may
-# resume from, job_resumes.py).
+# resume from, job_resumes.py; min_inference_steps: how far it may be degraded, and a degraded answer is
+# never kept).
 NOT_IN_KEY = frozenset(
-    {"progress", "preview_every", "previews", "describe", "service_tier", "timeout", "resume_key"}
+    {
+        "progress",
+        "preview_every",
+        "previews",
+        "describe",
+        "service_tier",
+        "timeout",
+        "resume_key",
+        "min_inference_steps",
+    }
 )
 
 

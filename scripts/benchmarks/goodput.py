@@ -1,0 +1,270 @@
+"""Goodput under overload: degrading rows (fewer steps where a deadline needs it) against refusing them,
+through the real server (``bench.py goodput``).
+
+One tritonserver holds one tiny-SD model on the step engine (``deadline_policy`` refuse). Every request
+asks --steps steps and has a deadline, --deadline-scale x the latency of one such request alone through
+the server; its tier is drawn (--tiers shares of priority, default, flex). Three variants on the same
+Poisson arrivals, in rotated order, at --loads of the step engine's capacity on this traffic (closed loop
+at --cap concurrent requests, measured through the server first):
+
+  fifo      no tier, no deadline sent: first come, first served (the client still counts its deadline)
+  tiers     each request's tier and deadline sent: refused at once where the estimate says it cannot be
+            in time, ended where its deadline passes
+  degrade   the same, plus ``min_inference_steps`` = --least-share x its steps: the scheduler runs it with
+            the most steps that meet its deadline where what it asked would not (engine/degradation.py)
+
+Reported per run (every offered request after the warm-up counted; refused, expired and late requests
+are misses): goodput (requests that met their deadline per second of the arrival window: the same window
+for every variant, so a ratio of goodputs is a ratio of requests in time), attainment per tier, the share
+degraded and the steps they ran (BATCH ``degraded``), and the quality cost: each degraded image's PSNR
+against the same request's full-steps image from the fifo run of the same round (which answers every
+request, at full steps). And where nothing should be degraded (loads below 1), how many of the degrade
+run's images equal the tiers run's (within one uint8 level). The artefact (``<out>/goodput.json``,
+written after every run) keeps every run; ``scripts/tables/goodput.py`` renders it, reading the goodput
+ratio degrade / tiers over rounds by the one verdict rule (scripts/verdicts.py).
+
+    .venv/bin/python scripts/bench.py goodput --requests 40 --loads 0.8,1.5,2.0 --rounds 5 --out docs/cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import random
+import re
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+from artefacts import provenance, write
+from PIL import Image
+from triton_diffusion_client import GenerateResult, generate_one
+from verdicts import rotated_orders
+
+from benchmarks.arrivals import poisson_arrivals
+from benchmarks.common import REPO_ROOT, benchmark_parser
+from triton_diffusion.serving.server_process import copy_model, start_server
+from triton_diffusion.tiny_models import build_missing
+
+VARIANTS = ("fifo", "tiers", "degrade")
+TIERS = ("priority", "default", "flex")
+WARM_UP_FRACTION = 0.1
+MODEL = "goodput"
+
+
+def traffic(count: int, steps: int, shares: tuple[float, ...], seed: int) -> list[dict]:
+    """The requests: a prompt and seed each, ``steps`` steps, a tier drawn by ``shares``."""
+    rng = random.Random(seed)
+    return [
+        {
+            "prompt": f"a lighthouse at dusk {i}",
+            "seed": i,
+            "height": 64,
+            "width": 64,
+            "num_inference_steps": steps,
+            "service_tier": rng.choices(TIERS, shares)[0],
+        }
+        for i in range(count)
+    ]
+
+
+def sent(request: dict, variant: str, deadline_s: float, least: int) -> dict:
+    """What the client sends in a variant."""
+    if variant == "fifo":
+        return {k: v for k, v in request.items() if k != "service_tier"}
+    out = {**request, "timeout": int(deadline_s * 1e6)}
+    if variant == "degrade":
+        out["min_inference_steps"] = least
+    return out
+
+
+def run(url: str, requests: list[dict], arrivals: list[float], variant: str, deadline_s: float, least: int):
+    """Every request at its arrival, a thread each; each one's result and its latency from its scheduled
+    arrival (the client's lateness in sending it charged to it)."""
+    results: list[GenerateResult | None] = [None] * len(requests)
+    latency = [0.0] * len(requests)
+    started = time.perf_counter()
+
+    def send(index: int) -> None:
+        time.sleep(max(0.0, started + arrivals[index] - time.perf_counter()))
+        late = time.perf_counter() - (started + arrivals[index])
+        body = sent(requests[index], variant, deadline_s, least)
+        results[index] = generate_one(body, f"{variant}-{index}", url, MODEL, 600.0)
+        latency[index] = results[index].latency_s + late
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(len(requests))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results, latency
+
+
+def pixels(result: GenerateResult) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(result.images[0])).convert("RGB"), dtype=np.float64)
+
+
+def psnr(a: np.ndarray, b: np.ndarray) -> float:
+    mse = float(np.mean((a - b) ** 2))
+    return float("inf") if mse == 0 else 10 * np.log10(255.0**2 / mse)
+
+
+def figures(requests, results, latency, measured, window_s, deadline_s) -> dict:
+    """One run's figures over the measured requests (every one offered counts)."""
+    met = [i for i in measured if results[i].ok and latency[i] <= deadline_s]
+    by_tier = {}
+    for tier in TIERS:
+        mine = [i for i in measured if requests[i]["service_tier"] == tier]
+        if mine:
+            by_tier[tier] = {"offered": len(mine), "met": sum(i in met for i in mine)}
+    degraded = [i for i in measured if results[i].ok and "degraded" in (results[i].batch or {})]
+    errors = [results[i].error or "" for i in measured if not results[i].ok]
+    return {
+        "offered": len(measured),
+        "met": len(met),
+        "goodput": len(met) / window_s,
+        "attainment": len(met) / len(measured),
+        "by_tier": by_tier,
+        "answered": sum(results[i].ok for i in measured),
+        "refused": sum("cannot finish within" in e for e in errors),
+        "expired": sum("passed after step" in e for e in errors),
+        "failed": sum(not ("cannot finish within" in e or "passed after step" in e) for e in errors),
+        # Expired after some steps ran (running or paused), not while waiting: no cut could reach them.
+        "expired_started": sum(bool(re.search(r"passed after step [1-9]", e)) for e in errors),
+        "degraded": len(degraded),
+        "degraded_requests": degraded,
+        "steps_run": [results[i].batch["degraded"]["steps_run"] for i in degraded],
+    }
+
+
+def capacity(url: str, requests: list[dict], concurrency: int) -> float:
+    """Requests per second the step engine serves of this traffic, closed loop (fifo: full steps)."""
+    pending = list(enumerate(requests[: 4 * concurrency]))
+    lock = threading.Lock()
+
+    def worker() -> None:
+        while True:
+            with lock:
+                if not pending:
+                    return
+                index, request = pending.pop()
+            generate_one(sent(request, "fifo", 0, 0), f"cap-{index}", url, MODEL, 600.0)
+
+    started = time.perf_counter()
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return 4 * concurrency / (time.perf_counter() - started)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = benchmark_parser(__doc__, "goodput")
+    parser.add_argument("--arch", default="tiny-sd")
+    parser.add_argument("--cap", type=int, default=8, help="max_running and max_rows_per_call")
+    parser.add_argument("--requests", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--least-share", type=float, default=0.5, help="min_inference_steps / steps")
+    parser.add_argument("--tiers", default="0.2,0.4,0.4", help="shares of priority, default, flex")
+    parser.add_argument("--loads", default="0.5,0.8,1.2,1.5,2.0")
+    parser.add_argument("--deadline-scale", type=float, default=3.0)
+    parser.add_argument("--rounds", type=int, default=5, help="runs per variant and load, order rotated")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench_results" / "goodput")
+    args = parser.parse_args(argv)
+    weights = REPO_ROOT / "weights"
+    build_missing(weights, only=[args.arch])
+    config = {
+        "model": str(weights / args.arch),
+        "engine": "step",
+        "max_running": str(args.cap),
+        "max_rows_per_call": str(args.cap),
+        "deadline_policy": "refuse",
+    }
+    with tempfile.TemporaryDirectory(prefix="bench-goodput-") as tmp:
+        repo = Path(tmp) / "repo"
+        repo.mkdir()
+        copy_model("text_to_image", repo, MODEL, config)
+        server = start_server(repo, Path(tmp) / "tritonserver.log", [MODEL])
+        try:
+            return measure(server.grpc_url, args, config, args.out / "goodput.json")
+        finally:
+            server.stop()
+
+
+def measure(url: str, args: argparse.Namespace, config: dict, path: Path) -> dict:
+    shares = tuple(float(x) for x in args.tiers.split(","))
+    requests = traffic(args.requests, args.steps, shares, args.seed)
+    least = max(1, round(args.steps * args.least_share))
+    for i in range(3):  # warm: the engine's estimates start from measured forwards
+        generate_one(sent(requests[i], "fifo", 0, 0), "warm", url, MODEL)
+    alone = statistics.median(
+        generate_one(sent(requests[i], "fifo", 0, 0), f"alone-{i}", url, MODEL).latency_s for i in range(5)
+    )
+    deadline_s = args.deadline_scale * alone
+    rate = capacity(url, requests, args.cap)
+    print(f"alone {alone:.3f} s, deadline {deadline_s:.3f} s, capacity {rate:.2f} req/s", flush=True)
+    report: dict = {
+        "benchmark": "goodput",
+        "config": {
+            "arch": args.arch,
+            "size": "64x64",
+            "cap": args.cap,
+            "requests": args.requests,
+            "steps": args.steps,
+            "min_inference_steps": least,
+            "tier_shares": dict(zip(TIERS, shares, strict=True)),
+            "deadline_scale": args.deadline_scale,
+            "rounds": args.rounds,
+            "variants": list(VARIANTS),
+            "warm_up_fraction": WARM_UP_FRACTION,
+            "model_config": {k: v for k, v in config.items() if k != "model"},
+            "through": "tritonserver, gRPC, the project's client (one thread per request)",
+        },
+        "alone_s": alone,
+        "deadline_s": deadline_s,
+        "capacity": rate,
+        "loads": [float(x) for x in args.loads.split(",")],
+        "runs": [],
+        "complete": False,
+        "provenance": provenance(),
+    }
+    measured = list(range(int(args.requests * WARM_UP_FRACTION), args.requests))
+    for load in report["loads"]:
+        arrivals = poisson_arrivals(args.requests, load * rate, args.seed)
+        window_s = arrivals[-1] - arrivals[measured[0]] if len(measured) > 1 else arrivals[-1]
+        for round_index, order in enumerate(rotated_orders(VARIANTS, args.rounds)):
+            images: dict[str, dict[int, np.ndarray]] = {}
+            for variant in order:
+                results, latency = run(url, requests, arrivals, variant, deadline_s, least)
+                entry = {"load": load, "round": round_index + 1, "variant": variant, "order": order}
+                entry.update(figures(requests, results, latency, measured, window_s, deadline_s))
+                images[variant] = {i: pixels(results[i]) for i in measured if results[i].ok}
+                report["runs"].append(entry)
+                write(path, report)
+                print(f"  {load} round {round_index + 1} {variant}: met {entry['met']}/{entry['offered']}, "
+                      f"degraded {entry['degraded']}", flush=True)  # fmt: skip
+            compare(report["runs"][-len(VARIANTS) :], images, measured)
+            write(path, report)
+    report["complete"] = True  # every planned run measured
+    write(path, report)
+    return report
+
+
+def compare(runs: list[dict], images: dict[str, dict[int, np.ndarray]], measured: list[int]) -> None:
+    """Into the round's degrade run: the PSNR of each degraded image against the fifo run's full-steps
+    image of the same request, and how many of its undegraded images equal the tiers run's."""
+    degrade = next(r for r in runs if r["variant"] == "degrade")
+    full, tiers, ours = images.get("fifo", {}), images.get("tiers", {}), images.get("degrade", {})
+    degraded = [i for i in degrade["degraded_requests"] if i in full]
+    degrade["psnr_degraded"] = [min(psnr(ours[i], full[i]), 99.0) for i in degraded]
+    undegraded = set(measured) - set(degrade["degraded_requests"])
+    both = [i for i in sorted(undegraded) if i in ours and i in tiers]
+    degrade["same_as_tiers"] = {
+        "compared": len(both),
+        "equal": sum(float(np.abs(ours[i] - tiers[i]).max()) <= 1 for i in both),
+    }

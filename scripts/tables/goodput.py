@@ -1,0 +1,110 @@
+"""The goodput block (scripts/benchmarks/goodput.py): degrading rows against refusing them under overload,
+per load; goodput ratios read over rounds by the one verdict rule."""
+
+from __future__ import annotations
+
+from statistics import mean, median
+from typing import Any
+
+from verdicts import verdict
+
+# The targets (issue: "degrade rows instead of refusing requests"): at 1.5x capacity, goodput at least
+# 1.5x the tiers without degradation; at or below 0.8x, nothing degraded.
+TARGET_AT_1_5 = ">= 1.5"
+
+
+def render(artefact: dict[str, Any]) -> str:
+    c = artefact["config"]
+    shares = ", ".join(f"{tier} {share:g}" for tier, share in c["tier_shares"].items())
+    lines = [
+        f"{c['arch']} at {c['size']}, {c['requests']} requests a run (the first "
+        f"{c['warm_up_fraction']:.0%} not counted), each asking {c['steps']} steps with a deadline of "
+        f"{c['deadline_scale']:g}x one request alone ({artefact['deadline_s'] * 1000:.0f} ms), tiers drawn "
+        f"({shares}); Poisson arrivals at each load of the step engine's capacity on this traffic "
+        f"({artefact['capacity']:.2f} requests/s, closed loop at {c['cap']}); {c['rounds']} rounds, the "
+        "three variants in rotated order. fifo sends no tier or deadline; tiers sends both (refused or "
+        f"ended where late); degrade adds min_inference_steps {c['min_inference_steps']}. Goodput: "
+        "requests in time per second of the arrival window (refused, expired and late ones are misses). "
+        "Ratios: per round, then the median and its 90% sign-test interval (the one verdict rule).",
+        "",
+        "| load | goodput fifo / tiers / degrade (req/s) | degrade / tiers | degrade / fifo | degraded | "
+        "steps run | PSNR to full steps (mean, worst 5%) | undegraded equal to tiers' |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for load in artefact["loads"]:
+        runs = [r for r in artefact["runs"] if r["load"] == load]
+        if not runs:
+            continue
+        rounds = _rounds(runs)
+        good = {
+            v: median(r[v]["goodput"] for r in rounds if v in r) for v in c["variants"] if _has(rounds, v)
+        }
+        cells = " / ".join(f"{good.get(v, float('nan')):.2f}" for v in c["variants"])
+        ours = [r["degrade"] for r in rounds if "degrade" in r]
+        offered = sum(r["offered"] for r in ours)
+        degraded = sum(r["degraded"] for r in ours)
+        steps = [s for r in ours for s in r["steps_run"]]
+        psnrs = sorted(p for r in ours for p in r.get("psnr_degraded", []))
+        same = [r["same_as_tiers"] for r in ours if "same_as_tiers" in r]
+        lines.append(
+            f"| {load:g}x | {cells} | {_ratio(rounds, 'tiers', load)} | {_ratio(rounds, 'fifo', None)} | "
+            f"{degraded}/{offered} | {_steps(steps)} | {_psnr(psnrs)} | "
+            f"{sum(s['equal'] for s in same)}/{sum(s['compared'] for s in same)} |"
+        )
+    lines += ["", _tiers(artefact)]
+    return "\n".join(lines)
+
+
+def _rounds(runs: list[dict]) -> list[dict[str, dict]]:
+    by_round: dict[int, dict[str, dict]] = {}
+    for run in runs:
+        by_round.setdefault(run["round"], {})[run["variant"]] = run
+    return [by_round[k] for k in sorted(by_round)]
+
+
+def _has(rounds: list[dict], variant: str) -> bool:
+    return any(variant in r for r in rounds)
+
+
+def _ratio(rounds: list[dict], other: str, load: float | None) -> str:
+    values = [
+        r["degrade"]["goodput"] / r[other]["goodput"]
+        for r in rounds
+        if "degrade" in r and other in r and r[other]["goodput"] > 0
+    ]
+    if not values:
+        return "-"
+    target = TARGET_AT_1_5 if load == 1.5 else None
+    found = verdict(values, target)
+    return f"**{found.median:.2f}** {found}"
+
+
+def _steps(steps: list[int]) -> str:
+    return "-" if not steps else f"{min(steps)}-{max(steps)} (mean {mean(steps):.1f})"
+
+
+def _psnr(values: list[float]) -> str:
+    if not values:
+        return "-"
+    worst = values[max(0, int(len(values) * 0.05) - 1)]
+    return f"{mean(values):.1f} dB, {worst:.1f} dB"
+
+
+def _tiers(artefact: dict[str, Any]) -> str:
+    """Attainment per tier at each load, summed over rounds."""
+    variants = artefact["config"]["variants"]
+    rows = [
+        "| load | tier | " + " | ".join(f"{v} in time" for v in variants) + " |",
+        "|---|---|" + "---|" * len(variants),
+    ]
+    for load in artefact["loads"]:
+        runs = [r for r in artefact["runs"] if r["load"] == load]
+        for tier in artefact["config"]["tier_shares"]:
+            cells = []
+            for variant in variants:
+                mine = [r["by_tier"].get(tier) for r in runs if r["variant"] == variant]
+                offered = sum(t["offered"] for t in mine if t)
+                met = sum(t["met"] for t in mine if t)
+                cells.append(f"{met}/{offered}" if offered else "-")
+            rows.append(f"| {load:g}x | {tier} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)

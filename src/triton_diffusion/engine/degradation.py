@@ -1,0 +1,85 @@
+"""Degrading a row instead of refusing its request: under overload, a job that may run fewer denoising
+steps is given the most steps with which it meets its deadline.
+
+A job's allowance is its ``steps_allowed`` (engine/jobs.py): every ``num_inference_steps`` it may run, the
+one its request asked for first, then fewer, down to its request's ``min_inference_steps`` (or its
+tier's ``degrade_tiers`` default), each with the denoising steps it makes (an image start runs the
+part its strength leaves). Empty: it is never degraded.
+
+The rule (the scheduler applies it at every engine step, before refusals and admission: scheduler.py):
+the jobs held, in the order they go (tier, least slack, the policy's own); each job still waiting, with
+a deadline and an allowance, is given the most steps for which the engine's estimate (the one refusals
+use: its forwards after the work that goes before it, its start and its decode) finishes it in time.
+
+- Only when its deadline needs it: where what it asked meets its deadline, it runs what it asked (a
+  queue with room degrades nobody). Where no allowed count meets it either, it is not degraded (a cut
+  that saves nobody is not made): it is refused or expires as without degradation.
+- Lower tiers first: they go after the higher ones, so the higher tiers' work counts ahead of them and
+  they are the ones whose deadlines need a cut.
+- As little as it can: the most steps that meet the deadline, the fewest cut.
+- Decided again at each engine step until the job is admitted (a queue that drains in the meantime gives
+  it back what it asked); once it starts, its schedule is fixed (its scheduler's timesteps are made for
+  its steps: it equals ``pipeline(num_inference_steps=k)`` for the k it runs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+# Every num_inference_steps a job may run, with the denoising steps each makes: (steps, denoising).
+StepsAllowed = tuple[tuple[int, int], ...]
+# A cut aims at this share of the time left, not all of it: the estimate is an average, and a cut sized to
+# the last millisecond would miss its deadline by the noise of a step or two.
+CUT_TARGET = 0.9
+
+
+@dataclass(frozen=True)
+class StepsCut:
+    """A job given fewer steps than its request asked for, and why (BATCH ``degraded``)."""
+
+    steps: int  # the num_inference_steps it runs with
+    denoising: int  # the denoising steps that makes
+    asked: int  # the num_inference_steps its request asked for
+    reason: str
+
+    def report(self) -> dict[str, int | str]:
+        return {"steps_run": self.steps, "steps_asked": self.asked, "reason": self.reason}
+
+
+def cut_for_deadline(
+    allowed: StepsAllowed, finish_s: Callable[[int], float], time_left_s: float
+) -> StepsCut | None:
+    """The cut that lets a job meet its deadline: the most steps of ``allowed`` (what it asked first, then
+    fewer) whose estimate ``finish_s(denoising steps)`` is within ``CUT_TARGET`` of ``time_left_s`` (where
+    none is, the fewest steps that are within the time left). None where what it asked fits the time
+    left (no cut needed: the rule refusals use) or where nothing allowed fits it (no cut saves it)."""
+    if not allowed:
+        return None
+    (asked, asked_denoising), fewer = allowed[0], allowed[1:]
+    full_s = finish_s(asked_denoising)
+    if full_s <= time_left_s:
+        return None
+    if not fewer or finish_s(fewer[-1][1]) > time_left_s:
+        return None  # not even the fewest steps allowed are in time
+    # The estimate grows with the steps: search (most steps first) for the first within the target.
+    low, high = 0, len(fewer) - 1
+    while low < high:
+        middle = (low + high) // 2
+        if finish_s(fewer[middle][1]) <= time_left_s * CUT_TARGET:
+            high = middle
+        else:
+            low = middle + 1
+    steps, denoising = fewer[low]
+    why = f"{asked} steps estimated {full_s * 1000:.0f} ms, {max(time_left_s, 0) * 1000:.0f} ms left"
+    return StepsCut(steps, denoising, asked, f"deadline: {why}")
+
+
+def steps_allowed(
+    asked: int, least: int, denoising: Callable[[int], int], runs: Callable[[int], bool]
+) -> StepsAllowed:
+    """A request's allowance: ``asked`` steps, then every count down to ``least`` that the model ``runs``
+    (one with no denoising step, or a single step a scheduler cannot take, is left out), each with the
+    denoising steps it makes. Empty where nothing fewer is allowed."""
+    fewer = [(k, denoising(k)) for k in range(asked - 1, least - 1, -1) if runs(k) and denoising(k) >= 1]
+    return ((asked, denoising(asked)), *fewer) if fewer else ()

@@ -1,0 +1,245 @@
+"""Degrading a row instead of refusing its request (engine/degradation.py, the scheduler's ``_cut_steps``):
+the rule on its own, the scheduler's decisions on a fake clock and a fake adapter whose times are set by
+the test (so each expected step count is worked out here by hand), and on tiny SD a degraded job's image
+against ``pipeline(num_inference_steps=k)`` for the k it ran, amid rows that are not degraded."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from tests.unit.recording import RecordingChannel
+from tests.unit.step_harness import Host, assert_each_image_equals_the_pipelines_own, job_of, load_family
+from tests.unit.test_latent_loop import source_image
+from tests.unit.test_scheduler import DEFAULT, FLEX, PRIORITY, Harness
+from tests.unit.test_step_engine import FakeAdapter
+from triton_diffusion.adapters.image_requests import ImageRequest
+from triton_diffusion.adapters.step_adapters import step_adapter_for
+from triton_diffusion.engine.degradation import CUT_TARGET, StepsCut, cut_for_deadline, steps_allowed
+from triton_diffusion.engine.estimates import WorkTimes
+from triton_diffusion.engine.jobs import JobStart
+from triton_diffusion.engine.scheduler import EngineLimits
+from triton_diffusion.engine.step_engine import StepEngine
+from triton_diffusion.errors import ErrorCode
+
+
+def allowance(asked: int, least: int) -> tuple[tuple[int, int], ...]:
+    return steps_allowed(asked, least, lambda k: k, lambda k: True)
+
+
+# ---- the rule -----------------------------------------------------------------------------------------
+def test_no_cut_where_what_was_asked_is_in_time_or_where_nothing_allowed_is():
+    per_step = lambda steps: 0.5 * steps  # noqa: E731
+    assert cut_for_deadline(allowance(8, 1), per_step, 4.0) is None  # 8 steps take 4 s: in time
+    assert cut_for_deadline(allowance(8, 4), per_step, 1.9) is None  # even 4 steps take 2 s
+    assert cut_for_deadline((), per_step, 0.1) is None  # nothing fewer allowed
+
+
+def test_the_cut_is_the_most_steps_within_the_target_share_of_the_time_left():
+    cut = cut_for_deadline(allowance(8, 1), lambda steps: 0.5 * steps, 2.0)
+    # 2.0 s left, aiming at 90% of it (1.8 s): 3 steps (1.5 s); 4 steps (2.0 s) would leave no margin.
+    assert CUT_TARGET == 0.9
+    assert cut == StepsCut(3, 3, 8, cut.reason) and cut.reason.startswith(
+        "deadline: 8 steps estimated 4000 ms"
+    )
+    # Where only the fewest allowed are in time, and not within the target, those.
+    assert cut_for_deadline(allowance(8, 3), lambda steps: 0.5 * steps, 1.55).steps == 3
+
+
+def test_the_allowance_leaves_out_counts_the_model_does_not_run_and_maps_each_to_its_denoising_steps():
+    # An img2img request at strength 0.5: k steps denoise int(k / 2); 1 step would denoise none.
+    allowed = steps_allowed(6, 1, lambda k: int(k * 0.5), lambda k: int(k * 0.5) >= 1)
+    assert allowed == ((6, 3), (5, 2), (4, 2), (3, 1), (2, 1))
+    assert steps_allowed(6, 6, lambda k: k, lambda k: True) == ()  # nothing fewer: never degraded
+
+
+# ---- the scheduler, on a fake clock ---------------------------------------------------------------------
+class CutAdapter(FakeAdapter):
+    """The fake adapter, starting a job with the steps the scheduler cut it to."""
+
+    def prepare(self, jobs):
+        return [
+            JobStart([0], job.params.group, job.cut.denoising if job.cut else job.params.steps)
+            for job in jobs
+        ]
+
+
+def harness(**kwargs) -> Harness:
+    h = Harness(**kwargs)
+    h.adapter = CutAdapter()
+    h.engine.adapter = h.adapter
+    return h
+
+
+def degradable(h: Harness, name: str, tier: int, steps: int, least: int, deadline_s: float | None):
+    job = h.job(name, tier, steps, deadline_s=deadline_s)
+    job.steps_allowed = allowance(steps, least)
+    return job
+
+
+def forwards_of(h: Harness, name: str) -> int:
+    return sum(name in forward for forward in h.adapter.forwards)
+
+
+def test_a_job_is_not_degraded_while_the_queue_has_room():
+    h = harness(max_running=2, max_per_forward=2)
+    h.measure(0.1)
+    roomy = degradable(h, "roomy", DEFAULT, 10, 2, deadline_s=60.0)
+    other = degradable(h, "other", FLEX, 10, 2, deadline_s=60.0)
+    h.add(roomy, other)
+    h.drain()
+    assert roomy.cut is None and other.cut is None
+    assert forwards_of(h, "roomy") == 10 and forwards_of(h, "other") == 10
+
+
+def test_a_job_that_would_be_refused_runs_the_most_steps_that_meet_its_deadline():
+    h = harness(max_running=4, max_per_forward=4)
+    h.measure(0.5)  # every forward 0.5 s; no start or decode measured
+    tight = degradable(h, "tight", DEFAULT, 8, 1, deadline_s=2.0)
+    h.add(tight)
+    h.step(0.1)  # scheduled 0.1 s after it arrived: 1.9 s left, aiming at 1.71 s: 3 steps (1.5 s)
+    assert tight.cut is not None and (tight.cut.steps, tight.cut.asked) == (3, 8)
+    h.drain()
+    assert forwards_of(h, "tight") == 3
+    assert not isinstance(tight.request.channel.finals[0], Exception)
+    # The same job without an allowance is refused, as before.
+    h = harness(max_running=4, max_per_forward=4)
+    h.measure(0.5)
+    strict = h.job("strict", DEFAULT, 8, deadline_s=2.0)
+    h.add(strict)
+    h.step(0.1)
+    assert strict.request.channel.finals[0].code is ErrorCode.UNAVAILABLE
+
+
+def test_a_lower_tier_is_cut_for_the_work_of_a_higher_one_and_the_higher_one_is_not():
+    h = harness(max_running=1, max_per_forward=1, max_paused=0)
+    h.measure(0.5)
+    urgent = degradable(h, "urgent", PRIORITY, 4, 1, deadline_s=3.0)
+    flex = degradable(h, "flex", FLEX, 4, 1, deadline_s=3.0)
+    h.add(flex, urgent)
+    h.step(0.1)
+    # urgent: 4 steps, 2.0 s of 2.9 s left: in time. flex after its 4 steps: 4 + k forwards of 0.5 s
+    # within 2.61 s: k = 1. (Decided before either starts; the engine's own timings of the fake
+    # forwards then shorten the estimate, so flex, not started yet, may be given more back.)
+    assert urgent.cut is None
+    assert flex.cut is not None and flex.cut.steps == 1
+
+
+def test_a_cut_is_given_back_when_the_queue_drains_before_the_job_starts():
+    h = harness(max_running=1, max_per_forward=1, max_paused=0)
+    h.measure(0.5)
+    urgent = degradable(h, "urgent", PRIORITY, 4, 1, deadline_s=3.0)
+    flex = degradable(h, "flex", FLEX, 4, 1, deadline_s=3.0)
+    h.add(flex, urgent)
+    h.step(0.1)
+    assert flex.cut is not None
+    h.drain()  # forwards take 0.1 s on this clock: by the time flex starts, its 4 steps are in time
+    assert flex.cut is None and forwards_of(h, "flex") == 4
+
+
+@pytest.mark.parametrize("case", ["no deadline", "best effort", "nothing allowed"])
+def test_a_job_is_never_cut_without_a_deadline_an_allowance_or_refusals(case):
+    h = harness(max_running=4, max_per_forward=4, refuse_late=case != "best effort")
+    h.measure(0.5)
+    job = degradable(h, "job", DEFAULT, 8, 8 if case == "nothing allowed" else 1, deadline_s=None)
+    if case != "no deadline":
+        job.deadline = h.clock.now + 2.0
+    h.add(job)
+    h.step(0.1)
+    assert job.cut is None
+
+
+def test_a_job_whose_fewest_steps_cannot_meet_its_deadline_is_refused_uncut():
+    h = harness(max_running=4, max_per_forward=4)
+    h.measure(0.5)
+    hopeless = degradable(h, "hopeless", DEFAULT, 8, 4, deadline_s=1.0)  # 4 steps take 2 s
+    h.add(hopeless)
+    h.step(0.1)
+    assert hopeless.cut is None
+    assert hopeless.request.channel.finals[0].code is ErrorCode.UNAVAILABLE
+
+
+# ---- exactness: tiny SD ---------------------------------------------------------------------------------
+def test_degraded_jobs_equal_their_pipeline_at_the_steps_they_ran_amid_rows_that_are_not():
+    """Three jobs in one engine whose estimate says a forward takes 0.5 s (set here; the clock stands
+    still): a text job and an img2img job with tight deadlines are cut, a job without a deadline runs
+    what it asked; each image equals ``pipeline(...)`` alone with the steps it ran."""
+    family = load_family("tiny-sd")
+    pipe, facts, schedulers = family
+    adapter = step_adapter_for(pipe, facts, schedulers, None)
+    times = WorkTimes()
+    engine = StepEngine(adapter, EngineLimits(8, 8), clock=lambda: 0.0, times=times)
+
+    def request(i: int, steps: int, **more) -> ImageRequest:
+        return ImageRequest(
+            f"a lighthouse {i}", None, 30 + i, 0, 64, 64, steps, 7.5, None, schedulers.default, **more
+        )
+
+    text = request(0, 12)
+    image = request(1, 12, image=source_image(), strength=0.75)
+    plain = request(2, 6)
+    jobs = [job_of(adapter, str(i), RecordingChannel(), r) for i, r in enumerate((text, image, plain))]
+    times.forward_ran(1, jobs[0].tokens, 0.5)  # a forward of one such job: 0.5 s (more jobs: more)
+    # The text job goes first (least slack): 12 steps take 6 s; within 90% of 2.5 s, 4 steps (2 s). The
+    # img2img job after it, sharing its forwards: about 0.5 s x (4 + its denoising steps) within 4.68 s: 5
+    # denoising steps (4.51 s: the tokens per forward round up), i.e. 7 steps at strength 0.75 (12
+    # would denoise 9: 6.5 s).
+    jobs[0].deadline, jobs[0].steps_allowed = 2.5, allowance(12, 2)
+    jobs[1].deadline = 5.2
+    jobs[1].steps_allowed = steps_allowed(12, 2, lambda k: int(k * 0.75), lambda k: int(k * 0.75) >= 1)
+    engine.add(*jobs)
+    host = Host()
+    while engine.active:
+        host.render(engine.step())
+    text_cut, image_cut = jobs[0].cut, jobs[1].cut
+    assert text_cut is not None and image_cut is not None and jobs[2].cut is None
+    assert (text_cut.steps, image_cut.steps) == (4, 7)
+    assert jobs[0].forwards == text_cut.steps and jobs[2].forwards == 6  # each ran the steps it was given
+    assert jobs[1].forwards == int(image_cut.steps * 0.75)
+    ran = [replace(text, steps=text_cut.steps), replace(image, steps=image_cut.steps), plain]
+    assert_each_image_equals_the_pipelines_own(family, ran, jobs)
+    # The cut visibly changes the image: it is not the one of the steps asked.
+    from tests.unit.step_harness import reference, served
+
+    full = np.asarray(reference(pipe, facts, schedulers, text), dtype=int)
+    assert np.abs(served(jobs[0]) - full).max() > 5
+
+
+# ---- the request's allowance: the field and the config ----------------------------------------------------
+def test_the_allowance_comes_from_min_inference_steps_else_the_tiers_share_and_a_bad_one_is_named():
+    from tests.unit.test_captured_forwards import load_model
+    from triton_diffusion.errors import RequestError
+
+    model = load_model(degrade_tiers='{"flex": 0.5}')
+    assert model.describe_more()["degrade_tiers"] == {"flex": 0.5}
+
+    def values(**fields):
+        return model.resolve(model.fields.parse({"prompt": "a boat", "num_inference_steps": 10, **fields}))
+
+    # flex (rank 2) may drop to half of its 10 steps; default (rank 1) sends nothing and may not.
+    assert [steps for steps, _ in model.steps_allowed(values(), FLEX)] == [10, 9, 8, 7, 6, 5]
+    assert model.steps_allowed(values(), DEFAULT) == ()
+    # The request's own floor wins over its tier's.
+    assert [steps for steps, _ in model.steps_allowed(values(min_inference_steps=8), DEFAULT)] == [10, 9, 8]
+    with pytest.raises(RequestError) as raised:
+        model.steps_allowed(values(min_inference_steps=11), DEFAULT)
+    assert raised.value.code is ErrorCode.INVALID_ARG
+    assert raised.value.message == "min_inference_steps: got 11 (allowed: 1 to num_inference_steps, 10)"
+
+
+@pytest.mark.parametrize(
+    ("text", "said"),
+    [
+        ('{"gold": 0.5}', "names gold, not among service_tiers"),
+        ('{"flex": 0}', "expected a share of the steps in (0, 1]"),
+        ('{"flex": 1.5}', "expected a share of the steps in (0, 1]"),
+    ],
+)
+def test_a_bad_degrade_tiers_is_a_load_error_naming_it(text, said):
+    from tests.unit.test_settings import settings
+
+    with pytest.raises(ValueError, match="degrade") as raised:
+        settings({"degrade_tiers": text})
+    assert said in str(raised.value)
