@@ -143,6 +143,7 @@ def figures(requests, results, latency, measured, window_s, deadline_s) -> dict:
 def capacity(url: str, requests: list[dict], concurrency: int) -> float:
     """Requests per second the step engine serves of this traffic, closed loop (fifo: full steps)."""
     pending = list(enumerate(requests[: 4 * concurrency]))
+    count = len(pending)
     lock = threading.Lock()
 
     def worker() -> None:
@@ -159,7 +160,7 @@ def capacity(url: str, requests: list[dict], concurrency: int) -> float:
         thread.start()
     for thread in threads:
         thread.join()
-    return 4 * concurrency / (time.perf_counter() - started)
+    return count / (time.perf_counter() - started)
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -124,7 +124,8 @@ def run(
     step_engine = variant != "request"
     engine = engine_for(bench, variant, bench.max_running)
     if step_engine and times is not None:
-        engine.times.by_tokens.update(times.by_tokens)  # what a warm server has measured
+        for tokens, seconds in times.by_tokens.items():  # what a warm server has measured
+            engine.times.forward_ran(1, tokens, seconds)
         engine.times.start_s, engine.times.finish_s = times.start_s, times.finish_s
     if not step_engine:
         engine.on_progress = recorder.render

@@ -1,6 +1,7 @@
 """Degrading a row instead of refusing its request (engine/degradation.py, the scheduler's ``_cut_steps``):
-the rule on its own, the scheduler's decisions on a fake clock and a fake adapter whose times are set by
-the test (so each expected step count is worked out here by hand), and on tiny SD a degraded job's image
+the rule on its own, the scheduler's decisions on a fake clock and a fake adapter, with the estimate's
+times set by the test before the decisions read them (so each expected step count is worked out here by
+hand), and on tiny SD a degraded job's image
 against ``pipeline(num_inference_steps=k)`` for the k it ran, amid rows that are not degraded."""
 
 from __future__ import annotations
@@ -46,6 +47,16 @@ def test_the_cut_is_the_most_steps_within_the_target_share_of_the_time_left():
     )
     # Where only the fewest allowed are in time, and not within the target, those.
     assert cut_for_deadline(allowance(8, 3), lambda steps: 0.5 * steps, 1.55).steps == 3
+
+
+def test_a_job_cut_already_keeps_its_fewest_steps_when_even_those_are_late():
+    per_step = lambda steps: 0.5 * steps  # noqa: E731
+    earlier = cut_for_deadline(allowance(8, 4), per_step, 2.5)
+    assert earlier is not None and earlier.steps == 4
+    # Later, even 4 steps (2 s) are late: not given back its 8 (the most work), kept at 4.
+    kept = cut_for_deadline(allowance(8, 4), per_step, 1.5, previous=earlier)
+    assert kept is not None and kept.steps == 4 and kept.reason.endswith("even 4 steps late")
+    assert cut_for_deadline(allowance(8, 4), per_step, 1.5) is None  # never cut: left as it asked
 
 
 def test_the_allowance_leaves_out_counts_the_model_does_not_run_and_maps_each_to_its_denoising_steps():
@@ -130,13 +141,22 @@ def test_a_lower_tier_is_cut_for_the_work_of_a_higher_one_and_the_higher_one_is_
 def test_a_cut_is_given_back_when_the_queue_drains_before_the_job_starts():
     h = harness(max_running=1, max_per_forward=1, max_paused=0)
     h.measure(0.5)
-    urgent = degradable(h, "urgent", PRIORITY, 4, 1, deadline_s=3.0)
+    times = h.engine.times  # frozen: the engine's own timings of the fake forwards are not taken
+    times.forward_ran = times.started = times.finished = lambda *args, **kwargs: None
+    urgent = degradable(h, "urgent", PRIORITY, 4, 1, deadline_s=30.0)
     flex = degradable(h, "flex", FLEX, 4, 1, deadline_s=3.0)
     h.add(flex, urgent)
     h.step(0.1)
-    assert flex.cut is not None
-    h.drain()  # forwards take 0.1 s on this clock: by the time flex starts, its 4 steps are in time
-    assert flex.cut is None and forwards_of(h, "flex") == 4
+    # flex after urgent's 4 steps: 4 + k forwards of 0.5 s within 2.61 s: cut to 1.
+    assert flex.cut is not None and flex.cut.steps == 1
+    h.step(0.1)
+    assert flex.cut is not None  # urgent still runs: the queue has not drained
+    while forwards_of(h, "urgent") < 4:
+        h.step(0.1)  # forwards take 0.1 s on this clock, not the 0.5 s estimated
+    h.step(0.1)  # urgent done at 0.6 s: flex's 4 steps (2 s) are in time again
+    assert flex.cut is None
+    h.drain()
+    assert forwards_of(h, "flex") == 4
 
 
 @pytest.mark.parametrize("case", ["no deadline", "best effort", "nothing allowed"])
@@ -191,20 +211,30 @@ def test_degraded_jobs_equal_their_pipeline_at_the_steps_they_ran_amid_rows_that
     jobs[1].steps_allowed = steps_allowed(12, 2, lambda k: int(k * 0.75), lambda k: int(k * 0.75) >= 1)
     engine.add(*jobs)
     host = Host()
+    stepped = {job.request.request_id: 0 for job in jobs}  # forwards counted at the adapter's call
+    step = adapter.step
+
+    def counted(batch, *args, **kwargs):
+        for job in batch:
+            stepped[job.request.request_id] += 1
+        return step(batch, *args, **kwargs)
+
+    adapter.step = counted
     while engine.active:
         host.render(engine.step())
     text_cut, image_cut = jobs[0].cut, jobs[1].cut
     assert text_cut is not None and image_cut is not None and jobs[2].cut is None
     assert (text_cut.steps, image_cut.steps) == (4, 7)
-    assert jobs[0].forwards == text_cut.steps and jobs[2].forwards == 6  # each ran the steps it was given
-    assert jobs[1].forwards == int(image_cut.steps * 0.75)
+    # Each ran the denoising steps it was given (SD's img2img: int(steps x strength)).
+    assert stepped == {"0": 4, "1": int(7 * 0.75), "2": 6}
     ran = [replace(text, steps=text_cut.steps), replace(image, steps=image_cut.steps), plain]
     assert_each_image_equals_the_pipelines_own(family, ran, jobs)
     # The cut visibly changes the image: it is not the one of the steps asked.
     from tests.unit.step_harness import reference, served
 
-    full = np.asarray(reference(pipe, facts, schedulers, text), dtype=int)
-    assert np.abs(served(jobs[0]) - full).max() > 5
+    for job, asked in ((jobs[0], text), (jobs[1], image)):
+        full = np.asarray(reference(pipe, facts, schedulers, asked), dtype=int)
+        assert np.abs(served(job) - full).max() > 5
 
 
 # ---- the request's allowance: the field and the config ----------------------------------------------------

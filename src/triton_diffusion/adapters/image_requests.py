@@ -4,14 +4,17 @@ scheduler and timesteps, its text conditioning, its inpainting source and its st
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from triton_diffusion.adapters.lora import NO_LORA, LoraSet
 from triton_diffusion.adapters.step_caches import CacheState
 from triton_diffusion.step_cache_spec import NO_CACHE, StepCache
+
+if TYPE_CHECKING:
+    from triton_diffusion.engine.jobs import Job
 
 
 @dataclass(frozen=True)
@@ -125,3 +128,11 @@ def row_conditioning(
         Conditioning(row(conditional, i), None if unconditional is None else row(unconditional, i))
         for i in range(count)
     ]
+
+
+def as_run(job: Job) -> ImageRequest:
+    """A job's request as it runs: where the scheduler cut its steps (engine/degradation.py), with those
+    steps, from its start (a checkpoint of its full schedule does not fit the shorter one)."""
+    if job.cut is None:
+        return job.params
+    return replace(job.params, steps=job.cut.steps, resume=None)

@@ -34,7 +34,7 @@ import torch
 from triton_diffusion.adapters.captured_forwards import Capture, CapturedForwards, capture_adapter_forwards
 from triton_diffusion.adapters.devices import take_rows, to_device
 from triton_diffusion.adapters.diffusers_pipeline import counterpart_pipeline
-from triton_diffusion.adapters.image_requests import Conditioning, ImageRequest, LatentJob
+from triton_diffusion.adapters.image_requests import Conditioning, ImageRequest, LatentJob, as_run
 from triton_diffusion.adapters.lora import LoraBank, LoraSet
 from triton_diffusion.adapters.packed_rows import SizedRows
 from triton_diffusion.adapters.schedulers import can_batch, guide, scale_model_inputs, vectorised_step
@@ -287,7 +287,7 @@ class LatentStepAdapter(SizedRows, LatentStarts):
         """Which output of the scheduler's ``step`` becomes the job's latents: the stepped sample (0), or
         where the pipeline's loop keeps another (``one_step_keeps_original``, PixArt-Alpha after one step:
         the predicted original sample, 1), that index; such a job steps alone."""
-        return 1 if self.facts.traits.one_step_keeps_original and job.params.steps == 1 else 0
+        return 1 if self.facts.traits.one_step_keeps_original and as_run(job).steps == 1 else 0
 
     def forward_inputs(
         self, jobs: list[Job], job_timesteps: list[torch.Tensor]

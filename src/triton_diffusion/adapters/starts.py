@@ -28,7 +28,13 @@ import torch
 from diffusers.utils.torch_utils import randn_tensor
 
 from triton_diffusion.adapters.diffusers_pipeline import row_generator
-from triton_diffusion.adapters.image_requests import Conditioning, ImageRequest, InpaintSource, LatentJob
+from triton_diffusion.adapters.image_requests import (
+    Conditioning,
+    ImageRequest,
+    InpaintSource,
+    LatentJob,
+    as_run,
+)
 from triton_diffusion.adapters.job_checkpoints import (
     CheckpointMismatch,
     checkpoint_refusal,
@@ -400,11 +406,3 @@ class LatentStarts:
         if "generator" in accepted:
             kwargs["generator"] = [generator]
         return kwargs
-
-
-def as_run(job: Job) -> ImageRequest:
-    """A job's request as it runs: where the scheduler cut its steps (engine/degradation.py), with those
-    steps, from its start (a checkpoint of its full schedule does not fit the shorter one)."""
-    if job.cut is None:
-        return job.params
-    return replace(job.params, steps=job.cut.steps, resume=None)

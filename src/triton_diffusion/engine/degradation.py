@@ -12,10 +12,12 @@ a deadline and an allowance, is given the most steps for which the engine's esti
 use: its forwards after the work that goes before it, its start and its decode) finishes it in time.
 
 - Only when its deadline needs it: where what it asked meets its deadline, it runs what it asked (a
-  queue with room degrades nobody). Where no allowed count meets it either, it is not degraded (a cut
-  that saves nobody is not made): it is refused or expires as without degradation.
+  queue with room degrades nobody). Where no allowed count meets it either, a job not cut yet is not
+  degraded (a cut that saves nobody is not made: it is refused or expires as without degradation); one
+  cut already keeps its fewest steps.
 - Lower tiers first: they go after the higher ones, so the higher tiers' work counts ahead of them and
-  they are the ones whose deadlines need a cut.
+  they are the ones whose deadlines need a cut. Its order is by the steps it asked (a cut would give it
+  slack and move it behind the jobs it was cut for), and a job the walk cut is not refused.
 - As little as it can: the most steps that meet the deadline, the fewest cut.
 - Decided again at each engine step until the job is admitted (a queue that drains in the meantime gives
   it back what it asked); once it starts, its schedule is fixed (its scheduler's timesteps are made for
@@ -48,7 +50,10 @@ class StepsCut:
 
 
 def cut_for_deadline(
-    allowed: StepsAllowed, finish_s: Callable[[int], float], time_left_s: float
+    allowed: StepsAllowed,
+    finish_s: Callable[[int], float],
+    time_left_s: float,
+    previous: StepsCut | None = None,
 ) -> StepsCut | None:
     """The cut that lets a job meet its deadline: the most steps of ``allowed`` (what it asked first, then
     fewer) whose estimate ``finish_s(denoising steps)`` is within ``CUT_TARGET`` of ``time_left_s`` (where
@@ -60,8 +65,14 @@ def cut_for_deadline(
     full_s = finish_s(asked_denoising)
     if full_s <= time_left_s:
         return None
+    why = f"{asked} steps estimated {full_s * 1000:.0f} ms, {max(time_left_s, 0) * 1000:.0f} ms left"
     if not fewer or finish_s(fewer[-1][1]) > time_left_s:
-        return None  # not even the fewest steps allowed are in time
+        # Not even the fewest steps allowed are in time: a job not cut yet is left as it asked (refused
+        # or expiring as without degradation); one cut already keeps the fewest (given back what it asked,
+        # it would run the most work and expire, after counting at full size before every later job).
+        if previous is None or not fewer:
+            return None
+        return StepsCut(*fewer[-1], asked, f"deadline: {why}; even {fewer[-1][0]} steps late")
     # The estimate grows with the steps: search (most steps first) for the first within the target.
     low, high = 0, len(fewer) - 1
     while low < high:
@@ -71,7 +82,6 @@ def cut_for_deadline(
         else:
             low = middle + 1
     steps, denoising = fewer[low]
-    why = f"{asked} steps estimated {full_s * 1000:.0f} ms, {max(time_left_s, 0) * 1000:.0f} ms left"
     return StepsCut(steps, denoising, asked, f"deadline: {why}")
 
 

@@ -39,12 +39,16 @@ class WorkTimes:
     calibration: dict[tuple[int, int], float] = field(default_factory=dict)
     start_s: float | None = None  # per job started
     finish_s: float | None = None  # per job decoded
+    # The line through ``by_tokens`` (fixed, per token), fitted once per change: the scheduler prices
+    # every held job at every engine step, and a fit over up to MAX_SIZES points each time adds up.
+    _line: tuple[float, float] | None = field(default=None, repr=False)
 
     def forward_ran(self, jobs: int, tokens: int, seconds: float, rows: int | None = None) -> None:
         """A forward of ``jobs`` jobs, ``rows`` denoiser rows (None: unknown) and ``tokens`` tokens (padding
         included) took ``seconds``."""
         tokens = max(tokens, 1)
         _remember(self.by_tokens, tokens, seconds)
+        self._line = None
         if rows is not None:
             _remember(self.by_rows_tokens, (rows, tokens), seconds)
 
@@ -86,16 +90,9 @@ class WorkTimes:
         if len(points) == 1:
             ((size, seconds),) = points.items()
             return seconds * max(tokens / size, 1.0)
-        n = len(points)
-        mean_t = sum(points) / n
-        mean_s = sum(points.values()) / n
-        spread = sum((t - mean_t) ** 2 for t in points)
-        slope = sum((t - mean_t) * (s - mean_s) for t, s in points.items()) / spread
-        if slope <= 0:
-            return mean_s
-        fixed = mean_s - slope * mean_t
-        if fixed < 0:
-            slope, fixed = sum(t * s for t, s in points.items()) / sum(t * t for t in points), 0.0
+        if self._line is None:
+            self._line = _line(points)
+        fixed, slope = self._line
         return max(fixed + slope * tokens, 0.0)
 
     def finish_in(
@@ -123,6 +120,22 @@ class WorkTimes:
         if not started:
             seconds += self.start_s or 0.0
         return seconds + (self.finish_s or 0.0)
+
+
+def _line(points: dict[int, float]) -> tuple[float, float]:
+    """The least-squares line ``(fixed, slope)`` through two or more ``tokens: seconds`` points: flat at
+    the mean where it falls (noise), through the origin where its fixed part is negative."""
+    n = len(points)
+    mean_t = sum(points) / n
+    mean_s = sum(points.values()) / n
+    spread = sum((t - mean_t) ** 2 for t in points)
+    slope = sum((t - mean_t) * (s - mean_s) for t, s in points.items()) / spread
+    if slope <= 0:
+        return mean_s, 0.0
+    fixed = mean_s - slope * mean_t
+    if fixed < 0:
+        return 0.0, sum(t * s for t, s in points.items()) / sum(t * t for t in points)
+    return fixed, slope
 
 
 def _blend(old: float | None, new: float) -> float:

@@ -207,13 +207,15 @@ class Scheduler:
         """A newcomer that cannot meet its deadline, given the work that goes before it, leaves now."""
         if job.deadline is None or not self.service.refuse_late or not self.times.measured:
             return
-        if job.status.ended:
-            return  # dropped as ended below
+        if job.status.ended or job.cut is not None:
+            return  # dropped as ended below; or cut to steps the walk found in time (_cut_steps)
         mine = self.order_key(job, now)
         ahead = [j for q in (self.waiting, self.running, self.paused) for j in q if j is not job]
         ahead_work = sum(j.remaining * j.tokens for j in ahead if self.order_key(j, now) < mine)
         behind = self._running_behind(now, mine)
-        estimate = self._finish_in(job, ahead_work, behind, self._held_back_s(job, now, mine), job.remaining)
+        estimate = self._finish_in(
+            job, ahead_work, behind, self._held_back_s(job, now, behind), job.remaining
+        )
         if now + estimate <= job.deadline:
             return
         self.waiting.remove(job)
@@ -232,17 +234,16 @@ class Scheduler:
         budget = self._budget(job)
         return self.times.finish_in(job.tokens, steps, ahead_work, budget, False, alongside) + held_back_s
 
-    def _running_behind(self, now: float, mine: tuple) -> tuple[Job, ...]:
-        return tuple(j for j in self.running if self.order_key(j, now) >= mine)
-
-    def _held_back_s(self, job: Job, now: float, mine: tuple) -> float:
+    def _held_back_s(self, job: Job, now: float, behind: tuple[Job, ...]) -> float:
         """A full running set that a waiting ``job`` may not pause anyone in holds it until a running job
-        behind it in order is done: those seconds (else 0)."""
-        behind = [j for j in self.running if self.order_key(j, now) >= mine]
+        ``behind`` it in order is done: those seconds (else 0)."""
         full = len(self.running) + len(self.starting) >= self.limits.max_running
         if not (full and behind) or self._victim(job, now) is not None:
             return 0.0
         return min(j.remaining for j in behind) * self.times.forward_s(sum(j.tokens for j in self.running))
+
+    def _running_behind(self, now: float, mine: tuple) -> tuple[Job, ...]:
+        return tuple(j for j in self.running if self.order_key(j, now) >= mine)
 
     def _cut_steps(self, now: float) -> None:
         """Each waiting job that may run fewer steps gets the most with which it meets its deadline
@@ -253,14 +254,15 @@ class Scheduler:
             return
         held = [j for q in (self.waiting, self.starting, self.running, self.paused) for j in q]
         keys = {id(j): self.order_key(j, now) for j in held if not j.status.ended}
+        running = [(keys[id(j)], j) for j in self.running if id(j) in keys]  # keyed once per walk
         waiting = set(map(id, self.waiting))
         ahead = 0
         for job in sorted((j for j in held if id(j) in keys), key=lambda j: keys[id(j)]):
             mine = keys[id(job)]
             if id(job) in waiting and job.steps_allowed and job.deadline is not None:
-                behind = self._running_behind(now, mine)
-                done_in = partial(self._finish_in, job, ahead, behind, self._held_back_s(job, now, mine))
-                job.cut = cut_for_deadline(job.steps_allowed, done_in, job.deadline - now)
+                behind = tuple(j for key, j in running if key >= mine)
+                done_in = partial(self._finish_in, job, ahead, behind, self._held_back_s(job, now, behind))
+                job.cut = cut_for_deadline(job.steps_allowed, done_in, job.deadline - now, job.cut)
             ahead += job.remaining * job.tokens
 
     @staticmethod
@@ -427,8 +429,11 @@ class Scheduler:
         return (*self.service.key(job, now, self._finish_s), job.arrived)
 
     def _finish_s(self, job: Job) -> float:
-        """The estimated seconds to finish this job alone in its forwards (for its slack)."""
-        return self.times.finish_in(job.tokens, job.remaining, 0, self._budget(job), job.state is not None)
+        """The estimated seconds to finish this job alone in its forwards (for its slack): a job not started
+        by the steps it asked (a cut would give it slack, and move it behind the jobs it was cut for)."""
+        started = job.state is not None
+        steps = job.remaining if started else job.planned_steps
+        return self.times.finish_in(job.tokens, steps, 0, self._budget(job), started)
 
     def late_jobs(self, seconds: float, now: float | None = None) -> list[Job]:
         """The jobs held (not ended) that cannot be done within ``seconds`` (a drain): in the order they

@@ -144,6 +144,7 @@ class StepEngine:
             for job in jobs
             if self.checkpoint_every
             and job.checkpoint_key is not None
+            and job.cut is None  # a cut job's shorter schedule would not fit its request's resend
             and job.state is not None
             and 0 < job.steps_done < job.total_steps
         ]
@@ -265,6 +266,7 @@ class StepEngine:
             job
             for job in stepped
             if job.checkpoint_key is not None
+            and job.cut is None
             and 0 < job.steps_done < job.total_steps
             and job.steps_done % every == 0
             and not job.status.ended

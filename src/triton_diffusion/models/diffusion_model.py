@@ -278,8 +278,9 @@ class DiffusionModel(TritonModel):
         the request-level engine (it runs what it asked). Raises INVALID_ARG naming min_inference_steps
         where it is above num_inference_steps."""
         asked, least = values.get("num_inference_steps") or 1, values.get("min_inference_steps")
-        if least is not None and least > asked:
-            allowed = f"1 to num_inference_steps, {asked}"
+        floor = int(self.fields["num_inference_steps"].minimum or 1)  # the model's (Qwen-Image: 2)
+        if least is not None and not floor <= least <= asked:
+            allowed = f"{floor} to num_inference_steps, {asked}"
             raise invalid_field("min_inference_steps", f"got {least} (allowed: {allowed})")
         if self.adapter is None:
             return ()
@@ -287,7 +288,7 @@ class DiffusionModel(TritonModel):
             share = (self.settings.config.degrade_tiers or {}).get(self.settings.config.service_tiers[tier])
             if share is None:
                 return ()
-            least = max(1, math.ceil(asked * share))
+            least = max(floor, math.ceil(round(asked * share, 9)))  # 50 x 0.14 is 7, not 8
         return steps_allowed(
             asked,
             least,
