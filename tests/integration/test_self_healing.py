@@ -199,7 +199,8 @@ def test_a_killed_stub_is_noticed_reported_and_recovered(tmp_path):
         assert again.ok and again.attempts == 1, again.error
         # Every block once, in order, as one uninterrupted run streams them (up to 8: the seed, drawn from
         # the random resume key, may sample an EOS earlier, which ends the reply after that block).
-        assert [b.index for b in reply.blocks] == list(range(len(again.blocks))) and 1 <= len(again.blocks) <= 8
+        assert [b.index for b in reply.blocks] == list(range(len(again.blocks)))
+        assert 1 <= len(again.blocks) <= 8
         assert [b.text for b in reply.blocks] == [b.text for b in again.blocks] and reply.text == again.text
         streamed_pieces = front_pieces.get(timeout=120)
         assert isinstance(streamed_pieces, list), streamed_pieces
