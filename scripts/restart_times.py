@@ -7,7 +7,9 @@ OpenAI front off), and times three things on the true clock:
 - ``ready_s``: from the launch until the supervisor's ``/readyz`` answers 200 (every model loaded);
 - ``crash_back_s``: from a ``kill -9`` of the ``text_to_image`` stub until ``/readyz`` answers 200 again
   (the supervisor notices, stops the server, starts a new one, every model loads again);
-- ``stop_idle_s``: from SIGTERM to the launcher (what an orchestrator sends) until it has exited.
+- ``stop_idle_s``: from SIGTERM to the launcher (what an orchestrator sends) until it has exited, the
+  server idle for 2 s after it answered a request of each text-to-image model (an answered request that
+  the serving side still holds makes Triton's unload wait its exit timeout).
 
 ``--before ROOT`` also runs another checkout (an older commit), its rounds alternated with this one's: its
 ``src`` goes first on the ``PYTHONPATH`` of the launcher and its stubs, and its model repository is served
@@ -23,12 +25,14 @@ Rendered by scripts/tables/restart_times.py.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -42,6 +46,7 @@ from triton_diffusion.serving.supervisor import list_stubs  # noqa: E402
 
 OUT = REPO_ROOT / "docs" / "cpu" / "restart_times.json"
 VICTIM = "text_to_image"
+SERVED = ("text_to_image", "text_to_image_flux")  # answered before the idle stop
 
 
 def ready(health_url: str) -> bool:
@@ -73,13 +78,27 @@ def server_pid(launcher: int) -> int:
     raise RuntimeError("no tritonserver under the launcher")
 
 
+def generate(http_url: str, model: str) -> str | None:
+    """One small image through HTTP generate; None when it came back, else the error."""
+    body = {"PROMPT": "a red boat", "parameters": {"num_inference_steps": 4, "seed": 1}}
+    request = urllib.request.Request(
+        f"{http_url}/v2/models/{model}/generate", data=json.dumps(body).encode(), method="POST"
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return None if "IMAGE" in json.loads(response.read()) else "no IMAGE"
+    except urllib.error.HTTPError as error:
+        return error.read().decode(errors="replace")
+
+
 def one_round(root: Path, log_path: Path, timeout_s: float) -> dict[str, float]:
-    health = free_port()
+    health, http = free_port(), free_port()
+    http_url = f"http://127.0.0.1:{http}"
     launcher = Path(sys.executable).parent / "triton-diffusion-serve"
     env = {**os.environ, "PYTHONPATH": f"{root / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     command = [
         str(launcher), "--model-repository", str(root / "model_repository"), f"--health-port={health}",
-        f"--http-port={free_port()}", f"--grpc-port={free_port()}", f"--metrics-port={free_port()}",
+        f"--http-port={http}", f"--grpc-port={free_port()}", f"--metrics-port={free_port()}",
     ]  # fmt: skip
     health_url = f"http://127.0.0.1:{health}"
     with open(log_path, "a") as log:
@@ -96,6 +115,10 @@ def one_round(root: Path, log_path: Path, timeout_s: float) -> dict[str, float]:
             wait_until(lambda: not ready(health_url), timeout_s)
             wait_until(lambda: ready(health_url), timeout_s)
             crash_back_s = time.monotonic() - killed
+            for model in SERVED:
+                error = generate(http_url, model)
+                if error is not None:
+                    raise RuntimeError(f"{model}: {error}")
             time.sleep(2)  # idle
             stopping = time.monotonic()
             process.send_signal(signal.SIGTERM)
