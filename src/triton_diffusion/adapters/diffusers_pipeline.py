@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from triton_diffusion.adapters import diffusers_compat as compat
 from triton_diffusion.families import PipelineFacts
 from triton_diffusion.settings import ModelSettings
 
@@ -48,7 +49,7 @@ def counterpart_pipeline(pipe: Any, class_name: str) -> Any:
     if type(pipe).__name__ == class_name:
         return pipe
     pipeline_class = getattr(diffusers, class_name)
-    modules, options = pipeline_class._get_signature_keys(pipeline_class)
+    modules, options = compat.signature_keys(pipeline_class)
     kwargs = {name: value for name, value in pipe.components.items() if name in modules}
     kwargs.update((name, value) for name, value in pipe.config.items() if name in options)
     other = pipeline_class(**kwargs)

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from triton_diffusion.adapters import diffusers_compat as compat
 from triton_diffusion.adapters.image_requests import Conditioning, ImageRequest, row_conditioning
 from triton_diffusion.adapters.latent_loop import LatentStepAdapter
 from triton_diffusion.adapters.packed_rows import MaskedJointAttnProcessor
@@ -125,7 +126,7 @@ class FluxAdapter(FlowMatchingImageStart, LatentStepAdapter):
 
     def pack(self, latents: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
         count, channels, height, width = latents.shape
-        return self.pipe._pack_latents(latents, count, channels, height, width)
+        return compat.pack_latents(self.pipe, latents, count, channels, height, width)
 
     def pack_mask(self, mask: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
         # FluxInpaintPipeline.prepare_mask_latents: the mask repeated over the channels, then packed.
@@ -221,8 +222,8 @@ class FluxAdapter(FlowMatchingImageStart, LatentStepAdapter):
         if key not in self._ids_by_shape:
             text_ids = torch.zeros(text_length, 3).to(device=self.device, dtype=self.pipe.text_encoder.dtype)
             factor = self.pipe.vae_scale_factor * 2
-            image_ids = self.pipe._prepare_latent_image_ids(
-                1, size[0] // factor, size[1] // factor, self.device, self.dtype
+            image_ids = compat.latent_image_ids(
+                self.pipe, size[0] // factor, size[1] // factor, self.device, self.dtype
             )
             if len(self._ids_by_shape) >= IDS_KEPT:  # canvases follow the sizes that met: keep a few
                 del self._ids_by_shape[next(iter(self._ids_by_shape))]
@@ -230,7 +231,7 @@ class FluxAdapter(FlowMatchingImageStart, LatentStepAdapter):
         return self._ids_by_shape[key]
 
     def _unpack(self, latents: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
-        return self.pipe._unpack_latents(latents, size[0], size[1], self.pipe.vae_scale_factor)
+        return compat.unpack_latents(self.pipe, latents, size[0], size[1])
 
     def decode(self, latents: torch.Tensor, size: tuple[int, int]) -> list[Image.Image]:
         vae = self.pipe.vae

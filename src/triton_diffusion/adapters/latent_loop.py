@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from triton_diffusion.adapters import diffusers_compat as compat
 from triton_diffusion.adapters.captured_forwards import Capture, CapturedForwards, capture_adapter_forwards
 from triton_diffusion.adapters.devices import take_rows, to_device
 from triton_diffusion.adapters.diffusers_pipeline import counterpart_pipeline
@@ -100,7 +101,7 @@ class LatentStepAdapter(SizedRows, LatentStarts):
         self.max_sequence_length: int | None = (
             max_sequence_length or facts.default("max_sequence_length") or self.fallback_max_sequence_length
         )
-        self.device = self.pipe._execution_device
+        self.device = compat.execution_device(self.pipe)
         self.dtype = self.model.dtype
         self.latent_dtype = self.dtype  # what latents are drawn and stepped in (Qwen-Image: its text's)
         self.module = sys.modules[type(self.pipe).__module__]  # the pipeline's own retrieve_timesteps & co

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from triton_diffusion.adapters import diffusers_compat as compat
 from triton_diffusion.adapters.flow_matching import FlowMatchingImageStart
 from triton_diffusion.adapters.image_requests import ImageRequest, LatentJob
 from triton_diffusion.adapters.latent_loop import LatentStepAdapter
@@ -62,7 +63,7 @@ class QwenImageAdapter(FlowMatchingImageStart, LatentStepAdapter):
 
     def pack(self, latents: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
         count, _, channels, height, width = latents.shape  # [n, 1, C, h, w]
-        return self.pipe._pack_latents(latents, count, channels, height, width)
+        return compat.pack_latents(self.pipe, latents, count, channels, height, width)
 
     def uses_guidance(self, request: ImageRequest) -> bool:
         return (request.true_cfg_scale or 0.0) > 1.0 and request.negative_prompt is not None
@@ -157,7 +158,7 @@ class QwenImageAdapter(FlowMatchingImageStart, LatentStepAdapter):
         return torch.cat(noise)
 
     def _unpack(self, latents: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
-        return self.pipe._unpack_latents(latents, size[0], size[1], self.pipe.vae_scale_factor)
+        return compat.unpack_latents(self.pipe, latents, size[0], size[1])
 
     def decode(self, latents: torch.Tensor, size: tuple[int, int]) -> list[Image.Image]:
         vae = self.pipe.vae

@@ -26,6 +26,7 @@ import torch
 from diffusers.utils.torch_utils import randn_tensor
 from PIL import Image
 
+from triton_diffusion.adapters import diffusers_compat as compat
 from triton_diffusion.adapters.image_requests import Conditioning, ImageRequest, row_conditioning
 from triton_diffusion.adapters.latent_loop import LatentStepAdapter
 from triton_diffusion.adapters.vae import sample_latents
@@ -140,15 +141,15 @@ class StableDiffusionAdapter(LatentStepAdapter):
         where ``requires_aesthetics_score`` is set, another one for the unconditional row)."""
         size = request.size
         if request.image is None:
-            time_ids = self.pipe._get_add_time_ids(size, (0, 0), size, dtype, projection).to(self.device)
+            time_ids = compat.add_time_ids(self.pipe, size, (0, 0), size, dtype, projection).to(self.device)
             return time_ids, time_ids
         pipe = self.pipelines[request.start]
         defaults = inspect.signature(pipe.__call__).parameters
         aesthetic, negative_aesthetic = (
             defaults[name].default for name in ("aesthetic_score", "negative_aesthetic_score")
         )
-        time_ids, negative_time_ids = pipe._get_add_time_ids(
-            size, (0, 0), size, aesthetic, negative_aesthetic, size, (0, 0), size, dtype, projection
+        time_ids, negative_time_ids = compat.add_time_ids(
+            pipe, size, (0, 0), size, aesthetic, negative_aesthetic, size, (0, 0), size, dtype, projection
         )
         return time_ids.to(self.device), negative_time_ids.to(self.device)
 

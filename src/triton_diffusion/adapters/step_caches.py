@@ -47,11 +47,12 @@ import itertools
 import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, NamedTuple, TypeVar
+from typing import Any, Generic, TypeVar
 
 import torch
 
 from triton_diffusion.adapters.devices import to_device
+from triton_diffusion.adapters.diffusers_compat import BlockLayout, registered_block_layout
 from triton_diffusion.adapters.taylor_factors import TaylorFactors, taylor_predict, taylor_update
 from triton_diffusion.step_cache_spec import StepCache
 
@@ -191,45 +192,15 @@ def _attention_modules(transformer: torch.nn.Module) -> list[torch.nn.Module]:
     ]
 
 
-class BlockLayout(NamedTuple):
-    """Where a block takes its hidden (encoder) states and returns them in its tuple (None: it does not)."""
-
-    hidden_index: int
-    encoder_index: int | None
-    hidden_argument: str
-    encoder_argument: str
-
-
 _LAYOUTS: dict[type, BlockLayout | None] = {}
 
 
 def block_layout(block_class: type) -> BlockLayout | None:
     """``block_class``'s layout as diffusers' First Block Cache reads it; None for a class it has none of
-    (it refuses such a model: Sana's blocks). The one private piece used: it has no public form, and FBC
-    per row must read what diffusers' FBC reads to equal it. A change fails here by name (and in tests)."""
+    (it refuses such a model: Sana's blocks). Read through diffusers_compat (no public form)."""
     if block_class not in _LAYOUTS:
-        _LAYOUTS[block_class] = _registered_layout(block_class)
+        _LAYOUTS[block_class] = registered_block_layout(block_class)
     return _LAYOUTS[block_class]
-
-
-def _registered_layout(block_class: type) -> BlockLayout | None:
-    try:
-        from diffusers.hooks._helpers import TransformerBlockRegistry
-
-        meta = TransformerBlockRegistry.get(block_class)
-        return BlockLayout(
-            meta.return_hidden_states_index,
-            meta.return_encoder_hidden_states_index,
-            meta.hidden_states_argument_name,
-            meta.encoder_hidden_states_argument_name,
-        )
-    except ValueError:  # "Model class ... not registered"
-        return None
-    except (ImportError, AttributeError) as exc:
-        raise RuntimeError(
-            f"diffusers moved or changed hooks._helpers.TransformerBlockRegistry ({exc}): "
-            "step_caches.block_layout must learn where it now keeps the blocks' layouts"
-        ) from exc
 
 
 def servable(transformer: torch.nn.Module, methods: Sequence[str]) -> tuple[str, ...]:

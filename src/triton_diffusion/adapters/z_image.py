@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from PIL import Image
 
+from triton_diffusion.adapters import diffusers_compat as compat
 from triton_diffusion.adapters.image_requests import ImageRequest, LatentJob
 from triton_diffusion.adapters.latent_loop import LatentStepAdapter
 
@@ -51,9 +52,8 @@ class ZImageAdapter(LatentStepAdapter):
         # The base encode hands prompts and the guided rows' negative prompts here in one call: the
         # pipeline encodes a negative prompt exactly as a prompt (a missing one as ""). _encode_prompt
         # rewrites the list it is given (the chat template), so it gets its own.
-        features = self.pipe._encode_prompt(
-            prompt=list(texts), device=self.device, max_sequence_length=self.max_sequence_length
-        )
+        length = self.max_sequence_length
+        features = compat.encode_prompt_features(self.pipe, list(texts), self.device, length)
         text = []
         for row in features:
             padded = row.new_zeros(1, self.max_sequence_length, row.shape[-1])

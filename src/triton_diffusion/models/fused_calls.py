@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from triton_diffusion.adapters import diffusers_compat as compat
 from triton_diffusion.adapters.call_caches import call_cache
 from triton_diffusion.adapters.lora import lora_set
 from triton_diffusion.compatibility import CompatibilityKey
@@ -124,9 +125,7 @@ class FusedCalls:
         while the pipeline goes on."""
         latent = latents[position : position + 1]
         if self.facts.traits.packed_latents:  # Flux, Qwen-Image: 2x2 latent patches packed into channels
-            latent = self.pipe._unpack_latents(
-                latent, shared["height"], shared["width"], self.pipe.vae_scale_factor
-            )
+            latent = compat.unpack_latents(self.pipe, latent, shared["height"], shared["width"])
         if latent.ndim == 5:  # video latents, and Qwen-Image's unpacked (B, C, 1, h, w)
             latent = latent[:, :, latent.shape[2] // 2]
         return latent[0].clone()

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from triton_diffusion.adapters import diffusers_compat as compat
 from triton_diffusion.adapters.devices import take_rows, to_device
 
 # Reduced-precision dtypes vectorise only on CUDA, where their rounding is reproduced.
@@ -127,7 +128,7 @@ def step_index(scheduler: Any, timestep: Any) -> int:
     # The scheduler's own initialisation, as its step would do it first; it is idempotent, so doing it
     # before the math keeps a failed vectorised call harmless to the per-row retry.
     if scheduler.step_index is None:
-        scheduler._init_step_index(timestep)
+        compat.init_step_index(scheduler, timestep)
     return scheduler.step_index
 
 

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from triton_diffusion.adapters import diffusers_compat as compat
 from triton_diffusion.adapters.schedulers.core import (
     Commit,
     Method,
@@ -47,7 +48,7 @@ class DDIM(Method):
             scheduler.alphas_cumprod[prev_timestep] if prev_timestep >= 0 else scheduler.final_alpha_cumprod
         )
         beta_prod_t = 1 - alpha_prod_t
-        variance = scheduler._get_variance(timestep, prev_timestep)
+        variance = compat.ddim_variance(scheduler, timestep, prev_timestep)
         std_dev_t = 0.0 * variance ** (0.5)
         direction = (1 - alpha_prod_t_prev - std_dev_t**2) ** (0.5)
         sqrt_alpha, sqrt_beta = alpha_prod_t ** (0.5), beta_prod_t ** (0.5)

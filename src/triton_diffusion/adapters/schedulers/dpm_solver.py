@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from triton_diffusion.adapters import diffusers_compat as compat
 from triton_diffusion.adapters.schedulers.core import (
     Commit,
     Method,
@@ -55,13 +56,13 @@ class DPMSolverPP2M(Method):
         if scheduler.config.prediction_type == "flow_prediction":
             alpha, sigma = torch.ones(()), sigmas[index]
         else:
-            alpha, sigma = scheduler._sigma_to_alpha_sigma_t(sigmas[index])
+            alpha, sigma = compat.sigma_to_alpha_sigma_t(scheduler, sigmas[index])
         # dpm_solver_first_order_update and multistep_dpm_solver_second_order_update (their h and their
         # sample and D0 coefficients are the same values)
         sigma_t, sigma_s0, sigma_s1 = sigmas[index + 1], sigmas[index], sigmas[index - 1]
-        alpha_t, sigma_t = scheduler._sigma_to_alpha_sigma_t(sigma_t)
-        alpha_s0, sigma_s0 = scheduler._sigma_to_alpha_sigma_t(sigma_s0)
-        alpha_s1, sigma_s1 = scheduler._sigma_to_alpha_sigma_t(sigma_s1)
+        alpha_t, sigma_t = compat.sigma_to_alpha_sigma_t(scheduler, sigma_t)
+        alpha_s0, sigma_s0 = compat.sigma_to_alpha_sigma_t(scheduler, sigma_s0)
+        alpha_s1, sigma_s1 = compat.sigma_to_alpha_sigma_t(scheduler, sigma_s1)
         lambda_t = torch.log(alpha_t) - torch.log(sigma_t)
         lambda_s0 = torch.log(alpha_s0) - torch.log(sigma_s0)
         lambda_s1 = torch.log(alpha_s1) - torch.log(sigma_s1)
@@ -129,6 +130,6 @@ class DPMSolverPP2M(Method):
                 outputs[-1] = x0[k : k + 1]
                 if s.lower_order_nums < s.config.solver_order:
                     s.lower_order_nums += 1
-                s._step_index += 1
+                compat.advance_step_index(s)
 
         return prev, commit

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from triton_diffusion.adapters import diffusers_compat as compat
 from triton_diffusion.adapters.schedulers.core import (
     Commit,
     Method,
@@ -92,6 +93,6 @@ class Euler(Method):
 
         def commit() -> None:
             for s in schedulers:
-                s._step_index += 1
+                compat.advance_step_index(s)
 
         return prev, commit
