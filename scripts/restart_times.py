@@ -80,7 +80,7 @@ def server_pid(launcher: int) -> int:
 
 def generate(http_url: str, model: str) -> str | None:
     """One small image through HTTP generate; None when it came back, else the error."""
-    body = {"PROMPT": "a red boat", "parameters": {"num_inference_steps": 4, "seed": 1}}
+    body = {"PROMPT": "a red boat", "parameters": {"num_inference_steps": 4, "seed": 1, "output_encoding": "base64"}}
     request = urllib.request.Request(
         f"{http_url}/v2/models/{model}/generate", data=json.dumps(body).encode(), method="POST"
     )
