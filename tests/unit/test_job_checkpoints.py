@@ -36,7 +36,6 @@ from triton_diffusion.adapters.job_checkpoints import (
     checkpoint_refusal,
     restore,
     snapshot,
-    start_of,
 )
 from triton_diffusion.adapters.step_adapters import step_adapter_for
 from triton_diffusion.engine.jobs import Job
@@ -202,7 +201,7 @@ def test_a_resumed_image_conditioned_job_ends_in_the_uninterrupted_image(
     neighbour = sd_request(scheduler, 1, steps=5)
     expected, checkpoint = interrupted(sd, request, neighbour, 2, tmp_path)
     # The trimmed schedule's begin index is set at the start: the fresh start of the resend sets it again.
-    assert "_begin_index" in checkpoint.meta["scheduler"]["unchanged"]
+    assert "_begin_index" not in checkpoint.meta["scheduler"]["attributes"]
     assert np.abs(resumed(sd, request, neighbour, checkpoint) - expected).max() <= TOLERANCE
 
 
@@ -219,18 +218,14 @@ ALONE = [
 ]
 
 
-def scheduler_job(name: str, config: dict[str, Any], seed: int = 5, recorded: bool = True) -> LatentJob:
-    """A job of ``name`` at its start; ``recorded``: its scheduler's start recorded, as the adapters do
-    (a checkpoint then leaves out what has not changed), else not (a checkpoint holds everything)."""
+def scheduler_job(name: str, config: dict[str, Any], seed: int = 5) -> LatentJob:
+    """A job of ``name`` at its start."""
     scheduler = getattr(diffusers, name)(**config)
     scheduler.set_timesteps(8)
     generator = torch.Generator().manual_seed(seed)
     kwargs = {"generator": [generator]} if "generator" in inspect.signature(scheduler.step).parameters else {}
     latents = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(1)) * scheduler.init_noise_sigma
-    start = start_of(scheduler) if recorded else None
-    return LatentJob(
-        latents, scheduler, scheduler.timesteps, {}, None, 1.0, kwargs, {}, scheduler_start=start
-    )
+    return LatentJob(latents, scheduler, scheduler.timesteps, {}, None, 1.0, kwargs, {})
 
 
 def denoise(state: LatentJob, begin: int, end: int) -> None:
@@ -243,78 +238,68 @@ def denoise(state: LatentJob, begin: int, end: int) -> None:
         ]
 
 
-@pytest.mark.parametrize("recorded", [True, False], ids=["changes", "everything"])
 @pytest.mark.parametrize(("name", "config"), ALONE, ids=[n + ("-sde" if c else "") for n, c in ALONE])
-def test_every_scheduler_state_round_trips(name, config, recorded):
+def test_every_scheduler_state_round_trips(name, config):
     if name == "LMSDiscreteScheduler":
         pytest.importorskip("scipy")  # its coefficients integrate with scipy
-    whole, part = scheduler_job(name, config), scheduler_job(name, config, recorded=recorded)
+    whole, part = scheduler_job(name, config), scheduler_job(name, config)
     total = len(whole.timesteps)
     denoise(whole, 0, total)
     denoise(part, 0, 5)
     assert checkpoint_refusal(part) is None
     checkpoint = snapshot(part, 5)
-    assert bool(checkpoint.meta["scheduler"]["unchanged"]) == recorded
     fresh = scheduler_job(name, config)
     restore(fresh, checkpoint)
     denoise(fresh, 5, total)
     assert torch.equal(fresh.latents, whole.latents), name
 
 
-def test_a_checkpoint_leaves_out_the_tables_the_start_made():
-    recorded, everything = (
-        scheduler_job("DDIMScheduler", {}),
-        scheduler_job("DDIMScheduler", {}, recorded=False),
-    )
-    for state in (recorded, everything):
-        denoise(state, 0, 3)
-    slim, full = snapshot(recorded, 3), snapshot(everything, 3)
-    assert "scheduler.alphas_cumprod" in full.tensors and "scheduler.alphas_cumprod" not in slim.tensors
-    assert {"alphas_cumprod", "betas", "timesteps"} <= set(slim.meta["scheduler"]["unchanged"])
-
-    def size(checkpoint: JobCheckpoint) -> int:
-        return sum(t.numel() * t.element_size() for t in checkpoint.tensors.values())
-
-    assert size(slim) * 2 < size(full)  # what is left: the latents and the generator state (5 KB on a CPU)
-
-
-@pytest.mark.parametrize("change", ["in place", "replaced", "list item"])
-def test_a_table_changed_since_the_start_is_saved(change):
+def test_a_checkpoint_holds_the_named_state_and_none_of_the_tables():
     state = scheduler_job("DPMSolverMultistepScheduler", {})
-    denoise(state, 0, 2)
-    scheduler = state.scheduler
-    assert "sigmas" in snapshot(state, 2).meta["scheduler"]["unchanged"]
-    if change == "in place":
-        scheduler.sigmas[0] += 1.0
-        assert "scheduler.sigmas" in snapshot(state, 2).tensors
-    elif change == "replaced":
-        scheduler.sigmas = scheduler.sigmas.double()  # equal values, another dtype
-        assert "scheduler.sigmas" in snapshot(state, 2).tensors
-    else:  # an item of a history that was a tensor when the start was recorded, written in place
-        state.scheduler_start = start_of(scheduler)
-        assert "model_outputs" in snapshot(state, 2).meta["scheduler"]["unchanged"]
-        scheduler.model_outputs[-1].add_(1.0)
-        assert "model_outputs" in snapshot(state, 2).meta["scheduler"]["attributes"]
+    denoise(state, 0, 3)
+    checkpoint = snapshot(state, 3)
+    assert set(checkpoint.meta["scheduler"]["attributes"]) == {
+        "_step_index",
+        "lower_order_nums",
+        "model_outputs",
+    }
+    scheduler_tensors = {name.split(".")[1] for name in checkpoint.tensors if name.startswith("scheduler.")}
+    assert scheduler_tensors == {"model_outputs"}  # neither sigmas, alphas_t nor timesteps: the start's
+    assert "sigmas" in vars(state.scheduler)
 
 
-def test_a_checkpoint_whose_unchanged_attributes_the_job_lacks_is_refused():
+def test_an_unnamed_scheduler_is_not_checkpointed():
+    class UnknownScheduler(diffusers.EulerDiscreteScheduler):
+        pass
+
+    state = scheduler_job("EulerDiscreteScheduler", {})
+    state.scheduler.__class__ = UnknownScheduler
+    assert "UnknownScheduler" in (checkpoint_refusal(state) or "")
+    with pytest.raises(ValueError, match="UnknownScheduler"):
+        snapshot(state, 0)
+
+
+def test_a_checkpoint_without_named_state_or_with_other_state_is_refused():
     state = scheduler_job("EulerDiscreteScheduler", {})
     denoise(state, 0, 2)
-    checkpoint = snapshot(state, 2)
-    fresh = scheduler_job("EulerDiscreteScheduler", {})
-    del fresh.scheduler.sigmas
+    lacking = snapshot(state, 2)
+    del lacking.meta["scheduler"]["attributes"]["_step_index"]
+    with pytest.raises(CheckpointMismatch, match="_step_index"):
+        restore(scheduler_job("EulerDiscreteScheduler", {}), lacking)
+    other = snapshot(state, 2)
+    other.meta["scheduler"]["attributes"]["sigmas"] = {"value": 1.0}  # a table: never from a file
     with pytest.raises(CheckpointMismatch, match="sigmas"):
-        restore(fresh, checkpoint)
+        restore(scheduler_job("EulerDiscreteScheduler", {}), other)
 
 
 def test_a_scheduler_value_that_cannot_be_written_is_refused_by_name():
     state = scheduler_job("EulerDiscreteScheduler", {})
-    state.scheduler.noise_sampler = object()
-    assert "noise_sampler" in (checkpoint_refusal(state) or "")
-    with pytest.raises(ValueError, match=r"scheduler\.noise_sampler.*object"):
+    state.scheduler.is_scale_input_called = object()  # one of its named state's attributes
+    assert "is_scale_input_called" in (checkpoint_refusal(state) or "")
+    with pytest.raises(ValueError, match=r"scheduler\.is_scale_input_called.*object"):
         snapshot(state, 0)
-    state.scheduler.noise_sampler = [torch.zeros(1), {"a": 1}]
-    with pytest.raises(ValueError, match=r"scheduler\.noise_sampler\.1.*dict"):
+    state.scheduler.is_scale_input_called = [torch.zeros(1), {"a": 1}]
+    with pytest.raises(ValueError, match=r"scheduler\.is_scale_input_called\.1.*dict"):
         snapshot(state, 0)
 
 

@@ -45,6 +45,7 @@ from PIL import Image
 from tests.unit.recording import RecordingChannel
 from tests.unit.step_harness import load_family, pipeline_for, reference, run_engine, served
 from triton_diffusion.adapters.call_caches import call_cache, names_its_calls
+from triton_diffusion.adapters.diffusers_compat import registered_block_layout
 from triton_diffusion.adapters.image_requests import ImageRequest
 from triton_diffusion.adapters.step_adapters import step_adapter_for
 from triton_diffusion.adapters.step_caches import (
@@ -52,7 +53,6 @@ from triton_diffusion.adapters.step_caches import (
     HOOK_PREFIX,
     TAYLOR_MODULES,
     BlockLayout,
-    _registered_layout,
     block_layout,
 )
 from triton_diffusion.engine.jobs import Job
@@ -687,8 +687,8 @@ def test_what_step_caches_spells_of_diffusers_private_pieces_is_still_diffusers_
     assert layouts == expected, f"diffusers {diffusers.__version__} changed its blocks' layouts: {layouts}"
     # Without the record at all, a model load fails by name rather than serving a wrong cache.
     monkeypatch.delattr("diffusers.hooks._helpers.TransformerBlockRegistry")
-    with pytest.raises(RuntimeError, match="step_caches.block_layout must learn"):
-        _registered_layout(FluxTransformerBlock)  # block_layout's uncached reading
+    with pytest.raises(RuntimeError, match="registered_block_layout must learn"):
+        registered_block_layout(FluxTransformerBlock)  # block_layout's uncached reading
 
 
 # ---- other families -------------------------------------------------------------------------------------

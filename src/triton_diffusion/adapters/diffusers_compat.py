@@ -72,7 +72,7 @@ SCHEDULER_STEP_STATE: dict[str, tuple[str, ...]] = {
     ),
     "FlowMatchEulerDiscreteScheduler": ("_step_index",),
     "FlowMatchHeunDiscreteScheduler": ("_step_index", "dt", "prev_derivative", "sample"),
-    "LCMScheduler": ("_step_index",),
+    "LCMScheduler": ("_step_index", "sigma_data"),
     "TCDScheduler": ("_step_index",),
 }
 

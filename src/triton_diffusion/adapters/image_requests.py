@@ -102,9 +102,6 @@ class LatentJob:
     extra: dict[str, Any]  # per-row model inputs that are not text conditioning (Flux's guidance)
     inpaint: InpaintSource | None = None  # an inpainting job's source, blended back after each step
     cache: CacheState | None = None  # its step cache's state (each CFG branch its own where they differ)
-    # Its scheduler's attributes as the start made them (job_checkpoints.start_of): a checkpoint leaves out
-    # what has not changed since. None: not recorded, a checkpoint holds every attribute.
-    scheduler_start: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)

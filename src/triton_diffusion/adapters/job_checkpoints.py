@@ -6,19 +6,18 @@ of the same request recomputes identically: the text conditioning, the timesteps
 the model's extra inputs, an inpainting job's source, which the per-step blend only reads):
 
 - the latents;
-- its noise scheduler's attributes that changed since the job started (the step index, DPM-Solver's and
-  UniPC's history of model outputs, PNDM's ets): :func:`start_of` records each attribute at the start (a
-  copy of a tensor, an array's bytes, a list's items, a scalar's value), and a snapshot holds only those
-  that differ. The rest (the schedule's tables, most of a checkpoint's
-  bytes) a restore leaves as the fresh start made them from the scheduler's config and the request. A job
-  whose start was not recorded has every attribute saved;
+- what its noise scheduler changes while it steps, by name (the step index, DPM-Solver's and UniPC's
+  history of model outputs, PNDM's ets: ``diffusers_compat.SCHEDULER_STEP_STATE``, checked against
+  diffusers by a test that steps each scheduler). The rest (the schedule's tables, most of a scheduler's
+  bytes, and an image job's begin index) a restore leaves as the fresh start made them from the scheduler's
+  config and the request;
 - the state of the row's generator (``step_kwargs["generator"]``): a stochastic sampler (Euler ancestral,
   SDE DPM-Solver) draws its step noise from it, so without it the resumed steps draw other noise.
 
 A job with a step cache is not checkpointed (:func:`checkpoint_refusal`): its cache state (residuals,
 Taylor factors, per-branch decisions) is not saved, so such a job is restarted from step 0 on resume; so
-is a job whose scheduler holds a value that cannot be written (a noise sampler object, a nested
-scheduler).
+is a job whose scheduler's state is not named, or holds a value that cannot be written (a noise sampler
+object).
 
 A checkpoint is CPU tensors (contiguous copies, never views: the job steps on while it is written) and
 JSON-serialisable meta; serving/checkpoint_store.py writes it to disk.
@@ -32,10 +31,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from triton_diffusion.adapters import diffusers_compat as compat
 from triton_diffusion.adapters.image_requests import LatentJob
 
-FORMAT = 2  # the meta's layout: a checkpoint of another format does not fit
-CONFIG_ATTRIBUTES = frozenset({"config", "_internal_dict"})  # recomputed from the model's scheduler config
+FORMAT = 3  # the meta's layout: a checkpoint of another format does not fit
 SCALARS = (bool, int, float, str, type(None))
 
 
@@ -60,76 +59,22 @@ def checkpoint_refusal(state: Any) -> str | None:
         return f"a {type(state).__name__} job is not a latent job"
     if state.cache is not None:
         return "its step cache's state (residuals, Taylor factors) is not saved"
+    if compat.step_state_names(state.scheduler) is None:
+        return f"its scheduler's state ({type(state.scheduler).__name__}) is not named in diffusers_compat"
     try:
         _generators(state)
-        for name, value in _scheduler_attributes(state.scheduler).items():
+        for name, value in _step_state(state.scheduler).items():
             _check_value(value, f"scheduler.{name}", state.latents.device)
     except ValueError as exc:
         return str(exc)
     return None
 
 
-def _scheduler_attributes(scheduler: Any) -> dict[str, Any]:
-    """The scheduler's mutable state: its instance attributes but its config."""
-    return {name: value for name, value in vars(scheduler).items() if name not in CONFIG_ATTRIBUTES}
-
-
-def start_of(scheduler: Any) -> dict[str, Any]:
-    """Each scheduler attribute's identity at a job's start (``LatentJob.scheduler_start``): a later
-    snapshot saves only the attributes whose identity has changed since."""
-    return {name: _identity(value) for name, value in _scheduler_attributes(scheduler).items()}
-
-
-def _identity(value: Any) -> Any:
-    """What tells whether an attribute changed: a tensor's values (a copy: a step may write into a table in
-    place, and tensors made under inference mode count no versions), an array's bytes, a list's items, a
-    scalar's type and value, any other object itself."""
-    if isinstance(value, torch.Tensor):
-        return ("tensor", value.detach().clone())
-    if isinstance(value, np.ndarray):
-        return ("numpy", value.dtype.str, value.shape, value.tobytes())
-    if isinstance(value, (list, tuple)):
-        return (type(value).__name__, tuple(_identity(item) for item in value))
-    if isinstance(value, (np.generic, *SCALARS)):
-        return ("value", type(value).__name__, value)
-    return ("object", value)
-
-
-def _same(start: Any, value: Any) -> bool:
-    """Whether ``value`` equals what :func:`_identity` recorded as ``start`` (a tensor on the same device,
-    of the same dtype and shape, with the same values)."""
-    kind = start[0]
-    if kind == "tensor":
-        saved = start[1]
-        return (
-            isinstance(value, torch.Tensor)
-            and value.device == saved.device
-            and value.dtype == saved.dtype
-            and value.shape == saved.shape
-            and torch.equal(value, saved)
-        )
-    if kind == "object":
-        return value is start[1]
-    if kind in ("list", "tuple"):
-        return (
-            type(value).__name__ == kind
-            and len(value) == len(start[1])
-            and all(_same(item, v) for item, v in zip(start[1], value, strict=True))
-        )
-    now = _identity(value)
-    return now[0] == kind and now[1:] == start[1:]
-
-
-def _changed(state: LatentJob) -> tuple[dict[str, Any], list[str]]:
-    """The scheduler's attributes to save, and the names left out as they were at the job's start."""
-    attributes = _scheduler_attributes(state.scheduler)
-    start = state.scheduler_start
-    if start is None:
-        return attributes, []
-    unchanged = sorted(
-        name for name, value in attributes.items() if name in start and _same(start[name], value)
-    )
-    return {name: value for name, value in attributes.items() if name not in unchanged}, unchanged
+def _step_state(scheduler: Any) -> dict[str, Any]:
+    """What the scheduler changes while it steps (its named state), those of the names it has now (some
+    are set by its first step only: Heun's ``sample``)."""
+    names = compat.step_state_names(scheduler) or ()
+    return {name: getattr(scheduler, name) for name in names if hasattr(scheduler, name)}
 
 
 def _generators(state: LatentJob) -> list[torch.Generator]:
@@ -175,9 +120,9 @@ def snapshot(state: LatentJob, step: int) -> JobCheckpoint:
         raise ValueError(f"step {step} is outside the job's {len(state.timesteps)} timesteps")
     device = state.latents.device
     tensors: dict[str, torch.Tensor] = {"latents": _copy(state.latents)}
-    changed, unchanged = _changed(state)
     attributes = {
-        name: _encode(value, f"scheduler.{name}", tensors, device) for name, value in changed.items()
+        name: _encode(value, f"scheduler.{name}", tensors, device)
+        for name, value in _step_state(state.scheduler).items()
     }
     generators = _generators(state)
     for i, generator in enumerate(generators):
@@ -188,7 +133,6 @@ def snapshot(state: LatentJob, step: int) -> JobCheckpoint:
         "scheduler": {
             "class": type(state.scheduler).__name__,
             "attributes": attributes,
-            "unchanged": unchanged,  # as the fresh start of the same request makes them
         },
         "generators": [str(generator.device) for generator in generators],
     }
@@ -249,23 +193,17 @@ def restore(state: LatentJob, checkpoint: JobCheckpoint) -> None:
         raise CheckpointMismatch(
             f"scheduler: {saved['class']} in the checkpoint, {type(scheduler).__name__} in the job"
         )
-    current = _scheduler_attributes(scheduler)
-    # Some are set by the first step only (Heun's dt and sample): the checkpoint may hold more than a
-    # fresh start, never fewer (a scheduler of another diffusers version); what it left out as unchanged
-    # since the start, the fresh start holds as it was.
-    missing = sorted(set(current) - set(saved["attributes"]) - set(saved["unchanged"]))
-    missing += sorted(set(saved["unchanged"]) - set(current))  # left out, yet the fresh start has none
+    current = _step_state(scheduler)
+    # Some are set by the first step only (Heun's sample): the checkpoint may hold more than a fresh
+    # start, never fewer.
+    missing = sorted(set(current) - set(saved["attributes"]))
     if missing:
         raise CheckpointMismatch(f"scheduler attributes missing from the checkpoint: {', '.join(missing)}")
-    # Only values a scheduler holds as data: never one of its methods or its config (a checksum tells a
-    # damaged file, not a forged one written into a shared folder).
-    for name in set(saved["attributes"]) - set(current):
-        if (
-            name.startswith("__")
-            or name in ("config", "_internal_dict")
-            or callable(getattr(scheduler, name, None))
-        ):
-            raise CheckpointMismatch(f"scheduler.{name}: not a value a scheduler keeps")
+    # Only the named state: never one of its methods, its config or its tables (a checksum tells a damaged
+    # file, not a forged one written into a shared folder).
+    named = compat.step_state_names(scheduler) or ()
+    for name in sorted(set(saved["attributes"]) - set(named)):
+        raise CheckpointMismatch(f"scheduler.{name}: not the state {type(scheduler).__name__} steps")
     attributes = {
         name: _decode(encoded, current.get(name), f"scheduler.{name}", checkpoint, device)
         for name, encoded in saved["attributes"].items()

@@ -40,7 +40,6 @@ from triton_diffusion.adapters.job_checkpoints import (
     checkpoint_refusal,
     restore,
     snapshot,
-    start_of,
 )
 from triton_diffusion.adapters.lora import LoraSet
 from triton_diffusion.engine.failures import Failure
@@ -233,7 +232,6 @@ class LatentStarts:
                 extra=extra,
                 inpaint=inpaint if inpaint is not None and inpaint.blended else None,
                 cache=self.new_cache_state(request, guided),
-                scheduler_start=start_of(scheduler),
             )
             prepared.append(JobStart(state, self.group_of(request), len(timesteps[i])))
         return prepared

@@ -1,0 +1,101 @@
+"""diffusers through one door (adapters/diffusers_compat.py): each private name it lists exists on the
+installed diffusers, none is used outside it, and the state it names for each scheduler is all that
+scheduler changes while it steps. On a diffusers upgrade these fail by name."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import re
+from pathlib import Path
+
+import diffusers
+import pytest
+import torch
+
+from triton_diffusion.adapters import diffusers_compat
+from triton_diffusion.adapters.diffusers_compat import PRIVATE_NAMES, SCHEDULER_STEP_STATE
+
+SRC = Path(diffusers_compat.__file__).resolve().parents[1]
+
+
+def owner(name: str) -> object:
+    if "." in name:  # a private module: diffusers.hooks._helpers
+        return importlib.import_module(f"diffusers.{name}")
+    return getattr(diffusers, name)
+
+
+@pytest.mark.parametrize(("cls", "name"), PRIVATE_NAMES, ids=[f"{c}.{n}" for c, n in PRIVATE_NAMES])
+def test_each_private_name_is_where_diffusers_compat_reads_it(cls, name):
+    has = owner(cls)
+    if name == "_step_index":  # an instance attribute its __init__ sets
+        assert name in vars(has()), f"diffusers.{cls}() no longer sets {name}"
+    else:
+        assert hasattr(has, name), f"diffusers.{cls} no longer has {name}"
+
+
+def test_no_private_diffusers_name_is_used_outside_the_door():
+    names = {name for _, name in PRIVATE_NAMES}
+    used = re.compile(r"\.(" + "|".join(re.escape(n) for n in sorted(names)) + r")\b")
+    found = []
+    for path in SRC.rglob("*.py"):
+        if path.name == "diffusers_compat.py":
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#", 1)[0]
+            if used.search(code) and "self._" not in code:
+                found.append(f"{path.relative_to(SRC)}:{number}: {line.strip()}")
+    assert not found, "private diffusers names outside adapters/diffusers_compat.py:\n" + "\n".join(found)
+
+
+def identity(value):
+    """What tells whether a value changed (independent of job_checkpoints' own code)."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", value.dtype, tuple(value.shape), value.detach().clone())
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, tuple(identity(v) for v in value))
+    return ("value", type(value).__name__, value if isinstance(value, (int, float, str, bool)) else id(value))
+
+
+def same(a, b) -> bool:
+    if a[0] != b[0] or len(a) != len(b):
+        return False
+    if a[0] == "tensor":
+        return a[1:3] == b[1:3] and torch.equal(a[3], b[3])
+    if a[0] in ("list", "tuple"):
+        return len(a[1]) == len(b[1]) and all(same(x, y) for x, y in zip(a[1], b[1], strict=True))
+    return a == b
+
+
+CONFIGS = [(name, {}) for name in SCHEDULER_STEP_STATE] + [
+    ("DPMSolverMultistepScheduler", {"algorithm_type": "sde-dpmsolver++"}),
+    ("UniPCMultistepScheduler", {"solver_order": 3}),
+    ("PNDMScheduler", {"skip_prk_steps": True}),
+]
+
+
+@pytest.mark.parametrize(("name", "config"), CONFIGS, ids=[n + ("+" if c else "") for n, c in CONFIGS])
+def test_a_scheduler_changes_only_its_named_state_while_it_steps(name, config):
+    cls = getattr(diffusers, name)
+    try:
+        scheduler = cls(**config)
+    except ImportError as missing:  # LMS needs scipy
+        pytest.skip(str(missing))
+    scheduler.set_timesteps(8)
+    start = {k: identity(v) for k, v in vars(scheduler).items()}
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 4, 8, 8, generator=generator)
+    takes_generator = "generator" in inspect.signature(scheduler.step).parameters
+    kwargs = {"generator": generator} if takes_generator else {}
+    changed = set()
+    for t in scheduler.timesteps[:5]:
+        if hasattr(scheduler, "scale_model_input"):  # flow matching has none
+            x = scheduler.scale_model_input(x, t)
+        x = scheduler.step(torch.tanh(x), t, x, **kwargs).prev_sample
+        now = {k: identity(v) for k, v in vars(scheduler).items()}
+        changed |= {k for k, v in now.items() if k not in start or not same(start[k], v)}
+    named = set(SCHEDULER_STEP_STATE[name])
+    assert changed <= named, f"{name} now also changes {sorted(changed - named)} while it steps"
+    # The check can tell: every scheduler that keeps a step count or a history changed some of it (DDIM and
+    # DDPM keep none: a step reads the timestep alone).
+    assert bool(changed) == bool(named), f"{name}: named {sorted(named)}, changed {sorted(changed)}"
