@@ -8,16 +8,15 @@ OpenAI front off), and times three things on the true clock:
 - ``crash_back_s``: from a ``kill -9`` of the ``text_to_image`` stub until ``/readyz`` answers 200 again
   (the supervisor notices, stops the server, starts a new one, every model loads again);
 - ``stop_idle_s``: from SIGTERM to the launcher (what an orchestrator sends) until it has exited, the
-  server idle for 2 s after it answered a request of each text-to-image model (an answered request that
-  the serving side still holds makes Triton's unload wait its exit timeout).
+  server idle for 2 s after it answered a request of each text-to-image model through the project's
+  client (an answered request the serving side still holds makes Triton's unload wait its exit timeout).
 
-``--before ROOT`` also runs another checkout (an older commit), its rounds alternated with this one's: its
-``src`` goes first on the ``PYTHONPATH`` of the launcher and its stubs, and its model repository is served
-(its ``weights`` must be there, or a link to ours).
+``--before REV`` also serves an older commit, its rounds alternated with this one's: a temporary git
+worktree of REV (its ``weights`` a link to ours), whose ``src`` goes first on the ``PYTHONPATH`` of the
+launcher and its stubs, and whose model repository is served.
 
-    python scripts/restart_times.py                                # writes docs/cpu/restart_times.json
-    git worktree add /tmp/before 7c79fa8^ && ln -s $PWD/weights /tmp/before/weights
-    python scripts/restart_times.py --before /tmp/before           # before and now, alternated
+    python scripts/restart_times.py                          # now only; writes docs/cpu/restart_times.json
+    python scripts/restart_times.py --before a98bd43         # the commit before the stop fix, and now
 
 Rendered by scripts/tables/restart_times.py.
 """
@@ -25,21 +24,22 @@ Rendered by scripts/tables/restart_times.py.
 from __future__ import annotations
 
 import argparse
-import json
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT / "src"))
 import artefacts  # noqa: E402
+from triton_diffusion_client import generate_one  # noqa: E402
 
 from triton_diffusion.serving.server_process import free_port  # noqa: E402
 from triton_diffusion.serving.supervisor import list_stubs  # noqa: E402
@@ -78,27 +78,25 @@ def server_pid(launcher: int) -> int:
     raise RuntimeError("no tritonserver under the launcher")
 
 
-def generate(http_url: str, model: str) -> str | None:
-    """One small image through HTTP generate; None when it came back, else the error."""
-    body = {"PROMPT": "a red boat", "parameters": {"num_inference_steps": 4, "seed": 1, "output_encoding": "base64"}}
-    request = urllib.request.Request(
-        f"{http_url}/v2/models/{model}/generate", data=json.dumps(body).encode(), method="POST"
-    )
+def generate(grpc_url: str, model: str) -> str | None:
+    """One small image through the project's client (a gRPC stream, progress on), as the front and the
+    CLI send them; None when it came back, else the error."""
+    request = {"prompt": "a red boat", "num_inference_steps": 4, "seed": 1, "progress": True}
     try:
-        with urllib.request.urlopen(request, timeout=120) as response:
-            return None if "IMAGE" in json.loads(response.read()) else "no IMAGE"
-    except urllib.error.HTTPError as error:
-        return error.read().decode(errors="replace")
+        generate_one(request, f"restart-{model}", grpc_url, model, timeout_s=120, retries=0)
+        return None
+    except Exception as error:  # noqa: BLE001  (reported with the round)
+        return f"{type(error).__name__}: {error}"
 
 
 def one_round(root: Path, log_path: Path, timeout_s: float) -> dict[str, float]:
-    health, http = free_port(), free_port()
-    http_url = f"http://127.0.0.1:{http}"
+    health, grpc = free_port(), free_port()
+    grpc_url = f"127.0.0.1:{grpc}"
     launcher = Path(sys.executable).parent / "triton-diffusion-serve"
     env = {**os.environ, "PYTHONPATH": f"{root / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     command = [
         str(launcher), "--model-repository", str(root / "model_repository"), f"--health-port={health}",
-        f"--http-port={http}", f"--grpc-port={free_port()}", f"--metrics-port={free_port()}",
+        f"--http-port={free_port()}", f"--grpc-port={grpc}", f"--metrics-port={free_port()}",
     ]  # fmt: skip
     health_url = f"http://127.0.0.1:{health}"
     with open(log_path, "a") as log:
@@ -116,7 +114,7 @@ def one_round(root: Path, log_path: Path, timeout_s: float) -> dict[str, float]:
             wait_until(lambda: ready(health_url), timeout_s)
             crash_back_s = time.monotonic() - killed
             for model in SERVED:
-                error = generate(http_url, model)
+                error = generate(grpc_url, model)
                 if error is not None:
                     raise RuntimeError(f"{model}: {error}")
             time.sleep(2)  # idle
@@ -142,12 +140,33 @@ def served_commit(root: Path) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--before", type=Path, help="another checkout to serve too, alternated (before)")
+    parser.add_argument("--before", help="an older commit to serve too, its rounds alternated (before)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--timeout-s", type=float, default=240)
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args(argv)
-    roots = {"now": REPO_ROOT, **({"before": args.before.resolve()} if args.before else {})}
+    with contextlib.ExitStack() as stack:
+        roots = {"now": REPO_ROOT}
+        if args.before:
+            roots["before"] = stack.enter_context(worktree(args.before))
+        return measure(roots, args)
+
+
+@contextlib.contextmanager
+def worktree(revision: str) -> Iterator[Path]:
+    """A temporary checkout of ``revision`` serving this checkout's weights."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "before"
+        git = ["git", "-C", str(REPO_ROOT), "worktree"]
+        subprocess.run([*git, "add", "--detach", str(path), revision], check=True, capture_output=True)
+        try:
+            (path / "weights").symlink_to(REPO_ROOT / "weights")
+            yield path
+        finally:
+            subprocess.run([*git, "remove", "--force", str(path)], check=False, capture_output=True)
+
+
+def measure(roots: dict[str, Path], args: argparse.Namespace) -> int:
     artefact: dict[str, Any] = {
         "provenance": artefacts.provenance(),
         "setup": {"repository": "model_repository (every shipped model)", "victim": VICTIM,

@@ -1,4 +1,4 @@
-"""Re-take every CPU figure: each CPU benchmark in turn, sized to its share of one budget (30 minutes on the
+"""Re-take every CPU figure: each CPU benchmark in turn, sized to its share of one budget (40 minutes on the
 project's 2-core host), then ``scripts/figures.py`` renders every block.
 
     .venv/bin/python scripts/bench.py all --out docs                 # every CPU benchmark, then figures
@@ -30,7 +30,7 @@ from pathlib import Path
 
 from benchmarks.common import REPO_ROOT
 
-BUDGET_S = 30 * 60
+BUDGET_S = 40 * 60
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ PLAN = (
             "--out",
             "{out}/cpu",
         ),
-        0.05,
+        0.038,
     ),
     # The same engines through the real server and the project's gRPC client, and the OpenAI front's
     # overhead against gRPC direct (one run each: figures, no verdict).
@@ -85,14 +85,14 @@ PLAN = (
             "--out",
             "{out}",
         ),
-        0.06,
+        0.045,
     ),
     Take(
         "mixed_sizes",
         ("--rounds", "5", "--requests", "16", "--loads", "", "--out", "{out}/cpu"),
-        0.02,
+        0.015,
     ),
-    Take("checkpoint_cost", ("--rounds", "15", "--engine-steps", "100", "--out", "{out}/cpu"), 0.07),
+    Take("checkpoint_cost", ("--rounds", "15", "--engine-steps", "100", "--out", "{out}/cpu"), 0.053),
     # The same at an H100's cost ratios: SD 1.5's forward and decode timed as measured on one.
     Take(
         "checkpoint_cost_sd15",
@@ -108,38 +108,45 @@ PLAN = (
             "--out",
             "{out}/profiles/sd15-h100",
         ),
-        0.06,
+        0.045,
         benchmark="checkpoint_cost",
     ),
     Take(
         "caches", ("--requests", "16", "--rounds", "5", "--threads", "1", "--out", "{out}/cpu/caches"), 0.20
     ),
-    Take("lora", ("--repeats", "5", "--out", "{out}/cpu/lora"), 0.02),
+    Take("lora", ("--repeats", "5", "--out", "{out}/cpu/lora"), 0.015),
     Take(
         "slo",
         ("--requests", "48", "--loads", "0.9,1.1", "--rounds", "5", "--out", "{out}/cpu/slo"),
-        0.13,
+        0.098,
     ),
     Take(
         "slo_server",
         ("--requests", "40", "--loads", "1.1", "--rounds", "5", "--out", "{out}/cpu/slo"),
-        0.06,
+        0.045,
     ),
     # Degrading rows against refusing them, through the real server at loads below and above capacity.
     Take(
         "goodput",
         ("--requests", "36", "--loads", "0.5,0.8,1.5,2.0", "--rounds", "5", "--out", "{out}/cpu"),
-        0.15,
+        0.112,
     ),
-    Take("graphs", ("--repeats", "3", "--out", "{out}/cpu"), 0.01),
-    Take("dllm", ("--concurrency", "1,4", "--requests-per-client", "3", "--out", "{out}"), 0.02),
+    Take("graphs", ("--repeats", "3", "--out", "{out}/cpu"), 0.007),
+    Take("dllm", ("--concurrency", "1,4", "--requests-per-client", "3", "--out", "{out}"), 0.015),
     Take(
         "crash_soak", ("--rounds", "1", "--duration", "30", "--crash-every", "15", "--out", "{out}/cpu"), 0.06
     ),
     # Not benchmarks, but CPU figures too: one request's walk through the package, and whether Triton can
     # reload one model whose stub died.
-    Take("request_walk", ("--out", "{out}/design/request_walk.json"), 0.01, "scripts/request_walk.py"),
-    Take("model_reload", ("--out", "{out}/cpu/model_reload.json"), 0.08, "scripts/model_reload_check.py"),
+    Take("request_walk", ("--out", "{out}/design/request_walk.json"), 0.007, "scripts/request_walk.py"),
+    # The shipped repository's start, crash restart and idle stop, against the commit before the stop fix.
+    Take(
+        "restart_times",
+        ("--before", "a98bd43", "--rounds", "5", "--out", "{out}/cpu/restart_times.json"),
+        0.2,
+        "scripts/restart_times.py",
+    ),
+    Take("model_reload", ("--out", "{out}/cpu/model_reload.json"), 0.06, "scripts/model_reload_check.py"),
 )
 
 

@@ -1,0 +1,45 @@
+"""The restart-times block (scripts/restart_times.py): the shipped repository's start, crash restart and
+idle stop through the launcher, now and (where run) before, read over rounds by the one verdict rule."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from verdicts import verdict
+
+TARGET = "< 15"  # seconds: an idle stop and a crash restart each (issue: the model seam, item 7)
+MEASURES = (
+    ("stop_idle_s", "idle stop (SIGTERM to exit)", TARGET),
+    ("crash_back_s", "crash restart (stub killed to ready)", TARGET),
+    ("ready_s", "cold start (launch to ready)", None),
+)
+
+
+def _values(artefact: dict[str, Any], variant: str, key: str) -> list[float]:
+    return [row[key] for row in artefact["rows"] if row["variant"] == variant]
+
+
+def render(artefact: dict[str, Any]) -> str:
+    setup = artefact["setup"]
+    commits = setup.get("served_commits", {})
+    variants = [v for v in ("before", "now") if _values(artefact, v, "ready_s")]
+    named = "; ".join(f"{v}: commit `{commits.get(v)}`" for v in variants)
+    lines = [
+        "The shipped model repository (every model), started by `triton-diffusion-serve` (its supervisor "
+        f"and drain) on this machine, rounds alternated ({named}). Crash restart: `kill -9` of the "
+        f"`{setup['victim']}` stub until the supervisor's `/readyz` answers again. Idle stop: SIGTERM to "
+        "the launcher after each text-to-image model answered a request (the project's gRPC client, "
+        "progress on) and 2 s idle. Seconds: the median over rounds; its reading by the one verdict rule "
+        f"against the target ({TARGET} s) where there is one.",
+        "",
+        "| | " + " | ".join(variants) + " |",
+        "|---|" + "---|" * len(variants),
+    ]
+    for key, what, target in MEASURES:
+        cells = []
+        for variant in variants:
+            found = verdict(_values(artefact, variant, key), target, higher_is_better=False, neutral=0)
+            reading = f" ({found.word}, {found.interval})" if target else ""
+            cells.append(f"{found.median:.1f}{reading}")
+        lines.append(f"| {what} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
