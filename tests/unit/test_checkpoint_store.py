@@ -438,3 +438,42 @@ def test_a_checkpoint_that_cannot_be_serialised_loses_only_itself(store, monkeyp
     assert store.flush(5)
     assert checkpoints(store.directory) == [f"{KEY}.0.safetensors", f"{KEY}.2.safetensors"]
     assert synced == [store.directory]
+
+
+def test_a_folder_that_does_not_answer_stalls_no_read_or_removal(store, monkeypatch):
+    """A hung network volume: the read blocks in the kernel. The request's read gives up after FOLDER_S
+    (none found: the request starts over), later calls skip the folder at once while it is stuck, and it
+    is used again once it answers."""
+    key = "K" * 16 + ".0"
+    store.put(key, "h", checkpoint(3))
+    assert store.flush(10)
+    monkeypatch.setattr(checkpoint_store, "FOLDER_S", 0.2)
+    release, entered = threading.Event(), threading.Event()
+    read = checkpoint_store._read_regular
+
+    def hung(path, limit):
+        entered.set()
+        release.wait(60)
+        return read(path, limit)
+
+    monkeypatch.setattr(checkpoint_store, "_read_regular", hung)
+    done = threading.Event()
+    results = []
+
+    def reader() -> None:
+        results.append(store.get(key))  # not found: the folder did not answer
+        results.append(store.get(key))  # skipped at once: the first call is still stuck
+        store.remove_request("K" * 16)  # skipped too (the TTL clears it)
+        done.set()
+
+    threading.Thread(target=reader, daemon=True).start()
+    try:
+        assert done.wait(30), "a read of a hung folder stalled its caller"
+        assert entered.is_set() and results == [None, None]
+    finally:
+        release.set()
+    deadline = time.monotonic() + 30
+    while store._hung is not None and store._hung.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    stored = store.get(key)  # the folder answers again: the checkpoint is there
+    assert stored is not None and stored.checkpoint.step == 3

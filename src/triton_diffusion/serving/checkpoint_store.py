@@ -22,6 +22,9 @@ its images where they were.
   older than ``ttl_s`` are dropped, swept at start and then at most every ``SWEEP_S`` (a file's
   modification time is set to its ``created`` time by the store's clock, so age and order survive a
   restart without reading every header).
+- Bounded in time: a request's read and an answered request's removal run on a thread of their own and
+  wait at most ``FOLDER_S`` for the folder (a hung network volume): past it the read finds nothing (the
+  request starts over) and, while that call is still stuck, later ones skip the folder at once.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ WAIT_S = 10.0
 LEFTOVER_S = 600.0
 BATCH_S = 0.25  # how long the writer gathers checkpoints into one batch when nobody waits for them
 NOT_KEPT_MOST = 4096  # keys whose failed write is remembered for BATCH
+FOLDER_S = 5.0  # how long a request's read or removal waits for the folder (a hung network volume)
 SWEEP_S = 60.0  # at most this long between two sweeps for expired files (a get checks its own file's age)
 
 
@@ -97,6 +101,7 @@ class CheckpointStore:
         self._waiting = 0  # callers waiting for writes (get, remove, flush): the writer does not gather
         self._changed = threading.Condition()  # guards the pending writes and the key being written
         self._files = threading.RLock()  # guards the directory's files and bytes_used
+        self._hung: threading.Thread | None = None  # a folder call that did not return within FOLDER_S
         for leftover in self.directory.glob(f".*{_TEMPORARY}"):  # a write a crash cut short
             try:  # not another replica's write under way (a folder shared by replicas): old ones only
                 entry = leftover.lstat()
@@ -132,6 +137,9 @@ class CheckpointStore:
                     "checkpoint %s: its write is still under way after %g s: read as none", key, WAIT_S
                 )
                 return None  # a stuck disk must not stall admission: the request starts over
+        return self._bounded(f"checkpoint {key}", lambda: self._read(key), None)
+
+    def _read(self, key: str) -> Stored | None:
         path = self._path(key)
         with self._files:
             try:
@@ -159,8 +167,11 @@ class CheckpointStore:
             self._wait_for_writes(
                 lambda: key not in self._writing, WAIT_S
             )  # a stuck write: its TTL clears it
+        self._bounded(f"checkpoint {key}", lambda: self._delete_locked(self._path(key)), None)
+
+    def _delete_locked(self, path: Path) -> None:
         with self._files:
-            self._delete(self._path(key))
+            self._delete(path)
 
     def remove_request(self, resume_key: str) -> None:
         """Drop the checkpoint of every image of a request (``resume_key`` and ``resume_key.<i>``)."""
@@ -175,10 +186,42 @@ class CheckpointStore:
             for key in [key for key in self._not_kept if of_request(key)]:
                 del self._not_kept[key]
             self._wait_for_writes(lambda: not any(map(of_request, self._writing)), WAIT_S)
-        with self._files:
-            for path in self._checkpoint_files():
-                if of_request(path.name[: -len(SUFFIX)]):
-                    self._delete(path)
+
+        def delete() -> None:
+            with self._files:
+                for path in self._checkpoint_files():
+                    if of_request(path.name[: -len(SUFFIX)]):
+                        self._delete(path)
+
+        self._bounded(f"checkpoints of {resume_key}", delete, None)
+
+    def _bounded(self, what: str, call: Callable[[], Any], default: Any) -> Any:
+        """``call()`` on a thread of its own, waited for at most FOLDER_S: a folder that does not answer (a
+        hung network volume, a stuck disk) must not stall admission or answers. Past the bound, and while
+        such a call is still stuck, ``default`` (a read finds no checkpoint: the request starts over; a
+        removal is left to the TTL). What ``call`` raises is raised here."""
+        hung = self._hung
+        if hung is not None and hung.is_alive():
+            log.warning("%s: the checkpoint folder still does not answer: skipped", what)
+            return default
+        outcome: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                outcome["value"] = call()
+            except BaseException as exc:  # noqa: BLE001  (raised on the caller's thread)
+                outcome["error"] = exc
+
+        thread = threading.Thread(target=run, name="checkpoint-folder", daemon=True)
+        thread.start()
+        thread.join(FOLDER_S)
+        if thread.is_alive():
+            self._hung = thread
+            log.warning("%s: the checkpoint folder did not answer in %g s: skipped", what, FOLDER_S)
+            return default
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome.get("value", default)
 
     def flush(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for every pending write; whether they are all done."""
