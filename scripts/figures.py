@@ -99,6 +99,7 @@ BLOCKS: dict[str, Figure] = {
     "request-walk": Figure(("docs/design/request_walk.json",), "walk.render", "request_walk.py"),
     # operations: reload one model after its stub died, or restart the server (docs/operations/reliability.md)
     "model-reload": Figure(("docs/cpu/model_reload.json",), "model_reload.render", "model_reload_check.py"),
+    "restart-times": Figure(("docs/cpu/restart_times.json",), "restart_times.render", "restart_times.py"),
     "mixed-sizes": Figure(("docs/cpu/mixed_sizes.json",), "mixed_sizes.render", "bench.py mixed-sizes"),
     "crash-soak": Figure(("docs/cpu/crash_soak.json",), "crash_soak.render", "bench.py crash-soak"),
     "checkpoint-cost": Figure(

@@ -19,6 +19,7 @@ from tables.markdown import reading, target_met  # noqa: E402
 PAGE_FIGURES = {
     "request-walk": "docs/design/engine.md",
     "model-reload": "docs/operations/reliability.md",
+    "restart-times": "docs/operations/reliability.md",
     "checkpoint-cost-line": "docs/operations/crash-recovery.md",
     "headline": "docs/performance/index.md",
 }
