@@ -108,10 +108,12 @@ def one_round(root: Path, log_path: Path, timeout_s: float) -> dict[str, float]:
             wait_until(lambda: ready(health_url), timeout_s)
             ready_s = time.monotonic() - started
             (stub,) = [s for s in list_stubs(server_pid(process.pid)) if s.model == VICTIM]
+            old_server = server_pid(process.pid)
             killed = time.monotonic()
             os.kill(stub.pid, signal.SIGKILL)
+            # Back: ready again, served by a new tritonserver (a poll that timed out is no restart).
             wait_until(lambda: not ready(health_url), timeout_s)
-            wait_until(lambda: ready(health_url), timeout_s)
+            wait_until(lambda: ready(health_url) and new_server(process.pid, old_server), timeout_s)
             crash_back_s = time.monotonic() - killed
             for model in SERVED:
                 error = generate(grpc_url, model)
@@ -122,15 +124,24 @@ def one_round(root: Path, log_path: Path, timeout_s: float) -> dict[str, float]:
             process.send_signal(signal.SIGTERM)
             process.wait(timeout=timeout_s)
             stop_idle_s = time.monotonic() - stopping
-        finally:
-            if process.poll() is None:
+        finally:  # whatever is left of the launcher's session (its server, stubs)
+            try:
                 os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+            except ProcessLookupError:
+                pass
+            process.wait()
     return {
         "ready_s": round(ready_s, 2),
         "crash_back_s": round(crash_back_s, 2),
         "stop_idle_s": round(stop_idle_s, 2),
     }
+
+
+def new_server(launcher: int, old: int) -> bool:
+    try:
+        return server_pid(launcher) != old
+    except RuntimeError:
+        return False
 
 
 def served_commit(root: Path) -> str | None:
@@ -145,6 +156,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout-s", type=float, default=240)
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args(argv)
+    # bench.py all ends a benchmark past its share with SIGTERM: exit through the finally blocks, so the
+    # launcher (a session of its own) is killed and the worktree removed.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    subprocess.run(["git", "-C", str(REPO_ROOT), "worktree", "prune"], check=False)  # a cut run's
     with contextlib.ExitStack() as stack:
         roots = {"now": REPO_ROOT}
         if args.before:
@@ -171,6 +186,7 @@ def measure(roots: dict[str, Path], args: argparse.Namespace) -> int:
         "provenance": artefacts.provenance(),
         "setup": {"repository": "model_repository (every shipped model)", "victim": VICTIM,
                   "served_commits": {name: served_commit(root) for name, root in roots.items()}},
+        "complete": False,
         "rows": [],
     }  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:  # noqa: SIM117
@@ -183,6 +199,8 @@ def measure(roots: dict[str, Path], args: argparse.Namespace) -> int:
                 print(row, flush=True)
                 artefact["rows"].append(row)
                 artefacts.write(args.out, artefact)
+    artefact["complete"] = True
+    artefacts.write(args.out, artefact)
     return 0
 
 

@@ -30,7 +30,12 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("ZImagePipeline", "_encode_prompt"),
     ("StableDiffusionXLPipeline", "_get_add_time_ids"),
     ("StableDiffusionXLImg2ImgPipeline", "_get_add_time_ids"),
+    ("StableDiffusionPipeline", "_num_timesteps"),
+    ("StableDiffusionPipeline", "_lora_loadable_modules"),
+    ("models.transformers.transformer_flux:FluxAttnProcessor", "_attention_backend"),
     ("EulerDiscreteScheduler", "_init_step_index"),
+    ("FlowMatchEulerDiscreteScheduler", "_init_step_index"),
+    ("DPMSolverMultistepScheduler", "_init_step_index"),
     ("EulerDiscreteScheduler", "_step_index"),
     ("FlowMatchEulerDiscreteScheduler", "_step_index"),
     ("DPMSolverMultistepScheduler", "_step_index"),
@@ -46,12 +51,11 @@ SCHEDULER_STEP_STATE: dict[str, tuple[str, ...]] = {
     "DDIMScheduler": (),
     "DDPMScheduler": (),
     "PNDMScheduler": ("counter", "cur_model_output", "cur_sample", "ets"),
-    "LMSDiscreteScheduler": ("_step_index", "is_scale_input_called", "derivatives"),
     "EulerDiscreteScheduler": ("_step_index", "is_scale_input_called"),
     "EulerAncestralDiscreteScheduler": ("_step_index", "is_scale_input_called"),
     "HeunDiscreteScheduler": ("_step_index", "dt", "prev_derivative", "sample"),
-    "KDPM2DiscreteScheduler": ("_step_index", "sample", "sigmas_interpol"),
-    "KDPM2AncestralDiscreteScheduler": ("_step_index", "sample", "sigmas_up", "dt"),
+    "KDPM2DiscreteScheduler": ("_step_index", "sample"),
+    "KDPM2AncestralDiscreteScheduler": ("_step_index", "sample", "dt"),
     "DPMSolverMultistepScheduler": ("_step_index", "lower_order_nums", "model_outputs"),
     "DPMSolverSinglestepScheduler": ("_step_index", "model_outputs", "sample"),
     "DEISMultistepScheduler": ("_step_index", "lower_order_nums", "model_outputs"),
@@ -114,6 +118,28 @@ def encode_prompt_features(
 def add_time_ids(pipe: Any, *arguments: Any) -> Any:
     """SDXL's micro-conditioning ids, as its pipeline (text or image) makes them."""
     return pipe._get_add_time_ids(*arguments)
+
+
+def steps_planned(pipe: Any) -> int | None:
+    """The steps a running pipeline call takes (its own count, set as it starts; None before)."""
+    return getattr(pipe, "_num_timesteps", None)
+
+
+def lora_loadable_modules(pipe: Any) -> list[str]:
+    """The pipeline's components that take LoRA adapters."""
+    return list(pipe._lora_loadable_modules)
+
+
+def attention_backend(processor: Any) -> str | None:
+    """The attention backend a processor was set to (None: the default). A processor class that has no
+    such attribute is refused by name: reading it as the default would pack sizes under a backend that
+    may ignore the key mask."""
+    if not hasattr(type(processor), "_attention_backend") and not hasattr(processor, "_attention_backend"):
+        raise RuntimeError(
+            f"diffusers' {type(processor).__name__} has no _attention_backend: "
+            "diffusers_compat.attention_backend must learn where the backend is kept"
+        )
+    return processor._attention_backend
 
 
 # ---- schedulers -------------------------------------------------------------------------------------

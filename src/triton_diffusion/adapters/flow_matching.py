@@ -86,7 +86,7 @@ class FluxAdapter(FlowMatchingImageStart, LatentStepAdapter):
         # Fill checkpoint's mask channels are not placed on a canvas.
         # The key mask reaches the attention through FluxAttnProcessor as is: diffusers' native attention
         # (SDPA) honours it; another backend (flash, sage: set_attention_backend) is not assured to.
-        backends = {getattr(p, "_attention_backend", None) for p in self.model.attn_processors.values()}
+        backends = {compat.attention_backend(p) for p in self.model.attn_processors.values()}
         native = (
             backends <= {None, "native"} and os.environ.get("DIFFUSERS_ATTN_BACKEND", "native") == "native"
         )

@@ -59,6 +59,8 @@ def checkpoint_refusal(state: Any) -> str | None:
         return f"a {type(state).__name__} job is not a latent job"
     if state.cache is not None:
         return "its step cache's state (residuals, Taylor factors) is not saved"
+    if getattr(state.scheduler, "solver_p", None) is not None:  # a nested scheduler: its state is not saved
+        return f"its scheduler ({type(state.scheduler).__name__}) steps a nested solver_p"
     if compat.step_state_names(state.scheduler) is None:
         return f"its scheduler's state ({type(state.scheduler).__name__}) is not named in diffusers_compat"
     try:
@@ -202,8 +204,9 @@ def restore(state: LatentJob, checkpoint: JobCheckpoint) -> None:
     # Only the named state: never one of its methods, its config or its tables (a checksum tells a damaged
     # file, not a forged one written into a shared folder).
     named = compat.step_state_names(scheduler) or ()
-    for name in sorted(set(saved["attributes"]) - set(named)):
-        raise CheckpointMismatch(f"scheduler.{name}: not the state {type(scheduler).__name__} steps")
+    other = sorted(set(saved["attributes"]) - set(named))
+    if other:
+        raise CheckpointMismatch(f"scheduler.{other[0]}: not the state {type(scheduler).__name__} steps")
     attributes = {
         name: _decode(encoded, current.get(name), f"scheduler.{name}", checkpoint, device)
         for name, encoded in saved["attributes"].items()

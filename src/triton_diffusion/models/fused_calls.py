@@ -80,7 +80,7 @@ class FusedCalls:
             if self.faults:
                 self.faults.after_step()
             latents = tensors["latents"]
-            total = getattr(pipe, "_num_timesteps", None) or shared["num_inference_steps"]
+            total = compat.steps_planned(pipe) or shared["num_inference_steps"]
             ended = steps.on_step(i + 1, total, lambda position: self._snapshot(latents, position, shared))
             if not ended:
                 return {}

@@ -102,6 +102,7 @@ class CheckpointStore:
         self._changed = threading.Condition()  # guards the pending writes and the key being written
         self._files = threading.RLock()  # guards the directory's files and bytes_used
         self._hung: threading.Thread | None = None  # a folder call that did not return within FOLDER_S
+        self._hung_lock = threading.Lock()
         for leftover in self.directory.glob(f".*{_TEMPORARY}"):  # a write a crash cut short
             try:  # not another replica's write under way (a folder shared by replicas): old ones only
                 entry = leftover.lstat()
@@ -129,43 +130,50 @@ class CheckpointStore:
         """The key's checkpoint (after its pending write, if any), or None if there is none or it expired
         (then it is deleted). Raises CorruptCheckpoint (and deletes the file) if it is damaged."""
         self._check(key)
+        if self._folder_hung(f"checkpoint {key}"):
+            return None
         with self._changed:
             if not self._wait_for_writes(
-                lambda: key not in self._pending and key not in self._writing, WAIT_S
+                lambda: key not in self._pending and key not in self._writing, FOLDER_S
             ):
                 log.warning(
-                    "checkpoint %s: its write is still under way after %g s: read as none", key, WAIT_S
+                    "checkpoint %s: its write is still under way after %g s: read as none", key, FOLDER_S
                 )
                 return None  # a stuck disk must not stall admission: the request starts over
         return self._bounded(f"checkpoint {key}", lambda: self._read(key), None)
 
     def _read(self, key: str) -> Stored | None:
+        # The file's I/O without the lock: a read stuck in the kernel must not hold up the writer.
         path = self._path(key)
-        with self._files:
-            try:
-                entry = path.lstat()
-            except FileNotFoundError:
-                return None
-            if not stat.S_ISREG(entry.st_mode):  # a directory, link, FIFO...: not ours, never opened
-                self._delete(path)
-                raise CorruptCheckpoint(f"checkpoint {key}: not a regular file")
-            if self._expired(entry.st_mtime):
-                self._delete(path)
-                return None
-            try:
-                return _parse(_read_regular(path, self.max_bytes), key)
-            except Exception as exc:
+        try:
+            entry = path.lstat()
+        except FileNotFoundError:
+            return None
+        if not stat.S_ISREG(entry.st_mode):  # a directory, link, FIFO...: not ours, never opened
+            self._delete_locked(path)
+            raise CorruptCheckpoint(f"checkpoint {key}: not a regular file")
+        if self._expired(entry.st_mtime):
+            self._delete_locked(path)
+            return None
+        try:
+            return _parse(_read_regular(path, self.max_bytes), key)
+        except FileNotFoundError:  # evicted or expired between the lstat and the open
+            return None
+        except Exception as exc:
+            with self._files:
                 self._delete(path)
                 self._count()  # damaged from outside: its size then may not be the one counted
-                raise CorruptCheckpoint(f"checkpoint {key}: {exc}") from exc
+            raise CorruptCheckpoint(f"checkpoint {key}: {exc}") from exc
 
     def remove(self, key: str) -> None:
         """Drop the key's checkpoint, and its pending write (one under way finishes first, then goes)."""
         self._check(key)
         with self._changed:
             self._pending.pop(key, None)
+            if self._folder_hung(f"checkpoint {key}"):
+                return  # its TTL clears it
             self._wait_for_writes(
-                lambda: key not in self._writing, WAIT_S
+                lambda: key not in self._writing, FOLDER_S
             )  # a stuck write: its TTL clears it
         self._bounded(f"checkpoint {key}", lambda: self._delete_locked(self._path(key)), None)
 
@@ -185,7 +193,9 @@ class CheckpointStore:
                 del self._pending[key]
             for key in [key for key in self._not_kept if of_request(key)]:
                 del self._not_kept[key]
-            self._wait_for_writes(lambda: not any(map(of_request, self._writing)), WAIT_S)
+            if self._folder_hung(f"checkpoints of {resume_key}"):
+                return  # the TTL clears them
+            self._wait_for_writes(lambda: not any(map(of_request, self._writing)), FOLDER_S)
 
         def delete() -> None:
             with self._files:
@@ -195,14 +205,20 @@ class CheckpointStore:
 
         self._bounded(f"checkpoints of {resume_key}", delete, None)
 
+    def _folder_hung(self, what: str) -> bool:
+        """Whether a folder call is still stuck past FOLDER_S (then the caller skips the folder at once)."""
+        with self._hung_lock:
+            hung = self._hung is not None and self._hung.is_alive()
+        if hung:
+            log.warning("%s: the checkpoint folder still does not answer: skipped", what)
+        return hung
+
     def _bounded(self, what: str, call: Callable[[], Any], default: Any) -> Any:
         """``call()`` on a thread of its own, waited for at most FOLDER_S: a folder that does not answer (a
         hung network volume, a stuck disk) must not stall admission or answers. Past the bound, and while
         such a call is still stuck, ``default`` (a read finds no checkpoint: the request starts over; a
         removal is left to the TTL). What ``call`` raises is raised here."""
-        hung = self._hung
-        if hung is not None and hung.is_alive():
-            log.warning("%s: the checkpoint folder still does not answer: skipped", what)
+        if self._folder_hung(what):
             return default
         outcome: dict[str, Any] = {}
 
@@ -216,7 +232,8 @@ class CheckpointStore:
         thread.start()
         thread.join(FOLDER_S)
         if thread.is_alive():
-            self._hung = thread
+            with self._hung_lock:
+                self._hung = thread
             log.warning("%s: the checkpoint folder did not answer in %g s: skipped", what, FOLDER_S)
             return default
         if "error" in outcome:

@@ -224,14 +224,14 @@ class Resumes:
     def answered(self, tracked: TrackedRequest, code: ErrorCode | None) -> None:
         """A request was answered: its checkpoints go, unless the answer was UNAVAILABLE (the model failed
         and restarts, or is at capacity: the client's retry is what resumes from them)."""
-        with self._lock:
+        with self._lock:  # no longer watched: persist hands the store none of its checkpoints from now on
             watched = self._watched.pop(tracked, None)
             if watched is not None:
                 self.store.forget_not_kept(watched[0])
-            if watched is not None and code is not ErrorCode.UNAVAILABLE:
-                self.store.remove_request(
-                    watched[0]
-                )  # cancels its pending writes, under the lock persist takes
+        # Outside the lock persist takes: a slow folder must not hold up the engine thread. A put handed
+        # over just before the pop above is already pending, and this removal cancels it.
+        if watched is not None and code is not ErrorCode.UNAVAILABLE:
+            self.store.remove_request(watched[0])
 
     def close(self) -> None:
         """Write what is queued, then stop the store's writer (the model unloads)."""

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from triton_diffusion.adapters import diffusers_compat as compat
+
 # The attention projections of the denoisers (UNet, Flux/SD3 transformers) and of CLIP-style text encoders.
 DENOISER_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
 TEXT_ENCODER_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj"]
@@ -29,7 +31,7 @@ def build_tiny_lora(base: Path, target: Path, seed: int, rank: int = 4, text_enc
     pipe = DiffusionPipeline.from_pretrained(base, use_safetensors=True)
     torch.manual_seed(seed)
     layers, metadata = {}, {}
-    for name in pipe._lora_loadable_modules:
+    for name in compat.lora_loadable_modules(pipe):
         module = getattr(pipe, name, None)
         text_encoder = name.startswith("text_encoder")
         if module is None or (text_encoder and not text_encoders):
