@@ -139,6 +139,7 @@ def main(argv: list[str] | None = None) -> None:
     sys.path.insert(0, str(REPO_ROOT / "src"))
     from triton_diffusion.models.text_to_image import TextToImageModel
     from triton_diffusion.serving.server_process import WEIGHTS
+    from triton_diffusion.serving.triton_model import TritonModel
     from triton_diffusion.tiny_models import build_missing
 
     build_missing(WEIGHTS, only=["tiny-sd"])
@@ -168,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
     threading.setprofile(profile)  # before the model starts its threads, so theirs are recorded too
     sys.setprofile(profile)
     config = {"max_batch_size": 8, "parameters": {"model": {"string_value": str(WEIGHTS / "tiny-sd")}}}
-    model = TextToImageModel()
+    model = TritonModel(TextToImageModel())
     repository = str(REPO_ROOT)
     model.initialize(
         {"model_config": json.dumps(config), "model_name": "text_to_image", "model_repository": repository}

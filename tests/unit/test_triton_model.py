@@ -1,10 +1,15 @@
 """What the shared Triton model decides per request without a server (serving/triton_model.py): the
-request's service (its tier, refused by name when it names none of the model's) and the answer it gets
-from the result cache (its own service, not the first request's)."""
+request's service (its tier, refused by name when it names none of the model's), the answer it gets
+from the result cache (its own service, not the first request's), and the seam: each model file serves a
+kind composed into the one TritonModel."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import re
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -14,8 +19,9 @@ from tests.unit.recording import tracked
 from triton_diffusion.errors import ErrorCode, RequestError
 from triton_diffusion.fields import SERVICE_FIELDS, FieldSet
 from triton_diffusion.models.diffusion_model import DiffusionModel, ParsedRequest, batch_output
+from triton_diffusion.models.kinds import KINDS
 from triton_diffusion.serving.result_cache import ResultCache
-from triton_diffusion.serving.triton_model import Urgency
+from triton_diffusion.serving.triton_model import TritonModel, Urgency, serve, urgency_of
 from triton_diffusion.settings import ModelConfig
 
 
@@ -30,15 +36,17 @@ def model() -> DiffusionModel:
 
 def test_a_request_without_a_tier_gets_the_default_and_a_named_tier_its_rank():
     served = model()
-    assert served.service_of({}, tracked("none")) == Urgency(1, None)
-    assert served.service_of({"service_tier": None}, tracked("none")) == Urgency(1, None)
-    assert served.service_of({"service_tier": "flex"}, tracked("flex")).tier == 2
+    config, fields = served.settings.config, served.fields
+    assert urgency_of({}, tracked("none"), config, fields) == Urgency(1, None)
+    assert urgency_of({"service_tier": None}, tracked("none"), config, fields) == Urgency(1, None)
+    assert urgency_of({"service_tier": "flex"}, tracked("flex"), config, fields).tier == 2
 
 
 @pytest.mark.parametrize("tier", ["", " ", "\t", "default ", "Priority"])
 def test_an_empty_blank_or_unknown_tier_is_refused_naming_the_field_and_the_tiers(tier):
     with pytest.raises(RequestError) as refused:
-        model().service_of({"service_tier": tier}, tracked("bad"))
+        served = model()
+        urgency_of({"service_tier": tier}, tracked("bad"), served.settings.config, served.fields)
     assert refused.value.code is ErrorCode.INVALID_ARG
     assert refused.value.message == (
         f"service_tier: got {tier!r} (allowed: one of priority, default, flex)"
@@ -62,3 +70,57 @@ def test_a_result_cache_hit_reports_its_own_service_not_the_first_requests():
     later = served.cached_answer(ParsedRequest(1, {}, None, (), Urgency(tier=1), result_key="key"))
     assert json.loads(later["BATCH"].reshape(-1)[0])["service"]["tier"] == "default"
     assert json.loads(served.results.get("key")["BATCH"].reshape(-1)[0])["service"] == first_service
+
+
+# ---- the model seam: a kind composed into the one Triton model -----------------------------------------
+REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
+
+
+@pytest.mark.parametrize("model_file", sorted(REPOSITORY.glob("*/1/model.py")), ids=lambda p: p.parts[-3])
+def test_each_model_file_serves_a_listed_kind_through_the_one_triton_model(model_file):
+    """A model.py is ``TritonPythonModel = serve(Kind)``: Triton's class wraps a TritonModel over a kind
+    the type checker holds to ModelKind (models/kinds.py), with Triton's entry points, and the kind is not
+    a TritonModel (composed, not inherited)."""
+    spec = importlib.util.spec_from_file_location(f"model_{model_file.parts[-3]}", model_file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    served = module.TritonPythonModel
+    assert callable(served.auto_complete_config)
+    assert all(callable(getattr(served, name)) for name in ("initialize", "execute", "finalize"))
+    instance = served()
+    assert type(instance.model) is TritonModel
+    assert type(instance.model.kind) in KINDS.values() and not isinstance(instance.model.kind, TritonModel)
+
+
+def test_auto_complete_config_adds_the_kinds_inputs_and_outputs(monkeypatch):
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", SimpleNamespace())  # no stub here
+    monkeypatch.delitem(sys.modules, "triton_diffusion.serving.triton_io", raising=False)
+    added: dict[str, list[str]] = {"input": [], "output": []}
+
+    class Config:
+        def as_dict(self):
+            return {"input": [], "output": []}
+
+        def add_input(self, spec):
+            added["input"].append(spec["name"])
+
+        def add_output(self, spec):
+            added["output"].append(spec["name"])
+
+        def set_model_transaction_policy(self, policy):
+            added["policy"] = policy
+
+    serve(KINDS["text_generation"]).auto_complete_config(Config())
+    assert added["input"] == [field.input_name for field in KINDS["text_generation"].FIELDS]
+    assert added["output"] == [name for name, _, _ in KINDS["text_generation"].OUTPUTS]
+    assert added["policy"] == {"decoupled": True}
+
+
+def test_no_class_in_src_subclasses_the_triton_model():
+    sources = Path(__file__).resolve().parents[2] / "src"
+    subclasses = [
+        str(path)
+        for path in sources.rglob("*.py")
+        if re.search(r"class \w+\(TritonModel\)", path.read_text())
+    ]
+    assert not subclasses, subclasses

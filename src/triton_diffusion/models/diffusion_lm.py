@@ -14,7 +14,7 @@ import os
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -27,7 +27,7 @@ from triton_diffusion.adapters.diffusion_lm_adapter import (
 from triton_diffusion.adapters.masked_diffusion import REMASKING, DecodeParams
 from triton_diffusion.adapters.masked_lm import LoadedMaskedLM, load_masked_lm, prompt_token_ids
 from triton_diffusion.engine.jobs import JobSpec, Stepped
-from triton_diffusion.errors import invalid_field
+from triton_diffusion.errors import ErrorCode, invalid_field
 from triton_diffusion.fields import (
     DESCRIBE_FIELD,
     REQUIRED,
@@ -38,12 +38,12 @@ from triton_diffusion.fields import (
     Role,
     seed_field,
 )
-from triton_diffusion.serving.engine_host import EngineHost, RequestRecord
+from triton_diffusion.serving.engine_host import RequestRecord
 from triton_diffusion.serving.engines import StepEngineKind
 from triton_diffusion.serving.job_resumes import seed_from_key
-from triton_diffusion.serving.metrics import DIFFUSION_LM_FAMILIES, DIFFUSION_LM_METRICS
+from triton_diffusion.serving.metrics import DIFFUSION_LM_FAMILIES, DIFFUSION_LM_METRICS, BatchingMetrics
 from triton_diffusion.serving.requests import TrackedRequest
-from triton_diffusion.serving.triton_model import TritonModel, Urgency
+from triton_diffusion.serving.triton_model import Hosting, Urgency, urgency_of
 from triton_diffusion.settings import LM, ModelSettings
 
 log = logging.getLogger("triton_diffusion")
@@ -189,14 +189,20 @@ def _array(value: Any, dtype: Any) -> np.ndarray:
     return np.array([[value]], dtype=dtype)
 
 
-class DiffusionLMModel(TritonModel):
-    KIND = "text_generation"
-    FIELDS = DIFFUSION_LM_FIELDS
-    OUTPUTS = OUTPUTS
-    METRIC_FAMILIES = DIFFUSION_LM_FAMILIES
-    CONFIG_KINDS = (LM,)
+class DiffusionLMModel:
+    """The diffusion language model, a model kind (serving/triton_model.py ``ModelKind``): one job per
+    request, its blocks decoded on the step engine."""
 
-    def setup(self, settings: ModelSettings) -> None:
+    KIND: ClassVar[str] = "text_generation"
+    FIELDS: ClassVar[FieldSet] = DIFFUSION_LM_FIELDS
+    OUTPUTS: ClassVar[list[tuple[str, str, list[int]]]] = OUTPUTS
+    METRIC_FAMILIES: ClassVar[dict[str, tuple[str, str]]] = DIFFUSION_LM_FAMILIES
+    CONFIG_KINDS: ClassVar[tuple[str, ...]] = (LM,)
+
+    fields: FieldSet
+
+    def setup(self, settings: ModelSettings, metrics: BatchingMetrics) -> Hosting:
+        self.settings, self.metrics = settings, metrics
         config = settings.config
         if config.intra_op_threads is not None:
             # Each model runs in its own stub process; on a small CPU shared with Triton's own threads,
@@ -215,9 +221,6 @@ class DiffusionLMModel(TritonModel):
         unpadded = padding_changes_logits(forward, self.lm.pad_id, side, self.lm.vocab_size, self.lm.device)
         adapter = DiffusionLMAdapter(forward, self.lm.pad_id, side, self.lm.device, unpadded)
         engine_kind = StepEngineKind(adapter, prompt_of=lambda job: job.record.parsed.prompt)
-        self.host = EngineHost(
-            self, engine_kind, settings, self.metrics, DIFFUSION_LM_METRICS, self.exit_for_restart
-        )
         log.info(
             "%s ready: max_running=%d padding=%s mask_id=%d eos_ids=%s device=%s",
             settings.name,
@@ -227,6 +230,7 @@ class DiffusionLMModel(TritonModel):
             list(self.lm.eos_ids),
             self.lm.device,
         )
+        return Hosting(engine_kind, DIFFUSION_LM_METRICS)
 
     # ---- requests ---------------------------------------------------------------------------------
     def parse(self, index: int, raw: dict[str, Any], tracked: TrackedRequest) -> ParsedGeneration:
@@ -249,8 +253,18 @@ class DiffusionLMModel(TritonModel):
             seed = seed_from_key(key) if key else random.randrange(2**32)
         generator = torch.Generator(device=self.lm.device).manual_seed(seed)
         decoding = DecodingRequest(prompt, params, generator, self.lm.mask_id, self.lm.eos_ids)
-        service = self.service_of(values, tracked)
+        service = urgency_of(values, tracked, self.settings.config, self.fields)
         return ParsedGeneration(values["prompt"], decoding, seed, values["stream"], service)
+
+    def cached_answer(self, parsed: ParsedGeneration) -> None:
+        """Never: a generation is not cached."""
+        return None
+
+    def answered(self, tracked: TrackedRequest, code: ErrorCode | None) -> None:
+        """Nothing is kept for a request past its answer."""
+
+    def describe_more(self) -> dict[str, Any]:
+        return {}
 
     def tokenize(self, prompt: str, chat: bool) -> torch.Tensor:
         if chat and not self.lm.tokenizer.chat_template:

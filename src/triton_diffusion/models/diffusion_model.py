@@ -17,7 +17,7 @@ import math
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 import numpy as np
 
@@ -30,14 +30,14 @@ from triton_diffusion.errors import ErrorCode, RequestError, invalid_field
 from triton_diffusion.families import PipelineFacts
 from triton_diffusion.fields import FieldSet
 from triton_diffusion.models.calibration import calibrate
-from triton_diffusion.serving.engine_host import EngineHost, RequestRecord
+from triton_diffusion.serving.engine_host import RequestRecord
 from triton_diffusion.serving.engines import EngineKind, RequestEngineKind, StepEngineKind
 from triton_diffusion.serving.job_resumes import Resume, Resumes, seed_from_key
-from triton_diffusion.serving.metrics import IMAGE_METRICS
+from triton_diffusion.serving.metrics import FAMILIES, IMAGE_METRICS, BatchingMetrics
 from triton_diffusion.serving.requests import TrackedRequest
 from triton_diffusion.serving.result_cache import ResultCache, result_key
-from triton_diffusion.serving.triton_model import TritonModel, Urgency, json_output
-from triton_diffusion.settings import ModelSettings
+from triton_diffusion.serving.triton_model import Hosting, Urgency, json_output, urgency_of
+from triton_diffusion.settings import IMAGE, ModelSettings
 
 log = logging.getLogger("triton_diffusion")
 
@@ -84,10 +84,22 @@ def seed_output(seed: int, count: int) -> np.ndarray:
     return np.array([[row_seed(seed, i) for i in range(count)]], dtype=np.int64)
 
 
-class DiffusionModel(TritonModel):
-    """Image and video models: one job per image (or video). With a step adapter for the loaded pipeline
-    (and ``engine`` auto or step) the host runs the step engine; otherwise the request-level engine, one
-    fused diffusers call (:meth:`run_call`) per compatible group."""
+class DiffusionModel:
+    """Image and video models, a model kind (serving/triton_model.py ``ModelKind``): one job per image (or
+    video). With a step adapter for the loaded pipeline (and ``engine`` auto or step) the host runs the
+    step engine; otherwise the request-level engine, one fused diffusers call (:meth:`run_call`) per
+    compatible group."""
+
+    KIND: ClassVar[str]
+    FIELDS: ClassVar[FieldSet]
+    OUTPUTS: ClassVar[list[tuple[str, str, list[int]]]]
+    METRIC_FAMILIES: ClassVar[dict[str, tuple[str, str]]] = FAMILIES
+    CONFIG_KINDS: ClassVar[tuple[str, ...]] = (IMAGE,)
+
+    fields: FieldSet
+    settings: ModelSettings
+    metrics: BatchingMetrics
+    engine_kind: EngineKind
 
     facts: PipelineFacts  # what the loaded pipeline is (set by load)
     step_cache_methods: tuple[str, ...] = ()  # the step caches its denoiser serves per request (at load)
@@ -156,7 +168,8 @@ class DiffusionModel(TritonModel):
                 continue
         return [self.step_request(default, 0)]
 
-    def setup(self, settings: ModelSettings) -> None:
+    def setup(self, settings: ModelSettings, metrics: BatchingMetrics) -> Hosting:
+        self.settings, self.metrics = settings, metrics
         self.fields, adapter = self.load(settings)
         self.adapter = adapter
         self.results = ResultCache(int(settings.config.result_cache_mb * 2**20))
@@ -182,9 +195,6 @@ class DiffusionModel(TritonModel):
         else:
             engine_kind = RequestEngineKind(self.run_call, caps)
         self.engine_kind = engine_kind
-        self.host = EngineHost(
-            self, engine_kind, settings, self.metrics, IMAGE_METRICS, self.exit_for_restart, self.resumes
-        )
         log.info(
             "%s ready: engine=%s max_rows_per_call=%d caps_by_resolution=%s",
             settings.name,
@@ -192,6 +202,7 @@ class DiffusionModel(TritonModel):
             caps.max_rows,
             dict(caps.by_resolution),
         )
+        return Hosting(engine_kind, IMAGE_METRICS, self.resumes)
 
     def parse(self, index: int, raw: dict[str, Any], tracked: TrackedRequest) -> ParsedRequest:
         """Validate a request and decide its jobs: one per image (or video), each with its params, tier,
@@ -202,7 +213,7 @@ class DiffusionModel(TritonModel):
             resume_key = values.get("resume_key")
             values["seed"] = seed_from_key(resume_key) if resume_key else random.randrange(2**32)
         key = self.key_for(values)
-        service = self.service_of(values, tracked)
+        service = urgency_of(values, tracked, self.settings.config, self.fields)
         answer_key = result_key(values, seed_given) if self.results else None
         images = self.images_for(values)
         resume = self.resume_of(values, images, tracked)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import base64
 from dataclasses import replace
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -85,7 +85,7 @@ TEXT_TO_VIDEO_FIELDS = FieldSet(
 class TextToVideoModel(TextToImageModel):
     KIND = "text_to_video"
     FIELDS = TEXT_TO_VIDEO_FIELDS
-    CONFIG_KINDS = (IMAGE,)  # no source images
+    CONFIG_KINDS: ClassVar[tuple[str, ...]] = (IMAGE,)  # no source images
     REQUIRED_CALL_ARGS = ("prompt", "generator", "height", "width", "num_frames", "num_inference_steps")
     OPTIONAL_CALL_FIELDS = ("negative_prompt", "guidance_scale")
     OUTPUT_ATTRIBUTE = "frames"

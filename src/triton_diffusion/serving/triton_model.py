@@ -1,9 +1,12 @@
-"""The shared Triton Python model: read + validate each request, hand the valid ones to the engine host.
+"""The one Triton Python model: read + validate each request, hand the valid ones to the engine host.
 
-A model kind (text-to-image, ..., the diffusion LM) subclasses :class:`TritonModel` and says which fields
-it accepts, how to load its model, how a raw request becomes a parsed request holding its job specs, and
-what its engine host runs (engine_host.py); image and video kinds share models/diffusion_model.py.
-Whatever raises while a request is read answers that request alone. Nothing here knows an image field.
+A model file is ``TritonPythonModel = serve(TextToImageModel)``: :func:`serve` composes a model kind
+(:class:`ModelKind`: text-to-image, ..., the diffusion LM) into :class:`TritonModel`, which is final and
+is not subclassed. The kind says which fields it accepts, loads its model and says what its engine host
+runs (:class:`Hosting`), turns a raw request into a parsed request holding its job specs, and renders
+progress and outputs (engine_host.py ``HostedKind``); image and video kinds share
+models/diffusion_model.py. This class builds the engine host and owns Triton's entry points: whatever
+raises while a request is read answers that request alone. Nothing here knows an image field.
 """
 
 from __future__ import annotations
@@ -11,19 +14,22 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol, final
 
 import numpy as np
 
 from triton_diffusion.engine.failures import exit_for_restart
+from triton_diffusion.engine.jobs import Stepped
 from triton_diffusion.errors import ErrorCode, RequestError, invalid_field
 from triton_diffusion.fields import FieldSet
-from triton_diffusion.serving.engine_host import EngineHost
-from triton_diffusion.serving.metrics import FAMILIES
+from triton_diffusion.serving.engine_host import EngineHost, Parsed, RequestRecord
+from triton_diffusion.serving.engines import EngineKind
+from triton_diffusion.serving.job_resumes import Resumes
+from triton_diffusion.serving.metrics import BatchingMetrics, MetricNames
 from triton_diffusion.serving.requests import TrackedRequest
-from triton_diffusion.settings import IMAGE, ModelSettings
+from triton_diffusion.settings import ModelConfig, ModelSettings
 
 log = logging.getLogger("triton_diffusion")
 
@@ -37,49 +43,135 @@ class Urgency:
     deadline: float | None = None
 
 
+def urgency_of(
+    values: dict[str, Any], tracked: TrackedRequest, config: ModelConfig, fields: FieldSet
+) -> Urgency:
+    """A request's tier (``service_tier``, or the model's default) as its rank, and its deadline (Triton's
+    request timeout, or over HTTP the ``timeout`` parameter, in microseconds from its arrival): the one
+    place a tier's name becomes a rank. Raises INVALID_ARG naming the field and what is allowed."""
+    tier = values.get("service_tier")
+    if tier is None:  # absent: the model's default; sent, it must be a tier ("" and " " are not)
+        tier = config.default_service_tier
+    if tier not in config.service_tiers:
+        allowed = ", ".join(config.service_tiers)
+        raise invalid_field("service_tier", f"got {tier[:64]!r} (allowed: one of {allowed})")
+    timeout_us = values.get("timeout") or tracked.timeout_us
+    most = fields["timeout"].maximum
+    if timeout_us and not (0 < timeout_us and (most is None or timeout_us <= most)):
+        raise invalid_field("timeout", f"got {timeout_us} us (allowed: {fields['timeout'].allowed()})")
+    deadline = tracked.entered + timeout_us / 1e6 if timeout_us else None
+    return Urgency(config.service_tiers.index(tier), deadline)
+
+
 def json_output(value: dict[str, Any]) -> np.ndarray:
     """A [1, 1] TYPE_STRING output holding JSON (BATCH, MODEL_INFO)."""
     return np.array([[json.dumps(value).encode()]], dtype=object)
 
 
-class TritonModel:
-    """What every model kind shares: Triton's entry points, reading and validating each request on its
-    own (whatever raises answers that request alone), and the answered-exactly-once tracking. A kind's
-    ``setup`` sets ``self.fields`` and ``self.host``."""
+@dataclass(frozen=True)
+class Hosting:
+    """What a loaded model kind runs: its engine, the metric names its host reports under, and where its
+    jobs' checkpoints go (None: none are taken)."""
+
+    engine_kind: EngineKind
+    names: MetricNames
+    resumes: Resumes | None = None
+
+
+class ModelKind(Protocol):
+    """What a model kind supplies to :class:`TritonModel` (and, as engine_host.py's ``HostedKind``, to its
+    engine host). Made with no arguments; ``setup`` loads it."""
 
     KIND: ClassVar[str]  # what it serves, as MODEL_INFO tells clients: text_to_image, text_generation, ...
     FIELDS: ClassVar[FieldSet]
     OUTPUTS: ClassVar[list[tuple[str, str, list[int]]]]
-    METRIC_FAMILIES: ClassVar[dict[str, tuple[str, str]]] = FAMILIES
-    CONFIG_KINDS: ClassVar[tuple[str, ...]] = (IMAGE,)  # which config parameters it reads (settings.py)
+    METRIC_FAMILIES: ClassVar[dict[str, tuple[str, str]]]
+    CONFIG_KINDS: ClassVar[tuple[str, ...]]  # which config parameters it reads (settings.py)
 
-    fields: FieldSet
+    fields: FieldSet  # FIELDS configured with this model's defaults and limits (set by setup)
+
+    def setup(self, settings: ModelSettings, metrics: BatchingMetrics) -> Hosting:
+        """Load the model (set ``fields``); say what its engine host runs."""
+
+    def parse(self, index: int, raw: dict[str, Any], tracked: TrackedRequest) -> Parsed:
+        """Validate one request's raw fields. Raises RequestError for this request only."""
+
+    def cached_answer(self, parsed: Any) -> dict[str, Any] | None:
+        """The answer of an earlier identical request (serving/result_cache.py), or None."""
+
+    def describe_more(self) -> dict[str, Any]:
+        """What the kind adds to MODEL_INFO."""
+
+    def answered(self, tracked: TrackedRequest, code: ErrorCode | None) -> None:
+        """A request's FINAL response went out (``code``: its error's, None for a result), once per request,
+        whichever path answered it: what the kind keeps for a request until then is let go here."""
+
+    def progress_outputs(self, record: RequestRecord, stepped: Stepped) -> Mapping[str, Any] | None:
+        """A progress response for this step, or None (the response thread)."""
+
+    def final_outputs(
+        self, record: RequestRecord, outputs: list[Any], service: dict[str, Any]
+    ) -> Mapping[str, Any]:
+        """The FINAL response's tensors (the response thread)."""
+
+
+def serve(kind: type[ModelKind]) -> type:
+    """Triton's ``TritonPythonModel`` for a model kind: what a model.py names (``TritonPythonModel =
+    serve(TextToImageModel)``). Each instance Triton makes is a :class:`TritonModel` over a new kind."""
+
+    class TritonPythonModel:
+        @staticmethod
+        def auto_complete_config(auto_complete_model_config: Any) -> Any:
+            from triton_diffusion.serving.triton_io import add_io_to_config
+
+            return add_io_to_config(auto_complete_model_config, kind.FIELDS, kind.OUTPUTS)
+
+        def __init__(self) -> None:
+            self.model = TritonModel(kind())
+
+        def initialize(self, args: dict[str, str]) -> None:
+            self.model.initialize(args)
+
+        def execute(self, requests: Sequence[Any]) -> None:
+            return self.model.execute(requests)
+
+        def finalize(self) -> None:
+            self.model.finalize()
+
+    TritonPythonModel.__doc__ = f"{kind.__name__}, served by Triton's Python backend."
+    return TritonPythonModel
+
+
+@final
+class TritonModel:
+    """Triton's entry points over a model kind: reading and validating each request on its own (whatever
+    raises answers that request alone), the answered-exactly-once tracking, MODEL_INFO, and the engine host
+    built from what the kind's ``setup`` returned."""
+
     host: EngineHost
 
-    # ---- what a model kind provides -------------------------------------------------------------
-    def setup(self, settings: ModelSettings) -> None:
-        """Load the model; set ``self.fields`` (FIELDS configured with this model's defaults and limits)
-        and ``self.host``."""
-        raise NotImplementedError
-
-    def parse(self, index: int, raw: dict[str, Any], tracked: TrackedRequest) -> Any:
-        """Validate one request's raw fields. Raises RequestError for this request only."""
-        raise NotImplementedError
+    def __init__(self, kind: ModelKind) -> None:
+        self.kind = kind
 
     # ---- Triton entry points ----------------------------------------------------------------------
-    @classmethod
-    def auto_complete_config(cls, auto_complete_model_config: Any) -> Any:
-        from triton_diffusion.serving.triton_io import add_io_to_config
-
-        return add_io_to_config(auto_complete_model_config, cls.FIELDS, cls.OUTPUTS)
-
     def initialize(self, args: dict[str, str]) -> None:
         from triton_diffusion.serving.triton_io import batching_metrics, install_log_handler
 
         install_log_handler()
-        self.settings = ModelSettings.from_triton_args(args, self.CONFIG_KINDS, [f.name for f in self.FIELDS])
-        self.metrics = batching_metrics(self.settings.name, self.METRIC_FAMILIES)
-        self.setup(self.settings)
+        kind = self.kind
+        names = [f.name for f in kind.FIELDS]
+        self.settings = ModelSettings.from_triton_args(args, kind.CONFIG_KINDS, names)
+        self.metrics = batching_metrics(self.settings.name, kind.METRIC_FAMILIES)
+        hosting = kind.setup(self.settings, self.metrics)
+        self.host = EngineHost(
+            kind,
+            hosting.engine_kind,
+            self.settings,
+            self.metrics,
+            hosting.names,
+            self.exit_for_restart,
+            hosting.resumes,
+        )
 
     def execute(self, requests: Sequence[Any]) -> None:
         entered = time.perf_counter()
@@ -105,47 +197,19 @@ class TritonModel:
                     log.exception("could not answer request %d of the batch", index)
         return None
 
-    def cached_answer(self, parsed: Any) -> dict[str, Any] | None:
-        """The answer of an earlier identical request (serving/result_cache.py), or None."""
-        return None
-
     def describe(self) -> dict[str, Any]:
         """MODEL_INFO: what a client needs to know to call this model (so it never infers it)."""
-        config = self.settings.config
+        config, kind = self.settings.config, self.kind
         return {
-            "kind": self.KIND,
+            "kind": kind.KIND,
             "engine": self.host.engine_kind.name,
-            "fields": {f.name: f.describe() for f in self.fields},
-            "outputs": [name for name, _, _ in self.OUTPUTS],
+            "fields": {f.name: f.describe() for f in kind.fields},
+            "outputs": [name for name, _, _ in kind.OUTPUTS],
             "service_tiers": list(config.service_tiers),
             "default_service_tier": config.default_service_tier,
             "error_codes": [code.value for code in ErrorCode],
-            **self.describe_more(),
+            **kind.describe_more(),
         }
-
-    def describe_more(self) -> dict[str, Any]:
-        """What a model kind adds to MODEL_INFO."""
-        return {}
-
-    def service_of(self, values: dict[str, Any], tracked: TrackedRequest) -> Urgency:
-        """The request's tier (``service_tier``, or the model's default) and deadline (Triton's request
-        timeout, or over HTTP the ``timeout`` parameter, in microseconds from its arrival). Raises
-        INVALID_ARG naming the field and what is allowed."""
-        config = self.settings.config
-        tier = values.get("service_tier")
-        if tier is None:  # absent: the model's default; sent, it must be a tier ("" and " " are not)
-            tier = config.default_service_tier
-        if tier not in config.service_tiers:
-            allowed = ", ".join(config.service_tiers)
-            raise invalid_field("service_tier", f"got {tier[:64]!r} (allowed: one of {allowed})")
-        timeout_us = values.get("timeout") or tracked.timeout_us
-        most = self.fields["timeout"].maximum
-        if timeout_us and not (0 < timeout_us and (most is None or timeout_us <= most)):
-            raise invalid_field(
-                "timeout", f"got {timeout_us} us (allowed: {self.fields['timeout'].allowed()})"
-            )
-        deadline = tracked.entered + timeout_us / 1e6 if timeout_us else None
-        return Urgency(config.service_tiers.index(tier), deadline)
 
     def finalize(self) -> None:
         self.host.close()
@@ -174,12 +238,12 @@ class TritonModel:
 
         tracked = self._track(request, entered)
         try:
-            raw = read_raw_fields(request, self.fields)
+            raw = read_raw_fields(request, self.kind.fields)
             if raw.get("describe") is True:  # what the model serves, at once: no generation
                 tracked.finish({"MODEL_INFO": json_output(self.describe())})
                 return tracked, None
-            parsed = self.parse(index, raw, tracked)
-            answer = self.cached_answer(parsed)
+            parsed = self.kind.parse(index, raw, tracked)
+            answer = self.kind.cached_answer(parsed)
             if answer is not None:  # the same request was answered before: its bytes again, at once
                 tracked.finish(answer)
                 return tracked, None
@@ -196,8 +260,4 @@ class TritonModel:
     def _on_answered(self, tracked: TrackedRequest, code: ErrorCode | None) -> None:
         if code is not None:
             self.metrics.increment("triton_diffusion_requests_failed_total", code=code.value)
-        self.answered(tracked, code)
-
-    def answered(self, tracked: TrackedRequest, code: ErrorCode | None) -> None:
-        """A request's FINAL response went out (``code``: its error's, None for a result), once per request,
-        whichever path answered it: what a model kind keeps for a request until then is let go here."""
+        self.kind.answered(tracked, code)
