@@ -166,10 +166,10 @@ class Bench:
         tracked = TrackedRequest(str(index), Channel())
         if engine == "step":
             params = self.model.step_request(values, 0)
-            # Its shape, tokens and grid, as the served model kind sets them (models/diffusion_model.py).
-            job = Job(tracked, params, record=index, shape=params.shape)
-            job.tokens, job.grid = self.adapter.tokens_of(params), self.adapter.grid_of(params)
-            return job
+            # Its shape and tokens, as the served model kind sets them (models/diffusion_model.py).
+            return Job(
+                tracked, params, record=index, shape=params.shape, tokens=self.adapter.tokens_of(params)
+            )
         key = compatibility_key(self.model.fields, values)
         return Job(tracked, RowInput(values, 0), record=index, group=key)
 

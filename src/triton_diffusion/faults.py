@@ -17,18 +17,29 @@ the checkpoints taken so far are on disk; only the first time for a checkpoint_d
 ``<checkpoint_dir>.exited`` beside it says it happened), so the restarted server serves the resend. Keyed
 on the seed, not the prompt, so the resend and its reference are the same pipeline call. This lets
 integration tests exercise failure isolation and sharing through the real server and the real pipeline.
+On the step engine each fault is a wrapper installed at load where it is configured
+(:class:`FaultyStepAdapter` around the adapter, :func:`exiting_resumes` in place of the model's
+checkpoints); the request-level engine's fused calls (models/fused_calls.py) still call its hooks.
 Durations are in seconds, as in the config; ``step_delay_ms`` (milliseconds) is still read.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import os
 import re
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from triton_diffusion.serving.job_resumes import Resumes
+
+log = logging.getLogger("triton_diffusion")
 
 
 class InjectedFault(RuntimeError):
@@ -131,6 +142,11 @@ class FaultyStepAdapter:
     def finish(self, jobs: list[Any]) -> list[Any]:
         return self.adapter.finish(jobs)
 
+    def forward_size(self, jobs: Sequence[Any]) -> tuple[int, int]:
+        from triton_diffusion.engine.step_engine import forward_size_of
+
+        return forward_size_of(self.adapter)(jobs)
+
     def checkpoint(self, jobs: list[Any]) -> list[Any]:
         return self.adapter.checkpoint(jobs)
 
@@ -149,3 +165,28 @@ class FaultyStepAdapter:
         deadline = time.monotonic() + self.faults.hold_s
         while self.held() < needed and time.monotonic() < deadline:
             time.sleep(0.005)
+
+
+def exiting_resumes(resumes: Resumes, faults: FaultInjection, seed_of: Callable[[Any], int]) -> Resumes:
+    """``exit_on_seed``: the model's checkpoints (serving/job_resumes.py), with the process dying right
+    after the step report in which a job of a request with that seed completed its ``exit_after_step``-th
+    denoising step, once the checkpoints taken so far are written (``os._exit(1)``: what the OOM killer
+    does, no answer sent); only the first time for a checkpoint folder (a marker ``<checkpoint_dir>.exited``
+    beside it says it happened), so the restarted server serves the resend. Installed where the model
+    is set up, in place of its Resumes: nothing of it runs in a model without the fault."""
+    from triton_diffusion.serving.job_resumes import FLUSH_BEFORE_EXIT_S, Resumes
+
+    directory = Path(resumes.store.directory)
+    marker = directory.with_name(directory.name + ".exited")
+
+    class ExitingResumes(Resumes):
+        def persist(self, report: Any) -> None:
+            super().persist(report)
+            for stepped in report.stepped:
+                if faults.exit_due(seed_of(stepped.job), stepped.step) and not marker.exists():
+                    self.store.flush(FLUSH_BEFORE_EXIT_S)
+                    marker.write_text(f"exited after step {stepped.step}\n")
+                    log.critical("fault injection: exiting after step %d (exit_on_seed)", stepped.step)
+                    os._exit(1)
+
+    return ExitingResumes(resumes.store, resumes.every, resumes.identity)

@@ -397,3 +397,45 @@ def test_on_the_shipped_config_256x256_requests_fill_their_row_cap_and_short_one
     assert max(results[f"s{i}"].batch["most_rows_shared"] for i in range(3)) == 4
     assert all(done[f"s{i}"] < done["long"] for i in range(3)), done
     assert results["long"].batch["forwards"] == 16
+
+
+def test_model_info_and_the_metrics_show_the_cost_model_the_engine_prices_by(server):
+    """MODEL_INFO ``cost_model`` and ``triton_diffusion_forward_cost_seconds``: once forwards of two token
+    counts ran, the line by tokens (deadlines, the drain) is there, positive, and the metric holds the
+    same fixed part; the request-level engine's model says nothing of one."""
+    from triton_diffusion_client.streams import StreamSession
+
+    model = "sd_step"
+    for size in (64, 128):  # two token counts: the line is determined
+        request = {
+            "prompt": f"a cost at {size}",
+            "seed": 3,
+            "num_inference_steps": 2,
+            "height": size,
+            "width": size,
+        }
+        generate_one(request, f"cost-{size}", server.grpc_url, model)
+
+    def described(name: str) -> dict:
+        with StreamSession(server.grpc_url, name) as session:
+            (answer,) = list(session.responses({"PROMPT": b""}, {"describe": True}, f"describe-{name}"))
+        return json.loads(answer.scalar("MODEL_INFO"))
+
+    cost = described(model)["cost_model"]
+    line = cost["forward_by_tokens"]
+    assert cost["token_counts_measured"] >= 2 and line is not None, cost
+    assert (
+        line["fixed_ms"] >= 0
+        and line["per_1k_tokens_ms"] >= 0
+        and line["fixed_ms"] + line["per_1k_tokens_ms"] > 0
+    )
+    assert cost["decode_ms"] > 0 and cost["start_ms"] > 0, cost
+    deadline = time.monotonic() + 10
+    while True:  # set at most once a second, on the response thread
+        metric = f'triton_diffusion_forward_cost_seconds{{fit="tokens",model="{model}",part="fixed"}}'
+        value = read_metrics(server).get(metric)
+        if value is not None or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert value is not None and value >= 0, sorted(k for k in read_metrics(server) if "cost" in k)
+    assert "cost_model" not in described("text_to_image"), "the request-level engine prices nothing"

@@ -96,7 +96,7 @@ def run_engine(
 def job_of(adapter: Any, request_id: str, channel: RecordingChannel, request: ImageRequest) -> Job:
     """A job as the model kind makes it (models/diffusion_model.py job_spec): its shape and its tokens."""
     job = Job(TrackedRequest(request_id, channel), request, shape=request.shape)
-    job.tokens, job.grid = adapter.tokens_of(request), adapter.grid_of(request)
+    job.tokens = adapter.tokens_of(request)
     return job
 
 

@@ -108,3 +108,24 @@ def test_a_calibration_keeps_the_plane_determined_whatever_the_traffic_measures(
         times.forward_ran(rows, 64 * rows, plane(rows, 64 * rows), rows=rows)
     assert (1, 16) in times.calibration and (1, 16) not in times.by_rows_tokens
     assert times.forward_cost(8, 8 * 16) == pytest.approx(plane(8, 8 * 16))
+
+
+def test_the_cost_model_described_is_the_fits_the_engine_prices_by_in_milliseconds():
+    times = WorkTimes()
+    empty = times.describe()
+    assert empty["forward_by_tokens"] is None and empty["forward_by_tokens_and_rows"] is None
+    assert empty["token_counts_measured"] == 0 and empty["start_ms"] is None
+    # Exact points of s = 0.01 + 2e-5 x tokens + 0.003 x rows: both fits recover it.
+    for rows, tokens in ((1, 100), (2, 100), (2, 300), (4, 500)):
+        times.by_rows_tokens[rows, tokens] = 0.01 + 2e-5 * tokens + 0.003 * rows
+    for tokens in (100, 300):
+        times.by_tokens[tokens] = 0.01 + 2e-5 * tokens
+    times.started(2, 0.004)
+    described = times.describe()
+    assert described["forward_by_tokens"] == pytest.approx({"fixed_ms": 10.0, "per_1k_tokens_ms": 20.0})
+    assert described["forward_by_tokens_and_rows"] == pytest.approx(
+        {"fixed_ms": 10.0, "per_1k_tokens_ms": 20.0, "per_row_ms": 3.0}
+    )
+    assert described["start_ms"] == pytest.approx(2.0) and described["decode_ms"] is None
+    assert (described["token_counts_measured"], described["pairs_measured"]) == (2, 4)
+    assert times.forward_s(200) == pytest.approx(described["forward_by_tokens"]["fixed_ms"] / 1e3 + 0.004)

@@ -17,7 +17,7 @@ from tests.unit.recording import tracked
 from triton_diffusion.adapters.image_requests import ImageRequest
 from triton_diffusion.engine.jobs import Job, JobSpec, JobStart, Stepped, StepReport
 from triton_diffusion.errors import ErrorCode, RequestError
-from triton_diffusion.faults import FaultInjection
+from triton_diffusion.faults import FaultInjection, exiting_resumes
 from triton_diffusion.models.diffusion_model import DiffusionModel
 from triton_diffusion.models.image_fields import TEXT_TO_IMAGE_FIELDS
 from triton_diffusion.serving.checkpoint_store import CorruptCheckpoint
@@ -319,11 +319,12 @@ def test_the_exit_fault_fires_after_its_step_once_per_checkpoint_dir(tmp_path, m
     def fake_exit(code: int) -> None:
         exits.append(code)
 
-    monkeypatch.setattr("triton_diffusion.serving.job_resumes.os._exit", fake_exit)
+    monkeypatch.setattr("triton_diffusion.faults.os._exit", fake_exit)
     faults = FaultInjection.from_config('{"exit_on_seed": 1234, "exit_after_step": 7}')
     store = FakeStore()
+    store.directory = tmp_path / "checkpoints"
     marker = tmp_path / "checkpoints.exited"
-    resumes = Resumes(store, 2, faults, seed_of=lambda job: job.params.seed, marker=marker)
+    resumes = exiting_resumes(Resumes(store, 2), faults, seed_of=lambda job: job.params.seed)
     other = watched_job(resumes, "other", key="another-key-0123456789", seed=99)
     victim = watched_job(resumes, "victim", seed=1234)
     resumes.persist(StepReport(stepped=[Stepped(victim, 6, 12), Stepped(other, 7, 12)]))

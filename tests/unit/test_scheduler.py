@@ -9,13 +9,19 @@ import pytest
 
 from tests.unit.recording import step_as_worker, tracked
 from tests.unit.test_step_engine import Engine, FakeAdapter, Host, Spec
-from triton_diffusion.engine.jobs import ANY_SIZE, Job, computed_tokens, forward_group
+from triton_diffusion.adapters.packed_rows import ANY_SIZE
+from triton_diffusion.engine.jobs import Job, forward_group
 from triton_diffusion.engine.ordering import AdmissionPacing, Service, make_policy
 from triton_diffusion.engine.scheduler import EngineLimits
 from triton_diffusion.engine.step_engine import StepEngine
 from triton_diffusion.errors import ErrorCode, RequestError
 
 PRIORITY, DEFAULT, FLEX = 0, 1, 2
+
+
+def computed_tokens(jobs: list[Job]) -> int:
+    """The tokens a forward of these jobs computes, as a packing adapter counts them (padding included)."""
+    return FakeAdapter().forward_size(jobs)[1]
 
 
 class Clock:
@@ -377,7 +383,7 @@ def test_without_a_budget_the_row_caps_alone_bound_a_forward_of_one_size_or_pack
     def job(name: str, shape: str) -> Job:
         side = 4 if shape == "small" else 8
         made = packed(name, 2 * side * side, shape=shape)
-        made.grid = (2, side, side)  # a guided image: two rows of side x side latent tokens
+        made.params.grid = (2, side, side)  # a guided image: two rows of side x side latent tokens
         return made
 
     smalls = [job(f"s{i}", "small") for i in range(5)]
@@ -402,9 +408,9 @@ def test_a_packing_job_steps_with_the_cached_jobs_of_its_size_even_when_it_goes_
     uncached job, oldest, goes first: its forward is its size's, so the cached ones share it rather than
     wait (it ran alone every step while they starved)."""
     engine = packed_engine(budget=None)
-    uncached = Job(tracked("plain"), Spec(group=ANY_SIZE, steps=3), shape="S", tokens=1)
+    uncached = Job(tracked("plain"), Spec(group=ANY_SIZE, steps=3, joins="S"), shape="S", tokens=1)
     cached = [Job(tracked(f"c{i}"), Spec(group="S", steps=3), shape="S", tokens=1) for i in range(3)]
-    other = Job(tracked("other"), Spec(group=ANY_SIZE, steps=3), shape="T", tokens=1)
+    other = Job(tracked("other"), Spec(group=ANY_SIZE, steps=3, joins="T"), shape="T", tokens=1)
     assert first_forward(engine, uncached, *cached, other) == ["plain", "c0", "c1", "c2"]
     assert forward_group([uncached, *cached]) == "S"  # the caps an out-of-memory there lowers: its size's
     engine.step()
@@ -512,7 +518,7 @@ def test_a_packed_forward_is_bounded_by_the_tokens_it_computes_padding_included(
     # to 8x4, 64 tokens computed: over a budget of 40, so they step apart; two 4x4 jobs fit together.
     engine = packed_engine(budget=40)
     tall, wide, square = packed("tall", 16, 1, "8x2"), packed("wide", 16, 1), packed("square", 16, 1)
-    tall.grid, wide.grid, square.grid = (1, 8, 2), (1, 4, 4), (1, 4, 4)
+    tall.params.grid, wide.params.grid, square.params.grid = (1, 8, 2), (1, 4, 4), (1, 4, 4)
     assert computed_tokens([tall, wide]) == 64 and computed_tokens([wide, square]) == 32
     for job in (tall, wide, square):
         engine.add(job)
@@ -525,9 +531,11 @@ def test_a_packed_forward_is_bounded_by_the_tokens_it_computes_padding_included(
 # ---- the packing gate: sizes mixed run packed only where the cost fit does not price it dearer ----------
 def gated(name: str, side: int, rows: int = 1) -> Job:
     made = Job(
-        tracked(name), Spec(group=ANY_SIZE, steps=3), shape=f"{side}x{side}", tokens=rows * side * side
+        tracked(name),
+        Spec(group=ANY_SIZE, steps=3, joins=f"{side}x{side}", grid=(rows, side, side)),
+        shape=f"{side}x{side}",
+        tokens=rows * side * side,
     )
-    made.grid = (rows, side, side)
     return made
 
 

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from tests.unit.recording import RecordingChannel, deliver_errors, step_as_worker, tracked
+from triton_diffusion.adapters.packed_rows import padded_size
 from triton_diffusion.engine.failures import DeviceLostError
 from triton_diffusion.engine.forward_caps import CAP_RECOVERY_FORWARDS, EngineLimits, ForwardCaps
 from triton_diffusion.engine.jobs import (
@@ -41,6 +42,8 @@ class Spec:
     steps: int = 3
     fail_forward: bool = False  # any forward holding this job raises
     fail_finish: bool = False
+    joins: str | None = None  # another group whose forwards it may step in (a packing adapter's jobs)
+    grid: tuple[int, int, int] | None = None  # its rows and token grid, where a packed forward pads it
 
 
 class FakeAdapter:
@@ -50,7 +53,13 @@ class FakeAdapter:
         self.finishes: list[list[str]] = []
 
     def prepare(self, jobs):
-        return [JobStart([0], job.params.group, job.params.steps) for job in jobs]
+        return [
+            JobStart([0], job.params.group, job.params.steps, also_joins=job.params.joins) for job in jobs
+        ]
+
+    def forward_size(self, jobs):
+        """A packing adapter's count (adapters/packed_rows.py): the canvas of the jobs' grids."""
+        return padded_size([job.params.grid for job in jobs], [job.tokens for job in jobs])
 
     def step(self, jobs, previews=None):
         names = [job.request.request_id for job in jobs]

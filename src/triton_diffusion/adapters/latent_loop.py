@@ -37,7 +37,7 @@ from triton_diffusion.adapters.devices import take_rows, to_device
 from triton_diffusion.adapters.diffusers_pipeline import counterpart_pipeline
 from triton_diffusion.adapters.image_requests import Conditioning, ImageRequest, LatentJob, as_run
 from triton_diffusion.adapters.lora import LoraBank, LoraSet
-from triton_diffusion.adapters.packed_rows import SizedRows
+from triton_diffusion.adapters.packed_rows import ANY_SIZE, SizedRows
 from triton_diffusion.adapters.schedulers import can_batch, guide, scale_model_inputs, vectorised_step
 from triton_diffusion.adapters.starts import LatentStarts
 from triton_diffusion.adapters.step_caches import (
@@ -50,7 +50,7 @@ from triton_diffusion.adapters.step_caches import (
     servable,
 )
 from triton_diffusion.engine.failures import Failure, is_device_lost
-from triton_diffusion.engine.jobs import ANY_SIZE, ForwardResult, Job, JobStep
+from triton_diffusion.engine.jobs import ForwardResult, Job, JobStep
 from triton_diffusion.families import PipelineFacts
 
 log = logging.getLogger("triton_diffusion")

@@ -30,7 +30,25 @@ import torch.nn.functional as F
 from diffusers.models.attention_processor import JointAttnProcessor2_0
 
 from triton_diffusion.adapters.image_requests import ImageRequest
-from triton_diffusion.engine.jobs import ANY_SIZE
+from triton_diffusion.engine.jobs import Job
+
+# The group of a job that shares forwards with jobs of every size (a family that packs sizes); such a job
+# also joins its own size's forwards (JobStart.also_joins), where jobs with a step cache keep to it.
+ANY_SIZE = "any size"
+# An image job's denoiser rows and its latent token grid (token rows, token columns).
+Grid = tuple[int, int, int]
+
+
+def padded_size(grids: Sequence[Grid | None], tokens: Sequence[int]) -> tuple[int, int]:
+    """The denoiser rows and tokens a forward of jobs with these grids (and own tokens) computes: their own
+    tokens where they are of one size (or any has no grid: a video); packed (sizes mixed), every row on a
+    canvas of the tallest by the widest grid, padding included: what the token budget bounds and a
+    forward costs."""
+    rows = sum(g[0] if g is not None else 1 for g in grids)
+    known = [g for g in grids if g is not None]
+    if len(known) < len(grids) or len({g[1:] for g in known}) <= 1:
+        return rows, sum(tokens)
+    return rows, sum(g[0] for g in known) * max(g[1] for g in known) * max(g[2] for g in known)
 
 
 @dataclass(frozen=True)
@@ -236,7 +254,12 @@ class SizedRows:
         rows = 2 if self.uses_guidance(request) else 1
         return rows * height * width * self.latent_frames(request)
 
-    def grid_of(self, request: ImageRequest) -> tuple[int, int, int] | None:
+    def forward_size(self, jobs: Sequence[Job]) -> tuple[int, int]:
+        """The rows and tokens a forward of these jobs computes, padding included (:func:`padded_size`):
+        the engine's token budget and cost fit count this (engine/step_engine.py SizesForwards)."""
+        return padded_size([self.grid_of(job.params) for job in jobs], [job.tokens for job in jobs])
+
+    def grid_of(self, request: ImageRequest) -> Grid | None:
         """An image job's denoiser rows and token grid, what a packed forward pads it to (a video: None,
         its frames are never packed)."""
         if request.num_frames is not None:
@@ -250,6 +273,11 @@ class SizedRows:
         if self.packs_sizes and not request.step_cache:
             return ANY_SIZE
         return request.shape
+
+    def also_joins(self, request: ImageRequest) -> Hashable:
+        """The other group whose forwards a started job may step in: a job of every size's group also
+        joins its own size's (where jobs with a step cache keep to it); None: only its own group."""
+        return request.shape if self.group_of(request) == ANY_SIZE else None
 
     def predict_packed(
         self,

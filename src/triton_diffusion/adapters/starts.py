@@ -89,6 +89,7 @@ class LatentStarts:
         def extra_inputs(self, request: ImageRequest) -> dict[str, torch.Tensor]: ...
         def new_cache_state(self, request: ImageRequest, guided: bool) -> CacheState | None: ...
         def group_of(self, request: ImageRequest) -> Hashable: ...
+        def also_joins(self, request: ImageRequest) -> Hashable: ...
 
     def supports(self, start: str) -> bool:
         """Whether this family's adapter can start jobs this way (``image``, ``mask``) with this model."""
@@ -233,7 +234,8 @@ class LatentStarts:
                 inpaint=inpaint if inpaint is not None and inpaint.blended else None,
                 cache=self.new_cache_state(request, guided),
             )
-            prepared.append(JobStart(state, self.group_of(request), len(timesteps[i])))
+            group, joins = self.group_of(request), self.also_joins(request)
+            prepared.append(JobStart(state, group, len(timesteps[i]), also_joins=joins))
         return prepared
 
     def starting_latents(

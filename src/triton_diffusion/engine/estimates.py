@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 # Weight of the newest measurement in the running averages.
 SMOOTHING = 0.2
@@ -77,6 +78,34 @@ class WorkTimes:
     @property
     def measured(self) -> bool:
         return bool(self.by_tokens)
+
+    def describe(self) -> dict[str, Any]:
+        """The cost model as it stands, in milliseconds (MODEL_INFO ``cost_model``, and the metrics): the
+        line by tokens that deadlines and the drain price a forward by, the plane by tokens and rows that
+        the packing gate prices by (None until the pairs measured determine it), a start and a decode per
+        job, and how many points each rests on (token counts and (rows, tokens) pairs measured by the
+        traffic, pairs from the calibration at load)."""
+        by_tokens = dict(self.by_tokens)  # copies: the engine thread adds to these while this reads them
+        plane = _plane({**self.calibration, **self.by_rows_tokens})
+        line = None
+        if len(by_tokens) >= 2:
+            fixed, slope = _line(by_tokens)
+            line = {"fixed_ms": fixed * 1e3, "per_1k_tokens_ms": slope * 1e6}
+        return {
+            "forward_by_tokens": line,
+            "forward_by_tokens_and_rows": None
+            if plane is None
+            else {
+                "fixed_ms": plane[0] * 1e3,
+                "per_1k_tokens_ms": plane[1] * 1e6,
+                "per_row_ms": plane[2] * 1e3,
+            },
+            "start_ms": None if self.start_s is None else self.start_s * 1e3,
+            "decode_ms": None if self.finish_s is None else self.finish_s * 1e3,
+            "token_counts_measured": len(by_tokens),
+            "pairs_measured": len(self.by_rows_tokens),
+            "pairs_calibrated": len(self.calibration),
+        }
 
     def forward_s(self, tokens: int) -> float:
         """Seconds of a forward of ``tokens`` tokens: the least-squares line over the token counts measured,

@@ -17,7 +17,7 @@ row (frames included), what a forward's cost and memory grow with when jobs of a
 from __future__ import annotations
 
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,28 +25,22 @@ from triton_diffusion.engine.degradation import StepsAllowed, StepsCut
 from triton_diffusion.engine.request_status import Request, RequestStatus
 from triton_diffusion.errors import RequestError
 
-# The group of a job that shares forwards with jobs of every size (an adapter that packs sizes).
-ANY_SIZE = "any size"
-# An image job's denoiser rows and its latent token grid (token rows, token columns).
-Grid = tuple[int, int, int]
+# A forward's denoiser rows and the tokens it computes (padding included), from its jobs: the adapter's
+# (step_engine.py ``SizesForwards``: a family that pads rows of several sizes says what that costs), else
+# :func:`rows_and_tokens`. What the token budget bounds and the cost fit prices.
+ForwardSize = Callable[[Sequence["Job"]], tuple[int, int]]
+
+
+def rows_and_tokens(jobs: Sequence[Job]) -> tuple[int, int]:
+    """A forward's size where the adapter says nothing of padding: a row per job, the jobs' own tokens."""
+    return len(jobs), sum(job.tokens for job in jobs)
 
 
 def forward_group(jobs: Sequence[Job]) -> Hashable:
-    """The group a forward of these jobs ran as: a size's own where any keeps to its size (ANY_SIZE jobs
-    join a forward of their size's group: engine/scheduler.py), else the first's. Its caps are the ones
-    an out-of-memory lowers and a full forward re-proves."""
-    return next((job.group for job in jobs if job.group != ANY_SIZE), jobs[0].group)
-
-
-def computed_tokens(jobs: Sequence[Job]) -> int:
-    """The tokens a forward of these jobs computes: their own where they are of one size (or any has no
-    grid: a video); packed (sizes mixed), every row on a canvas of the tallest by the widest grid
-    (adapters/packed_rows.py), padding included: what the token budget bounds and a forward costs."""
-    grids = [job.grid for job in jobs]
-    known = [g for g in grids if g is not None]
-    if len(known) < len(grids) or len({g[1:] for g in known}) <= 1:
-        return sum(job.tokens for job in jobs)
-    return sum(g[0] for g in known) * max(g[1] for g in known) * max(g[2] for g in known)
+    """The group a forward of these jobs ran as: that of a job that keeps to its group, where one does
+    (a job that also joins another group's forwards steps in them: ``also_joins``, engine/scheduler.py),
+    else the first's. Its caps are the ones an out-of-memory lowers and a full forward re-proves."""
+    return next((job.group for job in jobs if job.also_joins is None), jobs[0].group)
 
 
 @dataclass(frozen=True)
@@ -62,7 +56,6 @@ class JobSpec:
     planned_steps: int = 1  # the denoising steps it will run (for estimates before it starts)
     shape: Hashable = None  # its latent (height, width[, frames]): the group it is expected to join
     tokens: int = 1  # denoiser tokens it adds to a forward (rows x latent tokens per row)
-    grid: Grid | None = None  # its rows and token grid, where a packed forward may pad it (computed_tokens)
     cache_method: str = "none"
     preview_every: int = 0
     previews: int = 0
@@ -96,9 +89,6 @@ class Job:
     cache_method: str = "none"  # its step cache's method (for the metrics)
     shape: Hashable = None  # its latent (height, width[, frames]): per-size caps, estimates before it starts
     tokens: int = 1  # denoiser tokens it adds to a forward (rows x latent tokens per row): the token budget
-    grid: Grid | None = (
-        None  # (denoiser rows, token rows, token columns) of an image: what padding is made of
-    )
     checkpoint_key: str | None = None  # its checkpoints' key in the host's store (None: none are taken)
     steps_allowed: StepsAllowed = ()  # what it may run under overload (engine/degradation.py)
     cut: StepsCut | None = None  # the scheduler's: fewer steps than it asked, decided before it starts
@@ -107,6 +97,7 @@ class Job:
     start_warning: str | None = None  # why a checkpoint it was given could not be used (it started over)
     state: Any = None
     group: Hashable = None  # jobs of one group can share a forward (latent shape, or compatibility key)
+    also_joins: Hashable = None  # another group whose forwards it may step in (None: only its own)
     total_steps: int = 0
     steps_done: int = 0
     # The scheduler's bookkeeping.
@@ -147,7 +138,6 @@ class Job:
             cache_method=spec.cache_method,
             shape=spec.shape,
             tokens=spec.tokens,
-            grid=spec.grid,
             group=spec.group,
             checkpoint_key=spec.checkpoint_key,
             steps_allowed=spec.steps_allowed,
@@ -177,6 +167,7 @@ class Job:
         """Take what the adapter made of this job when it started it: a job resumed from a checkpoint has
         done its ``steps_done`` already."""
         self.state, self.group, self.total_steps = start.state, start.group, start.total_steps
+        self.also_joins = start.also_joins
         self.steps_done = start.steps_done
         self.resumed_from_step = start.steps_done or None
         self.start_warning = start.warning
@@ -186,13 +177,16 @@ class Job:
 class JobStart:
     """What the adapter made of a job it started: its state, the group it can share forwards with and
     its denoising steps; ``steps_done``: those a checkpoint restored (it goes on from there), and
-    ``warning``: why the checkpoint it was given was not used (it starts from the beginning)."""
+    ``warning``: why the checkpoint it was given was not used (it starts from the beginning).
+    ``also_joins``: another group whose forwards it may step in too (a job whose group spans every size
+    also joins its own size's, where jobs that keep to that size run: adapters/packed_rows.py)."""
 
     state: Any
     group: Hashable
     total_steps: int
     steps_done: int = 0
     warning: str | None = None
+    also_joins: Hashable = None
 
 
 @dataclass(frozen=True)

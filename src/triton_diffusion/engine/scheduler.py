@@ -49,15 +49,15 @@ from triton_diffusion.engine.degradation import cut_for_deadline
 from triton_diffusion.engine.estimates import WorkTimes
 from triton_diffusion.engine.forward_caps import EngineLimits, ForwardCaps
 from triton_diffusion.engine.jobs import (
-    ANY_SIZE,
     ForwardResult,
+    ForwardSize,
     Job,
     JobStart,
     Left,
     Packing,
     Stepped,
-    computed_tokens,
     forward_group,
+    rows_and_tokens,
 )
 from triton_diffusion.engine.ordering import AdmissionPacing, Policy, Service, make_policy
 from triton_diffusion.engine.request_status import Abort, Request, RequestTable, apply_aborts, held_requests
@@ -102,8 +102,10 @@ class Scheduler:
         service: Service | None = None,
         times: WorkTimes | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        forward_size: ForwardSize = rows_and_tokens,
     ) -> None:
         self.limits = limits
+        self.forward_size = forward_size  # a forward's rows and tokens, padding included (the adapter's)
         self.clock = clock  # perf_counter seconds: what deadlines and waits are measured on
         self.policy = policy or make_policy("oldest")
         self.pacing = pacing or AdmissionPacing()
@@ -351,20 +353,22 @@ class Scheduler:
                 groups.setdefault(job.group, []).append(job)
             first = min(candidates, key=lambda j: self.order_key(j, now))
             group = self.policy.choose_group(groups, first)
-        # A job that shares forwards with every size (ANY_SIZE) also joins a forward of its own shape's
-        # group (a size whose jobs with a step cache keep to it: adapters/latent_loop.py group_of); so where
-        # the packing job that would go first has such a group, that group steps, the two kinds together.
-        # Only where that size's cached jobs go before any packing job of another size, so the switch never
-        # holds back another size (it steps in the next packed forward, as it would have).
-        if group == ANY_SIZE:
+        # A job may also step in another group's forwards (``also_joins``: one that packs with every size
+        # also joins its own size's, whose jobs with a step cache keep to it: adapters/packed_rows.py); so
+        # where the chosen group's job that would go first joins such a group, that group steps, the two
+        # kinds together. Only where that group's own jobs go before any job of the chosen group that
+        # joins another, so the switch never holds back another (it steps in the next forward of its own
+        # group, as it would have).
+        if any(j.also_joins is not None for j in running if j.group == group):
             order = lambda j: self._forward_key(j, now)  # noqa: E731
-            packing = sorted((j for j in running if j.group == ANY_SIZE), key=order)
-            own = [j for j in running if j.group == packing[0].shape]
-            other = next((j for j in packing if j.shape != packing[0].shape), None)
-            if own and (other is None or order(min(own, key=order)) < order(other)):
-                group = packing[0].shape
+            chosen = sorted((j for j in running if j.group == group), key=order)
+            joins = chosen[0].also_joins
+            own = [j for j in running if j.group == joins]
+            other = next((j for j in chosen if j.also_joins != joins), None)
+            if joins is not None and own and (other is None or order(min(own, key=order)) < order(other)):
+                group = joins
         self.policy.picked(group)
-        members = [j for j in running if j.group == group or (j.group == ANY_SIZE and j.shape == group)]
+        members = [j for j in running if j.group == group or j.also_joins == group]
         # Starved jobs first, the longest starved first (the one the group was chosen for, so it goes; one
         # that starves later never passes a starved job, which goes within as many steps as are before
         # it: starvation_steps + max_running - 1 at most), then the order.
@@ -385,8 +389,7 @@ class Scheduler:
             return None
 
         def price(jobs: list[Job]) -> float | None:
-            rows = sum(job.grid[0] if job.grid is not None else 1 for job in jobs)
-            return self.times.forward_cost(rows, computed_tokens(jobs))
+            return self.times.forward_cost(*self.forward_size(jobs))
 
         if not self.limits.packing_gate:
             return Packing(True)
@@ -414,8 +417,8 @@ class Scheduler:
         for job in members:
             if len(taken) >= jobs_cap:
                 break
-            # The tokens the forward would compute with it, padding included (sizes mixed: jobs.py).
-            over_budget = budget is not None and computed_tokens([*taken, job]) > budget
+            # The tokens the forward would compute with it, padding included (sizes mixed: the adapter's).
+            over_budget = budget is not None and self.forward_size([*taken, job])[1] > budget
             if taken and (over_budget or of_shape.get(job.shape, 0) >= self.caps.shape_cap(job.shape)):
                 continue
             taken.append(job)
@@ -478,7 +481,7 @@ class Scheduler:
         """Apply one forward's per-job results (the ``forward``-th): each job's counters and denoising
         step; a job whose own step failed is returned as failed (not advanced); those that took their
         last step move to finishing (decoded next)."""
-        self.caps.ran(forward_group(jobs), len(jobs), computed_tokens(jobs))
+        self.caps.ran(forward_group(jobs), len(jobs), self.forward_size(jobs)[1])
         mixed = int(len({job.shape for job in jobs}) > 1)  # a packed forward: sizes mixed
         outcome = ForwardOutcome()
         for job, out in zip(jobs, result.steps, strict=True):

@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, cast
+from typing import Any, Protocol, cast, runtime_checkable
 
 from triton_diffusion.engine.estimates import WorkTimes
 from triton_diffusion.engine.failures import DeviceLostError, Failure, device_lost_error, isolate
@@ -41,13 +41,14 @@ from triton_diffusion.engine.jobs import (
     Finished,
     Forward,
     ForwardResult,
+    ForwardSize,
     Job,
     JobStart,
     Left,
     Packing,
     StepReport,
-    computed_tokens,
     forward_group,
+    rows_and_tokens,
 )
 from triton_diffusion.engine.ordering import AdmissionPacing, Policy, Service
 from triton_diffusion.engine.request_status import Abort, Request
@@ -72,6 +73,20 @@ class StepAdapter(Protocol):
 
     def finish(self, jobs: list[Job]) -> list[Any]:
         """The outputs of done jobs of one group, together (one decode), one per job."""
+
+
+@runtime_checkable
+class SizesForwards(Protocol):
+    """What a step adapter adds whose forwards pad rows (a family that packs sizes: adapters/packed_rows.py):
+    the size of a forward of these jobs, which the engine names no geometry to compute."""
+
+    def forward_size(self, jobs: Sequence[Job]) -> tuple[int, int]:
+        """The denoiser rows and the tokens a forward of these jobs computes, padding included."""
+
+
+def forward_size_of(adapter: object) -> ForwardSize:
+    """A forward's rows and tokens as the adapter counts them, else a row per job and their own tokens."""
+    return adapter.forward_size if isinstance(adapter, SizesForwards) else rows_and_tokens
 
 
 class Checkpointing(Protocol):
@@ -103,7 +118,9 @@ class StepEngine:
         self.checkpoint_every = checkpoint_every
         self.limits = limits
         self.times = times or WorkTimes()  # a calibration's at load (models/calibration.py), or none yet
-        self.scheduler = Scheduler(limits, policy, pacing, service, self.times, clock)
+        self.scheduler = Scheduler(
+            limits, policy, pacing, service, self.times, clock, forward_size_of(adapter)
+        )
         self.steps = 0  # engine steps so far
         self.forwards = 0  # forwards run
         self.report = StepReport()  # what the step under way did so far
@@ -219,7 +236,7 @@ class StepEngine:
         def failed(part: list[Job], failure: Failure) -> None:
             log.warning("forward of %d job(s) failed: %s", len(part), failure.text)
             if failure.oom:
-                self.scheduler.caps.out_of_memory(group, len(part), computed_tokens(part))
+                self.scheduler.caps.out_of_memory(group, len(part), self.scheduler.forward_size(part)[1])
 
         def fail(part: list[Job], failure: Failure) -> None:
             for job in part:

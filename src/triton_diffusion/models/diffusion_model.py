@@ -24,10 +24,11 @@ import numpy as np
 from triton_diffusion.adapters.diffusers_pipeline import row_seed
 from triton_diffusion.compatibility import CompatibilityKey, compatibility_key
 from triton_diffusion.engine.degradation import StepsAllowed, steps_allowed
-from triton_diffusion.engine.jobs import ANY_SIZE, Job, JobSpec, Stepped
+from triton_diffusion.engine.jobs import Job, JobSpec, Stepped
 from triton_diffusion.engine.planner import RowCaps
 from triton_diffusion.errors import ErrorCode, RequestError, invalid_field
 from triton_diffusion.families import PipelineFacts
+from triton_diffusion.faults import exiting_resumes
 from triton_diffusion.fields import FieldSet
 from triton_diffusion.models.calibration import calibrate
 from triton_diffusion.serving.engine_host import RequestRecord
@@ -178,7 +179,10 @@ class DiffusionModel:
                 f"model {settings.name}: config parameter 'checkpoint_every_steps' needs the step engine "
                 "(this model runs the request-level engine: see 'engine')"
             )
-        self.resumes = Resumes.from_settings(settings, seed_of=lambda job: job.params.seed)
+        self.resumes = Resumes.from_settings(settings)
+        faults = settings.config.fault_injection
+        if self.resumes is not None and faults is not None and faults.exit_on_seed is not None:  # tests only
+            self.resumes = exiting_resumes(self.resumes, faults, seed_of=lambda job: job.params.seed)
         caps = self.row_caps(settings)
         engine_kind: EngineKind
         if adapter is not None:
@@ -268,7 +272,6 @@ class DiffusionModel:
         return JobSpec(
             params=params,
             tokens=self.adapter.tokens_of(params) if self.adapter is not None else 1,
-            grid=self.adapter.grid_of(params) if self.adapter is not None else None,
             index=index,
             group=key,
             tier=service.tier,
@@ -399,7 +402,7 @@ class DiffusionModel:
             "forwards": max(job.forwards for job in jobs),
             "most_rows_shared": max(job.most_shared for job in jobs),
         }
-        if any(job.group == ANY_SIZE for job in jobs):  # it may share forwards with other sizes
+        if any(job.also_joins is not None for job in jobs):  # it may share forwards with other sizes
             report["packed_forwards"] = max(job.packed_forwards for job in jobs)
         if values.get("step_cache"):  # its denoiser rows: run in full, or from its cache
             report["step_cache"] = {

@@ -31,6 +31,7 @@ from typing import Any, Protocol
 from triton_diffusion.engine.failures import DeviceLostError
 from triton_diffusion.engine.jobs import Job, JobSpec, Left, Stepped, StepReport
 from triton_diffusion.engine.request_status import Abort
+from triton_diffusion.engine.step_engine import StepEngine
 from triton_diffusion.errors import RESEND, ErrorCode, RequestError, Retry, RetryHint
 from triton_diffusion.serving.drain import DRAINING_MESSAGE, POLL_S, DrainWatch, drain_file_from_env
 from triton_diffusion.serving.engine_worker import EngineWorker
@@ -43,6 +44,8 @@ from triton_diffusion.settings import ModelSettings
 
 log = logging.getLogger("triton_diffusion")
 
+# The cost model's metrics are set at most this often (its fit is recomputed to set them).
+COST_METRICS_EVERY_S = 1.0
 # A job kept while draining must be done this long before the drain deadline: the time its answer, the
 # other jobs' checkpoints and the mark take before the launcher stops the server.
 DRAIN_MARGIN_S = 1.0
@@ -117,6 +120,7 @@ class EngineHost:
         drain_file = drain_file_from_env()  # None (tritonserver run by hand, tests): never drains
         self.drain = DrainWatch(drain_file, settings.name, settings.instance) if drain_file else None
         self.draining = False  # set on the engine thread, read by execute()
+        self._cost_published = 0.0  # when the cost model's metrics were last set (monotonic seconds)
         if self.drain is not None:
             log.info("%s: drains on SIGTERM (drain file %s)", settings.instance or settings.name, drain_file)
         self.worker = EngineWorker(
@@ -132,6 +136,18 @@ class EngineHost:
             between_steps=self._drain_pass if self.drain is not None else None,
             idle_tick_s=POLL_S,
         )
+
+    def cost_model(self) -> dict[str, Any] | None:
+        """The step engine's cost model as it stands (engine/estimates.py ``describe``): MODEL_INFO
+        ``cost_model`` and the metrics; None on the request-level engine, which prices nothing."""
+        return self.engine.times.describe() if isinstance(self.engine, StepEngine) else None
+
+    def _record_cost(self, cost: dict[str, Any]) -> None:
+        for fit, name in (("tokens", "forward_by_tokens"), ("tokens_and_rows", "forward_by_tokens_and_rows")):
+            for part, value in (cost[name] or {}).items():
+                seconds = value / 1e3 if part != "per_1k_tokens_ms" else value / 1e6
+                part = "per_token" if part == "per_1k_tokens_ms" else part.removesuffix("_ms")
+                self.metrics.set("triton_diffusion_forward_cost_seconds", seconds, fit=fit, part=part)
 
     # ---- execute() thread -------------------------------------------------------------------------
     def submit(self, admitted: Sequence[tuple[TrackedRequest, Parsed]]) -> None:
@@ -259,6 +275,11 @@ class EngineHost:
         # after its answer sees the work that answered it.
         if report.forwards or report.calls or report.cuts or report.stepped or report.left or report.paused:
             submit(None, lambda: self._record_metrics(report, deadlines))
+        now = time.monotonic()
+        if report.forwards and now - self._cost_published >= COST_METRICS_EVERY_S:
+            self._cost_published, cost = now, self.cost_model()  # read here: the engine thread's tables
+            if cost is not None:
+                submit(None, lambda: self._record_cost(cost))
         for job in report.admitted:
             self._guarded(job, self._admitted, job, report.running)
         for job in report.paused:

@@ -23,16 +23,14 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import logging
-import os
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from triton_diffusion.engine.jobs import Job, StepReport
+from triton_diffusion.engine.jobs import StepReport
 from triton_diffusion.errors import ErrorCode, invalid_field
-from triton_diffusion.faults import FaultInjection
 from triton_diffusion.serving.checkpoint_store import CheckpointStore, CorruptCheckpoint
 from triton_diffusion.serving.requests import TrackedRequest
 from triton_diffusion.serving.result_cache import NOT_IN_KEY, values_digest
@@ -98,24 +96,13 @@ class Resume:
 
 
 class Resumes:
-    """One model's checkpoints: its store, the requests whose jobs are checkpointed (``resume_key`` and
-    fields hash, until answered), and the test-only exit fault (faults.py ``exit_on_seed``)."""
+    """One model's checkpoints: its store, and the requests whose jobs are checkpointed (``resume_key`` and
+    fields hash, until answered)."""
 
-    def __init__(
-        self,
-        store: Any,
-        every: int,
-        faults: FaultInjection | None = None,
-        seed_of: Callable[[Job], int] | None = None,
-        marker: Path | None = None,
-        identity: str = "",
-    ) -> None:
+    def __init__(self, store: Any, every: int, identity: str = "") -> None:
         self.store = store  # a serving/checkpoint_store.py CheckpointStore (or a test's)
         self.every = every
         self.identity = identity  # the model as loaded (model_identity): part of every fields hash
-        self.faults = faults if faults is not None and faults.exit_on_seed is not None else None
-        self.seed_of = seed_of
-        self.marker = marker  # the exit fault's "it happened" file, beside the checkpoint folder
         self._lock = threading.Lock()
         self._watched: dict[TrackedRequest, tuple[str, str]] = {}  # -> (resume_key, fields hash)
 
@@ -124,7 +111,7 @@ class Resumes:
         return fields_hash(f"{model}:{self.identity}" if self.identity else model, values)
 
     @classmethod
-    def from_settings(cls, settings: ModelSettings, seed_of: Callable[[Job], int]) -> Resumes | None:
+    def from_settings(cls, settings: ModelSettings) -> Resumes | None:
         """The model's checkpoints where ``checkpoint_every_steps`` turns them on (None: off). Its folder
         is ``checkpoint_dir``, relative to the model's folder unless absolute."""
         config = settings.config
@@ -136,7 +123,6 @@ class Resumes:
             directory = settings.model_dir / directory
         directory.mkdir(parents=True, exist_ok=True)
         store = CheckpointStore(directory, int(config.checkpoint_max_mb * 2**20), config.checkpoint_ttl_s)
-        marker = directory.with_name(directory.name + ".exited")
         log.info(
             "%s: checkpoints every %d steps in %s (at most %g MB, %g s)",
             settings.name,
@@ -146,7 +132,7 @@ class Resumes:
             config.checkpoint_ttl_s,
         )
         identity = model_identity(settings)
-        return cls(store, config.checkpoint_every_steps, config.fault_injection, seed_of, marker, identity)
+        return cls(store, config.checkpoint_every_steps, identity)
 
     # ---- execute() thread: reading a request --------------------------------------------------------
     def lookup(self, resume_key: str, images: int, hashed: str) -> Resume:
@@ -194,7 +180,7 @@ class Resumes:
     # ---- the engine thread --------------------------------------------------------------------------
     def persist(self, report: StepReport) -> None:
         """Hand the checkpoints of a step report to the store (it writes on its own thread), those of
-        requests still unanswered; then the test-only exit fault."""
+        requests still unanswered."""
         for job, checkpoint in report.checkpoints:
             tracked: TrackedRequest = job.record.tracked
             # Checked and handed over under the lock ``answered`` takes: a request answered meanwhile has
@@ -204,21 +190,6 @@ class Resumes:
                 if watched is None or tracked.ended or job.checkpoint_key is None:
                     continue
                 self.store.put(job.checkpoint_key, watched[1], checkpoint)
-        if self.faults is not None and self.seed_of is not None:
-            for stepped in report.stepped:
-                if self.faults.exit_due(self.seed_of(stepped.job), stepped.step):
-                    self._exit_once(stepped.step)
-
-    def _exit_once(self, step: int) -> None:
-        """faults.py ``exit_on_seed``: die as the OOM killer kills, once the checkpoints taken so far are
-        written, the first time only (the marker says it happened)."""
-        assert self.marker is not None
-        if self.marker.exists():
-            return
-        self.store.flush(FLUSH_BEFORE_EXIT_S)
-        self.marker.write_text(f"exited after step {step}\n")
-        log.critical("fault injection: exiting after step %d (exit_on_seed)", step)
-        os._exit(1)
 
     # ---- whichever thread answers -------------------------------------------------------------------
     def answered(self, tracked: TrackedRequest, code: ErrorCode | None) -> None:

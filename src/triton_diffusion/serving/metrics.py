@@ -71,6 +71,12 @@ SERVICE_FAMILIES = {
     ),
     "triton_diffusion_preemptions_total": ("COUNTER", "Running jobs paused to make room for a higher tier"),
     "triton_diffusion_paused_jobs": ("GAUGE", "Jobs paused for a higher tier after the last engine step"),
+    "triton_diffusion_forward_cost_seconds": (
+        "GAUGE",
+        "Step engine: the cost model a forward is priced by (MODEL_INFO cost_model), by fit (tokens: the "
+        "line deadlines and the drain use; tokens_and_rows: the packing gate's plane) and part (fixed, "
+        "per_token, per_row), in seconds; set at most once a second, once the fit is determined",
+    ),
 }
 FAMILIES.update(SERVICE_FAMILIES)
 FAMILIES.update(
@@ -203,5 +209,5 @@ class BatchingMetrics:
     def increment(self, name: str, value: float = 1, **labels: str) -> None:
         self._apply(name, "increment", value, labels)
 
-    def set(self, name: str, value: float) -> None:
-        self._apply(name, "set", value, {})
+    def set(self, name: str, value: float, **labels: str) -> None:
+        self._apply(name, "set", value, labels)

@@ -208,6 +208,7 @@ class TritonModel:
             "service_tiers": list(config.service_tiers),
             "default_service_tier": config.default_service_tier,
             "error_codes": [code.value for code in ErrorCode],
+            **({"cost_model": cost} if (cost := self.host.cost_model()) is not None else {}),
             **kind.describe_more(),
         }
 
