@@ -24,6 +24,7 @@ import argparse
 import statistics
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import artefacts
@@ -71,7 +72,7 @@ def one_run(bench: Bench, interval: int, args: argparse.Namespace, folder: Path)
         index = next(made)
         values = bench.request(index, args.steps, 7.5)
         job = bench.job(index, values, "step")
-        job.checkpoint_key = f"bench-checkpoint-key-{index:06d}.0"
+        job.spec = replace(job.spec, checkpoint_key=f"bench-checkpoint-key-{index:06d}.0")
         engine.add(job)
 
     for _ in range(args.running):
@@ -84,14 +85,14 @@ def one_run(bench: Bench, interval: int, args: argparse.Namespace, folder: Path)
         started = time.perf_counter()
         report = engine.step()
         for job, checkpoint in report.checkpoints:
-            store.put(job.checkpoint_key, "hash", checkpoint)
+            store.put(job.spec.checkpoint_key, "hash", checkpoint)
             written += 1
             sizes.append(sum(t.numel() * t.element_size() for t in checkpoint.tensors.values()))
         sync(bench.device)
         if step >= warm_up:
             step_s.append(time.perf_counter() - started)
         for finished in report.finished:  # answered: the host removes its checkpoints (job_resumes.py)
-            store.remove(finished.job.checkpoint_key)
+            store.remove(finished.job.spec.checkpoint_key)
             add()
         for _ in report.left:
             if _.reason != "finished":

@@ -36,7 +36,7 @@ import json
 import random
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -88,14 +88,14 @@ def job(bench: Bench, index: int, item: Item, variant: str, submitted: float, st
     if not step_engine:
         return bench.job(index, item.values, "request")
     made = bench.job(index, item.values, "step")
-    made.planned_steps = item.values["num_inference_steps"]
+    made.spec = replace(made.spec, planned_steps=item.values["num_inference_steps"])
     made.request.entered = submitted
     if variant == "tiers":
-        made.tier = PRIORITY if item.interactive else DEFAULT
+        made.spec = replace(made.spec, tier=PRIORITY if item.interactive else DEFAULT)
         if item.slo_s is not None:
-            made.deadline = submitted + item.slo_s
+            made.spec = replace(made.spec, deadline=submitted + item.slo_s)
     else:
-        made.tier = DEFAULT
+        made.spec = replace(made.spec, tier=DEFAULT)
     return made
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import inspect
 import weakref
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -72,7 +73,7 @@ def run_engine(
     the first request's preview interval (0: none)."""
     engine, host = StepEngine(adapter, EngineLimits(8, 8)), host or Host()
     jobs = [job_of(adapter, str(i), RecordingChannel(), request) for i, (_, request) in enumerate(arrivals)]
-    jobs[0].preview_every = first_preview_every
+    jobs[0].spec = replace(jobs[0].spec, preview_every=first_preview_every)
     pending = list(zip([at for at, _ in arrivals], jobs, strict=True))
     cancel = {"now": False}
     if victim is not None:
@@ -96,7 +97,7 @@ def run_engine(
 def job_of(adapter: Any, request_id: str, channel: RecordingChannel, request: ImageRequest) -> Job:
     """A job as the model kind makes it (models/diffusion_model.py job_spec): its shape and its tokens."""
     job = Job(TrackedRequest(request_id, channel), request, shape=request.shape)
-    job.tokens = adapter.tokens_of(request)
+    job.spec = replace(job.spec, tokens=adapter.tokens_of(request))
     return job
 
 

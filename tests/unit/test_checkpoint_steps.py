@@ -37,7 +37,9 @@ class CheckpointingAdapter:
     stepped_from: dict[str, list[int]] = field(default_factory=dict)
 
     def prepare(self, jobs: list[Job]) -> list[JobStart]:
-        return [JobStart([0], "g", job.params.steps, steps_done=job.params.resume_at) for job in jobs]
+        return [
+            JobStart([0], "g", job.spec.params.steps, steps_done=job.spec.params.resume_at) for job in jobs
+        ]
 
     def step(self, jobs: list[Job], previews: Any = None) -> ForwardResult:
         steps = []
@@ -106,11 +108,11 @@ def test_a_job_started_from_a_checkpoint_goes_on_from_its_step():
     resumed = job("resumed", "k.0", Params(steps=7, resume_at=4))
     taken = run(adapter, [resumed], every=2)
     assert adapter.stepped_from["resumed"] == [4, 5, 6]  # three forwards, not seven
-    assert resumed.resumed_from_step == 4 and resumed.steps_done == 7
+    assert resumed.stats.resumed_from_step == 4 and resumed.steps_done == 7
     assert taken == [("resumed", ("resumed", 6))]
     fresh = job("fresh", None)
     run(CheckpointingAdapter(), [fresh], every=0)
-    assert fresh.resumed_from_step is None
+    assert fresh.stats.resumed_from_step is None
 
 
 # ---- the latent adapters' start (starts.py), its job_checkpoints functions faked --------------------------

@@ -72,7 +72,7 @@ class CutAdapter(FakeAdapter):
 
     def prepare(self, jobs):
         return [
-            JobStart([0], job.params.group, job.cut.denoising if job.cut else job.params.steps)
+            JobStart([0], job.spec.params.group, job.cut.denoising if job.cut else job.spec.params.steps)
             for job in jobs
         ]
 
@@ -86,7 +86,7 @@ def harness(**kwargs) -> Harness:
 
 def degradable(h: Harness, name: str, tier: int, steps: int, least: int, deadline_s: float | None):
     job = h.job(name, tier, steps, deadline_s=deadline_s)
-    job.steps_allowed = allowance(steps, least)
+    job.spec = replace(job.spec, steps_allowed=allowance(steps, least))
     return job
 
 
@@ -165,7 +165,7 @@ def test_a_job_is_never_cut_without_a_deadline_an_allowance_or_refusals(case):
     h.measure(0.5)
     job = degradable(h, "job", DEFAULT, 8, 8 if case == "nothing allowed" else 1, deadline_s=None)
     if case != "no deadline":
-        job.deadline = h.clock.now + 2.0
+        job.spec = replace(job.spec, deadline=h.clock.now + 2.0)
     h.add(job)
     h.step(0.1)
     assert job.cut is None
@@ -201,14 +201,15 @@ def test_degraded_jobs_equal_their_pipeline_at_the_steps_they_ran_amid_rows_that
     image = request(1, 12, image=source_image(), strength=0.75)
     plain = request(2, 6)
     jobs = [job_of(adapter, str(i), RecordingChannel(), r) for i, r in enumerate((text, image, plain))]
-    times.forward_ran(1, jobs[0].tokens, 0.5)  # a forward of one such job: 0.5 s (more jobs: more)
+    times.forward_ran(1, jobs[0].spec.tokens, 0.5)  # a forward of one such job: 0.5 s (more jobs: more)
     # The text job goes first (least slack): 12 steps take 6 s; within 90% of 2.5 s, 4 steps (2 s). The
     # img2img job after it, sharing its forwards: about 0.5 s x (4 + its denoising steps) within 4.68 s: 5
     # denoising steps (4.51 s: the tokens per forward round up), i.e. 7 steps at strength 0.75 (12
     # would denoise 9: 6.5 s).
-    jobs[0].deadline, jobs[0].steps_allowed = 2.5, allowance(12, 2)
-    jobs[1].deadline = 5.2
-    jobs[1].steps_allowed = steps_allowed(12, 2, lambda k: int(k * 0.75), lambda k: int(k * 0.75) >= 1)
+    jobs[0].spec = replace(jobs[0].spec, deadline=2.5, steps_allowed=allowance(12, 2))
+    jobs[1].spec = replace(jobs[1].spec, deadline=5.2)
+    allowed = steps_allowed(12, 2, lambda k: int(k * 0.75), lambda k: int(k * 0.75) >= 1)
+    jobs[1].spec = replace(jobs[1].spec, steps_allowed=allowed)
     engine.add(*jobs)
     host = Host()
     stepped = {job.request.request_id: 0 for job in jobs}  # forwards counted at the adapter's call

@@ -111,3 +111,11 @@ def test_a_profile_for_another_pipeline_or_an_unknown_name_is_refused():
     pipe, _, _ = load_family("tiny-sdxl")
     with pytest.raises(ValueError, match="times a StableDiffusionPipeline, not a StableDiffusionXLPipeline"):
         apply_profile(pipe, "sd15-h100")
+
+
+def test_model_info_says_a_profiled_model_serves_a_gpus_costs_not_images():
+    from tests.unit.test_captured_forwards import load_model
+
+    profiled = load_model(device_profile="sd15-h100").describe_more()["device_profile"]
+    assert profiled == {"name": "sd15-h100", "what": PROFILES["sd15-h100"].what, "serves_images": False}
+    assert "device_profile" not in load_model().describe_more()

@@ -64,12 +64,12 @@ def test_every_image_equals_the_pipelines_own_amid_rows_of_other_prompt_lengths(
     arrivals = [(spec[5], request) for spec, request in zip(REQUESTS, requests, strict=True)]
     jobs = run_engine(adapter, arrivals, host, victim)
     assert max(host.forwards) >= 4, "requests did not share forwards"
-    assert jobs[6].first_forward > 1, "the last request did not join mid-way"
+    assert jobs[6].stats.first_forward > 1, "the last request did not join mid-way"
     # The square jobs of 64 and 128 pixels render at one bin: one shape group, so they shared forwards.
     assert jobs[0].group == jobs[2].group != (64, 64) and jobs[4].group != jobs[5].group
     # Short and long prompts: rows of one forward had different text lengths (padding masked per row).
     tokens = {int(job.state.conditional["encoder_attention_mask"].sum()) for job in jobs[:3]}
-    assert len(tokens) == 2 and jobs[0].most_shared >= 3
+    assert len(tokens) == 2 and jobs[0].stats.most_shared >= 3
     assert_each_image_equals_the_pipelines_own(family, requests, jobs)
 
 
@@ -128,6 +128,6 @@ def test_pixart_alpha_1024_models_condition_each_row_on_its_rendered_size(monkey
     host = Host()
     arrivals = [(spec[4], r) for spec, r in zip(ALPHA_1024, requests, strict=True)]
     jobs = run_engine(adapter, arrivals, host)
-    assert max(host.forwards) >= 3 and jobs[2].most_shared >= 2
+    assert max(host.forwards) >= 3 and jobs[2].stats.most_shared >= 2
     assert {job.group for job in jobs} == {(64, 64), (48, 64)}
     assert_each_image_equals_the_pipelines_own(family, requests, jobs)

@@ -210,7 +210,7 @@ def test_batched_engine_matches_one_request_at_a_time(lm, padding):
     assert engine.forwards < solo_forwards
     # Requests really shared forwards, and ones that arrived later joined mid-generation.
     assert max(requests for _, requests in recorder.forwards) >= 4
-    joined = {name: recorder.jobs[name].first_forward for name in CASES}
+    joined = {name: recorder.jobs[name].stats.first_forward for name in CASES}
     assert joined["greedy"] == 1 and joined["long_blocks"] > 1
     # The threshold let its blocks finish early; the others used exactly their steps.
     assert recorder.finished["threshold"].steps_used < CASES["threshold"][1].steps

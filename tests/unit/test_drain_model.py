@@ -7,7 +7,7 @@ instance marks itself drained once nothing is held. A fake adapter and store; re
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -48,10 +48,10 @@ class CheckpointingAdapter:
 
     def prepare(self, jobs):
         self.prepared += [job.request.request_id for job in jobs]
-        return [JobStart([0], "64x64", job.params.steps) for job in jobs]
+        return [JobStart([0], "64x64", job.spec.params.steps) for job in jobs]
 
     def step(self, jobs, previews=None):
-        time.sleep(max(job.params.delay_s for job in jobs))
+        time.sleep(max(job.spec.params.delay_s for job in jobs))
         steps = []
         for job in jobs:
             job.state[0] += 1
@@ -63,7 +63,7 @@ class CheckpointingAdapter:
 
     def checkpoint(self, jobs):
         self.checkpointed.append([job.request.request_id for job in jobs])
-        return [None if job.params.cache else {"step": job.steps_done} for job in jobs]
+        return [None if job.spec.params.cache else {"step": job.steps_done} for job in jobs]
 
 
 # ---- the engines' side: pure decisions --------------------------------------------------------------
@@ -93,7 +93,7 @@ def test_checkpoint_now_returns_the_adapters_checkpoints_of_started_jobs_with_a_
     adapter = CheckpointingAdapter()
     engine = StepEngine(adapter, EngineLimits(4, 4), checkpoint_every=100)
     jobs = [held(engine, "a", 5), held(engine, "b", 5, key=None), held(engine, "c", 5)]
-    jobs[2].params = Spec(5, cache=True)
+    jobs[2].spec = replace(jobs[2].spec, params=Spec(5, cache=True))
     waiting = held(engine, "w", 5)
     engine.step()  # admit and one forward: a, b, c at step 1 (w too: 4 running)
     engine.step()

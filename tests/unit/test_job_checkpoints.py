@@ -129,7 +129,7 @@ def resumed(
     resuming = Resuming(adapter, checkpoint, tamper)
     target = job_of(resuming, "target", RecordingChannel(), request)
     run(resuming, [target, job_of(resuming, "neighbour", RecordingChannel(), neighbour)])
-    assert target.forwards == target.total_steps - checkpoint.step
+    assert target.stats.forwards == target.total_steps - checkpoint.step
     return served(target)
 
 

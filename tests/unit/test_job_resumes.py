@@ -324,7 +324,7 @@ def test_the_exit_fault_fires_after_its_step_once_per_checkpoint_dir(tmp_path, m
     store = FakeStore()
     store.directory = tmp_path / "checkpoints"
     marker = tmp_path / "checkpoints.exited"
-    resumes = exiting_resumes(Resumes(store, 2), faults, seed_of=lambda job: job.params.seed)
+    resumes = exiting_resumes(Resumes(store, 2), faults, seed_of=lambda job: job.spec.params.seed)
     other = watched_job(resumes, "other", key="another-key-0123456789", seed=99)
     victim = watched_job(resumes, "victim", seed=1234)
     resumes.persist(StepReport(stepped=[Stepped(victim, 6, 12), Stepped(other, 7, 12)]))

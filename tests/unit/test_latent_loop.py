@@ -68,7 +68,7 @@ def test_every_image_equals_the_pipelines_own_amid_traffic(family):
     arrivals = [(spec[5], request) for spec, request in zip(REQUESTS, requests, strict=True)]
     jobs = run_engine(adapter, arrivals, host, victim)
     assert max(host.forwards) >= 3, "requests did not share forwards"
-    assert jobs[5].first_forward > 1, "the last request did not join mid-way"
+    assert jobs[5].stats.first_forward > 1, "the last request did not join mid-way"
     assert_each_image_equals_the_pipelines_own(family, requests, jobs)
 
 
@@ -151,14 +151,14 @@ def test_image_conditioned_jobs_equal_their_pipelines_alone_and_amid_text_only_j
         for i, (steps, guidance, cfg, at) in enumerate(NEIGHBOURS)
     ] + [(0, twin)]
     together = run_engine(adapter, targets + neighbours)
-    assert together[len(targets) + 1].first_forward > 1, "a text-only job did not join mid-way"
+    assert together[len(targets) + 1].stats.first_forward > 1, "a text-only job did not join mid-way"
     for (_, request), job in zip(targets, together, strict=False):
         expected = np.asarray(reference(pipe, facts, schedulers, request), dtype=int)
         (alone,) = run_engine(adapter, [(0, request)])
         assert np.abs(served(alone) - expected).max() <= 1, ("alone", facts.class_name, request.start)
         assert np.abs(served(job) - expected).max() <= 1, ("amid text", facts.class_name, request.start)
-        assert job.most_shared >= 2 and alone.most_shared == 1
-        assert job.forwards == job.total_steps == alone.total_steps <= request.steps
+        assert job.stats.most_shared >= 2 and alone.stats.most_shared == 1
+        assert job.stats.forwards == job.total_steps == alone.total_steps <= request.steps
     assert np.abs(served(together[0]) - served(together[-1])).mean() > 5, "the source did not matter"
 
 
@@ -217,7 +217,7 @@ def test_an_inpainting_checkpoint_serves_inpainting_jobs_each_equal_to_its_pipel
     arrivals = [(spec[4], request) for spec, request in zip(CHECKPOINT_JOBS, requests, strict=True)]
     jobs = run_engine(adapter, arrivals, host, victim)
     assert max(host.forwards) >= 3, "inpainting jobs did not share forwards"
-    assert jobs[2].first_forward > 1, "the last request did not join mid-way"
+    assert jobs[2].stats.first_forward > 1, "the last request did not join mid-way"
     assert_each_image_equals_the_pipelines_own(family, requests, jobs)
     # The mask is an input of the model here: another mask, another image.
     other_mask = Image.fromarray(255 - np.asarray(mask))

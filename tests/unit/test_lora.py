@@ -168,7 +168,9 @@ def test_rows_with_different_adapters_share_forwards_and_each_equals_diffusers_s
         for i, (adapters, steps, guidance, _) in enumerate(ROWS)
     ]
     jobs = run_engine(adapter, [(row[3], request) for row, request in zip(ROWS, requests, strict=True)])
-    assert max(job.most_shared for job in jobs) >= 4, "rows with different adapters did not share forwards"
+    assert max(job.stats.most_shared for job in jobs) >= 4, (
+        "rows with different adapters did not share forwards"
+    )
     images = [served(job) for job in jobs]
     assert np.abs(images[0] - images[1]).max() > 20, "the adapter does not visibly change the image"
     assert np.abs(images[1] - images[2]).max() > 20, "other scales do not visibly change the image"

@@ -229,8 +229,8 @@ def test_a_cached_job_keeps_to_its_size_and_shares_with_uncached_jobs_of_it(fami
     # joins it (scheduler.py: a job of every size joins a forward of its own shape's group).
     jobs = run_engine(adapter, [(0, cached), *arrivals])
     assert jobs[0].group == SIZES[0] and all(job.group != SIZES[0] for job in jobs[1:])
-    assert jobs[0].most_shared == 2, "the cached job did not share with the uncached one of its size"
-    assert jobs[2].most_shared == 2, "the uncached jobs of the other two sizes did not share a forward"
+    assert jobs[0].stats.most_shared == 2, "the cached job did not share with the uncached one of its size"
+    assert jobs[2].stats.most_shared == 2, "the uncached jobs of the other two sizes did not share a forward"
     # Alone, with and without its cache: the rows the transformer's blocks ran on, counted by hooks on
     # torch's own modules (not by the engine's counters), and the images.
     with ComputedRows(adapter.pipe.transformer) as with_cache:
@@ -248,7 +248,9 @@ def test_a_row_that_fails_fails_alone_in_a_packed_forward(family):
     adapter = adapter_of(family)
     arrivals = mixed_requests(family)[:3]
     culprit = replace(arrivals[1][1], prompt="boom here", seed=5)
-    faulty = FaultyStepAdapter(adapter, FaultInjection(fail_on_prompt="boom"), lambda job: job.params.prompt)
+    faulty = FaultyStepAdapter(
+        adapter, FaultInjection(fail_on_prompt="boom"), lambda job: job.spec.params.prompt
+    )
     engine = StepEngine(faulty, EngineLimits(8, 8))
     jobs = [
         job_of(adapter, str(i), RecordingChannel(), r) for i, (_, r) in enumerate([*arrivals, (0, culprit)])
@@ -259,7 +261,7 @@ def test_a_row_that_fails_fails_alone_in_a_packed_forward(family):
     while engine.active:
         host.render(step_as_worker(engine))
     assert jobs[3].request.channel.finals[0].code.value == "INTERNAL"
-    assert min(job.most_shared for job in jobs[:3]) >= 2, "the others did not go on sharing forwards"
+    assert min(job.stats.most_shared for job in jobs[:3]) >= 2, "the others did not go on sharing forwards"
     for (_, request), job in zip(arrivals, jobs[:3], strict=True):
         expected = np.asarray(reference(pipe, facts, schedulers, request), dtype=int)
         (final,) = job.request.channel.finals
@@ -276,8 +278,8 @@ def test_a_job_paused_in_a_packed_forward_resumes_and_equals_its_pipeline():
 
     background = [request(0, SIZES[0], 6), request(1, SIZES[2], 5)]
     jobs, _ = run_with_a_late_priority_request(adapter, background, request(2, SIZES[1], 3))
-    assert jobs[0].pauses == 1, "the flex job was not paused"
-    assert jobs[1].most_shared == 2 and jobs[2].most_shared == 2, "sizes did not share forwards"
+    assert jobs[0].queue.pauses == 1, "the flex job was not paused"
+    assert jobs[1].stats.most_shared == 2 and jobs[2].stats.most_shared == 2, "sizes did not share forwards"
     assert_each_image_equals_the_pipelines_own(family, [*background, request(2, SIZES[1], 3)], jobs)
 
 

@@ -67,7 +67,7 @@ def test_a_paused_sd_job_with_a_multistep_solver_equals_its_pipeline():
     urgent = request(2, 3, schedulers.default)
     jobs, _ = run_with_a_late_priority_request(adapter, background, urgent)
     paused = jobs[0]
-    assert paused.pauses == 1 and paused.paused_s > 0, "the flex job was not paused"
+    assert paused.queue.pauses == 1 and paused.queue.paused_s > 0, "the flex job was not paused"
     assert_each_image_equals_the_pipelines_own(family, [*background, urgent], jobs)
 
 
@@ -80,7 +80,7 @@ def test_a_paused_flux_job_keeps_its_step_cache_and_equals_diffusers(flux):
     background = [flux.request(0, "fbc:0.9"), flux.request(1, "taylorseer:2")]
     urgent = flux.request(2, "none", steps=3)
     jobs, _ = run_with_a_late_priority_request(flux.adapter, background, urgent)
-    assert jobs[0].pauses == 1 and jobs[0].rows_reused > 0
+    assert jobs[0].queue.pauses == 1 and jobs[0].stats.rows_reused > 0
     # Each within 1 uint8 of diffusers' own cached call, whose image the cache moves by more than 5 levels.
     check(flux, [*background, urgent], [served(job) for job in jobs])
     # The pause kept the state: the same job unpaused gives the same image.
@@ -112,8 +112,8 @@ def test_paused_sd_jobs_keep_their_lora_rows_and_each_equals_diffusers_set_adapt
     background = [request(6, (("ink", 1.0),)), request(5, ())]
     urgent = request(3, (("ink", 0.5), ("neon", 1.3)))
     jobs, _ = run_with_a_late_priority_request(adapter, background, urgent)
-    assert jobs[0].pauses == 1, "the flex job was not paused"
-    assert max(job.most_shared for job in jobs) == 2  # rows with other adapters shared its forwards
+    assert jobs[0].queue.pauses == 1, "the flex job was not paused"
+    assert max(job.stats.most_shared for job in jobs) == 2  # rows with other adapters shared its forwards
     images = [served(job) for job in jobs]
     assert np.abs(images[0] - images[1]).max() > 20, "the adapter does not visibly change the image"
     reference_pipe = DiffusionPipeline.from_pretrained(WEIGHTS / "tiny-sd", use_safetensors=True)

@@ -65,8 +65,8 @@ def test_every_image_equals_the_pipelines_own_amid_rows_of_other_prompt_lengths(
     host = Host()
     arrivals = [(spec[5], request) for spec, request in zip(REQUESTS, requests, strict=True)]
     jobs = run_engine(adapter, arrivals, host, victim)
-    assert max(host.forwards) >= 4 and jobs[0].most_shared >= 4, "requests did not share forwards"
-    assert jobs[6].first_forward > 1, "the last request did not join mid-way"
+    assert max(host.forwards) >= 4 and jobs[0].stats.most_shared >= 4, "requests did not share forwards"
+    assert jobs[6].stats.first_forward > 1, "the last request did not join mid-way"
     assert [job.state.unconditional is not None for job in jobs] == [False, True, False, True, True] + [
         False,
         False,
@@ -109,7 +109,7 @@ def test_img2img_jobs_equal_their_pipeline_alone_and_amid_text_only_jobs(family)
         (alone,) = run_engine(adapter, [(0, request)])
         assert np.abs(served(alone) - expected).max() <= 1, "alone"
         assert np.abs(served(job) - expected).max() <= 1, "amid text"
-        assert job.most_shared >= 2 and job.forwards == job.total_steps <= request.steps
+        assert job.stats.most_shared >= 2 and job.stats.forwards == job.total_steps <= request.steps
     assert jobs[0].total_steps == 3, "strength 0.6 of 4 steps runs 3 (the trim, unrounded)"
     twin = replace(targets[0][1], image=None, strength=None)
     (text_only,) = run_engine(adapter, [(0, twin)])

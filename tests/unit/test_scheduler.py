@@ -5,6 +5,8 @@ only when a test says so."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from tests.unit.recording import step_as_worker, tracked
@@ -66,9 +68,9 @@ class Harness:
         spec = Spec(steps=steps)
         job = Job(tracked(name), spec, tier=tier, planned_steps=steps, shape="64x64", tokens=tokens)
         job.request.entered = self.clock.now
-        job.ready_at = self.clock.now
+        job.queue.ready_at = self.clock.now
         if deadline_s is not None:
-            job.deadline = self.clock.now + deadline_s
+            job.spec = replace(job.spec, deadline=self.clock.now + deadline_s)
         return job
 
     def add(self, *jobs: Job) -> None:
@@ -199,13 +201,13 @@ def test_a_higher_tier_pauses_the_lowest_running_job_which_resumes_where_it_was(
     urgent = h.job("urgent", PRIORITY, 3)
     h.add(urgent)
     h.step()
-    assert low in h.engine.scheduler.paused and low.steps_done == 2 and low.pauses == 1
+    assert low in h.engine.scheduler.paused and low.steps_done == 2 and low.queue.pauses == 1
     assert h.adapter.forwards[-1] == ["urgent", "default"]  # the priority job first, in the freed row
     h.drain()
     for job in (low, mid, urgent):
         assert job.request.channel.finals == [{"out": f"out:{job.request.request_id}"}]
         assert job.steps_done == job.total_steps  # every step, none twice (FakeAdapter counts its own)
-    assert low.state[0] == 6 and low.paused_s > 0
+    assert low.state[0] == 6 and low.queue.paused_s > 0
 
 
 def test_nobody_is_paused_for_a_peer_or_beyond_max_paused():
@@ -260,13 +262,13 @@ def test_aging_lifts_a_waiting_job_above_fresh_higher_tiers_within_its_bound():
 def test_an_aged_job_is_never_paused_again_for_a_fresh_one():
     h = Harness(max_running=1, max_per_forward=1, max_paused=4, aging_s=1.0)
     old = h.job("old", FLEX, 30)
-    old.waited_s = 10.0  # waited long enough to outrank any tier
+    old.queue.waited_s = 10.0  # waited long enough to outrank any tier
     h.add(old)
     h.step()
     for i in range(5):
         h.add(h.job(f"p{i}", PRIORITY, 1))
         h.step()
-    assert old.pauses == 0 and h.order()[0] == "old"
+    assert old.queue.pauses == 0 and h.order()[0] == "old"
 
 
 class PolicyAlone(Service):
@@ -290,8 +292,8 @@ def forwards_of(policy: str, service: Service | None = None) -> list[list[str]]:
         h.engine.scheduler.service = service
     jobs = [h.job(f"j{i}", DEFAULT, 2 + i % 3) for i in range(8)]
     for i in (2, 5):
-        jobs[i].params = Spec(group="256x256", steps=jobs[i].params.steps)
-        jobs[i].shape = "256x256"
+        params = Spec(group="256x256", steps=jobs[i].spec.params.steps)
+        jobs[i].spec = replace(jobs[i].spec, params=params, shape="256x256")
     h.add(*jobs[:5])
     h.step()
     h.add(*jobs[5:])
@@ -324,7 +326,7 @@ def test_with_one_tier_aging_never_pauses_a_peer_nor_skips_the_cohort():
     h.add(late)
     for _ in range(100):  # 10 s of waiting: aged far past the top tier
         h.step(0.1)
-    assert not any(job.pauses for job in running) and "late" not in h.order()
+    assert not any(job.queue.pauses for job in running) and "late" not in h.order()
     h.drain()
     assert late.request.channel.finals == [{"out": "out:late"}]
 
@@ -383,7 +385,7 @@ def test_without_a_budget_the_row_caps_alone_bound_a_forward_of_one_size_or_pack
     def job(name: str, shape: str) -> Job:
         side = 4 if shape == "small" else 8
         made = packed(name, 2 * side * side, shape=shape)
-        made.params.grid = (2, side, side)  # a guided image: two rows of side x side latent tokens
+        made.spec.params.grid = (2, side, side)  # a guided image: two rows of side x side latent tokens
         return made
 
     smalls = [job(f"s{i}", "small") for i in range(5)]
@@ -518,7 +520,7 @@ def test_a_packed_forward_is_bounded_by_the_tokens_it_computes_padding_included(
     # to 8x4, 64 tokens computed: over a budget of 40, so they step apart; two 4x4 jobs fit together.
     engine = packed_engine(budget=40)
     tall, wide, square = packed("tall", 16, 1, "8x2"), packed("wide", 16, 1), packed("square", 16, 1)
-    tall.params.grid, wide.params.grid, square.params.grid = (1, 8, 2), (1, 4, 4), (1, 4, 4)
+    tall.spec.params.grid, wide.spec.params.grid, square.spec.params.grid = (1, 8, 2), (1, 4, 4), (1, 4, 4)
     assert computed_tokens([tall, wide]) == 64 and computed_tokens([wide, square]) == 32
     for job in (tall, wide, square):
         engine.add(job)
@@ -589,7 +591,7 @@ def test_before_the_fit_has_a_price_sizes_mixed_run_packed_and_the_jobs_count_it
     assert first_forward(engine, large, small) == ["large", "small"]
     packing = engine.engine.scheduler.packing
     assert packing.packed and packing.packed_s is None and packing.by_size_s is None
-    assert large.packed_forwards == small.packed_forwards == 1
+    assert large.stats.packed_forwards == small.stats.packed_forwards == 1
 
 
 def test_with_the_gate_off_sizes_mixed_run_packed_whatever_the_fit_prices():

@@ -262,7 +262,10 @@ def served_images(jobs: list[Job]) -> list[np.ndarray]:
 def test_first_block_cache_alone_equals_diffusers_and_skips_what_diffusers_skips(flux):
     request = flux.request(0, "fbc:0.9")
     (job,), rows = run_counted(flux.adapter, [(0, request)])
-    assert job.rows_reused >= 2 and job.rows_computed >= 1, (job.rows_reused, job.rows_computed)
+    assert job.stats.rows_reused >= 2 and job.stats.rows_computed >= 1, (
+        job.stats.rows_reused,
+        job.stats.rows_computed,
+    )
     expected_rows, uncached_rows = check(flux, [request], [served(job)])
     assert rows == expected_rows < uncached_rows, (rows, expected_rows, uncached_rows)
 
@@ -270,7 +273,7 @@ def test_first_block_cache_alone_equals_diffusers_and_skips_what_diffusers_skips
 def test_taylorseer_alone_equals_diffusers_and_skips_what_diffusers_skips(flux):
     request = flux.request(0, "taylorseer:3:2")
     (job,), rows = run_counted(flux.adapter, [(0, request)])
-    assert job.rows_reused == 4, job.rows_reused  # steps 2, 3, 5, 6 predicted
+    assert job.stats.rows_reused == 4, job.stats.rows_reused  # steps 2, 3, 5, 6 predicted
     expected_rows, uncached_rows = check(flux, [request], [served(job)])
     assert rows == expected_rows < uncached_rows, (rows, expected_rows, uncached_rows)
 
@@ -289,9 +292,11 @@ def test_rows_with_their_own_caches_share_forwards_and_each_equals_its_own_call(
     arrivals = list(zip([0, 0, 1, 2, 2, 4], requests, strict=True))
     victim = flux.request(9, "fbc:0.3")
     jobs, rows = run_counted(flux.adapter, arrivals, victim=victim)
-    assert max(job.most_shared for job in jobs) >= 5, "cached rows did not share forwards"
-    assert all(job.rows_reused > 0 for i, job in enumerate(jobs) if i != 3)
-    assert jobs[3].rows_reused == 0 and jobs[4].rows_computed + jobs[4].rows_reused == 16  # two branches
+    assert max(job.stats.most_shared for job in jobs) >= 5, "cached rows did not share forwards"
+    assert all(job.stats.rows_reused > 0 for i, job in enumerate(jobs) if i != 3)
+    assert (
+        jobs[3].stats.rows_reused == 0 and jobs[4].stats.rows_computed + jobs[4].stats.rows_reused == 16
+    )  # two branches
     check(flux, requests, served_images(jobs))
     plain = [(at, replace(r, step_cache=NO_CACHE)) for at, r in arrivals]
     _, uncached_rows = run_counted(flux.adapter, plain, victim=replace(victim, step_cache=NO_CACHE))
@@ -317,7 +322,7 @@ def test_an_image_conditioned_row_keeps_its_own_cache(flux, source):
         flux.request(2, "fbc:1.0"),
     ]
     jobs, rows = run_counted(flux.adapter, [(0, r) for r in requests])
-    assert all(job.rows_reused > 0 for job in jobs)
+    assert all(job.stats.rows_reused > 0 for job in jobs)
     expected_rows, uncached_rows = check(flux, requests, served_images(jobs))
     assert rows == expected_rows < uncached_rows, (rows, expected_rows, uncached_rows)
 
@@ -452,7 +457,7 @@ def test_img2img_and_inpaint_amid_other_rows_keep_a_cache_state_per_cfg_branch(f
     ]
     arrivals = [(k % 3, request) for k, request in enumerate(requests)]
     jobs, rows = run_counted(flux.adapter, arrivals)
-    assert max(job.most_shared for job in jobs) >= 6, "the rows did not share forwards"
+    assert max(job.stats.most_shared for job in jobs) >= 6, "the rows did not share forwards"
     expected_rows, uncached_rows = check(flux, requests, served_images(jobs))
     assert rows == expected_rows < uncached_rows, (rows, expected_rows, uncached_rows)
 
@@ -473,8 +478,8 @@ def test_the_request_level_engine_gives_each_cached_request_a_call_of_its_own(fl
     assert model.key_for(same) != model.key_for(same)
     assert model.key_for(values[3]) == model.key_for(values[4])
     images, jobs, rows = request_level_run(model, requests)
-    assert [[call["rows"] for call in job.calls] for job in jobs] == [[1], [1], [1], [2], [2]]
-    assert len({job.calls[0]["id"] for job in jobs}) == 4
+    assert [[call["rows"] for call in job.stats.calls] for job in jobs] == [[1], [1], [1], [2], [2]]
+    assert len({job.stats.calls[0]["id"] for job in jobs}) == 4
     batch = model.batch_report(values[0], jobs[:1])
     assert batch["step_cache"] == {"cache": "fbc:0.9", "own_calls": True}
     assert "own_call" not in batch["key"]
@@ -503,8 +508,8 @@ def test_each_image_of_a_cached_request_gets_a_request_level_call_of_its_own(flu
     outputs = {id(finished.job): finished.output for finished in report.finished}
     images = [np.asarray(outputs[id(job)], dtype=int) for job in jobs]
     # The request's two fused calls (recorded on each of its jobs), one image each.
-    assert [[call["rows"] for call in job.calls] for job in jobs] == [[1, 1], [1, 1]]
-    assert len({call["id"] for call in jobs[0].calls}) == 2
+    assert [[call["rows"] for call in job.stats.calls] for job in jobs] == [[1, 1], [1, 1]]
+    assert len({call["id"] for call in jobs[0].stats.calls}) == 2
     requests = [replace(request, image_index=i) for i in range(2)]
     expected_rows, uncached_rows = check(flux, requests, images)
     assert rows.rows == expected_rows < uncached_rows, (rows.rows, expected_rows, uncached_rows)
@@ -628,7 +633,9 @@ def test_a_model_carrying_other_diffusers_hooks_still_caches_each_row_exactly(fl
     assert len(offloaded) == 4  # diffusers' group offloading on every block
 
     def same_as_plain(jobs: list[Job], rows: int) -> None:
-        assert [j.rows_reused for j in jobs] == [j.rows_reused for j in plain] and plain[0].rows_reused > 0
+        assert [j.stats.rows_reused for j in jobs] == [j.stats.rows_reused for j in plain] and plain[
+            0
+        ].stats.rows_reused > 0
         for job, expected in zip(jobs, plain, strict=True):
             assert np.abs(served(job) - served(expected)).max() <= 1
         assert rows == plain_rows, (rows, plain_rows)
@@ -702,7 +709,7 @@ def test_sd3_taylorseer_equals_diffusers_alone_and_amid_other_rows():
         sd3.request(3, "taylorseer:2:2", guidance_scale=7.0),
     ]
     (alone,), rows = run_counted(sd3.adapter, [(0, requests[0])])
-    assert alone.rows_reused > 0
+    assert alone.stats.rows_reused > 0
     expected_rows, uncached_rows = check(sd3, requests[:1], [served(alone)])
     assert rows == expected_rows < uncached_rows, (rows, expected_rows, uncached_rows)
     arrivals = [(0, requests[0]), (1, requests[1]), (2, requests[2]), (2, requests[3])]
@@ -725,7 +732,7 @@ def test_first_block_cache_on_pixart_and_wan_equals_diffusers(name, steps):
         family.request(1, "none", steps=5, **video),
     ]
     jobs, rows = run_counted(family.adapter, [(0, r) for r in requests], host=None)
-    assert jobs[0].rows_reused > 0
+    assert jobs[0].stats.rows_reused > 0
     if video:  # a video: compared frame by frame with WanPipeline's own cached call
         images = [np.asarray(job.request.channel.finals[0]["image"], dtype=int) for job in jobs]
         expected_rows, uncached_rows = check(family, requests, images, run=lambda r: wan_frames(family, r))
@@ -830,7 +837,7 @@ def test_lora_rows_keep_their_adapters_on_the_rows_that_run_gathered(caplog):
         jobs, rows = run_counted(adapter, [(0, r) for r in requests])
     # a forward that failed would be retried in halves and still be exact: it must not have failed
     assert not [r for r in caplog.records if "forward of" in r.getMessage()]
-    assert all(jobs[i].rows_reused > 0 for i in (0, 2, 3, 4)), [j.rows_reused for j in jobs]
+    assert all(jobs[i].stats.rows_reused > 0 for i in (0, 2, 3, 4)), [j.stats.rows_reused for j in jobs]
 
     def diffusers_image(req: ImageRequest) -> tuple[np.ndarray, int]:
         with cache_on(reference_pipe, req), ComputedRows(reference_pipe.transformer) as computed:

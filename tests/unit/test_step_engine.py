@@ -54,18 +54,19 @@ class FakeAdapter:
 
     def prepare(self, jobs):
         return [
-            JobStart([0], job.params.group, job.params.steps, also_joins=job.params.joins) for job in jobs
+            JobStart([0], job.spec.params.group, job.spec.params.steps, also_joins=job.spec.params.joins)
+            for job in jobs
         ]
 
     def forward_size(self, jobs):
         """A packing adapter's count (adapters/packed_rows.py): the canvas of the jobs' grids."""
-        return padded_size([job.params.grid for job in jobs], [job.tokens for job in jobs])
+        return padded_size([job.spec.params.grid for job in jobs], [job.spec.tokens for job in jobs])
 
     def step(self, jobs, previews=None):
         names = [job.request.request_id for job in jobs]
         if self.max_rows is not None and len(jobs) > self.max_rows:
             raise SimulatedOutOfMemoryError(f"{len(jobs)} rows")
-        if any(job.params.fail_forward for job in jobs):
+        if any(job.spec.params.fail_forward for job in jobs):
             raise RuntimeError("bad row")
         self.forwards.append(names)
         steps = []
@@ -75,7 +76,7 @@ class FakeAdapter:
         return ForwardResult(steps, rows=len(jobs))
 
     def finish(self, jobs):
-        if any(job.params.fail_finish for job in jobs):
+        if any(job.spec.params.fail_finish for job in jobs):
             raise RuntimeError("decode failed")
         self.finishes.append([job.request.request_id for job in jobs])
         return [f"out:{job.request.request_id}" for job in jobs]
@@ -280,7 +281,7 @@ class PackingAdapter(FakeAdapter):
         self.out_of_memory = 0
 
     def step(self, jobs, previews=None):
-        tokens = [job.tokens for job in jobs]
+        tokens = [job.spec.tokens for job in jobs]
         if sum(tokens) > self.max_tokens:
             self.out_of_memory += 1
             raise SimulatedOutOfMemoryError(f"{sum(tokens)} tokens")
@@ -854,7 +855,7 @@ def test_a_held_request_waits_before_its_second_forward_until_another_joins_it()
     joined = [i for i, forward in enumerate(adapter.forwards) if "second" in forward]
     assert joined and joined[0] in (1, 2), adapter.forwards
     assert sorted(adapter.forwards[joined[0]]) == ["first __hold__", "second"]
-    assert first.most_shared == second.most_shared == 2
+    assert first.stats.most_shared == second.stats.most_shared == 2
     # Held once, at most hold_s: a request nobody joins still finishes.
     briefly = FaultInjection(hold_on_prompt="__hold__", hold_s=0.05)
     alone = FaultyStepAdapter(FakeAdapter(), briefly, lambda job: job.request.request_id)

@@ -61,7 +61,7 @@ class ShapeRecorder:
         self.shapes: list[set[tuple[int, ...]]] = []
 
     def step(self, jobs: list[Job], previews=None) -> Any:
-        self.shapes.append({job.params.shape for job in jobs})
+        self.shapes.append({job.spec.params.shape for job in jobs})
         return self.adapter.step(jobs, previews)
 
     def __getattr__(self, name: str) -> Any:
@@ -128,7 +128,7 @@ def test_every_video_equals_the_pipelines_own_amid_traffic(wan):
     assert max(host.forwards) >= 3, "videos did not share forwards"
     forwards = zip(host.forwards, host.model_rows, strict=True)
     assert any(videos < rows < 2 * videos for videos, rows in forwards), "no mixed-guidance forward"
-    assert jobs[4].first_forward > 1, "a late video did not join mid-way"
+    assert jobs[4].stats.first_forward > 1, "a late video did not join mid-way"
     # Previews: the middle latent frame [C, h, w] of the first video, at each of its steps.
     assert len(host.previews) == jobs[0].total_steps and host.previews[0].shape == (16, 4, 4)
     worst = 0

@@ -52,8 +52,8 @@ def test_every_image_equals_the_pipelines_own_amid_rows_of_other_prompt_lengths(
     host = Host()
     arrivals = [(spec[5], request) for spec, request in zip(REQUESTS, requests, strict=True)]
     jobs = run_engine(adapter, arrivals, host, victim)
-    assert max(host.forwards) >= 4 and jobs[0].most_shared >= 4, "requests did not share forwards"
-    assert jobs[6].first_forward > 1, "the last request did not join mid-way"
+    assert max(host.forwards) >= 4 and jobs[0].stats.most_shared >= 4, "requests did not share forwards"
+    assert jobs[6].stats.first_forward > 1, "the last request did not join mid-way"
     guided = [job.state.unconditional is not None for job in jobs]
     assert guided == [True, False, True, True, True, False, True]
     # Short and long prompts: rows of one forward had different caption lengths.

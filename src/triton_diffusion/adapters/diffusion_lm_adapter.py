@@ -159,7 +159,7 @@ class DiffusionLMAdapter:
     def prepare(self, jobs: list[Job]) -> list[JobStart]:
         starts = []
         for job in jobs:
-            request: DecodingRequest = job.params
+            request: DecodingRequest = job.spec.params
             group = int(request.x.shape[0]) if self.group_by_length else None
             starts.append(JobStart(request, group, request.params.steps))
         return starts

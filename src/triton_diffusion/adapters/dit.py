@@ -227,7 +227,7 @@ class DiTAdapter(LatentStepAdapter):
         """Decode the done jobs of one render size together; each image goes back to its asked size."""
         latents = torch.cat([job.state.latents for job in jobs])
         with torch.inference_mode():
-            return self._images(latents, [job.params.size for job in jobs])
+            return self._images(latents, [job.spec.params.size for job in jobs])
 
     def _images(self, latents: torch.Tensor, sizes: list[tuple[int, int]]) -> list[Image.Image]:
         vae, processor = self.pipe.vae, self.pipe.image_processor

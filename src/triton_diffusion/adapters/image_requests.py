@@ -131,5 +131,5 @@ def as_run(job: Job) -> ImageRequest:
     """A job's request as it runs: where the scheduler cut its steps (engine/degradation.py), with those
     steps, from its start (a checkpoint of its full schedule does not fit the shorter one)."""
     if job.cut is None:
-        return job.params
-    return replace(job.params, steps=job.cut.steps, resume=None)
+        return job.spec.params
+    return replace(job.spec.params, steps=job.cut.steps, resume=None)

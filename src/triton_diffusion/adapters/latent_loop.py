@@ -311,7 +311,7 @@ class LatentStepAdapter(SizedRows, LatentStarts):
                 latent_rows.append(x)
                 timesteps.append(t)
                 conditioning.append({**branch, **state.extra})
-                adapters.append(job.params.lora)  # both CFG rows: the pipeline adapts both halves
+                adapters.append(job.spec.params.lora)  # both CFG rows: the pipeline adapts both halves
         inputs = {name: torch.cat([c[name] for c in conditioning]) for name in conditioning[0]}
         return latent_rows, self.timestep_rows(timesteps), inputs, adapters
 
@@ -353,7 +353,7 @@ class LatentStepAdapter(SizedRows, LatentStarts):
         # where it shares forwards with every size.
         by_size: dict[Hashable, list[int]] = {}
         for j, job in enumerate(jobs):
-            by_size.setdefault(job.params.size if job.group == ANY_SIZE else job.group, []).append(j)
+            by_size.setdefault(job.spec.params.size if job.group == ANY_SIZE else job.group, []).append(j)
         plan = self.cache_plan(jobs, adapters)
         padded = 0
         with torch.inference_mode(), self.adapted_rows(adapters), self.caching(plan):
@@ -361,11 +361,11 @@ class LatentStepAdapter(SizedRows, LatentStarts):
                 # A captured graph where there is one (a forward with cached rows runs eagerly: its blocks
                 # run on the rows that compute, which a graph's fixed shapes cannot follow).
                 forward = self.predict if self.captured is None or plan is not None else self.captured
-                predictions = forward(torch.cat(latent_rows), timesteps, inputs, jobs[0].params.size)
+                predictions = forward(torch.cat(latent_rows), timesteps, inputs, jobs[0].spec.params.size)
                 parts = [(list(range(len(jobs))), self._guided_noise(states, predictions))]
             else:  # packed: eagerly (graphs are captured per shape); never with cached rows (group_of)
                 assert plan is None, "a job with a step cache shares forwards with its own size only"
-                sizes = [job.params.size for job in jobs for _ in range(self.model_rows(job))]
+                sizes = [job.spec.params.size for job in jobs for _ in range(self.model_rows(job))]
                 rows, padded = self.predict_packed(latent_rows, timesteps, inputs, sizes)
                 parts = self._guided_by_size(jobs, states, rows, by_size)
         # The forward succeeded: only now does any job's state change. Every group's rows are gathered
@@ -545,7 +545,7 @@ class LatentStepAdapter(SizedRows, LatentStarts):
         """Decode the done jobs, those of one size together; outputs in the jobs' order."""
         by_size: dict[tuple[int, int], list[int]] = {}
         for j, job in enumerate(jobs):
-            by_size.setdefault(job.params.size, []).append(j)
+            by_size.setdefault(job.spec.params.size, []).append(j)
         outputs: list[Any] = [None] * len(jobs)
         with torch.inference_mode():
             for size, members in by_size.items():
@@ -557,7 +557,7 @@ class LatentStepAdapter(SizedRows, LatentStarts):
     def snapshot(self, job: Job) -> torch.Tensor:
         """A copy of the job's latents for a preview (the PNG is made on the response thread while the job
         steps on)."""
-        return self.preview_latent(job.state.latents, job.params.size).clone()
+        return self.preview_latent(job.state.latents, job.spec.params.size).clone()
 
 
 def _own_failure(exc: Exception) -> str:

@@ -257,7 +257,7 @@ class SizedRows:
     def forward_size(self, jobs: Sequence[Job]) -> tuple[int, int]:
         """The rows and tokens a forward of these jobs computes, padding included (:func:`padded_size`):
         the engine's token budget and cost fit count this (engine/step_engine.py SizesForwards)."""
-        return padded_size([self.grid_of(job.params) for job in jobs], [job.tokens for job in jobs])
+        return padded_size([self.grid_of(job.spec.params) for job in jobs], [job.spec.tokens for job in jobs])
 
     def grid_of(self, request: ImageRequest) -> Grid | None:
         """An image job's denoiser rows and token grid, what a packed forward pads it to (a video: None,

@@ -33,7 +33,7 @@ ForwardSize = Callable[[Sequence["Job"]], tuple[int, int]]
 
 def rows_and_tokens(jobs: Sequence[Job]) -> tuple[int, int]:
     """A forward's size where the adapter says nothing of padding: a row per job, the jobs' own tokens."""
-    return len(jobs), sum(job.tokens for job in jobs)
+    return len(jobs), sum(job.spec.tokens for job in jobs)
 
 
 def forward_group(jobs: Sequence[Job]) -> Hashable:
@@ -67,40 +67,10 @@ class JobSpec:
     steps_allowed: StepsAllowed = ()
 
 
-@dataclass(eq=False)
-class Job:
-    """One image (or video, or LM request) in an engine. ``request`` is the host's request, which the engine
-    reads as data (its id, when it entered); ``params`` is what the adapter needs to start it; ``record``
-    is the serving host's per-request bookkeeping, opaque to the engine; ``state`` is the adapter's own
-    (latents, scheduler, cache); ``status`` is the engine's record of its request (shared by the request's
-    jobs once the engine holds them). The rest is the engine's and its scheduler's."""
+@dataclass
+class Queue:
+    """The scheduler's bookkeeping of a job's place and waits (scheduler.py, ordering.py)."""
 
-    request: Request
-    params: Any
-    record: Any = None
-    index: int = 0  # which image of its request (image i of num_images_per_prompt)
-    preview_every: int = 0  # a snapshot for a preview every N denoising steps (0: never)
-    previews: int = 0  # ... and this many spread evenly over its steps (known once it is started)
-    # Service (scheduler.py): the tier's rank (0 is the highest), the time by which it must be done
-    # (perf_counter seconds, None: no deadline) and the denoising steps it asks for (for estimates).
-    tier: int = 0
-    deadline: float | None = None
-    planned_steps: int = 1
-    cache_method: str = "none"  # its step cache's method (for the metrics)
-    shape: Hashable = None  # its latent (height, width[, frames]): per-size caps, estimates before it starts
-    tokens: int = 1  # denoiser tokens it adds to a forward (rows x latent tokens per row): the token budget
-    checkpoint_key: str | None = None  # its checkpoints' key in the host's store (None: none are taken)
-    steps_allowed: StepsAllowed = ()  # what it may run under overload (engine/degradation.py)
-    cut: StepsCut | None = None  # the scheduler's: fewer steps than it asked, decided before it starts
-    # Set from the adapter's JobStart when the job is started.
-    resumed_from_step: int | None = None  # the step a checkpoint let it start after (None: from the start)
-    start_warning: str | None = None  # why a checkpoint it was given could not be used (it started over)
-    state: Any = None
-    group: Hashable = None  # jobs of one group can share a forward (latent shape, or compatibility key)
-    also_joins: Hashable = None  # another group whose forwards it may step in (None: only its own)
-    total_steps: int = 0
-    steps_done: int = 0
-    # The scheduler's bookkeeping.
     arrived: int = 0  # order of arrival at the engine
     queued_at: int = 0  # the engine step at which it joined the waiting queue
     admitted: int = 0  # order of admission to the running set (the policies' "oldest")
@@ -110,6 +80,12 @@ class Job:
     ready_at: float | None = field(default_factory=time.perf_counter)
     paused_s: float = 0.0  # seconds spent paused
     pauses: int = 0  # times it was paused to make room for a higher tier
+
+
+@dataclass
+class JobStats:
+    """What happened to a job, for its request's BATCH output and the metrics."""
+
     first_forward: int | None = None  # the engine forward it first took part in
     forwards: int = 0  # forwards (or fused calls) it took part in
     packed_forwards: int = 0  # of them, forwards packed with jobs of other sizes
@@ -117,37 +93,50 @@ class Job:
     rows_computed: int = 0  # denoiser row-steps computed in full for this job
     rows_reused: int = 0  # denoiser row-steps served from its step cache
     calls: list[dict[str, int]] = field(default_factory=list)  # request-level: the fused calls it was in
-    status: RequestStatus = field(init=False, repr=False)
+    resumed_from_step: int | None = None  # the step a checkpoint let it start after (None: from the start)
+    start_warning: str | None = None  # why a checkpoint it was given could not be used (it started over)
 
-    def __post_init__(self) -> None:
-        self.status = RequestStatus(self.request)  # its own until an engine's RequestTable attaches it
+
+class Job:
+    """One image (or video, or LM request) in an engine, in a few parts: ``request``, the host's request,
+    which the engine reads as data (its id, when it entered); ``record``, the serving host's per-request
+    bookkeeping, opaque to the engine; ``spec``, what the model kind decided when it parsed the request
+    (:class:`JobSpec`: ``spec.params`` is what the adapter needs to start it); ``status``, the engine's
+    record of its request (shared by the request's jobs once the engine holds them); ``queue``, the
+    scheduler's bookkeeping; ``stats``, what happened to it; ``state``, the adapter's own (latents,
+    scheduler, cache). Then where it is: its ``group`` (and ``also_joins``), its denoising steps
+    (``total_steps``, ``steps_done``) and the scheduler's ``cut`` of them. ``Job(request, params, record,
+    **spec)`` takes the spec's other fields by name."""
+
+    def __init__(self, request: Request, params: Any, record: Any = None, **spec: Any) -> None:
+        self.request = request
+        self.record = record
+        self.spec = JobSpec(params, **spec)
+        self.status = RequestStatus(request)  # its own until an engine's RequestTable attaches it
+        self.queue = Queue()
+        self.stats = JobStats()
+        self.state: Any = None
+        self.group: Hashable = self.spec.group  # jobs of one group can share a forward (set when started)
+        self.also_joins: Hashable = None  # another group whose forwards it may step in (None: only its own)
+        self.total_steps = 0  # its denoising steps, once started (the adapter's count)
+        self.steps_done = 0
+        self.cut: StepsCut | None = None  # the scheduler's: fewer steps than asked, decided before it starts
+
+    def __repr__(self) -> str:
+        return f"Job({self.request!r}, image {self.spec.index}, {self.steps_done}/{self.total_steps} steps)"
 
     @classmethod
     def of(cls, request: Request, spec: JobSpec, record: Any = None) -> Job:
         """The job a spec describes, for ``request`` (the host's ``record`` kept opaque)."""
-        return cls(
-            request,
-            spec.params,
-            record,
-            index=spec.index,
-            preview_every=spec.preview_every,
-            previews=spec.previews,
-            tier=spec.tier,
-            deadline=spec.deadline,
-            planned_steps=spec.planned_steps,
-            cache_method=spec.cache_method,
-            shape=spec.shape,
-            tokens=spec.tokens,
-            group=spec.group,
-            checkpoint_key=spec.checkpoint_key,
-            steps_allowed=spec.steps_allowed,
-        )
+        job = cls(request, spec.params, record)
+        job.spec, job.group = spec, spec.group
+        return job
 
     @property
     def planned(self) -> int:
         """The denoising steps it will run: its adapter's count once started, else what it asked for (or
         the scheduler's cut of it)."""
-        return self.total_steps or (self.cut.denoising if self.cut is not None else self.planned_steps)
+        return self.total_steps or (self.cut.denoising if self.cut is not None else self.spec.planned_steps)
 
     @property
     def remaining(self) -> int:
@@ -155,13 +144,14 @@ class Job:
 
     def preview_due(self, step: int) -> bool:
         """Whether the job's host wants a snapshot for a preview after denoising step ``step``."""
-        if self.preview_every and step % self.preview_every == 0:
+        every, previews = self.spec.preview_every, self.spec.previews
+        if every and step % every == 0:
             return True
         total = self.total_steps
-        if not self.previews or step >= total:
+        if not previews or step >= total:
             return False
         # The k-th preview at the first step past (k + 1) / (previews + 1) of the steps.
-        return any(step == -(-(k + 1) * total // (self.previews + 1)) for k in range(self.previews))
+        return any(step == -(-(k + 1) * total // (previews + 1)) for k in range(previews))
 
     def begin(self, start: JobStart) -> None:
         """Take what the adapter made of this job when it started it: a job resumed from a checkpoint has
@@ -169,8 +159,8 @@ class Job:
         self.state, self.group, self.total_steps = start.state, start.group, start.total_steps
         self.also_joins = start.also_joins
         self.steps_done = start.steps_done
-        self.resumed_from_step = start.steps_done or None
-        self.start_warning = start.warning
+        self.stats.resumed_from_step = start.steps_done or None
+        self.stats.start_warning = start.warning
 
 
 @dataclass(frozen=True)

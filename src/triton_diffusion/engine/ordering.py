@@ -17,18 +17,46 @@ from dataclasses import dataclass
 from typing import ClassVar, Protocol, TypeVar
 
 
+class Served(Protocol):
+    """A job's service, as its spec says (engine/jobs.py's JobSpec)."""
+
+    @property
+    def tier(self) -> int: ...
+
+    @property
+    def deadline(self) -> float | None: ...
+
+
+class Queued(Protocol):
+    """A job's place and waits (engine/jobs.py's Queue)."""
+
+    @property
+    def arrived(self) -> int: ...  # order of arrival at the engine
+
+    @property
+    def admitted(self) -> int: ...  # order of admission to the running set
+
+    @property
+    def waited_since(self) -> int: ...  # the engine step at which it last stepped (or was admitted)
+
+    @property
+    def waited_s(self) -> float: ...
+
+    @property
+    def ready_at(self) -> float | None: ...  # since when it waits or is paused (None while it runs)
+
+
 class Schedulable(Protocol):
     """What the policies and the service order jobs by (engine/jobs.py's Job)."""
 
     group: Hashable
-    arrived: int  # order of arrival at the engine
-    admitted: int  # order of admission to the running set
     steps_done: int
-    waited_since: int  # the engine step at which it last stepped (or was admitted)
-    tier: int
-    deadline: float | None
-    waited_s: float
-    ready_at: float | None  # since when it waits or is paused (None while it runs)
+
+    @property
+    def spec(self) -> Served: ...
+
+    @property
+    def queue(self) -> Queued: ...
 
     @property
     def remaining(self) -> int:
@@ -46,7 +74,7 @@ class Policy:
     doc: ClassVar[str]
 
     def job_key(self, job: Schedulable) -> tuple:
-        return (job.admitted,)
+        return (job.queue.admitted,)
 
     def choose_group(self, groups: Mapping[Hashable, Sequence[Schedulable]], first: Schedulable) -> Hashable:
         return first.group
@@ -66,7 +94,7 @@ class RoundRobin(Policy):
         self._last: Hashable = None
 
     def choose_group(self, groups: Mapping[Hashable, Sequence[Schedulable]], first: Schedulable) -> Hashable:
-        ordered = sorted(groups, key=lambda g: min(j.admitted for j in groups[g]))
+        ordered = sorted(groups, key=lambda g: min(j.queue.admitted for j in groups[g]))
         if len(ordered) > 1 and self._last in ordered:
             return ordered[(ordered.index(self._last) + 1) % len(ordered)]
         return ordered[0]
@@ -80,14 +108,14 @@ class FewestRemaining(Policy):
     doc = "the job closest to done and its group; fewest remaining steps first (SRPT: lowest mean latency)"
 
     def job_key(self, job: Schedulable) -> tuple:
-        return (job.remaining, job.admitted)
+        return (job.remaining, job.queue.admitted)
 
 
 class Largest(Policy):
     name, doc = "largest", "the group with the most jobs (SGLang's default: fullest forwards)"
 
     def choose_group(self, groups: Mapping[Hashable, Sequence[Schedulable]], first: Schedulable) -> Hashable:
-        return max(groups, key=lambda g: (len(groups[g]), -min(j.admitted for j in groups[g])))
+        return max(groups, key=lambda g: (len(groups[g]), -min(j.queue.admitted for j in groups[g])))
 
 
 class FirstStepFirst(Policy):
@@ -95,7 +123,7 @@ class FirstStepFirst(Policy):
     doc = "jobs that have not stepped yet first, then the oldest (lowest time to the first step)"
 
     def job_key(self, job: Schedulable) -> tuple:
-        return (job.steps_done > 0, job.admitted)
+        return (job.steps_done > 0, job.queue.admitted)
 
 
 POLICIES: dict[str, type[Policy]] = {
@@ -127,20 +155,20 @@ class Service:
 
     def effective_tier(self, job: Schedulable, now: float) -> int:
         if self.aging_s <= 0:
-            return job.tier
-        waited = job.waited_s + (now - job.ready_at if job.ready_at is not None else 0.0)
-        return max(job.tier - math.floor(waited / self.aging_s), -1)
+            return job.spec.tier
+        waited = job.queue.waited_s + (now - job.queue.ready_at if job.queue.ready_at is not None else 0.0)
+        return max(job.spec.tier - math.floor(waited / self.aging_s), -1)
 
     def key(self, job: J, now: float, finish_s: Callable[[J], float]) -> tuple:
         """The service part of a job's order: effective tier, then least slack (jobs without a deadline
         after those with one)."""
-        slack = math.inf if job.deadline is None else job.deadline - now - finish_s(job)
+        slack = math.inf if job.spec.deadline is None else job.spec.deadline - now - finish_s(job)
         return (self.effective_tier(job, now), slack)
 
     def victim_key(self, job: J, now: float, finish_s: Callable[[J], float]) -> tuple:
         """Which running job is paused first (largest first): the lowest effective tier, then the most
         slack (no deadline: the most), then the most remaining work."""
-        slack = math.inf if job.deadline is None else job.deadline - now - finish_s(job)
+        slack = math.inf if job.spec.deadline is None else job.spec.deadline - now - finish_s(job)
         return (self.effective_tier(job, now), slack, job.remaining)
 
 

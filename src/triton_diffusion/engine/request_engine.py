@@ -199,7 +199,7 @@ class RequestEngine:
         self._by_index = list(by_request.values())
         self._left = set()
         with self._lock:
-            self._jobs = {(i, job.index): job for i, jobs in enumerate(self._by_index) for job in jobs}
+            self._jobs = {(i, job.spec.index): job for i, jobs in enumerate(self._by_index) for job in jobs}
         self.report.admitted.extend(self._jobs.values())
         try:
             planned = [  # a job's group here is its request's compatibility key
@@ -216,7 +216,7 @@ class RequestEngine:
             def on_complete(index: int, outputs: list[Any], records: list[CallRecord]) -> None:
                 calls_seen = [{"id": c.call_id, "rows": c.rows, "requests": c.requests} for c in records]
                 for job, output in zip(self._by_index[index], outputs, strict=True):
-                    job.calls = calls_seen
+                    job.stats.calls = calls_seen
                     self.report.finished.append(Finished(job, output))
                     self._leave(job, "finished")
 
@@ -273,8 +273,8 @@ class RequestEngine:
     def _run_rows(self, key: CompatibilityKey, rows: list[Row]) -> list[Any]:
         jobs = [self._jobs[(row.request_index, row.image_index)] for row in rows]
         for job in jobs:
-            job.forwards += 1
-            job.most_shared = max(job.most_shared, len(jobs))
+            job.stats.forwards += 1
+            job.stats.most_shared = max(job.stats.most_shared, len(jobs))
         steps = CallSteps(jobs, self.on_progress, self._left, self.aborts)
         try:
             return self.call(key, jobs, steps)

@@ -131,8 +131,8 @@ class Scheduler:
         self.requests.attach(*jobs)
         with self._lock:
             for job in jobs:
-                job.arrived = next(self._arrivals)
-                job.ready_at = self.clock()  # its wait in the engine (what ages it) starts now
+                job.queue.arrived = next(self._arrivals)
+                job.queue.ready_at = self.clock()  # its wait in the engine (what ages it) starts now
                 self._inbox.append(job)
 
     @property
@@ -144,7 +144,7 @@ class Scheduler:
     def outranks_held(self, tier: int) -> bool:
         """Whether a job of ``tier`` outranks a job held (it would pause it, or pass it in the queue)."""
         with self._lock:
-            return any(job.tier > tier for queue in (self._inbox, *self._queues()) for job in queue)
+            return any(job.spec.tier > tier for queue in (self._inbox, *self._queues()) for job in queue)
 
     def _queues(self) -> tuple[list[Job], ...]:
         return (self.waiting, self.starting, self.running, self.paused, self.finishing)
@@ -159,7 +159,7 @@ class Scheduler:
             self.step = step
             arrived, self._inbox = self._inbox, []
             for job in arrived:
-                job.queued_at = step - 1  # it arrived while the last engine step ran (or after it)
+                job.queue.queued_at = step - 1  # it arrived while the last engine step ran (or after it)
             self.waiting.extend(arrived)
             self._expire(out, now)
             self._cut_steps(now)
@@ -199,7 +199,11 @@ class Scheduler:
             return  # best_effort: deadlines only order the work
         for queue in (self.waiting, self.running, self.paused):
             # A job whose request ended already (a sibling image, a cancel) is dropped as ended below.
-            passed = [j for j in queue if j.deadline is not None and j.deadline <= now and not j.status.ended]
+            passed = [
+                j
+                for j in queue
+                if j.spec.deadline is not None and j.spec.deadline <= now and not j.status.ended
+            ]
             for job in passed:
                 queue.remove(job)
                 steps = f"{job.steps_done}/{job.planned}"
@@ -207,18 +211,18 @@ class Scheduler:
 
     def _refused(self, job: Job, now: float, out: SchedulerOutput) -> None:
         """A newcomer that cannot meet its deadline, given the work that goes before it, leaves now."""
-        if job.deadline is None or not self.service.refuse_late or not self.times.measured:
+        if job.spec.deadline is None or not self.service.refuse_late or not self.times.measured:
             return
         if job.status.ended or job.cut is not None:
             return  # dropped as ended below; or cut to steps the walk found in time (_cut_steps)
         mine = self.order_key(job, now)
         ahead = [j for q in (self.waiting, self.running, self.paused) for j in q if j is not job]
-        ahead_work = sum(j.remaining * j.tokens for j in ahead if self.order_key(j, now) < mine)
+        ahead_work = sum(j.remaining * j.spec.tokens for j in ahead if self.order_key(j, now) < mine)
         behind = self._running_behind(now, mine)
         estimate = self._finish_in(
             job, ahead_work, behind, self._held_back_s(job, now, behind), job.remaining
         )
-        if now + estimate <= job.deadline:
+        if now + estimate <= job.spec.deadline:
             return
         self.waiting.remove(job)
         estimated = (now - job.request.entered + estimate) * 1000
@@ -232,9 +236,11 @@ class Scheduler:
         token-steps that go before it, beside the running jobs ``behind`` it in order (each sharing its
         forwards for as many of its steps as it has left), and after ``held_back_s``
         (:meth:`_held_back_s`)."""
-        alongside = sum(j.tokens * min(j.remaining, steps) // max(steps, 1) for j in behind)
+        alongside = sum(j.spec.tokens * min(j.remaining, steps) // max(steps, 1) for j in behind)
         budget = self._budget(job)
-        return self.times.finish_in(job.tokens, steps, ahead_work, budget, False, alongside) + held_back_s
+        return (
+            self.times.finish_in(job.spec.tokens, steps, ahead_work, budget, False, alongside) + held_back_s
+        )
 
     def _held_back_s(self, job: Job, now: float, behind: tuple[Job, ...]) -> float:
         """A full running set that a waiting ``job`` may not pause anyone in holds it until a running job
@@ -242,7 +248,9 @@ class Scheduler:
         full = len(self.running) + len(self.starting) >= self.limits.max_running
         if not (full and behind) or self._victim(job, now) is not None:
             return 0.0
-        return min(j.remaining for j in behind) * self.times.forward_s(sum(j.tokens for j in self.running))
+        return min(j.remaining for j in behind) * self.times.forward_s(
+            sum(j.spec.tokens for j in self.running)
+        )
 
     def _running_behind(self, now: float, mine: tuple) -> tuple[Job, ...]:
         return tuple(j for j in self.running if self.order_key(j, now) >= mine)
@@ -252,7 +260,7 @@ class Scheduler:
         (engine/degradation.py): decided in the order jobs go, each after the work before it."""
         if not self.service.refuse_late or not self.times.measured:
             return
-        if not any(j.steps_allowed and j.deadline is not None for j in self.waiting):
+        if not any(j.spec.steps_allowed and j.spec.deadline is not None for j in self.waiting):
             return
         held = [j for q in (self.waiting, self.starting, self.running, self.paused) for j in q]
         keys = {id(j): self.order_key(j, now) for j in held if not j.status.ended}
@@ -261,11 +269,11 @@ class Scheduler:
         ahead = 0
         for job in sorted((j for j in held if id(j) in keys), key=lambda j: keys[id(j)]):
             mine = keys[id(job)]
-            if id(job) in waiting and job.steps_allowed and job.deadline is not None:
+            if id(job) in waiting and job.spec.steps_allowed and job.spec.deadline is not None:
                 behind = tuple(j for key, j in running if key >= mine)
                 done_in = partial(self._finish_in, job, ahead, behind, self._held_back_s(job, now, behind))
-                job.cut = cut_for_deadline(job.steps_allowed, done_in, job.deadline - now, job.cut)
-            ahead += job.remaining * job.tokens
+                job.cut = cut_for_deadline(job.spec.steps_allowed, done_in, job.spec.deadline - now, job.cut)
+            ahead += job.remaining * job.spec.tokens
 
     @staticmethod
     def _leave(job: Job, reason: str, message: str, out: SchedulerOutput) -> None:
@@ -279,12 +287,12 @@ class Scheduler:
         if not candidates:
             return
         room = self.limits.max_running - len(self.running)
-        oldest = min((j.queued_at for j in self.waiting), default=self.step)
+        oldest = min((j.queue.queued_at for j in self.waiting), default=self.step)
         due = self.pacing.due(len(self.running), room, self.step - 1 - oldest)
         for job in candidates:
             # Only a strictly higher tier (by its own, not by aging) pauses a running job or skips the
             # cohort: with one tier nobody is ever paused and pacing is the only gate.
-            outranks = any(j.tier > job.tier for j in self.running)
+            outranks = any(j.spec.tier > job.spec.tier for j in self.running)
             if room <= 0:
                 victim = self._victim(job, now) if outranks else None
                 if victim is None:
@@ -307,30 +315,34 @@ class Scheduler:
         if len(self.paused) >= self.limits.max_paused:
             return None
         tier = self.service.effective_tier(job, now)
-        lower = [j for j in self.running if j.tier > job.tier and self.service.effective_tier(j, now) > tier]
+        lower = [
+            j
+            for j in self.running
+            if j.spec.tier > job.spec.tier and self.service.effective_tier(j, now) > tier
+        ]
         return max(lower, key=lambda j: self.service.victim_key(j, now, self._finish_s), default=None)
 
     def _pause(self, job: Job, now: float, out: SchedulerOutput) -> None:
         self.running.remove(job)
         self.paused.append(job)
-        job.pauses += 1
-        job.ready_at = now
+        job.queue.pauses += 1
+        job.queue.ready_at = now
         out.pause.append(job)
 
     def _resume(self, job: Job, now: float, out: SchedulerOutput) -> None:
         self.paused.remove(job)
-        job.paused_s += now - job.ready_at if job.ready_at is not None else 0.0
+        job.queue.paused_s += now - job.queue.ready_at if job.queue.ready_at is not None else 0.0
         self._ready(job, now)
-        job.waited_since = self.step
+        job.queue.waited_since = self.step
         self.running.append(job)
         out.resume.append(job)
 
     @staticmethod
     def _ready(job: Job, now: float) -> None:
         """The job stops waiting (admitted or resumed): its wait counts towards aging."""
-        if job.ready_at is not None:
-            job.waited_s += now - job.ready_at
-        job.ready_at = None
+        if job.queue.ready_at is not None:
+            job.queue.waited_s += now - job.queue.ready_at
+        job.queue.ready_at = None
 
     def next_forward(self, now: float | None = None) -> list[Job]:
         """The jobs of the next forward: one group, filled in order within its caps (:meth:`_fill`)."""
@@ -340,14 +352,14 @@ class Scheduler:
         if not running:
             return []
         step, bound = self.step, self.limits.starvation_steps
-        starved = [j for j in running if step - j.waited_since >= bound]
+        starved = [j for j in running if step - j.queue.waited_since >= bound]
         if starved:
-            group = min(starved, key=lambda j: (j.waited_since, j.admitted)).group
+            group = min(starved, key=lambda j: (j.queue.waited_since, j.queue.admitted)).group
         else:
             # The policy chooses among the groups of the highest tier running (by their own tiers: aging
             # orders jobs, the starvation bound above serves a lower group).
-            top = min(j.tier for j in running)
-            candidates = [j for j in running if j.tier == top]
+            top = min(j.spec.tier for j in running)
+            candidates = [j for j in running if j.spec.tier == top]
             groups: dict[Hashable, list[Job]] = {}
             for job in candidates:
                 groups.setdefault(job.group, []).append(job)
@@ -376,7 +388,7 @@ class Scheduler:
         taken = self._fill(group, members)
         self.packing = self._gate(taken)
         if self.packing is not None and not self.packing.packed:
-            taken = self._fill(group, [j for j in members if j.shape == taken[0].shape])
+            taken = self._fill(group, [j for j in members if j.spec.shape == taken[0].spec.shape])
         return taken
 
     def _gate(self, taken: list[Job]) -> Packing | None:
@@ -384,7 +396,7 @@ class Scheduler:
         (padding included) against one forward per size, each by its rows and tokens."""
         sizes: dict[Hashable, list[Job]] = {}
         for job in taken:
-            sizes.setdefault(job.shape, []).append(job)
+            sizes.setdefault(job.spec.shape, []).append(job)
         if len(sizes) < 2:
             return None
 
@@ -402,8 +414,8 @@ class Scheduler:
         return Packing(not cheaper_by_size, packed, by_size)
 
     def _forward_key(self, job: Job, now: float) -> tuple:
-        if self.step - job.waited_since >= self.limits.starvation_steps:
-            return (False, job.waited_since, job.admitted)
+        if self.step - job.queue.waited_since >= self.limits.starvation_steps:
+            return (False, job.queue.waited_since, job.queue.admitted)
         return (True, *self.order_key(job, now))
 
     def _fill(self, group: Hashable, members: list[Job]) -> list[Job]:
@@ -419,24 +431,26 @@ class Scheduler:
                 break
             # The tokens the forward would compute with it, padding included (sizes mixed: the adapter's).
             over_budget = budget is not None and self.forward_size([*taken, job])[1] > budget
-            if taken and (over_budget or of_shape.get(job.shape, 0) >= self.caps.shape_cap(job.shape)):
+            if taken and (
+                over_budget or of_shape.get(job.spec.shape, 0) >= self.caps.shape_cap(job.spec.shape)
+            ):
                 continue
             taken.append(job)
-            of_shape[job.shape] = of_shape.get(job.shape, 0) + 1
+            of_shape[job.spec.shape] = of_shape.get(job.spec.shape, 0) + 1
         return taken
 
     def order_key(self, job: Job, now: float) -> tuple:
         return (*self.service.key(job, now, self._finish_s), *self.policy.job_key(job))
 
     def admission_key(self, job: Job, now: float) -> tuple:
-        return (*self.service.key(job, now, self._finish_s), job.arrived)
+        return (*self.service.key(job, now, self._finish_s), job.queue.arrived)
 
     def _finish_s(self, job: Job) -> float:
         """The estimated seconds to finish this job alone in its forwards (for its slack): a job not started
         by the steps it asked (a cut would give it slack, and move it behind the jobs it was cut for)."""
         started = job.state is not None
-        steps = job.remaining if started else job.planned_steps
-        return self.times.finish_in(job.tokens, steps, 0, self._budget(job), started)
+        steps = job.remaining if started else job.spec.planned_steps
+        return self.times.finish_in(job.spec.tokens, steps, 0, self._budget(job), started)
 
     def late_jobs(self, seconds: float, now: float | None = None) -> list[Job]:
         """The jobs held (not ended) that cannot be done within ``seconds`` (a drain): in the order they
@@ -451,18 +465,18 @@ class Scheduler:
         late, ahead = [], 0
         for job in held:
             started = job.state is not None
-            estimate = self.times.finish_in(job.tokens, job.remaining, ahead, self._budget(job), started)
+            estimate = self.times.finish_in(job.spec.tokens, job.remaining, ahead, self._budget(job), started)
             if estimate > seconds or seconds <= 0:
                 late.append(job)
             else:
-                ahead += job.remaining * job.tokens
+                ahead += job.remaining * job.spec.tokens
         return late
 
     def _budget(self, job: Job) -> int:
         """The tokens a forward holds, for estimating ``job``: the group's token budget, or its cap of jobs
         of this job's size where that is less (without a token budget, the row-based estimate of before)."""
-        group = job.group if job.group is not None else job.shape
-        jobs = min(self.caps.jobs_for(group), self.caps.shape_cap(job.shape)) * job.tokens
+        group = job.group if job.group is not None else job.spec.shape
+        jobs = min(self.caps.jobs_for(group), self.caps.shape_cap(job.spec.shape)) * job.spec.tokens
         budget = self.caps.tokens_for(group)
         return jobs if budget is None else min(budget, jobs)
 
@@ -473,8 +487,8 @@ class Scheduler:
             for job, start in zip(jobs, starts, strict=True):
                 job.begin(start)  # a job resumed from a checkpoint starts with its steps done
                 self.starting.remove(job)
-                job.admitted = next(self._admissions)
-                job.waited_since = self.step
+                job.queue.admitted = next(self._admissions)
+                job.queue.waited_since = self.step
                 self.running.append(job)
 
     def update(self, jobs: list[Job], result: ForwardResult, forward: int) -> ForwardOutcome:
@@ -482,22 +496,22 @@ class Scheduler:
         step; a job whose own step failed is returned as failed (not advanced); those that took their
         last step move to finishing (decoded next)."""
         self.caps.ran(forward_group(jobs), len(jobs), self.forward_size(jobs)[1])
-        mixed = int(len({job.shape for job in jobs}) > 1)  # a packed forward: sizes mixed
+        mixed = int(len({job.spec.shape for job in jobs}) > 1)  # a packed forward: sizes mixed
         outcome = ForwardOutcome()
         for job, out in zip(jobs, result.steps, strict=True):
-            job.waited_since = self.step
-            if job.first_forward is None:
-                job.first_forward = forward
-            job.forwards += 1
-            job.most_shared = max(job.most_shared, len(jobs))
-            job.packed_forwards += mixed
+            job.queue.waited_since = self.step
+            if job.stats.first_forward is None:
+                job.stats.first_forward = forward
+            job.stats.forwards += 1
+            job.stats.most_shared = max(job.stats.most_shared, len(jobs))
+            job.stats.packed_forwards += mixed
             if out.error is not None:
                 error = RequestError(ErrorCode.INTERNAL, f"denoising step failed: {out.error}")
                 outcome.failed.append((job, error))
                 continue
             job.steps_done = out.step
-            job.rows_computed += out.rows_computed
-            job.rows_reused += out.rows_reused
+            job.stats.rows_computed += out.rows_computed
+            job.stats.rows_reused += out.rows_reused
             outcome.rows_reused += out.rows_reused
             outcome.stepped.append(
                 Stepped(job, out.step, job.total_steps, out.snapshot, out.rows_computed, out.rows_reused)
@@ -543,5 +557,5 @@ class Scheduler:
 
 def timeout_of(job: Job) -> str:
     """``timeout of 300 ms``: the job's deadline as its request's timeout."""
-    assert job.deadline is not None  # only jobs with a deadline expire or are refused
-    return f"timeout of {(job.deadline - job.request.entered) * 1000:.0f} ms"
+    assert job.spec.deadline is not None  # only jobs with a deadline expire or are refused
+    return f"timeout of {(job.spec.deadline - job.request.entered) * 1000:.0f} ms"

@@ -160,7 +160,7 @@ class StepEngine:
             job
             for job in jobs
             if self.checkpoint_every
-            and job.checkpoint_key is not None
+            and job.spec.checkpoint_key is not None
             and job.cut is None  # a cut job's shorter schedule would not fit its request's resend
             and job.state is not None
             and 0 < job.steps_done < job.total_steps
@@ -252,7 +252,7 @@ class StepEngine:
     ) -> None:
         """One forward's per-job results, applied by the scheduler, then reported; the done decoded."""
         self.forwards += 1
-        tokens = sum(job.tokens for job in jobs)
+        tokens = sum(job.spec.tokens for job in jobs)
         # What it computed, padding included (a packed forward's): what its seconds are the cost of.
         self.times.forward_ran(len(jobs), tokens + result.padded_tokens, seconds, result.rows)
         outcome = self.scheduler.update(jobs, result, self.forwards)
@@ -282,7 +282,7 @@ class StepEngine:
         due = [
             job
             for job in stepped
-            if job.checkpoint_key is not None
+            if job.spec.checkpoint_key is not None
             and job.cut is None
             and 0 < job.steps_done < job.total_steps
             and job.steps_done % every == 0

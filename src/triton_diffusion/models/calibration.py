@@ -81,4 +81,4 @@ def _measure(adapter: Any, requests: list[Any], times: WorkTimes) -> None:
             if out.error is not None:
                 raise RuntimeError(out.error)
             job.steps_done = out.step
-    times.calibrated(rows, sum(job.tokens for job in jobs) + padded, fastest)
+    times.calibrated(rows, sum(job.spec.tokens for job in jobs) + padded, fastest)

@@ -21,6 +21,7 @@ from typing import Any, ClassVar, cast
 
 import numpy as np
 
+from triton_diffusion.adapters.device_profiles import PROFILES
 from triton_diffusion.adapters.diffusers_pipeline import row_seed
 from triton_diffusion.compatibility import CompatibilityKey, compatibility_key
 from triton_diffusion.engine.degradation import StepsAllowed, steps_allowed
@@ -182,14 +183,14 @@ class DiffusionModel:
         self.resumes = Resumes.from_settings(settings)
         faults = settings.config.fault_injection
         if self.resumes is not None and faults is not None and faults.exit_on_seed is not None:  # tests only
-            self.resumes = exiting_resumes(self.resumes, faults, seed_of=lambda job: job.params.seed)
+            self.resumes = exiting_resumes(self.resumes, faults, seed_of=lambda job: job.spec.params.seed)
         caps = self.row_caps(settings)
         engine_kind: EngineKind
         if adapter is not None:
             engine_kind = StepEngineKind(
                 adapter,
                 caps,
-                prompt_of=lambda job: job.params.prompt,
+                prompt_of=lambda job: job.spec.params.prompt,
                 max_tokens_per_forward=settings.config.max_tokens_per_forward,
                 # The packing gate's prices from load (not needed where it is off).
                 times=calibrate(adapter, self.calibration_requests(), lambda r: caps.cap_for_shape(r.shape))
@@ -387,7 +388,7 @@ class DiffusionModel:
         if self.engine_kind.name == "request":
             group = cast(CompatibilityKey, jobs[0].group)  # the request-level engine's groups are keys
             key = {name: value for name, value in group.as_dict().items() if name != "own_call"}
-            report = {"key": key, "fused_calls": jobs[0].calls}
+            report = {"key": key, "fused_calls": jobs[0].stats.calls}
             if values.get("step_cache"):  # diffusers' own cache, on calls of its own
                 report["step_cache"] = {"cache": values["step_cache"], "own_calls": True}
             return report
@@ -399,16 +400,16 @@ class DiffusionModel:
         report = {
             "key": shape,
             "engine": "step",
-            "forwards": max(job.forwards for job in jobs),
-            "most_rows_shared": max(job.most_shared for job in jobs),
+            "forwards": max(job.stats.forwards for job in jobs),
+            "most_rows_shared": max(job.stats.most_shared for job in jobs),
         }
         if any(job.also_joins is not None for job in jobs):  # it may share forwards with other sizes
-            report["packed_forwards"] = max(job.packed_forwards for job in jobs)
+            report["packed_forwards"] = max(job.stats.packed_forwards for job in jobs)
         if values.get("step_cache"):  # its denoiser rows: run in full, or from its cache
             report["step_cache"] = {
                 "cache": values["step_cache"],
-                "rows_computed": sum(job.rows_computed for job in jobs),
-                "rows_reused": sum(job.rows_reused for job in jobs),
+                "rows_computed": sum(job.stats.rows_computed for job in jobs),
+                "rows_reused": sum(job.stats.rows_reused for job in jobs),
             }
         return report
 
@@ -423,16 +424,21 @@ class DiffusionModel:
         why = self.resumes.store.not_kept(parsed.values["resume_key"]) if self.resumes is not None else None
         if why is not None:  # what the store failed to write, as far as known when the answer goes out
             report["checkpoints"] = f"not kept: {why}"
-        if any(job.resumed_from_step for job in jobs):
-            report["resumed_from_step"] = min(job.resumed_from_step or 0 for job in jobs)
+        if any(job.stats.resumed_from_step for job in jobs):
+            report["resumed_from_step"] = min(job.stats.resumed_from_step or 0 for job in jobs)
         warnings = [*(parsed.resume.warnings if parsed.resume is not None else ())]
-        warnings += [f"image {job.index}: {job.start_warning}" for job in jobs if job.start_warning]
+        warnings += [
+            f"image {job.spec.index}: {job.stats.start_warning}" for job in jobs if job.stats.start_warning
+        ]
         if warnings:
             report["warnings"] = warnings
         return report
 
     def describe_more(self) -> dict[str, Any]:
         more: dict[str, Any] = {"step_caches": ["none", *self.step_cache_methods]}
+        profile = self.settings.config.device_profile
+        if profile:  # benchmarks only: what it answers is the cost of a GPU's forwards, not an image
+            more["device_profile"] = {"name": profile, "what": PROFILES[profile].what, "serves_images": False}
         if self.adapter is not None:  # per tier, the least share of its steps a request may be run with
             more["degrade_tiers"] = dict(self.settings.config.degrade_tiers or {})
         if self.adapter is not None:  # whether images of different sizes share forwards, and why not

@@ -50,7 +50,7 @@ class FusedCalls:
 
     def __call__(self, key: CompatibilityKey, jobs: list[Job], steps: CallSteps) -> list[Any]:
         shared = key.as_dict()
-        kwargs = self.arguments(shared, [job.params for job in jobs])
+        kwargs = self.arguments(shared, [job.spec.params for job in jobs])
         if self.faults:
             self.faults.before_call(kwargs["prompt"])
         if self.step_callback:

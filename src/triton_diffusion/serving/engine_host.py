@@ -284,7 +284,7 @@ class EngineHost:
             self._guarded(job, self._admitted, job, report.running)
         for job in report.paused:
             request_id, step = job.request.request_id, job.steps_done
-            log.info("request %s image %d paused at step %d", request_id, job.index, step)
+            log.info("request %s image %d paused at step %d", request_id, job.spec.index, step)
         for stepped in report.stepped:
             self._guarded(stepped.job, self._stepped, stepped)
         for finished in report.finished:
@@ -304,7 +304,7 @@ class EngineHost:
         log.info(
             "request %s image %d admitted: %s (%d running)",
             job.request.request_id,
-            job.index,
+            job.spec.index,
             summary,
             running,
         )
@@ -329,12 +329,12 @@ class EngineHost:
         log.info(
             "request %s image %d left (%s) after %d/%d steps, %d forwards, shared with up to %d%s",
             job.request.request_id,
-            job.index,
+            job.spec.index,
             left.reason,
             job.steps_done,
             job.total_steps,
-            job.forwards,
-            job.most_shared,
+            job.stats.forwards,
+            job.stats.most_shared,
             f": {left.error.message}" if left.error is not None else "",
         )
 
@@ -358,14 +358,14 @@ class EngineHost:
     def _stepped(self, stepped: Stepped) -> None:
         job = stepped.job
         record: RequestRecord = job.record
-        if job.index != 0 or record.tracked.ended:
+        if job.spec.index != 0 or record.tracked.ended:
             return  # the first image speaks for its request
         if not record.first_step_seen and (
             stepped.snapshot is not None or not self.names.first_step_on_snapshot
         ):
             record.first_step_seen = True
             waited = time.perf_counter() - job.request.entered
-            tier = self.tiers[job.tier]
+            tier = self.tiers[job.spec.tier]
 
             def observe() -> None:
                 self.metrics.observe(self.names.first_step, waited)
@@ -383,14 +383,14 @@ class EngineHost:
 
     def _finished(self, job: Job, output: Any) -> None:
         record: RequestRecord = job.record
-        record.outputs[job.index] = output
+        record.outputs[job.spec.index] = output
         record.remaining -= 1
         if record.remaining:
             return
         service = self.service_report(record.jobs)
         outputs = list(record.outputs)
         latency = time.perf_counter() - job.request.entered
-        tier = self.tiers[job.tier]
+        tier = self.tiers[job.spec.tier]
 
         def answer() -> None:
             if record.tracked.finish(self.kind.final_outputs(record, outputs, service)):
@@ -399,9 +399,9 @@ class EngineHost:
                 if cut:  # degraded: run with fewer steps than asked (engine/degradation.py)
                     self.metrics.increment("triton_diffusion_degraded_total", tier=tier)
                     self.metrics.increment("triton_diffusion_degraded_steps_total", sum(cut), tier=tier)
-                if job.deadline is not None and not record.deadline_counted:  # in time, or late
+                if job.spec.deadline is not None and not record.deadline_counted:  # in time, or late
                     record.deadline_counted = True  # (deadline_policy best_effort)
-                    met = job.request.entered + latency <= job.deadline
+                    met = job.request.entered + latency <= job.spec.deadline
                     self.metrics.increment(
                         "triton_diffusion_deadlines_total", outcome="met" if met else "missed"
                     )
@@ -412,10 +412,13 @@ class EngineHost:
         """BATCH's service part: the request's tier, its deadline, and how often and long its images
         were paused (in all, the longest)."""
         job = jobs[0]
-        report: dict[str, Any] = {"tier": self.tiers[job.tier], "paused_times": sum(j.pauses for j in jobs)}
-        report["paused_s"] = round(max(j.paused_s for j in jobs), 3)
-        if job.deadline is not None:
-            report["deadline_ms"] = round((job.deadline - job.request.entered) * 1000, 1)
+        report: dict[str, Any] = {
+            "tier": self.tiers[job.spec.tier],
+            "paused_times": sum(j.queue.pauses for j in jobs),
+        }
+        report["paused_s"] = round(max(j.queue.paused_s for j in jobs), 3)
+        if job.spec.deadline is not None:
+            report["deadline_ms"] = round((job.spec.deadline - job.request.entered) * 1000, 1)
         return report
 
     def _record_metrics(self, report: StepReport, deadlines: list[str]) -> None:
@@ -453,7 +456,7 @@ class EngineHost:
         if names.cache_rows and report.stepped:  # summed per method first: each metric call is a round trip
             rows: dict[tuple[str, str], int] = {}
             for stepped in report.stepped:
-                method = stepped.job.cache_method
+                method = stepped.job.spec.cache_method
                 rows[method, "computed"] = rows.get((method, "computed"), 0) + stepped.rows_computed
                 rows[method, "reused"] = rows.get((method, "reused"), 0) + stepped.rows_reused
             for (method, outcome), count in rows.items():

@@ -149,7 +149,7 @@ class EngineWorker:
         held = self.engine.active
         if not held or held + len(jobs) <= self.capacity:
             return False
-        tier = min((job.tier for job in jobs), default=0)
+        tier = min((job.spec.tier for job in jobs), default=0)
         return held + len(jobs) > 2 * self.capacity or not self.engine.outranks_held(tier)
 
     def close(self, timeout_s: float = 30.0) -> None:

@@ -187,9 +187,9 @@ class Resumes:
             # either had this put removed with it, or is no longer watched (nothing to resume).
             with self._lock:
                 watched = self._watched.get(tracked)
-                if watched is None or tracked.ended or job.checkpoint_key is None:
+                if watched is None or tracked.ended or job.spec.checkpoint_key is None:
                     continue
-                self.store.put(job.checkpoint_key, watched[1], checkpoint)
+                self.store.put(job.spec.checkpoint_key, watched[1], checkpoint)
 
     # ---- whichever thread answers -------------------------------------------------------------------
     def answered(self, tracked: TrackedRequest, code: ErrorCode | None) -> None:
