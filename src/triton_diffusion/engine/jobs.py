@@ -169,7 +169,8 @@ class JobStart:
     its denoising steps; ``steps_done``: those a checkpoint restored (it goes on from there), and
     ``warning``: why the checkpoint it was given was not used (it starts from the beginning).
     ``also_joins``: another group whose forwards it may step in too (a job whose group spans every size
-    also joins its own size's, where jobs that keep to that size run: adapters/packed_rows.py)."""
+    also joins its own size's, where jobs that keep to that size run: adapters/packed_rows.py); the jobs of
+    one group all have one, or none do."""
 
     state: Any
     group: Hashable

@@ -162,7 +162,8 @@ class Service:
     def key(self, job: J, now: float, finish_s: Callable[[J], float]) -> tuple:
         """The service part of a job's order: effective tier, then least slack (jobs without a deadline
         after those with one)."""
-        slack = math.inf if job.spec.deadline is None else job.spec.deadline - now - finish_s(job)
+        deadline = job.spec.deadline  # read once: this runs for every held job at every engine step
+        slack = math.inf if deadline is None else deadline - now - finish_s(job)
         return (self.effective_tier(job, now), slack)
 
     def victim_key(self, job: J, now: float, finish_s: Callable[[J], float]) -> tuple:

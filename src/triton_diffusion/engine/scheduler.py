@@ -352,6 +352,14 @@ class Scheduler:
         if not running:
             return []
         step, bound = self.step, self.limits.starvation_steps
+        keys: dict[int, tuple] = {}  # each job's forward key, computed once this step (it prices its slack)
+
+        def order(j: Job) -> tuple:
+            key = keys.get(id(j))
+            if key is None:
+                key = keys[id(j)] = self._forward_key(j, now)
+            return key
+
         starved = [j for j in running if step - j.queue.waited_since >= bound]
         if starved:
             group = min(starved, key=lambda j: (j.queue.waited_since, j.queue.admitted)).group
@@ -363,7 +371,7 @@ class Scheduler:
             groups: dict[Hashable, list[Job]] = {}
             for job in candidates:
                 groups.setdefault(job.group, []).append(job)
-            first = min(candidates, key=lambda j: self.order_key(j, now))
+            first = min(candidates, key=order)  # none starved: the forward key is the order's
             group = self.policy.choose_group(groups, first)
         # A job may also step in another group's forwards (``also_joins``: one that packs with every size
         # also joins its own size's, whose jobs with a step cache keep to it: adapters/packed_rows.py); so
@@ -371,8 +379,8 @@ class Scheduler:
         # kinds together. Only where that group's own jobs go before any job of the chosen group that
         # joins another, so the switch never holds back another (it steps in the next forward of its own
         # group, as it would have).
-        if any(j.also_joins is not None for j in running if j.group == group):
-            order = lambda j: self._forward_key(j, now)  # noqa: E731
+        # (An adapter gives every job of a group an also_joins, or none: one of them says which.)
+        if next(j for j in running if j.group == group).also_joins is not None:
             chosen = sorted((j for j in running if j.group == group), key=order)
             joins = chosen[0].also_joins
             own = [j for j in running if j.group == joins]
@@ -384,7 +392,7 @@ class Scheduler:
         # Starved jobs first, the longest starved first (the one the group was chosen for, so it goes; one
         # that starves later never passes a starved job, which goes within as many steps as are before
         # it: starvation_steps + max_running - 1 at most), then the order.
-        members.sort(key=lambda j: self._forward_key(j, now))
+        members.sort(key=order)
         taken = self._fill(group, members)
         self.packing = self._gate(taken)
         if self.packing is not None and not self.packing.packed:
