@@ -10,7 +10,9 @@ Variants (each on a server of its own: the launcher with its supervisor, one tin
 A server whose settings do not read the ``checkpoint_*`` parameters (a tree before them: an unknown
 parameter is a load error) cannot run ``checkpoints``: it is skipped, with the reason in the artefact.
 
-Each of --rounds rounds runs every variant back to back (checkpoints, none, checkpoints, none, ...). A run:
+Each of --rounds rounds runs every variant back to back, in rotated order (checkpoints, none; none,
+checkpoints; ...), and reads scripts/verdicts.py's verdict over the rounds: the goodput ratio checkpoints /
+none and the steps recomputed per crash that checkpoints saved. A run:
 Poisson arrivals at --rate requests/s for --duration seconds (default: --load of the rate one request at a
 time can be served, measured on the first server before any run: one request of --steps steps alone takes
 ``s`` seconds, the rate is ``load / s``, so the server is busy about that share of the time); every run has
@@ -59,6 +61,7 @@ from tables.crash_soak import FIGURES, render
 from triton_diffusion_client import ImageSession
 from triton_diffusion_client.retry import unknown_resume_key
 from triton_diffusion_client.streams import ResponseError
+from verdicts import rotated_orders, verdict
 
 from benchmarks.arrivals import poisson_arrivals
 from benchmarks.common import PROMPTS, REPO_ROOT, benchmark_parser, mean, percentile
@@ -133,6 +136,29 @@ def run_figures(records: list[dict[str, Any]], crashes: int, duration_s: float, 
 
 # What each variant's summary gives a median and spread of: the figures its table shows.
 SUMMARY_FIGURES = FIGURES
+
+
+def paired_verdicts(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per round, checkpoints against none (scripts/verdicts.py's rule over the rounds that ran both): the
+    goodput ratio (a gain above 1) and the steps recomputed per crash that checkpoints saved (none's minus
+    checkpoints', a gain above 0; a round where either saw no crash counts nothing)."""
+    by_round: dict[int, dict[str, dict[str, Any]]] = {}
+    for run in runs:
+        by_round.setdefault(run["round"], {})[run["variant"]] = run
+    pairs = [(r["checkpoints"], r["none"]) for r in by_round.values() if {"checkpoints", "none"} <= r.keys()]
+    goodput = [
+        c["goodput_images_per_s"] / n["goodput_images_per_s"] for c, n in pairs if n["goodput_images_per_s"]
+    ]
+    saved = [
+        n["steps_recomputed_per_crash"] - c["steps_recomputed_per_crash"]
+        for c, n in pairs
+        if c["steps_recomputed_per_crash"] is not None and n["steps_recomputed_per_crash"] is not None
+    ]
+    found: dict[str, Any] = {}
+    for name, values, neutral in (("goodput_ratio", goodput, 1.0), ("steps_saved_per_crash", saved, 0.0)):
+        if values:
+            found[name] = {**verdict(values, neutral=neutral).as_dict(), "values": values}
+    return found
 
 
 def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -470,8 +496,8 @@ def main(argv: list[str] | None = None) -> None:
 
     started = time.perf_counter()
     arrivals: list[float] = []
-    for round_ in range(args.rounds):
-        for variant in runnable:
+    for round_, order in enumerate(rotated_orders(runnable, args.rounds)):
+        for variant in order:
             with tempfile.TemporaryDirectory(prefix=f"crash-soak-{variant}-") as tmp:
                 folder = Path(tmp)
                 with running_server(
@@ -505,6 +531,7 @@ def main(argv: list[str] | None = None) -> None:
             }
             report["runs"].append(run)
             report["summary"] = summarise(report["runs"])
+            report["verdicts"] = paired_verdicts(report["runs"])
             artefacts.write(path, report)
             print(
                 f"  offered {run['offered']}, completed {run['completed']}, lost {run['lost']}, "

@@ -92,6 +92,23 @@ def render(artefact: dict[str, Any]) -> str:
         for row in artefact["summary"]
     ]
     parts.append(table(HEADERS, rows))
+    read = artefact.get("verdicts", {})
+    said = {
+        "goodput_ratio": "goodput, checkpoints / none",
+        "steps_saved_per_crash": "steps recomputed per crash saved by checkpoints (none minus checkpoints)",
+    }
+    lines = [
+        f"{said[name]}: **{number(found['median'])}**, {found['verdict']}"
+        + (
+            f" (90% interval {number(found['low'])}-{number(found['high'])})"
+            if found.get("low") is not None
+            else f" ({found['rounds']} rounds: no 90% interval)"
+        )
+        for name, found in read.items()
+        if name in said
+    ]
+    if lines:
+        parts.append("Per round, the two variants of that round: " + "; ".join(lines) + ".")
     run_rows = []
     for run in artefact["runs"]:
         recoveries = [k["recovery_s"] for k in run.get("kills", []) if k.get("recovery_s") is not None]

@@ -6,10 +6,13 @@ without a resumed step; how rounds become medians; what the block shows, a skipp
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))  # the benchmarks' package
 
 from benchmarks.crash_soak import (  # noqa: E402
     checkpoint_edits,
+    paired_verdicts,
     run_figures,
     steps_recomputed,
     summarise,
@@ -172,3 +175,20 @@ def test_the_checkpointed_variant_is_skipped_where_the_settings_do_not_read_it(t
     why = unreadable(edits)  # None once the server reads them; until then the load error, named
     assert why is None or "checkpoint_every_steps" in why
     assert "checkpoint" in (unreadable({"checkpoint_every_stepz": "2"}) or "")
+
+
+def test_rounds_are_read_as_pairs_with_the_one_verdict_rule_and_shown():
+    """Each round's checkpoints run against its none run: five rounds where checkpoints always win give a
+    gain on both figures; a round without crashes counts nothing for steps; the block says so."""
+    runs = []
+    for round_, (good, bad) in enumerate([(0.5, 0.4), (0.6, 0.5), (0.45, 0.4), (0.7, 0.5), (0.5, 0.45)]):
+        runs += [run("checkpoints", round_, good, 1.0), run("none", round_, bad, 9.0 if round_ else None)]
+    found = paired_verdicts(runs)
+    assert found["goodput_ratio"]["values"] == pytest.approx([1.25, 1.2, 1.125, 1.4, 0.5 / 0.45])
+    assert found["goodput_ratio"]["verdict"] == "gain"
+    assert found["steps_saved_per_crash"]["values"] == [8.0] * 4  # round 0's none saw no crash
+    assert found["steps_saved_per_crash"]["verdict"] == "not shown: too few rounds"
+    made = {**artefact(runs), "verdicts": found}
+    assert "goodput, checkpoints / none: **1.2**, gain (90% interval 1.11-1.4)" in render(made)
+    flipped = [{**r, "goodput_images_per_s": 1.0} for r in runs]  # the same goodput: no gain shown
+    assert paired_verdicts(flipped)["goodput_ratio"]["verdict"] == "no gain or loss shown"
