@@ -23,7 +23,7 @@ import torch
 from PIL import Image
 
 from triton_diffusion.adapters.diffusers_pipeline import SchedulerChoices, row_generator
-from triton_diffusion.adapters.image_requests import ImageRequest
+from triton_diffusion.adapters.image_params import ImageParams
 from triton_diffusion.adapters.step_adapters import step_adapter_for
 from triton_diffusion.codecs.video import to_uint8
 from triton_diffusion.engine.jobs import Job
@@ -148,7 +148,7 @@ def check(name: str, dtype: torch.dtype, device: str) -> dict:
         engine = StepEngine(adapter, EngineLimits(8, 8))
         jobs = []
         for i, prompt in enumerate([target, *OTHERS]):
-            request = ImageRequest(
+            request = ImageParams(
                 prompt,
                 None,
                 seed if i == 0 else 10 + i,

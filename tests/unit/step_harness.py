@@ -15,7 +15,7 @@ from diffusers import AutoPipelineForImage2Image, AutoPipelineForInpainting, Dif
 
 from tests.unit.recording import RecordingChannel, deliver_errors, step_as_worker
 from triton_diffusion.adapters.diffusers_pipeline import SchedulerChoices, row_generator
-from triton_diffusion.adapters.image_requests import ImageRequest
+from triton_diffusion.adapters.image_params import ImageParams
 from triton_diffusion.config_values import parse_names
 from triton_diffusion.engine.jobs import Job, StepReport
 from triton_diffusion.engine.scheduler import EngineLimits
@@ -61,9 +61,9 @@ class Host:
 
 def run_engine(
     adapter: Any,
-    arrivals: list[tuple[int, ImageRequest]],
+    arrivals: list[tuple[int, ImageParams]],
     host: Host | None = None,
-    victim: ImageRequest | None = None,
+    victim: ImageParams | None = None,
     first_preview_every: int = 0,
 ) -> list[Job]:
     """The requests through one step engine, each added at its engine step; their jobs, in order.
@@ -94,7 +94,7 @@ def run_engine(
     return jobs
 
 
-def job_of(adapter: Any, request_id: str, channel: RecordingChannel, request: ImageRequest) -> Job:
+def job_of(adapter: Any, request_id: str, channel: RecordingChannel, request: ImageParams) -> Job:
     """A job as the model kind makes it (models/diffusion_model.py job_spec): its shape and its tokens."""
     job = Job(TrackedRequest(request_id, channel), request, shape=request.shape)
     job.spec = replace(job.spec, tokens=adapter.tokens_of(request))
@@ -112,7 +112,7 @@ def served(job: Job) -> np.ndarray:
 _COUNTERPARTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def pipeline_for(pipe: Any, request: ImageRequest) -> Any:
+def pipeline_for(pipe: Any, request: ImageParams) -> Any:
     """The diffusers pipeline that serves this request alone: text-to-image, or its img2img / inpaint
     counterpart over the same modules (``from_pipe``)."""
     if request.image is None:
@@ -127,7 +127,7 @@ def pipeline_for(pipe: Any, request: ImageRequest) -> Any:
     return counterparts[auto]
 
 
-def call_arguments(request: ImageRequest) -> dict[str, Any]:
+def call_arguments(request: ImageParams) -> dict[str, Any]:
     """The arguments of ``pipeline(...)`` every request has: prompt, size, steps and the row's generator."""
     return {
         "prompt": [request.prompt],
@@ -138,7 +138,7 @@ def call_arguments(request: ImageRequest) -> dict[str, Any]:
     }
 
 
-def reference(pipe: Any, facts: PipelineFacts, schedulers: SchedulerChoices, request: ImageRequest) -> Any:
+def reference(pipe: Any, facts: PipelineFacts, schedulers: SchedulerChoices, request: ImageParams) -> Any:
     """The image the request's own diffusers pipeline makes for it alone, with its scheduler."""
     pipe = pipeline_for(pipe, request)
     pipe.scheduler = schedulers[request.scheduler]
@@ -173,7 +173,7 @@ def sd3_inpaint_with_shift(pipe: Any, kwargs: dict[str, Any]) -> Any:
 
 
 def assert_each_image_equals_the_pipelines_own(
-    family: tuple[Any, PipelineFacts, SchedulerChoices], requests: list[ImageRequest], jobs: list[Job]
+    family: tuple[Any, PipelineFacts, SchedulerChoices], requests: list[ImageParams], jobs: list[Job]
 ) -> None:
     """Each job's image has its request's size and equals ``pipeline(...)`` alone to one uint8 level."""
     pipe, facts, schedulers = family

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from tests.unit.step_harness import load_family
-from triton_diffusion.adapters.image_requests import ImageRequest
+from triton_diffusion.adapters.image_params import ImageParams
 from triton_diffusion.adapters.step_adapters import step_adapter_for
 from triton_diffusion.models.calibration import MAX_ROWS, calibrate
 
@@ -21,8 +21,8 @@ def flux() -> Any:
     return step_adapter_for(pipe, facts, schedulers, None)
 
 
-def request(side: int) -> ImageRequest:
-    return ImageRequest(
+def request(side: int) -> ImageParams:
+    return ImageParams(
         "calibration", None, 0, 0, side, side, 28, 3.5, None, "FlowMatchEulerDiscreteScheduler"
     )
 

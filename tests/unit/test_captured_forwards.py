@@ -27,7 +27,7 @@ from triton_diffusion.adapters.captured_forwards import (
     row_buckets,
     signature,
 )
-from triton_diffusion.adapters.image_requests import ImageRequest
+from triton_diffusion.adapters.image_params import ImageParams
 from triton_diffusion.adapters.step_adapters import step_adapter_for
 from triton_diffusion.engine.jobs import Job
 from triton_diffusion.models.text_to_image import TextToImageModel
@@ -184,13 +184,13 @@ def test_every_image_equals_the_pipelines_own_with_every_forward_padded_to_its_b
     adapter = step_adapter_for(pipe, facts, schedulers, None)
     scheduler = schedulers.names[0]
     warm = [
-        ImageRequest("warm-up", None, 0, 0, *size, 4, 7.5, 1.0, scheduler) for size in ((64, 64), (96, 64))
+        ImageParams("warm-up", None, 0, 0, *size, 4, 7.5, 1.0, scheduler) for size in ((64, 64), (96, 64))
     ]
     assert (
         adapter.capture_forwards([(r, 16) for r in warm], capture=eager_capture) == 12
     )  # 6 buckets at each size
     requests = [
-        ImageRequest(f"prompt {i}", negative, 30 + i, 0, *size, steps, guidance, 1.0, scheduler)
+        ImageParams(f"prompt {i}", negative, 30 + i, 0, *size, steps, guidance, 1.0, scheduler)
         for i, (negative, steps, guidance, size, _) in enumerate(REQUESTS)
     ]
     host = Host()
@@ -241,12 +241,12 @@ def test_cuda_graph_replays_match_the_eager_forward_on_a_gpu():
     adapter = step_adapter_for(pipe, facts, schedulers, None)
     name = schedulers.names[0]
     assert (
-        adapter.capture_forwards([(ImageRequest("warm-up", None, 0, 0, 64, 64, 4, 7.5, None, name), 8)]) == 4
+        adapter.capture_forwards([(ImageParams("warm-up", None, 0, 0, 64, 64, 4, 7.5, None, name), 8)]) == 4
     )
     # Other prompts, seeds and timesteps than the warm-up's, replayed in turn across buckets sharing a pool.
     for count, step in ((3, 2), (1, 1), (4, 3), (1, 0)):
         jobs = [
-            Job(None, ImageRequest(f"fox {i}", None, 50 + i, 0, 64, 64, 4, 3.0 + i, None, name))
+            Job(None, ImageParams(f"fox {i}", None, 50 + i, 0, 64, 64, 4, 3.0 + i, None, name))
             for i in range(count)
         ]
         adapter.prepare(jobs)

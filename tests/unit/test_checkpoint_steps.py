@@ -14,7 +14,7 @@ import pytest
 
 from tests.unit.recording import step_as_worker, tracked
 from triton_diffusion.adapters import starts
-from triton_diffusion.adapters.image_requests import ImageRequest
+from triton_diffusion.adapters.image_params import ImageParams
 from triton_diffusion.adapters.job_checkpoints import CheckpointMismatch
 from triton_diffusion.adapters.starts import LatentStarts
 from triton_diffusion.engine.jobs import ForwardResult, Job, JobStart, JobStep
@@ -146,15 +146,15 @@ class Starts(LatentStarts):
     """A latent adapter's start, its jobs' states made up: each start counted."""
 
     def __init__(self) -> None:
-        self.started: list[ImageRequest] = []
+        self.started: list[ImageParams] = []
 
-    def start_requests(self, requests: list[ImageRequest]) -> list[JobStart]:
+    def start_requests(self, requests: list[ImageParams]) -> list[JobStart]:
         self.started += requests
         return [JobStart(f"state of {r.prompt}", r.size, r.steps) for r in requests]
 
 
-def image(prompt: str, resume: Any = None) -> ImageRequest:
-    return ImageRequest(prompt, None, 1, 0, 64, 64, 12, 7.5, None, "DDIM", resume=resume)
+def image(prompt: str, resume: Any = None) -> ImageParams:
+    return ImageParams(prompt, None, 1, 0, 64, 64, 12, 7.5, None, "DDIM", resume=resume)
 
 
 def test_the_latent_start_restores_a_checkpoint_and_goes_on_after_its_step(job_checkpoints):

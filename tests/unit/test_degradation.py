@@ -16,7 +16,7 @@ from tests.unit.step_harness import Host, assert_each_image_equals_the_pipelines
 from tests.unit.test_latent_loop import source_image
 from tests.unit.test_scheduler import DEFAULT, FLEX, PRIORITY, Harness
 from tests.unit.test_step_engine import FakeAdapter
-from triton_diffusion.adapters.image_requests import ImageRequest
+from triton_diffusion.adapters.image_params import ImageParams
 from triton_diffusion.adapters.step_adapters import step_adapter_for
 from triton_diffusion.engine.degradation import CUT_TARGET, StepsCut, cut_for_deadline, steps_allowed
 from triton_diffusion.engine.estimates import WorkTimes
@@ -192,8 +192,8 @@ def test_degraded_jobs_equal_their_pipeline_at_the_steps_they_ran_amid_rows_that
     times = WorkTimes()
     engine = StepEngine(adapter, EngineLimits(8, 8), clock=lambda: 0.0, times=times)
 
-    def request(i: int, steps: int, **more) -> ImageRequest:
-        return ImageRequest(
+    def request(i: int, steps: int, **more) -> ImageParams:
+        return ImageParams(
             f"a lighthouse {i}", None, 30 + i, 0, 64, 64, steps, 7.5, None, schedulers.default, **more
         )
 

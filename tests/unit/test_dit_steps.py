@@ -16,7 +16,7 @@ import pytest
 
 from tests.unit.step_harness import Host, assert_each_image_equals_the_pipelines_own, load_family, run_engine
 from triton_diffusion.adapters.dit import DiTAdapter
-from triton_diffusion.adapters.image_requests import ImageRequest
+from triton_diffusion.adapters.image_params import ImageParams
 from triton_diffusion.adapters.step_adapters import step_adapter_for
 
 # weights -> scheduler_choices (PixArt also with Euler: per-row scale_model_input and init_noise_sigma).
@@ -56,10 +56,10 @@ def test_every_image_equals_the_pipelines_own_amid_rows_of_other_prompt_lengths(
     assert facts.default("use_resolution_binning") and adapter.bins is not None
     names = schedulers.names
     requests = [
-        ImageRequest(prompt, negative, 10 + i, 0, *size, steps, guidance, None, names[i % len(names)])
+        ImageParams(prompt, negative, 10 + i, 0, *size, steps, guidance, None, names[i % len(names)])
         for i, (prompt, negative, steps, guidance, size, _) in enumerate(REQUESTS)
     ]
-    victim = ImageRequest(LONG, None, 99, 0, 64, 64, 6, 4.5, None, names[0])  # cancelled after 2 steps
+    victim = ImageParams(LONG, None, 99, 0, 64, 64, 6, 4.5, None, names[0])  # cancelled after 2 steps
     host = Host()
     arrivals = [(spec[5], request) for spec, request in zip(REQUESTS, requests, strict=True)]
     jobs = run_engine(adapter, arrivals, host, victim)
@@ -122,7 +122,7 @@ def test_pixart_alpha_1024_models_condition_each_row_on_its_rendered_size(monkey
     adapter = step_adapter_for(pipe, facts, schedulers, None)
     assert adapter.micro_conditions and adapter.bins is SMALL_1024_BINS
     requests = [
-        ImageRequest(f"a red tram {i}", None, 40 + i, 0, *size, steps, guidance, None, scheduler)
+        ImageParams(f"a red tram {i}", None, 40 + i, 0, *size, steps, guidance, None, scheduler)
         for i, (size, steps, scheduler, guidance, _) in enumerate(ALPHA_1024)
     ]
     host = Host()

@@ -19,7 +19,7 @@ from tests.unit.step_harness import (
     run_engine,
     served,
 )
-from triton_diffusion.adapters.image_requests import ImageRequest
+from triton_diffusion.adapters.image_params import ImageParams
 from triton_diffusion.adapters.step_adapters import step_adapter_for
 
 
@@ -41,9 +41,9 @@ def test_served_images_equal_the_pipelines_own_at_any_thread_count(family, threa
     adapter = step_adapter_for(pipe, facts, schedulers, None)
     scheduler = schedulers.names[0]
     requests = [
-        ImageRequest("a lighthouse", None, 3, 0, 64, 64, 4, 5.0, 2.0, scheduler),
-        ImageRequest("a red boat", "blurry", 4, 0, 64, 64, 3, 2.0, 1.0, scheduler),
-        ImageRequest("a field", None, 5, 0, 64, 64, 5, 7.5, 3.0, scheduler),
+        ImageParams("a lighthouse", None, 3, 0, 64, 64, 4, 5.0, 2.0, scheduler),
+        ImageParams("a red boat", "blurry", 4, 0, 64, 64, 3, 2.0, 1.0, scheduler),
+        ImageParams("a field", None, 5, 0, 64, 64, 5, 7.5, 3.0, scheduler),
     ]
     jobs = run_engine(adapter, [(0, requests[0]), (0, requests[1]), (1, requests[2])])
     assert_each_image_equals_the_pipelines_own(family, requests, jobs)

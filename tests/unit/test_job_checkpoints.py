@@ -29,7 +29,7 @@ import torch
 from tests.unit.recording import RecordingChannel, step_as_worker
 from tests.unit.step_harness import Host, job_of, load_family, served
 from tests.unit.test_latent_loop import mask_image, source_image
-from triton_diffusion.adapters.image_requests import ImageRequest, LatentJob
+from triton_diffusion.adapters.image_params import ImageParams, LatentJob
 from triton_diffusion.adapters.job_checkpoints import (
     CheckpointMismatch,
     JobCheckpoint,
@@ -107,7 +107,7 @@ def run(adapter: Any, jobs: list[Job], at_step: int | None = None) -> JobCheckpo
     return checkpoint
 
 
-def interrupted(adapter: Any, request: ImageRequest, neighbour: ImageRequest, k: int, tmp_path) -> Any:
+def interrupted(adapter: Any, request: ImageParams, neighbour: ImageParams, k: int, tmp_path) -> Any:
     """The uninterrupted image of ``request`` (run beside ``neighbour``) and its checkpoint after ``k``
     steps, written to disk and read back."""
     target = job_of(adapter, "target", RecordingChannel(), request)
@@ -122,7 +122,7 @@ def interrupted(adapter: Any, request: ImageRequest, neighbour: ImageRequest, k:
 
 
 def resumed(
-    adapter: Any, request: ImageRequest, neighbour: ImageRequest, checkpoint: JobCheckpoint, tamper=None
+    adapter: Any, request: ImageParams, neighbour: ImageParams, checkpoint: JobCheckpoint, tamper=None
 ) -> np.ndarray:
     """A fresh job of ``request`` restored from ``checkpoint`` in a fresh engine (beside a fresh
     neighbour), run to the end: its image."""
@@ -133,8 +133,8 @@ def resumed(
     return served(target)
 
 
-def sd_request(scheduler: str, i: int = 0, steps: int = 6, **changes: Any) -> ImageRequest:
-    request = ImageRequest(
+def sd_request(scheduler: str, i: int = 0, steps: int = 6, **changes: Any) -> ImageParams:
+    request = ImageParams(
         f"a lighthouse {i}", "fog" if i else None, 40 + i, 0, 64, 64, steps, 5.0, None, scheduler
     )
     return replace(request, **changes)
@@ -143,7 +143,7 @@ def sd_request(scheduler: str, i: int = 0, steps: int = 6, **changes: Any) -> Im
 _RUNS: dict[Any, tuple[np.ndarray, JobCheckpoint]] = {}
 
 
-def sd_run(sd: Any, scheduler: str, tmp_path) -> tuple[ImageRequest, ImageRequest, np.ndarray, JobCheckpoint]:
+def sd_run(sd: Any, scheduler: str, tmp_path) -> tuple[ImageParams, ImageParams, np.ndarray, JobCheckpoint]:
     """SD's uninterrupted job with ``scheduler`` (6 steps, beside a neighbour of its class with 5) and its
     checkpoint after 3 steps; computed once per scheduler."""
     request, neighbour = sd_request(scheduler), sd_request(scheduler, 1, steps=5)
@@ -182,7 +182,7 @@ def test_without_its_history_a_multistep_job_resumes_to_another_image(sd, tmp_pa
 
 def test_a_resumed_flux_job_ends_in_the_uninterrupted_image(flux, tmp_path):
     scheduler = next(iter(flux.templates))  # its flow-matching Euler
-    request = ImageRequest("a red boat", "blurry", 7, 0, 64, 64, 5, 3.5, 2.0, scheduler)  # true CFG
+    request = ImageParams("a red boat", "blurry", 7, 0, 64, 64, 5, 3.5, 2.0, scheduler)  # true CFG
     # Another size, packed into the same forwards.
     neighbour = replace(request, prompt="a green field", negative_prompt=None, seed=8, steps=4, height=96)
     expected, checkpoint = interrupted(flux, request, neighbour, 2, tmp_path)

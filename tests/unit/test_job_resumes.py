@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from tests.unit.recording import tracked
-from triton_diffusion.adapters.image_requests import ImageRequest
+from triton_diffusion.adapters.image_params import ImageParams
 from triton_diffusion.engine.jobs import Job, JobSpec, JobStart, Stepped, StepReport
 from triton_diffusion.errors import ErrorCode, RequestError
 from triton_diffusion.faults import FaultInjection, exiting_resumes
@@ -150,8 +150,8 @@ class Bare(DiffusionModel):
     def images_for(self, values: dict[str, Any]) -> int:
         return values["num_images_per_prompt"]
 
-    def step_request(self, values: dict[str, Any], image_index: int) -> ImageRequest:
-        return ImageRequest(
+    def step_request(self, values: dict[str, Any], image_index: int) -> ImageParams:
+        return ImageParams(
             values["prompt"],
             None,
             values["seed"],

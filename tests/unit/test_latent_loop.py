@@ -26,7 +26,7 @@ from tests.unit.step_harness import (
     run_engine,
     served,
 )
-from triton_diffusion.adapters.image_requests import ImageRequest
+from triton_diffusion.adapters.image_params import ImageParams
 from triton_diffusion.adapters.step_adapters import step_adapter_for
 
 FAMILIES = {
@@ -59,11 +59,11 @@ def test_every_image_equals_the_pipelines_own_amid_traffic(family):
     names = schedulers.names
     picks = [names[i % len(names)] for i in range(len(REQUESTS))]  # mixed schedulers where there are
     requests = [
-        ImageRequest(f"prompt {i}", negative, 10 + i, 0, *size, steps, guidance, cfg, picks[i])
+        ImageParams(f"prompt {i}", negative, 10 + i, 0, *size, steps, guidance, cfg, picks[i])
         for i, (negative, steps, guidance, cfg, size, _) in enumerate(REQUESTS)
     ]
     # A neighbour that is cancelled after its second step.
-    victim = ImageRequest("cancel me", None, 99, 0, 64, 64, 6, 7.5, 2.0, names[0])
+    victim = ImageParams("cancel me", None, 99, 0, 64, 64, 6, 7.5, 2.0, names[0])
     host = Host()
     arrivals = [(spec[5], request) for spec, request in zip(REQUESTS, requests, strict=True)]
     jobs = run_engine(adapter, arrivals, host, victim)
@@ -126,7 +126,7 @@ def test_image_conditioned_jobs_equal_their_pipelines_alone_and_amid_text_only_j
     targets = [
         (
             at,
-            ImageRequest(
+            ImageParams(
                 f"from an image {i}",
                 "blurry" if i % 2 else None,
                 20 + i,
@@ -147,7 +147,7 @@ def test_image_conditioned_jobs_equal_their_pipelines_alone_and_amid_text_only_j
     # A text-only twin of the first target (same prompt and seed): the source must change the image.
     twin = replace(targets[0][1], image=None, strength=None, steps=3)
     neighbours = [
-        (at, ImageRequest(f"text only {i}", "dark", 30 + i, 0, 64, 64, steps, guidance, cfg, names[0]))
+        (at, ImageParams(f"text only {i}", "dark", 30 + i, 0, 64, 64, steps, guidance, cfg, names[0]))
         for i, (steps, guidance, cfg, at) in enumerate(NEIGHBOURS)
     ] + [(0, twin)]
     together = run_engine(adapter, targets + neighbours)
@@ -195,7 +195,7 @@ def test_an_inpainting_checkpoint_serves_inpainting_jobs_each_equal_to_its_pipel
     names, source, mask = schedulers.names, source_image(), mask_image()
     negatives = facts.accepts("negative_prompt")  # FluxFillPipeline takes none
     requests = [
-        ImageRequest(
+        ImageParams(
             f"repaint {i}",
             "blurry" if i and negatives else None,
             50 + i,

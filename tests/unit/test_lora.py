@@ -15,7 +15,7 @@ from diffusers import DiffusionPipeline
 
 from tests.unit.step_harness import call_arguments, run_engine, served
 from triton_diffusion.adapters.diffusers_pipeline import SchedulerChoices
-from triton_diffusion.adapters.image_requests import ImageRequest
+from triton_diffusion.adapters.image_params import ImageParams
 from triton_diffusion.adapters.lora import (
     LoraLimits,
     load_loras,
@@ -133,7 +133,7 @@ def lora_family(request):
     return served_pipe, bank, reference_pipe
 
 
-def reference(pipe, facts, request: ImageRequest):
+def reference(pipe, facts, request: ImageParams):
     if request.lora:
         pipe.enable_lora()
         pipe.set_adapters([n for n, _ in request.lora], adapter_weights=[s for _, s in request.lora])
@@ -152,7 +152,7 @@ def test_rows_with_different_adapters_share_forwards_and_each_equals_diffusers_s
     adapter = step_adapter_for(pipe, facts, schedulers, None)
     adapter.loras = bank
     requests = [
-        ImageRequest(
+        ImageParams(
             "a red house" if i < 3 else f"prompt {i}",
             None,
             7 if i < 3 else 20 + i,

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from triton_diffusion.adapters.image_requests import LatentJob
+from triton_diffusion.adapters.image_params import LatentJob
 from triton_diffusion.adapters.latent_loop import LatentStepAdapter
 from triton_diffusion.adapters.schedulers import (
     batched_step,

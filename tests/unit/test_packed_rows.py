@@ -30,7 +30,7 @@ from tests.unit.test_lora import reference as lora_reference
 from tests.unit.test_preemption import run_with_a_late_priority_request
 from tests.unit.test_step_caches import ComputedRows
 from triton_diffusion.adapters.dit import DiTAdapter
-from triton_diffusion.adapters.image_requests import ImageRequest
+from triton_diffusion.adapters.image_params import ImageParams
 from triton_diffusion.adapters.latent_loop import LatentStepAdapter
 from triton_diffusion.adapters.lora import load_loras
 from triton_diffusion.adapters.packed_rows import Canvas, canvas_for
@@ -141,7 +141,7 @@ def source_image(size: tuple[int, int]) -> Image.Image:
     return Image.fromarray(pixels.astype(np.uint8))
 
 
-def mixed_requests(family) -> list[tuple[int, ImageRequest]]:
+def mixed_requests(family) -> list[tuple[int, ImageParams]]:
     """Three sizes, each with its own steps, guidance and CFG, an img2img row at the middle size and a
     late joiner: (arrives at engine step, request)."""
     _, facts, schedulers = family
@@ -149,8 +149,8 @@ def mixed_requests(family) -> list[tuple[int, ImageRequest]]:
 
     def request(
         i: int, size: tuple[int, int], steps: int, negative: str | None = None, **more
-    ) -> ImageRequest:
-        return ImageRequest(f"mixed {i}", negative, 40 + i, 0, *size, steps, 5.0, 2.0, default, **more)
+    ) -> ImageParams:
+        return ImageParams(f"mixed {i}", negative, 40 + i, 0, *size, steps, 5.0, 2.0, default, **more)
 
     return [
         (0, request(0, SIZES[0], 4)),
@@ -180,7 +180,7 @@ def test_images_of_three_sizes_share_forwards_and_each_equals_its_pipeline_alone
     arrivals = mixed_requests(family)
     host = Host()
     # A neighbour of the middle size cancelled after its second step, and previews of the first job.
-    victim = ImageRequest("cancel me", None, 99, 0, *SIZES[1], 6, 5.0, 2.0, schedulers.default)
+    victim = ImageParams("cancel me", None, 99, 0, *SIZES[1], 6, 5.0, 2.0, schedulers.default)
     with ModelCalls(adapter.model) as packed:
         jobs = run_engine(adapter, arrivals, host, victim, first_preview_every=1)
     factor = adapter.pipe.vae_scale_factor
@@ -273,8 +273,8 @@ def test_a_job_paused_in_a_packed_forward_resumes_and_equals_its_pipeline():
     adapter = adapter_of(family)
     _, _, schedulers = family
 
-    def request(i: int, size: tuple[int, int], steps: int) -> ImageRequest:
-        return ImageRequest(f"a tower {i}", None, 70 + i, 0, *size, steps, 3.5, 1.0, schedulers.default)
+    def request(i: int, size: tuple[int, int], steps: int) -> ImageParams:
+        return ImageParams(f"a tower {i}", None, 70 + i, 0, *size, steps, 3.5, 1.0, schedulers.default)
 
     background = [request(0, SIZES[0], 6), request(1, SIZES[2], 5)]
     jobs, _ = run_with_a_late_priority_request(adapter, background, request(2, SIZES[1], 3))
@@ -297,7 +297,7 @@ def test_rows_of_other_sizes_and_adapters_share_a_forward_each_equal_to_diffuser
         reference_pipe.load_lora_weights(str(WEIGHTS / folder), adapter_name=name)
     adapters = [(), (("ink", 1.0),), (("ink", 0.5), ("neon", 1.3))]
     requests = [
-        ImageRequest("a red house", None, 7, 0, *size, 3, 4.0, None, schedulers.default, lora=lora)
+        ImageParams("a red house", None, 7, 0, *size, 3, 4.0, None, schedulers.default, lora=lora)
         for size, lora in zip(SIZES, adapters, strict=True)
     ]
     with ModelCalls(adapter.model) as calls:

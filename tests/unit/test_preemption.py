@@ -20,7 +20,7 @@ from tests.unit.step_harness import (
     served,
 )
 from tests.unit.test_step_caches import Family, check
-from triton_diffusion.adapters.image_requests import ImageRequest
+from triton_diffusion.adapters.image_params import ImageParams
 from triton_diffusion.adapters.step_adapters import step_adapter_for
 from triton_diffusion.engine.jobs import Job
 from triton_diffusion.engine.ordering import Service
@@ -34,7 +34,7 @@ from triton_diffusion.tiny_models import build_missing
 PRIORITY, DEFAULT, FLEX = 0, 1, 2
 
 
-def run_with_a_late_priority_request(adapter, background: list[ImageRequest], urgent: ImageRequest):
+def run_with_a_late_priority_request(adapter, background: list[ImageParams], urgent: ImageParams):
     """Two running slots; the background jobs start at once, the urgent one arrives after their second
     step and pauses the lowest of them. Returns the jobs (background first) and the host."""
     engine = StepEngine(adapter, EngineLimits(2, 2, max_paused=2), service=Service())
@@ -60,8 +60,8 @@ def test_a_paused_sd_job_with_a_multistep_solver_equals_its_pipeline():
     pipe, facts, schedulers = family
     adapter = step_adapter_for(pipe, facts, schedulers, None)
 
-    def request(i: int, steps: int, scheduler: str) -> ImageRequest:
-        return ImageRequest(f"a house {i}", None, 40 + i, 0, 64, 64, steps, 6.0, None, scheduler)
+    def request(i: int, steps: int, scheduler: str) -> ImageParams:
+        return ImageParams(f"a house {i}", None, 40 + i, 0, 64, 64, steps, 6.0, None, scheduler)
 
     background = [request(0, 8, "DPMSolverMultistepScheduler"), request(1, 6, schedulers.default)]
     urgent = request(2, 3, schedulers.default)
@@ -88,7 +88,7 @@ def test_a_paused_flux_job_keeps_its_step_cache_and_equals_diffusers(flux):
     assert np.abs(served(alone) - served(jobs[0])).max() <= 1
 
 
-def run_alone(adapter, request: ImageRequest) -> list[Job]:
+def run_alone(adapter, request: ImageParams) -> list[Job]:
     return run_engine(adapter, [(0, replace(request, step_cache=parse_step_cache(request.step_cache.text)))])
 
 
@@ -102,10 +102,8 @@ def test_paused_sd_jobs_keep_their_lora_rows_and_each_equals_diffusers_set_adapt
     adapter = step_adapter_for(pipe, facts, schedulers, None)
     adapter.loras = load_loras(pipe, WEIGHTS, adapters, "tiny-sd")
 
-    def request(steps: int, lora) -> ImageRequest:
-        return ImageRequest(
-            "a red house", None, 7, 0, 64, 64, steps, 4.0, None, schedulers.default, lora=lora
-        )
+    def request(steps: int, lora) -> ImageParams:
+        return ImageParams("a red house", None, 7, 0, 64, 64, steps, 4.0, None, schedulers.default, lora=lora)
 
     # The same prompt and seed: only the adapters tell the rows apart. The flex job (ink) is paused for
     # the priority one (ink and neon, other scales) while the default job (no adapter) runs on.

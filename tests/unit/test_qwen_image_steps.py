@@ -24,7 +24,7 @@ from tests.unit.step_harness import (
     served,
 )
 from tests.unit.test_latent_loop import source_image
-from triton_diffusion.adapters.image_requests import ImageRequest
+from triton_diffusion.adapters.image_params import ImageParams
 from triton_diffusion.adapters.qwen_image import QwenImageAdapter
 from triton_diffusion.adapters.step_adapters import step_adapter_for
 
@@ -58,10 +58,10 @@ def test_every_image_equals_the_pipelines_own_amid_rows_of_other_prompt_lengths(
     assert isinstance(adapter, QwenImageAdapter)
     scheduler = schedulers.names[0]
     requests = [
-        ImageRequest(prompt, negative, 10 + i, 0, *size, steps, None, cfg, scheduler)
+        ImageParams(prompt, negative, 10 + i, 0, *size, steps, None, cfg, scheduler)
         for i, (prompt, negative, steps, cfg, size, _) in enumerate(REQUESTS)
     ]
-    victim = ImageRequest(LONG, "blurry", 99, 0, 64, 64, 6, None, 4.0, scheduler)  # cancelled after 2 steps
+    victim = ImageParams(LONG, "blurry", 99, 0, 64, 64, 6, None, 4.0, scheduler)  # cancelled after 2 steps
     host = Host()
     arrivals = [(spec[5], request) for spec, request in zip(REQUESTS, requests, strict=True)]
     jobs = run_engine(adapter, arrivals, host, victim)
@@ -94,15 +94,13 @@ def test_img2img_jobs_equal_their_pipeline_alone_and_amid_text_only_jobs(family)
     targets = [
         (
             at,
-            ImageRequest(
-                p, n, 30 + i, 0, *size, steps, None, cfg, scheduler, image=source, strength=strength
-            ),
+            ImageParams(p, n, 30 + i, 0, *size, steps, None, cfg, scheduler, image=source, strength=strength),
         )
         for i, (p, n, cfg, strength, steps, at, size) in enumerate(IMAGE_REQUESTS)
     ]
-    text = [(0, ImageRequest(SHORT, "dark", 40, 0, 64, 64, 5, None, 2.0, scheduler))]
-    text.append((2, ImageRequest(LONG, None, 41, 0, 64, 64, 3, None, 1.0, scheduler)))
-    text.append((0, ImageRequest(SHORT, None, 42, 0, 64, 96, 4, None, 1.0, scheduler)))  # the wide one's mate
+    text = [(0, ImageParams(SHORT, "dark", 40, 0, 64, 64, 5, None, 2.0, scheduler))]
+    text.append((2, ImageParams(LONG, None, 41, 0, 64, 64, 3, None, 1.0, scheduler)))
+    text.append((0, ImageParams(SHORT, None, 42, 0, 64, 96, 4, None, 1.0, scheduler)))  # the wide one's mate
     jobs = run_engine(adapter, targets + text)
     for (_, request), job in zip(targets, jobs, strict=False):
         expected = np.asarray(reference(pipe, facts, schedulers, request), dtype=int)

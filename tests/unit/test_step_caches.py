@@ -46,7 +46,7 @@ from tests.unit.recording import RecordingChannel
 from tests.unit.step_harness import load_family, pipeline_for, reference, run_engine, served
 from triton_diffusion.adapters.call_caches import call_cache, names_its_calls
 from triton_diffusion.adapters.diffusers_compat import registered_block_layout
-from triton_diffusion.adapters.image_requests import ImageRequest
+from triton_diffusion.adapters.image_params import ImageParams
 from triton_diffusion.adapters.step_adapters import step_adapter_for
 from triton_diffusion.adapters.step_caches import (
     BLOCK_LISTS,
@@ -99,7 +99,7 @@ def enable_diffusers_cache(transformer: torch.nn.Module, spec: StepCache) -> Cal
     return disable
 
 
-def negative_pooled(pipe: Any, request: ImageRequest) -> torch.Tensor | None:
+def negative_pooled(pipe: Any, request: ImageParams) -> torch.Tensor | None:
     """The pooled embeddings of the request's true-CFG negative prompt (FLUX.1), which its negative
     branch's denoiser calls carry; None without true CFG."""
     if request.negative_prompt is None or (request.true_cfg_scale or 0.0) <= 1.0:
@@ -111,7 +111,7 @@ def negative_pooled(pipe: Any, request: ImageRequest) -> torch.Tensor | None:
 
 
 @contextlib.contextmanager
-def cache_on(pipe: Any, request: ImageRequest) -> Iterator[None]:
+def cache_on(pipe: Any, request: ImageParams) -> Iterator[None]:
     """diffusers' own cache for one call of ``pipe`` (fresh state), each denoiser call under its branch's
     context: the pipeline's own where it names its calls; else, wrapped here, "uncond" for a call with the
     negative prompt's pooled embeddings and "cond" for every other (one call a step where the pipeline
@@ -190,8 +190,8 @@ class Family:
             self.reference_pipe.transformer = copy.deepcopy(self.pipe.transformer)
         self.adapter = step_adapter_for(self.pipe, self.facts, self.schedulers, None)
 
-    def request(self, i: int, cache: str, steps: int = 8, **changes) -> ImageRequest:
-        request = ImageRequest(
+    def request(self, i: int, cache: str, steps: int = 8, **changes) -> ImageParams:
+        request = ImageParams(
             f"a lighthouse at dusk {i}",
             None,
             100 + i,
@@ -206,7 +206,7 @@ class Family:
         )
         return replace(request, **changes)
 
-    def diffusers_image(self, request: ImageRequest) -> tuple[np.ndarray, int]:
+    def diffusers_image(self, request: ImageParams) -> tuple[np.ndarray, int]:
         """The request's own diffusers pipeline call under diffusers' cache: its image and the rows its
         transformer's blocks computed."""
         pipe = pipeline_for(self.reference_pipe, request)
@@ -229,9 +229,9 @@ def run_counted(adapter: Any, arrivals: list, **options: Any) -> tuple[list[Job]
 
 def check(
     family: Family | None,
-    requests: list[ImageRequest],
+    requests: list[ImageParams],
     images: list[np.ndarray],
-    run: Callable[[ImageRequest], tuple[np.ndarray, int]] | None = None,
+    run: Callable[[ImageParams], tuple[np.ndarray, int]] | None = None,
 ) -> tuple[int, int]:
     """Each image equals its request's diffusers image (``run``, by default the family's; within 1 uint8
     level), and each cached request's diffusers image differs from its uncached one by more than
@@ -338,7 +338,7 @@ BRANCH_CASES = [
 
 def image_request(
     flux: Family, source: Image.Image, mask: Image.Image, start: str, cfg: bool, cache: str, i: int = 0
-) -> ImageRequest:
+) -> ImageParams:
     changes: dict[str, Any] = {"image": source, "strength": 0.9}
     if start == "mask":
         changes["mask_image"] = mask
@@ -366,7 +366,7 @@ def request_level(flux) -> ImageToImageModel:
     return model
 
 
-def raw_request(request: ImageRequest) -> dict[str, Any]:
+def raw_request(request: ImageParams) -> dict[str, Any]:
     """What a client sends image_to_image for this img2img request."""
     png = io.BytesIO()
     request.image.save(png, format="PNG")
@@ -386,7 +386,7 @@ def raw_request(request: ImageRequest) -> dict[str, Any]:
 
 
 def request_level_run(
-    model: ImageToImageModel, requests: list[ImageRequest]
+    model: ImageToImageModel, requests: list[ImageParams]
 ) -> tuple[list[np.ndarray], list[Job], int]:
     """The requests through one step of a request-level engine, keyed as the server keys them: their
     images, jobs and the rows the transformer's blocks computed."""
@@ -404,7 +404,7 @@ def request_level_run(
     return [np.asarray(outputs[id(job)], dtype=int) for job in jobs], jobs, rows.rows
 
 
-def call_cache_run(model: ImageToImageModel, flux: Family, request: ImageRequest) -> tuple[np.ndarray, int]:
+def call_cache_run(model: ImageToImageModel, flux: Family, request: ImageParams) -> tuple[np.ndarray, int]:
     """The request's own diffusers pipeline over the request-level model's modules, under ``call_cache``
     (what run_call wraps its call in): its image and the rows computed."""
     pipe = pipeline_for(model.pipe, request)
@@ -741,7 +741,7 @@ def test_first_block_cache_on_pixart_and_wan_equals_diffusers(name, steps):
     assert rows == expected_rows < uncached_rows, (rows, expected_rows, uncached_rows)
 
 
-def wan_frames(family: Family, request: ImageRequest) -> tuple[np.ndarray, int]:
+def wan_frames(family: Family, request: ImageParams) -> tuple[np.ndarray, int]:
     from triton_diffusion.adapters.diffusers_pipeline import row_generator
     from triton_diffusion.codecs.video import to_uint8
 
@@ -820,8 +820,8 @@ def test_lora_rows_keep_their_adapters_on_the_rows_that_run_gathered(caplog):
     adapter = step_adapter_for(served_pipe, facts, schedulers, None)
     adapter.loras = bank
 
-    def request(i: int, cache: str, lora: tuple) -> ImageRequest:
-        return ImageRequest(
+    def request(i: int, cache: str, lora: tuple) -> ImageParams:
+        return ImageParams(
             "a red house", None, 7 + i, 0, 64, 64, 8, 3.5, 1.0, schedulers.default,
             lora=lora, step_cache=parse_step_cache(cache),
         )  # fmt: skip
@@ -839,7 +839,7 @@ def test_lora_rows_keep_their_adapters_on_the_rows_that_run_gathered(caplog):
     assert not [r for r in caplog.records if "forward of" in r.getMessage()]
     assert all(jobs[i].stats.rows_reused > 0 for i in (0, 2, 3, 4)), [j.stats.rows_reused for j in jobs]
 
-    def diffusers_image(req: ImageRequest) -> tuple[np.ndarray, int]:
+    def diffusers_image(req: ImageParams) -> tuple[np.ndarray, int]:
         with cache_on(reference_pipe, req), ComputedRows(reference_pipe.transformer) as computed:
             image = lora_reference(reference_pipe, facts, req)
         return image, computed.rows

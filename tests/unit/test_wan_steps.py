@@ -23,7 +23,7 @@ import torch
 from diffusers import UniPCMultistepScheduler
 
 from tests.unit.step_harness import Host, call_arguments, load_family, run_engine
-from triton_diffusion.adapters.image_requests import ImageRequest
+from triton_diffusion.adapters.image_params import ImageParams
 from triton_diffusion.adapters.step_adapters import step_adapter_for
 from triton_diffusion.adapters.wan import WanAdapter
 from triton_diffusion.codecs.video import to_uint8
@@ -74,9 +74,9 @@ def wan(request):
     return load_family("tiny-wan", choices, make_scheduler)
 
 
-def video_request(i: int, negative, steps, guidance, frames, size, scheduler: str) -> ImageRequest:
+def video_request(i: int, negative, steps, guidance, frames, size, scheduler: str) -> ImageParams:
     height, width = size
-    return ImageRequest(
+    return ImageParams(
         f"video prompt {i}",
         negative,
         40 + i,
@@ -91,7 +91,7 @@ def video_request(i: int, negative, steps, guidance, frames, size, scheduler: st
     )
 
 
-def reference(pipe, schedulers, request: ImageRequest) -> tuple[np.ndarray, torch.Tensor]:
+def reference(pipe, schedulers, request: ImageParams) -> tuple[np.ndarray, torch.Tensor]:
     """The pipeline's own video for the request: its uint8 frames and its final latents."""
     pipe.scheduler = schedulers[request.scheduler]
     seen: dict[str, torch.Tensor] = {}

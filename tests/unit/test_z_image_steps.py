@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from tests.unit.step_harness import Host, assert_each_image_equals_the_pipelines_own, load_family, run_engine
-from triton_diffusion.adapters.image_requests import ImageRequest
+from triton_diffusion.adapters.image_params import ImageParams
 from triton_diffusion.adapters.step_adapters import step_adapter_for
 from triton_diffusion.adapters.z_image import ZImageAdapter
 
@@ -45,10 +45,10 @@ def test_every_image_equals_the_pipelines_own_amid_rows_of_other_prompt_lengths(
     assert isinstance(adapter, ZImageAdapter)
     scheduler = schedulers.names[0]
     requests = [
-        ImageRequest(prompt, negative, 10 + i, 0, *size, steps, guidance, None, scheduler)
+        ImageParams(prompt, negative, 10 + i, 0, *size, steps, guidance, None, scheduler)
         for i, (prompt, negative, steps, guidance, size, _) in enumerate(REQUESTS)
     ]
-    victim = ImageRequest(LONG, "blurry", 99, 0, 64, 64, 6, 5.0, None, scheduler)  # cancelled after 2 steps
+    victim = ImageParams(LONG, "blurry", 99, 0, 64, 64, 6, 5.0, None, scheduler)  # cancelled after 2 steps
     host = Host()
     arrivals = [(spec[5], request) for spec, request in zip(REQUESTS, requests, strict=True)]
     jobs = run_engine(adapter, arrivals, host, victim)

@@ -34,7 +34,7 @@ import torch
 from diffusers.utils.torch_utils import randn_tensor
 from PIL import Image
 
-from triton_diffusion.adapters.image_requests import Conditioning, ImageRequest, row_conditioning
+from triton_diffusion.adapters.image_params import Conditioning, ImageParams, row_conditioning
 from triton_diffusion.adapters.latent_loop import LatentStepAdapter
 from triton_diffusion.engine.jobs import Job, JobStart
 
@@ -127,21 +127,21 @@ class DiTAdapter(LatentStepAdapter):
         # scheduler step wait for the GPU. The values are the same on either device.
         return "cpu"
 
-    def render_size(self, request: ImageRequest) -> tuple[int, int]:
+    def render_size(self, request: ImageParams) -> tuple[int, int]:
         """The size the pipeline renders the request at: its aspect-ratio bin, or its own size."""
         if self.bins is None:
             return request.size
         processor = self.pipe.image_processor
         return processor.classify_height_width_bin(request.height, request.width, ratios=self.bins)
 
-    def start_requests(self, requests: list[ImageRequest]) -> list[JobStart]:
+    def start_requests(self, requests: list[ImageParams]) -> list[JobStart]:
         # The shared loop starts each job at its render size (its latents, its shape group); the job's
         # params keep the size it asked for, to which finish resizes its image back (step hands predict
         # that size, which these transformers do not read: the latents carry their shape).
         rendered = [replace(r, height=self.render_size(r)[0], width=self.render_size(r)[1]) for r in requests]
         return super().start_requests(rendered)
 
-    def encode(self, requests: Sequence[ImageRequest]) -> list[Conditioning]:
+    def encode(self, requests: Sequence[ImageParams]) -> list[Conditioning]:
         cfg = any(self.uses_guidance(r) for r in requests)
         embeds, mask, negative_embeds, negative_mask = self.pipe.encode_prompt(
             [r.prompt for r in requests],
@@ -157,7 +157,7 @@ class DiTAdapter(LatentStepAdapter):
         return row_conditioning(len(requests), conditional, unconditional if cfg else None)
 
     def initial_latents(
-        self, requests: Sequence[ImageRequest], schedulers: Sequence[Any], generators: list[torch.Generator]
+        self, requests: Sequence[ImageParams], schedulers: Sequence[Any], generators: list[torch.Generator]
     ) -> torch.Tensor:
         height, width = requests[0].size  # the render size (prepare)
         factor = self.pipe.vae_scale_factor
@@ -168,10 +168,10 @@ class DiTAdapter(LatentStepAdapter):
         # PixArt's prepare_latents scales by the pipeline scheduler's init_noise_sigma: each row by its own.
         return torch.cat([noise[i : i + 1] * s.init_noise_sigma for i, s in enumerate(schedulers)])
 
-    def set_timesteps(self, scheduler: Any, request: ImageRequest) -> torch.Tensor:
+    def set_timesteps(self, scheduler: Any, request: ImageParams) -> torch.Tensor:
         return self.retrieve_timesteps(scheduler, request.steps)
 
-    def extra_inputs(self, request: ImageRequest) -> dict[str, torch.Tensor]:
+    def extra_inputs(self, request: ImageParams) -> dict[str, torch.Tensor]:
         if not self.micro_conditions:
             return {}
         # PixArtAlphaPipeline: the rendered (binned) size, in the text's dtype, for both CFG rows.

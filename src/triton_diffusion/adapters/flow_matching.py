@@ -26,7 +26,7 @@ import torch
 from PIL import Image
 
 from triton_diffusion.adapters import diffusers_compat as compat
-from triton_diffusion.adapters.image_requests import Conditioning, ImageRequest, row_conditioning
+from triton_diffusion.adapters.image_params import Conditioning, ImageParams, row_conditioning
 from triton_diffusion.adapters.latent_loop import LatentStepAdapter
 from triton_diffusion.adapters.packed_rows import MaskedJointAttnProcessor
 from triton_diffusion.adapters.starts import LatentStarts
@@ -102,11 +102,11 @@ class FluxAdapter(FlowMatchingImageStart, LatentStepAdapter):
             return start == "mask"
         return super().supports(start)
 
-    def encodes_source(self, request: ImageRequest) -> bool:
+    def encodes_source(self, request: ImageParams) -> bool:
         return True  # FluxFillPipeline's prepare_latents encodes the source at every strength
 
     def inpaint_channels(
-        self, request: ImageRequest, generator: torch.Generator, pixels: torch.Tensor
+        self, request: ImageParams, generator: torch.Generator, pixels: torch.Tensor
     ) -> torch.Tensor:
         # FluxFillPipeline: the source outside the mask, encoded with the row's generator after its noise,
         # and the mask, each packed by the pipeline's own prepare_mask_latents; the masked latents first.
@@ -132,10 +132,10 @@ class FluxAdapter(FlowMatchingImageStart, LatentStepAdapter):
         # FluxInpaintPipeline.prepare_mask_latents: the mask repeated over the channels, then packed.
         return self.pack(mask.repeat(1, self.model.config.in_channels // 4, 1, 1), size)
 
-    def uses_guidance(self, request: ImageRequest) -> bool:
+    def uses_guidance(self, request: ImageParams) -> bool:
         return (request.true_cfg_scale or 0.0) > 1.0 and request.negative_prompt is not None
 
-    def guidance_scale(self, request: ImageRequest) -> float:
+    def guidance_scale(self, request: ImageParams) -> float:
         return float(request.true_cfg_scale or 0.0)
 
     def _encode(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,7 +148,7 @@ class FluxAdapter(FlowMatchingImageStart, LatentStepAdapter):
         )
         return embeds, pooled
 
-    def encode(self, requests: Sequence[ImageRequest]) -> list[Conditioning]:
+    def encode(self, requests: Sequence[ImageParams]) -> list[Conditioning]:
         embeds, pooled = self._encode([r.prompt for r in requests])
         guided = [i for i, r in enumerate(requests) if self.uses_guidance(r)]
         negatives: dict[int, dict[str, torch.Tensor]] = {}
@@ -169,7 +169,7 @@ class FluxAdapter(FlowMatchingImageStart, LatentStepAdapter):
         ]
 
     def initial_latents(
-        self, requests: Sequence[ImageRequest], schedulers: Sequence[Any], generators: list[torch.Generator]
+        self, requests: Sequence[ImageParams], schedulers: Sequence[Any], generators: list[torch.Generator]
     ) -> torch.Tensor:
         height, width = requests[0].size
         channels = self.model.config.in_channels // 4
@@ -178,7 +178,7 @@ class FluxAdapter(FlowMatchingImageStart, LatentStepAdapter):
         )
         return latents
 
-    def set_timesteps(self, scheduler: Any, request: ImageRequest) -> torch.Tensor:
+    def set_timesteps(self, scheduler: Any, request: ImageParams) -> torch.Tensor:
         steps = request.steps
         sigmas = None if scheduler.config.get("use_flow_sigmas") else np.linspace(1.0, 1 / steps, steps)
         factor = self.pipe.vae_scale_factor
@@ -287,7 +287,7 @@ class StableDiffusion3Adapter(FlowMatchingImageStart, LatentStepAdapter):
             return start == "mask"
         return super().supports(start)
 
-    def encode(self, requests: Sequence[ImageRequest]) -> list[Conditioning]:
+    def encode(self, requests: Sequence[ImageParams]) -> list[Conditioning]:
         cfg = any(self.uses_guidance(r) for r in requests)
         embeds, negative_embeds, pooled, negative_pooled = self.pipe.encode_prompt(
             prompt=[r.prompt for r in requests],
@@ -304,14 +304,14 @@ class StableDiffusion3Adapter(FlowMatchingImageStart, LatentStepAdapter):
         return row_conditioning(len(requests), conditional, unconditional if cfg else None)
 
     def initial_latents(
-        self, requests: Sequence[ImageRequest], schedulers: Sequence[Any], generators: list[torch.Generator]
+        self, requests: Sequence[ImageParams], schedulers: Sequence[Any], generators: list[torch.Generator]
     ) -> torch.Tensor:
         height, width = requests[0].size
         channels = self.model.config.in_channels
         count = len(requests)
         return self.pipe.prepare_latents(count, channels, height, width, self.dtype, self.device, generators)
 
-    def set_timesteps(self, scheduler: Any, request: ImageRequest) -> torch.Tensor:
+    def set_timesteps(self, scheduler: Any, request: ImageParams) -> torch.Tensor:
         image_seq_len = None  # no shift unless the scheduler shifts dynamically
         if scheduler.config.get("use_dynamic_shifting", None):
             factor, patch = self.pipe.vae_scale_factor, self.model.config.patch_size

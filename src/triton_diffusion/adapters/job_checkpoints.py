@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from triton_diffusion.adapters import diffusers_compat as compat
-from triton_diffusion.adapters.image_requests import LatentJob
+from triton_diffusion.adapters.image_params import LatentJob
 
 FORMAT = 3  # the meta's layout: a checkpoint of another format does not fit
 SCALARS = (bool, int, float, str, type(None))

@@ -35,7 +35,7 @@ from triton_diffusion.adapters import diffusers_compat as compat
 from triton_diffusion.adapters.captured_forwards import Capture, CapturedForwards, capture_adapter_forwards
 from triton_diffusion.adapters.devices import take_rows, to_device
 from triton_diffusion.adapters.diffusers_pipeline import counterpart_pipeline
-from triton_diffusion.adapters.image_requests import Conditioning, ImageRequest, LatentJob, as_run
+from triton_diffusion.adapters.image_params import Conditioning, ImageParams, LatentJob, as_run
 from triton_diffusion.adapters.lora import LoraBank, LoraSet
 from triton_diffusion.adapters.packed_rows import ANY_SIZE, SizedRows
 from triton_diffusion.adapters.schedulers import can_batch, guide, scale_model_inputs, vectorised_step
@@ -124,15 +124,15 @@ class LatentStepAdapter(SizedRows, LatentStarts):
         """[n, C, h, w] latents into the loop's layout (Flux packs 2x2 patches)."""
         return latents
 
-    def uses_guidance(self, request: ImageRequest) -> bool:
+    def uses_guidance(self, request: ImageParams) -> bool:
         """Whether the job adds an unconditional row: classic CFG, as the pipelines' ``guidance_scale > 1``
         (true-CFG families and Z-Image override it)."""
         return self.guidance_scale(request) > 1.0
 
-    def guidance_scale(self, request: ImageRequest) -> float:
+    def guidance_scale(self, request: ImageParams) -> float:
         return float(request.guidance_scale or 0.0)
 
-    def encode(self, requests: Sequence[ImageRequest]) -> list[Conditioning]:
+    def encode(self, requests: Sequence[ImageParams]) -> list[Conditioning]:
         """Text conditioning for every request, in one text-encoder call where the pipeline allows.
 
         By default for pipelines that encode a negative prompt exactly as a prompt (a missing one as ""):
@@ -148,7 +148,7 @@ class LatentStepAdapter(SizedRows, LatentStarts):
         raise NotImplementedError
 
     def initial_latents(
-        self, requests: Sequence[ImageRequest], schedulers: Sequence[Any], generators: list[torch.Generator]
+        self, requests: Sequence[ImageParams], schedulers: Sequence[Any], generators: list[torch.Generator]
     ) -> torch.Tensor:
         """[n, ...] starting latents of requests of one size, each row from its own generator."""
         raise NotImplementedError
@@ -159,7 +159,7 @@ class LatentStepAdapter(SizedRows, LatentStarts):
         pipeline, unless the family's schedulers would then wait for the GPU on every job's step."""
         return self.device
 
-    def set_timesteps(self, scheduler: Any, request: ImageRequest) -> torch.Tensor:
+    def set_timesteps(self, scheduler: Any, request: ImageParams) -> torch.Tensor:
         raise NotImplementedError
 
     def retrieve_timesteps(
@@ -214,7 +214,7 @@ class LatentStepAdapter(SizedRows, LatentStarts):
         """The model over every row of one forward (all of one size)."""
         raise NotImplementedError
 
-    def extra_inputs(self, request: ImageRequest) -> dict[str, torch.Tensor]:
+    def extra_inputs(self, request: ImageParams) -> dict[str, torch.Tensor]:
         """Per-row model inputs besides the text (the guidance value of a guidance-distilled transformer);
         shared by both CFG rows."""
         if not self.guidance_embeds:
@@ -237,7 +237,7 @@ class LatentStepAdapter(SizedRows, LatentStarts):
             return contextlib.nullcontext()
         return self.loras.rows(adapters, self.to_device)
 
-    def new_cache_state(self, request: ImageRequest, guided: bool) -> CacheState | None:
+    def new_cache_state(self, request: ImageParams, guided: bool) -> CacheState | None:
         """A new job's step-cache state (step_caches.py), or None without a cache."""
         if not request.step_cache or self.row_caches is None:
             return None
@@ -325,7 +325,7 @@ class LatentStepAdapter(SizedRows, LatentStarts):
         return None
 
     def capture_forwards(
-        self, warm: Sequence[tuple[ImageRequest, int]], capture: Capture | None = None
+        self, warm: Sequence[tuple[ImageParams, int]], capture: Capture | None = None
     ) -> int:
         """Run forwards through CUDA graphs (config ``cuda_graphs``), captured now for the shape of each
         ``warm`` request at every row bucket up to its model rows (captured_forwards.py). Returns the

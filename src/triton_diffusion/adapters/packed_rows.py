@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from diffusers.models.attention_processor import JointAttnProcessor2_0
 
-from triton_diffusion.adapters.image_requests import ImageRequest
+from triton_diffusion.adapters.image_params import ImageParams
 from triton_diffusion.engine.jobs import Job
 
 # The group of a job that shares forwards with jobs of every size (a family that packs sizes); such a job
@@ -222,7 +222,7 @@ class SizedRows:
 
         @property
         def model(self) -> Any: ...
-        def uses_guidance(self, request: ImageRequest) -> bool: ...
+        def uses_guidance(self, request: ImageParams) -> bool: ...
         def predict(
             self,
             latents: torch.Tensor,
@@ -243,11 +243,11 @@ class SizedRows:
         factor = (getattr(self.pipe, "vae_scale_factor", None) or 8) * self.token_patch
         return size[0] // factor, size[1] // factor
 
-    def latent_frames(self, request: ImageRequest) -> int:
+    def latent_frames(self, request: ImageParams) -> int:
         """Latent frames of a job (a video family's temporal compression; an image: 1)."""
         return 1
 
-    def tokens_of(self, request: ImageRequest) -> int:
+    def tokens_of(self, request: ImageParams) -> int:
         """The denoiser tokens a job adds to a forward (what a forward's cost and the token budget count):
         its rows (2 with classifier-free guidance) x its latent tokens, frames included."""
         height, width = self.token_grid(request.size)
@@ -259,14 +259,14 @@ class SizedRows:
         the engine's token budget and cost fit count this (engine/step_engine.py SizesForwards)."""
         return padded_size([self.grid_of(job.spec.params) for job in jobs], [job.spec.tokens for job in jobs])
 
-    def grid_of(self, request: ImageRequest) -> Grid | None:
+    def grid_of(self, request: ImageParams) -> Grid | None:
         """An image job's denoiser rows and token grid, what a packed forward pads it to (a video: None,
         its frames are never packed)."""
         if request.num_frames is not None:
             return None
         return (2 if self.uses_guidance(request) else 1, *self.token_grid(request.size))
 
-    def group_of(self, request: ImageRequest) -> Hashable:
+    def group_of(self, request: ImageParams) -> Hashable:
         """Whom a started job shares forwards with: jobs of every size where the family packs sizes, else
         of its latent shape. A job with a step cache keeps to its shape: its cache's hooks run later blocks
         on the rows that compute, gathered, which a packed forward's shared key mask does not follow."""
@@ -274,7 +274,7 @@ class SizedRows:
             return ANY_SIZE
         return request.shape
 
-    def also_joins(self, request: ImageRequest) -> Hashable:
+    def also_joins(self, request: ImageParams) -> Hashable:
         """The other group whose forwards a started job may step in: a job of every size's group also
         joins its own size's (where jobs with a step cache keep to it); None: only its own group."""
         return request.shape if self.group_of(request) == ANY_SIZE else None

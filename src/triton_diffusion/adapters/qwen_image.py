@@ -31,7 +31,7 @@ from PIL import Image
 
 from triton_diffusion.adapters import diffusers_compat as compat
 from triton_diffusion.adapters.flow_matching import FlowMatchingImageStart
-from triton_diffusion.adapters.image_requests import ImageRequest, LatentJob
+from triton_diffusion.adapters.image_params import ImageParams, LatentJob
 from triton_diffusion.adapters.latent_loop import LatentStepAdapter
 from triton_diffusion.adapters.vae import denormalized_latents, normalized_latents, sample_latents
 
@@ -65,10 +65,10 @@ class QwenImageAdapter(FlowMatchingImageStart, LatentStepAdapter):
         count, _, channels, height, width = latents.shape  # [n, 1, C, h, w]
         return compat.pack_latents(self.pipe, latents, count, channels, height, width)
 
-    def uses_guidance(self, request: ImageRequest) -> bool:
+    def uses_guidance(self, request: ImageParams) -> bool:
         return (request.true_cfg_scale or 0.0) > 1.0 and request.negative_prompt is not None
 
-    def guidance_scale(self, request: ImageRequest) -> float:
+    def guidance_scale(self, request: ImageParams) -> float:
         return float(request.true_cfg_scale or 0.0)
 
     def encode_texts(self, texts: list[str]) -> list[dict[str, torch.Tensor]]:
@@ -95,7 +95,7 @@ class QwenImageAdapter(FlowMatchingImageStart, LatentStepAdapter):
         ]
 
     def initial_latents(
-        self, requests: Sequence[ImageRequest], schedulers: Sequence[Any], generators: list[torch.Generator]
+        self, requests: Sequence[ImageParams], schedulers: Sequence[Any], generators: list[torch.Generator]
     ) -> torch.Tensor:
         height, width = requests[0].size
         channels = self.model.config.in_channels // 4
@@ -108,7 +108,7 @@ class QwenImageAdapter(FlowMatchingImageStart, LatentStepAdapter):
         factor = self.pipe.vae_scale_factor * 2
         return size[0] // factor, size[1] // factor
 
-    def set_timesteps(self, scheduler: Any, request: ImageRequest) -> torch.Tensor:
+    def set_timesteps(self, scheduler: Any, request: ImageParams) -> torch.Tensor:
         steps = request.steps
         sigmas = np.linspace(1.0, 1 / steps, steps)
         rows, columns = self._tokens(request.size)

@@ -27,7 +27,7 @@ from diffusers.utils.torch_utils import randn_tensor
 from PIL import Image
 
 from triton_diffusion.adapters import diffusers_compat as compat
-from triton_diffusion.adapters.image_requests import Conditioning, ImageRequest, row_conditioning
+from triton_diffusion.adapters.image_params import Conditioning, ImageParams, row_conditioning
 from triton_diffusion.adapters.latent_loop import LatentStepAdapter
 from triton_diffusion.adapters.vae import sample_latents
 
@@ -98,7 +98,7 @@ class StableDiffusionAdapter(LatentStepAdapter):
         # Euler, DPM-Solver and Heun keep their sigmas on the CPU anyway.
         return "cpu"
 
-    def encode(self, requests: Sequence[ImageRequest]) -> list[Conditioning]:
+    def encode(self, requests: Sequence[ImageParams]) -> list[Conditioning]:
         prompts = [r.prompt for r in requests]
         cfg = any(self.uses_guidance(r) for r in requests)
         negatives = [r.negative_prompt or "" for r in requests] if cfg else None
@@ -135,7 +135,7 @@ class StableDiffusionAdapter(LatentStepAdapter):
             out.append(Conditioning(conditional, unconditional))
         return out
 
-    def _time_ids(self, request: ImageRequest, dtype: torch.dtype, projection: int) -> tuple[Any, Any]:
+    def _time_ids(self, request: ImageParams, dtype: torch.dtype, projection: int) -> tuple[Any, Any]:
         """SDXL's size conditioning for the row and its unconditional row, as its pipeline makes it: the
         text-to-image one (the same for both rows), or the img2img/inpaint one (with aesthetic scores
         where ``requires_aesthetics_score`` is set, another one for the unconditional row)."""
@@ -154,7 +154,7 @@ class StableDiffusionAdapter(LatentStepAdapter):
         return time_ids.to(self.device), negative_time_ids.to(self.device)
 
     def initial_latents(
-        self, requests: Sequence[ImageRequest], schedulers: Sequence[Any], generators: list[torch.Generator]
+        self, requests: Sequence[ImageParams], schedulers: Sequence[Any], generators: list[torch.Generator]
     ) -> torch.Tensor:
         # prepare_latents draws the noise, then scales it by the pipeline scheduler's init_noise_sigma:
         # here each row by its own scheduler's.
@@ -164,7 +164,7 @@ class StableDiffusionAdapter(LatentStepAdapter):
         noise = randn_tensor(shape, generator=generators, device=self.device, dtype=self.dtype)
         return torch.cat([noise[i : i + 1] * s.init_noise_sigma for i, s in enumerate(schedulers)])
 
-    def set_timesteps(self, scheduler: Any, request: ImageRequest) -> torch.Tensor:
+    def set_timesteps(self, scheduler: Any, request: ImageParams) -> torch.Tensor:
         return self.retrieve_timesteps(scheduler, request.steps)
 
     def predict(

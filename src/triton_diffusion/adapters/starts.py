@@ -6,7 +6,7 @@ remaining timestep); or from a source image and a mask (inpainting with an ordin
 ``StableDiffusionInpaintPipeline`` and the SDXL, SD3 and FLUX.1 inpaint pipelines: after every step the
 latents outside the mask are replaced by the source noised to the next timestep; with an inpainting
 checkpoint the mask and the masked source's latents are model inputs instead). The start is data in the
-job's params (``ImageRequest.start``), not another engine: from then on every job is the same.
+job's params (``ImageParams.start``), not another engine: from then on every job is the same.
 
 :meth:`LatentStarts.prepare` reads as a diffusers ``__call__`` does: encode the prompts, set each job's
 timesteps, make its starting latents, and return each job's start. A job whose request was resent after
@@ -28,9 +28,9 @@ import torch
 from diffusers.utils.torch_utils import randn_tensor
 
 from triton_diffusion.adapters.diffusers_pipeline import row_generator
-from triton_diffusion.adapters.image_requests import (
+from triton_diffusion.adapters.image_params import (
     Conditioning,
-    ImageRequest,
+    ImageParams,
     InpaintSource,
     LatentJob,
     as_run,
@@ -75,21 +75,21 @@ class LatentStarts:
 
         @property
         def model(self) -> Any: ...
-        def encode(self, requests: Sequence[ImageRequest]) -> list[Conditioning]: ...
+        def encode(self, requests: Sequence[ImageParams]) -> list[Conditioning]: ...
         def initial_latents(
             self,
-            requests: Sequence[ImageRequest],
+            requests: Sequence[ImageParams],
             schedulers: Sequence[Any],
             generators: list[torch.Generator],
         ) -> torch.Tensor: ...
-        def set_timesteps(self, scheduler: Any, request: ImageRequest) -> torch.Tensor: ...
+        def set_timesteps(self, scheduler: Any, request: ImageParams) -> torch.Tensor: ...
         def pack(self, latents: torch.Tensor, size: tuple[int, int]) -> torch.Tensor: ...
-        def uses_guidance(self, request: ImageRequest) -> bool: ...
-        def guidance_scale(self, request: ImageRequest) -> float: ...
-        def extra_inputs(self, request: ImageRequest) -> dict[str, torch.Tensor]: ...
-        def new_cache_state(self, request: ImageRequest, guided: bool) -> CacheState | None: ...
-        def group_of(self, request: ImageRequest) -> Hashable: ...
-        def also_joins(self, request: ImageRequest) -> Hashable: ...
+        def uses_guidance(self, request: ImageParams) -> bool: ...
+        def guidance_scale(self, request: ImageParams) -> float: ...
+        def extra_inputs(self, request: ImageParams) -> dict[str, torch.Tensor]: ...
+        def new_cache_state(self, request: ImageParams, guided: bool) -> CacheState | None: ...
+        def group_of(self, request: ImageParams) -> Hashable: ...
+        def also_joins(self, request: ImageParams) -> Hashable: ...
 
     def supports(self, start: str) -> bool:
         """Whether this family's adapter can start jobs this way (``image``, ``mask``) with this model."""
@@ -130,7 +130,7 @@ class LatentStarts:
         factor = self.pipe.vae_scale_factor
         return (1, self.pipe.vae.config.latent_channels, size[0] // factor, size[1] // factor)
 
-    def encodes_source(self, request: ImageRequest) -> bool:
+    def encodes_source(self, request: ImageParams) -> bool:
         """Whether the start's pipeline VAE-encodes the source (a draw from the row's generator) before it
         draws the noise: always, except the SD, SDXL and SD3 inpaint pipelines with an inpainting
         checkpoint at strength 1 (pure noise)."""
@@ -140,7 +140,7 @@ class LatentStarts:
         """A [1, 1, h, w] latent-size mask into the loop's layout (it broadcasts over the channels)."""
         return mask
 
-    def encode_with_loras(self, requests: list[ImageRequest]) -> list[Conditioning]:
+    def encode_with_loras(self, requests: list[ImageParams]) -> list[Conditioning]:
         """``encode``, once per distinct adapter set where the text encoders carry adapters (the pipeline
         encodes the prompt and the negative prompt with the adapted encoder), else in one call."""
         if self.loras is None or not self.loras.text_encoder_layers:
@@ -161,9 +161,9 @@ class LatentStarts:
         starts = self.start_requests(requests)
         return [self.resumed(request, start) for request, start in zip(requests, starts, strict=True)]
 
-    def resumed(self, request: ImageRequest, start: JobStart) -> JobStart:
+    def resumed(self, request: ImageParams, start: JobStart) -> JobStart:
         """A job started as any other, then given its checkpoint's state where its request carries one
-        (``ImageRequest.resume``): it goes on after the checkpoint's step. Started like any other first, so
+        (``ImageParams.resume``): it goes on after the checkpoint's step. Started like any other first, so
         everything not in the checkpoint (text conditioning, the inpainting source) is made as usual. A
         checkpoint that does not fit the job (another model, another version) is dropped: the job starts
         afresh (never from a half-restored state) and its request's BATCH says why."""
@@ -189,7 +189,7 @@ class LatentStarts:
         ]
 
     @torch.no_grad()  # text encoders and the VAE encoder: nothing here is differentiated
-    def start_requests(self, requests: list[ImageRequest]) -> list[JobStart]:
+    def start_requests(self, requests: list[ImageParams]) -> list[JobStart]:
         """Each request's start, together (a family may start a request at another size: dit.py)."""
         # 1. Encode the prompts: once for everyone admitted together (per adapter set where the text
         #    encoders carry LoRA adapters).
@@ -240,7 +240,7 @@ class LatentStarts:
 
     def starting_latents(
         self,
-        requests: list[ImageRequest],
+        requests: list[ImageParams],
         schedulers: list[Any],
         generators: list[torch.Generator],
         timesteps: list[torch.Tensor],
@@ -272,7 +272,7 @@ class LatentStarts:
 
     def source_latents(
         self,
-        requests: Sequence[ImageRequest],
+        requests: Sequence[ImageParams],
         schedulers: Sequence[Any],
         generators: list[torch.Generator],
         first_timesteps: Sequence[torch.Tensor],
@@ -321,7 +321,7 @@ class LatentStarts:
 
     def inpaint_source(
         self,
-        request: ImageRequest,
+        request: ImageParams,
         generator: torch.Generator,
         image_latents: torch.Tensor | None,
         noise: torch.Tensor,
@@ -347,7 +347,7 @@ class LatentStarts:
         return InpaintSource(image_latents, noise, mask)
 
     def inpaint_channels(
-        self, request: ImageRequest, generator: torch.Generator, pixels: torch.Tensor
+        self, request: ImageParams, generator: torch.Generator, pixels: torch.Tensor
     ) -> torch.Tensor:
         """An inpainting checkpoint's extra input for one row: as the SD, SDXL and SD3 inpaint pipelines
         make it, their own ``prepare_mask_latents`` (the mask at latent size, the source outside it encoded
@@ -382,7 +382,7 @@ class LatentStarts:
                 vae.to(dtype=original)
         return torch.cat([mask, masked], dim=1)
 
-    def mask_condition(self, request: ImageRequest) -> torch.Tensor:
+    def mask_condition(self, request: ImageParams) -> torch.Tensor:
         """The request's mask as its inpaint pipeline preprocesses it (grayscale, binarised, [1, 1, H, W])."""
         height, width = request.size
         return self.pipelines["mask"].mask_processor.preprocess(

@@ -6,7 +6,7 @@ dtype for each forward, no input scaling, classifier-free guidance where ``guida
 pipeline's ``do_classifier_free_guidance``), with a missing negative prompt encoded as "" as its
 ``encode_prompt`` does, and the scheduler steps.
 
-A video's frame count is part of its shape (``ImageRequest.shape``): videos share forwards only with
+A video's frame count is part of its shape (``ImageParams.shape``): videos share forwards only with
 videos of the same size and frame count. Two-stage Wan 2.2 (``transformer_2`` with ``boundary_ratio``) and
 TI2V (``expand_timesteps``: a timestep per latent patch) have no step adapter: the request-level engine
 serves them.
@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from diffusers.utils.torch_utils import get_module_execution_device
 
-from triton_diffusion.adapters.image_requests import ImageRequest
+from triton_diffusion.adapters.image_params import ImageParams
 from triton_diffusion.adapters.latent_loop import LatentStepAdapter
 from triton_diffusion.adapters.vae import denormalized_latents
 from triton_diffusion.codecs.video import to_uint8
@@ -35,7 +35,7 @@ class WanAdapter(LatentStepAdapter):
     cache_per_branch = True
     packs_sizes_not = "not built: WanAttnProcessor would need the key mask, and frames a 3-D canvas"
 
-    def latent_frames(self, request: ImageRequest) -> int:
+    def latent_frames(self, request: ImageParams) -> int:
         assert request.num_frames is not None  # a video's frame count is filled in at parse
         return (request.num_frames - 1) // self.pipe.vae_scale_factor_temporal + 1
 
@@ -64,7 +64,7 @@ class WanAdapter(LatentStepAdapter):
         return [{"encoder_hidden_states": embeds[i : i + 1]} for i in range(len(texts))]
 
     def initial_latents(
-        self, requests: Sequence[ImageRequest], schedulers: Sequence[Any], generators: list[torch.Generator]
+        self, requests: Sequence[ImageParams], schedulers: Sequence[Any], generators: list[torch.Generator]
     ) -> torch.Tensor:
         first = requests[0]
         channels = self.model.config.in_channels
@@ -80,7 +80,7 @@ class WanAdapter(LatentStepAdapter):
             generators,
         )
 
-    def set_timesteps(self, scheduler: Any, request: ImageRequest) -> torch.Tensor:
+    def set_timesteps(self, scheduler: Any, request: ImageParams) -> torch.Tensor:
         scheduler.set_timesteps(request.steps, device=self.schedule_device)
         return scheduler.timesteps
 

@@ -25,7 +25,7 @@ import torch
 from PIL import Image
 
 from triton_diffusion.adapters import diffusers_compat as compat
-from triton_diffusion.adapters.image_requests import ImageRequest, LatentJob
+from triton_diffusion.adapters.image_params import ImageParams, LatentJob
 from triton_diffusion.adapters.latent_loop import LatentStepAdapter
 
 
@@ -45,7 +45,7 @@ class ZImageAdapter(LatentStepAdapter):
         if not hasattr(self.module, "get_default_z_image_sigmas"):  # an older diffusers: request-level
             raise NotImplementedError("this diffusers' Z-Image module has no get_default_z_image_sigmas")
 
-    def uses_guidance(self, request: ImageRequest) -> bool:
+    def uses_guidance(self, request: ImageParams) -> bool:
         return self.guidance_scale(request) > 0.0
 
     def encode_texts(self, texts: list[str]) -> list[dict[str, torch.Tensor]]:
@@ -63,7 +63,7 @@ class ZImageAdapter(LatentStepAdapter):
         return text
 
     def initial_latents(
-        self, requests: Sequence[ImageRequest], schedulers: Sequence[Any], generators: list[torch.Generator]
+        self, requests: Sequence[ImageParams], schedulers: Sequence[Any], generators: list[torch.Generator]
     ) -> torch.Tensor:
         height, width = requests[0].size
         channels = self.model.in_channels
@@ -71,7 +71,7 @@ class ZImageAdapter(LatentStepAdapter):
             len(requests), channels, height, width, torch.float32, self.device, generators
         )
 
-    def set_timesteps(self, scheduler: Any, request: ImageRequest) -> torch.Tensor:
+    def set_timesteps(self, scheduler: Any, request: ImageParams) -> torch.Tensor:
         factor = self.pipe.vae_scale_factor * 2
         image_seq_len = (request.height // factor) * (request.width // factor)
         sigmas = self.module.get_default_z_image_sigmas(request.steps)

@@ -278,7 +278,7 @@ class DiffusionModel:
             tier=service.tier,
             deadline=service.deadline,
             planned_steps=self.planned_steps(values),
-            # The latent shape group the adapter will give it (ImageRequest.shape), for estimates before.
+            # The latent shape group the adapter will give it (ImageParams.shape), for estimates before.
             shape=(values.get("height"), values.get("width"), *filter(None, [values.get("num_frames")])),
             cache_method=(values.get("step_cache") or "none").partition(":")[0],
             preview_every=values.get("preview_every", 0) if previews else 0,

@@ -23,7 +23,7 @@ from triton_diffusion.adapters.call_caches import call_methods
 from triton_diffusion.adapters.captured_forwards import CaptureError
 from triton_diffusion.adapters.device_profiles import apply_profile
 from triton_diffusion.adapters.diffusers_pipeline import SchedulerChoices, load_pipeline, row_generator
-from triton_diffusion.adapters.image_requests import ImageRequest
+from triton_diffusion.adapters.image_params import ImageParams
 from triton_diffusion.adapters.lora import NO_LORA, LoraLimits, load_loras, lora_set, lora_text, parse_lora
 from triton_diffusion.adapters.step_adapters import step_adapter_for
 from triton_diffusion.codecs.image import encode_image
@@ -183,7 +183,7 @@ class TextToImageModel(DiffusionModel):
             time.perf_counter() - started,
         )
 
-    def warm_up_requests(self, settings: ModelSettings, fields: FieldSet) -> list[ImageRequest]:
+    def warm_up_requests(self, settings: ModelSettings, fields: FieldSet) -> list[ImageParams]:
         """One request of each of ``cuda_graph_sizes`` (default: the default size), validated as a client's:
         what ``cuda_graphs`` captures the forwards of at load."""
         sizes = settings.config.cuda_graph_sizes or (None,)
@@ -293,8 +293,8 @@ class TextToImageModel(DiffusionModel):
         strength = values.get("strength")
         return values.get("image") is None or strength is None or int(steps * strength) >= 1
 
-    def step_request(self, values: dict[str, Any], image_index: int) -> ImageRequest:
-        return ImageRequest(
+    def step_request(self, values: dict[str, Any], image_index: int) -> ImageParams:
+        return ImageParams(
             prompt=values["prompt"],
             negative_prompt=values.get("negative_prompt"),
             seed=values["seed"],

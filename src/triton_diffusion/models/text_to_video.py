@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from triton_diffusion.adapters.image_requests import ImageRequest
+from triton_diffusion.adapters.image_params import ImageParams
 from triton_diffusion.codecs.video import available_codec, encode_mp4, to_uint8
 from triton_diffusion.compatibility import CompatibilityKey
 from triton_diffusion.engine.jobs import Job
@@ -114,7 +114,7 @@ class TextToVideoModel(TextToImageModel):
     def images_for(self, values: dict[str, Any]) -> int:
         return values["num_videos_per_prompt"]
 
-    def step_request(self, values: dict[str, Any], image_index: int) -> ImageRequest:
+    def step_request(self, values: dict[str, Any], image_index: int) -> ImageParams:
         # The frame count is part of the job's shape group; the adapter answers uint8 frames, as run_call.
         return replace(super().step_request(values, image_index), num_frames=values["num_frames"])
 

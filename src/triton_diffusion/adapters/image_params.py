@@ -1,5 +1,5 @@
-"""What one image job is: the request's values the step adapters need (:class:`ImageRequest`, a job's
-``params``), and its state between two steps (:class:`LatentJob`, a job's ``state``): its latents, its own
+"""What one image job is: the request's values the step adapters need (:class:`ImageParams`, a job's
+``spec.params``), and its state between two steps (:class:`LatentJob`, a job's ``state``): its latents, its own
 scheduler and timesteps, its text conditioning, its inpainting source and its step cache."""
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class ImageRequest:
-    """What one image row needs (a job's ``params``), read from a validated request."""
+class ImageParams:
+    """What one image (or video) job needs of its request (a job's ``spec.params`` on the step engine),
+    read from the validated request: not a request (one request of several images makes one per image)."""
 
     prompt: str
     negative_prompt: str | None
@@ -127,7 +128,7 @@ def row_conditioning(
     ]
 
 
-def as_run(job: Job) -> ImageRequest:
+def as_run(job: Job) -> ImageParams:
     """A job's request as it runs: where the scheduler cut its steps (engine/degradation.py), with those
     steps, from its start (a checkpoint of its full schedule does not fit the shorter one)."""
     if job.cut is None:
