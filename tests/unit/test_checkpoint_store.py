@@ -479,3 +479,34 @@ def test_a_folder_that_does_not_answer_stalls_no_read_or_removal(store, monkeypa
     monkeypatch.setattr(checkpoint_store, "FOLDER_S", 30.0)  # a healthy read on a busy machine
     stored = store.get(key)  # the folder answers again: the checkpoint is there
     assert stored is not None and stored.checkpoint.step == 3
+
+
+def test_a_write_that_hangs_marks_the_folder_hung_until_it_returns(store, monkeypatch):
+    """A write stuck in the kernel (a hung volume) for longer than FOLDER_S: reads then skip the folder at
+    once (the request starts over) instead of waiting on it; once the write returns they read again."""
+    other = "O" * 16 + ".0"
+    store.put(other, "h", checkpoint(2))
+    assert store.flush(10)
+    monkeypatch.setattr(checkpoint_store, "FOLDER_S", 0.2)
+    release, entered = threading.Event(), threading.Event()
+    write = store._write_one
+
+    def hung(*args):
+        entered.set()
+        release.wait(60)
+        return write(*args)
+
+    monkeypatch.setattr(store, "_write_one", hung)
+    store.put("W" * 16 + ".0", "h", checkpoint(5))
+    try:
+        assert entered.wait(30), "the write never reached the folder"
+        deadline = time.monotonic() + 30
+        while not store._folder_hung("probe") and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert store.get(other) is None  # skipped: the folder is busy with a write that does not return
+    finally:
+        release.set()
+    assert store.flush(30)
+    monkeypatch.setattr(checkpoint_store, "FOLDER_S", 30.0)
+    stored = store.get(other)  # the write returned: the folder is read again
+    assert stored is not None and stored.checkpoint.step == 2

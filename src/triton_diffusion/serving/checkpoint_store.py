@@ -24,7 +24,8 @@ its images where they were.
   restart without reading every header).
 - Bounded in time: a request's read and an answered request's removal run on a thread of their own and
   wait at most ``FOLDER_S`` for the folder (a hung network volume): past it the read finds nothing (the
-  request starts over) and, while that call is still stuck, later ones skip the folder at once.
+  request starts over) and, while that call is still stuck, later ones skip the folder at once; so do
+  they while a batch of writes has been under way for longer than ``FOLDER_S`` (a write that hangs).
 """
 
 from __future__ import annotations
@@ -95,6 +96,7 @@ class CheckpointStore:
         self.bytes_used = 0  # bytes of checkpoint files in the directory (for a metric)
         self._pending: dict[str, tuple[str, JobCheckpoint, float]] = {}  # key: fields hash, checkpoint, at
         self._writing: frozenset[str] = frozenset()  # the keys of the batch being written now
+        self._writing_since: float | None = None  # when that batch began (time.monotonic), None: none is
         self._not_kept: dict[str, str] = {}  # key: why its last checkpoint could not be written
         self._closed = False
         self._swept_at = 0.0  # when the last sweep ran, by ``clock``
@@ -206,9 +208,12 @@ class CheckpointStore:
         self._bounded(f"checkpoints of {resume_key}", delete, None)
 
     def _folder_hung(self, what: str) -> bool:
-        """Whether a folder call is still stuck past FOLDER_S (then the caller skips the folder at once)."""
+        """Whether a folder call is still stuck past FOLDER_S, or a batch of writes has been under way for
+        longer (then the caller skips the folder at once)."""
         with self._hung_lock:
             hung = self._hung is not None and self._hung.is_alive()
+        since = self._writing_since  # set and cleared by the writer thread alone
+        hung = hung or (since is not None and time.monotonic() - since > FOLDER_S)
         if hung:
             log.warning("%s: the checkpoint folder still does not answer: skipped", what)
         return hung
@@ -294,6 +299,7 @@ class CheckpointStore:
                     continue
                 batch, self._pending = self._pending, {}
                 self._writing = frozenset(batch)
+                self._writing_since = time.monotonic()
             try:
                 if abs(self.clock() - self._swept_at) >= SWEEP_S:
                     self.sweep()
@@ -304,7 +310,7 @@ class CheckpointStore:
                     self._lost(key, f"the write failed ({type(exc).__name__})")
             finally:
                 with self._changed:
-                    self._writing = frozenset()
+                    self._writing, self._writing_since = frozenset(), None
                     self._changed.notify_all()
 
     def _write(self, batch: dict[str, tuple[str, JobCheckpoint, float]]) -> None:
