@@ -401,12 +401,20 @@ def test_on_the_shipped_config_256x256_requests_fill_their_row_cap_and_short_one
 
 def test_model_info_and_the_metrics_show_the_cost_model_the_engine_prices_by(server):
     """MODEL_INFO ``cost_model`` and ``triton_diffusion_forward_cost_seconds``: once forwards of two token
-    counts ran, the line by tokens (deadlines, the drain) is there, positive, and the metric holds the
-    same fixed part; the request-level engine's model says nothing of one."""
+    counts ran, the line by tokens (deadlines, the drain) is in MODEL_INFO, not negative, with start and
+    decode times; after a forward past the metric's once-a-second throttle, the metric holds its fixed
+    and per-token parts in seconds (a tiny model's fixed part is under a second: milliseconds written as
+    seconds would not be); the request-level engine's model describes no cost model."""
     from triton_diffusion_client.streams import StreamSession
 
+    from triton_diffusion.serving.engine_host import COST_METRICS_EVERY_S
+
     model = "sd_step"
-    for size in (64, 128):  # two token counts: the line is determined
+    # Two token counts determine the line; the third request runs once the metric's throttle has passed
+    # (a wait, not a race), so its forward sets the metric with the line determined.
+    for index, size in enumerate((64, 128, 64)):
+        if index == 2:
+            time.sleep(COST_METRICS_EVERY_S + 0.1)
         request = {
             "prompt": f"a cost at {size}",
             "seed": 3,
@@ -414,7 +422,7 @@ def test_model_info_and_the_metrics_show_the_cost_model_the_engine_prices_by(ser
             "height": size,
             "width": size,
         }
-        generate_one(request, f"cost-{size}", server.grpc_url, model)
+        generate_one(request, f"cost-{index}", server.grpc_url, model)
 
     def described(name: str) -> dict:
         with StreamSession(server.grpc_url, name) as session:
@@ -430,12 +438,14 @@ def test_model_info_and_the_metrics_show_the_cost_model_the_engine_prices_by(ser
         and line["fixed_ms"] + line["per_1k_tokens_ms"] > 0
     )
     assert cost["decode_ms"] > 0 and cost["start_ms"] > 0, cost
-    deadline = time.monotonic() + 10
-    while True:  # set at most once a second, on the response thread
-        metric = f'triton_diffusion_forward_cost_seconds{{fit="tokens",model="{model}",part="fixed"}}'
-        value = read_metrics(server).get(metric)
-        if value is not None or time.monotonic() > deadline:
+    name = "triton_diffusion_forward_cost_seconds"
+    parts = {part: f'{name}{{fit="tokens",model="{model}",part="{part}"}}' for part in ("fixed", "per_token")}
+    deadline = time.monotonic() + 30
+    while True:  # set on the response thread, after the answer that followed it may have gone out
+        values = {part: read_metrics(server).get(key) for part, key in parts.items()}
+        if None not in values.values() or time.monotonic() > deadline:
             break
         time.sleep(0.2)
-    assert value is not None and value >= 0, sorted(k for k in read_metrics(server) if "cost" in k)
+    assert None not in values.values(), sorted(k for k in read_metrics(server) if "cost" in k)
+    assert 0 <= values["fixed"] < 1 and 0 <= values["per_token"] < 0.01, values
     assert "cost_model" not in described("text_to_image"), "the request-level engine prices nothing"

@@ -129,3 +129,15 @@ def test_the_cost_model_described_is_the_fits_the_engine_prices_by_in_millisecon
     assert described["start_ms"] == pytest.approx(2.0) and described["decode_ms"] is None
     assert (described["token_counts_measured"], described["pairs_measured"]) == (2, 4)
     assert times.forward_s(200) == pytest.approx(described["forward_by_tokens"]["fixed_ms"] / 1e3 + 0.004)
+
+
+def test_the_cost_model_described_rests_on_a_calibration_alone_before_any_traffic():
+    times = WorkTimes()
+    for rows, tokens in ((1, 100), (2, 100), (2, 300)):
+        times.calibrated(rows, tokens, 0.01 + 2e-5 * tokens + 0.003 * rows)
+    described = times.describe()
+    assert (described["pairs_calibrated"], described["pairs_measured"]) == (3, 0)
+    assert described["forward_by_tokens_and_rows"] == pytest.approx(
+        {"fixed_ms": 10.0, "per_1k_tokens_ms": 20.0, "per_row_ms": 3.0}
+    )
+    assert described["forward_by_tokens"] is None  # deadlines wait for the traffic's own forwards

@@ -10,7 +10,7 @@ Words (the glossary): an *image* (or video, or LM request) is one job; a *row* i
 denoiser's batch (a job with classifier-free guidance has two); a *forward* is one model call over the
 rows of the jobs stepping together; an *engine step* is one turn of the engine loop (at most one
 forward); a job's *denoising steps* are its ``total_steps``, of which it has done ``steps_done``; a job's
-*tokens* are what it adds to a forward (its ``tokens``): its denoiser rows times the latent tokens of one
+*tokens* are what it adds to a forward (its spec's ``tokens``): its denoiser rows times the latent tokens of one
 row (frames included), what a forward's cost and memory grow with when jobs of any size share it.
 """
 

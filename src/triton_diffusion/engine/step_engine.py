@@ -78,7 +78,7 @@ class StepAdapter(Protocol):
 @runtime_checkable
 class SizesForwards(Protocol):
     """What a step adapter adds whose forwards pad rows (a family that packs sizes: adapters/packed_rows.py):
-    the size of a forward of these jobs, which the engine names no geometry to compute."""
+    the size of a forward of these jobs, which the scheduler has no geometry to compute."""
 
     def forward_size(self, jobs: Sequence[Job]) -> tuple[int, int]:
         """The denoiser rows and the tokens a forward of these jobs computes, padding included."""
