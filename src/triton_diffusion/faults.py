@@ -128,6 +128,9 @@ class FaultyStepAdapter:
         self.faults = faults
         self.prompt_of = prompt_of
         self.held: Callable[[], int] | None = None  # the jobs the engine holds (set where it is built)
+        from triton_diffusion.engine.step_engine import computed_by
+
+        self.computed = computed_by(adapter)  # a forward's rows and tokens, as the wrapped adapter counts
 
     def prepare(self, jobs: list[Any]) -> list[Any]:
         return self.adapter.prepare(jobs)
@@ -141,11 +144,6 @@ class FaultyStepAdapter:
 
     def finish(self, jobs: list[Any]) -> list[Any]:
         return self.adapter.finish(jobs)
-
-    def forward_size(self, jobs: Sequence[Any]) -> tuple[int, int]:
-        from triton_diffusion.engine.step_engine import forward_size_of
-
-        return forward_size_of(self.adapter)(jobs)
 
     def checkpoint(self, jobs: list[Any]) -> list[Any]:
         return self.adapter.checkpoint(jobs)
@@ -174,7 +172,7 @@ def exiting_resumes(resumes: Resumes, faults: FaultInjection, seed_of: Callable[
     does, no answer sent); only the first time for a checkpoint folder (a marker ``<checkpoint_dir>.exited``
     beside it says it happened), so the restarted server serves the resend. Installed where the model
     is set up, in place of its Resumes: nothing of it runs in a model without the fault."""
-    from triton_diffusion.serving.job_resumes import FLUSH_BEFORE_EXIT_S, Resumes
+    from triton_diffusion.serving.job_resumes import FLUSH_S, Resumes
 
     directory = Path(resumes.store.directory)
     marker = directory.with_name(directory.name + ".exited")
@@ -184,7 +182,7 @@ def exiting_resumes(resumes: Resumes, faults: FaultInjection, seed_of: Callable[
             super().persist(report)
             for stepped in report.stepped:
                 if faults.exit_due(seed_of(stepped.job), stepped.step) and not marker.exists():
-                    self.store.flush(FLUSH_BEFORE_EXIT_S)
+                    self.store.flush(FLUSH_S)
                     marker.write_text(f"exited after step {stepped.step}\n")
                     log.critical("fault injection: exiting after step %d (exit_on_seed)", stepped.step)
                     os._exit(1)

@@ -37,7 +37,7 @@ from triton_diffusion.adapters.packed_rows import Canvas, canvas_for
 from triton_diffusion.adapters.step_adapters import step_adapter_for
 from triton_diffusion.engine.jobs import Job
 from triton_diffusion.engine.scheduler import EngineLimits
-from triton_diffusion.engine.step_engine import StepEngine, forward_size_of
+from triton_diffusion.engine.step_engine import StepEngine, computed_by
 from triton_diffusion.faults import FaultInjection, FaultyStepAdapter
 from triton_diffusion.models.text_to_image import TextToImageModel
 from triton_diffusion.serving.server_process import WEIGHTS
@@ -337,7 +337,7 @@ def test_model_info_says_whether_sizes_share_forwards_and_why_not(name, config, 
 
 
 def test_a_packing_adapter_counts_a_mixed_forward_by_its_canvas_and_one_size_by_its_own_tokens(family):
-    """SizedRows.forward_size, what the scheduler's token budget and cost fit read: rows of one size
+    """SizedRows.computed, what the scheduler's token budget and cost fit read: rows of one size
     compute their own tokens; rows of two sizes every row padded to the tallest by the widest grid."""
     adapter = adapter_of(family)
     _, _, schedulers = family
@@ -349,10 +349,10 @@ def test_a_packing_adapter_counts_a_mixed_forward_by_its_canvas_and_one_size_by_
     small, also_small, tall = job(0, SIZES[0], 5.0), job(1, SIZES[0], 1.0), job(2, SIZES[2], 5.0)
     own = [j.spec.tokens for j in (small, also_small, tall)]
     grids = [adapter.grid_of(j.spec.params) for j in (small, also_small, tall)]
-    assert adapter.forward_size([small, also_small]) == (grids[0][0] + grids[1][0], own[0] + own[1])
+    assert adapter.computed([small, also_small]) == (grids[0][0] + grids[1][0], own[0] + own[1])
     rows = grids[0][0] + grids[2][0]
     canvas = max(grids[0][1], grids[2][1]) * max(grids[0][2], grids[2][2])
-    assert adapter.forward_size([small, tall]) == (rows, rows * canvas)
+    assert adapter.computed([small, tall]) == (rows, rows * canvas)
     assert rows * canvas > own[0] + own[2], "a mixed forward computes its padding"
     faulty = FaultyStepAdapter(adapter, FaultInjection(), lambda job: job.spec.params.prompt)
-    assert forward_size_of(faulty)([small, tall]) == (rows, rows * canvas)  # the test faults' wrapper too
+    assert computed_by(faulty)([small, tall]) == (rows, rows * canvas)  # the test faults' wrapper too

@@ -23,7 +23,7 @@ PRIORITY, DEFAULT, FLEX = 0, 1, 2
 
 def computed_tokens(jobs: list[Job]) -> int:
     """The tokens a forward of these jobs computes, as a packing adapter counts them (padding included)."""
-    return FakeAdapter().forward_size(jobs)[1]
+    return FakeAdapter().computed(jobs)[1]
 
 
 class Clock:

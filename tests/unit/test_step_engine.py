@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from tests.unit.recording import RecordingChannel, deliver_errors, step_as_worker, tracked
-from triton_diffusion.adapters.packed_rows import padded_size
+from triton_diffusion.adapters.packed_rows import padded_counts
 from triton_diffusion.engine.failures import DeviceLostError
 from triton_diffusion.engine.forward_caps import CAP_RECOVERY_FORWARDS, EngineLimits, ForwardCaps
 from triton_diffusion.engine.jobs import (
@@ -58,9 +58,9 @@ class FakeAdapter:
             for job in jobs
         ]
 
-    def forward_size(self, jobs):
+    def computed(self, jobs):
         """A packing adapter's count (adapters/packed_rows.py): the canvas of the jobs' grids."""
-        return padded_size([job.spec.params.grid for job in jobs], [job.spec.tokens for job in jobs])
+        return padded_counts([job.spec.params.grid for job in jobs], [job.spec.tokens for job in jobs])
 
     def step(self, jobs, previews=None):
         names = [job.request.request_id for job in jobs]

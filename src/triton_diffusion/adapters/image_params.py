@@ -1,6 +1,6 @@
 """What one image job is: the request's values the step adapters need (:class:`ImageParams`, a job's
-``spec.params``), and its state between two steps (:class:`LatentJob`, a job's ``state``): its latents, its own
-scheduler and timesteps, its text conditioning, its inpainting source and its step cache."""
+``spec.params``), and its state between two steps (:class:`LatentJob`, a job's ``state``): its latents, its
+own scheduler and timesteps, its text conditioning, its inpainting source, its step cache and its grid."""
 
 from __future__ import annotations
 
@@ -103,6 +103,9 @@ class LatentJob:
     extra: dict[str, Any]  # per-row model inputs that are not text conditioning (Flux's guidance)
     inpaint: InpaintSource | None = None  # an inpainting job's source, blended back after each step
     cache: CacheState | None = None  # its step cache's state (each CFG branch its own where they differ)
+    # Its denoiser rows and token grid (a video: None), what a packed forward pads it to: kept here so the
+    # scheduler's count of a forward's tokens (packed_rows.SizedRows.computed) reads it, not works it out.
+    grid: tuple[int, int, int] | None = None
 
 
 @dataclass(frozen=True)

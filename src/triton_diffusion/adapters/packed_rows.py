@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from diffusers.models.attention_processor import JointAttnProcessor2_0
 
-from triton_diffusion.adapters.image_params import ImageParams
+from triton_diffusion.adapters.image_params import ImageParams, LatentJob
 from triton_diffusion.engine.jobs import Job
 
 # The group of a job that shares forwards with jobs of every size (a family that packs sizes); such a job
@@ -39,7 +39,7 @@ ANY_SIZE = "any size"
 Grid = tuple[int, int, int]
 
 
-def padded_size(grids: Sequence[Grid | None], tokens: Sequence[int]) -> tuple[int, int]:
+def padded_counts(grids: Sequence[Grid | None], tokens: Sequence[int]) -> tuple[int, int]:
     """The denoiser rows and tokens a forward of jobs with these grids (and own tokens) computes: their own
     tokens where they are of one size (or any has no grid: a video); packed (sizes mixed), every row on a
     canvas of the tallest by the widest grid, padding included: what the token budget bounds and a
@@ -254,10 +254,14 @@ class SizedRows:
         rows = 2 if self.uses_guidance(request) else 1
         return rows * height * width * self.latent_frames(request)
 
-    def forward_size(self, jobs: Sequence[Job]) -> tuple[int, int]:
-        """The rows and tokens a forward of these jobs computes, padding included (:func:`padded_size`):
-        the engine's token budget and cost fit count this (engine/step_engine.py SizesForwards)."""
-        return padded_size([self.grid_of(job.spec.params) for job in jobs], [job.spec.tokens for job in jobs])
+    def computed(self, jobs: Sequence[Job]) -> tuple[int, int]:
+        """The rows and tokens a forward of these jobs computes, padding included (:func:`padded_counts`):
+        the engine's token budget and cost fit count this (engine/step_engine.py CountsComputed)."""
+        grids = [
+            job.state.grid if isinstance(job.state, LatentJob) else self.grid_of(job.spec.params)
+            for job in jobs
+        ]
+        return padded_counts(grids, [job.spec.tokens for job in jobs])
 
     def grid_of(self, request: ImageParams) -> Grid | None:
         """An image job's denoiser rows and token grid, what a packed forward pads it to (a video: None,

@@ -90,6 +90,7 @@ class LatentStarts:
         def new_cache_state(self, request: ImageParams, guided: bool) -> CacheState | None: ...
         def group_of(self, request: ImageParams) -> Hashable: ...
         def also_joins(self, request: ImageParams) -> Hashable: ...
+        def grid_of(self, request: ImageParams) -> tuple[int, int, int] | None: ...
 
     def supports(self, start: str) -> bool:
         """Whether this family's adapter can start jobs this way (``image``, ``mask``) with this model."""
@@ -233,6 +234,7 @@ class LatentStarts:
                 extra=extra,
                 inpaint=inpaint if inpaint is not None and inpaint.blended else None,
                 cache=self.new_cache_state(request, guided),
+                grid=self.grid_of(request),
             )
             group, joins = self.group_of(request), self.also_joins(request)
             prepared.append(JobStart(state, group, len(timesteps[i]), also_joins=joins))

@@ -81,7 +81,8 @@ class WorkTimes:
 
     def describe(self) -> dict[str, Any]:
         """The cost model as it stands, in milliseconds (MODEL_INFO ``cost_model``, and the metrics): the
-        line by tokens that deadlines and the drain price a forward by, the plane by tokens and rows that
+        line by tokens that deadlines and the drain price a forward by (None until two token counts were
+        measured; with one, forwards are priced in proportion to it), the plane by tokens and rows that
         the packing gate prices by (None until the pairs measured determine it), a start and a decode per
         job, and how many points each rests on (token counts and (rows, tokens) pairs measured by the
         traffic, pairs from the calibration at load)."""

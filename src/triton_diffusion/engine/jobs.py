@@ -10,8 +10,8 @@ Words (the glossary): an *image* (or video, or LM request) is one job; a *row* i
 denoiser's batch (a job with classifier-free guidance has two); a *forward* is one model call over the
 rows of the jobs stepping together; an *engine step* is one turn of the engine loop (at most one
 forward); a job's *denoising steps* are its ``total_steps``, of which it has done ``steps_done``; a job's
-*tokens* are what it adds to a forward (its spec's ``tokens``): its denoiser rows times the latent tokens of one
-row (frames included), what a forward's cost and memory grow with when jobs of any size share it.
+*tokens* are what it adds to a forward (its spec's ``tokens``): its denoiser rows times the latent tokens
+of one row (frames included), what a forward's cost and memory grow with when jobs of any size share it.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from triton_diffusion.engine.request_status import Request, RequestStatus
 from triton_diffusion.errors import RequestError
 
 # A forward's denoiser rows and the tokens it computes (padding included), from its jobs: the adapter's
-# (step_engine.py ``SizesForwards``: a family that pads rows of several sizes says what that costs), else
+# (step_engine.py ``CountsComputed``: a family that pads rows of several sizes says what that costs), else
 # :func:`rows_and_tokens`. What the token budget bounds and the cost fit prices.
-ForwardSize = Callable[[Sequence["Job"]], tuple[int, int]]
+Computed = Callable[[Sequence["Job"]], tuple[int, int]]
 
 
 def rows_and_tokens(jobs: Sequence[Job]) -> tuple[int, int]:

@@ -49,8 +49,8 @@ from triton_diffusion.engine.degradation import cut_for_deadline
 from triton_diffusion.engine.estimates import WorkTimes
 from triton_diffusion.engine.forward_caps import EngineLimits, ForwardCaps
 from triton_diffusion.engine.jobs import (
+    Computed,
     ForwardResult,
-    ForwardSize,
     Job,
     JobStart,
     Left,
@@ -102,10 +102,10 @@ class Scheduler:
         service: Service | None = None,
         times: WorkTimes | None = None,
         clock: Callable[[], float] = time.perf_counter,
-        forward_size: ForwardSize = rows_and_tokens,
+        computed: Computed = rows_and_tokens,
     ) -> None:
         self.limits = limits
-        self.forward_size = forward_size  # a forward's rows and tokens, padding included (the adapter's)
+        self.computed = computed  # a forward's rows and tokens, padding included (the adapter's)
         self.clock = clock  # perf_counter seconds: what deadlines and waits are measured on
         self.policy = policy or make_policy("oldest")
         self.pacing = pacing or AdmissionPacing()
@@ -388,7 +388,9 @@ class Scheduler:
             if joins is not None and own and (other is None or order(min(own, key=order)) < order(other)):
                 group = joins
         self.policy.picked(group)
-        members = [j for j in running if j.group == group or j.also_joins == group]
+        members = [
+            j for j in running if j.group == group or (j.also_joins is not None and j.also_joins == group)
+        ]
         # Starved jobs first, the longest starved first (the one the group was chosen for, so it goes; one
         # that starves later never passes a starved job, which goes within as many steps as are before
         # it: starvation_steps + max_running - 1 at most), then the order.
@@ -409,7 +411,7 @@ class Scheduler:
             return None
 
         def price(jobs: list[Job]) -> float | None:
-            return self.times.forward_cost(*self.forward_size(jobs))
+            return self.times.forward_cost(*self.computed(jobs))
 
         if not self.limits.packing_gate:
             return Packing(True)
@@ -438,7 +440,7 @@ class Scheduler:
             if len(taken) >= jobs_cap:
                 break
             # The tokens the forward would compute with it, padding included (sizes mixed: the adapter's).
-            over_budget = budget is not None and self.forward_size([*taken, job])[1] > budget
+            over_budget = budget is not None and self.computed([*taken, job])[1] > budget
             if taken and (
                 over_budget or of_shape.get(job.spec.shape, 0) >= self.caps.shape_cap(job.spec.shape)
             ):
@@ -503,7 +505,7 @@ class Scheduler:
         """Apply one forward's per-job results (the ``forward``-th): each job's counters and denoising
         step; a job whose own step failed is returned as failed (not advanced); those that took their
         last step move to finishing (decoded next)."""
-        self.caps.ran(forward_group(jobs), len(jobs), self.forward_size(jobs)[1])
+        self.caps.ran(forward_group(jobs), len(jobs), self.computed(jobs)[1])
         mixed = int(len({job.spec.shape for job in jobs}) > 1)  # a packed forward: sizes mixed
         outcome = ForwardOutcome()
         for job, out in zip(jobs, result.steps, strict=True):

@@ -38,10 +38,10 @@ from typing import Any, Protocol, cast, runtime_checkable
 from triton_diffusion.engine.estimates import WorkTimes
 from triton_diffusion.engine.failures import DeviceLostError, Failure, device_lost_error, isolate
 from triton_diffusion.engine.jobs import (
+    Computed,
     Finished,
     Forward,
     ForwardResult,
-    ForwardSize,
     Job,
     JobStart,
     Left,
@@ -76,17 +76,17 @@ class StepAdapter(Protocol):
 
 
 @runtime_checkable
-class SizesForwards(Protocol):
+class CountsComputed(Protocol):
     """What a step adapter adds whose forwards pad rows (a family that packs sizes: adapters/packed_rows.py):
     the size of a forward of these jobs, which the scheduler has no geometry to compute."""
 
-    def forward_size(self, jobs: Sequence[Job]) -> tuple[int, int]:
+    def computed(self, jobs: Sequence[Job]) -> tuple[int, int]:
         """The denoiser rows and the tokens a forward of these jobs computes, padding included."""
 
 
-def forward_size_of(adapter: object) -> ForwardSize:
+def computed_by(adapter: object) -> Computed:
     """A forward's rows and tokens as the adapter counts them, else a row per job and their own tokens."""
-    return adapter.forward_size if isinstance(adapter, SizesForwards) else rows_and_tokens
+    return adapter.computed if isinstance(adapter, CountsComputed) else rows_and_tokens
 
 
 class Checkpointing(Protocol):
@@ -118,9 +118,7 @@ class StepEngine:
         self.checkpoint_every = checkpoint_every
         self.limits = limits
         self.times = times or WorkTimes()  # a calibration's at load (models/calibration.py), or none yet
-        self.scheduler = Scheduler(
-            limits, policy, pacing, service, self.times, clock, forward_size_of(adapter)
-        )
+        self.scheduler = Scheduler(limits, policy, pacing, service, self.times, clock, computed_by(adapter))
         self.steps = 0  # engine steps so far
         self.forwards = 0  # forwards run
         self.report = StepReport()  # what the step under way did so far
@@ -236,7 +234,7 @@ class StepEngine:
         def failed(part: list[Job], failure: Failure) -> None:
             log.warning("forward of %d job(s) failed: %s", len(part), failure.text)
             if failure.oom:
-                self.scheduler.caps.out_of_memory(group, len(part), self.scheduler.forward_size(part)[1])
+                self.scheduler.caps.out_of_memory(group, len(part), self.scheduler.computed(part)[1])
 
         def fail(part: list[Job], failure: Failure) -> None:
             for job in part:

@@ -38,8 +38,9 @@ from triton_diffusion.settings import ModelSettings
 
 log = logging.getLogger("triton_diffusion")
 
-# How long the test-only exit fault waits for the checkpoints taken so far to be on disk.
-FLUSH_BEFORE_EXIT_S = 30.0
+# How long the pending checkpoints are waited for when the model unloads (and by the test-only exit fault,
+# faults.py, before it dies).
+FLUSH_S = 30.0
 
 
 def seed_from_key(resume_key: str) -> int:
@@ -206,5 +207,5 @@ class Resumes:
 
     def close(self) -> None:
         """Write what is queued, then stop the store's writer (the model unloads)."""
-        self.store.flush(FLUSH_BEFORE_EXIT_S)
+        self.store.flush(FLUSH_S)
         self.store.close()
