@@ -36,7 +36,7 @@ from benchmarks.inprocess import Bench, device_and_dtype, sync
 from triton_diffusion.adapters.device_profiles import PROFILES, load_table
 from triton_diffusion.engine.scheduler import EngineLimits
 from triton_diffusion.engine.step_engine import StepEngine
-from triton_diffusion.serving.checkpoint_store import CheckpointStore
+from triton_diffusion.recovery.checkpoint_store import CheckpointStore
 
 DEFAULT_INTERVALS = "0,1,5"
 
@@ -91,7 +91,7 @@ def one_run(bench: Bench, interval: int, args: argparse.Namespace, folder: Path)
         sync(bench.device)
         if step >= warm_up:
             step_s.append(time.perf_counter() - started)
-        for finished in report.finished:  # answered: the host removes its checkpoints (job_resumes.py)
+        for finished in report.finished:  # answered: the host removes its checkpoints (recovery/resumes.py)
             store.remove(finished.job.spec.checkpoint_key)
             add()
         for _ in report.left:

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from triton_diffusion.serving.job_resumes import Resumes
+    from triton_diffusion.recovery.resumes import Resumes
 
 log = logging.getLogger("triton_diffusion")
 
@@ -166,13 +166,13 @@ class FaultyStepAdapter:
 
 
 def exiting_resumes(resumes: Resumes, faults: FaultInjection, seed_of: Callable[[Any], int]) -> Resumes:
-    """``exit_on_seed``: the model's checkpoints (serving/job_resumes.py), with the process dying right
+    """``exit_on_seed``: the model's checkpoints (recovery/resumes.py), with the process dying right
     after the step report in which a job of a request with that seed completed its ``exit_after_step``-th
     denoising step, once the checkpoints taken so far are written (``os._exit(1)``: what the OOM killer
     does, no answer sent); only the first time for a checkpoint folder (a marker ``<checkpoint_dir>.exited``
     beside it says it happened), so the restarted server serves the resend. Installed where the model
     is set up, in place of its Resumes: nothing of it runs in a model without the fault."""
-    from triton_diffusion.serving.job_resumes import FLUSH_S, Resumes
+    from triton_diffusion.recovery.resumes import FLUSH_S, Resumes
 
     directory = Path(resumes.store.directory)
     marker = directory.with_name(directory.name + ".exited")

@@ -250,7 +250,7 @@ DESCRIBE_FIELD = Field(
     "caches) instead of generating",
 )
 
-# A crash loses no work (serving/job_resumes.py): a client names its request with a key of its own, and a
+# A crash loses no work (recovery/resumes.py): a client names its request with a key of its own, and a
 # resend after the model restarted resumes from the last checkpoint of that request instead of starting
 # over. Not in the compatibility key, nor in the result cache's (it decides no pixel); where the request
 # gives no seed, its seed is derived from the key, so a resend draws the same noise.

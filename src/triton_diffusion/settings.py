@@ -355,7 +355,7 @@ class ModelConfig:
         "an engine with work that reports nothing for this long (or 5x its slowest step, if longer) is "
         "stuck: what it holds is answered UNAVAILABLE and the process exits for a restart",
     )
-    # ---- checkpoints (serving/job_resumes.py): a crash loses no work ----------------------------------
+    # ---- checkpoints (recovery/resumes.py): a crash loses no work ----------------------------------
     checkpoint_every_steps: int = _parameter(
         0,
         "step engine: write a running job's state every this many denoising steps when its request has a "

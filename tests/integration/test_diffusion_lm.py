@@ -243,7 +243,7 @@ def test_without_a_seed_a_resend_with_its_key_generates_the_same_text(server, re
     """The diffusion LM has no checkpoints: a resend runs again from its first block. With the seed its
     resume key gives (the request has none), it is the same sampled text, so the client and the front can
     drop the blocks they delivered; another key draws another seed."""
-    from triton_diffusion.serving.job_resumes import seed_from_key
+    from triton_diffusion.recovery.resumes import seed_from_key
 
     sampled = {"prompt": "hi", "gen_length": 16, "block_length": 4, "steps": 8, "temperature": 1.0}
     key = "resend-the-same-text-0001"

@@ -1,4 +1,4 @@
-"""The checkpoint store (serving/checkpoint_store.py): checkpoints written atomically by a writer thread,
+"""The checkpoint store (recovery/checkpoint_store.py): checkpoints written atomically by a writer thread,
 the latest of a key winning, damaged files detected and deleted, expiry, the byte bound and keys that
 cannot name a path elsewhere."""
 
@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from triton_diffusion.adapters.job_checkpoints import JobCheckpoint
-from triton_diffusion.serving import checkpoint_store
-from triton_diffusion.serving.checkpoint_store import CheckpointStore, CorruptCheckpoint, valid_key
+from triton_diffusion.recovery import checkpoint_store
+from triton_diffusion.recovery.checkpoint_format import JobCheckpoint
+from triton_diffusion.recovery.checkpoint_store import CheckpointStore, CorruptCheckpoint, valid_key
 
 KEY = "0123456789abcdef-request"
 

@@ -14,7 +14,7 @@ from triton_diffusion_client import ImageSession, TextSession, images, retry, st
 from tritonclient.utils import InferenceServerException
 
 from triton_diffusion.errors import RESEND, ErrorCode, RequestError, Retry, RetryHint, tagged_message
-from triton_diffusion.serving.drain import DRAINING_MESSAGE
+from triton_diffusion.recovery.drain import DRAINING_MESSAGE
 
 KEY = "caller-chosen-key_0123"
 

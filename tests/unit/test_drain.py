@@ -1,4 +1,4 @@
-"""Draining on SIGTERM (serving/drain.py, supervisor.py, launcher.py): the files the launcher and the
+"""Draining on SIGTERM (recovery/drain.py, supervisor.py, launcher.py): the files the launcher and the
 models share, the supervisor's order (not ready, drain file, the models' marks or the drain time, then
 SIGTERM to the server, no restart), and the whole launcher against a fake tritonserver whose fake model
 drains as the contract says."""
@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from triton_diffusion.serving import drain, launcher
+from triton_diffusion.recovery import drain
+from triton_diffusion.serving import launcher
 from triton_diffusion.serving.supervisor import Stub, Supervisor
 
 SRC = Path(__file__).resolve().parents[2] / "src"
@@ -211,7 +212,7 @@ server.serve_forever()
 FAKE_MODEL = """
 # A model's engine host as the drain contract says: polls the drain file, drains, marks itself drained.
 import pathlib, time
-from triton_diffusion.serving import drain
+from triton_diffusion.recovery import drain
 path = drain.drain_file_from_env()
 events = pathlib.Path(__file__).parents[2] / "events"
 while not drain.is_draining(path):

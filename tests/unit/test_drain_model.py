@@ -22,10 +22,10 @@ from triton_diffusion.engine.request_status import NoAborts
 from triton_diffusion.engine.scheduler import EngineLimits
 from triton_diffusion.engine.step_engine import StepEngine
 from triton_diffusion.errors import RESEND, ErrorCode, RequestError, Retry, RetryHint
-from triton_diffusion.serving import drain
+from triton_diffusion.recovery import drain
+from triton_diffusion.recovery.resumes import Resumes
 from triton_diffusion.serving.engine_host import DRAIN_MARGIN_S, EngineHost
 from triton_diffusion.serving.engines import StepEngineKind
-from triton_diffusion.serving.job_resumes import Resumes
 from triton_diffusion.serving.metrics import IMAGE_METRICS
 from triton_diffusion.settings import ModelConfig, ModelSettings
 

@@ -21,7 +21,7 @@ from triton_diffusion.openai_front.image_translation import image_call
 from triton_diffusion.openai_front.limits import Limits
 from triton_diffusion.openai_front.text_translation import TextCall
 from triton_diffusion.openai_front.triton_bridge import ModelInfo, TritonBridge, TritonRequest
-from triton_diffusion.serving.drain import DRAINING_MESSAGE
+from triton_diffusion.recovery.drain import DRAINING_MESSAGE
 
 
 class Gone(grpc.RpcError):

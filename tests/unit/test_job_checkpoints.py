@@ -1,5 +1,5 @@
 """A job checkpointed half-way, written to disk and restored onto a fresh start of its request, ends in the
-uninterrupted job's image (adapters/job_checkpoints.py, serving/checkpoint_store.py), CPU fp32.
+uninterrupted job's image (adapters/job_checkpoints.py, recovery/checkpoint_store.py), CPU fp32.
 
 Tiny SD with Euler, DPM-Solver++ (multistep: its history of model outputs is state), Euler ancestral
 (stochastic: its step noise comes from the row's generator, whose state is saved), DDIM and UniPC; tiny
@@ -32,7 +32,6 @@ from tests.unit.test_latent_loop import mask_image, source_image
 from triton_diffusion.adapters.image_params import ImageParams, LatentJob
 from triton_diffusion.adapters.job_checkpoints import (
     CheckpointMismatch,
-    JobCheckpoint,
     checkpoint_refusal,
     restore,
     snapshot,
@@ -41,7 +40,8 @@ from triton_diffusion.adapters.step_adapters import step_adapter_for
 from triton_diffusion.engine.jobs import Job
 from triton_diffusion.engine.scheduler import EngineLimits
 from triton_diffusion.engine.step_engine import StepEngine
-from triton_diffusion.serving.checkpoint_store import CheckpointStore
+from triton_diffusion.recovery.checkpoint_format import JobCheckpoint
+from triton_diffusion.recovery.checkpoint_store import CheckpointStore
 
 SD_SCHEDULERS = [
     "EulerDiscreteScheduler",

@@ -1,6 +1,6 @@
 """A crash loses no work, without a server: the resume_key field, the fields hash a checkpoint is bound to,
 the lookup as a request is read (each branch, with a fake store), the seed a resend draws, BATCH, the
-host storing and removing checkpoints, and the test-only exit fault (serving/job_resumes.py).
+host storing and removing checkpoints, and the test-only exit fault (recovery/resumes.py).
 
 The checkpoint store is faked here (a dict); tests/unit/test_checkpoint_store.py tests the real one."""
 
@@ -20,9 +20,9 @@ from triton_diffusion.errors import ErrorCode, RequestError
 from triton_diffusion.faults import FaultInjection, exiting_resumes
 from triton_diffusion.models.diffusion_model import DiffusionModel
 from triton_diffusion.models.image_fields import TEXT_TO_IMAGE_FIELDS
-from triton_diffusion.serving.checkpoint_store import CorruptCheckpoint
+from triton_diffusion.recovery.checkpoint_store import CorruptCheckpoint
+from triton_diffusion.recovery.resumes import Resumes, fields_hash, model_identity, seed_from_key
 from triton_diffusion.serving.engine_host import RequestRecord
-from triton_diffusion.serving.job_resumes import Resumes, fields_hash, model_identity, seed_from_key
 from triton_diffusion.settings import ModelConfig, ModelSettings
 
 KEY = "client-key_0123456789"

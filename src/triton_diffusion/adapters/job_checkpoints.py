@@ -20,12 +20,11 @@ is a job whose scheduler's state is not named, or holds a value that cannot be w
 object).
 
 A checkpoint is CPU tensors (contiguous copies, never views: the job steps on while it is written) and
-JSON-serialisable meta; serving/checkpoint_store.py writes it to disk.
+JSON-serialisable meta; recovery/checkpoint_store.py writes it to disk.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -33,18 +32,9 @@ import torch
 
 from triton_diffusion.adapters import diffusers_compat as compat
 from triton_diffusion.adapters.image_params import LatentJob
+from triton_diffusion.recovery.checkpoint_format import FORMAT, JobCheckpoint
 
-FORMAT = 3  # the meta's layout: a checkpoint of another format does not fit
 SCALARS = (bool, int, float, str, type(None))
-
-
-@dataclass(frozen=True)
-class JobCheckpoint:
-    """A job's state after ``step`` denoising steps: CPU tensors by name and JSON-serialisable meta."""
-
-    step: int
-    tensors: dict[str, torch.Tensor]
-    meta: dict[str, Any]
 
 
 class CheckpointMismatch(ValueError):

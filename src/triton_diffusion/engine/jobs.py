@@ -59,7 +59,7 @@ class JobSpec:
     cache_method: str = "none"
     preview_every: int = 0
     previews: int = 0
-    # Where the host keeps this job's checkpoints (serving/job_resumes.py), None: none are taken. The
+    # Where the host keeps this job's checkpoints (recovery/resumes.py), None: none are taken. The
     # engine takes one every ``checkpoint_every`` denoising steps (step_engine.py) and reports it.
     checkpoint_key: str | None = None
     # The num_inference_steps it may run under overload, what it asked first (engine/degradation.py);

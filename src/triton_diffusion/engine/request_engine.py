@@ -11,7 +11,7 @@ step itself returns a report with the finished images and the jobs that failed. 
 never answers a request nor calls one: it decides a request's error on its own record
 (engine/request_status.py) and reports it; the host delivers it.
 
-Draining (serving/drain.py, on SIGTERM) on this engine: it has no checkpoints, so the host refuses new
+Draining (recovery/drain.py, on SIGTERM) on this engine: it has no checkpoints, so the host refuses new
 requests UNAVAILABLE "draining", lets the engine step under way (its fused calls) finish, and answers the
 jobs still waiting for a call UNAVAILABLE "draining" too (:meth:`RequestEngine.late_jobs`): their clients
 resend them, from the start, after the restart or to another replica.

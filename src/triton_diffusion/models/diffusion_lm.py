@@ -38,9 +38,9 @@ from triton_diffusion.fields import (
     Role,
     seed_field,
 )
+from triton_diffusion.recovery.resumes import seed_from_key
 from triton_diffusion.serving.engine_host import RequestRecord
 from triton_diffusion.serving.engines import StepEngineKind
-from triton_diffusion.serving.job_resumes import seed_from_key
 from triton_diffusion.serving.metrics import DIFFUSION_LM_FAMILIES, DIFFUSION_LM_METRICS, BatchingMetrics
 from triton_diffusion.serving.requests import TrackedRequest
 from triton_diffusion.serving.triton_model import Hosting, Urgency, urgency_of

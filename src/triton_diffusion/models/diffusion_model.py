@@ -4,7 +4,7 @@ A request is parsed once, into a :class:`ParsedRequest` that already holds its j
 :class:`JobSpec` per image or video: its params, tier, deadline, planned steps, expected shape, step
 cache), so the serving host hands them to the engine without asking back. Sizes, strength, frames, seeds
 and BATCH are known here and nowhere in serving/. A request with a ``resume_key`` on a model that takes
-checkpoints is looked up in its store as it is read (serving/job_resumes.py): an image whose checkpoint
+checkpoints is looked up in its store as it is read (recovery/resumes.py): an image whose checkpoint
 is found starts from it.
 """
 
@@ -32,9 +32,9 @@ from triton_diffusion.families import PipelineFacts
 from triton_diffusion.faults import exiting_resumes
 from triton_diffusion.fields import FieldSet
 from triton_diffusion.models.calibration import calibrate
+from triton_diffusion.recovery.resumes import Resume, Resumes, seed_from_key
 from triton_diffusion.serving.engine_host import RequestRecord
 from triton_diffusion.serving.engines import EngineKind, RequestEngineKind, StepEngineKind
-from triton_diffusion.serving.job_resumes import Resume, Resumes, seed_from_key
 from triton_diffusion.serving.metrics import FAMILIES, IMAGE_METRICS, BatchingMetrics
 from triton_diffusion.serving.requests import TrackedRequest
 from triton_diffusion.serving.result_cache import ResultCache, result_key

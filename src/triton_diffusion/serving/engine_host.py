@@ -7,9 +7,9 @@ job specs (:class:`Parsed`, made when the request is read), and it says how prog
 tensors. What a step report holds becomes, on the engine thread, work for the
 response thread (nothing is encoded or sent here, so the next step starts at once), in the order it
 happened: progress, FINAL responses, and the errors the engine decided. The jobs' checkpoints a report
-carries go to the model's store (job_resumes.py), which writes them on its own thread.
+carries go to the model's store (recovery/resumes.py), which writes them on its own thread.
 
-Draining (serving/drain.py: the launcher got SIGTERM), where the launcher set a drain file: between two
+Draining (recovery/drain.py: the launcher got SIGTERM), where the launcher set a drain file: between two
 engine steps (and every half second while idle) the engine thread looks for it, a ``stat`` at most every
 half second (:class:`DrainWatch`). Once it is there, new requests are answered UNAVAILABLE "draining"
 at once; each engine step, the jobs the engine's estimate says cannot be done before the drain deadline
@@ -33,10 +33,10 @@ from triton_diffusion.engine.jobs import Job, JobSpec, Left, Stepped, StepReport
 from triton_diffusion.engine.request_status import Abort
 from triton_diffusion.engine.step_engine import StepEngine
 from triton_diffusion.errors import RESEND, ErrorCode, RequestError, Retry, RetryHint
-from triton_diffusion.serving.drain import DRAINING_MESSAGE, POLL_S, DrainWatch, drain_file_from_env
+from triton_diffusion.recovery.drain import DRAINING_MESSAGE, POLL_S, DrainWatch, drain_file_from_env
+from triton_diffusion.recovery.resumes import Resumes
 from triton_diffusion.serving.engine_worker import EngineWorker
 from triton_diffusion.serving.engines import EngineKind
-from triton_diffusion.serving.job_resumes import Resumes
 from triton_diffusion.serving.metrics import BatchingMetrics, MetricNames
 from triton_diffusion.serving.requests import TrackedRequest
 from triton_diffusion.serving.responses import ResponseWorker

@@ -75,7 +75,7 @@ class StepEngineKind:
             pacing.cohort,
             ",".join(service.tiers),
         )
-        # Checkpoints of the jobs that have a checkpoint key (job_resumes.py), every this many steps.
+        # Checkpoints of the jobs that have a checkpoint key (recovery/resumes.py), every this many steps.
         every = config.checkpoint_every_steps
         engine = StepEngine(
             adapter, limits, policy, pacing, service, checkpoint_every=every, times=self.times

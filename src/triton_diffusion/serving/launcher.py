@@ -20,7 +20,7 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
-from triton_diffusion.serving import drain
+from triton_diffusion.recovery import drain
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
@@ -181,7 +181,7 @@ def ready_line(
 
 def with_drain_file(command: ServerCommand, extra: list[str]) -> tuple[ServerCommand, Path]:
     """The server command with the drain file's path in its environment (its Python backend stubs inherit
-    it: serving/drain.py), and that path, cleared of what an earlier run left there."""
+    it: recovery/drain.py), and that path, cleared of what an earlier run left there."""
     path = drain.drain_path(_option(extra, "http-port", "8000"), command.env)
     drain.clear(path)
     return ServerCommand(command.argv, {**command.env, drain.ENV: str(path)}), path

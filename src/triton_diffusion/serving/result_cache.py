@@ -21,7 +21,7 @@ import numpy as np
 from PIL import Image
 
 # Fields that change how a request is served, never what it answers (resume_key: where its work may
-# resume from, job_resumes.py; min_inference_steps: how far it may be degraded, and a degraded answer is
+# resume from, recovery/resumes.py; min_inference_steps: how far it may be degraded, and a degraded answer is
 # never kept).
 NOT_IN_KEY = frozenset(
     {

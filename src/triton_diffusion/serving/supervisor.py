@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from triton_diffusion.serving import drain
+from triton_diffusion.recovery import drain
 
 log = logging.getLogger("triton_diffusion.supervisor")
 

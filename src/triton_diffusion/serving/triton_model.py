@@ -24,9 +24,9 @@ from triton_diffusion.engine.failures import exit_for_restart
 from triton_diffusion.engine.jobs import Stepped
 from triton_diffusion.errors import ErrorCode, RequestError, invalid_field
 from triton_diffusion.fields import FieldSet
+from triton_diffusion.recovery.resumes import Resumes
 from triton_diffusion.serving.engine_host import EngineHost, Parsed, RequestRecord
 from triton_diffusion.serving.engines import EngineKind
-from triton_diffusion.serving.job_resumes import Resumes
 from triton_diffusion.serving.metrics import BatchingMetrics, MetricNames
 from triton_diffusion.serving.requests import TrackedRequest
 from triton_diffusion.settings import ModelConfig, ModelSettings

@@ -8,7 +8,7 @@ resend goes on from the last one instead of starting over. Data flows one way:
 
 - the step engine decides when a job is due one and the adapter takes it (a CPU copy); the step report
   carries it here (:meth:`Resumes.persist`, on the engine thread), and the store writes it on its own
-  thread (serving/checkpoint_store.py: atomic files, bounded in bytes and age);
+  thread (recovery/checkpoint_store.py: atomic files, bounded in bytes and age);
 - a request is read (models/diffusion_model.py): :meth:`Resumes.lookup` finds each image's checkpoint
   (key ``<resume_key>.<image>``), checks it belongs to a request with the same fields (its
   :func:`fields_hash`: one client can neither resume nor read another's job by reusing its key; a
@@ -31,7 +31,7 @@ from typing import Any
 
 from triton_diffusion.engine.jobs import StepReport
 from triton_diffusion.errors import ErrorCode, invalid_field
-from triton_diffusion.serving.checkpoint_store import CheckpointStore, CorruptCheckpoint
+from triton_diffusion.recovery.checkpoint_store import CheckpointStore, CorruptCheckpoint
 from triton_diffusion.serving.requests import TrackedRequest
 from triton_diffusion.serving.result_cache import NOT_IN_KEY, values_digest
 from triton_diffusion.settings import ModelSettings
@@ -101,7 +101,7 @@ class Resumes:
     fields hash, until answered)."""
 
     def __init__(self, store: Any, every: int, identity: str = "") -> None:
-        self.store = store  # a serving/checkpoint_store.py CheckpointStore (or a test's)
+        self.store = store  # a recovery/checkpoint_store.py CheckpointStore (or a test's)
         self.every = every
         self.identity = identity  # the model as loaded (model_identity): part of every fields hash
         self._lock = threading.Lock()

@@ -47,7 +47,7 @@ from typing import Any
 import safetensors.torch
 import torch
 
-from triton_diffusion.adapters.job_checkpoints import JobCheckpoint
+from triton_diffusion.recovery.checkpoint_format import JobCheckpoint
 
 log = logging.getLogger("triton_diffusion")
 
