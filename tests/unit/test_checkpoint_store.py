@@ -440,6 +440,21 @@ def test_a_checkpoint_that_cannot_be_serialised_loses_only_itself(store, monkeyp
     assert synced == [store.directory]
 
 
+def hang(monkeypatch, owner, name: str) -> tuple[threading.Event, threading.Event]:
+    """``owner.name`` blocks in the kernel (a hung volume) until the first event is set; the second says
+    it was reached."""
+    release, entered = threading.Event(), threading.Event()
+    call = getattr(owner, name)
+
+    def hung(*args):
+        entered.set()
+        release.wait(60)
+        return call(*args)
+
+    monkeypatch.setattr(owner, name, hung)
+    return release, entered
+
+
 def test_a_folder_that_does_not_answer_stalls_no_read_or_removal(store, monkeypatch):
     """A hung network volume: the read blocks in the kernel. The request's read gives up after FOLDER_S
     (none found: the request starts over), later calls skip the folder at once while it is stuck, and it
@@ -448,15 +463,7 @@ def test_a_folder_that_does_not_answer_stalls_no_read_or_removal(store, monkeypa
     store.put(key, "h", checkpoint(3))
     assert store.flush(10)
     monkeypatch.setattr(checkpoint_store, "FOLDER_S", 0.2)
-    release, entered = threading.Event(), threading.Event()
-    read = checkpoint_store._read_regular
-
-    def hung(path, limit):
-        entered.set()
-        release.wait(60)
-        return read(path, limit)
-
-    monkeypatch.setattr(checkpoint_store, "_read_regular", hung)
+    release, entered = hang(monkeypatch, checkpoint_store, "_read_regular")
     done = threading.Event()
     results = []
 
@@ -488,15 +495,7 @@ def test_a_write_that_hangs_marks_the_folder_hung_until_it_returns(store, monkey
     store.put(other, "h", checkpoint(2))
     assert store.flush(10)
     monkeypatch.setattr(checkpoint_store, "FOLDER_S", 0.2)
-    release, entered = threading.Event(), threading.Event()
-    write = store._write_one
-
-    def hung(*args):
-        entered.set()
-        release.wait(60)
-        return write(*args)
-
-    monkeypatch.setattr(store, "_write_one", hung)
+    release, entered = hang(monkeypatch, store, "_write_one")
     store.put("W" * 16 + ".0", "h", checkpoint(5))
     try:
         assert entered.wait(30), "the write never reached the folder"
