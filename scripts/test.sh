@@ -10,5 +10,7 @@ cd "$REPO_ROOT"
 "$REPO_ROOT/.venv/bin/ruff" check src client scripts tests model_repository
 "$REPO_ROOT/.venv/bin/mypy"  # src/ (pyproject.toml [tool.mypy]): each Protocol where an implementation meets it
 NO_MKDOCS_2_WARNING=1 "$REPO_ROOT/.venv/bin/mkdocs" build --strict --quiet --site-dir "$(mktemp -d)"
-# --durations: every CI log shows where the time goes.
-exec "$REPO_ROOT/.venv/bin/python" -m pytest -q --durations=25 "$@"
+# --durations: every CI log shows where the time goes. Two workers (pytest-xdist): the session server's
+# tests on one, the tests with servers of their own on the other, the unit tests on both
+# (tests/integration/conftest.py); on 2 cores one worker left a core idle half the time.
+exec "$REPO_ROOT/.venv/bin/python" -m pytest -q --durations=25 -n 2 --dist loadgroup "$@"
