@@ -37,23 +37,13 @@ STEP_MODELS = {
 }
 
 
-# Files whose tests start servers of their own (a few models each) or drive scripts that do, and never the
-# session's: under pytest-xdist (scripts/test.sh: two workers, --dist loadgroup) they run on one worker
-# while every test of the session server, and the family matrix's own large server, runs on the other, so
-# no two large servers are up at once; the unit tests fill both.
-OWN_SERVERS = {"test_drain", "test_resume", "test_self_healing", "test_gpu_machine_env", "test_openai_front"}
-
-
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Every test here starts a real tritonserver (or drives scripts that do): marked ``integration``, so
-    ``pytest -m "not integration"`` is the fast loop; and grouped for pytest-xdist (OWN_SERVERS)."""
+    ``pytest -m "not integration"`` is the fast loop. (Which worker runs it: tests/conftest.py.)"""
     here = Path(__file__).parent
     for item in items:
         if Path(item.path).parent == here:
             item.add_marker(pytest.mark.integration)
-            group = "own-servers" if Path(item.path).stem in OWN_SERVERS else "session-server"
-            item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture(scope="session")
