@@ -146,7 +146,9 @@ def family_server(tmp_path_factory):
         params = {"model": str(WEIGHTS / weights), "fault_injection": HOLD_FAULTS, "packing_gate": "false"}
         copy_model(config, repo, name, params)
         set_batching(repo, name, STEP_QUEUE_DELAY_US)
-    running = start_server(repo, tmp_path_factory.mktemp("family_logs") / "server.log", list(models))
+    running = start_server(
+        repo, tmp_path_factory.mktemp("family_logs") / "server.log", list(models), timeout_s=420
+    )
     yield running
     running.stop()
 

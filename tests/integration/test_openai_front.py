@@ -356,7 +356,6 @@ def test_a_client_that_goes_away_cancels_its_triton_request(front):
         "partial_images": 3,
         "num_inference_steps": 40,
     }
-    started = time.monotonic()
     with httpx.stream(
         "POST",
         f"{front.openai_url}/v1/images/generations",
@@ -368,11 +367,10 @@ def test_a_client_that_goes_away_cancels_its_triton_request(front):
         for line in response.iter_lines():
             if line.startswith("event: image_generation.partial_image"):
                 break  # running now: leave (40 steps of 150 ms would take 6 s)
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60  # a wait, not a bound: a request run to its end is not CANCELLED
     while read_metrics(front).get(metric, 0) <= before and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert read_metrics(front).get(metric, 0) == before + 1
-    assert time.monotonic() - started < 5  # cancelled at a step, not run to the end
+    assert read_metrics(front).get(metric, 0) == before + 1  # cancelled at a step, not run to the end
 
 
 def test_a_non_streamed_request_whose_client_goes_away_is_cancelled(front):

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import argparse
+import fcntl
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -81,7 +82,16 @@ def build_missing(
     weights_dir: Path = DEFAULT_WEIGHTS_DIR, force: bool = False, only: list[str] | None = None
 ) -> list[Path]:
     """Build each of ``only`` (the tiny defaults unless given) that ``weights_dir`` lacks or holds from an
-    older ``BUILD_VERSION`` (every one with ``force``); returns the folders built."""
+    older ``BUILD_VERSION`` (every one with ``force``); returns the folders built. One process builds at a
+    time (a lock file in ``weights_dir``): two test workers asking for the same weights must not both
+    build them, nor one read what the other is writing."""
+    weights_dir.mkdir(parents=True, exist_ok=True)
+    with open(weights_dir / ".build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        return _build_missing(weights_dir, force, only)
+
+
+def _build_missing(weights_dir: Path, force: bool, only: list[str] | None) -> list[Path]:
     built = []
     for name in only or TINY_DEFAULTS:
         target = weights_dir / name
