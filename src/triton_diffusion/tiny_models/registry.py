@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import fcntl
 import shutil
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -84,11 +85,21 @@ def build_missing(
     """Build each of ``only`` (the tiny defaults unless given) that ``weights_dir`` lacks or holds from an
     older ``BUILD_VERSION`` (every one with ``force``); returns the folders built. One process builds at a
     time (a lock file in ``weights_dir``): two test workers asking for the same weights must not both
-    build them, nor one read what the other is writing."""
+    build them, nor one read what the other is writing. A builder that builds what it derives from
+    (build_missing within build_missing) holds the lock already: a second flock would wait on itself."""
+    if getattr(_building, "held", False):
+        return _build_missing(weights_dir, force, only)
     weights_dir.mkdir(parents=True, exist_ok=True)
     with open(weights_dir / ".build.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        return _build_missing(weights_dir, force, only)
+        _building.held = True
+        try:
+            return _build_missing(weights_dir, force, only)
+        finally:
+            _building.held = False
+
+
+_building = threading.local()  # this thread holds the build lock (build_missing is re-entered)
 
 
 def _build_missing(weights_dir: Path, force: bool, only: list[str] | None) -> list[Path]:
