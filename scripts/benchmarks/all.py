@@ -142,7 +142,7 @@ PLAN = (
             "--rounds",
             "5",
             "--steps",
-            "400",
+            "150",
             "--duration",
             "60",
             "--crash-every",

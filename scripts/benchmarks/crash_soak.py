@@ -354,12 +354,14 @@ def ended(server) -> bool:
 
 
 @contextmanager
-def running_server(edits: dict[str, str], folder: Path) -> Iterator[Any]:
+def running_server(edits: dict[str, str], folder: Path, steps: int) -> Iterator[Any]:
     """A launcher (its supervisor in charge) serving one tiny-sd text_to_image with ``edits``; stopped on the
     way out, its whole process group gone (polled, then SIGKILL) whatever happened."""
     repo = folder / "repo"
     repo.mkdir()
-    copy_model(MODEL, repo, MODEL, {"model": str(WEIGHTS / "tiny-sd"), **edits})
+    # The shipped config allows 50 steps; a soak of long jobs asks for more (the field allows 150).
+    allowed = {"max_num_inference_steps": str(steps)} if steps > 50 else {}
+    copy_model(MODEL, repo, MODEL, {"model": str(WEIGHTS / "tiny-sd"), **allowed, **edits})
     # --drain-s=0: the run is over when it stops, nothing to hand over.
     server = start_server(repo, folder / "tritonserver.log", [MODEL], extra_args=["--drain-s=0"])
     try:
@@ -501,7 +503,7 @@ def main(argv: list[str] | None = None) -> None:
             with tempfile.TemporaryDirectory(prefix=f"crash-soak-{variant}-") as tmp:
                 folder = Path(tmp)
                 with running_server(
-                    checkpoint_edits(variant, folder, args.checkpoint_every), folder
+                    checkpoint_edits(variant, folder, args.checkpoint_every), folder, args.steps
                 ) as server:
                     if report["settings"]["rate_per_s"] is None:
                         solo = solo_latency(server, args)
