@@ -115,12 +115,16 @@ def psnr(a: np.ndarray, b: np.ndarray) -> float:
 def figures(requests, results, latency, measured, window_s, deadline_s) -> dict:
     """One run's figures over the measured requests (every one offered counts)."""
     met = [i for i in measured if results[i].ok and latency[i] <= deadline_s]
+    degraded = [i for i in measured if results[i].ok and "degraded" in (results[i].batch or {})]
     by_tier = {}
     for tier in TIERS:
         mine = [i for i in measured if requests[i]["service_tier"] == tier]
         if mine:
-            by_tier[tier] = {"offered": len(mine), "met": sum(i in met for i in mine)}
-    degraded = [i for i in measured if results[i].ok and "degraded" in (results[i].batch or {})]
+            by_tier[tier] = {
+                "offered": len(mine),
+                "met": sum(i in met for i in mine),
+                "degraded": sum(i in degraded for i in mine),
+            }
     errors = [results[i].error or "" for i in measured if not results[i].ok]
     return {
         "offered": len(measured),

@@ -109,11 +109,12 @@ def _psnr(values: list[float]) -> str:
 
 
 def _tiers(artefact: dict[str, Any]) -> str:
-    """Attainment per tier at each load, summed over rounds."""
+    """Attainment per tier at each load, summed over rounds; and the share of each tier the degrade variant
+    degraded (an artefact from before that count: "-")."""
     variants = artefact["config"]["variants"]
     rows = [
-        "| load | tier | " + " | ".join(f"{v} in time" for v in variants) + " |",
-        "|---|---|" + "---|" * len(variants),
+        "| load | tier | " + " | ".join(f"{v} in time" for v in variants) + " | degrade: degraded |",
+        "|---|---|" + "---|" * (len(variants) + 1),
     ]
     for load in artefact["loads"]:
         runs = [r for r in artefact["runs"] if r["load"] == load]
@@ -124,5 +125,13 @@ def _tiers(artefact: dict[str, Any]) -> str:
                 offered = sum(t["offered"] for t in mine if t)
                 met = sum(t["met"] for t in mine if t)
                 cells.append(f"{met}/{offered}" if offered else "-")
-            rows.append(f"| {load:g}x | {tier} | " + " | ".join(cells) + " |")
+            mine = [r["by_tier"].get(tier) for r in runs if r["variant"] == "degrade"]
+            counted = [t for t in mine if t and "degraded" in t]
+            offered = sum(t["offered"] for t in counted)
+            shown = (
+                f"{sum(t['degraded'] for t in counted)}/{offered}"
+                if counted and len(counted) == len(mine)
+                else "-"
+            )
+            rows.append(f"| {load:g}x | {tier} | " + " | ".join([*cells, shown]) + " |")
     return "\n".join(rows)

@@ -18,7 +18,13 @@ from tests.unit.test_scheduler import DEFAULT, FLEX, PRIORITY, Harness
 from tests.unit.test_step_engine import FakeAdapter
 from triton_diffusion.adapters.image_params import ImageParams
 from triton_diffusion.adapters.step_adapters import step_adapter_for
-from triton_diffusion.engine.degradation import CUT_TARGET, StepsCut, cut_for_deadline, steps_allowed
+from triton_diffusion.engine.degradation import (
+    CUT_TARGET,
+    StepsCut,
+    cut_for_deadline,
+    room_for,
+    steps_allowed,
+)
 from triton_diffusion.engine.estimates import WorkTimes
 from triton_diffusion.engine.jobs import JobStart
 from triton_diffusion.engine.scheduler import EngineLimits
@@ -179,6 +185,68 @@ def test_a_job_whose_fewest_steps_cannot_meet_its_deadline_is_refused_uncut():
     h.step(0.1)
     assert hopeless.cut is None
     assert hopeless.request.channel.finals[0].code is ErrorCode.UNAVAILABLE
+
+
+def test_a_job_ahead_of_its_tier_is_cut_to_make_room_for_a_later_ones_deadline():
+    h = harness(max_running=1, max_per_forward=1, max_paused=0)
+    h.measure(0.5)  # every forward 0.5 s, one job per forward
+    ahead = degradable(h, "ahead", DEFAULT, 4, 1, deadline_s=2.5)  # least slack: it goes first
+    later = h.job("later", DEFAULT, 4, deadline_s=3.0)  # nothing fewer allowed
+    h.add(ahead, later)
+    h.step(0.1)
+    # ahead: 4 steps (2 s) of its 2.4 s left: in time uncut. later after it: 8 forwards (4 s) of 2.9 s
+    # left, late; ahead at k steps: (k + 4) x 0.5 s within 90% of 2.9 s (2.61 s): k = 1.
+    assert ahead.cut is not None and (ahead.cut.steps, ahead.cut.asked) == (1, 4)
+    assert ahead.cut.reason.startswith("deadline of a request after it: estimated 4000 ms, 2900 ms left")
+    assert later.cut is None and not later.request.channel.finals  # not refused
+    h.drain()
+    assert forwards_of(h, "ahead") == 1 and forwards_of(h, "later") == 4
+    assert not isinstance(later.request.channel.finals[0], Exception)
+
+
+def test_the_last_in_order_is_cut_first_and_as_little_as_brings_the_late_one_in_time():
+    h = harness(max_running=1, max_per_forward=1, max_paused=0)
+    h.measure(0.5)
+    first = degradable(h, "first", DEFAULT, 4, 1, deadline_s=2.2)
+    second = degradable(h, "second", DEFAULT, 4, 1, deadline_s=4.3)
+    late = h.job("late", DEFAULT, 4, deadline_s=5.8)
+    h.add(first, second, late)
+    h.step(0.1)
+    # late after 12 forwards (6 s) of 5.7 s left; within 90% of it (5.13 s): at most 10 forwards, so 2
+    # steps freed, all from second (the last in order before it): second runs 2 steps, first all 4.
+    assert first.cut is None
+    assert second.cut is not None and second.cut.steps == 2
+    assert not late.request.channel.finals
+
+
+def test_a_cut_that_saves_nobody_is_not_made_and_a_higher_tier_is_not_cut_for_a_lower_one():
+    # Even with "ahead" at 1 step, "late" (4 steps) would take 2.5 s of 2.2 s left: nothing is cut.
+    h = harness(max_running=1, max_per_forward=1, max_paused=0)
+    h.measure(0.5)
+    ahead = degradable(h, "ahead", DEFAULT, 4, 1, deadline_s=2.1)
+    late = h.job("late", DEFAULT, 4, deadline_s=2.3)
+    h.add(ahead, late)
+    h.step(0.1)
+    assert ahead.cut is None
+    assert late.request.channel.finals[0].code is ErrorCode.UNAVAILABLE
+    # The first test's numbers, with the job ahead one tier higher: it is not cut for the lower one.
+    h = harness(max_running=1, max_per_forward=1, max_paused=0)
+    h.measure(0.5)
+    ahead = degradable(h, "ahead", PRIORITY, 4, 1, deadline_s=2.5)
+    later = h.job("later", DEFAULT, 4, deadline_s=3.0)
+    h.add(ahead, later)
+    h.step(0.1)
+    assert ahead.cut is None
+    assert later.request.channel.finals[0].code is ErrorCode.UNAVAILABLE
+
+
+def test_room_for_takes_candidates_in_the_order_given_each_as_far_as_it_goes():
+    allowed = allowance(4, 1)
+    # Each freed token-step takes 1 s off a 10 s estimate; 6 s left, aiming at 5.4 s: 4.6 to free.
+    cuts = room_for(lambda freed: 10.0 - freed, 6.0, [(allowed, 4, 1), (allowed, 4, 1), (allowed, 4, 1)], "w")
+    assert [c and c.steps for c in cuts] == [1, 2, None]  # 3 from the first, 2 more from the second
+    assert room_for(lambda freed: 10.0 - freed, 1.0, [(allowed, 4, 1)], "w") == [None]  # saves nobody
+    assert room_for(lambda freed: 10.0 - freed, 6.0, [((), 4, 1), (allowed, 4, 2)], "w")[1].steps == 1
 
 
 # ---- exactness: tiny SD ---------------------------------------------------------------------------------

@@ -19,6 +19,9 @@ use: its forwards after the work that goes before it, its start and its decode) 
   they are the ones whose deadlines need a cut. Its order is by the steps it asked (a cut would give it
   slack and move it behind the jobs it was cut for), and a job the walk cut is not refused.
 - As little as it can: the most steps that meet the deadline, the fewest cut.
+- Room for a later job: one still late even at its fewest steps (or, allowing none, at what it asked)
+  has waiting jobs ahead of it, of its tier or lower, cut to make room for it (``room_for``); none is
+  cut where that does not bring it in time, and a higher tier is never cut for a lower one.
 - Decided again at each engine step until the job is admitted (a queue that drains in the meantime gives
   it back what it asked); once it starts, its schedule is fixed (its scheduler's timesteps are made for
   its steps: it equals ``pipeline(num_inference_steps=k)`` for the k it runs).
@@ -26,8 +29,13 @@ use: its forwards after the work that goes before it, its start and its decode) 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from triton_diffusion.engine.jobs import Job
 
 # Every num_inference_steps a job may run, with the denoising steps each makes: (steps, denoising).
 StepsAllowed = tuple[tuple[int, int], ...]
@@ -83,6 +91,71 @@ def cut_for_deadline(
             low = middle + 1
     steps, denoising = fewer[low]
     return StepsCut(steps, denoising, asked, f"deadline: {why}")
+
+
+def room_for(
+    late_in: Callable[[int], float],
+    time_left_s: float,
+    candidates: Sequence[tuple[StepsAllowed, int, int]],
+    why: str,
+) -> list[StepsCut | None]:
+    """Cuts of the jobs ahead of a late job that bring it within ``CUT_TARGET`` of ``time_left_s``: the
+    fewest, taken from ``candidates`` in the order given (the scheduler gives the lowest tier first, the
+    last in order first), each cut as far as its allowance goes before the next is touched, the last one
+    as little as it can. ``candidates``: each job's (allowance, denoising steps it runs now, tokens per
+    step); ``late_in(freed)``: the late job's estimate once ``freed`` token-steps ahead of it are gone;
+    ``why``: each cut's reason.
+
+    One entry per candidate: its new cut (None: not cut further). All None where even every candidate at
+    its fewest steps leaves the late job late: a cut that saves nobody is not made."""
+    target = time_left_s * CUT_TARGET
+    cuts: list[StepsCut | None] = [None] * len(candidates)
+    freed = 0
+    for i, (allowed, running, tokens) in enumerate(candidates):
+        fewer = [(k, d) for k, d in allowed[1:] if d < running]
+        if not fewer:
+            continue
+        if late_in(freed + (running - fewer[-1][1]) * tokens) > target:
+            freed += (running - fewer[-1][1]) * tokens
+            cuts[i] = StepsCut(*fewer[-1], allowed[0][0], why)
+            continue
+        # This one is enough: the most steps of it that are (bisection: the estimate falls with the cut).
+        low, high = 0, len(fewer) - 1
+        while low < high:
+            middle = (low + high) // 2
+            if late_in(freed + (running - fewer[middle][1]) * tokens) <= target:
+                high = middle
+            else:
+                low = middle + 1
+        cuts[i] = StepsCut(*fewer[low], allowed[0][0], why)
+        return cuts
+    return [None] * len(candidates)
+
+
+def make_room(job: Job, cuttable: list[Job], after: Callable[[int, int], float], left: float) -> int:
+    """Cut the waiting jobs ``cuttable`` (passed in the walk) of ``job``'s tier or lower, lowest tier
+    and last in order first, as little as brings ``job`` in time at its fewest allowed steps (then its
+    own cut is decided again); none where nothing does. ``after(freed, steps)``: ``job``'s estimate at
+    ``steps`` with ``freed`` token-steps fewer ahead of it. The token-steps freed ahead of it."""
+    steps = job.spec.steps_allowed[-1][1] if job.spec.steps_allowed else job.remaining
+    mine = [(c.spec.tier, i, c) for i, c in enumerate(cuttable) if c.spec.tier >= job.spec.tier]
+    others = [c for _, _, c in sorted(mine, key=lambda entry: entry[:2], reverse=True)]
+    late_ms, left_ms = after(0, steps) * 1000, max(left, 0) * 1000
+    why = f"deadline of a request after it: estimated {late_ms:.0f} ms, {left_ms:.0f} ms left"
+    cuts = room_for(
+        lambda freed: after(freed, steps),
+        left,
+        [(c.spec.steps_allowed, c.remaining, c.spec.tokens) for c in others],
+        why,
+    )
+    freed = 0
+    for other, cut in zip(others, cuts, strict=True):
+        if cut is not None:
+            freed += (other.remaining - cut.denoising) * other.spec.tokens
+            other.cut = cut
+    if freed and job.spec.steps_allowed:
+        job.cut = cut_for_deadline(job.spec.steps_allowed, partial(after, freed), left, job.cut)
+    return freed
 
 
 def steps_allowed(

@@ -45,7 +45,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from functools import partial
 
-from triton_diffusion.engine.degradation import cut_for_deadline
+from triton_diffusion.engine.degradation import cut_for_deadline, make_room
 from triton_diffusion.engine.estimates import WorkTimes
 from triton_diffusion.engine.forward_caps import EngineLimits, ForwardCaps
 from triton_diffusion.engine.jobs import (
@@ -256,8 +256,9 @@ class Scheduler:
         return tuple(j for j in self.running if self.order_key(j, now) >= mine)
 
     def _cut_steps(self, now: float) -> None:
-        """Each waiting job that may run fewer steps gets the most with which it meets its deadline
-        (engine/degradation.py): decided in the order jobs go, each after the work before it."""
+        """Each waiting job that may run fewer steps gets the most with which it meets its deadline; a
+        waiting job late even so has waiting jobs ahead of it, of its tier or lower, cut to make room for
+        it (engine/degradation.py): decided in the order jobs go, each after the work before it."""
         if not self.service.refuse_late or not self.times.measured:
             return
         if not any(j.spec.steps_allowed and j.spec.deadline is not None for j in self.waiting):
@@ -266,14 +267,31 @@ class Scheduler:
         keys = {id(j): self.order_key(j, now) for j in held if not j.status.ended}
         running = [(keys[id(j)], j) for j in self.running if id(j) in keys]  # keyed once per walk
         waiting = set(map(id, self.waiting))
-        ahead = 0
+        ahead, cuttable = (
+            0,
+            list[Job](),
+        )  # the waiting jobs passed that may be cut (for a later one's deadline)
         for job in sorted((j for j in held if id(j) in keys), key=lambda j: keys[id(j)]):
             mine = keys[id(job)]
-            if id(job) in waiting and job.spec.steps_allowed and job.spec.deadline is not None:
+            if id(job) in waiting and job.spec.deadline is not None:
                 behind = tuple(j for key, j in running if key >= mine)
-                done_in = partial(self._finish_in, job, ahead, behind, self._held_back_s(job, now, behind))
-                job.cut = cut_for_deadline(job.spec.steps_allowed, done_in, job.spec.deadline - now, job.cut)
+                held_back = self._held_back_s(job, now, behind)
+                done_in = partial(self._finish_in, job, ahead, behind, held_back)
+                left = job.spec.deadline - now
+                if job.spec.steps_allowed:
+                    job.cut = cut_for_deadline(job.spec.steps_allowed, done_in, left, job.cut)
+                if cuttable and done_in(job.remaining) > left:
+                    # Its estimate with ``freed`` token-steps fewer ahead of it, at ``steps``.
+                    after = partial(self._finish_after, job, ahead, behind, held_back)
+                    ahead -= make_room(job, cuttable, after, left)
+                if job.spec.steps_allowed:
+                    cuttable.append(job)
             ahead += job.remaining * job.spec.tokens
+
+    def _finish_after(
+        self, job: Job, ahead_work: int, behind: tuple[Job, ...], held_back_s: float, freed: int, steps: int
+    ) -> float:
+        return self._finish_in(job, ahead_work - freed, behind, held_back_s, steps)
 
     @staticmethod
     def _leave(job: Job, reason: str, message: str, out: SchedulerOutput) -> None:

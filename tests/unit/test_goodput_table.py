@@ -1,0 +1,39 @@
+"""The goodput benchmark's per-tier table (scripts/tables/goodput.py): attainment per tier and variant, and
+the share of each tier the degrade variant degraded, summed over rounds; "-" where an artefact's runs do
+not count it."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))  # the benchmarks' package
+
+from tables.goodput import _tiers  # noqa: E402
+
+
+def run(variant: str, met: int, degraded: int | None) -> dict:
+    tier = {"offered": 5, "met": met} | ({} if degraded is None else {"degraded": degraded})
+    return {"load": 1.5, "variant": variant, "by_tier": {"flex": tier}}
+
+
+def artefact(*runs: dict) -> dict:
+    return {
+        "loads": [1.5],
+        "config": {"variants": ["tiers", "degrade"], "tier_shares": {"flex": 1.0}},
+        "runs": runs,
+    }
+
+
+def test_each_tier_shows_what_the_degrade_variant_degraded_over_its_rounds():
+    table = _tiers(
+        artefact(run("tiers", 1, 0), run("degrade", 3, 2), run("tiers", 2, 0), run("degrade", 4, 1))
+    )
+    assert "| load | tier | tiers in time | degrade in time | degrade: degraded |" in table
+    assert "| 1.5x | flex | 3/10 | 7/10 | 3/10 |" in table
+
+
+def test_an_artefact_from_before_the_count_shows_none():
+    assert "| 1.5x | flex | 1/5 | 3/5 | - |" in _tiers(
+        artefact(run("tiers", 1, None), run("degrade", 3, None))
+    )
