@@ -121,6 +121,11 @@ BLOCKS: dict[str, Figure] = {
     "slo": Figure(("docs/cpu/slo/bench_slo.json",), "slo.render"),
     "slo-server": Figure(("docs/cpu/slo/bench_slo_server.json",), "slo.render_server"),
     "goodput": Figure(("docs/cpu/goodput.json",), "goodput.render", "bench.py goodput"),
+    "goodput-sd15-h100": Figure(
+        ("docs/profiles/sd15-h100/goodput.json",),
+        "goodput.render",
+        "bench.py goodput --device-profile sd15-h100",
+    ),
     # GPU: scripts/gpu_checks.py on one H100 (docs/gpu/checks*/)
     "gpu-graphs": Figure(
         ("docs/gpu/checks/cuda_graphs/bench_graphs.json",), "engines.graphs", stale=BEFORE_BOUNDARY

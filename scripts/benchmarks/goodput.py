@@ -24,6 +24,7 @@ written after every run) keeps every run; ``scripts/tables/goodput.py`` renders 
 ratio degrade / tiers over rounds by the one verdict rule (scripts/verdicts.py).
 
     .venv/bin/python scripts/bench.py goodput --requests 40 --loads 0.8,1.5,2.0 --rounds 5 --out docs/cpu
+    .venv/bin/python scripts/bench.py goodput --device-profile sd15-h100 --out docs/profiles/sd15-h100
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from verdicts import rotated_orders
 
 from benchmarks.arrivals import poisson_arrivals
 from benchmarks.common import REPO_ROOT, benchmark_parser
+from triton_diffusion.adapters.device_profiles import PROFILES, load_table
 from triton_diffusion.serving.server_process import copy_model, start_server
 from triton_diffusion.tiny_models import build_missing
 
@@ -55,15 +57,16 @@ WARM_UP_FRACTION = 0.1
 MODEL = "goodput"
 
 
-def traffic(count: int, steps: int, shares: tuple[float, ...], seed: int) -> list[dict]:
-    """The requests: a prompt and seed each, ``steps`` steps, a tier drawn by ``shares``."""
+def traffic(count: int, steps: int, shares: tuple[float, ...], seed: int, size: int = 64) -> list[dict]:
+    """The requests: a prompt and seed each, ``steps`` steps at ``size`` square, a tier drawn by
+    ``shares``."""
     rng = random.Random(seed)
     return [
         {
             "prompt": f"a lighthouse at dusk {i}",
             "seed": i,
-            "height": 64,
-            "width": 64,
+            "height": size,
+            "width": size,
             "num_inference_steps": steps,
             "service_tier": rng.choices(TIERS, shares)[0],
         }
@@ -179,6 +182,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--deadline-scale", type=float, default=3.0)
     parser.add_argument("--rounds", type=int, default=5, help="runs per variant and load, order rotated")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--device-profile",
+        choices=sorted(PROFILES),
+        help="the model at a GPU's forward and decode times at the profile's size "
+        "(adapters/device_profiles.py): goodput at that GPU's cost ratios; it computes no image, so no PSNR "
+        "or equality is read",
+    )
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench_results" / "goodput")
     args = parser.parse_args(argv)
     weights = REPO_ROOT / "weights"
@@ -190,6 +200,10 @@ def main(argv: list[str] | None = None) -> dict:
         "max_rows_per_call": str(args.cap),
         "deadline_policy": "refuse",
     }
+    args.size = 64
+    if args.device_profile:
+        args.size = load_table(PROFILES[args.device_profile]).size[0]  # where its times hold
+        config["device_profile"] = args.device_profile
     with tempfile.TemporaryDirectory(prefix="bench-goodput-") as tmp:
         repo = Path(tmp) / "repo"
         repo.mkdir()
@@ -203,7 +217,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 def measure(url: str, args: argparse.Namespace, config: dict, path: Path) -> dict:
     shares = tuple(float(x) for x in args.tiers.split(","))
-    requests = traffic(args.requests, args.steps, shares, args.seed)
+    requests = traffic(args.requests, args.steps, shares, args.seed, args.size)
     least = max(1, round(args.steps * args.least_share))
     for i in range(3):  # warm: the engine's estimates start from measured forwards
         generate_one(sent(requests[i], "fifo", 0, 0), "warm", url, MODEL)
@@ -217,7 +231,8 @@ def measure(url: str, args: argparse.Namespace, config: dict, path: Path) -> dic
         "benchmark": "goodput",
         "config": {
             "arch": args.arch,
-            "size": "64x64",
+            "size": f"{args.size}x{args.size}",
+            "device_profile": args.device_profile,
             "cap": args.cap,
             "requests": args.requests,
             "steps": args.steps,
@@ -253,7 +268,8 @@ def measure(url: str, args: argparse.Namespace, config: dict, path: Path) -> dic
                 write(path, report)
                 print(f"  {load} round {round_index + 1} {variant}: met {entry['met']}/{entry['offered']}, "
                       f"degraded {entry['degraded']}", flush=True)  # fmt: skip
-            compare(report["runs"][-len(VARIANTS) :], images, measured)
+            if not args.device_profile:  # a profile's stand-ins compute nothing: no image to compare
+                compare(report["runs"][-len(VARIANTS) :], images, measured)
             write(path, report)
     report["complete"] = True  # every planned run measured
     write(path, report)

@@ -16,8 +16,15 @@ TARGET_AT_1_5 = ">= 1.5"
 def render(artefact: dict[str, Any]) -> str:
     c = artefact["config"]
     shares = ", ".join(f"{tier} {share:g}" for tier, share in c["tier_shares"].items())
+    profile = c.get("device_profile")
+    model = f"{c['arch']} at {c['size']}"
+    if profile:
+        model = (
+            f"{c['arch']} at {c['size']} on the device profile `{profile}` (its forwards and decodes take "
+            "that GPU's measured times; it computes no image, so the PSNR and equality columns do not apply)"
+        )
     lines = [
-        f"{c['arch']} at {c['size']}, {c['requests']} requests a run (the first "
+        f"{model}, {c['requests']} requests a run (the first "
         f"{int(c['requests'] * c['warm_up_fraction'])} not counted), each asking {c['steps']} steps "
         "with a deadline of "
         f"{c['deadline_scale']:g}x one request alone ({artefact['deadline_s'] * 1000:.0f} ms), tiers drawn "
@@ -47,10 +54,10 @@ def render(artefact: dict[str, Any]) -> str:
         steps = [s for r in ours for s in r["steps_run"]]
         psnrs = sorted(p for r in ours for p in r.get("psnr_degraded", []))
         same = [r["same_as_tiers"] for r in ours if "same_as_tiers" in r]
+        equal = f"{sum(s['equal'] for s in same)}/{sum(s['compared'] for s in same)}" if same else "-"
         lines.append(
             f"| {load:g}x | {cells} | {_ratio(rounds, 'tiers', load)} | {_ratio(rounds, 'fifo', None)} | "
-            f"{degraded}/{offered} | {_steps(steps)} | {_psnr(psnrs)} | "
-            f"{sum(s['equal'] for s in same)}/{sum(s['compared'] for s in same)} |"
+            f"{degraded}/{offered} | {_steps(steps)} | {'-' if profile else _psnr(psnrs)} | {equal} |"
         )
     lines += ["", _quiet(artefact), "", _tiers(artefact)]
     if not artefact.get("complete", True):

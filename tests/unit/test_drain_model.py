@@ -23,7 +23,7 @@ from triton_diffusion.engine.scheduler import EngineLimits
 from triton_diffusion.engine.step_engine import StepEngine
 from triton_diffusion.errors import RESEND, ErrorCode, RequestError, Retry, RetryHint
 from triton_diffusion.recovery import drain
-from triton_diffusion.recovery.resumes import Resumes
+from triton_diffusion.recovery.resumes import Resume, Resumes
 from triton_diffusion.serving.engine_host import DRAIN_MARGIN_S, EngineHost
 from triton_diffusion.serving.engines import StepEngineKind
 from triton_diffusion.serving.metrics import IMAGE_METRICS
@@ -195,7 +195,7 @@ def send(host: EngineHost, name: str, spec: Spec, key: str | None = None) -> Any
     request = tracked(name)
     checkpoint_key = None
     if key is not None:
-        host.resumes.watch(request, key, "hash")
+        host.resumes.watch(request, Resume((), (), key, "hash"))
         checkpoint_key = f"{key}.0"
     host.submit([(request, Parsed([JobSpec(spec, planned_steps=spec.steps, checkpoint_key=checkpoint_key)]))])
     return request

@@ -21,8 +21,9 @@ from triton_diffusion.faults import FaultInjection, exiting_resumes
 from triton_diffusion.models.diffusion_model import DiffusionModel
 from triton_diffusion.models.image_fields import TEXT_TO_IMAGE_FIELDS
 from triton_diffusion.recovery.checkpoint_store import CorruptCheckpoint
-from triton_diffusion.recovery.resumes import Resumes, fields_hash, model_identity, seed_from_key
+from triton_diffusion.recovery.resumes import Resume, Resumes, fields_hash, model_identity, seed_from_key
 from triton_diffusion.serving.engine_host import RequestRecord
+from triton_diffusion.serving.requests import TrackedRequest
 from triton_diffusion.settings import ModelConfig, ModelSettings
 
 KEY = "client-key_0123456789"
@@ -210,19 +211,34 @@ def test_a_resume_key_whose_checkpoint_has_other_fields_is_refused_naming_resume
     assert f"{KEY}.0" in store.files  # another's checkpoint is neither used nor removed
 
 
+def parsed_and_watched(model: Bare, fields: dict[str, Any], request_: TrackedRequest) -> None:
+    """What the host does with a request (serving/triton_model.py): parse it, then watch it."""
+    model.resumes.watch(request_, model.parse(0, fields, request_).resume)
+
+
+def test_parse_watches_nothing_the_host_does():
+    model = bare_model(FakeStore())
+    first = tracked("first")
+    parsed = model.parse(0, request(), first)
+    assert model.resumes.resume_key(first) is None  # parse decided; it changed nothing
+    assert (parsed.resume.key, parsed.resume.hashed) == (KEY, fields_hash("m", parsed.values))
+    model.resumes.watch(first, parsed.resume)
+    assert model.resumes.resume_key(first) == KEY
+
+
 def test_a_key_in_flight_is_refused_to_a_request_with_other_fields_until_it_is_answered():
     store = FakeStore()
     model = bare_model(store)
     first = tracked("first")
-    model.parse(0, request(), first)
+    parsed_and_watched(model, request(), first)
     with pytest.raises(RequestError) as refused:
-        model.parse(0, request(guidance_scale=3.0), tracked("other fields"))
+        parsed_and_watched(model, request(guidance_scale=3.0), tracked("other fields"))
     assert refused.value.message.startswith("resume_key: is held by a request in flight with other fields")
     same = tracked("same fields")
-    model.parse(0, request(progress=True), same)  # the same request (a resend): its key
+    parsed_and_watched(model, request(progress=True), same)  # the same request (a resend): its key
     model.resumes.answered(first, None)
     model.resumes.answered(same, None)
-    model.parse(0, request(guidance_scale=3.0), tracked("after"))  # the key is free again
+    parsed_and_watched(model, request(guidance_scale=3.0), tracked("after"))  # the key is free again
     # Each attempt and each answer forgets what earlier checkpoints of the key could not keep.
     assert store.forgotten == [KEY] * 5
 
@@ -280,7 +296,7 @@ def watched_job(resumes: Resumes, name: str, key: str = KEY, seed: int = 1) -> J
     request_ = tracked(name)
     params = SimpleNamespace(seed=seed)
     job = Job.of(request_, JobSpec(params, checkpoint_key=f"{key}.0"), RequestRecord(request_, None))
-    resumes.watch(request_, key, "hash-" + name)
+    resumes.watch(request_, Resume((), (), key, "hash-" + name))
     return job
 
 

@@ -221,23 +221,21 @@ class DiffusionModel:
         service = urgency_of(values, tracked, self.settings.config, self.fields)
         answer_key = result_key(values, seed_given) if self.results else None
         images = self.images_for(values)
-        resume = self.resume_of(values, images, tracked)
+        resume = self.resume_of(values, images)
         jobs = tuple(self.job_spec(values, i, key, service, resume) for i in range(images))
         progress = bool(values.get("progress"))
         summary = self.summary(values)
         return ParsedRequest(index, values, key, jobs, service, answer_key, progress, summary, resume)
 
-    def resume_of(self, values: dict[str, Any], images: int, tracked: TrackedRequest) -> Resume | None:
+    def resume_of(self, values: dict[str, Any], images: int) -> Resume | None:
         """Where the model takes checkpoints and the request gives a resume_key: its images' checkpoints
-        (each image's own, found or not), the request watched until it is answered. Raises INVALID_ARG
-        naming resume_key when a checkpoint under it belongs to a request with other fields."""
+        (each image's own, found or not); the host watches the request from there (serving/
+        triton_model.py). Raises INVALID_ARG naming resume_key when a checkpoint under it belongs to a
+        request with other fields."""
         resume_key = values.get("resume_key")
         if self.resumes is None or not resume_key:
             return None
-        hashed = self.resumes.hash_of(self.settings.name, values)
-        resume = self.resumes.lookup(resume_key, images, hashed)
-        self.resumes.watch(tracked, resume_key, hashed)
-        return resume
+        return self.resumes.lookup(resume_key, images, self.resumes.hash_of(self.settings.name, values))
 
     def answered(self, tracked: TrackedRequest, code: ErrorCode | None) -> None:
         if self.resumes is not None:

@@ -86,10 +86,13 @@ def model_identity(settings: ModelSettings) -> str:
 @dataclass(frozen=True)
 class Resume:
     """What a request's lookup found: each image's checkpoint (None: it starts from the beginning) and
-    why a checkpoint found could not be used (for BATCH)."""
+    why a checkpoint found could not be used (for BATCH); and the resume key and fields hash its
+    checkpoints are taken under once the host watches it (:meth:`Resumes.watch`)."""
 
     checkpoints: tuple[Any, ...]
     warnings: tuple[str, ...] = ()
+    key: str = ""
+    hashed: str = ""
 
     @property
     def found(self) -> bool:
@@ -156,12 +159,14 @@ class Resumes:
                     "send another key)",
                 )
             checkpoints.append(None if stored is None else stored.checkpoint)
-        return Resume(tuple(checkpoints), tuple(warnings))
+        return Resume(tuple(checkpoints), tuple(warnings), resume_key, hashed)
 
-    def watch(self, tracked: TrackedRequest, resume_key: str, hashed: str) -> None:
-        """This request's jobs are checkpointed (under ``resume_key``, bound to ``hashed``) until it is
-        answered. Refused INVALID_ARG naming resume_key while a request with other fields holds the key
-        (the two would write and delete each other's checkpoints)."""
+    def watch(self, tracked: TrackedRequest, resume: Resume) -> None:
+        """This request's jobs are checkpointed (under its ``resume.key``, bound to ``resume.hashed``)
+        until it is answered: the host calls it once the request is parsed. Refused INVALID_ARG naming
+        resume_key while a request with other fields holds the key (the two would write and delete each
+        other's checkpoints)."""
+        resume_key, hashed = resume.key, resume.hashed
         with self._lock:
             if any(key == resume_key and other != hashed for key, other in self._watched.values()):
                 raise invalid_field(

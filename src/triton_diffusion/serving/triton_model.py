@@ -24,7 +24,7 @@ from triton_diffusion.engine.failures import exit_for_restart
 from triton_diffusion.engine.jobs import Stepped
 from triton_diffusion.errors import ErrorCode, RequestError, invalid_field
 from triton_diffusion.fields import FieldSet
-from triton_diffusion.recovery.resumes import Resumes
+from triton_diffusion.recovery.resumes import Resume, Resumes
 from triton_diffusion.serving.engine_host import EngineHost, Parsed, RequestRecord
 from triton_diffusion.serving.engines import EngineKind
 from triton_diffusion.serving.metrics import BatchingMetrics, MetricNames
@@ -244,6 +244,9 @@ class TritonModel:
                 tracked.finish({"MODEL_INFO": json_output(self.describe())})
                 return tracked, None
             parsed = self.kind.parse(index, raw, tracked)
+            resume = getattr(parsed, "resume", None)  # an image kind's checkpoints' lookup (else none)
+            if isinstance(resume, Resume) and self.host.resumes is not None:
+                self.host.resumes.watch(tracked, resume)  # its checkpoints are kept until it is answered
             answer = self.kind.cached_answer(parsed)
             if answer is not None:  # the same request was answered before: its bytes again, at once
                 tracked.finish(answer)
