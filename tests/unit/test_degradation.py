@@ -26,7 +26,7 @@ from triton_diffusion.engine.degradation import (
     steps_allowed,
 )
 from triton_diffusion.engine.estimates import WorkTimes
-from triton_diffusion.engine.jobs import JobStart
+from triton_diffusion.engine.jobs import Job, JobStart
 from triton_diffusion.engine.scheduler import EngineLimits
 from triton_diffusion.engine.step_engine import StepEngine
 from triton_diffusion.errors import ErrorCode
@@ -187,13 +187,21 @@ def test_a_job_whose_fewest_steps_cannot_meet_its_deadline_is_refused_uncut():
     assert hopeless.request.channel.finals[0].code is ErrorCode.UNAVAILABLE
 
 
-def test_a_job_ahead_of_its_tier_is_cut_to_make_room_for_a_later_ones_deadline():
+def one_ahead(tier: int, ahead_s: float, later_s: float) -> tuple[Harness, Job, Job]:
+    """A job of ``tier`` that may run 1 to 4 steps, ahead of a default job of 4 steps that may run no fewer
+    (deadlines ``ahead_s`` and ``later_s``), every forward 0.5 s and one job a forward; one engine step
+    0.1 s after they arrived."""
     h = harness(max_running=1, max_per_forward=1, max_paused=0)
-    h.measure(0.5)  # every forward 0.5 s, one job per forward
-    ahead = degradable(h, "ahead", DEFAULT, 4, 1, deadline_s=2.5)  # least slack: it goes first
-    later = h.job("later", DEFAULT, 4, deadline_s=3.0)  # nothing fewer allowed
+    h.measure(0.5)
+    ahead = degradable(h, "ahead", tier, 4, 1, deadline_s=ahead_s)
+    later = h.job("later", DEFAULT, 4, deadline_s=later_s)
     h.add(ahead, later)
     h.step(0.1)
+    return h, ahead, later
+
+
+def test_a_job_ahead_of_its_tier_is_cut_to_make_room_for_a_later_ones_deadline():
+    h, ahead, later = one_ahead(DEFAULT, 2.5, 3.0)  # ahead has the least slack: it goes first
     # ahead: 4 steps (2 s) of its 2.4 s left: in time uncut. later after it: 8 forwards (4 s) of 2.9 s
     # left, late; ahead at k steps: (k + 4) x 0.5 s within 90% of 2.9 s (2.61 s): k = 1.
     assert ahead.cut is not None and (ahead.cut.steps, ahead.cut.asked) == (1, 4)
@@ -220,22 +228,12 @@ def test_the_last_in_order_is_cut_first_and_as_little_as_brings_the_late_one_in_
 
 
 def test_a_cut_that_saves_nobody_is_not_made_and_a_higher_tier_is_not_cut_for_a_lower_one():
-    # Even with "ahead" at 1 step, "late" (4 steps) would take 2.5 s of 2.2 s left: nothing is cut.
-    h = harness(max_running=1, max_per_forward=1, max_paused=0)
-    h.measure(0.5)
-    ahead = degradable(h, "ahead", DEFAULT, 4, 1, deadline_s=2.1)
-    late = h.job("late", DEFAULT, 4, deadline_s=2.3)
-    h.add(ahead, late)
-    h.step(0.1)
+    # Even with "ahead" at 1 step, "later" (4 steps) would take 2.5 s of 2.2 s left: nothing is cut.
+    _, ahead, later = one_ahead(DEFAULT, 2.1, 2.3)
     assert ahead.cut is None
-    assert late.request.channel.finals[0].code is ErrorCode.UNAVAILABLE
+    assert later.request.channel.finals[0].code is ErrorCode.UNAVAILABLE
     # The first test's numbers, with the job ahead one tier higher: it is not cut for the lower one.
-    h = harness(max_running=1, max_per_forward=1, max_paused=0)
-    h.measure(0.5)
-    ahead = degradable(h, "ahead", PRIORITY, 4, 1, deadline_s=2.5)
-    later = h.job("later", DEFAULT, 4, deadline_s=3.0)
-    h.add(ahead, later)
-    h.step(0.1)
+    _, ahead, later = one_ahead(PRIORITY, 2.5, 3.0)
     assert ahead.cut is None
     assert later.request.channel.finals[0].code is ErrorCode.UNAVAILABLE
 
