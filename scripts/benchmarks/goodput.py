@@ -202,7 +202,12 @@ def main(argv: list[str] | None = None) -> dict:
     }
     args.size = 64
     if args.device_profile:
-        args.size = load_table(PROFILES[args.device_profile]).size[0]  # where its times hold
+        height, width = load_table(PROFILES[args.device_profile]).size  # where its times hold
+        if height != width:
+            parser.error(
+                f"--device-profile {args.device_profile} was measured at {height}x{width}, not square"
+            )
+        args.size = height
         config["device_profile"] = args.device_profile
     with tempfile.TemporaryDirectory(prefix="bench-goodput-") as tmp:
         repo = Path(tmp) / "repo"

@@ -132,12 +132,13 @@ def _tiers(artefact: dict[str, Any]) -> str:
                 offered = sum(t["offered"] for t in mine if t)
                 met = sum(t["met"] for t in mine if t)
                 cells.append(f"{met}/{offered}" if offered else "-")
-            mine = [r["by_tier"].get(tier) for r in runs if r["variant"] == "degrade"]
-            counted = [t for t in mine if t and "degraded" in t]
+            # A round that drew none of this tier counts nothing; one from before the count shows "-".
+            drawn = [t for r in runs if r["variant"] == "degrade" and (t := r["by_tier"].get(tier))]
+            counted = [t for t in drawn if "degraded" in t]
             offered = sum(t["offered"] for t in counted)
             shown = (
                 f"{sum(t['degraded'] for t in counted)}/{offered}"
-                if counted and len(counted) == len(mine)
+                if counted and len(counted) == len(drawn)
                 else "-"
             )
             rows.append(f"| {load:g}x | {tier} | " + " | ".join([*cells, shown]) + " |")

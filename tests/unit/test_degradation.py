@@ -15,7 +15,7 @@ from tests.unit.recording import RecordingChannel
 from tests.unit.step_harness import Host, assert_each_image_equals_the_pipelines_own, job_of, load_family
 from tests.unit.test_latent_loop import source_image
 from tests.unit.test_scheduler import DEFAULT, FLEX, PRIORITY, Harness
-from tests.unit.test_step_engine import FakeAdapter
+from tests.unit.test_step_engine import FakeAdapter, Spec
 from triton_diffusion.adapters.image_params import ImageParams
 from triton_diffusion.adapters.step_adapters import step_adapter_for
 from triton_diffusion.engine.degradation import (
@@ -205,7 +205,7 @@ def test_a_job_ahead_of_its_tier_is_cut_to_make_room_for_a_later_ones_deadline()
     # ahead: 4 steps (2 s) of its 2.4 s left: in time uncut. later after it: 8 forwards (4 s) of 2.9 s
     # left, late; ahead at k steps: (k + 4) x 0.5 s within 90% of 2.9 s (2.61 s): k = 1.
     assert ahead.cut is not None and (ahead.cut.steps, ahead.cut.asked) == (1, 4)
-    assert ahead.cut.reason.startswith("deadline of a request after it: estimated 4000 ms, 2900 ms left")
+    assert ahead.cut.reason.startswith("deadline of another image after it: estimated 4000 ms, 2900 ms left")
     assert later.cut is None and not later.request.channel.finals  # not refused
     h.drain()
     assert forwards_of(h, "ahead") == 1 and forwards_of(h, "later") == 4
@@ -236,6 +236,56 @@ def test_a_cut_that_saves_nobody_is_not_made_and_a_higher_tier_is_not_cut_for_a_
     _, ahead, later = one_ahead(PRIORITY, 2.5, 3.0)
     assert ahead.cut is None
     assert later.request.channel.finals[0].code is ErrorCode.UNAVAILABLE
+
+
+def test_the_room_made_counts_for_the_jobs_after_the_late_one():
+    h = harness(max_running=1, max_per_forward=1, max_paused=0)
+    h.measure(0.5)
+    ahead = degradable(h, "ahead", DEFAULT, 4, 1, deadline_s=2.5)
+    later = h.job("later", DEFAULT, 4, deadline_s=3.0)
+    last = degradable(h, "last", DEFAULT, 4, 1, deadline_s=5.0)
+    h.add(ahead, later, last)
+    h.step(0.1)
+    # ahead cut to 1 for later (the first test); last after ahead's 1 and later's 4: 9 forwards (4.5 s)
+    # of 4.9 s left, in time uncut. Priced as if ahead ran all 4, it would be late (6 s) and cut.
+    assert ahead.cut is not None and ahead.cut.steps == 1
+    assert last.cut is None
+
+
+def test_a_job_late_itself_is_refused_not_cut_for_a_later_one():
+    h = harness(max_running=1, max_per_forward=1, max_paused=0)
+    h.measure(0.5)
+    hopeless = degradable(h, "hopeless", DEFAULT, 4, 1, deadline_s=0.3)  # even 1 step (0.5 s) is late
+    later = h.job("later", DEFAULT, 2, deadline_s=2.0)
+    h.add(hopeless, later)
+    h.step(0.1)
+    # later after hopeless's 4 steps would be late (3 s of 1.9 s left), and hopeless at 1 step would let
+    # it in; but hopeless is late itself: it is refused, uncut, and later goes first, in time.
+    assert hopeless.cut is None
+    assert hopeless.request.channel.finals[0].code is ErrorCode.UNAVAILABLE
+    assert later.cut is None and not later.request.channel.finals
+    h.drain()
+    assert forwards_of(h, "later") == 2 and not isinstance(later.request.channel.finals[0], Exception)
+
+
+def test_a_cut_made_for_a_request_refused_in_the_same_step_is_undone():
+    h = harness(max_running=1, max_per_forward=1, max_paused=0)
+    h.measure(0.5)
+    ahead = degradable(h, "ahead", DEFAULT, 4, 1, deadline_s=2.5)
+    first = h.job("two images", DEFAULT, 4, deadline_s=3.0)
+    # Its second image, with a later deadline than the first (a test's: so it goes after it in order).
+    second = Job(first.request, Spec(steps=4), tier=DEFAULT, planned_steps=4, shape="64x64", index=1)
+    second.spec = replace(second.spec, deadline=first.spec.deadline + 0.2, tokens=1)
+    h.engine.add(ahead)
+    h.engine.add(first, second)
+    h.step(0.1)
+    # The first image is in time once ahead is cut to 1 (the first test); the second, after ahead's 1 and
+    # the first's 4 (4.5 s of 3.1 s left), is not, and nothing more can be cut: the request is refused.
+    # The cut made for its first image is then undone: ahead runs the 4 steps it asked.
+    assert first.request.channel.finals[0].code is ErrorCode.UNAVAILABLE
+    assert ahead.cut is None
+    h.drain()
+    assert forwards_of(h, "ahead") == 4
 
 
 def test_room_for_takes_candidates_in_the_order_given_each_as_far_as_it_goes():

@@ -33,6 +33,12 @@ def test_each_tier_shows_what_the_degrade_variant_degraded_over_its_rounds():
     assert "| 1.5x | flex | 3/10 | 7/10 | 3/10 |" in table
 
 
+def test_a_round_that_drew_none_of_a_tier_counts_nothing():
+    drew_none = {"load": 1.5, "variant": "degrade", "by_tier": {}}
+    table = _tiers(artefact(run("tiers", 1, 0), run("degrade", 3, 2), drew_none))
+    assert "| 1.5x | flex | 1/5 | 3/5 | 2/5 |" in table
+
+
 def test_an_artefact_from_before_the_count_shows_none():
     assert "| 1.5x | flex | 1/5 | 3/5 | - |" in _tiers(
         artefact(run("tiers", 1, None), run("degrade", 3, None))

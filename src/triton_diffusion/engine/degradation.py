@@ -11,17 +11,20 @@ the jobs held, in the order they go (tier, least slack, the policy's own); each 
 a deadline and an allowance, is given the most steps for which the engine's estimate (the one refusals
 use: its forwards after the work that goes before it, its start and its decode) finishes it in time.
 
-- Only when its deadline needs it: where what it asked meets its deadline, it runs what it asked (a
-  queue with room degrades nobody). Where no allowed count meets it either, a job not cut yet is not
-  degraded (a cut that saves nobody is not made: it is refused or expires as without degradation); one
-  cut already keeps its fewest steps.
+- Only when a deadline needs it: its own, or (below) a later job's. Where what it asked meets its
+  deadline and no later job needs room, it runs what it asked (a queue with room degrades nobody). Where
+  no allowed count meets its deadline, a job not cut yet is not degraded (a cut that saves nobody is not
+  made: it is refused or expires as without degradation); one cut already keeps its fewest steps.
 - Lower tiers first: they go after the higher ones, so the higher tiers' work counts ahead of them and
   they are the ones whose deadlines need a cut. Its order is by the steps it asked (a cut would give it
   slack and move it behind the jobs it was cut for), and a job the walk cut is not refused.
 - As little as it can: the most steps that meet the deadline, the fewest cut.
 - Room for a later job: one still late even at its fewest steps (or, allowing none, at what it asked)
-  has waiting jobs ahead of it, of its tier or lower, cut to make room for it (``room_for``); none is
-  cut where that does not bring it in time, and a higher tier is never cut for a lower one.
+  has waiting jobs ahead of it that are in time, of its tier or lower, cut to make room for it
+  (``make_room``); none is cut where that does not bring it in time, a job late itself is never cut for
+  another, and a higher tier is never cut for a lower one. A job between the one cut and the late one is
+  still priced with the cut's work counted in full (the walk goes once): it may be cut more than it needs
+  at that step; the next step decides again.
 - Decided again at each engine step until the job is admitted (a queue that drains in the meantime gives
   it back what it asked); once it starts, its schedule is fixed (its scheduler's timesteps are made for
   its steps: it equals ``pipeline(num_inference_steps=k)`` for the k it runs).
@@ -31,7 +34,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import partial
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -99,11 +101,12 @@ def room_for(
     candidates: Sequence[tuple[StepsAllowed, int, int]],
     why: str,
 ) -> list[StepsCut | None]:
-    """Cuts of the jobs ahead of a late job that bring it within ``CUT_TARGET`` of ``time_left_s``: the
-    fewest, taken from ``candidates`` in the order given (the scheduler gives the lowest tier first, the
-    last in order first), each cut as far as its allowance goes before the next is touched, the last one
-    as little as it can. ``candidates``: each job's (allowance, denoising steps it runs now, tokens per
-    step); ``late_in(freed)``: the late job's estimate once ``freed`` token-steps ahead of it are gone;
+    """Cuts of the jobs ahead of a late job that bring it within ``CUT_TARGET`` of ``time_left_s``, taken
+    from ``candidates`` in the order given (the scheduler gives the lowest tier first, the last in order
+    first): each cut as far as its allowance goes before the next is touched, the last one as little as
+    it can (greedy by that order: not the fewest steps over all of them where their tokens differ).
+    ``candidates``: each job's (allowance, denoising steps it runs now, tokens per step);
+    ``late_in(freed)``: the late job's estimate once ``freed`` token-steps ahead of it are gone;
     ``why``: each cut's reason.
 
     One entry per candidate: its new cut (None: not cut further). All None where even every candidate at
@@ -111,19 +114,19 @@ def room_for(
     target = time_left_s * CUT_TARGET
     cuts: list[StepsCut | None] = [None] * len(candidates)
     freed = 0
-    for i, (allowed, running, tokens) in enumerate(candidates):
-        fewer = [(k, d) for k, d in allowed[1:] if d < running]
+    for i, (allowed, runs, tokens) in enumerate(candidates):
+        fewer = [(k, d) for k, d in allowed[1:] if d < runs]
         if not fewer:
             continue
-        if late_in(freed + (running - fewer[-1][1]) * tokens) > target:
-            freed += (running - fewer[-1][1]) * tokens
+        if late_in(freed + (runs - fewer[-1][1]) * tokens) > target:
+            freed += (runs - fewer[-1][1]) * tokens
             cuts[i] = StepsCut(*fewer[-1], allowed[0][0], why)
             continue
         # This one is enough: the most steps of it that are (bisection: the estimate falls with the cut).
         low, high = 0, len(fewer) - 1
         while low < high:
             middle = (low + high) // 2
-            if late_in(freed + (running - fewer[middle][1]) * tokens) <= target:
+            if late_in(freed + (runs - fewer[middle][1]) * tokens) <= target:
                 high = middle
             else:
                 low = middle + 1
@@ -132,30 +135,26 @@ def room_for(
     return [None] * len(candidates)
 
 
-def make_room(job: Job, cuttable: list[Job], after: Callable[[int, int], float], left: float) -> int:
-    """Cut the waiting jobs ``cuttable`` (passed in the walk) of ``job``'s tier or lower, lowest tier
-    and last in order first, as little as brings ``job`` in time at its fewest allowed steps (then its
-    own cut is decided again); none where nothing does. ``after(freed, steps)``: ``job``'s estimate at
-    ``steps`` with ``freed`` token-steps fewer ahead of it. The token-steps freed ahead of it."""
-    steps = job.spec.steps_allowed[-1][1] if job.spec.steps_allowed else job.remaining
-    mine = [(c.spec.tier, i, c) for i, c in enumerate(cuttable) if c.spec.tier >= job.spec.tier]
-    others = [c for _, _, c in sorted(mine, key=lambda entry: entry[:2], reverse=True)]
+def make_room(
+    job: Job, cuttable: list[Job], after: Callable[[int, int], float], left: float, steps: int
+) -> list[tuple[Job, StepsCut]]:
+    """The cuts of the waiting jobs ``cuttable`` (passed in the walk, each in time) of ``job``'s tier or
+    lower that bring ``job`` within ``CUT_TARGET`` of ``left`` at ``steps`` (its fewest allowed, or what
+    it asked): the lowest tier and last in order first, each to its fewest steps before the next is
+    touched, the last as little as it can (``room_for``); none where they cannot. ``after(freed,
+    steps)``: ``job``'s estimate with ``freed`` token-steps fewer ahead of it. The scheduler applies
+    them."""
+    ranked = [(c.spec.tier, i, c) for i, c in enumerate(cuttable) if c.spec.tier >= job.spec.tier]
+    others = [c for _, _, c in sorted(ranked, key=lambda entry: entry[:2], reverse=True)]
     late_ms, left_ms = after(0, steps) * 1000, max(left, 0) * 1000
-    why = f"deadline of a request after it: estimated {late_ms:.0f} ms, {left_ms:.0f} ms left"
+    why = f"deadline of another image after it: estimated {late_ms:.0f} ms, {left_ms:.0f} ms left"
     cuts = room_for(
         lambda freed: after(freed, steps),
         left,
         [(c.spec.steps_allowed, c.remaining, c.spec.tokens) for c in others],
         why,
     )
-    freed = 0
-    for other, cut in zip(others, cuts, strict=True):
-        if cut is not None:
-            freed += (other.remaining - cut.denoising) * other.spec.tokens
-            other.cut = cut
-    if freed and job.spec.steps_allowed:
-        job.cut = cut_for_deadline(job.spec.steps_allowed, partial(after, freed), left, job.cut)
-    return freed
+    return [(other, cut) for other, cut in zip(others, cuts, strict=True) if cut is not None]
 
 
 def steps_allowed(

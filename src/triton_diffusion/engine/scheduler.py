@@ -11,7 +11,9 @@ decides and tells it what happened.
 - Deadlines: a newcomer whose deadline the estimate (estimates.py) says it cannot meet, given the work
   that goes before it, is refused at once; a job whose deadline passes leaves at the next step.
 - Degradation: before that, a waiting job whose request allows fewer steps is given the most steps with
-  which the same estimate meets its deadline (none cut where what it asked meets it: degradation.py).
+  which the same estimate meets its deadline, and one late even so has waiting jobs ahead of it (of its
+  tier or lower, in time, allowing fewer steps) cut to make room for it (none cut where every deadline
+  is met: degradation.py).
 - Forwards: only jobs of one group share a forward (a latent shape, or any size where the adapter packs
   rows of different lengths); the group of the best job goes (the policy chooses among the groups of the
   top tier), filled in order within its caps: a job that does not fit is skipped for a smaller one after
@@ -45,7 +47,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from functools import partial
 
-from triton_diffusion.engine.degradation import cut_for_deadline, make_room
+from triton_diffusion.engine.degradation import CUT_TARGET, cut_for_deadline, make_room
 from triton_diffusion.engine.estimates import WorkTimes
 from triton_diffusion.engine.forward_caps import EngineLimits, ForwardCaps
 from triton_diffusion.engine.jobs import (
@@ -163,10 +165,10 @@ class Scheduler:
             self.waiting.extend(arrived)
             self._expire(out, now)
             self._cut_steps(now)
-            for job in arrived:
-                if job in self.waiting:
-                    self._refused(job, now, out)
+            refused = [job for job in arrived if job in self.waiting and self._refused(job, now, out)]
             self._drop_ended(out)  # after the deadlines: a refused request's other images leave too
+            if refused:  # cuts made to make room for what was refused (or its images) are decided again
+                self._cut_steps(now)
             self._admit(out, now)
         return out
 
@@ -209,12 +211,12 @@ class Scheduler:
                 steps = f"{job.steps_done}/{job.planned}"
                 self._leave(job, "expired", f"the request's {timeout_of(job)} passed after step {steps}", out)
 
-    def _refused(self, job: Job, now: float, out: SchedulerOutput) -> None:
-        """A newcomer that cannot meet its deadline, given the work that goes before it, leaves now."""
+    def _refused(self, job: Job, now: float, out: SchedulerOutput) -> bool:
+        """A newcomer that cannot meet its deadline, given the work that goes before it, leaves now (True)."""
         if job.spec.deadline is None or not self.service.refuse_late or not self.times.measured:
-            return
+            return False
         if job.status.ended or job.cut is not None:
-            return  # dropped as ended below; or cut to steps the walk found in time (_cut_steps)
+            return False  # dropped as ended below; or cut to steps the walk found in time (_cut_steps)
         mine = self.order_key(job, now)
         ahead = [j for q in (self.waiting, self.running, self.paused) for j in q if j is not job]
         ahead_work = sum(j.remaining * j.spec.tokens for j in ahead if self.order_key(j, now) < mine)
@@ -223,11 +225,12 @@ class Scheduler:
             job, ahead_work, behind, self._held_back_s(job, now, behind), job.remaining
         )
         if now + estimate <= job.spec.deadline:
-            return
+            return False
         self.waiting.remove(job)
         estimated = (now - job.request.entered + estimate) * 1000
         why = f"estimated {estimated:.0f} ms with {ahead_work} token-steps ahead"
         self._leave(job, "refused", f"the request cannot finish within its {timeout_of(job)}: {why}", out)
+        return True
 
     def _finish_in(
         self, job: Job, ahead_work: int, behind: tuple[Job, ...], held_back_s: float, steps: int
@@ -267,30 +270,44 @@ class Scheduler:
         keys = {id(j): self.order_key(j, now) for j in held if not j.status.ended}
         running = [(keys[id(j)], j) for j in self.running if id(j) in keys]  # keyed once per walk
         waiting = set(map(id, self.waiting))
-        ahead, cuttable = (
-            0,
-            list[Job](),
-        )  # the waiting jobs passed that may be cut (for a later one's deadline)
+        ahead = 0
+        cuttable: list[Job] = []  # waiting jobs passed, in time, that may be cut for a later one
+        freeable: dict[int, int] = {}  # by tier: the token-steps those could still give up
         for job in sorted((j for j in held if id(j) in keys), key=lambda j: keys[id(j)]):
             mine = keys[id(job)]
             if id(job) in waiting and job.spec.deadline is not None:
                 behind = tuple(j for key, j in running if key >= mine)
                 held_back = self._held_back_s(job, now, behind)
-                done_in = partial(self._finish_in, job, ahead, behind, held_back)
-                left = job.spec.deadline - now
-                if job.spec.steps_allowed:
-                    job.cut = cut_for_deadline(job.spec.steps_allowed, done_in, left, job.cut)
-                if cuttable and done_in(job.remaining) > left:
-                    # Its estimate with ``freed`` token-steps fewer ahead of it, at ``steps``.
-                    after = partial(self._finish_after, job, ahead, behind, held_back)
-                    ahead -= make_room(job, cuttable, after, left)
-                if job.spec.steps_allowed:
+                allowed, left = job.spec.steps_allowed, job.spec.deadline - now
+                if allowed:
+                    done_in = partial(self._finish_in, job, ahead, behind, held_back)
+                    job.cut = cut_for_deadline(allowed, done_in, left, job.cut)
+                after = partial(self._finish_after, job, ahead, behind, held_back)
+                if after(0, job.remaining) > left:
+                    # Late: room ahead of it, where what its tier or lower could give up would bring it in
+                    # time (one estimate decides whether to look).
+                    least = allowed[-1][1] if allowed else job.remaining
+                    room = sum(v for tier, v in freeable.items() if tier >= job.spec.tier)
+                    if room and after(room, least) <= left * CUT_TARGET:
+                        for other, cut in make_room(job, cuttable, after, left, least):
+                            freed = (other.remaining - cut.denoising) * other.spec.tokens
+                            freeable[other.spec.tier] -= freed
+                            ahead -= freed
+                            other.cut = cut
+                        if allowed:
+                            done_in = partial(self._finish_in, job, ahead, behind, held_back)
+                            job.cut = cut_for_deadline(allowed, done_in, left, job.cut)
+                # A job late itself is not cut for another: it is refused or expires (a cut would let it in).
+                if allowed and self._finish_in(job, ahead, behind, held_back, job.remaining) <= left:
                     cuttable.append(job)
+                    spare = max(job.remaining - allowed[-1][1], 0) * job.spec.tokens
+                    freeable[job.spec.tier] = freeable.get(job.spec.tier, 0) + spare
             ahead += job.remaining * job.spec.tokens
 
     def _finish_after(
         self, job: Job, ahead_work: int, behind: tuple[Job, ...], held_back_s: float, freed: int, steps: int
     ) -> float:
+        """:meth:`_finish_in` for ``steps`` with ``freed`` token-steps fewer ahead of ``job``."""
         return self._finish_in(job, ahead_work - freed, behind, held_back_s, steps)
 
     @staticmethod

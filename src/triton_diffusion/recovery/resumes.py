@@ -90,9 +90,9 @@ class Resume:
     checkpoints are taken under once the host watches it (:meth:`Resumes.watch`)."""
 
     checkpoints: tuple[Any, ...]
-    warnings: tuple[str, ...] = ()
-    key: str = ""
-    hashed: str = ""
+    warnings: tuple[str, ...]
+    key: str
+    hashed: str
 
     @property
     def found(self) -> bool:
