@@ -74,6 +74,8 @@ MODEL = "text_to_image"
 CONFIG_KINDS = (IMAGE, IMAGE_SOURCE)  # what text_to_image reads (models/text_to_image.py CONFIG_KINDS)
 VARIANTS = ("checkpoints", "none")
 READY_WAIT_S = 180.0  # a server that is not ready again within this is a failure of the run, not a wait
+# How long a --mid-job kill waits for a request in flight to reach its step before killing anyway.
+MID_JOB_WAIT_S = 60.0
 
 
 # ---- the pure part: a run's figures from its per-request records -------------------------------------
@@ -186,11 +188,16 @@ def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 # ---- the client: every attempt's steps -------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(eq=False)
 class Attempt:
     start: int | None = None  # its first progress step minus one
     reached: int | None = None  # the highest progress step it reported
     error: str | None = None
+
+
+# The attempts under way (their answer not in): what a crash would hit (Crasher's --mid-job).
+IN_FLIGHT: set[Attempt] = set()
+IN_FLIGHT_LOCK = threading.Lock()
 
 
 class AttemptSession(ImageSession):
@@ -205,6 +212,8 @@ class AttemptSession(ImageSession):
     def responses(self, tensors, parameters, request_id, timeout_s=300.0):  # type: ignore[override]
         attempt = Attempt()
         self.attempts.append(attempt)
+        with IN_FLIGHT_LOCK:
+            IN_FLIGHT.add(attempt)
         try:
             with closing(super().responses(tensors, parameters, request_id, timeout_s)) as inner:
                 for response in inner:
@@ -223,6 +232,9 @@ class AttemptSession(ImageSession):
         except TimeoutError as error:
             attempt.error = str(error)[:200]
             raise
+        finally:
+            with IN_FLIGHT_LOCK:
+                IN_FLIGHT.discard(attempt)
 
 
 def request_for(index: int, steps: int, size: int) -> dict[str, Any]:
@@ -288,11 +300,15 @@ def wait_until(condition, timeout_s: float, stop: threading.Event | None = None)
 
 class Crasher(threading.Thread):
     """Kills the model's stub at each time of ``at`` (seconds from ``started``, a perf_counter time), each
-    once the server is ready (polled), and times how long the server takes to be ready again."""
+    once the server is ready (polled), and times how long the server takes to be ready again. With
+    ``mid_job`` steps, each kill also waits (up to ``MID_JOB_WAIT_S``) until some attempt in flight has
+    reported at least that step: a crash that hits work, so every run measures what it costs (a kill at
+    an idle moment recomputes nothing with or without checkpoints). Each kill records the steps the
+    attempts in flight had reached."""
 
-    def __init__(self, server, at: list[float], started: float) -> None:
+    def __init__(self, server, at: list[float], started: float, mid_job: int = 0) -> None:
         super().__init__(daemon=True)
-        self.server, self.at, self.started = server, at, started
+        self.server, self.at, self.started, self.mid_job = server, at, started, mid_job
         self.kills: list[dict[str, Any]] = []
         self.failure: str | None = None
         self.stop = threading.Event()
@@ -304,10 +320,15 @@ class Crasher(threading.Thread):
             if not wait_until(lambda: server_ready(self.server), READY_WAIT_S, self.stop):
                 self.failure = self.failure or f"the server was not ready {READY_WAIT_S:.0f} s after {at} s"
                 return
+            hit = self.mid_job <= 0 or wait_until(
+                lambda: self._reached() >= self.mid_job, MID_JOB_WAIT_S, self.stop
+            )
             stubs = [s for s in list_stubs(self.server.process.pid) if s.model == MODEL]
             if not stubs:
                 self.failure = f"no stub of {MODEL} to kill at {at} s"
                 return
+            with IN_FLIGHT_LOCK:
+                at_risk = sorted((a.reached or 0 for a in IN_FLIGHT), reverse=True)
             killed = time.perf_counter()
             for stub in stubs:
                 os.kill(stub.pid, signal.SIGKILL)
@@ -319,6 +340,8 @@ class Crasher(threading.Thread):
                 {
                     "at_s": round(killed - self.started, 2),
                     "recovery_s": round(time.perf_counter() - killed, 2) if back else None,
+                    "steps_in_flight": at_risk,  # the step each attempt under way had reported
+                    "mid_job": bool(hit),
                 }
             )
             if not back:
@@ -326,6 +349,11 @@ class Crasher(threading.Thread):
                     f"the server was not ready again {READY_WAIT_S:.0f} s after the crash at {at} s"
                 )
                 return
+
+    @staticmethod
+    def _reached() -> int:
+        with IN_FLIGHT_LOCK:
+            return max((a.reached or 0 for a in IN_FLIGHT), default=0)
 
 
 def checkpoint_edits(variant: str, folder: Path, every: int) -> dict[str, str]:
@@ -398,7 +426,7 @@ def measure(
     records: list[dict | None] = [None] * len(arrivals)
     started = time.perf_counter()
     crash_times = [k * args.crash_every for k in range(1, int(args.duration / args.crash_every) + 1)]
-    crasher = Crasher(server, [t for t in crash_times if t < args.duration], started)
+    crasher = Crasher(server, [t for t in crash_times if t < args.duration], started, args.mid_job)
 
     def one(index: int, at: float) -> None:
         time.sleep(max(0.0, started + at - time.perf_counter()))
@@ -426,6 +454,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--duration", type=float, default=240.0, help="seconds of arrivals per run")
     parser.add_argument("--crash-every", type=float, default=60.0, help="kill the model's stub this often")
     parser.add_argument("--steps", type=int, default=16, help="num_inference_steps of every request")
+    parser.add_argument(
+        "--mid-job",
+        type=int,
+        default=0,
+        help="each kill waits (up to 60 s) until a request in flight has reported this step (0: kill at the "
+        "scheduled time, busy or not)",
+    )
     parser.add_argument("--size", type=int, default=64, help="height and width of every request")
     parser.add_argument("--load", type=float, default=0.5, help="the rate as a share of one-at-a-time")
     parser.add_argument("--rate", type=float, help="requests/s (instead of --load's measured rate)")
@@ -468,6 +503,7 @@ def main(argv: list[str] | None = None) -> None:
                     "retries",
                     "checkpoint_every",
                     "arrival_seed",
+                    "mid_job",
                 )
             },  # fmt: skip
             "variants": variants,

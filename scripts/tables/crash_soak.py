@@ -61,6 +61,13 @@ def _checkpoints(settings: dict[str, Any]) -> str:
     )
 
 
+def _mid_job(settings: dict[str, Any]) -> str:
+    step = settings.get("mid_job") or 0
+    if not step:
+        return ""
+    return f" (each kill once a request in flight had reported step {step}, or after 60 s without one)"
+
+
 def render(artefact: dict[str, Any]) -> str:
     settings = artefact["settings"]
     rate = settings.get("rate_per_s")
@@ -74,7 +81,8 @@ def render(artefact: dict[str, Any]) -> str:
     parts = [
         f"One {settings['model']} behind the launcher's supervisor; Poisson arrivals at {load} for "
         f"{settings['duration']:g} s a run, {settings['steps']} steps at {size}x{size}, the model's stub "
-        f"killed every {settings['crash_every']:g} s. Every request through the project client with its "
+        f"killed every {settings['crash_every']:g} s{_mid_job(settings)}. Every request through the project "
+        "client with its "
         f"resume key, up to {settings['retries']} resends within {settings['timeout']:g} s. "
         f"{_checkpoints(settings)}. {settings['rounds']} alternated rounds: medians with min-max over "
         "rounds. "

@@ -158,6 +158,10 @@ def test_the_block_shows_each_variant_and_run():
     assert "| `none` | 40 | 39 | 1 | 0.4 | 3 | 2 | 9 | 8.5 (8-9) |" in text
     assert "| 1 | `none` | 40 | 39 | 1 | 0.4 | 3 | 2 | 9 | 8 | 14.2 |" in text
     assert "not run" not in text and "Incomplete" not in text
+    assert "each kill once" not in text  # kills at their scheduled times
+    mid_job = artefact(runs)
+    mid_job["settings"]["mid_job"] = 8
+    assert "killed every 60 s (each kill once a request in flight had reported step 8," in render(mid_job)
 
 
 def test_the_block_says_when_the_checkpointed_variant_could_not_run():
