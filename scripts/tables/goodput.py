@@ -36,8 +36,9 @@ def render(artefact: dict[str, Any]) -> str:
         "Ratios: per round, then the median and its 90% sign-test interval (the one verdict rule).",
         "",
         "| load | goodput fifo / tiers / degrade (req/s) | degrade / tiers | degrade / fifo | degraded | "
-        "steps run | PSNR to full steps (mean, lowest) | undegraded equal to tiers' |",
-        "|---|---|---|---|---|---|---|---|",
+        "steps run | PSNR to full steps (mean, lowest) | undegraded equal to tiers' | "
+        "tiers / degrade: refused, expired (of them after starting) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for load in artefact["loads"]:
         runs = [r for r in artefact["runs"] if r["load"] == load]
@@ -57,7 +58,8 @@ def render(artefact: dict[str, Any]) -> str:
         equal = f"{sum(s['equal'] for s in same)}/{sum(s['compared'] for s in same)}" if same else "-"
         lines.append(
             f"| {load:g}x | {cells} | {_ratio(rounds, 'tiers', load)} | {_ratio(rounds, 'fifo', None)} | "
-            f"{degraded}/{offered} | {_steps(steps)} | {'-' if profile else _psnr(psnrs)} | {equal} |"
+            f"{degraded}/{offered} | {_steps(steps)} | {'-' if profile else _psnr(psnrs)} | {equal} | "
+            f"{_misses(rounds, 'tiers')} / {_misses(rounds, 'degrade')} |"
         )
     lines += ["", _quiet(artefact), "", _tiers(artefact)]
     if not artefact.get("complete", True):
@@ -65,6 +67,16 @@ def render(artefact: dict[str, Any]) -> str:
             0, "**Incomplete run** (cut short: `complete` is false); the rows below are what it measured.\n"
         )
     return "\n".join(lines)
+
+
+def _misses(rounds: list[dict], variant: str) -> str:
+    """A variant's refused and expired requests over its rounds, with how many expired after they had
+    started (a cut decided before a job starts cannot reach those)."""
+    runs = [r[variant] for r in rounds if variant in r]
+    if not runs or any("expired_started" not in r for r in runs):
+        return "-"
+    refused, expired = sum(r["refused"] for r in runs), sum(r["expired"] for r in runs)
+    return f"{refused}, {expired} ({sum(r['expired_started'] for r in runs)})"
 
 
 def _quiet(artefact: dict[str, Any]) -> str:

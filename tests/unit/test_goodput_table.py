@@ -43,3 +43,15 @@ def test_an_artefact_from_before_the_count_shows_none():
     assert "| 1.5x | flex | 1/5 | 3/5 | - |" in _tiers(
         artefact(run("tiers", 1, None), run("degrade", 3, None))
     )
+
+
+def test_misses_count_refused_and_expired_and_those_expired_after_starting():
+    from tables.goodput import _misses
+
+    rounds = [
+        {"tiers": {"refused": 1, "expired": 4, "expired_started": 3}},
+        {"tiers": {"refused": 2, "expired": 1, "expired_started": 0}},
+    ]
+    assert _misses(rounds, "tiers") == "3, 5 (3)"
+    assert _misses(rounds, "degrade") == "-"  # not run
+    assert _misses([{"tiers": {"refused": 1, "expired": 4}}], "tiers") == "-"  # from before the count
