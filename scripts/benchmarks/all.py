@@ -31,7 +31,7 @@ from pathlib import Path
 from benchmarks.common import REPO_ROOT
 
 BUDGET_S = 67 * 60
-# The crash soak's share: its 5 rounds of 2 runs of 150-step jobs (14 minutes measured, up to 17); the others
+# The crash soak's share: 5 rounds of 2 runs of 150-step jobs (13 minutes measured, --mid-job 75); the others
 # keep the minutes they had under a 40-minute budget.
 CRASH_SOAK_SHARE = 0.2509
 # The goodput benchmark at an H100's cost ratios: about 10 minutes (a GPU's forwards: 0.7 s a request).

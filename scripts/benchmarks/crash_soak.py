@@ -301,10 +301,10 @@ def wait_until(condition, timeout_s: float, stop: threading.Event | None = None)
 class Crasher(threading.Thread):
     """Kills the model's stub at each time of ``at`` (seconds from ``started``, a perf_counter time), each
     once the server is ready (polled), and times how long the server takes to be ready again. With
-    ``mid_job`` steps, each kill also waits (up to ``MID_JOB_WAIT_S``) until some attempt in flight has
-    reported at least that step: a crash that hits work, so every run measures what it costs (a kill at
-    an idle moment recomputes nothing with or without checkpoints). Each kill records the steps the
-    attempts in flight had reached."""
+    ``mid_job`` steps, each kill also waits (up to ``MID_JOB_WAIT_S``, then kills anyway) until some
+    attempt in flight has reported at least that step, so that a kill hits work where there is any (a
+    kill at an idle moment recomputes nothing with or without checkpoints). Each kill records the steps
+    the attempts in flight had reported and whether it waited in vain (``mid_job`` false)."""
 
     def __init__(self, server, at: list[float], started: float, mid_job: int = 0) -> None:
         super().__init__(daemon=True)
@@ -320,9 +320,11 @@ class Crasher(threading.Thread):
             if not wait_until(lambda: server_ready(self.server), READY_WAIT_S, self.stop):
                 self.failure = self.failure or f"the server was not ready {READY_WAIT_S:.0f} s after {at} s"
                 return
-            hit = self.mid_job <= 0 or wait_until(
-                lambda: self._reached() >= self.mid_job, MID_JOB_WAIT_S, self.stop
-            )
+            hit = None
+            if self.mid_job > 0:
+                hit = wait_until(lambda: self._reached() >= self.mid_job, MID_JOB_WAIT_S, self.stop)
+                if self.stop.is_set():
+                    return  # the run is over: no kill after its traffic
             stubs = [s for s in list_stubs(self.server.process.pid) if s.model == MODEL]
             if not stubs:
                 self.failure = f"no stub of {MODEL} to kill at {at} s"
@@ -341,7 +343,7 @@ class Crasher(threading.Thread):
                     "at_s": round(killed - self.started, 2),
                     "recovery_s": round(time.perf_counter() - killed, 2) if back else None,
                     "steps_in_flight": at_risk,  # the step each attempt under way had reported
-                    "mid_job": bool(hit),
+                    "mid_job": hit,  # None: kills at their scheduled times
                 }
             )
             if not back:
@@ -506,6 +508,7 @@ def main(argv: list[str] | None = None) -> None:
                     "mid_job",
                 )
             },  # fmt: skip
+            "mid_job_wait_s": MID_JOB_WAIT_S if args.mid_job else None,
             "variants": variants,
             "rate_per_s": args.rate,
             "solo_latency_s": None,

@@ -65,7 +65,9 @@ def _mid_job(settings: dict[str, Any]) -> str:
     step = settings.get("mid_job") or 0
     if not step:
         return ""
-    return f" (each kill once a request in flight had reported step {step}, or after 60 s without one)"
+    wait = settings.get("mid_job_wait_s")
+    within = f", or after {wait:g} s without one" if wait else ""
+    return f" (each kill once a request in flight had reported step {step}{within})"
 
 
 def render(artefact: dict[str, Any]) -> str:

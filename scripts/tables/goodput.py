@@ -35,8 +35,8 @@ def render(artefact: dict[str, Any]) -> str:
         "requests in time per second of the arrival window (refused, expired and late ones are misses). "
         "Ratios: per round, then the median and its 90% sign-test interval (the one verdict rule).",
         "",
-        "| load | goodput fifo / tiers / degrade (req/s) | degrade / tiers | degrade / fifo | degraded | "
-        "steps run | PSNR to full steps (mean, lowest) | undegraded equal to tiers' | "
+        "| load | goodput fifo / tiers / degrade (req/s) | degrade / tiers | degrade / fifo | "
+        "answered degraded | steps run | PSNR to full steps (mean, lowest) | undegraded equal to tiers' | "
         "tiers / degrade: refused, expired (of them after starting) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
@@ -132,7 +132,7 @@ def _tiers(artefact: dict[str, Any]) -> str:
     degraded (an artefact from before that count: "-")."""
     variants = artefact["config"]["variants"]
     rows = [
-        "| load | tier | " + " | ".join(f"{v} in time" for v in variants) + " | degrade: degraded |",
+        "| load | tier | " + " | ".join(f"{v} in time" for v in variants) + " | degrade: answered degraded |",
         "|---|---|" + "---|" * (len(variants) + 1),
     ]
     for load in artefact["loads"]:

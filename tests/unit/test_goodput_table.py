@@ -29,7 +29,7 @@ def test_each_tier_shows_what_the_degrade_variant_degraded_over_its_rounds():
     table = _tiers(
         artefact(run("tiers", 1, 0), run("degrade", 3, 2), run("tiers", 2, 0), run("degrade", 4, 1))
     )
-    assert "| load | tier | tiers in time | degrade in time | degrade: degraded |" in table
+    assert "| load | tier | tiers in time | degrade in time | degrade: answered degraded |" in table
     assert "| 1.5x | flex | 3/10 | 7/10 | 3/10 |" in table
 
 

@@ -7,6 +7,7 @@ The checkpoint store is faked here (a dict); tests/unit/test_checkpoint_store.py
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -24,6 +25,7 @@ from triton_diffusion.recovery.checkpoint_store import CorruptCheckpoint
 from triton_diffusion.recovery.resumes import Resume, Resumes, fields_hash, model_identity, seed_from_key
 from triton_diffusion.serving.engine_host import RequestRecord
 from triton_diffusion.serving.requests import TrackedRequest
+from triton_diffusion.serving.triton_model import TritonModel
 from triton_diffusion.settings import ModelConfig, ModelSettings
 
 KEY = "client-key_0123456789"
@@ -224,6 +226,20 @@ def test_parse_watches_nothing_the_host_does():
     assert (parsed.resume.key, parsed.resume.hashed) == (KEY, fields_hash("m", parsed.values))
     model.resumes.watch(first, parsed.resume)
     assert model.resumes.resume_key(first) == KEY
+
+
+def test_the_triton_model_watches_a_parsed_request_and_not_one_that_failed_to_parse(monkeypatch):
+    # serving/triton_model.py's _read, without Triton: the raw fields are the request itself.
+    io = SimpleNamespace(read_raw_fields=lambda request, fields: request)
+    monkeypatch.setitem(sys.modules, "triton_diffusion.serving.triton_io", io)
+    kind = bare_model(FakeStore())
+    served = TritonModel(kind)
+    served.host = SimpleNamespace(resumes=kind.resumes)
+    served._track = lambda request, entered: tracked(request["prompt"])
+    first, parsed = served._read(0, request(prompt="first"), 0.0)
+    assert parsed is not None and kind.resumes.resume_key(first) == KEY
+    failed, nothing = served._read(1, request(prompt="bad", num_images_per_prompt=99), 0.0)
+    assert nothing is None and failed.channel.finals and kind.resumes.resume_key(failed) is None
 
 
 def test_a_key_in_flight_is_refused_to_a_request_with_other_fields_until_it_is_answered():
