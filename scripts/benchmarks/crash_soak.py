@@ -20,7 +20,8 @@ the same arrivals (--arrival-seed) and requests (prompt and seed by index). Ever
 project client (triton_diffusion_client.ImageSession) with retry (--retries resends within --timeout) and
 progress on, so the client sees the last step each attempt reached. The model's stub is killed (SIGKILL)
 every --crash-every seconds from the start, each time once the server is ready again (the supervisor
-restarts it; readiness is polled).
+restarts it; readiness is polled) and, with --mid-job N, once a request in flight has computed N steps
+(or after 60 s without one): a kill that hits work.
 
 Per run: requests offered, completed (an answer within --timeout of the arrival), lost (offered minus
 completed: a miss), goodput (completed images per second from the first arrival to the end of the run or the
@@ -302,7 +303,8 @@ class Crasher(threading.Thread):
     """Kills the model's stub at each time of ``at`` (seconds from ``started``, a perf_counter time), each
     once the server is ready (polled), and times how long the server takes to be ready again. With
     ``mid_job`` steps, each kill also waits (up to ``MID_JOB_WAIT_S``, then kills anyway) until some
-    attempt in flight has reported at least that step, so that a kill hits work where there is any (a
+    attempt in flight has computed at least that many steps (counted from where it started: a resumed
+    attempt's first report is past its checkpoint), so that a kill hits work where there is any (a
     kill at an idle moment recomputes nothing with or without checkpoints). Each kill records the steps
     the attempts in flight had reported and whether it waited in vain (``mid_job`` false)."""
 
@@ -355,7 +357,8 @@ class Crasher(threading.Thread):
     @staticmethod
     def _reached() -> int:
         with IN_FLIGHT_LOCK:
-            return max((a.reached or 0 for a in IN_FLIGHT), default=0)
+            # Steps this attempt computed (a resumed attempt's first report is past its checkpoint).
+            return max(((a.reached or 0) - (a.start or 0) for a in IN_FLIGHT), default=0)
 
 
 def checkpoint_edits(variant: str, folder: Path, every: int) -> dict[str, str]:
@@ -424,6 +427,8 @@ def measure(
 ) -> tuple[list[dict], int, Crasher, float]:
     """The traffic and the crashes on a ready server: the requests' records, the hung ones, the crasher,
     and the run's wall time (the last thread's end)."""
+    with IN_FLIGHT_LOCK:
+        IN_FLIGHT.clear()  # a client thread of an earlier run still retrying is not this run's work
     send(server.grpc_url, 2_000_000, args, time.perf_counter())  # warm: the first request loads everything
     records: list[dict | None] = [None] * len(arrivals)
     started = time.perf_counter()
@@ -460,8 +465,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--mid-job",
         type=int,
         default=0,
-        help="each kill waits (up to 60 s) until a request in flight has reported this step (0: kill at the "
-        "scheduled time, busy or not)",
+        help="each kill waits (up to 60 s) until a request in flight has computed this many steps (0: kill "
+        "at the scheduled time, busy or not)",
     )
     parser.add_argument("--size", type=int, default=64, help="height and width of every request")
     parser.add_argument("--load", type=float, default=0.5, help="the rate as a share of one-at-a-time")
@@ -486,6 +491,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--variants: choose from {list(VARIANTS)}")
     if args.rounds < 1 or args.duration <= 0 or args.crash_every <= 0 or args.steps < 1:
         parser.error("--rounds, --duration, --crash-every and --steps must be positive")
+    if args.mid_job >= args.steps:
+        parser.error("--mid-job must be below --steps (a request reports no step past its last)")
 
     build_missing(WEIGHTS, only=["tiny-sd"])
     report: dict[str, Any] = {

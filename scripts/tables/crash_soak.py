@@ -67,7 +67,7 @@ def _mid_job(settings: dict[str, Any]) -> str:
         return ""
     wait = settings.get("mid_job_wait_s")
     within = f", or after {wait:g} s without one" if wait else ""
-    return f" (each kill once a request in flight had reported step {step}{within})"
+    return f" (each kill once a request in flight had computed {step} steps{within})"
 
 
 def render(artefact: dict[str, Any]) -> str:

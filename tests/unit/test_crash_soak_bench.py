@@ -162,7 +162,7 @@ def test_the_block_shows_each_variant_and_run():
     mid_job = artefact(runs)
     mid_job["settings"]["mid_job"] = 8
     mid_job["settings"]["mid_job_wait_s"] = 60.0
-    said = "killed every 60 s (each kill once a request in flight had reported step 8, or after 60 s"
+    said = "killed every 60 s (each kill once a request in flight had computed 8 steps, or after 60 s"
     assert said in render(mid_job)
 
 

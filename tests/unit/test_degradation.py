@@ -295,6 +295,27 @@ def test_a_cut_made_for_a_request_refused_in_the_same_step_is_undone():
     assert forwards_of(h, "ahead") == 4
 
 
+def test_room_a_refused_request_held_goes_to_a_newcomer_judged_after_it():
+    h = harness(max_running=1, max_per_forward=1, max_paused=0)
+    h.measure(0.5)
+    ahead = degradable(h, "ahead", DEFAULT, 4, 1, deadline_s=2.5)
+    first = h.job("two images", DEFAULT, 4, deadline_s=3.0)
+    second = Job(first.request, Spec(steps=4), tier=DEFAULT, planned_steps=4, shape="64x64", index=1)
+    second.spec = replace(second.spec, deadline=first.spec.deadline + 0.2, tokens=1)
+    newcomer = h.job("newcomer", DEFAULT, 4, deadline_s=3.5)
+    h.engine.add(ahead)
+    h.engine.add(first, second)
+    h.engine.add(newcomer)
+    h.step(0.1)
+    # As in the test above, the two-image request is refused (ahead cut to 1 for its first image). With it
+    # gone, the newcomer after ahead's 4 steps (8 forwards, 4 s of 3.4 s left) is late; ahead at k steps:
+    # (k + 4) x 0.5 s within 90% of 3.4 s (3.06 s): k = 2. Judged with the refused request's room (and
+    # its first image's work) still counted, the newcomer would have been refused too.
+    assert first.request.channel.finals[0].code is ErrorCode.UNAVAILABLE
+    assert not newcomer.request.channel.finals
+    assert ahead.cut is not None and ahead.cut.steps == 2
+
+
 def test_room_for_takes_candidates_in_the_order_given_each_as_far_as_it_goes():
     allowed = allowance(4, 1)
     # Each freed token-step takes 1 s off a 10 s estimate; 6 s left, aiming at 5.4 s: 4.6 to free.

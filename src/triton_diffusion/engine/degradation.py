@@ -24,7 +24,8 @@ use: its forwards after the work that goes before it, its start and its decode) 
   (``make_room``); none is cut where that does not bring it in time, a job late itself is never cut for
   another, and a higher tier is never cut for a lower one. A job between the one cut and the late one is
   still priced with the cut's work counted in full (the walk goes once): it may be cut more than it needs
-  at that step; the next step decides again.
+  at that step; the next step decides again, unless it was admitted in that step (a started job's
+  schedule is fixed).
 - Decided again at each engine step until the job is admitted (a queue that drains in the meantime gives
   it back what it asked); once it starts, its schedule is fixed (its scheduler's timesteps are made for
   its steps: it equals ``pipeline(num_inference_steps=k)`` for the k it runs).

@@ -165,10 +165,8 @@ class Scheduler:
             self.waiting.extend(arrived)
             self._expire(out, now)
             self._cut_steps(now)
-            refused = [job for job in arrived if job in self.waiting and self._refused(job, now, out)]
-            self._drop_ended(out)  # after the deadlines: a refused request's other images leave too
-            if refused:  # cuts made to make room for what was refused (or its images) are decided again
-                self._cut_steps(now)
+            self._refuse_late(arrived, now, out)
+            self._drop_ended(out)
             self._admit(out, now)
         return out
 
@@ -211,6 +209,16 @@ class Scheduler:
                 steps = f"{job.steps_done}/{job.planned}"
                 self._leave(job, "expired", f"the request's {timeout_of(job)} passed after step {steps}", out)
 
+    def _refuse_late(self, arrived: list[Job], now: float, out: SchedulerOutput) -> None:
+        """Refuse the newcomers that cannot meet their deadlines. Each is judged without the work of a
+        request refused before it (its other images are ended, not yet dropped); after any refusal the
+        refused requests' images leave and the cuts made to make room for them are decided again
+        (:meth:`_cut_steps`): room they held goes to the jobs still waiting."""
+        refused = [job for job in arrived if job in self.waiting and self._refused(job, now, out)]
+        if refused:
+            self._drop_ended(out)
+            self._cut_steps(now)
+
     def _refused(self, job: Job, now: float, out: SchedulerOutput) -> bool:
         """A newcomer that cannot meet its deadline, given the work that goes before it, leaves now (True)."""
         if job.spec.deadline is None or not self.service.refuse_late or not self.times.measured:
@@ -218,7 +226,8 @@ class Scheduler:
         if job.status.ended or job.cut is not None:
             return False  # dropped as ended below; or cut to steps the walk found in time (_cut_steps)
         mine = self.order_key(job, now)
-        ahead = [j for q in (self.waiting, self.running, self.paused) for j in q if j is not job]
+        held = (self.waiting, self.running, self.paused)
+        ahead = [j for q in held for j in q if j is not job and not j.status.ended]
         ahead_work = sum(j.remaining * j.spec.tokens for j in ahead if self.order_key(j, now) < mine)
         behind = self._running_behind(now, mine)
         estimate = self._finish_in(
@@ -256,7 +265,7 @@ class Scheduler:
         )
 
     def _running_behind(self, now: float, mine: tuple) -> tuple[Job, ...]:
-        return tuple(j for j in self.running if self.order_key(j, now) >= mine)
+        return tuple(j for j in self.running if not j.status.ended and self.order_key(j, now) >= mine)
 
     def _cut_steps(self, now: float) -> None:
         """Each waiting job that may run fewer steps gets the most with which it meets its deadline; a
@@ -503,18 +512,20 @@ class Scheduler:
         leaves, so its work goes before nobody). Before any forward was measured only ``seconds`` <= 0
         makes a job late (nothing is known: the next look decides)."""
         now = self.clock() if now is None else now
-        with self._lock:
+        late: list[Job] = []
+        ahead = 0
+        with self._lock:  # the engine thread's walk changes cuts (and so what remains) under it
             queues = (self._inbox, self.waiting, self.starting, self.running, self.paused)
             held = [job for queue in queues for job in queue if not job.status.ended]
-        held.sort(key=lambda job: self.order_key(job, now))
-        late, ahead = [], 0
-        for job in held:
-            started = job.state is not None
-            estimate = self.times.finish_in(job.spec.tokens, job.remaining, ahead, self._budget(job), started)
-            if estimate > seconds or seconds <= 0:
-                late.append(job)
-            else:
-                ahead += job.remaining * job.spec.tokens
+            held.sort(key=lambda job: self.order_key(job, now))
+            for job in held:
+                started = job.state is not None
+                budget = self._budget(job)
+                estimate = self.times.finish_in(job.spec.tokens, job.remaining, ahead, budget, started)
+                if estimate > seconds or seconds <= 0:
+                    late.append(job)
+                else:
+                    ahead += job.remaining * job.spec.tokens
         return late
 
     def _budget(self, job: Job) -> int:
