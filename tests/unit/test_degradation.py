@@ -275,17 +275,26 @@ def test_a_job_late_itself_is_refused_not_cut_for_a_later_one():
     assert forwards_of(h, "later") == 2 and not isinstance(later.request.channel.finals[0], Exception)
 
 
-def test_a_cut_made_for_a_request_refused_in_the_same_step_is_undone():
-    h = harness(max_running=1, max_per_forward=1, max_paused=0)
-    h.measure(0.5)
+def two_images_behind(h: Harness, *after: Job) -> tuple[Job, Job]:
+    """A job that may run 1 to 4 steps (deadline 2.5 s), then a request of two 4-step images (deadlines
+    3.0 s and, a test's own so that it goes after the first, 3.2 s), then ``after``; one engine step
+    0.1 s after they arrived. The job ahead and the request's first image."""
     ahead = degradable(h, "ahead", DEFAULT, 4, 1, deadline_s=2.5)
     first = h.job("two images", DEFAULT, 4, deadline_s=3.0)
-    # Its second image, with a later deadline than the first (a test's: so it goes after it in order).
     second = Job(first.request, Spec(steps=4), tier=DEFAULT, planned_steps=4, shape="64x64", index=1)
     second.spec = replace(second.spec, deadline=first.spec.deadline + 0.2, tokens=1)
     h.engine.add(ahead)
     h.engine.add(first, second)
+    for job in after:
+        h.engine.add(job)
     h.step(0.1)
+    return ahead, first
+
+
+def test_a_cut_made_for_a_request_refused_in_the_same_step_is_undone():
+    h = harness(max_running=1, max_per_forward=1, max_paused=0)
+    h.measure(0.5)
+    ahead, first = two_images_behind(h)
     # The first image is in time once ahead is cut to 1 (the first test); the second, after ahead's 1 and
     # the first's 4 (4.5 s of 3.1 s left), is not, and nothing more can be cut: the request is refused.
     # The cut made for its first image is then undone: ahead runs the 4 steps it asked.
@@ -298,15 +307,8 @@ def test_a_cut_made_for_a_request_refused_in_the_same_step_is_undone():
 def test_room_a_refused_request_held_goes_to_a_newcomer_judged_after_it():
     h = harness(max_running=1, max_per_forward=1, max_paused=0)
     h.measure(0.5)
-    ahead = degradable(h, "ahead", DEFAULT, 4, 1, deadline_s=2.5)
-    first = h.job("two images", DEFAULT, 4, deadline_s=3.0)
-    second = Job(first.request, Spec(steps=4), tier=DEFAULT, planned_steps=4, shape="64x64", index=1)
-    second.spec = replace(second.spec, deadline=first.spec.deadline + 0.2, tokens=1)
     newcomer = h.job("newcomer", DEFAULT, 4, deadline_s=3.5)
-    h.engine.add(ahead)
-    h.engine.add(first, second)
-    h.engine.add(newcomer)
-    h.step(0.1)
+    ahead, first = two_images_behind(h, newcomer)
     # As in the test above, the two-image request is refused (ahead cut to 1 for its first image). With it
     # gone, the newcomer after ahead's 4 steps (8 forwards, 4 s of 3.4 s left) is late; ahead at k steps:
     # (k + 4) x 0.5 s within 90% of 3.4 s (3.06 s): k = 2. Judged with the refused request's room (and
