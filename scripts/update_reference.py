@@ -13,7 +13,8 @@ A table lives between two markers in a markdown file under docs/ (or README.md):
 - ``metrics``: the metric families the models export (serving/metrics.py: name, type, meaning), their
   labels as the code records them, and the supervisor's (serving/supervisor.py);
 - ``errors``: the error codes a request can be answered with (errors.py) and what the OpenAI front turns
-  each into (openai_front/errors.py).
+  each into (openai_front/errors.py);
+- ``layout``: every module of the package with its docstring's first sentence (docs/contributing.md).
 
     python scripts/update_reference.py           # rewrite every table in place
     python scripts/update_reference.py --check   # exit 1 when a table differs from what it would write
@@ -189,12 +190,41 @@ def errors_table() -> str:
     return _escape("\n".join(head + rows), 4)
 
 
+# A module's summary: its docstring's first sentence, cut at a word boundary past this many characters.
+SUMMARY_CHARS = 180
+
+
+def summary(docstring: str) -> str:
+    """The first sentence of a docstring's first paragraph, on one line (cut at ``SUMMARY_CHARS``)."""
+    paragraph = " ".join(docstring.split("\n\n")[0].split())
+    sentence = re.match(r"(.+?\.)(\s|$)", paragraph)
+    text = sentence.group(1) if sentence else paragraph
+    if len(text) > SUMMARY_CHARS:
+        text = text[:SUMMARY_CHARS].rsplit(" ", 1)[0] + " …"
+    return text
+
+
+def layout_table() -> str:
+    """Every module of the package with its docstring's first sentence, folder by folder: the layout that
+    cannot drift from the code (a module without a docstring stops the script)."""
+    rows = ["| module | what it is |", "|---|---|"]
+    for path in sorted(PACKAGE.rglob("*.py"), key=lambda p: (len(p.relative_to(PACKAGE).parts) > 1, p)):
+        if path.name == "__init__.py":
+            continue
+        docstring = ast.get_docstring(ast.parse(path.read_text()))
+        if not docstring:
+            raise SystemExit(f"update_reference: {path.relative_to(REPO_ROOT)} has no module docstring")
+        rows.append(f"| `{path.relative_to(PACKAGE).as_posix()}` | {summary(docstring)} |")
+    return _escape("\n".join(rows), 2)
+
+
 MODELS = ("text_to_image", "image_to_image", "text_to_video", "diffusion_lm")
 TABLES: dict[str, Callable[[], str]] = {
     **{f"fields:{model}": fields_table(model) for model in MODELS},
     "config": config_table,
     "metrics": metrics_table,
     "errors": errors_table,
+    "layout": layout_table,
 }
 
 

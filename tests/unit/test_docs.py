@@ -197,3 +197,21 @@ def test_a_runnable_marker_without_its_block_is_an_error(tmp_path):
     page.write_text("<!-- runnable -->\n```\nplain\n```\n")
     with pytest.raises(ValueError):
         examples([page])
+
+
+def test_the_layout_lists_every_module_by_its_docstrings_first_sentence(tmp_path, monkeypatch):
+    reference = reference_module()
+    assert reference.summary("One thing.\nMore of it. And more.\n\nLater.") == "One thing."
+    assert reference.summary("No full stop\nat all") == "No full stop at all"
+    long = "word " * 60 + "end."
+    cut = reference.summary(long)
+    assert cut.endswith(" …") and len(cut) <= reference.SUMMARY_CHARS + 2
+    table = reference.layout_table()
+    modules = [p for p in reference.PACKAGE.rglob("*.py") if p.name != "__init__.py"]
+    assert len(table.splitlines()) == 2 + len(modules)  # every module, once
+    assert "| `engine/scheduler.py` | The step engine's scheduler:" in table
+    (tmp_path / "bare.py").write_text("x = 1\n")
+    monkeypatch.setattr(reference, "PACKAGE", tmp_path)
+    monkeypatch.setattr(reference, "REPO_ROOT", tmp_path)
+    with pytest.raises(SystemExit, match="bare.py has no module docstring"):
+        reference.layout_table()
