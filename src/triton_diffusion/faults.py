@@ -157,7 +157,7 @@ class FaultyStepAdapter:
             return
         for job in jobs:
             steps = self.faults.hold_from(self.prompt_of(job))
-            if steps is None or job.steps_done != steps or job.stats.most_shared > 1:
+            if steps is None or job.run.steps_done != steps or job.stats.most_shared > 1:
                 return
         needed = max([len(jobs) + 1, *(self.faults.hold_until(self.prompt_of(job)) for job in jobs)])
         deadline = time.monotonic() + self.faults.hold_s

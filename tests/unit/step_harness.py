@@ -88,9 +88,9 @@ def run_engine(
         host.render(step_as_worker(engine))
         step += 1
         if cancelled is not None:
-            cancel["now"] = cancelled.steps_done >= 2
+            cancel["now"] = cancelled.run.steps_done >= 2
     if cancelled is not None:
-        assert cancelled.request.channel.finals[0].code.value == "CANCELLED" and cancelled.steps_done == 2
+        assert cancelled.request.channel.finals[0].code.value == "CANCELLED" and cancelled.run.steps_done == 2
     return jobs
 
 

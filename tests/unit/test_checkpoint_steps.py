@@ -44,19 +44,19 @@ class CheckpointingAdapter:
     def step(self, jobs: list[Job], previews: Any = None) -> ForwardResult:
         steps = []
         for job in jobs:
-            self.stepped_from.setdefault(job.request.request_id, []).append(job.steps_done)
-            step = job.steps_done + 1
-            steps.append(JobStep(step, step == job.total_steps))
+            self.stepped_from.setdefault(job.request.request_id, []).append(job.run.steps_done)
+            step = job.run.steps_done + 1
+            steps.append(JobStep(step, step == job.run.total_steps))
         return ForwardResult(steps, rows=len(jobs))
 
     def finish(self, jobs: list[Job]) -> list[Any]:
         return [f"out:{job.request.request_id}" for job in jobs]
 
     def checkpoint(self, jobs: list[Job]) -> list[Any]:
-        self.asked.append([(job.request.request_id, job.steps_done) for job in jobs])
+        self.asked.append([(job.request.request_id, job.run.steps_done) for job in jobs])
         if self.fail_checkpoints:
             raise RuntimeError("disk of the host full (simulated)")
-        return [(job.request.request_id, job.steps_done) for job in jobs]
+        return [(job.request.request_id, job.run.steps_done) for job in jobs]
 
 
 def run(adapter: CheckpointingAdapter, jobs: list[Job], every: int) -> list[Any]:
@@ -99,7 +99,7 @@ def test_a_failed_checkpoint_costs_only_itself():
     adapter = CheckpointingAdapter(fail_checkpoints=True)
     keyed = job("keyed", "k.0")
     assert run(adapter, [keyed], every=2) == []
-    assert len(adapter.asked) == 3 and keyed.steps_done == 7
+    assert len(adapter.asked) == 3 and keyed.run.steps_done == 7
     assert keyed.request.channel.finals == [{"out": "out:keyed"}]
 
 
@@ -108,7 +108,7 @@ def test_a_job_started_from_a_checkpoint_goes_on_from_its_step():
     resumed = job("resumed", "k.0", Params(steps=7, resume_at=4))
     taken = run(adapter, [resumed], every=2)
     assert adapter.stepped_from["resumed"] == [4, 5, 6]  # three forwards, not seven
-    assert resumed.stats.resumed_from_step == 4 and resumed.steps_done == 7
+    assert resumed.stats.resumed_from_step == 4 and resumed.run.steps_done == 7
     assert taken == [("resumed", ("resumed", 6))]
     fresh = job("fresh", None)
     run(CheckpointingAdapter(), [fresh], every=0)
@@ -177,5 +177,5 @@ def test_a_checkpoint_that_does_not_fit_starts_the_job_afresh_with_a_warning(job
 def test_the_latent_adapter_checkpoints_what_can_be_and_refuses_a_step_cache(job_checkpoints):
     starts = Starts()
     plain, cached = Job(tracked("a"), image("a")), Job(tracked("b"), image("b"))
-    plain.state, plain.steps_done, cached.state, cached.steps_done = "state a", 4, "cached", 4
+    plain.state, plain.run.steps_done, cached.state, cached.run.steps_done = "state a", 4, "cached", 4
     assert starts.checkpoint([plain, cached]) == [("snapshot", "state a", 4), None]

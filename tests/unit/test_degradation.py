@@ -78,7 +78,11 @@ class CutAdapter(FakeAdapter):
 
     def prepare(self, jobs):
         return [
-            JobStart([0], job.spec.params.group, job.cut.denoising if job.cut else job.spec.params.steps)
+            JobStart(
+                [0],
+                job.spec.params.group,
+                job.queue.cut.denoising if job.queue.cut else job.spec.params.steps,
+            )
             for job in jobs
         ]
 
@@ -107,7 +111,7 @@ def test_a_job_is_not_degraded_while_the_queue_has_room():
     other = degradable(h, "other", FLEX, 10, 2, deadline_s=60.0)
     h.add(roomy, other)
     h.drain()
-    assert roomy.cut is None and other.cut is None
+    assert roomy.queue.cut is None and other.queue.cut is None
     assert forwards_of(h, "roomy") == 10 and forwards_of(h, "other") == 10
 
 
@@ -117,7 +121,7 @@ def test_a_job_that_would_be_refused_runs_the_most_steps_that_meet_its_deadline(
     tight = degradable(h, "tight", DEFAULT, 8, 1, deadline_s=2.0)
     h.add(tight)
     h.step(0.1)  # scheduled 0.1 s after it arrived: 1.9 s left, aiming at 1.71 s: 3 steps (1.5 s)
-    assert tight.cut is not None and (tight.cut.steps, tight.cut.asked) == (3, 8)
+    assert tight.queue.cut is not None and (tight.queue.cut.steps, tight.queue.cut.asked) == (3, 8)
     h.drain()
     assert forwards_of(h, "tight") == 3
     assert not isinstance(tight.request.channel.finals[0], Exception)
@@ -140,8 +144,8 @@ def test_a_lower_tier_is_cut_for_the_work_of_a_higher_one_and_the_higher_one_is_
     # urgent: 4 steps, 2.0 s of 2.9 s left: in time. flex after its 4 steps: 4 + k forwards of 0.5 s
     # within 2.61 s: k = 1. (Decided before either starts; the engine's own timings of the fake
     # forwards then shorten the estimate, so flex, not started yet, may be given more back.)
-    assert urgent.cut is None
-    assert flex.cut is not None and flex.cut.steps == 1
+    assert urgent.queue.cut is None
+    assert flex.queue.cut is not None and flex.queue.cut.steps == 1
 
 
 def test_a_cut_is_given_back_when_the_queue_drains_before_the_job_starts():
@@ -154,13 +158,13 @@ def test_a_cut_is_given_back_when_the_queue_drains_before_the_job_starts():
     h.add(flex, urgent)
     h.step(0.1)
     # flex after urgent's 4 steps: 4 + k forwards of 0.5 s within 2.61 s: cut to 1.
-    assert flex.cut is not None and flex.cut.steps == 1
+    assert flex.queue.cut is not None and flex.queue.cut.steps == 1
     h.step(0.1)
-    assert flex.cut is not None  # urgent still runs: the queue has not drained
+    assert flex.queue.cut is not None  # urgent still runs: the queue has not drained
     while forwards_of(h, "urgent") < 4:
         h.step(0.1)  # forwards take 0.1 s on this clock, not the 0.5 s estimated
     h.step(0.1)  # urgent done at 0.6 s: flex's 4 steps (2 s) are in time again
-    assert flex.cut is None
+    assert flex.queue.cut is None
     h.drain()
     assert forwards_of(h, "flex") == 4
 
@@ -174,7 +178,7 @@ def test_a_job_is_never_cut_without_a_deadline_an_allowance_or_refusals(case):
         job.spec = replace(job.spec, deadline=h.clock.now + 2.0)
     h.add(job)
     h.step(0.1)
-    assert job.cut is None
+    assert job.queue.cut is None
 
 
 def test_a_job_whose_fewest_steps_cannot_meet_its_deadline_is_refused_uncut():
@@ -183,7 +187,7 @@ def test_a_job_whose_fewest_steps_cannot_meet_its_deadline_is_refused_uncut():
     hopeless = degradable(h, "hopeless", DEFAULT, 8, 4, deadline_s=1.0)  # 4 steps take 2 s
     h.add(hopeless)
     h.step(0.1)
-    assert hopeless.cut is None
+    assert hopeless.queue.cut is None
     assert hopeless.request.channel.finals[0].code is ErrorCode.UNAVAILABLE
 
 
@@ -204,9 +208,11 @@ def test_a_job_ahead_of_its_tier_is_cut_to_make_room_for_a_later_ones_deadline()
     h, ahead, later = one_ahead(DEFAULT, 2.5, 3.0)  # ahead has the least slack: it goes first
     # ahead: 4 steps (2 s) of its 2.4 s left: in time uncut. later after it: 8 forwards (4 s) of 2.9 s
     # left, late; ahead at k steps: (k + 4) x 0.5 s within 90% of 2.9 s (2.61 s): k = 1.
-    assert ahead.cut is not None and (ahead.cut.steps, ahead.cut.asked) == (1, 4)
-    assert ahead.cut.reason.startswith("deadline of another image after it: estimated 4000 ms, 2900 ms left")
-    assert later.cut is None and not later.request.channel.finals  # not refused
+    assert ahead.queue.cut is not None and (ahead.queue.cut.steps, ahead.queue.cut.asked) == (1, 4)
+    assert ahead.queue.cut.reason.startswith(
+        "deadline of another image after it: estimated 4000 ms, 2900 ms left"
+    )
+    assert later.queue.cut is None and not later.request.channel.finals  # not refused
     h.drain()
     assert forwards_of(h, "ahead") == 1 and forwards_of(h, "later") == 4
     assert not isinstance(later.request.channel.finals[0], Exception)
@@ -222,8 +228,8 @@ def test_the_last_in_order_is_cut_first_and_as_little_as_brings_the_late_one_in_
     h.step(0.1)
     # late after 12 forwards (6 s) of 5.7 s left; within 90% of it (5.13 s): at most 10 forwards, so 2
     # steps freed, all from second (the last in order before it): second runs 2 steps, first all 4.
-    assert first.cut is None
-    assert second.cut is not None and second.cut.steps == 2
+    assert first.queue.cut is None
+    assert second.queue.cut is not None and second.queue.cut.steps == 2
     assert not late.request.channel.finals
 
 
@@ -238,10 +244,10 @@ def test_a_cut_that_saves_nobody_is_not_made_and_a_higher_tier_is_not_cut_for_a_
     scheduler.add(ahead, later)
     scheduler.waiting, scheduler._inbox = scheduler._inbox, []  # waiting, as an engine step finds them
     scheduler._cut_steps(h.clock.now + 0.1)
-    assert ahead.cut is None
+    assert ahead.queue.cut is None
     # The first test's numbers, with the job ahead one tier higher: it is not cut for the lower one.
     _, ahead, later = one_ahead(PRIORITY, 2.5, 3.0)
-    assert ahead.cut is None
+    assert ahead.queue.cut is None
     assert later.request.channel.finals[0].code is ErrorCode.UNAVAILABLE
 
 
@@ -255,8 +261,8 @@ def test_the_room_made_counts_for_the_jobs_after_the_late_one():
     h.step(0.1)
     # ahead cut to 1 for later (the first test); last after ahead's 1 and later's 4: 9 forwards (4.5 s)
     # of 4.9 s left, in time uncut. Priced as if ahead ran all 4, it would be late (6 s) and cut.
-    assert ahead.cut is not None and ahead.cut.steps == 1
-    assert last.cut is None
+    assert ahead.queue.cut is not None and ahead.queue.cut.steps == 1
+    assert last.queue.cut is None
 
 
 def test_a_job_late_itself_is_refused_not_cut_for_a_later_one():
@@ -268,9 +274,9 @@ def test_a_job_late_itself_is_refused_not_cut_for_a_later_one():
     h.step(0.1)
     # later after hopeless's 4 steps would be late (3 s of 1.9 s left), and hopeless at 1 step would let
     # it in; but hopeless is late itself: it is refused, uncut, and later goes first, in time.
-    assert hopeless.cut is None
+    assert hopeless.queue.cut is None
     assert hopeless.request.channel.finals[0].code is ErrorCode.UNAVAILABLE
-    assert later.cut is None and not later.request.channel.finals
+    assert later.queue.cut is None and not later.request.channel.finals
     h.drain()
     assert forwards_of(h, "later") == 2 and not isinstance(later.request.channel.finals[0], Exception)
 
@@ -299,7 +305,7 @@ def test_a_cut_made_for_a_request_refused_in_the_same_step_is_undone():
     # the first's 4 (4.5 s of 3.1 s left), is not, and nothing more can be cut: the request is refused.
     # The cut made for its first image is then undone: ahead runs the 4 steps it asked.
     assert first.request.channel.finals[0].code is ErrorCode.UNAVAILABLE
-    assert ahead.cut is None
+    assert ahead.queue.cut is None
     h.drain()
     assert forwards_of(h, "ahead") == 4
 
@@ -315,7 +321,7 @@ def test_room_a_refused_request_held_goes_to_a_newcomer_judged_after_it():
     # its first image's work) still counted, the newcomer would have been refused too.
     assert first.request.channel.finals[0].code is ErrorCode.UNAVAILABLE
     assert not newcomer.request.channel.finals
-    assert ahead.cut is not None and ahead.cut.steps == 2
+    assert ahead.queue.cut is not None and ahead.queue.cut.steps == 2
 
 
 def test_room_for_takes_candidates_in_the_order_given_each_as_far_as_it_goes():
@@ -369,8 +375,8 @@ def test_degraded_jobs_equal_their_pipeline_at_the_steps_they_ran_amid_rows_that
     adapter.step = counted
     while engine.active:
         host.render(engine.step())
-    text_cut, image_cut = jobs[0].cut, jobs[1].cut
-    assert text_cut is not None and image_cut is not None and jobs[2].cut is None
+    text_cut, image_cut = jobs[0].queue.cut, jobs[1].queue.cut
+    assert text_cut is not None and image_cut is not None and jobs[2].queue.cut is None
     assert (text_cut.steps, image_cut.steps) == (4, 7)
     # Each ran the denoising steps it was given (SD's img2img: int(steps x strength)).
     assert stepped == {"0": 4, "1": int(7 * 0.75), "2": 6}

@@ -66,7 +66,7 @@ def test_every_image_equals_the_pipelines_own_amid_rows_of_other_prompt_lengths(
     assert max(host.forwards) >= 4, "requests did not share forwards"
     assert jobs[6].stats.first_forward > 1, "the last request did not join mid-way"
     # The square jobs of 64 and 128 pixels render at one bin: one shape group, so they shared forwards.
-    assert jobs[0].group == jobs[2].group != (64, 64) and jobs[4].group != jobs[5].group
+    assert jobs[0].run.group == jobs[2].run.group != (64, 64) and jobs[4].run.group != jobs[5].run.group
     # Short and long prompts: rows of one forward had different text lengths (padding masked per row).
     tokens = {int(job.state.conditional["encoder_attention_mask"].sum()) for job in jobs[:3]}
     assert len(tokens) == 2 and jobs[0].stats.most_shared >= 3
@@ -129,5 +129,5 @@ def test_pixart_alpha_1024_models_condition_each_row_on_its_rendered_size(monkey
     arrivals = [(spec[4], r) for spec, r in zip(ALPHA_1024, requests, strict=True)]
     jobs = run_engine(adapter, arrivals, host)
     assert max(host.forwards) >= 3 and jobs[2].stats.most_shared >= 2
-    assert {job.group for job in jobs} == {(64, 64), (48, 64)}
+    assert {job.run.group for job in jobs} == {(64, 64), (48, 64)}
     assert_each_image_equals_the_pipelines_own(family, requests, jobs)

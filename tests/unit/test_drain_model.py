@@ -55,7 +55,7 @@ class CheckpointingAdapter:
         steps = []
         for job in jobs:
             job.state[0] += 1
-            steps.append(JobStep(job.state[0], job.state[0] == job.total_steps))
+            steps.append(JobStep(job.state[0], job.state[0] == job.run.total_steps))
         return ForwardResult(steps, rows=len(jobs))
 
     def finish(self, jobs):
@@ -63,7 +63,7 @@ class CheckpointingAdapter:
 
     def checkpoint(self, jobs):
         self.checkpointed.append([job.request.request_id for job in jobs])
-        return [None if job.spec.params.cache else {"step": job.steps_done} for job in jobs]
+        return [None if job.spec.params.cache else {"step": job.run.steps_done} for job in jobs]
 
 
 # ---- the engines' side: pure decisions --------------------------------------------------------------
@@ -97,7 +97,7 @@ def test_checkpoint_now_returns_the_adapters_checkpoints_of_started_jobs_with_a_
     waiting = held(engine, "w", 5)
     engine.step()  # admit and one forward: a, b, c at step 1 (w too: 4 running)
     engine.step()
-    assert [job.steps_done for job in jobs] == [2, 2, 2]
+    assert [job.run.steps_done for job in jobs] == [2, 2, 2]
     unstarted = Job(tracked("u"), Spec(), checkpoint_key=f"{KEY}.1")
     taken = engine.checkpoint_now([*jobs, unstarted])
     assert taken == [{"step": 2}, None, None, None]  # no key, a step cache, never started

@@ -102,7 +102,7 @@ def run(adapter: Any, jobs: list[Job], at_step: int | None = None) -> JobCheckpo
     checkpoint = None
     while engine.active:
         host.render(step_as_worker(engine))
-        if at_step is not None and checkpoint is None and jobs[0].steps_done == at_step:
+        if at_step is not None and checkpoint is None and jobs[0].run.steps_done == at_step:
             checkpoint = snapshot(jobs[0].state, at_step)
     return checkpoint
 
@@ -129,7 +129,7 @@ def resumed(
     resuming = Resuming(adapter, checkpoint, tamper)
     target = job_of(resuming, "target", RecordingChannel(), request)
     run(resuming, [target, job_of(resuming, "neighbour", RecordingChannel(), neighbour)])
-    assert target.stats.forwards == target.total_steps - checkpoint.step
+    assert target.stats.forwards == target.run.total_steps - checkpoint.step
     return served(target)
 
 

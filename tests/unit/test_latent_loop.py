@@ -158,7 +158,7 @@ def test_image_conditioned_jobs_equal_their_pipelines_alone_and_amid_text_only_j
         assert np.abs(served(alone) - expected).max() <= 1, ("alone", facts.class_name, request.start)
         assert np.abs(served(job) - expected).max() <= 1, ("amid text", facts.class_name, request.start)
         assert job.stats.most_shared >= 2 and alone.stats.most_shared == 1
-        assert job.stats.forwards == job.total_steps == alone.total_steps <= request.steps
+        assert job.stats.forwards == job.run.total_steps == alone.run.total_steps <= request.steps
     assert np.abs(served(together[0]) - served(together[-1])).mean() > 5, "the source did not matter"
 
 

@@ -551,7 +551,7 @@ def test_the_adapter_step_equals_each_jobs_own_and_a_failing_scheduler_fails_onl
             extra={},
         )
         job = Job(request=None, params=SimpleNamespace(size=(8, 8), lora=()))
-        job.state, job.total_steps = state, steps
+        job.state, job.run.total_steps = state, steps
         jobs.append(job)
         alone.append(
             (copy.deepcopy(scheduler), state.latents.clone(), kwargs(torch.Generator().manual_seed(i)))

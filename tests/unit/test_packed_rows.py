@@ -185,7 +185,7 @@ def test_images_of_three_sizes_share_forwards_and_each_equals_its_pipeline_alone
     with ModelCalls(adapter.model) as packed:
         jobs = run_engine(adapter, arrivals, host, victim, first_preview_every=1)
     factor = adapter.pipe.vae_scale_factor
-    assert len(host.previews) == jobs[0].total_steps, "a preview after every step"
+    assert len(host.previews) == jobs[0].run.total_steps, "a preview after every step"
     assert all(tuple(p.shape[-2:]) == (SIZES[0][0] // factor, SIZES[0][1] // factor) for p in host.previews)
     adapter.packs_sizes = False  # one size per forward: the same images, more calls
     try:
@@ -229,7 +229,7 @@ def test_a_cached_job_keeps_to_its_size_and_shares_with_uncached_jobs_of_it(fami
     # The cached job first: its size's group goes first (the oldest job's), and the uncached job of its size
     # joins it (scheduler.py: a job of every size joins a forward of its own shape's group).
     jobs = run_engine(adapter, [(0, cached), *arrivals])
-    assert jobs[0].group == SIZES[0] and all(job.group != SIZES[0] for job in jobs[1:])
+    assert jobs[0].run.group == SIZES[0] and all(job.run.group != SIZES[0] for job in jobs[1:])
     assert jobs[0].stats.most_shared == 2, "the cached job did not share with the uncached one of its size"
     assert jobs[2].stats.most_shared == 2, "the uncached jobs of the other two sizes did not share a forward"
     # Alone, with and without its cache: the rows the transformer's blocks ran on, counted by hooks on

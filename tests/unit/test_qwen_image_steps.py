@@ -107,8 +107,8 @@ def test_img2img_jobs_equal_their_pipeline_alone_and_amid_text_only_jobs(family)
         (alone,) = run_engine(adapter, [(0, request)])
         assert np.abs(served(alone) - expected).max() <= 1, "alone"
         assert np.abs(served(job) - expected).max() <= 1, "amid text"
-        assert job.stats.most_shared >= 2 and job.stats.forwards == job.total_steps <= request.steps
-    assert jobs[0].total_steps == 3, "strength 0.6 of 4 steps runs 3 (the trim, unrounded)"
+        assert job.stats.most_shared >= 2 and job.stats.forwards == job.run.total_steps <= request.steps
+    assert jobs[0].run.total_steps == 3, "strength 0.6 of 4 steps runs 3 (the trim, unrounded)"
     twin = replace(targets[0][1], image=None, strength=None)
     (text_only,) = run_engine(adapter, [(0, twin)])
     assert np.abs(served(text_only) - served(jobs[0])).mean() > 5, "the source did not matter"

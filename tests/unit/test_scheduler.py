@@ -180,7 +180,7 @@ def test_a_request_that_ended_already_leaves_as_ended_not_for_its_deadline():
     running = h.job("running", DEFAULT, 4, deadline_s=3.0)  # 4 steps x 0.5 s: admitted
     h.add(running)
     h.step(0.1)
-    assert running.steps_done == 1
+    assert running.run.steps_done == 1
     running.request.end(cancelled)  # ended while it ran; its deadline passes before the next step
     late = h.job("late", DEFAULT, 8, deadline_s=2.0)  # 8 steps x 0.5 s: the estimate would refuse it
     late.request.end(cancelled)  # ended while it waited to be scheduled
@@ -201,12 +201,14 @@ def test_a_higher_tier_pauses_the_lowest_running_job_which_resumes_where_it_was(
     urgent = h.job("urgent", PRIORITY, 3)
     h.add(urgent)
     h.step()
-    assert low in h.engine.scheduler.paused and low.steps_done == 2 and low.queue.pauses == 1
+    assert low in h.engine.scheduler.paused and low.run.steps_done == 2 and low.queue.pauses == 1
     assert h.adapter.forwards[-1] == ["urgent", "default"]  # the priority job first, in the freed row
     h.drain()
     for job in (low, mid, urgent):
         assert job.request.channel.finals == [{"out": f"out:{job.request.request_id}"}]
-        assert job.steps_done == job.total_steps  # every step, none twice (FakeAdapter counts its own)
+        assert (
+            job.run.steps_done == job.run.total_steps
+        )  # every step, none twice (FakeAdapter counts its own)
     assert low.state[0] == 6 and low.queue.paused_s > 0
 
 

@@ -548,14 +548,14 @@ def test_a_forward_that_raises_leaves_no_cache_state_and_its_retry_decides_the_s
     request = flux.request(0, cache)
     job = Job(TrackedRequest("r", RecordingChannel()), request)
     (start,) = flux.adapter.prepare([job])
-    job.state, job.group, job.total_steps = start.state, start.group, start.total_steps
+    job.state, job.run.group, job.run.total_steps = start.state, start.group, start.total_steps
     state = job.state.cache
 
     def out_of_memory(module: Any, args: tuple) -> None:
         raise RuntimeError("CUDA out of memory (injected after every block ran)")
 
     computed = ComputedRows(flux.pipe.transformer)
-    while job.steps_done < job.total_steps:
+    while job.run.steps_done < job.run.total_steps:
         before = cache_contents(state)
         handle = flux.pipe.transformer.norm_out.register_forward_pre_hook(out_of_memory)
         try:
@@ -563,15 +563,17 @@ def test_a_forward_that_raises_leaves_no_cache_state_and_its_retry_decides_the_s
                 flux.adapter.step([job])
         finally:
             handle.remove()
-        assert unchanged(before, cache_contents(state)), f"the failed forward {job.steps_done} changed state"
-        if job.steps_done == 0 and cache.startswith("taylorseer"):
+        assert unchanged(before, cache_contents(state)), (
+            f"the failed forward {job.run.steps_done} changed state"
+        )
+        if job.run.steps_done == 0 and cache.startswith("taylorseer"):
             assert state.branches[0].modules == {} and state.branches[0].step == -1
         with computed:
             (step,) = flux.adapter.step([job]).steps
         assert step.error is None
         if step.rows_computed or cache.startswith("taylorseer"):  # (TaylorSeer counts every step)
             assert not unchanged(before, cache_contents(state)), "the forward's updates were not committed"
-        job.steps_done = step.step
+        job.run.steps_done = step.step
     if cache.startswith("taylorseer"):
         assert len(state.branches[0].modules) == 4  # each block's attention joined at its first commit
     (image,) = flux.adapter.finish([job])

@@ -72,7 +72,7 @@ class FakeAdapter:
         steps = []
         for job in jobs:
             job.state[0] += 1  # the adapter's own state: a step counter of its own
-            steps.append(JobStep(job.state[0], job.state[0] == job.total_steps))
+            steps.append(JobStep(job.state[0], job.state[0] == job.run.total_steps))
         return ForwardResult(steps, rows=len(jobs))
 
     def finish(self, jobs):
@@ -450,7 +450,7 @@ def test_policies_pick_groups_and_no_job_starves():
         engine = engine_for(adapter, max_running=16, policy=policy)
         for j in big:
             j.request = tracked(j.request.request_id)
-            j.steps_done = 0
+            j.run.steps_done = 0
             engine.add(j)
         for step in range(40):  # short 64x64 jobs keep arriving
             engine.add(job(f"s{step}", Spec(steps=1)))
@@ -501,7 +501,7 @@ def test_the_worker_restarts_its_loop_after_a_bug_and_answers_what_it_held():
             self.calls += 1
             if self.calls == 1:
                 raise KeyError("a bug in the engine itself")
-            return first.group
+            return first.run.group
 
     adapter = FakeAdapter()
     limits = EngineLimits(8, 8)
@@ -1016,11 +1016,11 @@ def test_a_hold_with_a_count_waits_until_the_engine_holds_that_many_jobs(monkeyp
     faulty = FaultyStepAdapter(FakeAdapter(), faults, lambda job: job.request.request_id)
     faulty.held = lambda: held["n"]
     holder = job("h __hold__1of4", Spec(steps=3))
-    holder.state, holder.steps_done, holder.total_steps = [1], 1, 3
+    holder.state, holder.run.steps_done, holder.run.total_steps = [1], 1, 3
     faulty.step([holder])  # it and two more held: it waits (until hold_s)
     assert waits, "three held released a hold for four"
     waits.clear()
-    holder.state, holder.steps_done = [1], 1
+    holder.state, holder.run.steps_done = [1], 1
     held["n"] = 4
     faulty.step([holder])  # four held: it goes on at once
     assert not waits

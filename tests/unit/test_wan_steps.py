@@ -130,7 +130,7 @@ def test_every_video_equals_the_pipelines_own_amid_traffic(wan):
     assert any(videos < rows < 2 * videos for videos, rows in forwards), "no mixed-guidance forward"
     assert jobs[4].stats.first_forward > 1, "a late video did not join mid-way"
     # Previews: the middle latent frame [C, h, w] of the first video, at each of its steps.
-    assert len(host.previews) == jobs[0].total_steps and host.previews[0].shape == (16, 4, 4)
+    assert len(host.previews) == jobs[0].run.total_steps and host.previews[0].shape == (16, 4, 4)
     worst = 0
     for request, job in zip(requests, jobs, strict=True):
         (final,) = job.request.channel.finals

@@ -189,7 +189,7 @@ class DiffusionLMAdapter:
         steps = []
         for job, request, block in zip(jobs, requests, blocks, strict=True):
             request.advance(block[: request.params.block_length])
-            step = job.steps_done + 1
+            step = job.run.steps_done + 1
             snapshot = self.snapshot(request)
             steps.append(JobStep(step, request.finished, rows_computed=request.rows, snapshot=snapshot))
         return ForwardResult(steps, rows=len(rows))

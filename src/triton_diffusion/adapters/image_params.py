@@ -134,6 +134,6 @@ def row_conditioning(
 def as_run(job: Job) -> ImageParams:
     """A job's request as it runs: where the scheduler cut its steps (engine/degradation.py), with those
     steps, from its start (a checkpoint of its full schedule does not fit the shorter one)."""
-    if job.cut is None:
+    if job.queue.cut is None:
         return job.spec.params
-    return replace(job.spec.params, steps=job.cut.steps, resume=None)
+    return replace(job.spec.params, steps=job.queue.cut.steps, resume=None)

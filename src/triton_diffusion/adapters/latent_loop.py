@@ -347,13 +347,15 @@ class LatentStepAdapter(SizedRows, LatentStarts):
         (:meth:`predict_packed`), then each size's rows are guided and stepped together. Returns a JobStep
         per job; raising means no job's state changed (the engine retries smaller)."""
         states: list[LatentJob] = [job.state for job in jobs]
-        job_timesteps = [state.timesteps[job.steps_done] for job, state in zip(jobs, states, strict=True)]
+        job_timesteps = [state.timesteps[job.run.steps_done] for job, state in zip(jobs, states, strict=True)]
         latent_rows, timesteps, inputs, adapters = self.forward_inputs(jobs, job_timesteps)
         # Jobs by latent shape: a job's group where it keeps to one (a shape; DiT's bin of sizes), its size
         # where it shares forwards with every size.
         by_size: dict[Hashable, list[int]] = {}
         for j, job in enumerate(jobs):
-            by_size.setdefault(job.spec.params.size if job.group == ANY_SIZE else job.group, []).append(j)
+            by_size.setdefault(
+                job.spec.params.size if job.run.group == ANY_SIZE else job.run.group, []
+            ).append(j)
         plan = self.cache_plan(jobs, adapters)
         padded = 0
         with torch.inference_mode(), self.adapted_rows(adapters), self.caching(plan):
@@ -395,7 +397,7 @@ class LatentStepAdapter(SizedRows, LatentStarts):
             errors.update((members[k], error) for k, error in failed.items())
         for j, job in enumerate(jobs):
             if states[j].inpaint is not None and j not in errors:  # blended (an ordinary denoiser)
-                error = self._blend_source(states[j], job.steps_done)
+                error = self._blend_source(states[j], job.run.steps_done)
                 if error is not None:
                     errors[j] = error
         reused = reused_rows(plan) if plan is not None else {}  # by the id of a job's cache state
@@ -438,11 +440,11 @@ class LatentStepAdapter(SizedRows, LatentStarts):
 
     def _job_step(self, job: Job, error: str | None, reused: int, preview: bool) -> JobStep:
         if error is not None:
-            return JobStep(job.steps_done, error=error)
-        step = job.steps_done + 1
+            return JobStep(job.run.steps_done, error=error)
+        step = job.run.steps_done + 1
         rows = self.model_rows(job)
         snapshot = self._preview_snapshot(job) if preview else None
-        done = step >= job.total_steps
+        done = step >= job.run.total_steps
         return JobStep(step, done, rows_computed=rows - reused, rows_reused=reused, snapshot=snapshot)
 
     def _preview_snapshot(self, job: Job) -> Any:

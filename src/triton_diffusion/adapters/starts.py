@@ -185,7 +185,7 @@ class LatentStarts:
         None where it cannot be checkpointed exactly (a step cache's state: it would restart from its
         first step), in order (engine/step_engine.py Checkpointing)."""
         return [
-            None if checkpoint_refusal(job.state) is not None else snapshot(job.state, job.steps_done)
+            None if checkpoint_refusal(job.state) is not None else snapshot(job.state, job.run.steps_done)
             for job in jobs
         ]
 

@@ -40,7 +40,7 @@ def forward_group(jobs: Sequence[Job]) -> Hashable:
     """The group a forward of these jobs ran as: that of a job that keeps to its group, where one does
     (a job that also joins another group's forwards steps in them: ``also_joins``, engine/scheduler.py),
     else the first's. Its caps are the ones an out-of-memory lowers and a full forward re-proves."""
-    return next((job.group for job in jobs if job.also_joins is None), jobs[0].group)
+    return next((job.run.group for job in jobs if job.run.also_joins is None), jobs[0].run.group)
 
 
 @dataclass(frozen=True)
@@ -80,6 +80,18 @@ class Queue:
     ready_at: float | None = field(default_factory=time.perf_counter)
     paused_s: float = 0.0  # seconds spent paused
     pauses: int = 0  # times it was paused to make room for a higher tier
+    cut: StepsCut | None = None  # fewer steps than asked (engine/degradation.py), decided before it starts
+
+
+@dataclass
+class Run:
+    """Where a job is: the group it shares forwards with (and another it ``also_joins``: None, only its
+    own), and its denoising steps once started (the adapter's count) and done."""
+
+    group: Hashable = None
+    also_joins: Hashable = None
+    total_steps: int = 0
+    steps_done: int = 0
 
 
 @dataclass
@@ -104,9 +116,9 @@ class Job:
     (:class:`JobSpec`: ``spec.params`` is what the adapter needs to start it); ``status``, the engine's
     record of its request (shared by the request's jobs once the engine holds them); ``queue``, the
     scheduler's bookkeeping; ``stats``, what happened to it; ``state``, the adapter's own (latents,
-    scheduler, cache). Then where it is: its ``group`` (and ``also_joins``), its denoising steps
-    (``total_steps``, ``steps_done``) and the scheduler's ``cut`` of them. ``Job(request, params, record,
-    **spec)`` takes the spec's other fields by name."""
+    scheduler, cache); and ``run``, where it is: its group (and the one it also joins) and its denoising
+    steps (total and done). The scheduler's cut of its steps is ``queue.cut``. ``Job(request, params,
+    record, **spec)`` takes the spec's other fields by name."""
 
     def __init__(self, request: Request, params: Any, record: Any = None, **spec: Any) -> None:
         self.request = request
@@ -116,38 +128,36 @@ class Job:
         self.queue = Queue()
         self.stats = JobStats()
         self.state: Any = None
-        self.group: Hashable = self.spec.group  # jobs of one group can share a forward (set when started)
-        self.also_joins: Hashable = None  # another group whose forwards it may step in (None: only its own)
-        self.total_steps = 0  # its denoising steps, once started (the adapter's count)
-        self.steps_done = 0
-        self.cut: StepsCut | None = None  # the scheduler's: fewer steps than asked, decided before it starts
+        self.run = Run(self.spec.group)  # its group is the spec's until it starts (the adapter's then)
 
     def __repr__(self) -> str:
-        return f"Job({self.request!r}, image {self.spec.index}, {self.steps_done}/{self.total_steps} steps)"
+        run = self.run
+        return f"Job({self.request!r}, image {self.spec.index}, {run.steps_done}/{run.total_steps} steps)"
 
     @classmethod
     def of(cls, request: Request, spec: JobSpec, record: Any = None) -> Job:
         """The job a spec describes, for ``request`` (the host's ``record`` kept opaque)."""
         job = cls(request, spec.params, record)
-        job.spec, job.group = spec, spec.group
+        job.spec, job.run.group = spec, spec.group
         return job
 
     @property
     def planned(self) -> int:
         """The denoising steps it will run: its adapter's count once started, else what it asked for (or
         the scheduler's cut of it)."""
-        return self.total_steps or (self.cut.denoising if self.cut is not None else self.spec.planned_steps)
+        cut = self.queue.cut
+        return self.run.total_steps or (cut.denoising if cut is not None else self.spec.planned_steps)
 
     @property
     def remaining(self) -> int:
-        return max(self.planned - self.steps_done, 0)
+        return max(self.planned - self.run.steps_done, 0)
 
     def preview_due(self, step: int) -> bool:
         """Whether the job's host wants a snapshot for a preview after denoising step ``step``."""
         every, previews = self.spec.preview_every, self.spec.previews
         if every and step % every == 0:
             return True
-        total = self.total_steps
+        total = self.run.total_steps
         if not previews or step >= total:
             return False
         # The k-th preview at the first step past (k + 1) / (previews + 1) of the steps.
@@ -156,9 +166,8 @@ class Job:
     def begin(self, start: JobStart) -> None:
         """Take what the adapter made of this job when it started it: a job resumed from a checkpoint has
         done its ``steps_done`` already."""
-        self.state, self.group, self.total_steps = start.state, start.group, start.total_steps
-        self.also_joins = start.also_joins
-        self.steps_done = start.steps_done
+        self.state = start.state
+        self.run = Run(start.group, start.also_joins, start.total_steps, start.steps_done)
         self.stats.resumed_from_step = start.steps_done or None
         self.stats.start_warning = start.warning
 

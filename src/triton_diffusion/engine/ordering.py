@@ -46,11 +46,21 @@ class Queued(Protocol):
     def ready_at(self) -> float | None: ...  # since when it waits or is paused (None while it runs)
 
 
+class Running(Protocol):
+    """Where a job is (engine/jobs.py's Run)."""
+
+    @property
+    def group(self) -> Hashable: ...
+
+    @property
+    def steps_done(self) -> int: ...
+
+
 class Schedulable(Protocol):
     """What the policies and the service order jobs by (engine/jobs.py's Job)."""
 
-    group: Hashable
-    steps_done: int
+    @property
+    def run(self) -> Running: ...
 
     @property
     def spec(self) -> Served: ...
@@ -77,7 +87,7 @@ class Policy:
         return (job.queue.admitted,)
 
     def choose_group(self, groups: Mapping[Hashable, Sequence[Schedulable]], first: Schedulable) -> Hashable:
-        return first.group
+        return first.run.group
 
     def picked(self, group: Hashable) -> None:
         """The group that stepped (whoever chose it: this policy, or the starvation bound)."""
@@ -123,7 +133,7 @@ class FirstStepFirst(Policy):
     doc = "jobs that have not stepped yet first, then the oldest (lowest time to the first step)"
 
     def job_key(self, job: Schedulable) -> tuple:
-        return (job.steps_done > 0, job.queue.admitted)
+        return (job.run.steps_done > 0, job.queue.admitted)
 
 
 POLICIES: dict[str, type[Policy]] = {

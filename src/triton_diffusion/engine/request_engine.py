@@ -82,7 +82,7 @@ class CallSteps:
                     reason = "cancelled" if status.cancelled else "ended"
                     report.left.append(Left(job, reason, status.error))
                 continue
-            job.steps_done, job.total_steps = step, total
+            job.run.steps_done, job.run.total_steps = step, total
             preview = snapshot(position) if snapshot is not None and job.preview_due(step) else None
             report.stepped.append(Stepped(job, step, total, preview))
         self._on_progress(report)
@@ -203,7 +203,7 @@ class RequestEngine:
         self.report.admitted.extend(self._jobs.values())
         try:
             planned = [  # a job's group here is its request's compatibility key
-                PlannedRequest(i, cast(CompatibilityKey, jobs[0].group), len(jobs))
+                PlannedRequest(i, cast(CompatibilityKey, jobs[0].run.group), len(jobs))
                 for i, jobs in enumerate(self._by_index)
             ]
             calls = plan_groups(planned, self.caps.cap_for)

@@ -149,7 +149,7 @@ def apply_aborts(
             continue  # it left meanwhile
         error = abort.error
         if error is None:
-            at = where or f"after step {held.steps_done}/{held.planned}"
+            at = where or f"after step {held.run.steps_done}/{held.planned}"
             error = RequestError(ErrorCode.CANCELLED, f"cancelled {at}")
         if held.status.end(error):
             if abort.error is None:  # "request 7 cancelled after step 3/8" (operators and tests grep it)

@@ -206,7 +206,7 @@ class Scheduler:
             ]
             for job in passed:
                 queue.remove(job)
-                steps = f"{job.steps_done}/{job.planned}"
+                steps = f"{job.run.steps_done}/{job.planned}"
                 self._leave(job, "expired", f"the request's {timeout_of(job)} passed after step {steps}", out)
 
     def _refuse_late(self, arrived: list[Job], now: float, out: SchedulerOutput) -> None:
@@ -223,7 +223,7 @@ class Scheduler:
         """A newcomer that cannot meet its deadline, given the work that goes before it, leaves now (True)."""
         if job.spec.deadline is None or not self.service.refuse_late or not self.times.measured:
             return False
-        if job.status.ended or job.cut is not None:
+        if job.status.ended or job.queue.cut is not None:
             return False  # dropped as ended below; or cut to steps the walk found in time (_cut_steps)
         mine = self.order_key(job, now)
         held = (self.waiting, self.running, self.paused)
@@ -290,7 +290,7 @@ class Scheduler:
                 allowed, left = job.spec.steps_allowed, job.spec.deadline - now
                 if allowed:
                     done_in = partial(self._finish_in, job, ahead, behind, held_back)
-                    job.cut = cut_for_deadline(allowed, done_in, left, job.cut)
+                    job.queue.cut = cut_for_deadline(allowed, done_in, left, job.queue.cut)
                 after = partial(self._finish_after, job, ahead, behind, held_back)
                 if after(0, job.remaining) > left:
                     # Late: room ahead of it, where what its tier or lower could give up would bring it in
@@ -302,10 +302,10 @@ class Scheduler:
                             freed = (other.remaining - cut.denoising) * other.spec.tokens
                             freeable[other.spec.tier] -= freed
                             ahead -= freed
-                            other.cut = cut
+                            other.queue.cut = cut
                         if allowed:
                             done_in = partial(self._finish_in, job, ahead, behind, held_back)
-                            job.cut = cut_for_deadline(allowed, done_in, left, job.cut)
+                            job.queue.cut = cut_for_deadline(allowed, done_in, left, job.queue.cut)
                 # A job late itself is not cut for another: it is refused or expires (a cut would let it in).
                 if allowed and self._finish_in(job, ahead, behind, held_back, job.remaining) <= left:
                     cuttable.append(job)
@@ -406,7 +406,7 @@ class Scheduler:
 
         starved = [j for j in running if step - j.queue.waited_since >= bound]
         if starved:
-            group = min(starved, key=lambda j: (j.queue.waited_since, j.queue.admitted)).group
+            group = min(starved, key=lambda j: (j.queue.waited_since, j.queue.admitted)).run.group
         else:
             # The policy chooses among the groups of the highest tier running (by their own tiers: aging
             # orders jobs, the starvation bound above serves a lower group).
@@ -414,7 +414,7 @@ class Scheduler:
             candidates = [j for j in running if j.spec.tier == top]
             groups: dict[Hashable, list[Job]] = {}
             for job in candidates:
-                groups.setdefault(job.group, []).append(job)
+                groups.setdefault(job.run.group, []).append(job)
             first = min(candidates, key=order)  # none starved: the forward key is the order's
             group = self.policy.choose_group(groups, first)
         # A job may also step in another group's forwards (``also_joins``: one that packs with every size
@@ -424,16 +424,18 @@ class Scheduler:
         # joins another, so the switch never holds back another (it steps in the next forward of its own
         # group, as it would have).
         # (An adapter gives every job of a group an also_joins, or none: one of them says which.)
-        if next(j for j in running if j.group == group).also_joins is not None:
-            chosen = sorted((j for j in running if j.group == group), key=order)
-            joins = chosen[0].also_joins
-            own = [j for j in running if j.group == joins]
-            other = next((j for j in chosen if j.also_joins != joins), None)
+        if next(j for j in running if j.run.group == group).run.also_joins is not None:
+            chosen = sorted((j for j in running if j.run.group == group), key=order)
+            joins = chosen[0].run.also_joins
+            own = [j for j in running if j.run.group == joins]
+            other = next((j for j in chosen if j.run.also_joins != joins), None)
             if joins is not None and own and (other is None or order(min(own, key=order)) < order(other)):
                 group = joins
         self.policy.picked(group)
         members = [
-            j for j in running if j.group == group or (j.also_joins is not None and j.also_joins == group)
+            j
+            for j in running
+            if j.run.group == group or (j.run.also_joins is not None and j.run.also_joins == group)
         ]
         # Starved jobs first, the longest starved first (the one the group was chosen for, so it goes; one
         # that starves later never passes a starved job, which goes within as many steps as are before
@@ -531,7 +533,7 @@ class Scheduler:
     def _budget(self, job: Job) -> int:
         """The tokens a forward holds, for estimating ``job``: the group's token budget, or its cap of jobs
         of this job's size where that is less (without a token budget, the row-based estimate of before)."""
-        group = job.group if job.group is not None else job.spec.shape
+        group = job.run.group if job.run.group is not None else job.spec.shape
         jobs = min(self.caps.jobs_for(group), self.caps.shape_cap(job.spec.shape)) * job.spec.tokens
         budget = self.caps.tokens_for(group)
         return jobs if budget is None else min(budget, jobs)
@@ -565,12 +567,12 @@ class Scheduler:
                 error = RequestError(ErrorCode.INTERNAL, f"denoising step failed: {out.error}")
                 outcome.failed.append((job, error))
                 continue
-            job.steps_done = out.step
+            job.run.steps_done = out.step
             job.stats.rows_computed += out.rows_computed
             job.stats.rows_reused += out.rows_reused
             outcome.rows_reused += out.rows_reused
             outcome.stepped.append(
-                Stepped(job, out.step, job.total_steps, out.snapshot, out.rows_computed, out.rows_reused)
+                Stepped(job, out.step, job.run.total_steps, out.snapshot, out.rows_computed, out.rows_reused)
             )
             if out.done:
                 outcome.done.append(job)

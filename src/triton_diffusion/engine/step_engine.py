@@ -159,9 +159,9 @@ class StepEngine:
             for job in jobs
             if self.checkpoint_every
             and job.spec.checkpoint_key is not None
-            and job.cut is None  # a cut job's shorter schedule would not fit its request's resend
+            and job.queue.cut is None  # a cut job's shorter schedule would not fit its request's resend
             and job.state is not None
-            and 0 < job.steps_done < job.total_steps
+            and 0 < job.run.steps_done < job.run.total_steps
         ]
         taken = dict(zip(map(id, due), self._take_checkpoints(due) or [], strict=False))
         return [taken.get(id(job)) for job in jobs]
@@ -226,7 +226,7 @@ class StepEngine:
 
         def work(part: list[Job]) -> tuple[ForwardResult, float]:
             started = time.perf_counter()
-            result = self.adapter.step(part, [job.preview_due(job.steps_done + 1) for job in part])
+            result = self.adapter.step(part, [job.preview_due(job.run.steps_done + 1) for job in part])
             if len(result.steps) != len(part):
                 raise RuntimeError(f"step returned {len(result.steps)} results for {len(part)} jobs")
             return result, time.perf_counter() - started
@@ -281,9 +281,9 @@ class StepEngine:
             job
             for job in stepped
             if job.spec.checkpoint_key is not None
-            and job.cut is None
-            and 0 < job.steps_done < job.total_steps
-            and job.steps_done % every == 0
+            and job.queue.cut is None
+            and 0 < job.run.steps_done < job.run.total_steps
+            and job.run.steps_done % every == 0
             and not job.status.ended
         ]
         taken = self._take_checkpoints(due)

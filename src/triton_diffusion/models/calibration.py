@@ -80,5 +80,5 @@ def _measure(adapter: Any, requests: list[Any], times: WorkTimes) -> None:
         for job, out in zip(jobs, result.steps, strict=True):
             if out.error is not None:
                 raise RuntimeError(out.error)
-            job.steps_done = out.step
+            job.run.steps_done = out.step
     times.calibrated(rows, sum(job.spec.tokens for job in jobs) + padded, fastest)

@@ -362,7 +362,7 @@ class DiffusionModel:
         parsed: ParsedRequest = record.parsed
         batch = {**self.batch_report(parsed.values, record.jobs), "service": service}
         batch.update(self.resume_report(parsed, record.jobs))
-        cuts = [job.cut for job in record.jobs if job.cut is not None]
+        cuts = [job.queue.cut for job in record.jobs if job.queue.cut is not None]
         if cuts:  # run with fewer steps than asked, where its deadline needed it (engine/degradation.py)
             fewest = min(cuts, key=lambda cut: cut.steps)
             batch["degraded"] = {**fewest.report(), "images": len(cuts)}
@@ -384,7 +384,7 @@ class DiffusionModel:
         the request-level engine its compatibility key and the fused calls it went through."""
         report: dict[str, Any]
         if self.engine_kind.name == "request":
-            group = cast(CompatibilityKey, jobs[0].group)  # the request-level engine's groups are keys
+            group = cast(CompatibilityKey, jobs[0].run.group)  # the request-level engine's groups are keys
             key = {name: value for name, value in group.as_dict().items() if name != "own_call"}
             report = {"key": key, "fused_calls": jobs[0].stats.calls}
             if values.get("step_cache"):  # diffusers' own cache, on calls of its own
@@ -401,7 +401,7 @@ class DiffusionModel:
             "forwards": max(job.stats.forwards for job in jobs),
             "most_rows_shared": max(job.stats.most_shared for job in jobs),
         }
-        if any(job.also_joins is not None for job in jobs):  # it may share forwards with other sizes
+        if any(job.run.also_joins is not None for job in jobs):  # it may share forwards with other sizes
             report["packed_forwards"] = max(job.stats.packed_forwards for job in jobs)
         if values.get("step_cache"):  # its denoiser rows: run in full, or from its cache
             report["step_cache"] = {

@@ -234,7 +234,7 @@ class EngineHost:
                 log.warning("draining: the checkpoints were not all written in time")
         aborts = []
         for record in records.values():
-            steps = [job.steps_done for job, _ in taken if job.record is record]
+            steps = [job.run.steps_done for job, _ in taken if job.record is record]
             message, hint = DRAINING_MESSAGE, RESEND
             if steps and flushed:
                 key = keys[id(record)]
@@ -283,7 +283,7 @@ class EngineHost:
         for job in report.admitted:
             self._guarded(job, self._admitted, job, report.running)
         for job in report.paused:
-            request_id, step = job.request.request_id, job.steps_done
+            request_id, step = job.request.request_id, job.run.steps_done
             log.info("request %s image %d paused at step %d", request_id, job.spec.index, step)
         for stepped in report.stepped:
             self._guarded(stepped.job, self._stepped, stepped)
@@ -300,7 +300,7 @@ class EngineHost:
     @staticmethod
     def _admitted(job: Job, running: int) -> None:
         job.record.tracked.start()
-        summary = job.record.parsed.summary or f"{job.total_steps} steps"
+        summary = job.record.parsed.summary or f"{job.run.total_steps} steps"
         log.info(
             "request %s image %d admitted: %s (%d running)",
             job.request.request_id,
@@ -331,8 +331,8 @@ class EngineHost:
             job.request.request_id,
             job.spec.index,
             left.reason,
-            job.steps_done,
-            job.total_steps,
+            job.run.steps_done,
+            job.run.total_steps,
             job.stats.forwards,
             job.stats.most_shared,
             f": {left.error.message}" if left.error is not None else "",
@@ -395,7 +395,7 @@ class EngineHost:
         def answer() -> None:
             if record.tracked.finish(self.kind.final_outputs(record, outputs, service)):
                 self.metrics.observe("triton_diffusion_tier_latency_seconds", latency, tier=tier)
-                cut = [j.cut.asked - j.cut.steps for j in record.jobs if j.cut is not None]
+                cut = [j.queue.cut.asked - j.queue.cut.steps for j in record.jobs if j.queue.cut is not None]
                 if cut:  # degraded: run with fewer steps than asked (engine/degradation.py)
                     self.metrics.increment("triton_diffusion_degraded_total", tier=tier)
                     self.metrics.increment("triton_diffusion_degraded_steps_total", sum(cut), tier=tier)
