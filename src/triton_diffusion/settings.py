@@ -290,13 +290,6 @@ class ModelConfig:
         "orders the work",
         choices=("refuse", "best_effort"),
     )
-    deadline_estimate: str = _parameter(
-        "held",
-        "step engine: what the estimate that refuses and degrades a request for its deadline counts: held: "
-        "the work held now; arrivals: also the work arriving while it runs, at the rates of its deadline's "
-        "span before it (docs/design/tiers-and-deadlines.md)",
-        choices=("held", "arrivals"),
-    )
     degrade_tiers: dict[str, float] | None = _parameter(
         None,
         "step engine: under overload, the least share of its num_inference_steps a request of a tier may be "

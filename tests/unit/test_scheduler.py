@@ -44,7 +44,6 @@ class Harness:
         refuse_late: bool = True,
         policy: str = "oldest",
         max_tokens: int | None = None,
-        forecast: bool = False,
     ) -> None:
         self.clock = Clock()
         self.adapter = FakeAdapter()
@@ -59,7 +58,7 @@ class Harness:
             starvation_steps=16,
             max_tokens_per_forward=max_tokens,
         )
-        service = Service(("priority", "default", "flex"), aging_s, refuse_late, forecast)
+        service = Service(("priority", "default", "flex"), aging_s, refuse_late)
         pacing = AdmissionPacing(1)
         self.engine = StepEngine(self.adapter, limits, make_policy(policy), pacing, service, self.clock)
 

@@ -157,13 +157,11 @@ class Service:
     paused again for another (pausing needs a strictly higher tier), and is served in the policy's order
     among such jobs (the starvation bound; 0: no aging). ``refuse_late``: a job whose deadline the estimate
     says it cannot meet is refused at admission (deadline_policy ``refuse``), else it runs anyway
-    (``best_effort``). ``forecast``: that estimate counts the work arriving while the job runs
-    (engine/forecast.py; deadline_estimate ``arrivals``), else only the work held now (``held``)."""
+    (``best_effort``)."""
 
     tiers: tuple[str, ...] = ("priority", "default", "flex")
     aging_s: float = 0.0
     refuse_late: bool = True
-    forecast: bool = False
 
     def effective_tier(self, job: Schedulable, now: float) -> int:
         if self.aging_s <= 0:

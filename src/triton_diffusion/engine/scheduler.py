@@ -49,7 +49,6 @@ from functools import partial
 
 from triton_diffusion.engine.degradation import CUT_TARGET, cut_for_deadline, make_room
 from triton_diffusion.engine.estimates import WorkTimes
-from triton_diffusion.engine.forecast import Arrivals, Coming
 from triton_diffusion.engine.forward_caps import EngineLimits, ForwardCaps
 from triton_diffusion.engine.jobs import (
     Computed,
@@ -127,9 +126,6 @@ class Scheduler:
         self._arrivals = itertools.count()
         self._admissions = itertools.count()
         self.step = 0  # the engine step being scheduled
-        self.arrivals = Arrivals()  # what arrived when: the forecast's rates (engine/forecast.py)
-        self._now = 0.0  # the clock of the step being scheduled
-        self._coming: dict[tuple[float, int, int], Coming] = {}  # the forecast, per step: by span, tier
 
     # ---- any thread ---------------------------------------------------------------------------------
     def add(self, *jobs: Job) -> None:
@@ -139,7 +135,6 @@ class Scheduler:
             for job in jobs:
                 job.queue.arrived = next(self._arrivals)
                 job.queue.ready_at = self.clock()  # its wait in the engine (what ages it) starts now
-                self.arrivals.arrived(job.queue.ready_at, job.spec.tier, job.spec.tokens, job.remaining)
                 self._inbox.append(job)
 
     @property
@@ -164,7 +159,6 @@ class Scheduler:
         out = SchedulerOutput()
         with self._lock:
             self.step = step
-            self._now, self._coming = now, {}
             arrived, self._inbox = self._inbox, []
             for job in arrived:
                 job.queue.queued_at = step - 1  # it arrived while the last engine step ran (or after it)
@@ -244,9 +238,6 @@ class Scheduler:
         self.waiting.remove(job)
         estimated = (now - job.request.entered + estimate) * 1000
         why = f"estimated {estimated:.0f} ms with {ahead_work} token-steps ahead"
-        coming = self._forecast(job)
-        if coming is not None:
-            why += f" and {coming.before_token_steps_s:.0f} token-steps/s of higher tiers arriving"
         self._leave(job, "refused", f"the request cannot finish within its {timeout_of(job)}: {why}", out)
         return True
 
@@ -259,24 +250,9 @@ class Scheduler:
         (:meth:`_held_back_s`)."""
         alongside = sum(j.spec.tokens * min(j.remaining, steps) // max(steps, 1) for j in behind)
         budget = self._budget(job)
-
-        def finish_s(before: int, beside: int) -> float:
-            work, shared = ahead_work + before, alongside + beside
-            return self.times.finish_in(job.spec.tokens, steps, work, budget, False, shared) + held_back_s
-
-        coming = self._forecast(job)
-        return finish_s(0, 0) if coming is None else coming.estimate(finish_s)
-
-    def _forecast(self, job: Job) -> Coming | None:
-        """The work arriving while ``job`` runs, as its estimate counts it (engine/forecast.py): from the
-        arrivals over its own deadline's span; None without a forecast or a deadline."""
-        if not self.service.forecast or job.spec.deadline is None:
-            return None
-        span = round(job.spec.deadline - job.request.entered, 3)
-        key = (span, job.spec.tier, job.spec.tokens)
-        if key not in self._coming:
-            self._coming[key] = self.arrivals.coming(self._now, span, job.spec.tier, job.spec.tokens)
-        return self._coming[key]
+        return (
+            self.times.finish_in(job.spec.tokens, steps, ahead_work, budget, False, alongside) + held_back_s
+        )
 
     def _held_back_s(self, job: Job, now: float, behind: tuple[Job, ...]) -> float:
         """A full running set that a waiting ``job`` may not pause anyone in holds it until a running job

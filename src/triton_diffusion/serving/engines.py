@@ -61,12 +61,7 @@ class StepEngineKind:
         )
         cohort = settings.resolved("admission_cohort", self.name)
         pacing = AdmissionPacing(cohort, config.admission_max_wait_steps)
-        service = Service(
-            config.service_tiers,
-            config.tier_aging_s,
-            config.deadline_policy == "refuse",
-            config.deadline_estimate == "arrivals",
-        )
+        service = Service(config.service_tiers, config.tier_aging_s, config.deadline_policy == "refuse")
         policy = make_policy(config.scheduling_policy)
         log.info(
             "%s: step engine (%s), running %d, %d per forward, %s tokens per forward, policy %s, "
