@@ -7,7 +7,7 @@ instance marks itself drained once nothing is held. A fake adapter and store; re
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -24,7 +24,7 @@ from triton_diffusion.engine.step_engine import StepEngine
 from triton_diffusion.errors import RESEND, ErrorCode, RequestError, Retry, RetryHint
 from triton_diffusion.recovery import drain
 from triton_diffusion.recovery.resumes import Resume, Resumes
-from triton_diffusion.serving.engine_host import DRAIN_MARGIN_S, EngineHost
+from triton_diffusion.serving.engine_host import DRAIN_MARGIN_S, Admitted, EngineHost
 from triton_diffusion.serving.engines import StepEngineKind
 from triton_diffusion.serving.metrics import IMAGE_METRICS
 from triton_diffusion.settings import ModelConfig, ModelSettings
@@ -172,6 +172,9 @@ class Parsed:
     jobs: list[JobSpec]
     progress: bool = True
     summary: str = ""
+    values: dict = field(default_factory=dict)
+    result_key: str | None = None
+    resume_key: str | None = None
 
 
 @pytest.fixture
@@ -197,7 +200,8 @@ def send(host: EngineHost, name: str, spec: Spec, key: str | None = None) -> Any
     if key is not None:
         host.resumes.watch(request, Resume((), (), key, "hash"))
         checkpoint_key = f"{key}.0"
-    host.submit([(request, Parsed([JobSpec(spec, planned_steps=spec.steps, checkpoint_key=checkpoint_key)]))])
+    parsed = Parsed([JobSpec(spec, planned_steps=spec.steps, checkpoint_key=checkpoint_key)])
+    host.submit([Admitted(request, parsed)])
     return request
 
 

@@ -9,13 +9,15 @@ from __future__ import annotations
 import json
 import sys
 from dataclasses import dataclass
+from functools import partial
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from tests.unit.recording import tracked
-from triton_diffusion.adapters.image_params import ImageParams
+from triton_diffusion.adapters.image_params import ImageParams, as_run
+from triton_diffusion.engine.degradation import StepsCut
 from triton_diffusion.engine.jobs import Job, JobSpec, JobStart, Stepped, StepReport
 from triton_diffusion.errors import ErrorCode, RequestError
 from triton_diffusion.faults import FaultInjection, exiting_resumes
@@ -23,8 +25,10 @@ from triton_diffusion.models.diffusion_model import DiffusionModel
 from triton_diffusion.models.image_fields import TEXT_TO_IMAGE_FIELDS
 from triton_diffusion.recovery.checkpoint_store import CorruptCheckpoint
 from triton_diffusion.recovery.resumes import Resume, Resumes, fields_hash, model_identity, seed_from_key
-from triton_diffusion.serving.engine_host import RequestRecord
+from triton_diffusion.serving.engine_host import EngineHost, RequestRecord
+from triton_diffusion.serving.intake import Intake
 from triton_diffusion.serving.requests import TrackedRequest
+from triton_diffusion.serving.result_cache import ResultCache
 from triton_diffusion.serving.triton_model import TritonModel
 from triton_diffusion.settings import ModelConfig, ModelSettings
 
@@ -168,9 +172,10 @@ class Bare(DiffusionModel):
         )
 
 
-def bare_model(store: FakeStore | None) -> Bare:
+def bare_model(checkpoints: bool = True) -> Bare:
     model = Bare()
-    model.settings = SimpleNamespace(name="m", config=ModelConfig.parse({}, ["image"], [], "m"))
+    taken = {"checkpoint_every_steps": "2", "checkpoint_dir": "ckpt"} if checkpoints else {}
+    model.settings = SimpleNamespace(name="m", config=ModelConfig.parse(taken, ["image"], [], "m"))
     defaults = {
         "default_height": "64",
         "default_width": "64",
@@ -180,101 +185,122 @@ def bare_model(store: FakeStore | None) -> Bare:
     }
     model.fields = TEXT_TO_IMAGE_FIELDS.configured(defaults)
     model.adapter = SimpleNamespace(tokens_of=lambda params: 1, grid_of=lambda params: None)
-    model.resumes = Resumes(store, 2) if store is not None else None
     return model
+
+
+def intake_of(store: FakeStore | None) -> Intake:
+    """The host's intake (serving/intake.py) over a fake store (None: the model takes no checkpoints)."""
+    resumes = Resumes(store, 2) if store is not None else None
+    return Intake("m", ("priority", "default", "flex"), None, ResultCache(0), resumes)
 
 
 def request(**fields: Any) -> dict[str, Any]:
     return {"prompt": "a cat", "seed": 1234, "num_images_per_prompt": 2, "resume_key": KEY, **fields}
 
 
+def read(intake: Intake, fields: dict[str, Any], request_: TrackedRequest) -> tuple[Any, Any, list[JobSpec]]:
+    """What the host does with a request (engine_host.py ``read`` and ``submit``): the kind parses it, the
+    intake looks its checkpoints up (watching it) and gives each job spec the one it starts from."""
+    parsed = bare_model().parse(0, fields, request_)
+    resume = intake.resume(request_, parsed)
+    return parsed, resume, Intake.specs(parsed, resume)
+
+
 def test_a_request_whose_checkpoints_exist_starts_its_images_from_them_with_their_keys():
     store = FakeStore()
-    model = bare_model(store)
-    first = model.parse(0, request(), tracked("first"))
+    intake = intake_of(store)
+    first, _, specs = read(intake, request(), tracked("first"))
     assert [job.checkpoint_key for job in first.jobs] == [f"{KEY}.0", f"{KEY}.1"]
-    assert all(job.params.resume is None for job in first.jobs)  # nothing stored yet: a normal start
+    assert all(spec.resume is None for spec in specs)  # nothing stored yet: a normal start
     hashed = fields_hash("m", first.values)
     store.put(f"{KEY}.0", hashed, "checkpoint of image 0")  # image 1 has none (it had not reached one)
-    resend = model.parse(0, request(progress=True, service_tier="flex"), tracked("resend"))
-    assert [job.params.resume for job in resend.jobs] == ["checkpoint of image 0", None]
-    assert resend.resume is not None and resend.resume.warnings == ()
+    _, resume, specs = read(intake, request(progress=True, service_tier="flex"), tracked("resend"))
+    assert [spec.resume for spec in specs] == ["checkpoint of image 0", None]
+    assert resume is not None and resume.warnings == ()
+    # The adapter runs an image from the checkpoint its spec carries; a job cut for its deadline, from
+    # its start (the checkpoint is of the longer schedule).
+    job = Job.of(tracked("resend"), specs[0])
+    assert as_run(job).resume == "checkpoint of image 0"
+    job.queue.cut = StepsCut(2, 2, 4, "deadline")
+    assert as_run(job).resume is None and as_run(job).steps == 2
 
 
 def test_a_resume_key_whose_checkpoint_has_other_fields_is_refused_naming_resume_key():
     store = FakeStore()
-    model = bare_model(store)
-    parsed = model.parse(0, request(), tracked("first"))
+    intake = intake_of(store)
+    parsed, _, _ = read(intake, request(), tracked("first"))
     store.put(f"{KEY}.0", fields_hash("m", parsed.values), "checkpoint")
     with pytest.raises(RequestError) as refused:
-        model.parse(0, request(guidance_scale=3.0), tracked("changed"))
+        read(intake, request(guidance_scale=3.0), tracked("changed"))
     assert refused.value.code is ErrorCode.INVALID_ARG
     assert refused.value.message.startswith("resume_key: belongs to a request with other fields")
     assert f"{KEY}.0" in store.files  # another's checkpoint is neither used nor removed
 
 
-def parsed_and_watched(model: Bare, fields: dict[str, Any], request_: TrackedRequest) -> None:
-    """What the host does with a request (serving/triton_model.py): parse it, then watch it."""
-    model.resumes.watch(request_, model.parse(0, fields, request_).resume)
-
-
-def test_parse_watches_nothing_the_host_does():
-    model = bare_model(FakeStore())
+def test_parse_reads_and_watches_nothing_the_host_does():
+    store = FakeStore()
+    intake = intake_of(store)
     first = tracked("first")
-    parsed = model.parse(0, request(), first)
-    assert model.resumes.resume_key(first) is None  # parse decided; it changed nothing
-    assert (parsed.resume.key, parsed.resume.hashed) == (KEY, fields_hash("m", parsed.values))
-    model.resumes.watch(first, parsed.resume)
-    assert model.resumes.resume_key(first) == KEY
+    store.put(f"{KEY}.0", "another request's hash", "checkpoint")  # parse would refuse it, were it to look
+    parsed = bare_model().parse(0, request(), first)
+    assert intake.resumes.resume_key(first) is None  # parse decided; it read and changed nothing
+    assert parsed.resume_key == KEY and parsed.result_key is None  # no result cache on this model
+    del store.files[f"{KEY}.0"]
+    resume = intake.resume(first, parsed)
+    assert (resume.key, resume.hashed) == (KEY, fields_hash("m", parsed.values))
+    assert intake.resumes.resume_key(first) == KEY
 
 
-def test_the_triton_model_watches_a_parsed_request_and_not_one_that_failed_to_parse(monkeypatch):
+def test_the_triton_model_has_the_host_read_a_parsed_request_and_not_one_that_failed_to_parse(monkeypatch):
     # serving/triton_model.py's _read, without Triton: the raw fields are the request itself.
     io = SimpleNamespace(read_raw_fields=lambda request, fields: request)
     monkeypatch.setitem(sys.modules, "triton_diffusion.serving.triton_io", io)
-    kind = bare_model(FakeStore())
-    served = TritonModel(kind)
-    served.host = SimpleNamespace(resumes=kind.resumes)
+    intake = intake_of(FakeStore())
+    served = TritonModel(bare_model())
+    host = SimpleNamespace(intake=intake)
+    host.read = partial(EngineHost.read, host)
+    served.host = host
     served._track = lambda request, entered: tracked(request["prompt"])
-    first, parsed = served._read(0, request(prompt="first"), 0.0)
-    assert parsed is not None and kind.resumes.resume_key(first) == KEY
+    first, admitted = served._read(0, request(prompt="first"), 0.0)
+    assert admitted is not None and admitted.parsed.resume_key == KEY
+    assert admitted.resume is not None and intake.resumes.resume_key(first) == KEY
     failed, nothing = served._read(1, request(prompt="bad", num_images_per_prompt=99), 0.0)
-    assert nothing is None and failed.channel.finals and kind.resumes.resume_key(failed) is None
+    assert nothing is None and failed.channel.finals and intake.resumes.resume_key(failed) is None
 
 
 def test_a_key_in_flight_is_refused_to_a_request_with_other_fields_until_it_is_answered():
     store = FakeStore()
-    model = bare_model(store)
+    intake = intake_of(store)
     first = tracked("first")
-    parsed_and_watched(model, request(), first)
+    read(intake, request(), first)
     with pytest.raises(RequestError) as refused:
-        parsed_and_watched(model, request(guidance_scale=3.0), tracked("other fields"))
+        read(intake, request(guidance_scale=3.0), tracked("other fields"))
     assert refused.value.message.startswith("resume_key: is held by a request in flight with other fields")
     same = tracked("same fields")
-    parsed_and_watched(model, request(progress=True), same)  # the same request (a resend): its key
-    model.resumes.answered(first, None)
-    model.resumes.answered(same, None)
-    parsed_and_watched(model, request(guidance_scale=3.0), tracked("after"))  # the key is free again
+    read(intake, request(progress=True), same)  # the same request (a resend): its key
+    intake.answered(first, None)
+    intake.answered(same, None)
+    read(intake, request(guidance_scale=3.0), tracked("after"))  # the key is free again
     # Each attempt and each answer forgets what earlier checkpoints of the key could not keep.
     assert store.forgotten == [KEY] * 5
 
 
 def test_an_unreadable_checkpoint_starts_its_image_over_with_a_warning():
     store = FakeStore()
-    model = bare_model(store)
-    parsed = model.parse(0, request(), tracked("first"))
+    intake = intake_of(store)
+    parsed, _, _ = read(intake, request(), tracked("first"))
     store.put(f"{KEY}.0", fields_hash("m", parsed.values), "checkpoint")
     store.put(f"{KEY}.1", fields_hash("m", parsed.values), "checkpoint 1")
     store.corrupt.add(f"{KEY}.0")
-    resend = model.parse(0, request(), tracked("resend"))
-    assert [job.params.resume for job in resend.jobs] == [None, "checkpoint 1"]
-    assert resend.resume is not None
-    (warning,) = resend.resume.warnings
+    _, resume, specs = read(intake, request(), tracked("resend"))
+    assert [spec.resume for spec in specs] == [None, "checkpoint 1"]
+    assert resume is not None
+    (warning,) = resume.warnings
     assert warning.startswith("image 0: its checkpoint could not be read (truncated)"), warning
 
 
 def test_without_a_seed_the_resend_draws_the_seed_the_key_gives():
-    model = bare_model(FakeStore())
+    model = bare_model()
     first = model.parse(0, request(seed=None), tracked("first"))
     again = model.parse(0, request(seed=None), tracked("again"))
     assert first.values["seed"] == again.values["seed"] == seed_from_key(KEY)
@@ -282,29 +308,32 @@ def test_without_a_seed_the_resend_draws_the_seed_the_key_gives():
 
 
 def test_a_model_without_checkpoints_accepts_the_key_and_ignores_it():
-    model = bare_model(None)
-    parsed = model.parse(0, request(), tracked("plain"))
-    assert parsed.resume is None and all(job.checkpoint_key is None for job in parsed.jobs)
-    assert model.resume_report(parsed, []) == {"checkpoints": "off"}
-    assert model.resume_report(model.parse(0, request(resume_key=None), tracked("none")), []) == {}
+    intake = intake_of(None)
+    request_ = tracked("plain")
+    parsed = bare_model(checkpoints=False).parse(0, request(), request_)
+    assert intake.resume(request_, parsed) is None
+    assert all(job.checkpoint_key is None for job in parsed.jobs)
+    assert intake.report(parsed, None, []) == {"checkpoints": "off"}
+    unkeyed = bare_model(checkpoints=False).parse(0, request(resume_key=None), tracked("none"))
+    assert intake.report(unkeyed, None, []) == {}
 
 
 def test_batch_reports_the_smallest_step_resumed_from_and_every_warning():
     store = FakeStore()
-    model = bare_model(store)
-    parsed = model.parse(0, request(), tracked("r"))
-    jobs = [Job.of(tracked("r"), spec) for spec in parsed.jobs]
-    assert model.resume_report(parsed, jobs) == {"checkpoints": "on"}  # none resumed: no step
+    intake = intake_of(store)
+    parsed, resume, specs = read(intake, request(), tracked("r"))
+    jobs = [Job.of(tracked("r"), spec) for spec in specs]
+    assert intake.report(parsed, resume, jobs) == {"checkpoints": "on"}  # none resumed: no step
     jobs[0].begin(JobStart(None, "g", 12, steps_done=6))
     jobs[1].begin(JobStart(None, "g", 12, steps_done=4))
-    assert model.resume_report(parsed, jobs) == {"checkpoints": "on", "resumed_from_step": 4}
+    assert intake.report(parsed, resume, jobs) == {"checkpoints": "on", "resumed_from_step": 4}
     jobs[1].begin(JobStart(None, "g", 12, warning="its checkpoint did not fit (shape): started over"))
-    report = model.resume_report(parsed, jobs)
+    report = intake.report(parsed, resume, jobs)
     assert report["resumed_from_step"] == 0  # image 1 started over: the request resumed from 0
     assert report["warnings"] == ["image 1: its checkpoint did not fit (shape): started over"]
     json.dumps(report)
     store.lost = "one checkpoint takes 70592 bytes, above checkpoint_max_mb"
-    assert model.resume_report(parsed, jobs)["checkpoints"] == f"not kept: {store.lost}"
+    assert intake.report(parsed, resume, jobs)["checkpoints"] == f"not kept: {store.lost}"
 
 
 # ---- the host: storing, removing, the exit fault ----------------------------------------------------

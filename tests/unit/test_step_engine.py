@@ -171,6 +171,8 @@ class RaisingKind:
 
         class Parsed:
             progress = True
+            values: dict = {}
+            result_key = resume_key = None
 
             @property
             def jobs(self):
@@ -194,7 +196,7 @@ class RaisingKind:
 
 
 def test_every_request_gets_exactly_one_answer_whatever_its_model_kind_raises():
-    from triton_diffusion.serving.engine_host import EngineHost
+    from triton_diffusion.serving.engine_host import Admitted, EngineHost
     from triton_diffusion.serving.engines import StepEngineKind
     from triton_diffusion.serving.metrics import IMAGE_METRICS
     from triton_diffusion.settings import ModelConfig, ModelSettings
@@ -210,7 +212,7 @@ def test_every_request_gets_exactly_one_answer_whatever_its_model_kind_raises():
     host = EngineHost(kind, engine_kind, settings, Metrics(), IMAGE_METRICS, lambda error: None)
     requests = [tracked(name) for name in "abcdef"]
     try:
-        host.submit([(request, kind.parsed(request.request_id)) for request in requests])
+        host.submit([Admitted(request, kind.parsed(request.request_id)) for request in requests])
         deadline = time.monotonic() + 10
         while not all(r.ended for r in requests) and time.monotonic() < deadline:
             time.sleep(0.01)

@@ -16,10 +16,13 @@ import numpy as np
 import pytest
 
 from tests.unit.recording import tracked
+from triton_diffusion.engine.degradation import StepsCut
+from triton_diffusion.engine.jobs import Job, JobSpec
 from triton_diffusion.errors import ErrorCode, RequestError
 from triton_diffusion.fields import SERVICE_FIELDS, FieldSet
 from triton_diffusion.models.diffusion_model import DiffusionModel, ParsedRequest, batch_output
 from triton_diffusion.models.kinds import KINDS
+from triton_diffusion.serving.intake import Intake
 from triton_diffusion.serving.result_cache import ResultCache
 from triton_diffusion.serving.triton_model import TritonModel, Urgency, serve, urgency_of
 from triton_diffusion.settings import ModelConfig
@@ -54,22 +57,49 @@ def test_an_empty_blank_or_unknown_tier_is_refused_naming_the_field_and_the_tier
 
 
 def test_a_result_cache_hit_reports_its_own_service_not_the_first_requests():
-    served = model()
-    served.results = ResultCache(1 << 20)
+    # The host's intake (serving/intake.py) answers from the cache; the tier is the hit's own job's.
+    class Hits:
+        def __init__(self) -> None:
+            self.counted: list[str] = []
+
+        def increment(self, name: str, *args: object, **labels: object) -> None:
+            self.counted.append(name)
+
+    hits = Hits()
+    intake = Intake("m", ("priority", "default", "flex"), hits, ResultCache(1 << 20))
     first_service = {"tier": "flex", "paused_times": 2, "paused_s": 1.25, "deadline_ms": 300.0}
     image = np.array([[b"png bytes"]], dtype=object)
     first = {"IMAGE": image, "BATCH": batch_output({"engine": "step", "service": first_service})}
-    served.results.put("key", first)
-    parsed = ParsedRequest(0, {}, None, (), Urgency(tier=0), result_key="key")  # priority, no deadline
-    answer = served.cached_answer(parsed)
+    intake.results.put("key", first)
+
+    def parsed(tier: int) -> ParsedRequest:  # priority (0) or default (1), no deadline
+        return ParsedRequest(0, {}, None, (JobSpec(None, tier=tier),), Urgency(tier=tier), result_key="key")
+
+    answer = intake.cached(parsed(0))
     batch = json.loads(answer["BATCH"].reshape(-1)[0])
     assert batch["result_cache"] == "hit" and batch["engine"] == "step"
     assert batch["service"] == {"tier": "priority", "paused_times": 0, "paused_s": 0.0}
     assert answer["IMAGE"][0, 0] == b"png bytes"  # the same bytes
     # The cached answer itself is untouched: a later hit of another tier reports that tier.
-    later = served.cached_answer(ParsedRequest(1, {}, None, (), Urgency(tier=1), result_key="key"))
+    later = intake.cached(parsed(1))
     assert json.loads(later["BATCH"].reshape(-1)[0])["service"]["tier"] == "default"
-    assert json.loads(served.results.get("key")["BATCH"].reshape(-1)[0])["service"] == first_service
+    assert json.loads(intake.results.get("key")["BATCH"].reshape(-1)[0])["service"] == first_service
+    assert hits.counted == ["triton_diffusion_result_cache_hits_total"] * 2
+    assert intake.cached(ParsedRequest(0, {}, None, (JobSpec(None),), result_key="other")) is None
+
+
+def test_an_answer_is_kept_for_the_identical_requests_after_it_unless_degraded():
+    intake = Intake("m", ("default",), None, ResultCache(1 << 20))
+    answer = {"IMAGE": np.array([[b"png bytes"]], dtype=object)}
+    parsed = ParsedRequest(0, {}, None, (JobSpec(None),), result_key="key")
+    degraded = Job.of(tracked("cut"), JobSpec(None))
+    degraded.queue.cut = StepsCut(2, 2, 4, "deadline")
+    intake.keep(parsed, [degraded], answer)  # fewer steps than its fields ask: not their answer
+    assert intake.results.get("key") is None
+    intake.keep(ParsedRequest(0, {}, None, (JobSpec(None),)), [Job.of(tracked("a"), JobSpec(None))], answer)
+    assert len(intake.results) == 0  # no key (no seed given, or the cache is off): nothing kept
+    intake.keep(parsed, [Job.of(tracked("b"), JobSpec(None))], answer)
+    assert intake.results.get("key")["IMAGE"][0, 0] == b"png bytes"
 
 
 # ---- the model seam: a kind composed into the one Triton model -----------------------------------------

@@ -132,8 +132,10 @@ def row_conditioning(
 
 
 def as_run(job: Job) -> ImageParams:
-    """A job's request as it runs: where the scheduler cut its steps (engine/degradation.py), with those
-    steps, from its start (a checkpoint of its full schedule does not fit the shorter one)."""
-    if job.queue.cut is None:
-        return job.spec.params
-    return replace(job.spec.params, steps=job.queue.cut.steps, resume=None)
+    """A job's request as it runs: from the checkpoint the host found for it (``JobSpec.resume``), or,
+    where the scheduler cut its steps (engine/degradation.py), with those steps, from its start (a
+    checkpoint of its full schedule does not fit the shorter one)."""
+    params: ImageParams = job.spec.params
+    if job.queue.cut is not None:
+        return replace(params, steps=job.queue.cut.steps, resume=None)
+    return params if job.spec.resume is None else replace(params, resume=job.spec.resume)

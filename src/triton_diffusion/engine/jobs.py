@@ -62,6 +62,9 @@ class JobSpec:
     # Where the host keeps this job's checkpoints (recovery/resumes.py), None: none are taken. The
     # engine takes one every ``checkpoint_every`` denoising steps (step_engine.py) and reports it.
     checkpoint_key: str | None = None
+    # The checkpoint it starts from (the host's lookup under that key: serving/intake.py), None: from the
+    # beginning. Opaque here: the adapter restores it (a checkpoint of another shape starts it over).
+    resume: Any = field(default=None, compare=False, repr=False)
     # The num_inference_steps it may run under overload, what it asked first (engine/degradation.py);
     # empty: never fewer than it asked.
     steps_allowed: StepsAllowed = ()

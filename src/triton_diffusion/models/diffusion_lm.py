@@ -13,7 +13,7 @@ import logging
 import os
 import random
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 import numpy as np
@@ -27,7 +27,7 @@ from triton_diffusion.adapters.diffusion_lm_adapter import (
 from triton_diffusion.adapters.masked_diffusion import REMASKING, DecodeParams
 from triton_diffusion.adapters.masked_lm import LoadedMaskedLM, load_masked_lm, prompt_token_ids
 from triton_diffusion.engine.jobs import JobSpec, Stepped
-from triton_diffusion.errors import ErrorCode, invalid_field
+from triton_diffusion.errors import invalid_field
 from triton_diffusion.fields import (
     DESCRIBE_FIELD,
     REQUIRED,
@@ -163,6 +163,11 @@ class ParsedGeneration:
     seed: int
     stream: bool
     service: Urgency = Urgency()
+    # Nothing the host keeps: a generation is never cached, and has no checkpoints (its resume_key only
+    # draws its seed, so a resend samples the same text).
+    values: Mapping[str, Any] = field(default_factory=dict)
+    result_key: None = None
+    resume_key: None = None
 
     @property
     def jobs(self) -> tuple[JobSpec, ...]:
@@ -256,13 +261,6 @@ class DiffusionLMModel:
         service = urgency_of(values, tracked, self.settings.config, self.fields)
         return ParsedGeneration(values["prompt"], decoding, seed, values["stream"], service)
 
-    def cached_answer(self, parsed: ParsedGeneration) -> None:
-        """Never: a generation is not cached."""
-        return None
-
-    def answered(self, tracked: TrackedRequest, code: ErrorCode | None) -> None:
-        """Nothing is kept for a request past its answer."""
-
     def describe_more(self) -> dict[str, Any]:
         return {}
 
@@ -292,7 +290,7 @@ class DiffusionLMModel:
         }
 
     def final_outputs(
-        self, record: RequestRecord, outputs: list[Any], service: dict[str, Any]
+        self, record: RequestRecord, outputs: list[Any], reported: dict[str, Any]
     ) -> Mapping[str, Any]:
         (output,) = outputs
         tokens = output.tokens()

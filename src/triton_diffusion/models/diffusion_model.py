@@ -3,20 +3,18 @@
 A request is parsed once, into a :class:`ParsedRequest` that already holds its jobs (one
 :class:`JobSpec` per image or video: its params, tier, deadline, planned steps, expected shape, step
 cache), so the serving host hands them to the engine without asking back. Sizes, strength, frames, seeds
-and BATCH are known here and nowhere in serving/. A request with a ``resume_key`` on a model that takes
-checkpoints is looked up in its store as it is read (recovery/resumes.py): an image whose checkpoint
-is found starts from it.
+and BATCH are known here and nowhere in serving/. Parsing reads nothing the model kept: the host looks a
+request up in the result cache and its checkpoints after (serving/intake.py).
 """
 
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import math
 import random
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, ClassVar, cast
 
 import numpy as np
@@ -27,17 +25,17 @@ from triton_diffusion.compatibility import CompatibilityKey, compatibility_key
 from triton_diffusion.engine.degradation import StepsAllowed, steps_allowed
 from triton_diffusion.engine.jobs import Job, JobSpec, Stepped
 from triton_diffusion.engine.planner import RowCaps
-from triton_diffusion.errors import ErrorCode, RequestError, invalid_field
+from triton_diffusion.errors import RequestError, invalid_field
 from triton_diffusion.families import PipelineFacts
 from triton_diffusion.faults import exiting_resumes
 from triton_diffusion.fields import FieldSet
 from triton_diffusion.models.calibration import calibrate
-from triton_diffusion.recovery.resumes import Resume, Resumes, seed_from_key
+from triton_diffusion.recovery.resumes import Resumes, seed_from_key
 from triton_diffusion.serving.engine_host import RequestRecord
 from triton_diffusion.serving.engines import EngineKind, RequestEngineKind, StepEngineKind
 from triton_diffusion.serving.metrics import FAMILIES, IMAGE_METRICS, BatchingMetrics
 from triton_diffusion.serving.requests import TrackedRequest
-from triton_diffusion.serving.result_cache import ResultCache, result_key
+from triton_diffusion.serving.result_cache import result_key
 from triton_diffusion.serving.triton_model import Hosting, Urgency, json_output, urgency_of
 from triton_diffusion.settings import IMAGE, ModelSettings
 
@@ -56,7 +54,11 @@ class ParsedRequest:
     result_key: str | None = None  # its answer's key in the result cache (None: not cached, no seed given)
     progress: bool = False  # progress responses were asked for
     summary: str = ""  # what it asks for, for the admission log line
-    resume: Resume | None = None  # its checkpoints' lookup (None: the model takes none, or no resume_key)
+
+    @property
+    def resume_key(self) -> str | None:
+        """The resume_key it gave: the host looks its checkpoints up under it (serving/intake.py)."""
+        return self.values.get("resume_key") or None
 
 
 @dataclass(frozen=True)
@@ -105,9 +107,7 @@ class DiffusionModel:
 
     facts: PipelineFacts  # what the loaded pipeline is (set by load)
     step_cache_methods: tuple[str, ...] = ()  # the step caches its denoiser serves per request (at load)
-    results = ResultCache(0)  # answers to repeated requests (result_cache_mb; set at load; 0: off)
     adapter: Any = None  # the step adapter (None: the request-level engine)
-    resumes: Resumes | None = None  # its jobs' checkpoints (checkpoint_every_steps; None: off)
 
     def __init__(self) -> None:
         self._own_calls = itertools.count()  # cached requests' own compatibility keys
@@ -174,16 +174,15 @@ class DiffusionModel:
         self.settings, self.metrics = settings, metrics
         self.fields, adapter = self.load(settings)
         self.adapter = adapter
-        self.results = ResultCache(int(settings.config.result_cache_mb * 2**20))
         if settings.config.checkpoint_every_steps and adapter is None:
             raise ValueError(
                 f"model {settings.name}: config parameter 'checkpoint_every_steps' needs the step engine "
                 "(this model runs the request-level engine: see 'engine')"
             )
-        self.resumes = Resumes.from_settings(settings)
+        resumes = Resumes.from_settings(settings)  # the host's (serving/intake.py)
         faults = settings.config.fault_injection
-        if self.resumes is not None and faults is not None and faults.exit_on_seed is not None:  # tests only
-            self.resumes = exiting_resumes(self.resumes, faults, seed_of=lambda job: job.spec.params.seed)
+        if resumes is not None and faults is not None and faults.exit_on_seed is not None:  # tests only
+            resumes = exiting_resumes(resumes, faults, seed_of=lambda job: job.spec.params.seed)
         caps = self.row_caps(settings)
         engine_kind: EngineKind
         if adapter is not None:
@@ -207,11 +206,12 @@ class DiffusionModel:
             caps.max_rows,
             dict(caps.by_resolution),
         )
-        return Hosting(engine_kind, IMAGE_METRICS, self.resumes)
+        return Hosting(engine_kind, IMAGE_METRICS, resumes)
 
     def parse(self, index: int, raw: dict[str, Any], tracked: TrackedRequest) -> ParsedRequest:
         """Validate a request and decide its jobs: one per image (or video), each with its params, tier,
-        deadline, planned steps, expected shape and step cache."""
+        deadline, planned steps, expected shape, step cache and checkpoint key. Reads and changes nothing
+        else (the host looks up what the model kept: serving/intake.py)."""
         values = self.resolve(self.fields.parse(raw))
         seed_given = values.get("seed") is not None
         if not seed_given:  # drawn here so the response can return it; a resend with its key draws the same
@@ -219,27 +219,11 @@ class DiffusionModel:
             values["seed"] = seed_from_key(resume_key) if resume_key else random.randrange(2**32)
         key = self.key_for(values)
         service = urgency_of(values, tracked, self.settings.config, self.fields)
-        answer_key = result_key(values, seed_given) if self.results else None
-        images = self.images_for(values)
-        resume = self.resume_of(values, images)
-        jobs = tuple(self.job_spec(values, i, key, service, resume) for i in range(images))
+        answer_key = result_key(values, seed_given) if self.settings.config.result_cache_mb > 0 else None
+        jobs = tuple(self.job_spec(values, i, key, service) for i in range(self.images_for(values)))
         progress = bool(values.get("progress"))
         summary = self.summary(values)
-        return ParsedRequest(index, values, key, jobs, service, answer_key, progress, summary, resume)
-
-    def resume_of(self, values: dict[str, Any], images: int) -> Resume | None:
-        """Where the model takes checkpoints and the request gives a resume_key: its images' checkpoints
-        (each image's own, found or not); the host watches the request from there (serving/
-        triton_model.py). Raises INVALID_ARG naming resume_key when a checkpoint under it belongs to a
-        request with other fields."""
-        resume_key = values.get("resume_key")
-        if self.resumes is None or not resume_key:
-            return None
-        return self.resumes.lookup(resume_key, images, self.resumes.hash_of(self.settings.name, values))
-
-    def answered(self, tracked: TrackedRequest, code: ErrorCode | None) -> None:
-        if self.resumes is not None:
-            self.resumes.answered(tracked, code)
+        return ParsedRequest(index, values, key, jobs, service, answer_key, progress, summary)
 
     def key_for(self, values: dict[str, Any]) -> CompatibilityKey | None:
         """The request-level engine's compatibility key (None on the step engine: rows of any fields
@@ -258,16 +242,14 @@ class DiffusionModel:
         index: int,
         key: CompatibilityKey | None,
         service: Urgency,
-        resume: Resume | None = None,
     ) -> JobSpec:
         """Image ``index`` of a request: what its engine needs (the step adapter's params, or the values
-        and image index for a fused call) and what the scheduler orders and estimates it by; with
-        ``resume``, its checkpoints' key and the checkpoint it starts from (if one was found)."""
+        and image index for a fused call) and what the scheduler orders and estimates it by; where the
+        model takes checkpoints and the request gives a resume_key, the key its checkpoints go under (the
+        host finds the one it starts from: serving/intake.py)."""
         previews = bool(values.get("progress")) and index == 0  # the first image speaks for its request
         params = self.step_request(values, index) if self.adapter is not None else RowInput(values, index)
-        checkpoint = resume.checkpoints[index] if resume is not None else None
-        if checkpoint is not None:
-            params = replace(params, resume=checkpoint)
+        resume_key = values.get("resume_key") if self.settings.config.checkpoint_every_steps else None
         return JobSpec(
             params=params,
             tokens=self.adapter.tokens_of(params) if self.adapter is not None else 1,
@@ -281,7 +263,7 @@ class DiffusionModel:
             cache_method=(values.get("step_cache") or "none").partition(":")[0],
             preview_every=values.get("preview_every", 0) if previews else 0,
             previews=values.get("previews", 0) if previews else 0,
-            checkpoint_key=f"{values['resume_key']}.{index}" if resume is not None else None,
+            checkpoint_key=f"{resume_key}.{index}" if resume_key else None,
             steps_allowed=self.steps_allowed(values, service.tier),
         )
 
@@ -326,19 +308,6 @@ class DiffusionModel:
                 steps = min(int(steps * strength), steps)
         return max(steps, 1)
 
-    def cached_answer(self, parsed: ParsedRequest) -> dict[str, Any] | None:
-        if parsed.result_key is None:
-            return None
-        answer = self.results.get(parsed.result_key)
-        if answer is None:
-            return None
-        self.metrics.increment("triton_diffusion_result_cache_hits_total")
-        batch = json.loads(answer["BATCH"].reshape(-1)[0])
-        # Its own service, not the first request's: nothing waited or was paused for this one.
-        service = {"tier": self.settings.config.service_tiers[parsed.service.tier], "paused_times": 0}
-        batch.update(result_cache="hit", service={**service, "paused_s": 0.0})
-        return {**answer, "BATCH": batch_output(batch)}
-
     # ---- the host's model kind --------------------------------------------------------------------
     def summary(self, values: dict[str, Any]) -> str:
         """What a request asks for, for the admission log line."""
@@ -357,11 +326,10 @@ class DiffusionModel:
         return progress_outputs(stepped.step, stepped.total, preview)
 
     def final_outputs(
-        self, record: RequestRecord, outputs: list[Any], service: dict[str, Any]
+        self, record: RequestRecord, outputs: list[Any], reported: dict[str, Any]
     ) -> dict[str, Any]:
         parsed: ParsedRequest = record.parsed
-        batch = {**self.batch_report(parsed.values, record.jobs), "service": service}
-        batch.update(self.resume_report(parsed, record.jobs))
+        batch = {**self.batch_report(parsed.values, record.jobs), **reported}
         cuts = [job.queue.cut for job in record.jobs if job.queue.cut is not None]
         if cuts:  # run with fewer steps than asked, where its deadline needed it (engine/degradation.py)
             fewest = min(cuts, key=lambda cut: cut.steps)
@@ -374,8 +342,6 @@ class DiffusionModel:
             "WIDTH": np.array([[parsed.values["width"]]], dtype=np.int32),
             "HEIGHT": np.array([[parsed.values["height"]]], dtype=np.int32),
         }
-        if parsed.result_key is not None and not cuts:  # a degraded answer is not what the fields ask
-            self.results.put(parsed.result_key, answer)
         return answer
 
     def batch_report(self, values: dict[str, Any], jobs: list[Job]) -> dict[str, Any]:
@@ -409,27 +375,6 @@ class DiffusionModel:
                 "rows_computed": sum(job.stats.rows_computed for job in jobs),
                 "rows_reused": sum(job.stats.rows_reused for job in jobs),
             }
-        return report
-
-    def resume_report(self, parsed: ParsedRequest, jobs: list[Job]) -> dict[str, Any]:
-        """BATCH's part on checkpoints, for a request that gave a resume_key: whether the model takes
-        them ("on", "off", or "not kept: why" where its checkpoints could not be written); the step its
-        images resumed from (the smallest: an image that started over counts 0; absent when none
-        resumed); and why a checkpoint found was not used."""
-        if not parsed.values.get("resume_key"):
-            return {}
-        report: dict[str, Any] = {"checkpoints": "on" if self.resumes is not None else "off"}
-        why = self.resumes.store.not_kept(parsed.values["resume_key"]) if self.resumes is not None else None
-        if why is not None:  # what the store failed to write, as far as known when the answer goes out
-            report["checkpoints"] = f"not kept: {why}"
-        if any(job.stats.resumed_from_step for job in jobs):
-            report["resumed_from_step"] = min(job.stats.resumed_from_step or 0 for job in jobs)
-        warnings = [*(parsed.resume.warnings if parsed.resume is not None else ())]
-        warnings += [
-            f"image {job.spec.index}: {job.stats.start_warning}" for job in jobs if job.stats.start_warning
-        ]
-        if warnings:
-            report["warnings"] = warnings
         return report
 
     def describe_more(self) -> dict[str, Any]:

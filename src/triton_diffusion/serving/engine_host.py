@@ -4,10 +4,11 @@ responses (responses.py): the one answer path.
 
 A model kind supplies only what is its own (:class:`HostedKind`): its parsed requests already hold their
 job specs (:class:`Parsed`, made when the request is read), and it says how progress and outputs become
-tensors. What a step report holds becomes, on the engine thread, work for the
-response thread (nothing is encoded or sent here, so the next step starts at once), in the order it
-happened: progress, FINAL responses, and the errors the engine decided. The jobs' checkpoints a report
-carries go to the model's store (recovery/resumes.py), which writes them on its own thread.
+tensors. What the model kept meets a request here (:meth:`EngineHost.read`, intake.py): the answer of an
+earlier identical request, and its checkpoints. What a step report holds becomes, on the engine thread,
+work for the response thread (nothing is encoded or sent here, so the next step starts at once), in the
+order it happened: progress, FINAL responses, and the errors the engine decided. The jobs' checkpoints a
+report carries go to the model's store (recovery/resumes.py), which writes them on its own thread.
 
 Draining (recovery/drain.py: the launcher got SIGTERM), where the launcher set a drain file: between two
 engine steps (and every half second while idle) the engine thread looks for it, a ``stat`` at most every
@@ -34,12 +35,14 @@ from triton_diffusion.engine.request_status import Abort
 from triton_diffusion.engine.step_engine import StepEngine
 from triton_diffusion.errors import RESEND, ErrorCode, RequestError, Retry, RetryHint
 from triton_diffusion.recovery.drain import DRAINING_MESSAGE, POLL_S, DrainWatch, drain_file_from_env
-from triton_diffusion.recovery.resumes import Resumes
+from triton_diffusion.recovery.resumes import Resume, Resumes
 from triton_diffusion.serving.engine_worker import EngineWorker
 from triton_diffusion.serving.engines import EngineKind
+from triton_diffusion.serving.intake import Intake
 from triton_diffusion.serving.metrics import BatchingMetrics, MetricNames
 from triton_diffusion.serving.requests import TrackedRequest
 from triton_diffusion.serving.responses import ResponseWorker
+from triton_diffusion.serving.result_cache import ResultCache
 from triton_diffusion.settings import ModelSettings
 
 log = logging.getLogger("triton_diffusion")
@@ -66,6 +69,27 @@ class Parsed(Protocol):
     def summary(self) -> str:
         """What it asks for, for the admission log line."""
 
+    @property
+    def values(self) -> Mapping[str, Any]:
+        """Its validated values: what its checkpoints are bound to."""
+
+    @property
+    def result_key(self) -> str | None:
+        """Its answer's key in the result cache (None: not cached)."""
+
+    @property
+    def resume_key(self) -> str | None:
+        """The resume_key it gave (None: none, or its kind takes no checkpoints)."""
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """A request read and not answered from the result cache: what its jobs are made from."""
+
+    tracked: TrackedRequest
+    parsed: Parsed
+    resume: Resume | None = None  # its checkpoints' lookup (None: nothing is checkpointed for it)
+
 
 @dataclass(eq=False)
 class RequestRecord:
@@ -73,6 +97,7 @@ class RequestRecord:
 
     tracked: TrackedRequest
     parsed: Any  # the model kind's validated request (a Parsed)
+    resume: Resume | None = None  # its checkpoints' lookup (intake.py)
     jobs: list[Job] = field(default_factory=list)
     outputs: list[Any] = field(default_factory=list)
     remaining: int = 0  # jobs not finished yet
@@ -88,10 +113,11 @@ class HostedKind(Protocol):
         """A progress response for this step, or None."""
 
     def final_outputs(
-        self, record: RequestRecord, outputs: list[Any], service: dict[str, Any]
+        self, record: RequestRecord, outputs: list[Any], reported: dict[str, Any]
     ) -> Mapping[str, Any]:
-        """The FINAL response's tensors; ``service`` is the host's report of the request's tier, deadline
-        and pauses (for BATCH)."""
+        """The FINAL response's tensors; ``reported`` is what the host puts in BATCH beside the kind's own:
+        ``service`` (the request's tier, deadline and pauses) and, for a request that gave a resume_key,
+        its checkpoints (intake.py)."""
 
 
 class EngineHost:
@@ -110,6 +136,8 @@ class EngineHost:
         config = settings.config
         self.kind = kind
         self.resumes = resumes
+        results = ResultCache(int(config.result_cache_mb * 2**20))
+        self.intake = Intake(settings.name, config.service_tiers, metrics, results, resumes)
         self.engine_kind = engine_kind
         self.tiers = config.service_tiers  # a job's tier is its rank here
         self.metrics = metrics
@@ -150,20 +178,35 @@ class EngineHost:
                 self.metrics.set("triton_diffusion_forward_cost_seconds", seconds, fit=fit, part=part)
 
     # ---- execute() thread -------------------------------------------------------------------------
-    def submit(self, admitted: Sequence[tuple[TrackedRequest, Parsed]]) -> None:
+    def read(self, tracked: TrackedRequest, parsed: Parsed) -> Admitted | None:
+        """A request its kind parsed, as the model kept things: its checkpoints looked up (it is watched
+        from now until answered), and where an identical request was answered before, that answer sent at
+        once (None). Raises RequestError (INVALID_ARG naming resume_key) for this request only."""
+        resume = self.intake.resume(tracked, parsed)
+        answer = self.intake.cached(parsed)
+        if answer is not None:
+            tracked.finish(answer)
+            return None
+        return Admitted(tracked, parsed, resume)
+
+    def answered(self, tracked: TrackedRequest, code: ErrorCode | None) -> None:
+        """A request's FINAL response went out (once per request, whichever path answered it)."""
+        self.intake.answered(tracked, code)
+
+    def submit(self, admitted: Sequence[Admitted]) -> None:
         """Make each valid request's jobs from its specs and hand them all to the engine, in order (none
         while draining: each is answered UNAVAILABLE "draining", its client resends it elsewhere or
         later)."""
         if self.draining:
             refused = RequestError(ErrorCode.UNAVAILABLE, DRAINING_MESSAGE, RESEND)
-            for tracked, _ in admitted:
-                tracked.fail(refused)
+            for entry in admitted:
+                entry.tracked.fail(refused)
             return
         batch = []
-        for tracked, parsed in admitted:
-            record = RequestRecord(tracked, parsed)
+        for tracked, parsed, resume in ((a.tracked, a.parsed, a.resume) for a in admitted):
+            record = RequestRecord(tracked, parsed, resume)
             try:
-                jobs = [Job.of(tracked, spec, record) for spec in parsed.jobs]
+                jobs = [Job.of(tracked, spec, record) for spec in Intake.specs(parsed, resume)]
             except Exception as exc:  # noqa: BLE001  (a bug in one request's kind: it alone is answered)
                 log.exception("request %s: making its jobs failed", tracked.request_id)
                 tracked.fail(RequestError(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"))
@@ -393,7 +436,10 @@ class EngineHost:
         tier = self.tiers[job.spec.tier]
 
         def answer() -> None:
-            if record.tracked.finish(self.kind.final_outputs(record, outputs, service)):
+            checkpoints = self.intake.report(record.parsed, record.resume, record.jobs)
+            final = self.kind.final_outputs(record, outputs, {"service": service, **checkpoints})
+            self.intake.keep(record.parsed, record.jobs, final)
+            if record.tracked.finish(final):
                 self.metrics.observe("triton_diffusion_tier_latency_seconds", latency, tier=tier)
                 cut = [j.queue.cut.asked - j.queue.cut.steps for j in record.jobs if j.queue.cut is not None]
                 if cut:  # degraded: run with fewer steps than asked (engine/degradation.py)

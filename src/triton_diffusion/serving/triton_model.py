@@ -6,7 +6,9 @@ is not subclassed. The kind says which fields it accepts, loads its model and sa
 runs (:class:`Hosting`), turns a raw request into a parsed request holding its job specs, and renders
 progress and outputs (engine_host.py ``HostedKind``); image and video kinds share
 models/diffusion_model.py. This class builds the engine host and owns Triton's entry points: whatever
-raises while a request is read answers that request alone. Nothing here knows an image field.
+raises while a request is read answers that request alone. A request is parsed by its kind, then read by
+the host (what the model kept: the result cache, its checkpoints; serving/intake.py). Nothing here knows
+an image field.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ from triton_diffusion.engine.failures import exit_for_restart
 from triton_diffusion.engine.jobs import Stepped
 from triton_diffusion.errors import ErrorCode, RequestError, invalid_field
 from triton_diffusion.fields import FieldSet
-from triton_diffusion.recovery.resumes import Resume, Resumes
-from triton_diffusion.serving.engine_host import EngineHost, Parsed, RequestRecord
+from triton_diffusion.recovery.resumes import Resumes
+from triton_diffusion.serving.engine_host import Admitted, EngineHost, Parsed, RequestRecord
 from triton_diffusion.serving.engines import EngineKind
 from triton_diffusion.serving.metrics import BatchingMetrics, MetricNames
 from triton_diffusion.serving.requests import TrackedRequest
@@ -94,25 +96,19 @@ class ModelKind(Protocol):
         """Load the model (set ``fields``); say what its engine host runs."""
 
     def parse(self, index: int, raw: dict[str, Any], tracked: TrackedRequest) -> Parsed:
-        """Validate one request's raw fields. Raises RequestError for this request only."""
-
-    def cached_answer(self, parsed: Any) -> dict[str, Any] | None:
-        """The answer of an earlier identical request (serving/result_cache.py), or None."""
+        """Validate one request's raw fields and decide its jobs, reading and changing nothing else.
+        Raises RequestError for this request only."""
 
     def describe_more(self) -> dict[str, Any]:
         """What the kind adds to MODEL_INFO."""
-
-    def answered(self, tracked: TrackedRequest, code: ErrorCode | None) -> None:
-        """A request's FINAL response went out (``code``: its error's, None for a result), once per request,
-        whichever path answered it: what the kind keeps for a request until then is let go here."""
 
     def progress_outputs(self, record: RequestRecord, stepped: Stepped) -> Mapping[str, Any] | None:
         """A progress response for this step, or None (the response thread)."""
 
     def final_outputs(
-        self, record: RequestRecord, outputs: list[Any], service: dict[str, Any]
+        self, record: RequestRecord, outputs: list[Any], reported: dict[str, Any]
     ) -> Mapping[str, Any]:
-        """The FINAL response's tensors (the response thread)."""
+        """The FINAL response's tensors (the response thread); ``reported``: the host's part of BATCH."""
 
 
 def serve(kind: type[ModelKind]) -> type:
@@ -180,10 +176,10 @@ class TritonModel:
         try:
             admitted = []
             for index, request in enumerate(requests):
-                target, parsed = self._read(index, request, entered)
+                target, read = self._read(index, request, entered)
                 tracked.append(target)
-                if parsed is not None:
-                    admitted.append((target, parsed))
+                if read is not None:
+                    admitted.append(read)
             log.info("execute: %d requests ids=%s", len(requests), [t.request_id for t in tracked])
             self.host.submit(admitted)
         except Exception as exc:  # noqa: BLE001  (every request must still get its FINAL response)
@@ -233,8 +229,9 @@ class TritonModel:
             request_id(request), channel, self._on_answered, entered, request_timeout_us(request)
         )
 
-    def _read(self, index: int, request: Any, entered: float) -> tuple[TrackedRequest, Any]:
-        """Track the request, read and validate it. Whatever raises answers this request alone."""
+    def _read(self, index: int, request: Any, entered: float) -> tuple[TrackedRequest, Admitted | None]:
+        """Track the request; its kind parses it, the host reads it (None: answered already). Whatever
+        raises answers this request alone."""
         from triton_diffusion.serving.triton_io import read_raw_fields
 
         tracked = self._track(request, entered)
@@ -243,15 +240,7 @@ class TritonModel:
             if raw.get("describe") is True:  # what the model serves, at once: no generation
                 tracked.finish({"MODEL_INFO": json_output(self.describe())})
                 return tracked, None
-            parsed = self.kind.parse(index, raw, tracked)
-            resume = getattr(parsed, "resume", None)  # an image kind's checkpoints' lookup (else none)
-            if isinstance(resume, Resume) and self.host.resumes is not None:
-                self.host.resumes.watch(tracked, resume)  # its checkpoints are kept until it is answered
-            answer = self.kind.cached_answer(parsed)
-            if answer is not None:  # the same request was answered before: its bytes again, at once
-                tracked.finish(answer)
-                return tracked, None
-            return tracked, parsed
+            return tracked, self.host.read(tracked, self.kind.parse(index, raw, tracked))
         except RequestError as refused:
             tracked.fail(refused)
         except Exception as exc:  # noqa: BLE001  (a bug while reading one request fails it alone)
@@ -264,4 +253,4 @@ class TritonModel:
     def _on_answered(self, tracked: TrackedRequest, code: ErrorCode | None) -> None:
         if code is not None:
             self.metrics.increment("triton_diffusion_requests_failed_total", code=code.value)
-        self.kind.answered(tracked, code)
+        self.host.answered(tracked, code)
