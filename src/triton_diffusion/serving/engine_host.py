@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from triton_diffusion.engine.failures import DeviceLostError
-from triton_diffusion.engine.jobs import Job, JobSpec, Left, Stepped, StepReport
+from triton_diffusion.engine.jobs import Job, Left, Stepped, StepReport
 from triton_diffusion.engine.request_status import Abort
 from triton_diffusion.engine.step_engine import StepEngine
 from triton_diffusion.errors import RESEND, ErrorCode, RequestError, Retry, RetryHint
@@ -38,7 +38,7 @@ from triton_diffusion.recovery.drain import DRAINING_MESSAGE, POLL_S, DrainWatch
 from triton_diffusion.recovery.resumes import Resume, Resumes
 from triton_diffusion.serving.engine_worker import EngineWorker
 from triton_diffusion.serving.engines import EngineKind
-from triton_diffusion.serving.intake import Intake
+from triton_diffusion.serving.intake import Intake, Kept
 from triton_diffusion.serving.metrics import BatchingMetrics, MetricNames
 from triton_diffusion.serving.requests import TrackedRequest
 from triton_diffusion.serving.responses import ResponseWorker
@@ -54,12 +54,9 @@ COST_METRICS_EVERY_S = 1.0
 DRAIN_MARGIN_S = 1.0
 
 
-class Parsed(Protocol):
-    """A model kind's validated request, as the host reads it."""
-
-    @property
-    def jobs(self) -> Sequence[JobSpec]:
-        """Its jobs (images, videos, the LM request), as the kind decided them."""
+class Parsed(Kept, Protocol):
+    """A model kind's validated request, as the host reads it: what the intake looks it up by (its jobs,
+    values, result and resume keys: intake.py ``Kept``), and how it is served."""
 
     @property
     def progress(self) -> bool:
@@ -68,18 +65,6 @@ class Parsed(Protocol):
     @property
     def summary(self) -> str:
         """What it asks for, for the admission log line."""
-
-    @property
-    def values(self) -> Mapping[str, Any]:
-        """Its validated values: what its checkpoints are bound to."""
-
-    @property
-    def result_key(self) -> str | None:
-        """Its answer's key in the result cache (None: not cached)."""
-
-    @property
-    def resume_key(self) -> str | None:
-        """The resume_key it gave (None: none, or its kind takes no checkpoints)."""
 
 
 @dataclass(frozen=True)
@@ -151,9 +136,14 @@ class EngineHost:
         self._cost_published = 0.0  # when the cost model's metrics were last set (monotonic seconds)
         if self.drain is not None:
             log.info("%s: drains on SIGTERM (drain file %s)", settings.instance or settings.name, drain_file)
+        capacity = engine_kind.capacity(settings)
+        # Room without a wait for requests with a deadline where the scheduler refuses the late ones.
+        deadline_room = 0
+        if engine_kind.name == "step" and config.deadline_policy == "refuse":
+            deadline_room = 3 * capacity if config.deadline_room is None else config.deadline_room
         self.worker = EngineWorker(
             self.engine,
-            engine_kind.capacity(settings),
+            capacity,
             self.render,
             config.engine_stall_s,
             on_device_lost=lambda error: on_exit(f"the accelerator failed ({error})"),
@@ -163,6 +153,7 @@ class EngineHost:
             aborts=engine_kind.aborts(settings),
             between_steps=self._drain_pass if self.drain is not None else None,
             idle_tick_s=POLL_S,
+            deadline_room=deadline_room,
         )
 
     def cost_model(self) -> dict[str, Any] | None:

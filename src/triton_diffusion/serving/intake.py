@@ -33,7 +33,8 @@ class Kept(Protocol):
     """A parsed request, as what the model kept is looked up by (engine_host.py's ``Parsed``)."""
 
     @property
-    def jobs(self) -> Sequence[JobSpec]: ...
+    def jobs(self) -> Sequence[JobSpec]:
+        """Its jobs (images, videos, the LM request), as the kind decided them."""
 
     @property
     def values(self) -> Mapping[str, Any]:
@@ -45,7 +46,7 @@ class Kept(Protocol):
 
     @property
     def resume_key(self) -> str | None:
-        """The key its checkpoints go under (None: it gave none, or its kind takes none)."""
+        """The resume_key it gave (None: none, or its kind takes no checkpoints)."""
 
 
 @dataclass(frozen=True)
