@@ -237,15 +237,20 @@ def test_a_resume_key_whose_checkpoint_has_other_fields_is_refused_naming_resume
     assert f"{KEY}.0" in store.files  # another's checkpoint is neither used nor removed
 
 
-def test_parse_reads_and_watches_nothing_the_host_does():
+def test_parse_reads_and_watches_nothing_the_host_does(monkeypatch):
     store = FakeStore()
     intake = intake_of(store)
     first = tracked("first")
-    store.put(f"{KEY}.0", "another request's hash", "checkpoint")  # parse would refuse it, were it to look
-    parsed = bare_model().parse(0, request(), first)
-    assert intake.resumes.resume_key(first) is None  # parse decided; it read and changed nothing
+
+    def touched(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("parse read or changed what the model kept")
+
+    with monkeypatch.context() as patched:  # any lookup, watch or cache read from parse fails the test
+        for owner, name in ((Resumes, "lookup"), (Resumes, "watch"), (ResultCache, "get")):
+            patched.setattr(owner, name, touched)
+        parsed = bare_model().parse(0, request(), first)
+    assert intake.resumes.resume_key(first) is None  # parse decided; it changed nothing
     assert parsed.resume_key == KEY and parsed.result_key is None  # no result cache on this model
-    del store.files[f"{KEY}.0"]
     resume = intake.resume(first, parsed)
     assert (resume.key, resume.hashed) == (KEY, fields_hash("m", parsed.values))
     assert intake.resumes.resume_key(first) == KEY

@@ -136,14 +136,9 @@ class EngineHost:
         self._cost_published = 0.0  # when the cost model's metrics were last set (monotonic seconds)
         if self.drain is not None:
             log.info("%s: drains on SIGTERM (drain file %s)", settings.instance or settings.name, drain_file)
-        capacity = engine_kind.capacity(settings)
-        # Room without a wait for requests with a deadline where the scheduler refuses the late ones.
-        deadline_room = 0
-        if engine_kind.name == "step" and config.deadline_policy == "refuse":
-            deadline_room = 3 * capacity if config.deadline_room is None else config.deadline_room
         self.worker = EngineWorker(
             self.engine,
-            capacity,
+            engine_kind.capacity(settings),
             self.render,
             config.engine_stall_s,
             on_device_lost=lambda error: on_exit(f"the accelerator failed ({error})"),
@@ -153,7 +148,6 @@ class EngineHost:
             aborts=engine_kind.aborts(settings),
             between_steps=self._drain_pass if self.drain is not None else None,
             idle_tick_s=POLL_S,
-            deadline_room=deadline_room,
         )
 
     def cost_model(self) -> dict[str, Any] | None:

@@ -83,13 +83,8 @@ class EngineWorker:
         aborts: AbortSource | None = None,
         between_steps: Callable[[], None] | None = None,
         idle_tick_s: float | None = None,
-        deadline_room: int = 0,
     ) -> None:
         self.engine = engine
-        # Jobs beyond ``capacity`` a request with a deadline joins without waiting in execute() (0: it
-        # waits like any other). A wait there holds up every request Triton queues behind it, higher tiers
-        # among them; once in, the scheduler refuses it at once where it cannot be in time, or orders it.
-        self.deadline_room = deadline_room
         # Called on the engine thread before each step and, with ``idle_tick_s``, every that many seconds
         # while the engine holds nothing (the host's drain: engine_host.py). None: nothing is called.
         self.between_steps = between_steps
@@ -149,18 +144,13 @@ class EngineWorker:
         return waited
 
     def _full(self, jobs: list[Job]) -> bool:
-        """No room for ``jobs``. A request with a deadline may take ``deadline_room`` more; a request of a
-        higher tier than a job held does not wait behind it either: it may take up to ``capacity`` more
-        again (the scheduler pauses the lower job or lets it wait)."""
+        """No room for ``jobs``. A request of a higher tier than a job held does not wait behind it: it
+        may take up to ``capacity`` more (the scheduler pauses the lower job or lets it wait)."""
         held = self.engine.active
         if not held or held + len(jobs) <= self.capacity:
             return False
-        room = self.capacity
-        if self.deadline_room and all(job.spec.deadline is not None for job in jobs):
-            room += self.deadline_room
-        if self.engine.outranks_held(min((job.spec.tier for job in jobs), default=0)):
-            room += self.capacity
-        return held + len(jobs) > room
+        tier = min((job.spec.tier for job in jobs), default=0)
+        return held + len(jobs) > 2 * self.capacity or not self.engine.outranks_held(tier)
 
     def close(self, timeout_s: float = 30.0) -> None:
         with self._condition:
