@@ -271,6 +271,15 @@ def test_the_triton_model_has_the_host_read_a_parsed_request_and_not_one_that_fa
     assert admitted.resume is not None and intake.resumes.resume_key(first) == KEY
     failed, nothing = served._read(1, request(prompt="bad", num_images_per_prompt=99), 0.0)
     assert nothing is None and failed.channel.finals and intake.resumes.resume_key(failed) is None
+    # The host's lookup refuses a request whose key holds another request's checkpoint: that request alone
+    # is answered (INVALID_ARG naming resume_key), unwatched; the next one is read as usual.
+    intake.resumes.store.put("other-key_0123456789.0", "another request's hash", "checkpoint")
+    refused, nothing = served._read(2, request(prompt="theirs", resume_key="other-key_0123456789"), 0.0)
+    (error,) = refused.channel.finals
+    assert nothing is None and error.code is ErrorCode.INVALID_ARG and error.message.startswith("resume_key:")
+    assert intake.resumes.resume_key(refused) is None
+    after, admitted = served._read(3, request(prompt="after", resume_key="after-key_0123456789"), 0.0)
+    assert admitted is not None and not after.channel.finals
 
 
 def test_a_key_in_flight_is_refused_to_a_request_with_other_fields_until_it_is_answered():

@@ -409,6 +409,16 @@ class EngineHost:
 
             self.responses.submit(record.tracked, send)
 
+    def _keep(self, record: RequestRecord, final: Mapping[str, Any]) -> None:
+        """Keep an answer sent for the identical requests after it; a failure here is logged, never the
+        request's (it was answered)."""
+        try:
+            self.intake.keep(record.parsed, record.jobs, final)
+        except Exception:  # noqa: BLE001
+            log.exception(
+                "request %s: keeping its answer in the result cache failed", record.tracked.request_id
+            )
+
     def _finished(self, job: Job, output: Any) -> None:
         record: RequestRecord = job.record
         record.outputs[job.spec.index] = output
@@ -423,8 +433,8 @@ class EngineHost:
         def answer() -> None:
             checkpoints = self.intake.report(record.parsed, record.resume, record.jobs)
             final = self.kind.final_outputs(record, outputs, {"service": service, **checkpoints})
-            self.intake.keep(record.parsed, record.jobs, final)
             if record.tracked.finish(final):
+                self._keep(record, final)
                 self.metrics.observe("triton_diffusion_tier_latency_seconds", latency, tier=tier)
                 cut = [j.queue.cut.asked - j.queue.cut.steps for j in record.jobs if j.queue.cut is not None]
                 if cut:  # degraded: run with fewer steps than asked (engine/degradation.py)

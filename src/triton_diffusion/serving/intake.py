@@ -87,8 +87,8 @@ class Intake:
             return None
         self.metrics.increment(RESULT_CACHE_HITS)
         batch = json.loads(answer["BATCH"].reshape(-1)[0])
-        tier = self.tiers[parsed.jobs[0].tier] if parsed.jobs else batch.get("service", {}).get("tier")
-        batch.update(result_cache="hit", service={"tier": tier, "paused_times": 0, "paused_s": 0.0})
+        service = {"tier": self.tiers[parsed.jobs[0].tier], "paused_times": 0, "paused_s": 0.0}
+        batch.update(result_cache="hit", service=service)
         return {**answer, "BATCH": np.array([[json.dumps(batch).encode()]], dtype=object)}
 
     def keep(self, parsed: Kept, jobs: Sequence[Job], answer: Mapping[str, np.ndarray]) -> None:
