@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 from functools import partial
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import pytest
 
 from tests.unit.recording import tracked
@@ -21,7 +23,7 @@ from triton_diffusion.engine.degradation import StepsCut
 from triton_diffusion.engine.jobs import Job, JobSpec, JobStart, Stepped, StepReport
 from triton_diffusion.errors import ErrorCode, RequestError
 from triton_diffusion.faults import FaultInjection, exiting_resumes
-from triton_diffusion.models.diffusion_model import DiffusionModel
+from triton_diffusion.models.diffusion_model import DiffusionModel, batch_output
 from triton_diffusion.models.image_fields import TEXT_TO_IMAGE_FIELDS
 from triton_diffusion.recovery.checkpoint_store import CorruptCheckpoint
 from triton_diffusion.recovery.resumes import Resume, Resumes, fields_hash, model_identity, seed_from_key
@@ -446,3 +448,61 @@ def test_a_checkpoint_is_bound_to_the_weights_it_was_taken_under(tmp_path):
     assert Resumes(None, 2, identity=before).hash_of("m", values) != Resumes(None, 2, identity=after).hash_of(
         "m", values
     )
+
+
+def test_the_host_reads_keeps_and_answers_from_the_cache_through_its_intake():
+    # engine_host.py end to end on a fake step adapter: read (lookup, watch), submit (the checkpoint on the
+    # spec), the answer (BATCH's checkpoints part, kept in the cache), then an identical request answered
+    # from the cache at once, and the first's checkpoints removed once it was answered.
+    from pathlib import Path
+
+    from tests.unit.test_step_engine import FakeAdapter, Spec
+    from triton_diffusion.serving.engines import StepEngineKind
+    from triton_diffusion.serving.metrics import IMAGE_METRICS
+
+    class Metrics:
+        def observe(self, *args: Any, **kwargs: Any) -> None: ...
+
+        increment = set = observe
+
+    class Kind:
+        def progress_outputs(self, record: Any, stepped: Any) -> None:
+            return None
+
+        def final_outputs(self, record: Any, outputs: list[Any], reported: dict[str, Any]) -> dict[str, Any]:
+            return {"out": np.array([[outputs[0]]], dtype=object), "BATCH": batch_output(reported)}
+
+    @dataclass(frozen=True)
+    class Parsed:
+        jobs: tuple[JobSpec, ...]
+        values: dict[str, Any]
+        result_key: str | None = "answer key"
+        resume_key: str | None = KEY
+        progress: bool = False
+        summary: str = ""
+
+    store = FakeStore()
+    config = ModelConfig.parse({"result_cache_mb": "1"}, ["image"], [], "m")
+    settings = ModelSettings("m", Path("."), config, {}, 8, "CPU", 0)
+    host = EngineHost(Kind(), StepEngineKind(FakeAdapter()), settings, Metrics(), IMAGE_METRICS, print)
+    host.intake = Intake("m", config.service_tiers, Metrics(), host.intake.results, Resumes(store, 2))
+    parsed = Parsed((JobSpec(Spec(steps=2), checkpoint_key=f"{KEY}.0"),), {"prompt": "a cat"})
+    store.put(f"{KEY}.0", fields_hash("m", parsed.values), "checkpoint of image 0")
+    first = tracked("first")
+    try:
+        admitted = host.read(first, parsed)
+        assert admitted is not None and host.intake.resumes.resume_key(first) == KEY
+        host.submit([admitted])
+        deadline = time.monotonic() + 10
+        while not first.channel.finals and time.monotonic() < deadline:
+            time.sleep(0.01)
+        (answer,) = first.channel.finals
+        assert json.loads(answer["BATCH"].reshape(-1)[0])["checkpoints"] == "on"
+        host.answered(first, None)  # as the Triton model does once the answer went out
+        assert f"{KEY}.0" not in store.files and host.intake.resumes.resume_key(first) is None
+        again = tracked("again")
+        assert host.read(again, replace(parsed, resume_key=None)) is None  # answered from the cache
+        (hit,) = again.channel.finals
+        assert json.loads(hit["BATCH"].reshape(-1)[0])["result_cache"] == "hit"
+    finally:
+        host.close()
