@@ -12,6 +12,14 @@ at --cap concurrent requests, measured through the server first):
             in time, ended where its deadline passes
   degrade   the same, plus ``min_inference_steps`` = --least-share x its steps: the scheduler runs it with
             the most steps that meet its deadline where what it asked would not (engine/degradation.py)
+  tiers-room    tiers on a second model of the server, the same but for ``deadline_room`` 3 x its
+                capacity: where the model is full, a request with a deadline goes in for the scheduler to
+                refuse or order it instead of waiting for room in execute() (holding up the requests
+                behind it, higher tiers among them)
+  degrade-room  degrade on that model
+
+The first three run on the model as shipped (``deadline_room`` 0); the two -room variants read what the
+door that lets requests with a deadline in (engine_worker.py) does, each against its own variant.
 
 Reported per run (every offered request after the warm-up counted; refused, expired and late requests
 are misses): goodput (requests that met their deadline per second of the arrival window: the same window
@@ -51,10 +59,22 @@ from triton_diffusion.adapters.device_profiles import PROFILES, load_table
 from triton_diffusion.serving.server_process import copy_model, start_server
 from triton_diffusion.tiny_models import build_missing
 
-VARIANTS = ("fifo", "tiers", "degrade")
+VARIANTS = ("fifo", "tiers", "degrade", "tiers-room", "degrade-room")
 TIERS = ("priority", "default", "flex")
 WARM_UP_FRACTION = 0.1
 MODEL = "goodput"
+ROOM_MODEL = "goodput_room"
+
+
+def models(cap: int) -> dict[str, dict[str, str]]:
+    """The models, each with its config's edits beside the shared ones: as shipped (a request with a
+    deadline waits for room), and with room for requests with a deadline of 3 x the capacity (running
+    set and waiting room: --cap each)."""
+    return {MODEL: {"deadline_room": "0"}, ROOM_MODEL: {"deadline_room": str(3 * 2 * cap)}}
+
+
+def model_of(variant: str) -> str:
+    return ROOM_MODEL if variant.endswith("-room") else MODEL
 
 
 def traffic(count: int, steps: int, shares: tuple[float, ...], seed: int, size: int = 64) -> list[dict]:
@@ -79,7 +99,7 @@ def sent(request: dict, variant: str, deadline_s: float, least: int) -> dict:
     if variant == "fifo":
         return {k: v for k, v in request.items() if k != "service_tier"}
     out = {**request, "timeout": int(deadline_s * 1e6)}
-    if variant == "degrade":
+    if variant.startswith("degrade"):
         out["min_inference_steps"] = least
     return out
 
@@ -95,7 +115,7 @@ def run(url: str, requests: list[dict], arrivals: list[float], variant: str, dea
         time.sleep(max(0.0, started + arrivals[index] - time.perf_counter()))
         late = time.perf_counter() - (started + arrivals[index])
         body = sent(requests[index], variant, deadline_s, least)
-        results[index] = generate_one(body, f"{variant}-{index}", url, MODEL, 600.0)
+        results[index] = generate_one(body, f"{variant}-{index}", url, model_of(variant), 600.0)
         latency[index] = results[index].latency_s + late
 
     threads = [threading.Thread(target=send, args=(i,)) for i in range(len(requests))]
@@ -212,8 +232,9 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench-goodput-") as tmp:
         repo = Path(tmp) / "repo"
         repo.mkdir()
-        copy_model("text_to_image", repo, MODEL, config)
-        server = start_server(repo, Path(tmp) / "tritonserver.log", [MODEL])
+        for name, edits in models(args.cap).items():
+            copy_model("text_to_image", repo, name, {**config, **edits})
+        server = start_server(repo, Path(tmp) / "tritonserver.log", list(models(args.cap)))
         try:
             return measure(server.grpc_url, args, config, args.out / "goodput.json")
         finally:
@@ -225,7 +246,8 @@ def measure(url: str, args: argparse.Namespace, config: dict, path: Path) -> dic
     requests = traffic(args.requests, args.steps, shares, args.seed, args.size)
     least = max(1, round(args.steps * args.least_share))
     for i in range(3):  # warm: the engine's estimates start from measured forwards
-        generate_one(sent(requests[i], "fifo", 0, 0), "warm", url, MODEL)
+        for name in models(args.cap):
+            generate_one(sent(requests[i], "fifo", 0, 0), "warm", url, name)
     alone = statistics.median(
         generate_one(sent(requests[i], "fifo", 0, 0), f"alone-{i}", url, MODEL).latency_s for i in range(5)
     )
@@ -248,6 +270,8 @@ def measure(url: str, args: argparse.Namespace, config: dict, path: Path) -> dic
             "variants": list(VARIANTS),
             "warm_up_fraction": WARM_UP_FRACTION,
             "model_config": {k: v for k, v in config.items() if k != "model"},
+            "model_of": {v: model_of(v) for v in VARIANTS},
+            "model_edits": models(args.cap),
             "through": "tritonserver, gRPC, the project's client (one thread per request)",
         },
         "alone_s": alone,
@@ -282,15 +306,21 @@ def measure(url: str, args: argparse.Namespace, config: dict, path: Path) -> dic
 
 
 def compare(runs: list[dict], images: dict[str, dict[int, np.ndarray]], measured: list[int]) -> None:
-    """Into the round's degrade run: the PSNR of each degraded image against the fifo run's full-steps
-    image of the same request, and how many of its undegraded images equal the tiers run's."""
-    degrade = next(r for r in runs if r["variant"] == "degrade")
-    full, tiers, ours = images.get("fifo", {}), images.get("tiers", {}), images.get("degrade", {})
-    degraded = [i for i in degrade["degraded_requests"] if i in full]
-    degrade["psnr_degraded"] = [min(psnr(ours[i], full[i]), 99.0) for i in degraded]
-    undegraded = set(measured) - set(degrade["degraded_requests"])
-    both = [i for i in sorted(undegraded) if i in ours and i in tiers]
-    degrade["same_as_tiers"] = {
-        "compared": len(both),
-        "equal": sum(float(np.abs(ours[i] - tiers[i]).max()) <= 1 for i in both),
-    }
+    """Into the round's degrade runs (each with its tiers run: degrade with tiers, degrade-room with
+    tiers-room):
+    the PSNR of each degraded image against the fifo run's full-steps image of the same request, and how
+    many of its undegraded images equal its tiers run's."""
+    full = images.get("fifo", {})
+    for ours_name, tiers_name in (("degrade", "tiers"), ("degrade-room", "tiers-room")):
+        degrade = next((r for r in runs if r["variant"] == ours_name), None)
+        if degrade is None:
+            continue
+        tiers, ours = images.get(tiers_name, {}), images.get(ours_name, {})
+        degraded = [i for i in degrade["degraded_requests"] if i in full]
+        degrade["psnr_degraded"] = [min(psnr(ours[i], full[i]), 99.0) for i in degraded]
+        undegraded = set(measured) - set(degrade["degraded_requests"])
+        both = [i for i in sorted(undegraded) if i in ours and i in tiers]
+        degrade["same_as_tiers"] = {
+            "compared": len(both),
+            "equal": sum(float(np.abs(ours[i] - tiers[i]).max()) <= 1 for i in both),
+        }

@@ -258,6 +258,12 @@ class ModelConfig:
         derived=Derived("max_rows_per_call", request="max(max_batch_size, max_rows_per_call)", lm="4"),
     )
     max_admission_wait_s: float = _parameter(120.0, "longest a request waits for room before UNAVAILABLE")
+    deadline_room: int = _parameter(
+        0,
+        "step engine, deadline_policy refuse: jobs beyond max_running + waiting_room that a request with a "
+        "deadline joins without waiting in execute() (a wait there holds up the requests behind it; the "
+        "scheduler refuses it where it cannot finish in time); 0: it waits for room like any other",
+    )
     cancel_poll_s: float = _parameter(
         0.05,
         "step engine: ask a held request about cancellation at most this often (the request-level engine"
@@ -425,6 +431,7 @@ class ModelConfig:
             "max_running": 1,
             "admission_cohort": 1,
             "admission_max_wait_steps": 0,
+            "deadline_room": 0,
         }
         for key, least in at_least.items():
             if values.get(key) is not None and values[key] < least:

@@ -61,6 +61,7 @@ def test_a_key_another_kind_reads_is_refused_naming_why():
         ({"trust_remote_code": "maybe"}, "trust_remote_code"),
         ({"engine": "turbo"}, "engine' must be one of auto, step, request"),
         ({"waiting_room": "-1"}, "waiting_room' must be >= 0"),
+        ({"deadline_room": "-1"}, "deadline_room' must be >= 0"),
         ({"engine_stall_s": "0"}, "engine_stall_s' must be > 0"),
         ({"max_rows_per_call": "0"}, "max_rows_per_call' must be >= 1"),
         ({"max_running": "0"}, "max_running' must be >= 1"),

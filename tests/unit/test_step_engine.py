@@ -152,6 +152,18 @@ def answers(jobs):
     return {j.request.request_id: j.request.channel.finals for j in jobs}
 
 
+class Gated(FakeAdapter):
+    """The fake adapter, its forwards held until ``gate`` is set (the engine stays full meanwhile)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+
+    def step(self, jobs, previews=None):
+        self.gate.wait(10)
+        return super().step(jobs)
+
+
 class RaisingKind:
     """A model kind whose own parts raise for some requests: its parsed request's jobs (read at submit),
     rendering a progress response, rendering the FINAL response."""
@@ -608,16 +620,102 @@ def test_a_stuck_engine_is_noticed_its_requests_answered_and_the_process_asked_t
     assert submit(worker, late) == [-1.0] and late.request.channel.finals[0].code is ErrorCode.UNAVAILABLE
 
 
+def test_a_full_engine_lets_a_request_with_a_deadline_in_without_waiting_up_to_its_room():
+    # A wait in execute() holds up the requests Triton queues behind it; one with a deadline goes in, and
+    # the scheduler refuses it at once where it cannot be in time (deadline_room, engine_host.py).
+    adapter = Gated()
+    engine = engine_for(adapter, max_running=2, max_per_forward=2)
+    worker = worker_for(engine, waiting_room=0)  # room for 2 jobs, and 1 more for a deadline
+    worker.deadline_room = 1
+    due = time.perf_counter() + 60
+
+    def job(name: str, deadline: float | None) -> Job:
+        return Job(tracked(name), Spec(steps=1), tier=1, deadline=deadline)
+
+    held = [job(f"held{i}", None) for i in range(2)]
+    timed, plain, over = job("timed", due), job("plain", None), job("over", due)
+    # A higher tier with a deadline counts only its own tier against its room (3), within the engine's
+    # whole bound: twice the capacity plus the deadline room (5 jobs).
+    urgent = [Job(tracked(f"urgent{i}"), Spec(steps=1), tier=0, deadline=due) for i in range(3)]
+    try:
+        assert submit(worker, *held, max_wait_s=0.2) == [pytest.approx(0, abs=0.1)] * 2
+        assert submit(worker, plain, max_wait_s=0.2) == [-1.0]  # no deadline: it waits for room, in vain
+        assert submit(worker, timed, max_wait_s=0.2) == [pytest.approx(0, abs=0.1)]  # in at once
+        assert submit(worker, over, max_wait_s=0.2) == [-1.0]  # past its room: it waits like any other
+        assert submit(worker, *urgent, max_wait_s=0.2) == [pytest.approx(0, abs=0.1)] * 2 + [-1.0]
+        adapter.gate.set()
+        deadline = time.monotonic() + 5
+        while not all(j.request.ended for j in [*held, timed, *urgent[:2]]) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        adapter.gate.set()
+        worker.close()
+    assert timed.request.channel.finals == [{"out": "out:timed"}]
+    assert plain.request.channel.finals[0].code is ErrorCode.UNAVAILABLE
+    assert over.request.channel.finals[0].code is ErrorCode.UNAVAILABLE
+    assert [j.request.channel.finals for j in urgent[:2]] == [
+        [{"out": "out:urgent0"}],
+        [{"out": "out:urgent1"}],
+    ]
+
+
+def test_lower_tiers_with_deadlines_never_hold_a_higher_tier_without_one_at_the_door():
+    # Flex requests with deadlines fill the engine to capacity + deadline_room (2 + 4); a priority request
+    # without a deadline counts only the priority jobs held against its room: in at once, up to capacity.
+    adapter = Gated()
+    engine = engine_for(adapter, max_running=2, max_per_forward=2)
+    worker = worker_for(engine, waiting_room=0)
+    worker.deadline_room = 4
+    due = time.perf_counter() + 60
+    low = [Job(tracked(f"low{i}"), Spec(steps=1), tier=2, deadline=due) for i in range(6)]
+    high = [Job(tracked(f"high{i}"), Spec(steps=1), tier=0) for i in range(3)]
+    try:
+        assert submit(worker, *low, max_wait_s=0.2) == [pytest.approx(0, abs=0.1)] * 6
+        # Two priority jobs fit its room of 2; a third would make 3 of its tier: it waits, in vain here.
+        assert submit(worker, *high, max_wait_s=0.2) == [pytest.approx(0, abs=0.1)] * 2 + [-1.0]
+        adapter.gate.set()
+        deadline = time.monotonic() + 5
+        while not all(j.request.ended for j in [*low, *high[:2]]) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        adapter.gate.set()
+        worker.close()
+    assert [j.request.channel.finals for j in high[:2]] == [[{"out": "out:high0"}], [{"out": "out:high1"}]]
+
+
+@pytest.mark.parametrize(
+    "config, room",
+    [
+        ({}, 0),  # unset: the wait kept
+        ({"deadline_room": "5"}, 5),
+        ({"deadline_room": "5", "deadline_policy": "best_effort"}, 0),  # nothing refuses a late request
+    ],
+)
+def test_the_host_gives_requests_with_a_deadline_their_room_where_the_scheduler_refuses_late_ones(
+    config, room
+):
+    from triton_diffusion.serving.engine_host import EngineHost
+    from triton_diffusion.serving.engines import StepEngineKind
+    from triton_diffusion.serving.metrics import IMAGE_METRICS
+    from triton_diffusion.settings import ModelConfig, ModelSettings
+
+    class Metrics:
+        def observe(self, *args, **kwargs): ...
+
+        increment = set = observe
+
+    parsed = ModelConfig.parse({"max_running": "8", "waiting_room": "8", **config}, ["image"], [], "m")
+    settings = ModelSettings("m", Path("."), parsed, {}, 8, "CPU", 0)
+    host = EngineHost(
+        RaisingKind({}), StepEngineKind(FakeAdapter()), settings, Metrics(), IMAGE_METRICS, print
+    )
+    try:
+        assert host.worker.capacity == 16 and host.worker.deadline_room == room
+    finally:
+        host.close()
+
+
 def test_a_full_engine_lets_a_higher_tier_in_and_keeps_its_own_tier_waiting():
-    class Gated(FakeAdapter):
-        def __init__(self) -> None:
-            super().__init__()
-            self.gate = threading.Event()
-
-        def step(self, jobs, previews=None):
-            self.gate.wait(10)
-            return super().step(jobs)
-
     adapter = Gated()
     engine = engine_for(adapter, max_running=2, max_per_forward=2)
     worker = worker_for(engine, waiting_room=0)  # room for 2 jobs

@@ -136,6 +136,8 @@ class EngineHost:
         self._cost_published = 0.0  # when the cost model's metrics were last set (monotonic seconds)
         if self.drain is not None:
             log.info("%s: drains on SIGTERM (drain file %s)", settings.instance or settings.name, drain_file)
+        # Room without a wait for requests with a deadline, where the scheduler refuses the late ones.
+        refuses = engine_kind.name == "step" and config.deadline_policy == "refuse"
         self.worker = EngineWorker(
             self.engine,
             engine_kind.capacity(settings),
@@ -148,6 +150,7 @@ class EngineHost:
             aborts=engine_kind.aborts(settings),
             between_steps=self._drain_pass if self.drain is not None else None,
             idle_tick_s=POLL_S,
+            deadline_room=config.deadline_room if refuses else 0,
         )
 
     def cost_model(self) -> dict[str, Any] | None:
