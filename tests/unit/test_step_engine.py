@@ -634,8 +634,8 @@ def test_a_full_engine_lets_a_request_with_a_deadline_in_without_waiting_up_to_i
 
     held = [job(f"held{i}", None) for i in range(2)]
     timed, plain, over = job("timed", due), job("plain", None), job("over", due)
-    # A higher tier with a deadline counts only its own tier against its room (3), within the engine's
-    # whole bound: twice the capacity plus the deadline room (5 jobs).
+    # A higher tier with a deadline goes in up to the engine's whole bound: twice the capacity plus the
+    # deadline room (5 jobs).
     urgent = [Job(tracked(f"urgent{i}"), Spec(steps=1), tier=0, deadline=due) for i in range(3)]
     try:
         assert submit(worker, *held, max_wait_s=0.2) == [pytest.approx(0, abs=0.1)] * 2
@@ -659,9 +659,9 @@ def test_a_full_engine_lets_a_request_with_a_deadline_in_without_waiting_up_to_i
     ]
 
 
-def test_lower_tiers_with_deadlines_never_hold_a_higher_tier_without_one_at_the_door():
+def test_a_lower_tier_filling_the_deadline_room_leaves_a_higher_tier_its_capacity_at_the_door():
     # Flex requests with deadlines fill the engine to capacity + deadline_room (2 + 4); a priority request
-    # without a deadline counts only the priority jobs held against its room: in at once, up to capacity.
+    # without a deadline still goes in at once, up to capacity (2) more.
     adapter = Gated()
     engine = engine_for(adapter, max_running=2, max_per_forward=2)
     worker = worker_for(engine, waiting_room=0)
@@ -671,7 +671,7 @@ def test_lower_tiers_with_deadlines_never_hold_a_higher_tier_without_one_at_the_
     high = [Job(tracked(f"high{i}"), Spec(steps=1), tier=0) for i in range(3)]
     try:
         assert submit(worker, *low, max_wait_s=0.2) == [pytest.approx(0, abs=0.1)] * 6
-        # Two priority jobs fit its room of 2; a third would make 3 of its tier: it waits, in vain here.
+        # Two priority jobs fit the 2 above the room; a third would pass the bound: it waits, in vain here.
         assert submit(worker, *high, max_wait_s=0.2) == [pytest.approx(0, abs=0.1)] * 2 + [-1.0]
         adapter.gate.set()
         deadline = time.monotonic() + 5

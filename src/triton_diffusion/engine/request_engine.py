@@ -149,9 +149,9 @@ class RequestEngine:
         with self._lock:
             return len(self._waiting) + len(self._jobs)
 
-    def held_at_or_above(self, tier: int) -> tuple[int, bool]:
-        """Fused calls are not paused: a higher tier waits for room like any request (every job counts)."""
-        return self.active, False
+    def outranks_held(self, tier: int) -> bool:
+        """Fused calls are not paused: a higher tier waits for room like any request."""
+        return False
 
     def held_requests(self) -> list[Request]:
         """None: this engine asks its AbortSource itself, before each call and between its steps."""

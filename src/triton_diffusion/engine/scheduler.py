@@ -34,7 +34,7 @@ forward's per-job results (:meth:`update`, as vLLM's ``update_from_output``), an
 failure, a deadline, an abort: :meth:`end`); the engine only carries those results to it and reports.
 
 Thread-safety: the execute() thread adds jobs (:meth:`add`) and asks what is held (:attr:`active`,
-:meth:`held_at_or_above`); everything else runs on the engine thread. One lock guards the queues.
+:meth:`outranks_held`); everything else runs on the engine thread. One lock guards the queues.
 """
 
 from __future__ import annotations
@@ -143,12 +143,10 @@ class Scheduler:
         with self._lock:
             return sum(map(len, self._queues())) + len(self._inbox)
 
-    def held_at_or_above(self, tier: int) -> tuple[int, bool]:
-        """Jobs held of ``tier`` or a higher one, and whether one of a lower tier is held (a job of ``tier``
-        would pause it, or pass it in the queue)."""
+    def outranks_held(self, tier: int) -> bool:
+        """Whether a job of ``tier`` outranks a job held (it would pause it, or pass it in the queue)."""
         with self._lock:
-            tiers = [job.spec.tier for queue in (self._inbox, *self._queues()) for job in queue]
-        return sum(t <= tier for t in tiers), any(t > tier for t in tiers)
+            return any(job.spec.tier > tier for queue in (self._inbox, *self._queues()) for job in queue)
 
     def _queues(self) -> tuple[list[Job], ...]:
         return (self.waiting, self.starting, self.running, self.paused, self.finishing)

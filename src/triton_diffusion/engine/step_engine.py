@@ -132,8 +132,8 @@ class StepEngine:
     def active(self) -> int:
         return self.scheduler.active
 
-    def held_at_or_above(self, tier: int) -> tuple[int, bool]:
-        return self.scheduler.held_at_or_above(tier)
+    def outranks_held(self, tier: int) -> bool:
+        return self.scheduler.outranks_held(tier)
 
     # ---- the engine thread --------------------------------------------------------------------------
     def held_requests(self) -> list[Request]:

@@ -4,11 +4,11 @@ after a bug, and what happens when the device fails or the engine is stuck.
 - Triton's ``execute()`` thread calls :meth:`EngineWorker.submit`, which hands each request's jobs straight
   to the engine (its scheduler owns every queue); it blocks while the engine holds ``capacity`` jobs, at
   most ``max_admission_wait_s`` from ``execute()`` entry, then answers UNAVAILABLE. A request of a higher
-  service tier than a job held passes, counting only the jobs of its tier and higher (the whole engine
-  up to twice ``capacity``, plus ``deadline_room``). Triton hands one instance's requests to
-  ``execute()`` one batch at a time, so a request arriving while ``execute()`` waits for room for another
-  waits with it, a higher tier among them: with config ``deadline_room``, a request with a deadline
-  (where the scheduler refuses late ones) takes up to that many jobs more before it waits.
+  service tier than a job held passes (up to twice ``capacity``, plus ``deadline_room``). Triton hands
+  one instance's requests to ``execute()`` one batch at a time, so a request arriving while ``execute()``
+  waits for room for another waits with it, a higher tier among them: with config ``deadline_room``, a
+  request with a deadline (where the scheduler refuses late ones) takes up to that many jobs more before
+  it waits.
 - The engine thread hands the engine the aborts of the requests it holds (``engine.abort``: cancelled
   by their clients, or answered by the host), runs ``report = engine.step()`` and hands the report to
   ``render`` (the host sorts it
@@ -59,8 +59,8 @@ class Engine(Protocol):
     def active(self) -> int:
         """Jobs held (from any thread)."""
 
-    def held_at_or_above(self, tier: int) -> tuple[int, bool]:
-        """Jobs held of ``tier`` or higher, and whether a lower tier's is held (from any thread)."""
+    def outranks_held(self, tier: int) -> bool:
+        """Whether a job of ``tier`` outranks a job held (from any thread)."""
 
     def step(self) -> StepReport: ...
 
@@ -151,18 +151,17 @@ class EngineWorker:
 
     def _full(self, jobs: list[Job]) -> bool:
         """No room for ``jobs``. A request's room is ``capacity`` jobs, ``deadline_room`` more where it has
-        a deadline. A request of a higher tier than a job held counts only the jobs of its tier and higher
-        against its room (the scheduler pauses or passes the lower ones), within ``capacity`` more than
-        requests with a deadline may fill: a lower tier never holds a higher one at the door."""
+        a deadline. A request of a higher tier than a job held does not wait behind it: it may take up to
+        ``capacity`` more than requests with a deadline may fill (the scheduler pauses or passes the lower
+        jobs)."""
         held, count = self.engine.active, len(jobs)
         if not held or held + count <= self.capacity:
             return False
         with_deadline = all(job.spec.deadline is not None for job in jobs)
-        room = self.capacity + (self.deadline_room if with_deadline else 0)
-        ahead, outranks = self.engine.held_at_or_above(min((job.spec.tier for job in jobs), default=0))
-        if not outranks:
-            return held + count > room
-        return ahead + count > room or held + count > 2 * self.capacity + self.deadline_room
+        if with_deadline and held + count <= self.capacity + self.deadline_room:
+            return False
+        tier = min((job.spec.tier for job in jobs), default=0)
+        return held + count > 2 * self.capacity + self.deadline_room or not self.engine.outranks_held(tier)
 
     def close(self, timeout_s: float = 30.0) -> None:
         with self._condition:
