@@ -116,6 +116,27 @@ def parse_degrade_tiers(text: str) -> dict[str, float]:
     return shares
 
 
+def parse_degrade_step_cache(text: str) -> dict[str, str]:
+    """``{"TIER": "fbc:0.2"}``: the step cache a tier's request may be given under overload when it sends
+    no degrade_step_cache, each in its canonical text (settings.py checks the names against
+    service_tiers; the model, the methods against its denoiser's)."""
+    from triton_diffusion.errors import RequestError
+    from triton_diffusion.step_cache_spec import parse_step_cache
+
+    caches: dict[str, str] = {}
+    for tier, cache in parse_json_object(text).items():
+        try:
+            spec = parse_step_cache(cache, field="degrade_step_cache") if isinstance(cache, str) else None
+        except RequestError as error:
+            raise ValueError(f"degrade_step_cache tier {tier!r}: {error.message}") from None
+        if not spec:
+            raise ValueError(
+                f"degrade_step_cache tier {tier!r}: {cache!r}: expected a step cache such as fbc:0.2"
+            )
+        caches[str(tier)] = spec.text
+    return caches
+
+
 def typed_value(spec: Any, text: str, model: str) -> Any:
     """A parameter's text as its declared type (``spec``: its dataclass field), checked against its choices
     and sign; a bad text raises ValueError naming the model and the parameter."""

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from triton_diffusion.config_values import (
+    parse_degrade_step_cache,
     parse_degrade_tiers,
     parse_fault_injection,
     parse_ints,
@@ -306,6 +307,16 @@ class ModelConfig:
         parse=parse_degrade_tiers,
         written="JSON",
     )
+    degrade_step_cache: dict[str, str] | None = _parameter(
+        None,
+        "step engine, DiT families: under overload, the step cache a running request of a tier may be given "
+        'for its steps left when it sends no degrade_step_cache, JSON {"TIER": "fbc:THRESHOLD" or '
+        '"taylorseer:INTERVAL[:WARMUP]"} (e.g. {"flex": "fbc:0.2"}): only where its deadline needs it '
+        "(docs/usage/degradation.md); unset: only a request's own degrade_step_cache allows one",
+        (IMAGE, IMAGE_SOURCE),
+        parse=parse_degrade_step_cache,
+        written="JSON",
+    )
     tier_aging_s: float = _parameter(
         30.0,
         "every this many seconds a job has waited or been paused raise it one tier (no starvation: see "
@@ -441,12 +452,13 @@ class ModelConfig:
                 f"model {model}: config parameter 'checkpoint_every_steps' needs 'checkpoint_dir'"
             )
         config = cls(**values)
-        unknown = sorted(set(config.degrade_tiers or ()) - set(config.service_tiers))
-        if unknown:
-            raise ValueError(
-                f"model {model}: config parameter 'degrade_tiers' names {', '.join(unknown)}, not among "
-                f"service_tiers ({', '.join(config.service_tiers)})"
-            )
+        for name in ("degrade_tiers", "degrade_step_cache"):
+            unknown = sorted(set(getattr(config, name) or ()) - set(config.service_tiers))
+            if unknown:
+                raise ValueError(
+                    f"model {model}: config parameter {name!r} names {', '.join(unknown)}, not among "
+                    f"service_tiers ({', '.join(config.service_tiers)})"
+                )
         if config.default_service_tier not in config.service_tiers:
             raise ValueError(
                 f"model {model}: config parameter 'default_service_tier' must be one of "

@@ -2,7 +2,8 @@
 
 - ``flux_cached`` (tiny FLUX.1 on the step engine, ``result_cache_mb`` 16): a request's ``step_cache``
   gives the image diffusers' own cache gives it alone, amid uncached rows; BATCH and Prometheus count
-  the rows reused; a bad value is refused by name; a repeated seeded request is answered from memory with
+  the rows reused; one allowed a ``degrade_step_cache`` with room runs without it (the uncached image); a
+  bad value of either field is refused by name; a repeated seeded request is answered from memory with
   the same bytes.
 - ``flux_cached`` and ``flux_img2img_request`` (image_to_image over the same weights on the request-level
   engine): one img2img request with true CFG and a step cache gives one image on both engines, the one
@@ -82,7 +83,11 @@ def test_step_caches_per_request_equal_diffusers_amid_uncached_rows(server):
         {"prompt": "a harbour", "seed": 6, "num_inference_steps": 8, "step_cache": "taylorseer:2:1"},
         {"prompt": "a boat", "seed": 7, "num_inference_steps": 6},
     ]
-    results = generate_many(requests, url=server.grpc_url, model="flux_cached")
+    # The plain one may be given a step cache where its deadline needs it; with room it runs without.
+    degradable = {"degrade_step_cache": "fbc:0.9", "timeout": 60_000_000}
+    results = generate_many(
+        [*requests[:2], {**requests[2], **degradable}], url=server.grpc_url, model="flux_cached"
+    )
     assert all(r.ok for r in results), [r.error for r in results]
     for request, result in zip(requests[:2], results[:2], strict=True):
         cache = result.batch["step_cache"]
@@ -91,7 +96,7 @@ def test_step_caches_per_request_equal_diffusers_amid_uncached_rows(server):
         plain, plain_rows = cached_reference(uncached(request))
         assert np.abs(expected - plain).max() > 5 and rows < plain_rows, "the cache changed nothing"
         assert np.abs(pixels(result.images[0]) - expected).max() <= 1
-    assert "step_cache" not in results[2].batch, results[2].batch
+    assert "step_cache" not in results[2].batch and "degraded" not in results[2].batch, results[2].batch
     assert np.abs(pixels(results[2].images[0]) - reference("tiny-flux", requests[2])).max() <= 1
     after = read_metrics(server)
     reused = 'triton_diffusion_cache_rows_total{method="fbc",model="flux_cached",outcome="reused"}'
@@ -187,15 +192,19 @@ def test_a_bad_step_cache_is_refused_by_name_and_its_neighbours_succeed(server):
         {"prompt": "fine", "seed": 1, "num_inference_steps": 2},
         {"prompt": "bad", "seed": 2, "step_cache": "fbc:7"},
         {"prompt": "fine too", "seed": 3, "num_inference_steps": 2, "step_cache": "fbc:0.1"},
+        {"prompt": "two caches", "seed": 4, "step_cache": "fbc:0.1", "degrade_step_cache": "fbc:0.2"},
     ]
     results = generate_many(requests, url=server.grpc_url, model="flux_cached")
     assert results[0].ok and results[2].ok, [r.error for r in results]
     assert results[1].error.startswith("step_cache: threshold 7 is outside 0 < threshold <= 1")
+    assert results[3].error.startswith("degrade_step_cache: the request runs step_cache fbc:0.1 already")
     # A UNet family has no step cache: refused by name, saying what is allowed.
-    (unet,) = generate_many([{"prompt": "x", "step_cache": "fbc:0.1"}], url=server.grpc_url, model="sd_step")
+    unets = [{"prompt": "x", "step_cache": "fbc:0.1"}, {"prompt": "y", "degrade_step_cache": "fbc:0.1"}]
+    unet, degrade = generate_many(unets, url=server.grpc_url, model="sd_step")
     assert (
         unet.error.startswith("step_cache: fbc is not served by this model") and "allowed: none" in unet.error
     )
+    assert degrade.error.startswith("degrade_step_cache: fbc is not served by this model"), degrade.error
 
 
 def test_a_repeated_seeded_request_is_answered_from_memory_with_the_same_bytes(server):

@@ -138,11 +138,14 @@ def call_arguments(request: ImageParams) -> dict[str, Any]:
     }
 
 
-def reference(pipe: Any, facts: PipelineFacts, schedulers: SchedulerChoices, request: ImageParams) -> Any:
-    """The image the request's own diffusers pipeline makes for it alone, with its scheduler."""
+def reference(
+    pipe: Any, facts: PipelineFacts, schedulers: SchedulerChoices, request: ImageParams, **more: Any
+) -> Any:
+    """The image the request's own diffusers pipeline makes for it alone, with its scheduler (``more``:
+    further arguments of the call, such as ``callback_on_step_end``)."""
     pipe = pipeline_for(pipe, request)
     pipe.scheduler = schedulers[request.scheduler]
-    kwargs = call_arguments(request)
+    kwargs = {**call_arguments(request), **more}
     if request.image is not None:
         kwargs.update(image=request.image, strength=request.strength)
         if request.mask_image is not None:

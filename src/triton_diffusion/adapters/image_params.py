@@ -41,6 +41,8 @@ class ImageParams:
     # A video job's frame count (text_to_video); None for an image.
     num_frames: int | None = None
     step_cache: StepCache = NO_CACHE  # the request's step cache (adapters/step_caches.py)
+    # The step cache a deadline may turn on for its steps left (engine/degradation.py): NO_CACHE, never.
+    degrade_cache: StepCache = NO_CACHE
     # A checkpoint of this very job (adapters/job_checkpoints.py' JobCheckpoint) found when its request was
     # resent: the job starts as usual, then takes the checkpoint's state (starts.py). Not part of what
     # the job is (equality, hashing, logs).

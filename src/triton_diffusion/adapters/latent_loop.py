@@ -243,6 +243,17 @@ class LatentStepAdapter(SizedRows, LatentStarts):
             return None
         return new_cache_state(request.step_cache, 2 if guided and self.cache_per_branch else 1)
 
+    def start_caches(self, jobs: list[Job]) -> None:
+        """Give these running jobs their ``degrade_cache`` from their next step (the scheduler's decision:
+        engine/degradation.py): a fresh state, as diffusers' cache enabled between two steps starts."""
+        for job in jobs:
+            state: LatentJob = job.state
+            spec = job.spec.params.degrade_cache
+            if self.row_caches is not None and spec and state.cache is None:
+                state.cache = new_cache_state(
+                    spec, 2 if state.unconditional is not None and self.cache_per_branch else 1
+                )
+
     def cache_plan(self, jobs: list[Job], adapters: list[LoraSet]) -> CachePlan | None:
         """The cached branches of a forward over these jobs' rows (None: no job has a step cache)."""
         if self.row_caches is None:

@@ -273,8 +273,9 @@ class SizedRows:
     def group_of(self, request: ImageParams) -> Hashable:
         """Whom a started job shares forwards with: jobs of every size where the family packs sizes, else
         of its latent shape. A job with a step cache keeps to its shape: its cache's hooks run later blocks
-        on the rows that compute, gathered, which a packed forward's shared key mask does not follow."""
-        if self.packs_sizes and not request.step_cache:
+        on the rows that compute, gathered, which a packed forward's shared key mask does not follow; so
+        does one that may be given a step cache on the way (``degrade_cache``)."""
+        if self.packs_sizes and not request.step_cache and not request.degrade_cache:
             return ANY_SIZE
         return request.shape
 

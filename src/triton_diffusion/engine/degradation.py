@@ -29,6 +29,13 @@ use: its forwards after the work that goes before it, its start and its decode) 
 - Decided again at each engine step until the job is admitted (a queue that drains in the meantime gives
   it back what it asked); once it starts, its schedule is fixed (its scheduler's timesteps are made for
   its steps: it equals ``pipeline(num_inference_steps=k)`` for the k it runs).
+
+A job whose request allows a step cache (``degrade_step_cache``, a DiT family's) is also given it, for
+the steps it has left, once it runs and the same estimate says it misses its own deadline at full compute
+(:func:`cache_for_deadline`, the scheduler's ``_cache_late``): from that step on its rows run as
+diffusers' own cache enabled at that step would run them (adapters/step_caches.py), and it keeps it. Only
+for its own deadline, never to make room for another: what a cache saves depends on how the image changes
+from step to step, unknown before it runs, so no estimate says whether it would bring another in time.
 """
 
 from __future__ import annotations
@@ -58,6 +65,36 @@ class StepsCut:
 
     def report(self) -> dict[str, int | str]:
         return {"steps_run": self.steps, "steps_asked": self.asked, "reason": self.reason}
+
+
+@dataclass(frozen=True)
+class CacheCut:
+    """A running job given a step cache for its steps left, and why (BATCH ``degraded``)."""
+
+    step_cache: str  # the cache's canonical text (``fbc:0.2``)
+    from_step: int  # the denoising steps it had done without it
+    reason: str
+
+    def report(self) -> dict[str, int | str]:
+        return {"step_cache": self.step_cache, "cached_from_step": self.from_step, "reason": self.reason}
+
+
+# A cache decides from the step after its first (that one computes and keeps what the next compares
+# with): a job with fewer steps left than this gains nothing from it.
+CACHE_LEAST_STEPS_LEFT = 2
+
+
+def cache_for_deadline(
+    step_cache: str, steps_done: int, steps_left: int, finish_s: float, time_left_s: float
+) -> CacheCut | None:
+    """The cache a running job is given where the estimate ``finish_s`` of its ``steps_left`` at full
+    compute misses ``time_left_s`` (None where it is in time, or where too few steps are left for a cache
+    to skip any)."""
+    if steps_left < CACHE_LEAST_STEPS_LEFT or finish_s <= time_left_s:
+        return None
+    left_ms = max(time_left_s, 0) * 1000
+    why = f"deadline: {steps_left} steps left estimated {finish_s * 1000:.0f} ms, {left_ms:.0f} ms left"
+    return CacheCut(step_cache, steps_done, why)
 
 
 def cut_for_deadline(
@@ -156,6 +193,26 @@ def make_room(
         why,
     )
     return [(other, cut) for other, cut in zip(others, cuts, strict=True) if cut is not None]
+
+
+def degraded_report(jobs: Sequence[Job]) -> dict[str, int | str]:
+    """BATCH ``degraded`` of a request's images: the fewest steps one ran (``steps_run``, ``steps_asked``)
+    and the step cache one was given from the earliest step (``step_cache``, ``cached_from_step``), with
+    their reasons, and ``images``, how many of them were degraded (each is its own job, decided for its own
+    deadline)."""
+    report: dict[str, int | str] = {}
+    reasons = []
+    cuts = [job.queue.cut for job in jobs if job.queue.cut is not None]
+    if cuts:
+        report.update(min(cuts, key=lambda cut: cut.steps).report())
+        reasons.append(str(report["reason"]))
+    caches = [job.queue.cache_cut for job in jobs if job.queue.cache_cut is not None]
+    if caches:
+        report.update(min(caches, key=lambda cache: cache.from_step).report())
+        reasons.append(str(report["reason"]))
+    report["reason"] = "; ".join(reasons)
+    report["images"] = sum(job.degraded for job in jobs)
+    return report
 
 
 def steps_allowed(

@@ -21,7 +21,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from triton_diffusion.engine.degradation import StepsAllowed, StepsCut
+from triton_diffusion.engine.degradation import CacheCut, StepsAllowed, StepsCut
 from triton_diffusion.engine.request_status import Request, RequestStatus
 from triton_diffusion.errors import RequestError
 
@@ -68,6 +68,9 @@ class JobSpec:
     # The num_inference_steps it may run under overload, what it asked first (engine/degradation.py);
     # empty: never fewer than it asked.
     steps_allowed: StepsAllowed = ()
+    # The step cache it may be given for its steps left where its deadline needs it (its canonical text:
+    # the adapter's to run; engine/degradation.py); None: never.
+    degrade_cache: str | None = None
 
 
 @dataclass
@@ -84,6 +87,7 @@ class Queue:
     paused_s: float = 0.0  # seconds spent paused
     pauses: int = 0  # times it was paused to make room for a higher tier
     cut: StepsCut | None = None  # fewer steps than asked (engine/degradation.py), decided before it starts
+    cache_cut: CacheCut | None = None  # a step cache for its steps left (engine/degradation.py), once running
 
 
 @dataclass
@@ -150,6 +154,11 @@ class Job:
         the scheduler's cut of it)."""
         cut = self.queue.cut
         return self.run.total_steps or (cut.denoising if cut is not None else self.spec.planned_steps)
+
+    @property
+    def degraded(self) -> bool:
+        """Run with less than its request asked: fewer steps, or a step cache (engine/degradation.py)."""
+        return self.queue.cut is not None or self.queue.cache_cut is not None
 
     @property
     def remaining(self) -> int:

@@ -15,15 +15,10 @@ decides and tells it what happened.
   tier or lower, in time, allowing fewer steps) cut to make room for it (none cut where every deadline
   is met: degradation.py).
 - Forwards: only jobs of one group share a forward (a latent shape, or any size where the adapter packs
-  rows of different lengths); the group of the best job goes (the policy chooses among the groups of the
-  top tier), filled in order within its caps: a job that does not fit is skipped for a smaller one after
-  it, and the first always goes. Whatever the policy, no running job starves: one not stepped for
-  ``starvation_steps`` engine steps goes first (so it steps, even one larger than the token budget).
-- Packing: where a forward would hold jobs of several sizes (an adapter that packs them), the cost fit
-  (estimates.py) prices it packed (padding included) and as one forward per size; where by size is
-  cheaper by ``PACK_MARGIN`` and ``PACK_MIN_SAVING_S``, only the first job's size steps (the others in
-  later forwards, as without packing); else it runs packed, as before the fit has a price. The decision
-  and both prices go in the forward's report.
+  rows of different lengths); the group of the best job goes, filled in order within its caps, and no
+  running job starves (forward_choice.py).
+- Packing: where a forward would hold jobs of several sizes, the cost fit decides whether they run
+  packed or by size (forward_choice.py); the decision and its prices go in the forward's report.
 - Caps: a forward holds at most ``max_per_forward`` jobs, ``max_tokens_per_forward`` tokens (the jobs'
   ``tokens``, where one is set) and, of each shape, its size's cap; the group's job and token caps are
   lowered after an out-of-memory forward and raised again after enough full forwards (:class:`ForwardCaps`).
@@ -43,13 +38,14 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 
-from triton_diffusion.engine.degradation import CUT_TARGET, cut_for_deadline, make_room
+from triton_diffusion.engine.degradation import CUT_TARGET, cache_for_deadline, cut_for_deadline, make_room
 from triton_diffusion.engine.estimates import WorkTimes
 from triton_diffusion.engine.forward_caps import EngineLimits, ForwardCaps
+from triton_diffusion.engine.forward_choice import choose_group, fill, gate
 from triton_diffusion.engine.jobs import (
     Computed,
     ForwardResult,
@@ -67,13 +63,6 @@ from triton_diffusion.errors import ErrorCode, RequestError
 
 log = logging.getLogger("triton_diffusion")
 
-# How much cheaper the same jobs' forwards by size must be priced than their packed forward for them to run
-# by size, relatively and in seconds: the fit is a plane through noisy timings, and a difference within
-# them (or below a timer's reach: a fake model's) is no reason to leave packing, which the mixed-sizes
-# benchmark measured a gain (tiny FLUX.1) or no loss (tiny SD3).
-PACK_MARGIN = 0.05
-PACK_MIN_SAVING_S = 0.001
-
 
 @dataclass
 class SchedulerOutput:
@@ -83,6 +72,7 @@ class SchedulerOutput:
     resume: list[Job] = field(default_factory=list)  # paused jobs back in the running set
     pause: list[Job] = field(default_factory=list)  # running jobs paused for a higher tier
     leave: list[Left] = field(default_factory=list)  # ended, refused or expired: out of every queue
+    cache: list[Job] = field(default_factory=list)  # running jobs given their step cache (the adapter's)
 
 
 @dataclass
@@ -168,6 +158,7 @@ class Scheduler:
             self._refuse_late(arrived, now, out)
             self._drop_ended(out)
             self._admit(out, now)
+            self._cache_late(now, out)
         return out
 
     def held_requests(self) -> list[Request]:
@@ -313,6 +304,30 @@ class Scheduler:
                     freeable[job.spec.tier] = freeable.get(job.spec.tier, 0) + spare
             ahead += job.remaining * job.spec.tokens
 
+    def _cache_late(self, now: float, out: SchedulerOutput) -> None:
+        """Each running or paused job that may be given a step cache and that the estimate says misses its
+        deadline at full compute, after the work that goes before it, is given it for its steps left
+        (engine/degradation.py); the adapter turns it on before the next forward."""
+        if not self.service.refuse_late or not self.times.measured:
+            return
+        started = {id(j): j for j in self.running + self.paused}
+        if not any(j.spec.degrade_cache and j.queue.cache_cut is None for j in started.values()):
+            return
+        held = [j for q in (self.waiting, self.running, self.paused) for j in q if not j.status.ended]
+        held.sort(key=lambda j: self.order_key(j, now))
+        ahead = 0
+        for job in held:
+            cache = job.spec.degrade_cache
+            if cache and job.queue.cache_cut is None and job.spec.deadline is not None and id(job) in started:
+                finish = self.times.finish_in(job.spec.tokens, job.remaining, ahead, self._budget(job), True)
+                cut = cache_for_deadline(
+                    cache, job.run.steps_done, job.remaining, finish, job.spec.deadline - now
+                )
+                if cut is not None:
+                    job.queue.cache_cut = cut
+                    out.cache.append(job)
+            ahead += job.remaining * job.spec.tokens
+
     def _finish_after(
         self, job: Job, ahead_work: int, behind: tuple[Job, ...], held_back_s: float, freed: int, steps: int
     ) -> float:
@@ -389,13 +404,13 @@ class Scheduler:
         job.queue.ready_at = None
 
     def next_forward(self, now: float | None = None) -> list[Job]:
-        """The jobs of the next forward: one group, filled in order within its caps (:meth:`_fill`)."""
+        """The jobs of the next forward: one group, filled in order within its caps, by size where the
+        packing gate prices that cheaper (engine/forward_choice.py)."""
         now = self.clock() if now is None else now
         with self._lock:
             running = [j for j in self.running if not j.status.ended]  # ended while starting: not run
         if not running:
             return []
-        step, bound = self.step, self.limits.starvation_steps
         keys: dict[int, tuple] = {}  # each job's forward key, computed once this step (it prices its slack)
 
         def order(j: Job) -> tuple:
@@ -404,34 +419,7 @@ class Scheduler:
                 key = keys[id(j)] = self._forward_key(j, now)
             return key
 
-        starved = [j for j in running if step - j.queue.waited_since >= bound]
-        if starved:
-            group = min(starved, key=lambda j: (j.queue.waited_since, j.queue.admitted)).run.group
-        else:
-            # The policy chooses among the groups of the highest tier running (by their own tiers: aging
-            # orders jobs, the starvation bound above serves a lower group).
-            top = min(j.spec.tier for j in running)
-            candidates = [j for j in running if j.spec.tier == top]
-            groups: dict[Hashable, list[Job]] = {}
-            for job in candidates:
-                groups.setdefault(job.run.group, []).append(job)
-            first = min(candidates, key=order)  # none starved: the forward key is the order's
-            group = self.policy.choose_group(groups, first)
-        # A job may also step in another group's forwards (``also_joins``: one that packs with every size
-        # also joins its own size's, whose jobs with a step cache keep to it: adapters/packed_rows.py); so
-        # where the chosen group's job that would go first joins such a group, that group steps, the two
-        # kinds together. Only where that group's own jobs go before any job of the chosen group that
-        # joins another, so the switch never holds back another (it steps in the next forward of its own
-        # group, as it would have).
-        # (An adapter gives every job of a group an also_joins, or none: one of them says which.)
-        if next(j for j in running if j.run.group == group).run.also_joins is not None:
-            chosen = sorted((j for j in running if j.run.group == group), key=order)
-            joins = chosen[0].run.also_joins
-            own = [j for j in running if j.run.group == joins]
-            other = next((j for j in chosen if j.run.also_joins != joins), None)
-            if joins is not None and own and (other is None or order(min(own, key=order)) < order(other)):
-                group = joins
-        self.policy.picked(group)
+        group = choose_group(running, self.step, self.limits.starvation_steps, self.policy, order)
         members = [
             j
             for j in running
@@ -441,59 +429,18 @@ class Scheduler:
         # that starves later never passes a starved job, which goes within as many steps as are before
         # it: starvation_steps + max_running - 1 at most), then the order.
         members.sort(key=order)
-        taken = self._fill(group, members)
-        self.packing = self._gate(taken)
+        taken = fill(group, members, self.caps, self.computed)
+        self.packing = gate(taken, self.times, self.computed, self.limits.packing_gate)
         if self.packing is not None and not self.packing.packed:
-            taken = self._fill(group, [j for j in members if j.spec.shape == taken[0].spec.shape])
+            taken = fill(
+                group, [j for j in members if j.spec.shape == taken[0].spec.shape], self.caps, self.computed
+            )
         return taken
-
-    def _gate(self, taken: list[Job]) -> Packing | None:
-        """Whether jobs of several sizes run packed (None: one size). By the cost fit: the packed forward
-        (padding included) against one forward per size, each by its rows and tokens."""
-        sizes: dict[Hashable, list[Job]] = {}
-        for job in taken:
-            sizes.setdefault(job.spec.shape, []).append(job)
-        if len(sizes) < 2:
-            return None
-
-        def price(jobs: list[Job]) -> float | None:
-            return self.times.forward_cost(*self.computed(jobs))
-
-        if not self.limits.packing_gate:
-            return Packing(True)
-        packed = price(taken)
-        parts = [price(jobs) for jobs in sizes.values()]
-        if packed is None or any(part is None for part in parts):
-            return Packing(True)
-        by_size = sum(part for part in parts if part is not None)
-        cheaper_by_size = by_size * (1 + PACK_MARGIN) < packed and packed - by_size >= PACK_MIN_SAVING_S
-        return Packing(not cheaper_by_size, packed, by_size)
 
     def _forward_key(self, job: Job, now: float) -> tuple:
         if self.step - job.queue.waited_since >= self.limits.starvation_steps:
             return (False, job.queue.waited_since, job.queue.admitted)
         return (True, *self.order_key(job, now))
-
-    def _fill(self, group: Hashable, members: list[Job]) -> list[Job]:
-        """The members, in order, that fit one forward: within its jobs, its token budget and each shape's
-        cap. One that does not fit is skipped (a smaller one after it may fill the room); the first is
-        always taken, even alone over the budget (it runs alone, never refused for its size), so a starved
-        job, put first, steps whatever keeps arriving."""
-        jobs_cap, budget = self.caps.jobs_for(group), self.caps.tokens_for(group)
-        taken: list[Job] = []
-        of_shape: dict[Hashable, int] = {}
-        for job in members:
-            if len(taken) >= jobs_cap:
-                break
-            # The tokens the forward would compute with it, padding included (sizes mixed: the adapter's).
-            over_budget = budget is not None and self.computed([*taken, job])[1] > budget
-            if taken and (
-                over_budget or of_shape.get(job.spec.shape, 0) >= self.caps.shape_cap(job.spec.shape)
-            ):
-                continue
-            taken.append(job)
-            of_shape[job.spec.shape] = of_shape.get(job.spec.shape, 0) + 1
-        return taken
 
     def order_key(self, job: Job, now: float) -> tuple:
         return (*self.service.key(job, now, self._finish_s), *self.policy.job_key(job))

@@ -97,6 +97,15 @@ class Checkpointing(Protocol):
         exactly (it would restart from its first step on resume), in order."""
 
 
+class StepCaching(Protocol):
+    """What a step adapter adds to give a running job a step cache for its steps left (the latent
+    families whose denoiser serves one: adapters/latent_loop.py); the scheduler decides which
+    (engine/degradation.py)."""
+
+    def start_caches(self, jobs: list[Job]) -> None:
+        """Turn on each job's ``spec.degrade_cache`` from its next step (a fresh cache state)."""
+
+
 class StepEngine:
     """The running set and one step at a time. One thread (the host's engine thread) steps it; jobs may
     be added from any thread."""
@@ -175,6 +184,8 @@ class StepEngine:
         for left in plan.leave:  # aborted, ended, refused and expired: decided by the scheduler
             self._leave(left.job, left.reason, left.error)
         self.report.paused.extend(plan.pause)
+        if plan.cache:  # the scheduler gave them their step cache (a deadline needs it): from this step on
+            cast(StepCaching, self.adapter).start_caches(plan.cache)
         if plan.admit:
             self._start(plan.admit)
         batch = scheduler.next_forward()

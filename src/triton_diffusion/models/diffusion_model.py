@@ -22,7 +22,7 @@ import numpy as np
 from triton_diffusion.adapters.device_profiles import PROFILES
 from triton_diffusion.adapters.diffusers_pipeline import row_seed
 from triton_diffusion.compatibility import CompatibilityKey, compatibility_key
-from triton_diffusion.engine.degradation import StepsAllowed, steps_allowed
+from triton_diffusion.engine.degradation import StepsAllowed, degraded_report, steps_allowed
 from triton_diffusion.engine.jobs import Job, JobSpec, Stepped
 from triton_diffusion.engine.planner import RowCaps
 from triton_diffusion.errors import RequestError, invalid_field
@@ -248,7 +248,11 @@ class DiffusionModel:
         model takes checkpoints and the request gives a resume_key, the key its checkpoints go under (the
         host finds the one it starts from: serving/intake.py)."""
         previews = bool(values.get("progress")) and index == 0  # the first image speaks for its request
-        params = self.step_request(values, index) if self.adapter is not None else RowInput(values, index)
+        degrade_cache = self.degrade_cache(values, service.tier)
+        if self.adapter is not None:
+            params = self.step_request({**values, "degrade_cache": degrade_cache}, index)
+        else:
+            params = RowInput(values, index)
         resume_key = values.get("resume_key") if self.settings.config.checkpoint_every_steps else None
         return JobSpec(
             params=params,
@@ -265,7 +269,13 @@ class DiffusionModel:
             previews=values.get("previews", 0) if previews else 0,
             checkpoint_key=f"{resume_key}.{index}" if resume_key else None,
             steps_allowed=self.steps_allowed(values, service.tier),
+            degrade_cache=degrade_cache,
         )
+
+    def degrade_cache(self, values: dict[str, Any], tier: int) -> str | None:
+        """The step cache a request's images may be given where their deadline needs it (a family with
+        step caches: text_to_image.py); None: never."""
+        return None
 
     def steps_allowed(self, values: dict[str, Any], tier: int) -> StepsAllowed:
         """The steps a request's images may be run with under overload (engine/degradation.py): from what it
@@ -330,10 +340,8 @@ class DiffusionModel:
     ) -> dict[str, Any]:
         parsed: ParsedRequest = record.parsed
         batch = {**self.batch_report(parsed.values, record.jobs), **reported}
-        cuts = [job.queue.cut for job in record.jobs if job.queue.cut is not None]
-        if cuts:  # run with fewer steps than asked, where its deadline needed it (engine/degradation.py)
-            fewest = min(cuts, key=lambda cut: cut.steps)
-            batch["degraded"] = {**fewest.report(), "images": len(cuts)}
+        if any(job.degraded for job in record.jobs):  # where its deadline needed it (engine/degradation.py)
+            batch["degraded"] = degraded_report(record.jobs)
         answer = {
             **self.respond(parsed, outputs),
             "SEED": seed_output(parsed.values["seed"], len(outputs)),
@@ -384,6 +392,7 @@ class DiffusionModel:
             more["device_profile"] = {"name": profile, "what": PROFILES[profile].what, "serves_images": False}
         if self.adapter is not None:  # per tier, the least share of its steps a request may be run with
             more["degrade_tiers"] = dict(self.settings.config.degrade_tiers or {})
+            more["degrade_step_cache"] = dict(self.settings.config.degrade_step_cache or {})
         if self.adapter is not None:  # whether images of different sizes share forwards, and why not
             packs = bool(self.adapter.packs_sizes)
             more["packed_sizes"] = (

@@ -90,6 +90,16 @@ TEXT_TO_IMAGE_FIELDS = FieldSet(
             doc="skip denoiser work per request on a DiT: none, fbc:THRESHOLD (First Block Cache) or "
             "taylorseer:INTERVAL[:WARMUP] (docs/usage/step-caches.md); default: the model's step_cache",
         ),
+        Field(
+            "degrade_step_cache",
+            str,
+            None,
+            Role.ROW,
+            max_length=64,
+            doc="under overload, the step cache (as step_cache) a running request may be given for its steps "
+            "left where its deadline needs it (step engine, DiT; BATCH degraded says so; "
+            "docs/usage/degradation.md); none: never; absent: the tier's degrade_step_cache, else never",
+        ),
         *PROGRESS_FIELDS,
         *SERVICE_FIELDS,
         RESUME_FIELD,

@@ -40,7 +40,7 @@ from triton_diffusion.models.source_images import SourceImages
 from triton_diffusion.serving.progress import PROGRESS_FIELDS, PROGRESS_OUTPUTS
 from triton_diffusion.serving.requests import TrackedRequest
 from triton_diffusion.settings import IMAGE, IMAGE_SOURCE, ModelSettings
-from triton_diffusion.step_cache_spec import NO_CACHE, parse_step_cache
+from triton_diffusion.step_cache_spec import NO_CACHE, StepCache, parse_step_cache
 
 log = logging.getLogger("triton_diffusion")
 
@@ -94,6 +94,13 @@ class TextToImageModel(DiffusionModel):
         # Step caches (adapters/step_caches.py): the methods this model's denoiser serves per request.
         self.step_cache_methods = self.cache_methods(adapter)
         self.step_cache_default = config.step_cache or NO_CACHE
+        served = ", ".join(self.step_cache_methods) or "none"
+        for tier, text in (config.degrade_step_cache or {}).items():
+            if parse_step_cache(text).method not in self.step_cache_methods:
+                raise ValueError(
+                    f"model {settings.name}: config parameter 'degrade_step_cache': tier {tier}: {text} is "
+                    f"not served by {facts.class_name} (served: {served})"
+                )
         if self.step_cache_default and self.step_cache_default.method not in self.step_cache_methods:
             raise ValueError(
                 f"model {settings.name}: config parameter 'step_cache': {self.step_cache_default.method} is "
@@ -270,6 +277,8 @@ class TextToImageModel(DiffusionModel):
                 "step_cache", f"{cache.method} is not served by this model (allowed: {allowed})"
             )
         values["step_cache"] = cache.text if cache else None
+        if values.get("degrade_step_cache") is not None:
+            values["degrade_step_cache"] = self.degrade_cache_text(values["degrade_step_cache"], cache)
         one_step = self.one_step_schedulers
         if (
             one_step is not None
@@ -283,6 +292,38 @@ class TextToImageModel(DiffusionModel):
                 f"after a single step: with num_inference_steps 1 send one of {allowed}, or 2 or more steps",
             )
         return self.sources.resolve(values, self.fields)
+
+    def degrade_cache_text(self, text: str, cache: StepCache) -> str:
+        """A request's ``degrade_step_cache`` in its canonical text (``none``: never, whatever its tier
+        allows). Raises INVALID_ARG naming the field where the model's denoiser does not serve it, or where
+        the request runs a step cache already (a job runs one)."""
+        spec = parse_step_cache(text, field="degrade_step_cache")
+        if not spec:
+            return "none"
+        if spec.method not in self.step_cache_methods:
+            allowed = ", ".join(self.step_cache_methods) or "none (this family has no step cache here)"
+            raise invalid_field(
+                "degrade_step_cache", f"{spec.method} is not served by this model (allowed: {allowed})"
+            )
+        if cache:
+            raise invalid_field(
+                "degrade_step_cache",
+                f"the request runs step_cache {cache.text} already (a job runs one step cache): send one of "
+                "the two",
+            )
+        return spec.text
+
+    def degrade_cache(self, values: dict[str, Any], tier: int) -> str | None:
+        """The step cache a request's images may be given for their steps left where their deadline needs
+        it (engine/degradation.py): its ``degrade_step_cache``, else its tier's in config; None on the
+        request-level engine, for a request with a step cache of its own, or one that sent ``none``."""
+        if self.adapter is None or values.get("step_cache"):
+            return None
+        sent = values.get("degrade_step_cache")
+        if sent is None:
+            config = self.settings.config
+            sent = (config.degrade_step_cache or {}).get(config.service_tiers[tier])
+        return sent if sent and sent != "none" else None
 
     def takes_steps(self, values: dict[str, Any], steps: int) -> bool:
         """What resolve (one step) and the source image's check (img2img runs int(steps x strength) steps)
@@ -310,6 +351,10 @@ class TextToImageModel(DiffusionModel):
             mask_image=values.get("mask_image"),
             lora=lora_set(values["lora"]) if values.get("lora") else NO_LORA,
             step_cache=parse_step_cache(values["step_cache"]) if values.get("step_cache") else NO_CACHE,
+            # Set by job_spec to what the request and its tier allow (degrade_cache): absent, never.
+            degrade_cache=parse_step_cache(values["degrade_cache"])
+            if values.get("degrade_cache")
+            else NO_CACHE,
         )
 
     def call_arguments(self, shared: dict[str, Any], rows: list[RowInput]) -> dict[str, Any]:

@@ -439,10 +439,14 @@ class EngineHost:
             if record.tracked.finish(final):
                 self._keep(record, final)
                 self.metrics.observe("triton_diffusion_tier_latency_seconds", latency, tier=tier)
-                cut = [j.queue.cut.asked - j.queue.cut.steps for j in record.jobs if j.queue.cut is not None]
-                if cut:  # degraded: run with fewer steps than asked (engine/degradation.py)
+                if any(j.degraded for j in record.jobs):  # fewer steps, or a cache (engine/degradation.py)
                     self.metrics.increment("triton_diffusion_degraded_total", tier=tier)
+                cut = [j.queue.cut.asked - j.queue.cut.steps for j in record.jobs if j.queue.cut is not None]
+                if cut:
                     self.metrics.increment("triton_diffusion_degraded_steps_total", sum(cut), tier=tier)
+                cached = sum(j.queue.cache_cut is not None for j in record.jobs)
+                if cached:
+                    self.metrics.increment("triton_diffusion_degraded_caches_total", cached, tier=tier)
                 if job.spec.deadline is not None and not record.deadline_counted:  # in time, or late
                     record.deadline_counted = True  # (deadline_policy best_effort)
                     met = job.request.entered + latency <= job.spec.deadline

@@ -93,7 +93,7 @@ class Intake:
 
     def keep(self, parsed: Kept, jobs: Sequence[Job], answer: Mapping[str, np.ndarray]) -> None:
         """Keep a request's answer for the identical requests after it (not a degraded one)."""
-        if parsed.result_key is not None and not any(job.queue.cut is not None for job in jobs):
+        if parsed.result_key is not None and not any(job.degraded for job in jobs):
             self.results.put(parsed.result_key, answer)
 
     def report(self, parsed: Kept, resume: Resume | None, jobs: Sequence[Job]) -> dict[str, Any]:

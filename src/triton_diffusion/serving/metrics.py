@@ -88,11 +88,17 @@ FAMILIES.update(
         ),
         "triton_diffusion_degraded_total": (
             "COUNTER",
-            "Requests answered with fewer steps than asked, where their deadline needed it, by service tier",
+            "Requests answered degraded (fewer steps than asked, or a step cache for the steps left), where "
+            "their deadline needed it, by service tier",
         ),
         "triton_diffusion_degraded_steps_total": (
             "COUNTER",
             "Steps cut from degraded requests' images (num_inference_steps asked minus run), by service tier",
+        ),
+        "triton_diffusion_degraded_caches_total": (
+            "COUNTER",
+            "Images of degraded requests given their degrade_step_cache for the steps they had left, by "
+            "service tier",
         ),
         "triton_diffusion_result_cache_hits_total": (
             "COUNTER",

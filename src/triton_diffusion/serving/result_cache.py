@@ -21,8 +21,8 @@ import numpy as np
 from PIL import Image
 
 # Fields that change how a request is served, never what it answers (resume_key: where its work may
-# resume from, recovery/resumes.py; min_inference_steps: how far it may be degraded, and a degraded answer is
-# never kept).
+# resume from, recovery/resumes.py; min_inference_steps, degrade_step_cache: how far it may be degraded,
+# and a degraded answer is never kept).
 NOT_IN_KEY = frozenset(
     {
         "progress",
@@ -33,6 +33,7 @@ NOT_IN_KEY = frozenset(
         "timeout",
         "resume_key",
         "min_inference_steps",
+        "degrade_step_cache",
     }
 )
 
