@@ -121,6 +121,11 @@ BLOCKS: dict[str, Figure] = {
     "slo": Figure(("docs/cpu/slo/bench_slo.json",), "slo.render"),
     "slo-server": Figure(("docs/cpu/slo/bench_slo_server.json",), "slo.render_server"),
     "goodput": Figure(("docs/cpu/goodput.json",), "goodput.render", "bench.py goodput"),
+    "goodput-cache": Figure(
+        ("docs/cpu/goodput_cache/goodput.json",),
+        "goodput.render",
+        "bench.py goodput --arch tiny-flux --size 256 --variants tiers,cache,tiers-room,cache-room",
+    ),
     "goodput-sd15-h100": Figure(
         ("docs/profiles/sd15-h100/goodput.json",),
         "goodput.render",

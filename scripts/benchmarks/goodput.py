@@ -17,6 +17,9 @@ at --cap concurrent requests, measured through the server first):
                 refuse or order it instead of waiting for room in execute() (holding up the requests
                 behind it, higher tiers among them)
   degrade-room  degrade on that model
+  cache, cache-room  (--variants; a DiT family, e.g. --arch tiny-flux) tiers and tiers-room, plus
+                ``degrade_step_cache`` = --degrade-cache: a started request late for its deadline at full
+                compute is given that step cache for its steps left (engine/degradation.py)
 
 The first three run on the model as shipped (``deadline_room`` 0); the two -room variants read what the
 door that lets requests with a deadline in (engine_worker.py) does, each against its own variant.
@@ -60,6 +63,7 @@ from triton_diffusion.serving.server_process import copy_model, start_server
 from triton_diffusion.tiny_models import build_missing
 
 VARIANTS = ("fifo", "tiers", "degrade", "tiers-room", "degrade-room")
+KNOWN = (*VARIANTS, "cache", "cache-room")
 TIERS = ("priority", "default", "flex")
 WARM_UP_FRACTION = 0.1
 MODEL = "goodput"
@@ -94,17 +98,27 @@ def traffic(count: int, steps: int, shares: tuple[float, ...], seed: int, size: 
     ]
 
 
-def sent(request: dict, variant: str, deadline_s: float, least: int) -> dict:
+def sent(request: dict, variant: str, deadline_s: float, least: int, cache: str = "") -> dict:
     """What the client sends in a variant."""
     if variant == "fifo":
         return {k: v for k, v in request.items() if k != "service_tier"}
     out = {**request, "timeout": int(deadline_s * 1e6)}
     if variant.startswith("degrade"):
         out["min_inference_steps"] = least
+    if variant.startswith("cache"):
+        out["degrade_step_cache"] = cache
     return out
 
 
-def run(url: str, requests: list[dict], arrivals: list[float], variant: str, deadline_s: float, least: int):
+def run(
+    url: str,
+    requests: list[dict],
+    arrivals: list[float],
+    variant: str,
+    deadline_s: float,
+    least: int,
+    cache: str = "",
+):
     """Every request at its arrival, a thread each; each one's result and its latency from its scheduled
     arrival (the client's lateness in sending it charged to it)."""
     results: list[GenerateResult | None] = [None] * len(requests)
@@ -114,7 +128,7 @@ def run(url: str, requests: list[dict], arrivals: list[float], variant: str, dea
     def send(index: int) -> None:
         time.sleep(max(0.0, started + arrivals[index] - time.perf_counter()))
         late = time.perf_counter() - (started + arrivals[index])
-        body = sent(requests[index], variant, deadline_s, least)
+        body = sent(requests[index], variant, deadline_s, least, cache)
         results[index] = generate_one(body, f"{variant}-{index}", url, model_of(variant), 600.0)
         latency[index] = results[index].latency_s + late
 
@@ -163,7 +177,17 @@ def figures(requests, results, latency, measured, window_s, deadline_s) -> dict:
         "expired_started": sum(bool(re.search(r"passed after step [1-9]", e)) for e in errors),
         "degraded": len(degraded),
         "degraded_requests": degraded,
-        "steps_run": [results[i].batch["degraded"]["steps_run"] for i in degraded],
+        "steps_run": [
+            results[i].batch["degraded"]["steps_run"]
+            for i in degraded
+            if "steps_run" in results[i].batch["degraded"]
+        ],
+        # Given a step cache for their steps left (degrade_step_cache), and the step they were given it at.
+        "cached_from": [
+            results[i].batch["degraded"]["cached_from_step"]
+            for i in degraded
+            if "cached_from_step" in results[i].batch["degraded"]
+        ],
     }
 
 
@@ -202,6 +226,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--deadline-scale", type=float, default=3.0)
     parser.add_argument("--rounds", type=int, default=5, help="runs per variant and load, order rotated")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--size", type=int, default=64, help="image height and width (a profile: its own)")
+    parser.add_argument(
+        "--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(KNOWN)}"
+    )
+    parser.add_argument(
+        "--degrade-cache",
+        default="taylorseer:2",
+        help="the cache and cache-room variants' degrade_step_cache (on random weights FBC at a usable "
+        "threshold skips nothing: benchmarks/caches.py)",
+    )
     parser.add_argument(
         "--device-profile",
         choices=sorted(PROFILES),
@@ -211,6 +245,12 @@ def main(argv: list[str] | None = None) -> dict:
     )
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench_results" / "goodput")
     args = parser.parse_args(argv)
+    args.variants = tuple(v for v in args.variants.split(",") if v)
+    unknown = sorted(set(args.variants) - set(KNOWN))
+    if unknown or "tiers" not in args.variants and "tiers-room" not in args.variants:
+        parser.error(
+            f"--variants: {unknown or 'none'} unknown (of {', '.join(KNOWN)}); tiers or tiers-room needed"
+        )
     weights = REPO_ROOT / "weights"
     build_missing(weights, only=[args.arch])
     config = {
@@ -220,7 +260,6 @@ def main(argv: list[str] | None = None) -> dict:
         "max_rows_per_call": str(args.cap),
         "deadline_policy": "refuse",
     }
-    args.size = 64
     if args.device_profile:
         height, width = load_table(PROFILES[args.device_profile]).size  # where its times hold
         if height != width:
@@ -267,10 +306,13 @@ def measure(url: str, args: argparse.Namespace, config: dict, path: Path) -> dic
             "tier_shares": dict(zip(TIERS, shares, strict=True)),
             "deadline_scale": args.deadline_scale,
             "rounds": args.rounds,
-            "variants": list(VARIANTS),
+            "variants": list(args.variants),
+            "degrade_step_cache": args.degrade_cache
+            if any(v.startswith("cache") for v in args.variants)
+            else None,
             "warm_up_fraction": WARM_UP_FRACTION,
             "model_config": {k: v for k, v in config.items() if k != "model"},
-            "model_of": {v: model_of(v) for v in VARIANTS},
+            "model_of": {v: model_of(v) for v in args.variants},
             "model_edits": models(args.cap),
             "through": "tritonserver, gRPC, the project's client (one thread per request)",
         },
@@ -286,10 +328,12 @@ def measure(url: str, args: argparse.Namespace, config: dict, path: Path) -> dic
     for load in report["loads"]:
         arrivals = poisson_arrivals(args.requests, load * rate, args.seed)
         window_s = arrivals[-1] - arrivals[measured[0]] if len(measured) > 1 else arrivals[-1]
-        for round_index, order in enumerate(rotated_orders(VARIANTS, args.rounds)):
+        for round_index, order in enumerate(rotated_orders(args.variants, args.rounds)):
             images: dict[str, dict[int, np.ndarray]] = {}
             for variant in order:
-                results, latency = run(url, requests, arrivals, variant, deadline_s, least)
+                results, latency = run(
+                    url, requests, arrivals, variant, deadline_s, least, args.degrade_cache
+                )
                 entry = {"load": load, "round": round_index + 1, "variant": variant, "order": order}
                 entry.update(figures(requests, results, latency, measured, window_s, deadline_s))
                 images[variant] = {i: pixels(results[i]) for i in measured if results[i].ok}
@@ -298,11 +342,20 @@ def measure(url: str, args: argparse.Namespace, config: dict, path: Path) -> dic
                 print(f"  {load} round {round_index + 1} {variant}: met {entry['met']}/{entry['offered']}, "
                       f"degraded {entry['degraded']}", flush=True)  # fmt: skip
             if not args.device_profile:  # a profile's stand-ins compute nothing: no image to compare
-                compare(report["runs"][-len(VARIANTS) :], images, measured)
+                compare(report["runs"][-len(args.variants) :], images, measured)
             write(path, report)
     report["complete"] = True  # every planned run measured
     write(path, report)
     return report
+
+
+# Each variant that degrades, with the variant it is read against (the same door, without degradation).
+DEGRADED_AGAINST = (
+    ("degrade", "tiers"),
+    ("degrade-room", "tiers-room"),
+    ("cache", "tiers"),
+    ("cache-room", "tiers-room"),
+)
 
 
 def compare(runs: list[dict], images: dict[str, dict[int, np.ndarray]], measured: list[int]) -> None:
@@ -311,7 +364,7 @@ def compare(runs: list[dict], images: dict[str, dict[int, np.ndarray]], measured
     the PSNR of each degraded image against the fifo run's full-steps image of the same request, and how
     many of its undegraded images equal its tiers run's."""
     full = images.get("fifo", {})
-    for ours_name, tiers_name in (("degrade", "tiers"), ("degrade-room", "tiers-room")):
+    for ours_name, tiers_name in DEGRADED_AGAINST:
         degrade = next((r for r in runs if r["variant"] == ours_name), None)
         if degrade is None:
             continue

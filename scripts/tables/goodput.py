@@ -20,10 +20,14 @@ ROOM, ROOM_DEGRADE = "tiers-room", "degrade-room"
 PAIRS = (
     ("degrade", "tiers"),
     ("degrade-room", "tiers-room"),
+    ("cache", "tiers"),
+    ("cache-room", "tiers-room"),
     ("tiers-room", "tiers"),
     ("degrade-room", "degrade"),
     ("degrade", "fifo"),
 )
+# The variants that degrade: fewer steps (degrade), a step cache for the steps left (cache).
+DEGRADING = ("degrade", ROOM_DEGRADE, "cache", "cache-room")
 
 
 def render(artefact: dict[str, Any]) -> str:
@@ -44,9 +48,20 @@ def render(artefact: dict[str, Any]) -> str:
         f"({shares}); Poisson arrivals at each load of the step engine's capacity on this traffic "
         f"({artefact['capacity']:.2f} requests/s, closed loop at {c['cap']}); {c['rounds']} rounds, the "
         f"{len(c['variants'])} variants in rotated order. fifo sends no tier or deadline; tiers sends both "
-        f"(refused or ended where late); degrade adds min_inference_steps {c['min_inference_steps']}"
+        f"(refused or ended where late)"
         + (
-            "; tiers-room and degrade-room are the same on a model where a request with a deadline that "
+            f"; degrade adds min_inference_steps {c['min_inference_steps']}"
+            if "degrade" in c["variants"]
+            else ""
+        )
+        + (
+            f"; cache adds degrade_step_cache {c['degrade_step_cache']} (a started request late for its "
+            "deadline runs its steps left with that cache)"
+            if c.get("degrade_step_cache")
+            else ""
+        )
+        + (
+            "; the -room variants are the same on a model where a request with a deadline that "
             "finds it full goes in for the scheduler to refuse or order (`deadline_room`: 3 x its capacity; "
             "the others: `deadline_room: 0`, as shipped, it waits for room in execute())"
             if ROOM in c["variants"]
@@ -58,7 +73,7 @@ def render(artefact: dict[str, Any]) -> str:
         "",
     ]
     pairs = [p for p in PAIRS if p[0] in c["variants"] and p[1] in c["variants"]]
-    ours = [v for v in ("degrade", ROOM_DEGRADE) if v in c["variants"]]
+    ours = [v for v in DEGRADING if v in c["variants"]]
     missing = [v for v in c["variants"] if v != "fifo"]
     which = f"{' / '.join(ours)}: " if len(ours) > 1 else ""
     lines += [
@@ -107,7 +122,7 @@ def _misses(rounds: list[dict], variant: str) -> str:
 def _quiet(artefact: dict[str, Any]) -> str:
     """The target below capacity: no request degraded at loads up to 0.8x (by each degrade variant)."""
     lines = []
-    for variant in ("degrade", ROOM_DEGRADE):
+    for variant in DEGRADING:
         low = [r for r in artefact["runs"] if r["variant"] == variant and r["load"] <= 0.8]
         if not low:
             continue
@@ -140,7 +155,8 @@ def _degraded(rounds: list[dict], variant: str, profile: object) -> tuple[str, s
     psnrs = sorted(p for r in ours for p in r.get("psnr_degraded", []))
     same = [r["same_as_tiers"] for r in ours if "same_as_tiers" in r]
     equal = f"{sum(s['equal'] for s in same)}/{sum(s['compared'] for s in same)}" if same else "-"
-    return f"{degraded}/{offered}", _steps(steps), "-" if profile else _psnr(psnrs), equal
+    cached = [s for r in ours for s in r.get("cached_from", [])]
+    return f"{degraded}/{offered}", _steps(steps, cached), "-" if profile else _psnr(psnrs), equal
 
 
 def _ratio(rounds: list[dict], ours: str, other: str, load: float | None) -> str:
@@ -152,12 +168,14 @@ def _ratio(rounds: list[dict], ours: str, other: str, load: float | None) -> str
     ]
     if not values:
         return "-"
-    target = TARGET_AT_1_5 if load == 1.5 and ours.startswith("degrade") else None
+    target = TARGET_AT_1_5 if load == 1.5 and ours in DEGRADING else None
     found = verdict(values, target)
     return f"**{found.median:.2f}** {found}"
 
 
-def _steps(steps: list[int]) -> str:
+def _steps(steps: list[int], cached_from: list[int] | None = None) -> str:
+    if cached_from:  # given a step cache for their steps left, from these steps
+        return f"a cache from step {min(cached_from)}-{max(cached_from)} (mean {mean(cached_from):.1f})"
     return "-" if not steps else f"{min(steps)}-{max(steps)} (mean {mean(steps):.1f})"
 
 
@@ -171,8 +189,11 @@ def _tiers(artefact: dict[str, Any]) -> str:
     """Attainment per tier at each load, summed over rounds; and the share of each tier the degrade variant
     degraded (an artefact from before that count: "-")."""
     variants = artefact["config"]["variants"]
+    degrading = next((v for v in DEGRADING if v in variants), "degrade")
     rows = [
-        "| load | tier | " + " | ".join(f"{v} in time" for v in variants) + " | degrade: answered degraded |",
+        "| load | tier | "
+        + " | ".join(f"{v} in time" for v in variants)
+        + f" | {degrading}: answered degraded |",
         "|---|---|" + "---|" * (len(variants) + 1),
     ]
     for load in artefact["loads"]:
@@ -185,7 +206,7 @@ def _tiers(artefact: dict[str, Any]) -> str:
                 met = sum(t["met"] for t in mine if t)
                 cells.append(f"{met}/{offered}" if offered else "-")
             # A round that drew none of this tier counts nothing; one from before the count shows "-".
-            drawn = [t for r in runs if r["variant"] == "degrade" and (t := r["by_tier"].get(tier))]
+            drawn = [t for r in runs if r["variant"] == degrading and (t := r["by_tier"].get(tier))]
             counted = [t for t in drawn if "degraded" in t]
             offered = sum(t["offered"] for t in counted)
             shown = (
