@@ -29,7 +29,7 @@ are misses): goodput (requests that met their deadline per second of the arrival
 for every variant, so a ratio of goodputs is a ratio of requests in time), attainment per tier, the share
 degraded and the steps they ran (BATCH ``degraded``), and the quality cost: each degraded image's PSNR
 against the same request's full-steps image from the fifo run of the same round (which answers every
-request, at full steps). And where nothing should be degraded (loads below 1), how many of the degrade
+request, at full steps; without a fifo run, from its tiers run, where that answered it). And where nothing should be degraded (loads below 1), how many of the degrade
 run's images equal the tiers run's (within one uint8 level). The artefact (``<out>/goodput.json``,
 written after every run) keeps every run; ``scripts/tables/goodput.py`` renders it, reading the goodput
 ratio degrade / tiers over rounds by the one verdict rule (scripts/verdicts.py).
@@ -361,14 +361,17 @@ DEGRADED_AGAINST = (
 def compare(runs: list[dict], images: dict[str, dict[int, np.ndarray]], measured: list[int]) -> None:
     """Into the round's degrade runs (each with its tiers run: degrade with tiers, degrade-room with
     tiers-room):
-    the PSNR of each degraded image against the fifo run's full-steps image of the same request, and how
-    many of its undegraded images equal its tiers run's."""
-    full = images.get("fifo", {})
+    the PSNR of each degraded image against the full-steps image of the same request (the fifo run's, else
+    its tiers run's where that answered it), and how many of its undegraded images equal its tiers run's."""
     for ours_name, tiers_name in DEGRADED_AGAINST:
         degrade = next((r for r in runs if r["variant"] == ours_name), None)
         if degrade is None:
             continue
         tiers, ours = images.get(tiers_name, {}), images.get(ours_name, {})
+        # The full-steps images: fifo's (it answers every request in full), else its tiers run's (each it
+        # answered is the request's full image: nothing is degraded there).
+        full = images.get("fifo") or tiers
+        degrade["psnr_against"] = "fifo" if "fifo" in images else tiers_name
         degraded = [i for i in degrade["degraded_requests"] if i in full]
         degrade["psnr_degraded"] = [min(psnr(ours[i], full[i]), 99.0) for i in degraded]
         undegraded = set(measured) - set(degrade["degraded_requests"])
