@@ -29,8 +29,9 @@ are misses): goodput (requests that met their deadline per second of the arrival
 for every variant, so a ratio of goodputs is a ratio of requests in time), attainment per tier, the share
 degraded and the steps they ran (BATCH ``degraded``), and the quality cost: each degraded image's PSNR
 against the same request's full-steps image from the fifo run of the same round (which answers every
-request, at full steps; without a fifo run, from its tiers run, where that answered it). And where nothing should be degraded (loads below 1), how many of the degrade
-run's images equal the tiers run's (within one uint8 level). The artefact (``<out>/goodput.json``,
+request, at full steps; without a fifo run, from its tiers run, where that answered it). And where
+nothing should be degraded (loads below 1), how many of the degrade run's images equal the tiers run's
+(within one uint8 level). The artefact (``<out>/goodput.json``,
 written after every run) keeps every run; ``scripts/tables/goodput.py`` renders it, reading the goodput
 ratio degrade / tiers over rounds by the one verdict rule (scripts/verdicts.py).
 
