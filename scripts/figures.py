@@ -126,6 +126,11 @@ BLOCKS: dict[str, Figure] = {
         "goodput.render",
         "bench.py goodput --arch tiny-flux --size 256 --variants tiers,cache,tiers-room,cache-room",
     ),
+    "goodput-mixed": Figure(
+        ("docs/cpu/goodput_mixed/goodput.json",),
+        "goodput.render",
+        "bench.py goodput --variants tiers,tiers-room --no-deadline-share 0.3",
+    ),
     "goodput-sd15-h100": Figure(
         ("docs/profiles/sd15-h100/goodput.json",),
         "goodput.render",

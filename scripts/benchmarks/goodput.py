@@ -67,6 +67,7 @@ VARIANTS = ("fifo", "tiers", "degrade", "tiers-room", "degrade-room")
 KNOWN = (*VARIANTS, "cache", "cache-room")
 TIERS = ("priority", "default", "flex")
 WARM_UP_FRACTION = 0.1
+NO_DEADLINE = "_no_deadline"  # a request of the traffic that sends no deadline (--no-deadline-share)
 MODEL = "goodput"
 ROOM_MODEL = "goodput_room"
 
@@ -82,27 +83,35 @@ def model_of(variant: str) -> str:
     return ROOM_MODEL if variant.endswith("-room") else MODEL
 
 
-def traffic(count: int, steps: int, shares: tuple[float, ...], seed: int, size: int = 64) -> list[dict]:
+def traffic(
+    count: int, steps: int, shares: tuple[float, ...], seed: int, size: int = 64, no_deadline: float = 0.0
+) -> list[dict]:
     """The requests: a prompt and seed each, ``steps`` steps at ``size`` square, a tier drawn by
-    ``shares``."""
+    ``shares``; a ``no_deadline`` share of them (drawn) sends no deadline (the client still counts one)."""
     rng = random.Random(seed)
-    return [
-        {
+    requests = []
+    for i in range(count):
+        tier = rng.choices(TIERS, shares)[0]
+        request = {
             "prompt": f"a lighthouse at dusk {i}",
             "seed": i,
             "height": size,
             "width": size,
             "num_inference_steps": steps,
-            "service_tier": rng.choices(TIERS, shares)[0],
+            "service_tier": tier,
         }
-        for i in range(count)
-    ]
+        if no_deadline and rng.random() < no_deadline:
+            request[NO_DEADLINE] = True
+        requests.append(request)
+    return requests
 
 
 def sent(request: dict, variant: str, deadline_s: float, least: int, cache: str = "") -> dict:
     """What the client sends in a variant."""
     if variant == "fifo":
-        return {k: v for k, v in request.items() if k != "service_tier"}
+        return {k: v for k, v in request.items() if k not in ("service_tier", NO_DEADLINE)}
+    if request.get(NO_DEADLINE):  # its tier, and nothing that needs a deadline
+        return {k: v for k, v in request.items() if k != NO_DEADLINE}
     out = {**request, "timeout": int(deadline_s * 1e6)}
     if variant.startswith("degrade"):
         out["min_inference_steps"] = least
@@ -164,7 +173,10 @@ def figures(requests, results, latency, measured, window_s, deadline_s) -> dict:
                 "degraded": sum(i in degraded for i in mine),
             }
     errors = [results[i].error or "" for i in measured if not results[i].ok]
+    plain = [i for i in measured if requests[i].get(NO_DEADLINE)]
     return {
+        # Those that sent no deadline (--no-deadline-share), counted against the same deadline.
+        "no_deadline": {"offered": len(plain), "met": sum(i in met for i in plain)},
         "offered": len(measured),
         "met": len(met),
         "goodput": len(met) / window_s,
@@ -229,6 +241,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--size", type=int, default=64, help="image height and width (a profile: its own)")
     parser.add_argument(
+        "--no-deadline-share",
+        type=float,
+        default=0.0,
+        help="the share of requests (drawn) that send no deadline in any variant: mixed traffic (each is "
+        "still counted against the same deadline)",
+    )
+    parser.add_argument(
         "--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(KNOWN)}"
     )
     parser.add_argument(
@@ -283,7 +302,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 def measure(url: str, args: argparse.Namespace, config: dict, path: Path) -> dict:
     shares = tuple(float(x) for x in args.tiers.split(","))
-    requests = traffic(args.requests, args.steps, shares, args.seed, args.size)
+    requests = traffic(args.requests, args.steps, shares, args.seed, args.size, args.no_deadline_share)
     least = max(1, round(args.steps * args.least_share))
     for i in range(3):  # warm: the engine's estimates start from measured forwards
         for name in models(args.cap):
@@ -306,6 +325,8 @@ def measure(url: str, args: argparse.Namespace, config: dict, path: Path) -> dic
             "min_inference_steps": least,
             "tier_shares": dict(zip(TIERS, shares, strict=True)),
             "deadline_scale": args.deadline_scale,
+            "no_deadline_share": args.no_deadline_share,
+            "sent_no_deadline": sum(bool(r.get(NO_DEADLINE)) for r in requests),
             "rounds": args.rounds,
             "variants": list(args.variants),
             "degrade_step_cache": args.degrade_cache

@@ -45,7 +45,14 @@ def render(artefact: dict[str, Any]) -> str:
         f"{int(c['requests'] * c['warm_up_fraction'])} not counted), each asking {c['steps']} steps "
         "with a deadline of "
         f"{c['deadline_scale']:g}x one request alone ({artefact['deadline_s'] * 1000:.0f} ms), tiers drawn "
-        f"({shares}); Poisson arrivals at each load of the step engine's capacity on this traffic "
+        f"({shares})"
+        + (
+            f", a {c['no_deadline_share']:g} share of them sending no deadline (counted against one all the "
+            "same)"
+            if c.get("no_deadline_share")
+            else ""
+        )
+        + "; Poisson arrivals at each load of the step engine's capacity on this traffic "
         f"({artefact['capacity']:.2f} requests/s, closed loop at {c['cap']}); {c['rounds']} rounds, the "
         f"{len(c['variants'])} variants in rotated order. fifo sends no tier or deadline; tiers sends both "
         f"(refused or ended where late)"
@@ -102,11 +109,34 @@ def render(artefact: dict[str, Any]) -> str:
             + " |"
         )
     lines += ["", _quiet(artefact), "", _tiers(artefact)]
+    if c.get("no_deadline_share"):
+        lines += ["", _plain(artefact)]
     if not artefact.get("complete", True):
         lines.insert(
             0, "**Incomplete run** (cut short: `complete` is false); the rows below are what it measured.\n"
         )
     return "\n".join(lines)
+
+
+def _plain(artefact: dict[str, Any]) -> str:
+    """The requests that sent no deadline (mixed traffic), in time against the same deadline, summed over
+    rounds per load and variant."""
+    c = artefact["config"]
+    rows = [
+        f"Of them, the requests that sent no deadline (a {c['no_deadline_share']:g} share, drawn; "
+        f"{c['sent_no_deadline']} of {c['requests']}), in time against the same deadline:",
+        "",
+        "| load | " + " | ".join(c["variants"]) + " |",
+        "|---|" + "---|" * len(c["variants"]),
+    ]
+    for load in artefact["loads"]:
+        runs = [r for r in artefact["runs"] if r["load"] == load]
+        cells = []
+        for variant in c["variants"]:
+            mine = [r["no_deadline"] for r in runs if r["variant"] == variant]
+            cells.append(f"{sum(m['met'] for m in mine)}/{sum(m['offered'] for m in mine)}" if mine else "-")
+        rows.append(f"| {load:g}x | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
 
 
 def _misses(rounds: list[dict], variant: str) -> str:

@@ -659,6 +659,32 @@ def test_a_full_engine_lets_a_request_with_a_deadline_in_without_waiting_up_to_i
     ]
 
 
+def test_a_request_without_a_deadline_does_not_count_the_jobs_the_deadline_room_holds():
+    # Three jobs with a deadline fill the capacity (2) and one of the room (2): a request without one is
+    # not held up by the job in the room, and goes in; a second would pass the capacity: it waits.
+    adapter = Gated()
+    engine = engine_for(adapter, max_running=2, max_per_forward=2)
+    worker = worker_for(engine, waiting_room=0)
+    worker.deadline_room = 2
+    due = time.perf_counter() + 60
+    timed = [Job(tracked(f"timed{i}"), Spec(steps=1), tier=1, deadline=due) for i in range(3)]
+    plain = [Job(tracked(f"plain{i}"), Spec(steps=1), tier=1) for i in range(2)]
+    try:
+        assert submit(worker, *timed, max_wait_s=0.2) == [pytest.approx(0, abs=0.1)] * 3
+        assert engine.with_deadline == 3
+        assert submit(worker, plain[0], max_wait_s=0.2) == [pytest.approx(0, abs=0.1)]
+        assert submit(worker, plain[1], max_wait_s=0.2) == [-1.0]  # 4 held, 2 of them the room's
+        assert engine.active == 4  # never past the capacity and the room
+        adapter.gate.set()
+        deadline = time.monotonic() + 5
+        while not all(j.request.ended for j in [*timed, plain[0]]) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        adapter.gate.set()
+        worker.close()
+    assert plain[0].request.channel.finals == [{"out": "out:plain0"}]
+
+
 def test_a_lower_tier_filling_the_deadline_room_leaves_a_higher_tier_its_capacity_at_the_door():
     # Flex requests with deadlines fill the engine to capacity + deadline_room (2 + 4); a priority request
     # without a deadline still goes in at once, up to capacity (2) more.

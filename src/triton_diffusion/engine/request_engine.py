@@ -149,6 +149,11 @@ class RequestEngine:
         with self._lock:
             return len(self._waiting) + len(self._jobs)
 
+    @property
+    def with_deadline(self) -> int:
+        """No room for deadlines on this engine (the host gives it ``deadline_room`` 0): none counted."""
+        return 0
+
     def outranks_held(self, tier: int) -> bool:
         """Fused calls are not paused: a higher tier waits for room like any request."""
         return False

@@ -133,6 +133,13 @@ class Scheduler:
         with self._lock:
             return sum(map(len, self._queues())) + len(self._inbox)
 
+    @property
+    def with_deadline(self) -> int:
+        """Of the jobs held, those with a deadline (the door's room for them: serving/engine_worker.py)."""
+        with self._lock:
+            held = (self._inbox, *self._queues())
+            return sum(job.spec.deadline is not None for queue in held for job in queue)
+
     def outranks_held(self, tier: int) -> bool:
         """Whether a job of ``tier`` outranks a job held (it would pause it, or pass it in the queue)."""
         with self._lock:

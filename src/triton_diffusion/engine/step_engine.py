@@ -141,6 +141,10 @@ class StepEngine:
     def active(self) -> int:
         return self.scheduler.active
 
+    @property
+    def with_deadline(self) -> int:
+        return self.scheduler.with_deadline
+
     def outranks_held(self, tier: int) -> bool:
         return self.scheduler.outranks_held(tier)
 

@@ -8,7 +8,7 @@ after a bug, and what happens when the device fails or the engine is stuck.
   one instance's requests to ``execute()`` one batch at a time, so a request arriving while ``execute()``
   waits for room for another waits with it, a higher tier among them: with config ``deadline_room``, a
   request with a deadline (where the scheduler refuses late ones) takes up to that many jobs more before
-  it waits.
+  it waits, and one without a deadline does not count those.
 - The engine thread hands the engine the aborts of the requests it holds (``engine.abort``: cancelled
   by their clients, or answered by the host), runs ``report = engine.step()`` and hands the report to
   ``render`` (the host sorts it
@@ -58,6 +58,10 @@ class Engine(Protocol):
     @property
     def active(self) -> int:
         """Jobs held (from any thread)."""
+
+    @property
+    def with_deadline(self) -> int:
+        """Of them, jobs with a deadline (from any thread)."""
 
     def outranks_held(self, tier: int) -> bool:
         """Whether a job of ``tier`` outranks a job held (from any thread)."""
@@ -151,14 +155,18 @@ class EngineWorker:
 
     def _full(self, jobs: list[Job]) -> bool:
         """No room for ``jobs``. A request's room is ``capacity`` jobs, ``deadline_room`` more where it has
-        a deadline. A request of a higher tier than a job held does not wait behind it: it may take up to
-        ``capacity`` more than requests with a deadline may fill (the scheduler pauses or passes the lower
-        jobs)."""
+        a deadline; one without a deadline does not count the jobs with one that the room holds (up to
+        ``deadline_room`` of them: they came in beside the capacity, not in it). A request of a higher tier
+        than a job held does not wait behind it: it may take up to ``capacity`` more than requests with a
+        deadline may fill (the scheduler pauses or passes the lower jobs)."""
         held, count = self.engine.active, len(jobs)
         if not held or held + count <= self.capacity:
             return False
         with_deadline = all(job.spec.deadline is not None for job in jobs)
         if with_deadline and held + count <= self.capacity + self.deadline_room:
+            return False
+        room_held = min(self.deadline_room, self.engine.with_deadline) if self.deadline_room else 0
+        if not with_deadline and held - room_held + count <= self.capacity:
             return False
         tier = min((job.spec.tier for job in jobs), default=0)
         return held + count > 2 * self.capacity + self.deadline_room or not self.engine.outranks_held(tier)
