@@ -83,14 +83,23 @@ def render(artefact: dict[str, Any]) -> str:
     ours = [v for v in DEGRADING if v in c["variants"]]
     missing = [v for v in c["variants"] if v != "fifo"]
     which = f"{' / '.join(ours)}: " if len(ours) > 1 else ""
+    # The degradation columns, where a variant degrades.
+    degrading = (
+        f" | {which}answered degraded | steps run | PSNR to full steps (mean, lowest) | undegraded equal "
+        "to their tiers'"
+        if ours
+        else ""
+    )
     lines += [
         "| load | goodput "
         + " / ".join(c["variants"])
         + " (req/s) | "
         + " | ".join(f"{a} / {b}" for a, b in pairs)
-        + f" | {which}answered degraded | steps run | PSNR to full steps (mean, lowest) | undegraded equal "
-        "to their tiers' | " + " / ".join(missing) + ": refused, expired (of them after starting) |",
-        "|---|---|" + "---|" * len(pairs) + "---|---|---|---|---|",
+        + degrading
+        + " | "
+        + " / ".join(missing)
+        + ": refused, expired (of them after starting) |",
+        "|---|---|" + "---|" * len(pairs) + "---|" * (4 if ours else 0) + "---|",
     ]
     for load in artefact["loads"]:
         runs = [r for r in artefact["runs"] if r["load"] == load]
@@ -104,11 +113,12 @@ def render(artefact: dict[str, Any]) -> str:
         ratios = " | ".join(_ratio(rounds, a, b, load if b in ("tiers", ROOM) else None) for a, b in pairs)
         per = [" / ".join(x) for x in zip(*(_degraded(rounds, v, profile) for v in ours), strict=True)]
         lines.append(
-            f"| {load:g}x | {cells} | {ratios} | {' | '.join(per)} | "
+            f"| {load:g}x | {cells} | {ratios} | "
+            + "".join(f"{cell} | " for cell in per)
             + " / ".join(_misses(rounds, v) for v in missing)
             + " |"
         )
-    lines += ["", _quiet(artefact), "", _tiers(artefact)]
+    lines += ["", _quiet(artefact), "", _tiers(artefact)] if ours else ["", _tiers(artefact)]
     if c.get("no_deadline_share"):
         lines += ["", _plain(artefact)]
     if not artefact.get("complete", True):
@@ -219,12 +229,12 @@ def _tiers(artefact: dict[str, Any]) -> str:
     """Attainment per tier at each load, summed over rounds; and the share of each tier the degrade variant
     degraded (an artefact from before that count: "-")."""
     variants = artefact["config"]["variants"]
-    degrading = next((v for v in DEGRADING if v in variants), "degrade")
+    degrading = next((v for v in DEGRADING if v in variants), None)
     rows = [
         "| load | tier | "
         + " | ".join(f"{v} in time" for v in variants)
-        + f" | {degrading}: answered degraded |",
-        "|---|---|" + "---|" * (len(variants) + 1),
+        + (f" | {degrading}: answered degraded |" if degrading else " |"),
+        "|---|---|" + "---|" * (len(variants) + (1 if degrading else 0)),
     ]
     for load in artefact["loads"]:
         runs = [r for r in artefact["runs"] if r["load"] == load]
@@ -244,5 +254,7 @@ def _tiers(artefact: dict[str, Any]) -> str:
                 if counted and len(counted) == len(drawn)
                 else "-"
             )
-            rows.append(f"| {load:g}x | {tier} | " + " | ".join([*cells, shown]) + " |")
+            rows.append(
+                f"| {load:g}x | {tier} | " + " | ".join([*cells, shown] if degrading else cells) + " |"
+            )
     return "\n".join(rows)

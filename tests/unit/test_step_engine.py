@@ -718,7 +718,7 @@ def test_a_lower_tier_filling_the_deadline_room_leaves_a_higher_tier_its_capacit
     ],
 )
 def test_the_host_gives_requests_with_a_deadline_their_room_where_the_scheduler_refuses_late_ones(
-    config, room
+    config, room, caplog
 ):
     from triton_diffusion.serving.engine_host import EngineHost
     from triton_diffusion.serving.engines import StepEngineKind
@@ -739,6 +739,16 @@ def test_the_host_gives_requests_with_a_deadline_their_room_where_the_scheduler_
         assert host.worker.capacity == 16 and host.worker.deadline_room == room
     finally:
         host.close()
+    ignored = [r.message for r in caplog.records if "deadline_room 5 ignored" in r.message]
+    # Set and not given: said at load, with why.
+    assert ignored == (
+        [
+            "m: deadline_room 5 ignored: it needs the step engine with deadline_policy refuse "
+            "(here: step engine, best_effort)"
+        ]
+        if config and not room
+        else []
+    )
 
 
 def test_a_full_engine_lets_a_higher_tier_in_and_keeps_its_own_tier_waiting():

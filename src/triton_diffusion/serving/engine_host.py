@@ -138,6 +138,15 @@ class EngineHost:
             log.info("%s: drains on SIGTERM (drain file %s)", settings.instance or settings.name, drain_file)
         # Room without a wait for requests with a deadline, where the scheduler refuses the late ones.
         refuses = engine_kind.name == "step" and config.deadline_policy == "refuse"
+        if config.deadline_room and not refuses:  # said once at load, not silently dropped
+            log.warning(
+                "%s: deadline_room %d ignored: it needs the step engine with deadline_policy refuse (here: %s "
+                "engine, %s)",
+                settings.instance or settings.name,
+                config.deadline_room,
+                engine_kind.name,
+                config.deadline_policy,
+            )
         self.worker = EngineWorker(
             self.engine,
             engine_kind.capacity(settings),
