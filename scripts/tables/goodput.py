@@ -24,6 +24,7 @@ PAIRS = (
     ("cache-room", "tiers-room"),
     ("tiers-room", "tiers"),
     ("degrade-room", "degrade"),
+    ("cache-room", "cache"),
     ("degrade", "fifo"),
 )
 # The variants that degrade: fewer steps (degrade), a step cache for the steps left (cache).
@@ -54,8 +55,11 @@ def render(artefact: dict[str, Any]) -> str:
         )
         + "; Poisson arrivals at each load of the step engine's capacity on this traffic "
         f"({artefact['capacity']:.2f} requests/s, closed loop at {c['cap']}); {c['rounds']} rounds, the "
-        f"{len(c['variants'])} variants in rotated order. fifo sends no tier or deadline; tiers sends both "
-        f"(refused or ended where late)"
+        f"{len(c['variants'])} variants in rotated order. "
+        + ("fifo sends no tier or deadline; " if "fifo" in c["variants"] else "")
+        + "tiers sends both"
+        + (" (the share above, its tier only)" if c.get("no_deadline_share") else "")
+        + " (refused or ended where late)"
         + (
             f"; degrade adds min_inference_steps {c['min_inference_steps']}"
             if "degrade" in c["variants"]

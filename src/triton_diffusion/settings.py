@@ -263,8 +263,8 @@ class ModelConfig:
         0,
         "step engine, deadline_policy refuse: jobs beyond max_running + waiting_room that a request with a "
         "deadline joins without waiting in execute() (a wait there holds up the requests behind it; the "
-        "scheduler refuses it where it cannot finish in time; a request without a deadline does not count "
-        "the jobs it holds); 0: it waits for room like any other",
+        "scheduler refuses it where it cannot finish in time; a request without a deadline counts jobs with "
+        "one only beyond that many); 0: it waits for room like any other",
     )
     cancel_poll_s: float = _parameter(
         0.05,

@@ -46,6 +46,17 @@ class StepCache:
     def __bool__(self) -> bool:
         return self.method != "none"
 
+    @property
+    def first_skip(self) -> int | None:
+        """The first step (0-based) at which a fresh cache may skip work: FBC's second (its first computes
+        and keeps what the next compares with), TaylorSeer's first after its warm-up where its interval
+        predicts; None where it never skips (no cache; TaylorSeer every step)."""
+        if self.method == "fbc":
+            return 1
+        if self.method == "taylorseer" and self.interval > 1:
+            return self.warmup
+        return None
+
 
 NO_CACHE = StepCache()
 

@@ -660,8 +660,8 @@ def test_a_full_engine_lets_a_request_with_a_deadline_in_without_waiting_up_to_i
 
 
 def test_a_request_without_a_deadline_does_not_count_the_jobs_the_deadline_room_holds():
-    # Three jobs with a deadline fill the capacity (2) and one of the room (2): a request without one is
-    # not held up by the job in the room, and goes in; a second would pass the capacity: it waits.
+    # Three jobs with a deadline fill the capacity (2) and one of the room (2): a request without one counts
+    # them only beyond 2 (1 job), and goes in; a second would count 1 + 1 + 1 > 2: it waits.
     adapter = Gated()
     engine = engine_for(adapter, max_running=2, max_per_forward=2)
     worker = worker_for(engine, waiting_room=0)

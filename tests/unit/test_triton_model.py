@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from tests.unit.recording import tracked
-from triton_diffusion.engine.degradation import StepsCut
+from triton_diffusion.engine.degradation import CacheGiven, StepsCut
 from triton_diffusion.engine.jobs import Job, JobSpec
 from triton_diffusion.errors import ErrorCode, RequestError
 from triton_diffusion.fields import SERVICE_FIELDS, FieldSet
@@ -95,6 +95,10 @@ def test_an_answer_is_kept_for_the_identical_requests_after_it_unless_degraded()
     degraded = Job.of(tracked("cut"), JobSpec(None))
     degraded.queue.cut = StepsCut(2, 2, 4, "deadline")
     intake.keep(parsed, [degraded], answer)  # fewer steps than its fields ask: not their answer
+    assert intake.results.get("key") is None
+    cached = Job.of(tracked("cached"), JobSpec(None))
+    cached.queue.cache_given = CacheGiven("fbc:0.2", 3, "deadline")
+    intake.keep(parsed, [cached], answer)  # a step cache its fields do not ask: not their answer either
     assert intake.results.get("key") is None
     intake.keep(ParsedRequest(0, {}, None, (JobSpec(None),)), [Job.of(tracked("a"), JobSpec(None))], answer)
     assert len(intake.results) == 0  # no key (no seed given, or the cache is off): nothing kept

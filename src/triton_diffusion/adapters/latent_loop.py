@@ -52,6 +52,7 @@ from triton_diffusion.adapters.step_caches import (
 from triton_diffusion.engine.failures import Failure, is_device_lost
 from triton_diffusion.engine.jobs import ForwardResult, Job, JobStep
 from triton_diffusion.families import PipelineFacts
+from triton_diffusion.step_cache_spec import NO_CACHE, parse_step_cache
 
 log = logging.getLogger("triton_diffusion")
 
@@ -243,16 +244,26 @@ class LatentStepAdapter(SizedRows, LatentStarts):
             return None
         return new_cache_state(request.step_cache, 2 if guided and self.cache_per_branch else 1)
 
-    def start_caches(self, jobs: list[Job]) -> None:
-        """Give these running jobs their ``degrade_cache`` from their next step (the scheduler's decision:
-        engine/degradation.py): a fresh state, as diffusers' cache enabled between two steps starts."""
+    def start_caches(self, jobs: list[Job]) -> list[str | None]:
+        """Give these running jobs the cache the scheduler gave them (``queue.cache_given``:
+        engine/degradation.py) from their next step: a fresh state, as diffusers' cache enabled between two
+        steps starts. Per job, None, or why not (it runs on without one)."""
+        refused: list[str | None] = []
         for job in jobs:
             state: LatentJob = job.state
-            spec = job.spec.params.degrade_cache
-            if self.row_caches is not None and spec and state.cache is None:
-                state.cache = new_cache_state(
-                    spec, 2 if state.unconditional is not None and self.cache_per_branch else 1
-                )
+            given = job.queue.cache_given
+            spec = parse_step_cache(given.step_cache) if given is not None else NO_CACHE
+            if not spec or self.row_caches is None or spec.method not in self.cache_methods:
+                refused.append(f"{spec.text} is not served by this model")
+            elif state.cache is not None:
+                refused.append(f"it runs {state.cache.spec.text} already")
+            elif job.run.group == ANY_SIZE:  # a packed forward's shared mask does not follow a cache
+                refused.append("it shares forwards with jobs of other sizes")
+            else:
+                branches = 2 if state.unconditional is not None and self.cache_per_branch else 1
+                state.cache = new_cache_state(spec, branches)
+                refused.append(None)
+        return refused
 
     def cache_plan(self, jobs: list[Job], adapters: list[LoraSet]) -> CachePlan | None:
         """The cached branches of a forward over these jobs' rows (None: no job has a step cache)."""

@@ -44,6 +44,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from triton_diffusion.step_cache_spec import parse_step_cache
+
 if TYPE_CHECKING:
     from triton_diffusion.engine.jobs import Job
 
@@ -68,7 +70,7 @@ class StepsCut:
 
 
 @dataclass(frozen=True)
-class CacheCut:
+class CacheGiven:
     """A running job given a step cache for its steps left, and why (BATCH ``degraded``)."""
 
     step_cache: str  # the cache's canonical text (``fbc:0.2``)
@@ -79,22 +81,18 @@ class CacheCut:
         return {"step_cache": self.step_cache, "cached_from_step": self.from_step, "reason": self.reason}
 
 
-# A cache decides from the step after its first (that one computes and keeps what the next compares
-# with): a job with fewer steps left than this gains nothing from it.
-CACHE_LEAST_STEPS_LEFT = 2
-
-
 def cache_for_deadline(
     step_cache: str, steps_done: int, steps_left: int, finish_s: float, time_left_s: float
-) -> CacheCut | None:
+) -> CacheGiven | None:
     """The cache a running job is given where the estimate ``finish_s`` of its ``steps_left`` at full
-    compute misses ``time_left_s`` (None where it is in time, or where too few steps are left for a cache
-    to skip any)."""
-    if steps_left < CACHE_LEAST_STEPS_LEFT or finish_s <= time_left_s:
+    compute misses ``time_left_s`` (None where it is in time, or where too few steps are left for the cache
+    to skip any: a fresh FBC computes its first step, a TaylorSeer its warm-up)."""
+    first_skip = parse_step_cache(step_cache).first_skip
+    if first_skip is None or steps_left <= first_skip or finish_s <= time_left_s:
         return None
     left_ms = max(time_left_s, 0) * 1000
     why = f"deadline: {steps_left} steps left estimated {finish_s * 1000:.0f} ms, {left_ms:.0f} ms left"
-    return CacheCut(step_cache, steps_done, why)
+    return CacheGiven(step_cache, steps_done, why)
 
 
 def cut_for_deadline(
@@ -206,7 +204,7 @@ def degraded_report(jobs: Sequence[Job]) -> dict[str, int | str]:
     if cuts:
         report.update(min(cuts, key=lambda cut: cut.steps).report())
         reasons.append(str(report["reason"]))
-    caches = [job.queue.cache_cut for job in jobs if job.queue.cache_cut is not None]
+    caches = [job.queue.cache_given for job in jobs if job.queue.cache_given is not None]
     if caches:
         report.update(min(caches, key=lambda cache: cache.from_step).report())
         reasons.append(str(report["reason"]))

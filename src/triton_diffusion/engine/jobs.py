@@ -21,7 +21,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from triton_diffusion.engine.degradation import CacheCut, StepsAllowed, StepsCut
+from triton_diffusion.engine.degradation import CacheGiven, StepsAllowed, StepsCut
 from triton_diffusion.engine.request_status import Request, RequestStatus
 from triton_diffusion.errors import RequestError
 
@@ -87,7 +87,9 @@ class Queue:
     paused_s: float = 0.0  # seconds spent paused
     pauses: int = 0  # times it was paused to make room for a higher tier
     cut: StepsCut | None = None  # fewer steps than asked (engine/degradation.py), decided before it starts
-    cache_cut: CacheCut | None = None  # a step cache for its steps left (engine/degradation.py), once running
+    cache_given: CacheGiven | None = (
+        None  # a step cache for its steps left (engine/degradation.py), once running
+    )
 
 
 @dataclass
@@ -158,7 +160,7 @@ class Job:
     @property
     def degraded(self) -> bool:
         """Run with less than its request asked: fewer steps, or a step cache (engine/degradation.py)."""
-        return self.queue.cut is not None or self.queue.cache_cut is not None
+        return self.queue.cut is not None or self.queue.cache_given is not None
 
     @property
     def remaining(self) -> int:

@@ -318,22 +318,35 @@ class Scheduler:
         if not self.service.refuse_late or not self.times.measured:
             return
         started = {id(j): j for j in self.running + self.paused}
-        if not any(j.spec.degrade_cache and j.queue.cache_cut is None for j in started.values()):
+        if not any(j.spec.degrade_cache and j.queue.cache_given is None for j in started.values()):
             return
-        held = [j for q in (self.waiting, self.running, self.paused) for j in q if not j.status.ended]
+        queues = (self.waiting, self.starting, self.running, self.paused)
+        held = [j for q in queues for j in q if not j.status.ended]
         held.sort(key=lambda j: self.order_key(j, now))
         ahead = 0
         for job in held:
             cache = job.spec.degrade_cache
-            if cache and job.queue.cache_cut is None and job.spec.deadline is not None and id(job) in started:
+            if (
+                cache
+                and job.queue.cache_given is None
+                and job.spec.deadline is not None
+                and id(job) in started
+            ):
                 finish = self.times.finish_in(job.spec.tokens, job.remaining, ahead, self._budget(job), True)
                 cut = cache_for_deadline(
                     cache, job.run.steps_done, job.remaining, finish, job.spec.deadline - now
                 )
                 if cut is not None:
-                    job.queue.cache_cut = cut
+                    job.queue.cache_given = cut
                     out.cache.append(job)
             ahead += job.remaining * job.spec.tokens
+
+    def caches_refused(self, refused: list[tuple[Job, str]]) -> None:
+        """The adapter could not give these jobs the cache decided for them (``refused``: each with why):
+        they run on without one, and are not reported degraded by it."""
+        for job, why in refused:
+            log.warning("%r: no step cache given (%s): it runs on without one", job, why)
+            job.queue.cache_given = None
 
     def _finish_after(
         self, job: Job, ahead_work: int, behind: tuple[Job, ...], held_back_s: float, freed: int, steps: int

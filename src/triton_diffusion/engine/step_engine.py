@@ -102,8 +102,9 @@ class StepCaching(Protocol):
     families whose denoiser serves one: adapters/latent_loop.py); the scheduler decides which
     (engine/degradation.py)."""
 
-    def start_caches(self, jobs: list[Job]) -> None:
-        """Turn on each job's ``spec.degrade_cache`` from its next step (a fresh cache state)."""
+    def start_caches(self, jobs: list[Job]) -> list[str | None]:
+        """Turn on each job's ``queue.cache_given`` from its next step (a fresh cache state); per job,
+        None, or why it could not (it runs on without one)."""
 
 
 class StepEngine:
@@ -189,7 +190,7 @@ class StepEngine:
             self._leave(left.job, left.reason, left.error)
         self.report.paused.extend(plan.pause)
         if plan.cache:  # the scheduler gave them their step cache (a deadline needs it): from this step on
-            cast(StepCaching, self.adapter).start_caches(plan.cache)
+            self._start_caches(plan.cache)
         if plan.admit:
             self._start(plan.admit)
         batch = scheduler.next_forward()
@@ -235,6 +236,17 @@ class StepEngine:
             self.scheduler.put_back(jobs)
             raise
         self.times.started(len(jobs), time.perf_counter() - started)
+
+    def _start_caches(self, jobs: list[Job]) -> None:
+        """The adapter turns the given caches on; a job it could not give one (or all of them, where it
+        raised) runs on without, and the scheduler forgets the decision."""
+        try:
+            why = cast(StepCaching, self.adapter).start_caches(jobs)
+        except Exception as exc:  # a bug: these jobs go on as they were, the others are untouched
+            why = [f"{type(exc).__name__}: {exc}"] * len(jobs)
+        refused = [(job, reason) for job, reason in zip(jobs, why, strict=True) if reason is not None]
+        if refused:
+            self.scheduler.caches_refused(refused)
 
     def _forward(self, batch: list[Job], packing: Packing | None = None) -> None:
         group = forward_group(batch)

@@ -248,7 +248,7 @@ class DiffusionModel:
         model takes checkpoints and the request gives a resume_key, the key its checkpoints go under (the
         host finds the one it starts from: serving/intake.py)."""
         previews = bool(values.get("progress")) and index == 0  # the first image speaks for its request
-        degrade_cache = self.degrade_cache(values, service.tier)
+        degrade_cache = self.degrade_cache(values, service.deadline, service.tier)
         if self.adapter is not None:
             params = self.step_request({**values, "degrade_cache": degrade_cache}, index)
         else:
@@ -272,7 +272,7 @@ class DiffusionModel:
             degrade_cache=degrade_cache,
         )
 
-    def degrade_cache(self, values: dict[str, Any], tier: int) -> str | None:
+    def degrade_cache(self, values: dict[str, Any], deadline: float | None, tier: int) -> str | None:
         """The step cache a request's images may be given where their deadline needs it (a family with
         step caches: text_to_image.py); None: never."""
         return None

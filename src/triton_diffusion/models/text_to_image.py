@@ -268,7 +268,7 @@ class TextToImageModel(DiffusionModel):
         values = dict(values)
         if values.get("lora") is not None:
             values["lora"] = lora_text(parse_lora(values["lora"], self.lora_limits)) or None
-        cache = self.step_cache_default
+        cache, sent = self.step_cache_default, values.get("step_cache") is not None  # else the default
         if values.get("step_cache") is not None:
             cache = parse_step_cache(values["step_cache"])
         if cache and cache.method not in self.step_cache_methods:
@@ -278,7 +278,7 @@ class TextToImageModel(DiffusionModel):
             )
         values["step_cache"] = cache.text if cache else None
         if values.get("degrade_step_cache") is not None:
-            values["degrade_step_cache"] = self.degrade_cache_text(values["degrade_step_cache"], cache)
+            values["degrade_step_cache"] = self.degrade_cache_text(values["degrade_step_cache"], cache, sent)
         one_step = self.one_step_schedulers
         if (
             one_step is not None
@@ -293,10 +293,11 @@ class TextToImageModel(DiffusionModel):
             )
         return self.sources.resolve(values, self.fields)
 
-    def degrade_cache_text(self, text: str, cache: StepCache) -> str:
+    def degrade_cache_text(self, text: str, cache: StepCache, sent: bool = True) -> str:
         """A request's ``degrade_step_cache`` in its canonical text (``none``: never, whatever its tier
         allows). Raises INVALID_ARG naming the field where the model's denoiser does not serve it, or where
-        the request runs a step cache already (a job runs one)."""
+        the request runs a step cache already (a job runs one; ``sent``: its own, else the model's
+        default)."""
         spec = parse_step_cache(text, field="degrade_step_cache")
         if not spec:
             return "none"
@@ -305,23 +306,33 @@ class TextToImageModel(DiffusionModel):
             raise invalid_field(
                 "degrade_step_cache", f"{spec.method} is not served by this model (allowed: {allowed})"
             )
-        if cache:
+        if cache and sent:
             raise invalid_field(
                 "degrade_step_cache",
                 f"the request runs step_cache {cache.text} already (a job runs one step cache): send one of "
                 "the two",
             )
+        if cache:
+            raise invalid_field(
+                "degrade_step_cache",
+                f"this model runs step_cache {cache.text} by default (config step_cache; a job runs one step "
+                "cache): send step_cache none with it",
+            )
         return spec.text
 
-    def degrade_cache(self, values: dict[str, Any], tier: int) -> str | None:
+    def degrade_cache(self, values: dict[str, Any], deadline: float | None, tier: int) -> str | None:
         """The step cache a request's images may be given for their steps left where their deadline needs
-        it (engine/degradation.py): its ``degrade_step_cache``, else its tier's in config; None on the
-        request-level engine, for a request with a step cache of its own, or one that sent ``none``."""
-        if self.adapter is None or values.get("step_cache"):
+        it (engine/degradation.py): its ``degrade_step_cache``, else its tier's in config. None where nothing
+        would give it (the request-level engine, no deadline, ``deadline_policy: best_effort``: so such a
+        job keeps packing with other sizes), on a model without the field (video), for a request with a
+        step cache of its own, or one that sent ``none``."""
+        config = self.settings.config
+        if self.adapter is None or deadline is None or config.deadline_policy != "refuse":
+            return None
+        if "degrade_step_cache" not in self.fields or values.get("step_cache"):
             return None
         sent = values.get("degrade_step_cache")
         if sent is None:
-            config = self.settings.config
             sent = (config.degrade_step_cache or {}).get(config.service_tiers[tier])
         return sent if sent and sent != "none" else None
 

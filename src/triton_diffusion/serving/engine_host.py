@@ -23,6 +23,7 @@ Once the engine holds nothing, the answers are sent and this instance writes its
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -138,12 +139,24 @@ class EngineHost:
             log.info("%s: drains on SIGTERM (drain file %s)", settings.instance or settings.name, drain_file)
         # Room without a wait for requests with a deadline, where the scheduler refuses the late ones.
         refuses = engine_kind.name == "step" and config.deadline_policy == "refuse"
-        if config.deadline_room and not refuses:  # said once at load, not silently dropped
+        # Set where nothing reads it: said once at load, not silently dropped.
+        unread = [
+            f"{name} {value}"
+            for name, value in (
+                ("deadline_room", config.deadline_room),
+                ("degrade_tiers", json.dumps(config.degrade_tiers) if config.degrade_tiers else None),
+                (
+                    "degrade_step_cache",
+                    json.dumps(config.degrade_step_cache) if config.degrade_step_cache else None,
+                ),
+            )
+            if value
+        ]
+        if unread and not refuses:
             log.warning(
-                "%s: deadline_room %d ignored: it needs the step engine with deadline_policy refuse (here: %s "
-                "engine, %s)",
+                "%s: %s ignored: it needs the step engine with deadline_policy refuse (here: %s engine, %s)",
                 settings.instance or settings.name,
-                config.deadline_room,
+                "; ".join(unread),
                 engine_kind.name,
                 config.deadline_policy,
             )
@@ -453,7 +466,7 @@ class EngineHost:
                 cut = [j.queue.cut.asked - j.queue.cut.steps for j in record.jobs if j.queue.cut is not None]
                 if cut:
                     self.metrics.increment("triton_diffusion_degraded_steps_total", sum(cut), tier=tier)
-                cached = sum(j.queue.cache_cut is not None for j in record.jobs)
+                cached = sum(j.queue.cache_given is not None for j in record.jobs)
                 if cached:
                     self.metrics.increment("triton_diffusion_degraded_caches_total", cached, tier=tier)
                 if job.spec.deadline is not None and not record.deadline_counted:  # in time, or late
@@ -513,7 +526,8 @@ class EngineHost:
         if names.cache_rows and report.stepped:  # summed per method first: each metric call is a round trip
             rows: dict[tuple[str, str], int] = {}
             for stepped in report.stepped:
-                method = stepped.job.spec.cache_method
+                given = stepped.job.queue.cache_given  # a cache given for its steps left counts as its own
+                method = given.step_cache.partition(":")[0] if given else stepped.job.spec.cache_method
                 rows[method, "computed"] = rows.get((method, "computed"), 0) + stepped.rows_computed
                 rows[method, "reused"] = rows.get((method, "reused"), 0) + stepped.rows_reused
             for (method, outcome), count in rows.items():

@@ -155,8 +155,9 @@ class EngineWorker:
 
     def _full(self, jobs: list[Job]) -> bool:
         """No room for ``jobs``. A request's room is ``capacity`` jobs, ``deadline_room`` more where it has
-        a deadline; one without a deadline does not count the jobs with one that the room holds (up to
-        ``deadline_room`` of them: they came in beside the capacity, not in it). A request of a higher tier
+        a deadline; one without a deadline counts the jobs without one and, of those with one, only the ones
+        beyond ``deadline_room`` of them (so requests with a deadline filling their room do not take its
+        place; all held stay within ``capacity + deadline_room`` for it). A request of a higher tier
         than a job held does not wait behind it: it may take up to ``capacity`` more than requests with a
         deadline may fill (the scheduler pauses or passes the lower jobs)."""
         held, count = self.engine.active, len(jobs)
