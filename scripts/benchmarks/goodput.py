@@ -12,10 +12,10 @@ at --cap concurrent requests, measured through the server first):
             in time, ended where its deadline passes
   degrade   the same, plus ``min_inference_steps`` = --least-share x its steps: the scheduler runs it with
             the most steps that meet its deadline where what it asked would not (engine/degradation.py)
-  tiers-room    tiers on a second model of the server, the same but for ``deadline_room`` 3 x its
-                capacity: where the model is full, a request with a deadline goes in for the scheduler to
-                refuse or order it instead of waiting for room in execute() (holding up the requests
-                behind it, higher tiers among them)
+  tiers-room    tiers on a second model of the server, the same but for ``deadline_room`` --room x
+                its capacity (3): where the model is full, a request with a deadline goes in for the
+                scheduler to refuse or order it instead of waiting for room in execute() (holding up the
+                requests behind it, higher tiers among them)
   degrade-room  degrade on that model
   cache, cache-room  (--variants; a DiT family, e.g. --arch tiny-flux) tiers and tiers-room, plus
                 ``degrade_step_cache`` = --degrade-cache: a started request late for its deadline at full
@@ -72,11 +72,11 @@ MODEL = "goodput"
 ROOM_MODEL = "goodput_room"
 
 
-def models(cap: int) -> dict[str, dict[str, str]]:
+def models(cap: int, room: float = 3.0) -> dict[str, dict[str, str]]:
     """The models, each with its config's edits beside the shared ones: as shipped (a request with a
-    deadline waits for room), and with room for requests with a deadline of 3 x the capacity (running
-    set and waiting room: --cap each)."""
-    return {MODEL: {"deadline_room": "0"}, ROOM_MODEL: {"deadline_room": str(3 * 2 * cap)}}
+    deadline waits for room), and with room for requests with a deadline of ``room`` x the capacity
+    (running set and waiting room: --cap each)."""
+    return {MODEL: {"deadline_room": "0"}, ROOM_MODEL: {"deadline_room": str(round(room * 2 * cap))}}
 
 
 def model_of(variant: str) -> str:
@@ -239,6 +239,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--deadline-scale", type=float, default=3.0)
     parser.add_argument("--rounds", type=int, default=5, help="runs per variant and load, order rotated")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--room",
+        type=float,
+        default=3.0,
+        help="the -room variants' deadline_room, in multiples of the capacity (running set and waiting "
+        "room: 2 x --cap)",
+    )
     parser.add_argument("--size", type=int, default=64, help="image height and width (a profile: its own)")
     parser.add_argument(
         "--no-deadline-share",
@@ -291,9 +298,9 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench-goodput-") as tmp:
         repo = Path(tmp) / "repo"
         repo.mkdir()
-        for name, edits in models(args.cap).items():
+        for name, edits in models(args.cap, args.room).items():
             copy_model("text_to_image", repo, name, {**config, **edits})
-        server = start_server(repo, Path(tmp) / "tritonserver.log", list(models(args.cap)))
+        server = start_server(repo, Path(tmp) / "tritonserver.log", list(models(args.cap, args.room)))
         try:
             return measure(server.grpc_url, args, config, args.out / "goodput.json")
         finally:
@@ -305,7 +312,7 @@ def measure(url: str, args: argparse.Namespace, config: dict, path: Path) -> dic
     requests = traffic(args.requests, args.steps, shares, args.seed, args.size, args.no_deadline_share)
     least = max(1, round(args.steps * args.least_share))
     for i in range(3):  # warm: the engine's estimates start from measured forwards
-        for name in models(args.cap):
+        for name in models(args.cap, args.room):
             generate_one(sent(requests[i], "fifo", 0, 0), "warm", url, name)
     alone = statistics.median(
         generate_one(sent(requests[i], "fifo", 0, 0), f"alone-{i}", url, MODEL).latency_s for i in range(5)
@@ -335,7 +342,7 @@ def measure(url: str, args: argparse.Namespace, config: dict, path: Path) -> dic
             "warm_up_fraction": WARM_UP_FRACTION,
             "model_config": {k: v for k, v in config.items() if k != "model"},
             "model_of": {v: model_of(v) for v in args.variants},
-            "model_edits": models(args.cap),
+            "model_edits": models(args.cap, args.room),
             "through": "tritonserver, gRPC, the project's client (one thread per request)",
         },
         "alone_s": alone,

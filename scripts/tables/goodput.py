@@ -31,6 +31,12 @@ PAIRS = (
 DEGRADING = ("degrade", ROOM_DEGRADE, "cache", "cache-room")
 
 
+def room_words(c: dict) -> str:
+    """The -room model's ``deadline_room``, as a multiple of the capacity (running set and waiting room)."""
+    room = int(c.get("model_edits", {}).get("goodput_room", {}).get("deadline_room", 6 * c["cap"]))
+    return f"{room / (2 * c['cap']):g} x its capacity"
+
+
 def render(artefact: dict[str, Any]) -> str:
     c = artefact["config"]
     shares = ", ".join(f"{tier} {share:g}" for tier, share in c["tier_shares"].items())
@@ -73,7 +79,7 @@ def render(artefact: dict[str, Any]) -> str:
         )
         + (
             "; the -room variants are the same on a model where a request with a deadline that "
-            "finds it full goes in for the scheduler to refuse or order (`deadline_room`: 3 x its capacity; "
+            f"finds it full goes in for the scheduler to refuse or order (`deadline_room`: {room_words(c)}; "
             "the others: `deadline_room: 0`, as shipped, it waits for room in execute())"
             if ROOM in c["variants"]
             else ""

@@ -290,6 +290,10 @@ def small_queue_server(tmp_path_factory):
         {
             "model": str(WEIGHTS / "tiny-sd"),
             "fault_injection": '{\\"step_delay_s\\": 0.05}',
+            # One job held and no waiting room: execute() blocks on the second request, so the queue
+            # fills whatever the host's speed (with the default room of 16 all 10 were taken at once).
+            "max_running": "1",
+            "waiting_room": "0",
         },
     )
     set_batching(repo, "text_to_image", 0, max_batch_size=1)

@@ -55,3 +55,11 @@ def test_misses_count_refused_and_expired_and_those_expired_after_starting():
     assert _misses(rounds, "tiers") == "3, 5 (3)"
     assert _misses(rounds, "degrade") == "-"  # not run
     assert _misses([{"tiers": {"refused": 1, "expired": 4}}], "tiers") == "-"  # from before the count
+
+
+def test_the_room_is_read_from_the_artefacts_model_edits():
+    from tables.goodput import room_words
+
+    edits = {"goodput": {"deadline_room": "0"}, "goodput_room": {"deadline_room": "16"}}
+    assert room_words({"cap": 8, "model_edits": edits}) == "1 x its capacity"
+    assert room_words({"cap": 8}) == "3 x its capacity"  # an artefact from before --room: 3 x, as then
