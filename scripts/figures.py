@@ -137,6 +137,9 @@ BLOCKS: dict[str, Figure] = {
         "bench.py goodput --device-profile sd15-h100",
     ),
     # GPU: scripts/gpu_checks.py on one H100 (docs/gpu/checks*/)
+    "published-flux-quality": Figure(
+        ("docs/published/flux_quality.json",), "published.render", "published_quality.py"
+    ),
     "gpu-graphs": Figure(
         ("docs/gpu/checks/cuda_graphs/bench_graphs.json",), "engines.graphs", stale=BEFORE_BOUNDARY
     ),
