@@ -126,10 +126,16 @@ BLOCKS: dict[str, Figure] = {
         "goodput.render",
         "bench.py goodput --arch tiny-flux --size 256 --variants tiers,cache,tiers-room,cache-room",
     ),
+    "goodput-room": Figure(
+        ("docs/cpu/goodput_room1/goodput.json",), "goodput.render", "bench.py goodput --room 1"
+    ),
+    "goodput-mixed-room3": Figure(
+        ("docs/cpu/goodput_mixed/goodput.json",), "goodput.render", "bench.py goodput --room 3"
+    ),
     "goodput-mixed": Figure(
-        ("docs/cpu/goodput_mixed/goodput.json",),
+        ("docs/cpu/goodput_mixed_room1/goodput.json",),
         "goodput.render",
-        "bench.py goodput --variants tiers,tiers-room --no-deadline-share 0.3",
+        "bench.py goodput --variants tiers,tiers-room --no-deadline-share 0.3 --room 1",
     ),
     "goodput-sd15-h100": Figure(
         ("docs/profiles/sd15-h100/goodput.json",),

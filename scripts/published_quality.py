@@ -114,7 +114,11 @@ def main(argv: list[str] | None = None) -> None:
         # The figures were measured by the source's authors, not here: that is the machine the line names.
         "provenance": {
             **provenance(["scripts/published_quality.py", str(args.source)]),
-            "machine": f"published ({REPO} at {COMMIT[:7]}; an NVIDIA L20 by its account)",
+            "machine": {
+                "cpu": f"not measured here: published by {REPO}",
+                "cores": None,
+                "gpu": f"published ({REPO} at {COMMIT[:7]}; an NVIDIA L20 by its account)",
+            },
         },
         "source": {
             "repo": REPO,

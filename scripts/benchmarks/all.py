@@ -1,4 +1,4 @@
-"""Re-take every CPU figure: each CPU benchmark in turn, sized to its share of one budget (115 minutes on
+"""Re-take every CPU figure: each CPU benchmark in turn, sized to its share of one budget (131 minutes on
 the project's 2-core host), then ``scripts/figures.py`` renders every block.
 
     .venv/bin/python scripts/bench.py all --out docs                 # every CPU benchmark, then figures
@@ -30,20 +30,21 @@ from pathlib import Path
 
 from benchmarks.common import REPO_ROOT
 
-BUDGET_S = 115 * 60
+BUDGET_S = 131 * 60
 # The goodput benchmark on this CPU, in steady state (150 requests a run, 5 variants): about 11 minutes.
-GOODPUT_SHARE = 0.1126
+GOODPUT_SHARE = 0.0996
 # The crash soak's share: 5 rounds of 2 runs of 150-step jobs (13 minutes measured, --mid-job 75); the others
 # keep the minutes they had under a 40-minute budget.
-CRASH_SOAK_SHARE = 0.1579
-# The goodput benchmark on mixed traffic (tiny SD, 2 variants, 4 loads): about 6 minutes.
-GOODPUT_MIXED_SHARE = 0.0563
+CRASH_SOAK_SHARE = 0.1397
+# The goodput benchmark's room at the door (tiny SD, 2 variants, 4 loads), on traffic with deadlines and on
+# mixed traffic at the default room and at 3 x: about 7 minutes each.
+GOODPUT_MIXED_SHARE = 0.054
 # The goodput benchmark's step cache for the steps left (tiny FLUX.1 at 256x256, 4 variants, 3 loads):
 # 14.7 minutes measured.
-GOODPUT_CACHE_SHARE = 0.1597
+GOODPUT_CACHE_SHARE = 0.1413
 # The goodput benchmark at an H100's cost ratios, 5 variants: about 17 minutes (a GPU's forwards: 0.7 s a
 # request).
-GOODPUT_SD15_SHARE = 0.1878
+GOODPUT_SD15_SHARE = 0.1661
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,7 @@ PLAN = (
             "--out",
             "{out}/cpu",
         ),
-        0.0142,
+        0.0126,
     ),
     # The same engines through the real server and the project's gRPC client, and the OpenAI front's
     # overhead against gRPC direct (one run each: figures, no verdict).
@@ -98,14 +99,14 @@ PLAN = (
             "--out",
             "{out}",
         ),
-        0.0168,
+        0.0149,
     ),
     Take(
         "mixed_sizes",
         ("--rounds", "5", "--requests", "16", "--loads", "", "--out", "{out}/cpu"),
-        0.0056,
+        0.0050,
     ),
-    Take("checkpoint_cost", ("--rounds", "15", "--engine-steps", "100", "--out", "{out}/cpu"), 0.0199),
+    Take("checkpoint_cost", ("--rounds", "15", "--engine-steps", "100", "--out", "{out}/cpu"), 0.0176),
     # The same at an H100's cost ratios: SD 1.5's forward and decode timed as measured on one.
     Take(
         "checkpoint_cost_sd15",
@@ -121,22 +122,22 @@ PLAN = (
             "--out",
             "{out}/profiles/sd15-h100",
         ),
-        0.0168,
+        0.0149,
         benchmark="checkpoint_cost",
     ),
     Take(
         "caches", ("--requests", "16", "--rounds", "5", "--threads", "1", "--out", "{out}/cpu/caches"), 0.0563
     ),
-    Take("lora", ("--repeats", "5", "--out", "{out}/cpu/lora"), 0.0056),
+    Take("lora", ("--repeats", "5", "--out", "{out}/cpu/lora"), 0.0050),
     Take(
         "slo",
         ("--requests", "48", "--loads", "0.9,1.1", "--rounds", "5", "--out", "{out}/cpu/slo"),
-        0.0368,
+        0.0326,
     ),
     Take(
         "slo_server",
         ("--requests", "40", "--loads", "1.1", "--rounds", "5", "--out", "{out}/cpu/slo"),
-        0.0168,
+        0.0149,
     ),
     # Degrading rows against refusing them, through the real server at loads below and above capacity.
     Take(
@@ -144,9 +145,50 @@ PLAN = (
         ("--requests", "150", "--loads", "0.5,0.8,1.5,2.0", "--rounds", "5", "--out", "{out}/cpu"),
         GOODPUT_SHARE,
     ),
-    # Mixed traffic (a share of requests without a deadline): the door with deadline_room against without.
+    # The door with deadline_room (the default's, 1 x the capacity) against without, on traffic with
+    # deadlines and on mixed traffic (a share of requests without one); and a room of 3 x on the mixed.
+    Take(
+        "goodput_room",
+        (
+            "--variants",
+            "tiers,tiers-room",
+            "--room",
+            "1",
+            "--requests",
+            "150",
+            "--loads",
+            "0.5,0.8,1.5,2.0",
+            "--rounds",
+            "5",
+            "--out",
+            "{out}/cpu/goodput_room1",
+        ),
+        GOODPUT_MIXED_SHARE,
+        benchmark="goodput",
+    ),
     Take(
         "goodput_mixed",
+        (
+            "--variants",
+            "tiers,tiers-room",
+            "--room",
+            "1",
+            "--no-deadline-share",
+            "0.3",
+            "--requests",
+            "150",
+            "--loads",
+            "0.5,0.8,1.5,2.0",
+            "--rounds",
+            "5",
+            "--out",
+            "{out}/cpu/goodput_mixed_room1",
+        ),
+        GOODPUT_MIXED_SHARE,
+        benchmark="goodput",
+    ),
+    Take(
+        "goodput_mixed_room3",
         (
             "--variants",
             "tiers,tiers-room",
@@ -204,8 +246,8 @@ PLAN = (
         GOODPUT_SD15_SHARE,
         benchmark="goodput",
     ),
-    Take("graphs", ("--repeats", "3", "--out", "{out}/cpu"), 0.0028),
-    Take("dllm", ("--concurrency", "1,4", "--requests-per-client", "3", "--out", "{out}"), 0.0056),
+    Take("graphs", ("--repeats", "3", "--out", "{out}/cpu"), 0.0025),
+    Take("dllm", ("--concurrency", "1,4", "--requests-per-client", "3", "--out", "{out}"), 0.0050),
     Take(
         "crash_soak",
         (
@@ -235,7 +277,7 @@ PLAN = (
     Take(
         "restart_times",
         ("--before", "a98bd43", "--rounds", "5", "--out", "{out}/cpu/restart_times.json"),
-        0.0939,
+        0.0831,
         "scripts/restart_times.py",
     ),
     Take("model_reload", ("--out", "{out}/cpu/model_reload.json"), 0.0226, "scripts/model_reload_check.py"),

@@ -21,7 +21,8 @@ at --cap concurrent requests, measured through the server first):
                 ``degrade_step_cache`` = --degrade-cache: a started request late for its deadline at full
                 compute is given that step cache for its steps left (engine/degradation.py)
 
-The first three run on the model as shipped (``deadline_room`` 0); the two -room variants read what the
+The first three run on a model with ``deadline_room`` 0 (a request with a deadline waits for room in
+execute(), as every request did before the room was on by default); the two -room variants read what the
 door that lets requests with a deadline in (engine_worker.py) does, each against its own variant.
 
 Reported per run (every offered request after the warm-up counted; refused, expired and late requests
@@ -73,8 +74,8 @@ ROOM_MODEL = "goodput_room"
 
 
 def models(cap: int, room: float = 3.0) -> dict[str, dict[str, str]]:
-    """The models, each with its config's edits beside the shared ones: as shipped (a request with a
-    deadline waits for room), and with room for requests with a deadline of ``room`` x the capacity
+    """The models, each with its config's edits beside the shared ones: ``deadline_room`` 0 (a request
+    with a deadline waits for room), and with room for requests with a deadline of ``room`` x the capacity
     (running set and waiting room: --cap each)."""
     return {MODEL: {"deadline_room": "0"}, ROOM_MODEL: {"deadline_room": str(round(room * 2 * cap))}}
 

@@ -80,7 +80,7 @@ def render(artefact: dict[str, Any]) -> str:
         + (
             "; the -room variants are the same on a model where a request with a deadline that "
             f"finds it full goes in for the scheduler to refuse or order (`deadline_room`: {room_words(c)}; "
-            "the others: `deadline_room: 0`, as shipped, it waits for room in execute())"
+            "the others: `deadline_room: 0`: it waits for room in execute())"
             if ROOM in c["variants"]
             else ""
         )

@@ -259,12 +259,14 @@ class ModelConfig:
         derived=Derived("max_rows_per_call", request="max(max_batch_size, max_rows_per_call)", lm="4"),
     )
     max_admission_wait_s: float = _parameter(120.0, "longest a request waits for room before UNAVAILABLE")
-    deadline_room: int = _parameter(
-        0,
+    deadline_room: int | None = _parameter(
+        None,
         "step engine, deadline_policy refuse: jobs beyond max_running + waiting_room that a request with a "
         "deadline joins without waiting in execute() (a wait there holds up the requests behind it; the "
         "scheduler refuses it where it cannot finish in time; a request without a deadline counts jobs with "
-        "one only beyond that many); 0: it waits for room like any other",
+        "one only beyond that many); 0: it waits for room like any other (the diffusion LM's default: not "
+        "measured there)",
+        derived=Derived("max_running + waiting_room", request="0", lm="0"),
     )
     cancel_poll_s: float = _parameter(
         0.05,

@@ -22,6 +22,7 @@ PAGE_FIGURES = {
     "restart-times": "docs/operations/reliability.md",
     "checkpoint-cost-line": "docs/operations/crash-recovery.md",
     "headline": "docs/performance/index.md",
+    "published-flux-quality": "docs/usage/degradation.md",
 }
 
 

@@ -23,6 +23,36 @@ def test_backend_directory_links_the_stub_of_the_running_python(tmp_path):
     launcher.make_backend_directory(root, tmp_path / "backends")  # idempotent
 
 
+def test_servers_started_at_once_never_race_on_the_backend_links(tmp_path):
+    # Two server roots, so each call replaces the links the other made: with an unlink then a symlink,
+    # threads doing this at once raise FileExistsError (as two test workers' servers did).
+    import threading
+
+    roots = [fake_server_root(tmp_path / str(i), [launcher.python_version_tag()]) for i in range(2)]
+    errors: list[BaseException] = []
+
+    def build(i: int) -> None:
+        try:
+            for n in range(40):
+                launcher.make_backend_directory(roots[(i + n) % 2], tmp_path / "backends")
+        except BaseException as error:  # noqa: BLE001 (collected for the assert)
+            errors.append(error)
+
+    threads = [threading.Thread(target=build, args=(i,)) for i in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    python = tmp_path / "backends" / "python"
+    assert sorted(p.name for p in python.iterdir()) == [
+        "libtriton_python.so",
+        "triton_python_backend_stub",
+        "triton_python_backend_utils.py",
+    ]  # no temporary link left behind
+    assert all(str(p.resolve()).startswith(str(tmp_path)) for p in python.iterdir())
+
+
 def test_missing_stub_is_a_clear_error(tmp_path):
     root = fake_server_root(tmp_path, ["2.7"])
     with pytest.raises(

@@ -160,6 +160,7 @@ LABELS = {
     "request engine": ("request",),
     "diffusion_lm": ("lm",),
     "image and video models": ("step", "request"),
+    "request engine and diffusion_lm": ("request", "lm"),
 }
 SAFE = {"__builtins__": {}, "max": max, "min": min}
 
@@ -217,7 +218,11 @@ def engine_values(params: dict[str, str], max_batch_size: int, case: str) -> dic
     if case == "request":
         caps = DiffusionModel.row_caps(loaded)  # what DiffusionModel.setup builds its engine with
         kind = RequestEngineKind(lambda *args: [], caps)
-        return {"max_rows_per_call": caps.max_rows, "waiting_room": kind.capacity(loaded) - caps.max_rows}
+        return {
+            "max_rows_per_call": caps.max_rows,
+            "waiting_room": kind.capacity(loaded) - caps.max_rows,
+            "deadline_room": kind.deadline_room(loaded),
+        }
     caps = None if case == "lm" else DiffusionModel.row_caps(loaded)
     step_kind = StepEngineKind(object(), caps)  # as the models build it
     engine = step_kind.build(loaded, lambda report: None)
@@ -226,6 +231,7 @@ def engine_values(params: dict[str, str], max_batch_size: int, case: str) -> dic
         "waiting_room": step_kind.capacity(loaded) - engine.limits.max_running,
         "max_paused": engine.limits.max_paused,
         "admission_cohort": engine.scheduler.pacing.cohort,
+        "deadline_room": step_kind.deadline_room(loaded),  # what the host gives its door
     }
     if case == "step":
         values["max_rows_per_call"] = engine.limits.max_per_forward

@@ -172,7 +172,7 @@ class EngineHost:
             aborts=engine_kind.aborts(settings),
             between_steps=self._drain_pass if self.drain is not None else None,
             idle_tick_s=POLL_S,
-            deadline_room=config.deadline_room if refuses else 0,
+            deadline_room=engine_kind.deadline_room(settings),
         )
 
     def cost_model(self) -> dict[str, Any] | None:

@@ -93,6 +93,12 @@ class StepEngineKind:
         """Jobs held before execute() blocks: the running set and the waiting room."""
         return settings.resolved("max_running", self.name) + settings.resolved("waiting_room", self.name)
 
+    def deadline_room(self, settings: ModelSettings) -> int:
+        """Jobs beyond ``capacity`` a request with a deadline joins without waiting in execute(): where the
+        scheduler refuses late ones (``deadline_policy: refuse``), else none (nothing would refuse them)."""
+        refuses = settings.config.deadline_policy == "refuse"
+        return int(settings.resolved("deadline_room", self.name)) if refuses else 0
+
 
 @dataclass(frozen=True)
 class RequestEngineKind:
@@ -115,6 +121,11 @@ class RequestEngineKind:
     def capacity(self, settings: ModelSettings) -> int:
         """Images held before execute() blocks: one fused call's and the waiting room."""
         return self.caps.max_rows + settings.resolved("waiting_room", self.name)
+
+    @staticmethod
+    def deadline_room(settings: ModelSettings) -> int:
+        """None: this engine refuses nothing for a deadline, so a request with one waits like any other."""
+        return 0
 
 
 EngineKind = StepEngineKind | RequestEngineKind

@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import sysconfig
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,9 +81,14 @@ def make_backend_directory(server_root: Path, target: Path) -> Path:
     }
     for name, source in sources.items():
         link = python_dir / name
-        if link.is_symlink() or link.exists():
-            link.unlink()
-        link.symlink_to(source)
+        if link.is_symlink() and os.readlink(link) == str(source):
+            continue
+        # Made under a name of its own, then renamed over the old one (atomic): servers started at once
+        # (test workers, a supervisor's restart) never see the link missing or race to create it.
+        fresh = python_dir / f".{name}.{os.getpid()}.{threading.get_ident()}"
+        fresh.unlink(missing_ok=True)
+        fresh.symlink_to(source)
+        os.replace(fresh, link)
     return target
 
 
