@@ -3,10 +3,10 @@
 The tiny models serve no quality a person would judge (their PSNR says how far an image moved, not how good
 it looks), so the degradation page quotes what fewer steps and step caches cost FLUX.1-dev in a published
 benchmark: cache-dit's ``bench/cache/README.md`` (FLUX.1-dev, 50 steps, DrawBench prompts, an NVIDIA
-L20; ImageReward and CLIP score, and PSNR against the 50-step image). This script takes the rows named in
-:data:`TABLES` out of a copy of that file, character for character, and writes them with the file's
-SHA-256 into ``docs/published/flux_quality.json`` (rendered by scripts/figures.py, block
-``published-flux-quality``). Nothing is read from the network: fetch the file first, for example
+L20 for its own runs; the other methods' rows quoted from the FoCa paper, arXiv 2508.16211). This script
+takes the rows named in :data:`TABLES` out of a copy of that file, character for character, and writes
+them with the file's SHA-256 into ``docs/published/flux_quality.json`` (rendered by scripts/figures.py,
+block ``published-flux-quality``). Nothing is read from the network: fetch the file first, for example
 
     git -C <a clone of vipshop/cache-dit> \\
         show f86744af7daa0f569fe4324e73e3e50cebf70f4c:bench/cache/README.md > /tmp/cache-dit-bench.md
@@ -35,21 +35,23 @@ TABLES = (
         "heading": "## 📚Text2Image DrawBench: FLUX.1-dev",
         "index": 1,
         "caption": "ImageReward and CLIP score (higher is better) of FLUX.1-dev with fewer steps and with "
-        "step caches, against its 50 steps (speedup: the ratio of TFLOPs)",
+        "TaylorSeer, against its 50 steps, as the source quotes them from the FoCa paper (arXiv 2508.16211; "
+        "the hardware is not stated there); speedup as the source gives it",
         "rows": (
             "[**FLUX.1**-dev]: 50 steps",
             "[**FLUX.1**-dev]: 60% steps",
             "[**FLUX.1**-dev]: 34% steps",
             "[**FLUX.1**-dev]: 22% steps",
             "TaylorSeer(N=4,O=2)",
-            "**[DBCache(S)+TS](https://github.com/vipshop/cache-dit)**",
         ),
     },
     {
         "heading": "### 📖PSNR: DBCache(Slow) FnBn",
         "index": 0,
-        "caption": "PSNR of FLUX.1-dev's image with cache-dit's first-block cache (F1B0: a residual "
-        "threshold R on the first block, as FBC decides) against the same image at 50 steps uncached",
+        "caption": "PSNR of FLUX.1-dev's image with cache-dit's DBCache on the first block only (F1B0: a "
+        "threshold R on the first block's residual, as FBC decides, plus two rules FBC has not: W4, the "
+        "first 4 steps never cached, and MC, at most that many cached steps in a row) against the same "
+        "image at 50 steps uncached, measured by cache-dit on an NVIDIA L20",
         "rows": (
             "Baseline: [FLUX.1.dev, 50 steps]",
             "F1B0_W4M0MC0_R0.08_T0O0",
@@ -117,7 +119,8 @@ def main(argv: list[str] | None = None) -> None:
             "machine": {
                 "cpu": f"not measured here: published by {REPO}",
                 "cores": None,
-                "gpu": f"published ({REPO} at {COMMIT[:7]}; an NVIDIA L20 by its account)",
+                "gpu": f"published ({REPO} at {COMMIT[:7]}: its own runs on an NVIDIA L20, others quoted "
+                "from the FoCa paper)",
             },
         },
         "source": {
@@ -126,7 +129,8 @@ def main(argv: list[str] | None = None) -> None:
             "commit": COMMIT,
             "url": f"https://github.com/{REPO}/blob/{COMMIT}/{PATH}",
             "sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(),
-            "setup": "as the source states: FLUX.1-dev, 50 steps, DrawBench prompts, an NVIDIA L20",
+            "setup": "as the source states: FLUX.1-dev, 50 steps, DrawBench prompts; cache-dit's own runs on "
+            "an NVIDIA L20, the other methods' figures quoted from the FoCa paper",
         },
         "tables": quote(text),
     }

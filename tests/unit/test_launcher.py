@@ -25,7 +25,8 @@ def test_backend_directory_links_the_stub_of_the_running_python(tmp_path):
 
 def test_servers_started_at_once_never_race_on_the_backend_links(tmp_path):
     # Two server roots, so each call replaces the links the other made: with an unlink then a symlink,
-    # threads doing this at once raise FileExistsError (as two test workers' servers did).
+    # threads doing this at once raise FileExistsError or FileNotFoundError (as two test workers'
+    # servers did); a race, so the old code fails here often, not always.
     import threading
 
     roots = [fake_server_root(tmp_path / str(i), [launcher.python_version_tag()]) for i in range(2)]
@@ -50,7 +51,8 @@ def test_servers_started_at_once_never_race_on_the_backend_links(tmp_path):
         "triton_python_backend_stub",
         "triton_python_backend_utils.py",
     ]  # no temporary link left behind
-    assert all(str(p.resolve()).startswith(str(tmp_path)) for p in python.iterdir())
+    sources = {str(p) for root in roots for p in root.rglob("*") if p.is_file()}
+    assert all(str(p.resolve()) in sources for p in python.iterdir())  # each a whole link to a source
 
 
 def test_missing_stub_is_a_clear_error(tmp_path):

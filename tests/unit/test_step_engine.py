@@ -712,7 +712,7 @@ def test_a_lower_tier_filling_the_deadline_room_leaves_a_higher_tier_its_capacit
 @pytest.mark.parametrize(
     "config, room",
     [
-        ({}, 16),  # unset: max_running + waiting_room
+        ({}, 12),  # unset: max_running + waiting_room
         ({"deadline_room": "0"}, 0),  # the wait kept
         ({"deadline_room": "5"}, 5),
         ({"deadline_policy": "best_effort"}, 0),  # unset and not read: nothing said
@@ -732,13 +732,13 @@ def test_the_host_gives_requests_with_a_deadline_their_room_where_the_scheduler_
 
         increment = set = observe
 
-    parsed = ModelConfig.parse({"max_running": "8", "waiting_room": "8", **config}, ["image"], [], "m")
+    parsed = ModelConfig.parse({"max_running": "8", "waiting_room": "4", **config}, ["image"], [], "m")
     settings = ModelSettings("m", Path("."), parsed, {}, 8, "CPU", 0)
     host = EngineHost(
         RaisingKind({}), StepEngineKind(FakeAdapter()), settings, Metrics(), IMAGE_METRICS, print
     )
     try:
-        assert host.worker.capacity == 16 and host.worker.deadline_room == room
+        assert host.worker.capacity == 12 and host.worker.deadline_room == room
     finally:
         host.close()
     ignored = [r.message for r in caplog.records if "ignored" in r.message]

@@ -87,9 +87,10 @@ class Queue:
     paused_s: float = 0.0  # seconds spent paused
     pauses: int = 0  # times it was paused to make room for a higher tier
     cut: StepsCut | None = None  # fewer steps than asked (engine/degradation.py), decided before it starts
-    cache_given: CacheGiven | None = (
-        None  # a step cache for its steps left (engine/degradation.py), once running
-    )
+    # A step cache for its steps left (engine/degradation.py), once running; and whether the adapter
+    # refused it one (then it is not decided again: the reason would not change).
+    cache_given: CacheGiven | None = None
+    cache_refused: bool = False
 
 
 @dataclass

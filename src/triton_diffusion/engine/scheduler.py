@@ -318,7 +318,10 @@ class Scheduler:
         if not self.service.refuse_late or not self.times.measured:
             return
         started = {id(j): j for j in self.running + self.paused}
-        if not any(j.spec.degrade_cache and j.queue.cache_given is None for j in started.values()):
+        if not any(
+            j.spec.degrade_cache and j.queue.cache_given is None and not j.queue.cache_refused
+            for j in started.values()
+        ):
             return
         queues = (self.waiting, self.starting, self.running, self.paused)
         held = [j for q in queues for j in q if not j.status.ended]
@@ -329,6 +332,7 @@ class Scheduler:
             if (
                 cache
                 and job.queue.cache_given is None
+                and not job.queue.cache_refused
                 and job.spec.deadline is not None
                 and id(job) in started
             ):
@@ -343,10 +347,10 @@ class Scheduler:
 
     def caches_refused(self, refused: list[tuple[Job, str]]) -> None:
         """The adapter could not give these jobs the cache decided for them (``refused``: each with why):
-        they run on without one, and are not reported degraded by it."""
+        they run on without one, are not reported degraded by it, and are not given one again."""
         for job, why in refused:
             log.warning("%r: no step cache given (%s): it runs on without one", job, why)
-            job.queue.cache_given = None
+            job.queue.cache_given, job.queue.cache_refused = None, True
 
     def _finish_after(
         self, job: Job, ahead_work: int, behind: tuple[Job, ...], held_back_s: float, freed: int, steps: int

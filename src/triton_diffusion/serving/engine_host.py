@@ -137,9 +137,9 @@ class EngineHost:
         self._cost_published = 0.0  # when the cost model's metrics were last set (monotonic seconds)
         if self.drain is not None:
             log.info("%s: drains on SIGTERM (drain file %s)", settings.instance or settings.name, drain_file)
-        # Room without a wait for requests with a deadline, where the scheduler refuses the late ones.
+        # Where the scheduler refuses late jobs (the step engine with deadline_policy refuse): what reads
+        # deadline_room and the degrade settings. Set where nothing reads them: said once at load.
         refuses = engine_kind.name == "step" and config.deadline_policy == "refuse"
-        # Set where nothing reads it: said once at load, not silently dropped.
         unread = [
             f"{name} {value}"
             for name, value in (

@@ -12,12 +12,12 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import secrets
 import shutil
 import signal
 import subprocess
 import sys
 import sysconfig
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,10 +85,12 @@ def make_backend_directory(server_root: Path, target: Path) -> Path:
             continue
         # Made under a name of its own, then renamed over the old one (atomic): servers started at once
         # (test workers, a supervisor's restart) never see the link missing or race to create it.
-        fresh = python_dir / f".{name}.{os.getpid()}.{threading.get_ident()}"
-        fresh.unlink(missing_ok=True)
+        fresh = python_dir / f".{name}.{secrets.token_hex(8)}"
         fresh.symlink_to(source)
-        os.replace(fresh, link)
+        try:
+            os.replace(fresh, link)
+        finally:
+            fresh.unlink(missing_ok=True)  # gone once renamed; left only where the rename failed
     return target
 
 
