@@ -119,12 +119,7 @@ BLOCKS: dict[str, Figure] = {
     # step caches, tiers and deadlines
     "caches": Figure(("docs/cpu/caches/bench_caches.json",), "caches.render"),
     "slo": Figure(("docs/cpu/slo/bench_slo.json",), "slo.render"),
-    "slo-server": Figure(
-        ("docs/cpu/slo/bench_slo_server.json",),
-        "slo.render_server",
-        stale="taken before deadline_room was on by default (commit 5442f1e): its tiers ran with a request "
-        "with a deadline waiting at a full door, and not taken again since",
-    ),
+    "slo-server": Figure(("docs/cpu/slo/bench_slo_server.json",), "slo.render_server"),
     "goodput": Figure(("docs/cpu/goodput.json",), "goodput.render", "bench.py goodput"),
     "goodput-cache": Figure(
         ("docs/cpu/goodput_cache/goodput.json",),
