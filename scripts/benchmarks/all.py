@@ -59,6 +59,29 @@ class Take:
     benchmark: str = ""  # bench.py's NAME where it is not ``name`` (one benchmark taken twice)
 
 
+def _door(name: str, traffic: tuple[str, ...], out: str) -> Take:
+    """A take of the door with deadline_room against without (tiers against tiers-room) on tiny SD:
+    ``traffic``'s arguments (the room, a share without a deadline) between the variants and the rest."""
+    return Take(
+        name,
+        (
+            "--variants",
+            "tiers,tiers-room",
+            *traffic,
+            "--requests",
+            "150",
+            "--loads",
+            "0.5,0.8,1.5,2.0",
+            "--rounds",
+            "5",
+            "--out",
+            f"{{out}}/cpu/{out}",
+        ),
+        GOODPUT_MIXED_SHARE,
+        benchmark="goodput",
+    )
+
+
 PLAN = (
     # The headline: both engines in one process, closed loop and Poisson at 50/80/95% of the request-level
     # engine's capacity, on the true arrival clock.
@@ -147,65 +170,9 @@ PLAN = (
     ),
     # The door with deadline_room (the default's, 1 x the capacity) against without, on traffic with
     # deadlines and on mixed traffic (a share of requests without one); and a room of 3 x on the mixed.
-    Take(
-        "goodput_room",
-        (
-            "--variants",
-            "tiers,tiers-room",
-            "--room",
-            "1",
-            "--requests",
-            "150",
-            "--loads",
-            "0.5,0.8,1.5,2.0",
-            "--rounds",
-            "5",
-            "--out",
-            "{out}/cpu/goodput_room1",
-        ),
-        GOODPUT_MIXED_SHARE,
-        benchmark="goodput",
-    ),
-    Take(
-        "goodput_mixed",
-        (
-            "--variants",
-            "tiers,tiers-room",
-            "--room",
-            "1",
-            "--no-deadline-share",
-            "0.3",
-            "--requests",
-            "150",
-            "--loads",
-            "0.5,0.8,1.5,2.0",
-            "--rounds",
-            "5",
-            "--out",
-            "{out}/cpu/goodput_mixed_room1",
-        ),
-        GOODPUT_MIXED_SHARE,
-        benchmark="goodput",
-    ),
-    Take(
-        "goodput_mixed_room3",
-        (
-            "--variants",
-            "tiers,tiers-room",
-            "--no-deadline-share",
-            "0.3",
-            "--requests",
-            "150",
-            "--loads",
-            "0.5,0.8,1.5,2.0",
-            "--rounds",
-            "5",
-            "--out",
-            "{out}/cpu/goodput_mixed",
-        ),
-        GOODPUT_MIXED_SHARE,
-        benchmark="goodput",
-    ),
+    _door("goodput_room", ("--room", "1"), "goodput_room1"),
+    _door("goodput_mixed", ("--room", "1", "--no-deadline-share", "0.3"), "goodput_mixed_room1"),
+    _door("goodput_mixed_room3", ("--no-deadline-share", "0.3"), "goodput_mixed"),
     # A step cache for the steps left against tiers without it (tiny FLUX.1: a DiT), on both doors.
     Take(
         "goodput_cache",
