@@ -51,7 +51,7 @@ BENCHMARKS = {
             "checkpoint_cost", "", "what checkpoints cost an engine step, at each interval against off"
         ),
         Benchmark("goodput", "", "degrading rows against refusing them under overload, through the server"),
-        Benchmark("all", "", "every CPU benchmark, each sized to its share of 30 minutes; then figures"),
+        Benchmark("all", "", "every CPU benchmark, each sized to its share of one budget; then figures"),
     )
 }
 DEFAULT = "server"  # what bench.py ran before it took a NAME: a first argument that is no NAME runs it

@@ -2,14 +2,14 @@
 against one forward per latent shape, against the request-level engine, in one process.
 
 Variants (one loaded model per family; the switch is flipped on its step adapter between runs):
-  packed    the step engine with ``adapter.packs_sizes = True``: jobs of every size share one group, each
+  packed    the step engine with the adapter's packing on: jobs of every size share one group, each
             row padded to the longest with an attention key mask, within a token budget per forward
-  by-shape  the step engine with ``adapter.packs_sizes = False``: one latent shape per forward (the engine
+  by-shape  the step engine with it off: one latent shape per forward (the engine
             before packing: three sizes in flight take three forwards for every job to advance once)
   request   the request-level engine: one fused diffusers call per compatibility key (so per size) of each
             batch Triton would form (at most --window requests), --cap images a call
 
-Where the adapter has no ``packs_sizes`` (a tree before the feature) ``packed`` runs what ``by-shape`` runs;
+Where the adapter cannot pack (a tree before the feature) ``packed`` runs what ``by-shape`` runs;
 the artefact records it (``families.<arch>.packing_available``) and the figures block says so.
 
 Traffic, sizes given as WxH (--sizes; the defaults are the tiny models' CPU sizes):
@@ -54,6 +54,7 @@ check (``scripts/gpu_checks.py``, part ``mixed_sizes``) runs it at real sizes:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
 import statistics
 import time
@@ -80,7 +81,7 @@ from triton_diffusion.tiny_models import ARCHITECTURES
 # The default sizes, WxH (width 96 and height 64, width 64 and height 128): the tiny models' on a CPU.
 SIZES = ("64x64", "96x64", "64x128")
 TRAFFIC_KINDS = ("mixed", "homogeneous")
-VARIANTS = {"packed": True, "by-shape": False, "request": None}  # variant -> adapter.packs_sizes
+VARIANTS = {"packed": True, "by-shape": False, "request": None}  # variant -> packing on (set_packing)
 BASELINE = "by-shape"
 GUIDANCE = 7.5
 # The issue's targets: packed / by-shape closed-loop throughput.
@@ -157,6 +158,16 @@ def cpu_stall_us() -> float | None:
     return float(line.rsplit("total=", 1)[1])
 
 
+def set_packing(adapter: object, on: bool) -> None:
+    """Packing on or off for a variant: the adapter's ``sizes.packing`` (its ``packs_sizes`` in a tree
+    before adapters/row_sizes.py)."""
+    sizes = getattr(adapter, "sizes", None)
+    if hasattr(sizes, "packing"):
+        sizes.packing = dataclasses.replace(sizes.packing, on=on)
+    else:
+        adapter.packs_sizes = on  # type: ignore[attr-defined]
+
+
 def parse_size(size: str) -> tuple[int, int]:
     """``"WxH"`` -> (width, height)."""
     width, _, height = size.lower().partition("x")
@@ -197,7 +208,9 @@ class SizedBench:
             full_size_flux1(self.bench, device, dtype)
         self.args = args
         adapter = self.bench.adapter
-        self.packing_available = adapter is not None and hasattr(adapter, "packs_sizes")
+        self.packing_available = adapter is not None and (
+            hasattr(getattr(adapter, "sizes", None), "packing") or hasattr(adapter, "packs_sizes")
+        )
         if adapter is None:
             raise SystemExit(f"{arch} has no step adapter: the step engine cannot serve it")
         if not self.packing_available:
@@ -213,7 +226,7 @@ class SizedBench:
         if VARIANTS[variant] is None:
             run_request_level(bench, traffic, self.args.window, recorder)
         else:
-            bench.adapter.packs_sizes = VARIANTS[variant]
+            set_packing(bench.adapter, bool(VARIANTS[variant]))
             run_step_engine(bench, traffic, bench.cohort, recorder=recorder)
         return recorder
 

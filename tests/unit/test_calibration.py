@@ -5,12 +5,14 @@ does not pack, or whose forward fails, is not calibrated (the fit learns from tr
 from __future__ import annotations
 
 from dataclasses import replace
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from tests.unit.step_harness import load_family
 from triton_diffusion.adapters.image_params import ImageParams
+from triton_diffusion.adapters.row_sizes import Packing
 from triton_diffusion.adapters.step_adapters import step_adapter_for
 from triton_diffusion.models.calibration import MAX_ROWS, calibrate
 
@@ -44,13 +46,13 @@ def test_a_packing_family_is_calibrated_at_two_sizes_with_one_row_and_its_cap(fl
 
 def test_nothing_is_calibrated_where_the_family_does_not_pack_or_a_forward_fails(flux, caplog):
     class NoPacking:
-        packs_sizes = False
+        sizes = SimpleNamespace(packing=Packing(on=False))
 
     assert calibrate(NoPacking(), [request(64), request(128)], lambda r: 8) is None
     assert calibrate(flux, [request(64)], lambda r: 8) is None  # one size: nothing to price packing by
 
     class Failing:
-        packs_sizes = True
+        sizes = SimpleNamespace(packing=Packing(on=True))
 
         def __getattr__(self, name: str) -> Any:
             return getattr(flux, name)

@@ -16,7 +16,7 @@ from tests.unit.recording import step_as_worker, tracked
 from triton_diffusion.adapters import starts
 from triton_diffusion.adapters.image_params import ImageParams
 from triton_diffusion.adapters.job_checkpoints import CheckpointMismatch
-from triton_diffusion.adapters.starts import LatentStarts
+from triton_diffusion.adapters.starts import JobStarts
 from triton_diffusion.engine.jobs import ForwardResult, Job, JobStart, JobStep
 from triton_diffusion.engine.scheduler import EngineLimits
 from triton_diffusion.engine.step_engine import StepEngine
@@ -142,10 +142,12 @@ class Checkpoint:
     meta: dict = field(default_factory=dict)
 
 
-class Starts(LatentStarts):
-    """A latent adapter's start, its jobs' states made up: each start counted."""
+class Starts(JobStarts):
+    """A latent adapter's start, its jobs' states made up: each start counted (no family: nothing here
+    reads it)."""
 
     def __init__(self) -> None:
+        super().__init__(family=None)  # type: ignore[arg-type]
         self.started: list[ImageParams] = []
 
     def start_requests(self, requests: list[ImageParams]) -> list[JobStart]:

@@ -271,8 +271,11 @@ def test_a_job_that_may_be_given_a_cache_keeps_to_forwards_of_its_own_size(flux)
     # FLUX.1 packs sizes; a job a cache may be given on the way does not (a packed forward's mask does not
     # follow the rows a cache gathers), as one with a cache of its own does not.
     request = flux.request(0, "none")
-    assert flux.adapter.packs_sizes and flux.adapter.group_of(request) != request.shape
-    assert flux.adapter.group_of(replace(request, degrade_cache=parse_step_cache("fbc:0.2"))) == request.shape
+    assert flux.adapter.sizes.packing.on and flux.adapter.sizes.group_of(request) != request.shape
+    assert (
+        flux.adapter.sizes.group_of(replace(request, degrade_cache=parse_step_cache("fbc:0.2")))
+        == request.shape
+    )
 
 
 # ---- the field and the config ---------------------------------------------------------------------------

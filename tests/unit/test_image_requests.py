@@ -21,7 +21,9 @@ from triton_diffusion.serving.engines import StepEngineKind
 from triton_diffusion.settings import ModelConfig, ModelSettings
 
 
-class FakeAdapter:
+class FakeStarts:
+    """A step adapter's starter (adapters/starts.py JobStarts) as source images read it."""
+
     def __init__(self, starts: tuple[str, ...]) -> None:
         self.starts = starts
 
@@ -37,7 +39,7 @@ def model(starts: tuple[str, ...] = ("text", "image", "mask")) -> TextToImageMod
     m.engine_kind = StepEngineKind(None)
     facts = SimpleNamespace(class_name="StableDiffusionPipeline", accepts=lambda name: False)
     m.sources = SourceImages.at_load(
-        "TextToImageModel", TEXT_TO_IMAGE_FIELDS, config, FakeAdapter(starts), facts, ("text",), ()
+        "TextToImageModel", TEXT_TO_IMAGE_FIELDS, config, FakeStarts(starts), facts, ("text",), ()
     )
     unsupported = m.sources.unsupported
     defaults = {"default_height": "64", "default_width": "96", "default_num_inference_steps": "4"}
@@ -115,7 +117,7 @@ def test_a_model_kind_that_cannot_send_any_start_the_checkpoint_serves_is_refuse
     m.facts = type("Facts", (), {"class_name": "StableDiffusionImg2ImgPipeline"})()
     with pytest.raises(ValueError, match="serves only mask jobs here, which ImageToImageModel cannot serve"):
         SourceImages.at_load(
-            "ImageToImageModel", m.FIELDS, ModelConfig(), FakeAdapter(("mask",)), m.facts, ("image",), ()
+            "ImageToImageModel", m.FIELDS, ModelConfig(), FakeStarts(("mask",)), m.facts, ("image",), ()
         )
 
 
@@ -127,7 +129,8 @@ def test_an_image_starts_planned_steps_follow_its_familys_own_first_step(adapter
     # 10 steps at strength 0.55: SD's get_timesteps rounds 5.5 down (5 run), FLUX.1's and SD3's subtract it
     # unrounded (6 run). The scheduler's estimates plan with what the job will run.
     m = model()
-    m.adapter = adapter_class.__new__(adapter_class)  # first_step reads nothing of the loaded model
+    starts_class = adapter_class.starts_class  # the family's starter: first_step reads nothing loaded
+    m.adapter = SimpleNamespace(starter=starts_class.__new__(starts_class))
     values = {"num_inference_steps": 10, "strength": 0.55, "image": object()}
     assert m.planned_steps(values) == planned
     assert m.planned_steps({**values, "image": None}) == 10  # a text start runs them all

@@ -27,7 +27,10 @@ from tests.unit.step_harness import (
     served,
 )
 from triton_diffusion.adapters.image_params import ImageParams
-from triton_diffusion.adapters.step_adapters import step_adapter_for
+from triton_diffusion.adapters.latent_loop import LatentStepAdapter
+from triton_diffusion.adapters.row_sizes import RowSizes
+from triton_diffusion.adapters.starts import JobStarts
+from triton_diffusion.adapters.step_adapters import STEP_ADAPTERS, step_adapter_for
 
 FAMILIES = {
     "tiny-sd": "EulerDiscreteScheduler,DPMSolverMultistepScheduler,EulerAncestralDiscreteScheduler",
@@ -191,7 +194,7 @@ def test_an_inpainting_checkpoint_serves_inpainting_jobs_each_equal_to_its_pipel
     family = load_family(checkpoint, FAMILIES[family_name])
     pipe, facts, schedulers = family
     adapter = step_adapter_for(pipe, facts, schedulers, None)
-    assert adapter.starts == ("mask",), "an inpainting checkpoint cannot start from text or img2img"
+    assert adapter.starter.starts == ("mask",), "an inpainting checkpoint cannot start from text or img2img"
     names, source, mask = schedulers.names, source_image(), mask_image()
     negatives = facts.accepts("negative_prompt")  # FluxFillPipeline takes none
     requests = [
@@ -223,3 +226,14 @@ def test_an_inpainting_checkpoint_serves_inpainting_jobs_each_equal_to_its_pipel
     other_mask = Image.fromarray(255 - np.asarray(mask))
     (other,) = run_engine(adapter, [(0, replace(requests[1], mask_image=other_mask))])
     assert np.abs(served(other) - served(jobs[1])).mean() > 5, "the mask did not matter"
+
+
+def test_every_family_adapter_is_composed_not_mixed():
+    """One base per family (the loop), no mixins: a family's start and sizes are collaborators made with
+    it (its ``starts_class`` and ``row_sizes``), each a plain class of its own."""
+    for name, adapter_class in STEP_ADAPTERS.items():
+        assert adapter_class.__mro__[1:] == (LatentStepAdapter, object), name
+        starts = adapter_class.starts_class
+        assert issubclass(starts, JobStarts) and not issubclass(starts, LatentStepAdapter), name
+    assert LatentStepAdapter.__bases__ == (object,) and RowSizes.__bases__ == (object,)
+    assert JobStarts.__bases__ == (object,)

@@ -57,7 +57,7 @@ def family(request):
 def adapter_of(family):
     pipe, facts, schedulers = family
     adapter = step_adapter_for(pipe, facts, schedulers, None)
-    assert adapter is not None and adapter.packs_sizes, facts.class_name
+    assert adapter is not None and adapter.sizes.packing.on, facts.class_name
     return adapter
 
 
@@ -111,13 +111,13 @@ def test_each_row_of_a_packed_forward_gets_what_it_gets_alone_and_the_mask_matte
             adapter.predict(row, timesteps[i : i + 1], {k: v[i : i + 1] for k, v in inputs.items()}, size)
             for i, (row, size) in enumerate(zip(rows, SIZES, strict=True))
         ]
-        packed, padded = adapter.predict_packed(rows, timesteps, inputs, SIZES)
+        packed, padded = adapter.sizes.predict_packed(adapter.predict, rows, timesteps, inputs, SIZES)
         # Without the key mask, rows attend to padding: the comparison below would fail.
         monkeypatch.setattr(Canvas, "key_mask", lambda *args, **kwargs: None)
-        unmasked, _ = adapter.predict_packed(rows, timesteps, inputs, SIZES)
-    tokens = [adapter.token_grid(size)[0] * adapter.token_grid(size)[1] for size in SIZES]
-    assert padded == 3 * max(g[0] for g in map(adapter.token_grid, SIZES)) * max(
-        g[1] for g in map(adapter.token_grid, SIZES)
+        unmasked, _ = adapter.sizes.predict_packed(adapter.predict, rows, timesteps, inputs, SIZES)
+    tokens = [adapter.sizes.token_grid(size)[0] * adapter.sizes.token_grid(size)[1] for size in SIZES]
+    assert padded == 3 * max(g[0] for g in map(adapter.sizes.token_grid, SIZES)) * max(
+        g[1] for g in map(adapter.sizes.token_grid, SIZES)
     ) - sum(tokens)
     for size, own, mine, leaky in zip(SIZES, alone, packed, unmasked, strict=True):
         assert mine.shape == own.shape, size
@@ -187,12 +187,13 @@ def test_images_of_three_sizes_share_forwards_and_each_equals_its_pipeline_alone
     factor = adapter.pipe.vae_scale_factor
     assert len(host.previews) == jobs[0].run.total_steps, "a preview after every step"
     assert all(tuple(p.shape[-2:]) == (SIZES[0][0] // factor, SIZES[0][1] // factor) for p in host.previews)
-    adapter.packs_sizes = False  # one size per forward: the same images, more calls
+    packing = adapter.sizes.packing
+    adapter.sizes.packing = replace(packing, on=False)  # one size per forward: the same images, more calls
     try:
         with ModelCalls(adapter.model) as by_shape:
             by_size = run_engine(adapter, arrivals)
     finally:
-        adapter.packs_sizes = True
+        adapter.sizes.packing = packing
     # By shape, one call per size in flight at each step: three sizes for the first three steps at least.
     assert by_shape.calls >= packed.calls + 4, (packed.calls, by_shape.calls)
     assert max(host.forwards) >= 5, "no forward held more than two sizes' jobs"  # at most three of a size
@@ -326,18 +327,18 @@ def loaded(name: str, **config: str) -> TextToImageModel:
     [
         ("tiny-flux", {}, {"served": True}),
         ("tiny-sd3", {"pack_sizes": "false"}, {"served": False, "why_not": "config pack_sizes is false"}),
-        ("tiny-sd", {}, {"served": False, "why_not": LatentStepAdapter.packs_sizes_not}),
-        ("tiny-pixart-sigma", {}, {"served": False, "why_not": DiTAdapter.packs_sizes_not}),
+        ("tiny-sd", {}, {"served": False, "why_not": LatentStepAdapter.packing.why_not}),
+        ("tiny-pixart-sigma", {}, {"served": False, "why_not": DiTAdapter.packing.why_not}),
     ],
 )
 def test_model_info_says_whether_sizes_share_forwards_and_why_not(name, config, said):
     model = loaded(name, **config)
     assert model.describe_more()["packed_sizes"] == said
-    assert model.adapter.packs_sizes == said["served"]
+    assert model.adapter.sizes.packing.on == said["served"]
 
 
 def test_a_packing_adapter_counts_a_mixed_forward_by_its_canvas_and_one_size_by_its_own_tokens(family):
-    """SizedRows.computed, what the scheduler's token budget and cost fit read: rows of one size
+    """RowSizes.computed, what the scheduler's token budget and cost fit read: rows of one size
     compute their own tokens; rows of two sizes every row padded to the tallest by the widest grid."""
     adapter = adapter_of(family)
     _, _, schedulers = family
@@ -348,7 +349,7 @@ def test_a_packing_adapter_counts_a_mixed_forward_by_its_canvas_and_one_size_by_
 
     small, also_small, tall = job(0, SIZES[0], 5.0), job(1, SIZES[0], 1.0), job(2, SIZES[2], 5.0)
     own = [j.spec.tokens for j in (small, also_small, tall)]
-    grids = [adapter.grid_of(j.spec.params) for j in (small, also_small, tall)]
+    grids = [adapter.sizes.grid_of(j.spec.params) for j in (small, also_small, tall)]
     assert adapter.computed([small, also_small]) == (grids[0][0] + grids[1][0], own[0] + own[1])
     rows = grids[0][0] + grids[2][0]
     canvas = max(grids[0][1], grids[2][1]) * max(grids[0][2], grids[2][2])

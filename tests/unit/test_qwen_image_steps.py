@@ -89,7 +89,7 @@ IMAGE_REQUESTS = [
 def test_img2img_jobs_equal_their_pipeline_alone_and_amid_text_only_jobs(family):
     pipe, facts, schedulers = family
     adapter = step_adapter_for(pipe, facts, schedulers, None)
-    assert adapter.starts == ("text", "image")
+    assert adapter.starter.starts == ("text", "image")
     scheduler, source = schedulers.names[0], source_image()
     targets = [
         (

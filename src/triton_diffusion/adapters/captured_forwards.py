@@ -276,7 +276,7 @@ class _WarmUp:
 def capture_adapter_forwards(adapter: Any, warm: Sequence[tuple[Any, int]], capture: Capture | None) -> int:
     """A step adapter's forwards through CUDA graphs, captured now for the shape of each ``warm`` request
     (one per size to serve captured) at every row bucket up to its model rows. Sets ``adapter.captured``
-    (the set, frozen) and returns the graphs captured; raises CaptureError."""
+    (the set, frozen), stops its packing, and returns the graphs captured; raises CaptureError."""
     from triton_diffusion.engine.jobs import Job  # the engine's job type, for a throwaway warm-up job
 
     if adapter.uncapturable is not None:
@@ -299,4 +299,8 @@ def capture_adapter_forwards(adapter: Any, warm: Sequence[tuple[Any, int]], capt
         with torch.inference_mode():
             count += captured.warm(latents, timesteps, inputs, request.size, max_rows)
     adapter.captured = captured
+    # One size per forward from now on: a packed forward's canvas is no captured shape (it would run eagerly).
+    adapter.sizes.stop_packing(
+        "cuda_graphs: graphs are captured per size, a packed forward would run eagerly"
+    )
     return count

@@ -113,3 +113,29 @@ class SchedulerChoices:
             if len(outputs) > 1:
                 found.add(name)
         return frozenset(found)
+
+
+def pipeline_timesteps(
+    module: Any,
+    scheduler: Any,
+    steps: int,
+    device: torch.device | str,
+    sigmas: Any = None,
+    image_seq_len: int | None = None,
+    max_shift: float = 1.15,
+) -> torch.Tensor:
+    """The pipeline ``module``'s own ``retrieve_timesteps`` on ``device``; with ``image_seq_len``, the
+    flow-matching pipelines' resolution-dependent shift ``mu`` (its ``calculate_shift`` between the
+    scheduler config's bounds, ``max_shift`` where the config has none)."""
+    kwargs = {}
+    if image_seq_len is not None:
+        config = scheduler.config
+        kwargs["mu"] = module.calculate_shift(
+            image_seq_len,
+            config.get("base_image_seq_len", 256),
+            config.get("max_image_seq_len", 4096),
+            config.get("base_shift", 0.5),
+            config.get("max_shift", max_shift),
+        )
+    timesteps, _ = module.retrieve_timesteps(scheduler, steps, device, sigmas=sigmas, **kwargs)
+    return timesteps

@@ -34,8 +34,11 @@ import torch
 from diffusers.utils.torch_utils import randn_tensor
 from PIL import Image
 
+from triton_diffusion.adapters.diffusers_pipeline import pipeline_timesteps
 from triton_diffusion.adapters.image_params import Conditioning, ImageParams, row_conditioning
 from triton_diffusion.adapters.latent_loop import LatentStepAdapter
+from triton_diffusion.adapters.row_sizes import Packing
+from triton_diffusion.adapters.starts import JobStarts
 from triton_diffusion.engine.jobs import Job, JobStart
 
 
@@ -84,7 +87,26 @@ LOOPS = {
 }
 
 
+class DiTStarts(JobStarts):
+    """A DiT job starts at its render size (its aspect-ratio bin, where the pipeline bins sizes)."""
+
+    family: DiTAdapter
+
+    def start_requests(self, requests: list[ImageParams]) -> list[JobStart]:
+        # The shared loop starts each job at its render size (its latents, its shape group); the job's
+        # params keep the size it asked for, to which finish resizes its image back (step hands predict
+        # that size, which these transformers do not read: the latents carry their shape).
+        sizes = [self.family.render_size(r) for r in requests]
+        return super().start_requests(
+            [
+                replace(r, height=height, width=width)
+                for r, (height, width) in zip(requests, sizes, strict=True)
+            ]
+        )
+
+
 class DiTAdapter(LatentStepAdapter):
+    starts_class = DiTStarts
     # Both pipelines pass prepare_extra_step_kwargs' eta and generator (Sana too, though it scales no input).
     always_passes_step_kwargs = True
     fallback_max_sequence_length = 300
@@ -93,7 +115,9 @@ class DiTAdapter(LatentStepAdapter):
     cache_methods = ("fbc",)
     # PixArt's position table is interpolated to each size (not a crop of one), and Sana's linear
     # attention has no key mask: a size per forward.
-    packs_sizes_not = "positions interpolated per size (PixArt); linear attention without a key mask (Sana)"
+    packing = Packing(
+        why_not="positions interpolated per size (PixArt); linear attention without a key mask (Sana)"
+    )
 
     def __init__(self, pipe: Any, facts: Any, schedulers: Any, max_sequence_length: int | None) -> None:
         super().__init__(pipe, facts, schedulers, max_sequence_length)
@@ -134,13 +158,6 @@ class DiTAdapter(LatentStepAdapter):
         processor = self.pipe.image_processor
         return processor.classify_height_width_bin(request.height, request.width, ratios=self.bins)
 
-    def start_requests(self, requests: list[ImageParams]) -> list[JobStart]:
-        # The shared loop starts each job at its render size (its latents, its shape group); the job's
-        # params keep the size it asked for, to which finish resizes its image back (step hands predict
-        # that size, which these transformers do not read: the latents carry their shape).
-        rendered = [replace(r, height=self.render_size(r)[0], width=self.render_size(r)[1]) for r in requests]
-        return super().start_requests(rendered)
-
     def encode(self, requests: Sequence[ImageParams]) -> list[Conditioning]:
         cfg = any(self.uses_guidance(r) for r in requests)
         embeds, mask, negative_embeds, negative_mask = self.pipe.encode_prompt(
@@ -169,7 +186,7 @@ class DiTAdapter(LatentStepAdapter):
         return torch.cat([noise[i : i + 1] * s.init_noise_sigma for i, s in enumerate(schedulers)])
 
     def set_timesteps(self, scheduler: Any, request: ImageParams) -> torch.Tensor:
-        return self.retrieve_timesteps(scheduler, request.steps)
+        return pipeline_timesteps(self.module, scheduler, request.steps, self.schedule_device)
 
     def extra_inputs(self, request: ImageParams) -> dict[str, torch.Tensor]:
         if not self.micro_conditions:

@@ -7,7 +7,7 @@ Flux turns true CFG on for the whole call when any row has a negative prompt; he
 with a negative prompt and ``true_cfg_scale`` > 1 adds one unconditional row), so such requests share
 forwards with the others, each exactly as ``FluxPipeline`` would run it alone. An image-conditioned FLUX.1
 or SD3 job starts as ``FluxImg2ImgPipeline`` / ``StableDiffusion3Img2ImgPipeline`` start it
-(:class:`FlowMatchingImageStart`), FLUX.1's then packed; inpainting as their inpaint pipelines run it.
+(:class:`FlowMatchingStarts`), FLUX.1's then packed; inpainting as their inpaint pipelines run it.
 A FLUX.1 Fill checkpoint (``FluxFillPipeline``: its transformer takes the packed masked source's latents
 and the packed mask beside the latents) serves inpainting jobs only, as that pipeline runs them: the
 source noised to the first sigma, the mask and masked latents in every forward, nothing blended back. So
@@ -26,27 +26,33 @@ import torch
 from PIL import Image
 
 from triton_diffusion.adapters import diffusers_compat as compat
+from triton_diffusion.adapters.diffusers_pipeline import pipeline_timesteps
 from triton_diffusion.adapters.image_params import Conditioning, ImageParams, row_conditioning
 from triton_diffusion.adapters.latent_loop import LatentStepAdapter
 from triton_diffusion.adapters.packed_rows import MaskedJointAttnProcessor
-from triton_diffusion.adapters.starts import LatentStarts
+from triton_diffusion.adapters.row_sizes import Packing
+from triton_diffusion.adapters.starts import JobStarts
 from triton_diffusion.adapters.vae import sample_latents
 
 # FLUX.1's position ids kept per (text length, canvas size): a few, as the sizes that meet change.
 IDS_KEPT = 16
 
 
-class FlowMatchingImageStart(LatentStarts):
+class FlowMatchingStarts(JobStarts):
     """img2img as ``FluxImg2ImgPipeline`` and ``StableDiffusion3Img2ImgPipeline`` start it: the schedule
     trimmed by steps x strength unrounded, the source encoded (each row sampled with its own generator),
     shifted and scaled, then noised to the first remaining sigma with the row's noise (``scale_noise``).
     Inpainting as ``FluxInpaintPipeline`` and ``StableDiffusion3InpaintPipeline`` run it with an ordinary
-    transformer: the same start, and the source noised by ``scale_noise`` blended back after each step."""
+    transformer: the same start, and the source noised by ``scale_noise`` blended back after each step;
+    an inpainting checkpoint (SD3's 33 channels, FLUX.1 Fill's) serves inpainting only."""
 
     def supports(self, start: str) -> bool:
-        if start == "mask":  # not an inpainting transformer (SD3's 33 channels, FLUX.1 Fill's 384)
-            packed = 4 if self.facts.traits.packed_latents else 1
-            return self.model.config.in_channels == packed * self.pipe.vae.config.latent_channels
+        family = self.family
+        if family.inpainting_checkpoint:
+            return start == "mask"
+        if start == "mask":  # not an inpainting transformer
+            packed = 4 if family.facts.traits.packed_latents else 1
+            return family.model.config.in_channels == packed * family.pipe.vae.config.latent_channels
         return start == "image"
 
     def first_step(self, steps: int, strength: float) -> int:
@@ -54,8 +60,9 @@ class FlowMatchingImageStart(LatentStarts):
         return int(max(steps - min(steps * strength, steps), 0))
 
     def encode_source(self, pixels: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
-        vae = self.pipe.vae
-        latents = sample_latents(vae.encode(pixels.to(device=self.device, dtype=self.dtype)), generators)
+        family = self.family
+        vae = family.pipe.vae
+        latents = sample_latents(vae.encode(pixels.to(device=family.device, dtype=family.dtype)), generators)
         return (latents - vae.config.shift_factor) * vae.config.scaling_factor
 
     def noise_source(
@@ -64,7 +71,36 @@ class FlowMatchingImageStart(LatentStarts):
         return scheduler.scale_noise(image_latents, timestep, noise)
 
 
-class FluxAdapter(FlowMatchingImageStart, LatentStepAdapter):
+class FluxStarts(FlowMatchingStarts):
+    """FLUX.1's: FluxFillPipeline's source and mask channels, and its inpaint pipeline's packed mask."""
+
+    def encodes_source(self, request: ImageParams) -> bool:
+        return True  # FluxFillPipeline's prepare_latents encodes the source at every strength
+
+    def inpaint_channels(
+        self, request: ImageParams, generator: torch.Generator, pixels: torch.Tensor
+    ) -> torch.Tensor:
+        # FluxFillPipeline: the source outside the mask, encoded with the row's generator after its noise,
+        # and the mask, each packed by the pipeline's own prepare_mask_latents; the masked latents first.
+        family = self.family
+        pipe = family.pipelines["mask"]
+        height, width = request.size
+        mask = self.mask_condition(request)
+        masked = (pixels * (1 - mask)).to(device=family.device, dtype=family.dtype)
+        channels = pipe.vae.config.latent_channels
+        mask, masked = pipe.prepare_mask_latents(
+            mask, masked, 1, channels, 1, height, width, family.dtype, family.device, generator
+        )
+        return torch.cat((masked, mask), dim=-1)
+
+    def pack_mask(self, mask: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+        # FluxInpaintPipeline.prepare_mask_latents: the mask repeated over the channels, then packed.
+        family = self.family
+        return family.pack(mask.repeat(1, family.model.config.in_channels // 4, 1, 1), size)
+
+
+class FluxAdapter(LatentStepAdapter):
+    starts_class = FluxStarts
     fallback_max_sequence_length = 512
     cache_methods = ("fbc", "taylorseer")
     # A state per true-CFG branch in every start (step_caches.py): FluxPipeline's cache_context("cond") and
@@ -90,35 +126,12 @@ class FluxAdapter(FlowMatchingImageStart, LatentStepAdapter):
         native = (
             backends <= {None, "native"} and os.environ.get("DIFFUSERS_ATTN_BACKEND", "native") == "native"
         )
-        self.packs_sizes = not self.inpainting_checkpoint and native
-        self.packs_sizes_not = (
-            "a FLUX.1 Fill checkpoint: its mask channels are not packed"
+        self.sizes.packing = Packing(
+            on=not self.inpainting_checkpoint and native,
+            why_not="a FLUX.1 Fill checkpoint: its mask channels are not packed"
             if self.inpainting_checkpoint
-            else "an attention backend other than native SDPA: the key mask is not assured"
+            else "an attention backend other than native SDPA: the key mask is not assured",
         )
-
-    def supports(self, start: str) -> bool:
-        if self.inpainting_checkpoint:
-            return start == "mask"
-        return super().supports(start)
-
-    def encodes_source(self, request: ImageParams) -> bool:
-        return True  # FluxFillPipeline's prepare_latents encodes the source at every strength
-
-    def inpaint_channels(
-        self, request: ImageParams, generator: torch.Generator, pixels: torch.Tensor
-    ) -> torch.Tensor:
-        # FluxFillPipeline: the source outside the mask, encoded with the row's generator after its noise,
-        # and the mask, each packed by the pipeline's own prepare_mask_latents; the masked latents first.
-        pipe = self.pipelines["mask"]
-        height, width = request.size
-        mask = self.mask_condition(request)
-        masked = (pixels * (1 - mask)).to(device=self.device, dtype=self.dtype)
-        channels = pipe.vae.config.latent_channels
-        mask, masked = pipe.prepare_mask_latents(
-            mask, masked, 1, channels, 1, height, width, self.dtype, self.device, generator
-        )
-        return torch.cat((masked, mask), dim=-1)
 
     @property
     def token_patch(self) -> int:
@@ -127,10 +140,6 @@ class FluxAdapter(FlowMatchingImageStart, LatentStepAdapter):
     def pack(self, latents: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
         count, channels, height, width = latents.shape
         return compat.pack_latents(self.pipe, latents, count, channels, height, width)
-
-    def pack_mask(self, mask: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
-        # FluxInpaintPipeline.prepare_mask_latents: the mask repeated over the channels, then packed.
-        return self.pack(mask.repeat(1, self.model.config.in_channels // 4, 1, 1), size)
 
     def uses_guidance(self, request: ImageParams) -> bool:
         return (request.true_cfg_scale or 0.0) > 1.0 and request.negative_prompt is not None
@@ -183,7 +192,9 @@ class FluxAdapter(FlowMatchingImageStart, LatentStepAdapter):
         sigmas = None if scheduler.config.get("use_flow_sigmas") else np.linspace(1.0, 1 / steps, steps)
         factor = self.pipe.vae_scale_factor
         image_seq_len = (request.height // factor // 2) * (request.width // factor // 2)
-        return self.retrieve_timesteps(scheduler, steps, sigmas, image_seq_len, max_shift=1.15)
+        return pipeline_timesteps(
+            self.module, scheduler, steps, self.schedule_device, sigmas, image_seq_len, max_shift=1.15
+        )
 
     def timestep_rows(self, timesteps: Sequence[torch.Tensor]) -> torch.Tensor:
         # FluxPipeline: t.expand(batch).to(latents.dtype), then / 1000.
@@ -244,7 +255,8 @@ class FluxAdapter(FlowMatchingImageStart, LatentStepAdapter):
         return self._unpack(latents, size)[0]
 
 
-class StableDiffusion3Adapter(FlowMatchingImageStart, LatentStepAdapter):
+class StableDiffusion3Adapter(LatentStepAdapter):
+    starts_class = FlowMatchingStarts
     fallback_max_sequence_length = 256
     # First Block Cache fails on SD3's last block in diffusers (context_pre_only returns no encoder
     # states), so it has no reference to be exact against: TaylorSeer only. CFG is one batch of two.
@@ -259,7 +271,7 @@ class StableDiffusion3Adapter(FlowMatchingImageStart, LatentStepAdapter):
         # Sizes share forwards where each size's positions are a crop of one table (packed_rows.py) and
         # every attention is joint (SD3.5's second attention would need the mask too).
         config = self.model.config
-        self.packs_sizes_not = next(
+        why_not = next(
             (
                 why
                 for why, applies in (
@@ -274,18 +286,17 @@ class StableDiffusion3Adapter(FlowMatchingImageStart, LatentStepAdapter):
             ),
             "",
         )
-        self.packs_sizes = not self.packs_sizes_not
-        if self.packs_sizes:  # diffusers' own processor unless a packed forward passes a mask
-            self.model.set_attn_processor(MaskedJointAttnProcessor())
         # A packed forward: spatial latents, each size a centred crop of the position table (PatchEmbed),
         # the text after the image in the joint attention.
-        self.packed_layout, self.text_first = "patches", False
-        self.positions_centred_in = config.get("pos_embed_max_size")
-
-    def supports(self, start: str) -> bool:
-        if self.inpainting_checkpoint:
-            return start == "mask"
-        return super().supports(start)
+        self.sizes.packing = Packing(
+            on=not why_not,
+            why_not=why_not,
+            layout="patches",
+            text_first=False,
+            centred_in=config.get("pos_embed_max_size"),
+        )
+        if self.sizes.packing.on:  # diffusers' own processor unless a packed forward passes a mask
+            self.model.set_attn_processor(MaskedJointAttnProcessor())
 
     def encode(self, requests: Sequence[ImageParams]) -> list[Conditioning]:
         cfg = any(self.uses_guidance(r) for r in requests)
@@ -316,7 +327,14 @@ class StableDiffusion3Adapter(FlowMatchingImageStart, LatentStepAdapter):
         if scheduler.config.get("use_dynamic_shifting", None):
             factor, patch = self.pipe.vae_scale_factor, self.model.config.patch_size
             image_seq_len = (request.height // factor // patch) * (request.width // factor // patch)
-        return self.retrieve_timesteps(scheduler, request.steps, image_seq_len=image_seq_len, max_shift=1.16)
+        return pipeline_timesteps(
+            self.module,
+            scheduler,
+            request.steps,
+            self.schedule_device,
+            image_seq_len=image_seq_len,
+            max_shift=1.16,
+        )
 
     def predict(
         self,

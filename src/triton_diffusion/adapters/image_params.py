@@ -106,7 +106,7 @@ class LatentJob:
     inpaint: InpaintSource | None = None  # an inpainting job's source, blended back after each step
     cache: CacheState | None = None  # its step cache's state (each CFG branch its own where they differ)
     # Its denoiser rows and token grid (a video: None), what a packed forward pads it to: kept here so the
-    # scheduler's count of a forward's tokens (packed_rows.SizedRows.computed) reads it, not works it out.
+    # scheduler's count of a forward's tokens (row_sizes.RowSizes.computed) reads it, not works it out.
     grid: tuple[int, int, int] | None = None
 
 

@@ -16,9 +16,11 @@ its VAE and image processor); only the loop body of ``__call__`` is written here
 - :meth:`LatentStepAdapter.step` returns what happened to each job (a JobStep); it never changes the
   engine's state.
 
-How a job starts (text, img2img, inpainting) is starts.py. A family subclass fills in the hooks this
-class declares, each raising NotImplementedError here (stable_diffusion.py: SD 1.x/2.x and SDXL;
-flow_matching.py: FLUX.1 and SD3; dit.py, wan.py, qwen_image.py, z_image.py).
+Two collaborators are composed into it: ``starter`` (starts.py: how a job starts, text, img2img or
+inpainting; a family whose image starts differ gives its own ``starts_class``) and ``sizes`` (row_sizes.py:
+a job's tokens, its group, the packed forward). A family subclass fills in the hooks this class declares,
+each raising NotImplementedError here (stable_diffusion.py: SD 1.x/2.x and SDXL; flow_matching.py: FLUX.1
+and SD3; dit.py, wan.py, qwen_image.py, z_image.py).
 """
 
 from __future__ import annotations
@@ -37,9 +39,10 @@ from triton_diffusion.adapters.devices import take_rows, to_device
 from triton_diffusion.adapters.diffusers_pipeline import counterpart_pipeline
 from triton_diffusion.adapters.image_params import Conditioning, ImageParams, LatentJob, as_run
 from triton_diffusion.adapters.lora import LoraBank, LoraSet
-from triton_diffusion.adapters.packed_rows import ANY_SIZE, SizedRows
+from triton_diffusion.adapters.packed_rows import ANY_SIZE
+from triton_diffusion.adapters.row_sizes import Packing, RowSizes
 from triton_diffusion.adapters.schedulers import can_batch, guide, scale_model_inputs, vectorised_step
-from triton_diffusion.adapters.starts import LatentStarts
+from triton_diffusion.adapters.starts import JobStarts
 from triton_diffusion.adapters.step_caches import (
     CachePlan,
     CacheState,
@@ -50,15 +53,18 @@ from triton_diffusion.adapters.step_caches import (
     servable,
 )
 from triton_diffusion.engine.failures import Failure, is_device_lost
-from triton_diffusion.engine.jobs import ForwardResult, Job, JobStep
+from triton_diffusion.engine.jobs import ForwardResult, Job, JobStart, JobStep
 from triton_diffusion.families import PipelineFacts
 from triton_diffusion.step_cache_spec import NO_CACHE, parse_step_cache
 
 log = logging.getLogger("triton_diffusion")
 
 
-class LatentStepAdapter(SizedRows, LatentStarts):
+class LatentStepAdapter:
     """The loop body shared by every latent diffusion family. Subclasses fill in the hooks."""
+
+    starts_class: type[JobStarts] = JobStarts  # how its jobs start (a family's own where its starts differ)
+    packing = Packing()  # whether its sizes share forwards, and why not (row_sizes.py; FLUX.1, SD3 set it)
 
     scales_model_input = False  # UNet schedulers scale the input per step; flow matching does not
     # Pipelines that scale the model input pass prepare_extra_step_kwargs' eta and generator to the
@@ -90,14 +96,15 @@ class LatentStepAdapter(SizedRows, LatentStarts):
 
     def __init__(self, pipe: Any, facts: PipelineFacts, schedulers: Any, max_sequence_length: int | None):
         traits = facts.traits
-        self.facts = facts  # read by supports()
+        self.facts = facts  # read by the starter's supports()
         # The family's pipeline for each start, all over the loaded modules (``pipe`` may be any of them:
         # image_to_image loads the img2img class). ``self.pipe`` is the text-to-image one: its code is what
         # the loop body mirrors; the others supply only their own start (and SDXL img2img's time ids).
         self.pipe = counterpart_pipeline(pipe, traits.text_pipeline or type(pipe).__name__)
+        self.starter = self.starts_class(self)
         self.pipelines = {"text": self.pipe}
         for start, name in (("image", traits.image_pipeline), ("mask", traits.inpaint_pipeline)):
-            if name is not None and self.supports(start):
+            if name is not None and self.starter.supports(start):
                 self.pipelines[start] = counterpart_pipeline(pipe, name)
         self.max_sequence_length: int | None = (
             max_sequence_length or facts.default("max_sequence_length") or self.fallback_max_sequence_length
@@ -114,6 +121,20 @@ class LatentStepAdapter(SizedRows, LatentStarts):
         self.cache_methods = servable(self.model, self.cache_methods)
         if self.cache_methods:  # hooks that do nothing in a forward without a cached row
             self.row_caches = RowCaches(self.model, self.cache_methods)
+        self.sizes = self.row_sizes()
+
+    # ---- what the engine and the model call (the collaborators') ----------------------------------------
+    def prepare(self, jobs: list[Job]) -> list[JobStart]:
+        return self.starter.prepare(jobs)
+
+    def checkpoint(self, jobs: list[Job]) -> list[Any]:
+        return self.starter.checkpoint(jobs)
+
+    def computed(self, jobs: Sequence[Job]) -> tuple[int, int]:
+        return self.sizes.computed(jobs)
+
+    def tokens_of(self, request: ImageParams) -> int:
+        return self.sizes.tokens_of(request)
 
     # ---- hooks --------------------------------------------------------------------------------------
     @property
@@ -124,6 +145,24 @@ class LatentStepAdapter(SizedRows, LatentStarts):
     def pack(self, latents: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
         """[n, C, h, w] latents into the loop's layout (Flux packs 2x2 patches)."""
         return latents
+
+    @property
+    def token_patch(self) -> int:
+        """Latent pixels a denoiser token spans per side: the transformer's patch (FLUX.1 and Qwen-Image
+        pack 2x2 latents in the pipeline instead; a UNet: 1, a token per latent pixel)."""
+        patch = getattr(self.model.config, "patch_size", None) or 1
+        return int(patch[-1] if isinstance(patch, (tuple, list)) else patch)
+
+    def row_sizes(self) -> RowSizes:
+        """Its jobs' sizes (row_sizes.py): the VAE's scale factor and the denoiser's patch (Wan: frames)."""
+        factor = getattr(self.pipe, "vae_scale_factor", None) or 8
+        return RowSizes(
+            scale_factor=factor,
+            patch=self.token_patch,
+            guided=self.uses_guidance,
+            device=self.device,
+            packing=self.packing,
+        )
 
     def uses_guidance(self, request: ImageParams) -> bool:
         """Whether the job adds an unconditional row: classic CFG, as the pipelines' ``guidance_scale > 1``
@@ -162,32 +201,6 @@ class LatentStepAdapter(SizedRows, LatentStarts):
 
     def set_timesteps(self, scheduler: Any, request: ImageParams) -> torch.Tensor:
         raise NotImplementedError
-
-    def retrieve_timesteps(
-        self,
-        scheduler: Any,
-        steps: int,
-        sigmas: Any = None,
-        image_seq_len: int | None = None,
-        max_shift: float = 1.15,
-    ) -> torch.Tensor:
-        """The pipeline module's ``retrieve_timesteps`` on the schedule device; with ``image_seq_len``, the
-        flow-matching pipelines' resolution-dependent shift ``mu`` (its ``calculate_shift`` between the
-        scheduler config's bounds, ``max_shift`` where the config has none)."""
-        kwargs = {}
-        if image_seq_len is not None:
-            config = scheduler.config
-            kwargs["mu"] = self.module.calculate_shift(
-                image_seq_len,
-                config.get("base_image_seq_len", 256),
-                config.get("max_image_seq_len", 4096),
-                config.get("base_shift", 0.5),
-                config.get("max_shift", max_shift),
-            )
-        timesteps, _ = self.module.retrieve_timesteps(
-            scheduler, steps, self.schedule_device, sigmas=sigmas, **kwargs
-        )
-        return timesteps
 
     def timestep_rows(self, timesteps: Sequence[torch.Tensor]) -> torch.Tensor:
         """The per-row timestep vector the model takes."""
@@ -342,7 +355,7 @@ class LatentStepAdapter(SizedRows, LatentStarts):
         """Why this model's forwards cannot be captured (config ``cuda_graphs``), or None."""
         if not self.captures_forwards:
             return f"{type(self.model).__name__}'s forward reads values back to the host"
-        if not self.serves_text:
+        if not self.starter.serves_text:
             return "an inpainting checkpoint's forwards are captured from text jobs, which it refuses"
         return None
 
@@ -351,23 +364,15 @@ class LatentStepAdapter(SizedRows, LatentStarts):
     ) -> int:
         """Run forwards through CUDA graphs (config ``cuda_graphs``), captured now for the shape of each
         ``warm`` request at every row bucket up to its model rows (captured_forwards.py). Returns the
-        graphs captured; raises CaptureError. (``capture``: CUDA's, unless a test's.) A model with graphs
-        forwards one size at a time: a packed forward's canvas is no captured shape, so it would run
-        eagerly."""
-        count = capture_adapter_forwards(self, warm, capture)
-        if self.packs_sizes:
-            self.packs_sizes = False
-            self.packs_sizes_not = (
-                "cuda_graphs: graphs are captured per size, a packed forward would run eagerly"
-            )
-        return count
+        graphs captured; raises CaptureError. (``capture``: CUDA's, unless a test's.)"""
+        return capture_adapter_forwards(self, warm, capture)
 
     # ---- one forward ---------------------------------------------------------------------------------
     def step(self, jobs: list[Job], previews: Sequence[bool] | None = None) -> ForwardResult:
         """One forward over every job's rows, guidance and each job's own scheduler step; ``previews[i]``:
         job i's latents are copied for a preview. Jobs of different sizes share the forward packed
-        (:meth:`predict_packed`), then each size's rows are guided and stepped together. Returns a JobStep
-        per job; raising means no job's state changed (the engine retries smaller)."""
+        (``RowSizes.predict_packed``), then each size's rows are guided and stepped together. Returns a
+        JobStep per job; raising means no job's state changed (the engine retries smaller)."""
         states: list[LatentJob] = [job.state for job in jobs]
         job_timesteps = [state.timesteps[job.run.steps_done] for job, state in zip(jobs, states, strict=True)]
         latent_rows, timesteps, inputs, adapters = self.forward_inputs(jobs, job_timesteps)
@@ -390,7 +395,7 @@ class LatentStepAdapter(SizedRows, LatentStarts):
             else:  # packed: eagerly (graphs are captured per shape); never with cached rows (group_of)
                 assert plan is None, "a job with a step cache shares forwards with its own size only"
                 sizes = [job.spec.params.size for job in jobs for _ in range(self.model_rows(job))]
-                rows, padded = self.predict_packed(latent_rows, timesteps, inputs, sizes)
+                rows, padded = self.sizes.predict_packed(self.predict, latent_rows, timesteps, inputs, sizes)
                 parts = self._guided_by_size(jobs, states, rows, by_size)
         # The forward succeeded: only now does any job's state change. Every group's rows are gathered
         # before any job steps: a raise here (out of memory) leaves every job as it was, so the engine's
@@ -491,7 +496,7 @@ class LatentStepAdapter(SizedRows, LatentStarts):
             proper = source.image_latents
             if i < len(state.timesteps) - 1:
                 next_timestep = state.timesteps[i + 1 : i + 2]  # a view where it lives: no host sync
-                proper = self.noise_source(state.scheduler, proper, source.noise, next_timestep)
+                proper = self.starter.noise_source(state.scheduler, proper, source.noise, next_timestep)
             state.latents = (1 - source.mask) * proper + source.mask * state.latents
         except Exception as exc:  # noqa: BLE001  (this job's own blend: it fails alone)
             return _own_failure(exc)

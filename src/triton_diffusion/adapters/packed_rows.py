@@ -21,16 +21,13 @@ batch row: rows concatenated into one sequence would need per-token modulation, 
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from diffusers.models.attention_processor import JointAttnProcessor2_0
-
-from triton_diffusion.adapters.image_params import ImageParams, LatentJob
-from triton_diffusion.engine.jobs import Job
 
 # The group of a job that shares forwards with jobs of every size (a family that packs sizes); such a job
 # also joins its own size's forwards (JobStart.also_joins), where jobs with a step cache keep to it.
@@ -196,114 +193,3 @@ class MaskedJointAttnProcessor(JointAttnProcessor2_0):
         if not attn.context_pre_only:
             text = attn.to_add_out(text)
         return attn.to_out[1](attn.to_out[0](image)), text
-
-
-class SizedRows:
-    """What a step adapter says about its jobs' sizes (mixed into LatentStepAdapter): their tokens (what
-    the token budget and the cost model count), the group a job shares forwards with, and, where the family
-    packs sizes, the packed forward."""
-
-    # Whether jobs of different sizes share a forward (FLUX.1 and SD3 set it where their checkpoint allows);
-    # the model turns it off with config ``pack_sizes: false``. Else (and for a UNet, whose convolutions
-    # cannot share a tensor across sizes) a forward holds one latent shape.
-    packs_sizes = False
-    packs_sizes_not = "its denoiser is a UNet: convolutions cannot share a tensor across sizes"
-    # How a family that packs lays a row out (its loop's latents: "tokens", FLUX.1's packed 2x2 patches;
-    # "patches", SD3's spatial latents), where its attention puts the text (FLUX.1 first, SD3 last), and
-    # the side of the position table its sizes are centred crops of (SD3's PatchEmbed; None: positions
-    # from the origin, FLUX.1's ids).
-    packed_layout = "tokens"
-    text_first = True
-    positions_centred_in: int | None = None
-    pipe: Any
-    device: torch.device
-
-    if TYPE_CHECKING:
-
-        @property
-        def model(self) -> Any: ...
-        def uses_guidance(self, request: ImageParams) -> bool: ...
-        def predict(
-            self,
-            latents: torch.Tensor,
-            timesteps: torch.Tensor,
-            inputs: dict[str, torch.Tensor],
-            size: tuple[int, int],
-        ) -> Any: ...
-
-    @property
-    def token_patch(self) -> int:
-        """Latent pixels a denoiser token spans per side: the transformer's patch (FLUX.1 and Qwen-Image
-        pack 2x2 latents in the pipeline instead; a UNet: 1, a token per latent pixel)."""
-        patch = getattr(self.model.config, "patch_size", None) or 1
-        return int(patch[-1] if isinstance(patch, (tuple, list)) else patch)
-
-    def token_grid(self, size: tuple[int, int]) -> tuple[int, int]:
-        """(height, width) in denoiser tokens of one frame of an image of ``size`` pixels."""
-        factor = (getattr(self.pipe, "vae_scale_factor", None) or 8) * self.token_patch
-        return size[0] // factor, size[1] // factor
-
-    def latent_frames(self, request: ImageParams) -> int:
-        """Latent frames of a job (a video family's temporal compression; an image: 1)."""
-        return 1
-
-    def tokens_of(self, request: ImageParams) -> int:
-        """The denoiser tokens a job adds to a forward (what a forward's cost and the token budget count):
-        its rows (2 with classifier-free guidance) x its latent tokens, frames included."""
-        height, width = self.token_grid(request.size)
-        rows = 2 if self.uses_guidance(request) else 1
-        return rows * height * width * self.latent_frames(request)
-
-    def computed(self, jobs: Sequence[Job]) -> tuple[int, int]:
-        """The rows and tokens a forward of these jobs computes, padding included (:func:`padded_counts`):
-        the engine's token budget and cost fit count this (engine/step_engine.py CountsComputed)."""
-        grids = [
-            job.state.grid if isinstance(job.state, LatentJob) else self.grid_of(job.spec.params)
-            for job in jobs
-        ]
-        return padded_counts(grids, [job.spec.tokens for job in jobs])
-
-    def grid_of(self, request: ImageParams) -> Grid | None:
-        """An image job's denoiser rows and token grid, what a packed forward pads it to (a video: None,
-        its frames are never packed)."""
-        if request.num_frames is not None:
-            return None
-        return (2 if self.uses_guidance(request) else 1, *self.token_grid(request.size))
-
-    def group_of(self, request: ImageParams) -> Hashable:
-        """Whom a started job shares forwards with: jobs of every size where the family packs sizes, else
-        of its latent shape. A job with a step cache keeps to its shape: its cache's hooks run later blocks
-        on the rows that compute, gathered, which a packed forward's shared key mask does not follow; so
-        does one that may be given a step cache on the way (``degrade_cache``)."""
-        if self.packs_sizes and not request.step_cache and not request.degrade_cache:
-            return ANY_SIZE
-        return request.shape
-
-    def also_joins(self, request: ImageParams) -> Hashable:
-        """The other group whose forwards a started job may step in: a job of every size's group also
-        joins its own size's (where jobs with a step cache keep to it); None: only its own group."""
-        return request.shape if self.group_of(request) == ANY_SIZE else None
-
-    def predict_packed(
-        self,
-        latent_rows: list[torch.Tensor],
-        timesteps: torch.Tensor,
-        inputs: dict[str, torch.Tensor],
-        sizes: list[tuple[int, int]],
-    ) -> tuple[list[torch.Tensor], int]:
-        """The model over rows of different ``sizes`` in one call: each row on the canvas (in tokens or in
-        patches, as the family's loop lays its latents out), the key mask in the family's order of image
-        and text, the model called at the canvas's size, each row's prediction taken back in its own shape;
-        and the canvas slots computed for no row."""
-        canvas = canvas_for([self.token_grid(size) for size in sizes], self.positions_centred_in)
-        patch, as_tokens = self.token_patch, self.packed_layout == "tokens"
-        latents = (
-            place_tokens(latent_rows, canvas) if as_tokens else place_patches(latent_rows, canvas, patch)
-        )
-        text = inputs["encoder_hidden_states"].shape[1]
-        mask = canvas.key_mask(text, text_first=self.text_first, device=self.device)
-        factor = self.pipe.vae_scale_factor * patch
-        size = (canvas.height * factor, canvas.width * factor)
-        predictions = self.predict(latents, timesteps, {**inputs, "attention_mask": mask}, size)
-        rows = take_tokens(predictions, canvas) if as_tokens else take_patches(predictions, canvas, patch)
-        return rows, canvas.padded_tokens

@@ -30,22 +30,17 @@ import torch
 from PIL import Image
 
 from triton_diffusion.adapters import diffusers_compat as compat
-from triton_diffusion.adapters.flow_matching import FlowMatchingImageStart
+from triton_diffusion.adapters.diffusers_pipeline import pipeline_timesteps
+from triton_diffusion.adapters.flow_matching import FlowMatchingStarts
 from triton_diffusion.adapters.image_params import ImageParams, LatentJob
 from triton_diffusion.adapters.latent_loop import LatentStepAdapter
+from triton_diffusion.adapters.row_sizes import Packing
 from triton_diffusion.adapters.vae import denormalized_latents, normalized_latents, sample_latents
 
 
-class QwenImageAdapter(FlowMatchingImageStart, LatentStepAdapter):
-    fallback_max_sequence_length = 512
-    captures_forwards = False  # predict trims the text to the longest row's length, read from the GPU
-    packs_sizes_not = "not built: its rotary takes image shapes per row and its text lengths differ per row"
-
-    def __init__(self, pipe: Any, facts: Any, schedulers: Any, max_sequence_length: int | None) -> None:
-        super().__init__(pipe, facts, schedulers, max_sequence_length)
-        self.guidance_embeds = bool(self.model.config.guidance_embeds)
-        # The pipeline draws and steps latents in the prompt embeddings' (the text encoder's) dtype.
-        self.latent_dtype = self.pipe.text_encoder.dtype
+class QwenImageStarts(FlowMatchingStarts):
+    """``QwenImageImg2ImgPipeline``'s start: its source encoded in the text's dtype with one frame and
+    normalised by the VAE's mean and std (no inpainting)."""
 
     def supports(self, start: str) -> bool:
         return start == "image"
@@ -53,13 +48,30 @@ class QwenImageAdapter(FlowMatchingImageStart, LatentStepAdapter):
     def encode_source(self, pixels: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
         # QwenImageImg2ImgPipeline.prepare_latents and _encode_vae_image: [n, 3, 1, H, W] in the text's
         # dtype, normalised as (latents - mean) * (1 / std), frames moved before channels: [n, 1, z, h, w].
-        vae = self.pipe.vae
-        pixels = pixels.to(device=self.device, dtype=self.latent_dtype).unsqueeze(2)
+        family = self.family
+        vae = family.pipe.vae
+        pixels = pixels.to(device=family.device, dtype=family.latent_dtype).unsqueeze(2)
         return normalized_latents(vae, sample_latents(vae.encode(pixels), generators)).transpose(1, 2)
 
     def source_noise_shape(self, size: tuple[int, int]) -> tuple[int, ...]:
-        rows, columns = self._tokens(size)
-        return (1, 1, self.model.config.in_channels // 4, 2 * rows, 2 * columns)
+        factor = self.family.pipe.vae_scale_factor * 2  # the rows and columns of 2x2 packed tokens
+        rows, columns = size[0] // factor, size[1] // factor
+        return (1, 1, self.family.model.config.in_channels // 4, 2 * rows, 2 * columns)
+
+
+class QwenImageAdapter(LatentStepAdapter):
+    starts_class = QwenImageStarts
+    fallback_max_sequence_length = 512
+    captures_forwards = False  # predict trims the text to the longest row's length, read from the GPU
+    packing = Packing(
+        why_not="not built: its rotary takes image shapes per row and its text lengths differ per row"
+    )
+
+    def __init__(self, pipe: Any, facts: Any, schedulers: Any, max_sequence_length: int | None) -> None:
+        super().__init__(pipe, facts, schedulers, max_sequence_length)
+        self.guidance_embeds = bool(self.model.config.guidance_embeds)
+        # The pipeline draws and steps latents in the prompt embeddings' (the text encoder's) dtype.
+        self.latent_dtype = self.pipe.text_encoder.dtype
 
     def pack(self, latents: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
         count, _, channels, height, width = latents.shape  # [n, 1, C, h, w]
@@ -112,7 +124,15 @@ class QwenImageAdapter(FlowMatchingImageStart, LatentStepAdapter):
         steps = request.steps
         sigmas = np.linspace(1.0, 1 / steps, steps)
         rows, columns = self._tokens(request.size)
-        return self.retrieve_timesteps(scheduler, steps, sigmas, image_seq_len=rows * columns, max_shift=1.15)
+        return pipeline_timesteps(
+            self.module,
+            scheduler,
+            steps,
+            self.schedule_device,
+            sigmas,
+            image_seq_len=rows * columns,
+            max_shift=1.15,
+        )
 
     def timestep_rows(self, timesteps: Sequence[torch.Tensor]) -> torch.Tensor:
         # QwenImagePipeline: t.expand(batch).to(latents.dtype), then / 1000.

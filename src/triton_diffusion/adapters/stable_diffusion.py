@@ -27,41 +27,37 @@ from diffusers.utils.torch_utils import randn_tensor
 from PIL import Image
 
 from triton_diffusion.adapters import diffusers_compat as compat
+from triton_diffusion.adapters.diffusers_pipeline import pipeline_timesteps
 from triton_diffusion.adapters.image_params import Conditioning, ImageParams, row_conditioning
 from triton_diffusion.adapters.latent_loop import LatentStepAdapter
+from triton_diffusion.adapters.starts import JobStarts, StartHooks
 from triton_diffusion.adapters.vae import sample_latents
 
 
-class StableDiffusionAdapter(LatentStepAdapter):
-    scales_model_input = True
+class StableDiffusionStarts(JobStarts):
+    """The SD and SDXL img2img and inpaint pipelines' start: which starts a UNet serves, and the source
+    encoded as each pipeline encodes it (SDXL's upcast VAE and its latents' mean and std)."""
 
-    def __init__(self, pipe: Any, facts: Any, schedulers: Any, max_sequence_length: int | None) -> None:
-        if pipe.unet.config.time_cond_proj_dim is not None:
-            raise NotImplementedError("a guidance-embedding UNet (LCM) has no step adapter")
-        # Read by supports() in __init__.
-        self.xl = pipe.unet.config.addition_embed_type == "text_time"
-        self.inpainting_checkpoint = pipe.unet.config.in_channels == 9  # the latents, mask, masked latents
-        super().__init__(pipe, facts, schedulers, max_sequence_length)
-
-    @property
-    def model(self) -> Any:
-        return self.pipe.unet
+    def __init__(self, family: StartHooks) -> None:
+        super().__init__(family)
+        self.xl = family.pipe.unet.config.addition_embed_type == "text_time"
 
     def supports(self, start: str) -> bool:
         # Inpainting is the masked blend of an ordinary UNet, or an inpainting UNet's own (which takes the
         # mask and masked source as extra input channels, so it serves nothing else).
         # SDXL's inpaint pipeline encodes the source without the VAE's latents mean and std (its img2img
         # pipeline normalises with them), so a VAE that has them serves img2img only.
-        normalised = self.xl and getattr(self.pipe.vae.config, "latents_mean", None) is not None
-        if self.inpainting_checkpoint:
+        normalised = self.xl and getattr(self.family.pipe.vae.config, "latents_mean", None) is not None
+        if self.family.inpainting_checkpoint:
             return start == "mask" and not normalised
         if start == "mask":
-            return self.pipe.unet.config.in_channels == 4 and not normalised
+            return self.family.pipe.unet.config.in_channels == 4 and not normalised
         return start == "image"
 
     def encode_source(self, pixels: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
-        vae = self.pipe.vae
-        pixels = pixels.to(device=self.device, dtype=self.dtype)
+        family = self.family
+        vae = family.pipe.vae
+        pixels = pixels.to(device=family.device, dtype=family.dtype)
         if not self.xl:  # the img2img and inpaint pipelines' encode: sample, then scale
             return vae.config.scaling_factor * sample_latents(vae.encode(pixels), generators)
         # StableDiffusionXLImg2ImgPipeline.prepare_latents: VAEs that overflow in fp16 encode in fp32, and
@@ -76,20 +72,37 @@ class StableDiffusionAdapter(LatentStepAdapter):
         finally:
             if upcast:
                 vae.to(dtype=original)
-        latents = latents.to(self.dtype)
+        latents = latents.to(family.dtype)
         mean, std = getattr(vae.config, "latents_mean", None), getattr(vae.config, "latents_std", None)
         if mean is not None and std is not None:
-            mean = torch.tensor(mean).view(1, 4, 1, 1).to(device=self.device, dtype=self.dtype)
-            std = torch.tensor(std).view(1, 4, 1, 1).to(device=self.device, dtype=self.dtype)
+            mean = torch.tensor(mean).view(1, 4, 1, 1).to(device=family.device, dtype=family.dtype)
+            std = torch.tensor(std).view(1, 4, 1, 1).to(device=family.device, dtype=family.dtype)
             return (latents - mean) * vae.config.scaling_factor / std
         return vae.config.scaling_factor * latents
 
     @property
     def source_draw_dtype(self) -> torch.dtype:
         # SDXL's inpaint pipeline encodes the masked source with its VAE in float32 where force_upcast.
-        if self.xl and self.pipe.vae.config.force_upcast:
+        if self.xl and self.family.pipe.vae.config.force_upcast:
             return torch.float32
-        return self.pipe.vae.dtype
+        return self.family.pipe.vae.dtype
+
+
+class StableDiffusionAdapter(LatentStepAdapter):
+    starts_class = StableDiffusionStarts
+    scales_model_input = True
+
+    def __init__(self, pipe: Any, facts: Any, schedulers: Any, max_sequence_length: int | None) -> None:
+        if pipe.unet.config.time_cond_proj_dim is not None:
+            raise NotImplementedError("a guidance-embedding UNet (LCM) has no step adapter")
+        self.xl = pipe.unet.config.addition_embed_type == "text_time"
+        # Read by the starter's supports() in __init__.
+        self.inpainting_checkpoint = pipe.unet.config.in_channels == 9  # the latents, mask, masked latents
+        super().__init__(pipe, facts, schedulers, max_sequence_length)
+
+    @property
+    def model(self) -> Any:
+        return self.pipe.unet
 
     @property
     def schedule_device(self) -> str:
@@ -165,7 +178,7 @@ class StableDiffusionAdapter(LatentStepAdapter):
         return torch.cat([noise[i : i + 1] * s.init_noise_sigma for i, s in enumerate(schedulers)])
 
     def set_timesteps(self, scheduler: Any, request: ImageParams) -> torch.Tensor:
-        return self.retrieve_timesteps(scheduler, request.steps)
+        return pipeline_timesteps(self.module, scheduler, request.steps, self.schedule_device)
 
     def predict(
         self,

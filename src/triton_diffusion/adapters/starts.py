@@ -8,10 +8,10 @@ latents outside the mask are replaced by the source noised to the next timestep;
 checkpoint the mask and the masked source's latents are model inputs instead). The start is data in the
 job's params (``ImageParams.start``), not another engine: from then on every job is the same.
 
-:meth:`LatentStarts.prepare` reads as a diffusers ``__call__`` does: encode the prompts, set each job's
+``JobStarts.prepare`` reads as a diffusers ``__call__`` does: encode the prompts, set each job's
 timesteps, make its starting latents, and return each job's start. A job whose request was resent after
 a crash with a checkpoint of it starts the same way, then takes the checkpoint's state and steps on from
-there (:meth:`LatentStarts.resumed`); :meth:`LatentStarts.checkpoint` takes those checkpoints.
+there (``JobStarts.resumed``); ``JobStarts.checkpoint`` takes those checkpoints.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from __future__ import annotations
 import copy
 import inspect
 import logging
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import diffusers
 import torch
@@ -49,16 +49,15 @@ log = logging.getLogger("triton_diffusion")
 
 if TYPE_CHECKING:
     from triton_diffusion.adapters.lora import LoraBank
+    from triton_diffusion.adapters.row_sizes import RowSizes
     from triton_diffusion.adapters.step_caches import CacheState
     from triton_diffusion.families import PipelineFacts
 
 
-class LatentStarts:
-    """The start of every latent job: text, img2img and inpainting. Mixed into LatentStepAdapter
-    (latent_loop.py), whose hooks (``encode``, ``initial_latents``, ``set_timesteps``, ...) it calls."""
+class StartHooks(Protocol):
+    """What a job's start reads of its family's step adapter (latent_loop.py's LatentStepAdapter and the
+    family's hooks): its loaded parts and the hooks of its loop."""
 
-    # What LatentStepAdapter sets (its class attributes and __init__) and the hooks it declares: declared
-    # here for the type checker only.
     inpainting_checkpoint: bool
     scales_model_input: bool
     always_passes_step_kwargs: bool
@@ -70,27 +69,33 @@ class LatentStarts:
     device: torch.device
     dtype: torch.dtype
     latent_dtype: torch.dtype
+    sizes: RowSizes
 
-    if TYPE_CHECKING:
+    @property
+    def model(self) -> Any: ...
+    def encode(self, requests: Sequence[ImageParams]) -> list[Conditioning]: ...
+    def initial_latents(
+        self,
+        requests: Sequence[ImageParams],
+        schedulers: Sequence[Any],
+        generators: list[torch.Generator],
+    ) -> torch.Tensor: ...
+    def set_timesteps(self, scheduler: Any, request: ImageParams) -> torch.Tensor: ...
+    def pack(self, latents: torch.Tensor, size: tuple[int, int]) -> torch.Tensor: ...
+    def uses_guidance(self, request: ImageParams) -> bool: ...
+    def guidance_scale(self, request: ImageParams) -> float: ...
+    def extra_inputs(self, request: ImageParams) -> dict[str, torch.Tensor]: ...
+    def new_cache_state(self, request: ImageParams, guided: bool) -> CacheState | None: ...
 
-        @property
-        def model(self) -> Any: ...
-        def encode(self, requests: Sequence[ImageParams]) -> list[Conditioning]: ...
-        def initial_latents(
-            self,
-            requests: Sequence[ImageParams],
-            schedulers: Sequence[Any],
-            generators: list[torch.Generator],
-        ) -> torch.Tensor: ...
-        def set_timesteps(self, scheduler: Any, request: ImageParams) -> torch.Tensor: ...
-        def pack(self, latents: torch.Tensor, size: tuple[int, int]) -> torch.Tensor: ...
-        def uses_guidance(self, request: ImageParams) -> bool: ...
-        def guidance_scale(self, request: ImageParams) -> float: ...
-        def extra_inputs(self, request: ImageParams) -> dict[str, torch.Tensor]: ...
-        def new_cache_state(self, request: ImageParams, guided: bool) -> CacheState | None: ...
-        def group_of(self, request: ImageParams) -> Hashable: ...
-        def also_joins(self, request: ImageParams) -> Hashable: ...
-        def grid_of(self, request: ImageParams) -> tuple[int, int, int] | None: ...
+
+class JobStarts:
+    """The start of every latent job: text, img2img and inpainting, composed into LatentStepAdapter
+    (latent_loop.py ``starter``), whose hooks (``encode``, ``initial_latents``, ``set_timesteps``, ...) it
+    calls. A family whose image starts differ from the SD pipelines' (this class) gives its adapter a
+    subclass (``LatentStepAdapter.starts_class``: flow_matching.py, stable_diffusion.py, ...)."""
+
+    def __init__(self, family: StartHooks) -> None:
+        self.family = family
 
     def supports(self, start: str) -> bool:
         """Whether this family's adapter can start jobs this way (``image``, ``mask``) with this model."""
@@ -99,16 +104,16 @@ class LatentStarts:
     @property
     def serves_text(self) -> bool:
         """Whether jobs may start from text alone (not with an inpainting checkpoint, which needs a mask)."""
-        return not self.inpainting_checkpoint
+        return not self.family.inpainting_checkpoint
 
     @property
     def starts(self) -> tuple[str, ...]:
         """The starts served: ``text`` and those of ``image``/``mask`` the family declares and supports."""
-        return tuple(start for start in self.pipelines if start != "text" or self.serves_text)
+        return tuple(start for start in self.family.pipelines if start != "text" or self.serves_text)
 
     def default_strength(self, start: str) -> float:
         """The ``strength`` the start's diffusers pipeline defaults to (img2img 0.8, SDXL 0.3, ...)."""
-        return float(inspect.signature(self.pipelines[start].__call__).parameters["strength"].default)
+        return float(inspect.signature(self.family.pipelines[start].__call__).parameters["strength"].default)
 
     def first_step(self, steps: int, strength: float) -> int:
         """Where an image-conditioned job enters its schedule (``t_start`` of the pipeline's
@@ -128,14 +133,14 @@ class LatentStarts:
     def source_noise_shape(self, size: tuple[int, int]) -> tuple[int, ...]:
         """The shape of one image-conditioned row's noise, as its pipeline's ``prepare_latents`` draws it
         (before packing): the VAE's latent channels at latent size."""
-        factor = self.pipe.vae_scale_factor
-        return (1, self.pipe.vae.config.latent_channels, size[0] // factor, size[1] // factor)
+        factor = self.family.pipe.vae_scale_factor
+        return (1, self.family.pipe.vae.config.latent_channels, size[0] // factor, size[1] // factor)
 
     def encodes_source(self, request: ImageParams) -> bool:
         """Whether the start's pipeline VAE-encodes the source (a draw from the row's generator) before it
         draws the noise: always, except the SD, SDXL and SD3 inpaint pipelines with an inpainting
         checkpoint at strength 1 (pure noise)."""
-        return not (self.inpainting_checkpoint and request.strength == 1.0)
+        return not (self.family.inpainting_checkpoint and request.strength == 1.0)
 
     def pack_mask(self, mask: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
         """A [1, 1, h, w] latent-size mask into the loop's layout (it broadcasts over the channels)."""
@@ -144,15 +149,16 @@ class LatentStarts:
     def encode_with_loras(self, requests: list[ImageParams]) -> list[Conditioning]:
         """``encode``, once per distinct adapter set where the text encoders carry adapters (the pipeline
         encodes the prompt and the negative prompt with the adapted encoder), else in one call."""
-        if self.loras is None or not self.loras.text_encoder_layers:
-            return self.encode(requests)
+        family, loras = self.family, self.family.loras
+        if loras is None or not loras.text_encoder_layers:
+            return family.encode(requests)
         by_set: dict[LoraSet, list[int]] = {}
         for i, request in enumerate(requests):
             by_set.setdefault(request.lora, []).append(i)
         conditioning: dict[int, Conditioning] = {}
         for adapters, indices in by_set.items():
-            with self.loras.uniform(adapters):
-                for i, encoded in zip(indices, self.encode([requests[i] for i in indices]), strict=True):
+            with loras.uniform(adapters):
+                for i, encoded in zip(indices, family.encode([requests[i] for i in indices]), strict=True):
                     conditioning[i] = encoded
         return [conditioning[i] for i in range(len(requests))]
 
@@ -201,8 +207,8 @@ class LatentStarts:
         generators = [row_generator(r.seed, r.image_index) for r in requests]
         schedulers, timesteps = [], []
         for request in requests:
-            scheduler = copy.deepcopy(self.templates[request.scheduler])
-            job_timesteps = self.set_timesteps(scheduler, request)
+            scheduler = copy.deepcopy(self.family.templates[request.scheduler])
+            job_timesteps = self.family.set_timesteps(scheduler, request)
             begin = 0
             if request.image is not None:
                 assert request.strength is not None  # an image start's is filled in at parse (source_images)
@@ -219,24 +225,24 @@ class LatentStarts:
         prepared = []
         for i, (request, scheduler) in enumerate(zip(requests, schedulers, strict=True)):
             latents, inpaint = starts[i]
-            extra = self.extra_inputs(request)
+            extra = self.family.extra_inputs(request)
             if inpaint is not None:
                 extra.update(inpaint.model_inputs)
-            guided = self.uses_guidance(request) and conditioning[i].unconditional is not None
+            guided = self.family.uses_guidance(request) and conditioning[i].unconditional is not None
             state = LatentJob(
                 latents=latents,
                 scheduler=scheduler,
                 timesteps=timesteps[i],
                 conditional=conditioning[i].conditional,
                 unconditional=conditioning[i].unconditional if guided else None,
-                guidance=self.guidance_scale(request),
+                guidance=self.family.guidance_scale(request),
                 step_kwargs=self._step_kwargs(scheduler, generators[i]),
                 extra=extra,
                 inpaint=inpaint if inpaint is not None and inpaint.blended else None,
-                cache=self.new_cache_state(request, guided),
-                grid=self.grid_of(request),
+                cache=self.family.new_cache_state(request, guided),
+                grid=self.family.sizes.grid_of(request),
             )
-            group, joins = self.group_of(request), self.also_joins(request)
+            group, joins = self.family.sizes.group_of(request), self.family.sizes.also_joins(request)
             prepared.append(JobStart(state, group, len(timesteps[i]), also_joins=joins))
         return prepared
 
@@ -256,7 +262,7 @@ class LatentStarts:
             from_text = [i for i in indices if requests[i].image is None]
             from_image = [i for i in indices if requests[i].image is not None]
             if from_text:
-                latents = self.initial_latents(
+                latents = self.family.initial_latents(
                     [requests[i] for i in from_text],
                     [schedulers[i] for i in from_text],
                     [generators[i] for i in from_text],
@@ -285,7 +291,9 @@ class LatentStarts:
         first timestep. An inpainting row at strength 1 starts from noise alone, as diffusers' does."""
         size = height, width = requests[0].size
         pixels = [
-            self.pipelines[r.start].image_processor.preprocess(r.image, height=height, width=width).float()
+            self.family.pipelines[r.start]
+            .image_processor.preprocess(r.image, height=height, width=width)
+            .float()
             for r in requests
         ]
         encoded = [i for i, request in enumerate(requests) if self.encodes_source(request)]
@@ -302,10 +310,10 @@ class LatentStarts:
             scheduler, timestep = schedulers[i], first_timesteps[i]
             # In the loop's layout from here on: noising and the inpaint blend are elementwise.
             row_noise = randn_tensor(
-                shape, generator=generators[i], device=self.device, dtype=self.latent_dtype
+                shape, generator=generators[i], device=self.family.device, dtype=self.family.latent_dtype
             )
-            row_noise = self.pack(row_noise, size)
-            source = self.pack(image_latents[i], size) if i in image_latents else None
+            row_noise = self.family.pack(row_noise, size)
+            source = self.family.pack(image_latents[i], size) if i in image_latents else None
             if request.mask_image is None:
                 assert source is not None  # img2img always encodes its source (encodes_source)
                 rows.append(self.noise_source(scheduler, source, row_noise, timestep))
@@ -334,18 +342,18 @@ class LatentStarts:
         ``prepare_mask_latents`` takes from the row's generator: it encodes the masked source (which only an
         inpainting checkpoint reads), so a stochastic sampler's later draws follow the same stream. With an
         inpainting checkpoint: the model's extra input channels, and no blend."""
-        if self.inpainting_checkpoint:
+        if self.family.inpainting_checkpoint:
             channels = self.inpaint_channels(request, generator, pixels)
             return InpaintSource(None, noise, None, {"inpaint_channels": channels})
-        pipe = self.pipelines["mask"]
+        pipe = self.family.pipelines["mask"]
         height, width = request.size
         mask = self.mask_condition(request)
         factor = pipe.vae_scale_factor
         mask = torch.nn.functional.interpolate(mask, size=(height // factor, width // factor))
         if not isinstance(pipe.vae, diffusers.AutoencoderTiny):  # retrieve_latents samples a distribution
             shape = (1, pipe.vae.config.latent_channels, height // factor, width // factor)
-            randn_tensor(shape, generator=generator, device=self.device, dtype=self.source_draw_dtype)
-        mask = self.pack_mask(mask.to(device=self.device, dtype=self.dtype), request.size)
+            randn_tensor(shape, generator=generator, device=self.family.device, dtype=self.source_draw_dtype)
+        mask = self.pack_mask(mask.to(device=self.family.device, dtype=self.family.dtype), request.size)
         return InpaintSource(image_latents, noise, mask)
 
     def inpaint_channels(
@@ -355,7 +363,7 @@ class LatentStarts:
         make it, their own ``prepare_mask_latents`` (the mask at latent size, the source outside it encoded
         with the row's generator) for one row without CFG (the engine gives both CFG rows the same), the
         mask's channel first. One tensor of both: one copy per forward, not two."""
-        prepare = self.pipelines["mask"].prepare_mask_latents
+        prepare = self.family.pipelines["mask"].prepare_mask_latents
         height, width = request.size
         mask = self.mask_condition(request)
         # SD3's takes num_images_per_prompt too; by keyword, one call fits every signature.
@@ -364,7 +372,7 @@ class LatentStarts:
             if "num_images_per_prompt" in inspect.signature(prepare).parameters
             else {}
         )
-        vae = self.pipelines["mask"].vae
+        vae = self.family.pipelines["mask"].vae
         original = vae.dtype
         try:
             mask, masked = prepare(
@@ -373,8 +381,8 @@ class LatentStarts:
                 batch_size=1,
                 height=height,
                 width=width,
-                dtype=self.dtype,
-                device=self.device,
+                dtype=self.family.dtype,
+                device=self.family.device,
                 generator=generator,
                 do_classifier_free_guidance=False,
                 **extra,
@@ -387,19 +395,19 @@ class LatentStarts:
     def mask_condition(self, request: ImageParams) -> torch.Tensor:
         """The request's mask as its inpaint pipeline preprocesses it (grayscale, binarised, [1, 1, H, W])."""
         height, width = request.size
-        return self.pipelines["mask"].mask_processor.preprocess(
+        return self.family.pipelines["mask"].mask_processor.preprocess(
             request.mask_image, height=height, width=width
         )
 
     @property
     def source_draw_dtype(self) -> torch.dtype:
         """The dtype in which the inpaint pipeline's VAE samples the masked source's latents."""
-        return self.pipelines["mask"].vae.dtype
+        return self.family.pipelines["mask"].vae.dtype
 
     def _step_kwargs(self, scheduler: Any, generator: torch.Generator) -> dict[str, Any]:
         """What the pipeline's prepare_extra_step_kwargs passes (eta for DDIM, the generator for
         stochastic samplers); flow-matching pipelines pass none."""
-        if not (self.scales_model_input or self.always_passes_step_kwargs):
+        if not (self.family.scales_model_input or self.family.always_passes_step_kwargs):
             return {}
         accepted = set(inspect.signature(scheduler.step).parameters)
         kwargs: dict[str, Any] = {}

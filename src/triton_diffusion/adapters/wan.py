@@ -23,6 +23,7 @@ from diffusers.utils.torch_utils import get_module_execution_device
 
 from triton_diffusion.adapters.image_params import ImageParams
 from triton_diffusion.adapters.latent_loop import LatentStepAdapter
+from triton_diffusion.adapters.row_sizes import Packing, RowSizes
 from triton_diffusion.adapters.vae import denormalized_latents
 from triton_diffusion.codecs.video import to_uint8
 
@@ -33,15 +34,18 @@ class WanAdapter(LatentStepAdapter):
     # Wan's attn1/attn2: there it would do nothing.)
     cache_methods = ("fbc",)
     cache_per_branch = True
-    packs_sizes_not = "not built: WanAttnProcessor would need the key mask, and frames a 3-D canvas"
+    packing = Packing(why_not="not built: WanAttnProcessor would need the key mask, and frames a 3-D canvas")
 
-    def latent_frames(self, request: ImageParams) -> int:
-        assert request.num_frames is not None  # a video's frame count is filled in at parse
-        return (request.num_frames - 1) // self.pipe.vae_scale_factor_temporal + 1
-
-    def token_grid(self, size: tuple[int, int]) -> tuple[int, int]:
-        factor = self.pipe.vae_scale_factor_spatial * self.token_patch
-        return size[0] // factor, size[1] // factor
+    def row_sizes(self) -> RowSizes:
+        # A video's tokens: its latent frames (the VAE's temporal compression) x its spatial grid.
+        return RowSizes(
+            scale_factor=self.pipe.vae_scale_factor_spatial,
+            patch=self.token_patch,
+            temporal=self.pipe.vae_scale_factor_temporal,
+            guided=self.uses_guidance,
+            device=self.device,
+            packing=self.packing,
+        )
 
     def __init__(self, pipe: Any, facts: Any, schedulers: Any, max_sequence_length: int | None) -> None:
         config = pipe.config

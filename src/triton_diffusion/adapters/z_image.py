@@ -25,14 +25,16 @@ import torch
 from PIL import Image
 
 from triton_diffusion.adapters import diffusers_compat as compat
+from triton_diffusion.adapters.diffusers_pipeline import pipeline_timesteps
 from triton_diffusion.adapters.image_params import ImageParams, LatentJob
 from triton_diffusion.adapters.latent_loop import LatentStepAdapter
+from triton_diffusion.adapters.row_sizes import Packing
 
 
 class ZImageAdapter(LatentStepAdapter):
     fallback_max_sequence_length = 512
     captures_forwards = False  # predict reads the caption lengths back to the host
-    packs_sizes_not = "not built: its forward pads each caption and image itself, per call"
+    packing = Packing(why_not="not built: its forward pads each caption and image itself, per call")
 
     @property
     def token_patch(self) -> int:
@@ -75,7 +77,9 @@ class ZImageAdapter(LatentStepAdapter):
         factor = self.pipe.vae_scale_factor * 2
         image_seq_len = (request.height // factor) * (request.width // factor)
         sigmas = self.module.get_default_z_image_sigmas(request.steps)
-        return self.retrieve_timesteps(scheduler, request.steps, sigmas, image_seq_len, max_shift=1.15)
+        return pipeline_timesteps(
+            self.module, scheduler, request.steps, self.schedule_device, sigmas, image_seq_len, max_shift=1.15
+        )
 
     def timestep_rows(self, timesteps: Sequence[torch.Tensor]) -> torch.Tensor:
         # ZImagePipeline: (1000 - t.expand(batch)) / 1000, in the timesteps' own dtype.

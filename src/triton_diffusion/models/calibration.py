@@ -39,7 +39,7 @@ def calibrate(adapter: Any, requests: Sequence[Any], rows_for: Callable[[Any], i
     """The cost fit seeded from forwards of ``requests`` (step requests of distinct sizes), each run with
     one row and with ``min(rows_for(request), MAX_ROWS)``; None where the adapter does not pack sizes or
     a forward fails (the fit then learns from traffic alone)."""
-    if not getattr(adapter, "packs_sizes", False) or len(requests) < 2:
+    if not adapter.sizes.packing.on or len(requests) < 2:
         return None
     times = WorkTimes()
     started = time.perf_counter()

@@ -313,7 +313,7 @@ class DiffusionModel:
         strength = values.get("strength")
         if values.get("image") is not None and strength is not None:
             if self.adapter is not None:
-                steps -= self.adapter.first_step(steps, strength)
+                steps -= self.adapter.starter.first_step(steps, strength)
             else:  # only estimates read this, and the request-level engine makes none
                 steps = min(int(steps * strength), steps)
         return max(steps, 1)
@@ -394,8 +394,8 @@ class DiffusionModel:
             more["degrade_tiers"] = dict(self.settings.config.degrade_tiers or {})
             more["degrade_step_cache"] = dict(self.settings.config.degrade_step_cache or {})
         if self.adapter is not None:  # whether images of different sizes share forwards, and why not
-            packs = bool(self.adapter.packs_sizes)
+            packing = self.adapter.sizes.packing
             more["packed_sizes"] = (
-                {"served": True} if packs else {"served": False, "why_not": self.adapter.packs_sizes_not}
+                {"served": True} if packing.on else {"served": False, "why_not": packing.why_not}
             )
         return more

@@ -15,6 +15,7 @@ from triton_diffusion.errors import invalid_field
 from triton_diffusion.fields import REQUIRED, Field
 
 if TYPE_CHECKING:
+    from triton_diffusion.adapters.starts import JobStarts
     from triton_diffusion.families import PipelineFacts
     from triton_diffusion.fields import FieldSet
 
@@ -39,19 +40,20 @@ class SourceImages:
         kind: str,
         kind_fields: FieldSet,
         config: Any,
-        adapter: Any,
+        starter: JobStarts | None,
         facts: PipelineFacts,
         request_level_starts: tuple[str, ...],
         optional_call_fields: tuple[str, ...],
     ) -> SourceImages:
         """Which image-conditioned starts this model serves (``text``, ``image``: img2img, ``mask``:
-        inpainting): the step adapter's, else the request-level engine's (``request_level_starts``)."""
+        inpainting): the step adapter's (its ``starter``), else the request-level engine's
+        (``request_level_starts``)."""
         if "image" not in kind_fields:
             return cls()  # a kind without source images (text_to_video)
-        starts = adapter.starts if adapter is not None else request_level_starts
+        starts = starter.starts if starter is not None else request_level_starts
         # Starts this model kind's fields can send: text and img2img, inpainting where it has a mask field.
         sendable = {"text", "image"} | ({"mask"} if "mask_image" in kind_fields else set())
-        if not sendable & set(starts) or (adapter is None and facts.accepts("mask_image")):
+        if not sendable & set(starts) or (starter is None and facts.accepts("mask_image")):
             raise ValueError(
                 f"{facts.class_name} serves only {'/'.join(starts) or 'no'} jobs here, which "
                 f"{kind} cannot serve: an inpainting checkpoint (mask and masked source as "
@@ -66,7 +68,7 @@ class SourceImages:
             starts=starts,
             # Where no strength is sent or configured, each start takes its diffusers pipeline's default.
             default_strengths={
-                start: adapter.default_strength(start) for start in starts if adapter and start != "text"
+                start: starter.default_strength(start) for start in starts if starter and start != "text"
             },
             max_pixels=config.max_image_pixels,
             image_formats=config.image_formats,

@@ -89,8 +89,8 @@ class TextToImageModel(DiffusionModel):
         adapter = self.choose_step_adapter(settings)
         if adapter is not None:
             adapter.loras = self.loras
-            if adapter.packs_sizes and not config.pack_sizes:
-                adapter.packs_sizes, adapter.packs_sizes_not = False, "config pack_sizes is false"
+            if not config.pack_sizes:
+                adapter.sizes.stop_packing("config pack_sizes is false")
         # Step caches (adapters/step_caches.py): the methods this model's denoiser serves per request.
         self.step_cache_methods = self.cache_methods(adapter)
         self.step_cache_default = config.step_cache or NO_CACHE
@@ -119,7 +119,7 @@ class TextToImageModel(DiffusionModel):
             type(self).__name__,
             self.FIELDS,
             config,
-            adapter,
+            adapter.starter if adapter is not None else None,
             facts,
             self.REQUEST_LEVEL_STARTS,
             self.OPTIONAL_CALL_FIELDS,
