@@ -14,6 +14,7 @@ from tests.unit.test_step_engine import Engine, FakeAdapter, Host, Spec
 from triton_diffusion.adapters.packed_rows import ANY_SIZE
 from triton_diffusion.engine.jobs import Job, forward_group
 from triton_diffusion.engine.ordering import AdmissionPacing, Service, make_policy
+from triton_diffusion.engine.request_engine import CallSteps
 from triton_diffusion.engine.scheduler import EngineLimits
 from triton_diffusion.engine.step_engine import StepEngine
 from triton_diffusion.errors import ErrorCode, RequestError
@@ -601,3 +602,20 @@ def test_with_the_gate_off_sizes_mixed_run_packed_whatever_the_fit_prices():
     assert first_forward(engine, gated("large", 8), gated("small", 2)) == ["large", "small"]
     decision = engine.engine.scheduler.packing
     assert decision.packed and decision.packed_s is None
+
+
+def test_both_engines_count_a_job_through_its_own_writers():
+    """The step engine's scheduler and the request-level engine's fused calls write a job's counters
+    through ``Job.took_part`` and ``Job.reached``: the first forward kept, forwards counted, the most it
+    shared, packed forwards, and the steps (with a fused call's total)."""
+    job = Job(tracked("a"), Spec(steps=4), shape="S", tokens=1)
+    job.took_part(3, forward=7, packed=True)
+    job.took_part(2, forward=9)
+    job.reached(2)
+    stats = job.stats
+    assert (stats.first_forward, stats.forwards, stats.most_shared, stats.packed_forwards) == (7, 2, 3, 1)
+    assert (job.run.steps_done, job.run.total_steps) == (2, 0)
+    called = Job(tracked("b"), Spec(steps=4), shape="S", tokens=1)
+    steps = CallSteps([called], lambda report: None)
+    steps.on_step(3, 10)  # the request-level engine learns the total from the pipeline's callback
+    assert (called.run.steps_done, called.run.total_steps) == (3, 10)

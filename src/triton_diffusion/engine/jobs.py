@@ -186,6 +186,25 @@ class Job:
         self.stats.resumed_from_step = start.steps_done or None
         self.stats.start_warning = start.warning
 
+    # The writers of its counters, for either engine (the step engine's scheduler, the request-level
+    # engine's calls): each counted in one place, so both engines' BATCH reads the same.
+    def took_part(self, shared: int, forward: int | None = None, packed: bool = False) -> None:
+        """A forward (a fused call, on the request-level engine) it took part in, with ``shared`` images:
+        ``forward``, the engine's count of forwards (its first is kept); ``packed``, with other sizes."""
+        stats = self.stats
+        if forward is not None and stats.first_forward is None:
+            stats.first_forward = forward
+        stats.forwards += 1
+        stats.most_shared = max(stats.most_shared, shared)
+        stats.packed_forwards += int(packed)
+
+    def reached(self, step: int, total: int | None = None) -> None:
+        """Its denoising steps done (``total``: a fused call's count, which the request-level engine
+        learns from the pipeline)."""
+        self.run.steps_done = step
+        if total is not None:
+            self.run.total_steps = total
+
 
 @dataclass(frozen=True)
 class JobStart:

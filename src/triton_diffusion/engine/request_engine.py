@@ -82,7 +82,7 @@ class CallSteps:
                     reason = "cancelled" if status.cancelled else "ended"
                     report.left.append(Left(job, reason, status.error))
                 continue
-            job.run.steps_done, job.run.total_steps = step, total
+            job.reached(step, total)
             preview = snapshot(position) if snapshot is not None and job.preview_due(step) else None
             report.stepped.append(Stepped(job, step, total, preview))
         self._on_progress(report)
@@ -278,8 +278,7 @@ class RequestEngine:
     def _run_rows(self, key: CompatibilityKey, rows: list[Row]) -> list[Any]:
         jobs = [self._jobs[(row.request_index, row.image_index)] for row in rows]
         for job in jobs:
-            job.stats.forwards += 1
-            job.stats.most_shared = max(job.stats.most_shared, len(jobs))
+            job.took_part(len(jobs))
         steps = CallSteps(jobs, self.on_progress, self._left, self.aborts)
         try:
             return self.call(key, jobs, steps)

@@ -58,6 +58,7 @@ from triton_diffusion.engine.jobs import (
     rows_and_tokens,
 )
 from triton_diffusion.engine.ordering import AdmissionPacing, Policy, Service, make_policy
+from triton_diffusion.engine.overload import OfferedLoad, arrival_of, overload_cut
 from triton_diffusion.engine.request_status import Abort, Request, RequestTable, apply_aborts, held_requests
 from triton_diffusion.errors import ErrorCode, RequestError
 
@@ -103,6 +104,7 @@ class Scheduler:
         self.pacing = pacing or AdmissionPacing()
         self.service = service or Service()
         self.times = times or WorkTimes()
+        self.offered = OfferedLoad()  # the newest arrivals: what they ask of the engine (engine/overload.py)
         self.packing: Packing | None = None  # the packing gate's decision for the last forward chosen
         self.caps = ForwardCaps(limits)
         self.waiting: list[Job] = []
@@ -159,6 +161,7 @@ class Scheduler:
             arrived, self._inbox = self._inbox, []
             for job in arrived:
                 job.queue.queued_at = step - 1  # it arrived while the last engine step ran (or after it)
+                self.offered.arrived(arrival_of(job, self._budget(job)))
             self.waiting.extend(arrived)
             self._expire(out, now)
             self._cut_steps(now)
@@ -274,6 +277,10 @@ class Scheduler:
         if not any(j.spec.steps_allowed and j.spec.deadline is not None for j in self.waiting):
             return
         held = [j for q in (self.waiting, self.starting, self.running, self.paused) for j in q]
+        full = len(self.running) + len(self.starting) >= self.limits.max_running
+        times = self.times
+        fixed = (times.start_s or 0.0) + (times.finish_s or 0.0)
+        overload = self.offered.overload(now, times.forward_s, fixed) if full else None
         keys = {id(j): self.order_key(j, now) for j in held if not j.status.ended}
         running = [(keys[id(j)], j) for j in self.running if id(j) in keys]  # keyed once per walk
         waiting = set(map(id, self.waiting))
@@ -304,6 +311,10 @@ class Scheduler:
                         if allowed:
                             done_in = partial(self._finish_in, job, ahead, behind, held_back)
                             job.queue.cut = cut_for_deadline(allowed, done_in, left, job.queue.cut)
+                if allowed and overload is not None:  # the load's cut where it is deeper (engine/overload.py)
+                    load_cut = overload_cut(allowed, overload.shares.get(job.spec.tier, 0.0), overload)
+                    if load_cut is not None and load_cut.denoising < job.planned:
+                        job.queue.cut = load_cut
                 # A job late itself is not cut for another: it is refused or expires (a cut would let it in).
                 if allowed and self._finish_in(job, ahead, behind, held_back, job.remaining) <= left:
                     cuttable.append(job)
@@ -525,20 +536,16 @@ class Scheduler:
         step; a job whose own step failed is returned as failed (not advanced); those that took their
         last step move to finishing (decoded next)."""
         self.caps.ran(forward_group(jobs), len(jobs), self.computed(jobs)[1])
-        mixed = int(len({job.spec.shape for job in jobs}) > 1)  # a packed forward: sizes mixed
+        mixed = len({job.spec.shape for job in jobs}) > 1  # a packed forward: sizes mixed
         outcome = ForwardOutcome()
         for job, out in zip(jobs, result.steps, strict=True):
             job.queue.waited_since = self.step
-            if job.stats.first_forward is None:
-                job.stats.first_forward = forward
-            job.stats.forwards += 1
-            job.stats.most_shared = max(job.stats.most_shared, len(jobs))
-            job.stats.packed_forwards += mixed
+            job.took_part(len(jobs), forward, packed=mixed)
             if out.error is not None:
                 error = RequestError(ErrorCode.INTERNAL, f"denoising step failed: {out.error}")
                 outcome.failed.append((job, error))
                 continue
-            job.run.steps_done = out.step
+            job.reached(out.step)
             job.stats.rows_computed += out.rows_computed
             job.stats.rows_reused += out.rows_reused
             outcome.rows_reused += out.rows_reused

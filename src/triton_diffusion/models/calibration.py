@@ -15,10 +15,14 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING
 
+from triton_diffusion.adapters.image_params import ImageParams
 from triton_diffusion.engine.estimates import WorkTimes
 from triton_diffusion.engine.jobs import Job
+
+if TYPE_CHECKING:
+    from triton_diffusion.adapters.latent_loop import LatentStepAdapter
 
 log = logging.getLogger("triton_diffusion")
 
@@ -35,7 +39,9 @@ class _Calibration:
     entered: float = field(default_factory=time.perf_counter)
 
 
-def calibrate(adapter: Any, requests: Sequence[Any], rows_for: Callable[[Any], int]) -> WorkTimes | None:
+def calibrate(
+    adapter: LatentStepAdapter, requests: Sequence[ImageParams], rows_for: Callable[[ImageParams], int]
+) -> WorkTimes | None:
     """The cost fit seeded from forwards of ``requests`` (step requests of distinct sizes), each run with
     one row and with ``min(rows_for(request), MAX_ROWS)``; None where the adapter does not pack sizes or
     a forward fails (the fit then learns from traffic alone)."""
@@ -59,7 +65,7 @@ def calibrate(adapter: Any, requests: Sequence[Any], rows_for: Callable[[Any], i
     return times
 
 
-def _measure(adapter: Any, requests: list[Any], times: WorkTimes) -> None:
+def _measure(adapter: LatentStepAdapter, requests: list[ImageParams], times: WorkTimes) -> None:
     jobs = [
         Job(
             _Calibration(f"calibration-{i}"),
@@ -80,5 +86,5 @@ def _measure(adapter: Any, requests: list[Any], times: WorkTimes) -> None:
         for job, out in zip(jobs, result.steps, strict=True):
             if out.error is not None:
                 raise RuntimeError(out.error)
-            job.run.steps_done = out.step
+            job.reached(out.step)
     times.calibrated(rows, sum(job.spec.tokens for job in jobs) + padded, fastest)

@@ -15,7 +15,7 @@ import math
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, cast
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import numpy as np
 
@@ -38,6 +38,9 @@ from triton_diffusion.serving.requests import TrackedRequest
 from triton_diffusion.serving.result_cache import result_key
 from triton_diffusion.serving.triton_model import Hosting, Urgency, json_output, urgency_of
 from triton_diffusion.settings import IMAGE, ModelSettings
+
+if TYPE_CHECKING:
+    from triton_diffusion.adapters.latent_loop import LatentStepAdapter
 
 log = logging.getLogger("triton_diffusion")
 
@@ -107,13 +110,13 @@ class DiffusionModel:
 
     facts: PipelineFacts  # what the loaded pipeline is (set by load)
     step_cache_methods: tuple[str, ...] = ()  # the step caches its denoiser serves per request (at load)
-    adapter: Any = None  # the step adapter (None: the request-level engine)
+    adapter: LatentStepAdapter | None = None  # the step adapter (None: the request-level engine)
 
     def __init__(self) -> None:
         self._own_calls = itertools.count()  # cached requests' own compatibility keys
 
     # ---- what a model kind provides -------------------------------------------------------------
-    def load(self, settings: ModelSettings) -> tuple[FieldSet, Any]:
+    def load(self, settings: ModelSettings) -> tuple[FieldSet, LatentStepAdapter | None]:
         """Load the pipeline; return FIELDS configured with this model's defaults and limits, and the
         step adapter for it (None: the request-level engine)."""
         raise NotImplementedError

@@ -24,6 +24,7 @@ from triton_diffusion.adapters.captured_forwards import CaptureError
 from triton_diffusion.adapters.device_profiles import apply_profile
 from triton_diffusion.adapters.diffusers_pipeline import SchedulerChoices, load_pipeline, row_generator
 from triton_diffusion.adapters.image_params import ImageParams
+from triton_diffusion.adapters.latent_loop import LatentStepAdapter
 from triton_diffusion.adapters.lora import NO_LORA, LoraLimits, load_loras, lora_set, lora_text, parse_lora
 from triton_diffusion.adapters.step_adapters import step_adapter_for
 from triton_diffusion.codecs.image import encode_image
@@ -69,7 +70,7 @@ class TextToImageModel(DiffusionModel):
         *PROGRESS_OUTPUTS,
     ]
 
-    def load(self, settings: ModelSettings) -> tuple[FieldSet, Any]:
+    def load(self, settings: ModelSettings) -> tuple[FieldSet, LatentStepAdapter | None]:
         config = settings.config
         self.pipe = load_pipeline(settings, self.PIPELINE_LOADER)
         if config.device_profile:  # before anything times a forward (the calibration, the adapter's)
@@ -157,11 +158,11 @@ class TextToImageModel(DiffusionModel):
             fields["height"].validate(height)
         if config.cuda_graphs and adapter is None:
             log.warning("model %s: cuda_graphs ignored: it is for the step engine", settings.name)
-        elif config.cuda_graphs:
+        elif config.cuda_graphs and adapter is not None:
             self.capture_forwards(settings, adapter, fields)
         return fields, adapter
 
-    def capture_forwards(self, settings: ModelSettings, adapter: Any, fields: FieldSet) -> None:
+    def capture_forwards(self, settings: ModelSettings, adapter: LatentStepAdapter, fields: FieldSet) -> None:
         """``cuda_graphs``: the step adapter's forwards through CUDA graphs, captured now (a warm-up at load,
         not on a request) for each of ``cuda_graph_sizes``. A capture that fails fails the load: it can
         leave CUDA in a capture state no serving process should carry."""
@@ -207,7 +208,7 @@ class TextToImageModel(DiffusionModel):
                 ) from None
         return requests
 
-    def choose_step_adapter(self, settings: ModelSettings) -> Any:
+    def choose_step_adapter(self, settings: ModelSettings) -> LatentStepAdapter | None:
         """``engine``: auto (the step engine where the family has a step adapter), step (required) or
         request (one fused diffusers call per compatible group)."""
         engine = settings.config.engine
@@ -222,7 +223,7 @@ class TextToImageModel(DiffusionModel):
             )
         return adapter
 
-    def cache_methods(self, adapter: Any) -> tuple[str, ...]:
+    def cache_methods(self, adapter: LatentStepAdapter | None) -> tuple[str, ...]:
         """The step caches requests may ask for: the step adapter's per-row ones, else diffusers' own on a
         request-level call (step_caches.py)."""
         if adapter is not None:

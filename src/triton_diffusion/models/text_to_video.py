@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import base64
 from dataclasses import replace
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
@@ -25,6 +25,9 @@ from triton_diffusion.models.diffusion_model import RENDER_OUTPUTS, ParsedReques
 from triton_diffusion.models.text_to_image import TEXT_TO_IMAGE_FIELDS, TextToImageModel
 from triton_diffusion.serving.progress import PROGRESS_OUTPUTS
 from triton_diffusion.settings import IMAGE, ModelSettings
+
+if TYPE_CHECKING:
+    from triton_diffusion.adapters.latent_loop import LatentStepAdapter
 
 
 def _image_fields(*names: str) -> list[Field]:
@@ -98,7 +101,7 @@ class TextToVideoModel(TextToImageModel):
         *PROGRESS_OUTPUTS,
     ]
 
-    def load(self, settings: ModelSettings) -> tuple[FieldSet, Any]:
+    def load(self, settings: ModelSettings) -> tuple[FieldSet, LatentStepAdapter | None]:
         loaded = super().load(settings)
         self.codec = available_codec()
         return loaded
