@@ -161,7 +161,7 @@ class Scheduler:
             arrived, self._inbox = self._inbox, []
             for job in arrived:
                 job.queue.queued_at = step - 1  # it arrived while the last engine step ran (or after it)
-                self.offered.arrived(arrival_of(job, self._budget(job)))
+                self.offered.arrived(arrival_of(job))
             self.waiting.extend(arrived)
             self._expire(out, now)
             self._cut_steps(now)
@@ -278,9 +278,7 @@ class Scheduler:
             return
         held = [j for q in (self.waiting, self.starting, self.running, self.paused) for j in q]
         full = len(self.running) + len(self.starting) >= self.limits.max_running
-        times = self.times
-        fixed = (times.start_s or 0.0) + (times.finish_s or 0.0)
-        overload = self.offered.overload(now, times.forward_s, fixed) if full else None
+        overload = self.offered.overload(now) if full else None
         keys = {id(j): self.order_key(j, now) for j in held if not j.status.ended}
         running = [(keys[id(j)], j) for j in self.running if id(j) in keys]  # keyed once per walk
         waiting = set(map(id, self.waiting))
@@ -554,6 +552,8 @@ class Scheduler:
             )
             if out.done:
                 outcome.done.append(job)
+        full = len(self.running) + len(self.starting) >= self.limits.max_running
+        self.offered.served(self.clock(), sum(s.job.spec.tokens for s in outcome.stepped), full)
         with self._lock:
             for job in outcome.done:
                 if job in self.running:
