@@ -277,8 +277,7 @@ class Scheduler:
         if not any(j.spec.steps_allowed and j.spec.deadline is not None for j in self.waiting):
             return
         held = [j for q in (self.waiting, self.starting, self.running, self.paused) for j in q]
-        full = len(self.running) + len(self.starting) >= self.limits.max_running
-        overload = self.offered.overload(now) if full else None
+        overload = self.offered.overload(now)
         keys = {id(j): self.order_key(j, now) for j in held if not j.status.ended}
         running = [(keys[id(j)], j) for j in self.running if id(j) in keys]  # keyed once per walk
         waiting = set(map(id, self.waiting))
