@@ -162,10 +162,22 @@ PLAN = (
         ("--requests", "40", "--loads", "1.1", "--rounds", "5", "--out", "{out}/cpu/slo"),
         0.0149,
     ),
-    # Degrading rows against refusing them, through the real server at loads below and above capacity.
+    # Degrading rows against refusing them, through the real server at loads below and above capacity; the
+    # -room variants at the default room.
     Take(
         "goodput",
-        ("--requests", "150", "--loads", "0.5,0.8,1.5,2.0", "--rounds", "5", "--out", "{out}/cpu"),
+        (
+            "--room",
+            "1",
+            "--requests",
+            "150",
+            "--loads",
+            "0.5,0.8,1.5,2.0",
+            "--rounds",
+            "5",
+            "--out",
+            "{out}/cpu",
+        ),
         GOODPUT_SHARE,
     ),
     # The door with deadline_room (the default's, 1 x the capacity) against without, on traffic with
