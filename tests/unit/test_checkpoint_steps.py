@@ -143,11 +143,11 @@ class Checkpoint:
 
 
 class Starts(JobStarts):
-    """A latent adapter's start, its jobs' states made up: each start counted (no family: nothing here
+    """A latent adapter's start, its jobs' states made up: each start counted (no adapter: nothing here
     reads it)."""
 
     def __init__(self) -> None:
-        super().__init__(family=None)  # type: ignore[arg-type]
+        super().__init__(adapter=None)  # type: ignore[arg-type]
         self.started: list[ImageParams] = []
 
     def start_requests(self, requests: list[ImageParams]) -> list[JobStart]:

@@ -1,67 +1,98 @@
-"""Degrading for the load offered (engine/overload.py): a cut only where arrivals are shown to exceed the
-engine's time, the lowest tier first, and none while the engine has room."""
+"""Degrading for the load offered (engine/overload.py): a cut only where arrivals are shown to ask more than
+the engine serves, the lowest tier first, and none once the load has passed."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
+from tests.unit.recording import tracked
 from tests.unit.test_degradation import allowance, degradable, harness
 from tests.unit.test_scheduler import DEFAULT, FLEX
-from triton_diffusion.engine.overload import LEAST, Arrival, OfferedLoad, overload_cut
+from tests.unit.test_step_engine import Spec
+from triton_diffusion.engine.jobs import Job
+from triton_diffusion.engine.overload import LEAST, Arrival, OfferedLoad, arrival_of, overload_cut
 
 
-def offered(count: int, span_s: float, tier: int = FLEX, steps: int = 10, fewest: int = 2) -> OfferedLoad:
-    """``count`` arrivals of one token and ``steps`` steps, evenly over ``span_s`` seconds, and an engine
-    that served 20 token-steps a second while full (``LEAST`` forwards of 2, 0.1 s apart)."""
-    load = OfferedLoad()
-    for i in range(count):
-        load.arrived(Arrival(i * span_s / count, tier, 1, steps, fewest))
-    serve(load, LEAST + 1)
+def served(load: OfferedLoad, forwards: int = LEAST + 1, full: bool = True) -> OfferedLoad:
+    """Forwards of 2 token-steps, 0.1 s apart: the engine serves 20 token-steps a second."""
+    for i in range(forwards):
+        load.served(i * 0.1, 2, 0, 0.0, full)
     return load
 
 
-def serve(load: OfferedLoad, forwards: int, full: bool = True) -> None:
-    for i in range(forwards):
-        load.served(i * 0.1, 2, full)
+def evenly(load: OfferedLoad, count: int, start: float, span_s: float, tier: int = FLEX, images: int = 1):
+    """``count`` jobs of 10 token-steps (0.5 s of the engine's time), 8 of them spare, over ``span_s``
+    seconds from ``start``, ``images`` to a request."""
+    for i in range(count):
+        at = start + i * span_s / count
+        load.arrived(Arrival(at, f"r{start}-{i // images}", tier, 10, 8))
+    return load
 
 
 def test_no_overload_below_what_the_engine_serves_with_too_few_arrivals_or_forwards_or_where_not_shown():
-    assert offered(40, 60.0).overload(60.0) is None  # 400 token-steps in 60 s, 20 a second served
-    assert offered(LEAST - 1, 1.0).overload(1.0) is None  # too few arrivals to tell
-    # 1.2 x what it serves over 40 arrivals: within two standard errors of 1, not shown.
-    assert offered(40, 20 / 1.2).overload(20 / 1.2) is None
-    few = OfferedLoad()
-    for i in range(40):
-        few.arrived(Arrival(i * 0.25, FLEX, 1, 10, 2))
-    serve(few, LEAST - 1)
-    assert few.overload(10.0) is None  # too few forwards served to tell
+    assert evenly(served(OfferedLoad()), 40, 0.0, 60.0).overload(60.0, 0.0) is None  # 20 s of work in 60 s
+    assert evenly(served(OfferedLoad()), LEAST - 1, 0.0, 1.0).overload(1.0, 0.0) is None  # too few to tell
+    # 1.2 x what it serves over 40 requests: within two standard errors of 1, not shown.
+    assert evenly(served(OfferedLoad()), 40, 0.0, 20 / 1.2).overload(20 / 1.2, 0.0) is None
+    few = evenly(served(OfferedLoad(), LEAST - 1), 40, 0.0, 10.0)
+    assert few.overload(10.0, 0.0) is None  # 2 x, but too few forwards served to tell
 
 
-def test_only_forwards_while_full_after_a_full_one_count_as_served():
-    load = OfferedLoad()
-    serve(load, 10, full=False)
+def test_a_requests_images_are_one_count_in_the_error():
+    # 128 jobs at 1.4 x: shown as 128 requests of one image, not as 32 requests of 4.
+    span = 128 * 0.5 / 1.4
+    assert evenly(served(OfferedLoad()), 128, 0.0, span).overload(span, 0.0) is not None
+    assert evenly(served(OfferedLoad()), 128, 0.0, span, images=4).overload(span, 0.0) is None
+
+
+def test_a_burst_that_has_passed_cuts_nobody():
+    load = evenly(served(OfferedLoad()), 96, 0.0, 4.0)  # 48 s of work in 4 s
+    assert load.overload(4.0, 0.0) is not None
+    evenly(load, 32, 4.0, 20.0)  # then 16 s in 20 s: the newest 32 ask less than the engine serves
+    assert load.overload(24.0, 0.0) is None
+
+
+def test_only_full_forwards_after_a_full_one_count_and_without_their_jobs_starts_and_decodes():
+    load = served(OfferedLoad(), 10, full=False)
     assert not load.forwards
-    load.served(5.0, 2, True)
-    load.served(5.1, 2, True)
-    load.served(5.2, 2, False)  # not full: it and the wait before the next are not counted
-    load.served(9.0, 2, True)
+    load.served(5.0, 2, 0, 0.05, True)
+    load.served(5.2, 2, 2, 0.05, True)  # two jobs finished: their start and decode are not steps
+    load.served(5.3, 2, 0, 0.05, False)  # not full: it and the wait before the next are not counted
+    load.served(9.0, 2, 0, 0.05, True)
     assert list(load.forwards) == [(pytest.approx(0.1), 2)]
 
 
 def test_overload_shown_takes_the_excess_from_the_lowest_tier_first():
-    load = OfferedLoad()
-    for i in range(40):  # 20 flex and 20 default jobs of 10 token-steps in 10 s: 40 a second, 2 x
-        load.arrived(Arrival(i * 0.25, FLEX if i % 2 else DEFAULT, 1, 10, 2))
-    serve(load, LEAST + 1)
-    overload = load.overload(10.0)
+    load = served(OfferedLoad())
+    for i in range(40):  # 20 flex and 20 default jobs of 0.5 s in 10 s: 2 x
+        load.arrived(Arrival(i * 0.25, f"r{i}", FLEX if i % 2 else DEFAULT, 10, 8))
+    overload = load.overload(10.0, 0.0)
     assert overload is not None and overload.load == pytest.approx(2.0) and overload.arrivals == 40
-    # 220 token-steps above 90% of the 180 served in 10 s: flex gives up all it can (20 x 8), default 60
-    # of its 160.
-    assert overload.shares[FLEX] == pytest.approx(1.0) and overload.shares[DEFAULT] == pytest.approx(60 / 160)
+    # 11 s above 90% of the 10 s: flex gives up all it can (20 x 0.4 s), default 3 s of its 8.
+    assert overload.shares[FLEX] == pytest.approx(1.0) and overload.shares[DEFAULT] == pytest.approx(3 / 8)
     cut = overload_cut(allowance(10, 2), overload.shares[DEFAULT], overload)
     assert cut is not None and (cut.steps, cut.asked) == (7, 10)  # 3 of its 8 spare steps, at least
     assert cut.reason.startswith("overload: 2.00 x what the engine serves")
     assert overload_cut(allowance(10, 2), 0.0, overload) is None
+
+
+def test_a_start_and_a_decode_count_in_the_load_but_cannot_be_given_up():
+    load = evenly(served(OfferedLoad()), 40, 0.0, 20.0)  # 40 x (0.5 s + 0.5 s) in 20 s: 2 x
+    overload = load.overload(20.0, 0.5)
+    assert overload is not None and overload.load == pytest.approx(2.0)
+    assert overload.shares[FLEX] == pytest.approx(1.0)  # 22 s to give up, 16 s spare: all of it
+
+
+def test_a_job_without_a_deadline_or_an_allowance_gives_up_nothing():
+    job = Job(tracked("a"), Spec(steps=10), planned_steps=10, shape="S", tokens=3)
+    assert (arrival_of(job).work, arrival_of(job).spare) == (30, 0)
+    allowed = Job(tracked("b"), Spec(steps=10), planned_steps=10, shape="S", tokens=3, deadline=5.0)
+    allowed.spec = replace(allowed.spec, steps_allowed=allowance(10, 2))
+    assert arrival_of(allowed).spare == 24
+    allowed.spec = replace(allowed.spec, deadline=None)
+    assert arrival_of(allowed).spare == 0
 
 
 def flood(h, span_s: float, count: int) -> list:
@@ -76,10 +107,10 @@ def flood(h, span_s: float, count: int) -> list:
     return jobs
 
 
-def test_the_scheduler_cuts_waiting_jobs_for_an_overload_once_it_has_measured_it():
+def test_the_scheduler_cuts_waiting_jobs_for_an_overload_and_gives_the_steps_back_once_it_passed():
     h = harness(max_running=2, max_per_forward=2)
     h.measure(0.1)
-    jobs = flood(h, span_s=10.0, count=100)  # 1000 token-steps in 10 s; the engine serves 2 per 0.1 s
+    jobs = flood(h, span_s=10.0, count=100)  # 50 s of work in 10 s; the engine serves 2 per 0.1 s
     for _ in range(LEAST):
         h.step()
     assert all(job.queue.cut is None for job in jobs)  # too few forwards measured yet
@@ -87,15 +118,19 @@ def test_the_scheduler_cuts_waiting_jobs_for_an_overload_once_it_has_measured_it
     h.step()
     waiting = [job for job in jobs if job.run.total_steps == 0]
     assert waiting and all(job.queue.cut is not None for job in waiting)
-    # 1000 token-steps over 13.4 s against 20 a second: 759 above 90% of it, of 800 flex can give up.
+    # 50 s of work over 13.4 s: 37.9 s above 90% of it, of 40 s flex can give up: 95% of its steps.
     assert all(job.queue.cut.steps == 2 and job.queue.cut.reason.startswith("overload") for job in waiting)
     assert all(job.queue.cut is None for job in jobs if job.run.total_steps)  # started ones keep theirs
+    h.clock.now += 100.0  # nothing more arrives: the load has passed (the deadlines have not)
+    h.step()
+    still = [job for job in jobs if job.run.total_steps == 0 and not job.status.ended]
+    assert still and all(job.queue.cut is None for job in still)
 
 
 def test_no_job_is_cut_for_the_load_where_arrivals_fit_what_the_engine_serves():
     h = harness(max_running=2, max_per_forward=2)
     h.measure(0.1)
-    jobs = flood(h, span_s=100.0, count=40)  # 400 token-steps in 100 s: 4 a second
+    jobs = flood(h, span_s=100.0, count=40)  # 20 s of work in 100 s
     for _ in range(LEAST + 4):
         h.step()
     assert all(job.queue.cut is None for job in jobs)
@@ -109,7 +144,7 @@ def test_a_higher_tier_is_cut_for_the_load_only_after_the_lower_ones_give_all_th
     h.add(*default)  # they go first: by the engine's step 34, some still wait
     for _ in range(LEAST + 2):
         h.step()
-    # 1100 token-steps in 23.4 s: 679 above 90% of what it served (20 a second), flex alone gives up 800.
+    # 55 s of work in 23.4 s: 33.9 s above 90% of it, flex alone gives up 40 s.
     assert any(job.run.total_steps == 0 for job in default), "no default job was still waiting"
     assert all(job.queue.cut is None for job in default)
     assert all(job.queue.cut is not None for job in flex if job.run.total_steps == 0)

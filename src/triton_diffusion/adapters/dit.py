@@ -90,13 +90,13 @@ LOOPS = {
 class DiTStarts(JobStarts):
     """A DiT job starts at its render size (its aspect-ratio bin, where the pipeline bins sizes)."""
 
-    family: DiTAdapter
+    adapter: DiTAdapter
 
     def start_requests(self, requests: list[ImageParams]) -> list[JobStart]:
         # The shared loop starts each job at its render size (its latents, its shape group); the job's
         # params keep the size it asked for, to which finish resizes its image back (step hands predict
         # that size, which these transformers do not read: the latents carry their shape).
-        sizes = [self.family.render_size(r) for r in requests]
+        sizes = [self.adapter.render_size(r) for r in requests]
         return super().start_requests(
             [
                 replace(r, height=height, width=width)

@@ -47,12 +47,12 @@ class FlowMatchingStarts(JobStarts):
     an inpainting checkpoint (SD3's 33 channels, FLUX.1 Fill's) serves inpainting only."""
 
     def supports(self, start: str) -> bool:
-        family = self.family
-        if family.inpainting_checkpoint:
+        adapter = self.adapter
+        if adapter.inpainting_checkpoint:
             return start == "mask"
         if start == "mask":  # not an inpainting transformer
-            packed = 4 if family.facts.traits.packed_latents else 1
-            return family.model.config.in_channels == packed * family.pipe.vae.config.latent_channels
+            packed = 4 if adapter.facts.traits.packed_latents else 1
+            return adapter.model.config.in_channels == packed * adapter.pipe.vae.config.latent_channels
         return start == "image"
 
     def first_step(self, steps: int, strength: float) -> int:
@@ -60,9 +60,11 @@ class FlowMatchingStarts(JobStarts):
         return int(max(steps - min(steps * strength, steps), 0))
 
     def encode_source(self, pixels: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
-        family = self.family
-        vae = family.pipe.vae
-        latents = sample_latents(vae.encode(pixels.to(device=family.device, dtype=family.dtype)), generators)
+        adapter = self.adapter
+        vae = adapter.pipe.vae
+        latents = sample_latents(
+            vae.encode(pixels.to(device=adapter.device, dtype=adapter.dtype)), generators
+        )
         return (latents - vae.config.shift_factor) * vae.config.scaling_factor
 
     def noise_source(
@@ -82,21 +84,21 @@ class FluxStarts(FlowMatchingStarts):
     ) -> torch.Tensor:
         # FluxFillPipeline: the source outside the mask, encoded with the row's generator after its noise,
         # and the mask, each packed by the pipeline's own prepare_mask_latents; the masked latents first.
-        family = self.family
-        pipe = family.pipelines["mask"]
+        adapter = self.adapter
+        pipe = adapter.pipelines["mask"]
         height, width = request.size
         mask = self.mask_condition(request)
-        masked = (pixels * (1 - mask)).to(device=family.device, dtype=family.dtype)
+        masked = (pixels * (1 - mask)).to(device=adapter.device, dtype=adapter.dtype)
         channels = pipe.vae.config.latent_channels
         mask, masked = pipe.prepare_mask_latents(
-            mask, masked, 1, channels, 1, height, width, family.dtype, family.device, generator
+            mask, masked, 1, channels, 1, height, width, adapter.dtype, adapter.device, generator
         )
         return torch.cat((masked, mask), dim=-1)
 
     def pack_mask(self, mask: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
         # FluxInpaintPipeline.prepare_mask_latents: the mask repeated over the channels, then packed.
-        family = self.family
-        return family.pack(mask.repeat(1, family.model.config.in_channels // 4, 1, 1), size)
+        adapter = self.adapter
+        return adapter.pack(mask.repeat(1, adapter.model.config.in_channels // 4, 1, 1), size)
 
 
 class FluxAdapter(LatentStepAdapter):
@@ -115,23 +117,23 @@ class FluxAdapter(LatentStepAdapter):
         fill_channels = 2 * packed + 4 * pipe.vae_scale_factor**2
         if self.inpainting_checkpoint and pipe.transformer.config.in_channels != fill_channels:
             raise NotImplementedError("a FluxFillPipeline whose transformer is not a Fill transformer")
-        super().__init__(pipe, facts, schedulers, max_sequence_length)
-        self.guidance_embeds = bool(pipe.transformer.config.guidance_embeds)
-        self._ids_by_shape: dict[tuple[int, tuple[int, int]], tuple[torch.Tensor, torch.Tensor]] = {}
         # Sizes share forwards (a patch's ids are its own position from the origin, packed_rows.py); a
         # Fill checkpoint's mask channels are not placed on a canvas.
         # The key mask reaches the attention through FluxAttnProcessor as is: diffusers' native attention
         # (SDPA) honours it; another backend (flash, sage: set_attention_backend) is not assured to.
-        backends = {compat.attention_backend(p) for p in self.model.attn_processors.values()}
+        backends = {compat.attention_backend(p) for p in pipe.transformer.attn_processors.values()}
         native = (
             backends <= {None, "native"} and os.environ.get("DIFFUSERS_ATTN_BACKEND", "native") == "native"
         )
-        self.sizes.packing = Packing(
+        self.packing = Packing(
             on=not self.inpainting_checkpoint and native,
             why_not="a FLUX.1 Fill checkpoint: its mask channels are not packed"
             if self.inpainting_checkpoint
             else "an attention backend other than native SDPA: the key mask is not assured",
         )
+        super().__init__(pipe, facts, schedulers, max_sequence_length)
+        self.guidance_embeds = bool(pipe.transformer.config.guidance_embeds)
+        self._ids_by_shape: dict[tuple[int, tuple[int, int]], tuple[torch.Tensor, torch.Tensor]] = {}
 
     @property
     def token_patch(self) -> int:
@@ -267,10 +269,9 @@ class StableDiffusion3Adapter(LatentStepAdapter):
         self.inpainting_checkpoint = (
             pipe.transformer.config.in_channels == 2 * pipe.vae.config.latent_channels + 1
         )
-        super().__init__(pipe, facts, schedulers, max_sequence_length)
         # Sizes share forwards where each size's positions are a crop of one table (packed_rows.py) and
         # every attention is joint (SD3.5's second attention would need the mask too).
-        config = self.model.config
+        config = pipe.transformer.config
         why_not = next(
             (
                 why
@@ -288,13 +289,14 @@ class StableDiffusion3Adapter(LatentStepAdapter):
         )
         # A packed forward: spatial latents, each size a centred crop of the position table (PatchEmbed),
         # the text after the image in the joint attention.
-        self.sizes.packing = Packing(
+        self.packing = Packing(
             on=not why_not,
             why_not=why_not,
             layout="patches",
             text_first=False,
             centred_in=config.get("pos_embed_max_size"),
         )
+        super().__init__(pipe, facts, schedulers, max_sequence_length)
         if self.sizes.packing.on:  # diffusers' own processor unless a packed forward passes a mask
             self.model.set_attn_processor(MaskedJointAttnProcessor())
 

@@ -394,8 +394,10 @@ class LatentStepAdapter:
                 parts = [(list(range(len(jobs))), self._guided_noise(states, predictions))]
             else:  # packed: eagerly (graphs are captured per shape); never with cached rows (group_of)
                 assert plan is None, "a job with a step cache shares forwards with its own size only"
-                sizes = [job.spec.params.size for job in jobs for _ in range(self.model_rows(job))]
-                rows, padded = self.sizes.predict_packed(self.predict, latent_rows, timesteps, inputs, sizes)
+                each_size = [job.spec.params.size for job in jobs for _ in range(self.model_rows(job))]
+                rows, padded = self.sizes.predict_packed(
+                    self.predict, latent_rows, timesteps, inputs, each_size
+                )
                 parts = self._guided_by_size(jobs, states, rows, by_size)
         # The forward succeeded: only now does any job's state change. Every group's rows are gathered
         # before any job steps: a raise here (out of memory) leaves every job as it was, so the engine's

@@ -42,21 +42,22 @@ class QwenImageStarts(FlowMatchingStarts):
     """``QwenImageImg2ImgPipeline``'s start: its source encoded in the text's dtype with one frame and
     normalised by the VAE's mean and std (no inpainting)."""
 
+    adapter: QwenImageAdapter
+
     def supports(self, start: str) -> bool:
         return start == "image"
 
     def encode_source(self, pixels: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
         # QwenImageImg2ImgPipeline.prepare_latents and _encode_vae_image: [n, 3, 1, H, W] in the text's
         # dtype, normalised as (latents - mean) * (1 / std), frames moved before channels: [n, 1, z, h, w].
-        family = self.family
-        vae = family.pipe.vae
-        pixels = pixels.to(device=family.device, dtype=family.latent_dtype).unsqueeze(2)
+        adapter = self.adapter
+        vae = adapter.pipe.vae
+        pixels = pixels.to(device=adapter.device, dtype=adapter.latent_dtype).unsqueeze(2)
         return normalized_latents(vae, sample_latents(vae.encode(pixels), generators)).transpose(1, 2)
 
     def source_noise_shape(self, size: tuple[int, int]) -> tuple[int, ...]:
-        factor = self.family.pipe.vae_scale_factor * 2  # the rows and columns of 2x2 packed tokens
-        rows, columns = size[0] // factor, size[1] // factor
-        return (1, 1, self.family.model.config.in_channels // 4, 2 * rows, 2 * columns)
+        rows, columns = self.adapter.packed_grid(size)
+        return (1, 1, self.adapter.model.config.in_channels // 4, 2 * rows, 2 * columns)
 
 
 class QwenImageAdapter(LatentStepAdapter):
@@ -115,7 +116,7 @@ class QwenImageAdapter(LatentStepAdapter):
             len(requests), channels, height, width, self.latent_dtype, self.device, generators
         )
 
-    def _tokens(self, size: tuple[int, int]) -> tuple[int, int]:
+    def packed_grid(self, size: tuple[int, int]) -> tuple[int, int]:
         """The packed latent grid (rows, columns) of an image size."""
         factor = self.pipe.vae_scale_factor * 2
         return size[0] // factor, size[1] // factor
@@ -123,7 +124,7 @@ class QwenImageAdapter(LatentStepAdapter):
     def set_timesteps(self, scheduler: Any, request: ImageParams) -> torch.Tensor:
         steps = request.steps
         sigmas = np.linspace(1.0, 1 / steps, steps)
-        rows, columns = self._tokens(request.size)
+        rows, columns = self.packed_grid(request.size)
         return pipeline_timesteps(
             self.module,
             scheduler,
@@ -155,7 +156,7 @@ class QwenImageAdapter(LatentStepAdapter):
             guidance=inputs.get("guidance"),
             encoder_hidden_states_mask=model_mask,
             encoder_hidden_states=embeds,
-            img_shapes=[[(1, *self._tokens(size))]] * latents.shape[0],
+            img_shapes=[[(1, *self.packed_grid(size))]] * latents.shape[0],
             attention_kwargs={},
             return_dict=False,
         )[0]

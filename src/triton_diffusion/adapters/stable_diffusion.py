@@ -30,7 +30,7 @@ from triton_diffusion.adapters import diffusers_compat as compat
 from triton_diffusion.adapters.diffusers_pipeline import pipeline_timesteps
 from triton_diffusion.adapters.image_params import Conditioning, ImageParams, row_conditioning
 from triton_diffusion.adapters.latent_loop import LatentStepAdapter
-from triton_diffusion.adapters.starts import JobStarts, StartHooks
+from triton_diffusion.adapters.starts import JobStarts
 from triton_diffusion.adapters.vae import sample_latents
 
 
@@ -38,27 +38,27 @@ class StableDiffusionStarts(JobStarts):
     """The SD and SDXL img2img and inpaint pipelines' start: which starts a UNet serves, and the source
     encoded as each pipeline encodes it (SDXL's upcast VAE and its latents' mean and std)."""
 
-    def __init__(self, family: StartHooks) -> None:
-        super().__init__(family)
-        self.xl = family.pipe.unet.config.addition_embed_type == "text_time"
+    adapter: StableDiffusionAdapter
 
     def supports(self, start: str) -> bool:
         # Inpainting is the masked blend of an ordinary UNet, or an inpainting UNet's own (which takes the
         # mask and masked source as extra input channels, so it serves nothing else).
         # SDXL's inpaint pipeline encodes the source without the VAE's latents mean and std (its img2img
         # pipeline normalises with them), so a VAE that has them serves img2img only.
-        normalised = self.xl and getattr(self.family.pipe.vae.config, "latents_mean", None) is not None
-        if self.family.inpainting_checkpoint:
+        normalised = (
+            self.adapter.xl and getattr(self.adapter.pipe.vae.config, "latents_mean", None) is not None
+        )
+        if self.adapter.inpainting_checkpoint:
             return start == "mask" and not normalised
         if start == "mask":
-            return self.family.pipe.unet.config.in_channels == 4 and not normalised
+            return self.adapter.pipe.unet.config.in_channels == 4 and not normalised
         return start == "image"
 
     def encode_source(self, pixels: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
-        family = self.family
-        vae = family.pipe.vae
-        pixels = pixels.to(device=family.device, dtype=family.dtype)
-        if not self.xl:  # the img2img and inpaint pipelines' encode: sample, then scale
+        adapter = self.adapter
+        vae = adapter.pipe.vae
+        pixels = pixels.to(device=adapter.device, dtype=adapter.dtype)
+        if not self.adapter.xl:  # the img2img and inpaint pipelines' encode: sample, then scale
             return vae.config.scaling_factor * sample_latents(vae.encode(pixels), generators)
         # StableDiffusionXLImg2ImgPipeline.prepare_latents: VAEs that overflow in fp16 encode in fp32, and
         # latents are normalised with the VAE's mean and std where it has them.
@@ -72,20 +72,20 @@ class StableDiffusionStarts(JobStarts):
         finally:
             if upcast:
                 vae.to(dtype=original)
-        latents = latents.to(family.dtype)
+        latents = latents.to(adapter.dtype)
         mean, std = getattr(vae.config, "latents_mean", None), getattr(vae.config, "latents_std", None)
         if mean is not None and std is not None:
-            mean = torch.tensor(mean).view(1, 4, 1, 1).to(device=family.device, dtype=family.dtype)
-            std = torch.tensor(std).view(1, 4, 1, 1).to(device=family.device, dtype=family.dtype)
+            mean = torch.tensor(mean).view(1, 4, 1, 1).to(device=adapter.device, dtype=adapter.dtype)
+            std = torch.tensor(std).view(1, 4, 1, 1).to(device=adapter.device, dtype=adapter.dtype)
             return (latents - mean) * vae.config.scaling_factor / std
         return vae.config.scaling_factor * latents
 
     @property
     def source_draw_dtype(self) -> torch.dtype:
         # SDXL's inpaint pipeline encodes the masked source with its VAE in float32 where force_upcast.
-        if self.xl and self.family.pipe.vae.config.force_upcast:
+        if self.adapter.xl and self.adapter.pipe.vae.config.force_upcast:
             return torch.float32
-        return self.family.pipe.vae.dtype
+        return self.adapter.pipe.vae.dtype
 
 
 class StableDiffusionAdapter(LatentStepAdapter):

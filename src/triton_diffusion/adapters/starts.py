@@ -94,8 +94,8 @@ class JobStarts:
     calls. A family whose image starts differ from the SD pipelines' (this class) gives its adapter a
     subclass (``LatentStepAdapter.starts_class``: flow_matching.py, stable_diffusion.py, ...)."""
 
-    def __init__(self, family: StartHooks) -> None:
-        self.family = family
+    def __init__(self, adapter: StartHooks) -> None:
+        self.adapter = adapter
 
     def supports(self, start: str) -> bool:
         """Whether this family's adapter can start jobs this way (``image``, ``mask``) with this model."""
@@ -104,16 +104,16 @@ class JobStarts:
     @property
     def serves_text(self) -> bool:
         """Whether jobs may start from text alone (not with an inpainting checkpoint, which needs a mask)."""
-        return not self.family.inpainting_checkpoint
+        return not self.adapter.inpainting_checkpoint
 
     @property
     def starts(self) -> tuple[str, ...]:
         """The starts served: ``text`` and those of ``image``/``mask`` the family declares and supports."""
-        return tuple(start for start in self.family.pipelines if start != "text" or self.serves_text)
+        return tuple(start for start in self.adapter.pipelines if start != "text" or self.serves_text)
 
     def default_strength(self, start: str) -> float:
         """The ``strength`` the start's diffusers pipeline defaults to (img2img 0.8, SDXL 0.3, ...)."""
-        return float(inspect.signature(self.family.pipelines[start].__call__).parameters["strength"].default)
+        return float(inspect.signature(self.adapter.pipelines[start].__call__).parameters["strength"].default)
 
     def first_step(self, steps: int, strength: float) -> int:
         """Where an image-conditioned job enters its schedule (``t_start`` of the pipeline's
@@ -133,14 +133,14 @@ class JobStarts:
     def source_noise_shape(self, size: tuple[int, int]) -> tuple[int, ...]:
         """The shape of one image-conditioned row's noise, as its pipeline's ``prepare_latents`` draws it
         (before packing): the VAE's latent channels at latent size."""
-        factor = self.family.pipe.vae_scale_factor
-        return (1, self.family.pipe.vae.config.latent_channels, size[0] // factor, size[1] // factor)
+        factor = self.adapter.pipe.vae_scale_factor
+        return (1, self.adapter.pipe.vae.config.latent_channels, size[0] // factor, size[1] // factor)
 
     def encodes_source(self, request: ImageParams) -> bool:
         """Whether the start's pipeline VAE-encodes the source (a draw from the row's generator) before it
         draws the noise: always, except the SD, SDXL and SD3 inpaint pipelines with an inpainting
         checkpoint at strength 1 (pure noise)."""
-        return not (self.family.inpainting_checkpoint and request.strength == 1.0)
+        return not (self.adapter.inpainting_checkpoint and request.strength == 1.0)
 
     def pack_mask(self, mask: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
         """A [1, 1, h, w] latent-size mask into the loop's layout (it broadcasts over the channels)."""
@@ -149,16 +149,16 @@ class JobStarts:
     def encode_with_loras(self, requests: list[ImageParams]) -> list[Conditioning]:
         """``encode``, once per distinct adapter set where the text encoders carry adapters (the pipeline
         encodes the prompt and the negative prompt with the adapted encoder), else in one call."""
-        family, loras = self.family, self.family.loras
+        adapter, loras = self.adapter, self.adapter.loras
         if loras is None or not loras.text_encoder_layers:
-            return family.encode(requests)
+            return adapter.encode(requests)
         by_set: dict[LoraSet, list[int]] = {}
         for i, request in enumerate(requests):
             by_set.setdefault(request.lora, []).append(i)
         conditioning: dict[int, Conditioning] = {}
         for adapters, indices in by_set.items():
             with loras.uniform(adapters):
-                for i, encoded in zip(indices, family.encode([requests[i] for i in indices]), strict=True):
+                for i, encoded in zip(indices, adapter.encode([requests[i] for i in indices]), strict=True):
                     conditioning[i] = encoded
         return [conditioning[i] for i in range(len(requests))]
 
@@ -207,8 +207,8 @@ class JobStarts:
         generators = [row_generator(r.seed, r.image_index) for r in requests]
         schedulers, timesteps = [], []
         for request in requests:
-            scheduler = copy.deepcopy(self.family.templates[request.scheduler])
-            job_timesteps = self.family.set_timesteps(scheduler, request)
+            scheduler = copy.deepcopy(self.adapter.templates[request.scheduler])
+            job_timesteps = self.adapter.set_timesteps(scheduler, request)
             begin = 0
             if request.image is not None:
                 assert request.strength is not None  # an image start's is filled in at parse (source_images)
@@ -225,24 +225,24 @@ class JobStarts:
         prepared = []
         for i, (request, scheduler) in enumerate(zip(requests, schedulers, strict=True)):
             latents, inpaint = starts[i]
-            extra = self.family.extra_inputs(request)
+            extra = self.adapter.extra_inputs(request)
             if inpaint is not None:
                 extra.update(inpaint.model_inputs)
-            guided = self.family.uses_guidance(request) and conditioning[i].unconditional is not None
+            guided = self.adapter.uses_guidance(request) and conditioning[i].unconditional is not None
             state = LatentJob(
                 latents=latents,
                 scheduler=scheduler,
                 timesteps=timesteps[i],
                 conditional=conditioning[i].conditional,
                 unconditional=conditioning[i].unconditional if guided else None,
-                guidance=self.family.guidance_scale(request),
+                guidance=self.adapter.guidance_scale(request),
                 step_kwargs=self._step_kwargs(scheduler, generators[i]),
                 extra=extra,
                 inpaint=inpaint if inpaint is not None and inpaint.blended else None,
-                cache=self.family.new_cache_state(request, guided),
-                grid=self.family.sizes.grid_of(request),
+                cache=self.adapter.new_cache_state(request, guided),
+                grid=self.adapter.sizes.grid_of(request),
             )
-            group, joins = self.family.sizes.group_of(request), self.family.sizes.also_joins(request)
+            group, joins = self.adapter.sizes.group_of(request), self.adapter.sizes.also_joins(request)
             prepared.append(JobStart(state, group, len(timesteps[i]), also_joins=joins))
         return prepared
 
@@ -262,7 +262,7 @@ class JobStarts:
             from_text = [i for i in indices if requests[i].image is None]
             from_image = [i for i in indices if requests[i].image is not None]
             if from_text:
-                latents = self.family.initial_latents(
+                latents = self.adapter.initial_latents(
                     [requests[i] for i in from_text],
                     [schedulers[i] for i in from_text],
                     [generators[i] for i in from_text],
@@ -291,7 +291,7 @@ class JobStarts:
         first timestep. An inpainting row at strength 1 starts from noise alone, as diffusers' does."""
         size = height, width = requests[0].size
         pixels = [
-            self.family.pipelines[r.start]
+            self.adapter.pipelines[r.start]
             .image_processor.preprocess(r.image, height=height, width=width)
             .float()
             for r in requests
@@ -310,10 +310,10 @@ class JobStarts:
             scheduler, timestep = schedulers[i], first_timesteps[i]
             # In the loop's layout from here on: noising and the inpaint blend are elementwise.
             row_noise = randn_tensor(
-                shape, generator=generators[i], device=self.family.device, dtype=self.family.latent_dtype
+                shape, generator=generators[i], device=self.adapter.device, dtype=self.adapter.latent_dtype
             )
-            row_noise = self.family.pack(row_noise, size)
-            source = self.family.pack(image_latents[i], size) if i in image_latents else None
+            row_noise = self.adapter.pack(row_noise, size)
+            source = self.adapter.pack(image_latents[i], size) if i in image_latents else None
             if request.mask_image is None:
                 assert source is not None  # img2img always encodes its source (encodes_source)
                 rows.append(self.noise_source(scheduler, source, row_noise, timestep))
@@ -342,18 +342,18 @@ class JobStarts:
         ``prepare_mask_latents`` takes from the row's generator: it encodes the masked source (which only an
         inpainting checkpoint reads), so a stochastic sampler's later draws follow the same stream. With an
         inpainting checkpoint: the model's extra input channels, and no blend."""
-        if self.family.inpainting_checkpoint:
+        if self.adapter.inpainting_checkpoint:
             channels = self.inpaint_channels(request, generator, pixels)
             return InpaintSource(None, noise, None, {"inpaint_channels": channels})
-        pipe = self.family.pipelines["mask"]
+        pipe = self.adapter.pipelines["mask"]
         height, width = request.size
         mask = self.mask_condition(request)
         factor = pipe.vae_scale_factor
         mask = torch.nn.functional.interpolate(mask, size=(height // factor, width // factor))
         if not isinstance(pipe.vae, diffusers.AutoencoderTiny):  # retrieve_latents samples a distribution
             shape = (1, pipe.vae.config.latent_channels, height // factor, width // factor)
-            randn_tensor(shape, generator=generator, device=self.family.device, dtype=self.source_draw_dtype)
-        mask = self.pack_mask(mask.to(device=self.family.device, dtype=self.family.dtype), request.size)
+            randn_tensor(shape, generator=generator, device=self.adapter.device, dtype=self.source_draw_dtype)
+        mask = self.pack_mask(mask.to(device=self.adapter.device, dtype=self.adapter.dtype), request.size)
         return InpaintSource(image_latents, noise, mask)
 
     def inpaint_channels(
@@ -363,7 +363,7 @@ class JobStarts:
         make it, their own ``prepare_mask_latents`` (the mask at latent size, the source outside it encoded
         with the row's generator) for one row without CFG (the engine gives both CFG rows the same), the
         mask's channel first. One tensor of both: one copy per forward, not two."""
-        prepare = self.family.pipelines["mask"].prepare_mask_latents
+        prepare = self.adapter.pipelines["mask"].prepare_mask_latents
         height, width = request.size
         mask = self.mask_condition(request)
         # SD3's takes num_images_per_prompt too; by keyword, one call fits every signature.
@@ -372,7 +372,7 @@ class JobStarts:
             if "num_images_per_prompt" in inspect.signature(prepare).parameters
             else {}
         )
-        vae = self.family.pipelines["mask"].vae
+        vae = self.adapter.pipelines["mask"].vae
         original = vae.dtype
         try:
             mask, masked = prepare(
@@ -381,8 +381,8 @@ class JobStarts:
                 batch_size=1,
                 height=height,
                 width=width,
-                dtype=self.family.dtype,
-                device=self.family.device,
+                dtype=self.adapter.dtype,
+                device=self.adapter.device,
                 generator=generator,
                 do_classifier_free_guidance=False,
                 **extra,
@@ -395,19 +395,19 @@ class JobStarts:
     def mask_condition(self, request: ImageParams) -> torch.Tensor:
         """The request's mask as its inpaint pipeline preprocesses it (grayscale, binarised, [1, 1, H, W])."""
         height, width = request.size
-        return self.family.pipelines["mask"].mask_processor.preprocess(
+        return self.adapter.pipelines["mask"].mask_processor.preprocess(
             request.mask_image, height=height, width=width
         )
 
     @property
     def source_draw_dtype(self) -> torch.dtype:
         """The dtype in which the inpaint pipeline's VAE samples the masked source's latents."""
-        return self.family.pipelines["mask"].vae.dtype
+        return self.adapter.pipelines["mask"].vae.dtype
 
     def _step_kwargs(self, scheduler: Any, generator: torch.Generator) -> dict[str, Any]:
         """What the pipeline's prepare_extra_step_kwargs passes (eta for DDIM, the generator for
         stochastic samplers); flow-matching pipelines pass none."""
-        if not (self.family.scales_model_input or self.family.always_passes_step_kwargs):
+        if not (self.adapter.scales_model_input or self.adapter.always_passes_step_kwargs):
             return {}
         accepted = set(inspect.signature(scheduler.step).parameters)
         kwargs: dict[str, Any] = {}

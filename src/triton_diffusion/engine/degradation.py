@@ -31,7 +31,7 @@ use: its forwards after the work that goes before it, its start and its decode) 
   its steps: it equals ``pipeline(num_inference_steps=k)`` for the k it runs).
 
 Beside the queue, the load offered (engine/overload.py): while arrivals are shown to ask more than the
-engine serves and it is full, a waiting job runs at most the steps its tier's share of the excess leaves.
+engine serves, a waiting job runs at most the steps its tier's share of the excess leaves.
 
 A job whose request allows a step cache (``degrade_step_cache``, a DiT family's) is also given it, for
 the steps it has left, once it runs and the same estimate says it misses its own deadline at full compute

@@ -76,6 +76,11 @@ class WorkTimes:
             self.finish_s = _blend(self.finish_s, seconds / jobs)
 
     @property
+    def fixed_s(self) -> float:
+        """A job's start and decode, the work no cut of its steps saves (0 where not measured)."""
+        return (self.start_s or 0.0) + (self.finish_s or 0.0)
+
+    @property
     def measured(self) -> bool:
         return bool(self.by_tokens)
 

@@ -3,21 +3,26 @@ serves them at full steps, every job admitted at full steps makes the ones after
 decided from the queue alone (engine/degradation.py) comes when the queue shows it, too late for the jobs
 already started. Here the engine looks at what arrives.
 
-Two rates, both measured, in token-steps (a job's tokens times its denoising steps: what a forward
-computes). Offered: over the last ``WINDOW`` arrivals, by their true arrival stamps, the token-steps they
-asked over the time they arrived in. Served: over the engine's last ``WINDOW`` forwards taken while it was
-full (its running set at ``max_running``: no idle time counted), the token-steps they advanced over the
-wall-clock time between them, so everything the engine's process spends per forward (starts, decodes,
-the answers, the server beside it) is in it, not only the forward. The load is their ratio. It counts as
-overload only where it is shown: its lower bound, the arrivals counted less two of their standard errors
-(Poisson counts: a share of ``2 / sqrt(n)``), still above 1, with at least ``LEAST`` arrivals and
-``LEAST`` forwards seen (a cut for a load that is not there would cost images their steps for nothing;
-at 0.8 of what the engine serves over 128 arrivals, the bound is about 0.66). Then the
-token-steps above ``CUT_TARGET`` of what the engine serves are taken from the jobs that allow fewer steps
-and have a deadline, the lowest tier first: a share per tier of what its arrivals could give up, the next
-tier only where the lower ones' all is not enough. Each waiting job of a tier then runs the most steps
-allowed that give up its tier's share (at least); the deadline rule may cut it more, never less.
-Otherwise nobody is cut for the load.
+Both sides in seconds of the engine's time. Served: over the engine's last ``WINDOW`` forwards taken
+while it was full (its running set at ``max_running``: no idle wait counted), the token-steps (a job's
+tokens times its steps) they advanced per wall-clock second between them, less each finished job's start
+and decode (``fixed_s``, the engine's own averages): so everything the process spends per forward (the
+answers, the server beside it on the same cores) is in the rate, and a cut, which saves steps but no
+start or decode, does not lower it. Offered: over the last ``WINDOW`` arrivals, each one's token-steps at
+that rate plus its start and decode, over the time since the oldest of them entered (their entry stamps:
+a request Triton held while the model's door was full counts from when it got in, so a load above the
+door's is under-counted, never over). The load is their ratio.
+
+It counts as overload only where it is shown: its lower bound, less two standard errors of the work
+offered (requests are the counts: a request's images arrive together; the error of a sum of unequal
+requests is ``sqrt(sum x^2) / sum x`` of it), is above 1, with at least ``LEAST`` arrivals and ``LEAST``
+forwards seen; and the newest ``LEAST`` arrivals alone still ask more than the engine serves (a burst that
+has passed cuts nobody). Then the work above ``CUT_TARGET`` of the engine's time is taken from the jobs
+that allow fewer steps and have a deadline, the lowest tier first: a share per tier of what its arrivals
+could give up, the next tier only where the lower ones' all is not enough. Each waiting job of a tier
+then runs the most steps allowed that give up its tier's share (at least); the deadline rule may cut it
+more, never less, and a waiting job's cut is decided again at every engine step. Otherwise nobody is cut
+for the load. The scheduler's clock must be the one requests are stamped on (``time.perf_counter``).
 """
 
 from __future__ import annotations
@@ -40,23 +45,21 @@ LEAST = 32
 
 @dataclass(frozen=True)
 class Arrival:
-    """One job as it arrived: when (its request's stamp), its tier, its tokens, the denoising steps it
-    asked and the fewest it may run (``steps`` where it allows none, or sends no deadline: nothing of it
-    is cut for the load)."""
+    """One job as it arrived: when (its request's entry stamp), its request, its tier, the token-steps it
+    asked (tokens x denoising steps) and those it may give up (none where it allows no fewer steps, or
+    sends no deadline: the load's cut is for deadlines)."""
 
     at: float
+    request: str
     tier: int
-    tokens: int
-    steps: int
-    fewest: int
+    work: int
+    spare: int
 
 
 def arrival_of(job: Job) -> Arrival:
-    """A job as it arrives: what it asked, and the fewest steps it may run where it has a deadline (the
-    load's cut is for deadlines)."""
-    allowed, asked = job.spec.steps_allowed, job.remaining
-    fewest = allowed[-1][1] if allowed and job.spec.deadline is not None else asked
-    return Arrival(job.request.entered, job.spec.tier, job.spec.tokens, asked, fewest)
+    allowed, asked, tokens = job.spec.steps_allowed, job.remaining, job.spec.tokens
+    spare = (asked - allowed[-1][1]) * tokens if allowed and job.spec.deadline is not None else 0
+    return Arrival(job.request.entered, job.request.request_id, job.spec.tier, asked * tokens, spare)
 
 
 @dataclass(frozen=True)
@@ -74,44 +77,58 @@ class OfferedLoad:
 
     def __init__(self, window: int = WINDOW) -> None:
         self.arrivals: deque[Arrival] = deque(maxlen=window)
-        self.forwards: deque[tuple[float, int]] = deque(
-            maxlen=window
-        )  # (seconds since the last, token-steps)
+        self.forwards: deque[tuple[float, int]] = deque(maxlen=window)  # (seconds, token-steps) served
         self._last: float | None = None  # when the last full forward ended
 
     def arrived(self, arrival: Arrival) -> None:
         self.arrivals.append(arrival)
 
-    def served(self, now: float, token_steps: int, full: bool) -> None:
-        """A forward that advanced ``token_steps`` ended at ``now``; ``full``: the engine was full. Only a
-        full forward after a full one is counted (the time between them held no idle wait)."""
+    def served(self, now: float, token_steps: int, done: int, fixed_s: float, full: bool) -> None:
+        """A forward that advanced ``token_steps`` and finished ``done`` jobs (each a start and a decode
+        of ``fixed_s``) ended at ``now``; ``full``: the engine was full. Only a full forward after a full
+        one is counted (the time between them held no idle wait)."""
         if full and self._last is not None:
-            self.forwards.append((now - self._last, token_steps))
+            self.forwards.append((max(now - self._last - done * fixed_s, 0.0), token_steps))
         self._last = now if full else None
 
-    def overload(self, now: float, least: int = LEAST) -> Overload | None:
-        """The overload shown at ``now``, or None."""
+    def overload(self, now: float, fixed_s: float, least: int = LEAST) -> Overload | None:
+        """The overload shown at ``now``, or None (``fixed_s``: a job's start and decode)."""
         arrivals = list(self.arrivals)
-        count = len(arrivals)
-        span = now - arrivals[0].at if arrivals else 0.0
         served_s = sum(seconds for seconds, _ in self.forwards)
-        if count < least or len(self.forwards) < least or span <= 0 or served_s <= 0:
+        if len(arrivals) < least or len(self.forwards) < least or served_s <= 0:
             return None
-        rate = sum(token_steps for _, token_steps in self.forwards) / served_s  # token-steps per second
-        offered = sum(a.steps * a.tokens for a in arrivals)
-        load = offered / (span * rate)
-        if load * (1 - 2 / math.sqrt(count)) <= 1.0:
+        rate = sum(token_steps for _, token_steps in self.forwards) / served_s  # token-steps a second
+        load = _load(arrivals, now, rate, fixed_s, bound=True)
+        if load is None or load <= 1.0 or (_load(arrivals[-least:], now, rate, fixed_s) or 0.0) <= 1.0:
             return None
-        spare: dict[int, int] = {}
+        offered = sum(a.work / rate + fixed_s for a in arrivals)
+        span = now - min(a.at for a in arrivals)
+        spare: dict[int, float] = {}
         for a in arrivals:
-            spare[a.tier] = spare.get(a.tier, 0) + (a.steps - a.fewest) * a.tokens
-        excess = offered - CUT_TARGET * span * rate
+            spare[a.tier] = spare.get(a.tier, 0.0) + a.spare / rate
+        excess = offered - CUT_TARGET * span
         shares: dict[int, float] = {}
         for tier in sorted(spare, reverse=True):  # the lowest tier (the highest rank) first
             given = min(excess, spare[tier])
             shares[tier] = given / spare[tier] if spare[tier] > 0 else 0.0
             excess -= given
-        return Overload(load, count, shares)
+        return Overload(offered / span, len(arrivals), shares)
+
+
+def _load(
+    arrivals: list[Arrival], now: float, rate: float, fixed_s: float, bound: bool = False
+) -> float | None:
+    """Seconds of work offered per second since the oldest of ``arrivals`` entered (None: no time yet);
+    with ``bound``, less two standard errors of the work (each request one count, of its images' work)."""
+    span = now - min(a.at for a in arrivals)
+    if span <= 0:
+        return None
+    by_request: dict[str, float] = {}
+    for a in arrivals:
+        by_request[a.request] = by_request.get(a.request, 0.0) + a.work / rate + fixed_s
+    offered = sum(by_request.values())
+    error = math.sqrt(sum(x * x for x in by_request.values())) / offered if bound else 0.0
+    return offered * (1 - 2 * error) / span
 
 
 def overload_cut(allowed: StepsAllowed, share: float, overload: Overload) -> StepsCut | None:

@@ -277,7 +277,7 @@ class Scheduler:
         if not any(j.spec.steps_allowed and j.spec.deadline is not None for j in self.waiting):
             return
         held = [j for q in (self.waiting, self.starting, self.running, self.paused) for j in q]
-        overload = self.offered.overload(now)
+        overload = self.offered.overload(now, self.times.fixed_s)
         keys = {id(j): self.order_key(j, now) for j in held if not j.status.ended}
         running = [(keys[id(j)], j) for j in self.running if id(j) in keys]  # keyed once per walk
         waiting = set(map(id, self.waiting))
@@ -552,7 +552,8 @@ class Scheduler:
             if out.done:
                 outcome.done.append(job)
         full = len(self.running) + len(self.starting) >= self.limits.max_running
-        self.offered.served(self.clock(), sum(s.job.spec.tokens for s in outcome.stepped), full)
+        token_steps = sum(s.job.spec.tokens for s in outcome.stepped)
+        self.offered.served(self.clock(), token_steps, len(outcome.done), self.times.fixed_s, full)
         with self._lock:
             for job in outcome.done:
                 if job in self.running:
