@@ -191,6 +191,9 @@ def figures(requests, results, latency, measured, window_s, deadline_s) -> dict:
         "expired_started": sum(bool(re.search(r"passed after step [1-9]", e)) for e in errors),
         "degraded": len(degraded),
         "degraded_requests": degraded,
+        # By the rule that degraded them, as their BATCH reason names it (deadline, deadline of another
+        # image after it, overload: engine/degradation.py and engine/overload.py).
+        "degraded_why": why_degraded([results[i].batch["degraded"].get("reason", "") for i in degraded]),
         "steps_run": [
             results[i].batch["degraded"]["steps_run"]
             for i in degraded
@@ -203,6 +206,15 @@ def figures(requests, results, latency, measured, window_s, deadline_s) -> dict:
             if "cached_from_step" in results[i].batch["degraded"]
         ],
     }
+
+
+def why_degraded(reasons: list[str]) -> dict[str, int]:
+    """How many requests each rule degraded: a reason's parts (``; ``-joined) by the words before ':'."""
+    counts: dict[str, int] = {}
+    for reason in reasons:
+        for kind in {part.split(":")[0].strip() for part in reason.split("; ") if part}:
+            counts[kind] = counts.get(kind, 0) + 1
+    return counts
 
 
 def capacity(url: str, requests: list[dict], concurrency: int) -> float:

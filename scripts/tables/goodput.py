@@ -178,9 +178,14 @@ def _quiet(artefact: dict[str, Any]) -> str:
             continue
         degraded, offered = sum(r["degraded"] for r in low), sum(r["offered"] for r in low)
         word = "met" if degraded == 0 else "missed"
+        why: dict[str, int] = {}
+        for run in low:
+            for kind, count in run.get("degraded_why", {}).items():
+                why[kind] = why.get(kind, 0) + count
+        by_rule = "; by the rule their BATCH names: " + ", ".join(f"{k} {v}" for k, v in sorted(why.items()))
         lines.append(
             f"Target at or below 0.8x capacity, no request degraded ({variant}): **{word}** ({degraded} of "
-            f"{offered} offered requests degraded in those runs)."
+            f"{offered} offered requests degraded in those runs{by_rule if why else ''})."
         )
     return "\n\n".join(lines) or "No run at or below 0.8x capacity."
 
