@@ -296,7 +296,10 @@ def main(argv: list[str] | None = None) -> None:
         ]
         for engine in ("request", "step"):
             measured(run_closed(bench, engine, mixed, top, "mixed", args.window))
-    img2img = "image" in getattr(bench.adapter, "starts", ())  # the family's step adapter starts from images
+    # The family's step adapter starts from images (its starter's starts; the adapter's own in a tree before
+    # adapters/starts.py was composed).
+    starter = getattr(bench.adapter, "starter", bench.adapter)
+    img2img = "image" in getattr(starter, "starts", ())
     if not args.no_closed and not args.no_image_mix and img2img:
         print("[text-only and img2img requests: one model (step) vs two models (request)]", flush=True)
         image_runs, report["image_mix_weights"] = run_image_mix(bench, args, top)

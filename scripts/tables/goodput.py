@@ -128,7 +128,15 @@ def render(artefact: dict[str, Any]) -> str:
             + " / ".join(_misses(rounds, v) for v in missing)
             + " |"
         )
-    lines += ["", _quiet(artefact), "", _tiers(artefact)] if ours else ["", _tiers(artefact)]
+    rules = _rules(artefact)
+    lines += (
+        ["", _quiet(artefact), *(["", rules] if rules else []), "", _tiers(artefact)]
+        if ours
+        else [
+            "",
+            _tiers(artefact),
+        ]
+    )
     if c.get("no_deadline_share"):
         lines += ["", _plain(artefact)]
     if not artefact.get("complete", True):
@@ -181,13 +189,38 @@ def _quiet(artefact: dict[str, Any]) -> str:
         why: dict[str, int] = {}
         for run in low:
             for kind, count in run.get("degraded_why", {}).items():
-                why[kind] = why.get(kind, 0) + count
+                if kind in RULES:
+                    why[kind] = why.get(kind, 0) + count
         by_rule = "; by the rule their BATCH names: " + ", ".join(f"{k} {v}" for k, v in sorted(why.items()))
         lines.append(
             f"Target at or below 0.8x capacity, no request degraded ({variant}): **{word}** ({degraded} of "
             f"{offered} offered requests degraded in those runs{by_rule if why else ''})."
         )
     return "\n\n".join(lines) or "No run at or below 0.8x capacity."
+
+
+# The rules a BATCH reason names (benchmarks/goodput.py RULES); a count under another name is a part of a
+# reason that names none, which an earlier parse of the reasons counted (those requests are counted by
+# the rule their reason begins with too).
+RULES = ("overload", "deadline of another image after it", "deadline")
+
+
+def _rules(artefact: dict[str, Any]) -> str:
+    """Per load, the degraded requests by the rule their BATCH names (``degraded_why``: an artefact from
+    before it has none), for each degrade variant."""
+    cells = []
+    for variant in DEGRADING:
+        for load in artefact["loads"]:
+            runs = [r for r in artefact["runs"] if r["variant"] == variant and r["load"] == load]
+            why: dict[str, int] = {}
+            for run in runs:
+                for kind, count in run.get("degraded_why", {}).items():
+                    if kind in RULES:
+                        why[kind] = why.get(kind, 0) + count
+            if why:
+                counted = ", ".join(f"{k} {v}" for k, v in sorted(why.items()))
+                cells.append(f"{variant} at {load:g}x: {counted}")
+    return ("Degraded, by the rule their BATCH names: " + "; ".join(cells) + ".") if cells else ""
 
 
 def _rounds(runs: list[dict]) -> list[dict[str, dict]]:

@@ -63,3 +63,15 @@ def test_the_room_is_read_from_the_artefacts_model_edits():
     edits = {"goodput": {"deadline_room": "0"}, "goodput_room": {"deadline_room": "16"}}
     assert room_words({"cap": 8, "model_edits": edits}) == "1 x its capacity"
     assert room_words({"cap": 8}) == "3 x its capacity"  # an artefact from before --room: 3 x, as then
+
+
+def test_a_degraded_requests_rule_is_read_from_the_start_of_each_part_of_its_reason():
+    from benchmarks.goodput import why_degraded
+
+    reasons = [
+        "deadline: 20 steps estimated 900 ms, 500 ms left; even 10 steps late",  # one rule, a tail
+        "overload: 1.52 x what the engine serves offered over the last 128 arrivals",
+        "deadline of another image after it: estimated 800 ms, 600 ms left",
+        "deadline: 20 steps estimated 900 ms; deadline: 18 steps left estimated 700 ms",  # steps and a cache
+    ]
+    assert why_degraded(reasons) == {"deadline": 2, "overload": 1, "deadline of another image after it": 1}

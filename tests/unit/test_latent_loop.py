@@ -229,11 +229,14 @@ def test_an_inpainting_checkpoint_serves_inpainting_jobs_each_equal_to_its_pipel
 
 
 def test_every_family_adapter_is_composed_not_mixed():
-    """One base per family (the loop), no mixins: a family's start and sizes are collaborators made with
-    it (its ``starts_class`` and ``row_sizes``), each a plain class of its own."""
+    """One base per family (the loop), no mixins: a family's start is a collaborator made with it (its
+    ``starts_class``, one base at each level up to JobStarts), as its sizes are (a RowSizes, a class of
+    its own)."""
     for name, adapter_class in STEP_ADAPTERS.items():
         assert adapter_class.__mro__[1:] == (LatentStepAdapter, object), name
         starts = adapter_class.starts_class
         assert issubclass(starts, JobStarts) and not issubclass(starts, LatentStepAdapter), name
+        chain = starts.__mro__[: starts.__mro__.index(JobStarts) + 1]  # one base at each level
+        assert all(len(level.__bases__) == 1 for level in chain) and chain[-1].__bases__ == (object,), name
     assert LatentStepAdapter.__bases__ == (object,) and RowSizes.__bases__ == (object,)
     assert JobStarts.__bases__ == (object,)

@@ -13,12 +13,13 @@ from tests.unit.test_scheduler import DEFAULT, FLEX
 from tests.unit.test_step_engine import Spec
 from triton_diffusion.engine.jobs import Job
 from triton_diffusion.engine.overload import LEAST, Arrival, OfferedLoad, arrival_of, overload_cut
+from triton_diffusion.errors import ErrorCode
 
 
 def served(load: OfferedLoad, forwards: int = LEAST + 1, full: bool = True) -> OfferedLoad:
     """Forwards of 2 token-steps, 0.1 s apart: the engine serves 20 token-steps a second."""
     for i in range(forwards):
-        load.served(i * 0.1, 2, 0, 0.0, full)
+        load.served(i * 0.1, 2, 0, full)
     return load
 
 
@@ -57,11 +58,18 @@ def test_a_burst_that_has_passed_cuts_nobody():
 def test_only_full_forwards_after_a_full_one_count_and_without_their_jobs_starts_and_decodes():
     load = served(OfferedLoad(), 10, full=False)
     assert not load.forwards
-    load.served(5.0, 2, 0, 0.05, True)
-    load.served(5.2, 2, 2, 0.05, True)  # two jobs finished: their start and decode are not steps
-    load.served(5.3, 2, 0, 0.05, False)  # not full: it and the wait before the next are not counted
-    load.served(9.0, 2, 0, 0.05, True)
-    assert list(load.forwards) == [(pytest.approx(0.1), 2)]
+    load.served(5.0, 2, 0, True)
+    load.served(5.2, 2, 1, True)  # a job finished: its decode comes after, in the next interval
+    load.served(5.3, 2, 0, True)
+    load.served(5.4, 2, 0, False)  # not full: it and the wait before the next are not counted
+    load.served(9.0, 2, 0, True)
+    assert [(round(s, 6), t, d) for s, t, d in load.forwards] == [(0.2, 2, 1), (0.1, 2, 0)]
+    evenly(load, 40, 0.0, 5.0)
+    for _ in range(LEAST):
+        load.served(9.0, 0, 0, True)  # nothing in no time: only the window's sums matter below
+    # 0.3 s served less one start and decode of 0.1 s: 4 token-steps in 0.2 s, 20 a second (not 13.3).
+    overload = load.overload(5.0, 0.1)
+    assert overload is not None and overload.load == pytest.approx((40 * (0.5 + 0.1)) / 5.0)
 
 
 def test_overload_shown_takes_the_excess_from_the_lowest_tier_first():
@@ -127,13 +135,28 @@ def test_the_scheduler_cuts_waiting_jobs_for_an_overload_and_gives_the_steps_bac
     assert still and all(job.queue.cut is None for job in still)
 
 
-def test_no_job_is_cut_for_the_load_where_arrivals_fit_what_the_engine_serves():
+@pytest.mark.parametrize("span_s", [100.0, 49.2])
+def test_no_job_is_cut_for_the_load_where_arrivals_fit_what_the_engine_serves(span_s):
     h = harness(max_running=2, max_per_forward=2)
     h.measure(0.1)
-    jobs = flood(h, span_s=100.0, count=40)  # 20 s of work in 100 s
-    for _ in range(LEAST + 4):
+    # 50 s of work in 103.4 s, or in 52.6 s: 0.95 of what the engine serves, above its 90% (a cut would
+    # follow if the load were not checked against 1 first).
+    jobs = flood(h, span_s=span_s, count=100)
+    for _ in range(LEAST + 2):
         h.step()
     assert all(job.queue.cut is None for job in jobs)
+
+
+def test_a_newcomer_cut_for_the_load_is_still_refused_where_it_is_late_even_so():
+    h = harness(max_running=2, max_per_forward=2)
+    h.measure(0.1)
+    flood(h, span_s=10.0, count=100)
+    for _ in range(LEAST + 1):
+        h.step()
+    late = degradable(h, "late", FLEX, 10, 2, deadline_s=0.3)  # the queue ahead of it: many seconds
+    h.add(late)
+    h.step()
+    assert late.request.channel.finals and late.request.channel.finals[0].code is ErrorCode.UNAVAILABLE
 
 
 def test_a_higher_tier_is_cut_for_the_load_only_after_the_lower_ones_give_all_they_can():

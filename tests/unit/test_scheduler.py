@@ -10,14 +10,17 @@ from dataclasses import replace
 import pytest
 
 from tests.unit.recording import step_as_worker, tracked
+from tests.unit.test_executor import KEY
 from tests.unit.test_step_engine import Engine, FakeAdapter, Host, Spec
 from triton_diffusion.adapters.packed_rows import ANY_SIZE
 from triton_diffusion.engine.jobs import Job, forward_group
 from triton_diffusion.engine.ordering import AdmissionPacing, Service, make_policy
-from triton_diffusion.engine.request_engine import CallSteps
+from triton_diffusion.engine.planner import RowCaps
+from triton_diffusion.engine.request_engine import RequestEngine
 from triton_diffusion.engine.scheduler import EngineLimits
 from triton_diffusion.engine.step_engine import StepEngine
 from triton_diffusion.errors import ErrorCode, RequestError
+from triton_diffusion.serving.cancellations import ClientAborts
 
 PRIORITY, DEFAULT, FLEX = 0, 1, 2
 
@@ -606,16 +609,31 @@ def test_with_the_gate_off_sizes_mixed_run_packed_whatever_the_fit_prices():
 
 def test_both_engines_count_a_job_through_its_own_writers():
     """The step engine's scheduler and the request-level engine's fused calls write a job's counters
-    through ``Job.took_part`` and ``Job.reached``: the first forward kept, forwards counted, the most it
-    shared, packed forwards, and the steps (with a fused call's total)."""
-    job = Job(tracked("a"), Spec(steps=4), shape="S", tokens=1)
-    job.took_part(3, forward=7, packed=True)
-    job.took_part(2, forward=9)
-    job.reached(2)
-    stats = job.stats
-    assert (stats.first_forward, stats.forwards, stats.most_shared, stats.packed_forwards) == (7, 2, 3, 1)
-    assert (job.run.steps_done, job.run.total_steps) == (2, 0)
-    called = Job(tracked("b"), Spec(steps=4), shape="S", tokens=1)
-    steps = CallSteps([called], lambda report: None)
-    steps.on_step(3, 10)  # the request-level engine learns the total from the pipeline's callback
-    assert (called.run.steps_done, called.run.total_steps) == (3, 10)
+    through ``Job.took_part`` and ``Job.reached``: a packed forward of two sizes counted as shared and
+    packed, and a fused call's steps with the total the pipeline reports."""
+    engine = packed_engine(budget=None)
+    small, large = packed("small", 1, shape="S"), packed("large", 1, shape="L")
+    engine.add(small)
+    engine.add(large)
+    engine.step()
+    for job in (small, large):
+        stats = job.stats
+        assert (stats.forwards, stats.most_shared, stats.packed_forwards, job.run.steps_done) == (1, 2, 1, 1)
+        assert stats.first_forward is not None
+
+    def call(key, jobs, steps):
+        for step in (1, 2, 3):
+            steps.on_step(step, 3)
+        return steps.scatter(["image"] * len(steps.alive))
+
+    fused = RequestEngine(call, RowCaps(8), lambda report: None, ClientAborts())
+    jobs = [Job(tracked(name), None, group=KEY) for name in "ab"]
+    fused.add(*jobs)
+    fused.step()
+    for job in jobs:
+        assert (job.stats.forwards, job.stats.most_shared, job.run.steps_done, job.run.total_steps) == (
+            1,
+            2,
+            3,
+            3,
+        )

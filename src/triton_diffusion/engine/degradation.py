@@ -67,6 +67,9 @@ class StepsCut:
     denoising: int  # the denoising steps that makes
     asked: int  # the num_inference_steps its request asked for
     reason: str
+    # Which rule cut it: "deadline" (its own), "room" (a later job's), "overload" (the load offered,
+    # engine/overload.py: not a promise that it is in time, so a newcomer cut so is still judged for refusal).
+    rule: str = "deadline"
 
     def report(self) -> dict[str, int | str]:
         return {"steps_run": self.steps, "steps_asked": self.asked, "reason": self.reason}
@@ -159,7 +162,7 @@ def room_for(
             continue
         if late_in(freed + (runs - fewer[-1][1]) * tokens) > target:
             freed += (runs - fewer[-1][1]) * tokens
-            cuts[i] = StepsCut(*fewer[-1], allowed[0][0], why)
+            cuts[i] = StepsCut(*fewer[-1], allowed[0][0], why, "room")
             continue
         # This one is enough: the most steps of it that are (bisection: the estimate falls with the cut).
         low, high = 0, len(fewer) - 1
@@ -169,7 +172,7 @@ def room_for(
                 high = middle
             else:
                 low = middle + 1
-        cuts[i] = StepsCut(*fewer[low], allowed[0][0], why)
+        cuts[i] = StepsCut(*fewer[low], allowed[0][0], why, "room")
         return cuts
     return [None] * len(candidates)
 

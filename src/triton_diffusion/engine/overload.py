@@ -77,27 +77,30 @@ class OfferedLoad:
 
     def __init__(self, window: int = WINDOW) -> None:
         self.arrivals: deque[Arrival] = deque(maxlen=window)
-        self.forwards: deque[tuple[float, int]] = deque(maxlen=window)  # (seconds, token-steps) served
+        # (seconds since the last, token-steps, jobs finished) of each full forward served
+        self.forwards: deque[tuple[float, int, int]] = deque(maxlen=window)
         self._last: float | None = None  # when the last full forward ended
 
     def arrived(self, arrival: Arrival) -> None:
         self.arrivals.append(arrival)
 
-    def served(self, now: float, token_steps: int, done: int, fixed_s: float, full: bool) -> None:
-        """A forward that advanced ``token_steps`` and finished ``done`` jobs (each a start and a decode
-        of ``fixed_s``) ended at ``now``; ``full``: the engine was full. Only a full forward after a full
-        one is counted (the time between them held no idle wait)."""
+    def served(self, now: float, token_steps: int, done: int, full: bool) -> None:
+        """A forward that advanced ``token_steps`` and finished ``done`` jobs ended at ``now``; ``full``: the
+        engine was full. Only a full forward after a full one is counted (the time between them held no
+        idle wait). A finished job's decode (and the start of the one after it) fall in a later interval
+        than its forward: they are taken out over the whole window (:meth:`overload`), not per interval."""
         if full and self._last is not None:
-            self.forwards.append((max(now - self._last - done * fixed_s, 0.0), token_steps))
+            self.forwards.append((now - self._last, token_steps, done))
         self._last = now if full else None
 
     def overload(self, now: float, fixed_s: float, least: int = LEAST) -> Overload | None:
         """The overload shown at ``now``, or None (``fixed_s``: a job's start and decode)."""
         arrivals = list(self.arrivals)
-        served_s = sum(seconds for seconds, _ in self.forwards)
-        if len(arrivals) < least or len(self.forwards) < least or served_s <= 0:
+        forwards = list(self.forwards)
+        served_s = sum(f[0] for f in forwards) - sum(f[2] for f in forwards) * fixed_s  # steps' own time
+        if len(arrivals) < least or len(forwards) < least or served_s <= 0:
             return None
-        rate = sum(token_steps for _, token_steps in self.forwards) / served_s  # token-steps a second
+        rate = sum(f[1] for f in forwards) / served_s  # token-steps a second
         load = _load(arrivals, now, rate, fixed_s, bound=True)
         if load is None or load <= 1.0 or (_load(arrivals[-least:], now, rate, fixed_s) or 0.0) <= 1.0:
             return None
@@ -142,4 +145,4 @@ def overload_cut(allowed: StepsAllowed, share: float, overload: Overload) -> Ste
     offered = (
         f"{overload.load:.2f} x what the engine serves offered over the last {overload.arrivals} arrivals"
     )
-    return StepsCut(steps, denoising, asked, f"overload: {offered}")
+    return StepsCut(steps, denoising, asked, f"overload: {offered}", "overload")

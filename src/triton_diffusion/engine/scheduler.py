@@ -224,7 +224,8 @@ class Scheduler:
         """A newcomer that cannot meet its deadline, given the work that goes before it, leaves now (True)."""
         if job.spec.deadline is None or not self.service.refuse_late or not self.times.measured:
             return False
-        if job.status.ended or job.queue.cut is not None:
+        cut = job.queue.cut
+        if job.status.ended or (cut is not None and cut.rule != "overload"):
             return False  # dropped as ended below; or cut to steps the walk found in time (_cut_steps)
         mine = self.order_key(job, now)
         held = (self.waiting, self.running, self.paused)
@@ -553,7 +554,7 @@ class Scheduler:
                 outcome.done.append(job)
         full = len(self.running) + len(self.starting) >= self.limits.max_running
         token_steps = sum(s.job.spec.tokens for s in outcome.stepped)
-        self.offered.served(self.clock(), token_steps, len(outcome.done), self.times.fixed_s, full)
+        self.offered.served(self.clock(), token_steps, len(outcome.done), full)
         with self._lock:
             for job in outcome.done:
                 if job in self.running:
