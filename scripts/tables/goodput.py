@@ -199,9 +199,9 @@ def _quiet(artefact: dict[str, Any]) -> str:
     return "\n\n".join(lines) or "No run at or below 0.8x capacity."
 
 
-# The rules a BATCH reason names (benchmarks/goodput.py RULES); a count under another name is a part of a
-# reason that names none, which an earlier parse of the reasons counted (those requests are counted by
-# the rule their reason begins with too).
+# The rules a BATCH reason names, as each begins (the longer first: "deadline" begins the second; read by
+# benchmarks/goodput.py too); a count under another name in an artefact is a part of a reason that names
+# none, which an earlier parse of the reasons counted (those requests are counted by their rule too).
 RULES = ("overload", "deadline of another image after it", "deadline")
 
 

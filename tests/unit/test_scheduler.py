@@ -616,10 +616,13 @@ def test_both_engines_count_a_job_through_its_own_writers():
     engine.add(small)
     engine.add(large)
     engine.step()
+    first = small.stats.first_forward
+    engine.add(packed("late", 1, steps=1))
+    engine.step()  # a second forward, shared by three: the first kept, the most shared its largest
     for job in (small, large):
         stats = job.stats
-        assert (stats.forwards, stats.most_shared, stats.packed_forwards, job.run.steps_done) == (1, 2, 1, 1)
-        assert stats.first_forward is not None
+        assert (stats.forwards, stats.most_shared, stats.packed_forwards, job.run.steps_done) == (2, 3, 2, 2)
+        assert first is not None and stats.first_forward == first
 
     def call(key, jobs, steps):
         for step in (1, 2, 3):

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from triton_diffusion.step_cache_spec import parse_step_cache
 
@@ -69,7 +69,7 @@ class StepsCut:
     reason: str
     # Which rule cut it: "deadline" (its own), "room" (a later job's), "overload" (the load offered,
     # engine/overload.py: not a promise that it is in time, so a newcomer cut so is still judged for refusal).
-    rule: str = "deadline"
+    rule: Literal["deadline", "room", "overload"] = "deadline"
 
     def report(self) -> dict[str, int | str]:
         return {"steps_run": self.steps, "steps_asked": self.asked, "reason": self.reason}

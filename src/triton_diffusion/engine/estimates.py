@@ -40,6 +40,9 @@ class WorkTimes:
     calibration: dict[tuple[int, int], float] = field(default_factory=dict)
     start_s: float | None = None  # per job started
     finish_s: float | None = None  # per job decoded
+    spent_s: float = (
+        0.0  # all the seconds spent starting and decoding jobs (engine/overload.py leaves them out)
+    )
     # The line through ``by_tokens`` (fixed, per token), fitted once per change: the scheduler prices
     # every held job at every engine step, and a fit over up to MAX_SIZES points each time adds up.
     _line: tuple[float, float] | None = field(default=None, repr=False)
@@ -68,10 +71,12 @@ class WorkTimes:
         return max(fixed + per_token * tokens + per_row * rows, 0.0)
 
     def started(self, jobs: int, seconds: float) -> None:
+        self.spent_s += seconds
         if jobs:
             self.start_s = _blend(self.start_s, seconds / jobs)
 
     def finished(self, jobs: int, seconds: float) -> None:
+        self.spent_s += seconds
         if jobs:
             self.finish_s = _blend(self.finish_s, seconds / jobs)
 

@@ -5,13 +5,14 @@ already started. Here the engine looks at what arrives.
 
 Both sides in seconds of the engine's time. Served: over the engine's last ``WINDOW`` forwards taken
 while it was full (its running set at ``max_running``: no idle wait counted), the token-steps (a job's
-tokens times its steps) they advanced per wall-clock second between them, less each finished job's start
-and decode (``fixed_s``, the engine's own averages): so everything the process spends per forward (the
-answers, the server beside it on the same cores) is in the rate, and a cut, which saves steps but no
-start or decode, does not lower it. Offered: over the last ``WINDOW`` arrivals, each one's token-steps at
-that rate plus its start and decode, over the time since the oldest of them entered (their entry stamps:
-a request Triton held while the model's door was full counts from when it got in, so a load above the
-door's is under-counted, never over). The load is their ratio.
+tokens times its steps) they advanced per wall-clock second between them, less the starts and decodes
+the engine ran in between (as it measured them: WorkTimes.spent_s): so everything the process spends per
+forward (the answers, the server beside it on the same cores) is in the rate, and a cut, which saves
+steps but no start or decode, does not lower it. Offered: over the last ``WINDOW`` arrivals, each one's
+token-steps at that rate plus a start and a decode (the engine's averages, ``fixed_s``), over the time
+since the oldest of them entered (their entry stamps: a request Triton held while the model's door was
+full counts from when it got in, so a load above the door's is under-counted, never over). The load is
+their ratio.
 
 It counts as overload only where it is shown: its lower bound, less two standard errors of the work
 offered (requests are the counts: a request's images arrive together; the error of a sum of unequal
@@ -77,30 +78,32 @@ class OfferedLoad:
 
     def __init__(self, window: int = WINDOW) -> None:
         self.arrivals: deque[Arrival] = deque(maxlen=window)
-        # (seconds since the last, token-steps, jobs finished) of each full forward served
-        self.forwards: deque[tuple[float, int, int]] = deque(maxlen=window)
+        # (seconds since the last, less starts and decodes in them; token-steps) of each full forward
+        self.forwards: deque[tuple[float, int]] = deque(maxlen=window)
         self._last: float | None = None  # when the last full forward ended
+        self._spent = 0.0  # the engine's seconds spent on starts and decodes, as of the last forward
 
     def arrived(self, arrival: Arrival) -> None:
         self.arrivals.append(arrival)
 
-    def served(self, now: float, token_steps: int, done: int, full: bool) -> None:
-        """A forward that advanced ``token_steps`` and finished ``done`` jobs ended at ``now``; ``full``: the
-        engine was full. Only a full forward after a full one is counted (the time between them held no
-        idle wait). A finished job's decode (and the start of the one after it) fall in a later interval
-        than its forward: they are taken out over the whole window (:meth:`overload`), not per interval."""
+    def served(self, now: float, token_steps: int, spent_s: float, full: bool) -> None:
+        """A forward that advanced ``token_steps`` ended at ``now``; ``spent_s``: the engine's seconds spent
+        on starts and decodes so far (WorkTimes.spent_s: those since the last forward are taken out of
+        its interval, as measured where they ran, a start of a job that never finishes included);
+        ``full``: the engine was full. Only a full forward after a full one is counted (the time between
+        them held no idle wait)."""
         if full and self._last is not None:
-            self.forwards.append((now - self._last, token_steps, done))
-        self._last = now if full else None
+            self.forwards.append((max(now - self._last - (spent_s - self._spent), 0.0), token_steps))
+        self._last, self._spent = (now if full else None), spent_s
 
     def overload(self, now: float, fixed_s: float, least: int = LEAST) -> Overload | None:
         """The overload shown at ``now``, or None (``fixed_s``: a job's start and decode)."""
         arrivals = list(self.arrivals)
         forwards = list(self.forwards)
-        served_s = sum(f[0] for f in forwards) - sum(f[2] for f in forwards) * fixed_s  # steps' own time
+        served_s = sum(seconds for seconds, _ in forwards)  # the steps' own time
         if len(arrivals) < least or len(forwards) < least or served_s <= 0:
             return None
-        rate = sum(f[1] for f in forwards) / served_s  # token-steps a second
+        rate = sum(token_steps for _, token_steps in forwards) / served_s  # token-steps a second
         load = _load(arrivals, now, rate, fixed_s, bound=True)
         if load is None or load <= 1.0 or (_load(arrivals[-least:], now, rate, fixed_s) or 0.0) <= 1.0:
             return None

@@ -554,7 +554,7 @@ class Scheduler:
                 outcome.done.append(job)
         full = len(self.running) + len(self.starting) >= self.limits.max_running
         token_steps = sum(s.job.spec.tokens for s in outcome.stepped)
-        self.offered.served(self.clock(), token_steps, len(outcome.done), full)
+        self.offered.served(self.clock(), token_steps, self.times.spent_s, full)
         with self._lock:
             for job in outcome.done:
                 if job in self.running:
