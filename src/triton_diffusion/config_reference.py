@@ -10,13 +10,10 @@ from triton_diffusion.settings import ALL, IMAGE, IMAGE_SOURCE, LM, RENAMED, Mod
 
 def parameters_markdown() -> str:
     """The configuration reference (docs/reference/config.md), straight from the declarations: a derived
-    default's text from its :class:`Derived`, old names from :data:`RENAMED`; the test hooks
-    (``tests_only``) left out."""
+    default's text from its :class:`Derived`, old names from :data:`RENAMED`."""
     names = {IMAGE: "image and video models", IMAGE_SOURCE: "image models", LM: "diffusion_lm"}
     lines = ["| parameter | type | default | read by | meaning |", "|---|---|---|---|---|"]
     for f in fields(ModelConfig):
-        if f.metadata["tests_only"]:
-            continue
         kinds = f.metadata["kinds"]
         read_by = (
             "all"

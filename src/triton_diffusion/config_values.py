@@ -88,12 +88,6 @@ def parse_json_object(text: str) -> dict[str, Any]:
     return value
 
 
-def parse_fault_injection(text: str) -> Any:
-    from triton_diffusion.faults import FaultInjection
-
-    return FaultInjection.from_config(text)
-
-
 def parse_step_cache_text(text: str) -> Any:
     from triton_diffusion.errors import RequestError
     from triton_diffusion.step_cache_spec import parse_step_cache

@@ -21,7 +21,6 @@ from typing import Any
 from triton_diffusion.config_values import (
     parse_degrade_step_cache,
     parse_degrade_tiers,
-    parse_fault_injection,
     parse_ints,
     parse_lora_paths,
     parse_names,
@@ -104,12 +103,10 @@ def _parameter(
     parse: Callable[[str], Any] | None = None,
     written: str | None = None,
     derived: Derived | None = None,
-    tests_only: bool = False,
 ) -> Any:
     """A config parameter: its default, meaning, the model kinds that read it, its choices; a parser for
     a value that is not a plain number, flag or word (``written``: how it is written, for the reference); a
-    default computed at load from other parameters (``derived``: the declared default is then None);
-    ``tests_only``: a test hook, accepted but left out of the reference (docs/operations/reliability.md)."""
+    default computed at load from other parameters (``derived``: the declared default is then None)."""
     assert derived is None or default is None, "a derived default is declared as None"
     metadata = {
         "doc": doc,
@@ -118,7 +115,6 @@ def _parameter(
         "parse": parse,
         "written": written,
         "derived": derived,
-        "tests_only": tests_only,
     }
     return field(default=default, metadata=metadata)
 
@@ -396,13 +392,6 @@ class ModelConfig:
         "adapters/device_profiles.py), so a forward is as long as on that GPU while the rest runs at this "
         "machine's speed; what it serves is not an image",
         (IMAGE,),
-    )
-    fault_injection: Any = _parameter(
-        None,
-        "tests only: JSON of faults to inject (faults.py; docs/operations/reliability.md)",
-        parse=parse_fault_injection,
-        written="JSON",
-        tests_only=True,
     )
 
     @classmethod

@@ -2,20 +2,21 @@ from pathlib import Path
 
 import pytest
 
-from triton_diffusion.serving.server_process import WEIGHTS, copy_model, set_batching, start_server
+from tests.faults import copy_model
+from triton_diffusion.serving.server_process import WEIGHTS, set_batching, start_server
 from triton_diffusion.tiny_models import build_missing
 
 # A long queue delay makes the dynamic batcher reliably collect concurrently sent requests into one
 # execute() call, so the tests can see fusing; the shipped configs use a short one.
 QUEUE_DELAY_US = 300_000
-FAULT_INJECTION = '{\\"fail_on_prompt\\": \\"__explode__\\", \\"oom_above_rows\\": 3}'
-STEP_DELAY = '{\\"step_delay_s\\": 0.08}'
+FAULT_INJECTION = '{"fail_on_prompt": "__explode__", "oom_above_rows": 3}'
+STEP_DELAY = '{"step_delay_s": 0.08}'
 # The step engine's stalled step, and its hold (faults.py): a request whose prompt carries __hold__ waits
 # before its second forward until another job arrives, so a second request certainly joins it.
-STEP_SLOW = '{\\"step_delay_s\\": 0.06, \\"hold_on_prompt\\": \\"__hold__\\"}'
+STEP_SLOW = '{"step_delay_s": 0.06, "hold_on_prompt": "__hold__"}'
 # The diffusion LM with a stalled step (so a request can join or be cancelled mid-generation) and a
 # forward that fails while a prompt contains __explode__.
-DLLM_FAULTS = '{\\"step_delay_s\\": 0.025, \\"fail_on_prompt\\": \\"__explode__\\"}'
+DLLM_FAULTS = '{"step_delay_s": 0.025, "fail_on_prompt": "__explode__"}'
 
 # The tiny SD adapters (tiny_models/lora.py) the LoRA models serve, by adapter name.
 LORA_WEIGHTS = {"ink": "tiny-sd-lora-ink", "neon": "tiny-sd-lora-neon"}

@@ -20,7 +20,8 @@ import tritonclient.grpc as grpcclient
 from PIL import Image
 from triton_diffusion_client.retry import hint_of
 
-from triton_diffusion.serving.server_process import WEIGHTS, RunningServer, copy_model, start_server
+from tests.faults import copy_model
+from triton_diffusion.serving.server_process import WEIGHTS, RunningServer, start_server
 from triton_diffusion.tiny_models import build_missing
 
 DRAINING, PLAIN = "sd_drain", "sd_plain"
@@ -86,7 +87,7 @@ def make_repo(repo: Path, checkpoints: Path, slow: bool) -> None:
     weights = {"model": str(WEIGHTS / "tiny-sd")}
     edits = {**weights, "checkpoint_every_steps": str(EVERY), "checkpoint_dir": str(checkpoints)}
     if slow:
-        edits["fault_injection"] = f'{{\\"step_delay_s\\": {STEP_DELAY_S}}}'
+        edits["fault_injection"] = f'{{"step_delay_s": {STEP_DELAY_S}}}'
     copy_model("text_to_image", repo, DRAINING, edits)
     copy_model("text_to_image", repo, PLAIN, weights)
 

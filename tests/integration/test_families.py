@@ -22,8 +22,9 @@ import torch
 from PIL import Image
 from triton_diffusion_client import generate_many
 
+from tests.faults import copy_model
 from tests.unit.step_harness import sd3_inpaint_with_shift
-from triton_diffusion.serving.server_process import WEIGHTS, copy_model, set_batching, start_server
+from triton_diffusion.serving.server_process import WEIGHTS, set_batching, start_server
 from triton_diffusion.tiny_models import TINY_DEFAULTS, TINY_FAMILIES, build_missing
 
 from .test_step_engine import mask_png
@@ -70,7 +71,7 @@ INPAINTING_CHECKPOINTS = {
 # faults.py's hold: a request whose prompt carries HOLD waits before its second forward until another
 # job arrives, so a request sent after its first progress response certainly joins it.
 HOLD = "__hold__"
-HOLD_FAULTS = '{\\"hold_on_prompt\\": \\"' + HOLD + '\\"}'
+HOLD_FAULTS = '{"hold_on_prompt": "' + HOLD + '"}'
 
 
 def second_joins_first(server, name: str, first: dict, second: dict) -> tuple:

@@ -17,7 +17,8 @@ import pytest
 from PIL import Image
 from triton_diffusion_client import generate_one
 
-from triton_diffusion.serving.server_process import WEIGHTS, copy_model, free_port, read_metrics, start_server
+from tests.faults import copy_model
+from triton_diffusion.serving.server_process import WEIGHTS, free_port, read_metrics, start_server
 
 from .headless_chromium import HeadlessChromium
 
@@ -64,7 +65,7 @@ def front(tmp_path_factory):
     ):
         copy_model(name, repo, name, {"model": str(WEIGHTS / weights)})
     # A stalled step, so a request is still running when its client goes away.
-    slow = {"model": str(WEIGHTS / "tiny-sd"), "fault_injection": '{\\"step_delay_s\\": 0.15}'}
+    slow = {"model": str(WEIGHTS / "tiny-sd"), "fault_injection": '{"step_delay_s": 0.15}'}
     copy_model("text_to_image", repo, "text_to_image_slow", slow)
     key_file = tmp_path_factory.mktemp("keys") / "keys.txt"
     key_file.write_text(f"# the test's key\n{KEY}\n")

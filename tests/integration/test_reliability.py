@@ -15,10 +15,10 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import np_to_triton_dtype
 
+from tests.faults import copy_model
 from triton_diffusion.serving.launcher import REPO_ROOT
 from triton_diffusion.serving.server_process import (
     WEIGHTS,
-    copy_model,
     set_batching,
     start_server,
 )
@@ -289,7 +289,7 @@ def small_queue_server(tmp_path_factory):
         "text_to_image",
         {
             "model": str(WEIGHTS / "tiny-sd"),
-            "fault_injection": '{\\"step_delay_s\\": 0.05}',
+            "fault_injection": '{"step_delay_s": 0.05}',
             # One job held, no waiting room and no room for deadlines: execute() blocks on the second
             # request, so the queue fills however fast the host (with the default capacity of 16 all 10 were
             # taken at once).
@@ -354,7 +354,7 @@ def test_shutdown_with_a_request_in_flight_gives_the_client_an_error_not_a_hang(
             # 50 steps of 400 ms: the request outlives the exit timeout (2 s) and the supervisor's kill
             # (10 s later), so even a Triton that hangs in its abort handler with connections open
             # cannot deliver its answer.
-            "fault_injection": '{\\"step_delay_s\\": 0.4}',
+            "fault_injection": '{"step_delay_s": 0.4}',
         },
     )
     # No drain (--drain-s=0): what a request cut off by shutdown gets (a drain lets it finish first, or

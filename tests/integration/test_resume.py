@@ -20,7 +20,8 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 from PIL import Image
 
-from triton_diffusion.serving.server_process import WEIGHTS, RunningServer, copy_model, start_server
+from tests.faults import copy_model
+from triton_diffusion.serving.server_process import WEIGHTS, RunningServer, start_server
 from triton_diffusion.tiny_models import build_missing
 
 from .test_drain import checkpoints_gone
@@ -82,7 +83,7 @@ def test_a_request_resumed_after_its_process_died_equals_the_uninterrupted_one(t
     build_missing(WEIGHTS, only=["tiny-sd"])
     repo, checkpoints = tmp_path / "repo", tmp_path / "checkpoints"
     repo.mkdir()
-    fault = f'{{\\"exit_on_seed\\": {SEED}, \\"exit_after_step\\": {DIES_AFTER}}}'
+    fault = f'{{"exit_on_seed": {SEED}, "exit_after_step": {DIES_AFTER}}}'
     weights = {"model": str(WEIGHTS / "tiny-sd")}
     copy_model(
         "text_to_image",

@@ -20,7 +20,8 @@ import pytest
 from triton_diffusion_client.text import generate_text_one
 from tritonclient.utils import InferenceServerException
 
-from triton_diffusion.serving.server_process import WEIGHTS, copy_model, free_port, start_server
+from tests.faults import copy_model
+from triton_diffusion.serving.server_process import WEIGHTS, free_port, start_server
 from triton_diffusion.serving.supervisor import list_stubs
 
 from .test_reliability import send_raw
@@ -49,7 +50,7 @@ def test_a_killed_stub_is_noticed_reported_and_recovered(tmp_path):
         "text_to_image",
         repo,
         "text_to_image",
-        {"model": str(WEIGHTS / "tiny-sd"), "fault_injection": '{\\"step_delay_s\\": 0.1}'},
+        {"model": str(WEIGHTS / "tiny-sd"), "fault_injection": '{"step_delay_s": 0.1}'},
     )
     copy_model(  # slowed so that a reply is mid-stream when its stub is killed; float64, so that replies
         # that shared forwards and one that ran alone sample the same tokens (docs/contributing.md#exactness)
@@ -59,7 +60,7 @@ def test_a_killed_stub_is_noticed_reported_and_recovered(tmp_path):
         {
             "model": str(WEIGHTS / "tiny-dllm"),
             "dtype": "float64",
-            "fault_injection": '{\\"step_delay_s\\": 0.1}',
+            "fault_injection": '{"step_delay_s": 0.1}',
         },
     )
     log_path = tmp_path / "server.log"
@@ -249,7 +250,7 @@ def test_a_failed_gpu_or_a_stuck_engine_answers_what_it_held_and_the_model_comes
     repo = tmp_path / "repo"
     repo.mkdir()
     trigger = "xid" if fault == "device_lost" else "hang"
-    faults = f'{{\\"{fault}_on_prompt\\": \\"{trigger}\\", \\"step_delay_s\\": 0.05}}'
+    faults = f'{{"{fault}_on_prompt": "{trigger}", "step_delay_s": 0.05}}'
     parameters = {"model": str(WEIGHTS / "tiny-sd"), "engine": engine, "fault_injection": faults}
     if fault == "stall":
         parameters["engine_stall_s"] = "3"

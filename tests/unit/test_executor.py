@@ -5,13 +5,13 @@ import weakref
 
 import pytest
 
+from tests.faults import AcceleratorError, SimulatedOutOfMemoryError
 from tests.unit.recording import tracked
 from triton_diffusion.compatibility import CompatibilityKey
 from triton_diffusion.engine.executor import FusedCallExecutor
 from triton_diffusion.engine.failures import DeviceLostError, is_device_lost
 from triton_diffusion.engine.planner import PlannedRequest, RowCaps, plan_groups
 from triton_diffusion.errors import ErrorCode, RequestError
-from triton_diffusion.faults import AcceleratorError, SimulatedOutOfMemoryError
 from triton_diffusion.serving.cancellations import ClientAborts
 
 KEY = CompatibilityKey((("height", 64),))

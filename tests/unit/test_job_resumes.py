@@ -17,12 +17,12 @@ from typing import Any
 import numpy as np
 import pytest
 
+from tests.faults import FaultInjection, exiting_resumes
 from tests.unit.recording import tracked
 from triton_diffusion.adapters.image_params import ImageParams, as_run
 from triton_diffusion.engine.degradation import StepsCut
 from triton_diffusion.engine.jobs import Job, JobSpec, JobStart, Stepped, StepReport
 from triton_diffusion.errors import ErrorCode, RequestError
-from triton_diffusion.faults import FaultInjection, exiting_resumes
 from triton_diffusion.models.diffusion_model import DiffusionModel, batch_output
 from triton_diffusion.models.image_fields import TEXT_TO_IMAGE_FIELDS
 from triton_diffusion.recovery.checkpoint_store import CorruptCheckpoint
@@ -396,7 +396,7 @@ def test_the_exit_fault_fires_after_its_step_once_per_checkpoint_dir(tmp_path, m
     def fake_exit(code: int) -> None:
         exits.append(code)
 
-    monkeypatch.setattr("triton_diffusion.faults.os._exit", fake_exit)
+    monkeypatch.setattr("tests.faults.os._exit", fake_exit)
     faults = FaultInjection.from_config('{"exit_on_seed": 1234, "exit_after_step": 7}')
     store = FakeStore()
     store.directory = tmp_path / "checkpoints"

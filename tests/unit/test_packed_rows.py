@@ -16,6 +16,7 @@ import torch
 from diffusers import DiffusionPipeline
 from PIL import Image
 
+from tests.faults import FaultInjection, FaultyStepAdapter
 from tests.unit.recording import RecordingChannel, step_as_worker
 from tests.unit.step_harness import (
     Host,
@@ -38,7 +39,6 @@ from triton_diffusion.adapters.step_adapters import step_adapter_for
 from triton_diffusion.engine.jobs import Job
 from triton_diffusion.engine.scheduler import EngineLimits
 from triton_diffusion.engine.step_engine import StepEngine, computed_by
-from triton_diffusion.faults import FaultInjection, FaultyStepAdapter
 from triton_diffusion.models.text_to_image import TextToImageModel
 from triton_diffusion.serving.server_process import WEIGHTS
 from triton_diffusion.settings import ModelConfig, ModelSettings

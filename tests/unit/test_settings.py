@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+import triton_diffusion
 from triton_diffusion.settings import IMAGE, IMAGE_SOURCE, LM, ModelConfig, ModelSettings
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
@@ -74,8 +75,6 @@ def test_a_key_another_kind_reads_is_refused_naming_why():
         ({"loras": '{"a,b": "x"}'}, "'loras': LoRA name 'a,b'"),
         ({"resize_buckets": "64by64"}, "'resize_buckets': expected WIDTHxHEIGHT"),
         ({"cuda_graph_sizes": "64x"}, "'cuda_graph_sizes': expected WIDTHxHEIGHT"),
-        ({"fault_injection": '{"explode": 1}'}, "'fault_injection': fault_injection: unknown keys"),
-        ({"fault_injection": "{"}, "'fault_injection'"),
         ({"eos_token_ids": "1,two"}, "'eos_token_ids': expected comma-separated integers"),
         ({"service_tiers": "gold,gold"}, "'service_tiers': expected distinct tier names"),
         ({"default_service_tier": "gold"}, "'default_service_tier' must be one of priority, default, flex"),
@@ -95,7 +94,6 @@ def test_structured_values_are_typed_at_load():
         {
             "max_rows_by_resolution": '{"1024X768": 2, "832x480x81": 1}',
             "loras": '{"ink": "a/b"}',
-            "fault_injection": '{"step_delay_s": 0.005}',
             "service_tiers": "gold,silver",
             "default_service_tier": "silver",
             "step_cache": "taylorseer:4",
@@ -104,7 +102,7 @@ def test_structured_values_are_typed_at_load():
         kinds=(IMAGE, IMAGE_SOURCE),
     ).config
     assert loaded.max_rows_by_resolution == {"1024x768": 2, "832x480x81": 1}
-    assert loaded.loras == {"ink": "a/b"} and loaded.fault_injection.step_delay_s == 0.005
+    assert loaded.loras == {"ink": "a/b"}
     assert loaded.service_tiers == ("gold", "silver") and loaded.default_service_tier == "silver"
     assert loaded.step_cache.text == "taylorseer:4:3" and loaded.image_formats == ("PNG", "WEBP")
 
@@ -115,10 +113,6 @@ def test_old_names_still_load_in_their_own_units():
     # Durations are in seconds; the old millisecond name is converted.
     assert settings({"cancel_poll_ms": "10"}).config.cancel_poll_s == 0.01
     assert settings({}).config.cancel_poll_s == 0.05
-    faults = settings({"fault_injection": '{"step_delay_ms": 250}'}).config.fault_injection
-    assert faults.step_delay_s == 0.25
-    with pytest.raises(ValueError, match="step_delay_ms"):
-        settings({"fault_injection": '{"step_delay_ms": 250, "step_delay_s": 1}'})
 
 
 def test_durations_are_in_seconds():
@@ -131,15 +125,14 @@ def test_durations_are_in_seconds():
     }
 
 
-def test_the_test_hook_is_accepted_but_not_in_the_users_table():
-    from triton_diffusion.config_reference import parameters_markdown
-
-    assert settings({"fault_injection": '{"fail_on_prompt": "x"}'}).config.fault_injection is not None
-    assert "fault_injection" not in parameters_markdown()
-    config_section = CONFIG_REFERENCE.read_text().split("<!-- config -->")[1].split("<!-- /config -->")[0]
-    assert "fault_injection" not in config_section
-    # documented where the tests are (Reliability)
-    assert "test hook" in (DOCS / "operations" / "reliability.md").read_text()
+def test_a_served_model_cannot_turn_on_the_tests_faults():
+    """The faults are installed by the tests around a model kind (tests/faults.py): no config parameter
+    names them, and the package holds no module of them."""
+    with pytest.raises(ValueError, match="'fault_injection' is not a known parameter"):
+        settings({"fault_injection": '{"fail_on_prompt": "x"}'})
+    package = Path(triton_diffusion.__file__).parent
+    assert not list(package.rglob("faults.py"))
+    assert not [p for p in package.rglob("*.py") if "os._exit(1)" in p.read_text()]
 
 
 def test_the_config_is_frozen():

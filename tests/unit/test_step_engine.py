@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from tests.faults import AcceleratorError, SimulatedOutOfMemoryError
 from tests.unit.recording import RecordingChannel, deliver_errors, step_as_worker, tracked
 from triton_diffusion.adapters.packed_rows import padded_counts
 from triton_diffusion.engine.failures import DeviceLostError
@@ -30,7 +31,6 @@ from triton_diffusion.engine.ordering import AdmissionPacing, make_policy
 from triton_diffusion.engine.request_status import Abort
 from triton_diffusion.engine.step_engine import StepEngine
 from triton_diffusion.errors import ErrorCode, RequestError
-from triton_diffusion.faults import AcceleratorError, SimulatedOutOfMemoryError
 from triton_diffusion.serving.cancellations import ClientAborts
 from triton_diffusion.serving.engine_worker import EngineWorker
 from triton_diffusion.serving.requests import Stage, TrackedRequest
@@ -961,7 +961,7 @@ def test_a_send_stuck_in_triton_does_not_keep_a_stuck_engine_from_leaving(monkey
 
 
 def test_a_held_request_waits_before_its_second_forward_until_another_joins_it():
-    from triton_diffusion.faults import FaultInjection, FaultyStepAdapter
+    from tests.faults import FaultInjection, FaultyStepAdapter
 
     adapter = FakeAdapter()
     faulty = FaultyStepAdapter(
@@ -1142,8 +1142,8 @@ def test_a_client_is_asked_about_cancellation_at_most_once_per_poll_interval():
 def test_a_hold_with_a_count_waits_until_the_engine_holds_that_many_jobs(monkeypatch):
     # "__hold__1of4": held after its first forward until the engine holds four jobs (it and three more),
     # so requests sent in parts all arrive while it runs. Three held do not release it; four do.
-    import triton_diffusion.faults as faults_module
-    from triton_diffusion.faults import FaultInjection, FaultyStepAdapter
+    import tests.faults as faults_module
+    from tests.faults import FaultInjection, FaultyStepAdapter
 
     faults = FaultInjection(hold_on_prompt="__hold__", hold_s=0.05)
     assert (faults.hold_from("a __hold__1of4"), faults.hold_until("a __hold__1of4")) == (1, 4)

@@ -225,7 +225,7 @@ class DiffusionLMModel:
         # A model that ignores the attention mask (LLaDA's published code) must never see padding.
         unpadded = padding_changes_logits(forward, self.lm.pad_id, side, self.lm.vocab_size, self.lm.device)
         adapter = DiffusionLMAdapter(forward, self.lm.pad_id, side, self.lm.device, unpadded)
-        engine_kind = StepEngineKind(adapter, prompt_of=lambda job: job.record.parsed.prompt)
+        engine_kind = StepEngineKind(adapter)
         log.info(
             "%s ready: max_running=%d padding=%s mask_id=%d eos_ids=%s device=%s",
             settings.name,

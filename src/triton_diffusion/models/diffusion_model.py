@@ -27,7 +27,6 @@ from triton_diffusion.engine.jobs import Job, JobSpec, Stepped
 from triton_diffusion.engine.planner import RowCaps
 from triton_diffusion.errors import RequestError, invalid_field
 from triton_diffusion.families import PipelineFacts
-from triton_diffusion.faults import exiting_resumes
 from triton_diffusion.fields import FieldSet
 from triton_diffusion.models.calibration import calibrate
 from triton_diffusion.recovery.resumes import Resumes, seed_from_key
@@ -183,16 +182,12 @@ class DiffusionModel:
                 "(this model runs the request-level engine: see 'engine')"
             )
         resumes = Resumes.from_settings(settings)  # the host's (serving/intake.py)
-        faults = settings.config.fault_injection
-        if resumes is not None and faults is not None and faults.exit_on_seed is not None:  # tests only
-            resumes = exiting_resumes(resumes, faults, seed_of=lambda job: job.spec.params.seed)
         caps = self.row_caps(settings)
         engine_kind: EngineKind
         if adapter is not None:
             engine_kind = StepEngineKind(
                 adapter,
                 caps,
-                prompt_of=lambda job: job.spec.params.prompt,
                 max_tokens_per_forward=settings.config.max_tokens_per_forward,
                 # The packing gate's prices from load (not needed where it is off).
                 times=calibrate(adapter, self.calibration_requests(), lambda r: caps.cap_for_shape(r.shape))

@@ -24,7 +24,6 @@ if TYPE_CHECKING:
     from triton_diffusion.adapters.diffusers_pipeline import SchedulerChoices
     from triton_diffusion.adapters.lora import LoraBank
     from triton_diffusion.families import PipelineFacts
-    from triton_diffusion.faults import FaultInjection
 
 # A model kind's keyword arguments of its pipeline for one call: (the key's values, the rows) -> kwargs.
 CallArguments = Callable[[dict[str, Any], list[RowInput]], dict[str, Any]]
@@ -42,7 +41,6 @@ class FusedCalls:
     arguments: CallArguments
     output_attribute: str  # where the pipeline's output keeps one result per row
     loras: LoraBank | None = None
-    faults: FaultInjection | None = None
     step_callback: bool = False  # the pipeline takes callback_on_step_end
     legacy_callback: bool = False  # ... or the older callback(step, t, latents)
     compacting_schedulers: frozenset[str] = frozenset()
@@ -51,8 +49,6 @@ class FusedCalls:
     def __call__(self, key: CompatibilityKey, jobs: list[Job], steps: CallSteps) -> list[Any]:
         shared = key.as_dict()
         kwargs = self.arguments(shared, [job.spec.params for job in jobs])
-        if self.faults:
-            self.faults.before_call(kwargs["prompt"])
         if self.step_callback:
             kwargs["callback_on_step_end"] = self._step_callback(steps, shared)
             kwargs["callback_on_step_end_tensor_inputs"] = list(self.callback_tensors)
@@ -77,8 +73,6 @@ class FusedCalls:
         compacts = shared["scheduler"] in self.compacting_schedulers
 
         def callback(pipe: Any, i: int, t: Any, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-            if self.faults:
-                self.faults.after_step()
             latents = tensors["latents"]
             total = compat.steps_planned(pipe) or shared["num_inference_steps"]
             ended = steps.on_step(i + 1, total, lambda position: self._snapshot(latents, position, shared))
@@ -111,8 +105,6 @@ class FusedCalls:
         total = shared["num_inference_steps"]
 
         def callback(step_index: int, t: Any, latents: torch.Tensor) -> None:
-            if self.faults:
-                self.faults.after_step()
             snapshot = lambda position: self._snapshot(latents, position, shared)  # noqa: E731
             ended = steps.on_step(step_index + 1, total, snapshot)
             if ended and steps.all_ended(ended):

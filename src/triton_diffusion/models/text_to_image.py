@@ -76,7 +76,6 @@ class TextToImageModel(DiffusionModel):
         if config.device_profile:  # before anything times a forward (the calibration, the adapter's)
             apply_profile(self.pipe, config.device_profile)
         self.facts = facts = PipelineFacts.of(self.pipe)
-        self.faults = config.fault_injection
         self.schedulers = SchedulerChoices(self.pipe, facts, config.scheduler_choices, settings.name)
         missing = [p for p in self.REQUIRED_CALL_ARGS if not facts.accepts(p)]
         if missing:
@@ -142,7 +141,6 @@ class TextToImageModel(DiffusionModel):
             self.call_arguments,
             self.OUTPUT_ATTRIBUTE,
             self.loras,
-            self.faults,
             step_callback,
             legacy_callback,
             compacting,

@@ -38,8 +38,8 @@ from triton_diffusion.settings import ModelSettings
 
 log = logging.getLogger("triton_diffusion")
 
-# How long the pending checkpoints are waited for when the model unloads (and by the test-only exit fault,
-# faults.py, before it dies).
+# How long the pending checkpoints are waited for when the model unloads (and by the tests' exit fault,
+# tests/faults.py, before it dies).
 FLUSH_S = 30.0
 
 

@@ -16,13 +16,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from triton_diffusion.engine.estimates import WorkTimes
-from triton_diffusion.engine.jobs import Job, StepReport
+from triton_diffusion.engine.jobs import StepReport
 from triton_diffusion.engine.ordering import AdmissionPacing, Service, make_policy
 from triton_diffusion.engine.planner import RowCaps
 from triton_diffusion.engine.request_engine import PipelineCall, RequestEngine
 from triton_diffusion.engine.scheduler import EngineLimits
 from triton_diffusion.engine.step_engine import StepAdapter, StepEngine
-from triton_diffusion.faults import FaultyStepAdapter
 from triton_diffusion.serving.cancellations import ClientAborts
 from triton_diffusion.settings import ModelSettings
 
@@ -36,7 +35,6 @@ class StepEngineKind:
 
     adapter: StepAdapter
     caps: RowCaps | None = None
-    prompt_of: Callable[[Job], str] = lambda job: ""  # for fault injection
     max_tokens_per_forward: int | None = None  # denoiser tokens per forward (None: no token budget)
     times: WorkTimes | None = None  # the cost fit a calibration at load seeded (models/calibration.py)
 
@@ -45,8 +43,6 @@ class StepEngineKind:
     def build(self, settings: ModelSettings, on_progress: Callable[[StepReport], None]) -> StepEngine:
         config = settings.config
         adapter = self.adapter
-        if config.fault_injection is not None:  # the engine sees the failures a model would give it
-            adapter = FaultyStepAdapter(adapter, config.fault_injection, self.prompt_of)
         running = settings.resolved("max_running", self.name)
         caps = self.caps
         limits = EngineLimits(
@@ -80,8 +76,6 @@ class StepEngineKind:
         engine = StepEngine(
             adapter, limits, policy, pacing, service, checkpoint_every=every, times=self.times
         )
-        if isinstance(adapter, FaultyStepAdapter):
-            adapter.held = lambda: engine.active  # what hold_on_prompt waits on (tests only)
         return engine
 
     @staticmethod
