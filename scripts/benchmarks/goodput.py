@@ -181,6 +181,9 @@ def figures(requests, results, latency, measured, window_s, deadline_s) -> dict:
         "no_deadline": {"offered": len(plain), "met": sum(i in met for i in plain)},
         "offered": len(measured),
         "met": len(met),
+        # Which were not in time (refused, expired, failed or late): a degraded request that its round's
+        # run without degradation missed is one whose deadline needed the cut (scripts/tables/goodput.py).
+        "missed_requests": sorted(set(measured) - set(met)),
         "goodput": len(met) / window_s,
         "attainment": len(met) / len(measured),
         "by_tier": by_tier,

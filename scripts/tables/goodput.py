@@ -195,8 +195,31 @@ def _quiet(artefact: dict[str, Any]) -> str:
         lines.append(
             f"Target at or below 0.8x capacity, no request degraded ({variant}): **{word}** ({degraded} of "
             f"{offered} offered requests degraded in those runs{by_rule if why else ''})."
+            + _needed(artefact["runs"], variant, low)
         )
     return "\n\n".join(lines) or "No run at or below 0.8x capacity."
+
+
+def _needed(runs: list[dict], variant: str, low: list[dict]) -> str:
+    """Whether those loads needed a cut: how many requests the same round's run without degradation (its
+    pair: tiers for degrade and cache, tiers-room for the -room ones) missed, and how many of the degraded
+    requests were among them (an artefact from before ``missed_requests`` says nothing)."""
+    plain = ROOM if variant.endswith("-room") else "tiers"
+    pairs = [
+        (run, other)
+        for run in low
+        for other in runs
+        if other["variant"] == plain and (other["load"], other["round"]) == (run["load"], run["round"])
+    ]
+    if not pairs or any("missed_requests" not in other for _, other in pairs):
+        return ""
+    missed = sum(len(other["missed_requests"]) for _, other in pairs)
+    offered = sum(other["offered"] for _, other in pairs)
+    late = sum(len(set(run["degraded_requests"]) & set(other["missed_requests"])) for run, other in pairs)
+    degraded = sum(run["degraded"] for run, _ in pairs)
+    return f" In the same rounds {plain}, which degrades nothing, missed {missed} of {offered}" + (
+        f"; {late} of the {degraded} degraded requests were among them." if degraded else "."
+    )
 
 
 # The rules a BATCH reason names, as each begins (the longer first: "deadline" begins the second; read by

@@ -75,3 +75,31 @@ def test_a_degraded_requests_rule_is_read_from_the_start_of_each_part_of_its_rea
         "deadline: 20 steps estimated 900 ms; deadline: 18 steps left estimated 700 ms",  # steps and a cache
     ]
     assert why_degraded(reasons) == {"deadline": 2, "overload": 1, "deadline of another image after it": 1}
+
+
+def test_the_quiet_target_says_how_many_degraded_requests_the_run_without_degradation_missed():
+    from tables.goodput import _quiet
+
+    def low(variant: str, round_: int, degraded: list[int], missed: list[int] | None) -> dict:
+        return {
+            "load": 0.8,
+            "round": round_,
+            "variant": variant,
+            "offered": 10,
+            "degraded": len(degraded),
+            "degraded_requests": degraded,
+            "degraded_why": {"deadline": len(degraded)},
+        } | ({} if missed is None else {"missed_requests": missed})
+
+    runs = [
+        low("tiers-room", 1, [], [3, 4, 7]),
+        low("degrade-room", 1, [4, 5], []),
+        low("tiers-room", 2, [], [1]),
+        low("degrade-room", 2, [1], [2]),
+    ]
+    text = _quiet({"runs": runs})
+    assert "(degrade-room): **missed** (3 of 20" in text
+    # Rounds are paired: request 1 was missed in round 2's tiers run, request 5 in neither round's.
+    assert "tiers-room, which degrades nothing, missed 4 of 20; 2 of the 3 degraded" in text
+    before = [{k: v for k, v in r.items() if k != "missed_requests"} for r in runs]
+    assert "which degrades nothing" not in _quiet({"runs": before})  # an artefact from before says nothing
