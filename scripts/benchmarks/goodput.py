@@ -55,7 +55,7 @@ from pathlib import Path
 import numpy as np
 from artefacts import provenance, write
 from PIL import Image
-from tables.goodput import RULES
+from tables.goodput import RULE_WORDS
 from triton_diffusion_client import GenerateResult, generate_one
 from verdicts import rotated_orders
 
@@ -195,9 +195,9 @@ def figures(requests, results, latency, measured, window_s, deadline_s) -> dict:
         "expired_started": sum(bool(re.search(r"passed after step [1-9]", e)) for e in errors),
         "degraded": len(degraded),
         "degraded_requests": degraded,
-        # By the rule that degraded them, as their BATCH reason names it (deadline, deadline of another
-        # image after it, overload: engine/degradation.py and engine/overload.py).
-        "degraded_why": why_degraded([results[i].batch["degraded"].get("reason", "") for i in degraded]),
+        # By the rules that degraded them, as their BATCH names them (engine/degradation.py and
+        # engine/overload.py).
+        "degraded_why": why_degraded([results[i].batch["degraded"] for i in degraded]),
         "steps_run": [
             results[i].batch["degraded"]["steps_run"]
             for i in degraded
@@ -212,16 +212,13 @@ def figures(requests, results, latency, measured, window_s, deadline_s) -> dict:
     }
 
 
-def why_degraded(reasons: list[str]) -> dict[str, int]:
-    """How many requests each rule degraded: each of a reason's parts (a cut's and a cache's, joined by
-    ``; ``) that begins with a rule's words and ':' (a part that goes on a reason, such as ``even 10 steps
-    late``, names none)."""
+def why_degraded(reports: list[dict]) -> dict[str, int]:
+    """How many requests each rule degraded, by the rules their BATCH ``degraded`` names (``rules``),
+    counted under the words their reasons begin with (as the artefacts from before the field count)."""
     counts: dict[str, int] = {}
-    for reason in reasons:
-        parts = reason.split("; ")
-        kinds = {next((r for r in RULES if p.startswith(f"{r}:")), None) for p in parts} - {None}
-        for kind in kinds:
-            counts[kind] = counts.get(kind, 0) + 1
+    for report in reports:
+        for rule in report["rules"]:
+            counts[RULE_WORDS[rule]] = counts.get(RULE_WORDS[rule], 0) + 1
     return counts
 
 

@@ -222,10 +222,12 @@ def _needed(runs: list[dict], variant: str, low: list[dict]) -> str:
     )
 
 
-# The rules a BATCH reason names, as each begins (the longer first: "deadline" begins the second; read by
-# benchmarks/goodput.py too); a count under another name in an artefact is a part of a reason that names
-# none, which an earlier parse of the reasons counted (those requests are counted by their rule too).
-RULES = ("overload", "deadline of another image after it", "deadline")
+# The rules BATCH ``degraded`` names (``rules``), by the words their reasons begin with: an artefact counts
+# them under the words (benchmarks/goodput.py), as it did when they were read from the reasons; a count
+# under another name in an artefact is a part of a reason that names none, which an earlier parse of the
+# reasons counted (those requests are counted by their rule too).
+RULE_WORDS = {"overload": "overload", "room": "deadline of another image after it", "deadline": "deadline"}
+RULES = tuple(RULE_WORDS.values())
 
 
 def _rules(artefact: dict[str, Any]) -> str:

@@ -107,6 +107,7 @@ def test_a_request_that_allows_fewer_steps_is_degraded_only_where_its_deadline_n
     degraded = tight.batch["degraded"]
     assert degraded["steps_asked"] == 40 and 2 <= degraded["steps_run"] < 40, degraded
     assert degraded["reason"].startswith("deadline: 40 steps estimated") and degraded["images"] == 1
+    assert degraded["rules"] == ["deadline"]
     image = pixels(tight.images[0])
     ran = {**asked, "num_inference_steps": degraded["steps_run"]}
     assert np.abs(image - reference("tiny-sd", ran)).max() <= 1

@@ -57,14 +57,19 @@ def test_the_report_names_the_fewest_steps_and_the_earliest_cache_with_both_reas
         "step_cache": "fbc:0.2",
         "cached_from_step": 2,
         "reason": "deadline: a; deadline: c",
+        "rules": ["deadline"],
         "images": 3,
     }
     assert degraded_report(jobs[1:2]) == {
         "step_cache": "fbc:0.2",
         "cached_from_step": 4,
         "reason": "deadline: b",
+        "rules": ["deadline"],
         "images": 1,
     }
+    jobs[0].queue.cut = StepsCut(6, 6, 10, "overload: x", rule="overload")
+    jobs[1].queue.cut = StepsCut(8, 8, 10, "deadline of another image after it: y", rule="room")
+    assert degraded_report(jobs[:2])["rules"] == ["deadline", "overload", "room"]
 
 
 # ---- the scheduler, on a fake clock ---------------------------------------------------------------------

@@ -65,16 +65,16 @@ def test_the_room_is_read_from_the_artefacts_model_edits():
     assert room_words({"cap": 8}) == "3 x its capacity"  # an artefact from before --room: 3 x, as then
 
 
-def test_a_degraded_requests_rule_is_read_from_the_start_of_each_part_of_its_reason():
+def test_a_degraded_requests_rules_are_read_from_its_batch_not_its_reason():
     from benchmarks.goodput import why_degraded
 
-    reasons = [
-        "deadline: 20 steps estimated 900 ms, 500 ms left; even 10 steps late",  # one rule, a tail
-        "overload: 1.52 x what the engine serves offered over the last 128 arrivals",
-        "deadline of another image after it: estimated 800 ms, 600 ms left",
-        "deadline: 20 steps estimated 900 ms; deadline: 18 steps left estimated 700 ms",  # steps and a cache
+    reports = [
+        {"reason": "words a person reads", "rules": ["deadline"]},
+        {"reason": "", "rules": ["overload"]},
+        {"reason": "", "rules": ["room"]},
+        {"reason": "overload: both", "rules": ["deadline", "overload"]},  # a cut and a cache, or two images
     ]
-    assert why_degraded(reasons) == {"deadline": 2, "overload": 1, "deadline of another image after it": 1}
+    assert why_degraded(reports) == {"deadline": 2, "overload": 2, "deadline of another image after it": 1}
 
 
 def test_the_quiet_target_says_how_many_degraded_requests_the_run_without_degradation_missed():

@@ -5,7 +5,9 @@ only when a test says so."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -609,8 +611,14 @@ def test_with_the_gate_off_sizes_mixed_run_packed_whatever_the_fit_prices():
 
 def test_both_engines_count_a_job_through_its_own_writers():
     """The step engine's scheduler and the request-level engine's fused calls write a job's counters
-    through ``Job.took_part`` and ``Job.reached``: a packed forward of two sizes counted as shared and
-    packed, and a fused call's steps with the total the pipeline reports."""
+    through ``Job.took_part``, ``Job.reached`` and ``Job.ran_in``: a packed forward of two sizes counted as
+    shared and packed, and a fused call's steps with the total the pipeline reports and the call it ran
+    in. No module of the engine but jobs.py assigns a job's counters or steps itself."""
+    engine_dir = Path(__file__).resolve().parents[2] / "src" / "triton_diffusion" / "engine"
+    assigns = re.compile(r"\.(stats\.\w+|run\.(steps_done|total_steps))\s*(\+|-)?=[^=]")
+    for path in sorted(engine_dir.glob("*.py")):
+        if path.name != "jobs.py":
+            assert not assigns.search(path.read_text()), f"{path.name} writes a job's counters itself"
     engine = packed_engine(budget=None)
     small, large = packed("small", 1, shape="S"), packed("large", 1, shape="L")
     engine.add(small)
@@ -640,3 +648,4 @@ def test_both_engines_count_a_job_through_its_own_writers():
             3,
             3,
         )
+        assert [call["rows"] for call in job.stats.calls] == [2]

@@ -199,12 +199,14 @@ def make_room(
     return [(other, cut) for other, cut in zip(others, cuts, strict=True) if cut is not None]
 
 
-def degraded_report(jobs: Sequence[Job]) -> dict[str, int | str]:
+def degraded_report(jobs: Sequence[Job]) -> dict[str, int | str | list[str]]:
     """BATCH ``degraded`` of a request's images: the fewest steps one ran (``steps_run``, ``steps_asked``)
     and the step cache one was given from the earliest step (``step_cache``, ``cached_from_step``), with
-    their reasons, and ``images``, how many of them were degraded (each is its own job, decided for its own
-    deadline)."""
-    report: dict[str, int | str] = {}
+    their reasons; ``rules``, every rule that degraded one of them (``deadline``: its own, ``room``: a
+    later job's, ``overload``: the load offered; a cache is only ever given for its own), for a program to
+    read where the reasons are for people; and ``images``, how many of them were degraded (each is its own
+    job, decided for its own deadline)."""
+    report: dict[str, int | str | list[str]] = {}
     reasons = []
     cuts = [job.queue.cut for job in jobs if job.queue.cut is not None]
     if cuts:
@@ -215,6 +217,7 @@ def degraded_report(jobs: Sequence[Job]) -> dict[str, int | str]:
         report.update(min(caches, key=lambda cache: cache.from_step).report())
         reasons.append(str(report["reason"]))
     report["reason"] = "; ".join(reasons)
+    report["rules"] = sorted({cut.rule for cut in cuts} | ({"deadline"} if caches else set()))
     report["images"] = sum(job.degraded for job in jobs)
     return report
 

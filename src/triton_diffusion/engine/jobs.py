@@ -198,10 +198,17 @@ class Job:
         stats.most_shared = max(stats.most_shared, shared)
         stats.packed_forwards += int(packed)
 
-    def reached(self, step: int, total: int | None = None) -> None:
+    def ran_in(self, calls: list[dict[str, int]]) -> None:
+        """The fused calls that made its image (the request-level engine's; its BATCH names them)."""
+        self.stats.calls = calls
+
+    def reached(self, step: int, total: int | None = None, computed: int = 0, reused: int = 0) -> None:
         """Its denoising steps done (``total``: a fused call's count, which the request-level engine
-        learns from the pipeline)."""
+        learns from the pipeline); ``computed`` and ``reused``: the step's denoiser rows run in full and
+        served from its step cache."""
         self.run.steps_done = step
+        self.stats.rows_computed += computed
+        self.stats.rows_reused += reused
         if total is not None:
             self.run.total_steps = total
 

@@ -221,7 +221,7 @@ class RequestEngine:
             def on_complete(index: int, outputs: list[Any], records: list[CallRecord]) -> None:
                 calls_seen = [{"id": c.call_id, "rows": c.rows, "requests": c.requests} for c in records]
                 for job, output in zip(self._by_index[index], outputs, strict=True):
-                    job.stats.calls = calls_seen
+                    job.ran_in(calls_seen)
                     self.report.finished.append(Finished(job, output))
                     self._leave(job, "finished")
 

@@ -543,9 +543,7 @@ class Scheduler:
                 error = RequestError(ErrorCode.INTERNAL, f"denoising step failed: {out.error}")
                 outcome.failed.append((job, error))
                 continue
-            job.reached(out.step)
-            job.stats.rows_computed += out.rows_computed
-            job.stats.rows_reused += out.rows_reused
+            job.reached(out.step, computed=out.rows_computed, reused=out.rows_reused)
             outcome.rows_reused += out.rows_reused
             outcome.stepped.append(
                 Stepped(job, out.step, job.run.total_steps, out.snapshot, out.rows_computed, out.rows_reused)
