@@ -218,6 +218,29 @@ def test_a_higher_tier_pauses_the_lowest_running_job_which_resumes_where_it_was(
     assert low.state[0] == 6 and low.queue.paused_s > 0
 
 
+@pytest.mark.parametrize(("deadline_s", "paused"), [(None, True), (10.0, False), (0.6, True)])
+def test_a_higher_tier_pauses_a_running_job_only_where_its_deadline_needs_it(deadline_s, paused):
+    """Without a deadline its tier decides (it pauses the lowest); with one it meets waiting for room
+    (4 steps of the running jobs, then its 3: 0.7 s of 10 s) nobody is paused, and it starts when a
+    running job is done; with one it misses so (0.7 s of 0.6 s) the lowest is paused for it."""
+    h = Harness(max_running=2, max_per_forward=2, max_paused=2)
+    h.measure(0.1)
+    times = h.engine.times  # frozen: the fake forwards' own timings are not taken
+    times.forward_ran = times.started = times.finished = lambda *args, **kwargs: None
+    low, mid = h.job("low-flex", FLEX, 6), h.job("default", DEFAULT, 6)
+    h.add(low, mid)
+    h.step()
+    h.step()  # both ran two steps: four left
+    urgent = h.job("urgent", PRIORITY, 3, deadline_s=deadline_s)
+    h.add(urgent)
+    h.step()
+    assert (low in h.engine.scheduler.paused, low.queue.pauses) == (paused, int(paused))
+    assert ("urgent" in h.adapter.forwards[-1]) == paused
+    h.drain()
+    for job in (low, mid, urgent):  # every one answered with its image, the urgent one in time
+        assert job.request.channel.finals == [{"out": f"out:{job.request.request_id}"}]
+
+
 def test_nobody_is_paused_for_a_peer_or_beyond_max_paused():
     h = Harness(max_running=1, max_per_forward=1, max_paused=0)
     running = h.job("running", FLEX, 4)

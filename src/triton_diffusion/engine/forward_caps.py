@@ -59,6 +59,14 @@ class ForwardCaps:
         caps = [c for c in (self.limits.max_tokens_per_forward, self._tokens.get(group)) if c is not None]
         return min(caps, default=None)
 
+    def budget_for(self, group: Hashable, shape: Hashable, tokens: int) -> int:
+        """The tokens a forward holds, for estimating a job of ``tokens`` tokens of ``shape`` in ``group``:
+        the group's token budget, or its cap of jobs of this size where that is less (without a token
+        budget, the row-based estimate of before)."""
+        jobs = min(self.jobs_for(group), self.shape_cap(shape)) * tokens
+        budget = self.tokens_for(group)
+        return jobs if budget is None else min(budget, jobs)
+
     def shape_cap(self, shape: Hashable) -> int:
         """Jobs of this shape (latent size) in one forward: the configured cap for its size."""
         cap = self.limits.max_per_forward

@@ -213,6 +213,12 @@ class Job:
             self.run.total_steps = total
 
 
+def timeout_of(job: Job) -> str:
+    """``timeout of 300 ms``: the job's deadline as its request's timeout."""
+    assert job.spec.deadline is not None  # only jobs with a deadline expire or are refused
+    return f"timeout of {(job.spec.deadline - job.request.entered) * 1000:.0f} ms"
+
+
 @dataclass(frozen=True)
 class JobStart:
     """What the adapter made of a job it started: its state, the group it can share forwards with and

@@ -6,8 +6,8 @@ decides and tells it what happened.
 
 - Admission: newcomers join the running set while it has room, in order (tier, least slack, arrival),
   paced into cohorts while the engine is busy (AdmissionPacing); a job that outranks a running one by
-  tier is admitted at once, pausing the lowest running job if the set is full (at most ``max_paused``
-  jobs are held paused). Paused jobs resume before newcomers of their tier, with their state untouched.
+  tier is admitted at once, pausing the lowest running job if the set is full and its deadline (if any)
+  needs it (at most ``max_paused`` paused). Paused jobs resume before newcomers of their tier, as they were.
 - Deadlines: a newcomer whose deadline the estimate (estimates.py) says it cannot meet, given the work
   that goes before it, is refused at once; a job whose deadline passes leaves at the next step.
 - Degradation: before that, a waiting job whose request allows fewer steps is given the most steps with
@@ -56,6 +56,7 @@ from triton_diffusion.engine.jobs import (
     Stepped,
     forward_group,
     rows_and_tokens,
+    timeout_of,
 )
 from triton_diffusion.engine.ordering import AdmissionPacing, Policy, Service, make_policy
 from triton_diffusion.engine.overload import OfferedLoad, arrival_of, overload_cut
@@ -403,8 +404,10 @@ class Scheduler:
 
     def _victim(self, job: Job, now: float) -> Job | None:
         """The running job to pause for ``job``: of a strictly lower tier and not aged up to ``job``'s
-        effective tier (an aged job is never paused again), the lowest, most slack, most work left."""
-        if len(self.paused) >= self.limits.max_paused:
+        effective tier (an aged job is never paused again), the lowest, most slack, most work left. None
+        where ``job`` meets its deadline waiting for room: a pause only where a deadline needs it (a
+        paused job loses its place, and may miss its own); one without a deadline has its tier decide."""
+        if len(self.paused) >= self.limits.max_paused or self._in_time_waiting(job, now):
             return None
         tier = self.service.effective_tier(job, now)
         lower = [
@@ -413,6 +416,17 @@ class Scheduler:
             if j.spec.tier > job.spec.tier and self.service.effective_tier(j, now) > tier
         ]
         return max(lower, key=lambda j: self.service.victim_key(j, now, self._finish_s), default=None)
+
+    def _in_time_waiting(self, job: Job, now: float) -> bool:
+        """Whether ``job`` (with a deadline, forwards measured) is done within ``CUT_TARGET`` of its time
+        left when it waits for the first running job to be done, then shares the rest's forwards (the
+        waiting jobs before it are admitted first, by their own pauses: not counted)."""
+        running = tuple(j for j in self.running if not j.status.ended)
+        if job.spec.deadline is None or not self.times.measured or not running:
+            return False
+        wait = min(j.remaining for j in running) * self.times.forward_s(sum(j.spec.tokens for j in running))
+        done_in = self._finish_in(job, 0, running, wait, job.remaining)
+        return done_in <= (job.spec.deadline - now) * CUT_TARGET
 
     def _pause(self, job: Job, now: float, out: SchedulerOutput) -> None:
         self.running.remove(job)
@@ -511,12 +525,8 @@ class Scheduler:
         return late
 
     def _budget(self, job: Job) -> int:
-        """The tokens a forward holds, for estimating ``job``: the group's token budget, or its cap of jobs
-        of this job's size where that is less (without a token budget, the row-based estimate of before)."""
         group = job.run.group if job.run.group is not None else job.spec.shape
-        jobs = min(self.caps.jobs_for(group), self.caps.shape_cap(job.spec.shape)) * job.spec.tokens
-        budget = self.caps.tokens_for(group)
-        return jobs if budget is None else min(budget, jobs)
+        return self.caps.budget_for(group, job.spec.shape, job.spec.tokens)
 
     # ---- the engine thread: what happened ------------------------------------------------------------
     def started(self, jobs: list[Job], starts: list[JobStart]) -> None:
@@ -588,9 +598,3 @@ class Scheduler:
                 if job in self.starting:
                     self.starting.remove(job)
                     self.waiting.append(job)
-
-
-def timeout_of(job: Job) -> str:
-    """``timeout of 300 ms``: the job's deadline as its request's timeout."""
-    assert job.spec.deadline is not None  # only jobs with a deadline expire or are refused
-    return f"timeout of {(job.spec.deadline - job.request.entered) * 1000:.0f} ms"
