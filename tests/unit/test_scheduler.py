@@ -258,17 +258,24 @@ def test_nobody_is_paused_for_a_peer_or_beyond_max_paused():
     assert not h.engine.scheduler.paused  # the same tier never pauses a running job
 
 
-def test_a_higher_tier_is_not_held_back_by_admission_pacing():
+@pytest.mark.parametrize(("deadline_s", "skips"), [(None, True), (10.0, False), (0.5, True)])
+def test_a_higher_tier_skips_admission_pacing_where_its_deadline_needs_it(deadline_s, skips):
+    """Without a deadline its tier decides (admitted at once); with one it meets after the cohort's
+    longest wait (5 forwards of 0.1 s, then its 2: 0.7 s of 10 s) it waits for the cohort like its
+    peers; with one it misses so (0.7 s of 0.5 s) it is admitted at once."""
     h = Harness(max_running=4, max_per_forward=4, max_paused=0)
-    h.engine.scheduler.pacing = AdmissionPacing(cohort=4, max_wait_steps=50)
+    h.measure(0.1)
+    times = h.engine.times  # frozen: the fake forwards' own timings are not taken
+    times.forward_ran = times.started = times.finished = lambda *args, **kwargs: None
+    h.engine.scheduler.pacing = AdmissionPacing(cohort=4, max_wait_steps=5)
     h.add(h.job("a", DEFAULT, 20))
     h.step()
     h.add(h.job("default", DEFAULT, 2))
     h.step()  # 3 places free < a cohort of 4: the default job waits
     assert "default" not in h.order()
-    h.add(h.job("urgent", PRIORITY, 2))
-    h.step()  # outranks the running one: admitted at once
-    assert "urgent" in h.order()
+    h.add(h.job("urgent", PRIORITY, 2, deadline_s=deadline_s))
+    h.step()  # outranks the running one
+    assert ("urgent" in h.order()) == skips
 
 
 def test_aging_lifts_a_waiting_job_above_fresh_higher_tiers_within_its_bound():

@@ -383,8 +383,7 @@ class Scheduler:
         oldest = min((j.queue.queued_at for j in self.waiting), default=self.step)
         due = self.pacing.due(len(self.running), room, self.step - 1 - oldest)
         for job in candidates:
-            # Only a strictly higher tier (by its own, not by aging) pauses a running job or skips the
-            # cohort: with one tier nobody is ever paused and pacing is the only gate.
+            # Only a strictly higher tier (its own, not aged) pauses or skips the cohort (where needed).
             outranks = any(j.spec.tier > job.spec.tier for j in self.running)
             if room <= 0:
                 victim = self._victim(job, now) if outranks else None
@@ -394,7 +393,7 @@ class Scheduler:
                 room += 1
             if job in self.paused:
                 self._resume(job, now, out)
-            elif due or outranks:
+            elif due or outranks and not self._in_time_waiting(job, now, self.pacing.max_wait_steps):
                 self.waiting.remove(job)
                 self._ready(job, now)
                 self.starting.append(job)
@@ -417,14 +416,15 @@ class Scheduler:
         ]
         return max(lower, key=lambda j: self.service.victim_key(j, now, self._finish_s), default=None)
 
-    def _in_time_waiting(self, job: Job, now: float) -> bool:
-        """Whether ``job`` (with a deadline, forwards measured) is done within ``CUT_TARGET`` of its time
-        left when it waits for the first running job to be done, then shares the rest's forwards (the
-        waiting jobs before it are admitted first, by their own pauses: not counted)."""
+    def _in_time_waiting(self, job: Job, now: float, forwards: int | None = None) -> bool:
+        """Whether ``job`` (with a deadline) is done within ``CUT_TARGET`` of its time left waiting
+        ``forwards`` of the running set (None: until a running job is done), then sharing theirs (waiting
+        jobs before it go first: not counted). A higher tier pauses, or skips a cohort, only where not."""
         running = tuple(j for j in self.running if not j.status.ended)
         if job.spec.deadline is None or not self.times.measured or not running:
             return False
-        wait = min(j.remaining for j in running) * self.times.forward_s(sum(j.spec.tokens for j in running))
+        forwards = min(j.remaining for j in running) if forwards is None else forwards
+        wait = forwards * self.times.forward_s(sum(j.spec.tokens for j in running))
         done_in = self._finish_in(job, 0, running, wait, job.remaining)
         return done_in <= (job.spec.deadline - now) * CUT_TARGET
 
