@@ -241,30 +241,6 @@ def test_a_higher_tier_pauses_a_running_job_only_where_its_deadline_needs_it(dea
         assert job.request.channel.finals == [{"out": f"out:{job.request.request_id}"}]
 
 
-@pytest.mark.parametrize(("priority_deadline_s", "first"), [(10.0, "flex"), (None, "priority")])
-def test_a_place_goes_to_the_deadline_that_needs_it_before_a_higher_tier_in_time_waiting(
-    priority_deadline_s, first
-):
-    """One place free, two newcomers: a flex job whose deadline needs it now (waiting for the running
-    job's 19 steps, 1.9 s, then its own 2 misses 1.5 s) and a priority job. With a deadline it meets
-    waiting (10 s) the priority job lets the flex one in first and starts when a place frees; without
-    one its tier decides."""
-    h = Harness(max_running=2, max_per_forward=2, max_paused=0)
-    h.measure(0.1)
-    times = h.engine.times  # frozen: the fake forwards' own timings are not taken
-    times.forward_ran = times.started = times.finished = lambda *args, **kwargs: None
-    h.add(h.job("a", DEFAULT, 20))
-    h.step()
-    flex = h.job("flex", FLEX, 2, deadline_s=1.5)
-    urgent = h.job("priority", PRIORITY, 2, deadline_s=priority_deadline_s)
-    h.add(urgent, flex)
-    h.step()
-    assert h.adapter.forwards[-1] == [first, "a"] or h.adapter.forwards[-1] == ["a", first]
-    h.drain()
-    for job in (flex, urgent):
-        assert job.request.channel.finals == [{"out": f"out:{job.request.request_id}"}]
-
-
 def test_nobody_is_paused_for_a_peer_or_beyond_max_paused():
     h = Harness(max_running=1, max_per_forward=1, max_paused=0)
     running = h.job("running", FLEX, 4)

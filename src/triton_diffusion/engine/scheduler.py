@@ -191,9 +191,10 @@ class Scheduler:
         for queue in (self.waiting, self.running, self.paused):
             for job in [j for j in queue if j.status.ended]:
                 queue.remove(job)
-                reason = "cancelled" if job.status.cancelled else "ended"
+                status = job.status
+                reason = "cancelled" if status.cancelled else "ended"
                 # A cancelled request's jobs carry its error to the host (which ends it once).
-                out.leave.append(Left(job, reason, job.status.error if job.status.cancelled else None))
+                out.leave.append(Left(job, reason, status.error if status.cancelled else None))
 
     def _expire(self, out: SchedulerOutput, now: float) -> None:
         if not self.service.refuse_late:
@@ -262,8 +263,9 @@ class Scheduler:
         full = len(self.running) + len(self.starting) >= self.limits.max_running
         if not (full and behind) or self._victim(job, now) is not None:
             return 0.0
-        tokens = sum(j.spec.tokens for j in self.running)
-        return min(j.remaining for j in behind) * self.times.forward_s(tokens)
+        return min(j.remaining for j in behind) * self.times.forward_s(
+            sum(j.spec.tokens for j in self.running)
+        )
 
     def _running_behind(self, now: float, mine: tuple) -> tuple[Job, ...]:
         return tuple(j for j in self.running if not j.status.ended and self.order_key(j, now) >= mine)
@@ -374,10 +376,7 @@ class Scheduler:
         out.leave.append(Left(job, reason, error))
 
     def _admit(self, out: SchedulerOutput, now: float) -> None:
-        # Those whose deadline needs a place now (or with none) first, each part by tier and slack.
-        patient = {id(j) for j in self.waiting + self.paused if self._in_time_waiting(j, now)}
-        key = lambda j: (id(j) in patient, *self.admission_key(j, now))  # noqa: E731
-        candidates = sorted(self.waiting + self.paused, key=key)
+        candidates = sorted(self.waiting + self.paused, key=lambda j: self.admission_key(j, now))
         if not candidates:
             return
         room = self.limits.max_running - len(self.running)
@@ -418,8 +417,9 @@ class Scheduler:
         return max(lower, key=lambda j: self.service.victim_key(j, now, self._finish_s), default=None)
 
     def _in_time_waiting(self, job: Job, now: float, forwards: int | None = None) -> bool:
-        """``job`` (with a deadline) done within ``CUT_TARGET`` of its time left waiting ``forwards`` of the
-        running set (None: until one is done), then sharing theirs (waiting jobs ahead not counted)."""
+        """Whether ``job`` (with a deadline) is done within ``CUT_TARGET`` of its time left waiting
+        ``forwards`` of the running set (None: until a running job is done), then sharing theirs (waiting
+        jobs before it go first: not counted). A higher tier pauses, or skips a cohort, only where not."""
         running = tuple(j for j in self.running if not j.status.ended)
         if job.spec.deadline is None or not self.times.measured or not running:
             return False
