@@ -218,15 +218,21 @@ def test_a_higher_tier_pauses_the_lowest_running_job_which_resumes_where_it_was(
     assert low.state[0] == 6 and low.queue.paused_s > 0
 
 
-@pytest.mark.parametrize(("deadline_s", "paused"), [(None, True), (10.0, False), (0.6, True)])
-def test_a_higher_tier_pauses_a_running_job_only_where_its_deadline_needs_it(deadline_s, paused):
+@pytest.mark.parametrize(
+    ("deadline_s", "overloaded", "paused"),
+    [(None, False, True), (10.0, False, False), (0.6, False, True), (10.0, True, True)],
+)
+def test_a_higher_tier_pauses_a_running_job_only_where_its_deadline_needs_it(deadline_s, overloaded, paused):
     """Without a deadline its tier decides (it pauses the lowest); with one it meets waiting for room
     (4 steps of the running jobs, then its 3: 0.7 s of 10 s) nobody is paused, and it starts when a
-    running job is done; with one it misses so (0.7 s of 0.6 s) the lowest is paused for it."""
+    running job is done; with one it misses so (0.7 s of 0.6 s) the lowest is paused for it. While the
+    engine is shown overloaded (engine/overload.py) its tier decides again."""
     h = Harness(max_running=2, max_per_forward=2, max_paused=2)
     h.measure(0.1)
     times = h.engine.times  # frozen: the fake forwards' own timings are not taken
     times.forward_ran = times.started = times.finished = lambda *args, **kwargs: None
+    if overloaded:
+        h.engine.scheduler.offered.overload = lambda now, fixed_s: object()
     low, mid = h.job("low-flex", FLEX, 6), h.job("default", DEFAULT, 6)
     h.add(low, mid)
     h.step()

@@ -106,6 +106,7 @@ class Scheduler:
         self.service = service or Service()
         self.times = times or WorkTimes()
         self.offered = OfferedLoad()  # the newest arrivals: what they ask of the engine (engine/overload.py)
+        self.overloaded = False  # whether the offered load was shown above what it serves (this step)
         self.packing: Packing | None = None  # the packing gate's decision for the last forward chosen
         self.caps = ForwardCaps(limits)
         self.waiting: list[Job] = []
@@ -164,6 +165,7 @@ class Scheduler:
                 job.queue.queued_at = step - 1  # it arrived while the last engine step ran (or after it)
                 self.offered.arrived(arrival_of(job))
             self.waiting.extend(arrived)
+            self.overloaded = self.offered.overload(now, self.times.fixed_s) is not None
             self._expire(out, now)
             self._cut_steps(now)
             self._refuse_late(arrived, now, out)
@@ -383,8 +385,7 @@ class Scheduler:
         oldest = min((j.queue.queued_at for j in self.waiting), default=self.step)
         due = self.pacing.due(len(self.running), room, self.step - 1 - oldest)
         for job in candidates:
-            # Only a strictly higher tier (its own, not aged) pauses or skips the cohort (where needed).
-            outranks = any(j.spec.tier > job.spec.tier for j in self.running)
+            outranks = any(j.spec.tier > job.spec.tier for j in self.running)  # its own tier, not aged
             if room <= 0:
                 victim = self._victim(job, now) if outranks else None
                 if victim is None:
@@ -404,8 +405,8 @@ class Scheduler:
     def _victim(self, job: Job, now: float) -> Job | None:
         """The running job to pause for ``job``: of a strictly lower tier and not aged up to ``job``'s
         effective tier (an aged job is never paused again), the lowest, most slack, most work left. None
-        where ``job`` meets its deadline waiting for room: a pause only where a deadline needs it (a
-        paused job loses its place, and may miss its own); one without a deadline has its tier decide."""
+        where ``job`` meets its deadline waiting for room (a paused job loses its place, and may miss its
+        own); one without a deadline, or while the engine is shown overloaded, has its tier decide."""
         if len(self.paused) >= self.limits.max_paused or self._in_time_waiting(job, now):
             return None
         tier = self.service.effective_tier(job, now)
@@ -417,11 +418,10 @@ class Scheduler:
         return max(lower, key=lambda j: self.service.victim_key(j, now, self._finish_s), default=None)
 
     def _in_time_waiting(self, job: Job, now: float, forwards: int | None = None) -> bool:
-        """Whether ``job`` (with a deadline) is done within ``CUT_TARGET`` of its time left waiting
-        ``forwards`` of the running set (None: until a running job is done), then sharing theirs (waiting
-        jobs before it go first: not counted). A higher tier pauses, or skips a cohort, only where not."""
+        """``job`` (with a deadline, not overloaded) done within ``CUT_TARGET`` of its time left waiting
+        ``forwards`` of the running set (None: until one is done), then sharing theirs (ahead: uncounted)."""
         running = tuple(j for j in self.running if not j.status.ended)
-        if job.spec.deadline is None or not self.times.measured or not running:
+        if job.spec.deadline is None or not self.times.measured or not running or self.overloaded:
             return False
         forwards = min(j.remaining for j in running) if forwards is None else forwards
         wait = forwards * self.times.forward_s(sum(j.spec.tokens for j in running))
