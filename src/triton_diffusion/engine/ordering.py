@@ -196,8 +196,7 @@ class AdmissionPacing:
     has waited ``max_wait_steps`` engine steps (no job waits long for a cohort that does not form). An
     idle engine admits at once, and at low load places are free, so a newcomer still starts at the next
     step. ``cohort`` 1 admits whenever there is room. A job of a higher tier than some running job is
-    not held back for a cohort where its deadline needs it, nor where it has none (the scheduler admits it
-    at once, pausing a lower one if it must).
+    never held back for a cohort (the scheduler admits it at once, pausing a lower one if it must).
     """
 
     cohort: int = 1

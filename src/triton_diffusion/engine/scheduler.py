@@ -6,8 +6,8 @@ decides and tells it what happened.
 
 - Admission: newcomers join the running set while it has room, in order (tier, least slack, arrival),
   paced into cohorts while the engine is busy (AdmissionPacing); a job that outranks a running one by
-  tier is admitted at once, pausing the lowest running job if the set is full and its deadline (if any)
-  needs it (at most ``max_paused`` paused). Paused jobs resume before newcomers of their tier, as they were.
+  tier is admitted at once, pausing the lowest running job if the set is full (at most ``max_paused``
+  paused). Paused jobs resume before newcomers of their tier, as they were.
 - Deadlines: a newcomer whose deadline the estimate (estimates.py) says it cannot meet, given the work
   that goes before it, is refused at once; a job whose deadline passes leaves at the next step.
 - Degradation: before that, a waiting job whose request allows fewer steps is given the most steps with
@@ -106,7 +106,6 @@ class Scheduler:
         self.service = service or Service()
         self.times = times or WorkTimes()
         self.offered = OfferedLoad()  # the newest arrivals: what they ask of the engine (engine/overload.py)
-        self.overloaded = False  # whether the offered load was shown above what it serves (this step)
         self.packing: Packing | None = None  # the packing gate's decision for the last forward chosen
         self.caps = ForwardCaps(limits)
         self.waiting: list[Job] = []
@@ -165,7 +164,6 @@ class Scheduler:
                 job.queue.queued_at = step - 1  # it arrived while the last engine step ran (or after it)
                 self.offered.arrived(arrival_of(job))
             self.waiting.extend(arrived)
-            self.overloaded = self.offered.overload(now, self.times.fixed_s) is not None
             self._expire(out, now)
             self._cut_steps(now)
             self._refuse_late(arrived, now, out)
@@ -385,7 +383,9 @@ class Scheduler:
         oldest = min((j.queue.queued_at for j in self.waiting), default=self.step)
         due = self.pacing.due(len(self.running), room, self.step - 1 - oldest)
         for job in candidates:
-            outranks = any(j.spec.tier > job.spec.tier for j in self.running)  # its own tier, not aged
+            # Only a strictly higher tier (by its own, not by aging) pauses a running job or skips the
+            # cohort: with one tier nobody is ever paused and pacing is the only gate.
+            outranks = any(j.spec.tier > job.spec.tier for j in self.running)
             if room <= 0:
                 victim = self._victim(job, now) if outranks else None
                 if victim is None:
@@ -394,7 +394,7 @@ class Scheduler:
                 room += 1
             if job in self.paused:
                 self._resume(job, now, out)
-            elif due or outranks and not self._in_time_waiting(job, now, self.pacing.max_wait_steps):
+            elif due or outranks:
                 self.waiting.remove(job)
                 self._ready(job, now)
                 self.starting.append(job)
@@ -404,10 +404,8 @@ class Scheduler:
 
     def _victim(self, job: Job, now: float) -> Job | None:
         """The running job to pause for ``job``: of a strictly lower tier and not aged up to ``job``'s
-        effective tier (an aged job is never paused again), the lowest, most slack, most work left. None
-        where ``job`` meets its deadline waiting for room (a paused job loses its place, and may miss its
-        own); one without a deadline, or while the engine is shown overloaded, has its tier decide."""
-        if len(self.paused) >= self.limits.max_paused or self._in_time_waiting(job, now):
+        effective tier (an aged job is never paused again), the lowest, most slack, most work left."""
+        if len(self.paused) >= self.limits.max_paused:
             return None
         tier = self.service.effective_tier(job, now)
         lower = [
@@ -416,17 +414,6 @@ class Scheduler:
             if j.spec.tier > job.spec.tier and self.service.effective_tier(j, now) > tier
         ]
         return max(lower, key=lambda j: self.service.victim_key(j, now, self._finish_s), default=None)
-
-    def _in_time_waiting(self, job: Job, now: float, forwards: int | None = None) -> bool:
-        """``job`` (with a deadline, not overloaded) done within ``CUT_TARGET`` of its time left waiting
-        ``forwards`` of the running set (None: until one is done), then sharing theirs (ahead: uncounted)."""
-        running = tuple(j for j in self.running if not j.status.ended)
-        if job.spec.deadline is None or not self.times.measured or not running or self.overloaded:
-            return False
-        forwards = min(j.remaining for j in running) if forwards is None else forwards
-        wait = forwards * self.times.forward_s(sum(j.spec.tokens for j in running))
-        done_in = self._finish_in(job, 0, running, wait, job.remaining)
-        return done_in <= (job.spec.deadline - now) * CUT_TARGET
 
     def _pause(self, job: Job, now: float, out: SchedulerOutput) -> None:
         self.running.remove(job)
