@@ -266,17 +266,22 @@ def copy_model(source: str, target_repo: Path, name: str, edits: dict[str, str],
     serves the shipped kind with those faults (:func:`with_faults`)."""
     edits = dict(edits)
     text = edits.pop("fault_injection", None)
+    # A mistake in a test's faults fails here, not in the server's log.
+    if text is not None and FaultInjection.from_config(text) is None:
+        raise ValueError("fault_injection: no faults given")
     server_process.copy_model(source, target_repo, name, edits, extra)
     if text is None:
         return
-    FaultInjection.from_config(text)  # a mistake in a test's faults fails here, not in the server's log
     model_py = target_repo / name / "1" / "model.py"
     shipped = model_py.read_text()
-    served, count = re.subn(r"serve\((\w+)\)", rf"serve(with_faults(\1, {text!r}))", shipped)
+    served, count = re.subn(r"serve\((\w+)\)", lambda m: f"serve(with_faults({m[1]}, {text!r}))", shipped)
     assert count == 1, f"{source}'s model.py does not name one served kind"
     root = Path(__file__).resolve().parent.parent
-    model_py.write_text(
-        f"# A test model: {source}'s kind with faults (tests/faults.py).\n"
-        f"import sys\n\nsys.path.insert(0, {str(root)!r})\n"
-        "from tests.faults import with_faults  # noqa: E402\n" + served
+    header = (
+        f"import sys\n\nsys.path.insert(0, {str(root)!r})  # the tests' faults\n"
+        "from tests.faults import with_faults\n"
     )
+    # Before its first import (after its docstring and any __future__ import).
+    first = re.search(r"^(from|import) (?!__future__)", served, re.M)
+    assert first is not None, f"{source}'s model.py imports nothing"
+    model_py.write_text(served[: first.start()] + header + served[first.start() :])

@@ -107,3 +107,9 @@ def test_the_test_model_file_serves_the_shipped_kind_with_the_faults(tmp_path: P
     assert (tmp_path / "plain" / "1" / "model.py").read_text() == shipped.read_text()
     with pytest.raises(ValueError, match="unknown keys"):
         copy_model("text_to_image", tmp_path, "bad", {"fault_injection": '{"explode": 1}'})
+    with pytest.raises(ValueError, match="no faults given"):
+        copy_model("text_to_image", tmp_path, "empty", {"fault_injection": ""})
+    assert not (tmp_path / "bad").exists() and not (tmp_path / "empty").exists()  # checked before copying
+    # A backslash in the faults reaches the model file as written (not read as a regex escape).
+    copy_model("text_to_image", tmp_path, "marker", {"fault_injection": '{"fail_on_prompt": "a\\\\nb"}'})
+    assert '\'{"fail_on_prompt": "a\\\\\\\\nb"}\'' in (tmp_path / "marker" / "1" / "model.py").read_text()

@@ -132,7 +132,9 @@ def test_a_served_model_cannot_turn_on_the_tests_faults():
         settings({"fault_injection": '{"fail_on_prompt": "x"}'})
     package = Path(triton_diffusion.__file__).parent
     assert not list(package.rglob("faults.py"))
-    assert not [p for p in package.rglob("*.py") if "os._exit(1)" in p.read_text()]
+    # The one exit in the package is a lost device's (the supervisor restarts the server).
+    exits = [p.relative_to(package).as_posix() for p in package.rglob("*.py") if "os._exit(" in p.read_text()]
+    assert exits == ["engine/failures.py"]
 
 
 def test_the_config_is_frozen():

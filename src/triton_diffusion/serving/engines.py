@@ -42,7 +42,6 @@ class StepEngineKind:
 
     def build(self, settings: ModelSettings, on_progress: Callable[[StepReport], None]) -> StepEngine:
         config = settings.config
-        adapter = self.adapter
         running = settings.resolved("max_running", self.name)
         caps = self.caps
         limits = EngineLimits(
@@ -73,10 +72,9 @@ class StepEngineKind:
         )
         # Checkpoints of the jobs that have a checkpoint key (recovery/resumes.py), every this many steps.
         every = config.checkpoint_every_steps
-        engine = StepEngine(
-            adapter, limits, policy, pacing, service, checkpoint_every=every, times=self.times
+        return StepEngine(
+            self.adapter, limits, policy, pacing, service, checkpoint_every=every, times=self.times
         )
-        return engine
 
     @staticmethod
     def aborts(settings: ModelSettings) -> ClientAborts:
