@@ -181,8 +181,8 @@ def figures(requests, results, latency, measured, window_s, deadline_s) -> dict:
         "no_deadline": {"offered": len(plain), "met": sum(i in met for i in plain)},
         "offered": len(measured),
         "met": len(met),
-        # Which were not in time (refused, expired, failed or late): a degraded request that its round's
-        # run without degradation missed is one whose deadline needed the cut (scripts/tables/goodput.py).
+        # Which were not in time (refused, expired, failed or late): whether a degraded request was among
+        # those its round's run without degradation missed (scripts/tables/goodput.py).
         "missed_requests": sorted(set(measured) - set(met)),
         "goodput": len(met) / window_s,
         "attainment": len(met) / len(measured),

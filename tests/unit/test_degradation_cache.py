@@ -67,6 +67,9 @@ def test_the_report_names_the_fewest_steps_and_the_earliest_cache_with_both_reas
         "rules": ["deadline"],
         "images": 1,
     }
+    only = Job(TrackedRequest("o", RecordingChannel()), None)
+    only.queue.cut = StepsCut(6, 6, 10, "overload: x", rule="overload")
+    assert degraded_report([only])["rules"] == ["overload"]  # no deadline rule where none cut it
     jobs[0].queue.cut = StepsCut(6, 6, 10, "overload: x", rule="overload")
     jobs[1].queue.cut = StepsCut(8, 8, 10, "deadline of another image after it: y", rule="room")
     assert degraded_report(jobs[:2])["rules"] == ["deadline", "overload", "room"]

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+import tests.faults as faults_module
 from tests.faults import (
     FaultInjection,
     FaultyCall,
@@ -52,28 +53,34 @@ def test_the_step_engines_adapter_is_wrapped_and_raises_for_its_prompt():
         engine_kind.adapter.step([job("fine"), job("a boom")])
 
 
-def test_the_fused_call_is_wrapped_before_the_call_and_after_each_step():
-    reported: list[int] = []
+def test_the_fused_call_is_wrapped_before_the_call_and_after_each_step(monkeypatch):
+    events: list[object] = []  # the call, each stalled step (its sleep) and each step report, in order
+    monkeypatch.setattr(faults_module.time, "sleep", lambda seconds: events.append(("sleep", seconds)))
 
     def call(key: Any, jobs: list[Any], steps: Any) -> list[str]:
+        events.append("call")
         for step in (1, 2):
             steps.on_step(step, 2)
         return [steps.name]
 
-    steps = SimpleNamespace(on_step=lambda step, total: reported.append(step), name="steps")
+    steps = SimpleNamespace(on_step=lambda step, total: events.append(step), name="steps")
     Kind.engine_kind = RequestEngineKind(call, RowCaps(4, {}))
-    hosting = with_faults(Kind, '{"oom_above_rows": 1, "step_delay_s": 0.001}')().setup(None, None)
+    hosting = with_faults(Kind, '{"oom_above_rows": 1, "step_delay_s": 0.25}')().setup(None, None)
     engine_kind = hosting.engine_kind
     assert isinstance(engine_kind, RequestEngineKind) and isinstance(engine_kind.call, FaultyCall)
     rows = [SimpleNamespace(spec=SimpleNamespace(params=RowInput({"prompt": p}, 0))) for p in "ab"]
-    assert engine_kind.call(None, rows[:1], steps) == ["steps"] and reported == [1, 2]
+    assert engine_kind.call(None, rows[:1], steps) == ["steps"]
+    assert events == ["call", ("sleep", 0.25), 1, ("sleep", 0.25), 2]
+    events.clear()
     with pytest.raises(SimulatedOutOfMemoryError):
         engine_kind.call(None, rows, steps)
+    assert events == []  # refused before the call
 
 
 def test_a_hold_waits_until_the_engine_holds_another_job():
     inner = SimpleNamespace(step=lambda jobs, previews=None: None, computed=lambda jobs: (len(jobs), 0))
-    faults = FaultInjection.from_config('{"hold_on_prompt": "__hold__", "hold_s": 5}')
+    # Held far longer than the test waits: only the engine holding another job releases it in time.
+    faults = FaultInjection.from_config('{"hold_on_prompt": "__hold__", "hold_s": 60}')
     faulty = FaultyStepAdapter(inner, faults, prompt)
     held = [1]
     faulty.held = lambda: held[0]

@@ -80,9 +80,11 @@ def test_a_degraded_requests_rules_are_read_from_its_batch_not_its_reason():
 def test_the_quiet_target_says_how_many_degraded_requests_the_run_without_degradation_missed():
     from tables.goodput import _quiet
 
-    def low(variant: str, round_: int, degraded: list[int], missed: list[int] | None) -> dict:
+    def low(
+        variant: str, round_: int, degraded: list[int], missed: list[int] | None, load: float = 0.8
+    ) -> dict:
         return {
-            "load": 0.8,
+            "load": load,
             "round": round_,
             "variant": variant,
             "offered": 10,
@@ -94,12 +96,21 @@ def test_the_quiet_target_says_how_many_degraded_requests_the_run_without_degrad
     runs = [
         low("tiers-room", 1, [], [3, 4, 7]),
         low("degrade-room", 1, [4, 5], []),
-        low("tiers-room", 2, [], [1]),
+        low("tiers-room", 2, [], [1, 5]),
         low("degrade-room", 2, [1], [2]),
+        # At 0.5x: request 4 degraded, missed by round 1's tiers run at 0.8x only.
+        low("tiers-room", 1, [], [], load=0.5),
+        low("degrade-room", 1, [4], [], load=0.5),
+        # The other door's pair (degrade with tiers): one degraded, missed there.
+        low("tiers", 1, [], [9]),
+        low("degrade", 1, [9], []),
     ]
     text = _quiet({"runs": runs})
-    assert "(degrade-room): **missed** (3 of 20" in text
-    # Rounds are paired: request 1 was missed in round 2's tiers run, request 5 in neither round's.
-    assert "tiers-room, which degrades nothing, missed 4 of 20; 2 of the 3 degraded" in text
+    assert "(degrade-room): **missed** (4 of 30" in text
+    # Paired by round and load: request 4 in round 1 at 0.8x and request 1 in round 2 were missed by
+    # their own round's tiers run; request 5 only by another round's, request 4 at 0.5x only at 0.8x.
+    assert "tiers-room, which degrades nothing, missed 5 of 30; 2 of the 4 degraded" in text
+    assert "(degrade): **missed** (1 of 10" in text
+    assert "tiers, which degrades nothing, missed 1 of 10; 1 of the 1 degraded" in text
     before = [{k: v for k, v in r.items() if k != "missed_requests"} for r in runs]
     assert "which degrades nothing" not in _quiet({"runs": before})  # an artefact from before says nothing
