@@ -17,6 +17,9 @@ at --cap concurrent requests, measured through the server first):
                 scheduler to refuse or order it instead of waiting for room in execute() (holding up the
                 requests behind it, higher tiers among them)
   degrade-room  degrade on that model
+  tiers-need, degrade-need  tiers-room and degrade-room on a third model, the same but for ``tier_pause``
+                deadline: a higher tier pauses a running job, or skips the admission cohort, only where its
+                deadline needs it or the load is shown above capacity (engine/scheduler.py)
   cache, cache-room  (--variants; a DiT family, e.g. --arch tiny-flux) tiers and tiers-room, plus
                 ``degrade_step_cache`` = --degrade-cache: a started request late for its deadline at full
                 compute is given that step cache for its steps left (engine/degradation.py)
@@ -66,23 +69,31 @@ from triton_diffusion.serving.server_process import copy_model, start_server
 from triton_diffusion.tiny_models import build_missing
 
 VARIANTS = ("fifo", "tiers", "degrade", "tiers-room", "degrade-room")
-KNOWN = (*VARIANTS, "cache", "cache-room")
+KNOWN = (*VARIANTS, "cache", "cache-room", "tiers-need", "degrade-need")
 TIERS = ("priority", "default", "flex")
 WARM_UP_FRACTION = 0.1
 NO_DEADLINE = "_no_deadline"  # a request of the traffic that sends no deadline (--no-deadline-share)
 MODEL = "goodput"
 ROOM_MODEL = "goodput_room"
+NEED_MODEL = "goodput_need"
 
 
-def models(cap: int, room: float = 3.0) -> dict[str, dict[str, str]]:
+def models(cap: int, room: float = 3.0, variants: tuple[str, ...] = ()) -> dict[str, dict[str, str]]:
     """The models, each with its config's edits beside the shared ones: ``deadline_room`` 0 (a request
     with a deadline waits for room), and with room for requests with a deadline of ``room`` x the capacity
-    (running set and waiting room: --cap each)."""
-    return {MODEL: {"deadline_room": "0"}, ROOM_MODEL: {"deadline_room": str(round(room * 2 * cap))}}
+    (running set and waiting room: --cap each); where a -need variant runs, the second with ``tier_pause``
+    deadline."""
+    room_edits = {"deadline_room": str(round(room * 2 * cap))}
+    need = {NEED_MODEL: {**room_edits, "tier_pause": "deadline"}} if any(map(_needs, variants)) else {}
+    return {MODEL: {"deadline_room": "0"}, ROOM_MODEL: room_edits, **need}
+
+
+def _needs(variant: str) -> bool:
+    return variant.endswith("-need")
 
 
 def model_of(variant: str) -> str:
-    return ROOM_MODEL if variant.endswith("-room") else MODEL
+    return ROOM_MODEL if variant.endswith("-room") else NEED_MODEL if _needs(variant) else MODEL
 
 
 def traffic(
@@ -316,9 +327,10 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench-goodput-") as tmp:
         repo = Path(tmp) / "repo"
         repo.mkdir()
-        for name, edits in models(args.cap, args.room).items():
+        served = models(args.cap, args.room, args.variants)
+        for name, edits in served.items():
             copy_model("text_to_image", repo, name, {**config, **edits})
-        server = start_server(repo, Path(tmp) / "tritonserver.log", list(models(args.cap, args.room)))
+        server = start_server(repo, Path(tmp) / "tritonserver.log", list(served))
         try:
             return measure(server.grpc_url, args, config, args.out / "goodput.json")
         finally:
@@ -330,7 +342,7 @@ def measure(url: str, args: argparse.Namespace, config: dict, path: Path) -> dic
     requests = traffic(args.requests, args.steps, shares, args.seed, args.size, args.no_deadline_share)
     least = max(1, round(args.steps * args.least_share))
     for i in range(3):  # warm: the engine's estimates start from measured forwards
-        for name in models(args.cap, args.room):
+        for name in models(args.cap, args.room, args.variants):
             generate_one(sent(requests[i], "fifo", 0, 0), "warm", url, name)
     alone = statistics.median(
         generate_one(sent(requests[i], "fifo", 0, 0), f"alone-{i}", url, MODEL).latency_s for i in range(5)
@@ -360,7 +372,7 @@ def measure(url: str, args: argparse.Namespace, config: dict, path: Path) -> dic
             "warm_up_fraction": WARM_UP_FRACTION,
             "model_config": {k: v for k, v in config.items() if k != "model"},
             "model_of": {v: model_of(v) for v in args.variants},
-            "model_edits": models(args.cap, args.room),
+            "model_edits": models(args.cap, args.room, args.variants),
             "through": "tritonserver, gRPC, the project's client (one thread per request)",
         },
         "alone_s": alone,
@@ -402,6 +414,7 @@ DEGRADED_AGAINST = (
     ("degrade-room", "tiers-room"),
     ("cache", "tiers"),
     ("cache-room", "tiers-room"),
+    ("degrade-need", "tiers-need"),
 )
 
 

@@ -26,9 +26,21 @@ PAIRS = (
     ("degrade-room", "degrade"),
     ("cache-room", "cache"),
     ("degrade", "fifo"),
+    ("tiers-need", "tiers-room"),
+    ("degrade-need", "degrade-room"),
+    ("degrade-need", "tiers-need"),
+    ("tiers-need", "fifo"),
 )
 # The variants that degrade: fewer steps (degrade), a step cache for the steps left (cache).
-DEGRADING = ("degrade", ROOM_DEGRADE, "cache", "cache-room")
+DEGRADING = ("degrade", ROOM_DEGRADE, "cache", "cache-room", "degrade-need")
+# Each, with the variant that degrades nothing on its model.
+PLAIN = {
+    "degrade": "tiers",
+    "cache": "tiers",
+    ROOM_DEGRADE: ROOM,
+    "cache-room": ROOM,
+    "degrade-need": "tiers-need",
+}
 
 
 def room_words(c: dict) -> str:
@@ -84,6 +96,13 @@ def render(artefact: dict[str, Any]) -> str:
             if ROOM in c["variants"]
             else ""
         )
+        + (
+            "; the -need variants are the -room ones on a third model with `tier_pause: deadline` (a higher "
+            "tier pauses a running job, or skips the admission cohort, only where the engine's estimate says "
+            "its own deadline is missed waiting, or while the load is shown above capacity)"
+            if any(v.endswith("-need") for v in c["variants"])
+            else ""
+        )
         + ". Goodput: requests in time per second of the arrival window (refused, expired and late ones "
         "are misses). Ratios: per round, then the median and its 90% sign-test interval (the one verdict "
         "rule).",
@@ -120,7 +139,7 @@ def render(artefact: dict[str, Any]) -> str:
             v: median(r[v]["goodput"] for r in rounds if v in r) for v in c["variants"] if _has(rounds, v)
         }
         cells = " / ".join(f"{good.get(v, float('nan')):.2f}" for v in c["variants"])
-        ratios = " | ".join(_ratio(rounds, a, b, load if b in ("tiers", ROOM) else None) for a, b in pairs)
+        ratios = " | ".join(_ratio(rounds, a, b, load if PLAIN.get(a) == b else None) for a, b in pairs)
         per = [" / ".join(x) for x in zip(*(_degraded(rounds, v, profile) for v in ours), strict=True)]
         lines.append(
             f"| {load:g}x | {cells} | {ratios} | "
@@ -202,9 +221,9 @@ def _quiet(artefact: dict[str, Any]) -> str:
 
 def _needed(runs: list[dict], variant: str, low: list[dict]) -> str:
     """Whether those loads needed a cut: how many requests the same round's run without degradation (its
-    pair: tiers for degrade and cache, tiers-room for the -room ones) missed, and how many of the degraded
+    pair: :data:`PLAIN`) missed, and how many of the degraded
     requests were among them (an artefact from before ``missed_requests`` says nothing)."""
-    plain = ROOM if variant.endswith("-room") else "tiers"
+    plain = PLAIN[variant]
     pairs = [
         (run, other)
         for run in low

@@ -326,6 +326,15 @@ class ModelConfig:
         "jobs held paused at once for a higher tier (their latents stay in memory)",
         derived=Derived("max_running"),
     )
+    tier_pause: str = _parameter(
+        "tier",
+        "step engine: when a request of a higher tier pauses a running one of a lower tier (the running set "
+        "full) or joins without waiting for the admission cohort: tier: always; deadline: only where the "
+        "engine's estimate says its own deadline is missed waiting, or while the load is shown above "
+        "capacity, and always for a request without a deadline (a paused job loses its place)",
+        (IMAGE, IMAGE_SOURCE),
+        ("tier", "deadline"),
+    )
     step_cache: Any = _parameter(
         None,
         "the step cache of requests that send no step_cache field: none, fbc:THRESHOLD or "

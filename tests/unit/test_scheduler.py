@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 from dataclasses import replace
 from pathlib import Path
+from typing import Literal
 
 import pytest
 
@@ -50,6 +51,7 @@ class Harness:
         refuse_late: bool = True,
         policy: str = "oldest",
         max_tokens: int | None = None,
+        pause_by: Literal["tier", "deadline"] = "tier",
     ) -> None:
         self.clock = Clock()
         self.adapter = FakeAdapter()
@@ -64,7 +66,7 @@ class Harness:
             starvation_steps=16,
             max_tokens_per_forward=max_tokens,
         )
-        service = Service(("priority", "default", "flex"), aging_s, refuse_late)
+        service = Service(("priority", "default", "flex"), aging_s, refuse_late, pause_by)
         pacing = AdmissionPacing(1)
         self.engine = StepEngine(self.adapter, limits, make_policy(policy), pacing, service, self.clock)
 
@@ -218,6 +220,43 @@ def test_a_higher_tier_pauses_the_lowest_running_job_which_resumes_where_it_was(
     assert low.state[0] == 6 and low.queue.paused_s > 0
 
 
+@pytest.mark.parametrize(
+    ("pause_by", "deadline_s", "overloaded", "paused"),
+    [
+        ("tier", 10.0, False, True),
+        ("deadline", None, False, True),
+        ("deadline", 10.0, False, False),
+        ("deadline", 0.6, False, True),
+        ("deadline", 10.0, True, True),
+    ],
+)
+def test_tier_pause_deadline_pauses_a_running_job_only_where_its_deadline_needs_it(
+    pause_by, deadline_s, overloaded, paused
+):
+    """tier_pause tier: a higher tier pauses the lowest, whatever its deadline. deadline: without a
+    deadline its tier decides; with one it meets waiting for room (4 steps of the running jobs, then its
+    3: 0.7 s of 10 s) nobody is paused, and it starts when a running job is done; with one it misses so
+    (0.7 s of 0.6 s) the lowest is paused for it; while the load is shown above capacity its tier decides."""
+    h = Harness(max_running=2, max_per_forward=2, max_paused=2, pause_by=pause_by)
+    h.measure(0.1)
+    times = h.engine.times  # frozen: the fake forwards' own timings are not taken
+    times.forward_ran = times.started = times.finished = lambda *args, **kwargs: None
+    if overloaded:
+        h.engine.scheduler.offered.overload = lambda now, fixed_s: object()
+    low, mid = h.job("low-flex", FLEX, 6), h.job("default", DEFAULT, 6)
+    h.add(low, mid)
+    h.step()
+    h.step()  # both ran two steps: four left
+    urgent = h.job("urgent", PRIORITY, 3, deadline_s=deadline_s)
+    h.add(urgent)
+    h.step()
+    assert (low in h.engine.scheduler.paused, low.queue.pauses) == (paused, int(paused))
+    assert ("urgent" in h.adapter.forwards[-1]) == paused
+    h.drain()
+    for job in (low, mid, urgent):  # every one answered with its image
+        assert job.request.channel.finals == [{"out": f"out:{job.request.request_id}"}]
+
+
 def test_nobody_is_paused_for_a_peer_or_beyond_max_paused():
     h = Harness(max_running=1, max_per_forward=1, max_paused=0)
     running = h.job("running", FLEX, 4)
@@ -235,17 +274,27 @@ def test_nobody_is_paused_for_a_peer_or_beyond_max_paused():
     assert not h.engine.scheduler.paused  # the same tier never pauses a running job
 
 
-def test_a_higher_tier_is_not_held_back_by_admission_pacing():
-    h = Harness(max_running=4, max_per_forward=4, max_paused=0)
-    h.engine.scheduler.pacing = AdmissionPacing(cohort=4, max_wait_steps=50)
+@pytest.mark.parametrize(
+    ("pause_by", "deadline_s", "skips"),
+    [("tier", 10.0, True), ("deadline", None, True), ("deadline", 10.0, False), ("deadline", 0.5, True)],
+)
+def test_a_higher_tier_skips_admission_pacing_by_its_tier_pause(pause_by, deadline_s, skips):
+    """tier_pause tier: a higher tier is admitted at once. deadline: without a deadline, too; with one it
+    meets after the cohort's longest wait (5 forwards of 0.1 s, then its 2: 0.7 s of 10 s) it waits for
+    the cohort like its peers; with one it misses so (0.7 s of 0.5 s) it is admitted at once."""
+    h = Harness(max_running=4, max_per_forward=4, max_paused=0, pause_by=pause_by)
+    h.measure(0.1)
+    times = h.engine.times  # frozen: the fake forwards' own timings are not taken
+    times.forward_ran = times.started = times.finished = lambda *args, **kwargs: None
+    h.engine.scheduler.pacing = AdmissionPacing(cohort=4, max_wait_steps=5)
     h.add(h.job("a", DEFAULT, 20))
     h.step()
     h.add(h.job("default", DEFAULT, 2))
     h.step()  # 3 places free < a cohort of 4: the default job waits
     assert "default" not in h.order()
-    h.add(h.job("urgent", PRIORITY, 2))
-    h.step()  # outranks the running one: admitted at once
-    assert "urgent" in h.order()
+    h.add(h.job("urgent", PRIORITY, 2, deadline_s=deadline_s))
+    h.step()  # outranks the running one
+    assert ("urgent" in h.order()) == skips
 
 
 def test_aging_lifts_a_waiting_job_above_fresh_higher_tiers_within_its_bound():

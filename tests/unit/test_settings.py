@@ -264,3 +264,16 @@ def test_the_engines_hold_the_documented_defaults(params, max_batch_size, case):
     loaded = settings(params, kinds=(LM,) if case == "lm" else (IMAGE,), max_batch_size=max_batch_size)
     engine = "request" if case == "request" else "step"
     assert got == {name: loaded.resolved(name, engine) for name in got}
+
+
+@pytest.mark.parametrize("written", ["", "tier", "deadline"])
+def test_tier_pause_reaches_the_step_engines_service(written):
+    """``tier_pause`` (default tier) is the scheduler's ``Service.pause_by``; a value outside its
+    choices is refused by name."""
+    from triton_diffusion.serving.engines import StepEngineKind
+
+    loaded = settings({"tier_pause": written} if written else {})
+    engine = StepEngineKind(object(), None).build(loaded, lambda report: None)
+    assert engine.scheduler.service.pause_by == (written or "tier")
+    with pytest.raises(ValueError, match="tier_pause"):
+        settings({"tier_pause": "always"})

@@ -43,7 +43,7 @@ from step to step, unknown before it runs, so no estimate says whether it would 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -99,6 +99,33 @@ def cache_for_deadline(
     left_ms = max(time_left_s, 0) * 1000
     why = f"deadline: {steps_left} steps left estimated {finish_s * 1000:.0f} ms, {left_ms:.0f} ms left"
     return CacheGiven(step_cache, steps_done, why)
+
+
+def may_cache(job: Job) -> bool:
+    """Whether ``job`` may still be given a step cache: its request allows one, it was given none and the
+    adapter did not refuse it one."""
+    return bool(job.spec.degrade_cache) and job.queue.cache_given is None and not job.queue.cache_refused
+
+
+def late_caches(
+    held: Sequence[Job], started: Collection[int], now: float, finish_s: Callable[[Job, int], float]
+) -> list[tuple[Job, CacheGiven]]:
+    """The caches to give: ``held`` in the order jobs go, each started job (by id) that may be given one
+    and has a deadline, given it where ``finish_s(job, token-steps ahead of it)`` at full compute misses
+    its deadline (:func:`cache_for_deadline`)."""
+    given = []
+    ahead = 0
+    for job in held:
+        if id(job) in started and may_cache(job) and job.spec.deadline is not None:
+            cache, finish = job.spec.degrade_cache, finish_s(job, ahead)
+            assert cache is not None  # may_cache
+            cut = cache_for_deadline(
+                cache, job.run.steps_done, job.remaining, finish, job.spec.deadline - now
+            )
+            if cut is not None:
+                given.append((job, cut))
+        ahead += job.remaining * job.spec.tokens
+    return given
 
 
 def cut_for_deadline(

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Protocol, TypeVar
+from typing import ClassVar, Literal, Protocol, TypeVar
 
 
 class Served(Protocol):
@@ -157,11 +157,15 @@ class Service:
     paused again for another (pausing needs a strictly higher tier), and is served in the policy's order
     among such jobs (the starvation bound; 0: no aging). ``refuse_late``: a job whose deadline the estimate
     says it cannot meet is refused at admission (deadline_policy ``refuse``), else it runs anyway
-    (``best_effort``)."""
+    (``best_effort``). ``pause_by``: when a job of a higher tier pauses a running job of a lower one (the
+    running set full) or skips the admission cohort: ``tier``, always; ``deadline``, only where its own
+    deadline needs it (the scheduler's estimate misses it waiting) or while the load is shown above
+    capacity (engine/overload.py), and always for a job without a deadline."""
 
     tiers: tuple[str, ...] = ("priority", "default", "flex")
     aging_s: float = 0.0
     refuse_late: bool = True
+    pause_by: Literal["tier", "deadline"] = "tier"
 
     def effective_tier(self, job: Schedulable, now: float) -> int:
         if self.aging_s <= 0:

@@ -42,7 +42,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 
-from triton_diffusion.engine.degradation import CUT_TARGET, cache_for_deadline, cut_for_deadline, make_room
+from triton_diffusion.engine.degradation import (
+    CUT_TARGET,
+    cut_for_deadline,
+    late_caches,
+    make_room,
+    may_cache,
+)
 from triton_diffusion.engine.estimates import WorkTimes
 from triton_diffusion.engine.forward_caps import EngineLimits, ForwardCaps
 from triton_diffusion.engine.forward_choice import choose_group, fill, gate
@@ -106,6 +112,7 @@ class Scheduler:
         self.service = service or Service()
         self.times = times or WorkTimes()
         self.offered = OfferedLoad()  # the newest arrivals: what they ask of the engine (engine/overload.py)
+        self.overloaded = False  # tier_pause deadline: whether the load was shown above capacity (this step)
         self.packing: Packing | None = None  # the packing gate's decision for the last forward chosen
         self.caps = ForwardCaps(limits)
         self.waiting: list[Job] = []
@@ -164,6 +171,8 @@ class Scheduler:
                 job.queue.queued_at = step - 1  # it arrived while the last engine step ran (or after it)
                 self.offered.arrived(arrival_of(job))
             self.waiting.extend(arrived)
+            by_need = self.service.pause_by == "deadline"
+            self.overloaded = by_need and self.offered.overload(now, self.times.fixed_s) is not None
             self._expire(out, now)
             self._cut_steps(now)
             self._refuse_late(arrived, now, out)
@@ -327,33 +336,19 @@ class Scheduler:
         (engine/degradation.py); the adapter turns it on before the next forward."""
         if not self.service.refuse_late or not self.times.measured:
             return
-        started = {id(j): j for j in self.running + self.paused}
-        if not any(
-            j.spec.degrade_cache and j.queue.cache_given is None and not j.queue.cache_refused
-            for j in started.values()
-        ):
+        started = {id(j) for j in self.running + self.paused if may_cache(j)}
+        if not started:
             return
         queues = (self.waiting, self.starting, self.running, self.paused)
         held = [j for q in queues for j in q if not j.status.ended]
         held.sort(key=lambda j: self.order_key(j, now))
-        ahead = 0
-        for job in held:
-            cache = job.spec.degrade_cache
-            if (
-                cache
-                and job.queue.cache_given is None
-                and not job.queue.cache_refused
-                and job.spec.deadline is not None
-                and id(job) in started
-            ):
-                finish = self.times.finish_in(job.spec.tokens, job.remaining, ahead, self._budget(job), True)
-                cut = cache_for_deadline(
-                    cache, job.run.steps_done, job.remaining, finish, job.spec.deadline - now
-                )
-                if cut is not None:
-                    job.queue.cache_given = cut
-                    out.cache.append(job)
-            ahead += job.remaining * job.spec.tokens
+
+        def finish_s(job: Job, ahead: int) -> float:
+            return self.times.finish_in(job.spec.tokens, job.remaining, ahead, self._budget(job), True)
+
+        for job, given in late_caches(held, started, now, finish_s):
+            job.queue.cache_given = given
+            out.cache.append(job)
 
     def caches_refused(self, refused: list[tuple[Job, str]]) -> None:
         """The adapter could not give these jobs the cache decided for them (``refused``: each with why):
@@ -394,7 +389,7 @@ class Scheduler:
                 room += 1
             if job in self.paused:
                 self._resume(job, now, out)
-            elif due or outranks:
+            elif due or outranks and not self._waits_in_time(job, now, self.pacing.max_wait_steps):
                 self.waiting.remove(job)
                 self._ready(job, now)
                 self.starting.append(job)
@@ -404,8 +399,9 @@ class Scheduler:
 
     def _victim(self, job: Job, now: float) -> Job | None:
         """The running job to pause for ``job``: of a strictly lower tier and not aged up to ``job``'s
-        effective tier (an aged job is never paused again), the lowest, most slack, most work left."""
-        if len(self.paused) >= self.limits.max_paused:
+        effective tier (an aged job is never paused again), the lowest, most slack, most work left. None
+        where ``job`` may wait in time (:meth:`_waits_in_time`)."""
+        if len(self.paused) >= self.limits.max_paused or self._waits_in_time(job, now):
             return None
         tier = self.service.effective_tier(job, now)
         lower = [
@@ -414,6 +410,20 @@ class Scheduler:
             if j.spec.tier > job.spec.tier and self.service.effective_tier(j, now) > tier
         ]
         return max(lower, key=lambda j: self.service.victim_key(j, now, self._finish_s), default=None)
+
+    def _waits_in_time(self, job: Job, now: float, forwards: int | None = None) -> bool:
+        """tier_pause ``deadline``: whether ``job`` (with a deadline, the load not shown above capacity) is
+        done within ``CUT_TARGET`` of its time left waiting ``forwards`` of the running set (None: until one
+        is done), then sharing theirs (the work ahead of it uncounted). Then it neither pauses a running job
+        nor skips the admission cohort: a paused job loses its place and may miss its own deadline."""
+        if self.service.pause_by != "deadline" or self.overloaded or job.spec.deadline is None:
+            return False
+        running = tuple(j for j in self.running if not j.status.ended)
+        if not running or not self.times.measured:
+            return False
+        forwards = min(j.remaining for j in running) if forwards is None else forwards
+        wait = forwards * self.times.forward_s(sum(j.spec.tokens for j in running))
+        return self._finish_in(job, 0, running, wait, job.remaining) <= (job.spec.deadline - now) * CUT_TARGET
 
     def _pause(self, job: Job, now: float, out: SchedulerOutput) -> None:
         self.running.remove(job)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 from triton_diffusion.engine.estimates import WorkTimes
 from triton_diffusion.engine.jobs import StepReport
@@ -56,7 +57,9 @@ class StepEngineKind:
         )
         cohort = settings.resolved("admission_cohort", self.name)
         pacing = AdmissionPacing(cohort, config.admission_max_wait_steps)
-        service = Service(config.service_tiers, config.tier_aging_s, config.deadline_policy == "refuse")
+        refuse = config.deadline_policy == "refuse"
+        pause_by: Literal["tier", "deadline"] = "deadline" if config.tier_pause == "deadline" else "tier"
+        service = Service(config.service_tiers, config.tier_aging_s, refuse, pause_by)
         policy = make_policy(config.scheduling_policy)
         log.info(
             "%s: step engine (%s), running %d, %d per forward, %s tokens per forward, policy %s, "
