@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from triton_diffusion.engine.estimates import MAX_SIZES, WorkTimes
+from triton_diffusion.engine.estimates import MAX_SIZES, PROBE_AFTER, WorkTimes
 
 
 def times_of(*forwards: tuple[int, float]) -> WorkTimes:
@@ -141,3 +141,11 @@ def test_the_cost_model_described_rests_on_a_calibration_alone_before_any_traffi
         {"fixed_ms": 10.0, "per_1k_tokens_ms": 20.0, "per_row_ms": 3.0}
     )
     assert described["forward_by_tokens"] is None  # deadlines wait for the traffic's own forwards
+
+
+def test_a_probe_comes_after_probe_after_idle_refusals_and_a_forward_measured_starts_the_count_again():
+    times = WorkTimes()
+    assert [times.probe() for _ in range(PROBE_AFTER + 1)] == [False] * PROBE_AFTER + [True]
+    assert [times.probe() for _ in range(PROBE_AFTER)] == [False] * PROBE_AFTER  # counted from the probe
+    times.forward_ran(1, 1, 0.1)  # measured: the estimate is fresh again
+    assert [times.probe() for _ in range(PROBE_AFTER + 1)] == [False] * PROBE_AFTER + [True]

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from triton_diffusion.adapters.image_params import LatentJob
+from triton_diffusion.adapters.job_caches import JobCaches
 from triton_diffusion.adapters.latent_loop import LatentStepAdapter
 from triton_diffusion.adapters.schedulers import (
     batched_step,
@@ -516,6 +517,7 @@ class ForwardOnly(LatentStepAdapter):
         self.facts = SimpleNamespace(traits=PipelineTraits())  # a family without special traits
         self.predictions = predictions
         self.inputs: list[torch.Tensor] = []
+        self.caches = JobCaches(torch.nn.Module(), (), per_branch=False)  # it serves no step cache
 
     def predict(self, latents, timesteps, inputs, size):
         self.inputs.append(latents)

@@ -16,6 +16,7 @@ from tests.unit.recording import step_as_worker, tracked
 from tests.unit.test_executor import KEY
 from tests.unit.test_step_engine import Engine, FakeAdapter, Host, Spec
 from triton_diffusion.adapters.packed_rows import ANY_SIZE
+from triton_diffusion.engine.estimates import PROBE_AFTER
 from triton_diffusion.engine.jobs import Job, forward_group
 from triton_diffusion.engine.ordering import AdmissionPacing, Service, make_policy
 from triton_diffusion.engine.planner import RowCaps
@@ -152,6 +153,32 @@ def test_a_request_that_cannot_meet_its_deadline_is_refused_at_once_with_the_est
     assert "late" not in h.order()  # never computed
     h.drain()
     assert not isinstance(able.request.channel.finals[0], Exception)
+
+
+def test_an_estimate_that_refuses_all_on_an_idle_engine_is_probed_and_measured_again():
+    """Lone forwards measured slow for a while (a disturbance: 1 s each, where they took 0.1 s) make a
+    lone request late (4 steps for 0.6 s): it is refused at once, and an engine that refuses everything
+    measures nothing again. So on an idle engine the PROBE_AFTER + 1-th such request runs instead
+    (answered with its image: 4 steps of 0.01 s of the fake clock); its forwards (the fake adapter's:
+    microseconds) are measured, and the next request, the same, is in time by the estimate."""
+    h = Harness(max_running=2, max_per_forward=2, max_paused=0)
+    h.measure(0.1)
+    for _ in range(10):
+        h.engine.times.forward_ran(1, 1, 1.0)
+    for i in range(PROBE_AFTER):
+        refused = h.job(f"refused{i}", DEFAULT, 4, deadline_s=0.6)
+        h.add(refused)
+        h.step(0.01)
+        (final,) = refused.request.channel.finals
+        assert final.code is ErrorCode.UNAVAILABLE and "cannot finish" in final.message, final
+    assert not h.adapter.forwards
+    for name in ("probe", "after"):
+        job = h.job(name, DEFAULT, 4, deadline_s=0.6)
+        h.add(job)
+        while h.engine.active:
+            h.step(0.01)
+        assert job.request.channel.finals == [{"out": f"out:{name}"}]
+    assert h.adapter.forwards
 
 
 def test_best_effort_never_refuses_or_ends_for_a_deadline():

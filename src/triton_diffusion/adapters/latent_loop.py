@@ -16,7 +16,8 @@ its VAE and image processor); only the loop body of ``__call__`` is written here
 - :meth:`LatentStepAdapter.step` returns what happened to each job (a JobStep); it never changes the
   engine's state.
 
-Two collaborators are composed into it: ``starter`` (starts.py: how a job starts, text, img2img or
+Three collaborators are composed into it: ``caches`` (job_caches.py: its step caches, job by job),
+``starter`` (starts.py: how a job starts, text, img2img or
 inpainting; a family whose image starts differ gives its own ``starts_class``) and ``sizes`` (row_sizes.py:
 a job's tokens, its group, the packed forward). A family subclass fills in the hooks this class declares,
 each raising NotImplementedError here (stable_diffusion.py: SD 1.x/2.x and SDXL; flow_matching.py: FLUX.1
@@ -28,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import torch
@@ -38,24 +39,16 @@ from triton_diffusion.adapters.captured_forwards import Capture, CapturedForward
 from triton_diffusion.adapters.devices import take_rows, to_device
 from triton_diffusion.adapters.diffusers_pipeline import counterpart_pipeline
 from triton_diffusion.adapters.image_params import Conditioning, ImageParams, LatentJob, as_run
+from triton_diffusion.adapters.job_caches import JobCaches
 from triton_diffusion.adapters.lora import LoraBank, LoraSet
 from triton_diffusion.adapters.packed_rows import ANY_SIZE
 from triton_diffusion.adapters.row_sizes import Packing, RowSizes
 from triton_diffusion.adapters.schedulers import can_batch, guide, scale_model_inputs, vectorised_step
 from triton_diffusion.adapters.starts import JobStarts
-from triton_diffusion.adapters.step_caches import (
-    CachePlan,
-    CacheState,
-    RowCaches,
-    Slot,
-    new_cache_state,
-    reused_rows,
-    servable,
-)
+from triton_diffusion.adapters.step_caches import CachePlan, CacheState, reused_rows
 from triton_diffusion.engine.failures import Failure, is_device_lost
 from triton_diffusion.engine.jobs import ForwardResult, Job, JobStart, JobStep
 from triton_diffusion.families import PipelineFacts
-from triton_diffusion.step_cache_spec import NO_CACHE, parse_step_cache
 
 log = logging.getLogger("triton_diffusion")
 
@@ -92,7 +85,6 @@ class LatentStepAdapter:
     # The pipeline calls the denoiser once per CFG branch, each under its own cache_context (FLUX.1 true
     # CFG, Qwen-Image, Wan), so each branch keeps its own cache state; else a job's rows decide together.
     cache_per_branch = False
-    row_caches: RowCaches | None = None  # the hooks of the step caches (set in __init__ where served)
 
     def __init__(self, pipe: Any, facts: PipelineFacts, schedulers: Any, max_sequence_length: int | None):
         traits = facts.traits
@@ -118,9 +110,8 @@ class LatentStepAdapter:
             name: type(schedulers[name]).from_config(schedulers[name].config) for name in schedulers.names
         }
         # The step caches this model serves: the family's, where diffusers' hooks apply to its blocks.
-        self.cache_methods = servable(self.model, self.cache_methods)
-        if self.cache_methods:  # hooks that do nothing in a forward without a cached row
-            self.row_caches = RowCaches(self.model, self.cache_methods)
+        self.caches = JobCaches(self.model, self.cache_methods, self.cache_per_branch)
+        self.cache_methods = self.caches.methods
         self.sizes = self.row_sizes()
 
     # ---- what the engine and the model call (the collaborators') ----------------------------------------
@@ -252,68 +243,20 @@ class LatentStepAdapter:
         return self.loras.rows(adapters, self.to_device)
 
     def new_cache_state(self, request: ImageParams, guided: bool) -> CacheState | None:
-        """A new job's step-cache state (step_caches.py), or None without a cache."""
-        if not request.step_cache or self.row_caches is None:
-            return None
-        return new_cache_state(request.step_cache, 2 if guided and self.cache_per_branch else 1)
+        """A new job's step-cache state (job_caches.py), or None without a cache."""
+        return self.caches.new_state(request.step_cache, guided)
 
     def start_caches(self, jobs: list[Job]) -> list[str | None]:
-        """Give these running jobs the cache the scheduler gave them (``queue.cache_given``:
-        engine/degradation.py) from their next step: a fresh state, as diffusers' cache enabled between two
-        steps starts. Per job, None, or why not (it runs on without one)."""
-        refused: list[str | None] = []
-        for job in jobs:
-            state: LatentJob = job.state
-            given = job.queue.cache_given
-            spec = parse_step_cache(given.step_cache) if given is not None else NO_CACHE
-            if not spec or self.row_caches is None or spec.method not in self.cache_methods:
-                refused.append(f"{spec.text} is not served by this model")
-            elif state.cache is not None:
-                refused.append(f"it runs {state.cache.spec.text} already")
-            elif job.run.group == ANY_SIZE:  # a packed forward's shared mask does not follow a cache
-                refused.append("it shares forwards with jobs of other sizes")
-            else:
-                branches = 2 if state.unconditional is not None and self.cache_per_branch else 1
-                state.cache = new_cache_state(spec, branches)
-                refused.append(None)
-        return refused
+        """Give these running jobs the cache the scheduler gave them (job_caches.py)."""
+        return self.caches.start(jobs)
 
-    def cache_plan(self, jobs: list[Job], adapters: list[LoraSet]) -> CachePlan | None:
-        """The cached branches of a forward over these jobs' rows (None: no job has a step cache)."""
-        if self.row_caches is None:
+    def _cache_plan(self, jobs: list[Job], adapters: list[LoraSet]) -> CachePlan | None:
+        if self.caches.rows is None:
             return None
-        slots, states, row = [], [], 0
-        for job in jobs:
-            rows = list(range(row, row + self.model_rows(job)))
-            cache: CacheState | None = job.state.cache
-            if cache is not None:
-                states.append(cache)
-                if len(cache.branches) == len(rows):  # each CFG branch its own
-                    slots += [Slot[Any](branch, [r]) for branch, r in zip(cache.branches, rows, strict=True)]
-                else:
-                    slots.append(Slot[Any](cache.branches[0], rows))
-            row += len(rows)
-        if not slots:
-            return None
-        return CachePlan(row, slots, states, self._lora_subsets(adapters))
-
-    def _lora_subsets(
-        self, adapters: list[LoraSet]
-    ) -> Callable[[list[int]], contextlib.AbstractContextManager]:
-        """Around a block call over some of a forward's rows, with their adapters: each subset's plan is
-        built once per forward, though every block runs under it."""
-        loras = self.loras
+        loras, rows = self.loras, [self.model_rows(job) for job in jobs]
         if loras is None:
-            return lambda rows: contextlib.nullcontext()
-        plans: dict[tuple[int, ...], Any] = {}
-
-        def subset(rows: list[int]) -> contextlib.AbstractContextManager:
-            key = tuple(rows)
-            if key not in plans:
-                plans[key] = loras.plan_for([adapters[r] for r in key], self.to_device)
-            return loras.planned(plans[key])
-
-        return subset
+            return self.caches.plan(jobs, rows, lambda subset: contextlib.nullcontext())
+        return self.caches.plan(jobs, rows, loras.subsets(adapters, self.to_device))
 
     def model_rows(self, job: Job) -> int:
         """The denoiser rows a job adds to a forward: 2 with (true) classifier-free guidance."""
@@ -383,9 +326,9 @@ class LatentStepAdapter:
             by_size.setdefault(
                 job.spec.params.size if job.run.group == ANY_SIZE else job.run.group, []
             ).append(j)
-        plan = self.cache_plan(jobs, adapters)
+        plan = self._cache_plan(jobs, adapters)
         padded = 0
-        with torch.inference_mode(), self.adapted_rows(adapters), self.caching(plan):
+        with torch.inference_mode(), self.adapted_rows(adapters), self.caches.running(plan):
             if len(by_size) == 1:
                 # A captured graph where there is one (a forward with cached rows runs eagerly: its blocks
                 # run on the rows that compute, which a graph's fixed shapes cannot follow).
@@ -413,8 +356,7 @@ class LatentStepAdapter:
                     alone.append((j, noise[k : k + 1]))
             groups += [([members[k] for k in ks], take_rows(noise, ks)) for ks in by_class.values()]
         if plan is not None:  # nothing below raises for everyone: the caches' staged updates take effect
-            assert self.row_caches is not None  # a plan is made only with them (cache_plan)
-            self.row_caches.commit(plan)
+            self.caches.commit(plan)
         errors: dict[int, str] = {}
         for j, job_noise in alone:
             error = self._step_alone(states[j], job_noise, job_timesteps[j], self.step_output(jobs[j]))
@@ -459,13 +401,6 @@ class LatentStepAdapter:
             taken = [rows[r] for j in members for r in range(first[j], first[j] + self.model_rows(jobs[j]))]
             parts.append((members, self._guided_noise([states[j] for j in members], torch.cat(taken))))
         return parts
-
-    def caching(self, plan: CachePlan | None) -> contextlib.AbstractContextManager:
-        """Around a forward with cached rows: the step caches' hooks follow ``plan``."""
-        if plan is None:
-            return contextlib.nullcontext()
-        assert self.row_caches is not None  # a plan is made only with them (cache_plan)
-        return self.row_caches.running(plan)
 
     def _job_step(self, job: Job, error: str | None, reused: int, preview: bool) -> JobStep:
         if error is not None:

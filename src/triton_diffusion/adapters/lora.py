@@ -283,6 +283,22 @@ class LoraBank:
                 plan.by_kind[kind] = _Stack(names, to_device(torch.cat(blocks, dim=1)))
         return plan
 
+    def subsets(
+        self, adapters_per_row: Sequence[LoraSet], to_device: Callable[[torch.Tensor], torch.Tensor]
+    ) -> Callable[[list[int]], contextlib.AbstractContextManager]:
+        """Around a call over some rows of a forward whose rows are ``adapters_per_row`` (a step cache's
+        block over the rows that compute): each subset's plan is built once per forward, though every
+        block runs under it."""
+        plans: dict[tuple[int, ...], _Plan | None] = {}
+
+        def subset(rows: list[int]) -> contextlib.AbstractContextManager:
+            key = tuple(rows)
+            if key not in plans:
+                plans[key] = self.plan_for([adapters_per_row[r] for r in key], to_device)
+            return self.planned(plans[key])
+
+        return subset
+
     @contextlib.contextmanager
     def uniform(self, adapters: LoraSet) -> Iterator[None]:
         """Around a call in which every row has ``adapters`` (text encoding, a request-level call)."""

@@ -26,6 +26,9 @@ SMOOTHING = 0.2
 # Token counts kept for the fit (the least recently measured is dropped): a served model sees few sizes,
 # and a bounded table keeps the fit cheap and following what runs now.
 MAX_SIZES = 64
+# Refusals on an idle engine with no forward measured in between, after which the next newcomer the
+# estimate would refuse there runs instead (:meth:`WorkTimes.probe`).
+PROBE_AFTER = 8
 
 
 @dataclass
@@ -46,15 +49,28 @@ class WorkTimes:
     # The line through ``by_tokens`` (fixed, per token), fitted once per change: the scheduler prices
     # every held job at every engine step, and a fit over up to MAX_SIZES points each time adds up.
     _line: tuple[float, float] | None = field(default=None, repr=False)
+    _idle_refusals: int = field(default=0, repr=False)  # since the last forward measured (probe)
 
     def forward_ran(self, jobs: int, tokens: int, seconds: float, rows: int | None = None) -> None:
         """A forward of ``jobs`` jobs, ``rows`` denoiser rows (None: unknown) and ``tokens`` tokens (padding
         included) took ``seconds``."""
         tokens = max(tokens, 1)
         _remember(self.by_tokens, tokens, seconds)
-        self._line = None
+        self._line, self._idle_refusals = None, 0
         if rows is not None:
             _remember(self.by_rows_tokens, (rows, tokens), seconds)
+
+    def probe(self) -> bool:
+        """Asked where the estimate would refuse a newcomer on an idle engine: whether it runs instead (the
+        ``PROBE_AFTER`` + 1-th such refusal with no forward measured in between). A refusal there rests on
+        the estimate alone, and one that refuses everything is never measured again: a forward slowed by
+        a disturbance (another process on the device) would refuse every request for ever. The probe's
+        forwards measure again; its deadline still ends it where the estimate was right."""
+        self._idle_refusals += 1
+        if self._idle_refusals <= PROBE_AFTER:
+            return False
+        self._idle_refusals = 0
+        return True
 
     def calibrated(self, rows: int, tokens: int, seconds: float) -> None:
         """A calibration's forward at load (models/calibration.py): it prices forwards against each other
