@@ -145,7 +145,12 @@ def test_the_cost_model_described_rests_on_a_calibration_alone_before_any_traffi
 
 def test_a_probe_comes_after_probe_after_idle_refusals_and_a_forward_measured_starts_the_count_again():
     times = WorkTimes()
-    assert [times.probe() for _ in range(PROBE_AFTER + 1)] == [False] * PROBE_AFTER + [True]
-    assert [times.probe() for _ in range(PROBE_AFTER)] == [False] * PROBE_AFTER  # counted from the probe
+    requests = [object() for _ in range(3 * PROBE_AFTER + 3)]
+    first = [times.probe(r) for r in requests[: PROBE_AFTER + 1]]
+    assert first == [False] * PROBE_AFTER + [True]
+    assert times.probe(requests[PROBE_AFTER])  # the probe's other images run with it
+    after = [times.probe(r) for r in requests[PROBE_AFTER + 1 : 2 * PROBE_AFTER + 1]]
+    assert after == [False] * PROBE_AFTER  # counted from the probe
     times.forward_ran(1, 1, 0.1)  # measured: the estimate is fresh again
-    assert [times.probe() for _ in range(PROBE_AFTER + 1)] == [False] * PROBE_AFTER + [True]
+    again = [times.probe(r) for r in requests[2 * PROBE_AFTER + 1 :]]
+    assert again == [False] * PROBE_AFTER + [True, False]

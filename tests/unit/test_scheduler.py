@@ -181,6 +181,37 @@ def test_an_estimate_that_refuses_all_on_an_idle_engine_is_probed_and_measured_a
     assert h.adapter.forwards
 
 
+def test_the_probe_runs_every_image_of_its_request_and_never_runs_beside_other_work():
+    """After PROBE_AFTER refusals on an idle engine, a two-image request runs as the probe, both images
+    (judged one after the other, the second with the first's work ahead of it). A running job is other
+    work: refusals beside it are never probes (its forwards measure)."""
+    h = Harness(max_running=2, max_per_forward=2, max_paused=0)
+    h.measure(0.1)
+    for _ in range(10):
+        h.engine.times.forward_ran(1, 1, 1.0)
+    for i in range(PROBE_AFTER):
+        refused = h.job(f"refused{i}", DEFAULT, 4, deadline_s=0.6)
+        h.add(refused)
+        h.step(0.01)
+        assert refused.request.channel.finals[0].code is ErrorCode.UNAVAILABLE
+    pair = [h.job("pair", DEFAULT, 4, deadline_s=0.6) for _ in range(2)]
+    pair[1].request, pair[1].spec = pair[0].request, replace(pair[1].spec, index=1)
+    h.add(*pair)
+    h.step(0.01)
+    assert h.adapter.forwards[-1] == ["pair", "pair"]  # both images started and stepped
+    h = Harness(max_running=2, max_per_forward=2, max_paused=0)
+    h.measure(0.1)
+    busy = h.job("busy", DEFAULT, 50)
+    h.add(busy)
+    h.step(0.01)
+    h.engine.times.forward_ran = lambda *args, **kwargs: None  # frozen: slow, as measured
+    for i in range(2 * PROBE_AFTER):
+        late = h.job(f"late{i}", DEFAULT, 8, deadline_s=0.5)
+        h.add(late)
+        h.step(0.01)
+        assert late.request.channel.finals[0].code is ErrorCode.UNAVAILABLE, i
+
+
 def test_best_effort_never_refuses_or_ends_for_a_deadline():
     h = Harness(max_running=1, max_per_forward=1, max_paused=0, refuse_late=False)
     h.measure(0.5)
@@ -282,6 +313,40 @@ def test_tier_pause_deadline_pauses_a_running_job_only_where_its_deadline_needs_
     h.drain()
     for job in (low, mid, urgent):  # every one answered with its image
         assert job.request.channel.finals == [{"out": f"out:{job.request.request_id}"}]
+
+
+def test_tier_pause_deadline_admits_the_job_it_paused_for_whatever_the_cohort():
+    """With a cohort above 1, a newcomer whose deadline needs the pause (3 steps after the running set's
+    4: 0.7 s of 0.6 s) pauses the lowest job and goes into the place it made, though it would be in time
+    after the cohort's shorter wait (1 forward: 0.4 s): no job is paused for nothing."""
+    h = Harness(max_running=2, max_per_forward=2, max_paused=2, pause_by="deadline")
+    h.measure(0.1)
+    times = h.engine.times  # frozen: the fake forwards' own timings are not taken
+    times.forward_ran = times.started = times.finished = lambda *args, **kwargs: None
+    h.engine.scheduler.pacing = AdmissionPacing(cohort=2, max_wait_steps=1)
+    low, mid = h.job("low-flex", FLEX, 6), h.job("default", DEFAULT, 6)
+    h.add(low, mid)
+    h.step()
+    h.step()  # both ran two steps: four left
+    urgent = h.job("urgent", PRIORITY, 3, deadline_s=0.6)
+    h.add(urgent)
+    h.step()
+    assert low in h.engine.scheduler.paused and "urgent" in h.adapter.forwards[-1]
+
+
+@pytest.mark.parametrize("pause_by", ["tier", "deadline"])
+def test_the_refusal_estimate_counts_no_wait_where_a_pause_is_there_for_it(pause_by):
+    """A full running set that a newcomer of a higher tier could pause one of holds it back by nothing in
+    the estimate that refuses it, in either tier_pause: under deadline it waits only where that is in
+    time (10 s here), so the refusal need not price the wait."""
+    h = Harness(max_running=2, max_per_forward=2, max_paused=2, pause_by=pause_by)
+    h.measure(0.1)
+    low, mid = h.job("low-flex", FLEX, 6), h.job("default", DEFAULT, 6)
+    h.add(low, mid)
+    h.step()
+    urgent = h.job("urgent", PRIORITY, 3, deadline_s=10.0)
+    scheduler = h.engine.scheduler
+    assert scheduler._held_back_s(urgent, h.clock.now, (low, mid)) == 0.0
 
 
 def test_nobody_is_paused_for_a_peer_or_beyond_max_paused():

@@ -49,27 +49,33 @@ class WorkTimes:
     # The line through ``by_tokens`` (fixed, per token), fitted once per change: the scheduler prices
     # every held job at every engine step, and a fit over up to MAX_SIZES points each time adds up.
     _line: tuple[float, float] | None = field(default=None, repr=False)
-    _idle_refusals: int = field(default=0, repr=False)  # since the last forward measured (probe)
+    # Refusals on an idle engine since the last forward measured, and the request run as a probe (probe).
+    _idle_refusals: int = field(default=0, repr=False)
+    _probing: object = field(default=None, repr=False)
 
     def forward_ran(self, jobs: int, tokens: int, seconds: float, rows: int | None = None) -> None:
         """A forward of ``jobs`` jobs, ``rows`` denoiser rows (None: unknown) and ``tokens`` tokens (padding
         included) took ``seconds``."""
         tokens = max(tokens, 1)
         _remember(self.by_tokens, tokens, seconds)
-        self._line, self._idle_refusals = None, 0
+        self._line, self._idle_refusals, self._probing = None, 0, None
         if rows is not None:
             _remember(self.by_rows_tokens, (rows, tokens), seconds)
 
-    def probe(self) -> bool:
-        """Asked where the estimate would refuse a newcomer on an idle engine: whether it runs instead (the
-        ``PROBE_AFTER`` + 1-th such refusal with no forward measured in between). A refusal there rests on
-        the estimate alone, and one that refuses everything is never measured again: a forward slowed by
-        a disturbance (another process on the device) would refuse every request for ever. The probe's
-        forwards measure again; its deadline still ends it where the estimate was right."""
+    def probe(self, request: object) -> bool:
+        """Asked where the estimate would refuse a newcomer (an image of ``request``) on an idle engine:
+        whether it runs instead (the ``PROBE_AFTER`` + 1-th such request with no forward measured in
+        between; every image of it). A refusal there rests on the estimate alone, and an estimate that
+        refuses everything is never measured again: forwards measured slow for a while (a disturbance, or
+        the line's flat fallback pricing a lone forward at the mean of larger ones) would refuse every
+        request for ever. The probe's forwards measure again; its deadline still ends it where the
+        estimate was right."""
+        if request is self._probing:
+            return True
         self._idle_refusals += 1
         if self._idle_refusals <= PROBE_AFTER:
             return False
-        self._idle_refusals = 0
+        self._idle_refusals, self._probing = 0, request
         return True
 
     def calibrated(self, rows: int, tokens: int, seconds: float) -> None:

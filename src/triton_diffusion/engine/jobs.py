@@ -331,3 +331,24 @@ class StepReport:
     checkpoints: list[tuple[Job, Any]] = field(default_factory=list)
     running: int = 0  # jobs in the running set after the step
     paused_now: int = 0  # jobs paused after the step
+
+
+@dataclass
+class SchedulerOutput:
+    """One engine step's decisions before its forward."""
+
+    admit: list[Job] = field(default_factory=list)  # start these (the adapter), then they run
+    resume: list[Job] = field(default_factory=list)  # paused jobs back in the running set
+    pause: list[Job] = field(default_factory=list)  # running jobs paused for a higher tier
+    leave: list[Left] = field(default_factory=list)  # ended, refused or expired: out of every queue
+    cache: list[Job] = field(default_factory=list)  # running jobs given their step cache (the adapter's)
+
+
+@dataclass
+class ForwardOutcome:
+    """One forward's results as applied (:meth:`Scheduler.update`): what to report and what follows."""
+
+    stepped: list[Stepped] = field(default_factory=list)
+    done: list[Job] = field(default_factory=list)  # took their last step: decode them
+    failed: list[tuple[Job, RequestError]] = field(default_factory=list)  # their own step failed
+    rows_reused: int = 0

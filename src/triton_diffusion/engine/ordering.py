@@ -200,7 +200,8 @@ class AdmissionPacing:
     has waited ``max_wait_steps`` engine steps (no job waits long for a cohort that does not form). An
     idle engine admits at once, and at low load places are free, so a newcomer still starts at the next
     step. ``cohort`` 1 admits whenever there is room. A job of a higher tier than some running job is
-    never held back for a cohort (the scheduler admits it at once, pausing a lower one if it must).
+    not held back for a cohort (the scheduler admits it at once, pausing a lower one if it must), under
+    ``Service.pause_by`` deadline only where its deadline needs it.
     """
 
     cohort: int = 1

@@ -7,7 +7,8 @@ decides and tells it what happened.
 - Admission: newcomers join the running set while it has room, in order (tier, least slack, arrival),
   paced into cohorts while the engine is busy (AdmissionPacing); a job that outranks a running one by
   tier is admitted at once, pausing the lowest running job if the set is full (at most ``max_paused``
-  paused). Paused jobs resume before newcomers of their tier, as they were.
+  paused; ``Service.pause_by`` deadline: only where its deadline needs it). Paused jobs resume before
+  newcomers of their tier, as they were.
 - Deadlines: a newcomer whose deadline the estimate (estimates.py) says it cannot meet, given the work
   that goes before it, is refused at once (on an idle engine, now and then one runs: a probe of the
   estimate, WorkTimes.probe); a job whose deadline passes leaves at the next step.
@@ -40,7 +41,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from functools import partial
 
 from triton_diffusion.engine.degradation import (
@@ -55,11 +55,13 @@ from triton_diffusion.engine.forward_caps import EngineLimits, ForwardCaps
 from triton_diffusion.engine.forward_choice import choose_group, fill, gate
 from triton_diffusion.engine.jobs import (
     Computed,
+    ForwardOutcome,
     ForwardResult,
     Job,
     JobStart,
     Left,
     Packing,
+    SchedulerOutput,
     Stepped,
     forward_group,
     rows_and_tokens,
@@ -71,27 +73,6 @@ from triton_diffusion.engine.request_status import Abort, Request, RequestTable,
 from triton_diffusion.errors import ErrorCode, RequestError
 
 log = logging.getLogger("triton_diffusion")
-
-
-@dataclass
-class SchedulerOutput:
-    """One engine step's decisions before its forward."""
-
-    admit: list[Job] = field(default_factory=list)  # start these (the adapter), then they run
-    resume: list[Job] = field(default_factory=list)  # paused jobs back in the running set
-    pause: list[Job] = field(default_factory=list)  # running jobs paused for a higher tier
-    leave: list[Left] = field(default_factory=list)  # ended, refused or expired: out of every queue
-    cache: list[Job] = field(default_factory=list)  # running jobs given their step cache (the adapter's)
-
-
-@dataclass
-class ForwardOutcome:
-    """One forward's results as applied (:meth:`Scheduler.update`): what to report and what follows."""
-
-    stepped: list[Stepped] = field(default_factory=list)
-    done: list[Job] = field(default_factory=list)  # took their last step: decode them
-    failed: list[tuple[Job, RequestError]] = field(default_factory=list)  # their own step failed
-    rows_reused: int = 0
 
 
 class Scheduler:
@@ -247,7 +228,7 @@ class Scheduler:
             job, ahead_work, behind, self._held_back_s(job, now, behind), job.remaining
         )
         idle = not self.starting and all(j.request is job.request for j in ahead)
-        if now + estimate <= job.spec.deadline or idle and self.times.probe():
+        if now + estimate <= job.spec.deadline or idle and self.times.probe(job.request):
             return False  # in time; or on an idle engine, a probe of an estimate that refuses all there
         self.waiting.remove(job)
         estimated = (now - job.request.entered + estimate) * 1000
@@ -272,8 +253,8 @@ class Scheduler:
         """A full running set that a waiting ``job`` may not pause anyone in holds it until a running job
         ``behind`` it in order is done: those seconds (else 0)."""
         full = len(self.running) + len(self.starting) >= self.limits.max_running
-        if not (full and behind) or self._victim(job, now) is not None:
-            return 0.0
+        if not (full and behind) or self._victim(job, now, by_need=False) is not None:
+            return 0.0  # it pauses one (tier_pause deadline: where it waits, it is in time waiting)
         return min(j.remaining for j in behind) * self.times.forward_s(
             sum(j.spec.tokens for j in self.running)
         )
@@ -379,10 +360,12 @@ class Scheduler:
         room = self.limits.max_running - len(self.running)
         oldest = min((j.queue.queued_at for j in self.waiting), default=self.step)
         due = self.pacing.due(len(self.running), room, self.step - 1 - oldest)
+        cohort_wait = self.pacing.max_wait_steps
         for job in candidates:
             # Only a strictly higher tier (by its own, not by aging) pauses a running job or skips the
             # cohort: with one tier nobody is ever paused and pacing is the only gate.
             outranks = any(j.spec.tier > job.spec.tier for j in self.running)
+            victim = None
             if room <= 0:
                 victim = self._victim(job, now) if outranks else None
                 if victim is None:
@@ -391,7 +374,8 @@ class Scheduler:
                 room += 1
             if job in self.paused:
                 self._resume(job, now, out)
-            elif due or outranks and not self._waits_in_time(job, now, self.pacing.max_wait_steps):
+            # A job paused for it has made its place: it goes in, whatever the cohort.
+            elif due or victim is not None or outranks and not self._waits_in_time(job, now, cohort_wait):
                 self.waiting.remove(job)
                 self._ready(job, now)
                 self.starting.append(job)
@@ -399,11 +383,12 @@ class Scheduler:
             # else: held for a cohort; its place is kept, so no lower job resumes into it
             room -= 1
 
-    def _victim(self, job: Job, now: float) -> Job | None:
+    def _victim(self, job: Job, now: float, by_need: bool = True) -> Job | None:
         """The running job to pause for ``job``: of a strictly lower tier and not aged up to ``job``'s
         effective tier (an aged job is never paused again), the lowest, most slack, most work left. None
-        where ``job`` may wait in time (:meth:`_waits_in_time`)."""
-        if len(self.paused) >= self.limits.max_paused or self._waits_in_time(job, now):
+        where ``job`` may wait in time (:meth:`_waits_in_time`; ``by_need`` False: whether one would be
+        paused if its deadline needed it)."""
+        if len(self.paused) >= self.limits.max_paused or by_need and self._waits_in_time(job, now):
             return None
         tier = self.service.effective_tier(job, now)
         lower = [
@@ -416,16 +401,21 @@ class Scheduler:
     def _waits_in_time(self, job: Job, now: float, forwards: int | None = None) -> bool:
         """tier_pause ``deadline``: whether ``job`` (with a deadline, the load not shown above capacity) is
         done within ``CUT_TARGET`` of its time left waiting ``forwards`` of the running set (None: until one
-        is done), then sharing theirs (the work ahead of it uncounted). Then it neither pauses a running job
-        nor skips the admission cohort: a paused job loses its place and may miss its own deadline."""
+        is done), then the waiting and paused jobs before it in order, sharing the running set's forwards.
+        Then it neither pauses a running job nor skips the admission cohort: a paused job loses its place
+        and may miss its own deadline (the margin, as a cut's: the estimate is an average)."""
         if self.service.pause_by != "deadline" or self.overloaded or job.spec.deadline is None:
             return False
         running = tuple(j for j in self.running if not j.status.ended)
         if not running or not self.times.measured:
             return False
+        mine = self.order_key(job, now)
+        held = (j for j in self.waiting + self.paused if j is not job and not j.status.ended)
+        ahead = sum(j.remaining * j.spec.tokens for j in held if self.order_key(j, now) < mine)
         forwards = min(j.remaining for j in running) if forwards is None else forwards
         wait = forwards * self.times.forward_s(sum(j.spec.tokens for j in running))
-        return self._finish_in(job, 0, running, wait, job.remaining) <= (job.spec.deadline - now) * CUT_TARGET
+        done_in = self._finish_in(job, ahead, running, wait, job.remaining)
+        return done_in <= (job.spec.deadline - now) * CUT_TARGET
 
     def _pause(self, job: Job, now: float, out: SchedulerOutput) -> None:
         self.running.remove(job)
