@@ -141,6 +141,11 @@ BLOCKS: dict[str, Figure] = {
         "goodput.render",
         "bench.py goodput --variants tiers,tiers-room --no-deadline-share 0.3 --room 1",
     ),
+    "goodput-tier-pause": Figure(
+        ("docs/cpu/goodput_tier_pause/goodput.json",),
+        "goodput.render",
+        "bench.py goodput --variants fifo,tiers-room,tiers-need --room 1",
+    ),
     "goodput-sd15-h100": Figure(
         ("docs/profiles/sd15-h100/goodput.json",),
         "goodput.render",
