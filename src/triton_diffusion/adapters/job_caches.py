@@ -29,9 +29,8 @@ RowSubsets = Callable[[list[int]], contextlib.AbstractContextManager]
 
 class JobCaches:
     """Of the family's ``methods``, those diffusers' hooks apply to ``model`` (``methods``), with the hooks
-    installed once (``rows``; None where it serves none). ``per_branch``: the pipeline calls the denoiser
-    once per CFG branch, each under its own cache context (FLUX.1 true CFG, Qwen-Image, Wan), so each
-    branch keeps its own state; else a job's rows decide together."""
+    installed once (``rows``; None where it serves none). ``per_branch``: the family's
+    ``cache_per_branch`` (latent_loop.py): each CFG branch keeps its own state."""
 
     def __init__(self, model: torch.nn.Module, methods: Sequence[str], per_branch: bool) -> None:
         self.methods = servable(model, methods)
