@@ -150,8 +150,6 @@ BLOCKS: dict[str, Figure] = {
         ("docs/profiles/sd15-h100/goodput.json",),
         "goodput.render",
         "bench.py goodput --device-profile sd15-h100",
-        stale="taken before degradation looked at the load offered (engine/overload.py, commit bc368e5) and"
-        " not taken again since: its degrade variants ran the queue's rule alone",
     ),
     # Published: rows of a published table (not measured here).
     "published-flux-quality": Figure(

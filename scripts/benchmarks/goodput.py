@@ -81,8 +81,8 @@ NEED_MODEL = "goodput_need"
 def models(cap: int, room: float = 3.0, variants: tuple[str, ...] = ()) -> dict[str, dict[str, str]]:
     """The models, each with its config's edits beside the shared ones: ``deadline_room`` 0 (a request
     with a deadline waits for room), and with room for requests with a deadline of ``room`` x the capacity
-    (running set and waiting room: --cap each); where a -need variant runs, the second with ``tier_pause``
-    deadline."""
+    (running set and waiting room: --cap each); where a -need variant runs, a third like the second but
+    with ``tier_pause`` deadline."""
     room_edits = {"deadline_room": str(round(room * 2 * cap))}
     need = {NEED_MODEL: {**room_edits, "tier_pause": "deadline"}} if any(map(_needs, variants)) else {}
     return {MODEL: {"deadline_room": "0"}, ROOM_MODEL: room_edits, **need}

@@ -330,8 +330,8 @@ class ModelConfig:
         "tier",
         "step engine: when a request of a higher tier pauses a running one of a lower tier (the running set "
         "full) or joins without waiting for the admission cohort: tier: always; deadline: only where the "
-        "engine's estimate says its own deadline is missed waiting, or while the load is shown above "
-        "capacity, and always for a request without a deadline (a paused job loses its place)",
+        "engine's estimate of its finish, waiting, is not within 90% of its time left, or while the load is "
+        "shown above capacity, and always for a request without a deadline (a paused job loses its place)",
         (IMAGE, IMAGE_SOURCE),
         ("tier", "deadline"),
     )

@@ -143,14 +143,18 @@ def test_the_cost_model_described_rests_on_a_calibration_alone_before_any_traffi
     assert described["forward_by_tokens"] is None  # deadlines wait for the traffic's own forwards
 
 
-def test_a_probe_comes_after_probe_after_idle_refusals_and_a_forward_measured_starts_the_count_again():
+def test_a_probe_comes_after_probe_after_idle_refusals_drops_the_estimate_and_a_forward_counts_again():
     times = WorkTimes()
-    requests = [object() for _ in range(3 * PROBE_AFTER + 3)]
-    first = [times.probe(r) for r in requests[: PROBE_AFTER + 1]]
-    assert first == [False] * PROBE_AFTER + [True]
-    assert times.probe(requests[PROBE_AFTER])  # the probe's other images run with it
-    after = [times.probe(r) for r in requests[PROBE_AFTER + 1 : 2 * PROBE_AFTER + 1]]
-    assert after == [False] * PROBE_AFTER  # counted from the probe
-    times.forward_ran(1, 1, 0.1)  # measured: the estimate is fresh again
-    again = [times.probe(r) for r in requests[2 * PROBE_AFTER + 1 :]]
-    assert again == [False] * PROBE_AFTER + [True, False]
+    for tokens in (1, 8):
+        times.forward_ran(tokens, tokens, 1.0)
+    times.started(1, 0.5)
+    times.finished(1, 0.5)
+    assert [times.probe() for _ in range(PROBE_AFTER)] == [False] * PROBE_AFTER
+    assert times.measured and times.forward_s(1) == 1.0  # kept until the probe
+    assert times.probe()
+    assert not times.measured and times.forward_s(1) == 0.0 and times.fixed_s == 0.0  # learned again
+    times.forward_ran(1, 1, 0.1)
+    assert times.forward_s(1) == 0.1
+    assert [times.probe() for _ in range(PROBE_AFTER)] == [False] * PROBE_AFTER  # counted afresh
+    times.forward_ran(1, 1, 0.1)  # a forward measured starts the count again
+    assert [times.probe() for _ in range(PROBE_AFTER + 1)] == [False] * PROBE_AFTER + [True]

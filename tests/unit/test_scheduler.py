@@ -285,6 +285,7 @@ def test_a_higher_tier_pauses_the_lowest_running_job_which_resumes_where_it_was(
         ("deadline", None, False, True),
         ("deadline", 10.0, False, False),
         ("deadline", 0.6, False, True),
+        ("deadline", 0.85, False, True),
         ("deadline", 10.0, True, True),
     ],
 )
@@ -293,8 +294,9 @@ def test_tier_pause_deadline_pauses_a_running_job_only_where_its_deadline_needs_
 ):
     """tier_pause tier: a higher tier pauses the lowest, whatever its deadline. deadline: without a
     deadline its tier decides; with one it meets waiting for room (4 steps of the running jobs, then its
-    3: 0.7 s of 10 s) nobody is paused, and it starts when a running job is done; with one it misses so
-    (0.7 s of 0.6 s) the lowest is paused for it; while the load is shown above capacity its tier decides."""
+    3: 0.7 s of 10 s) nobody is paused; with one it misses so (0.7 s of the 0.5 s left at its step, 0.1 s
+    after it was sent), or meets only without the margin (0.7 s of 0.75 s left, past 90% of it), the
+    lowest is paused for it; while the load is shown above capacity its tier decides."""
     h = Harness(max_running=2, max_per_forward=2, max_paused=2, pause_by=pause_by)
     h.measure(0.1)
     times = h.engine.times  # frozen: the fake forwards' own timings are not taken
@@ -368,12 +370,19 @@ def test_nobody_is_paused_for_a_peer_or_beyond_max_paused():
 
 @pytest.mark.parametrize(
     ("pause_by", "deadline_s", "skips"),
-    [("tier", 10.0, True), ("deadline", None, True), ("deadline", 10.0, False), ("deadline", 0.5, True)],
+    [
+        ("tier", 10.0, True),
+        ("deadline", None, True),
+        ("deadline", 10.0, False),
+        ("deadline", 1.0, False),
+        ("deadline", 0.5, True),
+    ],
 )
 def test_a_higher_tier_skips_admission_pacing_by_its_tier_pause(pause_by, deadline_s, skips):
     """tier_pause tier: a higher tier is admitted at once. deadline: without a deadline, too; with one it
-    meets after the cohort's longest wait (5 forwards of 0.1 s, then its 2: 0.7 s of 10 s) it waits for
-    the cohort like its peers; with one it misses so (0.7 s of 0.5 s) it is admitted at once."""
+    meets after the cohort's longest wait (5 forwards of 0.1 s, then its 2: 0.7 s of 10 s, or of 1 s,
+    though waiting for the running job to be done would miss it) it waits for the cohort like its peers;
+    with one it misses so (0.7 s of 0.5 s) it is admitted at once."""
     h = Harness(max_running=4, max_per_forward=4, max_paused=0, pause_by=pause_by)
     h.measure(0.1)
     times = h.engine.times  # frozen: the fake forwards' own timings are not taken

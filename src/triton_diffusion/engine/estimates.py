@@ -49,33 +49,30 @@ class WorkTimes:
     # The line through ``by_tokens`` (fixed, per token), fitted once per change: the scheduler prices
     # every held job at every engine step, and a fit over up to MAX_SIZES points each time adds up.
     _line: tuple[float, float] | None = field(default=None, repr=False)
-    # Refusals on an idle engine since the last forward measured, and the request run as a probe (probe).
-    _idle_refusals: int = field(default=0, repr=False)
-    _probing: object = field(default=None, repr=False)
+    _idle_refusals: int = field(default=0, repr=False)  # since the last forward measured (probe)
 
     def forward_ran(self, jobs: int, tokens: int, seconds: float, rows: int | None = None) -> None:
         """A forward of ``jobs`` jobs, ``rows`` denoiser rows (None: unknown) and ``tokens`` tokens (padding
         included) took ``seconds``."""
         tokens = max(tokens, 1)
         _remember(self.by_tokens, tokens, seconds)
-        self._line, self._idle_refusals, self._probing = None, 0, None
+        self._line, self._idle_refusals = None, 0
         if rows is not None:
             _remember(self.by_rows_tokens, (rows, tokens), seconds)
 
-    def probe(self, request: object) -> bool:
-        """Asked where the estimate would refuse a newcomer (an image of ``request``) on an idle engine:
-        whether it runs instead (the ``PROBE_AFTER`` + 1-th such request with no forward measured in
-        between; every image of it). A refusal there rests on the estimate alone, and an estimate that
-        refuses everything is never measured again: forwards measured slow for a while (a disturbance, or
-        the line's flat fallback pricing a lone forward at the mean of larger ones) would refuse every
-        request for ever. The probe's forwards measure again; its deadline still ends it where the
-        estimate was right."""
-        if request is self._probing:
-            return True
+    def probe(self) -> bool:
+        """Asked where the estimate would refuse a newcomer on an idle engine: whether to drop it instead
+        (the ``PROBE_AFTER`` + 1-th such refusal with no forward measured in between), so that newcomer
+        runs and the estimate is learned again from its forwards on. A refusal there rests on the estimate
+        alone, and an estimate that refuses everything is never measured again: times measured slow for a
+        while (contention, a disturbance) and kept for sizes no longer run would refuse every request for
+        ever, and a probe's own forwards refresh only its size. Dropped, nothing is refused until a forward
+        is measured (as at load); where the estimate was right, the probe's deadline still ends it."""
         self._idle_refusals += 1
         if self._idle_refusals <= PROBE_AFTER:
             return False
-        self._idle_refusals, self._probing = 0, request
+        self.by_tokens.clear()
+        self._line, self._idle_refusals, self.start_s, self.finish_s = None, 0, None, None
         return True
 
     def calibrated(self, rows: int, tokens: int, seconds: float) -> None:

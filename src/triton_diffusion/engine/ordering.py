@@ -158,9 +158,9 @@ class Service:
     among such jobs (the starvation bound; 0: no aging). ``refuse_late``: a job whose deadline the estimate
     says it cannot meet is refused at admission (deadline_policy ``refuse``), else it runs anyway
     (``best_effort``). ``pause_by``: when a job of a higher tier pauses a running job of a lower one (the
-    running set full) or skips the admission cohort: ``tier``, always; ``deadline``, only where its own
-    deadline needs it (the scheduler's estimate misses it waiting) or while the load is shown above
-    capacity (engine/overload.py), and always for a job without a deadline."""
+    running set full) or skips the admission cohort: ``tier``, always; ``deadline``, only where the
+    scheduler's estimate of its finish, waiting, is not within 90% of its time left, or while the load is
+    shown above capacity (engine/overload.py), and always for a job without a deadline."""
 
     tiers: tuple[str, ...] = ("priority", "default", "flex")
     aging_s: float = 0.0

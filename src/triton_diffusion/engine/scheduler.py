@@ -10,8 +10,8 @@ decides and tells it what happened.
   paused; ``Service.pause_by`` deadline: only where its deadline needs it). Paused jobs resume before
   newcomers of their tier, as they were.
 - Deadlines: a newcomer whose deadline the estimate (estimates.py) says it cannot meet, given the work
-  that goes before it, is refused at once (on an idle engine, now and then one runs: a probe of the
-  estimate, WorkTimes.probe); a job whose deadline passes leaves at the next step.
+  that goes before it, is refused at once (on an idle engine that refused many in a row, the estimate is
+  dropped and the next runs: WorkTimes.probe); a job whose deadline passes leaves at the next step.
 - Degradation: before that, a waiting job whose request allows fewer steps is given the most steps with
   which the same estimate meets its deadline, and one late even so has waiting jobs ahead of it (of its
   tier or lower, in time, allowing fewer steps) cut to make room for it (none cut where every deadline
@@ -228,8 +228,8 @@ class Scheduler:
             job, ahead_work, behind, self._held_back_s(job, now, behind), job.remaining
         )
         idle = not self.starting and all(j.request is job.request for j in ahead)
-        if now + estimate <= job.spec.deadline or idle and self.times.probe(job.request):
-            return False  # in time; or on an idle engine, a probe of an estimate that refuses all there
+        if now + estimate <= job.spec.deadline or idle and self.times.probe():
+            return False  # in time; or on an idle engine, an estimate that refuses all there is dropped
         self.waiting.remove(job)
         estimated = (now - job.request.entered + estimate) * 1000
         why = f"estimated {estimated:.0f} ms with {ahead_work} token-steps ahead"
