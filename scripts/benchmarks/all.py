@@ -1,5 +1,6 @@
-"""Re-take every CPU figure: each CPU benchmark in turn, sized to its share of one budget (144 minutes on
-the project's 2-core host), then ``scripts/figures.py`` renders every block.
+"""Re-take every CPU figure: each CPU benchmark in turn, each with its time limit (seconds on the
+project's 2-core host; their sum is the default budget, which --budget-s scales), then
+``scripts/figures.py`` renders every block.
 
     .venv/bin/python scripts/bench.py all --out docs                 # every CPU benchmark, then figures
     .venv/bin/python scripts/bench.py all --out docs --only engines,mixed_sizes
@@ -29,35 +30,35 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.common import REPO_ROOT
+from triton_diffusion.engine.overload import WINDOW
 
-BUDGET_S = 144 * 60
-# The goodput benchmark on this CPU, in steady state (150 requests a run, 3 variants, 5 loads): about 10
-# minutes (5 variants ran past its 13 minutes on a slower day).
-GOODPUT_SHARE = 0.0906
-# The crash soak's share: 5 rounds of 2 runs of 150-step jobs (13 minutes measured, --mid-job 75); the others
-# keep the minutes they had under a 40-minute budget.
-CRASH_SOAK_SHARE = 0.1271
+# Each take's time limit, in seconds on the project's 2-core host (a --budget-s scales them all).
+# The goodput benchmark on this CPU, in steady state (278 requests a run, the first 128 the warm-up, 3
+# variants, 5 loads): about 1.9 x the 10 minutes of 150 a run.
+GOODPUT_S = 1500
+# The crash soak: 5 rounds of 2 runs of 150-step jobs (13 minutes measured, --mid-job 75).
+CRASH_SOAK_S = 1098
 # The goodput benchmark's room at the door (tiny SD, 2 variants, 4 loads), on traffic with deadlines and on
 # mixed traffic at the default room and at 3 x: about 7 minutes each.
-GOODPUT_MIXED_SHARE = 0.0491
+GOODPUT_MIXED_S = 424
 # The goodput benchmark's step cache for the steps left (tiny FLUX.1 at 256x256, 4 variants, 3 loads):
 # 14.7 minutes measured.
-GOODPUT_CACHE_SHARE = 0.1285
+GOODPUT_CACHE_S = 1110
 # The tier's pause by its deadline's need against by tier (tiny SD, 3 variants, 5 loads): about 10 minutes.
-GOODPUT_TIER_PAUSE_SHARE = 0.0903
+GOODPUT_TIER_PAUSE_S = 780
 # The goodput benchmark at an H100's cost ratios, 5 variants: about 17 minutes (a GPU's forwards: 0.7 s a
 # request).
-GOODPUT_SD15_SHARE = 0.1511
+GOODPUT_SD15_S = 1306
 
 
 @dataclass(frozen=True)
 class Take:
     """One benchmark of the plan: its name (bench.py NAME), its arguments (``{out}`` is the --out folder)
-    and its share of the budget."""
+    and its time limit (seconds at the default budget)."""
 
     name: str
     args: tuple[str, ...]
-    share: float  # of the budget
+    limit_s: int  # at the default budget (the plan's sum)
     script: str = ""  # a script of its own instead of scripts/bench.py NAME
     benchmark: str = ""  # bench.py's NAME where it is not ``name`` (one benchmark taken twice)
 
@@ -80,7 +81,7 @@ def _door(name: str, traffic: tuple[str, ...], out: str) -> Take:
             "--out",
             f"{{out}}/cpu/{out}",
         ),
-        GOODPUT_MIXED_SHARE,
+        GOODPUT_MIXED_S,
         benchmark="goodput",
     )
 
@@ -103,7 +104,7 @@ PLAN = (
             "--out",
             "{out}/cpu",
         ),
-        0.0115,
+        99,
     ),
     # The same engines through the real server and the project's gRPC client, and the OpenAI front's
     # overhead against gRPC direct (one run each: figures, no verdict).
@@ -125,14 +126,14 @@ PLAN = (
             "--out",
             "{out}",
         ),
-        0.0136,
+        118,
     ),
     Take(
         "mixed_sizes",
         ("--rounds", "5", "--requests", "16", "--loads", "", "--out", "{out}/cpu"),
-        0.0045,
+        39,
     ),
-    Take("checkpoint_cost", ("--rounds", "15", "--engine-steps", "100", "--out", "{out}/cpu"), 0.0160),
+    Take("checkpoint_cost", ("--rounds", "15", "--engine-steps", "100", "--out", "{out}/cpu"), 138),
     # The same at an H100's cost ratios: SD 1.5's forward and decode timed as measured on one.
     Take(
         "checkpoint_cost_sd15",
@@ -148,22 +149,20 @@ PLAN = (
             "--out",
             "{out}/profiles/sd15-h100",
         ),
-        0.0136,
+        118,
         benchmark="checkpoint_cost",
     ),
-    Take(
-        "caches", ("--requests", "16", "--rounds", "5", "--threads", "1", "--out", "{out}/cpu/caches"), 0.0512
-    ),
-    Take("lora", ("--repeats", "5", "--out", "{out}/cpu/lora"), 0.0045),
+    Take("caches", ("--requests", "16", "--rounds", "5", "--threads", "1", "--out", "{out}/cpu/caches"), 442),
+    Take("lora", ("--repeats", "5", "--out", "{out}/cpu/lora"), 39),
     Take(
         "slo",
         ("--requests", "48", "--loads", "0.9,1.1", "--rounds", "5", "--out", "{out}/cpu/slo"),
-        0.0297,
+        257,
     ),
     Take(
         "slo_server",
         ("--requests", "40", "--loads", "1.1", "--rounds", "5", "--out", "{out}/cpu/slo"),
-        0.0136,
+        118,
     ),
     # Degrading rows against refusing them, through the real server at loads below and above capacity, at
     # the default room (the -room variants), against first come, first served.
@@ -175,7 +174,9 @@ PLAN = (
             "--room",
             "1",
             "--requests",
-            "150",
+            "278",
+            "--warm-up",
+            str(WINDOW),  # the load's window (engine/overload.py) filled with the run's load first
             "--loads",
             "0.5,0.8,1.2,1.5,2.0",
             "--rounds",
@@ -183,7 +184,7 @@ PLAN = (
             "--out",
             "{out}/cpu",
         ),
-        GOODPUT_SHARE,
+        GOODPUT_S,
     ),
     # A higher tier pausing a lower one by its tier (tier_pause tier, the default) against only where its
     # deadline needs it (deadline), at the default room, against first come, first served.
@@ -203,7 +204,7 @@ PLAN = (
             "--out",
             "{out}/cpu/goodput_tier_pause",
         ),
-        GOODPUT_TIER_PAUSE_SHARE,
+        GOODPUT_TIER_PAUSE_S,
         benchmark="goodput",
     ),
     # The door with deadline_room (the default's, 1 x the capacity) against without, on traffic with
@@ -230,7 +231,7 @@ PLAN = (
             "--out",
             "{out}/cpu/goodput_cache",
         ),
-        GOODPUT_CACHE_SHARE,
+        GOODPUT_CACHE_S,
         benchmark="goodput",
     ),
     # The same at an H100's cost ratios (SD 1.5 at 512x512).
@@ -248,11 +249,11 @@ PLAN = (
             "--out",
             "{out}/profiles/sd15-h100",
         ),
-        GOODPUT_SD15_SHARE,
+        GOODPUT_SD15_S,
         benchmark="goodput",
     ),
-    Take("graphs", ("--repeats", "3", "--out", "{out}/cpu"), 0.0023),
-    Take("dllm", ("--concurrency", "1,4", "--requests-per-client", "3", "--out", "{out}"), 0.0045),
+    Take("graphs", ("--repeats", "3", "--out", "{out}/cpu"), 20),
+    Take("dllm", ("--concurrency", "1,4", "--requests-per-client", "3", "--out", "{out}"), 39),
     Take(
         "crash_soak",
         (
@@ -273,20 +274,24 @@ PLAN = (
             "--out",
             "{out}/cpu",
         ),
-        CRASH_SOAK_SHARE,
+        CRASH_SOAK_S,
     ),
     # Not benchmarks, but CPU figures too: one request's walk through the package, and whether Triton can
     # reload one model whose stub died.
-    Take("request_walk", ("--out", "{out}/design/request_walk.json"), 0.0025, "scripts/request_walk.py"),
+    Take("request_walk", ("--out", "{out}/design/request_walk.json"), 22, "scripts/request_walk.py"),
     # The shipped repository's start, crash restart and idle stop, against an earlier commit (a98bd43).
     Take(
         "restart_times",
         ("--before", "a98bd43", "--rounds", "5", "--out", "{out}/cpu/restart_times.json"),
-        0.0756,
+        653,
         "scripts/restart_times.py",
     ),
-    Take("model_reload", ("--out", "{out}/cpu/model_reload.json"), 0.0206, "scripts/model_reload_check.py"),
+    Take("model_reload", ("--out", "{out}/cpu/model_reload.json"), 178, "scripts/model_reload_check.py"),
 )
+
+
+# The default budget: every take's limit.
+BUDGET_S = sum(take.limit_s for take in PLAN)
 
 
 def command(take: Take, out: Path) -> list[str]:
@@ -338,7 +343,7 @@ def main(argv: list[str] | None = None) -> None:
     record: dict = {"budget_s": args.budget_s, "benchmarks": kept}
     started = time.monotonic()
     for take in plan:
-        limit = take.share * args.budget_s
+        limit = take.limit_s * args.budget_s / BUDGET_S
         argv_ = command(take, args.out)
         print(f"[all] {take.name}: at most {limit:.0f} s: {' '.join(argv_[1:])}", flush=True)
         if args.dry_run:

@@ -1,32 +1,35 @@
 """Goodput under overload: degrading rows (fewer steps where a deadline needs it) against refusing them,
 through the real server (``bench.py goodput``).
 
-One tritonserver holds one tiny-SD model on the step engine (``deadline_policy`` refuse). Every request
-asks --steps steps and has a deadline, --deadline-scale x the latency of one such request alone through
-the server; its tier is drawn (--tiers shares of priority, default, flex). Three variants on the same
-Poisson arrivals, in rotated order, at --loads of the step engine's capacity on this traffic (closed loop
-at --cap concurrent requests, measured through the server first):
+One tritonserver holds a tiny-SD model per variant on the step engine (``deadline_policy`` refuse), so
+that no variant's run starts from the state another's traffic left (the load's window, the estimates).
+Every request asks --steps steps and has a deadline, --deadline-scale x the latency of one such request
+alone through the server; its tier is drawn (--tiers shares of priority, default, flex). The variants
+run on the same Poisson arrivals, in rotated order, at --loads of the step engine's capacity on this
+traffic (closed loop at --cap concurrent requests, measured through the server first):
 
   fifo      no tier, no deadline sent: first come, first served (the client still counts its deadline)
   tiers     each request's tier and deadline sent: refused at once where the estimate says it cannot be
             in time, ended where its deadline passes
   degrade   the same, plus ``min_inference_steps`` = --least-share x its steps: the scheduler runs it with
             the most steps that meet its deadline where what it asked would not (engine/degradation.py)
-  tiers-room    tiers on a second model of the server, the same but for ``deadline_room`` --room x
-                its capacity (3): where the model is full, a request with a deadline goes in for the
-                scheduler to refuse or order it instead of waiting for room in execute() (holding up the
-                requests behind it, higher tiers among them)
-  degrade-room  degrade on that model
-  tiers-need, degrade-need  tiers-room and degrade-room on a third model, the same but for ``tier_pause``
+  tiers-room    tiers on a model the same but for ``deadline_room`` --room x its capacity (3): where
+                the model is full, a request with a deadline goes in for the scheduler to refuse or
+                order it instead of waiting for room in execute() (holding up the requests behind it,
+                higher tiers among them)
+  degrade-room  degrade on such a model
+  tiers-need, degrade-need  tiers-room and degrade-room on models the same but for ``tier_pause``
                 deadline: a higher tier pauses a running job, or skips the admission cohort, only where its
                 deadline needs it or the load is shown above capacity (engine/scheduler.py)
   cache, cache-room  (--variants; a DiT family, e.g. --arch tiny-flux) tiers and tiers-room, plus
                 ``degrade_step_cache`` = --degrade-cache: a started request late for its deadline at full
                 compute is given that step cache for its steps left (engine/degradation.py)
 
-The first three run on a model with ``deadline_room`` 0 (a request with a deadline waits for room in
+The first three run on models with ``deadline_room`` 0 (a request with a deadline waits for room in
 execute(), as every request did before the room was on by default); the two -room variants read what the
-door that lets requests with a deadline in (engine_worker.py) does, each against its own variant.
+door that lets requests with a deadline in (engine_worker.py) does, each against its own variant. The first
+--warm-up arrivals of each run are not counted: the load's rule (engine/overload.py) reads its newest
+``WINDOW``, so a warm-up of as many measures each variant in the steady state of its load.
 
 Reported per run (every offered request after the warm-up counted; refused, expired and late requests
 are misses): goodput (requests that met their deadline per second of the arrival window: the same window
@@ -65,35 +68,35 @@ from verdicts import rotated_orders
 from benchmarks.arrivals import poisson_arrivals
 from benchmarks.common import REPO_ROOT, benchmark_parser
 from triton_diffusion.adapters.device_profiles import PROFILES, load_table
+from triton_diffusion.engine.overload import WINDOW
 from triton_diffusion.serving.server_process import copy_model, start_server
 from triton_diffusion.tiny_models import build_missing
 
 VARIANTS = ("fifo", "tiers", "degrade", "tiers-room", "degrade-room")
 KNOWN = (*VARIANTS, "cache", "cache-room", "tiers-need", "degrade-need")
 TIERS = ("priority", "default", "flex")
-WARM_UP_FRACTION = 0.1
+WARM_UP_FRACTION = 0.1  # of --requests, where --warm-up does not say how many
 NO_DEADLINE = "_no_deadline"  # a request of the traffic that sends no deadline (--no-deadline-share)
-MODEL = "goodput"
-ROOM_MODEL = "goodput_room"
-NEED_MODEL = "goodput_need"
 
 
 def models(cap: int, room: float = 3.0, variants: tuple[str, ...] = ()) -> dict[str, dict[str, str]]:
-    """The models, each with its config's edits beside the shared ones: ``deadline_room`` 0 (a request
-    with a deadline waits for room), and with room for requests with a deadline of ``room`` x the capacity
-    (running set and waiting room: --cap each); where a -need variant runs, a third like the second but
-    with ``tier_pause`` deadline."""
+    """A model per variant (its engine's state, the load's window and the learned estimates among it, is
+    its own: no variant's run starts from another's traffic), each with its config's edits beside the
+    shared ones: ``deadline_room`` 0 (a request with a deadline waits for room); for a -room variant, room
+    for requests with a deadline of ``room`` x the capacity (running set and waiting room: --cap each);
+    for a -need variant, that and ``tier_pause`` deadline."""
     room_edits = {"deadline_room": str(round(room * 2 * cap))}
-    need = {NEED_MODEL: {**room_edits, "tier_pause": "deadline"}} if any(map(_needs, variants)) else {}
-    return {MODEL: {"deadline_room": "0"}, ROOM_MODEL: room_edits, **need}
 
+    def edits(variant: str) -> dict[str, str]:
+        if variant.endswith("-need"):
+            return {**room_edits, "tier_pause": "deadline"}
+        return room_edits if variant.endswith("-room") else {"deadline_room": "0"}
 
-def _needs(variant: str) -> bool:
-    return variant.endswith("-need")
+    return {model_of(variant): edits(variant) for variant in variants}
 
 
 def model_of(variant: str) -> str:
-    return ROOM_MODEL if variant.endswith("-room") else NEED_MODEL if _needs(variant) else MODEL
+    return "goodput_" + variant.replace("-", "_")
 
 
 def traffic(
@@ -233,7 +236,7 @@ def why_degraded(reports: list[dict]) -> dict[str, int]:
     return counts
 
 
-def capacity(url: str, requests: list[dict], concurrency: int) -> float:
+def capacity(url: str, model: str, requests: list[dict], concurrency: int) -> float:
     """Requests per second the step engine serves of this traffic, closed loop (fifo: full steps)."""
     pending = list(enumerate(requests[: 4 * concurrency]))
     count = len(pending)
@@ -245,7 +248,7 @@ def capacity(url: str, requests: list[dict], concurrency: int) -> float:
                 if not pending:
                     return
                 index, request = pending.pop()
-            generate_one(sent(request, "fifo", 0, 0), f"cap-{index}", url, MODEL, 600.0)
+            generate_one(sent(request, "fifo", 0, 0), f"cap-{index}", url, model, 600.0)
 
     started = time.perf_counter()
     threads = [threading.Thread(target=worker) for _ in range(concurrency)]
@@ -274,6 +277,13 @@ def main(argv: list[str] | None = None) -> dict:
         default=3.0,
         help="the -room variants' deadline_room, in multiples of the capacity (running set and waiting "
         "room: 2 x --cap)",
+    )
+    parser.add_argument(
+        "--warm-up",
+        type=int,
+        help="the first arrivals of each run not counted (default: a tenth of --requests); the engine's "
+        f"load is read over its newest {WINDOW} arrivals (engine/overload.py): a warm-up of as many runs "
+        "each variant in the steady state of its load",
     )
     parser.add_argument("--size", type=int, default=64, help="image height and width (a profile: its own)")
     parser.add_argument(
@@ -341,14 +351,20 @@ def measure(url: str, args: argparse.Namespace, config: dict, path: Path) -> dic
     shares = tuple(float(x) for x in args.tiers.split(","))
     requests = traffic(args.requests, args.steps, shares, args.seed, args.size, args.no_deadline_share)
     least = max(1, round(args.steps * args.least_share))
+    warm_up = int(args.requests * WARM_UP_FRACTION) if args.warm_up is None else args.warm_up
+    if not 0 <= warm_up < args.requests:
+        raise SystemExit(f"--warm-up {warm_up}: 0 up to --requests ({args.requests}) less one")
     for i in range(3):  # warm: the engine's estimates start from measured forwards
         for name in models(args.cap, args.room, args.variants):
             generate_one(sent(requests[i], "fifo", 0, 0), "warm", url, name)
+    # Alone and the capacity on the first variant's model: without a deadline or tier sent, every model
+    # runs them alike (their edits act on requests with a deadline).
+    first = model_of(args.variants[0])
     alone = statistics.median(
-        generate_one(sent(requests[i], "fifo", 0, 0), f"alone-{i}", url, MODEL).latency_s for i in range(5)
+        generate_one(sent(requests[i], "fifo", 0, 0), f"alone-{i}", url, first).latency_s for i in range(5)
     )
     deadline_s = args.deadline_scale * alone
-    rate = capacity(url, requests, args.cap)
+    rate = capacity(url, first, requests, args.cap)
     print(f"alone {alone:.3f} s, deadline {deadline_s:.3f} s, capacity {rate:.2f} req/s", flush=True)
     report: dict = {
         "benchmark": "goodput",
@@ -369,7 +385,7 @@ def measure(url: str, args: argparse.Namespace, config: dict, path: Path) -> dic
             "degrade_step_cache": args.degrade_cache
             if any(v.startswith("cache") for v in args.variants)
             else None,
-            "warm_up_fraction": WARM_UP_FRACTION,
+            "warm_up": warm_up,
             "model_config": {k: v for k, v in config.items() if k != "model"},
             "model_of": {v: model_of(v) for v in args.variants},
             "model_edits": models(args.cap, args.room, args.variants),
@@ -383,7 +399,7 @@ def measure(url: str, args: argparse.Namespace, config: dict, path: Path) -> dic
         "complete": False,
         "provenance": provenance(),
     }
-    measured = list(range(int(args.requests * WARM_UP_FRACTION), args.requests))
+    measured = list(range(warm_up, args.requests))
     for load in report["loads"]:
         arrivals = poisson_arrivals(args.requests, load * rate, args.seed)
         window_s = arrivals[-1] - arrivals[measured[0]] if len(measured) > 1 else arrivals[-1]

@@ -45,8 +45,30 @@ PLAIN = {
 
 def room_words(c: dict) -> str:
     """The -room model's ``deadline_room``, as a multiple of the capacity (running set and waiting room)."""
-    room = int(c.get("model_edits", {}).get("goodput_room", {}).get("deadline_room", 6 * c["cap"]))
+    edits = c.get("model_edits", {})
+    room_models = [model for variant, model in c.get("model_of", {}).items() if variant.endswith("-room")]
+    room = int(edits.get(room_models[0], {}).get("deadline_room", 0)) if room_models else 0
+    room = room or 6 * c["cap"]  # an artefact from before --room: 3 x, as then
     return f"{room / (2 * c['cap']):g} x its capacity"
+
+
+def models_words(c: dict) -> str:
+    """Whether each variant ran on a model of its own, or which shared one (the artefacts before: the
+    state a run left, the load's window among it, was the next run's start on that model)."""
+    by_model: dict[str, list[str]] = {}
+    for variant, model in c.get("model_of", {}).items():
+        by_model.setdefault(model, []).append(variant)
+    shared = [" and ".join(variants) for variants in by_model.values() if len(variants) > 1]
+    if not by_model:
+        return ""
+    if not shared:
+        return "Each variant on a model of its own. "
+    return f"{'; '.join(shared)} on one model (a run starts from the state the one before it there left). "
+
+
+def warm_up(c: dict) -> int:
+    """The arrivals of a run not counted (an artefact from before --warm-up: the fraction it kept)."""
+    return c["warm_up"] if "warm_up" in c else int(c["requests"] * c["warm_up_fraction"])
 
 
 def render(artefact: dict[str, Any]) -> str:
@@ -61,7 +83,7 @@ def render(artefact: dict[str, Any]) -> str:
         )
     lines = [
         f"{model}, {c['requests']} requests a run (the first "
-        f"{int(c['requests'] * c['warm_up_fraction'])} not counted), each asking {c['steps']} steps "
+        f"{warm_up(c)} not counted), each asking {c['steps']} steps "
         "with a deadline of "
         f"{c['deadline_scale']:g}x one request alone ({artefact['deadline_s'] * 1000:.0f} ms), tiers drawn "
         f"({shares})"
@@ -74,6 +96,7 @@ def render(artefact: dict[str, Any]) -> str:
         + "; Poisson arrivals at each load of the step engine's capacity on this traffic "
         f"({artefact['capacity']:.2f} requests/s, closed loop at {c['cap']}); {c['rounds']} rounds, the "
         f"{len(c['variants'])} variants in rotated order. "
+        + models_words(c)
         + ("fifo sends no tier or deadline; " if "fifo" in c["variants"] else "")
         + "tiers sends both"
         + (" (the share above, its tier only)" if c.get("no_deadline_share") else "")
@@ -90,7 +113,7 @@ def render(artefact: dict[str, Any]) -> str:
             else ""
         )
         + (
-            "; the -room variants are the same on a model where a request with a deadline that "
+            "; the -room variants are the same on models where a request with a deadline that "
             f"finds it full goes in for the scheduler to refuse or order (`deadline_room`: {room_words(c)}; "
             "the others: `deadline_room: 0`: it waits for room in execute())"
             if ROOM in c["variants"]

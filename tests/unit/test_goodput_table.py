@@ -58,11 +58,38 @@ def test_misses_count_refused_and_expired_and_those_expired_after_starting():
 
 
 def test_the_room_is_read_from_the_artefacts_model_edits():
+    # A model per variant, as the benchmark makes them now, and the two models of the artefacts before.
+    from benchmarks.goodput import model_of, models
     from tables.goodput import room_words
 
-    edits = {"goodput": {"deadline_room": "0"}, "goodput_room": {"deadline_room": "16"}}
-    assert room_words({"cap": 8, "model_edits": edits}) == "1 x its capacity"
+    variants = ("fifo", "tiers-room", "degrade-room")
+    now = {"cap": 8, "model_edits": models(8, 1.0, variants), "model_of": {v: model_of(v) for v in variants}}
+    assert room_words(now) == "1 x its capacity"
+    before = {
+        "cap": 8,
+        "model_edits": {"goodput": {"deadline_room": "0"}, "goodput_room": {"deadline_room": "24"}},
+        "model_of": {"fifo": "goodput", "tiers-room": "goodput_room", "degrade-room": "goodput_room"},
+    }
+    assert room_words(before) == "1.5 x its capacity"
     assert room_words({"cap": 8}) == "3 x its capacity"  # an artefact from before --room: 3 x, as then
+
+
+def test_each_variant_runs_on_a_model_of_its_own():
+    from benchmarks.goodput import model_of, models
+
+    variants = ("fifo", "tiers", "degrade", "tiers-room", "degrade-room", "tiers-need", "degrade-need")
+    served = models(8, 1.0, variants)
+    assert len(served) == len(variants) == len({model_of(v) for v in variants})
+    assert served[model_of("degrade")] == {"deadline_room": "0"}
+    assert served[model_of("degrade-room")] == {"deadline_room": "16"}
+    assert served[model_of("tiers-need")] == {"deadline_room": "16", "tier_pause": "deadline"}
+
+
+def test_the_warm_up_is_read_as_a_count_or_from_the_fraction_before_it():
+    from tables.goodput import warm_up
+
+    assert warm_up({"requests": 278, "warm_up": 128, "warm_up_fraction": 0.1}) == 128
+    assert warm_up({"requests": 150, "warm_up_fraction": 0.1}) == 15
 
 
 def test_a_degraded_requests_rules_are_read_from_its_batch_not_its_reason():
@@ -114,3 +141,13 @@ def test_the_quiet_target_says_how_many_degraded_requests_the_run_without_degrad
     assert "tiers, which degrades nothing, missed 1 of 10; 1 of the 1 degraded" in text
     before = [{k: v for k, v in r.items() if k != "missed_requests"} for r in runs]
     assert "which degrades nothing" not in _quiet({"runs": before})  # an artefact from before says nothing
+
+
+def test_the_table_says_which_variants_shared_a_model():
+    from tables.goodput import models_words
+
+    own = {"model_of": {"fifo": "goodput_fifo", "tiers-room": "goodput_tiers_room"}}
+    assert models_words(own) == "Each variant on a model of its own. "
+    shared = {"model_of": {"fifo": "goodput", "tiers-room": "goodput_room", "degrade-room": "goodput_room"}}
+    assert models_words(shared).startswith("tiers-room and degrade-room on one model")
+    assert models_words({}) == ""
