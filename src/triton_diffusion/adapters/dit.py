@@ -35,7 +35,13 @@ from diffusers.utils.torch_utils import randn_tensor
 from PIL import Image
 
 from triton_diffusion.adapters.diffusers_pipeline import pipeline_timesteps
-from triton_diffusion.adapters.image_params import Conditioning, ImageParams, row_conditioning
+from triton_diffusion.adapters.image_params import (
+    Conditioning,
+    ImageParams,
+    image_params,
+    latent_state,
+    row_conditioning,
+)
 from triton_diffusion.adapters.latent_loop import LatentStepAdapter
 from triton_diffusion.adapters.row_sizes import Packing
 from triton_diffusion.adapters.starts import JobStarts
@@ -240,11 +246,11 @@ class DiTAdapter(LatentStepAdapter):
     def decode(self, latents: torch.Tensor, size: tuple[int, int]) -> list[Image.Image]:
         return self._images(latents, [size] * latents.shape[0])
 
-    def finish(self, jobs: list[Job]) -> list[Any]:
+    def finish(self, jobs: list[Job]) -> list[Image.Image]:
         """Decode the done jobs of one render size together; each image goes back to its asked size."""
-        latents = torch.cat([job.state.latents for job in jobs])
+        latents = torch.cat([latent_state(job.state).latents for job in jobs])
         with torch.inference_mode():
-            return self._images(latents, [job.spec.params.size for job in jobs])
+            return self._images(latents, [image_params(job).size for job in jobs])
 
     def _images(self, latents: torch.Tensor, sizes: list[tuple[int, int]]) -> list[Image.Image]:
         vae, processor = self.pipe.vae, self.pipe.image_processor

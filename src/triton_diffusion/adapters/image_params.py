@@ -5,12 +5,13 @@ own scheduler and timesteps, its text conditioning, its inpainting source, its s
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from triton_diffusion.adapters.lora import NO_LORA, LoraSet
 from triton_diffusion.adapters.step_caches import CacheState
+from triton_diffusion.recovery.checkpoint_format import JobCheckpoint
 from triton_diffusion.step_cache_spec import NO_CACHE, StepCache
 
 if TYPE_CHECKING:
@@ -46,7 +47,7 @@ class ImageParams:
     # A checkpoint of this very job (adapters/job_checkpoints.py' JobCheckpoint) found when its request was
     # resent: the job starts as usual, then takes the checkpoint's state (starts.py). Not part of what
     # the job is (equality, hashing, logs).
-    resume: Any = field(default=None, compare=False, repr=False)
+    resume: JobCheckpoint | None = field(default=None, compare=False, repr=False)
 
     @property
     def size(self) -> tuple[int, int]:
@@ -133,11 +134,24 @@ def row_conditioning(
     ]
 
 
+# The engine holds a job's params, state and checkpoint as ``object`` (it reads no adapter's types); what
+# the step adapters put there is read back as the type they made (a cast: no check at run time, as before).
+def image_params(job: Job) -> ImageParams:
+    """An image job's params (TextToImageModel.step_request's)."""
+    return cast(ImageParams, job.spec.params)
+
+
+def latent_state(state: object) -> LatentJob:
+    """An image job's state (``Job.state``, ``JobStart.state``: what starts.py made)."""
+    return cast(LatentJob, state)
+
+
 def as_run(job: Job) -> ImageParams:
     """A job's request as it runs: from the checkpoint the host found for it (``JobSpec.resume``), or,
     where the scheduler cut its steps (engine/degradation.py), with those steps, from its start (a
     checkpoint of its full schedule does not fit the shorter one)."""
-    params: ImageParams = job.spec.params
+    params = image_params(job)
     if job.queue.cut is not None:
         return replace(params, steps=job.queue.cut.steps, resume=None)
-    return params if job.spec.resume is None else replace(params, resume=job.spec.resume)
+    resume = cast("JobCheckpoint | None", job.spec.resume)  # the host's lookup (recovery/resumes.py)
+    return params if resume is None else replace(params, resume=resume)

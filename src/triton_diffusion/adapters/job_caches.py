@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from triton_diffusion.adapters.image_params import LatentJob
+from triton_diffusion.adapters.image_params import latent_state
 from triton_diffusion.adapters.packed_rows import ANY_SIZE
 from triton_diffusion.adapters.step_caches import (
     CachePlan,
@@ -50,7 +50,7 @@ class JobCaches:
         not (it runs on without one)."""
         refused: list[str | None] = []
         for job in jobs:
-            state: LatentJob = job.state
+            state = latent_state(job.state)
             given = job.queue.cache_given
             spec = parse_step_cache(given.step_cache) if given is not None else NO_CACHE
             if not spec or self.rows is None or spec.method not in self.methods:
@@ -73,7 +73,7 @@ class JobCaches:
         slots, states, row = [], [], 0
         for job, count in zip(jobs, model_rows, strict=True):
             rows = list(range(row, row + count))
-            cache: CacheState | None = job.state.cache
+            cache = latent_state(job.state).cache
             if cache is not None:
                 states.append(cache)
                 if len(cache.branches) == len(rows):  # each CFG branch its own

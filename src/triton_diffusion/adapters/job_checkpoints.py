@@ -42,7 +42,7 @@ class CheckpointMismatch(ValueError):
 
 
 # ---- what cannot be checkpointed -------------------------------------------------------------------------
-def checkpoint_refusal(state: Any) -> str | None:
+def checkpoint_refusal(state: object) -> str | None:
     """Why this job cannot be checkpointed exactly, or None. Such a job is restarted from step 0 on
     resume (its request is simply run again), which is exact too, only slower."""
     if not isinstance(state, LatentJob):

@@ -38,7 +38,14 @@ from triton_diffusion.adapters import diffusers_compat as compat
 from triton_diffusion.adapters.captured_forwards import Capture, CapturedForwards, capture_adapter_forwards
 from triton_diffusion.adapters.devices import take_rows, to_device
 from triton_diffusion.adapters.diffusers_pipeline import counterpart_pipeline
-from triton_diffusion.adapters.image_params import Conditioning, ImageParams, LatentJob, as_run
+from triton_diffusion.adapters.image_params import (
+    Conditioning,
+    ImageParams,
+    LatentJob,
+    as_run,
+    image_params,
+    latent_state,
+)
 from triton_diffusion.adapters.job_caches import JobCaches
 from triton_diffusion.adapters.lora import LoraBank, LoraSet
 from triton_diffusion.adapters.packed_rows import ANY_SIZE
@@ -49,6 +56,7 @@ from triton_diffusion.adapters.step_caches import CachePlan, CacheState, reused_
 from triton_diffusion.engine.failures import Failure, is_device_lost
 from triton_diffusion.engine.jobs import ForwardResult, Job, JobStart, JobStep
 from triton_diffusion.families import PipelineFacts
+from triton_diffusion.recovery.checkpoint_format import JobCheckpoint
 
 log = logging.getLogger("triton_diffusion")
 
@@ -118,7 +126,7 @@ class LatentStepAdapter:
     def prepare(self, jobs: list[Job]) -> list[JobStart]:
         return self.starter.prepare(jobs)
 
-    def checkpoint(self, jobs: list[Job]) -> list[Any]:
+    def checkpoint(self, jobs: list[Job]) -> list[JobCheckpoint | None]:
         return self.starter.checkpoint(jobs)
 
     def computed(self, jobs: Sequence[Job]) -> tuple[int, int]:
@@ -260,7 +268,7 @@ class LatentStepAdapter:
 
     def model_rows(self, job: Job) -> int:
         """The denoiser rows a job adds to a forward: 2 with (true) classifier-free guidance."""
-        return 2 if job.state.unconditional is not None else 1
+        return 2 if latent_state(job.state).unconditional is not None else 1
 
     def step_output(self, job: Job) -> int:
         """Which output of the scheduler's ``step`` becomes the job's latents: the stepped sample (0), or
@@ -274,7 +282,7 @@ class LatentStepAdapter:
         """One forward's model rows for these jobs at these timesteps: each row's latents (scaled by its
         job's scheduler where the family scales them), the per-row timestep vector, the conditioning inputs
         and each row's LoRA adapters; a guided job's rows are [uncond, cond]."""
-        states: list[LatentJob] = [job.state for job in jobs]
+        states = [latent_state(job.state) for job in jobs]
         inputs_of = [state.latents for state in states]
         if self.scales_model_input:  # every job's scale_model_input in one op (Euler's per-row sigma)
             schedulers = [state.scheduler for state in states]
@@ -289,7 +297,7 @@ class LatentStepAdapter:
                 latent_rows.append(x)
                 timesteps.append(t)
                 conditioning.append({**branch, **state.extra})
-                adapters.append(job.spec.params.lora)  # both CFG rows: the pipeline adapts both halves
+                adapters.append(image_params(job).lora)  # both CFG rows: the pipeline adapts both halves
         inputs = {name: torch.cat([c[name] for c in conditioning]) for name in conditioning[0]}
         return latent_rows, self.timestep_rows(timesteps), inputs, adapters
 
@@ -316,7 +324,7 @@ class LatentStepAdapter:
         job i's latents are copied for a preview. Jobs of different sizes share the forward packed
         (``RowSizes.predict_packed``), then each size's rows are guided and stepped together. Returns a
         JobStep per job; raising means no job's state changed (the engine retries smaller)."""
-        states: list[LatentJob] = [job.state for job in jobs]
+        states = [latent_state(job.state) for job in jobs]
         job_timesteps = [state.timesteps[job.run.steps_done] for job, state in zip(jobs, states, strict=True)]
         latent_rows, timesteps, inputs, adapters = self.forward_inputs(jobs, job_timesteps)
         # Jobs by latent shape: a job's group where it keeps to one (a shape; DiT's bin of sizes), its size
@@ -324,7 +332,7 @@ class LatentStepAdapter:
         by_size: dict[Hashable, list[int]] = {}
         for j, job in enumerate(jobs):
             by_size.setdefault(
-                job.spec.params.size if job.run.group == ANY_SIZE else job.run.group, []
+                image_params(job).size if job.run.group == ANY_SIZE else job.run.group, []
             ).append(j)
         plan = self._cache_plan(jobs, adapters)
         padded = 0
@@ -333,11 +341,11 @@ class LatentStepAdapter:
                 # A captured graph where there is one (a forward with cached rows runs eagerly: its blocks
                 # run on the rows that compute, which a graph's fixed shapes cannot follow).
                 forward = self.predict if self.captured is None or plan is not None else self.captured
-                predictions = forward(torch.cat(latent_rows), timesteps, inputs, jobs[0].spec.params.size)
+                predictions = forward(torch.cat(latent_rows), timesteps, inputs, image_params(jobs[0]).size)
                 parts = [(list(range(len(jobs))), self._guided_noise(states, predictions))]
             else:  # packed: eagerly (graphs are captured per shape); never with cached rows (group_of)
                 assert plan is None, "a job with a step cache shares forwards with its own size only"
-                each_size = [job.spec.params.size for job in jobs for _ in range(self.model_rows(job))]
+                each_size = [image_params(job).size for job in jobs for _ in range(self.model_rows(job))]
                 rows, padded = self.sizes.predict_packed(
                     self.predict, latent_rows, timesteps, inputs, each_size
                 )
@@ -374,7 +382,7 @@ class LatentStepAdapter:
         reused = reused_rows(plan) if plan is not None else {}  # by the id of a job's cache state
         previews = previews or [False] * len(jobs)
         steps = [
-            self._job_step(job, errors.get(j), reused.get(id(job.state.cache), 0), previews[j])
+            self._job_step(job, errors.get(j), reused.get(id(latent_state(job.state).cache), 0), previews[j])
             for j, job in enumerate(jobs)
         ]
         return ForwardResult(
@@ -411,7 +419,7 @@ class LatentStepAdapter:
         done = step >= job.run.total_steps
         return JobStep(step, done, rows_computed=rows - reused, rows_reused=reused, snapshot=snapshot)
 
-    def _preview_snapshot(self, job: Job) -> Any:
+    def _preview_snapshot(self, job: Job) -> torch.Tensor | None:
         """The job's snapshot, or None if taking it fails: every state has changed by now, so a raise
         would have the engine retry (and step) the jobs again; a lost preview costs nothing else."""
         try:
@@ -507,15 +515,15 @@ class LatentStepAdapter:
             return _own_failure(exc)
         return None
 
-    def finish(self, jobs: list[Job]) -> list[Any]:
+    def finish(self, jobs: list[Job]) -> Sequence[object]:
         """Decode the done jobs, those of one size together; outputs in the jobs' order."""
         by_size: dict[tuple[int, int], list[int]] = {}
         for j, job in enumerate(jobs):
-            by_size.setdefault(job.spec.params.size, []).append(j)
-        outputs: list[Any] = [None] * len(jobs)
+            by_size.setdefault(image_params(job).size, []).append(j)
+        outputs: list[object] = [None] * len(jobs)
         with torch.inference_mode():
             for size, members in by_size.items():
-                decoded = self.decode(torch.cat([jobs[j].state.latents for j in members]), size)
+                decoded = self.decode(torch.cat([latent_state(jobs[j].state).latents for j in members]), size)
                 for j, output in zip(members, decoded, strict=True):
                     outputs[j] = output
         return outputs
@@ -523,7 +531,7 @@ class LatentStepAdapter:
     def snapshot(self, job: Job) -> torch.Tensor:
         """A copy of the job's latents for a preview (the PNG is made on the response thread while the job
         steps on)."""
-        return self.preview_latent(job.state.latents, job.spec.params.size).clone()
+        return self.preview_latent(latent_state(job.state).latents, image_params(job).size).clone()
 
 
 def _own_failure(exc: Exception) -> str:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from triton_diffusion.adapters.image_params import ImageParams, LatentJob
+from triton_diffusion.adapters.image_params import ImageParams, LatentJob, image_params
 from triton_diffusion.adapters.packed_rows import (
     ANY_SIZE,
     Grid,
@@ -98,7 +98,7 @@ class RowSizes:
         """The rows and tokens a forward of these jobs computes, padding included (:func:`padded_counts`):
         the engine's token budget and cost fit count this (engine/step_engine.py CountsComputed)."""
         grids = [
-            job.state.grid if isinstance(job.state, LatentJob) else self.grid_of(job.spec.params)
+            job.state.grid if isinstance(job.state, LatentJob) else self.grid_of(image_params(job))
             for job in jobs
         ]
         return padded_counts(grids, [job.spec.tokens for job in jobs])

@@ -34,6 +34,7 @@ from triton_diffusion.adapters.image_params import (
     InpaintSource,
     LatentJob,
     as_run,
+    latent_state,
 )
 from triton_diffusion.adapters.job_checkpoints import (
     CheckpointMismatch,
@@ -44,6 +45,7 @@ from triton_diffusion.adapters.job_checkpoints import (
 from triton_diffusion.adapters.lora import LoraSet
 from triton_diffusion.engine.failures import Failure
 from triton_diffusion.engine.jobs import Job, JobStart
+from triton_diffusion.recovery.checkpoint_format import JobCheckpoint
 
 log = logging.getLogger("triton_diffusion")
 
@@ -177,7 +179,7 @@ class JobStarts:
         if request.resume is None:
             return start
         try:
-            restore(start.state, request.resume)
+            restore(latent_state(start.state), request.resume)
         except Exception as exc:  # noqa: BLE001  (any checkpoint that cannot be restored: start afresh)
             if not isinstance(exc, CheckpointMismatch) and Failure.of(exc).lost:
                 raise
@@ -186,12 +188,14 @@ class JobStarts:
             return replace(fresh, warning=f"its checkpoint did not fit ({exc}): started over")
         return replace(start, steps_done=request.resume.step)
 
-    def checkpoint(self, jobs: list[Job]) -> list[Any]:
+    def checkpoint(self, jobs: list[Job]) -> list[JobCheckpoint | None]:
         """Each job's resumable state now (CPU copies: the host writes them while the jobs step on), or
         None where it cannot be checkpointed exactly (a step cache's state: it would restart from its
         first step), in order (engine/step_engine.py Checkpointing)."""
         return [
-            None if checkpoint_refusal(job.state) is not None else snapshot(job.state, job.run.steps_done)
+            None
+            if checkpoint_refusal(job.state) is not None
+            else snapshot(latent_state(job.state), job.run.steps_done)
             for job in jobs
         ]
 

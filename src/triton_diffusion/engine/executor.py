@@ -21,7 +21,6 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from triton_diffusion.compatibility import CompatibilityKey
 from triton_diffusion.engine.failures import DeviceLostError, Failure, device_lost_error, isolate
@@ -32,7 +31,7 @@ from triton_diffusion.errors import ErrorCode, RequestError
 log = logging.getLogger("triton_diffusion")
 
 # (key, rows) -> one output per row, in row order; None for a row dropped because its request ended.
-RunRows = Callable[[CompatibilityKey, list[Row]], list[Any]]
+RunRows = Callable[[CompatibilityKey, list[Row]], list[object]]
 
 
 @dataclass(frozen=True)
@@ -62,7 +61,7 @@ class CallReport:
 @dataclass
 class _Pending:
     rows: int
-    outputs: dict[int, Any] = field(default_factory=dict)
+    outputs: dict[int, object] = field(default_factory=dict)
     calls: list[CallRecord] = field(default_factory=list)
 
 
@@ -101,7 +100,7 @@ class FusedCallExecutor:
         calls: list[FusedCall],
         requests: Mapping[int, RequestStatus],
         request_rows: Mapping[int, int],
-        on_complete: Callable[[int, list[Any], list[CallRecord]], None],
+        on_complete: Callable[[int, list[object], list[CallRecord]], None],
     ) -> None:
         """Run every call; ``on_complete`` gets each request whose rows all succeeded."""
         self._requests = requests
@@ -116,7 +115,7 @@ class FusedCallExecutor:
         return [r for r in rows if not self.is_ended(r.request_index)]
 
     def _run_call(self, call: FusedCall, on_complete: Callable) -> None:
-        def work(rows: list[Row]) -> list[Any]:
+        def work(rows: list[Row]) -> list[object]:
             indices = dict.fromkeys(r.request_index for r in rows)
             self.before_call([index for index in indices if not self.is_ended(index)])
             live = self._live(rows)
@@ -129,7 +128,7 @@ class FusedCallExecutor:
                 raise RuntimeError(f"pipeline returned {len(outputs)} outputs for {len(live)} rows")
             return outputs
 
-        def done(rows: list[Row], outputs: list[Any]) -> None:
+        def done(rows: list[Row], outputs: list[object]) -> None:
             attempt = self._attempt
             assert attempt is not None  # work() set it
             if not attempt.rows:
@@ -181,7 +180,12 @@ class FusedCallExecutor:
                 self.end(index, device_lost_error(str(lost)))
             raise
 
-    def _collect(self, attempt: _Attempt, outputs: list[Any], on_complete: Callable) -> None:
+    def _collect(
+        self,
+        attempt: _Attempt,
+        outputs: list[object],
+        on_complete: Callable[[int, list[object], list[CallRecord]], None],
+    ) -> None:
         record = CallRecord(attempt.call_id, len(attempt.rows), len(attempt.requests))
         for row, output in zip(attempt.rows, outputs, strict=True):
             state = self._pending[row.request_index]

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from triton_diffusion.errors import ErrorCode, RequestError
 
@@ -125,6 +125,7 @@ class Failure:
 
 
 T = TypeVar("T")
+R = TypeVar("R")  # what the work returns, handed to ``done``
 
 
 def halves(items: list[T], failure: Failure) -> list[list[T]] | None:
@@ -136,10 +137,10 @@ def halves(items: list[T], failure: Failure) -> list[list[T]] | None:
 
 
 def isolate(
-    work: Callable[[list[T]], Any],
+    work: Callable[[list[T]], R],
     items: list[T],
     *,
-    done: Callable[[list[T], Any], None],
+    done: Callable[[list[T], R], None],
     fail: Callable[[list[T], Failure], None],
     split: Callable[[list[T], Failure], list[list[T]] | None] = halves,
     failed: Callable[[list[T], Failure], None] | None = None,

@@ -19,11 +19,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from triton_diffusion.engine.degradation import CacheGiven, StepsAllowed, StepsCut
 from triton_diffusion.engine.request_status import Request, RequestStatus
 from triton_diffusion.errors import RequestError
+
+if TYPE_CHECKING:
+    from triton_diffusion.engine.executor import CallReport
 
 # A forward's denoiser rows and the tokens it computes (padding included), from its jobs: the adapter's
 # (step_engine.py ``CountsComputed``: a family that pads rows of several sizes says what that costs), else
@@ -48,7 +51,9 @@ class JobSpec:
     """What a model kind decides about one job when it parses a request: data the host hands to an engine
     as it is (:meth:`Job.of`)."""
 
-    params: Any  # what the adapter needs to start it (or the request-level engine's pipeline call)
+    # What the adapter needs to start it (or the request-level engine's pipeline call): the model kind's,
+    # opaque here (the adapter reads it as its own type).
+    params: object
     index: int = 0  # which image of its request
     group: Hashable = None  # the request-level engine's compatibility key (the step engine sets its own)
     tier: int = 0
@@ -64,7 +69,7 @@ class JobSpec:
     checkpoint_key: str | None = None
     # The checkpoint it starts from (the host's lookup under that key: serving/intake.py), None: from the
     # beginning. Opaque here: the adapter restores it (a checkpoint of another shape starts it over).
-    resume: Any = field(default=None, compare=False, repr=False)
+    resume: object = field(default=None, compare=False, repr=False)
     # The num_inference_steps it may run under overload, what it asked first (engine/degradation.py);
     # empty: never fewer than it asked.
     steps_allowed: StepsAllowed = ()
@@ -130,14 +135,14 @@ class Job:
     steps (total and done). The scheduler's cut of its steps is ``queue.cut``. ``Job(request, params,
     record, **spec)`` takes the spec's other fields by name."""
 
-    def __init__(self, request: Request, params: Any, record: Any = None, **spec: Any) -> None:
+    def __init__(self, request: Request, params: object, record: object = None, **spec: Any) -> None:
         self.request = request
         self.record = record
         self.spec = JobSpec(params, **spec)
         self.status = RequestStatus(request)  # its own until an engine's RequestTable attaches it
         self.queue = Queue()
         self.stats = JobStats()
-        self.state: Any = None
+        self.state: object = None  # the adapter's, opaque here (None: not started)
         self.run = Run(self.spec.group)  # its group is the spec's until it starts (the adapter's then)
 
     def __repr__(self) -> str:
@@ -145,7 +150,7 @@ class Job:
         return f"Job({self.request!r}, image {self.spec.index}, {run.steps_done}/{run.total_steps} steps)"
 
     @classmethod
-    def of(cls, request: Request, spec: JobSpec, record: Any = None) -> Job:
+    def of(cls, request: Request, spec: JobSpec, record: object = None) -> Job:
         """The job a spec describes, for ``request`` (the host's ``record`` kept opaque)."""
         job = cls(request, spec.params, record)
         job.spec, job.run.group = spec, spec.group
@@ -228,7 +233,7 @@ class JobStart:
     also joins its own size's, where jobs that keep to that size run: adapters/packed_rows.py); the jobs of
     one group all have one, or none do."""
 
-    state: Any
+    state: object  # the adapter's own (Job.state)
     group: Hashable
     total_steps: int
     steps_done: int = 0
@@ -248,7 +253,7 @@ class JobStep:
     error: str | None = None
     rows_computed: int = 1
     rows_reused: int = 0
-    snapshot: Any = None
+    snapshot: object = None
 
 
 @dataclass(frozen=True)
@@ -269,7 +274,7 @@ class Stepped:
     job: Job
     step: int
     total: int
-    snapshot: Any = None
+    snapshot: object = None  # the adapter's (a preview latent, a finished block), for the host
     rows_computed: int = 0
     rows_reused: int = 0
 
@@ -277,7 +282,7 @@ class Stepped:
 @dataclass(frozen=True)
 class Finished:
     job: Job
-    output: Any
+    output: object  # the adapter's (or the pipeline call's) result for the job, for the host
 
 
 @dataclass(frozen=True)
@@ -325,10 +330,10 @@ class StepReport:
     left: list[Left] = field(default_factory=list)
     paused: list[Job] = field(default_factory=list)
     forwards: list[Forward] = field(default_factory=list)
-    calls: list[Any] = field(default_factory=list)  # request-level: each fused call as run (CallReport)
+    calls: list[CallReport] = field(default_factory=list)  # request-level: each fused call as run
     cuts: list[str] = field(default_factory=list)  # request-level: why planned calls were cut short
     # Jobs' checkpoints taken after this step's forward (the adapter's, CPU copies), for the host to store.
-    checkpoints: list[tuple[Job, Any]] = field(default_factory=list)
+    checkpoints: list[tuple[Job, object]] = field(default_factory=list)
     running: int = 0  # jobs in the running set after the step
     paused_now: int = 0  # jobs paused after the step
 

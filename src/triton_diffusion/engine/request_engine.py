@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
-from typing import Any, Protocol, cast
+from collections.abc import Callable, Sequence
+from typing import Protocol, cast
 
 from triton_diffusion.compatibility import CompatibilityKey
 from triton_diffusion.engine.executor import CallRecord, CallReport, FusedCallExecutor
@@ -71,7 +71,7 @@ class CallSteps:
         self._aborts = aborts or NoAborts()
         self._reported = left if left is not None else set()  # id() of jobs reported as left
 
-    def on_step(self, step: int, total: int, snapshot: Callable[[int], Any] | None = None) -> list[int]:
+    def on_step(self, step: int, total: int, snapshot: Callable[[int], object] | None = None) -> list[int]:
         report = StepReport(running=len(self.alive))
         take_aborts(self.alive, self._aborts, f"after step {step}/{total}")
         for position, job in enumerate(self.alive):
@@ -101,7 +101,7 @@ class CallSteps:
             len(self.alive),
         )
 
-    def scatter(self, outputs: list[Any]) -> list[Any]:
+    def scatter(self, outputs: Sequence[object]) -> list[object]:
         """Outputs for the alive jobs, placed back in the call's order (None for dropped jobs)."""
         by_job = {id(job): output for job, output in zip(self.alive, outputs, strict=True)}
         return [by_job.get(id(job)) for job in self.jobs]
@@ -111,7 +111,7 @@ class PipelineCall(Protocol):
     """What a model kind provides to the request-level engine: one fused pipeline call over jobs of one
     compatibility key, one output per job in order (``steps.scatter`` helps)."""
 
-    def __call__(self, key: CompatibilityKey, jobs: list[Job], steps: CallSteps) -> list[Any]: ...
+    def __call__(self, key: CompatibilityKey, jobs: list[Job], steps: CallSteps) -> list[object]: ...
 
 
 class RequestEngine:
@@ -176,7 +176,7 @@ class RequestEngine:
             return [job for job in self._waiting if not job.status.ended]
 
     @staticmethod
-    def checkpoint_now(jobs: list[Job]) -> list[Any]:
+    def checkpoint_now(jobs: list[Job]) -> list[object]:
         """No checkpoints here (a fused call's state is the pipeline's): None for each job."""
         return [None] * len(jobs)
 
@@ -218,7 +218,7 @@ class RequestEngine:
                 if call.split_by:
                     self.report.cuts.append(f"key:{call.split_by}")
 
-            def on_complete(index: int, outputs: list[Any], records: list[CallRecord]) -> None:
+            def on_complete(index: int, outputs: list[object], records: list[CallRecord]) -> None:
                 calls_seen = [{"id": c.call_id, "rows": c.rows, "requests": c.requests} for c in records]
                 for job, output in zip(self._by_index[index], outputs, strict=True):
                     job.ran_in(calls_seen)
@@ -275,7 +275,7 @@ class RequestEngine:
         self.requests.detach(job)
         self.report.left.append(Left(job, reason, error))
 
-    def _run_rows(self, key: CompatibilityKey, rows: list[Row]) -> list[Any]:
+    def _run_rows(self, key: CompatibilityKey, rows: list[Row]) -> list[object]:
         jobs = [self._jobs[(row.request_index, row.image_index)] for row in rows]
         for job in jobs:
             job.took_part(len(jobs))

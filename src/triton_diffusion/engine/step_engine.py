@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, cast, runtime_checkable
+from typing import Protocol, cast, runtime_checkable
 
 from triton_diffusion.engine.estimates import WorkTimes
 from triton_diffusion.engine.failures import DeviceLostError, Failure, device_lost_error, isolate
@@ -71,7 +71,7 @@ class StepAdapter(Protocol):
         Raising means no job advanced (the engine retries smaller); a failure of one job's own step is
         that job's JobStep ``error``."""
 
-    def finish(self, jobs: list[Job]) -> list[Any]:
+    def finish(self, jobs: list[Job]) -> Sequence[object]:
         """The outputs of done jobs of one group, together (one decode), one per job."""
 
 
@@ -92,7 +92,7 @@ def computed_by(adapter: object) -> Computed:
 class Checkpointing(Protocol):
     """What a step adapter adds to take checkpoints (adapters/starts.py for the latent families)."""
 
-    def checkpoint(self, jobs: list[Job]) -> list[Any]:
+    def checkpoint(self, jobs: list[Job]) -> Sequence[object]:
         """Each job's resumable state now (CPU copies), or None for a job that cannot be checkpointed
         exactly (it would restart from its first step on resume), in order."""
 
@@ -163,7 +163,7 @@ class StepEngine:
         checkpoints and answers them; the others go on)."""
         return self.scheduler.late_jobs(seconds)
 
-    def checkpoint_now(self, jobs: list[Job]) -> list[Any]:
+    def checkpoint_now(self, jobs: list[Job]) -> list[object]:
         """Each job's checkpoint now (the adapter's CPU copy, as ``checkpoint_every`` takes them), in
         order; None for a job that has none: no checkpoint key, checkpoints off, not started or done, one
         the adapter cannot checkpoint exactly (a step cache), or a checkpoint that failed. Only data comes
@@ -320,7 +320,7 @@ class StepEngine:
             (job, checkpoint) for job, checkpoint in zip(due, taken, strict=True) if checkpoint is not None
         )
 
-    def _take_checkpoints(self, due: list[Job]) -> list[Any] | None:
+    def _take_checkpoints(self, due: list[Job]) -> Sequence[object] | None:
         """The adapter's checkpoints of ``due``, in order; None when there are none or they failed (a
         failed device raises)."""
         if not due:
@@ -348,13 +348,13 @@ class StepEngine:
             return
         started = time.perf_counter()
 
-        def work(part: list[Job]) -> list[Any]:
+        def work(part: list[Job]) -> Sequence[object]:
             outputs = self.adapter.finish(part)
             if len(outputs) != len(part):
                 raise RuntimeError(f"finish returned {len(outputs)} outputs for {len(part)} jobs")
             return outputs
 
-        def done(part: list[Job], outputs: list[Any]) -> None:
+        def done(part: list[Job], outputs: Sequence[object]) -> None:
             for job, output in zip(part, outputs, strict=True):
                 self.report.finished.append(Finished(job, output))
                 self._leave(job, "finished")

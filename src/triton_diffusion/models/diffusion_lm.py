@@ -14,7 +14,7 @@ import os
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import numpy as np
 import torch
@@ -22,6 +22,7 @@ import torch
 from triton_diffusion.adapters.diffusion_lm_adapter import (
     DecodingRequest,
     DiffusionLMAdapter,
+    decoding,
     padding_changes_logits,
 )
 from triton_diffusion.adapters.masked_diffusion import REMASKING, DecodeParams
@@ -278,9 +279,11 @@ class DiffusionLMModel:
 
     # ---- the host's model kind (progress and outputs on the response thread, in order) ---------------
     def progress_outputs(self, record: RequestRecord, stepped: Stepped) -> Mapping[str, Any] | None:
-        if stepped.snapshot is None:
+        # DiffusionLMAdapter.snapshot's: the text's tokens so far and the block's index, or None.
+        snapshot = cast("tuple[list[int], int] | None", stepped.snapshot)
+        if snapshot is None:
             return None  # no block completed at this step
-        tokens, block = stepped.snapshot
+        tokens, block = snapshot
         text = self.lm.tokenizer.decode(tokens, skip_special_tokens=True)
         new_text, record.state = _new_text(record.state or "", text)  # the text streamed so far
         return {
@@ -290,9 +293,11 @@ class DiffusionLMModel:
         }
 
     def final_outputs(
-        self, record: RequestRecord, outputs: list[Any], reported: dict[str, Any]
+        self, record: RequestRecord, outputs: list[object], reported: dict[str, Any]
     ) -> Mapping[str, Any]:
-        (output,) = outputs
+        (held,) = outputs
+        output = decoding(held)  # its one request (DiffusionLMAdapter.finish)
+        parsed = cast(ParsedGeneration, record.parsed)  # this kind's parse made it
         tokens = output.tokens()
         text = self.lm.tokenizer.decode(tokens, skip_special_tokens=True)
         self.metrics.increment("triton_diffusion_lm_tokens_total", len(tokens))
@@ -301,8 +306,8 @@ class DiffusionLMModel:
             "BLOCK": _array(output.block_index, np.int32),
             "TOKENS": _array(len(tokens), np.int32),
             "STEPS": _array(output.steps_used, np.int32),
-            "SEED": _array(record.parsed.seed, np.int64),
-            "PROMPT_TOKENS": _array(len(record.parsed.decoding.prompt), np.int32),
+            "SEED": _array(parsed.seed, np.int64),
+            "PROMPT_TOKENS": _array(len(parsed.decoding.prompt), np.int32),
             "FINISH_REASON": _array(finish_reason(output).encode(), object),
         }
 

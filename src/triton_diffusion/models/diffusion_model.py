@@ -21,10 +21,12 @@ import numpy as np
 
 from triton_diffusion.adapters.device_profiles import PROFILES
 from triton_diffusion.adapters.diffusers_pipeline import row_seed
+from triton_diffusion.adapters.image_params import ImageParams
 from triton_diffusion.compatibility import CompatibilityKey, compatibility_key
 from triton_diffusion.engine.degradation import StepsAllowed, degraded_report, steps_allowed
 from triton_diffusion.engine.jobs import Job, JobSpec, Stepped
 from triton_diffusion.engine.planner import RowCaps
+from triton_diffusion.engine.request_engine import CallSteps
 from triton_diffusion.errors import RequestError, invalid_field
 from triton_diffusion.families import PipelineFacts
 from triton_diffusion.fields import FieldSet
@@ -39,6 +41,8 @@ from triton_diffusion.serving.triton_model import Hosting, Urgency, json_output,
 from triton_diffusion.settings import IMAGE, ModelSettings
 
 if TYPE_CHECKING:
+    import torch
+
     from triton_diffusion.adapters.latent_loop import LatentStepAdapter
 
 log = logging.getLogger("triton_diffusion")
@@ -128,19 +132,19 @@ class DiffusionModel:
         sets can be part of the compatibility key. Raises RequestError for this request only."""
         return values
 
-    def step_request(self, values: dict[str, Any], image_index: int) -> Any:
+    def step_request(self, values: dict[str, Any], image_index: int) -> ImageParams:
         """What the step adapter needs of one image (a job's ``params`` on the step engine)."""
         raise NotImplementedError
 
-    def run_call(self, key: CompatibilityKey, jobs: list[Job], steps: Any) -> list[Any]:
+    def run_call(self, key: CompatibilityKey, jobs: list[Job], steps: CallSteps) -> list[object]:
         """One fused pipeline call; one output per job, in order (``steps.scatter`` helps)."""
         raise NotImplementedError
 
-    def respond(self, request: ParsedRequest, outputs: list[Any]) -> dict[str, np.ndarray]:
+    def respond(self, request: ParsedRequest, outputs: list[object]) -> dict[str, np.ndarray]:
         """The outputs of a request whose images are all done (SEED and BATCH are added here)."""
         raise NotImplementedError
 
-    def preview_png(self, snapshot: Any) -> bytes:
+    def preview_png(self, snapshot: torch.Tensor) -> bytes:
         from triton_diffusion.codecs.preview import preview_png
 
         return preview_png(snapshot)
@@ -152,7 +156,7 @@ class DiffusionModel:
         ``max_rows_by_resolution``."""
         return RowCaps.from_config(settings.max_rows_per_call(), settings.config.max_rows_by_resolution)
 
-    def calibration_requests(self) -> list[Any]:
+    def calibration_requests(self) -> list[ImageParams]:
         """Step requests at the default size and at another (half of it, else twice it, where the limits
         allow one): what a calibration at load runs (models/calibration.py); none for a model whose
         requests need more than a prompt (a source image)."""
@@ -247,14 +251,16 @@ class DiffusionModel:
         host finds the one it starts from: serving/intake.py)."""
         previews = bool(values.get("progress")) and index == 0  # the first image speaks for its request
         degrade_cache = self.degrade_cache(values, service.deadline, service.tier)
+        params: ImageParams | RowInput
         if self.adapter is not None:
-            params = self.step_request({**values, "degrade_cache": degrade_cache}, index)
+            step = self.step_request({**values, "degrade_cache": degrade_cache}, index)
+            params, tokens = step, self.adapter.tokens_of(step)
         else:
-            params = RowInput(values, index)
+            params, tokens = RowInput(values, index), 1
         resume_key = values.get("resume_key") if self.settings.config.checkpoint_every_steps else None
         return JobSpec(
             params=params,
-            tokens=self.adapter.tokens_of(params) if self.adapter is not None else 1,
+            tokens=tokens,
             index=index,
             group=key,
             tier=service.tier,
@@ -330,13 +336,15 @@ class DiffusionModel:
     def progress_outputs(self, record: RequestRecord, stepped: Stepped) -> Mapping[str, Any]:
         from triton_diffusion.serving.triton_io import progress_outputs
 
-        preview = self.preview_png(stepped.snapshot) if stepped.snapshot is not None else None
+        # A preview latent (LatentStepAdapter.snapshot's, FusedCalls' callback's), held as ``object``.
+        snapshot = cast("torch.Tensor | None", stepped.snapshot)
+        preview = self.preview_png(snapshot) if snapshot is not None else None
         return progress_outputs(stepped.step, stepped.total, preview)
 
     def final_outputs(
-        self, record: RequestRecord, outputs: list[Any], reported: dict[str, Any]
+        self, record: RequestRecord, outputs: list[object], reported: dict[str, Any]
     ) -> dict[str, Any]:
-        parsed: ParsedRequest = record.parsed
+        parsed = cast(ParsedRequest, record.parsed)  # this kind's parse made it
         batch = {**self.batch_report(parsed.values, record.jobs), **reported}
         if any(job.degraded for job in record.jobs):  # where its deadline needed it (engine/degradation.py)
             batch["degraded"] = degraded_report(record.jobs)

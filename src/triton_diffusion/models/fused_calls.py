@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -29,6 +29,12 @@ if TYPE_CHECKING:
 CallArguments = Callable[[dict[str, Any], list[RowInput]], dict[str, Any]]
 
 
+def row_input(job: Job) -> RowInput:
+    """A request-level job's params (DiffusionModel.job_spec's): the engine holds them as ``object`` (a
+    cast: no check at run time, as before)."""
+    return cast(RowInput, job.spec.params)
+
+
 @dataclass(frozen=True)
 class FusedCalls:
     """The request-level engine's PipelineCall for a loaded pipeline (a collaborator of TextToImageModel,
@@ -46,9 +52,9 @@ class FusedCalls:
     compacting_schedulers: frozenset[str] = frozenset()
     callback_tensors: tuple[str, ...] = ("latents",)
 
-    def __call__(self, key: CompatibilityKey, jobs: list[Job], steps: CallSteps) -> list[Any]:
+    def __call__(self, key: CompatibilityKey, jobs: list[Job], steps: CallSteps) -> list[object]:
         shared = key.as_dict()
-        kwargs = self.arguments(shared, [job.spec.params for job in jobs])
+        kwargs = self.arguments(shared, [row_input(job) for job in jobs])
         if self.step_callback:
             kwargs["callback_on_step_end"] = self._step_callback(steps, shared)
             kwargs["callback_on_step_end_tensor_inputs"] = list(self.callback_tensors)

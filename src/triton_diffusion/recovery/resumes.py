@@ -27,14 +27,18 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from triton_diffusion.engine.jobs import StepReport
 from triton_diffusion.errors import ErrorCode, invalid_field
+from triton_diffusion.recovery.checkpoint_format import JobCheckpoint
 from triton_diffusion.recovery.checkpoint_store import CheckpointStore, CorruptCheckpoint
 from triton_diffusion.serving.requests import TrackedRequest
 from triton_diffusion.serving.result_cache import NOT_IN_KEY, values_digest
 from triton_diffusion.settings import ModelSettings
+
+if TYPE_CHECKING:  # engine_host imports this module
+    from triton_diffusion.serving.engine_host import RequestRecord
 
 log = logging.getLogger("triton_diffusion")
 
@@ -89,7 +93,7 @@ class Resume:
     why a checkpoint found could not be used (for BATCH); and the resume key and fields hash its
     checkpoints are taken under once the host watches it (:meth:`Resumes.watch`)."""
 
-    checkpoints: tuple[Any, ...]
+    checkpoints: tuple[JobCheckpoint | None, ...]
     warnings: tuple[str, ...]
     key: str
     hashed: str
@@ -143,7 +147,7 @@ class Resumes:
         """Each image's checkpoint for a request: none (it starts normally); one of a request with other
         fields (refused INVALID_ARG naming resume_key: the key is someone else's, or the fields changed);
         an unreadable one (the store deleted it: it starts over, and BATCH says so); else its checkpoint."""
-        checkpoints: list[Any] = []
+        checkpoints: list[JobCheckpoint | None] = []
         warnings: list[str] = []
         for image in range(images):
             try:
@@ -188,7 +192,8 @@ class Resumes:
         """Hand the checkpoints of a step report to the store (it writes on its own thread), those of
         requests still unanswered."""
         for job, checkpoint in report.checkpoints:
-            tracked: TrackedRequest = job.record.tracked
+            # The host's record (engine_host.record_of, which this module cannot import at run time).
+            tracked = cast("RequestRecord", job.record).tracked
             # Checked and handed over under the lock ``answered`` takes: a request answered meanwhile has
             # either had this put removed with it, or is no longer watched (nothing to resume).
             with self._lock:

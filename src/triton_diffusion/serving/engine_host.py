@@ -28,7 +28,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, ParamSpec, Protocol, cast
 
 from triton_diffusion.engine.failures import DeviceLostError
 from triton_diffusion.engine.jobs import Job, Left, Stepped, StepReport
@@ -45,6 +45,8 @@ from triton_diffusion.serving.requests import TrackedRequest
 from triton_diffusion.serving.responses import ResponseWorker
 from triton_diffusion.serving.result_cache import ResultCache
 from triton_diffusion.settings import ModelSettings
+
+P = ParamSpec("P")  # a renderer's arguments (EngineHost._guarded)
 
 log = logging.getLogger("triton_diffusion")
 
@@ -82,14 +84,20 @@ class RequestRecord:
     """What the host keeps per request while its jobs run (each job's ``record``)."""
 
     tracked: TrackedRequest
-    parsed: Any  # the model kind's validated request (a Parsed)
+    parsed: Parsed  # the model kind's validated request (its own type: the kind reads it back as that)
     resume: Resume | None = None  # its checkpoints' lookup (intake.py)
     jobs: list[Job] = field(default_factory=list)
-    outputs: list[Any] = field(default_factory=list)
+    outputs: list[object] = field(default_factory=list)  # each job's, from its engine (Finished.output)
     remaining: int = 0  # jobs not finished yet
-    state: Any = None  # the kind's own per-request state (the LM's streamed text)
+    state: str | None = None  # the kind's own per-request state: the LM's text streamed so far
     first_step_seen: bool = False
     deadline_counted: bool = False  # its deadline outcome went into the metrics (once per request)
+
+
+def record_of(job: Job) -> RequestRecord:
+    """The host's record of a job's request (made in :meth:`EngineHost.submit`): the engine holds it as
+    ``object``, it reads no host types (a cast: no check at run time, as before)."""
+    return cast(RequestRecord, job.record)
 
 
 class HostedKind(Protocol):
@@ -99,7 +107,7 @@ class HostedKind(Protocol):
         """A progress response for this step, or None."""
 
     def final_outputs(
-        self, record: RequestRecord, outputs: list[Any], reported: dict[str, Any]
+        self, record: RequestRecord, outputs: list[object], reported: dict[str, Any]
     ) -> Mapping[str, Any]:
         """The FINAL response's tensors; ``reported`` is what the host puts in BATCH beside the kind's own:
         ``service`` (the request's tier, deadline and pauses) and, for a request that gave a resume_key,
@@ -269,7 +277,7 @@ class EngineHost:
         where a checkpoint of it is on disk, and dropped from the engine (an abort with that error)."""
         records: dict[int, RequestRecord] = {}
         for job in self.engine.late_jobs(seconds):
-            record: RequestRecord = job.record
+            record = record_of(job)
             if not record.tracked.ended:
                 records.setdefault(id(record), record)
         if not records:
@@ -314,7 +322,7 @@ class EngineHost:
             error = RequestError(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
             jobs = [*report.admitted, *(s.job for s in report.stepped), *(f.job for f in report.finished)]
             for job in [*jobs, *(left.job for left in report.left)]:
-                tracked: TrackedRequest = job.record.tracked
+                tracked = record_of(job).tracked
                 tracked.end(error)
                 self.responses.deliver(tracked)
 
@@ -322,7 +330,7 @@ class EngineHost:
         submit = self.responses.submit
         for left in report.left:  # the engine's decisions first: nothing more goes out for those requests
             if left.error is not None:
-                left.job.record.tracked.end(left.error)  # once a request: later ones are no-ops
+                record_of(left.job).tracked.end(left.error)  # once a request: later ones are no-ops
         deadlines = self._deadline_outcomes(report.left)
         # Metrics go on the response thread's queue before the answers: a client that reads /metrics
         # after its answer sees the work that answered it.
@@ -352,8 +360,9 @@ class EngineHost:
 
     @staticmethod
     def _admitted(job: Job, running: int) -> None:
-        job.record.tracked.start()
-        summary = job.record.parsed.summary or f"{job.run.total_steps} steps"
+        record = record_of(job)
+        record.tracked.start()
+        summary = record.parsed.summary or f"{job.run.total_steps} steps"
         log.info(
             "request %s image %d admitted: %s (%d running)",
             job.request.request_id,
@@ -362,21 +371,21 @@ class EngineHost:
             running,
         )
 
-    def _guarded(self, job: Job, render: Callable[..., None], *args: Any) -> None:
+    def _guarded(self, job: Job, render: Callable[P, None], *args: P.args, **kwargs: P.kwargs) -> None:
         """Render one job's part of a report: should it raise (a bug), its request alone is answered."""
         try:
-            render(*args)
+            render(*args, **kwargs)
         except Exception as exc:  # noqa: BLE001
             log.exception("request %s: rendering its step failed", job.request.request_id)
             # Ended here, answered on the response thread: the engine thread never sends. The engine
             # drops the request's other jobs at its next abort check (ClientAborts).
-            tracked: TrackedRequest = job.record.tracked
+            tracked = record_of(job).tracked
             tracked.end(RequestError(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"))
             self.responses.deliver(tracked)
 
     def _left(self, left: Left) -> None:
         job = left.job
-        tracked: TrackedRequest = job.record.tracked
+        tracked = record_of(job).tracked
         if left.reason != "finished":
             self.responses.deliver(tracked)  # the error the engine decided, if not out yet
         log.info(
@@ -397,7 +406,7 @@ class EngineHost:
         request, whichever of its images leaves first)."""
         outcomes = []
         for departure in left:
-            record: RequestRecord = departure.job.record
+            record = record_of(departure.job)
             if departure.reason in ("expired", "refused") and not record.deadline_counted:
                 record.deadline_counted = True
                 outcomes.append("missed" if departure.reason == "expired" else "refused")
@@ -410,7 +419,7 @@ class EngineHost:
 
     def _stepped(self, stepped: Stepped) -> None:
         job = stepped.job
-        record: RequestRecord = job.record
+        record = record_of(job)
         if job.spec.index != 0 or record.tracked.ended:
             return  # the first image speaks for its request
         if not record.first_step_seen and (
@@ -444,8 +453,8 @@ class EngineHost:
                 "request %s: keeping its answer in the result cache failed", record.tracked.request_id
             )
 
-    def _finished(self, job: Job, output: Any) -> None:
-        record: RequestRecord = job.record
+    def _finished(self, job: Job, output: object) -> None:
+        record = record_of(job)
         record.outputs[job.spec.index] = output
         record.remaining -= 1
         if record.remaining:

@@ -106,7 +106,7 @@ class ModelKind(Protocol):
         """A progress response for this step, or None (the response thread)."""
 
     def final_outputs(
-        self, record: RequestRecord, outputs: list[Any], reported: dict[str, Any]
+        self, record: RequestRecord, outputs: list[object], reported: dict[str, Any]
     ) -> Mapping[str, Any]:
         """The FINAL response's tensors (the response thread); ``reported``: the host's part of BATCH."""
 
