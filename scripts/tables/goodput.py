@@ -120,7 +120,7 @@ def render(artefact: dict[str, Any]) -> str:
             else ""
         )
         + (
-            "; the -need variants are the -room ones on a third model with `tier_pause: deadline` (a "
+            "; the -need variants are the -room ones on models with `tier_pause: deadline` (a "
             "higher tier pauses a running job, or skips the admission cohort, only where the engine's "
             "estimate of its finish, waiting, is not within 90% of its time left, or while the load is "
             "shown above capacity, and always without a deadline)"
