@@ -121,11 +121,6 @@ BLOCKS: dict[str, Figure] = {
     "slo": Figure(("docs/cpu/slo/bench_slo.json",), "slo.render"),
     "slo-server": Figure(("docs/cpu/slo/bench_slo_server.json",), "slo.render_server"),
     "goodput": Figure(("docs/cpu/goodput.json",), "goodput.render", "bench.py goodput"),
-    "goodput-loose": Figure(
-        ("docs/cpu/goodput_loose/goodput.json",),
-        "goodput.render",
-        "bench.py goodput --deadline-scale 6 --loads 0.5,0.8",
-    ),
     "goodput-cache": Figure(
         ("docs/cpu/goodput_cache/goodput.json",),
         "goodput.render",

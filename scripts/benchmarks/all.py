@@ -33,11 +33,9 @@ from benchmarks.common import REPO_ROOT
 from triton_diffusion.engine.overload import WINDOW
 
 # Each take's time limit, in seconds on the project's 2-core host (a --budget-s scales them all).
-# The goodput benchmark on this CPU, in steady state (278 requests a run, the first 128 the warm-up, 3
-# variants, 5 loads): about 1.9 x the 10 minutes of 150 a run, more on a slower day.
-GOODPUT_S = 1800
-# The same with room below capacity (3 variants, 2 loads, 150 requests a run): about 8 minutes.
-GOODPUT_LOOSE_S = 600
+# The goodput benchmark on this CPU, in steady state (250 requests a run, the first 128 the warm-up, 3
+# variants, 5 loads, at the staggered capacity): about 28 minutes.
+GOODPUT_S = 2100
 # The crash soak: 5 rounds of 2 runs of 150-step jobs (13 minutes measured, --mid-job 75).
 CRASH_SOAK_S = 1098
 # The goodput benchmark's room at the door (tiny SD, 2 variants, 4 loads), on traffic with deadlines and on
@@ -176,7 +174,7 @@ PLAN = (
             "--room",
             "1",
             "--requests",
-            "278",
+            "250",
             "--warm-up",
             str(WINDOW),  # the load's window (engine/overload.py) filled with the run's load first
             "--loads",
@@ -187,29 +185,6 @@ PLAN = (
             "{out}/cpu",
         ),
         GOODPUT_S,
-    ),
-    # The same below capacity with deadlines that leave room (6 x one request alone, not 3 x): whether
-    # anything is degraded where first come, first served meets the deadlines.
-    Take(
-        "goodput_loose",
-        (
-            "--variants",
-            "fifo,tiers-room,degrade-room",
-            "--room",
-            "1",
-            "--deadline-scale",
-            "6",
-            "--requests",
-            "150",
-            "--loads",
-            "0.5,0.8",
-            "--rounds",
-            "5",
-            "--out",
-            "{out}/cpu/goodput_loose",
-        ),
-        GOODPUT_LOOSE_S,
-        benchmark="goodput",
     ),
     # A higher tier pausing a lower one by its tier (tier_pause tier, the default) against only where its
     # deadline needs it (deadline), at the default room, against first come, first served.

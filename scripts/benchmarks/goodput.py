@@ -6,7 +6,8 @@ that no variant's run starts from the state another's traffic left (the load's w
 Every request asks --steps steps and has a deadline, --deadline-scale x the latency of one such request
 alone through the server; its tier is drawn (--tiers shares of priority, default, flex). The variants
 run on the same Poisson arrivals, in rotated order, at --loads of the step engine's capacity on this
-traffic (closed loop at --cap concurrent requests, measured through the server first):
+traffic (closed loop at --cap concurrent requests, their starts spread over one job's time so that each
+job runs at its own step, as requests arriving one at a time do; measured through the server first):
 
   fifo      no tier, no deadline sent: first come, first served (the client still counts its deadline)
   tiers     each request's tier and deadline sent: refused at once where the estimate says it cannot be
@@ -236,13 +237,18 @@ def why_degraded(reports: list[dict]) -> dict[str, int]:
     return counts
 
 
-def capacity(url: str, model: str, requests: list[dict], concurrency: int) -> float:
-    """Requests per second the step engine serves of this traffic, closed loop (fifo: full steps)."""
+def capacity(url: str, model: str, requests: list[dict], concurrency: int, stagger_s: float = 0.0) -> float:
+    """Requests per second the step engine serves of this traffic, closed loop (fifo: full steps) at
+    ``concurrency`` clients, the k-th starting ``k * stagger_s`` after the first. Started together, their
+    jobs run in lockstep (admitted together, done together, decoded together) as requests arriving one at
+    a time do not; staggered by about a step, each job runs at its own step and is decoded alone, as
+    Poisson arrivals below capacity are."""
     pending = list(enumerate(requests[: 4 * concurrency]))
     count = len(pending)
     lock = threading.Lock()
 
-    def worker() -> None:
+    def worker(k: int) -> None:
+        time.sleep(k * stagger_s)
         while True:
             with lock:
                 if not pending:
@@ -251,7 +257,7 @@ def capacity(url: str, model: str, requests: list[dict], concurrency: int) -> fl
             generate_one(sent(request, "fifo", 0, 0), f"cap-{index}", url, model, 600.0)
 
     started = time.perf_counter()
-    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(concurrency)]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -364,8 +370,16 @@ def measure(url: str, args: argparse.Namespace, config: dict, path: Path) -> dic
         generate_one(sent(requests[i], "fifo", 0, 0), f"alone-{i}", url, first).latency_s for i in range(5)
     )
     deadline_s = args.deadline_scale * alone
-    rate = capacity(url, first, requests, args.cap)
-    print(f"alone {alone:.3f} s, deadline {deadline_s:.3f} s, capacity {rate:.2f} req/s", flush=True)
+    # The capacity the loads are read against: the clients' starts spread over one lockstep job's time
+    # (1 / the lockstep rate apart: --cap of them in --cap / rate seconds), so each job runs at its own
+    # step, as requests arriving one at a time do; the lockstep rate (started together) kept beside it.
+    lockstep = capacity(url, first, requests, args.cap)
+    rate = capacity(url, first, requests, args.cap, stagger_s=1.0 / lockstep)
+    print(
+        f"alone {alone:.3f} s, deadline {deadline_s:.3f} s, capacity {rate:.2f} req/s "
+        f"(lockstep {lockstep:.2f})",
+        flush=True,
+    )
     report: dict = {
         "benchmark": "goodput",
         "config": {
@@ -394,6 +408,8 @@ def measure(url: str, args: argparse.Namespace, config: dict, path: Path) -> dic
         "alone_s": alone,
         "deadline_s": deadline_s,
         "capacity": rate,
+        "capacity_stagger_s": 1.0 / lockstep,
+        "capacity_lockstep": lockstep,
         "loads": [float(x) for x in args.loads.split(",")],
         "runs": [],
         "complete": False,

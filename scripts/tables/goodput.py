@@ -66,6 +66,19 @@ def models_words(c: dict) -> str:
     return f"{'; '.join(shared)} on one model (a run starts from the state the one before it there left). "
 
 
+def capacity_words(artefact: dict) -> str:
+    """How the capacity was measured: closed loop, its clients' starts staggered (then the lockstep rate,
+    all started together, beside it), or started together (the artefacts before the stagger)."""
+    cap = artefact["config"]["cap"]
+    if "capacity_lockstep" not in artefact:
+        return f"closed loop at {cap}, started together: its jobs in lockstep"
+    return (
+        f"closed loop at {cap}, the clients' starts {artefact['capacity_stagger_s'] * 1000:.0f} ms apart so "
+        f"that each job runs at its own step; started together, in lockstep: "
+        f"{artefact['capacity_lockstep']:.2f}"
+    )
+
+
 def warm_up(c: dict) -> int:
     """The arrivals of a run not counted (an artefact from before --warm-up: the fraction it kept)."""
     return c["warm_up"] if "warm_up" in c else int(c["requests"] * c["warm_up_fraction"])
@@ -94,7 +107,7 @@ def render(artefact: dict[str, Any]) -> str:
             else ""
         )
         + "; Poisson arrivals at each load of the step engine's capacity on this traffic "
-        f"({artefact['capacity']:.2f} requests/s, closed loop at {c['cap']}); {c['rounds']} rounds, the "
+        f"({artefact['capacity']:.2f} requests/s, {capacity_words(artefact)}); {c['rounds']} rounds, the "
         f"{len(c['variants'])} variants in rotated order. "
         + models_words(c)
         + ("fifo sends no tier or deadline; " if "fifo" in c["variants"] else "")

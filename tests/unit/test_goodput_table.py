@@ -151,3 +151,15 @@ def test_the_table_says_which_variants_shared_a_model():
     shared = {"model_of": {"fifo": "goodput", "tiers-room": "goodput_room", "degrade-room": "goodput_room"}}
     assert models_words(shared).startswith("tiers-room and degrade-room on one model")
     assert models_words({}) == ""
+
+
+def test_the_capacity_says_whether_its_clients_were_staggered():
+    from tables.goodput import capacity_words
+
+    before = {"config": {"cap": 8}, "capacity": 20.0}
+    assert capacity_words(before) == "closed loop at 8, started together: its jobs in lockstep"
+    now = {"config": {"cap": 8}, "capacity": 12.5, "capacity_lockstep": 16.0, "capacity_stagger_s": 0.0625}
+    assert capacity_words(now) == (
+        "closed loop at 8, the clients' starts 62 ms apart so that each job runs at its own step; started "
+        "together, in lockstep: 16.00"
+    )
