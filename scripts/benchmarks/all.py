@@ -4,15 +4,15 @@ project's 2-core host; their sum is the default budget, which --budget-s scales)
 
     .venv/bin/python scripts/bench.py all --out docs                 # every CPU benchmark, then figures
     .venv/bin/python scripts/bench.py all --out docs --only engines,mixed_sizes
-    .venv/bin/python scripts/bench.py all --out docs --dry-run       # the plan, its shares, nothing run
+    .venv/bin/python scripts/bench.py all --out docs --dry-run       # the plan, its limits, nothing run
 
-Each benchmark runs as its own process group (a fresh torch, its own servers) with its share of the budget
-as a time limit; at the limit the whole group is ended (servers included). Most benchmarks write their
-artefact as they measure, so one cut short keeps what it measured and says so (``complete: false``);
+Each benchmark runs as its own process group (a fresh torch, its own servers) with its time limit; at
+the limit the whole group is ended (servers included). Most benchmarks write their artefact as they
+measure, so one cut short keeps what it measured and says so (``complete: false``);
 checkpoint-cost and dllm write theirs at the end, so a cut one keeps its previous artefact. The run's own
 record (``<out>/cpu/all.json``: each benchmark's command, exit status and seconds) is written after each.
 Each command below is the one its artefact records (``provenance.command``). Where a benchmark has rounds,
-it runs 5 (the fewest from which scripts/verdicts.py reads a verdict), except where its share cannot hold
+it runs 5 (the fewest from which scripts/verdicts.py reads a verdict), except where its limit cannot hold
 them (graphs: 3 repeats of a timing, no ratio read); the
 engines benchmark's Poisson and mixed runs are one run each (no verdict), its closed loop 5 rounds.
 """
@@ -33,9 +33,9 @@ from benchmarks.common import REPO_ROOT
 from triton_diffusion.engine.overload import WINDOW
 
 # Each take's time limit, in seconds on the project's 2-core host (a --budget-s scales them all).
-# The goodput benchmark on this CPU, in steady state (250 requests a run, the first 128 the warm-up, 3
-# variants, 5 loads, at the staggered capacity): about 28 minutes.
-GOODPUT_S = 2100
+# The goodput benchmark on this CPU, in steady state (278 requests a run, the first 128 the warm-up, 3
+# variants, 5 loads): estimated 1.9 x the 10 minutes of 150 a run, more on a slower day.
+GOODPUT_S = 1800
 # The crash soak: 5 rounds of 2 runs of 150-step jobs (13 minutes measured, --mid-job 75).
 CRASH_SOAK_S = 1098
 # The goodput benchmark's room at the door (tiny SD, 2 variants, 4 loads), on traffic with deadlines and on
@@ -174,7 +174,7 @@ PLAN = (
             "--room",
             "1",
             "--requests",
-            "250",
+            "278",
             "--warm-up",
             str(WINDOW),  # the load's window (engine/overload.py) filled with the run's load first
             "--loads",
@@ -318,7 +318,7 @@ def run_group(argv: list[str], limit_s: float) -> int | str:
                 break
             except subprocess.TimeoutExpired:
                 continue
-        return "cut at its share"
+        return "cut at its limit"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -328,7 +328,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--budget-s", type=float, default=BUDGET_S, help="seconds for all of them")
     parser.add_argument("--only", default="", help="these benchmarks of the plan (comma-separated)")
-    parser.add_argument("--dry-run", action="store_true", help="print the plan and its shares; run nothing")
+    parser.add_argument("--dry-run", action="store_true", help="print the plan and its limits; run nothing")
     args = parser.parse_args(argv)
     only = {n.replace("-", "_") for n in args.only.split(",") if n}
     unknown = only - {t.name for t in PLAN}

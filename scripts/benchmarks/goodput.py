@@ -6,8 +6,8 @@ that no variant's run starts from the state another's traffic left (the load's w
 Every request asks --steps steps and has a deadline, --deadline-scale x the latency of one such request
 alone through the server; its tier is drawn (--tiers shares of priority, default, flex). The variants
 run on the same Poisson arrivals, in rotated order, at --loads of the step engine's capacity on this
-traffic (closed loop at --cap concurrent requests, their starts spread over one job's time so that each
-job runs at its own step, as requests arriving one at a time do; measured through the server first):
+traffic (closed loop at --cap concurrent requests through the server, on every variant's model in turn:
+the median):
 
   fifo      no tier, no deadline sent: first come, first served (the client still counts its deadline)
   tiers     each request's tier and deadline sent: refused at once where the estimate says it cannot be
@@ -237,18 +237,13 @@ def why_degraded(reports: list[dict]) -> dict[str, int]:
     return counts
 
 
-def capacity(url: str, model: str, requests: list[dict], concurrency: int, stagger_s: float = 0.0) -> float:
-    """Requests per second the step engine serves of this traffic, closed loop (fifo: full steps) at
-    ``concurrency`` clients, the k-th starting ``k * stagger_s`` after the first. Started together, their
-    jobs run in lockstep (admitted together, done together, decoded together) as requests arriving one at
-    a time do not; staggered by about a step, each job runs at its own step and is decoded alone, as
-    Poisson arrivals below capacity are."""
+def capacity(url: str, model: str, requests: list[dict], concurrency: int) -> float:
+    """Requests per second the step engine serves of this traffic, closed loop (fifo: full steps)."""
     pending = list(enumerate(requests[: 4 * concurrency]))
     count = len(pending)
     lock = threading.Lock()
 
-    def worker(k: int) -> None:
-        time.sleep(k * stagger_s)
+    def worker() -> None:
         while True:
             with lock:
                 if not pending:
@@ -257,7 +252,7 @@ def capacity(url: str, model: str, requests: list[dict], concurrency: int, stagg
             generate_one(sent(request, "fifo", 0, 0), f"cap-{index}", url, model, 600.0)
 
     started = time.perf_counter()
-    threads = [threading.Thread(target=worker, args=(k,)) for k in range(concurrency)]
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -363,23 +358,21 @@ def measure(url: str, args: argparse.Namespace, config: dict, path: Path) -> dic
     for i in range(3):  # warm: the engine's estimates start from measured forwards
         for name in models(args.cap, args.room, args.variants):
             generate_one(sent(requests[i], "fifo", 0, 0), "warm", url, name)
-    # Alone and the capacity on the first variant's model: without a deadline or tier sent, every model
-    # runs them alike (their edits act on requests with a deadline).
-    first = model_of(args.variants[0])
-    alone = statistics.median(
-        generate_one(sent(requests[i], "fifo", 0, 0), f"alone-{i}", url, first).latency_s for i in range(5)
-    )
+    # Alone and the capacity on every variant's model, in turn (each model then starts from the same
+    # work measured), their medians read: without a deadline or tier sent, every model runs them alike
+    # (their edits act on requests with a deadline), so the models are repeats of one measurement.
+    served = list(models(args.cap, args.room, args.variants))
+    alones = [
+        statistics.median(
+            generate_one(sent(requests[i], "fifo", 0, 0), f"alone-{i}", url, name).latency_s
+            for i in range(5)
+        )
+        for name in served
+    ]
+    rates = [capacity(url, name, requests, args.cap) for name in served]
+    alone, rate = statistics.median(alones), statistics.median(rates)
     deadline_s = args.deadline_scale * alone
-    # The capacity the loads are read against: the clients' starts spread over one lockstep job's time
-    # (1 / the lockstep rate apart: --cap of them in --cap / rate seconds), so each job runs at its own
-    # step, as requests arriving one at a time do; the lockstep rate (started together) kept beside it.
-    lockstep = capacity(url, first, requests, args.cap)
-    rate = capacity(url, first, requests, args.cap, stagger_s=1.0 / lockstep)
-    print(
-        f"alone {alone:.3f} s, deadline {deadline_s:.3f} s, capacity {rate:.2f} req/s "
-        f"(lockstep {lockstep:.2f})",
-        flush=True,
-    )
+    print(f"alone {alone:.3f} s, deadline {deadline_s:.3f} s, capacity {rate:.2f} req/s", flush=True)
     report: dict = {
         "benchmark": "goodput",
         "config": {
@@ -408,8 +401,9 @@ def measure(url: str, args: argparse.Namespace, config: dict, path: Path) -> dic
         "alone_s": alone,
         "deadline_s": deadline_s,
         "capacity": rate,
-        "capacity_stagger_s": 1.0 / lockstep,
-        "capacity_lockstep": lockstep,
+        # Each model's, in the order of "model_of" (the medians above are the figures read).
+        "alone_by_model": alones,
+        "capacity_by_model": rates,
         "loads": [float(x) for x in args.loads.split(",")],
         "runs": [],
         "complete": False,

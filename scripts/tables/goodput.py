@@ -63,20 +63,18 @@ def models_words(c: dict) -> str:
         return ""
     if not shared:
         return "Each variant on a model of its own. "
-    return f"{'; '.join(shared)} on one model (a run starts from the state the one before it there left). "
+    each = "one model" if len(shared) == 1 else "one model each"
+    return f"{'; '.join(shared)} on {each} (a run starts from the state the one before it there left). "
 
 
 def capacity_words(artefact: dict) -> str:
-    """How the capacity was measured: closed loop, its clients' starts staggered (then the lockstep rate,
-    all started together, beside it), or started together (the artefacts before the stagger)."""
+    """How the capacity was measured: on every model, their median (or on one, the artefacts before)."""
     cap = artefact["config"]["cap"]
-    if "capacity_lockstep" not in artefact:
-        return f"closed loop at {cap}, started together: its jobs in lockstep"
-    return (
-        f"closed loop at {cap}, the clients' starts {artefact['capacity_stagger_s'] * 1000:.0f} ms apart so "
-        f"that each job runs at its own step; started together, in lockstep: "
-        f"{artefact['capacity_lockstep']:.2f}"
-    )
+    rates = artefact.get("capacity_by_model")
+    if not rates:
+        return f"closed loop at {cap}"
+    each = ", ".join(f"{rate:.2f}" for rate in rates)
+    return f"closed loop at {cap}, the median of each model's: {each}"
 
 
 def warm_up(c: dict) -> int:

@@ -149,17 +149,15 @@ def test_the_table_says_which_variants_shared_a_model():
     own = {"model_of": {"fifo": "goodput_fifo", "tiers-room": "goodput_tiers_room"}}
     assert models_words(own) == "Each variant on a model of its own. "
     shared = {"model_of": {"fifo": "goodput", "tiers-room": "goodput_room", "degrade-room": "goodput_room"}}
-    assert models_words(shared).startswith("tiers-room and degrade-room on one model")
+    assert models_words(shared).startswith("tiers-room and degrade-room on one model (")
+    two = {"model_of": {"tiers": "a", "degrade": "a", "tiers-room": "b", "degrade-room": "b"}}
+    assert models_words(two).startswith("tiers and degrade; tiers-room and degrade-room on one model each")
     assert models_words({}) == ""
 
 
-def test_the_capacity_says_whether_its_clients_were_staggered():
+def test_the_capacity_says_each_models_measurement():
     from tables.goodput import capacity_words
 
-    before = {"config": {"cap": 8}, "capacity": 20.0}
-    assert capacity_words(before) == "closed loop at 8, started together: its jobs in lockstep"
-    now = {"config": {"cap": 8}, "capacity": 12.5, "capacity_lockstep": 16.0, "capacity_stagger_s": 0.0625}
-    assert capacity_words(now) == (
-        "closed loop at 8, the clients' starts 62 ms apart so that each job runs at its own step; started "
-        "together, in lockstep: 16.00"
-    )
+    assert capacity_words({"config": {"cap": 8}, "capacity": 20.0}) == "closed loop at 8"
+    now = {"config": {"cap": 8}, "capacity": 16.0, "capacity_by_model": [15.0, 16.0, 17.25]}
+    assert capacity_words(now) == "closed loop at 8, the median of each model's: 15.00, 16.00, 17.25"
