@@ -34,8 +34,8 @@ from triton_diffusion.engine.overload import WINDOW
 
 # Each take's time limit, in seconds on the project's 2-core host (a --budget-s scales them all).
 # The goodput benchmark on this CPU, in steady state (278 requests a run, the first 128 the warm-up, 3
-# variants, 5 loads): estimated 1.9 x the 10 minutes of 150 a run, more on a slower day.
-GOODPUT_S = 1800
+# variants, 5 loads): its take at 5fb7d01 was cut at 30 minutes in its last run (2x, round 5, fifo).
+GOODPUT_S = 2100
 # The crash soak: 5 rounds of 2 runs of 150-step jobs (13 minutes measured, --mid-job 75).
 CRASH_SOAK_S = 1098
 # The goodput benchmark's room at the door (tiny SD, 2 variants, 4 loads), on traffic with deadlines and on
