@@ -81,6 +81,7 @@ BLOCKS: dict[str, Figure] = {
             "docs/cpu/lora/bench_lora.json",
             "docs/cpu/caches/bench_caches.json",
             "docs/gpu/checks/engines_graphs/bench_engines.json",
+            "docs/cpu/goodput.json",
         ),
         "headline.render",
     ),

@@ -364,8 +364,7 @@ def measure(url: str, args: argparse.Namespace, config: dict, path: Path) -> dic
     served = list(models(args.cap, args.room, args.variants))
     alones = [
         statistics.median(
-            generate_one(sent(requests[i], "fifo", 0, 0), f"alone-{i}", url, name).latency_s
-            for i in range(5)
+            generate_one(sent(requests[i], "fifo", 0, 0), f"alone-{i}", url, name).latency_s for i in range(5)
         )
         for name in served
     ]

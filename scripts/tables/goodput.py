@@ -326,13 +326,23 @@ def _degraded(rounds: list[dict], variant: str, profile: object) -> tuple[str, s
     return f"{degraded}/{offered}", _steps(steps, cached), "-" if profile else _psnr(psnrs), equal
 
 
-def _ratio(rounds: list[dict], ours: str, other: str, load: float | None) -> str:
-    # A round where the other met nothing reads as an infinite gain (kept: the sign test orders rounds).
-    values = [
+def goodput_ratios(rounds: list[dict], ours: str, other: str) -> list[float]:
+    """Each round's goodput of ``ours`` over ``other`` (a round where the other met nothing reads as an
+    infinite gain: kept, the sign test orders rounds)."""
+    return [
         r[ours]["goodput"] / r[other]["goodput"] if r[other]["goodput"] > 0 else float("inf")
         for r in rounds
         if ours in r and other in r
     ]
+
+
+def at_load(artefact: dict[str, Any], load: float) -> list[dict[str, dict]]:
+    """The rounds of one load: each round's runs by variant."""
+    return _rounds([r for r in artefact.get("runs", []) if r["load"] == load])
+
+
+def _ratio(rounds: list[dict], ours: str, other: str, load: float | None) -> str:
+    values = goodput_ratios(rounds, ours, other)
     if not values:
         return "-"
     target = TARGET_AT_1_5 if load == 1.5 and ours in DEGRADING else None

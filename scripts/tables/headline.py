@@ -10,6 +10,7 @@ from typing import Any
 from verdicts import verdict
 
 from tables.engines import ratio_rounds
+from tables.goodput import ROOM, ROOM_DEGRADE, TARGET_AT_1_5, at_load, goodput_ratios
 from tables.markdown import number, table
 
 
@@ -76,6 +77,7 @@ def render(
     lora: dict[str, Any],
     caches: dict[str, Any],
     gpu_engines: dict[str, Any],
+    goodput: dict[str, Any],
 ) -> str:
     headers = ("what", "compared", "median", "target", "reading", "measured")
     cpu = engine_rows(engines, f"{engines.get('arch', '?')} {engines.get('size', '?')}")
@@ -128,6 +130,18 @@ def render(
                 "<= 1.02",
                 _date(checkpoints),
                 False,
+            )
+        )
+    rounds = at_load(goodput, 1.5)
+    if goodput_ratios(rounds, ROOM_DEGRADE, ROOM):
+        cpu.append(
+            _rounds_row(
+                f"degrading rows at 1.5x capacity, {goodput['config']['arch']}",
+                "goodput degrade / tiers without it",
+                goodput_ratios(rounds, ROOM_DEGRADE, ROOM),
+                TARGET_AT_1_5,
+                _date(goodput),
+                True,
             )
         )
     gpu = engine_rows(gpu_engines, f"{gpu_engines.get('arch', '?')} {gpu_engines.get('size', '?')}")

@@ -161,3 +161,21 @@ def test_the_capacity_says_each_models_measurement():
     assert capacity_words({"config": {"cap": 8}, "capacity": 20.0}) == "closed loop at 8"
     now = {"config": {"cap": 8}, "capacity": 16.0, "capacity_by_model": [15.0, 16.0, 17.25]}
     assert capacity_words(now) == "closed loop at 8, the median of each model's: 15.00, 16.00, 17.25"
+
+
+def test_the_headline_reads_degradation_at_1_5x_by_round_with_its_target():
+    from tables.goodput import at_load, goodput_ratios
+    from tables.headline import render
+
+    def run(load, round_, variant, goodput):
+        return {"load": load, "round": round_, "variant": variant, "goodput": goodput}
+
+    runs = [run(1.5, 1, "tiers-room", 2.0), run(1.5, 1, "degrade-room", 8.0)]
+    runs += [run(1.5, 2, "tiers-room", 0.0), run(1.5, 2, "degrade-room", 3.0)]  # the other met nothing
+    runs += [run(2.0, 1, "tiers-room", 1.0), run(2.0, 1, "degrade-room", 1.0)]  # another load: not read
+    artefact = {"config": {"arch": "tiny-sd"}, "runs": runs, "provenance": {"date": "2026-12-03T00:00:00"}}
+    assert goodput_ratios(at_load(artefact, 1.5), "degrade-room", "tiers-room") == [4.0, float("inf")]
+    page = render({}, {}, {}, {}, {}, {}, artefact)
+    row = next(line for line in page.splitlines() if "degrading rows at 1.5x capacity, tiny-sd" in line)
+    assert ">= 1.5" in row and "too few rounds" in row  # two rounds: no interval read
+    assert "degrading rows" not in render({}, {}, {}, {}, {}, {}, {"runs": []})
