@@ -1,6 +1,6 @@
-"""The goodput benchmark's per-tier table (scripts/tables/goodput.py): attainment per tier and variant, and
-the share of each tier the degrade variant degraded, summed over rounds; "-" where an artefact's runs do
-not count it."""
+"""The goodput benchmark's table words and helpers (scripts/tables/goodput.py: the per-tier table, misses,
+the room, the rules, the targets, the models and the capacity as each artefact records them), its model
+per variant (scripts/benchmarks/goodput.py) and the headline's goodput row (scripts/tables/headline.py)."""
 
 from __future__ import annotations
 
@@ -170,12 +170,23 @@ def test_the_headline_reads_degradation_at_1_5x_by_round_with_its_target():
     def run(load, round_, variant, goodput):
         return {"load": load, "round": round_, "variant": variant, "goodput": goodput}
 
-    runs = [run(1.5, 1, "tiers-room", 2.0), run(1.5, 1, "degrade-room", 8.0)]
-    runs += [run(1.5, 2, "tiers-room", 0.0), run(1.5, 2, "degrade-room", 3.0)]  # the other met nothing
-    runs += [run(2.0, 1, "tiers-room", 1.0), run(2.0, 1, "degrade-room", 1.0)]  # another load: not read
+    runs = []
+    for round_, (tiers, degrade) in enumerate([(2, 4), (2, 6), (2, 8), (2, 10), (0, 3)], start=1):
+        runs += [run(1.5, round_, "tiers-room", tiers), run(1.5, round_, "degrade-room", degrade)]
+        runs += [run(2.0, round_, "tiers-room", 2), run(2.0, round_, "degrade-room", 1)]  # not read
     artefact = {"config": {"arch": "tiny-sd"}, "runs": runs, "provenance": {"date": "2026-12-03T00:00:00"}}
-    assert goodput_ratios(at_load(artefact, 1.5), "degrade-room", "tiers-room") == [4.0, float("inf")]
+    assert goodput_ratios(at_load(artefact, 1.5), "degrade-room", "tiers-room") == [2, 3, 4, 5, float("inf")]
     page = render({}, {}, {}, {}, {}, {}, artefact)
-    row = next(line for line in page.splitlines() if "degrading rows at 1.5x capacity, tiny-sd" in line)
-    assert ">= 1.5" in row and "too few rounds" in row  # two rounds: no interval read
+    row = next(line for line in page.splitlines() if "degrading rows at 1.5x capacity" in line)
+    assert row == (
+        "| degrading rows at 1.5x capacity, tiny-sd (degrade-room / tiers-room) | goodput degrade / tiers "
+        "without it | **4** | >= 1.5 | met (90% interval 2-inf) | 2026-12-03 |"
+    )
     assert "degrading rows" not in render({}, {}, {}, {}, {}, {}, {"runs": []})
+
+
+def test_a_headline_median_over_nothing_reads_inf_not_missed():
+    from tables.headline import _rounds_row
+
+    row = _rounds_row("x", "a / b", [float("inf")] * 3, "", "2026-12-03", True)
+    assert row[2] == "**inf**"
