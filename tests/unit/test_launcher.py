@@ -109,6 +109,26 @@ def test_the_supervised_server_gets_a_short_exit_timeout_unless_one_is_given(mon
         assert launcher._option(taken[-1][1], "exit-timeout-secs", "30") == timeout
 
 
+def test_models_load_at_once_one_a_thread_unless_the_user_says(monkeypatch, tmp_path):
+    for name in ("a", "b", "c", "d", "e"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.pbtxt").write_text("")
+    (tmp_path / "not_a_model").mkdir()
+    assert launcher.load_threads(tmp_path) == 5  # Triton's default 4 would load the fifth after the others
+    assert launcher.load_threads(tmp_path / "missing") == 4
+    for name in range(20):
+        (tmp_path / f"m{name}").mkdir()
+        (tmp_path / f"m{name}" / "config.pbtxt").write_text("")
+    assert launcher.load_threads(tmp_path) == 16
+    taken: list = []
+    monkeypatch.setattr(launcher, "server_command", lambda *a: launcher.ServerCommand(["t"], {}))
+    monkeypatch.setattr(launcher, "supervise", lambda *args: taken.append(args) or 0)
+    for argv, threads in (([], "16"), (["--model-load-thread-count=2"], "2")):
+        with pytest.raises(SystemExit):
+            launcher.main(["--model-repository", str(tmp_path), *argv])
+        assert launcher._option(taken[-1][1], "model-load-thread-count", "4") == threads
+
+
 def test_a_ready_model_without_a_stub_lost_it():
     """The supervisor's first listing: a model Triton calls ready whose stub is already gone (it died as the
     server became ready) is one to restart for; models with a stub each are not."""

@@ -33,6 +33,23 @@ DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 # crash restart for the whole timeout.
 EXIT_TIMEOUT_S = 5.0
 
+# Triton loads 4 models at a time (--model-load-thread-count); in a repository of more, the rest wait for a
+# free thread at every start and every crash restart (the shipped one: its fifth model loaded alone after
+# the others). One thread a model, at most 16: many large models would otherwise read all their weights at
+# once.
+LOAD_THREADS = (4, 16)
+
+
+def load_threads(model_repository: Path) -> int:
+    """Model loads at once: one per model of the repository (a folder with a config.pbtxt), within
+    LOAD_THREADS."""
+    try:
+        models = sum((folder / "config.pbtxt").is_file() for folder in model_repository.iterdir())
+    except OSError:  # tritonserver says what is wrong with the repository
+        models = 0
+    least, most = LOAD_THREADS
+    return min(max(models, least), most)
+
 
 class LauncherError(RuntimeError):
     """A problem that stops the server from starting, with a message meant for the user."""
@@ -297,8 +314,10 @@ def main(argv: list[str] | None = None) -> None:
         "restart (0: no drain; SIGINT never drains). Needs the supervisor",
     )
     known, extra = parser.parse_known_args(argv)
+    # Defaults first: a user's own comes later and wins.
+    extra = [f"--model-load-thread-count={load_threads(known.model_repository)}", *extra]
     if not known.no_supervise:
-        extra = [f"--exit-timeout-secs={EXIT_TIMEOUT_S:g}", *extra]  # a user's own comes later and wins
+        extra = [f"--exit-timeout-secs={EXIT_TIMEOUT_S:g}", *extra]
     if known.drain_s < 0:
         parser.error("--drain-s must be 0 or more")
     front_argv, front_at = None, None
