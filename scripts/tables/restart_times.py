@@ -34,8 +34,8 @@ def render(artefact: dict[str, Any]) -> str:
         "Seconds: the median over rounds; its reading by the one verdict rule against the target "
         f"({TARGET} s) where there is one.",
         "",
-        "| | " + " | ".join(variants) + " |",
-        "|---|" + "---|" * len(variants),
+        "| | " + " | ".join(variants) + (" | now / before, per round |" if len(variants) == 2 else " |"),
+        "|---|" + "---|" * (len(variants) + (len(variants) == 2)),
     ]
     for key, what, target in MEASURES:
         cells = []
@@ -43,5 +43,17 @@ def render(artefact: dict[str, Any]) -> str:
             found = verdict(_values(artefact, variant, key), target, higher_is_better=False, neutral=0)
             reading = f" ({found.word}, {found.interval})" if target else ""
             cells.append(f"{found.median:.1f}{reading}")
+        ratios = _ratios(artefact, key)
+        if len(variants) == 2 and ratios:
+            found = verdict(ratios, higher_is_better=False)
+            cells.append(f"{found.median:.3g}: {found}")
         lines.append(f"| {what} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _ratios(artefact: dict[str, Any], key: str) -> list[float]:
+    """Each round's now over before (rounds alternated; a round without both left out)."""
+    by_round: dict[int, dict[str, float]] = {}
+    for row in artefact["rows"]:
+        by_round.setdefault(row["round"], {})[row["variant"]] = row[key]
+    return [r["now"] / r["before"] for r in by_round.values() if "now" in r and "before" in r]

@@ -1,0 +1,41 @@
+"""The restart-times block (scripts/tables/restart_times.py): each measure's median and reading per
+variant, and where both ran, now over before per round read by the one verdict rule."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+
+from tables.restart_times import _ratios, render  # noqa: E402
+
+
+def artefact(now: list[float], before: list[float]) -> dict:
+    rows = []
+    for round_, (a, b) in enumerate(zip(now, before, strict=True)):
+        for variant, seconds in (("now", a), ("before", b)):
+            rows.append(
+                {
+                    "variant": variant,
+                    "round": round_,
+                    "ready_s": seconds,
+                    "crash_back_s": seconds,
+                    "stop_idle_s": 1,
+                }
+            )
+    setup = {"victim": "text_to_image", "served_commits": {"now": "b", "before": "a"}}
+    return {"setup": setup, "rows": rows}
+
+
+def test_now_over_before_is_read_per_round():
+    found = artefact([9, 18, 27, 36, 45], [10, 20, 30, 40, 50])
+    assert _ratios(found, "crash_back_s") == [0.9] * 5
+    row = next(line for line in render(found).splitlines() if line.startswith("| crash restart"))
+    assert row.endswith("| 0.9: gain (90% interval 0.9-0.9) |")
+    worse = artefact([11, 22, 33, 44, 55], [10, 20, 30, 40, 50])
+    assert "loss" in next(line for line in render(worse).splitlines() if line.startswith("| crash restart"))
+
+
+def test_a_take_of_now_alone_has_no_ratio_column():
+    alone = {**artefact([9, 18], [10, 20])}
+    alone["rows"] = [row for row in alone["rows"] if row["variant"] == "now"]
+    assert "now / before" not in render(alone)
