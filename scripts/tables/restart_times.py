@@ -32,7 +32,13 @@ def render(artefact: dict[str, Any]) -> str:
         "Idle stop: SIGTERM to the launcher (the server that crash restart brought back) after each "
         "text-to-image model answered a request (the project's gRPC client, progress on) and 2 s idle. "
         "Seconds: the median over rounds; its reading by the one verdict rule against the target "
-        f"({TARGET} s) where there is one.",
+        f"({TARGET} s) where there is one."
+        + (
+            " now / before: each round's now over its before, their median read against 1 (below 1 a gain: "
+            "less time)."
+            if len(variants) == 2
+            else ""
+        ),
         "",
         "| | " + " | ".join(variants) + (" | now / before, per round |" if len(variants) == 2 else " |"),
         "|---|" + "---|" * (len(variants) + (len(variants) == 2)),
@@ -44,9 +50,9 @@ def render(artefact: dict[str, Any]) -> str:
             reading = f" ({found.word}, {found.interval})" if target else ""
             cells.append(f"{found.median:.1f}{reading}")
         ratios = _ratios(artefact, key)
-        if len(variants) == 2 and ratios:
-            found = verdict(ratios, higher_is_better=False)
-            cells.append(f"{found.median:.3g}: {found}")
+        if len(variants) == 2:
+            found = verdict(ratios, higher_is_better=False) if ratios else None
+            cells.append(f"{found.median:.3g}: {found}" if found else "-")
         lines.append(f"| {what} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -275,8 +275,12 @@ def test_the_drain_time_is_a_launcher_option(monkeypatch):
     for argv, drain_s in (([], 30.0), (["--drain-s", "90"], 90.0), (["--drain-s=0"], 0.0)):
         with pytest.raises(SystemExit):
             launcher.main(["--log-verbose=1", *argv])
-        assert taken[-1][4] == drain_s and taken[-1][1][0] == "--exit-timeout-secs=5"
-        assert taken[-1][1][-1] == "--log-verbose=1"
+        threads = launcher.load_threads(launcher.DEFAULT_MODEL_REPOSITORY)
+        assert taken[-1][4] == drain_s and taken[-1][1] == [
+            "--exit-timeout-secs=5",
+            f"--model-load-thread-count={threads}",
+            "--log-verbose=1",
+        ]
     with pytest.raises(SystemExit, match="2"):
         launcher.main(["--drain-s=-1"])
 

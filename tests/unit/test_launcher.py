@@ -1,3 +1,6 @@
+import contextlib
+from pathlib import Path
+
 import pytest
 
 from triton_diffusion.serving import launcher
@@ -119,14 +122,40 @@ def test_models_load_at_once_one_a_thread_unless_the_user_says(monkeypatch, tmp_
     for name in range(20):
         (tmp_path / f"m{name}").mkdir()
         (tmp_path / f"m{name}" / "config.pbtxt").write_text("")
-    assert launcher.load_threads(tmp_path) == 16
-    taken: list = []
-    monkeypatch.setattr(launcher, "server_command", lambda *a: launcher.ServerCommand(["t"], {}))
-    monkeypatch.setattr(launcher, "supervise", lambda *args: taken.append(args) or 0)
-    for argv, threads in (([], "16"), (["--model-load-thread-count=2"], "2")):
-        with pytest.raises(SystemExit):
+    assert launcher.load_threads(tmp_path) == 8
+    # What tritonserver is started with, supervised and not (the user's own comes later and wins).
+    given: list = []
+
+    def command(repository, extra, cache):
+        given.append(list(extra))
+        return launcher.ServerCommand(["t"], {})
+
+    monkeypatch.setattr(launcher, "server_command", command)
+    monkeypatch.setattr(launcher, "supervise", lambda *args: 0)
+    monkeypatch.setattr(launcher.os, "execvpe", lambda *args: None)
+    for argv, threads in (
+        ([], "8"),
+        (["--model-load-thread-count=2"], "2"),
+        (["--no-supervise"], "8"),
+    ):
+        with contextlib.suppress(SystemExit):
             launcher.main(["--model-repository", str(tmp_path), *argv])
-        assert launcher._option(taken[-1][1], "model-load-thread-count", "4") == threads
+        assert launcher._option(given[-1], "model-load-thread-count", "4") == threads
+
+
+def test_an_unreadable_folder_does_not_lose_the_count(monkeypatch, tmp_path):
+    for name in ("a", "b", "c", "d", "e", "f"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.pbtxt").write_text("")
+    is_file = Path.is_file
+
+    def denied(path):
+        if path.parent.name == "a":
+            raise PermissionError(13, "Permission denied", str(path))
+        return is_file(path)
+
+    monkeypatch.setattr(Path, "is_file", denied)
+    assert launcher.load_threads(tmp_path) == 5
 
 
 def test_a_ready_model_without_a_stub_lost_it():

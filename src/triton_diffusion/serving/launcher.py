@@ -35,18 +35,24 @@ EXIT_TIMEOUT_S = 5.0
 
 # Triton loads 4 models at a time (--model-load-thread-count); in a repository of more, the rest wait for a
 # free thread at every start and every crash restart (the shipped one: its fifth model loaded alone after
-# the others). One thread a model, at most 16: many large models would otherwise read all their weights at
-# once.
-LOAD_THREADS = (4, 16)
+# the others). One thread a model, at most 8: each load holds its weights in host memory on the way to its
+# device, so loads at once add up (a --model-load-thread-count of the user's own wins).
+LOAD_THREADS = (4, 8)
 
 
 def load_threads(model_repository: Path) -> int:
-    """Model loads at once: one per model of the repository (a folder with a config.pbtxt), within
-    LOAD_THREADS."""
+    """Model loads at once: one per model of the repository (a folder with a config.pbtxt; one that cannot
+    be read counts as none), within LOAD_THREADS."""
+    models = 0
     try:
-        models = sum((folder / "config.pbtxt").is_file() for folder in model_repository.iterdir())
+        entries = list(model_repository.iterdir())
     except OSError:  # tritonserver says what is wrong with the repository
-        models = 0
+        entries = []
+    for entry in entries:
+        try:
+            models += (entry / "config.pbtxt").is_file()
+        except OSError:  # e.g. a folder this user may not read (lost+found)
+            continue
     least, most = LOAD_THREADS
     return min(max(models, least), most)
 
