@@ -4,7 +4,8 @@
 # (one uniform input set, so Triton can batch the requests). Writes a CSV.
 #
 #   scripts/perf_analyzer.sh                                  # text_to_image on localhost:8001
-#   MODEL=text_to_image_flux CONCURRENCY=1:16:1 INTERVAL_MS=5000 STABILITY=25 OUT=pa.csv scripts/perf_analyzer.sh
+#   MODEL=text_to_image_flux CONCURRENCY=1:16:1 WINDOW_REQUESTS=50 STABILITY=25 OUT=pa.csv scripts/perf_analyzer.sh
+#   INTERVAL_MS=5000 scripts/perf_analyzer.sh                 # fixed time windows instead
 #   scripts/perf_analyzer.sh --request-parameter num_inference_steps:8:int   # extra args go to perf_analyzer
 set -euo pipefail
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -12,7 +13,15 @@ VENV="$REPO_ROOT/.venv"
 MODEL="${MODEL:-text_to_image}"
 URL="${URL:-localhost:8001}"
 CONCURRENCY="${CONCURRENCY:-1:8:1}"
-INTERVAL_MS="${INTERVAL_MS:-5000}"
+# A window ends once WINDOW_REQUESTS requests have completed (perf_analyzer's count windows), however slow
+# the machine: a fixed time window on a loaded CPU can close with no request completed, and perf_analyzer
+# then stops the sweep ("No valid requests recorded"). INTERVAL_MS asks for fixed time windows instead.
+WINDOW_REQUESTS="${WINDOW_REQUESTS:-20}"
+if [ -n "${INTERVAL_MS:-}" ]; then
+  WINDOWS=(--measurement-mode time_windows --measurement-interval "$INTERVAL_MS")
+else
+  WINDOWS=(--measurement-mode count_windows --measurement-request-count "$WINDOW_REQUESTS")
+fi
 STABILITY="${STABILITY:-25}"  # percent; perf_analyzer's 10 rarely settles on a small shared CPU machine
 OUT="${OUT:-$REPO_ROOT/bench_results/perf_analyzer.csv}"
 PERF_ANALYZER="${PERF_ANALYZER:-$VENV/bin/perf_analyzer}"
@@ -39,7 +48,7 @@ cd "$(dirname "$OUT")"  # perf_analyzer writes a few side files into the working
 rm -f "$OUT"
 "$PERF_ANALYZER" -m "$MODEL" -u "$URL" -i grpc --streaming --async \
   --input-data "$REPO_ROOT/client/perf_input.json" --concurrency-range "$CONCURRENCY" \
-  --measurement-interval "$INTERVAL_MS" --stability-percentage "$STABILITY" -f "$OUT" "$@"
+  "${WINDOWS[@]}" --stability-percentage "$STABILITY" -f "$OUT" "$@"
 
 # perf_analyzer ends a sweep at the first level it cannot measure stably and still exits 0, leaving a
 # CSV that silently lacks the higher levels: fail. (Not where extra arguments end or shape the sweep on
@@ -57,6 +66,6 @@ written=0
 [ -s "$OUT" ] && written=$(( $(wc -l <"$OUT") - 1 ))
 if [ "$written" -lt "$expected" ]; then
   echo "perf_analyzer.sh: $written of $expected concurrency levels measured ($OUT); perf_analyzer" \
-    "stopped the sweep (its message is above): if not stable, raise INTERVAL_MS or STABILITY" >&2
+    "stopped the sweep (its message is above): if not stable, raise WINDOW_REQUESTS or STABILITY" >&2
   exit 2
 fi
