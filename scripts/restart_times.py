@@ -1,8 +1,9 @@
 """How long the shipped model repository takes to start, to come back after a Python backend stub is
 killed, and to stop when idle: the launcher (its supervisor and drain included) as a deployment runs it.
 
-Each round starts ``triton-diffusion-serve`` on ``<root>/model_repository`` (every shipped model, the
-OpenAI front off), and times three things on the true clock:
+After one unrecorded start of each variant (the first start after the files were written reads them
+from disk), each round starts ``triton-diffusion-serve`` on ``<root>/model_repository`` (every shipped
+model, the OpenAI front off), and times three things on the true clock:
 
 - ``ready_s``: from the launch until the supervisor's ``/readyz`` answers 200 (every model loaded);
 - ``crash_back_s``: from a ``kill -9`` of the ``text_to_image`` stub until ``/readyz`` answers 200 again
@@ -89,47 +90,60 @@ def generate(grpc_url: str, model: str) -> str | None:
         return f"{type(error).__name__}: {error}"
 
 
-def one_round(root: Path, log_path: Path, timeout_s: float) -> dict[str, float]:
+@contextlib.contextmanager
+def launched(root: Path, log_path: Path) -> Iterator[tuple[subprocess.Popen, str, str]]:
+    """``triton-diffusion-serve`` on ``root``'s model repository: (the launcher, its health URL, its gRPC
+    URL); whatever is left of its session (its server, stubs) is killed on the way out."""
     health, grpc = free_port(), free_port()
-    grpc_url = f"127.0.0.1:{grpc}"
     launcher = Path(sys.executable).parent / "triton-diffusion-serve"
     env = {**os.environ, "PYTHONPATH": f"{root / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     command = [
         str(launcher), "--model-repository", str(root / "model_repository"), f"--health-port={health}",
         f"--http-port={free_port()}", f"--grpc-port={grpc}", f"--metrics-port={free_port()}",
     ]  # fmt: skip
-    health_url = f"http://127.0.0.1:{health}"
     with open(log_path, "a") as log:
-        started = time.monotonic()
         process = subprocess.Popen(
             command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
         try:
-            wait_until(lambda: ready(health_url), timeout_s)
-            ready_s = time.monotonic() - started
-            (stub,) = [s for s in list_stubs(server_pid(process.pid)) if s.model == VICTIM]
-            old_server = server_pid(process.pid)
-            killed = time.monotonic()
-            os.kill(stub.pid, signal.SIGKILL)
-            # Back: ready again, served by a new tritonserver (a poll that timed out is no restart).
-            wait_until(lambda: not ready(health_url), timeout_s)
-            wait_until(lambda: ready(health_url) and new_server(process.pid, old_server), timeout_s)
-            crash_back_s = time.monotonic() - killed
-            for model in SERVED:
-                error = generate(grpc_url, model)
-                if error is not None:
-                    raise RuntimeError(f"{model}: {error}")
-            time.sleep(2)  # idle
-            stopping = time.monotonic()
-            process.send_signal(signal.SIGTERM)
-            process.wait(timeout=timeout_s)
-            stop_idle_s = time.monotonic() - stopping
-        finally:  # whatever is left of the launcher's session (its server, stubs)
+            yield process, f"http://127.0.0.1:{health}", f"127.0.0.1:{grpc}"
+        finally:
             try:
                 os.killpg(process.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
             process.wait()
+
+
+def warm_up(root: Path, log_path: Path, timeout_s: float) -> None:
+    """One start, not recorded: the first start after the files were written reads them from disk (the
+    page cache is cold) and would be the first round's alone."""
+    with launched(root, log_path) as (_, health_url, _):
+        wait_until(lambda: ready(health_url), timeout_s)
+
+
+def one_round(root: Path, log_path: Path, timeout_s: float) -> dict[str, float]:
+    started = time.monotonic()
+    with launched(root, log_path) as (process, health_url, grpc_url):
+        wait_until(lambda: ready(health_url), timeout_s)
+        ready_s = time.monotonic() - started
+        (stub,) = [s for s in list_stubs(server_pid(process.pid)) if s.model == VICTIM]
+        old_server = server_pid(process.pid)
+        killed = time.monotonic()
+        os.kill(stub.pid, signal.SIGKILL)
+        # Back: ready again, served by a new tritonserver (a poll that timed out is no restart).
+        wait_until(lambda: not ready(health_url), timeout_s)
+        wait_until(lambda: ready(health_url) and new_server(process.pid, old_server), timeout_s)
+        crash_back_s = time.monotonic() - killed
+        for model in SERVED:
+            error = generate(grpc_url, model)
+            if error is not None:
+                raise RuntimeError(f"{model}: {error}")
+        time.sleep(2)  # idle
+        stopping = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=timeout_s)
+        stop_idle_s = time.monotonic() - stopping
     return {
         "ready_s": round(ready_s, 2),
         "crash_back_s": round(crash_back_s, 2),
@@ -185,12 +199,15 @@ def measure(roots: dict[str, Path], args: argparse.Namespace) -> int:
     artefact: dict[str, Any] = {
         "provenance": artefacts.provenance(),
         "setup": {"repository": "model_repository (every shipped model)", "victim": VICTIM,
-                  "served_commits": {name: served_commit(root) for name, root in roots.items()}},
+                  "served_commits": {name: served_commit(root) for name, root in roots.items()},
+                  "warm_up": "one start of each variant before round 0, not recorded"},
         "complete": False,
         "rows": [],
     }  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:  # noqa: SIM117
         tmp = os.environ.get("RESTART_TIMES_LOG_DIR", tmp)
+        for variant, root in roots.items():
+            warm_up(root, Path(tmp) / f"{variant}.log", args.timeout_s)
         for number in range(args.rounds):
             order = list(roots.items())[number % len(roots) :] + list(roots.items())[: number % len(roots)]
             for variant, root in order:  # rotated each round

@@ -44,3 +44,13 @@ def test_a_take_of_now_alone_has_no_ratio_column():
     alone = {**artefact([9, 18], [10, 20])}
     alone["rows"] = [row for row in alone["rows"] if row["variant"] == "now"]
     assert "now / before" not in render(alone)
+
+
+def test_the_block_says_whether_an_unrecorded_start_came_first():
+    found = artefact([9, 18], [10, 20])
+    assert "not recorded" not in render(found)
+    found["setup"]["warm_up"] = "one start of each variant before round 0, not recorded"
+    assert (
+        "rounds alternated (before: commit `a`; now: commit `b`), after one start of each not recorded."
+        in (render(found))
+    )
