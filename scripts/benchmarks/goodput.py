@@ -191,7 +191,15 @@ def figures(requests, results, latency, measured, window_s, deadline_s) -> dict:
             }
     errors = [results[i].error or "" for i in measured if not results[i].ok]
     plain = [i for i in measured if requests[i].get(NO_DEADLINE)]
+    thirds = [measured[k * len(measured) // 3 : (k + 1) * len(measured) // 3] for k in range(3)]
     return {
+        # The median latency of the answered requests among each third of the counted arrivals (None: none
+        # answered): a latency that grows from the first third to the last is a queue that grew, more
+        # arriving than was served.
+        "latency_thirds": [
+            statistics.median(done) if (done := [latency[i] for i in third if results[i].ok]) else None
+            for third in thirds
+        ],
         # Those that sent no deadline (--no-deadline-share), counted against the same deadline.
         "no_deadline": {"offered": len(plain), "met": sum(i in met for i in plain)},
         "offered": len(measured),

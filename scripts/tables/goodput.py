@@ -182,9 +182,16 @@ def render(artefact: dict[str, Any]) -> str:
             + " / ".join(_misses(rounds, v) for v in missing)
             + " |"
         )
-    rules = _rules(artefact)
+    rules, queue = _rules(artefact), _queue(artefact)
     lines += (
-        ["", _quiet(artefact), *(["", rules] if rules else []), "", _tiers(artefact)]
+        [
+            "",
+            _quiet(artefact),
+            *(["", queue] if queue else []),
+            *(["", rules] if rules else []),
+            "",
+            _tiers(artefact),
+        ]
         if ours
         else [
             "",
@@ -252,6 +259,28 @@ def _quiet(artefact: dict[str, Any]) -> str:
             + _needed(artefact["runs"], variant, low)
         )
     return "\n\n".join(lines) or "No run at or below 0.8x capacity."
+
+
+def _queue(artefact: dict[str, Any]) -> str:
+    """Whether fifo's queue grew over its runs, per load: its median latency among the first and the last
+    third of the counted arrivals (``latency_thirds``, the median over rounds; an artefact from before it
+    says nothing). fifo answers every request at full steps, so a latency that grows is more arriving than
+    the server served: the load above its capacity, whatever its nominal multiple."""
+    cells = []
+    for load in artefact["loads"]:
+        runs = [r for r in artefact["runs"] if r["variant"] == "fifo" and r["load"] == load]
+        thirds = [r["latency_thirds"] for r in runs if "latency_thirds" in r]
+        firsts = [t[0] for t in thirds if t[0] is not None]
+        lasts = [t[-1] for t in thirds if t[-1] is not None]
+        if firsts and lasts:
+            cells.append(f"{load:g}x {median(firsts):.2f} s to {median(lasts):.2f} s")
+    if not cells:
+        return ""
+    return (
+        "fifo's queue (it answers every request at full steps): its median latency among the first and the "
+        "last third of the counted arrivals, the median over rounds (a latency that grows is more arriving "
+        "than the server served, whatever the nominal load): " + "; ".join(cells) + "."
+    )
 
 
 def _needed(runs: list[dict], variant: str, low: list[dict]) -> str:

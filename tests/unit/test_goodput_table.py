@@ -190,3 +190,27 @@ def test_a_headline_median_over_nothing_reads_inf_not_missed():
 
     row = _rounds_row("x", "a / b", [float("inf")] * 3, "", "2026-12-03", True)
     assert row[2] == "**inf**"
+
+
+def test_a_run_records_its_latency_by_third_and_the_table_reads_fifos_queue():
+    from benchmarks.goodput import figures
+    from tables.goodput import _queue
+    from triton_diffusion_client import GenerateResult
+
+    requests = [{"service_tier": "default"} for _ in range(9)]
+    results = [GenerateResult(str(i), "p") for i in range(9)]
+    results[8] = GenerateResult("8", "p", error="refused: cannot finish within its deadline")
+    latency = [0.1, 0.3, 0.2, 1.0, 5.0, 2.0, 9.0, 7.0, 0.0]  # a queue that grew
+    found = figures(requests, results, latency, list(range(9)), window_s=1.0, deadline_s=1.0)
+    # The median of each third's answered requests (the last third's refused one not counted).
+    assert found["latency_thirds"] == [0.2, 2.0, 8.0]
+    none = figures(requests, [results[8]] * 9, latency, list(range(9)), window_s=1.0, deadline_s=1.0)
+    assert none["latency_thirds"] == [None, None, None]
+
+    def fifo(load: float, thirds: list | None) -> dict:
+        return {"variant": "fifo", "load": load} | ({} if thirds is None else {"latency_thirds": thirds})
+
+    runs = [fifo(0.5, [0.2, 0.3, 0.25]), fifo(0.5, [0.2, 0.2, 0.3]), fifo(0.8, [0.5, 2.0, 6.0])]
+    text = _queue({"loads": [0.5, 0.8, 1.5], "runs": runs + [fifo(1.5, None)]})
+    assert text.endswith("0.5x 0.20 s to 0.28 s; 0.8x 0.50 s to 6.00 s.")
+    assert _queue({"loads": [0.5], "runs": [fifo(0.5, None)]}) == ""  # an artefact from before says nothing
