@@ -7,14 +7,18 @@ loopback against a server this script starts. Then it checks that nothing was lo
   warm-up, and /dev/shm/triton_python_backend_shm_region_* by less than --max-shm-growth-mb (a region
   grows to the high-water mark of responses in flight and never shrinks; a leak grows with requests).
 
-Hostile mode (``--hostile 0.2``) makes that share of requests hostile (invalid UTF-8 in an HTTP
-parameter, a megabyte-long scheduler, a megabyte-long unknown parameter name, wrong types); each must get
-its own short INVALID_ARG while the rest are served. ``--kill-stub-at 20`` kills the model's Python
-backend process 20 s into the run: the launcher's supervisor must bring it back (the recovery time is
-reported); requests refused meanwhile are counted apart, and still none may be lost.
+Hostile mode (``--hostile 0.2``) makes that share of requests hostile, on a fixed cadence (with 0.2, the
+first of every 5 requests), cycling through four kinds (invalid UTF-8 in an HTTP parameter, a
+megabyte-long scheduler, a megabyte-long unknown parameter name, wrong types); each must get its own short
+INVALID_ARG while the rest are served. ``--requests N`` ends the soak once N requests have been sent
+(``--duration`` then only bounds it): what it sends does not depend on how fast the machine is.
+``--kill-stub-at 20`` kills the model's Python backend process 20 s into the run: the launcher's
+supervisor must bring it back (the recovery time is reported); requests refused meanwhile are counted
+apart, and still none may be lost.
 
     .venv/bin/python scripts/soak.py --duration 300 --concurrency 16
     .venv/bin/python scripts/soak.py --duration 120 --concurrency 12 --hostile 0.2 --kill-stub-at 30
+    .venv/bin/python scripts/soak.py --requests 60 --duration 240 --concurrency 6 --hostile 0.2
 Exit status 0 when every check holds; the figures are printed as JSON (and written with --json).
 """
 
@@ -65,9 +69,9 @@ def _recovery_error(error: str) -> bool:
     return any(phrase in error for phrase in RECOVERY_ERRORS)
 
 
-def hostile_request(number: int, rng: random.Random) -> tuple[dict, str, str]:
-    """(request, protocol, the field its error must name). Every one must fail alone, briefly."""
-    kind = rng.randrange(4)
+def hostile_request(number: int, kind: int) -> tuple[dict, str, str]:
+    """(request, protocol, the field its error must name) of ``kind`` (0..3). Every one must fail alone,
+    briefly."""
     base = {"prompt": f"hostile {number}", "seed": number, "height": 64, "num_inference_steps": 2}
     if kind == 0:
         return {**base, "negative_prompt": "\udcff"}, "http-raw", "parameters"  # invalid UTF-8 on the wire
@@ -124,7 +128,8 @@ def http_generate(url: str, model: str, request: dict, timeout_s: float) -> str 
 
 
 class Load:
-    """Workers that send requests until a deadline and count what comes back."""
+    """Workers that send requests until a deadline (or ``limit`` requests were sent) and count what comes
+    back."""
 
     def __init__(
         self,
@@ -134,17 +139,24 @@ class Load:
         http_fraction: float,
         timeout_s: float,
         hostile: float = 0.0,
+        limit: int | None = None,
     ) -> None:
         self.server, self.model, self.timeout_s = server, model, timeout_s
         self.concurrency, self.http_fraction, self.hostile = concurrency, http_fraction, hostile
+        # Hostile requests on a cadence (every ``period``-th), not drawn: a short run still sends each kind.
+        self.period = max(1, round(1 / hostile)) if hostile > 0 else 0
+        self.limit = limit
         self.counts: Counter = Counter()
         self.unexpected: list[str] = []
         self.lock = threading.Lock()
         self.sequence = 0
         self.recovery_window: tuple[float, float] | None = None  # (kill, recovered) monotonic times
 
-    def _next(self, rng: random.Random) -> tuple[int, dict, bool]:
+    def _next(self, rng: random.Random) -> tuple[int, dict, bool] | None:
+        """The next request's number, body and whether it is invalid; None past ``limit``."""
         with self.lock:
+            if self.limit is not None and self.sequence >= self.limit:
+                return None
             self.sequence += 1
             number = self.sequence
         height, steps = rng.choice(KEYS)
@@ -186,13 +198,13 @@ class Load:
     def run(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds
 
-        def one(session: ImageSession, rng: random.Random) -> bool:
+        def one(session: ImageSession, rng: random.Random, picked: tuple[int, dict, bool]) -> bool:
             """Send one request; True when it was refused while the server came back."""
-            number, request, invalid = self._next(rng)
+            number, request, invalid = picked
             sent = time.monotonic()
             try:
-                if rng.random() < self.hostile:
-                    request, protocol, expect = hostile_request(number, rng)
+                if self.period and number % self.period == 1 % self.period:  # the 1st, the 1 + period-th ...
+                    request, protocol, expect = hostile_request(number, (number // self.period) % 4)
                     if protocol == "http-raw":
                         error = http_generate_raw(self.server.http_url, self.model, request, self.timeout_s)
                     else:
@@ -211,7 +223,10 @@ class Load:
             while time.monotonic() < deadline:
                 with ImageSession(self.server.grpc_url, self.model) as session:
                     while time.monotonic() < deadline:
-                        if one(session, rng):
+                        picked = self._next(rng)
+                        if picked is None:  # every request of the limit sent
+                            return
+                        if one(session, rng, picked):
                             time.sleep(0.25)  # a retrying client backs off while the server comes back
                             break  # and opens a new stream: the old one broke with the server
 
@@ -262,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--duration", type=float, default=120.0, help="seconds of soak after warm-up")
+    parser.add_argument("--requests", type=int, help="end once this many were sent (--duration: at most)")
     parser.add_argument("--warmup", type=float, default=10.0)
     parser.add_argument("--concurrency", type=int, default=12)
     parser.add_argument("--http-fraction", type=float, default=0.3)
@@ -284,7 +300,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             Load(server, model, args.concurrency, args.http_fraction, args.timeout).run(args.warmup)
             rss_start, shm_start = rss_bytes(server.process.pid), shm_bytes()
-            load = Load(server, model, args.concurrency, args.http_fraction, args.timeout, args.hostile)
+            load = Load(
+                server, model, args.concurrency, args.http_fraction, args.timeout, args.hostile, args.requests
+            )
             killer = None
             if args.kill_stub_at is not None:
                 killer = StubKiller(server, model, args.kill_stub_at, load)

@@ -28,8 +28,9 @@ def render(artefact: dict[str, Any]) -> str:
     warmed = ", after one start of each not recorded" if setup.get("warm_up") else ""
     lines = [
         incomplete + "The shipped model repository (every model), started by `triton-diffusion-serve` (its "
-        f"supervisor and drain) on this machine, rounds alternated ({named}){warmed}. Crash restart: `kill -9` of "
-        f"the `{setup['victim']}` stub until the supervisor's `/readyz` answers again from a new server. "
+        f"supervisor and drain) on this machine, rounds alternated ({named}){warmed}. Crash restart: "
+        f"`kill -9` of the `{setup['victim']}` stub until the supervisor's `/readyz` answers again from a "
+        "new server. "
         "Idle stop: SIGTERM to the launcher (the server that crash restart brought back) after each "
         "text-to-image model answered a request (the project's gRPC client, progress on) and 2 s idle. "
         "Seconds: the median over rounds; its reading by the one verdict rule against the target "

@@ -14,6 +14,8 @@ STEP_DELAY = '{"step_delay_s": 0.08}'
 # The step engine's stalled step, and its hold (faults.py): a request whose prompt carries __hold__ waits
 # before its second forward until another job arrives, so a second request certainly joins it.
 STEP_SLOW = '{"step_delay_s": 0.06, "hold_on_prompt": "__hold__"}'
+# The hold alone (no stall): concurrently sent requests whose prompts carry it share forwards.
+HOLD = '{"hold_on_prompt": "__hold__"}'
 # The diffusion LM with a stalled step (so a request can join or be cancelled mid-generation) and a
 # forward that fails while a prompt contains __explode__.
 DLLM_FAULTS = '{"step_delay_s": 0.025, "fail_on_prompt": "__explode__"}'
@@ -92,7 +94,7 @@ def server(tmp_path_factory):
     # LoRA adapters per request: the step engine (rows with different adapters share forwards) and the
     # request-level engine (the adapters are part of the compatibility key).
     loras = {"model": str(WEIGHTS / "tiny-sd"), "loras": LORAS}
-    copy_model("text_to_image", repo, "sd_lora", loras)
+    copy_model("text_to_image", repo, "sd_lora", {**loras, "fault_injection": HOLD})
     copy_model("text_to_image", repo, "sd_lora_request", {**loras, **REQUEST_LEVEL})
     set_batching(repo, "sd_lora_request", QUEUE_DELAY_US)
     # Step caches per request and answers to repeated requests (test_service_and_caches.py).

@@ -83,9 +83,10 @@ def test_cancelling_one_row_of_a_fused_call(server, family):
     )
     cancel_code = f'triton_diffusion_requests_failed_total{{code="CANCELLED",model="{model}"}}'
     assert after[cancel_code] - before.get(cancel_code, 0) == 1
-    # The server answered within about one step of the client's cancel (sent after step 2).
+    # The server answered within a few steps of the client's cancel (sent after step 2; the way back is
+    # given 4 stalled steps on a busy machine), not at the call's end.
     steps_seen = [int(s) for s in re.findall(rf"cancelled after step (\d+)/{STEPS}", server.log())]
-    assert steps_seen and steps_seen[-1] <= 4
+    assert steps_seen and steps_seen[-1] <= 6
     compacted = re.findall(
         r"compacted fused call after step (\d+): dropped 1 row\(s\), 3 go on", server.log()
     )
@@ -139,7 +140,13 @@ def test_a_request_cancelled_in_the_queue_never_reaches_the_model(server):
     prompt = grpcclient.InferInput("PROMPT", [1, 1], "BYTES")
     prompt.set_data_from_numpy(np.array([[b"queued"]], dtype=object))
     client.async_stream_infer(model, [prompt], request_id=queued_id, parameters={"seed": 2})
-    time.sleep(0.2)
+    # Cancelled as soon as Triton counts it pending (in the dynamic batcher's queue for its 300 ms delay),
+    # not after a guessed time: the request certainly reached the server and has not left the queue.
+    pending = f'nv_inference_pending_request_count{{model="{model}",version="1"}}'
+    waiting = time.monotonic()
+    while read_metrics(server).get(pending, 0) < 1:
+        assert time.monotonic() - waiting < 30, "the queued request never showed as pending"
+        time.sleep(0.005)
     client.stop_stream(cancel_requests=True)
     client.close()
 

@@ -227,7 +227,14 @@ def test_a_repeated_seeded_request_is_answered_from_memory_with_the_same_bytes(s
 
 
 def test_a_priority_request_pauses_a_flex_one_which_resumes_unchanged(server):
-    flex = {"prompt": "a long flex job", "seed": 11, "num_inference_steps": 12, "service_tier": "flex"}
+    # Held after its second step until the engine holds the urgent one too (tests/faults.py), so the urgent
+    # one comes while flex runs, whatever the machine's speed.
+    flex = {
+        "prompt": "a long flex job __hold__2",
+        "seed": 11,
+        "num_inference_steps": 12,
+        "service_tier": "flex",
+    }
     urgent = {"prompt": "urgent", "seed": 12, "num_inference_steps": 2, "service_tier": "priority"}
     results: dict = {}
     running = threading.Event()

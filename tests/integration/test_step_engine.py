@@ -136,13 +136,14 @@ def test_a_request_joining_mid_way_equals_the_pipelines_own_and_a_cancelled_neig
     served = pixels(target_result.images[0])
     assert np.abs(served - reference(weights, target)).max() <= 1
     assert np.abs(pixels(long_result.images[0]) - reference(weights, long_request)).max() <= 1
-    # The cancelled neighbour was answered at once and left at its next step.
+    # The cancelled neighbour was answered at once and left within a few steps of its cancel (sent after step
+    # 2 of 12; the way back is given 6 stalled steps on a busy machine), not at its end.
     deadline = time.monotonic() + 20
     line = None
     while line is None and time.monotonic() < deadline:
         line = re.search(r"request victim image 0 left \(cancelled\) after (\d+)/12 steps", server.log())
         time.sleep(0.1)
-    assert line is not None and 2 <= int(line.group(1)) <= 4, server.log()[-2000:]
+    assert line is not None and 2 <= int(line.group(1)) <= 8, server.log()[-2000:]
 
 
 def test_progress_and_a_preview_every_step(server):
@@ -159,14 +160,21 @@ def test_progress_and_a_preview_every_step(server):
 
 
 def test_steps_guidance_schedulers_and_sizes_share_the_engine_and_each_is_exact(server):
+    # Each waits before its second forward until the engine holds all six (tests/faults.py): they share
+    # forwards whatever the machine's speed.
     requests = [
-        {"prompt": f"mixed {i}", "seed": 100 + i, "num_inference_steps": steps, "guidance_scale": guidance}
+        {
+            "prompt": f"mixed {i} __hold__1of6",
+            "seed": 100 + i,
+            "num_inference_steps": steps,
+            "guidance_scale": guidance,
+        }
         for i, (steps, guidance) in enumerate([(4, 1.0), (8, 5.0), (2, 7.5), (4, 5.0), (8, 1.0), (2, 7.5)])
     ]
     requests[1]["scheduler"] = "DPMSolverMultistepScheduler"
     requests[3]["scheduler"] = "EulerDiscreteScheduler"
     requests[4]["height"] = 96  # another shape group
-    results = generate_many(requests, url=server.grpc_url, model="sd_step")
+    results = generate_many(requests, url=server.grpc_url, model="sd_step_slow")
     assert all(r.ok for r in results), [r.error for r in results]
     assert max(r.batch["most_rows_shared"] for r in results) >= 3
     for request, result in zip(requests, results, strict=True):

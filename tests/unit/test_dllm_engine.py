@@ -421,7 +421,9 @@ def tiny_job(recorder: Recorder, name: str, first_token: int = 5) -> Job:
 
 def test_submit_blocks_while_the_running_set_and_waiting_room_are_full():
     recorder = Recorder()
-    engine = make_engine(slow_forward(0.02), recorder, pad_id=0, max_running=2)
+    gate = threading.Event()  # every forward waits for it: nothing finishes until the test opens it
+    forward = slow_forward(0.0)
+    engine = make_engine(lambda *args: (gate.wait(10), forward(*args))[1], recorder, pad_id=0, max_running=2)
     worker = make_worker(engine, waiting_room=1)
     try:
         for name in "abc":
@@ -429,10 +431,15 @@ def test_submit_blocks_while_the_running_set_and_waiting_room_are_full():
         done = threading.Event()
         waited: list[float] = []
         late = tiny_job(recorder, "d")
-        threading.Thread(target=lambda: (waited.append(submit(worker, late)), done.set())).start()
-        assert not done.wait(0.03)  # full: the fourth waits for a slot
+        calling = threading.Event()
+        threading.Thread(
+            target=lambda: (calling.set(), waited.append(submit(worker, late)), done.set())
+        ).start()
+        assert calling.wait(10)
+        assert not done.wait(0.05)  # full: the fourth waits for a slot
+        gate.set()
         assert done.wait(10)
-        assert waited[0] > 0.02
+        assert waited[0] >= 0.04  # what it reports waiting: until a slot came free, after the gate opened
         deadline = time.monotonic() + 10
         while len(recorder.finished) < 4 and time.monotonic() < deadline:
             time.sleep(0.01)

@@ -794,13 +794,14 @@ def test_a_batch_larger_than_the_room_starts_at_once_and_the_rest_is_admitted_as
 def test_a_slow_engine_is_not_taken_for_a_stuck_one():
     class Slow(FakeAdapter):
         def step(self, jobs, previews=None):
-            time.sleep(0.15)
+            time.sleep(0.1)
             return super().step(jobs)
 
     engine = engine_for(Slow())
     stalls = []
-    worker = worker_for(engine, waiting_room=4, stall_s=0.3, on_stall=stalls.append)
-    slow = job("slow", Spec(steps=6))  # 0.9 s in all, each step well inside the bound
+    worker = worker_for(engine, waiting_room=4, stall_s=0.6, on_stall=stalls.append)
+    # 0.8 s in all, past the bound, each step far inside it (a busy machine's pause included)
+    slow = job("slow", Spec(steps=8))
     try:
         submit(worker, slow)
         deadline = time.monotonic() + 10
