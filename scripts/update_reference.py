@@ -53,18 +53,11 @@ def _escape(table: str, columns: int) -> str:
 
 def fields_table(model: str) -> Callable[[], str]:
     def render() -> str:
-        from triton_diffusion.models.diffusion_lm import DIFFUSION_LM_FIELDS
-        from triton_diffusion.models.image_to_image import IMAGE_TO_IMAGE_FIELDS
-        from triton_diffusion.models.text_to_image import TEXT_TO_IMAGE_FIELDS
-        from triton_diffusion.models.text_to_video import TEXT_TO_VIDEO_FIELDS
+        from triton_diffusion.models.interfaces import INTERFACES
 
-        declared = {
-            "text_to_image": TEXT_TO_IMAGE_FIELDS,
-            "image_to_image": IMAGE_TO_IMAGE_FIELDS,
-            "text_to_video": TEXT_TO_VIDEO_FIELDS,
-            "diffusion_lm": DIFFUSION_LM_FIELDS,
-        }
-        return _escape(declared[model].markdown_table(), 6)
+        # The reference names the LM's page by its model (diffusion_lm), MODEL_INFO by its kind.
+        kind = "text_generation" if model == "diffusion_lm" else model
+        return _escape(INTERFACES[kind].fields.markdown_table(), 6)
 
     return render
 

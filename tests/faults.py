@@ -274,12 +274,15 @@ def copy_model(source: str, target_repo: Path, name: str, edits: dict[str, str],
         return
     model_py = target_repo / name / "1" / "model.py"
     shipped = model_py.read_text()
-    served, count = re.subn(r"serve\((\w+)\)", lambda m: f"serve(with_faults({m[1]}, {text!r}))", shipped)
+    served, count = re.subn(
+        r'serve\("(\w+)"\)', lambda m: f"serve(with_faults(kind_class({m[1]!r}), {text!r}))", shipped
+    )
     assert count == 1, f"{source}'s model.py does not name one served kind"
     root = Path(__file__).resolve().parent.parent
     header = (
         f"import sys\n\nsys.path.insert(0, {str(root)!r})  # the tests' faults\n"
         "from tests.faults import with_faults\n"
+        "from triton_diffusion.models.model_file import kind_class\n"
     )
     # Before its first import (after its docstring and any __future__ import).
     first = re.search(r"^(from|import) (?!__future__)", served, re.M)

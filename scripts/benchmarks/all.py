@@ -280,7 +280,7 @@ PLAN = (
     # reload one model whose stub died.
     Take("request_walk", ("--out", "{out}/design/request_walk.json"), 22, "scripts/request_walk.py"),
     # The shipped repository's start, crash restart and idle stop, against the commit before the launcher
-    # let Triton load every model at once (365dc1a).
+    # let Triton load every model at once and before a model's config stub read it without torch (365dc1a).
     Take(
         "restart_times",
         ("--before", "365dc1a", "--rounds", "5", "--out", "{out}/cpu/restart_times.json"),

@@ -105,7 +105,7 @@ def prompt(job: Any) -> str:
 def test_the_test_model_file_serves_the_shipped_kind_with_the_faults(tmp_path: Path):
     copy_model("text_to_image", tmp_path, "slow", {"model": "w", "fault_injection": '{"step_delay_s": 0.1}'})
     written = (tmp_path / "slow" / "1" / "model.py").read_text()
-    assert "serve(with_faults(TextToImageModel, '{\"step_delay_s\": 0.1}'))" in written
+    assert "serve(with_faults(kind_class('text_to_image'), '{\"step_delay_s\": 0.1}'))" in written
     ast.parse(written)
     config = (tmp_path / "slow" / "config.pbtxt").read_text()
     assert "fault_injection" not in config and 'string_value: "w"' in config

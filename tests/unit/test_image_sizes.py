@@ -5,7 +5,8 @@ from PIL import Image
 
 from triton_diffusion.config_values import parse_sizes
 from triton_diffusion.errors import RequestError
-from triton_diffusion.models.image_to_image import IMAGE_TO_IMAGE_FIELDS, ImageToImageModel
+from triton_diffusion.models.image_to_image import ImageToImageModel
+from triton_diffusion.models.interfaces import IMAGE_TO_IMAGE_FIELDS
 from triton_diffusion.models.source_images import SourceImages
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,10 +22,12 @@ from triton_diffusion.engine.jobs import Job, JobSpec
 from triton_diffusion.errors import ErrorCode, RequestError
 from triton_diffusion.fields import SERVICE_FIELDS, FieldSet
 from triton_diffusion.models.diffusion_model import DiffusionModel, ParsedRequest, batch_output
+from triton_diffusion.models.interfaces import INTERFACES
 from triton_diffusion.models.kinds import KINDS
+from triton_diffusion.models.model_file import KIND_CLASSES, kind_class, serve
 from triton_diffusion.serving.intake import Intake
 from triton_diffusion.serving.result_cache import ResultCache
-from triton_diffusion.serving.triton_model import TritonModel, Urgency, serve, urgency_of
+from triton_diffusion.serving.triton_model import TritonModel, Urgency, urgency_of
 from triton_diffusion.settings import ModelConfig
 
 
@@ -120,7 +123,7 @@ SERVES = {
 
 @pytest.mark.parametrize("model_file", sorted(REPOSITORY.glob("*/1/model.py")), ids=lambda p: p.parts[-3])
 def test_each_model_file_serves_a_listed_kind_through_the_one_triton_model(model_file):
-    """A model.py is ``TritonPythonModel = serve(Kind)``: Triton's class wraps a TritonModel over a kind
+    """A model.py is ``TritonPythonModel = serve("kind")``: Triton's class wraps a TritonModel over a kind
     the type checker holds to ModelKind (models/kinds.py), with Triton's entry points, and the kind is not
     a TritonModel (composed, not inherited)."""
     spec = importlib.util.spec_from_file_location(f"model_{model_file.parts[-3]}", model_file)
@@ -135,22 +138,13 @@ def test_each_model_file_serves_a_listed_kind_through_the_one_triton_model(model
     assert not isinstance(instance.model.kind, TritonModel)
 
 
-def test_auto_complete_config_adds_the_kinds_inputs_and_outputs(monkeypatch):
-    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", SimpleNamespace())  # no stub here
-    io_module = "triton_diffusion.serving.triton_io"
-    if io_module in sys.modules:  # put back after the test
-        monkeypatch.delitem(sys.modules, io_module)
-    else:  # imported here over the stand-in: dropped after the test
-        monkeypatch.setitem(sys.modules, io_module, None)
-        monkeypatch.delitem(sys.modules, io_module)
-    added: dict[str, list[str]] = {"input": [], "output": []}
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_auto_complete_config_adds_the_kinds_inputs_and_outputs(kind):
+    added: dict[str, list] = {"input": [], "output": []}
 
     class Config:
-        def as_dict(self):
-            return {"input": [], "output": []}
-
         def add_input(self, spec):
-            added["input"].append(spec["name"])
+            added["input"].append((spec["name"], spec["optional"]))
 
         def add_output(self, spec):
             added["output"].append(spec["name"])
@@ -158,10 +152,36 @@ def test_auto_complete_config_adds_the_kinds_inputs_and_outputs(monkeypatch):
         def set_model_transaction_policy(self, policy):
             added["policy"] = policy
 
-    serve(KINDS["text_generation"]).auto_complete_config(Config())
-    assert added["input"] == [field.input_name for field in KINDS["text_generation"].FIELDS]
-    assert added["output"] == [name for name, _, _ in KINDS["text_generation"].OUTPUTS]
+    serve(kind).auto_complete_config(Config())
+    # The kind's own fields and outputs (declared once: models/interfaces.py), the prompt alone required.
+    assert KINDS[kind].FIELDS is INTERFACES[kind].fields and KINDS[kind].OUTPUTS == INTERFACES[kind].outputs
+    assert added["input"] == [(f.input_name, f.name != "prompt") for f in KINDS[kind].FIELDS]
+    assert added["output"] == [name for name, _, _ in KINDS[kind].OUTPUTS]
     assert added["policy"] == {"decoupled": True}
+
+
+def test_each_kind_is_imported_by_its_name_as_the_type_checker_lists_it():
+    assert set(KIND_CLASSES) == set(KINDS) == set(INTERFACES)
+    assert all(kind_class(kind) is KINDS[kind] and KINDS[kind].KIND == kind for kind in KINDS)
+
+
+@pytest.mark.parametrize("model_file", sorted(REPOSITORY.glob("*/1/model.py")), ids=lambda p: p.parts[-3])
+def test_a_model_files_config_is_read_without_torch_or_diffusers(model_file):
+    """Triton's config stub imports the model.py and calls auto_complete_config, once per model at every
+    start: in a fresh interpreter, neither imports torch, diffusers or transformers (seconds a model)."""
+    script = (
+        "import importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('m', {str(model_file)!r})\n"
+        "module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module)\n"
+        "class Config:\n"
+        "    def add_input(self, spec): pass\n"
+        "    def add_output(self, spec): pass\n"
+        "    def set_model_transaction_policy(self, policy): pass\n"
+        "module.TritonPythonModel.auto_complete_config(Config())\n"
+        "print(sorted(m for m in ('torch', 'diffusers', 'transformers', 'numpy') if m in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]", done.stdout + done.stderr
 
 
 def test_no_class_in_src_subclasses_the_triton_model():

@@ -1,6 +1,5 @@
 """Image-to-image on a diffusers pipeline; the pipeline and its limits are set in config.pbtxt."""
 
-from triton_diffusion.models.image_to_image import ImageToImageModel
-from triton_diffusion.serving.triton_model import serve
+from triton_diffusion.models.model_file import serve
 
-TritonPythonModel = serve(ImageToImageModel)
+TritonPythonModel = serve("image_to_image")

@@ -1,6 +1,5 @@
 """Text-to-video on a diffusers pipeline; the pipeline and its limits are set in config.pbtxt."""
 
-from triton_diffusion.models.text_to_video import TextToVideoModel
-from triton_diffusion.serving.triton_model import serve
+from triton_diffusion.models.model_file import serve
 
-TritonPythonModel = serve(TextToVideoModel)
+TritonPythonModel = serve("text_to_video")

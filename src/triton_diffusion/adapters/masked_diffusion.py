@@ -18,9 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from triton_diffusion.adapters.remasking import REMASKING
 from triton_diffusion.errors import invalid_field
-
-REMASKING = ("low_confidence", "random")
 
 # input_ids [rows, length], positions [rows, k] -> logits at those positions [rows, k, vocab]; no padding.
 Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

@@ -13,7 +13,7 @@ import logging
 import os
 import random
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, cast
 
 import numpy as np
@@ -25,20 +25,14 @@ from triton_diffusion.adapters.diffusion_lm_adapter import (
     decoding,
     padding_changes_logits,
 )
-from triton_diffusion.adapters.masked_diffusion import REMASKING, DecodeParams
+from triton_diffusion.adapters.masked_diffusion import DecodeParams
 from triton_diffusion.adapters.masked_lm import LoadedMaskedLM, load_masked_lm, prompt_token_ids
 from triton_diffusion.engine.jobs import JobSpec, Stepped
 from triton_diffusion.errors import invalid_field
 from triton_diffusion.fields import (
-    DESCRIBE_FIELD,
-    REQUIRED,
-    RESUME_FIELD,
-    SERVICE_FIELDS,
-    Field,
     FieldSet,
-    Role,
-    seed_field,
 )
+from triton_diffusion.models.interfaces import DIFFUSION_LM_FIELDS, DIFFUSION_LM_OUTPUTS
 from triton_diffusion.recovery.resumes import seed_from_key
 from triton_diffusion.serving.engine_host import RequestRecord
 from triton_diffusion.serving.engines import StepEngineKind
@@ -48,110 +42,6 @@ from triton_diffusion.serving.triton_model import Hosting, Urgency, urgency_of
 from triton_diffusion.settings import LM, ModelSettings
 
 log = logging.getLogger("triton_diffusion")
-
-# Every field is per request (ROW): requests never wait for each other's settings, since each runs its
-# own schedule inside the shared forward. Config parameters override defaults and limits.
-DIFFUSION_LM_FIELDS = FieldSet(
-    [
-        Field("prompt", str, REQUIRED, Role.ROW, allow_empty=False, max_length=8000, doc="the prompt text"),
-        Field(
-            "apply_chat_template",
-            bool,
-            False,
-            Role.ROW,
-            doc="wrap the prompt as a user turn with the tokenizer's chat template (if it has one)",
-        ),
-        Field(
-            "gen_length",
-            int,
-            64,
-            Role.ROW,
-            minimum=1,
-            maximum=512,
-            doc="tokens to generate: the mask tokens appended to the prompt",
-        ),
-        Field(
-            "block_length",
-            int,
-            16,
-            Role.ROW,
-            minimum=1,
-            maximum=512,
-            doc="decode left to right in blocks of this many tokens (must divide gen_length); "
-            "each finished block is streamed",
-        ),
-        Field(
-            "steps",
-            int,
-            32,
-            Role.ROW,
-            minimum=1,
-            maximum=512,
-            doc="denoising steps over all blocks: a multiple of the block count, at most gen_length",
-        ),
-        Field("temperature", float, 0.0, Role.ROW, minimum=0.0, maximum=2.0, doc="0 = greedy"),
-        Field(
-            "remasking",
-            str,
-            "low_confidence",
-            Role.ROW,
-            choices=REMASKING,
-            doc="which masked positions a step commits: the most confident, or random ones",
-        ),
-        Field(
-            "threshold",
-            float,
-            None,
-            Role.ROW,
-            minimum=0.0,
-            maximum=1.0,
-            doc="Fast-dLLM: also commit every position more confident than this (a block may finish "
-            "in fewer steps)",
-        ),
-        Field(
-            "cfg_scale",
-            float,
-            0.0,
-            Role.ROW,
-            minimum=0.0,
-            maximum=10.0,
-            doc="classifier-free guidance; > 0 adds a row with the prompt masked",
-        ),
-        Field("stop_at_eos", bool, True, Role.ROW, doc="stop after a block that holds an EOS token"),
-        Field(
-            "stream",
-            bool,
-            True,
-            Role.ROW,
-            doc="send each finished block as a partial response; false: the FINAL response only "
-            "(HTTP generate, which is not streaming, takes exactly one response)",
-        ),
-        seed_field("seed of the request's own generator; drawn and returned when absent"),
-        *SERVICE_FIELDS,
-        DESCRIBE_FIELD,
-        # Clients send a key to any model (they resend with it after a crash). The diffusion LM takes no
-        # checkpoints: a resend generates again from its first block, with the seed the key gives where the
-        # request has none, so the blocks a client already has come again, the same; it drops them.
-        replace(
-            RESUME_FIELD,
-            doc="without a seed, the seed is derived from the key, so a resend after a crash draws the same "
-            "samples (the diffusion LM takes no checkpoints: it runs from its first block; the project's "
-            "client and the OpenAI front drop the blocks they already delivered, and end the request with an "
-            "error where one came back different, as its neighbours' rounding may make it)",
-        ),
-    ]
-)
-
-OUTPUTS = [
-    ("TEXT", "TYPE_STRING", [1]),  # partial: the new text of one block; FINAL: the whole text
-    ("BLOCK", "TYPE_INT32", [1]),  # partial: index of the block; FINAL: blocks decoded
-    ("TOKENS", "TYPE_INT32", [1]),  # generated tokens so far (up to the first EOS)
-    ("STEPS", "TYPE_INT32", [1]),  # FINAL: denoising steps (forwards) this request took part in
-    ("SEED", "TYPE_INT64", [1]),  # FINAL: the seed used
-    ("PROMPT_TOKENS", "TYPE_INT32", [1]),  # FINAL: prompt tokens (chat template included), for usage counts
-    ("FINISH_REASON", "TYPE_STRING", [1]),  # FINAL: "stop" (an EOS ended it) or "length" (gen_length)
-    ("MODEL_INFO", "TYPE_STRING", [1]),  # the answer to a describe request (JSON)
-]
 
 
 @dataclass(frozen=True)
@@ -201,7 +91,7 @@ class DiffusionLMModel:
 
     KIND: ClassVar[str] = "text_generation"
     FIELDS: ClassVar[FieldSet] = DIFFUSION_LM_FIELDS
-    OUTPUTS: ClassVar[list[tuple[str, str, list[int]]]] = OUTPUTS
+    OUTPUTS: ClassVar[list[tuple[str, str, list[int]]]] = DIFFUSION_LM_OUTPUTS
     METRIC_FAMILIES: ClassVar[dict[str, tuple[str, str]]] = DIFFUSION_LM_FAMILIES
     CONFIG_KINDS: ClassVar[tuple[str, ...]] = (LM,)
 

@@ -77,11 +77,6 @@ class RowInput:
 
 
 # Outputs every image and video model has beside its images: the size it rendered at, and MODEL_INFO.
-RENDER_OUTPUTS = [
-    ("WIDTH", "TYPE_INT32", [1]),
-    ("HEIGHT", "TYPE_INT32", [1]),
-    ("MODEL_INFO", "TYPE_STRING", [1]),  # the answer to a describe request (JSON)
-]
 
 
 def batch_output(report: dict[str, Any]) -> np.ndarray:

@@ -16,31 +16,11 @@ Diffusion img2img with ``engine: request``, InstructPix2Pix (``pipeline_class``)
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
-from triton_diffusion.fields import REQUIRED, Field, FieldSet
 from triton_diffusion.models.diffusion_model import RowInput
-from triton_diffusion.models.text_to_image import TEXT_TO_IMAGE_FIELDS, TextToImageModel
-
-IMAGE_TO_IMAGE_FIELDS = FieldSet(
-    [
-        # text_to_image's fields with the source image required and no mask (an edit model, as it was).
-        *(
-            replace(f, default=REQUIRED) if f.name == "image" else f
-            for f in TEXT_TO_IMAGE_FIELDS
-            if f.name != "mask_image"
-        ),
-        Field(
-            "image_guidance_scale",
-            float,
-            None,
-            minimum=0.0,
-            maximum=30.0,
-            doc="instruction-edit pipelines (InstructPix2Pix): pull towards the source image",
-        ),
-    ]
-)
+from triton_diffusion.models.interfaces import IMAGE_TO_IMAGE_FIELDS
+from triton_diffusion.models.text_to_image import TextToImageModel
 
 
 class ImageToImageModel(TextToImageModel):

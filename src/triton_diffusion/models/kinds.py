@@ -1,6 +1,6 @@
-"""The model kinds a model.py serves (``TritonPythonModel = serve(TextToImageModel)``), by the KIND
+"""The model kinds a model.py serves (``TritonPythonModel = serve("text_to_image")``), by the KIND
 MODEL_INFO names them: listed here so the type checker holds each to serving/triton_model.py's
-``ModelKind``."""
+``ModelKind`` (models/model_file.py imports each by name, a test holds the two lists to each other)."""
 
 from __future__ import annotations
 

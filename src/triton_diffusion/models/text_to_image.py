@@ -34,11 +34,12 @@ from triton_diffusion.engine.request_engine import CallSteps
 from triton_diffusion.errors import RequestError, invalid_field
 from triton_diffusion.families import PipelineFacts
 from triton_diffusion.fields import FieldSet
-from triton_diffusion.models.diffusion_model import RENDER_OUTPUTS, DiffusionModel, ParsedRequest, RowInput
+from triton_diffusion.models.diffusion_model import DiffusionModel, ParsedRequest, RowInput
 from triton_diffusion.models.fused_calls import FusedCalls
 from triton_diffusion.models.image_fields import TEXT_TO_IMAGE_FIELDS
+from triton_diffusion.models.interfaces import TEXT_TO_IMAGE_OUTPUTS
 from triton_diffusion.models.source_images import SourceImages
-from triton_diffusion.serving.progress import PROGRESS_FIELDS, PROGRESS_OUTPUTS
+from triton_diffusion.serving.progress import PROGRESS_FIELDS
 from triton_diffusion.serving.requests import TrackedRequest
 from triton_diffusion.settings import IMAGE, IMAGE_SOURCE, ModelSettings
 from triton_diffusion.step_cache_spec import NO_CACHE, StepCache, parse_step_cache
@@ -62,13 +63,7 @@ class TextToImageModel(DiffusionModel):
     step_cache_default = NO_CACHE  # config step_cache: for requests that send none
     one_step_schedulers: frozenset[str] | None = None  # PixArt-Alpha: schedulers that keep x0 at one step
     sources = SourceImages()  # what it does with a source image and mask (set at load)
-    OUTPUTS = [
-        ("IMAGE", "TYPE_STRING", [-1]),  # one encoded image per generated image
-        ("SEED", "TYPE_INT64", [-1]),  # the seed of each image
-        ("BATCH", "TYPE_STRING", [1]),  # JSON: the key and the fused calls this request went through
-        *RENDER_OUTPUTS,
-        *PROGRESS_OUTPUTS,
-    ]
+    OUTPUTS = TEXT_TO_IMAGE_OUTPUTS
 
     def load(self, settings: ModelSettings) -> tuple[FieldSet, LatentStepAdapter | None]:
         config = settings.config

@@ -20,69 +20,14 @@ from triton_diffusion.codecs.video import available_codec, encode_mp4, to_uint8
 from triton_diffusion.compatibility import CompatibilityKey
 from triton_diffusion.engine.jobs import Job
 from triton_diffusion.engine.request_engine import CallSteps
-from triton_diffusion.fields import Field, FieldSet, Role
-from triton_diffusion.models.diffusion_model import RENDER_OUTPUTS, ParsedRequest, RowInput
-from triton_diffusion.models.text_to_image import TEXT_TO_IMAGE_FIELDS, TextToImageModel
-from triton_diffusion.serving.progress import PROGRESS_OUTPUTS
+from triton_diffusion.fields import FieldSet
+from triton_diffusion.models.diffusion_model import ParsedRequest, RowInput
+from triton_diffusion.models.interfaces import TEXT_TO_VIDEO_FIELDS, TEXT_TO_VIDEO_OUTPUTS
+from triton_diffusion.models.text_to_image import TextToImageModel
 from triton_diffusion.settings import IMAGE, ModelSettings
 
 if TYPE_CHECKING:
     from triton_diffusion.adapters.latent_loop import LatentStepAdapter
-
-
-def _image_fields(*names: str) -> list[Field]:
-    return [TEXT_TO_IMAGE_FIELDS[name] for name in names]
-
-
-TEXT_TO_VIDEO_FIELDS = FieldSet(
-    [
-        *_image_fields("prompt", "negative_prompt", "seed"),
-        Field(
-            "num_videos_per_prompt",
-            int,
-            1,
-            Role.ROW,
-            minimum=1,
-            maximum=2,
-            doc="videos for this prompt; each is one row of the fused call",
-        ),
-        *_image_fields(
-            "height",
-            "width",
-            "num_inference_steps",
-            "guidance_scale",
-            "scheduler",
-            "output_encoding",
-            "step_cache",
-            "progress",
-            "preview_every",
-            "previews",
-            "service_tier",
-            "timeout",
-            "resume_key",
-            "describe",
-        ),
-        Field(
-            "num_frames",
-            int,
-            None,
-            minimum=5,
-            maximum=81,
-            multiple_of=4,
-            remainder=1,
-            doc="frames per video (Wan: 4k+1)",
-        ),
-        Field("fps", int, 16, Role.AFTER_SPLIT, minimum=1, maximum=60, doc="frames per second of the MP4"),
-        Field(
-            "output_format",
-            str,
-            "mp4",
-            Role.AFTER_SPLIT,
-            choices=("mp4", "frames"),
-            doc="mp4: one MP4 per video in VIDEO; frames: raw uint8 [F, H, W, 3] in FRAMES",
-        ),
-    ]
-)
 
 
 class TextToVideoModel(TextToImageModel):
@@ -92,14 +37,7 @@ class TextToVideoModel(TextToImageModel):
     REQUIRED_CALL_ARGS = ("prompt", "generator", "height", "width", "num_frames", "num_inference_steps")
     OPTIONAL_CALL_FIELDS = ("negative_prompt", "guidance_scale")
     OUTPUT_ATTRIBUTE = "frames"
-    OUTPUTS = [
-        ("VIDEO", "TYPE_STRING", [-1]),  # one MP4 per video
-        ("FRAMES", "TYPE_UINT8", [-1, -1, -1, -1, 3]),  # with output_format "frames": [videos, F, H, W, 3]
-        ("SEED", "TYPE_INT64", [-1]),
-        ("BATCH", "TYPE_STRING", [1]),
-        *RENDER_OUTPUTS,
-        *PROGRESS_OUTPUTS,
-    ]
+    OUTPUTS = TEXT_TO_VIDEO_OUTPUTS
 
     def load(self, settings: ModelSettings) -> tuple[FieldSet, LatentStepAdapter | None]:
         loaded = super().load(settings)

@@ -15,7 +15,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from triton_diffusion.errors import RequestError, invalid_field, short_text, tagged_message
-from triton_diffusion.fields import REQUIRED, FieldSet, merge_parameters
+from triton_diffusion.fields import FieldSet, merge_parameters
 from triton_diffusion.serving.metrics import FAMILIES, BatchingMetrics
 
 
@@ -118,29 +118,6 @@ def progress_outputs(step: int, total: int, preview: bytes | None) -> dict[str, 
     if preview is not None:
         outputs["PREVIEW"] = np.array([[preview]], dtype=object)
     return outputs
-
-
-def add_io_to_config(
-    auto_complete_model_config: Any, fields: FieldSet, outputs: list[tuple[str, str, list[int]]]
-) -> Any:
-    """Declare every field as an input tensor, and the outputs. Triton needs one input in every request
-    to batch it: the first required field (the prompt) stays required. Every other field is optional to
-    Triton, also a required one (the image), so it can come as a request parameter; the field
-    declarations refuse a missing one with a clear error."""
-    anchor = next((f.name for f in fields if f.default is REQUIRED), None)
-    for field in fields:
-        auto_complete_model_config.add_input(
-            {
-                "name": field.input_name,
-                "data_type": field.triton_data_type,
-                "dims": [1],
-                "optional": field.name != anchor,
-            }
-        )
-    for name, data_type, dims in outputs:
-        auto_complete_model_config.add_output({"name": name, "data_type": data_type, "dims": dims})
-    auto_complete_model_config.set_model_transaction_policy({"decoupled": True})
-    return auto_complete_model_config
 
 
 def batching_metrics(model: str, families: dict[str, tuple[str, str]] = FAMILIES) -> BatchingMetrics:

@@ -1,10 +1,10 @@
 """The one Triton Python model: read + validate each request, hand the valid ones to the engine host.
 
-A model file is ``TritonPythonModel = serve(TextToImageModel)``: :func:`serve` composes a model kind
-(:class:`ModelKind`: text-to-image, ..., the diffusion LM) into :class:`TritonModel`, which is final and
-is not subclassed. The kind says which fields it accepts, loads its model and says what its engine host
-runs (:class:`Hosting`), turns a raw request into a parsed request holding its job specs, and renders
-progress and outputs (engine_host.py ``HostedKind``); image and video kinds share
+A model file is ``TritonPythonModel = serve("text_to_image")`` (models/model_file.py), which composes
+a model kind (:class:`ModelKind`: text-to-image, ..., the diffusion LM) into :class:`TritonModel`, which
+is final and is not subclassed. The kind says which fields it accepts, loads its model and says what its
+engine host runs (:class:`Hosting`), turns a raw request into a parsed request holding its job specs, and
+renders progress and outputs (engine_host.py ``HostedKind``); image and video kinds share
 models/diffusion_model.py. This class builds the engine host and owns Triton's entry points: whatever
 raises while a request is read answers that request alone. A request is parsed by its kind, then read by
 the host (what the model kept: the result cache, its checkpoints; serving/intake.py). Nothing here knows
@@ -109,33 +109,6 @@ class ModelKind(Protocol):
         self, record: RequestRecord, outputs: list[object], reported: dict[str, Any]
     ) -> Mapping[str, Any]:
         """The FINAL response's tensors (the response thread); ``reported``: the host's part of BATCH."""
-
-
-def serve(kind: type[ModelKind]) -> type:
-    """Triton's ``TritonPythonModel`` for a model kind: what a model.py names (``TritonPythonModel =
-    serve(TextToImageModel)``). Each instance Triton makes is a :class:`TritonModel` over a new kind."""
-
-    class TritonPythonModel:
-        @staticmethod
-        def auto_complete_config(auto_complete_model_config: Any) -> Any:
-            from triton_diffusion.serving.triton_io import add_io_to_config
-
-            return add_io_to_config(auto_complete_model_config, kind.FIELDS, kind.OUTPUTS)
-
-        def __init__(self) -> None:
-            self.model = TritonModel(kind())
-
-        def initialize(self, args: dict[str, str]) -> None:
-            self.model.initialize(args)
-
-        def execute(self, requests: Sequence[Any]) -> None:
-            return self.model.execute(requests)
-
-        def finalize(self) -> None:
-            self.model.finalize()
-
-    TritonPythonModel.__doc__ = f"{kind.__name__}, served by Triton's Python backend."
-    return TritonPythonModel
 
 
 @final
