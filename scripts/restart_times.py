@@ -1,8 +1,8 @@
 """How long the shipped model repository takes to start, to come back after a Python backend stub is
 killed, and to stop when idle: the launcher (its supervisor and drain included) as a deployment runs it.
 
-After one unrecorded start of each variant (the first start after the files were written reads them
-from disk), each round starts ``triton-diffusion-serve`` on ``<root>/model_repository`` (every shipped
+After one unrecorded start of each variant (the first start after the files were written compiles and
+reads them), each round starts ``triton-diffusion-serve`` on ``<root>/model_repository`` (every shipped
 model, the OpenAI front off), and times three things on the true clock:
 
 - ``ready_s``: from the launch until the supervisor's ``/readyz`` answers 200 (every model loaded);
@@ -116,10 +116,13 @@ def launched(root: Path, log_path: Path) -> Iterator[tuple[subprocess.Popen, str
 
 
 def warm_up(root: Path, log_path: Path, timeout_s: float) -> None:
-    """One start, not recorded: the first start after the files were written reads them from disk (the
-    page cache is cold) and would be the first round's alone."""
-    with launched(root, log_path) as (_, health_url, _):
+    """One start, not recorded: the first start after the files were written (a fresh worktree's bytecode
+    compiled, its files read from disk) would be the first round's alone. Stopped as a round stops (SIGTERM
+    to the launcher), so its supervisor removes what its stubs leave in /dev/shm."""
+    with launched(root, log_path) as (process, health_url, _):
         wait_until(lambda: ready(health_url), timeout_s)
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=timeout_s)
 
 
 def one_round(root: Path, log_path: Path, timeout_s: float) -> dict[str, float]:
