@@ -48,9 +48,10 @@ def _gpu() -> str | None:
     return None
 
 
-def _commit() -> str:
+def _state() -> tuple[str, list[str]]:
+    """The commit and the tracked files outside docs/ that differ from it."""
     if os.environ.get("ARTEFACTS_COMMIT"):  # a copy without git (the device machine): the caller says
-        return os.environ["ARTEFACTS_COMMIT"]
+        return os.environ["ARTEFACTS_COMMIT"], []
     try:
         head = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, check=True
@@ -63,10 +64,10 @@ def _commit() -> str:
             capture_output=True,
             text=True,
             check=True,
-        ).stdout.strip()
+        ).stdout
     except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return f"{head}+dirty" if dirty else head
+        return "unknown", []
+    return head, [line[3:] for line in dirty.splitlines() if line.strip()]
 
 
 def _versions() -> dict[str, str]:
@@ -92,8 +93,8 @@ def machine() -> dict[str, Any]:
 
 def provenance(command: list[str] | None = None) -> dict[str, Any]:
     """What made an artefact: the command line (``sys.argv`` by default, the script's path relative to
-    the repository), the commit (``+dirty`` when tracked files outside docs/ differ from it), the UTC
-    date, the machine and the library versions."""
+    the repository), the commit (``+dirty`` when tracked files outside docs/ differ from it, and then
+    ``dirty``: those files), the UTC date, the machine and the library versions."""
     argv = list(sys.argv if command is None else command)
     if argv:
         script = Path(argv[0])
@@ -101,9 +102,12 @@ def provenance(command: list[str] | None = None) -> dict[str, Any]:
             argv[0] = str(script.resolve().relative_to(REPO_ROOT))
         except ValueError:
             pass
+    head, dirty = _state()
     return {
         "command": shlex.join(argv),
-        "commit": _commit(),
+        "commit": f"{head}+dirty" if dirty else head,
+        # What differed from the commit (a reader judges whether any of it is what was measured).
+        **({"dirty": dirty} if dirty else {}),
         "date": datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat(),
         "machine": machine(),
         "versions": _versions(),

@@ -7,11 +7,12 @@ loopback against a server this script starts. Then it checks that nothing was lo
   warm-up, and /dev/shm/triton_python_backend_shm_region_* by less than --max-shm-growth-mb (a region
   grows to the high-water mark of responses in flight and never shrinks; a leak grows with requests).
 
-Hostile mode (``--hostile 0.2``) makes that share of requests hostile, on a fixed cadence (with 0.2, the
-first of every 5 requests), cycling through four kinds (invalid UTF-8 in an HTTP parameter, a
+Hostile mode (``--hostile 0.2``) makes every ``round(1 / share)``-th request hostile (with 0.2, the first
+of every 5), cycling through four kinds (invalid UTF-8 in an HTTP parameter, a
 megabyte-long scheduler, a megabyte-long unknown parameter name, wrong types); each must get its own short
 INVALID_ARG while the rest are served. ``--requests N`` ends the soak once N requests have been sent
-(``--duration`` then only bounds it): what it sends does not depend on how fast the machine is.
+(``--duration`` then only bounds it): what it sends does not depend on how fast the machine is (a
+``--kill-stub-at`` past the last request kills an idle stub).
 ``--kill-stub-at 20`` kills the model's Python backend process 20 s into the run: the launcher's
 supervisor must bring it back (the recovery time is reported); requests refused meanwhile are counted
 apart, and still none may be lost.

@@ -149,14 +149,18 @@ class FaultyStepAdapter:
 
     def _hold(self, jobs: list[Any]) -> None:
         """``hold_on_prompt``: a forward whose jobs all carry the marker, have taken exactly their steps
-        before the hold (so each is held once) and never shared a forward waits until the engine holds a
-        job beside them (the newcomer joins at the next engine step), at most ``hold_s``. Between two
-        forwards, so the progress of the last one goes out."""
+        before the hold (so each is held once) and never shared a forward with as many jobs as their marker
+        waits for (``of N``; without it, any other) waits until the engine holds a job beside them (the
+        newcomer joins at the next engine step), or ``N`` jobs, at most ``hold_s``. Between two forwards,
+        so the progress of the last one goes out. (Two of five sent together may share their first
+        forward: they are held all the same until the five are in.)"""
         if self.held is None:
             return
         for job in jobs:
-            steps = self.faults.hold_from(self.prompt_of(job))
-            if steps is None or job.run.steps_done != steps or job.stats.most_shared > 1:
+            prompt = self.prompt_of(job)
+            steps = self.faults.hold_from(prompt)
+            shared_enough = job.stats.most_shared >= max(2, self.faults.hold_until(prompt))
+            if steps is None or job.run.steps_done != steps or shared_enough:
                 return
         needed = max([len(jobs) + 1, *(self.faults.hold_until(self.prompt_of(job)) for job in jobs)])
         deadline = time.monotonic() + self.faults.hold_s

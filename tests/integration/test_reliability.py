@@ -398,7 +398,7 @@ def test_short_soak_loses_nothing_and_leaks_nothing(tmp_path):
             "--requests",
             "60",
             "--duration",
-            "240",
+            "180",
             "--warmup",
             "4",
             "--concurrency",
@@ -410,7 +410,7 @@ def test_short_soak_loses_nothing_and_leaks_nothing(tmp_path):
         ],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=420,  # its server's start (at most 180 s), the warm-up, the 180 s and the checks
     )
     report = json.loads(report_path.read_text())
     assert result.returncode == 0, report

@@ -98,6 +98,38 @@ def test_a_hold_waits_until_the_engine_holds_another_job():
     thread.join()
 
 
+def test_rows_that_shared_a_forward_are_held_until_the_jobs_their_marker_waits_for():
+    inner = SimpleNamespace(step=lambda jobs, previews=None: None, computed=lambda jobs: (len(jobs), 0))
+    faults = FaultInjection.from_config('{"hold_on_prompt": "__hold__", "hold_s": 60}')
+    faulty = FaultyStepAdapter(inner, faults, prompt)
+    held = [2]
+    faulty.held = lambda: held[0]
+
+    def job(marker: str, shared: int) -> SimpleNamespace:
+        return SimpleNamespace(
+            spec=SimpleNamespace(params=SimpleNamespace(prompt=f"x {marker}")),
+            run=SimpleNamespace(steps_done=1),
+            stats=SimpleNamespace(most_shared=shared),
+        )
+
+    # Two of five sent together shared their first forward: still held until the engine holds five.
+    pair = [job("__hold__1of5", 2), job("__hold__1of5", 2)]
+    done = threading.Event()
+    thread = threading.Thread(target=lambda: (faulty.step(pair), done.set()))
+    thread.start()
+    assert not done.wait(0.2)
+    held[0] = 5
+    assert done.wait(5)
+    thread.join()
+    # Rows that shared a forward with the five, and rows without "of N" that shared one: never held (with
+    # one job held, either would wait if it were).
+    held[0] = 1
+    for shared in (job("__hold__1of5", 5), job("__hold__", 2)):
+        finished = threading.Event()
+        threading.Thread(target=lambda j=shared, f=finished: (faulty.step([j]), f.set())).start()
+        assert finished.wait(5)
+
+
 def prompt(job: Any) -> str:
     return job.spec.params.prompt
 

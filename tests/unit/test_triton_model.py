@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import subprocess
 import sys
@@ -180,8 +181,10 @@ def test_a_model_files_config_is_read_without_torch_or_diffusers(model_file):
         "module.TritonPythonModel.auto_complete_config(Config())\n"
         "print(sorted(m for m in ('torch', 'diffusers', 'transformers', 'numpy') if m in sys.modules))\n"
     )
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
-    assert done.stdout.strip() == "[]", done.stdout + done.stderr
+    # This checkout's src first, as the stub's would be (not whatever an installed package points at).
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src")}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
 
 
 def test_no_class_in_src_subclasses_the_triton_model():

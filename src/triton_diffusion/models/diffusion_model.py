@@ -76,9 +76,6 @@ class RowInput:
     image_index: int
 
 
-# Outputs every image and video model has beside its images: the size it rendered at, and MODEL_INFO.
-
-
 def batch_output(report: dict[str, Any]) -> np.ndarray:
     """The BATCH output: JSON of how the request was batched (its key and its fused calls, or for the
     step engine its shape group, the forwards it took part in and the most rows it shared one with)."""

@@ -1,7 +1,8 @@
-"""What each model kind takes and gives, declared once and light: its fields (the request's inputs and
-their rules) and its output tensors, by the KIND MODEL_INFO names it. Nothing here imports torch or
-diffusers: Triton's auto-complete stub reads a model's inputs and outputs from here (models/model_file.py)
-without paying for the imports its instances need; the kinds (models/kinds.py) read theirs from here too.
+"""What each model kind takes and gives, by the KIND MODEL_INFO names it: its fields (the request's inputs
+and their rules; text_to_image's in models/image_fields.py) and its output tensors. Nothing here imports
+torch or diffusers: a model's config stub (the stub Triton starts to ask ``auto_complete_config`` for its
+inputs and outputs) reads them from here (models/model_file.py) without paying for the imports its
+instances need; the kinds (models/kinds.py) take theirs from here too.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from triton_diffusion.serving.progress import PROGRESS_OUTPUTS
 
 Outputs = list[tuple[str, str, list[int]]]  # (name, Triton data type, dims) of each output tensor
 
+# Outputs every image and video model has beside its images: the size it rendered at, and MODEL_INFO.
 RENDER_OUTPUTS: Outputs = [
     ("WIDTH", "TYPE_INT32", [1]),
     ("HEIGHT", "TYPE_INT32", [1]),

@@ -2,8 +2,9 @@
 MODEL_INFO says.
 
 Triton's Python backend starts a stub for each model only to ask it for its config
-(``auto_complete_config``: the inputs and outputs, which no config.pbtxt lists) and then another for each
-instance. This module, and what the first stub imports through it, import neither torch nor diffusers: the
+(``auto_complete_config``: the inputs and outputs, which no config.pbtxt lists), the config stub, and then
+another for each instance. This module, and what the config stub imports through it, import neither torch
+nor diffusers: the
 kind's fields and outputs come from models/interfaces.py, and its module (the pipeline, the engine) is
 imported when Triton makes an instance. A start and a crash restart load every model of the repository at
 once on the host's cores, so each second of imports the config stub saves is saved for every model.
