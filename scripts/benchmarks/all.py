@@ -49,6 +49,9 @@ GOODPUT_TIER_PAUSE_S = 780
 # The goodput benchmark at an H100's cost ratios, 5 variants: about 17 minutes (a GPU's forwards: 0.7 s a
 # request).
 GOODPUT_SD15_S = 1306
+# The same in the steady state of its load (278 requests a run, the load's window first): fifo, tiers-room
+# and degrade-room at 0.8x and 1.5x, about 30 minutes.
+GOODPUT_SD15_STEADY_S = 2400
 
 
 @dataclass(frozen=True)
@@ -250,6 +253,31 @@ PLAN = (
             "{out}/profiles/sd15-h100",
         ),
         GOODPUT_SD15_S,
+        benchmark="goodput",
+    ),
+    # At those cost ratios, in the steady state of the load: runs long enough for the load's rule
+    # (engine/overload.py) to see the load, as the CPU take above.
+    Take(
+        "goodput_sd15_steady",
+        (
+            "--device-profile",
+            "sd15-h100",
+            "--variants",
+            "fifo,tiers-room,degrade-room",
+            "--room",
+            "1",
+            "--requests",
+            "278",
+            "--warm-up",
+            str(WINDOW),
+            "--loads",
+            "0.8,1.5",
+            "--rounds",
+            "5",
+            "--out",
+            "{out}/profiles/sd15-h100/steady",
+        ),
+        GOODPUT_SD15_STEADY_S,
         benchmark="goodput",
     ),
     Take("graphs", ("--repeats", "3", "--out", "{out}/cpu"), 20),
