@@ -13,8 +13,9 @@ model, the OpenAI front off), and times three things on the true clock:
   client (an answered request the serving side still holds makes Triton's unload wait its exit timeout).
 
 ``--before REV`` also serves an older commit, its rounds alternated with this one's: a temporary git
-worktree of REV (its ``weights`` a link to ours), whose ``src`` goes first on the ``PYTHONPATH`` of the
-launcher and its stubs, and whose model repository is served.
+worktree of REV (its ``weights`` a link to ours), whose ``src`` goes first on the launcher's
+``PYTHONPATH`` and on each of its model.py files' ``sys.path`` (their stubs'), and whose model repository
+is served.
 
     python scripts/restart_times.py                          # now only; writes docs/cpu/restart_times.json
     python scripts/restart_times.py --before a98bd43         # the commit before the stop fix, and now
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -186,16 +188,30 @@ def main(argv: list[str] | None = None) -> int:
 
 @contextlib.contextmanager
 def worktree(revision: str) -> Iterator[Path]:
-    """A temporary checkout of ``revision`` serving this checkout's weights."""
+    """A temporary checkout of ``revision`` serving this checkout's weights, each of its model.py files
+    importing its own ``src`` first (:func:`own_src`)."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "before"
         git = ["git", "-C", str(REPO_ROOT), "worktree"]
         subprocess.run([*git, "add", "--detach", str(path), revision], check=True, capture_output=True)
         try:
             (path / "weights").symlink_to(REPO_ROOT / "weights")
+            for model_py in (path / "model_repository").glob("*/1/model.py"):
+                model_py.write_text(own_src(model_py.read_text(), path / "src"))
             yield path
         finally:
             subprocess.run([*git, "remove", "--force", str(path)], check=False, capture_output=True)
+
+
+def own_src(model_py: str, src: Path) -> str:
+    """A model.py that puts ``src`` first on its stub's ``sys.path`` before it imports anything: without
+    it the older commit's stubs imported this checkout's package (the editable install's), not the one
+    first on the launcher's PYTHONPATH (seen once the two differed: 365dc1a's model.py failed to import
+    ``serve``); only its launcher ran its own."""
+    header = f"import sys\n\nsys.path.insert(0, {str(src)!r})  # restart_times: the served commit's package\n"
+    docstring = re.match(r'\s*("""[\s\S]*?"""|\'\'\'[\s\S]*?\'\'\')\n', model_py)
+    at = docstring.end() if docstring else 0
+    return model_py[:at] + header + model_py[at:]
 
 
 def measure(roots: dict[str, Path], args: argparse.Namespace) -> int:

@@ -1,5 +1,6 @@
 """The restart-times block (scripts/tables/restart_times.py): a measure's median and reading per variant,
-and where both ran, now over before per round read by the one verdict rule."""
+and where both ran, now over before per round read by the one verdict rule; and the older commit's model
+files, which import its own package first (scripts/restart_times.py)."""
 
 import sys
 from pathlib import Path
@@ -54,3 +55,19 @@ def test_the_block_says_whether_an_unrecorded_start_came_first():
         "rounds alternated (before: commit `a`; now: commit `b`), after one start of each not recorded."
         in (render(found))
     )
+
+
+def test_an_older_commits_model_files_import_its_own_package_first():
+    from restart_times import own_src
+
+    shipped = (
+        '"""A model."""\n\nfrom triton_diffusion.models.model_file import serve\n\n'
+        'TritonPythonModel = serve("x")\n'
+    )
+    patched = own_src(shipped, Path("/tmp/before/src"))
+    compile(patched, "model.py", "exec")
+    assert patched.startswith('"""A model."""\nimport sys\n')  # after the docstring, before any import
+    lines = patched.splitlines()
+    assert lines.index(
+        "sys.path.insert(0, '/tmp/before/src')  # restart_times: the served commit's package"
+    ) < (lines.index("from triton_diffusion.models.model_file import serve"))
