@@ -152,6 +152,11 @@ BLOCKS: dict[str, Figure] = {
         "goodput.render",
         "bench.py goodput --device-profile sd15-h100",
     ),
+    "goodput-sd15-h100-steady": Figure(
+        ("docs/profiles/sd15-h100/steady/goodput.json",),
+        "goodput.render",
+        "bench.py goodput --device-profile sd15-h100 --variants fifo,tiers-room,degrade-room --room 1",
+    ),
     # Published: rows of a published table (not measured here).
     "published-flux-quality": Figure(
         ("docs/published/flux_quality.json",), "published.render", "published_quality.py"
