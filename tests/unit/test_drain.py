@@ -180,6 +180,85 @@ def test_sigint_never_drains(tmp_path, monkeypatch):
     assert status == [-signal.SIGINT] and events[-1] == ("signal", signal.SIGINT, [])
 
 
+class SlowServer(FakeServer):
+    """A tritonserver that takes its time to exit after SIGTERM (Triton 2.51 waits for every stub process
+    and looks for live models once a second): only a kill ends it."""
+
+    def send_signal(self, signum: int) -> None:
+        self.events.append(("signal", signum))
+
+    def kill(self) -> None:
+        self.events.append(("kill",))
+        self.status = -9
+
+
+def stop_in_thread(call) -> tuple[threading.Thread, list]:
+    result: list = []
+    thread = threading.Thread(target=lambda: result.append(call()), daemon=True)
+    thread.start()
+    return thread, result
+
+
+def test_a_restart_ends_the_server_once_every_live_instance_is_finalized(tmp_path):
+    drain_file = tmp_path / "triton.drain"
+    supervisor = Supervisor(lambda: None, "http://127.0.0.1:1", grace_s=30, drain_file=drain_file)
+    supervisor.watched_instances = {"a": ["a_0"], "b": ["b_0", "b_1"]}
+    events: list = []
+    server = SlowServer(drain_file, events)
+    # a_0 died: it never finalizes, and the restart does not wait for it.
+    thread, result = stop_in_thread(lambda: supervisor._stop_server(server, [], {"a_0"}))
+    drain.mark_finalized(drain_file, "b", "b_0")
+    time.sleep(0.5)
+    assert thread.is_alive() and events == [("signal", signal.SIGTERM)]  # b_1 still answers what it held
+    drain.mark_finalized(drain_file, "b", "b_1")
+    thread.join(5)
+    assert result == [0] and events == [("signal", signal.SIGTERM), ("kill",)]
+
+
+def test_a_restart_without_the_marks_kills_the_server_after_the_grace_time(tmp_path):
+    drain_file = tmp_path / "triton.drain"
+    supervisor = Supervisor(lambda: None, "http://127.0.0.1:1", grace_s=0.3, drain_file=drain_file)
+    supervisor.watched_instances = {"a": ["a_0"]}
+    events: list = []
+    started = time.monotonic()
+    status = supervisor._stop_server(SlowServer(drain_file, events), [], set())
+    assert status == -9 and events == [("signal", signal.SIGTERM), ("kill",)]
+    assert time.monotonic() - started >= 0.3
+
+
+def test_a_stop_ends_the_server_once_every_model_drained_and_finalized(tmp_path, monkeypatch):
+    supervisor, events = supervised(tmp_path, monkeypatch)
+    drain_file = supervisor.drain_file
+    slow = SlowServer(drain_file, events)
+    supervisor.start = lambda: slow
+    thread, status = run_until_ready(supervisor)
+    supervisor.stop(signal.SIGTERM)
+    for model, instance in [("a", "a_0"), ("b", "b_0"), ("b", "b_1")]:
+        drain.mark_drained(drain_file, model, instance)
+    deadline = time.monotonic() + 5
+    while ("signal", signal.SIGTERM) not in events:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    time.sleep(0.3)
+    assert thread.is_alive()  # signalled, not finalized: Triton's own exit is waited for
+    for model, instance in [("a", "a_0"), ("b", "b_0"), ("b", "b_1")]:
+        drain.mark_finalized(drain_file, model, instance)
+    thread.join(5)
+    assert status == [0] and events[-1] == ("kill",)
+
+
+def test_each_start_clears_the_marks_of_the_server_before(tmp_path, monkeypatch):
+    supervisor, events = supervised(tmp_path, monkeypatch)
+    drain_file = supervisor.drain_file
+    drain.mark_finalized(drain_file, "a", "a_0")
+    drain.mark_drained(drain_file, "a", "a_0")
+    assert drain.not_finalized(drain_file, {"a": ["a_0"], "b": ["b_0"]}) == ["b_0"]
+    thread, status = run_until_ready(supervisor)
+    assert list(drain_file.parent.iterdir()) == []  # a new server's models have finalized nothing
+    supervisor.stop(signal.SIGINT)
+    thread.join(5)
+
+
 FAKE_TRITONSERVER = """#!{python}
 # A tritonserver as the launcher sees it: ready on its HTTP port, one Python backend "stub" (a Python run
 # through a link named like the stub, on a model.py), SIGTERM recorded and obeyed.

@@ -282,3 +282,15 @@ def test_without_a_drain_file_nothing_is_polled(monkeypatch):
         assert host.drain is None and host.worker.between_steps is None and host.worker.idle_tick_s is None
     finally:
         host.close()
+
+
+def test_close_answers_what_it_held_then_marks_the_instance_finalized(drained_host):
+    host, path, _ = drained_host
+    request = send(host, "held", Spec(100000, delay_s=0.01))
+    wait_for(lambda: len(request.channel.partials) >= 2, "the job stepped")
+    mark = path.with_name("server.drain.m.m_0.finalized")
+    assert not mark.exists()  # the launcher may end the server once it is there: not before the close
+    host.close()
+    assert mark.is_file() and len(request.channel.finals) == 1  # answered before the mark
+    answer = final(request)
+    assert isinstance(answer, RequestError) and answer.code is ErrorCode.UNAVAILABLE

@@ -24,6 +24,12 @@ The sequence (launcher.py, supervisor.py; the engine host on the model side):
    time, whichever comes first, then sends tritonserver SIGTERM as it always did and does not restart it.
 
 A model that knows nothing of draining never writes its mark: the launcher just waits the drain time.
+
+One more mark serves every stop, drained or not: once an instance's ``finalize`` has answered what it held
+(Triton unloads the models on SIGTERM), it writes ``<drain file>.<model>.<instance>.finalized``
+(:func:`mark_finalized`). Triton's own exit then still waits for each stub process to end and looks for
+live models once a second; once every live instance marked itself finalized there is nothing left to
+answer, so the launcher ends the server at once (:func:`not_finalized`; a crash restart, supervisor.py).
 """
 
 from __future__ import annotations
@@ -58,10 +64,11 @@ def drain_path(http_port: str, environ: Mapping[str, str] | None = None) -> Path
     return drain_file_from_env(environ) or Path(tempfile.gettempdir()) / f"triton-diffusion-{http_port}.drain"
 
 
-def done_path(path: Path, model: str, instance: str | None = None) -> Path:
-    """A model's mark (``instance`` None: the whole model), or one instance's."""
+def done_path(path: Path, model: str, instance: str | None = None, mark: str = "done") -> Path:
+    """A model's mark (``instance`` None: the whole model), or one instance's: ``done`` (drained) or
+    ``finalized``."""
     name = model if instance is None else f"{model}.{instance}"
-    return path.with_name(f"{path.name}.{name}.done")
+    return path.with_name(f"{path.name}.{name}.{mark}")
 
 
 def is_draining(path: Path | None) -> bool:
@@ -95,6 +102,21 @@ def mark_drained(path: Path, model: str, instance: str | None = None) -> None:
     """A model instance (``instance`` None: the whole model) has nothing running any more (finished, or
     checkpointed and answered): the launcher need not wait for it."""
     done_path(path, model, instance).write_text(f"{time.time():.3f}\n")
+
+
+def mark_finalized(path: Path, model: str, instance: str | None = None) -> None:
+    """A model instance's ``finalize`` answered everything it held: nothing of it needs the server."""
+    done_path(path, model, instance, "finalized").write_text(f"{time.time():.3f}\n")
+
+
+def not_finalized(path: Path, instances: Mapping[str, Iterable[str]]) -> list[str]:
+    """The instances (of ``{model: [instance, ...]}``) that have not marked themselves finalized."""
+    return [
+        name
+        for model, names in sorted(instances.items())
+        for name in sorted(names)
+        if not done_path(path, model, name, "finalized").exists()
+    ]
 
 
 def not_drained(path: Path, models: Iterable[str] | Mapping[str, Iterable[str]]) -> list[str]:
@@ -138,8 +160,10 @@ def wait_drained(
 
 def clear(path: Path) -> None:
     """Remove a drain file and the models' marks left by an earlier run (a launcher killed while
-    draining): a server started with one would refuse every request."""
-    for stale in [path, path.with_name(path.name + ".partial"), *path.parent.glob(f"{path.name}.*.done")]:
+    draining, a server restarted): a server started with one would refuse every request, or look
+    finalized."""
+    marks = [*path.parent.glob(f"{path.name}.*.done"), *path.parent.glob(f"{path.name}.*.finalized")]
+    for stale in [path, path.with_name(path.name + ".partial"), *marks]:
         try:
             stale.unlink()
         except FileNotFoundError:
@@ -183,6 +207,10 @@ class DrainWatch:
         """Until the drain deadline (negative once it passed); only while draining."""
         assert self.deadline is not None
         return self.deadline - self.wall()
+
+    def finalized(self) -> None:
+        """This instance's ``finalize`` answered what it held (any stop, drained or not)."""
+        mark_finalized(self.path, self.model, self.instance)
 
     def mark(self) -> bool:
         """Write this instance's mark (once). False if it was written before."""

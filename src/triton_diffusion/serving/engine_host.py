@@ -240,6 +240,11 @@ class EngineHost:
         self.responses.close()
         if self.resumes is not None:
             self.resumes.close()
+        if self.drain is not None:
+            try:  # the launcher may end the server now (recovery/drain.py)
+                self.drain.finalized()
+            except OSError:
+                log.exception("could not write the finalized mark")
 
     def before_exit(self, reason: str) -> None:
         """Send what is queued for sending, then answer what 10 s did not send (the process leaves)."""

@@ -244,7 +244,7 @@ def supervise(
         start,
         http,
         exit_timeout_s=float(_option(extra, "exit-timeout-secs", "30")),
-        drain_file=drain_file if drain_s > 0 else None,
+        drain_file=drain_file,
         drain_s=drain_s,
         announce=lambda models: print(
             ready_line(extra, models, health_port, front_at), file=sys.stderr, flush=True

@@ -11,19 +11,24 @@ the launcher runs tritonserver as its child and :class:`Supervisor` beside it.
 Every ``interval_s`` the supervisor lists the server's stub processes (from /proc: each stub's command
 line names its model file and instance). Once the server is ready it knows which stubs must live. When
 one is gone (or the server itself exited unasked), it logs it, counts it, reports not ready, stops the
-server (SIGTERM, then SIGKILL after ``grace_s``: the dead model's requests would hold a graceful exit up
-to its exit timeout), removes the shared-memory regions the killed stubs leave, and starts the server
-again. Meanwhile clients get UNAVAILABLE (gRPC) or a refused connection (HTTP) at once, never a hang.
+server (SIGTERM, then SIGKILL once every live instance marked itself finalized, or after ``grace_s``:
+the dead model's requests would hold a graceful exit up to its exit timeout), removes the shared-memory
+regions the killed stubs leave, and starts the server again. Meanwhile clients get UNAVAILABLE (gRPC)
+or a refused connection (HTTP) at once, never a hang.
+
+Every stop ends the server once each live model instance marked itself finalized (drain.py: its
+``finalize`` answered what it held): Triton 2.51 would still wait for every stub process to exit and look
+for live models only once a second: seconds in which nothing is left to answer.
 
 It serves ``/healthz`` (liveness: false once the server has not come back within ``liveness_grace_s``,
 so an orchestrator restarts the container), ``/readyz`` (the server is ready and not restarting) and
 ``/metrics`` (``triton_diffusion_server_restarts_total`` by reason and model, ``triton_diffusion_up``)
 on its own port.
 
-On SIGTERM with a drain file (drain.py) it drains before it stops: it reports not ready, writes the file
-(the drain deadline: now + ``drain_s``), waits until every model it watches has marked itself drained
-(each of its instances, or the model whole) or ``drain_s`` passed, and only then sends tritonserver
-SIGTERM. A second signal, or a server that exits meanwhile, ends the wait at once.
+On SIGTERM with a drain file and a drain time (drain.py) it drains before it stops: it reports not
+ready, writes the file (the drain deadline: now + ``drain_s``), waits until every model it watches has
+marked itself drained (each of its instances, or the model whole) or ``drain_s`` passed, and only then
+sends tritonserver SIGTERM. A second signal, or a server that exits meanwhile, ends the wait at once.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ import time
 import urllib.error
 import urllib.request
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -49,6 +54,9 @@ log = logging.getLogger("triton_diffusion.supervisor")
 
 STUB_NAME = "triton_python_backend_stub"
 SHM_DIR = Path("/dev/shm")
+# Between the last finalized mark and the server's end: the answers the models handed Triton in their
+# finalize leave through its HTTP and gRPC frontends (a write each, milliseconds).
+SETTLE_S = 0.2
 
 
 @dataclass(frozen=True)
@@ -116,8 +124,8 @@ class Supervisor:
         grace_s: float = 5.0,
         liveness_grace_s: float = 300.0,
         exit_timeout_s: float = 30.0,
-        drain_file: Path | None = None,
-        drain_s: float = 30.0,
+        drain_file: Path | None = None,  # also where the models' finalized marks are (drain.py)
+        drain_s: float = 30.0,  # 0: SIGTERM does not drain
         announce: Callable[[list[str]], None] | None = None,
     ) -> None:
         self.start = start
@@ -135,6 +143,7 @@ class Supervisor:
         self.watched_models: list[str] = []  # the models of the stubs watched (the server was ready)
         self.watched_instances: dict[str, list[str]] = {}  # each watched model's instances (drain marks)
         self.process: subprocess.Popen | None = None
+        self._listed: list[Stub] = []  # the server's stubs at the latest look (a stop ends what is left)
         self.restarts: Counter = Counter()  # (reason, model) -> count
         self._lock = threading.Lock()
         self._ready = False
@@ -145,6 +154,8 @@ class Supervisor:
         """Serve until asked to stop; returns the server's last exit status."""
         last_restart = 0.0
         while True:
+            if self.drain_file is not None:
+                drain.clear(self.drain_file)  # the marks of the server before, if any
             self.process = self.start()
             status = self._watch(self.process)
             if self.stopping.is_set():
@@ -170,6 +181,7 @@ class Supervisor:
         seen: dict[str, Stub] = {}  # the latest listing: a server dying while loading leaves these
         self.watched_models = []  # none until this server is ready: a loading model has nothing to drain
         self.watched_instances = {}
+        self._listed = []
         while True:
             status = process.poll()
             if status is not None:
@@ -185,6 +197,7 @@ class Supervisor:
                 log.exception("supervisor: listing the server's processes failed")
                 continue
             seen = stubs
+            self._listed = list(stubs.values())
             if expected is None:
                 if self._server_ready():
                     # A stub that died between Triton's readiness and this first listing is in no
@@ -216,15 +229,24 @@ class Supervisor:
                 models = sorted({s.model for s in dead})
                 detail = f"Python backend stub {', '.join(s.instance for s in dead)} died"
                 self._restarting("stub died", models, detail)
-                return self._stop_server(process, expected.values())
+                return self._stop_server(process, expected.values(), {s.instance for s in dead})
 
     def _shut_down(self, process: subprocess.Popen) -> int:
         """Drain (SIGTERM, a drain file, models that were serving), then forward the signal and wait."""
-        if self.stop_signal == signal.SIGTERM and self.drain_file is not None and self.watched_models:
+        if (
+            self.stop_signal == signal.SIGTERM
+            and self.drain_file is not None
+            and self.drain_s > 0
+            and self.watched_models
+        ):
             self.drain_models(process)
         if process.poll() is None:
             process.send_signal(self.stop_signal)
-        return self._wait_for_exit(process)
+        # Triton 2.51 sometimes hangs in its own abort handler after the exit timeout, holding client
+        # connections open: past its exit timeout and a margin it is killed, so clients get an error.
+        status = self._end(process, self.exit_timeout_s + 10, self.watched_instances)
+        self._kill_stubs(self._listed)
+        return status
 
     def drain_models(self, process: subprocess.Popen) -> list[str]:
         """Not ready (no new traffic), the drain file written, then wait for every watched model's mark,
@@ -249,15 +271,28 @@ class Supervisor:
             log.info("supervisor: every model drained in %.1f s", seconds)
         return pending
 
-    def _wait_for_exit(self, process: subprocess.Popen) -> int:
-        """Triton 2.51 sometimes hangs in its own abort handler after the exit timeout, holding client
-        connections open: past its exit timeout and a margin it is killed, so clients get an error."""
-        try:
-            return process.wait(timeout=self.exit_timeout_s + 10)
-        except subprocess.TimeoutExpired:
-            log.error("supervisor: tritonserver did not exit within its exit timeout; killing it")
-            process.kill()
-            return process.wait()
+    def _end(self, process: subprocess.Popen, timeout_s: float, live: dict[str, list[str]]) -> int:
+        """After the server's signal: its exit status once it exits; once every instance in ``live``
+        marked itself finalized, the server ended at once (status 0: nothing of it was left to answer);
+        past ``timeout_s``, killed."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            status = process.poll()
+            if status is not None:
+                return status
+            if self.drain_file is not None and live and not drain.not_finalized(self.drain_file, live):
+                time.sleep(SETTLE_S)
+                if process.poll() is not None:
+                    return process.wait()
+                log.info("supervisor: every model finalized; ending the server")
+                process.kill()
+                process.wait()
+                return 0
+            if time.monotonic() >= deadline:
+                log.error("supervisor: tritonserver did not exit within %.0f s; killing it", timeout_s)
+                process.kill()
+                return process.wait()
+            time.sleep(0.05)
 
     def _restarting(self, reason: str, models: list[str], detail: str) -> None:
         self._set_ready(False)
@@ -266,13 +301,12 @@ class Supervisor:
                 self.restarts[(reason, model)] += 1
         log.error("supervisor: %s; restarting the server (not ready until it is back)", detail)
 
-    def _stop_server(self, process: subprocess.Popen, stubs) -> int:
+    def _stop_server(self, process: subprocess.Popen, stubs, dead: Collection[str] = ()) -> int:
+        """A restart's stop: SIGTERM (the live models answer what they hold in their finalize), ended once
+        they all did (the ``dead`` instances never will) or after ``grace_s``."""
         process.send_signal(signal.SIGTERM)
-        try:
-            status = process.wait(timeout=self.grace_s)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            status = process.wait()
+        live = {model: [i for i in names if i not in dead] for model, names in self.watched_instances.items()}
+        status = self._end(process, self.grace_s, {model: names for model, names in live.items() if names})
         self._kill_stubs(stubs)
         return status
 
