@@ -103,6 +103,11 @@ BLOCKS: dict[str, Figure] = {
     "restart-times": Figure(("docs/cpu/restart_times.json",), "restart_times.render", "restart_times.py"),
     "mixed-sizes": Figure(("docs/cpu/mixed_sizes.json",), "mixed_sizes.render", "bench.py mixed-sizes"),
     "crash-soak": Figure(("docs/cpu/crash_soak.json",), "crash_soak.render", "bench.py crash-soak"),
+    "crash-soak-sd15-h100": Figure(
+        ("docs/profiles/sd15-h100/crash_soak.json",),
+        "crash_soak.render",
+        "bench.py crash-soak --device-profile sd15-h100",
+    ),
     "checkpoint-cost": Figure(
         ("docs/cpu/checkpoint_cost.json",), "checkpoint_cost.render", "bench.py checkpoint-cost"
     ),

@@ -304,6 +304,35 @@ PLAN = (
         ),
         CRASH_SOAK_S,
     ),
+    # The same at an H100's cost ratios: a crash's recomputed steps cost what SD 1.5's would there (the
+    # restart is this machine's), checkpoints at the cadence checkpoint_cost measures.
+    Take(
+        "crash_soak_sd15",
+        (
+            "--device-profile",
+            "sd15-h100",
+            "--rounds",
+            "5",
+            "--steps",
+            "150",
+            "--mid-job",
+            "75",
+            "--duration",
+            "90",
+            "--crash-every",
+            "30",
+            "--load",
+            "0.8",
+            "--checkpoint-every",
+            "5",
+            "--timeout",
+            "300",
+            "--out",
+            "{out}/profiles/sd15-h100",
+        ),
+        2400,
+        benchmark="crash_soak",
+    ),
     # Not benchmarks, but CPU figures too: one request's walk through the package, and whether Triton can
     # reload one model whose stub died.
     Take("request_walk", ("--out", "{out}/design/request_walk.json"), 22, "scripts/request_walk.py"),

@@ -32,6 +32,10 @@ output, 0 where absent; an earlier resumed attempt's first progress step minus o
 divided by its crashes. Every run is kept in --out/crash_soak.json (written after each run), with its
 per-request records; its summary gives the median over rounds with min and max.
 
+With --device-profile NAME the model's denoiser and decode take the time a GPU took (adapters/
+device_profiles.py; --size becomes the profile's): a crash's recomputed steps cost what they would there,
+while the restart is this machine's.
+
 Defaults: 2 rounds of 2 variants of 240 s with a crash every 60 s: about 20 minutes on this project's 2-core
 CPU host (each run adds a server start and the requests still in flight at its end):
 
@@ -58,14 +62,16 @@ from pathlib import Path
 from typing import Any
 
 import artefacts
-from tables.crash_soak import FIGURES, render
+from tables.crash_soak import render
 from triton_diffusion_client import ImageSession
 from triton_diffusion_client.retry import unknown_resume_key
 from triton_diffusion_client.streams import ResponseError
-from verdicts import rotated_orders, verdict
+from verdicts import rotated_orders
 
 from benchmarks.arrivals import poisson_arrivals
-from benchmarks.common import PROMPTS, REPO_ROOT, benchmark_parser, mean, percentile
+from benchmarks.common import PROMPTS, REPO_ROOT, benchmark_parser
+from benchmarks.crash_figures import paired_verdicts, run_figures, summarise
+from triton_diffusion.adapters.device_profiles import PROFILES, load_table
 from triton_diffusion.serving.server_process import WEIGHTS, copy_model, start_server
 from triton_diffusion.serving.supervisor import list_stubs
 from triton_diffusion.settings import IMAGE, IMAGE_SOURCE, ModelConfig
@@ -77,113 +83,6 @@ VARIANTS = ("checkpoints", "none")
 READY_WAIT_S = 180.0  # a server that is not ready again within this is a failure of the run, not a wait
 # How long a --mid-job kill waits for a request in flight to reach its step before killing anyway.
 MID_JOB_WAIT_S = 60.0
-
-
-# ---- the pure part: a run's figures from its per-request records -------------------------------------
-
-
-def attempt_starts(record: dict[str, Any]) -> list[int | None]:
-    """The step each attempt started from: 0 for the first; the final one's ``resumed_from_step`` (0 where
-    absent) when it completed; another's first progress step minus one (None where it reported none)."""
-    attempts = record["attempts"]
-    starts: list[int | None] = [a["start"] for a in attempts]
-    if starts:
-        starts[0] = 0
-    if record["ok"] and len(attempts) > 1:
-        starts[-1] = record.get("resumed_from_step") or 0
-    return starts
-
-
-def steps_recomputed(record: dict[str, Any]) -> int:
-    """Steps a request computed again after its failures: for each failed attempt, the step it had reached
-    (its start where it reported no progress) minus the start of the next attempt whose start is known."""
-    starts = attempt_starts(record)
-    failed = len(starts) - (1 if record["ok"] else 0)  # attempts that ended in a failure
-    total = 0
-    for i in range(min(failed, len(starts) - 1)):
-        reached = record["attempts"][i]["reached"]
-        reached = starts[i] if reached is None else reached
-        following = [s for s in starts[i + 1 :] if s is not None]
-        if reached is not None and following:
-            total += max(0, reached - following[0])
-    return total
-
-
-def run_figures(records: list[dict[str, Any]], crashes: int, duration_s: float, hung: int = 0) -> dict:
-    """One run's figures from its requests (``records``), the crashes it saw and its traffic's length;
-    ``hung``: requests whose thread never ended (lost, without a record)."""
-    done = [r for r in records if r["ok"]]
-    latencies = [r["latency_s"] for r in done]
-    end = max([duration_s, *(r["arrival_s"] + r["latency_s"] for r in done)])
-    images = sum(r["images"] for r in done)
-    recomputed = sum(steps_recomputed(r) for r in records)
-    offered = len(records) + hung
-    return {
-        "offered": offered,
-        "completed": len(done),
-        "lost": offered - len(done),
-        "images": images,
-        "goodput_images_per_s": images / end if end > 0 else 0.0,
-        "span_s": end,
-        "crashes": crashes,
-        "latency_mean_s": mean(latencies) if latencies else None,
-        "latency_p95_s": percentile(latencies, 0.95) if latencies else None,
-        "retried": sum(len(r["attempts"]) > 1 for r in records),
-        "resumed": sum(bool(r.get("resumed_from_step")) for r in done),
-        "resume_keys_sent": sum(bool(r.get("resume_key")) for r in records),
-        "steps_recomputed": recomputed,
-        "steps_recomputed_per_crash": recomputed / crashes if crashes else None,
-        "hung": hung,
-    }
-
-
-# What each variant's summary gives a median and spread of: the figures its table shows.
-SUMMARY_FIGURES = FIGURES
-
-
-def paired_verdicts(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per round, checkpoints against none (scripts/verdicts.py's rule over the rounds that ran both): the
-    goodput ratio (a gain above 1) and the steps recomputed per crash that checkpoints saved (none's minus
-    checkpoints', a gain above 0; a round where either saw no crash counts nothing)."""
-    by_round: dict[int, dict[str, dict[str, Any]]] = {}
-    for run in runs:
-        by_round.setdefault(run["round"], {})[run["variant"]] = run
-    pairs = [(r["checkpoints"], r["none"]) for r in by_round.values() if {"checkpoints", "none"} <= r.keys()]
-    goodput = [
-        c["goodput_images_per_s"] / n["goodput_images_per_s"] for c, n in pairs if n["goodput_images_per_s"]
-    ]
-    saved = [
-        n["steps_recomputed_per_crash"] - c["steps_recomputed_per_crash"]
-        for c, n in pairs
-        if c["steps_recomputed_per_crash"] is not None and n["steps_recomputed_per_crash"] is not None
-    ]
-    found: dict[str, Any] = {}
-    for name, values, neutral in (("goodput_ratio", goodput, 1.0), ("steps_saved_per_crash", saved, 0.0)):
-        if values:
-            found[name] = {**verdict(values, neutral=neutral).as_dict(), "values": values}
-    return found
-
-
-def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per variant that ran: each figure's median over rounds with min, max and each round's."""
-    rows = []
-    for variant in dict.fromkeys(run["variant"] for run in runs):
-        mine = [run for run in runs if run["variant"] == variant]
-        row: dict[str, Any] = {"variant": variant, "rounds": len(mine)}
-        for name in SUMMARY_FIGURES:
-            values = [run[name] for run in mine if run.get(name) is not None]
-            row[name] = (
-                {
-                    "median": statistics.median(values),
-                    "min": min(values),
-                    "max": max(values),
-                    "rounds": values,
-                }
-                if values
-                else None
-            )
-        rows.append(row)
-    return rows
 
 
 # ---- the client: every attempt's steps -------------------------------------------------------------------
@@ -387,14 +286,15 @@ def ended(server) -> bool:
 
 
 @contextmanager
-def running_server(edits: dict[str, str], folder: Path, steps: int) -> Iterator[Any]:
+def running_server(edits: dict[str, str], folder: Path, steps: int, profile: str | None) -> Iterator[Any]:
     """A launcher (its supervisor in charge) serving one tiny-sd text_to_image with ``edits``; stopped on the
     way out, its whole process group gone (polled, then SIGKILL) whatever happened."""
     repo = folder / "repo"
     repo.mkdir()
     # The shipped config allows 50 steps; a soak of long jobs asks for more (the field allows 150).
     allowed = {"max_num_inference_steps": str(steps)} if steps > 50 else {}
-    copy_model(MODEL, repo, MODEL, {"model": str(WEIGHTS / "tiny-sd"), **allowed, **edits})
+    profiled = {"device_profile": profile} if profile else {}
+    copy_model(MODEL, repo, MODEL, {"model": str(WEIGHTS / "tiny-sd"), **allowed, **profiled, **edits})
     # --drain-s=0: the run is over when it stops, nothing to hand over.
     server = start_server(repo, folder / "tritonserver.log", [MODEL], extra_args=["--drain-s=0"])
     try:
@@ -479,6 +379,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--checkpoint-every", type=int, default=2, help="checkpoint_every_steps (checkpoints)"
     )
     parser.add_argument("--arrival-seed", type=int, default=1)
+    parser.add_argument("--device-profile", choices=sorted(PROFILES), help="a GPU's forward and decode times")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench_results")
     return parser
 
@@ -494,11 +395,15 @@ def main(argv: list[str] | None = None) -> None:
     if args.mid_job >= args.steps:
         parser.error("--mid-job must be below --steps (a request reports no step past its last)")
 
+    if args.device_profile:
+        args.size = load_table(PROFILES[args.device_profile]).size[0]  # where its times hold
     build_missing(WEIGHTS, only=["tiny-sd"])
     report: dict[str, Any] = {
         "benchmark": "crash-soak",
         "settings": {
-            "model": f"tiny-sd {MODEL}",
+            "model": f"tiny-sd {MODEL}"
+            + (f" at the {args.device_profile} device profile" if args.device_profile else ""),
+            "device_profile": args.device_profile,
             **{
                 k: getattr(args, k)
                 for k in (
@@ -548,9 +453,8 @@ def main(argv: list[str] | None = None) -> None:
         for variant in order:
             with tempfile.TemporaryDirectory(prefix=f"crash-soak-{variant}-") as tmp:
                 folder = Path(tmp)
-                with running_server(
-                    checkpoint_edits(variant, folder, args.checkpoint_every), folder, args.steps
-                ) as server:
+                edits = checkpoint_edits(variant, folder, args.checkpoint_every)
+                with running_server(edits, folder, args.steps, args.device_profile) as server:
                     if report["settings"]["rate_per_s"] is None:
                         solo = solo_latency(server, args)
                         report["settings"]["solo_latency_s"] = solo

@@ -105,6 +105,7 @@ def render(artefact: dict[str, Any]) -> str:
     read = artefact.get("verdicts", {})
     said = {
         "goodput_ratio": "goodput, checkpoints / none",
+        "latency_mean_ratio": "mean latency, checkpoints / none (below 1 a gain)",
         "steps_saved_per_crash": "steps recomputed per crash saved by checkpoints (none minus checkpoints)",
     }
     lines = [

@@ -10,14 +10,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))  # the benchmarks' package
 
-from benchmarks.crash_soak import (  # noqa: E402
-    checkpoint_edits,
-    paired_verdicts,
-    run_figures,
-    steps_recomputed,
-    summarise,
-    unreadable,
-)
+from benchmarks.crash_figures import paired_verdicts, run_figures, steps_recomputed, summarise  # noqa: E402
+from benchmarks.crash_soak import checkpoint_edits, unreadable  # noqa: E402
 from tables.crash_soak import render  # noqa: E402
 
 
@@ -198,3 +192,23 @@ def test_rounds_are_read_as_pairs_with_the_one_verdict_rule_and_shown():
     assert "goodput, checkpoints / none: **1.2**, gain (90% interval 1.11-1.4)" in render(made)
     flipped = [{**r, "goodput_images_per_s": 1.0} for r in runs]  # the same goodput: no gain shown
     assert paired_verdicts(flipped)["goodput_ratio"]["verdict"] == "no gain or loss shown"
+
+
+def test_the_mean_latency_is_read_as_a_ratio_whose_gain_is_below_one():
+    """Where every request completes in both variants the goodput cannot tell them apart; the time a crash
+    costs the requests it hit shows in their mean latency: checkpoints / none, a gain below 1."""
+    runs = []
+    for round_, (fast, slow) in enumerate([(6.0, 8.0), (5.0, 7.0), (6.5, 8.0), (5.5, 7.5), (6.0, 7.0)]):
+        runs += [
+            {**run("checkpoints", round_, 1.0, 1.0), "latency_mean_s": fast},
+            {**run("none", round_, 1.0, 9.0), "latency_mean_s": slow},
+        ]
+    found = paired_verdicts(runs)
+    assert found["goodput_ratio"]["verdict"] == "no gain or loss shown"
+    assert found["latency_mean_ratio"]["values"] == pytest.approx([0.75, 5 / 7, 6.5 / 8, 5.5 / 7.5, 6 / 7])
+    assert found["latency_mean_ratio"]["verdict"] == "gain"
+    assert "mean latency, checkpoints / none (below 1 a gain): **0.75**, gain" in render(
+        {**artefact(runs), "verdicts": found}
+    )
+    slower = [{**r, "latency_mean_s": 9.0 if r["variant"] == "checkpoints" else 6.0} for r in runs]
+    assert paired_verdicts(slower)["latency_mean_ratio"]["verdict"] == "loss"
