@@ -74,7 +74,8 @@ SUMMARY_FIGURES = FIGURES
 def paired_verdicts(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Per round, checkpoints against none (scripts/verdicts.py's rule over the rounds that ran both): the
     goodput ratio (a gain above 1), the mean latency ratio (a gain below 1: where every request completes in
-    both, the time a crash costs the requests it hit shows here, not in the goodput) and the steps
+    both, the time a crash costs the requests it hit shows here, not in the goodput: rounds where either
+    lost a request count nothing) and the steps
     recomputed per crash that checkpoints saved (none's minus checkpoints', a gain above 0; a round where
     either saw no crash counts nothing)."""
     by_round: dict[int, dict[str, dict[str, Any]]] = {}
@@ -89,10 +90,11 @@ def paired_verdicts(runs: list[dict[str, Any]]) -> dict[str, Any]:
         for c, n in pairs
         if c["steps_recomputed_per_crash"] is not None and n["steps_recomputed_per_crash"] is not None
     ]
+    # Only where both answered every request: a variant that lost its slowest would look faster.
     latency = [
         c["latency_mean_s"] / n["latency_mean_s"]
         for c, n in pairs
-        if c["latency_mean_s"] and n["latency_mean_s"]
+        if c["latency_mean_s"] and n["latency_mean_s"] and c["lost"] == n["lost"] == 0
     ]
     found: dict[str, Any] = {}
     for name, values, neutral, higher in (

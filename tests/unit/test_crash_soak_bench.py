@@ -200,8 +200,8 @@ def test_the_mean_latency_is_read_as_a_ratio_whose_gain_is_below_one():
     runs = []
     for round_, (fast, slow) in enumerate([(6.0, 8.0), (5.0, 7.0), (6.5, 8.0), (5.5, 7.5), (6.0, 7.0)]):
         runs += [
-            {**run("checkpoints", round_, 1.0, 1.0), "latency_mean_s": fast},
-            {**run("none", round_, 1.0, 9.0), "latency_mean_s": slow},
+            {**run("checkpoints", round_, 1.0, 1.0), "latency_mean_s": fast, "lost": 0},
+            {**run("none", round_, 1.0, 9.0), "latency_mean_s": slow, "lost": 0},
         ]
     found = paired_verdicts(runs)
     assert found["goodput_ratio"]["verdict"] == "no gain or loss shown"
@@ -212,3 +212,6 @@ def test_the_mean_latency_is_read_as_a_ratio_whose_gain_is_below_one():
     )
     slower = [{**r, "latency_mean_s": 9.0 if r["variant"] == "checkpoints" else 6.0} for r in runs]
     assert paired_verdicts(slower)["latency_mean_ratio"]["verdict"] == "loss"
+    # A round where a variant lost a request compares different requests: it counts nothing.
+    lossy = [{**r, "lost": 1} if r["round"] == 0 and r["variant"] == "none" else r for r in runs]
+    assert len(paired_verdicts(lossy)["latency_mean_ratio"]["values"]) == 4

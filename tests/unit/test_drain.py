@@ -88,8 +88,10 @@ def supervised(tmp_path, monkeypatch, drain_s: float = 5.0) -> tuple[Supervisor,
     events: list = []
     drain_file = tmp_path / "drain" / "triton.drain"
     drain_file.parent.mkdir()
-    stubs = [Stub(1, "a", "a_0", "shm-a"), Stub(2, "b", "b_0", "shm-b"), Stub(3, "b", "b_1", "shm-b1")]
+    # Pids no process has, and shared-memory regions in a folder of the test's: a stop ends what is left.
+    stubs = [Stub((1 << 30) + i, m, f"{m}_{n}", f"shm-{m}{n}") for i, (m, n) in enumerate(["a0", "b0", "b1"])]
     monkeypatch.setattr("triton_diffusion.serving.supervisor.list_stubs", lambda pid: stubs)
+    monkeypatch.setattr("triton_diffusion.serving.supervisor.SHM_DIR", tmp_path)
 
     def start() -> FakeServer:
         events.append(("start",))
@@ -97,6 +99,8 @@ def supervised(tmp_path, monkeypatch, drain_s: float = 5.0) -> tuple[Supervisor,
 
     supervisor = Supervisor(start, "http://127.0.0.1:1", 0.02, drain_file=drain_file, drain_s=drain_s)
     monkeypatch.setattr(supervisor, "_server_ready", lambda: True)
+    monkeypatch.setattr(supervisor, "_ready_models", lambda: ["a", "b"])
+    monkeypatch.setattr(supervisor, "_python_models", lambda models: [m for m in models if m in ("a", "b")])
     return supervisor, events
 
 
@@ -203,12 +207,17 @@ def test_a_restart_ends_the_server_once_every_live_instance_is_finalized(tmp_pat
     drain_file = tmp_path / "triton.drain"
     supervisor = Supervisor(lambda: None, "http://127.0.0.1:1", grace_s=30, drain_file=drain_file)
     supervisor.watched_instances = {"a": ["a_0"], "b": ["b_0", "b_1"]}
+    supervisor.marks_cover = True  # every ready model is one of the watched stubs
     events: list = []
     server = SlowServer(drain_file, events)
     # a_0 died: it never finalizes, and the restart does not wait for it.
     thread, result = stop_in_thread(lambda: supervisor._stop_server(server, [], {"a_0"}))
     drain.mark_finalized(drain_file, "b", "b_0")
-    time.sleep(0.5)
+    deadline = time.monotonic() + 5
+    while not events:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    time.sleep(0.5)  # several looks at the marks
     assert thread.is_alive() and events == [("signal", signal.SIGTERM)]  # b_1 still answers what it held
     drain.mark_finalized(drain_file, "b", "b_1")
     thread.join(5)
@@ -219,11 +228,29 @@ def test_a_restart_without_the_marks_kills_the_server_after_the_grace_time(tmp_p
     drain_file = tmp_path / "triton.drain"
     supervisor = Supervisor(lambda: None, "http://127.0.0.1:1", grace_s=0.3, drain_file=drain_file)
     supervisor.watched_instances = {"a": ["a_0"]}
+    supervisor.marks_cover = True
     events: list = []
     started = time.monotonic()
     status = supervisor._stop_server(SlowServer(drain_file, events), [], set())
     assert status == -9 and events == [("signal", signal.SIGTERM), ("kill",)]
     assert time.monotonic() - started >= 0.3
+
+
+def test_a_model_of_another_backend_keeps_the_wait_for_tritons_own_exit(tmp_path, monkeypatch):
+    """An ONNX or ensemble model has no stub (no restart for it) and writes no mark: the Python models'
+    marks must not end its requests."""
+    supervisor, events = supervised(tmp_path, monkeypatch)
+    monkeypatch.setattr(supervisor, "_ready_models", lambda: ["a", "b", "an_onnx_model"])
+    supervisor.grace_s = 0.5
+    thread, status = run_until_ready(supervisor)
+    assert not supervisor.marks_cover and events == [("start",)]  # served, not restarted
+    drain_file = supervisor.drain_file
+    for model, instance in [("a", "a_0"), ("b", "b_0"), ("b", "b_1")]:
+        drain.mark_finalized(drain_file, model, instance)
+    status_of_stop = supervisor._stop_server(SlowServer(drain_file, events), [], set())
+    assert status_of_stop == -9  # killed after the grace time, not ended by the marks
+    supervisor.stop(signal.SIGINT)
+    thread.join(5)
 
 
 def test_a_stop_ends_the_server_once_every_model_drained_and_finalized(tmp_path, monkeypatch):

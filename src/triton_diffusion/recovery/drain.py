@@ -25,11 +25,12 @@ The sequence (launcher.py, supervisor.py; the engine host on the model side):
 
 A model that knows nothing of draining never writes its mark: the launcher just waits the drain time.
 
-One more mark serves every stop, drained or not: once an instance's ``finalize`` has answered what it held
-(Triton unloads the models on SIGTERM), it writes ``<drain file>.<model>.<instance>.finalized``
-(:func:`mark_finalized`). Triton's own exit then still waits for each stub process to end and looks for
-live models once a second; once every live instance marked itself finalized there is nothing left to
-answer, so the launcher ends the server at once (:func:`not_finalized`; a crash restart, supervisor.py).
+One more mark serves every stop, drained or not: Triton unloads a model on SIGTERM once every request of
+it was answered (each holds the model), then calls its ``finalize``, which answers anything still held
+and writes ``<drain file>.<model>.<instance>.finalized`` (:func:`mark_finalized`). Triton's own exit then
+still waits for each stub process to end and looks for loaded models once a second; once every instance
+whose stub lives marked itself finalized, nothing of them is left to answer, so the launcher ends the
+server (:func:`not_finalized`; supervisor.py, also on a crash restart).
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def drain_path(http_port: str, environ: Mapping[str, str] | None = None) -> Path
     return drain_file_from_env(environ) or Path(tempfile.gettempdir()) / f"triton-diffusion-{http_port}.drain"
 
 
-def done_path(path: Path, model: str, instance: str | None = None, mark: str = "done") -> Path:
+def mark_path(path: Path, model: str, instance: str | None = None, mark: str = "done") -> Path:
     """A model's mark (``instance`` None: the whole model), or one instance's: ``done`` (drained) or
     ``finalized``."""
     name = model if instance is None else f"{model}.{instance}"
@@ -101,12 +102,13 @@ def drain_deadline(path: Path) -> float:
 def mark_drained(path: Path, model: str, instance: str | None = None) -> None:
     """A model instance (``instance`` None: the whole model) has nothing running any more (finished, or
     checkpointed and answered): the launcher need not wait for it."""
-    done_path(path, model, instance).write_text(f"{time.time():.3f}\n")
+    mark_path(path, model, instance).write_text(f"{time.time():.3f}\n")
 
 
 def mark_finalized(path: Path, model: str, instance: str | None = None) -> None:
-    """A model instance's ``finalize`` answered everything it held: nothing of it needs the server."""
-    done_path(path, model, instance, "finalized").write_text(f"{time.time():.3f}\n")
+    """A model instance was unloaded and its ``finalize`` answered anything still held: nothing of it needs
+    the server."""
+    mark_path(path, model, instance, "finalized").write_text(f"{time.time():.3f}\n")
 
 
 def not_finalized(path: Path, instances: Mapping[str, Iterable[str]]) -> list[str]:
@@ -115,7 +117,7 @@ def not_finalized(path: Path, instances: Mapping[str, Iterable[str]]) -> list[st
         name
         for model, names in sorted(instances.items())
         for name in sorted(names)
-        if not done_path(path, model, name, "finalized").exists()
+        if not mark_path(path, model, name, "finalized").exists()
     ]
 
 
@@ -126,8 +128,8 @@ def not_drained(path: Path, models: Iterable[str] | Mapping[str, Iterable[str]])
     pending = []
     for model, names in instances.items():
         names = list(names)
-        whole = done_path(path, model).exists()
-        if not whole and not (names and all(done_path(path, model, name).exists() for name in names)):
+        whole = mark_path(path, model).exists()
+        if not whole and not (names and all(mark_path(path, model, name).exists() for name in names)):
             pending.append(model)
     return pending
 
@@ -208,8 +210,8 @@ class DrainWatch:
         assert self.deadline is not None
         return self.deadline - self.wall()
 
-    def finalized(self) -> None:
-        """This instance's ``finalize`` answered what it held (any stop, drained or not)."""
+    def mark_finalized(self) -> None:
+        """Triton unloaded this instance (every request of it answered) and its ``finalize`` ran."""
         mark_finalized(self.path, self.model, self.instance)
 
     def mark(self) -> bool:

@@ -236,13 +236,15 @@ class EngineHost:
                 self.metrics.observe(self.names.admission_wait, waited)
 
     def close(self) -> None:
-        self.worker.close()  # what it held is answered UNAVAILABLE
-        self.responses.close()
+        stopped = self.worker.close()  # what it held is answered UNAVAILABLE
+        sent = self.responses.close()
         if self.resumes is not None:
             self.resumes.close()
-        if self.drain is not None:
-            try:  # the launcher may end the server now (recovery/drain.py)
-                self.drain.finalized()
+        # The launcher may end the server once the mark is there (recovery/drain.py): only when every
+        # answer was handed to Triton; else Triton's own exit is waited for.
+        if self.drain is not None and stopped and sent:
+            try:
+                self.drain.mark_finalized()
             except OSError:
                 log.exception("could not write the finalized mark")
 

@@ -85,7 +85,7 @@ class EngineWorker:
         on_device_lost: Callable[[str], None],
         on_stall: Callable[[str], None],
         name: str = "engine",
-        flush_answers: Callable[[], None] = lambda: None,
+        flush_answers: Callable[[], object] = lambda: None,
         aborts: AbortSource | None = None,
         between_steps: Callable[[], None] | None = None,
         idle_tick_s: float | None = None,
@@ -172,11 +172,13 @@ class EngineWorker:
         tier = min((job.spec.tier for job in jobs), default=0)
         return held + count > 2 * self.capacity + self.deadline_room or not self.engine.outranks_held(tier)
 
-    def close(self, timeout_s: float = 30.0) -> None:
+    def close(self, timeout_s: float = 30.0) -> bool:
+        """Stop the engine thread (what it held is answered). False where ``timeout_s`` ended the wait."""
         with self._condition:
             self._closed = True
             self._condition.notify_all()
         self._thread.join(timeout_s)
+        return not self._thread.is_alive()
 
     # ---- the engine thread -------------------------------------------------------------------------
     def _run(self) -> None:

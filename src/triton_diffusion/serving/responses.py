@@ -60,12 +60,13 @@ class ResponseWorker:
         self._put(_Work(None, done.set))
         return done.wait(timeout_s)
 
-    def close(self, timeout_s: float = 30.0) -> None:
-        """Finish what was handed over, then stop."""
+    def close(self, timeout_s: float = 30.0) -> bool:
+        """Finish what was handed over, then stop. False where ``timeout_s`` ended the wait first."""
         with self._lock:
             self._closed = True
             self._queue.put(None)
         self._thread.join(timeout_s)
+        return not self._thread.is_alive()
 
     def fail_queued(self, error: RequestError) -> None:
         """Answer every request whose work is still queued (after a :meth:`close` that timed out: the

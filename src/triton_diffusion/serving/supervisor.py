@@ -16,9 +16,11 @@ the dead model's requests would hold a graceful exit up to its exit timeout), re
 regions the killed stubs leave, and starts the server again. Meanwhile clients get UNAVAILABLE (gRPC)
 or a refused connection (HTTP) at once, never a hang.
 
-Every stop ends the server once each live model instance marked itself finalized (drain.py: its
-``finalize`` answered what it held): Triton 2.51 would still wait for every stub process to exit and look
-for live models only once a second: seconds in which nothing is left to answer.
+Every stop ends the server once each model instance whose stub lives marked itself finalized (drain.py:
+Triton unloaded it, every request of it answered, and its ``finalize`` ran): Triton 2.51 would still
+wait for every stub process to exit and look for loaded models only once a second, seconds in which
+nothing is left to answer. Only where every model the server made ready is one of those stubs' (a model
+of another backend writes no mark: then Triton's own exit is waited for).
 
 It serves ``/healthz`` (liveness: false once the server has not come back within ``liveness_grace_s``,
 so an orchestrator restarts the container), ``/readyz`` (the server is ready and not restarting) and
@@ -55,7 +57,8 @@ log = logging.getLogger("triton_diffusion.supervisor")
 STUB_NAME = "triton_python_backend_stub"
 SHM_DIR = Path("/dev/shm")
 # Between the last finalized mark and the server's end: the answers the models handed Triton in their
-# finalize leave through its HTTP and gRPC frontends (a write each, milliseconds).
+# finalize leave through its HTTP and gRPC frontends. A margin, not a guarantee: a client whose answer is
+# cut off sees its connection closed, an UNAVAILABLE its retry resends, as after any crash.
 SETTLE_S = 0.2
 
 
@@ -144,6 +147,9 @@ class Supervisor:
         self.watched_instances: dict[str, list[str]] = {}  # each watched model's instances (drain marks)
         self.process: subprocess.Popen | None = None
         self._listed: list[Stub] = []  # the server's stubs at the latest look (a stop ends what is left)
+        # Every model the server made ready has a watched stub (no model of another backend, which writes
+        # no finalized mark): only then may the marks end the server.
+        self.marks_cover = False
         self.restarts: Counter = Counter()  # (reason, model) -> count
         self._lock = threading.Lock()
         self._ready = False
@@ -151,7 +157,8 @@ class Supervisor:
 
     # ---- the watch loop -----------------------------------------------------------------------------
     def run(self) -> int:
-        """Serve until asked to stop; returns the server's last exit status."""
+        """Serve until asked to stop; returns the server's last exit status (0 where the finalized marks
+        ended it: :meth:`_end`)."""
         last_restart = 0.0
         while True:
             if self.drain_file is not None:
@@ -182,6 +189,7 @@ class Supervisor:
         self.watched_models = []  # none until this server is ready: a loading model has nothing to drain
         self.watched_instances = {}
         self._listed = []
+        self.marks_cover = False
         while True:
             status = process.poll()
             if status is not None:
@@ -202,7 +210,9 @@ class Supervisor:
                 if self._server_ready():
                     # A stub that died between Triton's readiness and this first listing is in no
                     # listing, and its model still reports ready: every ready model must have a stub.
-                    missing = stubless(self._ready_models(), stubs.values())
+                    ready_models = self._ready_models()
+                    python_models = self._python_models(ready_models)  # others have no stub to watch
+                    missing = stubless(python_models, stubs.values())
                     if missing:
                         detail = (
                             f"Python backend stub of {', '.join(missing)} died as the server became ready"
@@ -211,6 +221,7 @@ class Supervisor:
                         return self._stop_server(process, stubs.values())
                     expected = stubs
                     self.watched_models = sorted({s.model for s in stubs.values()})
+                    self.marks_cover = set(ready_models) <= set(python_models)
                     self.watched_instances = {
                         model: sorted(s.instance for s in stubs.values() if s.model == model)
                         for model in self.watched_models
@@ -232,7 +243,8 @@ class Supervisor:
                 return self._stop_server(process, expected.values(), {s.instance for s in dead})
 
     def _shut_down(self, process: subprocess.Popen) -> int:
-        """Drain (SIGTERM, a drain file, models that were serving), then forward the signal and wait."""
+        """Drain (SIGTERM, a drain file and time, models that were serving), forward the signal, then wait
+        for the server's exit or every model's finalized mark (:meth:`_end`)."""
         if (
             self.stop_signal == signal.SIGTERM
             and self.drain_file is not None
@@ -273,14 +285,15 @@ class Supervisor:
 
     def _end(self, process: subprocess.Popen, timeout_s: float, live: dict[str, list[str]]) -> int:
         """After the server's signal: its exit status once it exits; once every instance in ``live``
-        marked itself finalized, the server ended at once (status 0: nothing of it was left to answer);
-        past ``timeout_s``, killed."""
+        marked itself finalized, the server ended after ``SETTLE_S`` (status 0: nothing of it was left to
+        answer); past ``timeout_s``, killed (its status, negative: the signal)."""
         deadline = time.monotonic() + timeout_s
         while True:
             status = process.poll()
             if status is not None:
                 return status
-            if self.drain_file is not None and live and not drain.not_finalized(self.drain_file, live):
+            marks = self.drain_file if self.marks_cover and live else None
+            if marks is not None and not drain.not_finalized(marks, live):
                 time.sleep(SETTLE_S)
                 if process.poll() is not None:
                     return process.wait()
@@ -302,8 +315,8 @@ class Supervisor:
         log.error("supervisor: %s; restarting the server (not ready until it is back)", detail)
 
     def _stop_server(self, process: subprocess.Popen, stubs, dead: Collection[str] = ()) -> int:
-        """A restart's stop: SIGTERM (the live models answer what they hold in their finalize), ended once
-        they all did (the ``dead`` instances never will) or after ``grace_s``."""
+        """A restart's stop: SIGTERM, ended once every instance but the ``dead`` ones (which never will)
+        marked itself finalized, or after ``grace_s``."""
         process.send_signal(signal.SIGTERM)
         live = {model: [i for i in names if i not in dead] for model, names in self.watched_instances.items()}
         status = self._end(process, self.grace_s, {model: names for model, names in live.items() if names})
@@ -335,6 +348,21 @@ class Supervisor:
         except (OSError, ValueError):
             return []
         return sorted({e["name"] for e in entries if isinstance(e, dict) and e.get("state") == "READY"})
+
+    def _python_models(self, models: list[str]) -> list[str]:
+        """Of ``models``, those of Triton's Python backend (by their config): only they have stubs. One
+        whose config does not answer counts as one (its stub is looked for)."""
+        found = []
+        for model in models:
+            try:
+                url = f"{self.http_url}/v2/models/{model}/config"
+                with urllib.request.urlopen(url, timeout=2) as response:
+                    backend = json.loads(response.read()).get("backend", "python")
+            except (OSError, ValueError, AttributeError):
+                backend = "python"
+            if backend == "python":
+                found.append(model)
+        return found
 
     def _server_ready(self) -> bool:
         try:
