@@ -167,3 +167,8 @@ def test_a_ready_model_without_a_stub_lost_it():
     assert stubless(["lm", "sd_plain"], stubs) == []
     assert stubless(["lm", "sd_plain", "sd_resuming"], stubs) == ["sd_resuming"]
     assert stubless([], stubs) == []  # an index that did not answer: nothing to say
+
+
+def test_a_server_ended_by_a_signal_gives_the_shells_exit_code():
+    assert launcher.exit_code(0) == 0 and launcher.exit_code(1) == 1
+    assert launcher.exit_code(-9) == 137 and launcher.exit_code(-15) == 143  # SIGKILL, SIGTERM

@@ -218,6 +218,12 @@ def with_drain_file(command: ServerCommand, extra: list[str]) -> tuple[ServerCom
     return ServerCommand(command.argv, {**command.env, drain.ENV: str(path)}), path
 
 
+def exit_code(status: int) -> int:
+    """The launcher's exit code for the server's status: a server ended by a signal (Popen's negative
+    status) gives 128 + the signal, as a shell reports it (``sys.exit(-9)`` would give 247)."""
+    return 128 - status if status < 0 else status
+
+
 def supervise(
     command: ServerCommand,
     extra: list[str],
@@ -229,7 +235,8 @@ def supervise(
     """Run tritonserver as a child with the supervisor beside it, which restarts it when one of its
     Python backend processes (or the server itself) dies; with ``front_argv``, the OpenAI front as a
     second child, started again if it exits. SIGTERM drains the models first (at most ``drain_s``; 0: no
-    drain), then goes to the server; SIGINT goes at once. Returns the server's status."""
+    drain), then goes to the server; SIGINT goes at once. Returns the server's status (0 where the
+    models' finalized marks ended it: supervisor.py)."""
     from triton_diffusion.serving.companion import CompanionProcess
     from triton_diffusion.serving.supervisor import Supervisor
 
@@ -356,7 +363,7 @@ def main(argv: list[str] | None = None) -> None:
         print("+ " + " ".join(command.argv), file=sys.stderr, flush=True)
         os.execvpe(command.argv[0], command.argv, command.env)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
-    sys.exit(supervise(command, extra, known.health_port, front_argv, known.drain_s, front_at))
+    sys.exit(exit_code(supervise(command, extra, known.health_port, front_argv, known.drain_s, front_at)))
 
 
 if __name__ == "__main__":
