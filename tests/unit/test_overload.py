@@ -1,5 +1,6 @@
 """Degrading for the load offered (engine/overload.py): a cut only where arrivals are shown to ask more than
-the engine serves, the lowest tier first, and none once the load has passed."""
+the engine serves, the lowest tier first, and none once the load has passed; and where the load leaves
+room, nobody degraded for a deadline either."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import pytest
 
 from tests.unit.recording import tracked
 from tests.unit.test_degradation import allowance, degradable, harness
+from tests.unit.test_degradation_cache import cacheable
+from tests.unit.test_degradation_cache import harness as cache_harness
 from tests.unit.test_scheduler import DEFAULT, FLEX
 from tests.unit.test_step_engine import Spec
 from triton_diffusion.engine.jobs import Job
@@ -174,3 +177,63 @@ def test_a_higher_tier_is_cut_for_the_load_only_after_the_lower_ones_give_all_th
     assert any(job.run.total_steps == 0 for job in default), "no default job was still waiting"
     assert all(job.queue.cut is None for job in default)
     assert all(job.queue.cut is not None for job in flex if job.run.total_steps == 0)
+
+
+# ---- room: the load offered within CUT_TARGET of what the engine serves --------------------------------
+def test_room_is_a_load_within_the_cut_target_seen_over_enough_arrivals_and_forwards():
+    assert evenly(served(OfferedLoad()), 40, 0.0, 60.0).room(60.0, 0.0)  # 20 s of work in 60 s
+    assert not evenly(served(OfferedLoad()), 40, 0.0, 20 / 0.95).room(20 / 0.95, 0.0)  # 0.95 x
+    assert not evenly(served(OfferedLoad()), LEAST - 1, 0.0, 60.0).room(60.0, 0.0)  # too few to tell
+    assert not evenly(served(OfferedLoad(), LEAST - 1), 40, 0.0, 60.0).room(60.0, 0.0)
+    # A start and a decode count: 40 x (0.5 s + 1 s) in 60 s is 1 x.
+    assert not evenly(served(OfferedLoad()), 40, 0.0, 60.0).room(60.0, 1.0)
+
+
+def offered_before(h, span_s: float) -> None:
+    """40 earlier arrivals of 0.5 s of the engine's time each over the last ``span_s`` seconds (and the
+    forwards the engine served, full): 20 s of work."""
+    load = h.engine.scheduler.offered
+    served(load)
+    evenly(load, 40, h.clock.now - span_s, span_s)
+
+
+@pytest.mark.parametrize("span_s, degraded", [(60.0, False), (20 / 0.95, True)])
+def test_a_late_job_is_not_degraded_where_the_load_offered_leaves_room(span_s, degraded):
+    """Fails if a job is degraded while the load leaves room: the same late job is cut at 0.95 x."""
+    h = harness(max_running=4, max_per_forward=4)
+    h.measure(0.5)
+    offered_before(h, span_s)
+    tight = degradable(h, "tight", DEFAULT, 8, 1, deadline_s=2.0)  # 8 x 0.5 s against 2 s: late
+    h.add(tight)
+    h.step(0.1)
+    if degraded:
+        assert tight.queue.cut is not None and tight.queue.cut.steps == 3
+    else:  # run as it asked: refused for its deadline, as without an allowance
+        assert tight.queue.cut is None
+        assert tight.request.channel.finals[0].code is ErrorCode.UNAVAILABLE
+
+
+def test_a_waiting_job_cut_before_is_given_back_what_it_asked_once_the_load_leaves_room():
+    h = harness(max_running=1, max_per_forward=1)
+    h.measure(0.5)
+    h.add(h.job("ahead", DEFAULT, 8))
+    h.step(0.1)
+    later = degradable(h, "later", DEFAULT, 8, 1, deadline_s=6.0)  # behind 8 steps: late at 8, in time at 4
+    h.add(later)
+    h.step(0.1)
+    assert later.queue.cut is not None and later.run.total_steps == 0
+    offered_before(h, 60.0)
+    h.step(0.1)
+    assert later.queue.cut is None
+
+
+@pytest.mark.parametrize("span_s, cached", [(60.0, False), (20 / 0.95, True)])
+def test_a_running_job_late_is_given_no_cache_where_the_load_offered_leaves_room(span_s, cached):
+    h = cache_harness(max_running=2, max_per_forward=2)
+    offered_before(h, span_s)
+    late = cacheable(h, "late", DEFAULT, 8, deadline_s=4.5)
+    h.add(late)
+    h.step(0.1)  # 4.0 s of 4.4 s left: admitted
+    h.step(1.0)  # 7 steps left, 3.5 s, of 3.4 s left: late
+    assert (late.queue.cache_given is not None) is cached
+    assert h.adapter.caches == ([("late", 1)] if cached else [])

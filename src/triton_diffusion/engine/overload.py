@@ -24,6 +24,13 @@ could give up, the next tier only where the lower ones' all is not enough. Each 
 then runs the most steps allowed that give up its tier's share (at least); the deadline rule may cut it
 more, never less, and a waiting job's cut is decided again at every engine step. Otherwise nobody is cut
 for the load. The scheduler's clock must be the one requests are stamped on (``time.perf_counter``).
+
+The other side, room: where the same window (at least ``LEAST`` arrivals and forwards) offers at most
+``CUT_TARGET`` of what the engine serves (its point estimate), the engine has the room the load's cut aims
+at, and a queue is a burst that drains on its own. There nobody is degraded: no job is cut for a
+deadline, its own or a later job's, and none is given a step cache (the scheduler's ``_cut_steps`` and
+``_cache_late``), and a job still waiting that was cut before is given back what it asked. A queue with
+room runs every request as it asked.
 """
 
 from __future__ import annotations
@@ -95,6 +102,17 @@ class OfferedLoad:
         if full and self._last is not None:
             self.forwards.append((max(now - self._last - (spent_s - self._spent), 0.0), token_steps))
         self._last, self._spent = (now if full else None), spent_s
+
+    def room(self, now: float, fixed_s: float, least: int = LEAST) -> bool:
+        """Whether the load offered at ``now`` is within ``CUT_TARGET`` of what the engine serves (False
+        where too few arrivals or forwards were seen to tell)."""
+        forwards = list(self.forwards)
+        served_s = sum(seconds for seconds, _ in forwards)
+        if len(self.arrivals) < least or len(forwards) < least or served_s <= 0:
+            return False
+        rate = sum(token_steps for _, token_steps in forwards) / served_s
+        load = _load(list(self.arrivals), now, rate, fixed_s)
+        return load is not None and load <= CUT_TARGET
 
     def overload(self, now: float, fixed_s: float, least: int = LEAST) -> Overload | None:
         """The overload shown at ``now``, or None (``fixed_s``: a job's start and decode)."""

@@ -270,6 +270,11 @@ class Scheduler:
             return
         if not any(j.spec.steps_allowed and j.spec.deadline is not None for j in self.waiting):
             return
+        if self.offered.room(now, self.times.fixed_s):
+            # A queue with room is a burst that drains: nobody is degraded (engine/overload.py).
+            for job in self.waiting:
+                job.queue.cut = None
+            return
         held = [j for q in (self.waiting, self.starting, self.running, self.paused) for j in q]
         overload = self.offered.overload(now, self.times.fixed_s)
         keys = {id(j): self.order_key(j, now) for j in held if not j.status.ended}
@@ -320,7 +325,7 @@ class Scheduler:
         if not self.service.refuse_late or not self.times.measured:
             return
         started = {id(j) for j in self.running + self.paused if may_cache(j)}
-        if not started:
+        if not started or self.offered.room(now, self.times.fixed_s):
             return
         queues = (self.waiting, self.starting, self.running, self.paused)
         held = [j for q in queues for j in q if not j.status.ended]
