@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 from tests.unit.recording import tracked
-from tests.unit.test_degradation import allowance, degradable, harness
+from tests.unit.test_degradation import allowance, degradable, forwards_of, harness
 from tests.unit.test_degradation_cache import cacheable
 from tests.unit.test_degradation_cache import harness as cache_harness
 from tests.unit.test_scheduler import DEFAULT, FLEX
@@ -182,24 +182,36 @@ def test_a_higher_tier_is_cut_for_the_load_only_after_the_lower_ones_give_all_th
 # ---- room: the load offered within CUT_TARGET of what the engine serves --------------------------------
 def test_room_is_a_load_within_the_cut_target_seen_over_enough_arrivals_and_forwards():
     assert evenly(served(OfferedLoad()), 40, 0.0, 60.0).room(60.0, 0.0)  # 20 s of work in 60 s
-    assert not evenly(served(OfferedLoad()), 40, 0.0, 20 / 0.95).room(20 / 0.95, 0.0)  # 0.95 x
+    assert evenly(served(OfferedLoad()), 40, 0.0, 20 / 0.89).room(20 / 0.89, 0.0)
+    assert not evenly(served(OfferedLoad()), 40, 0.0, 20 / 0.91).room(20 / 0.91, 0.0)
+    assert evenly(served(OfferedLoad()), LEAST, 0.0, 60.0).room(60.0, 0.0)
     assert not evenly(served(OfferedLoad()), LEAST - 1, 0.0, 60.0).room(60.0, 0.0)  # too few to tell
-    assert not evenly(served(OfferedLoad(), LEAST - 1), 40, 0.0, 60.0).room(60.0, 0.0)
+    assert len(served(OfferedLoad(), LEAST).forwards) == LEAST - 1
+    assert not evenly(served(OfferedLoad(), LEAST), 40, 0.0, 60.0).room(60.0, 0.0)
     # A start and a decode count: 40 x (0.5 s + 1 s) in 60 s is 1 x.
     assert not evenly(served(OfferedLoad()), 40, 0.0, 60.0).room(60.0, 1.0)
 
 
+def test_a_burst_after_a_quiet_spell_is_no_room():
+    load = evenly(served(OfferedLoad()), 96, 0.0, 600.0)  # 48 s of work in 600 s
+    assert load.room(600.0, 0.0)
+    evenly(load, LEAST, 600.0, 2.0)  # then 16 s of work in 2 s: the window still asks 0.1 x
+    assert not load.room(602.0, 0.0)
+
+
 def offered_before(h, span_s: float) -> None:
-    """40 earlier arrivals of 0.5 s of the engine's time each over the last ``span_s`` seconds (and the
-    forwards the engine served, full): 20 s of work."""
+    """40 earlier arrivals of 0.5 s of the engine's time each, over the last ``span_s`` seconds, and the
+    full forwards the engine served up to now, on the harness's clock (2 token-steps each 0.1 s)."""
     load = h.engine.scheduler.offered
-    served(load)
+    for i in range(LEAST + 1):
+        load.served(h.clock.now - (LEAST - i) * 0.1, 2, 0.0, True)
     evenly(load, 40, h.clock.now - span_s, span_s)
 
 
 @pytest.mark.parametrize("span_s, degraded", [(60.0, False), (20 / 0.95, True)])
 def test_a_late_job_is_not_degraded_where_the_load_offered_leaves_room(span_s, degraded):
-    """Fails if a job is degraded while the load leaves room: the same late job is cut at 0.95 x."""
+    """Fails if a job is degraded while the load leaves room: the same late job is cut where the load
+    offered is about 0.95 x what the engine serves."""
     h = harness(max_running=4, max_per_forward=4)
     h.measure(0.5)
     offered_before(h, span_s)
@@ -213,18 +225,25 @@ def test_a_late_job_is_not_degraded_where_the_load_offered_leaves_room(span_s, d
         assert tight.request.channel.finals[0].code is ErrorCode.UNAVAILABLE
 
 
-def test_a_waiting_job_cut_before_is_given_back_what_it_asked_once_the_load_leaves_room():
+def test_a_job_cut_before_the_load_left_room_keeps_its_cut_and_finishes_in_time():
+    """A job admitted on its cut is not given back steps that would make it expire."""
     h = harness(max_running=1, max_per_forward=1)
     h.measure(0.5)
+    times = h.engine.times  # frozen at 0.5 s a forward: the fake forwards' own timings are not taken
+    times.forward_ran = times.started = times.finished = lambda *args, **kwargs: None
     h.add(h.job("ahead", DEFAULT, 8))
     h.step(0.1)
-    later = degradable(h, "later", DEFAULT, 8, 1, deadline_s=6.0)  # behind 8 steps: late at 8, in time at 4
+    later = degradable(h, "later", DEFAULT, 8, 1, deadline_s=6.0)  # behind 8 steps: late at 8
     h.add(later)
     h.step(0.1)
-    assert later.queue.cut is not None and later.run.total_steps == 0
+    cut = later.queue.cut
+    assert cut is not None and later.run.total_steps == 0
     offered_before(h, 60.0)
-    h.step(0.1)
-    assert later.queue.cut is None
+    assert h.engine.scheduler.offered.room(h.clock.now, 0.0)
+    while h.engine.active:  # each step as long as the estimate says: the queue ahead drains no sooner
+        h.step(0.5)
+    assert later.queue.cut is not None and forwards_of(h, "later") == later.queue.cut.steps < 8
+    assert not isinstance(later.request.channel.finals[0], Exception)
 
 
 @pytest.mark.parametrize("span_s, cached", [(60.0, False), (20 / 0.95, True)])

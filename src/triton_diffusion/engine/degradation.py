@@ -13,7 +13,8 @@ use: its forwards after the work that goes before it, its start and its decode) 
 
 - Only when a deadline needs it: its own, or (below) a later job's. Where what it asked meets its
   deadline and no later job needs room, it runs what it asked (a queue with room degrades nobody); where
-  the load offered leaves room (engine/overload.py ``OfferedLoad.room``), nobody is cut at all. Where
+  the load offered leaves room (engine/overload.py ``OfferedLoad.room``), no job is newly cut (one cut
+  before is decided again, as below). Where
   no allowed count meets its deadline, a job not cut yet is not degraded (a cut that saves nobody is not
   made: it is refused or expires as without degradation); one cut already keeps its fewest steps.
 - Lower tiers first: they go after the higher ones, so the higher tiers' work counts ahead of them and

@@ -26,11 +26,12 @@ more, never less, and a waiting job's cut is decided again at every engine step.
 for the load. The scheduler's clock must be the one requests are stamped on (``time.perf_counter``).
 
 The other side, room: where the same window (at least ``LEAST`` arrivals and forwards) offers at most
-``CUT_TARGET`` of what the engine serves (its point estimate), the engine has the room the load's cut aims
-at, and a queue is a burst that drains on its own. There nobody is degraded: no job is cut for a
-deadline, its own or a later job's, and none is given a step cache (the scheduler's ``_cut_steps`` and
-``_cache_late``), and a job still waiting that was cut before is given back what it asked. A queue with
-room runs every request as it asked.
+``CUT_TARGET`` of what the engine serves (its point estimate) and its newest ``LEAST`` arrivals alone no
+more than it serves (a burst after a quiet spell is no room), the engine has the room the load's cut
+aims at. There no job is newly degraded: none is cut for a deadline, its own or a later job's, and none
+is given a step cache (the scheduler's ``_cut_steps`` and ``_cache_late``). A job cut before, and admitted
+on that cut, is still decided again by its own deadline (given back what it asked where that is in time,
+kept cut where not: taking a cut back from a job that needs it would let it run and expire).
 """
 
 from __future__ import annotations
@@ -103,25 +104,31 @@ class OfferedLoad:
             self.forwards.append((max(now - self._last - (spent_s - self._spent), 0.0), token_steps))
         self._last, self._spent = (now if full else None), spent_s
 
+    def _rate(self, least: int) -> float | None:
+        """Token-steps a second over the full forwards seen (None: fewer than ``least`` arrivals or
+        forwards seen, too few to tell)."""
+        served_s = sum(seconds for seconds, _ in self.forwards)  # the steps' own time
+        if len(self.arrivals) < least or len(self.forwards) < least or served_s <= 0:
+            return None
+        return sum(token_steps for _, token_steps in self.forwards) / served_s
+
     def room(self, now: float, fixed_s: float, least: int = LEAST) -> bool:
-        """Whether the load offered at ``now`` is within ``CUT_TARGET`` of what the engine serves (False
-        where too few arrivals or forwards were seen to tell)."""
-        forwards = list(self.forwards)
-        served_s = sum(seconds for seconds, _ in forwards)
-        if len(self.arrivals) < least or len(forwards) < least or served_s <= 0:
+        """Whether the load offered at ``now`` leaves room: the window's within ``CUT_TARGET`` of what the
+        engine serves and its newest ``least`` arrivals alone not above it (a burst after a quiet spell
+        is no room). False where too few arrivals or forwards were seen to tell."""
+        rate = self._rate(least)
+        if rate is None:
             return False
-        rate = sum(token_steps for _, token_steps in forwards) / served_s
-        load = _load(list(self.arrivals), now, rate, fixed_s)
-        return load is not None and load <= CUT_TARGET
+        arrivals = list(self.arrivals)
+        load, newest = _load(arrivals, now, rate, fixed_s), _load(arrivals[-least:], now, rate, fixed_s)
+        return load is not None and newest is not None and load <= CUT_TARGET and newest <= 1.0
 
     def overload(self, now: float, fixed_s: float, least: int = LEAST) -> Overload | None:
         """The overload shown at ``now``, or None (``fixed_s``: a job's start and decode)."""
-        arrivals = list(self.arrivals)
-        forwards = list(self.forwards)
-        served_s = sum(seconds for seconds, _ in forwards)  # the steps' own time
-        if len(arrivals) < least or len(forwards) < least or served_s <= 0:
+        rate = self._rate(least)
+        if rate is None:
             return None
-        rate = sum(token_steps for _, token_steps in forwards) / served_s  # token-steps a second
+        arrivals = list(self.arrivals)
         load = _load(arrivals, now, rate, fixed_s, bound=True)
         if load is None or load <= 1.0 or (_load(arrivals[-least:], now, rate, fixed_s) or 0.0) <= 1.0:
             return None

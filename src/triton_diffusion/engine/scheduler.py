@@ -15,7 +15,8 @@ decides and tells it what happened.
 - Degradation: before that, a waiting job whose request allows fewer steps is given the most steps with
   which the same estimate meets its deadline, and one late even so has waiting jobs ahead of it (of its
   tier or lower, in time, allowing fewer steps) cut to make room for it (none cut where every deadline
-  is met: degradation.py).
+  is met: degradation.py); none newly cut, and no step cache given, where the load offered leaves room
+  (overload.py).
 - Forwards: only jobs of one group share a forward (a latent shape, or any size where the adapter packs
   rows of different lengths); the group of the best job goes, filled in order within its caps, and no
   running job starves (forward_choice.py).
@@ -270,13 +271,10 @@ class Scheduler:
             return
         if not any(j.spec.steps_allowed and j.spec.deadline is not None for j in self.waiting):
             return
-        if self.offered.room(now, self.times.fixed_s):
-            # A queue with room is a burst that drains: nobody is degraded (engine/overload.py).
-            for job in self.waiting:
-                job.queue.cut = None
-            return
         held = [j for q in (self.waiting, self.starting, self.running, self.paused) for j in q]
         overload = self.offered.overload(now, self.times.fixed_s)
+        # With room (engine/overload.py) no job is newly cut: one cut before is still decided again.
+        load_room = self.offered.room(now, self.times.fixed_s)
         keys = {id(j): self.order_key(j, now) for j in held if not j.status.ended}
         running = [(keys[id(j)], j) for j in self.running if id(j) in keys]  # keyed once per walk
         waiting = set(map(id, self.waiting))
@@ -289,11 +287,11 @@ class Scheduler:
                 behind = tuple(j for key, j in running if key >= mine)
                 held_back = self._held_back_s(job, now, behind)
                 allowed, left = job.spec.steps_allowed, job.spec.deadline - now
-                if allowed:
+                if allowed and (not load_room or job.queue.cut is not None):
                     done_in = partial(self._finish_in, job, ahead, behind, held_back)
                     job.queue.cut = cut_for_deadline(allowed, done_in, left, job.queue.cut)
                 after = partial(self._finish_after, job, ahead, behind, held_back)
-                if after(0, job.remaining) > left:
+                if not load_room and after(0, job.remaining) > left:
                     # Late: room ahead of it, where what its tier or lower could give up would bring it in
                     # time (one estimate decides whether to look).
                     least = allowed[-1][1] if allowed else job.remaining
