@@ -1,6 +1,6 @@
 """Degrading for the load offered (engine/overload.py): a cut only where arrivals are shown to ask more than
 the engine serves, the lowest tier first, and none once the load has passed; and where the load leaves
-room, nobody degraded for a deadline either."""
+headroom, nobody newly degraded for a deadline either (one cut before keeps what it needs)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from tests.unit.recording import tracked
 from tests.unit.test_degradation import allowance, degradable, forwards_of, harness
 from tests.unit.test_degradation_cache import cacheable
 from tests.unit.test_degradation_cache import harness as cache_harness
-from tests.unit.test_scheduler import DEFAULT, FLEX
+from tests.unit.test_scheduler import DEFAULT, FLEX, PRIORITY
 from tests.unit.test_step_engine import Spec
 from triton_diffusion.engine.jobs import Job
 from triton_diffusion.engine.overload import LEAST, Arrival, OfferedLoad, arrival_of, overload_cut
@@ -179,24 +179,24 @@ def test_a_higher_tier_is_cut_for_the_load_only_after_the_lower_ones_give_all_th
     assert all(job.queue.cut is not None for job in flex if job.run.total_steps == 0)
 
 
-# ---- room: the load offered within CUT_TARGET of what the engine serves --------------------------------
-def test_room_is_a_load_within_the_cut_target_seen_over_enough_arrivals_and_forwards():
-    assert evenly(served(OfferedLoad()), 40, 0.0, 60.0).room(60.0, 0.0)  # 20 s of work in 60 s
-    assert evenly(served(OfferedLoad()), 40, 0.0, 20 / 0.89).room(20 / 0.89, 0.0)
-    assert not evenly(served(OfferedLoad()), 40, 0.0, 20 / 0.91).room(20 / 0.91, 0.0)
-    assert evenly(served(OfferedLoad()), LEAST, 0.0, 60.0).room(60.0, 0.0)
-    assert not evenly(served(OfferedLoad()), LEAST - 1, 0.0, 60.0).room(60.0, 0.0)  # too few to tell
+# ---- headroom: the load offered within CUT_TARGET of what the engine serves ----------------------------
+def test_headroom_is_a_load_within_the_cut_target_seen_over_enough_arrivals_and_forwards():
+    assert evenly(served(OfferedLoad()), 40, 0.0, 60.0).headroom(60.0, 0.0)  # 20 s of work in 60 s
+    assert evenly(served(OfferedLoad()), 40, 0.0, 20 / 0.89).headroom(20 / 0.89, 0.0)
+    assert not evenly(served(OfferedLoad()), 40, 0.0, 20 / 0.91).headroom(20 / 0.91, 0.0)
+    assert evenly(served(OfferedLoad()), LEAST, 0.0, 60.0).headroom(60.0, 0.0)
+    assert not evenly(served(OfferedLoad()), LEAST - 1, 0.0, 60.0).headroom(60.0, 0.0)  # too few to tell
     assert len(served(OfferedLoad(), LEAST).forwards) == LEAST - 1
-    assert not evenly(served(OfferedLoad(), LEAST), 40, 0.0, 60.0).room(60.0, 0.0)
+    assert not evenly(served(OfferedLoad(), LEAST), 40, 0.0, 60.0).headroom(60.0, 0.0)
     # A start and a decode count: 40 x (0.5 s + 1 s) in 60 s is 1 x.
-    assert not evenly(served(OfferedLoad()), 40, 0.0, 60.0).room(60.0, 1.0)
+    assert not evenly(served(OfferedLoad()), 40, 0.0, 60.0).headroom(60.0, 1.0)
 
 
-def test_a_burst_after_a_quiet_spell_is_no_room():
+def test_a_burst_after_a_quiet_spell_is_no_headroom():
     load = evenly(served(OfferedLoad()), 96, 0.0, 600.0)  # 48 s of work in 600 s
-    assert load.room(600.0, 0.0)
+    assert load.headroom(600.0, 0.0)
     evenly(load, LEAST, 600.0, 2.0)  # then 16 s of work in 2 s: the window still asks 0.1 x
-    assert not load.room(602.0, 0.0)
+    assert not load.headroom(602.0, 0.0)
 
 
 def offered_before(h, span_s: float) -> None:
@@ -204,13 +204,13 @@ def offered_before(h, span_s: float) -> None:
     full forwards the engine served up to now, on the harness's clock (2 token-steps each 0.1 s)."""
     load = h.engine.scheduler.offered
     for i in range(LEAST + 1):
-        load.served(h.clock.now - (LEAST - i) * 0.1, 2, 0.0, True)
+        load.served(h.clock.now - (LEAST - i) * 0.1, 2, h.engine.times.spent_s, True)
     evenly(load, 40, h.clock.now - span_s, span_s)
 
 
 @pytest.mark.parametrize("span_s, degraded", [(60.0, False), (20 / 0.95, True)])
-def test_a_late_job_is_not_degraded_where_the_load_offered_leaves_room(span_s, degraded):
-    """Fails if a job is degraded while the load leaves room: the same late job is cut where the load
+def test_a_late_job_is_not_degraded_where_the_load_offered_leaves_headroom(span_s, degraded):
+    """Fails if a job is degraded while the load leaves headroom: the same late job is cut where the load
     offered is about 0.95 x what the engine serves."""
     h = harness(max_running=4, max_per_forward=4)
     h.measure(0.5)
@@ -225,29 +225,88 @@ def test_a_late_job_is_not_degraded_where_the_load_offered_leaves_room(span_s, d
         assert tight.request.channel.finals[0].code is ErrorCode.UNAVAILABLE
 
 
-def test_a_job_cut_before_the_load_left_room_keeps_its_cut_and_finishes_in_time():
-    """A job admitted on its cut is not given back steps that would make it expire."""
+def frozen(h):
+    """The harness's estimate frozen at what it measured: the fake forwards' own timings are not taken."""
+    times = h.engine.times
+    times.forward_ran = times.started = times.finished = lambda *args, **kwargs: None
+    return h
+
+
+def cut_then_headroom(step_s: float):
+    """A job cut for its own deadline (8 steps behind 8 others, 1 to 8 allowed, 6 s), then 40 arrivals
+    over the last minute: the load leaves headroom. Engine steps of ``step_s`` seconds from there."""
     h = harness(max_running=1, max_per_forward=1)
     h.measure(0.5)
-    times = h.engine.times  # frozen at 0.5 s a forward: the fake forwards' own timings are not taken
-    times.forward_ran = times.started = times.finished = lambda *args, **kwargs: None
+    frozen(h)
     h.add(h.job("ahead", DEFAULT, 8))
     h.step(0.1)
     later = degradable(h, "later", DEFAULT, 8, 1, deadline_s=6.0)  # behind 8 steps: late at 8
     h.add(later)
     h.step(0.1)
-    cut = later.queue.cut
-    assert cut is not None and later.run.total_steps == 0
+    assert later.queue.cut is not None and later.run.total_steps == 0
     offered_before(h, 60.0)
-    assert h.engine.scheduler.offered.room(h.clock.now, 0.0)
-    while h.engine.active:  # each step as long as the estimate says: the queue ahead drains no sooner
-        h.step(0.5)
+    while h.engine.active:
+        assert later.run.total_steps or h.engine.scheduler.offered.headroom(h.clock.now + step_s, 0.0)
+        h.step(step_s)
+    return h, later
+
+
+def test_a_job_cut_before_the_load_left_headroom_keeps_its_cut_where_it_needs_it_and_finishes_in_time():
+    """A job let in on its cut is not given back steps that would make it expire: each step as long as
+    the estimate says, the queue ahead drains no sooner."""
+    h, later = cut_then_headroom(0.5)
     assert later.queue.cut is not None and forwards_of(h, "later") == later.queue.cut.steps < 8
     assert not isinstance(later.request.channel.finals[0], Exception)
 
 
+def test_a_job_cut_before_the_load_left_headroom_is_given_back_what_it_asked_where_that_is_in_time():
+    """Steps shorter than the estimate: the queue ahead drains early, and 8 steps fit within 90% of the
+    time left."""
+    h, later = cut_then_headroom(0.1)
+    assert later.queue.cut is None and forwards_of(h, "later") == 8
+    assert not isinstance(later.request.channel.finals[0], Exception)
+
+
+def cut_for_a_later_one(headroom: bool):
+    """``first`` (4 steps, 1 to 4 allowed, 2.8 s) and ``second`` (4 steps, no fewer, 3.5 s) waiting behind
+    a running job with one step left; the second late unless the first is cut to 1 step. With
+    ``headroom``, the load leaves headroom from the step they are decided at."""
+    h = harness(max_running=1, max_per_forward=1, max_paused=0)
+    h.measure(0.5)
+    frozen(h)
+    h.add(h.job("front", PRIORITY, 2))
+    h.step(0.1)
+    first = degradable(h, "first", DEFAULT, 4, 1, deadline_s=2.8)
+    second = h.job("second", DEFAULT, 4, deadline_s=3.5)
+    h.add(first, second)
+    if headroom:
+        offered_before(h, 60.0)
+    h.step(0.1)
+    return h, first, second
+
+
+def test_no_job_is_cut_for_a_later_ones_deadline_where_the_load_leaves_headroom():
+    h, first, second = cut_for_a_later_one(headroom=False)
+    assert first.queue.cut is not None and first.queue.cut.rule == "room"
+    assert not second.request.channel.finals  # let in on that cut
+    h, first, second = cut_for_a_later_one(headroom=True)
+    assert first.queue.cut is None
+    assert second.request.channel.finals[0].code is ErrorCode.UNAVAILABLE  # refused, as without degradation
+
+
+def test_a_cut_made_for_a_later_job_is_kept_when_the_load_then_leaves_headroom():
+    """The later job was let in on that cut: given back, it would run late and expire."""
+    h, first, second = cut_for_a_later_one(headroom=False)
+    cut = first.queue.cut
+    offered_before(h, 60.0)
+    while h.engine.active:
+        h.step(0.5)
+    assert first.queue.cut == cut and forwards_of(h, "first") == cut.steps
+    assert not isinstance(second.request.channel.finals[0], Exception)
+
+
 @pytest.mark.parametrize("span_s, cached", [(60.0, False), (20 / 0.95, True)])
-def test_a_running_job_late_is_given_no_cache_where_the_load_offered_leaves_room(span_s, cached):
+def test_a_running_job_late_is_given_no_cache_where_the_load_offered_leaves_headroom(span_s, cached):
     h = cache_harness(max_running=2, max_per_forward=2)
     offered_before(h, span_s)
     late = cacheable(h, "late", DEFAULT, 8, deadline_s=4.5)

@@ -13,8 +13,8 @@ use: its forwards after the work that goes before it, its start and its decode) 
 
 - Only when a deadline needs it: its own, or (below) a later job's. Where what it asked meets its
   deadline and no later job needs room, it runs what it asked (a queue with room degrades nobody); where
-  the load offered leaves room (engine/overload.py ``OfferedLoad.room``), no job is newly cut (one cut
-  before is decided again, as below). Where
+  the load offered leaves headroom (engine/overload.py ``OfferedLoad.headroom``), no job is newly cut
+  (one cut before keeps what it needs: :func:`with_headroom`). Where
   no allowed count meets its deadline, a job not cut yet is not degraded (a cut that saves nobody is not
   made: it is refused or expires as without degradation); one cut already keeps its fewest steps.
 - Lower tiers first: they go after the higher ones, so the higher tiers' work counts ahead of them and
@@ -164,6 +164,21 @@ def cut_for_deadline(
             low = middle + 1
     steps, denoising = fewer[low]
     return StepsCut(steps, denoising, asked, f"deadline: {why}")
+
+
+def with_headroom(
+    allowed: StepsAllowed, finish_s: Callable[[int], float], time_left_s: float, previous: StepsCut
+) -> StepsCut | None:
+    """A cut made before, decided again while the load leaves headroom (no job is newly cut then): one
+    made for a later job's deadline is kept as it is (that job was let in on it); one for its own is
+    given back what it asked only where that is within ``CUT_TARGET`` of the time left (given back, it
+    would not be cut again), else decided again by :func:`cut_for_deadline` (kept where that finds
+    nothing)."""
+    if previous.rule == "room":
+        return previous
+    if finish_s(allowed[0][1]) <= time_left_s * CUT_TARGET:
+        return None
+    return cut_for_deadline(allowed, finish_s, time_left_s, previous) or previous
 
 
 def room_for(

@@ -25,13 +25,14 @@ then runs the most steps allowed that give up its tier's share (at least); the d
 more, never less, and a waiting job's cut is decided again at every engine step. Otherwise nobody is cut
 for the load. The scheduler's clock must be the one requests are stamped on (``time.perf_counter``).
 
-The other side, room: where the same window (at least ``LEAST`` arrivals and forwards) offers at most
-``CUT_TARGET`` of what the engine serves (its point estimate) and its newest ``LEAST`` arrivals alone no
-more than it serves (a burst after a quiet spell is no room), the engine has the room the load's cut
-aims at. There no job is newly degraded: none is cut for a deadline, its own or a later job's, and none
-is given a step cache (the scheduler's ``_cut_steps`` and ``_cache_late``). A job cut before, and admitted
-on that cut, is still decided again by its own deadline (given back what it asked where that is in time,
-kept cut where not: taking a cut back from a job that needs it would let it run and expire).
+The other side, headroom: where the same window (at least ``LEAST`` arrivals and forwards) offers at
+most ``CUT_TARGET`` of what the engine serves (its point estimate) and its newest ``LEAST`` arrivals alone
+no more than it serves (a burst after a quiet spell is no headroom), the engine has the headroom the
+load's cut aims at. There no job is newly degraded: none is cut for a deadline, its own or a later job's,
+and none is given a step cache (the scheduler's ``_cut_steps`` and ``_cache_late``). A job cut before keeps
+its cut where it or the job it was cut for needs it (engine/degradation.py ``with_headroom``): taking a
+cut back that a job was let in on would let it run and expire. A burst of fewer than ``LEAST`` arrivals
+after a quiet spell is not told apart from headroom.
 """
 
 from __future__ import annotations
@@ -112,10 +113,10 @@ class OfferedLoad:
             return None
         return sum(token_steps for _, token_steps in self.forwards) / served_s
 
-    def room(self, now: float, fixed_s: float, least: int = LEAST) -> bool:
-        """Whether the load offered at ``now`` leaves room: the window's within ``CUT_TARGET`` of what the
-        engine serves and its newest ``least`` arrivals alone not above it (a burst after a quiet spell
-        is no room). False where too few arrivals or forwards were seen to tell."""
+    def headroom(self, now: float, fixed_s: float, least: int = LEAST) -> bool:
+        """Whether the load offered at ``now`` leaves headroom: the window's within ``CUT_TARGET`` of what
+        the engine serves and its newest ``least`` arrivals alone not above it (a burst after a quiet
+        spell is no headroom). False where too few arrivals or forwards were seen to tell."""
         rate = self._rate(least)
         if rate is None:
             return False

@@ -15,8 +15,8 @@ decides and tells it what happened.
 - Degradation: before that, a waiting job whose request allows fewer steps is given the most steps with
   which the same estimate meets its deadline, and one late even so has waiting jobs ahead of it (of its
   tier or lower, in time, allowing fewer steps) cut to make room for it (none cut where every deadline
-  is met: degradation.py); none newly cut, and no step cache given, where the load offered leaves room
-  (overload.py).
+  is met: degradation.py); none newly cut, and no step cache given, where the load offered leaves
+  headroom (overload.py).
 - Forwards: only jobs of one group share a forward (a latent shape, or any size where the adapter packs
   rows of different lengths); the group of the best job goes, filled in order within its caps, and no
   running job starves (forward_choice.py).
@@ -50,6 +50,7 @@ from triton_diffusion.engine.degradation import (
     late_caches,
     make_room,
     may_cache,
+    with_headroom,
 )
 from triton_diffusion.engine.estimates import WorkTimes
 from triton_diffusion.engine.forward_caps import EngineLimits, ForwardCaps
@@ -69,7 +70,7 @@ from triton_diffusion.engine.jobs import (
     timeout_of,
 )
 from triton_diffusion.engine.ordering import AdmissionPacing, Policy, Service, make_policy
-from triton_diffusion.engine.overload import OfferedLoad, arrival_of, overload_cut
+from triton_diffusion.engine.overload import OfferedLoad, Overload, arrival_of, overload_cut
 from triton_diffusion.engine.request_status import Abort, Request, RequestTable, apply_aborts, held_requests
 from triton_diffusion.errors import ErrorCode, RequestError
 
@@ -96,6 +97,7 @@ class Scheduler:
         self.times = times or WorkTimes()
         self.offered = OfferedLoad()  # the newest arrivals: what they ask of the engine (engine/overload.py)
         self.overloaded = False  # tier_pause deadline: whether the load was shown above capacity (this step)
+        self._view: tuple[float, Overload | None, bool] | None = None  # (at, overload, headroom)
         self.packing: Packing | None = None  # the packing gate's decision for the last forward chosen
         self.caps = ForwardCaps(limits)
         self.waiting: list[Job] = []
@@ -154,8 +156,9 @@ class Scheduler:
                 job.queue.queued_at = step - 1  # it arrived while the last engine step ran (or after it)
                 self.offered.arrived(arrival_of(job))
             self.waiting.extend(arrived)
+            self._view = None  # the load offered, taken once per step (_load_view)
             by_need = self.service.pause_by == "deadline"
-            self.overloaded = by_need and self.offered.overload(now, self.times.fixed_s) is not None
+            self.overloaded = by_need and self._load_view(now)[0] is not None
             self._expire(out, now)
             self._cut_steps(now)
             self._refuse_late(arrived, now, out)
@@ -272,9 +275,8 @@ class Scheduler:
         if not any(j.spec.steps_allowed and j.spec.deadline is not None for j in self.waiting):
             return
         held = [j for q in (self.waiting, self.starting, self.running, self.paused) for j in q]
-        overload = self.offered.overload(now, self.times.fixed_s)
-        # With room (engine/overload.py) no job is newly cut: one cut before is still decided again.
-        load_room = self.offered.room(now, self.times.fixed_s)
+        # With headroom (engine/overload.py) no job is newly cut: one cut before keeps what it needs.
+        overload, headroom = self._load_view(now)
         keys = {id(j): self.order_key(j, now) for j in held if not j.status.ended}
         running = [(keys[id(j)], j) for j in self.running if id(j) in keys]  # keyed once per walk
         waiting = set(map(id, self.waiting))
@@ -287,11 +289,13 @@ class Scheduler:
                 behind = tuple(j for key, j in running if key >= mine)
                 held_back = self._held_back_s(job, now, behind)
                 allowed, left = job.spec.steps_allowed, job.spec.deadline - now
-                if allowed and (not load_room or job.queue.cut is not None):
-                    done_in = partial(self._finish_in, job, ahead, behind, held_back)
+                done_in = partial(self._finish_in, job, ahead, behind, held_back)
+                if allowed and not headroom:
                     job.queue.cut = cut_for_deadline(allowed, done_in, left, job.queue.cut)
+                elif allowed and job.queue.cut is not None:
+                    job.queue.cut = with_headroom(allowed, done_in, left, job.queue.cut)
                 after = partial(self._finish_after, job, ahead, behind, held_back)
-                if not load_room and after(0, job.remaining) > left:
+                if not headroom and after(0, job.remaining) > left:
                     # Late: room ahead of it, where what its tier or lower could give up would bring it in
                     # time (one estimate decides whether to look).
                     least = allowed[-1][1] if allowed else job.remaining
@@ -316,6 +320,14 @@ class Scheduler:
                     freeable[job.spec.tier] = freeable.get(job.spec.tier, 0) + spare
             ahead += job.remaining * job.spec.tokens
 
+    def _load_view(self, now: float) -> tuple[Overload | None, bool]:
+        """The load offered at ``now``: its overload shown, and whether it leaves headroom
+        (engine/overload.py), taken once per engine step."""
+        if self._view is None or self._view[0] != now:
+            fixed_s = self.times.fixed_s
+            self._view = (now, self.offered.overload(now, fixed_s), self.offered.headroom(now, fixed_s))
+        return self._view[1], self._view[2]
+
     def _cache_late(self, now: float, out: SchedulerOutput) -> None:
         """Each running or paused job that may be given a step cache and that the estimate says misses its
         deadline at full compute, after the work that goes before it, is given it for its steps left
@@ -323,7 +335,7 @@ class Scheduler:
         if not self.service.refuse_late or not self.times.measured:
             return
         started = {id(j) for j in self.running + self.paused if may_cache(j)}
-        if not started or self.offered.room(now, self.times.fixed_s):
+        if not started or self._load_view(now)[1]:
             return
         queues = (self.waiting, self.starting, self.running, self.paused)
         held = [j for q in queues for j in q if not j.status.ended]
