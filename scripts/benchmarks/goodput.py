@@ -6,8 +6,9 @@ that no variant's run starts from the state another's traffic left (the load's w
 Every request asks --steps steps and has a deadline, --deadline-scale x the latency of one such request
 alone through the server; its tier is drawn (--tiers shares of priority, default, flex). The variants
 run on the same Poisson arrivals, in rotated order, at --loads of the step engine's capacity on this
-traffic (closed loop at --cap concurrent requests through the server, on every variant's model in turn:
-the median):
+traffic (closed loop at --cap concurrent requests through the server, out of phase, so that jobs start
+and finish one at a time as Poisson arrivals do; on every variant's model in turn: the median; the same
+loop in step, whose batched starts and decodes serve more than Poisson arrivals get, is kept beside it):
 
   fifo      no tier, no deadline sent: first come, first served (the client still counts its deadline)
   tiers     each request's tier and deadline sent: refused at once where the estimate says it cannot be
@@ -245,8 +246,47 @@ def why_degraded(reports: list[dict]) -> dict[str, int]:
     return counts
 
 
-def capacity(url: str, model: str, requests: list[dict], concurrency: int) -> float:
-    """Requests per second the step engine serves of this traffic, closed loop (fifo: full steps)."""
+def capacity(url: str, model: str, requests: list[dict], concurrency: int, alone_s: float) -> float:
+    """Requests per second the step engine serves of this traffic in its steady state (fifo: full steps),
+    closed loop at ``concurrency`` out of phase: the workers' first requests spread over one request's
+    time at that concurrency (about twice ``alone_s``), so that, as on Poisson arrivals, jobs start and
+    finish one at a time (each start and decode its own call) and a new one joins a running loop; counted
+    from the ``concurrency``-th answer to the ``concurrency``-th from last (every worker still busy)."""
+    pending = list(enumerate(requests[: 12 * concurrency]))
+    lock = threading.Lock()
+    answered: list[float] = []
+
+    def worker(k: int) -> None:
+        time.sleep(k * 2 * alone_s / concurrency)
+        while True:
+            with lock:
+                if not pending:
+                    return
+                index, request = pending.pop()
+            generate_one(sent(request, "fifo", 0, 0), f"cap-{index}", url, model, 600.0)
+            with lock:
+                answered.append(time.perf_counter())
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(concurrency)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return steady_rate(answered, concurrency)
+
+
+def steady_rate(answered: list[float], concurrency: int) -> float:
+    """Answers a second between the ``concurrency``-th answer and the ``concurrency``-th from last (while
+    every one of a closed loop's workers was busy: no start-up or drain counted)."""
+    stamps = sorted(answered)
+    first, last = stamps[concurrency - 1], stamps[-concurrency]
+    return (len(stamps) - 2 * concurrency + 1) / (last - first)
+
+
+def in_step_capacity(url: str, model: str, requests: list[dict], concurrency: int) -> float:
+    """The same closed loop in step, as the artefacts before out-of-phase measured it: the workers start
+    together, so their jobs start, run and finish together (starts and decodes batched) over 4 x
+    ``concurrency`` requests: more than Poisson arrivals get (kept beside the capacity read)."""
     pending = list(enumerate(requests[: 4 * concurrency]))
     count = len(pending)
     lock = threading.Lock()
@@ -376,8 +416,10 @@ def measure(url: str, args: argparse.Namespace, config: dict, path: Path) -> dic
         )
         for name in served
     ]
-    rates = [capacity(url, name, requests, args.cap) for name in served]
-    alone, rate = statistics.median(alones), statistics.median(rates)
+    alone = statistics.median(alones)
+    rates = [capacity(url, name, requests, args.cap, alone) for name in served]
+    in_step = [in_step_capacity(url, name, requests, args.cap) for name in served]
+    rate = statistics.median(rates)
     deadline_s = args.deadline_scale * alone
     print(f"alone {alone:.3f} s, deadline {deadline_s:.3f} s, capacity {rate:.2f} req/s", flush=True)
     report: dict = {
@@ -411,6 +453,8 @@ def measure(url: str, args: argparse.Namespace, config: dict, path: Path) -> dic
         # Each model's, in the order of "model_of" (the medians above are the figures read).
         "alone_by_model": alones,
         "capacity_by_model": rates,
+        "capacity_rule": "out of phase",
+        "capacity_in_step_by_model": in_step,
         "loads": [float(x) for x in args.loads.split(",")],
         "runs": [],
         "complete": False,

@@ -68,13 +68,20 @@ def models_words(c: dict) -> str:
 
 
 def capacity_words(artefact: dict) -> str:
-    """How the capacity was measured: on every model, their median (or on one, the artefacts before)."""
+    """How the capacity was measured: on every model, their median (or on one, the artefacts before); out
+    of phase (the in-step reading beside it), or in step (the artefacts before)."""
     cap = artefact["config"]["cap"]
     rates = artefact.get("capacity_by_model")
     if not rates:
         return f"closed loop at {cap}"
     each = ", ".join(f"{rate:.2f}" for rate in rates)
-    return f"closed loop at {cap}, the median of each model's: {each}"
+    if artefact.get("capacity_rule") != "out of phase":
+        return f"closed loop at {cap}, the median of each model's: {each}"
+    in_step = ", ".join(f"{rate:.2f}" for rate in artefact["capacity_in_step_by_model"])
+    return (
+        f"closed loop at {cap} out of phase, jobs starting and finishing one at a time as Poisson arrivals "
+        f"do, the median of each model's: {each}; in step, starts and decodes batched: {in_step}"
+    )
 
 
 def warm_up(c: dict) -> int:

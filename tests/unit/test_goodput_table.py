@@ -161,6 +161,20 @@ def test_the_capacity_says_each_models_measurement():
     assert capacity_words({"config": {"cap": 8}, "capacity": 20.0}) == "closed loop at 8"
     now = {"config": {"cap": 8}, "capacity": 16.0, "capacity_by_model": [15.0, 16.0, 17.25]}
     assert capacity_words(now) == "closed loop at 8, the median of each model's: 15.00, 16.00, 17.25"
+    phased = {**now, "capacity_rule": "out of phase", "capacity_in_step_by_model": [19.0, 20.0, 21.5]}
+    words = capacity_words(phased)
+    assert words.startswith("closed loop at 8 out of phase") and "15.00, 16.00, 17.25" in words
+    assert words.endswith("in step, starts and decodes batched: 19.00, 20.00, 21.50")
+
+
+def test_the_capacity_counts_answers_while_every_worker_was_busy():
+    from benchmarks.goodput import steady_rate
+
+    # 2 workers: the start-up's first answer and the drain's last are not counted; 4 answers in the
+    # 1.5 s between the 2nd (t=1.0) and the 2nd from last (t=2.5): 3 intervals.
+    stamps = [2.5, 0.2, 1.0, 1.5, 2.0, 9.0]
+    assert steady_rate(stamps, 2) == 3 / 1.5
+    assert steady_rate([0.0, 1.0, 2.0, 3.0], 1) == 3 / 3.0
 
 
 def test_the_headline_reads_degradation_at_1_5x_by_round_with_its_target():
