@@ -260,10 +260,17 @@ def _quiet(artefact: dict[str, Any]) -> str:
                 if kind in RULES:
                     why[kind] = why.get(kind, 0) + count
         by_rule = "; by the rule their BATCH names: " + ", ".join(f"{k} {v}" for k, v in sorted(why.items()))
+        # By load and round: whether they came in one round (a load the engine measured above what it
+        # served there) or spread over them.
+        by_round = "; by round: " + "; ".join(
+            f"{load:g}x " + ", ".join(str(r["degraded"]) for r in sorted(runs, key=lambda r: r["round"]))
+            for load in sorted({r["load"] for r in low})
+            if (runs := [r for r in low if r["load"] == load])
+        )
         lines.append(
             f"Target at or below 0.8x capacity, no request degraded ({variant}): **{word}** ({degraded} of "
-            f"{offered} offered requests degraded in those runs{by_rule if why else ''})."
-            + _needed(artefact["runs"], variant, low)
+            f"{offered} offered requests degraded in those runs{by_rule if why else ''}"
+            f"{by_round if degraded else ''})." + _needed(artefact["runs"], variant, low)
         )
     return "\n\n".join(lines) or "No run at or below 0.8x capacity."
 

@@ -134,6 +134,7 @@ def test_the_quiet_target_says_how_many_degraded_requests_the_run_without_degrad
     ]
     text = _quiet({"runs": runs})
     assert "(degrade-room): **missed** (4 of 30" in text
+    assert "by round: 0.5x 1; 0.8x 2, 1)." in text  # rounds in order, loads in order
     # Paired by round and load: request 4 in round 1 at 0.8x and request 1 in round 2 were missed by
     # their own round's tiers run; request 5 only by another round's, request 4 at 0.5x only at 0.8x.
     assert "tiers-room, which degrades nothing, missed 5 of 30; 2 of the 4 degraded" in text
