@@ -5,10 +5,12 @@ One tritonserver holds a tiny-SD model per variant on the step engine (``deadlin
 that no variant's run starts from the state another's traffic left (the load's window, the estimates).
 Every request asks --steps steps and has a deadline, --deadline-scale x the latency of one such request
 alone through the server; its tier is drawn (--tiers shares of priority, default, flex). The variants
-run on the same Poisson arrivals, in rotated order, at --loads of the step engine's capacity on this
-traffic (closed loop at --cap concurrent requests through the server, out of phase, so that jobs start
-and finish one at a time as Poisson arrivals do; on every variant's model in turn: the median; the same
-loop in step, whose batched starts and decodes serve more than Poisson arrivals get, is kept beside it):
+of a round run on the same Poisson arrivals (each round a sequence of its own: --seed + round - 1), in
+rotated order, at --loads of the step engine's capacity on this traffic (closed loop at --cap concurrent
+requests through the server, out of phase: the workers' first requests spread over about one request's
+time, so that jobs start and finish spread out, as on Poisson arrivals, rather than together; on every
+variant's model in turn: the median; the same loop in step, whose starts and decodes are batched, is
+kept beside it):
 
   fifo      no tier, no deadline sent: first come, first served (the client still counts its deadline)
   tiers     each request's tier and deadline sent: refused at once where the estimate says it cannot be
@@ -246,18 +248,20 @@ def why_degraded(reports: list[dict]) -> dict[str, int]:
     return counts
 
 
-def capacity(url: str, model: str, requests: list[dict], concurrency: int, alone_s: float) -> float:
+def capacity(url: str, model: str, requests: list[dict], concurrency: int, spacing_s: float) -> float:
     """Requests per second the step engine serves of this traffic in its steady state (fifo: full steps),
-    closed loop at ``concurrency`` out of phase: the workers' first requests spread over one request's
-    time at that concurrency (about twice ``alone_s``), so that, as on Poisson arrivals, jobs start and
-    finish one at a time (each start and decode its own call) and a new one joins a running loop; counted
-    from the ``concurrency``-th answer to the ``concurrency``-th from last (every worker still busy)."""
-    pending = list(enumerate(requests[: 12 * concurrency]))
+    closed loop at ``concurrency`` out of phase: the workers' first requests ``spacing_s`` apart (one
+    answer's time in step, so they spread over about one request's time at that concurrency), so that
+    jobs start and finish spread out, each start and decode mostly its own call, and a new one joins a
+    running loop, as on Poisson arrivals (which also cluster: a start or decode batched there is served
+    a little faster); 12 x ``concurrency`` requests (the traffic's, in turn), counted from the
+    ``concurrency``-th answer to the ``concurrency``-th from last (every worker busy)."""
+    pending = [(i, requests[i % len(requests)]) for i in range(12 * concurrency)]
     lock = threading.Lock()
     answered: list[float] = []
 
     def worker(k: int) -> None:
-        time.sleep(k * 2 * alone_s / concurrency)
+        time.sleep(k * spacing_s)
         while True:
             with lock:
                 if not pending:
@@ -267,26 +271,33 @@ def capacity(url: str, model: str, requests: list[dict], concurrency: int, alone
             with lock:
                 answered.append(time.perf_counter())
 
+    started = time.perf_counter()
     threads = [threading.Thread(target=worker, args=(k,)) for k in range(concurrency)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    return steady_rate(answered, concurrency)
+    return steady_rate(answered, concurrency, started + (concurrency - 1) * spacing_s)
 
 
-def steady_rate(answered: list[float], concurrency: int) -> float:
-    """Answers a second between the ``concurrency``-th answer and the ``concurrency``-th from last (while
-    every one of a closed loop's workers was busy: no start-up or drain counted)."""
+def steady_rate(answered: list[float], concurrency: int, all_busy: float = float("-inf")) -> float:
+    """Answers a second between the ``concurrency``-th answer (or the first after ``all_busy``, when the
+    last worker started) and the ``concurrency``-th from last: while every one of a closed loop's
+    workers was busy, no start-up or drain counted."""
     stamps = sorted(answered)
-    first, last = stamps[concurrency - 1], stamps[-concurrency]
-    return (len(stamps) - 2 * concurrency + 1) / (last - first)
+    if len(stamps) < 2 * concurrency + 1:
+        raise ValueError(f"{len(stamps)} answers: at least {2 * concurrency + 1} needed to count any")
+    start = max(concurrency - 1, next((k for k, t in enumerate(stamps) if t >= all_busy), len(stamps)))
+    end = len(stamps) - concurrency
+    if end <= start:
+        raise ValueError(f"no answer counted: the last worker started after the {end + 1}-th answer")
+    return (end - start) / (stamps[end] - stamps[start])
 
 
 def in_step_capacity(url: str, model: str, requests: list[dict], concurrency: int) -> float:
     """The same closed loop in step, as the artefacts before out-of-phase measured it: the workers start
     together, so their jobs start, run and finish together (starts and decodes batched) over 4 x
-    ``concurrency`` requests: more than Poisson arrivals get (kept beside the capacity read)."""
+    ``concurrency`` requests (kept beside the capacity read; its answers' spacing spreads that loop)."""
     pending = list(enumerate(requests[: 4 * concurrency]))
     count = len(pending)
     lock = threading.Lock()
@@ -417,8 +428,11 @@ def measure(url: str, args: argparse.Namespace, config: dict, path: Path) -> dic
         for name in served
     ]
     alone = statistics.median(alones)
-    rates = [capacity(url, name, requests, args.cap, alone) for name in served]
-    in_step = [in_step_capacity(url, name, requests, args.cap) for name in served]
+    # Each model in step first: its answers' spacing spreads the out-of-phase loop's first requests.
+    in_step, rates = [], []
+    for name in served:
+        in_step.append(in_step_capacity(url, name, requests, args.cap))
+        rates.append(capacity(url, name, requests, args.cap, 1.0 / in_step[-1]))
     rate = statistics.median(rates)
     deadline_s = args.deadline_scale * alone
     print(f"alone {alone:.3f} s, deadline {deadline_s:.3f} s, capacity {rate:.2f} req/s", flush=True)
@@ -442,6 +456,7 @@ def measure(url: str, args: argparse.Namespace, config: dict, path: Path) -> dic
             if any(v.startswith("cache") for v in args.variants)
             else None,
             "warm_up": warm_up,
+            "arrival_seeds": "--seed + round - 1",
             "model_config": {k: v for k, v in config.items() if k != "model"},
             "model_of": {v: model_of(v) for v in args.variants},
             "model_edits": models(args.cap, args.room, args.variants),
@@ -462,9 +477,11 @@ def measure(url: str, args: argparse.Namespace, config: dict, path: Path) -> dic
     }
     measured = list(range(warm_up, args.requests))
     for load in report["loads"]:
-        arrivals = poisson_arrivals(args.requests, load * rate, args.seed)
-        window_s = arrivals[-1] - arrivals[measured[0]] if len(measured) > 1 else arrivals[-1]
         for round_index, order in enumerate(rotated_orders(args.variants, args.rounds)):
+            # A sequence of arrivals of its own each round (the variants of a round share it): the rounds
+            # sample the traffic, not only the server's noise on one sequence.
+            arrivals = poisson_arrivals(args.requests, load * rate, args.seed + round_index)
+            window_s = arrivals[-1] - arrivals[measured[0]] if len(measured) > 1 else arrivals[-1]
             images: dict[str, dict[int, np.ndarray]] = {}
             for variant in order:
                 results, latency = run(

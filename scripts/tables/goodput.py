@@ -69,18 +69,25 @@ def models_words(c: dict) -> str:
 
 def capacity_words(artefact: dict) -> str:
     """How the capacity was measured: on every model, their median (or on one, the artefacts before); out
-    of phase (the in-step reading beside it), or in step (the artefacts before)."""
+    of phase (the in-step reading beside it), or in step (the artefacts before); and whether the rounds
+    had arrivals of their own (the artefacts before: one sequence for every round)."""
     cap = artefact["config"]["cap"]
     rates = artefact.get("capacity_by_model")
+    arrivals = (
+        "each round's arrivals a sequence of its own"
+        if artefact["config"].get("arrival_seeds")
+        else "the same sequence of arrivals in every round"
+    )
     if not rates:
-        return f"closed loop at {cap}"
+        return f"closed loop at {cap} in step; {arrivals}"
     each = ", ".join(f"{rate:.2f}" for rate in rates)
     if artefact.get("capacity_rule") != "out of phase":
-        return f"closed loop at {cap}, the median of each model's: {each}"
+        return f"closed loop at {cap} in step, the median of each model's: {each}; {arrivals}"
     in_step = ", ".join(f"{rate:.2f}" for rate in artefact["capacity_in_step_by_model"])
     return (
-        f"closed loop at {cap} out of phase, jobs starting and finishing one at a time as Poisson arrivals "
-        f"do, the median of each model's: {each}; in step, starts and decodes batched: {in_step}"
+        f"closed loop at {cap} out of phase, the workers' first requests spread over about one request's "
+        f"time, the median of each model's: {each}; in step, starts and decodes batched: {in_step}; "
+        f"{arrivals}"
     )
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))  # the benchmarks' package
 
 from tables.goodput import _tiers  # noqa: E402
@@ -159,23 +161,81 @@ def test_the_table_says_which_variants_shared_a_model():
 def test_the_capacity_says_each_models_measurement():
     from tables.goodput import capacity_words
 
-    assert capacity_words({"config": {"cap": 8}, "capacity": 20.0}) == "closed loop at 8"
+    same = "the same sequence of arrivals in every round"
+    assert capacity_words({"config": {"cap": 8}, "capacity": 20.0}) == f"closed loop at 8 in step; {same}"
     now = {"config": {"cap": 8}, "capacity": 16.0, "capacity_by_model": [15.0, 16.0, 17.25]}
-    assert capacity_words(now) == "closed loop at 8, the median of each model's: 15.00, 16.00, 17.25"
-    phased = {**now, "capacity_rule": "out of phase", "capacity_in_step_by_model": [19.0, 20.0, 21.5]}
+    assert (
+        capacity_words(now)
+        == f"closed loop at 8 in step, the median of each model's: 15.00, 16.00, 17.25; {same}"
+    )
+    phased = {
+        **now,
+        "config": {"cap": 8, "arrival_seeds": "--seed + round - 1"},
+        "capacity_rule": "out of phase",
+        "capacity_in_step_by_model": [19.0, 20.0, 21.5],
+    }
     words = capacity_words(phased)
     assert words.startswith("closed loop at 8 out of phase") and "15.00, 16.00, 17.25" in words
-    assert words.endswith("in step, starts and decodes batched: 19.00, 20.00, 21.50")
+    assert "in step, starts and decodes batched: 19.00, 20.00, 21.50" in words
+    assert words.endswith("each round's arrivals a sequence of its own")
 
 
 def test_the_capacity_counts_answers_while_every_worker_was_busy():
     from benchmarks.goodput import steady_rate
 
-    # 2 workers: the start-up's first answer and the drain's last are not counted; 4 answers in the
-    # 1.5 s between the 2nd (t=1.0) and the 2nd from last (t=2.5): 3 intervals.
+    # 2 workers: the start-up's first answer and the drain's last are not counted; 3 answers in the
+    # 1.5 s between the 2nd (t=1.0) and the 2nd from last (t=2.5).
     stamps = [2.5, 0.2, 1.0, 1.5, 2.0, 9.0]
     assert steady_rate(stamps, 2) == 3 / 1.5
     assert steady_rate([0.0, 1.0, 2.0, 3.0], 1) == 3 / 3.0
+    # Counted from the first answer after the last worker started, where that is later.
+    assert steady_rate(stamps, 2, all_busy=1.2) == 2 / 1.0
+    with pytest.raises(ValueError, match="at least 5"):
+        steady_rate([0.0, 1.0, 2.0, 3.0], 2)  # too few to count any
+    with pytest.raises(ValueError, match="no answer counted"):
+        steady_rate(stamps, 2, all_busy=3.0)
+
+
+def test_each_round_has_arrivals_of_its_own_and_its_variants_share_them(monkeypatch, tmp_path):
+    """Fails if the rounds reuse one arrival sequence (they would sample one burst five times over) or if
+    the variants of a round see different arrivals."""
+    import argparse
+
+    import benchmarks.goodput as goodput
+
+    seen: dict[tuple[float, int], list[tuple[str, list[float]]]] = {}
+
+    def run(url, requests, arrivals, variant, *rest):
+        key = next(load_of)
+        seen.setdefault(key, []).append((variant, arrivals))
+        failed = type("Failed", (), {"ok": False})()
+        return [failed] * len(requests), [0.0] * len(requests)
+
+    monkeypatch.setattr(goodput, "run", run)
+    monkeypatch.setattr(goodput, "generate_one", lambda *a, **k: type("R", (), {"latency_s": 0.1})())
+    monkeypatch.setattr(goodput, "in_step_capacity", lambda *a: 10.0)
+    monkeypatch.setattr(goodput, "capacity", lambda *a: 8.0)
+    monkeypatch.setattr(
+        goodput, "figures", lambda *a: {"degraded_requests": [], "met": 0, "offered": 10, "degraded": 0}
+    )
+    monkeypatch.setattr(goodput, "compare", lambda *a: None)
+    monkeypatch.setattr(goodput, "provenance", lambda: {})
+    variants, rounds, loads = ("fifo", "tiers-room", "degrade-room"), 3, (0.5, 1.5)
+    load_of = iter((load, r) for load in loads for r in range(rounds) for _ in variants)
+    args = argparse.Namespace(
+        tiers="0.2,0.4,0.4", requests=12, steps=4, seed=1, size=64, no_deadline_share=0.0, least_share=0.5,
+        warm_up=2, cap=2, room=1.0, variants=variants, deadline_scale=3.0, arch="tiny-sd",
+        device_profile=None, degrade_cache="", rounds=rounds, loads=",".join(map(str, loads)),
+    )  # fmt: skip
+    report = goodput.measure("url", args, {"model": "m"}, tmp_path / "goodput.json")
+    assert report["capacity"] == 8.0 and report["capacity_in_step_by_model"] == [10.0] * 3
+    for load in loads:
+        sequences = []
+        for r in range(rounds):
+            runs = seen[load, r]
+            assert [arrivals for _, arrivals in runs] == [runs[0][1]] * len(variants)  # shared in a round
+            sequences.append(runs[0][1])
+        assert len({tuple(s) for s in sequences}) == rounds  # each round its own
 
 
 def test_the_headline_reads_degradation_at_1_5x_by_round_with_its_target():
