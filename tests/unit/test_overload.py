@@ -14,6 +14,7 @@ from tests.unit.test_degradation_cache import cacheable
 from tests.unit.test_degradation_cache import harness as cache_harness
 from tests.unit.test_scheduler import DEFAULT, FLEX, PRIORITY
 from tests.unit.test_step_engine import Spec
+from triton_diffusion.engine.degradation import StepsCut
 from triton_diffusion.engine.jobs import Job
 from triton_diffusion.engine.overload import LEAST, Arrival, OfferedLoad, arrival_of, overload_cut
 from triton_diffusion.errors import ErrorCode
@@ -315,3 +316,28 @@ def test_a_running_job_late_is_given_no_cache_where_the_load_offered_leaves_head
     h.step(1.0)  # 7 steps left, 3.5 s, of 3.4 s left: late
     assert (late.queue.cache_given is not None) is cached
     assert h.adapter.caches == ([("late", 1)] if cached else [])
+
+
+def test_with_headroom_and_no_cut_made_the_walk_and_the_overload_are_not_looked_at(monkeypatch):
+    """Both would change nothing there (headroom is a load within 0.9, so no overload; no job is newly
+    cut, and none was cut before): fails if the scheduler prices every held job at each step anyway (a
+    cost the degradable jobs' goodput pays on a busy engine)."""
+    h = harness(max_running=1, max_per_forward=1)
+    h.measure(0.5)
+    h.add(h.job("ahead", DEFAULT, 8))
+    h.step(0.1)
+    waiting = degradable(h, "waiting", DEFAULT, 8, 1, deadline_s=600.0)
+    h.add(waiting)
+    h.step(0.1)
+    offered_before(h, 60.0)
+    scheduler = h.engine.scheduler
+    walked: list[object] = []
+    held_back = scheduler._held_back_s
+    monkeypatch.setattr(scheduler, "_held_back_s", lambda *a: walked.append(a) or held_back(*a))
+    monkeypatch.setattr(scheduler.offered, "overload", lambda *a: pytest.fail("overload looked for"))
+    h.step(0.1)
+    assert scheduler.offered.headroom(h.clock.now, 0.0) and waiting.run.total_steps == 0
+    assert not walked
+    waiting.queue.cut = StepsCut(4, 4, 8, "deadline: test", "deadline")  # one cut before: walked again
+    h.step(0.1)
+    assert walked

@@ -155,11 +155,13 @@ def _load(
     span = now - min(a.at for a in arrivals)
     if span <= 0:
         return None
+    offered = sum(a.work for a in arrivals) / rate + fixed_s * len(arrivals)
+    if not bound:  # the point estimate, looked at every engine step: no grouping by request
+        return offered / span
     by_request: dict[str, float] = {}
     for a in arrivals:
         by_request[a.request] = by_request.get(a.request, 0.0) + a.work / rate + fixed_s
-    offered = sum(by_request.values())
-    error = math.sqrt(sum(x * x for x in by_request.values())) / offered if bound else 0.0
+    error = math.sqrt(sum(x * x for x in by_request.values())) / offered
     return offered * (1 - 2 * error) / span
 
 

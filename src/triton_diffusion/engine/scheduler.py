@@ -274,9 +274,12 @@ class Scheduler:
             return
         if not any(j.spec.steps_allowed and j.spec.deadline is not None for j in self.waiting):
             return
-        held = [j for q in (self.waiting, self.starting, self.running, self.paused) for j in q]
-        # With headroom (engine/overload.py) no job is newly cut: one cut before keeps what it needs.
+        # With headroom (engine/overload.py) no job is newly cut: one cut before keeps what it needs; with
+        # none cut before, the walk below would change nothing (skipped: it prices every held job).
         overload, headroom = self._load_view(now)
+        if headroom and all(j.queue.cut is None for j in self.waiting):
+            return
+        held = [j for q in (self.waiting, self.starting, self.running, self.paused) for j in q]
         keys = {id(j): self.order_key(j, now) for j in held if not j.status.ended}
         running = [(keys[id(j)], j) for j in self.running if id(j) in keys]  # keyed once per walk
         waiting = set(map(id, self.waiting))
@@ -325,7 +328,9 @@ class Scheduler:
         (engine/overload.py), taken once per engine step."""
         if self._view is None or self._view[0] != now:
             fixed_s = self.times.fixed_s
-            self._view = (now, self.offered.overload(now, fixed_s), self.offered.headroom(now, fixed_s))
+            # Headroom is a load within 0.9 of what the engine serves, so no overload: not looked for.
+            headroom = self.offered.headroom(now, fixed_s)
+            self._view = (now, None if headroom else self.offered.overload(now, fixed_s), headroom)
         return self._view[1], self._view[2]
 
     def _cache_late(self, now: float, out: SchedulerOutput) -> None:
