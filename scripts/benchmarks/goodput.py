@@ -479,7 +479,8 @@ def measure(url: str, args: argparse.Namespace, config: dict, path: Path) -> dic
     for load in report["loads"]:
         for round_index, order in enumerate(rotated_orders(args.variants, args.rounds)):
             # A sequence of arrivals of its own each round (the variants of a round share it): the rounds
-            # sample the traffic, not only the server's noise on one sequence.
+            # sample the arrival times (the requests, tiers and deadlines are the same), not only the
+            # server's noise on one sequence.
             arrivals = poisson_arrivals(args.requests, load * rate, args.seed + round_index)
             window_s = arrivals[-1] - arrivals[measured[0]] if len(measured) > 1 else arrivals[-1]
             images: dict[str, dict[int, np.ndarray]] = {}

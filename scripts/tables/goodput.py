@@ -86,7 +86,7 @@ def capacity_words(artefact: dict) -> str:
     in_step = ", ".join(f"{rate:.2f}" for rate in artefact["capacity_in_step_by_model"])
     return (
         f"closed loop at {cap} out of phase, the workers' first requests spread over about one request's "
-        f"time, the median of each model's: {each}; in step, starts and decodes batched: {in_step}; "
+        f"time, the median of each model's: {each}; in step (the workers started together): {in_step}; "
         f"{arrivals}"
     )
 

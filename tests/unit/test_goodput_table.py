@@ -176,7 +176,7 @@ def test_the_capacity_says_each_models_measurement():
     }
     words = capacity_words(phased)
     assert words.startswith("closed loop at 8 out of phase") and "15.00, 16.00, 17.25" in words
-    assert "in step, starts and decodes batched: 19.00, 20.00, 21.50" in words
+    assert "in step (the workers started together): 19.00, 20.00, 21.50" in words
     assert words.endswith("each round's arrivals a sequence of its own")
 
 

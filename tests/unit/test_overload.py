@@ -321,7 +321,7 @@ def test_a_running_job_late_is_given_no_cache_where_the_load_offered_leaves_head
 def test_with_headroom_and_no_cut_made_the_walk_and_the_overload_are_not_looked_at(monkeypatch):
     """Both would change nothing there (headroom is a load within 0.9, so no overload; no job is newly
     cut, and none was cut before): fails if the scheduler prices every held job at each step anyway (a
-    cost the degradable jobs' goodput pays on a busy engine)."""
+    per-step cost; no goodput effect of it was shown)."""
     h = harness(max_running=1, max_per_forward=1)
     h.measure(0.5)
     h.add(h.job("ahead", DEFAULT, 8))
