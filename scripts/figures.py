@@ -71,6 +71,12 @@ BEFORE_HOOKS = (
     " again since: its overhead column measures the machinery it replaced"
 )
 
+BEFORE_CLIENT_THREADS = (
+    "taken with the client that left a blocked thread behind for every request it sent (fixed at commit"
+    " f055b28, CHANGELOG): its later runs, the higher loads, went through a client slowed by thousands of"
+    " them; not taken again since"
+)
+
 BLOCKS: dict[str, Figure] = {
     # the performance index's headline: one row a feature, from the newest artefact of each
     "headline": Figure(
@@ -131,36 +137,43 @@ BLOCKS: dict[str, Figure] = {
         ("docs/cpu/goodput_cache/goodput.json",),
         "goodput.render",
         "bench.py goodput --arch tiny-flux --size 256 --variants tiers,cache,tiers-room,cache-room",
+        stale=BEFORE_CLIENT_THREADS,
     ),
     "goodput-room": Figure(
         ("docs/cpu/goodput_room1/goodput.json",),
         "goodput.render",
         "bench.py goodput --variants tiers,tiers-room --room 1",
+        stale=BEFORE_CLIENT_THREADS,
     ),
     "goodput-mixed-room3": Figure(
         ("docs/cpu/goodput_mixed/goodput.json",),
         "goodput.render",
         "bench.py goodput --variants tiers,tiers-room --no-deadline-share 0.3",
+        stale=BEFORE_CLIENT_THREADS,
     ),
     "goodput-mixed": Figure(
         ("docs/cpu/goodput_mixed_room1/goodput.json",),
         "goodput.render",
         "bench.py goodput --variants tiers,tiers-room --no-deadline-share 0.3 --room 1",
+        stale=BEFORE_CLIENT_THREADS,
     ),
     "goodput-tier-pause": Figure(
         ("docs/cpu/goodput_tier_pause/goodput.json",),
         "goodput.render",
         "bench.py goodput --variants fifo,tiers-room,tiers-need --room 1",
+        stale=BEFORE_CLIENT_THREADS,
     ),
     "goodput-sd15-h100": Figure(
         ("docs/profiles/sd15-h100/goodput.json",),
         "goodput.render",
         "bench.py goodput --device-profile sd15-h100",
+        stale=BEFORE_CLIENT_THREADS,
     ),
     "goodput-sd15-h100-steady": Figure(
         ("docs/profiles/sd15-h100/steady/goodput.json",),
         "goodput.render",
         "bench.py goodput --device-profile sd15-h100 --variants fifo,tiers-room,degrade-room --room 1",
+        stale=BEFORE_CLIENT_THREADS,
     ),
     # Published: rows of a published table (not measured here).
     "published-flux-quality": Figure(
