@@ -73,8 +73,8 @@ BEFORE_HOOKS = (
 
 BEFORE_CLIENT_THREADS = (
     "taken with the client that left a blocked thread behind for every request it sent (fixed at commit"
-    " f055b28, CHANGELOG): its later runs, the higher loads, went through a client slowed by thousands of"
-    " them; not taken again since"
+    " f055b28, CHANGELOG): its later runs, the higher loads, went through a client holding thousands of"
+    " them (whether that slowed them is not measured); not taken again since"
 )
 
 BLOCKS: dict[str, Figure] = {

@@ -122,7 +122,7 @@ PLAN = (
             "--requests",
             "48",
             "--max-batch-size",
-            "9",
+            "8",
             "--mixed",
             "--poisson",
             "--poisson-requests",

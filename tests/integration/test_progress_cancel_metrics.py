@@ -12,7 +12,7 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 from triton_diffusion_client import generate_many, generate_one
 
-from tests.unit.test_stream_threads import request_threads, settled
+from tests.unit.test_stream_threads import left_behind, request_threads
 from triton_diffusion.serving.server_process import read_metrics
 
 from .test_text_to_image import max_diff, send
@@ -248,7 +248,7 @@ def test_answered_and_cancelled_requests_leave_no_stream_thread_behind(server):
     # Each generate_one opens a stream and closes it; each close used to leave gRPC's request-reading
     # thread blocked for good (client/.../streams.py end_request_iterator): one per request, which slowed
     # a long benchmark's client to a crawl.
-    before = len(request_threads())
+    before = request_threads()
     for i in range(4):
         request = {"prompt": f"threads {i}", "seed": i, "num_inference_steps": 2}
         assert generate_one(request, f"threads-{i}", server.grpc_url, "text_to_image", timeout_s=120).ok
@@ -257,4 +257,4 @@ def test_answered_and_cancelled_requests_leave_no_stream_thread_behind(server):
         request, "threads-cancelled", server.grpc_url, "text_to_image_slow", 120, lambda progress: True
     )
     assert not cancelled.ok and "cancel" in (cancelled.error or "").lower()
-    assert settled(before) == before
+    assert left_behind(before) == set()

@@ -131,9 +131,9 @@ def end_request_iterator(client: grpcclient.InferenceServerClient) -> None:
 
     tritonclient (2.50) ends a stream's request iterator only on a graceful stop: a cancelling one leaves
     gRPC's thread that reads it blocked for good, one thread (and its call) per cancelled stream, which
-    slowed a long benchmark's client to a crawl. The one private piece of tritonclient used here
-    (``_stream._request_queue``, where ``None`` ends the iterator); tests/unit/test_stream_threads.py
-    fails if it moves."""
+    slowed a long benchmark's client to a crawl. The one private piece of tritonclient used here (the
+    client's ``_stream`` and its ``_request_queue``, where ``None`` ends the iterator);
+    tests/unit/test_stream_threads.py fails if it moves."""
     stream = getattr(client, "_stream", None)
     if stream is not None:
         stream._request_queue.put(None)
