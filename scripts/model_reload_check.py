@@ -38,6 +38,7 @@ sys.path.insert(0, str(REPO_ROOT / "src"))
 sys.path.insert(0, str(REPO_ROOT / "scripts"))
 import artefacts  # noqa: E402
 from reload_toys import write_repository  # noqa: E402
+from triton_diffusion_client.streams import stop_cancelling  # noqa: E402
 
 OUT = REPO_ROOT / "docs" / "cpu" / "model_reload.json"
 MODELS = ("threaded", "inline")
@@ -110,7 +111,7 @@ def send(
         record["outcome"] = "error"
     finally:
         with contextlib.suppress(Exception):
-            client.stop_stream(cancel_requests=True)
+            stop_cancelling(client)  # leaves no thread behind (triton_diffusion_client.streams)
         with contextlib.suppress(Exception):
             client.close()
     record["done"] = clock.now()

@@ -11,7 +11,7 @@ import time
 import traceback
 
 import tritonclient.grpc as grpcclient
-from triton_diffusion_client.streams import StreamSession, end_request_iterator
+from triton_diffusion_client.streams import StreamSession, stop_cancelling
 
 from triton_diffusion.serving.server_process import free_port
 
@@ -52,10 +52,9 @@ def test_without_it_tritonclient_leaves_the_thread_and_its_private_names_are_whe
     stream = client._stream
     client.stop_stream(cancel_requests=True)
     assert len(left_behind(before, timeout_s=0.5)) == 1
-    stream._request_queue.put(None)  # the private names end_request_iterator uses, as it uses them
+    stream._request_queue.put(None)  # the private names stop_cancelling uses, as it uses them
     assert left_behind(before) == set()
     client.start_stream(callback=lambda result, error: None)
-    end_request_iterator(client)
-    client.stop_stream(cancel_requests=True)
+    stop_cancelling(client)
     assert left_behind(before) == set()
     client.close()

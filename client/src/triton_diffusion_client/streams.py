@@ -126,17 +126,26 @@ def read_result(result: Any) -> StreamResponse:
 
 
 # ---- threads -------------------------------------------------------------------------------------------
-def end_request_iterator(client: grpcclient.InferenceServerClient) -> None:
-    """End the requests side of ``client``'s stream before it is stopped with ``cancel_requests=True``.
+def stop_cancelling(client: grpcclient.InferenceServerClient) -> None:
+    """Stop ``client``'s stream with ``cancel_requests=True``, then end its requests side (after the
+    cancel, so that the server sees the cancel alone, as it did before; :func:`end_request_iterator`)."""
+    stream = getattr(client, "_stream", None)
+    client.stop_stream(cancel_requests=True)
+    end_request_iterator(stream)
+
+
+def end_request_iterator(stream: object) -> None:
+    """End the requests side of a tritonclient stream (``client._stream``) stopped with
+    ``cancel_requests=True``.
 
     tritonclient (2.50) ends a stream's request iterator only on a graceful stop: a cancelling one leaves
     gRPC's thread that reads it blocked for good, one thread (and its call) per cancelled stream, which
     slowed a long benchmark's client to a crawl. The one private piece of tritonclient used here (the
     client's ``_stream`` and its ``_request_queue``, where ``None`` ends the iterator);
     tests/unit/test_stream_threads.py fails if it moves."""
-    stream = getattr(client, "_stream", None)
-    if stream is not None:
-        stream._request_queue.put(None)
+    requests = getattr(stream, "_request_queue", None)
+    if requests is not None:
+        requests.put(None)
 
 
 _Session = TypeVar("_Session", bound="StreamSession")
@@ -166,8 +175,9 @@ class StreamSession:
 
     def _stop_stream(self, cancel: bool) -> None:
         if cancel:
-            end_request_iterator(self.client)
-        self.client.stop_stream(cancel_requests=cancel)
+            stop_cancelling(self.client)
+        else:
+            self.client.stop_stream(cancel_requests=False)
         self._streaming = False
         self._responses = queue.Queue()  # whatever the old stream still reports goes nowhere
 
