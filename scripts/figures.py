@@ -104,6 +104,7 @@ BLOCKS: dict[str, Figure] = {
         "engines.in_process_ratios",
     ),
     "request-walk": Figure(("docs/design/request_walk.json",), "walk.render", "request_walk.py"),
+    "headroom-rule": Figure(("docs/design/headroom_rule.json",), "headroom.render", "headroom_rule.py"),
     # operations: reload one model after its stub died, or restart the server (docs/operations/reliability.md)
     "model-reload": Figure(("docs/cpu/model_reload.json",), "model_reload.render", "model_reload_check.py"),
     "restart-times": Figure(("docs/cpu/restart_times.json",), "restart_times.render", "restart_times.py"),

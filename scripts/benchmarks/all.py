@@ -339,6 +339,8 @@ PLAN = (
     # Not benchmarks, but CPU figures too: one request's walk through the package, and whether Triton can
     # reload one model whose stub died.
     Take("request_walk", ("--out", "{out}/design/request_walk.json"), 22, "scripts/request_walk.py"),
+    # The headroom and overload rules read on simulated arrivals (no model: the rule's statistics).
+    Take("headroom_rule", ("--out", "{out}/design/headroom_rule.json"), 60, "scripts/headroom_rule.py"),
     # The shipped repository's start, crash restart and idle stop, against the commit before the launcher
     # let Triton load every model at once and before a model's config stub read it without torch (365dc1a).
     Take(

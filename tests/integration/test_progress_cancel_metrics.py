@@ -11,6 +11,7 @@ import uuid
 import numpy as np
 import tritonclient.grpc as grpcclient
 from triton_diffusion_client import generate_many, generate_one
+from triton_diffusion_client.streams import stop_cancelling
 
 from tests.unit.test_stream_threads import left_behind, request_threads
 from triton_diffusion.serving.server_process import read_metrics
@@ -148,7 +149,7 @@ def test_a_request_cancelled_in_the_queue_never_reaches_the_model(server):
     while read_metrics(server).get(pending, 0) < 1:
         assert time.monotonic() - waiting < 30, "the queued request never showed as pending"
         time.sleep(0.005)
-    client.stop_stream(cancel_requests=True)
+    stop_cancelling(client)  # the cancel, and no request-reading thread left behind in this process
     client.close()
 
     runner.join(timeout=60)

@@ -328,7 +328,7 @@ class Scheduler:
         (engine/overload.py), taken once per engine step."""
         if self._view is None or self._view[0] != now:
             fixed_s = self.times.fixed_s
-            # Headroom is a load within 0.9 of what the engine serves, so no overload: not looked for.
+            # Headroom is a window's lower bound within 0.9 of what the engine serves: no overload there.
             headroom = self.offered.headroom(now, fixed_s)
             self._view = (now, None if headroom else self.offered.overload(now, fixed_s), headroom)
         return self._view[1], self._view[2]
