@@ -8,7 +8,8 @@ from tables.markdown import table
 
 
 def _share(value: float) -> str:
-    return f"{value:.1%}" if value else "0"
+    percent = value * 100
+    return "0" if not value else f"{percent:.0f}%" if percent >= 10 else f"{percent:.2g}%"
 
 
 def render(rule: dict[str, Any]) -> str:
@@ -28,7 +29,7 @@ def render(rule: dict[str, Any]) -> str:
         for load in loads
     ]
     rises = ", ".join(
-        f"to {r['to']:g}x at its {r['arrival']}th arrival" if r["arrival"] else f"to {r['to']:g}x not at all"
+        f"to {r['to']:g}x at its arrival {r['arrival']}" if r["arrival"] else f"to {r['to']:g}x not at all"
         for r in rule["rise"]
     )
     config = rule["config"]

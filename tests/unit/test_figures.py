@@ -18,6 +18,7 @@ from tables.markdown import reading, target_met  # noqa: E402
 # Figures shown on the page they illustrate rather than the performance pages.
 PAGE_FIGURES = {
     "request-walk": "docs/design/engine.md",
+    "headroom-rule": "docs/design/degradation.md",
     "model-reload": "docs/operations/reliability.md",
     "restart-times": "docs/operations/reliability.md",
     "checkpoint-cost-line": "docs/operations/crash-recovery.md",
