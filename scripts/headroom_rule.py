@@ -39,7 +39,7 @@ def engine() -> OfferedLoad:
 
 def steady(load: float, images: int, arrivals: int, seed: int) -> dict[str, float]:
     """Poisson requests of ``images`` jobs each at ``load`` x what the engine serves: the share of
-    arrivals (after a full window) at which it reads no headroom, and at which it shows an overload."""
+    requests (after a full window) at whose arrival it reads no headroom, and shows an overload."""
     rng, offered, now = random.Random(seed), engine(), 0.0
     window = offered.arrivals.maxlen or 0
     no_headroom = overload = counted = 0
@@ -84,7 +84,7 @@ def main() -> None:
             for images in (1, 4)
             for load in LOADS
         ],
-        "rise": [{"from": 0.3, "to": load, "arrival": rise(load)} for load in (1.2, 1.5, 2.0, 4.0)],
+        "rise": [{"from": 0.3, "to": load, "arrival": rise(load)} for load in (1.2, 1.3, 1.4, 1.5, 2.0, 4.0)],
     }
     print(write(args.out, artefact))
 

@@ -36,10 +36,11 @@ def render(rule: dict[str, Any]) -> str:
     return "\n".join(
         [
             f"Poisson requests at each load of what the engine serves ({config['arrivals']} jobs a load,"
-            " every job alike), read as the engine's next step reads them, once its window of"
-            f" {config['window']} arrivals is full: the share of arrivals after which it reads no headroom"
-            " (the deadline rule may degrade) and an overload shown (the load's cut acts). The rule's"
-            " statistics on a simulated clock, not a measurement of serving.",
+            " every job alike), each read at an arrival's instant (the earliest an engine step can read it; a"
+            f" step later reads a lower load), once the window of {config['window']} arrivals is full: the"
+            " share of requests at whose arrival it reads no headroom (the deadline rule may degrade) and an"
+            " overload shown (the load's cut acts). The rule's statistics on a simulated clock, not a"
+            " measurement of serving.",
             "",
             table(headers, rows),
             "",

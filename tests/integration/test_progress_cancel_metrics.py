@@ -149,7 +149,7 @@ def test_a_request_cancelled_in_the_queue_never_reaches_the_model(server):
     while read_metrics(server).get(pending, 0) < 1:
         assert time.monotonic() - waiting < 30, "the queued request never showed as pending"
         time.sleep(0.005)
-    stop_cancelling(client)  # the cancel, and no request-reading thread left behind in this process
+    stop_cancelling(client)  # the cancel, ending the requests side too (the last test checks that)
     client.close()
 
     runner.join(timeout=60)

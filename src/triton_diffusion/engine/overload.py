@@ -32,11 +32,11 @@ newest 32 or newest 64 arrivals (``NEWEST``) above what it serves (a load that r
 spell, which the window still averages with the quiet). Degrading is what must be shown, not the room:
 the bursts that a steady load below capacity brings now and then are seldom read as a lack of room, so
 there a request runs what it asked, as without the feature (a few late in such a burst, as without it).
-The price: where the load is a little above what the engine serves but not shown above
-``CUT_TARGET`` of it, the deadline rule acts only where noise lifts the bound, and after a rise from a
-quiet spell it acts once a bound shows the rise (docs/design/degradation.md has how often each is read,
-from scripts/headroom_rule.py). A request's images are one count, so with several images a request the
-bounds need a higher load. With headroom no job is newly degraded: none is cut for
+The price: where the load is a little above what the engine serves, the deadline rule acts less often
+than where the point estimates decided, and after a rise from a quiet spell it acts once a bound shows the
+rise (docs/design/degradation.md has how often each is read, from scripts/headroom_rule.py). A
+request's images are one count: traffic of several images a request is burstier, so below capacity it
+reads no headroom more often, and above it less often. With headroom no job is newly degraded: none is cut for
 a deadline, its own or a later job's, and none is given a step cache (the scheduler's ``_cut_steps`` and
 ``_cache_late``). A job cut before keeps its cut where it or the job it was cut for needs it
 (engine/degradation.py ``with_headroom``): taking a cut back that a job was let in on would let it run
@@ -60,9 +60,10 @@ if TYPE_CHECKING:
 # measured with.
 WINDOW = 128
 LEAST = 32
-# The newest arrivals whose bound alone can show that the load rose (headroom): 32 show a sharp rise soon
-# (from 1.55 x what the engine serves, with one image a request), 64 a milder one (at 1.5 x, 1.5 x
-# (1 - 2 / 8) = 1.125; 32 would not show it: 0.97).
+# The newest arrivals whose bound alone can show that the load rose (headroom): 32 show a sharp rise soon,
+# 64 a milder one. With one image a request, evenly spaced, read one spacing after the last arrival the
+# newest 32 show a load from 1.55 x what the engine serves (1 / (1 - 2 / sqrt(32))), the newest 64 from
+# 1.33 x; read at an arrival's instant (n arrivals over n - 1 spacings), from 1.50 x and 1.31 x.
 NEWEST = (LEAST, 2 * LEAST)
 
 
