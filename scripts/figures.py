@@ -138,9 +138,7 @@ BLOCKS: dict[str, Figure] = {
     "caches": Figure(("docs/cpu/caches/bench_caches.json",), "caches.render"),
     "slo": Figure(("docs/cpu/slo/bench_slo.json",), "slo.render"),
     "slo-server": Figure(("docs/cpu/slo/bench_slo_server.json",), "slo.render_server"),
-    "goodput": Figure(
-        ("docs/cpu/goodput.json",), "goodput.render", "bench.py goodput", stale=BEFORE_HEADROOM_BOUND
-    ),
+    "goodput": Figure(("docs/cpu/goodput.json",), "goodput.render", "bench.py goodput"),
     "goodput-cache": Figure(
         ("docs/cpu/goodput_cache/goodput.json",),
         "goodput.render",
