@@ -153,7 +153,6 @@ BLOCKS: dict[str, Figure] = {
         ("docs/cpu/goodput_mixed/goodput.json",),
         "goodput.render",
         "bench.py goodput --variants tiers,tiers-room --no-deadline-share 0.3",
-        stale=BEFORE_CLIENT_THREADS,
     ),
     "goodput-mixed": Figure(
         ("docs/cpu/goodput_mixed_room1/goodput.json",),
