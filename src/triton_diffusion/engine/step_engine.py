@@ -53,6 +53,7 @@ from triton_diffusion.engine.jobs import (
 from triton_diffusion.engine.ordering import AdmissionPacing, Policy, Service
 from triton_diffusion.engine.request_status import Abort, Request
 from triton_diffusion.engine.scheduler import EngineLimits, Scheduler
+from triton_diffusion.engine.stopwatch import Stopwatch
 from triton_diffusion.errors import RequestError
 
 log = logging.getLogger("triton_diffusion")
@@ -82,6 +83,14 @@ class CountsComputed(Protocol):
 
     def computed(self, jobs: Sequence[Job]) -> tuple[int, int]:
         """The denoiser rows and the tokens a forward of these jobs computes, padding included."""
+
+
+@runtime_checkable
+class OnDevice(Protocol):
+    """What a step adapter adds whose model is on a device (a torch device, or its name): the engine's
+    stopwatch times its work there (engine/stopwatch.py)."""
+
+    device: object
 
 
 def computed_by(adapter: object) -> Computed:
@@ -121,8 +130,11 @@ class StepEngine:
         clock: Callable[[], float] = time.perf_counter,
         checkpoint_every: int = 0,
         times: WorkTimes | None = None,
+        stopwatch: Stopwatch | None = None,
     ):
         self.adapter = adapter
+        # What the cost model learns from: the device's seconds (a GPU's forward returns once queued).
+        self.stopwatch = stopwatch or Stopwatch.on(adapter.device if isinstance(adapter, OnDevice) else None)
         # Denoising steps between two checkpoints of a job with a checkpoint key (0: none are taken); the
         # adapter must then be Checkpointing.
         self.checkpoint_every = checkpoint_every
@@ -184,6 +196,7 @@ class StepEngine:
         """Schedule, start the admitted, run one forward for the next group, finish what is done."""
         self.report = StepReport()
         self.steps += 1
+        self.stopwatch.settle()  # the spans the device has passed, before the scheduler prices by them
         scheduler = self.scheduler
         plan = scheduler.schedule(self.steps)
         for left in plan.leave:  # aborted, ended, refused and expired: decided by the scheduler
@@ -213,7 +226,7 @@ class StepEngine:
 
     # ---- the steps ------------------------------------------------------------------------------------
     def _start(self, jobs: list[Job]) -> None:
-        started = time.perf_counter()
+        started = self.stopwatch.start()
 
         def work(part: list[Job]) -> list[JobStart]:
             starts = self.adapter.prepare(part)
@@ -235,7 +248,7 @@ class StepEngine:
             # Those not answered yet are held again, and answered by whoever stops the engine.
             self.scheduler.put_back(jobs)
             raise
-        self.times.started(len(jobs), time.perf_counter() - started)
+        self.stopwatch.stop(started, lambda seconds: self.times.started(len(jobs), seconds))
 
     def _start_caches(self, jobs: list[Job]) -> None:
         """The adapter turns the given caches on; a job it could not give one (or all of them, where it
@@ -252,11 +265,16 @@ class StepEngine:
         group = forward_group(batch)
 
         def work(part: list[Job]) -> tuple[ForwardResult, float]:
-            started = time.perf_counter()
+            started = self.stopwatch.start()
             result = self.adapter.step(part, [job.preview_due(job.run.steps_done + 1) for job in part])
             if len(result.steps) != len(part):
                 raise RuntimeError(f"step returned {len(result.steps)} results for {len(part)} jobs")
-            return result, time.perf_counter() - started
+            # What it computed, padding included (a packed forward's): what its seconds are the cost of.
+            computed = sum(job.spec.tokens for job in part) + result.padded_tokens
+            seconds = self.stopwatch.stop(
+                started, lambda s: self.times.forward_ran(len(part), computed, s, result.rows)
+            )
+            return result, seconds
 
         def failed(part: list[Job], failure: Failure) -> None:
             log.warning("forward of %d job(s) failed: %s", len(part), failure.text)
@@ -278,8 +296,6 @@ class StepEngine:
         """One forward's per-job results, applied by the scheduler, then reported; the done decoded."""
         self.forwards += 1
         tokens = sum(job.spec.tokens for job in jobs)
-        # What it computed, padding included (a packed forward's): what its seconds are the cost of.
-        self.times.forward_ran(len(jobs), tokens + result.padded_tokens, seconds, result.rows)
         outcome = self.scheduler.update(jobs, result, self.forwards)
         for job, error in outcome.failed:
             self._fail(job, error)
@@ -346,7 +362,7 @@ class StepEngine:
                 self._leave(job, "ended")
         if not live:
             return
-        started = time.perf_counter()
+        started = self.stopwatch.start()
 
         def work(part: list[Job]) -> Sequence[object]:
             outputs = self.adapter.finish(part)
@@ -370,7 +386,7 @@ class StepEngine:
                 if job in self.scheduler.finishing:
                     self._fail(job, device_lost_error(str(lost)))
             raise
-        self.times.finished(len(live), time.perf_counter() - started)
+        self.stopwatch.stop(started, lambda seconds: self.times.finished(len(live), seconds))
 
     # ---- leaving ------------------------------------------------------------------------------------
     def _fail(self, job: Job, error: RequestError) -> None:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from triton_diffusion.adapters.image_params import ImageParams
 from triton_diffusion.engine.estimates import WorkTimes
 from triton_diffusion.engine.jobs import Job
+from triton_diffusion.engine.stopwatch import Stopwatch
 
 if TYPE_CHECKING:
     from triton_diffusion.adapters.latent_loop import LatentStepAdapter
@@ -77,14 +78,17 @@ def _measure(adapter: LatentStepAdapter, requests: list[ImageParams], times: Wor
     ]
     for job, start in zip(jobs, adapter.prepare(jobs), strict=True):
         job.begin(start)
-    fastest, rows, padded = float("inf"), 0, 0
+    stopwatch = Stopwatch.on(adapter.device)  # a GPU's forward returns once queued: its device seconds
+    seconds: list[float] = []
+    rows, padded = 0, 0
     for _ in range(FORWARDS):
-        began = time.perf_counter()
+        began = stopwatch.start()
         result = adapter.step(jobs, [False] * len(jobs))
-        fastest = min(fastest, time.perf_counter() - began)
+        stopwatch.stop(began, seconds.append)
+        stopwatch.settle(wait=True)
         rows, padded = result.rows, result.padded_tokens
         for job, out in zip(jobs, result.steps, strict=True):
             if out.error is not None:
                 raise RuntimeError(out.error)
             job.reached(out.step)
-    times.calibrated(rows, sum(job.spec.tokens for job in jobs) + padded, fastest)
+    times.calibrated(rows, sum(job.spec.tokens for job in jobs) + padded, min(seconds))

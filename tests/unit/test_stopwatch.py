@@ -1,0 +1,147 @@
+"""The engine's stopwatch (engine/stopwatch.py): on a GPU the cost model learns what a forward, a start and
+a decode cost the device (its events), not how long the host's call took (a queued forward returns at
+once, and the next call that waits absorbs it); a span is recorded once the device has passed it, in order,
+never waiting in the engine loop; on a CPU at once, by the host's clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.unit.test_step_engine import FakeAdapter, Spec, engine_for, job
+from triton_diffusion.engine.stopwatch import MOST_PENDING, Stopwatch
+
+
+class Device:
+    """A fake GPU's timeline: an event recorded is stamped when the device reaches it (``at``), and the
+    device has passed it once ``now`` is at or after its stamp."""
+
+    def __init__(self) -> None:
+        self.now = 0.0  # seconds the device has run up to
+        self.queue_end = 0.0  # where the work queued so far ends
+        self.waited = 0  # events waited for (synchronize on one not passed yet)
+
+    def queue(self, seconds: float) -> None:
+        self.queue_end += seconds
+
+    def event(self) -> Event:
+        return Event(self)
+
+
+class Event:
+    def __init__(self, device: Device) -> None:
+        self.device, self.at = device, None
+
+    def record(self) -> None:
+        self.at = self.device.queue_end
+
+    def query(self) -> bool:
+        return self.device.now >= self.at
+
+    def synchronize(self) -> None:
+        if not self.query():
+            self.device.waited += 1
+            self.device.now = self.at
+
+    def elapsed_time(self, end: Event) -> float:
+        return (end.at - self.at) * 1000
+
+
+def test_a_span_is_recorded_with_its_device_seconds_once_the_device_has_passed_it():
+    device = Device()
+    watch = Stopwatch(device.event)
+    recorded: list[float] = []
+    mark = watch.start()
+    device.queue(0.5)  # a forward queued: the call returns at once
+    host_s = watch.stop(mark, recorded.append)
+    assert host_s < 0.1 and recorded == []  # the host waited for nothing; nothing learned yet
+    watch.settle()
+    assert recorded == []  # the device is still on it: never waited for in the engine loop
+    device.now = 0.5
+    watch.settle()
+    assert recorded == [pytest.approx(0.5)] and device.waited == 0
+
+
+def test_spans_are_recorded_in_order_and_work_queued_before_a_span_is_not_its_cost():
+    device = Device()
+    watch = Stopwatch(device.event)
+    recorded: list[tuple[str, float]] = []
+    for name, seconds in (("forward", 0.3), ("forward", 0.3), ("decode", 0.05)):
+        mark = watch.start()
+        device.queue(seconds)
+        watch.stop(mark, lambda s, name=name: recorded.append((name, s)))
+    device.now = 0.3  # the first passed only
+    watch.settle()
+    assert recorded == [("forward", pytest.approx(0.3))]
+    device.now = 1.0
+    watch.settle()
+    # The decode's 0.05 s, not the 0.35 s a host clock around a call that waits would read.
+    assert recorded[1:] == [("forward", pytest.approx(0.3)), ("decode", pytest.approx(0.05))]
+
+
+def test_pending_spans_are_bounded_by_waiting_for_the_oldest():
+    device = Device()
+    watch = Stopwatch(device.event)
+    recorded: list[float] = []
+    for _ in range(MOST_PENDING + 3):
+        mark = watch.start()
+        device.queue(0.01)
+        watch.stop(mark, recorded.append)
+    assert len(watch.pending) == MOST_PENDING and len(recorded) == 3 and device.waited == 3
+
+
+def test_a_device_error_drops_what_is_pending():
+    class Broken(Event):
+        def query(self) -> bool:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    device = Device()
+    watch = Stopwatch(lambda: Broken(device))
+    recorded: list[float] = []
+    watch.stop(watch.start(), recorded.append)
+    watch.settle()
+    assert recorded == [] and not watch.pending
+
+
+def test_on_a_cpu_a_span_is_recorded_at_once_by_the_host_clock():
+    watch = Stopwatch.on("cpu")
+    recorded: list[float] = []
+    host_s = watch.stop(watch.start(), recorded.append)
+    assert recorded == [host_s] and watch.events is None
+    assert Stopwatch.on(None).events is None
+
+
+class GpuAdapter(FakeAdapter):
+    """The fake adapter on a fake GPU: each forward queues ``forward_s`` of device work and returns at
+    once; a decode waits for everything queued (a copy to the host), then does its own ``decode_s``."""
+
+    def __init__(self, device: Device, forward_s: float, decode_s: float) -> None:
+        super().__init__()
+        self.device, self.gpu = "cuda:0", device
+        self.forward_s, self.decode_s = forward_s, decode_s
+
+    def step(self, jobs, previews=None):
+        self.gpu.queue(self.forward_s)
+        return super().step(jobs, previews)
+
+    def finish(self, jobs):
+        self.gpu.queue(self.decode_s)
+        self.gpu.now = self.gpu.queue_end  # the copy to the host waits for the device
+        return super().finish(jobs)
+
+
+def test_the_engine_learns_the_devices_seconds_not_the_hosts():
+    """A forward that returns at once but costs the device 0.2 s, and a decode of 0.01 s that waits for
+    the forwards queued before it: the cost model prices a forward at 0.2 s and a decode at 0.01 s (a
+    host clock reads a forward as nothing and a decode as every forward before it)."""
+    gpu = Device()
+    adapter = GpuAdapter(gpu, forward_s=0.2, decode_s=0.01)
+    engine = engine_for(adapter)
+    engine.engine.stopwatch = Stopwatch(gpu.event)
+    engine.add(job("a", Spec(steps=3)))
+    engine.step()  # start and the first forward: queued, nothing learned yet
+    assert not engine.times.measured
+    gpu.now = gpu.queue_end  # the device catches up
+    for _ in range(3):
+        engine.step()
+    assert engine.times.forward_s(1) == pytest.approx(0.2)
+    assert engine.times.finish_s == pytest.approx(0.01)
