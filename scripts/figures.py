@@ -82,6 +82,12 @@ BEFORE_HEADROOM_BOUND = (
     " capacity could let the deadline rule degrade) and not taken again since"
 )
 
+BEFORE_STOPWATCH = (
+    "taken before the step engine timed a GPU's work by its device events (commit f9d0d4b,"
+    " engine/stopwatch.py: before, the cost model read a forward as its launch and a decode as every"
+    " forward queued before it)"
+)
+
 BLOCKS: dict[str, Figure] = {
     # the performance index's headline: one row a feature, from the newest artefact of each
     "headline": Figure(
@@ -200,6 +206,20 @@ BLOCKS: dict[str, Figure] = {
     "gpu-caches": Figure(
         ("docs/gpu/checks_step_caches/step_caches/bench_caches.json",), "caches.render", stale=BEFORE_HOOKS
     ),
+    # GPU: scripts/gpu_checks.py on one H200 (docs/gpu/checks_h200*/)
+    "gpu-h200-checkpoint-cost": Figure(
+        ("docs/gpu/checks_h200/checkpoint_cost/checkpoint_cost.json",), "checkpoint_cost.render"
+    ),
+    "gpu-h200-mixed-sizes": Figure(
+        ("docs/gpu/checks_h200/mixed_sizes/mixed_sizes.json",),
+        "mixed_sizes.render",
+        stale=BEFORE_STOPWATCH + "; and with the packing gate priced by a calibration of tiny-flux's own"
+        " transformer, taken before the full-size one was swapped in (its calibration column)",
+    ),
+    "gpu-h200-slo": Figure(
+        ("docs/gpu/checks_h200/slo/bench_slo.json",), "slo.render", stale=BEFORE_STOPWATCH
+    ),
+    "gpu-h200-slo-stopwatch": Figure(("docs/gpu/checks_h200_stopwatch/slo/bench_slo.json",), "slo.render"),
     # GPU (older figures, kept with their dates)
     "gpu-engines-sd15": Figure(
         ("docs/gpu/bench_engines_sd15.json",),

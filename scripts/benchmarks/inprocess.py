@@ -194,7 +194,8 @@ class Bench:
 
 def full_size_flux1(bench: Bench, device: str, dtype: torch.dtype) -> None:
     """Swap in FLUX.1-dev's transformer shape (random weights, made on the device: no 24 GB on disk), fed
-    by the loaded pipeline's own text encoders (so only its input projections differ from FLUX.1's)."""
+    by the loaded pipeline's own text encoders (so only its input projections differ from FLUX.1's), and
+    calibrate the packing gate again over it."""
     from diffusers import FluxTransformer2DModel
 
     from triton_diffusion.adapters.step_adapters import step_adapter_for
@@ -220,3 +221,5 @@ def full_size_flux1(bench: Bench, device: str, dtype: torch.dtype) -> None:
     bench.adapter = step_adapter_for(
         pipe, model.facts, model.schedulers, model.call_extras.get("max_sequence_length")
     )
+    # The packing gate's prices again, from the transformer now served: the load's came from the tiny one.
+    bench.calibration = calibrate(bench.adapter, model.calibration_requests(), lambda request: bench.cap)

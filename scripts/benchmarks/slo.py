@@ -46,6 +46,7 @@ from benchmarks.arrivals import Traffic, poisson_arrivals
 from benchmarks.common import REPO_ROOT, benchmark_parser
 from benchmarks.inprocess import Bench, sync
 from benchmarks.slo_figures import NOTES, Item, class_report, progress, summarize_rounds
+from triton_diffusion.adapters.device_profiles import PROFILES, load_table
 from triton_diffusion.engine.jobs import Job, StepReport
 from triton_diffusion.engine.ordering import AdmissionPacing, Service, make_policy
 from triton_diffusion.engine.planner import RowCaps
@@ -56,6 +57,7 @@ from triton_diffusion.tiny_models import ARCHITECTURES
 
 VARIANTS = ("tiers", "oldest", "fewest_remaining", "request")
 PRIORITY, DEFAULT = 0, 1
+REASONS_KEPT = 5
 
 
 @dataclass
@@ -65,6 +67,9 @@ class Outcomes:
     left: dict[int, str] = field(default_factory=dict)  # refused / expired / failed
     answered_at: dict[int, float] = field(default_factory=dict)
     preemptions: int = 0
+    # The first few refusals' and expiries' messages (the estimate a refusal rested on): what a GPU run
+    # brings back to read a refusal by.
+    reasons: list[str] = field(default_factory=list)
 
 
 class SloRecorder:
@@ -79,6 +84,8 @@ class SloRecorder:
         for left in report.left:
             if left.reason not in ("finished", "ended") and left.job.record not in self.outcomes.left:
                 self.outcomes.left[left.job.record] = left.reason
+                if left.error is not None and len(self.outcomes.reasons) < REASONS_KEPT:
+                    self.outcomes.reasons.append(f"{left.reason}: {left.error.message}")
                 self.outcomes.answered_at[left.job.record] = time.perf_counter()
                 self.traffic.done(left.job.record)
         self.outcomes.preemptions += len(report.paused)
@@ -148,7 +155,11 @@ def run(
             sync(bench.device)
         else:
             traffic.wait_for_arrival()
-    return summarize(variant, items, traffic, outcomes, deadline_scale, alone)
+    report = summarize(variant, items, traffic, outcomes, deadline_scale, alone)
+    if step_engine:  # the cost model the run ended with, as MODEL_INFO gives it (engine/estimates.py)
+        engine.stopwatch.settle(wait=True)
+        report["cost_model"] = engine.times.describe()
+    return report
 
 
 def summarize(
@@ -163,7 +174,7 @@ def summarize(
     report = class_report(
         variant, items, measured, spans, outcomes.left, refusals, deadline_scale, window, alone
     )
-    return report | {"preemptions": outcomes.preemptions}
+    return report | {"preemptions": outcomes.preemptions, "reasons": outcomes.reasons}
 
 
 def alone_latency(bench: Bench, steps: int, repeats: int = 7) -> float:
@@ -237,6 +248,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--arch", choices=sorted(ARCHITECTURES), default="tiny-sd")
     parser.add_argument("--height", type=int, default=64)
     parser.add_argument("--width", type=int, default=64)
+    parser.add_argument(
+        "--device-profile",
+        help="time the denoiser and decode as this GPU was measured to (sd15-h100: --height 512 --width "
+        "512; adapters/device_profiles.py): the real scheduler at that GPU's cost ratios, on a CPU",
+    )
     parser.add_argument("--cap", type=int, default=8)
     parser.add_argument("--requests", type=int, default=240)
     parser.add_argument("--loads", default="0.7,0.9,1.1")
@@ -256,7 +272,13 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(args.threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    bench = Bench(args.arch, args.height, args.width, args.cap, device, dtype)
+    if args.device_profile:  # its times hold at the size it was measured at only
+        size = load_table(PROFILES[args.device_profile]).size
+        if size != (args.height, args.width):
+            parser.error(f"--device-profile {args.device_profile} was measured at {size}: --height, --width")
+    bench = Bench(
+        args.arch, args.height, args.width, args.cap, device, dtype, device_profile=args.device_profile
+    )
     background = tuple(int(x) for x in args.background_steps.split("-"))
     # What a warm step engine has measured before the run, at every forward size up to the cap (a server
     # learns these in its first seconds; its deadline estimates start from them).
@@ -266,6 +288,7 @@ def main(argv: list[str] | None = None) -> dict:
             warm.add(bench.job(20_000 + i, bench.request(20_000 + i, 4, 7.5), "step"))
         while warm.active:
             warm.step()
+    warm.stopwatch.settle(wait=True)  # on a GPU, the last forwards and decodes too
     alone = alone_latency(bench, args.interactive_steps)
     slo_s = args.deadline_scale * alone
     if args.trace:
@@ -280,6 +303,7 @@ def main(argv: list[str] | None = None) -> dict:
         "benchmark": "bench_slo",
         "config": {
             "arch": args.arch,
+            "device_profile": args.device_profile,
             "size": f"{args.width}x{args.height}",
             "cap": args.cap,
             "requests": len(items),

@@ -1,6 +1,7 @@
 """The mixed-sizes benchmark's bookkeeping (scripts/benchmarks/mixed_sizes.py) and its figure block
-(scripts/tables/mixed_sizes.py), with made-up reports and runs, no model: what a run counts (engine steps,
-forwards, padded tokens, misses) and how rounds become medians, ratios and readings."""
+(scripts/tables/mixed_sizes.py), with made-up reports and runs: what a run counts (engine steps, forwards,
+padded tokens, misses) and how rounds become medians, ratios and readings; and, on tiny-flux, that the
+full-size FLUX.1 swap calibrates the packing gate again."""
 
 import sys
 from pathlib import Path
@@ -156,3 +157,21 @@ def test_the_block_names_the_sizes_device_and_transformer_a_gpu_run_used():
     text = render(artefact)
     assert "Sizes (WxH) 512x512, 768x768, 1024x1024 drawn uniformly for `mixed`, 512x512 for" in text
     assert "on cuda in bfloat16, FLUX.1's transformer at full size (random weights: speed only)" in text
+
+
+def test_the_full_size_flux1_swap_calibrates_the_packing_gate_over_the_transformer_it_serves(monkeypatch):
+    """The load's calibration priced tiny-flux's own transformer (on an H200: 7 ms a forward of 3 x 1024
+    tokens); after the swap the gate must price the full-size one, so it is calibrated again over the new
+    adapter. (The full-size transformer stands in as tiny-flux's own here: 12B parameters do not fit.)"""
+    import diffusers
+    import torch
+    from benchmarks import inprocess
+
+    bench = inprocess.Bench("tiny-flux", 64, 64, 2, "cpu", torch.float32)
+    tiny = bench.pipe.transformer
+    monkeypatch.setattr(diffusers, "FluxTransformer2DModel", lambda **config: tiny)
+    calibrated = []
+    monkeypatch.setattr(inprocess, "calibrate", lambda adapter, *args: calibrated.append(adapter) or "new")
+    loaded = bench.adapter
+    inprocess.full_size_flux1(bench, "cpu", torch.float32)
+    assert bench.adapter is not loaded and calibrated == [bench.adapter] and bench.calibration == "new"
