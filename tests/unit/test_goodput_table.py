@@ -289,3 +289,12 @@ def test_a_run_records_its_latency_by_third_and_the_table_reads_fifos_queue():
     text = _queue({"loads": [0.5, 0.8, 1.5], "runs": runs + [fifo(1.5, None)]})
     assert text.endswith("0.5x 0.20 s to 0.28 s; 0.8x 0.50 s to 6.00 s.")
     assert _queue({"loads": [0.5], "runs": [fifo(0.5, None)]}) == ""  # an artefact from before says nothing
+
+
+def test_a_take_stops_before_any_run_where_the_capacity_reads_disagree():
+    from benchmarks.goodput import MOST_CAPACITY_SPREAD, steady_machine
+
+    steady_machine([18.0, 17.7, 17.9])  # an Intel host's reads: steady
+    steady_machine([20.0, 20.0 * MOST_CAPACITY_SPREAD])  # at the bound: steady
+    with pytest.raises(SystemExit, match="22.0, 30.6, 29.3 req/s differ"):
+        steady_machine([22.0, 30.6, 29.3])  # the AMD host's
