@@ -175,7 +175,6 @@ BLOCKS: dict[str, Figure] = {
         ("docs/profiles/sd15-h100/goodput.json",),
         "goodput.render",
         "bench.py goodput --device-profile sd15-h100",
-        stale=BEFORE_CLIENT_THREADS + "; and " + BEFORE_HEADROOM_BOUND,
     ),
     "goodput-sd15-h100-steady": Figure(
         ("docs/profiles/sd15-h100/steady/goodput.json",),
