@@ -180,7 +180,6 @@ BLOCKS: dict[str, Figure] = {
         ("docs/profiles/sd15-h100/steady/goodput.json",),
         "goodput.render",
         "bench.py goodput --device-profile sd15-h100 --variants fifo,tiers-room,degrade-room --room 1",
-        stale=BEFORE_CLIENT_THREADS + "; and " + BEFORE_HEADROOM_BOUND,
     ),
     # Published: rows of a published table (not measured here).
     "published-flux-quality": Figure(
