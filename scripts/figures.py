@@ -84,8 +84,8 @@ BEFORE_HEADROOM_BOUND = (
 
 BEFORE_STOPWATCH = (
     "taken before the step engine timed a GPU's work by its device events (commit f9d0d4b,"
-    " engine/stopwatch.py: before, the cost model read a forward as its launch and a decode as every"
-    " forward queued before it)"
+    " engine/stopwatch.py): its cost model timed forwards, starts and decodes with the host's clock, which"
+    " would read a forward as its launch and a decode as every forward queued before it"
 )
 
 BLOCKS: dict[str, Figure] = {
@@ -211,8 +211,8 @@ BLOCKS: dict[str, Figure] = {
     "gpu-h200-mixed-sizes": Figure(
         ("docs/gpu/checks_h200/mixed_sizes/mixed_sizes.json",),
         "mixed_sizes.render",
-        stale=BEFORE_STOPWATCH + "; and with the packing gate priced by a calibration of tiny-flux's own"
-        " transformer, taken before the full-size one was swapped in (its calibration column)",
+        stale=BEFORE_STOPWATCH + "; and with the packing gate's fit seeded by a calibration of tiny-flux's"
+        " own transformer, taken before the full-size one was swapped in (its calibration column)",
     ),
     "gpu-h200-slo": Figure(
         ("docs/gpu/checks_h200/slo/bench_slo.json",), "slo.render", stale=BEFORE_STOPWATCH

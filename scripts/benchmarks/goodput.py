@@ -282,8 +282,7 @@ def capacity(url: str, model: str, requests: list[dict], concurrency: int, spaci
 
 # The most the models' capacity reads (repeats of one measurement: the same model, the same traffic) may
 # differ, largest over smallest: beyond it the machine is not steady enough for loads set from their
-# median (on an AMD host they read 22.0, 30.6 and 29.3 req/s within a minute, and its 0.5x load missed
-# a third of its deadlines: that take was not kept).
+# median (a take whose reads disagreed by more missed many deadlines at 0.5x; it was not kept).
 MOST_CAPACITY_SPREAD = 1.3
 
 

@@ -291,10 +291,10 @@ def test_a_run_records_its_latency_by_third_and_the_table_reads_fifos_queue():
     assert _queue({"loads": [0.5], "runs": [fifo(0.5, None)]}) == ""  # an artefact from before says nothing
 
 
-def test_a_take_stops_before_any_run_where_the_capacity_reads_disagree():
+def test_capacity_reads_that_disagree_by_more_than_the_spread_stop_the_take():
     from benchmarks.goodput import MOST_CAPACITY_SPREAD, steady_machine
 
-    steady_machine([18.0, 17.7, 17.9])  # an Intel host's reads: steady
+    steady_machine([18.0, 17.7, 17.9])  # docs/cpu/goodput.json's reads: steady
     steady_machine([20.0, 20.0 * MOST_CAPACITY_SPREAD])  # at the bound: steady
     with pytest.raises(SystemExit, match="22.0, 30.6, 29.3 req/s differ"):
-        steady_machine([22.0, 30.6, 29.3])  # the AMD host's
+        steady_machine([22.0, 30.6, 29.3])  # reads that disagree

@@ -160,9 +160,10 @@ def test_the_block_names_the_sizes_device_and_transformer_a_gpu_run_used():
 
 
 def test_the_full_size_flux1_swap_calibrates_the_packing_gate_over_the_transformer_it_serves(monkeypatch):
-    """The load's calibration priced tiny-flux's own transformer (on an H200: 7 ms a forward of 3 x 1024
-    tokens); after the swap the gate must price the full-size one, so it is calibrated again over the new
-    adapter. (The full-size transformer stands in as tiny-flux's own here: 12B parameters do not fit.)"""
+    """The load's calibration priced tiny-flux's own transformer (on an H200, by the host's clock: a few
+    ms a forward of 3 x 1024 tokens); after the swap the gate must price the full-size one, so it is
+    calibrated again over the new adapter. (The full-size transformer stands in as tiny-flux's own here:
+    12B parameters do not fit.)"""
     import diffusers
     import torch
     from benchmarks import inprocess

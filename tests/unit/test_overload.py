@@ -68,7 +68,20 @@ def test_only_full_forwards_after_a_full_one_count_less_the_starts_and_decodes_r
     load.served(5.4, 2, 1.2, False)  # not full: it and the wait before the next are not counted
     load.served(9.0, 2, 1.3, True)
     load.served(9.1, 2, 1.3, True)
-    assert [(round(s, 6), t) for s, t in load.forwards] == [(0.05, 2), (0.1, 2), (0.1, 2)]
+    assert [(round(g - s, 6), t) for g, s, t in load.forwards] == [(0.05, 2), (0.1, 2), (0.1, 2)]
+
+
+def test_a_start_recorded_a_forward_late_comes_out_of_the_windows_time_whole():
+    """On a GPU a start's seconds reach spent_s a step or more after it ran (engine/stopwatch.py): taken
+    out of a later, shorter interval, the window still loses all of it (a clamp per interval would drop
+    the part above that interval, and read the engine as slower than it is)."""
+    lagging, on_time = OfferedLoad(), OfferedLoad()
+    for load, spent in ((lagging, (0.0, 0.0, 0.3, 0.3)), (on_time, (0.0, 0.3, 0.3, 0.3))):
+        for now, spent_s in zip((0.0, 0.5, 0.6, 1.1), spent, strict=True):
+            load.served(now, 2, spent_s, True)  # intervals of 0.5, 0.1, 0.5 s; a 0.3 s start in the first
+    assert [round(g - s, 6) for g, s, _ in lagging.forwards] == [0.5, -0.2, 0.5]
+    steps_s = [round(sum(g - s for g, s, _ in load.forwards), 6) for load in (lagging, on_time)]
+    assert steps_s == [0.8, 0.8]
 
 
 def test_a_load_not_shown_by_its_bound_cuts_nobody_even_where_its_newest_arrivals_are_above_1():

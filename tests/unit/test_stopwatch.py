@@ -131,8 +131,9 @@ class GpuAdapter(FakeAdapter):
 
 def test_the_engine_learns_the_devices_seconds_not_the_hosts():
     """A forward that returns at once but costs the device 0.2 s, and a decode of 0.01 s that waits for
-    the forwards queued before it: the cost model prices a forward at 0.2 s and a decode at 0.01 s (a
-    host clock reads a forward as nothing and a decode as every forward before it)."""
+    the forwards queued before it: the cost model prices a forward at 0.2 s and a decode at 0.01 s (the
+    host's clock, around this fake's calls, reads both as about nothing; on a real GPU it reads a decode
+    as every forward queued before it too)."""
     gpu = Device()
     adapter = GpuAdapter(gpu, forward_s=0.2, decode_s=0.01)
     engine = engine_for(adapter)
@@ -145,3 +146,25 @@ def test_the_engine_learns_the_devices_seconds_not_the_hosts():
         engine.step()
     assert engine.times.forward_s(1) == pytest.approx(0.2)
     assert engine.times.finish_s == pytest.approx(0.01)
+
+
+def test_the_engine_picks_its_stopwatch_from_the_adapters_device():
+    gpu = Device()
+    assert engine_for(GpuAdapter(gpu, 0.2, 0.01)).engine.stopwatch.events is not None  # cuda:0: events
+    assert engine_for(FakeAdapter()).engine.stopwatch.events is None  # no device: the host's clock
+    assert Stopwatch.on("cuda:1").events is not None and Stopwatch.on("cpu").events is None
+
+
+def test_a_forward_that_fails_records_no_span_and_each_half_that_runs_records_its_own():
+    """isolate() bisects a failing forward: the failed attempt's span is never stopped, so the cost
+    model learns only the forwards that ran (here the good job's, alone)."""
+    gpu = Device()
+    engine = engine_for(GpuAdapter(gpu, forward_s=0.2, decode_s=0.01))
+    engine.engine.stopwatch = Stopwatch(gpu.event)
+    ran: list[tuple[int, float]] = []
+    engine.times.forward_ran = lambda jobs, tokens, seconds, rows=None: ran.append((jobs, seconds))
+    engine.add(job("good", Spec(steps=2)), job("bad", Spec(steps=2, fail_forward=True)))
+    engine.step()
+    gpu.now = gpu.queue_end
+    engine.step()
+    assert ran and ran[0] == (1, pytest.approx(0.2))  # one job's forward, not the failed pair's

@@ -102,7 +102,9 @@ class OfferedLoad:
     def __init__(self, window: int = WINDOW) -> None:
         self.arrivals: deque[Arrival] = deque(maxlen=window)
         # (seconds since the last, less starts and decodes in them; token-steps) of each full forward
-        self.forwards: deque[tuple[float, int]] = deque(maxlen=window)
+        # Per full forward: the seconds since the one before, those of them the engine spent on starts and
+        # decodes, and the token-steps it advanced.
+        self.forwards: deque[tuple[float, float, int]] = deque(maxlen=window)
         self._last: float | None = None  # when the last full forward ended
         self._spent = 0.0  # the engine's seconds spent on starts and decodes, as of the last forward
 
@@ -112,20 +114,22 @@ class OfferedLoad:
     def served(self, now: float, token_steps: int, spent_s: float, full: bool) -> None:
         """A forward that advanced ``token_steps`` ended at ``now``; ``spent_s``: the engine's seconds spent
         on starts and decodes so far (WorkTimes.spent_s: those since the last forward are taken out of
-        its interval, as measured where they ran, a start of a job that never finishes included);
-        ``full``: the engine was full. Only a full forward after a full one is counted (the time between
-        them held no idle wait)."""
+        the window's time, a start of a job that never finishes included); ``full``: the engine was full.
+        Only a full forward after a full one is counted (the time between them held no idle wait). They
+        come out of the window's sum, not each interval's: on a GPU a start's or decode's seconds are
+        recorded once the device has passed it (engine/stopwatch.py), a step or more after it ran."""
         if full and self._last is not None:
-            self.forwards.append((max(now - self._last - (spent_s - self._spent), 0.0), token_steps))
+            self.forwards.append((max(now - self._last, 0.0), spent_s - self._spent, token_steps))
         self._last, self._spent = (now if full else None), spent_s
 
     def _rate(self, least: int) -> float | None:
         """Token-steps a second over the full forwards seen (None: fewer than ``least`` arrivals or
         forwards seen, too few to tell)."""
-        served_s = sum(seconds for seconds, _ in self.forwards)  # the steps' own time
+        # The steps' own time: between the forwards, less the starts and decodes run there.
+        served_s = sum(seconds - spent for seconds, spent, _ in self.forwards)
         if len(self.arrivals) < least or len(self.forwards) < least or served_s <= 0:
             return None
-        return sum(token_steps for _, token_steps in self.forwards) / served_s
+        return sum(token_steps for _, _, token_steps in self.forwards) / served_s
 
     def headroom(self, now: float, fixed_s: float, least: int = LEAST) -> bool:
         """Whether the load offered at ``now`` leaves headroom: neither the window's lower bound above

@@ -209,6 +209,7 @@ class StepEngine:
         batch = scheduler.next_forward()
         if batch:
             self._forward(batch, scheduler.packing)
+        self.stopwatch.settle()  # what a decode waited for is passed: the cost model has it while idle
         return self.take_report()
 
     def take_report(self) -> StepReport:
@@ -270,9 +271,9 @@ class StepEngine:
             if len(result.steps) != len(part):
                 raise RuntimeError(f"step returned {len(result.steps)} results for {len(part)} jobs")
             # What it computed, padding included (a packed forward's): what its seconds are the cost of.
-            computed = sum(job.spec.tokens for job in part) + result.padded_tokens
+            computed, rows = sum(job.spec.tokens for job in part) + result.padded_tokens, result.rows
             seconds = self.stopwatch.stop(
-                started, lambda s: self.times.forward_ran(len(part), computed, s, result.rows)
+                started, lambda s: self.times.forward_ran(len(part), computed, s, rows)
             )
             return result, seconds
 

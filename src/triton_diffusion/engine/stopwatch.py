@@ -8,6 +8,12 @@ on the device's stream, and its seconds are the time between them on the device'
 while the host launches included, work queued before the span left out). The engine never waits for
 them: :meth:`Stopwatch.settle`, at the top of each engine step, records the spans the device has passed,
 in order. On a CPU the host's clock is the device's, and a span is recorded when it stops.
+
+What it leaves out on a GPU: work queued on the device and not yet run is in no span yet (the host runs
+at most a few forwards ahead of it: the launch queue is bounded), so an estimate made meanwhile prices it
+as the steps those jobs have left, not as time the device still owes. The events sit on the device's
+current stream, which the engine thread's forwards and CUDA graph replays use; another thread's copies
+on that stream (a preview's) can fall inside a span, a little.
 """
 
 from __future__ import annotations
@@ -49,9 +55,11 @@ class Stopwatch:
     @classmethod
     def on(cls, device: object) -> Stopwatch:
         """For a model on ``device`` (a torch device or its name; None: a CPU)."""
+        if device is None:
+            return cls()
         import torch
 
-        if device is None or torch.device(str(device)).type != "cuda":
+        if torch.device(str(device)).type != "cuda":
             return cls()
         index = torch.device(str(device)).index
 
