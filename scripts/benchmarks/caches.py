@@ -72,15 +72,23 @@ NOTES = [
 
 
 class CacheRecorder(Recorder):
-    """The engines' reports into the traffic's clock, and each forward's jobs, rows and time."""
+    """The engines' reports into the traffic's clock, and each forward's jobs, rows and device seconds
+    (the stopwatch's: on a GPU they come a step or two after the forward's report)."""
 
     def __init__(self, traffic: Traffic) -> None:
         super().__init__(traffic)
-        self.forwards: list[tuple[int, int, int, float]] = []  # (jobs, rows, rows reused, seconds)
+        self.ran: dict[int, tuple[int, int, int]] = {}  # by span: (jobs, rows, rows reused)
+        self.timed: dict[int, float] = {}  # by span: device seconds
 
     def render(self, report: StepReport) -> None:
         super().render(report)
-        self.forwards += [(f.images, f.rows, f.rows_reused, f.seconds) for f in report.forwards]
+        self.ran.update((f.span, (f.images, f.rows, f.rows_reused)) for f in report.forwards)
+        self.timed.update(report.timed)
+
+    @property
+    def forwards(self) -> list[tuple[int, int, int, float]]:
+        """(jobs, rows, rows reused, seconds) of each forward run and timed, in order."""
+        return [(*self.ran[span], self.timed[span]) for span in sorted(self.ran) if span in self.timed]
 
 
 def run(bench: Bench, variant: str, requests: list[dict], traffic: Traffic) -> dict:
@@ -94,16 +102,19 @@ def run(bench: Bench, variant: str, requests: list[dict], traffic: Traffic) -> d
         else:
             traffic.wait_for_arrival()
     sync(bench.device)
+    engine.stopwatch.settle(wait=True)  # the last forwards' device seconds
+    recorder.render(engine.take_report())
     measured = traffic.measure()
-    rows = sum(f[1] for f in recorder.forwards)
+    forwards = recorder.forwards
+    rows = sum(f[1] for f in forwards)
     return {
         "variant": variant,
         "images_per_s": measured.delivered_per_s,
         "offered_per_s": measured.offered_per_s,
         "latency_mean_s": mean(measured.latencies),
         "latency_p95_s": percentile(measured.latencies, 0.95),
-        "reused_fraction": sum(f[2] for f in recorder.forwards) / rows if rows else 0.0,
-        "forwards": recorder.forwards,
+        "reused_fraction": sum(f[2] for f in forwards) / rows if rows else 0.0,
+        "forwards": forwards,
     }
 
 

@@ -58,6 +58,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-steps", type=int, default=200, help="engine steps per run (after warm-up)")
     p.add_argument("--intervals", default=DEFAULT_INTERVALS, help="checkpoint_every_steps values; 0: off")
     p.add_argument("--rounds", type=int, default=5, help="alternated rounds")
+    p.add_argument(
+        "--threads",
+        type=int,
+        help="torch threads (default: 2 on a CPU, torch's on a GPU; the GPU smoke takes 1: two threads "
+        "spinning on a CPU shared with other work made its steps a hundred times slower)",
+    )
     p.add_argument("--out", type=Path, default=REPO_ROOT / "bench_results")
     return p
 
@@ -123,8 +129,8 @@ def main(argv: list[str] | None = None) -> None:
         }
     intervals = [int(v) for v in args.intervals.split(",")]
     device, dtype = device_and_dtype(args.device, args.dtype)
-    if device == "cpu":
-        torch.set_num_threads(2)
+    if args.threads or device == "cpu":
+        torch.set_num_threads(args.threads or 2)
     bench = Bench(
         args.arch, args.size, args.size, args.running, device, dtype, device_profile=args.device_profile
     )

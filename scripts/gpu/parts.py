@@ -440,7 +440,7 @@ def checkpoint_cost_work() -> list[Work]:
 def checkpoint_cost_command(run: Run) -> list[str]:
     c = CHECKPOINT_COST
     if run.smoke:
-        sizes = "--running 2 --steps 4 --engine-steps 6 --rounds 1"
+        sizes = "--running 2 --steps 4 --engine-steps 6 --rounds 1 --threads 1"
     else:
         sizes = (
             f"--arch sd15 --size 512 --running {c['running']} --steps {c['steps']} "

@@ -217,6 +217,9 @@ def test_step_engine_metrics_and_log_lines(server):
         return after.get(name + label, 0.0) - before.get(name + label, 0.0)
 
     assert grew("triton_diffusion_forward_images_count") >= 3
+    # each forward timed once (on a CPU in its own step's report: StepReport.timed)
+    assert grew("triton_diffusion_step_seconds_count") == grew("triton_diffusion_forward_images_count")
+    assert grew("triton_diffusion_step_seconds_sum") > 0
     assert grew("triton_diffusion_admission_wait_seconds_count") == 3
     assert grew("triton_diffusion_first_step_seconds_count") == 3
     assert after["triton_diffusion_rows_in_flight" + label] == 0

@@ -168,3 +168,31 @@ def test_a_forward_that_fails_records_no_span_and_each_half_that_runs_records_it
     gpu.now = gpu.queue_end
     engine.step()
     assert ran and ran[0] == (1, pytest.approx(0.2))  # one job's forward, not the failed pair's
+
+
+def test_each_forward_reports_its_device_seconds_by_its_span_once_the_device_has_passed_it():
+    """The step report's ``timed`` (the step-seconds metric, the caches bench): a forward's report names
+    its span, and its device seconds come in the report of the step that found the device past it."""
+    gpu = Device()
+    engine = engine_for(GpuAdapter(gpu, forward_s=0.2, decode_s=0.01))
+    engine.engine.stopwatch = Stopwatch(gpu.event)
+    engine.add(job("a", Spec(steps=3)))
+    engine.step()
+    first = engine.host.reports[-1]
+    assert [f.span for f in first.forwards] == [1] and first.timed == []  # queued, not passed
+    gpu.now = gpu.queue_end
+    engine.step()
+    second = engine.host.reports[-1]
+    assert [f.span for f in second.forwards] == [2]
+    assert second.timed == [(1, pytest.approx(0.2))]  # the first forward's, a step late
+    gpu.now = gpu.queue_end
+    engine.step()
+    assert engine.host.reports[-1].timed[0] == (2, pytest.approx(0.2))
+
+
+def test_on_a_cpu_each_forward_is_timed_in_its_own_report():
+    engine = engine_for(FakeAdapter())
+    engine.add(job("a", Spec(steps=2)))
+    engine.step()
+    report = engine.host.reports[-1]
+    assert [span for span, _ in report.timed] == [f.span for f in report.forwards] == [1]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from tests.conftest import OWN_SERVERS, worker_group
+from tests.conftest import OWN_PROCESSES, OWN_SERVERS, worker_group
 
 INTEGRATION = Path(__file__).resolve().parents[1] / "integration"
 
@@ -14,6 +14,10 @@ INTEGRATION = Path(__file__).resolve().parents[1] / "integration"
 def test_integration_tests_go_in_two_groups_and_unit_tests_alone():
     assert worker_group("tests/integration/test_lora.py::test_x[sd_lora]") == "session-server"
     assert worker_group("tests/integration/test_drain.py::test_y") == "own-servers"
+    assert worker_group("tests/integration/test_benchmarks.py::test_bench_writes_its_report") == "own-servers"
+    assert worker_group("tests/integration/test_benchmarks.py::test_perf_analyzer_script_writes_a_csv") == (
+        "session-server"
+    )
     assert worker_group("tests/unit/test_jobs.py::test_z") == "tests/unit/test_jobs.py::test_z"
 
 
@@ -23,3 +27,12 @@ def test_the_own_server_files_exist_and_none_uses_the_session_server():
         text = (INTEGRATION / f"{name}.py").read_text()
         uses = re.findall(r"def (test_\w+)\([^)]*\bserver\b", text)
         assert not uses, (name, uses)
+
+
+def test_the_own_process_tests_exist_and_none_uses_the_session_server():
+    for nodeid in OWN_PROCESSES:
+        path, name = nodeid.split("::")
+        text = (INTEGRATION.parents[1] / path).read_text()
+        signature = re.search(rf"def {name}\(([^)]*)\)", text)
+        assert signature is not None, nodeid
+        assert not re.search(r"\bserver\b", signature.group(1)), nodeid

@@ -312,12 +312,13 @@ class Forward:
 
     images: int
     rows: int  # images plus their unconditional rows
-    seconds: float
+    seconds: float  # what the host waited for it (on a GPU: its launch); its device seconds: ``span``
     adapters: int = 0  # distinct LoRA adapters among its rows
     rows_reused: int = 0  # rows served from step caches
     tokens: int = 0  # its jobs' tokens (the sum of their ``tokens``)
     padded_tokens: int = 0  # padding the adapter added to pack rows of different lengths (ForwardResult)
     packing: Packing | None = None  # the packing gate's decision where its jobs were of several sizes
+    span: int = 0  # its number in the stopwatch's spans: its device seconds come as StepReport.timed
 
 
 @dataclass
@@ -330,6 +331,9 @@ class StepReport:
     left: list[Left] = field(default_factory=list)
     paused: list[Job] = field(default_factory=list)
     forwards: list[Forward] = field(default_factory=list)
+    # Forwards' device seconds by span (Forward.span), as the stopwatch recorded them in this step: on a
+    # CPU this step's own forwards; on a GPU those the device has passed (a step or two late).
+    timed: list[tuple[int, float]] = field(default_factory=list)
     calls: list[CallReport] = field(default_factory=list)  # request-level: each fused call as run
     cuts: list[str] = field(default_factory=list)  # request-level: why planned calls were cut short
     # Jobs' checkpoints taken after this step's forward (the adapter's, CPU copies), for the host to store.

@@ -143,6 +143,7 @@ class StepEngine:
         self.scheduler = Scheduler(limits, policy, pacing, service, self.times, clock, computed_by(adapter))
         self.steps = 0  # engine steps so far
         self.forwards = 0  # forwards run
+        self.spans = 0  # forwards timed (run or failed): Forward.span
         self.report = StepReport()  # what the step under way did so far
 
     # ---- any thread -------------------------------------------------------------------------------
@@ -265,17 +266,21 @@ class StepEngine:
     def _forward(self, batch: list[Job], packing: Packing | None = None) -> None:
         group = forward_group(batch)
 
-        def work(part: list[Job]) -> tuple[ForwardResult, float]:
+        def work(part: list[Job]) -> tuple[ForwardResult, float, int]:
             started = self.stopwatch.start()
             result = self.adapter.step(part, [job.preview_due(job.run.steps_done + 1) for job in part])
             if len(result.steps) != len(part):
                 raise RuntimeError(f"step returned {len(result.steps)} results for {len(part)} jobs")
             # What it computed, padding included (a packed forward's): what its seconds are the cost of.
             computed, rows = sum(job.spec.tokens for job in part) + result.padded_tokens, result.rows
-            seconds = self.stopwatch.stop(
-                started, lambda s: self.times.forward_ran(len(part), computed, s, rows)
-            )
-            return result, seconds
+            self.spans += 1
+            span = self.spans
+
+            def timed(seconds: float) -> None:
+                self.times.forward_ran(len(part), computed, seconds, rows)
+                self.report.timed.append((span, seconds))
+
+            return result, self.stopwatch.stop(started, timed), span
 
         def failed(part: list[Job], failure: Failure) -> None:
             log.warning("forward of %d job(s) failed: %s", len(part), failure.text)
@@ -286,13 +291,18 @@ class StepEngine:
             for job in part:
                 self._fail(job, failure.request_error("denoising step"))
 
-        def done(part: list[Job], ran: tuple[ForwardResult, float]) -> None:
-            self._apply(part, ran[0], ran[1], packing)
+        def done(part: list[Job], ran: tuple[ForwardResult, float, int]) -> None:
+            self._apply(part, *ran, packing)
 
         isolate(work, batch, done=done, fail=fail, failed=failed)
 
     def _apply(
-        self, jobs: list[Job], result: ForwardResult, seconds: float, packing: Packing | None = None
+        self,
+        jobs: list[Job],
+        result: ForwardResult,
+        seconds: float,
+        span: int,
+        packing: Packing | None = None,
     ) -> None:
         """One forward's per-job results, applied by the scheduler, then reported; the done decoded."""
         self.forwards += 1
@@ -310,6 +320,7 @@ class StepEngine:
             tokens=tokens,
             padded_tokens=result.padded_tokens,
             packing=packing,
+            span=span,
         )
         self.report.forwards.append(forward)
         if self.checkpoint_every:

@@ -341,7 +341,17 @@ class EngineHost:
         deadlines = self._deadline_outcomes(report.left)
         # Metrics go on the response thread's queue before the answers: a client that reads /metrics
         # after its answer sees the work that answered it.
-        if report.forwards or report.calls or report.cuts or report.stepped or report.left or report.paused:
+        if any(
+            (
+                report.forwards,
+                report.timed,
+                report.calls,
+                report.cuts,
+                report.stepped,
+                report.left,
+                report.paused,
+            )
+        ):
             submit(None, lambda: self._record_metrics(report, deadlines))
         now = time.monotonic()
         if report.forwards and now - self._cost_published >= COST_METRICS_EVERY_S:
@@ -513,7 +523,6 @@ class EngineHost:
             if names.forward_images:
                 metrics.observe(names.forward_images, forward.images)
             metrics.observe(names.forward_model_rows, forward.rows)
-            metrics.observe(names.step_seconds, forward.seconds)
             if names.forward_adapters and forward.adapters:
                 metrics.observe(names.forward_adapters, forward.adapters)
             if names.forwards_total:
@@ -521,6 +530,8 @@ class EngineHost:
             if forward.packing is not None:
                 decision = "packed" if forward.packing.packed else "by_size"
                 metrics.increment("triton_diffusion_packing_decisions_total", decision=decision)
+        for _, seconds in report.timed:  # the device's seconds (on a GPU the host's are its launch)
+            metrics.observe(names.step_seconds, seconds)
         for call in report.calls:
             metrics.increment("triton_diffusion_fused_calls_total")
             if call.error is None:

@@ -39,7 +39,10 @@ FAMILIES = {
         "HISTOGRAM",
         "Step engine: model rows per forward (an image with classifier-free guidance is 2)",
     ),
-    "triton_diffusion_step_seconds": ("HISTOGRAM", "Step engine: time per forward and scheduler steps"),
+    "triton_diffusion_step_seconds": (
+        "HISTOGRAM",
+        "Step engine: device seconds per forward (on a GPU by CUDA events, recorded a step or two later)",
+    ),
     "triton_diffusion_forward_adapters": (
         "HISTOGRAM",
         "Step engine: distinct LoRA adapters per forward (forwards with adapters only)",
