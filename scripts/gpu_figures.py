@@ -69,6 +69,8 @@ def engines_figures(folder: Path, run: Any) -> str:
     for name, (value, _target) in report.get("ratios", {}).items():
         if name.startswith(wanted):
             parts.append(f"{name} {value:.2f}")
+    for k, check in report.get("stopwatch_check", {}).items():  # what the cost model learns, checked
+        parts.append(f"stopwatch / synced host clock, a forward of {k} img {check['ratio']:.3f}")
     other = run.folder("engines_graphs") / "bench_engines.json"
     if not report.get("cuda_graphs") and alone and other.is_file():
         captured = [r for r in load_json(other)["runs"] if r["engine"] == "step" and r["concurrency"] == 1]

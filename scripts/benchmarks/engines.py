@@ -69,6 +69,7 @@ from benchmarks.engine_runs import (
 from benchmarks.inprocess import Bench, sync, timed_median
 from benchmarks.reports import load_cell, number_cell, ratio_table
 from triton_diffusion.engine.jobs import Job
+from triton_diffusion.engine.stopwatch import Stopwatch
 from triton_diffusion.tiny_models import ARCHITECTURES
 
 
@@ -117,6 +118,39 @@ def stage_costs(
         costs["forward"][k] = timed_median(lambda jobs=jobs: adapter.step(jobs), bench.device)
         costs["decode"][k] = timed_median(lambda jobs=jobs: adapter.finish(jobs), bench.device)
     return costs
+
+
+def stopwatch_median(work, stopwatch: Stopwatch, device: str, repeats: int = 7) -> float:
+    """Median seconds of ``work`` as the engine's stopwatch reads them (engine/stopwatch.py): run back to
+    back with no sync between, as the engine runs its forwards, each span settled once the device has
+    passed it. Beside :func:`timed_median` (the host's clock around a synced call) it checks that what the
+    cost model learns is what the device spends."""
+    work()
+    sync(device)
+    recorded: list[float] = []
+    for _ in range(repeats):
+        mark = stopwatch.start()
+        work()
+        stopwatch.stop(mark, recorded.append)
+    sync(device)
+    stopwatch.settle(wait=True)
+    return sorted(recorded)[len(recorded) // 2]
+
+
+def stopwatch_check(bench: Bench, steps: int, sizes: tuple[int, ...] = (1, 8)) -> dict[str, dict[str, float]]:
+    """A forward of k images timed both ways: the host's clock around a synced call, and the engine's
+    stopwatch (on a GPU its CUDA events; on a CPU the host's clock, so the two agree by construction)."""
+    adapter, out = bench.adapter, {}
+    for k in sizes:
+        jobs = [bench.job(i, bench.request(i, steps, 7.5), "step") for i in range(k)]
+        for job, start in zip(jobs, adapter.prepare(jobs), strict=True):
+            job.begin(start)
+        synced = timed_median(lambda jobs=jobs: adapter.step(jobs), bench.device)
+        watched = stopwatch_median(
+            lambda jobs=jobs: adapter.step(jobs), Stopwatch.on(bench.device), bench.device
+        )
+        out[str(k)] = {"synced_host_s": synced, "stopwatch_s": watched, "ratio": watched / synced}
+    return out
 
 
 def sim_arguments(costs: dict[str, dict[int, float]]) -> str:
@@ -337,6 +371,12 @@ def main(argv: list[str] | None = None) -> None:
         report["stage_costs"] = {stage: {str(k): v for k, v in by_k.items()} for stage, by_k in costs.items()}
         print("  engine_sim.py " + sim_arguments(costs) + f" --steps {args.steps} --cap {args.cap}")
         report["model"] = model_prediction(args.sim, costs, args, saturated, loads)
+        report["stopwatch_check"] = stopwatch_check(bench, steps=50)
+        print(
+            "  stopwatch / synced host clock, a forward: "
+            + ", ".join(f"{k} img {v['ratio']:.3f}" for k, v in report["stopwatch_check"].items()),
+            flush=True,
+        )
         save()
     if args.profile_forwards:
         print("[profile of the step engine at full occupancy]", flush=True)

@@ -479,7 +479,8 @@ PARTS: list[Part] = [
     Part(
         "engines_graphs",
         "the in-process engines table on the true clock with captured forwards (SD 1.5 512x512 bf16: "
-        "closed loop c=1 and 16, mixed, Poisson 80%, stage costs, profile)",
+        "closed loop c=1 and 16, mixed, Poisson 80%, stage costs, the engine's stopwatch against a synced "
+        "host clock, profile)",
         lambda: engines_work(graphs=True),
         lambda run: engines_command(run, graphs=True),
         ("bench_engines.json",),

@@ -136,6 +136,10 @@ def test_the_engine_benchmark_runs_both_engines_and_profiles_the_step_engine(tmp
         assert (run["offered_images_per_s"] is not None) == poisson
     profile = report["profile"]
     assert 0 < profile["model_forward_ms"] < profile["step_ms"] and 0 <= profile["own_share_of_step"] < 1
+    # A forward timed by the engine's stopwatch beside the host's clock around a synced call (the GPU's
+    # check: on this CPU both are the host's clock).
+    assert set(report["stopwatch_check"]) == {"1", "8"}
+    assert all(c["stopwatch_s"] > 0 and c["synced_host_s"] > 0 for c in report["stopwatch_check"].values())
     assert set(report["raw"]) == {"batch1_images_per_s", "batch2_images_per_s"}
 
 

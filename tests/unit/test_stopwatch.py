@@ -196,3 +196,24 @@ def test_on_a_cpu_each_forward_is_timed_in_its_own_report():
     engine.step()
     report = engine.host.reports[-1]
     assert [span for span, _ in report.timed] == [f.span for f in report.forwards] == [1]
+
+
+def test_the_engines_bench_reads_a_forward_by_the_stopwatch_as_the_device_spends_it():
+    """The GPU check beside a synced host clock (scripts/benchmarks/engines.py ``stopwatch_median``):
+    forwards run back to back with no sync between, each read as the device seconds it queued (0.2 s),
+    though each call returns at once."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    from benchmarks.engines import stopwatch_median
+
+    gpu = Device()
+    calls: list[float] = []
+
+    def forward() -> None:
+        calls.append(gpu.queue_end)
+        gpu.queue(0.2)
+
+    assert stopwatch_median(forward, Stopwatch(gpu.event), "cpu", repeats=5) == pytest.approx(0.2)
+    assert len(calls) == 6 and gpu.now == gpu.queue_end  # a warm-up, five timed; all settled at the end
