@@ -144,6 +144,11 @@ BLOCKS: dict[str, Figure] = {
     "caches": Figure(("docs/cpu/caches/bench_caches.json",), "caches.render"),
     "slo": Figure(("docs/cpu/slo/bench_slo.json",), "slo.render"),
     "slo-server": Figure(("docs/cpu/slo/bench_slo_server.json",), "slo.render_server"),
+    "slo-sd15-h100": Figure(
+        ("docs/profiles/sd15-h100/slo/bench_slo.json",),
+        "slo.render",
+        "bench.py slo --device-profile sd15-h100",
+    ),
     "goodput": Figure(("docs/cpu/goodput.json",), "goodput.render", "bench.py goodput"),
     "goodput-cache": Figure(
         ("docs/cpu/goodput_cache/goodput.json",),
