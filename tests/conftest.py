@@ -1,10 +1,11 @@
 """Settings for every test process, and how pytest-xdist shares the suite out (scripts/test.sh runs two
 workers on two cores, ``--dist loadgroup``):
 
-- each worker computes with one torch thread, and so does every process it starts (a server's stubs, a
-  benchmark script, the GPU checks' smoke: ``OMP_NUM_THREADS=1``), so nothing asks for more threads than
-  the two cores have: torch's threads spin while they wait, and beside the other worker two of them made
-  a step up to a hundred times slower (the whole suite took 850 s where it takes 600 s on one thread);
+- each xdist worker computes with one torch thread, and so does every process it starts (a server's
+  stubs, a benchmark script, the GPU checks' smoke: ``OMP_NUM_THREADS=1``), so nothing asks for more
+  threads than the two cores have: torch's threads spin while they wait, and beside the other worker two
+  of them made a step up to a hundred times slower (with this, the checkpoint-cost smoke on one thread
+  and the groups below, the whole suite took 600 s where it took 850 s);
 - every integration test of the session server (and of the family matrix's own large server) runs on one
   worker, the integration tests with servers of their own (:data:`OWN_SERVERS`, a few models each) on the
   other (with the benchmark scripts' smokes, :data:`OWN_PROCESSES`, which balance the two), so no two

@@ -43,7 +43,7 @@ from verdicts import verdict as one_rule
 
 from benchmarks.arrivals import Traffic, poisson_arrivals
 from benchmarks.common import REPO_ROOT, benchmark_parser, mean, percentile
-from benchmarks.inprocess import Bench, Recorder, full_size_flux1, sync
+from benchmarks.inprocess import Bench, Recorder, full_size_flux1
 from triton_diffusion.engine.jobs import StepReport
 from triton_diffusion.tiny_models import ARCHITECTURES
 
@@ -73,7 +73,7 @@ NOTES = [
 
 class CacheRecorder(Recorder):
     """The engines' reports into the traffic's clock, and each forward's jobs, rows and device seconds
-    (the stopwatch's: on a GPU they come a step or two after the forward's report)."""
+    (the stopwatch's: on a GPU they come a step or more after the forward's report)."""
 
     def __init__(self, traffic: Traffic) -> None:
         super().__init__(traffic)
@@ -101,9 +101,7 @@ def run(bench: Bench, variant: str, requests: list[dict], traffic: Traffic) -> d
             recorder.render(engine.step())
         else:
             traffic.wait_for_arrival()
-    sync(bench.device)
-    engine.stopwatch.settle(wait=True)  # the last forwards' device seconds
-    recorder.render(engine.take_report())
+    recorder.render(engine.settle())  # the last forwards' device seconds
     measured = traffic.measure()
     forwards = recorder.forwards
     rows = sum(f[1] for f in forwards)

@@ -98,6 +98,14 @@ def profile_step_engine(bench: Bench, steps: int, forwards: int) -> dict:
     return {"forwards": forwards, "rows_per_forward": bench.cap, **clock.summary()}
 
 
+def started_jobs(bench: Bench, k: int, steps: int) -> list[Job]:
+    """k jobs of the bench's request, started by its adapter (text encoded, noise drawn)."""
+    jobs = [bench.job(i, bench.request(i, steps, 7.5), "step") for i in range(k)]
+    for job, start in zip(jobs, bench.adapter.prepare(jobs), strict=True):
+        job.begin(start)
+    return jobs
+
+
 def stage_costs(
     bench: Bench, steps: int, sizes: tuple[int, ...] = (1, 2, 4, 8)
 ) -> dict[str, dict[int, float]]:
@@ -105,16 +113,9 @@ def stage_costs(
     own adapter, CFG on): the costs ``engine_sim.py`` models the engines from."""
     costs: dict[str, dict[int, float]] = {"encode": {}, "forward": {}, "decode": {}}
     adapter = bench.adapter
-
-    def fresh(k: int) -> list[Job]:
-        jobs = [bench.job(i, bench.request(i, steps, 7.5), "step") for i in range(k)]
-        for job, start in zip(jobs, adapter.prepare(jobs), strict=True):
-            job.begin(start)
-        return jobs
-
     for k in sizes:
-        jobs = fresh(k)
-        costs["encode"][k] = timed_median(lambda k=k: fresh(k), bench.device)
+        jobs = started_jobs(bench, k, steps)
+        costs["encode"][k] = timed_median(lambda k=k: started_jobs(bench, k, steps), bench.device)
         costs["forward"][k] = timed_median(lambda jobs=jobs: adapter.step(jobs), bench.device)
         costs["decode"][k] = timed_median(lambda jobs=jobs: adapter.finish(jobs), bench.device)
     return costs
@@ -122,9 +123,9 @@ def stage_costs(
 
 def stopwatch_median(work, stopwatch: Stopwatch, device: str, repeats: int = 7) -> float:
     """Median seconds of ``work`` as the engine's stopwatch reads them (engine/stopwatch.py): run back to
-    back with no sync between, as the engine runs its forwards, each span settled once the device has
-    passed it. Beside :func:`timed_median` (the host's clock around a synced call) it checks that what the
-    cost model learns is what the device spends."""
+    back with no sync between, as the engine runs its forwards, then every span settled at the end.
+    Beside :func:`timed_median` (the host's clock around a synced call) it checks that what the cost
+    model learns is what the device spends."""
     work()
     sync(device)
     recorded: list[float] = []
@@ -142,9 +143,7 @@ def stopwatch_check(bench: Bench, steps: int, sizes: tuple[int, ...] = (1, 8)) -
     stopwatch (on a GPU its CUDA events; on a CPU the host's clock, so the two agree by construction)."""
     adapter, out = bench.adapter, {}
     for k in sizes:
-        jobs = [bench.job(i, bench.request(i, steps, 7.5), "step") for i in range(k)]
-        for job, start in zip(jobs, adapter.prepare(jobs), strict=True):
-            job.begin(start)
+        jobs = started_jobs(bench, k, steps)
         synced = timed_median(lambda jobs=jobs: adapter.step(jobs), bench.device)
         watched = stopwatch_median(
             lambda jobs=jobs: adapter.step(jobs), Stopwatch.on(bench.device), bench.device

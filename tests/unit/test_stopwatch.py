@@ -217,3 +217,36 @@ def test_the_engines_bench_reads_a_forward_by_the_stopwatch_as_the_device_spends
 
     assert stopwatch_median(forward, Stopwatch(gpu.event), "cpu", repeats=5) == pytest.approx(0.2)
     assert len(calls) == 6 and gpu.now == gpu.queue_end  # a warm-up, five timed; all settled at the end
+
+
+def test_the_host_records_step_seconds_from_a_report_that_only_times_forwards():
+    """On a GPU a step's report can carry nothing but the device seconds of forwards an earlier step ran
+    (an idle engine's last forwards): the host records them in the step-seconds histogram all the same."""
+    from pathlib import Path
+
+    from tests.unit.test_step_engine import RaisingKind
+    from triton_diffusion.engine.jobs import StepReport
+    from triton_diffusion.serving.engine_host import EngineHost
+    from triton_diffusion.serving.engines import StepEngineKind
+    from triton_diffusion.serving.metrics import IMAGE_METRICS
+    from triton_diffusion.settings import ModelConfig, ModelSettings
+
+    observed: list[tuple[str, float]] = []
+
+    class Metrics:
+        def observe(self, name, value, **labels):
+            observed.append((name, value))
+
+        def increment(self, *args, **kwargs): ...
+
+        set = increment
+
+    settings = ModelSettings("m", Path("."), ModelConfig(), {}, 8, "CPU", 0)
+    kind = RaisingKind(raise_in={})
+    host = EngineHost(kind, StepEngineKind(FakeAdapter()), settings, Metrics(), IMAGE_METRICS, lambda e: None)
+    try:
+        host.render(StepReport(timed=[(1, 0.2), (2, 0.25)]))
+        host.responses.flush(10.0)
+    finally:
+        host.close()
+    assert [v for name, v in observed if name == "triton_diffusion_step_seconds"] == [0.2, 0.25]

@@ -312,7 +312,7 @@ class Forward:
 
     images: int
     rows: int  # images plus their unconditional rows
-    seconds: float  # what the host waited for it (on a GPU: its launch); its device seconds: ``span``
+    seconds: float  # what the host waited for it (on a GPU at least its launch); device seconds: ``span``
     adapters: int = 0  # distinct LoRA adapters among its rows
     rows_reused: int = 0  # rows served from step caches
     tokens: int = 0  # its jobs' tokens (the sum of their ``tokens``)
@@ -332,7 +332,8 @@ class StepReport:
     paused: list[Job] = field(default_factory=list)
     forwards: list[Forward] = field(default_factory=list)
     # Forwards' device seconds by span (Forward.span), as the stopwatch recorded them in this step: on a
-    # CPU this step's own forwards; on a GPU those the device has passed (a step or two late).
+    # CPU this step's own forwards; on a GPU those the device has passed (a step or more late: an idle
+    # engine does not step, so the last forwards' come with the next step).
     timed: list[tuple[int, float]] = field(default_factory=list)
     calls: list[CallReport] = field(default_factory=list)  # request-level: each fused call as run
     cuts: list[str] = field(default_factory=list)  # request-level: why planned calls were cut short

@@ -143,7 +143,7 @@ class StepEngine:
         self.scheduler = Scheduler(limits, policy, pacing, service, self.times, clock, computed_by(adapter))
         self.steps = 0  # engine steps so far
         self.forwards = 0  # forwards run
-        self.spans = 0  # forwards timed (run or failed): Forward.span
+        self.spans = 0  # forwards that returned, each timed: Forward.span
         self.report = StepReport()  # what the step under way did so far
 
     # ---- any thread -------------------------------------------------------------------------------
@@ -211,6 +211,12 @@ class StepEngine:
         if batch:
             self._forward(batch, scheduler.packing)
         self.stopwatch.settle()  # what a decode waited for is passed: the cost model has it while idle
+        return self.take_report()
+
+    def settle(self) -> StepReport:
+        """Wait for the device to pass every forward, start and decode timed so far, and hand over the
+        report they were recorded in (its ``timed``): a benchmark's end, never the serving loop."""
+        self.stopwatch.settle(wait=True)
         return self.take_report()
 
     def take_report(self) -> StepReport:

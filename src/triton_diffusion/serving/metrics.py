@@ -41,7 +41,7 @@ FAMILIES = {
     ),
     "triton_diffusion_step_seconds": (
         "HISTOGRAM",
-        "Step engine: device seconds per forward (on a GPU by CUDA events, recorded a step or two later)",
+        "Step engine: device seconds per forward (on a GPU by CUDA events, recorded a step or more later)",
     ),
     "triton_diffusion_forward_adapters": (
         "HISTOGRAM",
@@ -114,7 +114,10 @@ FAMILIES.update(
 DIFFUSION_LM_FAMILIES = {
     "triton_diffusion_execute_requests": ("HISTOGRAM", "Requests per execute() call"),
     "triton_diffusion_lm_forward_rows": ("HISTOGRAM", "Rows per shared forward (a CFG request has two)"),
-    "triton_diffusion_lm_step_seconds": ("HISTOGRAM", "Time per engine step: the shared forward and commits"),
+    "triton_diffusion_lm_step_seconds": (
+        "HISTOGRAM",
+        "Device seconds per shared forward and its commits (on a GPU by CUDA events, a step or more later)",
+    ),
     "triton_diffusion_lm_forwards_total": ("COUNTER", "Shared forwards run"),
     "triton_diffusion_lm_tokens_total": ("COUNTER", "Tokens generated (up to EOS) by finished requests"),
     "triton_diffusion_lm_running_requests": ("GAUGE", "Requests in the running set after the last step"),
