@@ -71,12 +71,6 @@ BEFORE_HOOKS = (
     " again since: its overhead column measures the machinery it replaced"
 )
 
-BEFORE_CLIENT_THREADS = (
-    "taken with the client that left a blocked thread behind for every request it sent (fixed at commit"
-    " f055b28, CHANGELOG): its later runs, the higher loads, went through a client holding thousands of"
-    " them (whether that slowed them is not measured); not taken again since"
-)
-
 BEFORE_HEADROOM_BOUND = (
     "taken before degradation's headroom was read by a bound (commit 8c64a6c: before, a burst below"
     " capacity could let the deadline rule degrade) and not taken again since"
@@ -174,7 +168,6 @@ BLOCKS: dict[str, Figure] = {
         ("docs/cpu/goodput_tier_pause/goodput.json",),
         "goodput.render",
         "bench.py goodput --variants fifo,tiers-room,tiers-need --room 1",
-        stale=BEFORE_CLIENT_THREADS,
     ),
     "goodput-sd15-h100": Figure(
         ("docs/profiles/sd15-h100/goodput.json",),

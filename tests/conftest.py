@@ -1,15 +1,15 @@
 """Settings for every test process, and how pytest-xdist shares the suite out (scripts/test.sh runs two
 workers on two cores, ``--dist loadgroup``):
 
-- each xdist worker computes with one torch thread, and so does every process it starts (a server's
-  stubs, a benchmark script, the GPU checks' smoke: ``OMP_NUM_THREADS=1``), so nothing asks for more
-  threads than the two cores have: torch's threads spin while they wait, and beside the other worker two
-  of them made a step up to a hundred times slower (with this, the checkpoint-cost smoke on one thread
-  and the groups below, the whole suite took 600 s where it took 850 s);
+- each xdist worker computes with one torch thread (a test that sets its own aside), and every process
+  it starts (a server's stubs, a benchmark script, the GPU checks' smoke) gets ``OMP_NUM_THREADS=1``
+  where the variable is not set, so nothing asks for more threads than the two cores have: torch's
+  threads spin while they wait, and beside the other worker two of them made a step many times slower;
 - every integration test of the session server (and of the family matrix's own large server) runs on one
   worker, the integration tests with servers of their own (:data:`OWN_SERVERS`, a few models each) on the
-  other (with the benchmark scripts' smokes, :data:`OWN_PROCESSES`, which balance the two), so no two
-  large servers are up at once; the unit tests fill both. The grouping is a scheduler of
+  other (with three benchmark smokes of :data:`OWN_PROCESSES`, which start servers or models of their
+  own, and move work off the session server's worker), so no two large servers are up at once; the unit
+  tests fill both. The grouping is a scheduler of
   our own: pytest-xdist 3.8's ``xdist_group`` mark renames node ids, which pytest 9 no longer reads.
 """
 

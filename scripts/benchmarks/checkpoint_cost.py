@@ -62,7 +62,7 @@ def parser() -> argparse.ArgumentParser:
         "--threads",
         type=int,
         help="torch threads (default: 2 on a CPU, torch's on a GPU; the GPU smoke takes 1: two threads "
-        "spinning on a CPU shared with other work made its steps a hundred times slower)",
+        "spinning on a CPU shared with other work made its steps many times slower)",
     )
     p.add_argument("--out", type=Path, default=REPO_ROOT / "bench_results")
     return p

@@ -140,7 +140,7 @@ def stopwatch_median(work, stopwatch: Stopwatch, device: str, repeats: int = 7) 
 
 def stopwatch_check(bench: Bench, steps: int, sizes: tuple[int, ...] = (1, 8)) -> dict[str, dict[str, float]]:
     """A forward of k images timed both ways: the host's clock around a synced call, and the engine's
-    stopwatch (on a GPU its CUDA events; on a CPU the host's clock, so the two agree by construction)."""
+    stopwatch (on a GPU its CUDA events; on a CPU the host's clock: the same clock, in runs of their own)."""
     adapter, out = bench.adapter, {}
     for k in sizes:
         jobs = started_jobs(bench, k, steps)

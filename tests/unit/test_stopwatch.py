@@ -209,14 +209,15 @@ def test_the_engines_bench_reads_a_forward_by_the_stopwatch_as_the_device_spends
     from benchmarks.engines import stopwatch_median
 
     gpu = Device()
-    calls: list[float] = []
+    device_at: list[float] = []  # where the device was when each call was made
 
     def forward() -> None:
-        calls.append(gpu.queue_end)
+        device_at.append(gpu.now)
         gpu.queue(0.2)
 
     assert stopwatch_median(forward, Stopwatch(gpu.event), "cpu", repeats=5) == pytest.approx(0.2)
-    assert len(calls) == 6 and gpu.now == gpu.queue_end  # a warm-up, five timed; all settled at the end
+    assert len(device_at) == 6 and gpu.now == gpu.queue_end  # a warm-up, five timed; all settled at the end
+    assert device_at[1:] == [0.0] * 5  # no wait between the timed calls: the device never caught up
 
 
 def test_the_host_records_step_seconds_from_a_report_that_only_times_forwards():
