@@ -225,6 +225,30 @@ PLAN = (
         ),
         GOODPUT_S,
     ),
+    # Degrading near capacity, where the headroom bound (engine/overload.py) lets the deadline rule act less
+    # often than the point estimate did: tiers-room against degrade-room at 1.0x and 1.1x, as the goodput
+    # take above (about 7 minutes).
+    Take(
+        "goodput_near",
+        (
+            "--variants",
+            "tiers-room,degrade-room",
+            "--room",
+            "1",
+            "--requests",
+            "278",
+            "--warm-up",
+            str(WINDOW),
+            "--loads",
+            "1.0,1.1",
+            "--rounds",
+            "5",
+            "--out",
+            "{out}/cpu/goodput_near",
+        ),
+        600,
+        benchmark="goodput",
+    ),
     # A higher tier pausing a lower one by its tier (tier_pause tier, the default) against only where its
     # deadline needs it (deadline), at the default room, against first come, first served.
     Take(
