@@ -164,6 +164,11 @@ BLOCKS: dict[str, Figure] = {
         "goodput.render",
         "bench.py goodput --variants tiers,tiers-room --no-deadline-share 0.3 --room 1",
     ),
+    "goodput-near-capacity": Figure(
+        ("docs/cpu/goodput_near/goodput.json",),
+        "goodput.render",
+        "bench.py goodput --variants tiers-room,degrade-room --room 1 --loads 1.0,1.1",
+    ),
     "goodput-tier-pause": Figure(
         ("docs/cpu/goodput_tier_pause/goodput.json",),
         "goodput.render",
