@@ -391,3 +391,26 @@ def test_with_headroom_and_no_cut_made_the_walk_and_the_overload_are_not_looked_
     waiting.queue.cut = StepsCut(4, 4, 8, "deadline: test", "deadline")  # one cut before: walked again
     h.step(0.1)
     assert walked
+
+
+def test_the_view_is_read_once_an_instant_and_again_after_an_arrival_or_a_full_forward(monkeypatch):
+    """The scheduler looks at the load several times an engine step: the view of an instant (and a start
+    and decode's seconds) is kept until something is recorded. Fails if the view is read again each call,
+    if a stale view outlives an arrival or a full forward, or if it disagrees with overload() and
+    headroom()."""
+    load = evenly(served(OfferedLoad()), 96, 0.0, 4.0)  # 48 s of work in 4 s: overload shown
+    overload, headroom = load.view(4.0, 0.0)
+    assert overload == load.overload(4.0, 0.0) and overload is not None and not headroom
+    quiet = evenly(served(OfferedLoad()), 40, 0.0, 60.0)  # 20 s of work in 60 s
+    reads = []
+    monkeypatch.setattr(quiet, "headroom", lambda *a: reads.append(a) or OfferedLoad.headroom(quiet, *a))
+    assert quiet.view(60.0, 0.0) == (None, True) and quiet.view(60.0, 0.0) == (None, True)
+    assert len(reads) == 1  # read once for the instant
+    # A start and a decode of 2 s each: 100 s of work in 60 s, another reading.
+    assert quiet.view(60.0, 2.0)[1] is False and len(reads) == 2
+    evenly(quiet, 40, 59.0, 1.0)  # a burst of 40 requests in the last second, read at the same instant
+    assert quiet.view(60.0, 0.0) == (None, False)
+    slow = evenly(OfferedLoad(), 40, 0.0, 20.0)
+    assert slow.view(20.0, 0.0) == (None, False)  # no forwards yet: too few to tell
+    served(slow)  # forwards recorded (nothing arrived): read again at the same instant
+    assert slow.view(20.0, 0.0) == (None, True)

@@ -27,6 +27,7 @@ from tests.unit.step_harness import (
     run_engine,
     served,
 )
+from tests.unit.test_degradation import allowance
 from tests.unit.test_lora import reference as lora_reference
 from tests.unit.test_preemption import run_with_a_late_priority_request
 from tests.unit.test_step_caches import ComputedRows
@@ -36,6 +37,7 @@ from triton_diffusion.adapters.latent_loop import LatentStepAdapter
 from triton_diffusion.adapters.lora import load_loras
 from triton_diffusion.adapters.packed_rows import Canvas, canvas_for
 from triton_diffusion.adapters.step_adapters import step_adapter_for
+from triton_diffusion.engine.estimates import WorkTimes
 from triton_diffusion.engine.jobs import Job
 from triton_diffusion.engine.scheduler import EngineLimits
 from triton_diffusion.engine.step_engine import StepEngine, computed_by
@@ -308,6 +310,51 @@ def test_rows_of_other_sizes_and_adapters_share_a_forward_each_equal_to_diffuser
     for request, job in zip(requests, jobs, strict=True):
         expected = lora_reference(reference_pipe, facts, request)
         assert np.abs(served(job) - expected).max() <= 1, (request.size, request.lora)
+
+
+def test_a_job_cut_for_its_deadline_equals_its_pipeline_amid_other_sizes_and_a_lora_row():
+    """Degradation amid packed sizes and a LoRA row (issue 50): a 64x64 job asking 8 steps with a deadline
+    they miss (the estimate says its forward alone takes 0.5 s; the clock stands still) is cut, shares each
+    forward it runs with a 96x64 job under a LoRA and a 64x128 job (counted by a hook on the transformer),
+    and equals FluxPipeline at the steps it ran; the others equal theirs at what they asked."""
+    build_missing(WEIGHTS, only=["tiny-flux", LORAS["ink"]])
+    pipe, facts, schedulers = load_family("tiny-flux")
+    adapter = adapter_of((pipe, facts, schedulers))
+    adapter.loras = load_loras(pipe, WEIGHTS, {"ink": LORAS["ink"]}, "tiny-flux")
+    reference_pipe = DiffusionPipeline.from_pretrained(WEIGHTS / "tiny-flux", use_safetensors=True)
+    reference_pipe.set_progress_bar_config(disable=True)
+    reference_pipe.load_lora_weights(str(WEIGHTS / LORAS["ink"]), adapter_name="ink")
+
+    def request(size: tuple[int, int], steps: int, seed: int, **more) -> ImageParams:
+        return ImageParams("a red house", None, seed, 0, *size, steps, 4.0, 1.0, schedulers.default, **more)
+
+    cut, lora, other = (
+        request(SIZES[0], 8, 3),
+        request(SIZES[1], 4, 4, lora=(("ink", 1.0),)),
+        request(SIZES[2], 4, 5),
+    )
+    times = WorkTimes()
+    # The gate is off: this test is about the cut amid packed rows, not whether the fit would pack them.
+    engine = StepEngine(adapter, EngineLimits(8, 8, packing_gate=False), clock=lambda: 0.0, times=times)
+    jobs = [job_of(adapter, str(i), RecordingChannel(), r) for i, r in enumerate((cut, lora, other))]
+    times.forward_ran(1, jobs[0].spec.tokens, 0.5)
+    # 8 steps at 0.5 s a forward take 4 s: past its 2 s, so it is cut (to 3: within 90% of them).
+    jobs[0].spec = replace(jobs[0].spec, deadline=2.0, steps_allowed=allowance(8, 2))
+    engine.add(*jobs)
+    host = Host()
+    with ModelCalls(adapter.model) as calls:
+        while engine.active:
+            host.render(engine.step())
+    given = jobs[0].queue.cut
+    assert given is not None and given.steps == 3, given
+    assert [job.queue.cut for job in jobs[1:]] == [None, None]
+    assert calls.calls == 4, "the cut job did not share its 3 forwards with the other sizes"
+    assert jobs[0].stats.packed_forwards == 3
+    ran = replace(cut, steps=given.steps)
+    assert np.abs(served(jobs[0]) - reference(pipe, facts, schedulers, ran)).max() <= 1
+    assert np.abs(served(jobs[0]) - reference(pipe, facts, schedulers, cut)).max() > 5  # the cut shows
+    assert np.abs(served(jobs[1]) - lora_reference(reference_pipe, facts, lora)).max() <= 1
+    assert np.abs(served(jobs[2]) - reference(pipe, facts, schedulers, other)).max() <= 1
 
 
 def loaded(name: str, **config: str) -> TextToImageModel:

@@ -101,15 +101,27 @@ class OfferedLoad:
 
     def __init__(self, window: int = WINDOW) -> None:
         self.arrivals: deque[Arrival] = deque(maxlen=window)
-        # (seconds since the last, less starts and decodes in them; token-steps) of each full forward
         # Per full forward: the seconds since the one before, those of them the engine spent on starts and
         # decodes, and the token-steps it advanced.
         self.forwards: deque[tuple[float, float, int]] = deque(maxlen=window)
         self._last: float | None = None  # when the last full forward ended
         self._spent = 0.0  # the engine's seconds spent on starts and decodes, as of the last forward
+        # view()'s last reading: ((now, fixed_s), the overload shown, headroom)
+        self._view: tuple[tuple[float, float], Overload | None, bool] | None = None
 
     def arrived(self, arrival: Arrival) -> None:
         self.arrivals.append(arrival)
+        self._view = None
+
+    def view(self, now: float, fixed_s: float) -> tuple[Overload | None, bool]:
+        """The overload shown at ``now`` (None: none) and whether the load leaves headroom, read once for
+        an instant and ``fixed_s`` (the scheduler looks several times an engine step) until an arrival or
+        a full forward is recorded."""
+        if self._view is None or self._view[0] != (now, fixed_s):
+            # Headroom: the window's bound at most 0.9 of what the engine serves, so no overload.
+            headroom = self.headroom(now, fixed_s)
+            self._view = ((now, fixed_s), None if headroom else self.overload(now, fixed_s), headroom)
+        return self._view[1], self._view[2]
 
     def served(self, now: float, token_steps: int, spent_s: float, full: bool) -> None:
         """A forward that advanced ``token_steps`` ended at ``now``; ``spent_s``: the engine's seconds spent
@@ -120,6 +132,7 @@ class OfferedLoad:
         recorded once the device has passed it (engine/stopwatch.py), a step or more after it ran."""
         if full and self._last is not None:
             self.forwards.append((max(now - self._last, 0.0), spent_s - self._spent, token_steps))
+            self._view = None
         self._last, self._spent = (now if full else None), spent_s
 
     def _rate(self, least: int) -> float | None:

@@ -97,7 +97,6 @@ class Scheduler:
         self.times = times or WorkTimes()
         self.offered = OfferedLoad()  # the newest arrivals: what they ask of the engine (engine/overload.py)
         self.overloaded = False  # tier_pause deadline: whether the load was shown above capacity (this step)
-        self._view: tuple[float, Overload | None, bool] | None = None  # (at, overload, headroom)
         self.packing: Packing | None = None  # the packing gate's decision for the last forward chosen
         self.caps = ForwardCaps(limits)
         self.waiting: list[Job] = []
@@ -156,7 +155,6 @@ class Scheduler:
                 job.queue.queued_at = step - 1  # it arrived while the last engine step ran (or after it)
                 self.offered.arrived(arrival_of(job))
             self.waiting.extend(arrived)
-            self._view = None  # the load offered, taken once per step (_load_view)
             by_need = self.service.pause_by == "deadline"
             self.overloaded = by_need and self._load_view(now)[0] is not None
             self._expire(out, now)
@@ -227,7 +225,7 @@ class Scheduler:
         held = (self.waiting, self.running, self.paused)
         ahead = [j for q in held for j in q if j is not job and not j.status.ended]
         ahead_work = sum(j.remaining * j.spec.tokens for j in ahead if self.order_key(j, now) < mine)
-        behind = self._running_behind(now, mine)
+        behind = tuple(j for j in self.running if not j.status.ended and self.order_key(j, now) >= mine)
         estimate = self._finish_in(
             job, ahead_work, behind, self._held_back_s(job, now, behind), job.remaining
         )
@@ -262,9 +260,6 @@ class Scheduler:
         return min(j.remaining for j in behind) * self.times.forward_s(
             sum(j.spec.tokens for j in self.running)
         )
-
-    def _running_behind(self, now: float, mine: tuple) -> tuple[Job, ...]:
-        return tuple(j for j in self.running if not j.status.ended and self.order_key(j, now) >= mine)
 
     def _cut_steps(self, now: float) -> None:
         """Each waiting job that may run fewer steps gets the most with which it meets its deadline; a
@@ -324,14 +319,8 @@ class Scheduler:
             ahead += job.remaining * job.spec.tokens
 
     def _load_view(self, now: float) -> tuple[Overload | None, bool]:
-        """The load offered at ``now``: its overload shown, and whether it leaves headroom
-        (engine/overload.py), taken once per engine step."""
-        if self._view is None or self._view[0] != now:
-            fixed_s = self.times.fixed_s
-            # Headroom is a window's lower bound within 0.9 of what the engine serves: no overload there.
-            headroom = self.offered.headroom(now, fixed_s)
-            self._view = (now, None if headroom else self.offered.overload(now, fixed_s), headroom)
-        return self._view[1], self._view[2]
+        """The load offered at ``now``: its overload shown, and whether it leaves headroom (overload.py)."""
+        return self.offered.view(now, self.times.fixed_s)
 
     def _cache_late(self, now: float, out: SchedulerOutput) -> None:
         """Each running or paused job that may be given a step cache and that the estimate says misses its
