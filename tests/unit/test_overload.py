@@ -406,10 +406,11 @@ def test_the_view_is_read_once_an_instant_and_again_after_an_arrival_or_a_full_f
     monkeypatch.setattr(quiet, "headroom", lambda *a: reads.append(a) or OfferedLoad.headroom(quiet, *a))
     assert quiet.view(60.0, 0.0) == (None, True) and quiet.view(60.0, 0.0) == (None, True)
     assert len(reads) == 1  # read once for the instant
-    # A start and a decode of 2 s each: 100 s of work in 60 s, another reading.
+    # A start and decode of 2 s a job: 100 s of work in 60 s, another reading.
     assert quiet.view(60.0, 2.0)[1] is False and len(reads) == 2
+    assert quiet.view(60.0, 0.0) == (None, True) and len(reads) == 3
     evenly(quiet, 40, 59.0, 1.0)  # a burst of 40 requests in the last second, read at the same instant
-    assert quiet.view(60.0, 0.0) == (None, False)
+    assert quiet.view(60.0, 0.0) == (None, False) and len(reads) == 4
     slow = evenly(OfferedLoad(), 40, 0.0, 20.0)
     assert slow.view(20.0, 0.0) == (None, False)  # no forwards yet: too few to tell
     served(slow)  # forwards recorded (nothing arrived): read again at the same instant
