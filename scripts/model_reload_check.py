@@ -151,9 +151,9 @@ def tally(records: list[dict[str, Any]]) -> dict[str, int]:
 # ---- the server -------------------------------------------------------------------------------------------
 def start_server(repo: Path, work: Path, exit_timeout_s: int) -> tuple[subprocess.Popen, int, int, Path]:
     from triton_diffusion.serving.launcher import server_command
-    from triton_diffusion.serving.server_process import free_port
+    from triton_diffusion.serving.server_process import free_ports
 
-    http, grpc, metrics = free_port(), free_port(), free_port()
+    http, grpc, metrics = free_ports(3)
     args = [
         "--model-control-mode=explicit",
         *(f"--load-model={name}" for name in MODELS),

@@ -44,7 +44,7 @@ sys.path.insert(0, str(REPO_ROOT / "src"))
 import artefacts  # noqa: E402
 from triton_diffusion_client import generate_one  # noqa: E402
 
-from triton_diffusion.serving.server_process import free_port  # noqa: E402
+from triton_diffusion.serving.server_process import free_ports  # noqa: E402
 from triton_diffusion.serving.supervisor import list_stubs  # noqa: E402
 
 OUT = REPO_ROOT / "docs" / "cpu" / "restart_times.json"
@@ -96,12 +96,12 @@ def generate(grpc_url: str, model: str) -> str | None:
 def launched(root: Path, log_path: Path) -> Iterator[tuple[subprocess.Popen, str, str]]:
     """``triton-diffusion-serve`` on ``root``'s model repository: (the launcher, its health URL, its gRPC
     URL); whatever is left of its session (its server, stubs) is killed on the way out."""
-    health, grpc = free_port(), free_port()
+    health, grpc, http, metrics = free_ports(4)
     launcher = Path(sys.executable).parent / "triton-diffusion-serve"
     env = {**os.environ, "PYTHONPATH": f"{root / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     command = [
         str(launcher), "--model-repository", str(root / "model_repository"), f"--health-port={health}",
-        f"--http-port={free_port()}", f"--grpc-port={grpc}", f"--metrics-port={free_port()}",
+        f"--http-port={http}", f"--grpc-port={grpc}", f"--metrics-port={metrics}",
     ]  # fmt: skip
     with open(log_path, "a") as log:
         process = subprocess.Popen(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import re
 import shutil
 import signal
@@ -19,10 +20,51 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 WEIGHTS = REPO_ROOT / "weights"
 
 
+# Ports are picked below the kernel's ephemeral range: a port the kernel hands out for bind(0) is also one it
+# may give the next outgoing connection (a test's client), and two bind(0) calls a moment apart can return
+# the same port (a CI run once saw tritonserver refuse an HTTP and a metrics port that were equal).
+_LOWEST_PORT = 20000
+_PORT_CONFLICT = re.compile(r"already in use|address in use|cannot listen", re.IGNORECASE)
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct ports that can be bound now, below the ephemeral range where it leaves room."""
+    low, high = _LOWEST_PORT, _ephemeral_low()
+    pick = random.SystemRandom()  # not the tests' seeded generator: parallel workers must not pick alike
+    held: list[socket.socket] = []
+    try:
+        for _ in range(50 * count):
+            if len(held) == count:
+                break
+            s = socket.socket()
+            try:
+                s.bind(("0.0.0.0", pick.randrange(low, high) if high - low > 1000 else 0))
+            except OSError:
+                s.close()
+                continue
+            held.append(s)
+        if len(held) < count:
+            raise RuntimeError(f"no {count} free ports found between {low} and {high}")
+        return [s.getsockname()[1] for s in held]  # distinct: all are bound at once
+    finally:
+        for s in held:
+            s.close()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def port_conflict(log: str) -> bool:
+    """Whether a server's log says it could not listen on a port it was given."""
+    return _PORT_CONFLICT.search(log) is not None
 
 
 @dataclass
@@ -101,7 +143,23 @@ def set_batching(
 def start_server(
     repo: Path, log_path: Path, models: list[str], timeout_s: float = 180, extra_args: Sequence[str] = ()
 ) -> RunningServer:
-    http, grpc, metrics, health = free_port(), free_port(), free_port(), free_port()
+    """The launcher on ``repo`` with ``models`` ready. A port taken between its pick and the server's bind
+    (another test's server, an outgoing connection) is not the test's failure: it starts again on new ports,
+    up to three times."""
+    for attempt in range(3):
+        server = _start_once(repo, log_path, models, timeout_s, extra_args)
+        if isinstance(server, RunningServer):
+            return server
+        if attempt == 2:
+            raise RuntimeError(server)
+    raise AssertionError("unreachable")
+
+
+def _start_once(
+    repo: Path, log_path: Path, models: list[str], timeout_s: float, extra_args: Sequence[str]
+) -> RunningServer | str:
+    """A ready server, or why not as a string when a port was taken (so the caller tries new ports)."""
+    http, grpc, metrics, health = free_ports(4)
     launcher = Path(sys.executable).parent / "triton-diffusion-serve"
     command = [
         str(launcher),
@@ -119,6 +177,9 @@ def start_server(
     deadline = time.monotonic() + timeout_s
     pending = list(models)
     while pending:
+        if port_conflict(server.log()):
+            server.stop()
+            return f"a port was taken:\n{server.log()[-4000:]}"
         if process.poll() is not None:
             raise RuntimeError(f"tritonserver exited with {process.returncode}:\n{server.log()[-4000:]}")
         if time.monotonic() > deadline:
