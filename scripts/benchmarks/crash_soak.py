@@ -16,7 +16,9 @@ none and the steps recomputed per crash that checkpoints saved. A run:
 Poisson arrivals at --rate requests/s for --duration seconds (default: --load of the rate one request at a
 time can be served, measured on the first server before any run: one request of --steps steps alone takes
 ``s`` seconds, the rate is ``load / s``, so the server is busy about that share of the time); every run has
-the same arrivals (--arrival-seed) and requests (prompt and seed by index). Every request goes through the
+the same requests (prompt and seed by index) and the same arrivals (--arrival-seed), or with
+--arrivals-per-round a round's own (seed --arrival-seed + the round: both variants of a round see the same,
+and the rounds are independent draws for the verdict's interval). Every request goes through the
 project client (triton_diffusion_client.ImageSession) with retry (--retries resends within --timeout) and
 progress on, so the client sees the last step each attempt reached. The model's stub is killed (SIGKILL)
 every --crash-every seconds from the start, each time once the server is ready again (the supervisor
@@ -379,6 +381,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--checkpoint-every", type=int, default=2, help="checkpoint_every_steps (checkpoints)"
     )
     parser.add_argument("--arrival-seed", type=int, default=1)
+    parser.add_argument(
+        "--arrivals-per-round",
+        action="store_true",
+        help="draw each round's arrivals (seed --arrival-seed + the round) rather than one draw for all",
+    )
     parser.add_argument("--device-profile", choices=sorted(PROFILES), help="a GPU's forward and decode times")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench_results")
     return parser
@@ -417,6 +424,7 @@ def main(argv: list[str] | None = None) -> None:
                     "retries",
                     "checkpoint_every",
                     "arrival_seed",
+                    "arrivals_per_round",
                     "mid_job",
                 )
             },  # fmt: skip
@@ -450,6 +458,9 @@ def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
     arrivals: list[float] = []
     for round_, order in enumerate(rotated_orders(runnable, args.rounds)):
+        seed = args.arrival_seed + round_ if args.arrivals_per_round else args.arrival_seed
+        if args.arrivals_per_round:
+            arrivals = []  # drawn again below, once the rate is known
         for variant in order:
             with tempfile.TemporaryDirectory(prefix=f"crash-soak-{variant}-") as tmp:
                 folder = Path(tmp)
@@ -461,7 +472,7 @@ def main(argv: list[str] | None = None) -> None:
                         report["settings"]["rate_per_s"] = args.load / solo
                     if not arrivals:
                         rate = report["settings"]["rate_per_s"]
-                        drawn = poisson_arrivals(int(rate * args.duration * 2) + 20, rate, args.arrival_seed)
+                        drawn = poisson_arrivals(int(rate * args.duration * 2) + 20, rate, seed)
                         arrivals = [at for at in drawn if at < args.duration]
                     print(
                         f"[round {round_} {variant}: {len(arrivals)} requests at "
@@ -474,6 +485,7 @@ def main(argv: list[str] | None = None) -> None:
             run = {
                 "variant": variant,
                 "round": round_,
+                "arrival_seed": seed,
                 **run_figures(records, len(crasher.kills), args.duration, hung),
                 "kills": crasher.kills,
                 "crash_failure": crasher.failure,

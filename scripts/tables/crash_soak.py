@@ -70,6 +70,12 @@ def _mid_job(settings: dict[str, Any]) -> str:
     return f" (each kill once a request in flight had computed {step} steps{within})"
 
 
+def _arrivals(settings: dict[str, Any]) -> str:
+    if settings.get("arrivals_per_round"):
+        return "Each round's arrivals a draw of their own, the same for both its variants."
+    return "Every run the same arrivals."
+
+
 def render(artefact: dict[str, Any]) -> str:
     settings = artefact["settings"]
     rate = settings.get("rate_per_s")
@@ -86,6 +92,7 @@ def render(artefact: dict[str, Any]) -> str:
         f"killed every {settings['crash_every']:g} s{_mid_job(settings)}. Every request through the project "
         "client with its "
         f"resume key, up to {settings['retries']} resends within {settings['timeout']:g} s. "
+        f"{_arrivals(settings)} "
         f"{_checkpoints(settings)}. {settings['rounds']} alternated rounds: medians with min-max over "
         "rounds. "
         "Lost: no answer within the deadline. Goodput: completed images per second of the run. Steps "
