@@ -123,7 +123,7 @@ BLOCKS: dict[str, Figure] = {
     "crash-soak-sd15-h100-busy": Figure(
         ("docs/profiles/sd15-h100/busy/crash_soak.json",),
         "crash_soak.render",
-        "bench.py crash-soak --device-profile sd15-h100 --load 2",
+        "bench.py crash-soak --device-profile sd15-h100 --load 3",
     ),
     "checkpoint-cost": Figure(
         ("docs/cpu/checkpoint_cost.json",), "checkpoint_cost.render", "bench.py checkpoint-cost"
