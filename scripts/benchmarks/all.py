@@ -43,11 +43,11 @@ CRASH_SOAK_S = 1098
 # The crash soak at an H100's cost ratios with the server busy (3 x one request at a time: more than the
 # engine serves, so each run ends with a queue and a recomputed step delays every answer after it; at 2 x
 # with crashes this far apart the server caught up between them, a try stopped after one run): 16 runs of
-# 135 s of arrivals and the queue they leave, each round's arrivals a draw of their own. Crashes 45 s
-# apart: a restart comes more than 30 s after the one before, so the supervisor's anti-spin wait
-# (serving/supervisor.py) never adds to one restart and not another. 10 resends, more than a run's 3
-# crashes (the client's default is 3: a request queued through every crash would be given up). 2557 s
-# measured on the AMD host for 90 s runs at 2 x with 4 crashes (9b2a936).
+# 140 s of arrivals and the queue they leave, each round's arrivals a draw of their own, a crash at 45, 90
+# and 135 s. Kills at least 45 s apart (the crasher moves one held back): a restart then comes more than
+# 30 s after the one before, so the supervisor's anti-spin wait (serving/supervisor.py) adds to none. 10
+# resends, more than a run's 3 crashes (the client's default is 3: a request queued through every crash
+# would be given up). An estimate: 2557 s was measured on the AMD host for 90 s runs at 2 x (9b2a936).
 CRASH_SOAK_BUSY_S = 4600
 # The goodput benchmark's room at the door (tiny SD, 2 variants, 4 loads), on traffic with deadlines and on
 # mixed traffic at the default room and at 3 x: about 7 minutes each with the client that leaked threads;
@@ -418,7 +418,7 @@ PLAN = (
             "--mid-job",
             "75",
             "--duration",
-            "135",
+            "140",
             "--crash-every",
             "45",
             "--arrivals-per-round",

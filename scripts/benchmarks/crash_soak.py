@@ -21,9 +21,10 @@ the same requests (prompt and seed by index) and the same arrivals (--arrival-se
 and the rounds are independent draws for the verdict's interval). Every request goes through the
 project client (triton_diffusion_client.ImageSession) with retry (--retries resends within --timeout) and
 progress on, so the client sees the last step each attempt reached. The model's stub is killed (SIGKILL)
-every --crash-every seconds from the start, each time once the server is ready again (the supervisor
-restarts it; readiness is polled) and, with --mid-job N, once a request in flight has computed N steps
-(or after 60 s without one): a kill that hits work.
+every --crash-every seconds from the start (before the end of --duration), each time once the server is
+ready again (the supervisor restarts it; readiness is polled) and, with --mid-job N, once a request in
+flight has computed N steps (or after 60 s without one): a kill that hits work. A kill held back by either
+moves the next: kills are at least --crash-every apart.
 
 Per run: requests offered, completed (an answer within --timeout of the arrival), lost (offered minus
 completed: a miss), goodput (completed images per second from the first arrival to the end of the run or the
@@ -209,16 +210,22 @@ class Crasher(threading.Thread):
     kill at an idle moment recomputes nothing with or without checkpoints). Each kill records the steps
     the attempts in flight had reported and whether it waited in vain (``mid_job`` false)."""
 
-    def __init__(self, server, at: list[float], started: float, mid_job: int = 0) -> None:
+    def __init__(
+        self, server, at: list[float], started: float, mid_job: int = 0, min_gap_s: float = 0.0
+    ) -> None:
         super().__init__(daemon=True)
         self.server, self.at, self.started, self.mid_job = server, at, started, mid_job
+        # A kill held back (by readiness or --mid-job) moves the next one too: kills stay this far apart.
+        self.min_gap_s = min_gap_s
         self.kills: list[dict[str, Any]] = []
         self.failure: str | None = None
         self.stop = threading.Event()
 
     def run(self) -> None:
+        last_kill = -float("inf")
         for at in self.at:
-            if self.stop.wait(max(0.0, self.started + at - time.perf_counter())):
+            when = max(self.started + at, last_kill + self.min_gap_s)
+            if self.stop.wait(max(0.0, when - time.perf_counter())):
                 return
             if not wait_until(lambda: server_ready(self.server), READY_WAIT_S, self.stop):
                 self.failure = self.failure or f"the server was not ready {READY_WAIT_S:.0f} s after {at} s"
@@ -234,7 +241,7 @@ class Crasher(threading.Thread):
                 return
             with IN_FLIGHT_LOCK:
                 at_risk = sorted((a.reached or 0 for a in IN_FLIGHT), reverse=True)
-            killed = time.perf_counter()
+            killed = last_kill = time.perf_counter()
             for stub in stubs:
                 os.kill(stub.pid, signal.SIGKILL)
             # The supervisor notices within its interval (0.5 s) and reports not ready: wait for that first,
@@ -335,7 +342,9 @@ def measure(
     records: list[dict | None] = [None] * len(arrivals)
     started = time.perf_counter()
     crash_times = [k * args.crash_every for k in range(1, int(args.duration / args.crash_every) + 1)]
-    crasher = Crasher(server, [t for t in crash_times if t < args.duration], started, args.mid_job)
+    crasher = Crasher(
+        server, [t for t in crash_times if t < args.duration], started, args.mid_job, args.crash_every
+    )
 
     def one(index: int, at: float) -> None:
         time.sleep(max(0.0, started + at - time.perf_counter()))

@@ -5,13 +5,15 @@ without a resumed step; how rounds become medians; what the block shows, a skipp
 
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))  # the benchmarks' package
 
+from benchmarks import crash_soak  # noqa: E402
 from benchmarks.crash_figures import paired_verdicts, run_figures, steps_recomputed, summarise  # noqa: E402
-from benchmarks.crash_soak import checkpoint_edits, unreadable  # noqa: E402
+from benchmarks.crash_soak import Crasher, checkpoint_edits, unreadable  # noqa: E402
 from tables.crash_soak import render  # noqa: E402
 
 
@@ -153,6 +155,11 @@ def test_the_block_shows_each_variant_and_run():
     assert "| 1 | `none` | 40 | 39 | 1 | 0.4 | 3 | 2 | 9 | 8 | 14.2 |" in text
     assert "not run" not in text and "Incomplete" not in text
     assert "each kill once" not in text  # kills at their scheduled times
+    assert "Every run the same arrivals." in text  # an artefact from before --arrivals-per-round
+    per_round = artefact(runs)
+    per_round["settings"]["arrivals_per_round"] = True
+    text = render(per_round)
+    assert "Each round's arrivals a draw of their own" in text and "Every run the same" not in text
     mid_job = artefact(runs)
     mid_job["settings"]["mid_job"] = 8
     mid_job["settings"]["mid_job_wait_s"] = 60.0
@@ -215,3 +222,24 @@ def test_the_mean_latency_is_read_as_a_ratio_whose_gain_is_below_one():
     # A round where a variant lost a request compares different requests: it counts nothing.
     lossy = [{**r, "lost": 1} if r["round"] == 0 and r["variant"] == "none" else r for r in runs]
     assert len(paired_verdicts(lossy)["latency_mean_ratio"]["values"]) == 4
+
+
+def kill_gap(monkeypatch: pytest.MonkeyPatch, min_gap_s: float) -> float:
+    """Seconds between a crasher's two kills scheduled 0.1 s apart, on a fake server that is ready at once."""
+    killed: list[int] = []
+    monkeypatch.setattr(crash_soak, "server_ready", lambda server: not killed or killed.pop() is None)
+    stub = SimpleNamespace(model=crash_soak.MODEL, pid=4242)
+    monkeypatch.setattr(crash_soak, "list_stubs", lambda pid: [stub])
+    monkeypatch.setattr(crash_soak.os, "kill", lambda pid, signal: killed.append(pid))
+    server = SimpleNamespace(process=SimpleNamespace(pid=1))
+    crasher = Crasher(server, [0.0, 0.1], crash_soak.time.perf_counter(), min_gap_s=min_gap_s)
+    crasher.run()
+    assert crasher.failure is None and len(crasher.kills) == 2
+    return crasher.kills[1]["at_s"] - crasher.kills[0]["at_s"]
+
+
+def test_kills_are_kept_at_least_the_gap_apart(monkeypatch: pytest.MonkeyPatch):
+    # A kill held back (readiness, --mid-job) must not bring the next one within the supervisor's
+    # anti-spin window: the crasher moves it.
+    assert kill_gap(monkeypatch, min_gap_s=1.5) >= 1.49  # at_s is rounded to 0.01
+    assert kill_gap(monkeypatch, min_gap_s=0.0) < 1.5  # without the gap: at its scheduled time

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,7 +24,15 @@ WEIGHTS = REPO_ROOT / "weights"
 # may give the next outgoing connection (a test's client), and two bind(0) calls a moment apart can return
 # the same port (a CI run once saw tritonserver refuse an HTTP and a metrics port that were equal).
 _LOWEST_PORT = 20000
-_PORT_CONFLICT = re.compile(r"already in use|address in use|cannot listen", re.IGNORECASE)
+# How each listener says its port is taken: tritonserver's HTTP, gRPC and metrics services ("Socket
+# '0.0.0.0:N' already in use"), tritonserver given one port twice, and Python's servers (the supervisor's
+# health port, the OpenAI front: "[Errno 98] Address already in use").
+_PORT_CONFLICT = re.compile(
+    r"Socket '[^']*' already in use|cannot listen to HTTP requests and metrics requests"
+    r"|Errno 98|address already in use",
+    re.IGNORECASE,
+)
+_PORT_ARG = re.compile(r"^--[\w-]*port=(\d+)$")
 
 
 def _ephemeral_low() -> int:
@@ -34,8 +42,9 @@ def _ephemeral_low() -> int:
         return 32768  # Linux's default
 
 
-def free_ports(count: int) -> list[int]:
-    """``count`` distinct ports that can be bound now, below the ephemeral range where it leaves room."""
+def free_ports(count: int, avoid: Collection[int] = ()) -> list[int]:
+    """``count`` distinct ports that can be bound now, none of ``avoid``, below the ephemeral range where it
+    leaves room."""
     low, high = _LOWEST_PORT, _ephemeral_low()
     pick = random.SystemRandom()  # not the tests' seeded generator: parallel workers must not pick alike
     held: list[socket.socket] = []
@@ -49,9 +58,12 @@ def free_ports(count: int) -> list[int]:
             except OSError:
                 s.close()
                 continue
+            if s.getsockname()[1] in avoid:
+                s.close()
+                continue
             held.append(s)
         if len(held) < count:
-            raise RuntimeError(f"no {count} free ports found between {low} and {high}")
+            raise RuntimeError(f"no {count} free ports found")
         return [s.getsockname()[1] for s in held]  # distinct: all are bound at once
     finally:
         for s in held:
@@ -159,7 +171,8 @@ def _start_once(
     repo: Path, log_path: Path, models: list[str], timeout_s: float, extra_args: Sequence[str]
 ) -> RunningServer | str:
     """A ready server, or why not as a string when a port was taken (so the caller tries new ports)."""
-    http, grpc, metrics, health = free_ports(4)
+    given = {int(m.group(1)) for arg in extra_args if (m := _PORT_ARG.match(arg))}  # e.g. an OpenAI front's
+    http, grpc, metrics, health = free_ports(4, avoid=given)
     launcher = Path(sys.executable).parent / "triton-diffusion-serve"
     command = [
         str(launcher),
@@ -171,16 +184,17 @@ def _start_once(
         f"--health-port={health}",
         *extra_args,
     ]
-    log_file = open(log_path, "w")  # noqa: SIM115  (kept open for the server's lifetime)
-    process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+    with open(log_path, "w") as log_file:  # the server writes to its own copy of the descriptor
+        process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
     server = RunningServer(process, http, grpc, metrics, health, log_path)
     deadline = time.monotonic() + timeout_s
     pending = list(models)
     while pending:
+        exited = process.poll() is not None  # before the log: a launcher that exits has written why
         if port_conflict(server.log()):
             server.stop()
             return f"a port was taken:\n{server.log()[-4000:]}"
-        if process.poll() is not None:
+        if exited:
             raise RuntimeError(f"tritonserver exited with {process.returncode}:\n{server.log()[-4000:]}")
         if time.monotonic() > deadline:
             server.stop()
