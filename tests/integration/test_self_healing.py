@@ -147,10 +147,16 @@ def test_a_killed_stub_is_noticed_reported_and_recovered(tmp_path):
         assert all(waited.values()), (waited, list(front_pieces.queue), list(client_reply.queue))
         stubs = [s for s in list_stubs(server.process.pid) if s.model in ("text_to_image", "diffusion_lm")]
         assert len(stubs) == 2, stubs
-        # text_to_image's first: a supervisor poll between the two kills sees it dead (the checks below),
-        # and the restart ends diffusion_lm's stub anyway.
-        for stub in sorted(stubs, key=lambda s: s.model != "text_to_image"):
-            os.kill(stub.pid, signal.SIGKILL)
+        # text_to_image's first, and gone from the listing before the second kill: a supervisor poll after
+        # both sees it dead (the log check below), one between them too, and the restart ends
+        # diffusion_lm's stub anyway. (Killed together, the larger process can take longer to exit: a
+        # poll could then see only diffusion_lm's gone.)
+        first, second = sorted(stubs, key=lambda s: s.model != "text_to_image")
+        os.kill(first.pid, signal.SIGKILL)
+        gone_by = time.monotonic() + 10
+        while first.pid in {s.pid for s in list_stubs(server.process.pid)} and time.monotonic() < gone_by:
+            time.sleep(0.01)
+        os.kill(second.pid, signal.SIGKILL)
         killed = time.monotonic()
         front_at_kill = len(pieces)
 

@@ -236,6 +236,24 @@ def test_a_restart_without_the_marks_kills_the_server_after_the_grace_time(tmp_p
     assert time.monotonic() - started >= 0.3
 
 
+def test_a_restart_where_every_instance_died_ends_the_server_without_the_grace_time(tmp_path):
+    # One model of one instance (the common deployment): its stub died, nothing of the server can answer.
+    drain_file = tmp_path / "triton.drain"
+    supervisor = Supervisor(lambda: None, "http://127.0.0.1:1", grace_s=30, drain_file=drain_file)
+    supervisor.watched_instances = {"a": ["a_0"]}
+    supervisor.marks_cover = True
+    events: list = []
+    started = time.monotonic()
+    status = supervisor._stop_server(SlowServer(drain_file, events), [], {"a_0"})
+    assert status == 0 and events == [("signal", signal.SIGTERM), ("kill",)]
+    assert time.monotonic() - started < 10  # not the 30 s grace time
+    # Where another backend's model may still answer, the grace time holds.
+    supervisor.marks_cover, supervisor.grace_s, events[:] = False, 0.3, []
+    started = time.monotonic()
+    assert supervisor._stop_server(SlowServer(drain_file, events), [], {"a_0"}) == -9
+    assert time.monotonic() - started >= 0.3
+
+
 def test_a_model_of_another_backend_keeps_the_wait_for_tritons_own_exit(tmp_path, monkeypatch):
     """An ONNX or ensemble model has no stub (no restart for it) and writes no mark: the Python models'
     marks must not end its requests."""

@@ -11,8 +11,9 @@ the launcher runs tritonserver as its child and :class:`Supervisor` beside it.
 Every ``interval_s`` the supervisor lists the server's stub processes (from /proc: each stub's command
 line names its model file and instance). Once the server is ready it knows which stubs must live. When
 one is gone (or the server itself exited unasked), it logs it, counts it, reports not ready, stops the
-server (SIGTERM, then SIGKILL once every live instance marked itself finalized, or after ``grace_s``:
-the dead model's requests would hold a graceful exit up to its exit timeout), removes the shared-memory
+server (SIGTERM, then SIGKILL once every live instance marked itself finalized, at once where none
+lives, or after ``grace_s``: the dead model's requests would hold a graceful exit up to its exit
+timeout), removes the shared-memory
 regions the killed stubs leave, and starts the server again. Meanwhile clients get UNAVAILABLE (gRPC)
 or a refused connection (HTTP) at once, never a hang.
 
@@ -285,14 +286,17 @@ class Supervisor:
 
     def _end(self, process: subprocess.Popen, timeout_s: float, live: dict[str, list[str]]) -> int:
         """After the server's signal: its exit status once it exits; once every instance in ``live``
-        marked itself finalized, the server ended after ``SETTLE_S`` (status 0: nothing of it was left to
-        answer); past ``timeout_s``, killed (its status, negative: the signal)."""
+        marked itself finalized (at once where ``live`` is empty), the server ended after ``SETTLE_S``
+        (status 0: nothing of it was left to answer); past ``timeout_s``, killed (its status, negative:
+        the signal)."""
         deadline = time.monotonic() + timeout_s
         while True:
             status = process.poll()
             if status is not None:
                 return status
-            marks = self.drain_file if self.marks_cover and live else None
+            # With no instance in ``live`` (a restart where every one died) nothing of the server can
+            # answer: it ends at once, where Triton 2.51 would hold its exit until the grace time.
+            marks = self.drain_file if self.marks_cover else None
             if marks is not None and not drain.not_finalized(marks, live):
                 time.sleep(SETTLE_S)
                 if process.poll() is not None:
