@@ -24,7 +24,7 @@ progress on, so the client sees the last step each attempt reached. The model's 
 every --crash-every seconds from the start (before the end of --duration), each time once the server is
 ready again (the supervisor restarts it; readiness is polled) and, with --mid-job N, once a request in
 flight has computed N steps (or after 60 s without one): a kill that hits work. A kill held back by either
-moves the next: kills are at least --crash-every apart.
+moves the next: kills are at least --crash-every apart, and one moved past --duration is not made.
 
 Per run: requests offered, completed (an answer within --timeout of the arrival), lost (offered minus
 completed: a miss), goodput (completed images per second from the first arrival to the end of the run or the
@@ -211,12 +211,20 @@ class Crasher(threading.Thread):
     the attempts in flight had reported and whether it waited in vain (``mid_job`` false)."""
 
     def __init__(
-        self, server, at: list[float], started: float, mid_job: int = 0, min_gap_s: float = 0.0
+        self,
+        server,
+        at: list[float],
+        started: float,
+        mid_job: int = 0,
+        min_gap_s: float = 0.0,
+        end_s: float = float("inf"),
     ) -> None:
         super().__init__(daemon=True)
         self.server, self.at, self.started, self.mid_job = server, at, started, mid_job
-        # A kill held back (by readiness or --mid-job) moves the next one too: kills stay this far apart.
-        self.min_gap_s = min_gap_s
+        # A kill held back (by readiness or --mid-job) moves the next one too: kills stay this far apart,
+        # and one moved to ``end_s`` (the arrivals' end) or later is not made (both variants of a round
+        # then crash only while requests arrive).
+        self.min_gap_s, self.end_s = min_gap_s, end_s
         self.kills: list[dict[str, Any]] = []
         self.failure: str | None = None
         self.stop = threading.Event()
@@ -225,6 +233,8 @@ class Crasher(threading.Thread):
         last_kill = -float("inf")
         for at in self.at:
             when = max(self.started + at, last_kill + self.min_gap_s)
+            if when >= self.started + self.end_s:
+                return
             if self.stop.wait(max(0.0, when - time.perf_counter())):
                 return
             if not wait_until(lambda: server_ready(self.server), READY_WAIT_S, self.stop):
@@ -343,7 +353,7 @@ def measure(
     started = time.perf_counter()
     crash_times = [k * args.crash_every for k in range(1, int(args.duration / args.crash_every) + 1)]
     crasher = Crasher(
-        server, [t for t in crash_times if t < args.duration], started, args.mid_job, args.crash_every
+        server, crash_times, started, args.mid_job, min_gap_s=args.crash_every, end_s=args.duration
     )
 
     def one(index: int, at: float) -> None:

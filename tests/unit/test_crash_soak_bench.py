@@ -224,22 +224,29 @@ def test_the_mean_latency_is_read_as_a_ratio_whose_gain_is_below_one():
     assert len(paired_verdicts(lossy)["latency_mean_ratio"]["values"]) == 4
 
 
-def kill_gap(monkeypatch: pytest.MonkeyPatch, min_gap_s: float) -> float:
-    """Seconds between a crasher's two kills scheduled 0.1 s apart, on a fake server that is ready at once."""
+def crasher_kills(monkeypatch: pytest.MonkeyPatch, at: list[float], **kwargs: float) -> list[float]:
+    """When a crasher made its kills (seconds from its start), on a fake server that is ready at once."""
     killed: list[int] = []
     monkeypatch.setattr(crash_soak, "server_ready", lambda server: not killed or killed.pop() is None)
     stub = SimpleNamespace(model=crash_soak.MODEL, pid=4242)
     monkeypatch.setattr(crash_soak, "list_stubs", lambda pid: [stub])
     monkeypatch.setattr(crash_soak.os, "kill", lambda pid, signal: killed.append(pid))
     server = SimpleNamespace(process=SimpleNamespace(pid=1))
-    crasher = Crasher(server, [0.0, 0.1], crash_soak.time.perf_counter(), min_gap_s=min_gap_s)
+    crasher = Crasher(server, at, crash_soak.time.perf_counter(), **kwargs)
     crasher.run()
-    assert crasher.failure is None and len(crasher.kills) == 2
-    return crasher.kills[1]["at_s"] - crasher.kills[0]["at_s"]
+    assert crasher.failure is None
+    return [kill["at_s"] for kill in crasher.kills]
 
 
 def test_kills_are_kept_at_least_the_gap_apart(monkeypatch: pytest.MonkeyPatch):
     # A kill held back (readiness, --mid-job) must not bring the next one within the supervisor's
     # anti-spin window: the crasher moves it.
-    assert kill_gap(monkeypatch, min_gap_s=1.5) >= 1.49  # at_s is rounded to 0.01
-    assert kill_gap(monkeypatch, min_gap_s=0.0) < 1.5  # without the gap: at its scheduled time
+    first, second = crasher_kills(monkeypatch, [0.0, 0.1], min_gap_s=1.5)
+    assert second - first >= 1.49  # at_s is rounded to 0.01
+    first, second = crasher_kills(monkeypatch, [0.0, 0.1])
+    assert second - first < 1.5  # without the gap: at its scheduled time
+
+
+def test_a_kill_moved_past_the_arrivals_is_not_made(monkeypatch: pytest.MonkeyPatch):
+    assert len(crasher_kills(monkeypatch, [0.0, 0.1], min_gap_s=1.0, end_s=0.5)) == 1
+    assert len(crasher_kills(monkeypatch, [0.0, 0.1], min_gap_s=0.2, end_s=0.5)) == 2

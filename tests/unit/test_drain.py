@@ -244,14 +244,38 @@ def test_a_restart_where_every_instance_died_ends_the_server_without_the_grace_t
     supervisor.marks_cover = True
     events: list = []
     started = time.monotonic()
-    status = supervisor._stop_server(SlowServer(drain_file, events), [], {"a_0"})
-    assert status == 0 and events == [("signal", signal.SIGTERM), ("kill",)]
+    supervisor._stop_server(SlowServer(drain_file, events), [], {"a_0"})
+    assert events == [("signal", signal.SIGTERM), ("kill",)]
     assert time.monotonic() - started < 10  # not the 30 s grace time
     # Where another backend's model may still answer, the grace time holds.
     supervisor.marks_cover, supervisor.grace_s, events[:] = False, 0.3, []
     started = time.monotonic()
     assert supervisor._stop_server(SlowServer(drain_file, events), [], {"a_0"}) == -9
     assert time.monotonic() - started >= 0.3
+
+
+def test_a_stop_with_no_watched_instance_waits_for_tritons_own_exit(tmp_path):
+    # No Python-backend model (or none ready yet): the marks cover nothing, so a SIGTERM's graceful exit
+    # (other backends' requests in flight) is waited for, up to its time.
+    drain_file = tmp_path / "triton.drain"
+    supervisor = Supervisor(lambda: None, "http://127.0.0.1:1", grace_s=0.3, drain_file=drain_file)
+    supervisor.watched_instances, supervisor.marks_cover = {}, True
+    events: list = []
+    started = time.monotonic()
+    assert supervisor._end(SlowServer(drain_file, events), 0.3, supervisor.watched_instances) == -9
+    assert time.monotonic() - started >= 0.3
+    events.clear()
+    assert supervisor._stop_server(SlowServer(drain_file, events), [], set()) == -9  # nothing died either
+    assert time.monotonic() - started >= 0.6
+
+
+def test_an_index_that_did_not_answer_covers_nothing(tmp_path, monkeypatch):
+    supervisor, events = supervised(tmp_path, monkeypatch)
+    monkeypatch.setattr(supervisor, "_ready_models", lambda: [])  # what it returns when the index fails
+    thread, status = run_until_ready(supervisor)
+    assert supervisor.watched_instances and not supervisor.marks_cover
+    supervisor.stop(signal.SIGINT)
+    thread.join(5)
 
 
 def test_a_model_of_another_backend_keeps_the_wait_for_tritons_own_exit(tmp_path, monkeypatch):

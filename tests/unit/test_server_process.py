@@ -100,9 +100,36 @@ def test_a_start_that_lost_a_port_is_tried_again_at_most_three_times(
     assert server_process.start_server(tmp_path, tmp_path / "log", ["m"]) is ready
     assert len(calls) == 3
 
-    monkeypatch.setattr(server_process, "_start_once", lambda *args: "a port was taken: log tail")
+    calls.clear()
+
+    def always_taken(*args: object) -> str:
+        calls.append(args)
+        return "a port was taken: log tail"
+
+    monkeypatch.setattr(server_process, "_start_once", always_taken)
     with pytest.raises(RuntimeError, match="a port was taken: log tail"):
         server_process.start_server(tmp_path, tmp_path / "log", ["m"])
+    assert len(calls) == 3
+
+
+def test_a_port_the_caller_passes_to_the_launcher_is_not_picked_for_the_server(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+):
+    avoided = []
+
+    class Picked(Exception):
+        pass
+
+    def record(count: int, avoid: object = ()) -> list[int]:
+        avoided.append(avoid)
+        raise Picked
+
+    monkeypatch.setattr(server_process, "free_ports", record)
+    with pytest.raises(Picked):
+        server_process.start_server(
+            tmp_path, tmp_path / "log", ["m"], extra_args=["--openai-port=23456", "--exit-timeout-secs=5"]
+        )
+    assert avoided == [{23456}]
 
 
 FAKE_LAUNCHER = """#!{python}

@@ -12,8 +12,8 @@ Every ``interval_s`` the supervisor lists the server's stub processes (from /pro
 line names its model file and instance). Once the server is ready it knows which stubs must live. When
 one is gone (or the server itself exited unasked), it logs it, counts it, reports not ready, stops the
 server (SIGTERM, then SIGKILL once every live instance marked itself finalized, at once where none
-lives, or after ``grace_s``: the dead model's requests would hold a graceful exit up to its exit
-timeout), removes the shared-memory
+lives and every ready model is a watched one, or after ``grace_s``: the dead model's requests would hold
+a graceful exit up to its exit timeout), removes the shared-memory
 regions the killed stubs leave, and starts the server again. Meanwhile clients get UNAVAILABLE (gRPC)
 or a refused connection (HTTP) at once, never a hang.
 
@@ -222,7 +222,8 @@ class Supervisor:
                         return self._stop_server(process, stubs.values())
                     expected = stubs
                     self.watched_models = sorted({s.model for s in stubs.values()})
-                    self.marks_cover = set(ready_models) <= set(python_models)
+                    # (An index that did not answer lists no model: then nothing is known to be covered.)
+                    self.marks_cover = bool(ready_models) and set(ready_models) <= set(python_models)
                     self.watched_instances = {
                         model: sorted(s.instance for s in stubs.values() if s.model == model)
                         for model in self.watched_models
@@ -286,17 +287,14 @@ class Supervisor:
 
     def _end(self, process: subprocess.Popen, timeout_s: float, live: dict[str, list[str]]) -> int:
         """After the server's signal: its exit status once it exits; once every instance in ``live``
-        marked itself finalized (at once where ``live`` is empty), the server ended after ``SETTLE_S``
-        (status 0: nothing of it was left to answer); past ``timeout_s``, killed (its status, negative:
-        the signal)."""
+        marked itself finalized, the server ended after ``SETTLE_S`` (status 0: nothing of it was left to
+        answer); past ``timeout_s``, killed (its status, negative: the signal)."""
         deadline = time.monotonic() + timeout_s
         while True:
             status = process.poll()
             if status is not None:
                 return status
-            # With no instance in ``live`` (a restart where every one died) nothing of the server can
-            # answer: it ends at once, where Triton 2.51 would hold its exit until the grace time.
-            marks = self.drain_file if self.marks_cover else None
+            marks = self.drain_file if self.marks_cover and live else None
             if marks is not None and not drain.not_finalized(marks, live):
                 time.sleep(SETTLE_S)
                 if process.poll() is not None:
@@ -320,10 +318,19 @@ class Supervisor:
 
     def _stop_server(self, process: subprocess.Popen, stubs, dead: Collection[str] = ()) -> int:
         """A restart's stop: SIGTERM, ended once every instance but the ``dead`` ones (which never will)
-        marked itself finalized, or after ``grace_s``."""
+        marked itself finalized, at once where every watched instance is dead and every ready model is a
+        watched one, or after ``grace_s``."""
         process.send_signal(signal.SIGTERM)
         live = {model: [i for i in names if i not in dead] for model, names in self.watched_instances.items()}
-        status = self._end(process, self.grace_s, {model: names for model, names in live.items() if names})
+        live = {model: names for model, names in live.items() if names}
+        if dead and not live and self.marks_cover and self.watched_instances:
+            # Nothing of the server can answer (Triton 2.51 never answers a dead stub's requests): its
+            # graceful exit, up to its exit timeout, would only hold the restart until grace_s cuts it.
+            log.info("supervisor: no instance of the server lives; ending it")
+            process.kill()
+            status = process.wait()
+        else:
+            status = self._end(process, self.grace_s, live)
         self._kill_stubs(stubs)
         return status
 
