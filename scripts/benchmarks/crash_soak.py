@@ -24,7 +24,8 @@ progress on, so the client sees the last step each attempt reached. The model's 
 every --crash-every seconds from the start (before the end of --duration), each time once the server is
 ready again (the supervisor restarts it; readiness is polled) and, with --mid-job N, once a request in
 flight has computed N steps (or after 60 s without one): a kill that hits work. A kill held back by either
-moves the next: kills are at least --crash-every apart, and one moved past --duration is not made.
+moves the next: kills are at least --crash-every apart, and one that could not be made before the end of
+--duration is not made.
 
 Per run: requests offered, completed (an answer within --timeout of the arrival), lost (offered minus
 completed: a miss), goodput (completed images per second from the first arrival to the end of the run or the
@@ -222,8 +223,8 @@ class Crasher(threading.Thread):
         super().__init__(daemon=True)
         self.server, self.at, self.started, self.mid_job = server, at, started, mid_job
         # A kill held back (by readiness or --mid-job) moves the next one too: kills stay this far apart,
-        # and one moved to ``end_s`` (the arrivals' end) or later is not made (both variants of a round
-        # then crash only while requests arrive).
+        # and one that would come at ``end_s`` (the arrivals' end) or later is not made (both variants of
+        # a round then crash only while requests arrive).
         self.min_gap_s, self.end_s = min_gap_s, end_s
         self.kills: list[dict[str, Any]] = []
         self.failure: str | None = None
@@ -245,6 +246,8 @@ class Crasher(threading.Thread):
                 hit = wait_until(lambda: self._reached() >= self.mid_job, MID_JOB_WAIT_S, self.stop)
                 if self.stop.is_set():
                     return  # the run is over: no kill after its traffic
+            if time.perf_counter() >= self.started + self.end_s:
+                return  # held back past the arrivals by the waits above
             stubs = [s for s in list_stubs(self.server.process.pid) if s.model == MODEL]
             if not stubs:
                 self.failure = f"no stub of {MODEL} to kill at {at} s"

@@ -250,3 +250,17 @@ def test_kills_are_kept_at_least_the_gap_apart(monkeypatch: pytest.MonkeyPatch):
 def test_a_kill_moved_past_the_arrivals_is_not_made(monkeypatch: pytest.MonkeyPatch):
     assert len(crasher_kills(monkeypatch, [0.0, 0.1], min_gap_s=1.0, end_s=0.5)) == 1
     assert len(crasher_kills(monkeypatch, [0.0, 0.1], min_gap_s=0.2, end_s=0.5)) == 2
+
+
+def test_a_kill_held_back_past_the_arrivals_by_readiness_is_not_made(monkeypatch: pytest.MonkeyPatch):
+    ready_from = crash_soak.time.perf_counter() + 0.6  # a server not ready until after the arrivals end
+    clock = crash_soak.time.perf_counter
+    monkeypatch.setattr(crash_soak, "server_ready", lambda server: clock() >= ready_from)
+    stub = SimpleNamespace(model=crash_soak.MODEL, pid=1)
+    monkeypatch.setattr(crash_soak, "list_stubs", lambda pid: [stub])
+    killed: list[int] = []
+    monkeypatch.setattr(crash_soak.os, "kill", lambda pid, signal: killed.append(pid))
+    server = SimpleNamespace(process=SimpleNamespace(pid=1))
+    crasher = Crasher(server, [0.0], crash_soak.time.perf_counter(), end_s=0.3)
+    crasher.run()
+    assert killed == [] and crasher.kills == [] and crasher.failure is None
