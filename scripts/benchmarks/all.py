@@ -376,7 +376,9 @@ PLAN = (
         CRASH_SOAK_S,
     ),
     # The same at an H100's cost ratios: a crash's recomputed steps cost what SD 1.5's would there (the
-    # restart is this machine's), checkpoints at the cadence checkpoint_cost measures.
+    # restart is this machine's), checkpoints at the cadence checkpoint_cost measures. Kills 35 s apart, as
+    # in the CPU take: 30 s apart would fall inside the anti-spin window. 1032 s measured for 90 s runs
+    # (a87904f).
     Take(
         "crash_soak_sd15",
         (
@@ -389,9 +391,9 @@ PLAN = (
             "--mid-job",
             "75",
             "--duration",
-            "90",
+            "105",
             "--crash-every",
-            "30",
+            "35",
             "--load",
             "0.8",
             "--checkpoint-every",
