@@ -82,12 +82,6 @@ BEFORE_STOPWATCH = (
     " would read a forward as its launch and a decode as every forward queued before it"
 )
 
-BEFORE_FAST_RESTART = (
-    "taken before a restart where every instance died ended the old server at once (commit 2569db1): its"
-    " restarts include the supervisor's 5 s grace wherever Triton held its exit for the dead stub's"
-    " requests, and not taken again since"
-)
-
 BLOCKS: dict[str, Figure] = {
     # the performance index's headline: one row a feature, from the newest artefact of each
     "headline": Figure(
@@ -125,7 +119,6 @@ BLOCKS: dict[str, Figure] = {
         ("docs/profiles/sd15-h100/crash_soak.json",),
         "crash_soak.render",
         "bench.py crash-soak --device-profile sd15-h100",
-        stale=BEFORE_FAST_RESTART,
     ),
     "crash-soak-sd15-h100-busy": Figure(
         ("docs/profiles/sd15-h100/busy/crash_soak.json",),
