@@ -114,6 +114,11 @@ BLOCKS: dict[str, Figure] = {
     "model-reload": Figure(("docs/cpu/model_reload.json",), "model_reload.render", "model_reload_check.py"),
     "restart-times": Figure(("docs/cpu/restart_times.json",), "restart_times.render", "restart_times.py"),
     "mixed-sizes": Figure(("docs/cpu/mixed_sizes.json",), "mixed_sizes.render", "bench.py mixed-sizes"),
+    "mixed-sizes-flux1-h100": Figure(
+        ("docs/profiles/flux1-h100/mixed_sizes.json",),
+        "mixed_sizes.render",
+        "bench.py mixed-sizes --device-profile flux1-h100",
+    ),
     "crash-soak": Figure(("docs/cpu/crash_soak.json",), "crash_soak.render", "bench.py crash-soak"),
     "crash-soak-sd15-h100": Figure(
         ("docs/profiles/sd15-h100/crash_soak.json",),

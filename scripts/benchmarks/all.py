@@ -41,6 +41,10 @@ GOODPUT_S = 2900
 # The crash soak: 5 rounds of 2 runs of 150-step jobs, 2 crashes a run 35 s apart (a restart more than 30 s
 # after the one before: no anti-spin wait); 13 minutes measured for 60 s runs (--mid-job 75).
 CRASH_SOAK_S = 1400
+# The mixed-sizes benchmark at the flux1-h100 profile: 2 traffic kinds x 5 rounds x 4 variants of 16
+# requests of 8 steps at 512 to 1024 pixels a side, each forward as long as on an H100 (about 40 to 170 ms
+# a row): an estimate from those times (not yet measured).
+MIXED_SIZES_FLUX1_S = 1500
 # The crash soak at an H100's cost ratios with the server busy (3 x one request at a time: more than the
 # engine serves, so each run ends with a queue and a recomputed step delays every answer after it; at 2 x
 # with crashes this far apart the server caught up between them, a try stopped after one run): 16 runs of
@@ -150,6 +154,32 @@ PLAN = (
         "mixed_sizes",
         ("--rounds", "5", "--requests", "16", "--loads", "", "--out", "{out}/cpu"),
         39,
+    ),
+    # The same at an H100's cost ratios for FLUX.1-dev, at its sizes: the packing gate where a padded token
+    # costs what it would there, and packing without the gate beside it. Both traffic kinds, closed loop,
+    # 5 rounds.
+    Take(
+        "mixed_sizes_flux1",
+        (
+            "--arch",
+            "tiny-flux",
+            "--device-profile",
+            "flux1-h100",
+            "--sizes",
+            "512x512,768x768,1024x1024",
+            "--variants",
+            "packed,by-shape,request,packed-ungated",
+            "--rounds",
+            "5",
+            "--requests",
+            "16",
+            "--loads",
+            "",
+            "--out",
+            "{out}/profiles/flux1-h100",
+        ),
+        MIXED_SIZES_FLUX1_S,
+        benchmark="mixed_sizes",
     ),
     Take("checkpoint_cost", ("--rounds", "15", "--engine-steps", "100", "--out", "{out}/cpu"), 138),
     # The same at an H100's cost ratios: SD 1.5's forward and decode timed as measured on one.

@@ -33,7 +33,7 @@ from verdicts import rotated_orders
 
 from benchmarks.common import REPO_ROOT
 from benchmarks.inprocess import Bench, device_and_dtype, sync
-from triton_diffusion.adapters.device_profiles import PROFILES, load_table
+from triton_diffusion.adapters.device_profiles import PROFILES, load_costs
 from triton_diffusion.engine.scheduler import EngineLimits
 from triton_diffusion.engine.step_engine import StepEngine
 from triton_diffusion.recovery.checkpoint_store import CheckpointStore
@@ -118,15 +118,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     profile = None
     if args.device_profile:  # its times hold at the size it was measured at only
-        table = load_table(PROFILES[args.device_profile])
+        table = load_costs(PROFILES[args.device_profile])
         if table.size != (args.size, args.size):
             parser().error(f"--device-profile {args.device_profile} was measured at {table.size}: --size")
-        profile = {
-            "what": PROFILES[args.device_profile].what,
-            "forward": table.forward,
-            "decode": table.decode,
-            "source": table.source,
-        }
+        profile = {"what": PROFILES[args.device_profile].what, **table.record()}
     intervals = [int(v) for v in args.intervals.split(",")]
     device, dtype = device_and_dtype(args.device, args.dtype)
     if args.threads or device == "cpu":

@@ -75,7 +75,7 @@ from verdicts import rotated_orders
 from benchmarks.arrivals import poisson_arrivals
 from benchmarks.common import PROMPTS, REPO_ROOT, benchmark_parser
 from benchmarks.crash_figures import paired_verdicts, run_figures, summarise
-from triton_diffusion.adapters.device_profiles import PROFILES, load_table
+from triton_diffusion.adapters.device_profiles import PROFILES, load_costs
 from triton_diffusion.serving.server_process import WEIGHTS, copy_model, start_server
 from triton_diffusion.serving.supervisor import list_stubs
 from triton_diffusion.settings import IMAGE, IMAGE_SOURCE, ModelConfig
@@ -425,7 +425,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--mid-job must be below --steps (a request reports no step past its last)")
 
     if args.device_profile:
-        args.size = load_table(PROFILES[args.device_profile]).size[0]  # where its times hold
+        args.size = load_costs(PROFILES[args.device_profile]).size[0]  # where its times hold
     build_missing(WEIGHTS, only=["tiny-sd"])
     report: dict[str, Any] = {
         "benchmark": "crash-soak",

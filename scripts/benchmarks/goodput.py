@@ -71,7 +71,7 @@ from verdicts import rotated_orders
 
 from benchmarks.arrivals import poisson_arrivals
 from benchmarks.common import REPO_ROOT, benchmark_parser
-from triton_diffusion.adapters.device_profiles import PROFILES, load_table
+from triton_diffusion.adapters.device_profiles import PROFILES, load_costs
 from triton_diffusion.engine.overload import WINDOW
 from triton_diffusion.serving.server_process import copy_model, start_server
 from triton_diffusion.tiny_models import build_missing
@@ -403,7 +403,7 @@ def main(argv: list[str] | None = None) -> dict:
         "deadline_policy": "refuse",
     }
     if args.device_profile:
-        height, width = load_table(PROFILES[args.device_profile]).size  # where its times hold
+        height, width = load_costs(PROFILES[args.device_profile]).size  # where its times hold
         if height != width:
             parser.error(
                 f"--device-profile {args.device_profile} was measured at {height}x{width}, not square"

@@ -120,6 +120,7 @@ class Bench:
         self.height, self.width, self.cap, self.device = height, width, cap, device
         self.arch, self.dtype_name, self.device_profile = arch, config.dtype, device_profile
         self.max_running, self.policy = cap, "oldest"
+        self.packing_gate = True  # config packing_gate: off, every forward of mixed sizes runs packed
         self.timeline = False  # on a GPU: time each step's stages under Poisson load (synchronising)
         self.cohort = max(1, cap // 2)  # the served default (EngineHost), for max_running >= cap
         # The packing gate's prices from load, as the served model has them (models/calibration.py).
@@ -140,7 +141,7 @@ class Bench:
         }
 
     def step_engine(self, cohort: int) -> StepEngine:
-        limits = EngineLimits(self.max_running, self.cap)
+        limits = EngineLimits(self.max_running, self.cap, packing_gate=self.packing_gate)
         pacing = AdmissionPacing(min(cohort, max(1, self.max_running // 2)))
         times = copy.deepcopy(self.calibration)  # each run's engine learns on from the load's prices
         return StepEngine(self.adapter, limits, make_policy(self.policy), pacing, times=times)

@@ -3,11 +3,14 @@ against one forward per latent shape, against the request-level engine, in one p
 
 Variants (one loaded model per family; the switch is flipped on its step adapter between runs):
   packed    the step engine with the adapter's packing on: jobs of every size share one group, each
-            row padded to the longest with an attention key mask, within a token budget per forward
+            row padded to the longest with an attention key mask; the packing gate runs a forward of
+            several sizes one size at a time where its cost fit prices that cheaper (the served default)
   by-shape  the step engine with it off: one latent shape per forward (the engine
             before packing: three sizes in flight take three forwards for every job to advance once)
   request   the request-level engine: one fused diffusers call per compatibility key (so per size) of each
             batch Triton would form (at most --window requests), --cap images a call
+  packed-ungated  (only when named in --variants) packing on and the gate off (config packing_gate):
+            every forward of several sizes runs packed, so its ratio is what the gate spares or costs
 
 Where the adapter cannot pack (a tree before the feature) ``packed`` runs what ``by-shape`` runs;
 the artefact records it (``families.<arch>.packing_available``) and the figures block says so.
@@ -40,6 +43,13 @@ rounds): about 12 minutes on this project's 2-core CPU host (15 with other work 
 
     .venv/bin/python scripts/bench.py mixed-sizes --out docs/cpu
     .venv/bin/python scripts/bench.py mixed-sizes --rounds 1 --requests 16 --loads '' --out /tmp/smoke
+
+With ``--device-profile flux1-h100`` (``--arch tiny-flux``), tiny-flux's transformer and decode wait what
+FLUX.1-dev's would take on an H100 and compute nothing (adapters/device_profiles.py): the packing gate at
+that GPU's cost ratios, on this CPU, at FLUX.1's sizes:
+
+    .venv/bin/python scripts/bench.py mixed-sizes --arch tiny-flux --device-profile flux1-h100 \
+        --sizes 512x512,768x768,1024x1024 --rounds 5 --requests 16 --loads '' --out docs/profiles/flux1-h100
 
 On a GPU (bf16 by default there; ``--dtype`` and ``--device`` choose), ``--flux1-size`` swaps FLUX.1's
 transformer at full size (random weights, built on the device: speed only) into tiny-flux, over its text
@@ -75,13 +85,17 @@ from benchmarks.common import (
 )
 from benchmarks.engine_runs import outcome, run_request_level, run_step_engine
 from benchmarks.inprocess import DTYPES, Bench, Recorder, device_and_dtype, full_size_flux1
+from triton_diffusion.adapters.device_profiles import PROFILES, load_costs
 from triton_diffusion.engine.jobs import StepReport
 from triton_diffusion.tiny_models import ARCHITECTURES
 
 # The default sizes, WxH (width 96 and height 64, width 64 and height 128): the tiny models' on a CPU.
 SIZES = ("64x64", "96x64", "64x128")
 TRAFFIC_KINDS = ("mixed", "homogeneous")
-VARIANTS = {"packed": True, "by-shape": False, "request": None}  # variant -> packing on (set_packing)
+# variant -> packing on (set_packing); packed-ungated: on with the packing gate off (config packing_gate),
+# so every forward of mixed sizes runs packed: what the gate spares where it runs them by size.
+VARIANTS = {"packed": True, "by-shape": False, "request": None, "packed-ungated": True}
+DEFAULT_VARIANTS = ("packed", "by-shape", "request")
 BASELINE = "by-shape"
 GUIDANCE = 7.5
 # The issue's targets: packed / by-shape closed-loop throughput.
@@ -203,7 +217,7 @@ class SizedBench:
 
     def __init__(self, arch: str, args: argparse.Namespace, device: str, dtype: torch.dtype) -> None:
         width, height = parse_size(args.sizes.split(",")[0])  # the model's default size: the first
-        self.bench = Bench(arch, height, width, args.cap, device, dtype)
+        self.bench = Bench(arch, height, width, args.cap, device, dtype, device_profile=args.device_profile)
         if args.flux1_size:  # FLUX.1's transformer at full size, and a step adapter over it
             full_size_flux1(self.bench, device, dtype)
         self.args = args
@@ -227,6 +241,7 @@ class SizedBench:
             run_request_level(bench, traffic, self.args.window, recorder)
         else:
             set_packing(bench.adapter, bool(VARIANTS[variant]))
+            bench.packing_gate = variant != "packed-ungated"
             run_step_engine(bench, traffic, bench.cohort, recorder=recorder)
         return recorder
 
@@ -296,8 +311,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="FLUX.1's transformer at full size (19 + 38 blocks, 3072 wide, random weights, built on the "
         "device) in place of tiny-flux's, over its text encoders and VAE (a GPU's figures; speed only)",
     )
+    parser.add_argument(
+        "--device-profile",
+        choices=sorted(PROFILES),
+        help="its GPU's forward and decode times in place of tiny-flux's transformer and decode "
+        "(adapters/device_profiles.py: flux1-h100); it computes no image",
+    )
     parser.add_argument("--rounds", type=int, default=3, help="alternated rounds (each runs every variant)")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help="of packed, by-shape, request")
+    parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=f"of {', '.join(VARIANTS)}")
     parser.add_argument("--concurrency", type=int, default=8, help="closed-loop clients")
     parser.add_argument("--requests", type=int, default=160, help="requests per closed-loop run")
     parser.add_argument("--poisson-requests", type=int, default=120, help="requests per Poisson run")
@@ -374,6 +395,10 @@ def main(argv: list[str] | None = None) -> None:
     args.sizes = ",".join(sizes)
     if args.flux1_size and archs != ["tiny-flux"]:
         parser.error("--flux1-size swaps FLUX.1's transformer into tiny-flux: --arch tiny-flux alone")
+    if args.device_profile and (args.flux1_size or archs != ["tiny-flux"]):
+        parser.error(
+            "--device-profile times tiny-flux's transformer: --arch tiny-flux alone, no --flux1-size"
+        )
     if loads and args.capacity_of not in variants:
         parser.error("--capacity-of must be one of --variants for Poisson loads")
     if args.rounds < 1:
@@ -388,6 +413,11 @@ def main(argv: list[str] | None = None) -> None:
             "device": device,
             "dtype": str(dtype).removeprefix("torch."),
             "flux1_size": args.flux1_size,
+            "device_profile": args.device_profile,
+            # the times its stand-ins waited, and where they came from
+            "device_profile_costs": load_costs(PROFILES[args.device_profile]).record()
+            if args.device_profile
+            else None,
             "variants": variants,
             "baseline": BASELINE,
             "targets": TARGETS,
@@ -429,7 +459,11 @@ def main(argv: list[str] | None = None) -> None:
         sized = SizedBench(arch, args, device, dtype)
         family = report["families"][arch] = {
             **sized.bench.report_header(args.steps),
-            "transformer": "FLUX.1 at full size (random weights)" if args.flux1_size else "its own",
+            "transformer": "FLUX.1 at full size (random weights)"
+            if args.flux1_size
+            else f"device profile {args.device_profile}: {PROFILES[args.device_profile].what}"
+            if args.device_profile
+            else "its own",
             "packing_available": sized.packing_available,
             # The packing gate's prices from load (models/calibration.py): "rows x tokens": seconds.
             "calibration": {

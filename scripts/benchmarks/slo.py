@@ -46,7 +46,7 @@ from benchmarks.arrivals import Traffic, poisson_arrivals
 from benchmarks.common import REPO_ROOT, benchmark_parser
 from benchmarks.inprocess import Bench, sync
 from benchmarks.slo_figures import NOTES, Item, class_report, progress, summarize_rounds
-from triton_diffusion.adapters.device_profiles import PROFILES, load_table
+from triton_diffusion.adapters.device_profiles import PROFILES, load_costs
 from triton_diffusion.engine.jobs import Job, StepReport
 from triton_diffusion.engine.ordering import AdmissionPacing, Service, make_policy
 from triton_diffusion.engine.planner import RowCaps
@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     if args.device_profile:  # its times hold at the size it was measured at only
-        size = load_table(PROFILES[args.device_profile]).size
+        size = load_costs(PROFILES[args.device_profile]).size
         if size != (args.height, args.width):
             parser.error(f"--device-profile {args.device_profile} was measured at {size}: --height, --width")
     bench = Bench(

@@ -49,14 +49,15 @@ def _verdicts(artefact: dict[str, Any]) -> list[list[str]]:
     for row in artefact["summary"]:
         ratio = row.get("throughput_vs_by_shape")
         if (
-            row["variant"] != "packed"
+            row["variant"] not in ("packed", "packed-ungated")
             or row["load"] != "closed"
             or not ratio
             or row["traffic"] not in targets
         ):
             continue
-        label = f"{row['family']} {row['traffic']}, closed loop: packed / by-shape throughput"
-        target = targets[row["traffic"]]
+        label = f"{row['family']} {row['traffic']}, closed loop: {row['variant']} / by-shape throughput"
+        # The gate's targets are the served default's (packed); without it, a gain or a loss against 1.
+        target = targets[row["traffic"]] if row["variant"] == "packed" else ""
         rows.append(
             [
                 label,
@@ -80,20 +81,33 @@ def render(artefact: dict[str, Any]) -> str:
         else "no Poisson runs"
     )
     homogeneous = settings.get("traffic", {}).get("homogeneous") or list(settings["sizes"])[:1]
+    variants = settings.get("variants") or ["packed", "by-shape", "request"]
+    ungated = (
+        " `packed-ungated`: packing with the packing gate off (every forward of several sizes packed)."
+        if "packed-ungated" in variants
+        else ""
+    )
     device = f" on {settings['device']} in {settings['dtype']}" if "device" in settings else ""
     if settings.get("flux1_size"):
         device += ", FLUX.1's transformer at full size (random weights: speed only)"
+    if settings.get("device_profile"):
+        device += (
+            f", under the device profile `{settings['device_profile']}` (tiny-flux's transformer and VAE "
+            "decode wait the times FLUX.1-dev's would take on an NVIDIA H100, each forward by its arithmetic "
+            "at the rate one measured forward ran, and compute nothing; adapters/device_profiles.py)"
+        )
     parts = [
         f"Sizes (WxH) {sizes} drawn uniformly for `mixed`, {', '.join(homogeneous)} for `homogeneous`"
         f"{device}; "
         f"{settings['steps']} steps, "
         f"guidance {settings['guidance_scale']}, at most {settings['cap']} jobs a forward or images a call; "
         f"closed loop at {settings['concurrency']} clients ({settings['requests']} requests a run), "
-        f"{poisson}. {settings['rounds']} alternated rounds (packed, by-shape, request in each): medians, "
+        f"{poisson}. {settings['rounds']} alternated rounds ({', '.join(variants)} in each): medians, "
         "ratios to the same round's by-shape run with their min-max over rounds. Forwards per step: the "
         "request-level engine's pipeline calls per engine step. Padded tokens: their share of the tokens "
         "the forwards computed (- where the forwards do not report tokens). Gate, by size: of the "
         "forwards whose jobs were of several sizes, the share the packing gate ran one size at a time."
+        + ungated
     ]
     calibrated = [arch for arch, family in artefact["families"].items() if family.get("calibration")]
     if calibrated:

@@ -397,7 +397,8 @@ class ModelConfig:
     device_profile: str | None = _parameter(
         None,
         "benchmarks only: the denoiser and VAE decode replaced by stand-ins that wait a measured GPU's "
-        "times and compute nothing (sd15-h100: StableDiffusionPipeline at 512x512; "
+        "times and compute nothing (sd15-h100: StableDiffusionPipeline at 512x512; flux1-h100: FluxPipeline, "
+        "priced by each forward's arithmetic; "
         "adapters/device_profiles.py), so a forward is as long as on that GPU while the rest runs at this "
         "machine's speed; what it serves is not an image",
         (IMAGE,),

@@ -11,8 +11,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))  # the benchmarks' package
 
+from benchmarks import mixed_sizes  # noqa: E402
 from benchmarks.arrivals import Traffic  # noqa: E402
 from benchmarks.mixed_sizes import (  # noqa: E402
+    SizedBench,
     SizedRecorder,
     build_parser,
     main,
@@ -23,6 +25,7 @@ from benchmarks.mixed_sizes import (  # noqa: E402
 )
 from tables.mixed_sizes import render  # noqa: E402
 
+from triton_diffusion.adapters.row_sizes import Packing  # noqa: E402
 from triton_diffusion.engine.jobs import Left, StepReport  # noqa: E402
 
 
@@ -79,6 +82,8 @@ def test_sizes_are_given_as_wxh_mixed_draws_from_all_and_homogeneous_runs_the_fi
         ["--sizes", "64x64,big"],
         ["--sizes", ","],
         ["--flux1-size"],  # FLUX.1's transformer goes into tiny-flux only, not tiny-sd3 as well
+        ["--device-profile", "flux1-h100"],  # it times tiny-flux's transformer only
+        ["--arch", "tiny-flux", "--device-profile", "flux1-h100", "--flux1-size"],  # one or the other
     ],
 )
 def test_bad_size_options_are_refused_before_anything_loads(argv, capsys):
@@ -157,6 +162,9 @@ def test_the_block_names_the_sizes_device_and_transformer_a_gpu_run_used():
     text = render(artefact)
     assert "Sizes (WxH) 512x512, 768x768, 1024x1024 drawn uniformly for `mixed`, 512x512 for" in text
     assert "on cuda in bfloat16, FLUX.1's transformer at full size (random weights: speed only)" in text
+    settings |= {"device": "cpu", "dtype": "float32", "flux1_size": False, "device_profile": "flux1-h100"}
+    text = render(artefact)
+    assert "on cpu in float32, under the device profile `flux1-h100` (tiny-flux's transformer" in text
 
 
 def test_the_full_size_flux1_swap_calibrates_the_packing_gate_over_the_transformer_it_serves(monkeypatch):
@@ -176,3 +184,41 @@ def test_the_full_size_flux1_swap_calibrates_the_packing_gate_over_the_transform
     loaded = bench.adapter
     inprocess.full_size_flux1(bench, "cpu", torch.float32)
     assert bench.adapter is not loaded and calibrated == [bench.adapter] and bench.calibration == "new"
+
+
+def test_the_ungated_variant_packs_every_forward_and_the_others_keep_the_gate(monkeypatch):
+    seen: list[tuple[bool, bool]] = []  # (the gate on, packing on) each run's engine was built with
+
+    def engine_run(bench, traffic, cohort, recorder=None):
+        seen.append((bench.packing_gate, bench.adapter.sizes.packing.on))
+
+    monkeypatch.setattr(mixed_sizes, "run_step_engine", engine_run)
+    sized = object.__new__(SizedBench)
+    adapter = SimpleNamespace(sizes=SimpleNamespace(packing=Packing(on=False)))
+    sized.bench = SimpleNamespace(adapter=adapter, packing_gate=True, cohort=1)
+    for variant in ("packed-ungated", "packed", "by-shape", "packed-ungated"):
+        sized.run(variant, Traffic([{}], concurrency=1), ["64x64"])
+    assert seen == [(False, True), (True, True), (True, False), (False, True)]
+    assert build_parser().parse_args([]).variants == "packed,by-shape,request"  # not by default
+
+
+def test_the_ungated_ratio_is_read_against_one_and_the_block_says_what_it_is():
+    runs = [
+        run("mixed", v, r, x)
+        for r in range(5)
+        for v, x in (("by-shape", 10.0), ("packed-ungated", 6.0 + r / 10))
+    ]
+    settings = {"sizes": {"64x64": {}}, "steps": 8, "guidance_scale": 7.5, "cap": 8, "concurrency": 8}
+    settings |= {
+        "requests": 4,
+        "loads": [],
+        "rounds": 5,
+        "baseline": "by-shape",
+        "targets": {"mixed": ">= 1.3"},
+    }
+    settings |= {"variants": ["by-shape", "packed-ungated"]}
+    text = render({"settings": settings, "families": {}, "summary": summarise(runs), "complete": True})
+    assert "5 alternated rounds (by-shape, packed-ungated in each)" in text
+    assert "`packed-ungated`: packing with the packing gate off" in text
+    line = next(line for line in text.splitlines() if "packed-ungated / by-shape throughput" in line)
+    assert line.endswith("| **0.62** |  | below 1 (90% interval 0.6-0.64) |")

@@ -11,22 +11,35 @@ those also run here on the CPU, at its speed; everything else (text encoding, th
 a checkpoint's copy, here a CPU copy of float32 latents rather than a device-to-host one of bfloat16)
 runs at this CPU's speed too.
 
-The times come from a committed GPU artefact, read at load (never copied into code): a forward's seconds
-against its model rows (images, doubled by classifier-free guidance) at the artefact's size, interpolated
-linearly in rows x latent positions (flat below the smallest measured forward: a GPU is latency-bound
-there; extended along the last segment above the largest), and a decode's seconds against its images.
+The times come from a committed GPU artefact, read at load (never copied into code):
+
+- ``sd15-h100`` (a UNet): a forward's seconds against its model rows (images, doubled by classifier-free
+  guidance) at the artefact's size, interpolated linearly in rows x latent positions (flat below the
+  smallest measured forward: a GPU is latency-bound there; extended along the last segment above the
+  largest), and a decode's seconds against its images.
+- ``flux1-h100`` (FLUX.1-dev's transformer): one measured forward (two rows at 1024x1024) gives the rate
+  at which that GPU ran its arithmetic; any other forward takes its own arithmetic at that rate
+  (:class:`TransformerShape`: every row's image and text tokens through the linear layers, every token
+  pair through attention; padding counts as the GPU computes it). That holds where the GPU is busy with
+  arithmetic (compute-bound, as with a 1024x1024 row of FLUX.1); where it is not (small forwards) it
+  under-prices a forward, and a packed forward's key mask (which may take SDPA off its fastest kernel)
+  is not priced either. A decode takes what SD 1.5's took on that GPU for as many pixels (the same
+  AutoencoderKL decoder, its first layer aside), from the ``sd15-h100`` artefact.
+
 Text encoding and image encoding stay the tiny model's own (a few ms on a CPU).
 
 Config ``device_profile`` turns one on (benchmarks only); ``scripts/bench.py checkpoint-cost
---device-profile NAME`` measures with one.
+--device-profile NAME`` (and crash-soak, goodput, slo, mixed-sizes) measures with one.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
 from bisect import bisect_left
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,6 +59,9 @@ class DeviceProfile:
     arch: str  # what the artefact must say it measured: its ``arch`` ...
     gpu: str  # ... and a word of its machine's GPU
     what: str
+    # A transformer's profile: its forwards priced by arithmetic from the one measured (load_flux_costs),
+    # its decodes by this profile's.
+    decodes_from: str | None = None
 
 
 PROFILES = {
@@ -60,8 +76,49 @@ PROFILES = {
             "Stable Diffusion 1.5, 512x512, bfloat16, eager, on an NVIDIA H100 80GB (the step engine's "
             "own forward and decode, classifier-free guidance on)",
         ),
+        DeviceProfile(
+            "flux1-h100",
+            "FluxPipeline",
+            "gpu/checks_step_caches/step_caches/bench_caches.json",
+            "FLUX.1 transformer at full size",
+            "H100",
+            "FLUX.1-dev's transformer, bfloat16, eager, on an NVIDIA H100 80GB: one measured forward (2 rows "
+            "at 1024x1024, 64 text tokens) and every other forward at the rate of its arithmetic; decodes "
+            "as SD 1.5's decoder took for as many pixels",
+            decodes_from="sd15-h100",
+        ),
     )
 }
+
+# The text tokens of the forwards the flux1-h100 artefact measured: the benchmarks' FLUX prompt cap when it
+# was taken (FLUX_MAX_SEQUENCE_LENGTH in scripts/benchmarks/common.py at 7c26b7c; the artefact does not
+# record it).
+FLUX_MEASURED_TEXT_TOKENS = 64
+
+
+@dataclass(frozen=True)
+class TransformerShape:
+    """A DiT's arithmetic: FLUX.1-dev's by default (the shape benchmarks.inprocess.full_size_flux1 builds).
+    Its double-stream blocks (each stream its own weights) and its single-stream blocks both give a token
+    12 d^2 multiply-adds (q, k, v and out projections, an MLP of ``mlp_ratio`` x d), and a token pair 2 d
+    (scores and values) in attention; the per-row work (embeddings, modulation) and the in and out
+    projections (under 1% at 1024x1024) are left out."""
+
+    double_layers: int = 19
+    single_layers: int = 38
+    heads: int = 24
+    head_dim: int = 128
+    mlp_ratio: int = 4
+
+    def flops(self, rows: int, tokens: int) -> float:
+        """Floating-point operations (2 a multiply-add) of a forward of ``rows`` rows of ``tokens`` tokens
+        each (image and text, padding included)."""
+        d = self.heads * self.head_dim
+        per_token = (4 + 2 * self.mlp_ratio) * d * d + 2 * tokens * d
+        return 2.0 * rows * tokens * (self.double_layers + self.single_layers) * per_token
+
+
+FLUX1_DEV = TransformerShape()
 
 
 @dataclass(frozen=True)
@@ -76,8 +133,43 @@ class CostTable:
     def forward_s(self, row_positions: float) -> float:
         return _interpolate(self.forward, row_positions)
 
-    def decode_s(self, images: float) -> float:
+    def decode_s(self, images: float, pixels: int | None = None) -> float:
+        """Seconds to decode ``images`` of ``pixels`` each (the table's size where not given): as many
+        images of the table's size as hold those pixels."""
+        if pixels is not None:
+            images = images * pixels / (self.size[0] * self.size[1])
         return _interpolate(self.decode, images)
+
+    def record(self) -> dict[str, Any]:
+        """What a benchmark's artefact keeps of the times its stand-ins waited."""
+        return {"forward": self.forward, "decode": self.decode, "source": self.source}
+
+
+@dataclass(frozen=True)
+class FlopCosts:
+    """Seconds of a transformer's forward at the rate its one measured forward ran its arithmetic; of a
+    decode, by another profile's decodes per pixel."""
+
+    per_flop_s: float
+    decodes: CostTable  # the decodes of the profile named by ``decodes_from``, at its size
+    size: tuple[int, int]  # (height, width) of the measured forward
+    shape: TransformerShape = FLUX1_DEV
+    source: dict[str, Any] | None = None
+
+    def forward_s(self, rows: int, tokens: int) -> float:
+        return self.per_flop_s * self.shape.flops(rows, tokens)
+
+    def decode_s(self, images: float, pixels: int) -> float:
+        return self.decodes.decode_s(images, pixels)
+
+    def record(self) -> dict[str, Any]:
+        return {
+            "per_flop_s": self.per_flop_s,
+            "measured_tflops_per_s": 1e-12 / self.per_flop_s,
+            "shape": dataclasses.asdict(self.shape),
+            "decodes": self.decodes.record(),
+            "source": self.source,
+        }
 
 
 def _interpolate(points: tuple[tuple[float, float], ...], x: float) -> float:
@@ -113,7 +205,51 @@ def load_table(profile: DeviceProfile, docs: Path = DOCS) -> CostTable:
     return CostTable(tuple(forward), tuple(decode), (height, width), source)
 
 
-def apply_profile(pipe: Any, name: str, docs: Path = DOCS) -> CostTable:
+def load_flux_costs(profile: DeviceProfile, docs: Path = DOCS) -> FlopCosts:
+    """A transformer profile's costs: the rate of its artefact's uncached closed-loop forwards (a
+    bench_caches.json, scripts/bench_caches.py), the median over them. Raises ValueError naming the file
+    when it cannot."""
+    path = docs / profile.artefact
+    try:
+        report = json.loads(path.read_text())
+        config = report["config"]
+        width, height = (int(v) for v in config["size"].split("x"))
+        forwards = [
+            (int(group["rows"]), float(group["median_ms"]) / 1000)
+            for run in report["rounds"]
+            for group in run["closed"]["none"]["forward_groups"]
+            if group["reused"] == 0
+        ]
+    except (OSError, KeyError, TypeError, AttributeError, ValueError) as exc:
+        raise ValueError(f"device profile {profile.name}: {path} has no uncached forwards ({exc})") from exc
+    machine = json.dumps(report.get("provenance", {}).get("machine", ""))
+    if (
+        profile.arch not in str(config.get("arch"))
+        or config.get("dtype") != "bfloat16"
+        or profile.gpu not in machine
+    ):
+        raise ValueError(
+            f"device profile {profile.name}: {path} is not {profile.arch}, bfloat16, on an {profile.gpu}"
+        )
+    if not forwards:
+        raise ValueError(f"device profile {profile.name}: {path} has no uncached forwards")
+    tokens = (height // 16) * (width // 16) + FLUX_MEASURED_TEXT_TOKENS  # FLUX.1: 8x VAE, 2x2 patches
+    rates = sorted(seconds / FLUX1_DEV.flops(rows, tokens) for rows, seconds in forwards)
+    decodes = load_table(PROFILES[profile.decodes_from or ""], docs)
+    source = {
+        "artefact": f"docs/{profile.artefact}",
+        "provenance": report.get("provenance"),
+        "forwards": forwards,
+    }
+    return FlopCosts(rates[len(rates) // 2], decodes, (height, width), FLUX1_DEV, source)
+
+
+def load_costs(profile: DeviceProfile, docs: Path = DOCS) -> CostTable | FlopCosts:
+    """A profile's costs, as its kind reads them from its artefact."""
+    return load_flux_costs(profile, docs) if profile.decodes_from else load_table(profile, docs)
+
+
+def apply_profile(pipe: Any, name: str, docs: Path = DOCS) -> CostTable | FlopCosts:
     """Replace ``pipe``'s denoiser and VAE decode with stand-ins timed by profile ``name``. Raises
     ValueError naming what does not fit."""
     if name not in PROFILES:
@@ -121,11 +257,14 @@ def apply_profile(pipe: Any, name: str, docs: Path = DOCS) -> CostTable:
     profile = PROFILES[name]
     if type(pipe).__name__ != profile.pipeline:
         raise ValueError(f"device_profile {name}: times a {profile.pipeline}, not a {type(pipe).__name__}")
-    table = load_table(profile, docs)
-    pipe.unet.forward = TimedUNet(table, pipe.unet.config.out_channels)
-    pipe.vae.decode = TimedDecode(table, pipe.vae_scale_factor, pipe.vae.config.out_channels)
+    costs = load_costs(profile, docs)
+    if isinstance(costs, FlopCosts):
+        pipe.transformer.forward = TimedTransformer(costs, pipe.transformer.out_channels)
+    else:
+        pipe.unet.forward = TimedUNet(costs, pipe.unet.config.out_channels)
+    pipe.vae.decode = TimedDecode(costs.decode_s, pipe.vae_scale_factor, pipe.vae.config.out_channels)
     log.warning("device profile %s: the denoiser and decode compute nothing (%s)", name, profile.what)
-    return table
+    return costs
 
 
 class TimedUNet:
@@ -145,16 +284,44 @@ class TimedUNet:
         return (out,)
 
 
-class TimedDecode:
-    """``AutoencoderKL.decode``'s stand-in: waits the table's time for its images; mid-grey pixels."""
+class TimedTransformer:
+    """``FluxTransformer2DModel.forward``'s stand-in: waits the time of its rows' arithmetic (image tokens,
+    padding included, and text tokens)."""
 
-    def __init__(self, table: CostTable, scale: int, channels: int) -> None:
-        self.table, self.scale, self.channels = table, scale, channels
+    def __init__(self, costs: FlopCosts, out_channels: int) -> None:
+        self.costs, self.out_channels = costs, out_channels
+
+    def __call__(
+        self,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        *args: Any,
+        return_dict: bool = True,
+        **kwargs: Any,
+    ) -> Any:
+        rows, tokens, _ = hidden_states.shape
+        text = 0 if encoder_hidden_states is None else encoder_hidden_states.shape[1]
+        time.sleep(self.costs.forward_s(rows, tokens + text))
+        out = hidden_states.new_zeros((rows, tokens, self.out_channels))
+        if return_dict:
+            from diffusers.models.modeling_outputs import Transformer2DModelOutput
+
+            return Transformer2DModelOutput(sample=out)
+        return (out,)
+
+
+class TimedDecode:
+    """``AutoencoderKL.decode``'s stand-in: waits the profile's time for its images and their pixels;
+    mid-grey pixels."""
+
+    def __init__(self, seconds: Callable[[float, int], float], scale: int, channels: int) -> None:
+        self.seconds, self.scale, self.channels = seconds, scale, channels
 
     def __call__(self, latents: torch.Tensor, *args: Any, return_dict: bool = True, **kwargs: Any) -> Any:
         images, _, height, width = latents.shape
-        time.sleep(self.table.decode_s(images))
-        pixels = latents.new_zeros((images, self.channels, height * self.scale, width * self.scale))
+        height, width = height * self.scale, width * self.scale
+        time.sleep(self.seconds(images, height * width))
+        pixels = latents.new_zeros((images, self.channels, height, width))
         if return_dict:
             from diffusers.models.autoencoders.vae import DecoderOutput
 
