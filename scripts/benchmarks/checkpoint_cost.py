@@ -118,10 +118,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     profile = None
     if args.device_profile:  # its times hold at the size it was measured at only
-        table = load_costs(PROFILES[args.device_profile])
-        if table.size != (args.size, args.size):
-            parser().error(f"--device-profile {args.device_profile} was measured at {table.size}: --size")
-        profile = {"what": PROFILES[args.device_profile].what, **table.record()}
+        costs = load_costs(PROFILES[args.device_profile])
+        if costs.size != (args.size, args.size):
+            parser().error(f"--device-profile {args.device_profile} was measured at {costs.size}: --size")
+        profile = {"what": PROFILES[args.device_profile].what, **costs.record()}
     intervals = [int(v) for v in args.intervals.split(",")]
     device, dtype = device_and_dtype(args.device, args.dtype)
     if args.threads or device == "cpu":

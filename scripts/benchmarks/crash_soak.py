@@ -75,7 +75,7 @@ from verdicts import rotated_orders
 from benchmarks.arrivals import poisson_arrivals
 from benchmarks.common import PROMPTS, REPO_ROOT, benchmark_parser
 from benchmarks.crash_figures import paired_verdicts, run_figures, summarise
-from triton_diffusion.adapters.device_profiles import PROFILES, load_costs
+from triton_diffusion.adapters.device_profiles import PROFILES, load_costs, profiles_for
 from triton_diffusion.serving.server_process import WEIGHTS, copy_model, start_server
 from triton_diffusion.serving.supervisor import list_stubs
 from triton_diffusion.settings import IMAGE, IMAGE_SOURCE, ModelConfig
@@ -408,7 +408,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="draw each round's arrivals (seed --arrival-seed + the round) rather than one draw for all",
     )
-    parser.add_argument("--device-profile", choices=sorted(PROFILES), help="a GPU's forward and decode times")
+    parser.add_argument(
+        "--device-profile",
+        choices=profiles_for("StableDiffusionPipeline"),
+        help="a GPU's forward and decode times",
+    )
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench_results")
     return parser
 

@@ -71,7 +71,7 @@ from verdicts import rotated_orders
 
 from benchmarks.arrivals import poisson_arrivals
 from benchmarks.common import REPO_ROOT, benchmark_parser
-from triton_diffusion.adapters.device_profiles import PROFILES, load_costs
+from triton_diffusion.adapters.device_profiles import PROFILES, load_costs, profiles_for
 from triton_diffusion.engine.overload import WINDOW
 from triton_diffusion.serving.server_process import copy_model, start_server
 from triton_diffusion.tiny_models import build_missing
@@ -380,7 +380,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     parser.add_argument(
         "--device-profile",
-        choices=sorted(PROFILES),
+        choices=profiles_for("StableDiffusionPipeline"),
         help="the model at a GPU's forward and decode times at the profile's size "
         "(adapters/device_profiles.py): goodput at that GPU's cost ratios; it computes no image, so no PSNR "
         "or equality is read",

@@ -199,6 +199,7 @@ def full_size_flux1(bench: Bench, device: str, dtype: torch.dtype) -> None:
     calibrate the packing gate again over it."""
     from diffusers import FluxTransformer2DModel
 
+    from triton_diffusion.adapters.device_profiles import FLUX1_DEV
     from triton_diffusion.adapters.step_adapters import step_adapter_for
 
     pipe = bench.pipe
@@ -208,10 +209,10 @@ def full_size_flux1(bench: Bench, device: str, dtype: torch.dtype) -> None:
             patch_size=1,
             in_channels=tiny.in_channels,
             out_channels=tiny.out_channels,
-            num_layers=19,
-            num_single_layers=38,
-            attention_head_dim=128,
-            num_attention_heads=24,
+            num_layers=FLUX1_DEV.double_layers,
+            num_single_layers=FLUX1_DEV.single_layers,
+            attention_head_dim=FLUX1_DEV.head_dim,
+            num_attention_heads=FLUX1_DEV.heads,
             joint_attention_dim=tiny.joint_attention_dim,
             pooled_projection_dim=tiny.pooled_projection_dim,
             guidance_embeds=True,

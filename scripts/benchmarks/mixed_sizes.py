@@ -85,7 +85,7 @@ from benchmarks.common import (
 )
 from benchmarks.engine_runs import outcome, run_request_level, run_step_engine
 from benchmarks.inprocess import DTYPES, Bench, Recorder, device_and_dtype, full_size_flux1
-from triton_diffusion.adapters.device_profiles import PROFILES, load_costs
+from triton_diffusion.adapters.device_profiles import PROFILES, load_costs, profiles_for
 from triton_diffusion.engine.jobs import StepReport
 from triton_diffusion.tiny_models import ARCHITECTURES
 
@@ -313,7 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--device-profile",
-        choices=sorted(PROFILES),
+        choices=profiles_for("FluxPipeline"),
         help="its GPU's forward and decode times in place of tiny-flux's transformer and decode "
         "(adapters/device_profiles.py: flux1-h100); it computes no image",
     )

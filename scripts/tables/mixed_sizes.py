@@ -5,6 +5,7 @@ the same text when it ends."""
 
 from __future__ import annotations
 
+import statistics
 from typing import Any
 
 from tables.markdown import number, percent, reading, table
@@ -66,6 +67,25 @@ def _verdicts(artefact: dict[str, Any]) -> list[list[str]]:
                 reading(ratio["median"], target, ratio["rounds"]),
             ]
         )
+    return rows + _gate_rows(artefact)
+
+
+def _gate_rows(artefact: dict[str, Any]) -> list[list[str]]:
+    """What the packing gate does to throughput: packed over packed-ungated in the same round (closed
+    loop), per family and traffic, read against 1."""
+    runs: dict[tuple[str, str], dict[str, dict[int, float]]] = {}
+    for run in artefact.get("runs", []):
+        if run.get("load") == "closed" and run["variant"] in ("packed", "packed-ungated"):
+            cell = runs.setdefault((run["family"], run["traffic"]), {})
+            cell.setdefault(run["variant"], {})[run["round"]] = run["images_per_s"]
+    rows = []
+    for (family, traffic), by_variant in runs.items():
+        gated, ungated = by_variant.get("packed", {}), by_variant.get("packed-ungated", {})
+        ratios = [gated[r] / ungated[r] for r in sorted(gated) if ungated.get(r)]
+        if ratios:
+            value = statistics.median(ratios)
+            label = f"{family} {traffic}, closed loop: packed / packed-ungated throughput (the gate)"
+            rows.append([label, f"**{number(value)}**", "", reading(value, "", ratios)])
     return rows
 
 
@@ -92,9 +112,10 @@ def render(artefact: dict[str, Any]) -> str:
         device += ", FLUX.1's transformer at full size (random weights: speed only)"
     if settings.get("device_profile"):
         device += (
-            f", under the device profile `{settings['device_profile']}` (tiny-flux's transformer and VAE "
-            "decode wait the times FLUX.1-dev's would take on an NVIDIA H100, each forward by its arithmetic "
-            "at the rate one measured forward ran, and compute nothing; adapters/device_profiles.py)"
+            f", under the device profile `{settings['device_profile']}` (tiny-flux's transformer waits an "
+            "estimate of the time FLUX.1-dev's would take on an NVIDIA H100: each forward's arithmetic at "
+            "the rate one measured forward ran; its VAE decode what SD 1.5's decoder took there for as many "
+            "pixels; both compute nothing; adapters/device_profiles.py)"
         )
     parts = [
         f"Sizes (WxH) {sizes} drawn uniformly for `mixed`, {', '.join(homogeneous)} for `homogeneous`"

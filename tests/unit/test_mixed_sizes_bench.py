@@ -222,3 +222,18 @@ def test_the_ungated_ratio_is_read_against_one_and_the_block_says_what_it_is():
     assert "`packed-ungated`: packing with the packing gate off" in text
     line = next(line for line in text.splitlines() if "packed-ungated / by-shape throughput" in line)
     assert line.endswith("| **0.62** |  | below 1 (90% interval 0.6-0.64) |")
+
+
+def test_the_benchs_engine_is_built_with_its_packing_gate(monkeypatch):
+    from benchmarks import inprocess
+
+    built: list = []
+    monkeypatch.setattr(
+        inprocess, "StepEngine", lambda adapter, limits, *args, **kwargs: built.append(limits)
+    )
+    for gate in (False, True):
+        bench = SimpleNamespace(
+            max_running=4, cap=4, packing_gate=gate, calibration=None, adapter=None, policy="oldest"
+        )
+        inprocess.Bench.step_engine(bench, 1)  # type: ignore[arg-type]
+    assert [limits.packing_gate for limits in built] == [False, True]

@@ -17,14 +17,20 @@ The times come from a committed GPU artefact, read at load (never copied into co
   guidance) at the artefact's size, interpolated linearly in rows x latent positions (flat below the
   smallest measured forward: a GPU is latency-bound there; extended along the last segment above the
   largest), and a decode's seconds against its images.
-- ``flux1-h100`` (FLUX.1-dev's transformer): one measured forward (two rows at 1024x1024) gives the rate
-  at which that GPU ran its arithmetic; any other forward takes its own arithmetic at that rate
+- ``flux1-h100`` (FLUX.1-dev's transformer): one measured forward (two rows at 1024x1024, bfloat16;
+  eager: the step caches' benchmark had neither CUDA graphs nor compile when it was taken) gives the
+  rate at which that GPU ran its arithmetic; any other forward takes its own arithmetic at that rate
   (:class:`TransformerShape`: every row's image and text tokens through the linear layers, every token
-  pair through attention; padding counts as the GPU computes it). That holds where the GPU is busy with
-  arithmetic (compute-bound, as with a 1024x1024 row of FLUX.1); where it is not (small forwards) it
-  under-prices a forward, and a packed forward's key mask (which may take SDPA off its fastest kernel)
-  is not priced either. A decode takes what SD 1.5's took on that GPU for as many pixels (the same
-  AutoencoderKL decoder, its first layer aside), from the ``sd15-h100`` artefact.
+  pair through attention; padding counts as the GPU computes it). An estimate, not a measurement, of
+  every other forward: it assumes the GPU compute-bound at every size (no artefact of ours measures how a
+  FLUX.1 forward's time grows with its size); where it is not (small forwards) it under-prices a
+  forward, and a packed forward's key mask (which may take SDPA off its fastest kernel) is not priced
+  either. The measured forward was timed by the host's clock (before engine/stopwatch.py), which can
+  read a forward as its launch; its median over the run is used, and the run's closed-loop latency
+  bears it out (its steps' forwards at that median are nearly all of it). A decode takes what SD 1.5's
+  took on that GPU for as many pixels, from the ``sd15-h100`` artefact (the same AutoencoderKL decoder,
+  its first layer aside; its mid-block attention grows faster than its pixels, so a large image's decode
+  is under-priced a little; beyond the table's largest batch, extended along its last segment).
 
 Text encoding and image encoding stay the tiny model's own (a few ms on a CPU).
 
@@ -42,7 +48,7 @@ from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -59,9 +65,10 @@ class DeviceProfile:
     arch: str  # what the artefact must say it measured: its ``arch`` ...
     gpu: str  # ... and a word of its machine's GPU
     what: str
-    # A transformer's profile: its forwards priced by arithmetic from the one measured (load_flux_costs),
-    # its decodes by this profile's.
-    decodes_from: str | None = None
+    # How its artefact gives its costs: "table" (a forward's and a decode's seconds by batch: load_table)
+    # or "flops" (one measured forward's rate, and the decodes of ``decodes_from``: load_flux_costs).
+    kind: Literal["table", "flops"] = "table"
+    decodes_from: str = ""
 
 
 PROFILES = {
@@ -83,16 +90,24 @@ PROFILES = {
             "FLUX.1 transformer at full size",
             "H100",
             "FLUX.1-dev's transformer, bfloat16, eager, on an NVIDIA H100 80GB: one measured forward (2 rows "
-            "at 1024x1024, 64 text tokens) and every other forward at the rate of its arithmetic; decodes "
+            "at 1024x1024, 64 text tokens) and every other forward estimated at the rate of its arithmetic; "
+            "decodes "
             "as SD 1.5's decoder took for as many pixels",
+            kind="flops",
             decodes_from="sd15-h100",
         ),
     )
 }
 
+
+def profiles_for(pipeline: str) -> list[str]:
+    """The profiles that stand in for ``pipeline``'s denoiser (a benchmark's choices for its model)."""
+    return sorted(name for name, p in PROFILES.items() if p.pipeline == pipeline)
+
+
 # The text tokens of the forwards the flux1-h100 artefact measured: the benchmarks' FLUX prompt cap when it
-# was taken (FLUX_MAX_SEQUENCE_LENGTH in scripts/benchmarks/common.py at 7c26b7c; the artefact does not
-# record it).
+# was taken (FLUX_MAX_SEQUENCE_LENGTH in scripts/bench_common.py at 7c26b7c; the artefact does not record
+# it).
 FLUX_MEASURED_TEXT_TOKENS = 64
 
 
@@ -235,18 +250,19 @@ def load_flux_costs(profile: DeviceProfile, docs: Path = DOCS) -> FlopCosts:
         raise ValueError(f"device profile {profile.name}: {path} has no uncached forwards")
     tokens = (height // 16) * (width // 16) + FLUX_MEASURED_TEXT_TOKENS  # FLUX.1: 8x VAE, 2x2 patches
     rates = sorted(seconds / FLUX1_DEV.flops(rows, tokens) for rows, seconds in forwards)
-    decodes = load_table(PROFILES[profile.decodes_from or ""], docs)
+    decodes = load_table(PROFILES[profile.decodes_from], docs)
     source = {
         "artefact": f"docs/{profile.artefact}",
         "provenance": report.get("provenance"),
         "forwards": forwards,
     }
+    # The upper median (of two rounds, the slower): a forward read early by the host's clock is too short.
     return FlopCosts(rates[len(rates) // 2], decodes, (height, width), FLUX1_DEV, source)
 
 
 def load_costs(profile: DeviceProfile, docs: Path = DOCS) -> CostTable | FlopCosts:
     """A profile's costs, as its kind reads them from its artefact."""
-    return load_flux_costs(profile, docs) if profile.decodes_from else load_table(profile, docs)
+    return load_flux_costs(profile, docs) if profile.kind == "flops" else load_table(profile, docs)
 
 
 def apply_profile(pipe: Any, name: str, docs: Path = DOCS) -> CostTable | FlopCosts:
@@ -259,7 +275,10 @@ def apply_profile(pipe: Any, name: str, docs: Path = DOCS) -> CostTable | FlopCo
         raise ValueError(f"device_profile {name}: times a {profile.pipeline}, not a {type(pipe).__name__}")
     costs = load_costs(profile, docs)
     if isinstance(costs, FlopCosts):
-        pipe.transformer.forward = TimedTransformer(costs, pipe.transformer.out_channels)
+        config = pipe.transformer.config  # its output: each token's patch of latent channels
+        pipe.transformer.forward = TimedTransformer(
+            costs, config.patch_size**2 * pipe.transformer.out_channels
+        )
     else:
         pipe.unet.forward = TimedUNet(costs, pipe.unet.config.out_channels)
     pipe.vae.decode = TimedDecode(costs.decode_s, pipe.vae_scale_factor, pipe.vae.config.out_channels)
