@@ -8,6 +8,7 @@ run uses; ``full_size_flux1`` swaps FLUX.1's transformer at full size into tiny 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 
 import torch
@@ -17,12 +18,11 @@ from benchmarks.common import PROMPTS, machine_description, max_sequence_length
 from triton_diffusion.adapters.diffusers_pipeline import row_generator
 from triton_diffusion.compatibility import compatibility_key
 from triton_diffusion.engine.jobs import Job, StepReport
-from triton_diffusion.engine.ordering import AdmissionPacing, make_policy
-from triton_diffusion.engine.scheduler import EngineLimits
 from triton_diffusion.engine.step_engine import StepEngine
 from triton_diffusion.models.calibration import calibrate
 from triton_diffusion.models.diffusion_model import RowInput
 from triton_diffusion.models.text_to_image import TextToImageModel
+from triton_diffusion.serving.engines import StepEngineKind
 from triton_diffusion.serving.requests import TrackedRequest
 from triton_diffusion.serving.server_process import WEIGHTS
 from triton_diffusion.settings import ModelConfig, ModelSettings
@@ -141,10 +141,23 @@ class Bench:
         }
 
     def step_engine(self, cohort: int) -> StepEngine:
-        limits = EngineLimits(self.max_running, self.cap, packing_gate=self.packing_gate)
-        pacing = AdmissionPacing(min(cohort, max(1, self.max_running // 2)))
-        times = copy.deepcopy(self.calibration)  # each run's engine learns on from the load's prices
-        return StepEngine(self.adapter, limits, make_policy(self.policy), pacing, times=times)
+        """The served step engine, built by the server's own code (serving/engines.py StepEngineKind) from
+        this model's settings, with the bench's running set, admission cohort, policy and packing gate."""
+        config = dataclasses.replace(
+            self.settings.config,
+            max_running=self.max_running,
+            admission_cohort=min(cohort, max(1, self.max_running // 2)),
+            scheduling_policy=self.policy,
+            packing_gate=self.packing_gate,
+        )
+        settings = dataclasses.replace(self.settings, config=config)
+        kind = StepEngineKind(
+            self.adapter,
+            self.model.row_caps(settings),
+            max_tokens_per_forward=config.max_tokens_per_forward,
+            times=copy.deepcopy(self.calibration),  # each run's engine learns on from the load's prices
+        )
+        return kind.build(settings, on_progress=lambda report: None)
 
     def request(self, index: int, steps: int, guidance: float) -> dict:
         """A request's validated fields, as execute() parses them."""

@@ -224,16 +224,23 @@ def test_the_ungated_ratio_is_read_against_one_and_the_block_says_what_it_is():
     assert line.endswith("| **0.62** |  | below 1 (90% interval 0.6-0.64) |")
 
 
-def test_the_benchs_engine_is_built_with_its_packing_gate(monkeypatch):
+def test_the_benchs_engine_is_the_served_one_built_from_the_models_settings():
+    # What a served config sets reaches the bench's engine (a size's row cap, a token budget), as the
+    # server builds it (serving/engines.py), with the bench's own running set, policy and packing gate.
+    import dataclasses
+
+    import torch
     from benchmarks import inprocess
 
-    built: list = []
-    monkeypatch.setattr(
-        inprocess, "StepEngine", lambda adapter, limits, *args, **kwargs: built.append(limits)
+    bench = inprocess.Bench("tiny-sd", 64, 64, 4, "cpu", torch.float32)
+    config = dataclasses.replace(
+        bench.settings.config, max_rows_by_resolution={"64x128": 2}, max_tokens_per_forward=4096
     )
-    for gate in (False, True):
-        bench = SimpleNamespace(
-            max_running=4, cap=4, packing_gate=gate, calibration=None, adapter=None, policy="oldest"
-        )
-        inprocess.Bench.step_engine(bench, 1)  # type: ignore[arg-type]
-    assert [limits.packing_gate for limits in built] == [False, True]
+    bench.settings = dataclasses.replace(bench.settings, config=config)
+    bench.max_running, bench.policy, bench.packing_gate = 3, "largest", False
+    engine = bench.step_engine(cohort=4)
+    limits = engine.scheduler.limits
+    assert (limits.max_running, limits.max_per_forward, limits.max_tokens_per_forward) == (3, 4, 4096)
+    assert limits.cap_for is not None and (limits.cap_for((128, 64)), limits.cap_for((64, 64))) == (2, 4)
+    assert limits.packing_gate is False and engine.scheduler.policy.name == "largest"
+    assert engine.scheduler.pacing.cohort == 1  # at most half the running set, as before
