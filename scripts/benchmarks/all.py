@@ -150,12 +150,13 @@ PLAN = (
         ),
         118,
     ),
-    # 64 requests a run: with 16 (about a tenth of a second a run on this CPU) a take on the AMD host read
-    # 90% intervals as wide as 0.85-1.23 (e1ef6c1, not kept).
+    # 256 requests a run (about a second): with 16 or 64 (a tenth to a third of a second a run on this
+    # CPU) takes on the AMD host read 90% intervals as wide as 0.71-1.11 for two variants that run the
+    # same engine on one size (e1ef6c1, d2d3a9b, not kept). About 64 s was measured at 64 requests.
     Take(
         "mixed_sizes",
-        ("--rounds", "5", "--requests", "64", "--loads", "", "--out", "{out}/cpu"),
-        150,
+        ("--rounds", "5", "--requests", "256", "--loads", "", "--out", "{out}/cpu"),
+        500,
     ),
     # The same at an H100's cost ratios for FLUX.1-dev, at its sizes: the packing gate where a padded token
     # costs what it would there, and packing without the gate beside it. Both traffic kinds, closed loop,
