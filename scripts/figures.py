@@ -153,6 +153,11 @@ BLOCKS: dict[str, Figure] = {
         "slo.render",
         "bench.py slo --device-profile sd15-h100",
     ),
+    "slo-flux1-h100": Figure(
+        ("docs/profiles/flux1-h100/slo/bench_slo.json",),
+        "slo.render",
+        "bench.py slo --device-profile flux1-h100",
+    ),
     "goodput": Figure(("docs/cpu/goodput.json",), "goodput.render", "bench.py goodput"),
     "goodput-cache": Figure(
         ("docs/cpu/goodput_cache/goodput.json",),
