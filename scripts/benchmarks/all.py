@@ -151,8 +151,8 @@ PLAN = (
         118,
     ),
     # 16 requests a run. Three takes on the AMD host on 2026-12-05 (16, 64 and 256 requests a run; e1ef6c1,
-    # d2d3a9b, bc4d6cd; not kept) read 90% intervals as wide as 0.71-1.15 for two variants that run the
-    # same engine on one size, longer runs no narrower: that host's noise, not the runs' length.
+    # d2d3a9b, bc4d6cd; not kept) read 90% intervals of 0.71-1.11 (64) and 0.82-1.15 (256) for two variants
+    # that run the same engine on one size: longer runs no narrower, that host's noise.
     Take(
         "mixed_sizes",
         ("--rounds", "5", "--requests", "16", "--loads", "", "--out", "{out}/cpu"),
@@ -215,63 +215,27 @@ PLAN = (
     # measured (473d43a).
     Take(
         "slo_sd15",
-        (
-            "--device-profile",
-            "sd15-h100",
-            "--height",
-            "512",
-            "--width",
-            "512",
-            "--cap",
-            "8",
-            "--requests",
-            "40",
-            "--loads",
-            "0.7,1.1",
-            "--rounds",
-            "5",
-            "--variants",
-            "tiers,oldest",
-            "--interactive-steps",
-            "4",
-            "--background-steps",
-            "16-30",
-            "--out",
-            "{out}/profiles/sd15-h100/slo",
+        tuple(
+            (
+                "--device-profile sd15-h100 --height 512 --width 512 --cap 8 --requests 40 --loads 0.7,1.1 "
+                "--rounds 5 --variants tiers,oldest --interactive-steps 4 --background-steps 16-30 --out "
+                "{out}/profiles/sd15-h100/slo"
+            ).split()
         ),
         420,
         benchmark="slo",
     ),
     # The same traffic at FLUX.1-dev's 1024x1024 cost ratios (the flux1-h100 profile's estimate): a step of
     # 8 rows there is 8 times one of 1, so an interactive job's deadline depends on whom it steps with. 30
-    # requests a run: an estimate of 25 minutes from a smoke (capacity 0.43 requests/s on the mix).
+    # requests a run: 1659 s measured (7c44444).
     Take(
         "slo_flux1",
-        (
-            "--arch",
-            "tiny-flux",
-            "--device-profile",
-            "flux1-h100",
-            "--height",
-            "1024",
-            "--width",
-            "1024",
-            "--cap",
-            "8",
-            "--requests",
-            "30",
-            "--loads",
-            "0.7,1.1",
-            "--rounds",
-            "5",
-            "--variants",
-            "tiers,oldest",
-            "--interactive-steps",
-            "4",
-            "--background-steps",
-            "16-30",
-            "--out",
-            "{out}/profiles/flux1-h100/slo",
+        tuple(
+            (
+                "--arch tiny-flux --device-profile flux1-h100 --height 1024 --width 1024 --cap 8 --requests "
+                "30 --loads 0.7,1.1 --rounds 5 --variants tiers,oldest --interactive-steps 4 "
+                "--background-steps 16-30 --out {out}/profiles/flux1-h100/slo"
+            ).split()
         ),
         2400,
         benchmark="slo",

@@ -237,10 +237,12 @@ def test_the_benchs_engine_is_the_served_one_built_from_the_models_settings():
         bench.settings.config, max_rows_by_resolution={"64x128": 2}, max_tokens_per_forward=4096
     )
     bench.settings = dataclasses.replace(bench.settings, config=config)
-    bench.max_running, bench.policy, bench.packing_gate = 3, "largest", False
-    engine = bench.step_engine(cohort=4)
+    bench.max_running, bench.policy, bench.packing_gate = 8, "largest", False
+    engine = bench.step_engine(cohort=3)
     limits = engine.scheduler.limits
-    assert (limits.max_running, limits.max_per_forward, limits.max_tokens_per_forward) == (3, 4, 4096)
+    assert (limits.max_running, limits.max_per_forward, limits.max_tokens_per_forward) == (8, 4, 4096)
     assert limits.cap_for is not None and (limits.cap_for((128, 64)), limits.cap_for((64, 64))) == (2, 4)
     assert limits.packing_gate is False and engine.scheduler.policy.name == "largest"
-    assert engine.scheduler.pacing.cohort == 1  # at most half the running set, as before
+    assert engine.scheduler.pacing.cohort == 3  # the bench's (the served default: 2, half the row cap)
+    # The served service: its tiers and their aging (a bench job that waits 30 s moves up a tier).
+    assert engine.scheduler.service.tiers == config.service_tiers and engine.scheduler.service.aging_s == 30
