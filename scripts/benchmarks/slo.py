@@ -7,7 +7,10 @@ Two classes on one model, Poisson arrivals at --loads of the request-level engin
 
 Variants on the same arrivals, alternating within the run (--rounds rounds per load, the order rotated
 from round to round):
-  tiers             the step engine with tiers and deadlines: the scheduler of engine/scheduler.py
+  tiers             the step engine with tiers and deadlines: the scheduler of engine/scheduler.py (its
+                    forwards narrowed where a deadline needs it, as served: config narrow_forwards)
+  tiers-full        (only when named in --variants) tiers with narrow_forwards off: every forward fills
+                    to its caps
   oldest            the step engine, first come first served (every request the same tier, no deadline)
   fewest_remaining  the step engine, shortest remaining work first (no tiers)
   request           the request-level engine (one fused call per compatible group, in arrival order)
@@ -19,9 +22,9 @@ over every offered request (a refused, expired or failed request counted as infi
 shown "missed", as soon as more than 5% missed) beside the p95 over the answered requests only, counts of
 refusals and expiries, how long a refusal took, background throughput, preemptions, and a steady-state
 check (median latency and share unanswered over the first and second half of the arrivals). The artefact
-keeps every round; ``summary`` gives median, min and max over rounds, and ``verdicts`` tiers' attainment
-against each other variant, read against the rounds' spread. It is rewritten after every measured run
-(``<out>/bench_slo.json``, ``scripts/artefacts.py``); ``scripts/tables/slo.py`` renders it.
+keeps every round; ``summary`` gives median, min and max over rounds, and ``verdicts`` the first variant's
+attainment against each other variant's, read against the rounds' spread. It is rewritten after every
+measured run (``<out>/bench_slo.json``, ``scripts/artefacts.py``); ``scripts/tables/slo.py`` renders it.
 ``--trace FILE`` replays a trace instead (vLLM-Omni's format: one JSON object per line or a JSON list,
 with ``width``, ``height``, ``num_inference_steps`` or ``steps``, ``slo_ms`` and optionally ``arrival_s``
 or ``timestamp``; a request with ``slo_ms`` is interactive).
@@ -55,7 +58,8 @@ from triton_diffusion.engine.scheduler import EngineLimits
 from triton_diffusion.engine.step_engine import StepEngine
 from triton_diffusion.tiny_models import ARCHITECTURES
 
-VARIANTS = ("tiers", "oldest", "fewest_remaining", "request")
+VARIANTS = ("tiers", "oldest", "fewest_remaining", "request")  # the default; also "tiers-full"
+TIERED = ("tiers", "tiers-full")
 PRIORITY, DEFAULT = 0, 1
 REASONS_KEPT = 5
 
@@ -67,6 +71,8 @@ class Outcomes:
     left: dict[int, str] = field(default_factory=dict)  # refused / expired / failed
     answered_at: dict[int, float] = field(default_factory=dict)
     preemptions: int = 0
+    forwards: int = 0
+    narrowed: int = 0  # forwards narrowed for a deadline (config narrow_forwards)
     # The first few refusals' and expiries' messages (the estimate a refusal rested on): what a GPU run
     # brings back to read a refusal by.
     reasons: list[str] = field(default_factory=list)
@@ -89,6 +95,8 @@ class SloRecorder:
                 self.outcomes.answered_at[left.job.record] = time.perf_counter()
                 self.traffic.done(left.job.record)
         self.outcomes.preemptions += len(report.paused)
+        self.outcomes.forwards += len(report.forwards)
+        self.outcomes.narrowed += sum(forward.narrowed > 0 for forward in report.forwards)
 
 
 def job(bench: Bench, index: int, item: Item, variant: str, submitted: float, step_engine: bool) -> Job:
@@ -97,7 +105,7 @@ def job(bench: Bench, index: int, item: Item, variant: str, submitted: float, st
     made = bench.job(index, item.values, "step")
     made.spec = replace(made.spec, planned_steps=item.values["num_inference_steps"])
     made.request.entered = submitted
-    if variant == "tiers":
+    if variant in TIERED:
         made.spec = replace(made.spec, tier=PRIORITY if item.interactive else DEFAULT)
         if item.slo_s is not None:
             made.spec = replace(made.spec, deadline=submitted + item.slo_s)
@@ -109,10 +117,10 @@ def job(bench: Bench, index: int, item: Item, variant: str, submitted: float, st
 def engine_for(bench: Bench, variant: str, max_running: int):
     if variant == "request":
         return RequestEngine(bench.model.run_call, RowCaps(bench.cap), lambda report: None)
-    limits = EngineLimits(max_running, bench.cap, max_paused=max_running)
+    limits = EngineLimits(max_running, bench.cap, max_paused=max_running, narrow_forwards=variant == "tiers")
     policy = make_policy("fewest_remaining" if variant == "fewest_remaining" else "oldest")
     pacing = AdmissionPacing(max(1, bench.cap // 2))
-    return StepEngine(bench.adapter, limits, policy, pacing, Service(refuse_late=variant == "tiers"))
+    return StepEngine(bench.adapter, limits, policy, pacing, Service(refuse_late=variant in TIERED))
 
 
 def run(
@@ -174,7 +182,12 @@ def summarize(
     report = class_report(
         variant, items, measured, spans, outcomes.left, refusals, deadline_scale, window, alone
     )
-    return report | {"preemptions": outcomes.preemptions, "reasons": outcomes.reasons}
+    return report | {
+        "preemptions": outcomes.preemptions,
+        "forwards": outcomes.forwards,
+        "forwards_narrowed": outcomes.narrowed,
+        "reasons": outcomes.reasons,
+    }
 
 
 def alone_latency(bench: Bench, steps: int, repeats: int = 7) -> float:
@@ -268,6 +281,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--trace", type=Path, help="replay this trace (vLLM-Omni's format) instead")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench_results" / "slo")
     args = parser.parse_args(argv)
+    unknown = set(args.variants.split(",")) - {*VARIANTS, *TIERED}
+    if unknown:
+        parser.error(f"--variants: {', '.join(sorted(unknown))} unknown; choose from {VARIANTS + TIERED[1:]}")
     if args.threads:
         torch.set_num_threads(args.threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"

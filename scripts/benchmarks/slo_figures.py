@@ -31,7 +31,7 @@ NOTES = [
     "the answered requests per second of that window.",
     "steady_state: median answered latency and share unanswered over the first and second half of a "
     "class's requests by arrival; p50_ratio well above 1 means the queue kept growing (no steady state).",
-    "summary: median, min and max over rounds; verdicts read tiers against each other variant in "
+    "summary: median, min and max over rounds; verdicts read the first variant against each other in "
     "attainment by the one verdict rule (scripts/verdicts.py): the per-round differences' median with its "
     "90% sign-test interval against 0; fewer than 5 rounds give no verdict.",
 ]
@@ -171,8 +171,8 @@ def attainment_verdict(ours: dict | None, theirs: dict | None, rounds: list[floa
 
 def summarize_rounds(report: dict) -> None:
     """``summary`` (per load and variant: each figure's median, min and max over the rounds so far) and
-    ``verdicts`` (tiers against each other variant: attainment within the deadline, counting every
-    offered request)."""
+    ``verdicts`` (the first variant of the config against each other: attainment within the deadline,
+    counting every offered request)."""
     summary: dict = {}
     verdicts: dict = {}
     for load in report["loads"]:
@@ -189,23 +189,24 @@ def summarize_rounds(report: dict) -> None:
             | {"preemptions": spread([r.get("preemptions") for r in runs]), "rounds": len(runs)}
             for variant, runs in runs_by_variant.items()
         }
-        if "tiers" not in runs_by_variant:
+        lead = report["config"]["variants"][0]
+        if lead not in runs_by_variant:
             continue
         for other in runs_by_variant:
-            if other == "tiers":
+            if other == lead:
                 continue
             pairs = [
                 (
-                    e["runs"]["tiers"]["interactive"]["attainment"],
+                    e["runs"][lead]["interactive"]["attainment"],
                     e["runs"][other]["interactive"]["attainment"],
                 )
                 for e in entries
-                if "tiers" in e["runs"] and other in e["runs"]
+                if lead in e["runs"] and other in e["runs"]
             ]
             differences = [ours - theirs for ours, theirs in pairs if ours is not None and theirs is not None]
-            label = f"{_load_label(load)}: tiers vs {other}, interactive attainment within the deadline"
+            label = f"{_load_label(load)}: {lead} vs {other}, interactive attainment within the deadline"
             verdicts[label] = attainment_verdict(
-                summary[str(load)]["tiers"]["interactive"]["attainment"],
+                summary[str(load)][lead]["interactive"]["attainment"],
                 summary[str(load)][other]["interactive"]["attainment"],
                 differences,
             )

@@ -134,9 +134,28 @@ def _verdicts(artefact: dict[str, Any]) -> str:
     return "\n".join(f"- {label}: **{text}**" for label, text in verdicts.items())
 
 
+def _narrowed(artefact: dict[str, Any]) -> str:
+    """The tiers' forwards narrowed for a deadline (config narrow_forwards), over the rounds at each load,
+    where the artefact counts them."""
+    parts = []
+    for load in artefact["loads"]:
+        runs = [e["runs"]["tiers"] for e in artefact["rounds"] if e["load"] == load and "tiers" in e["runs"]]
+        if runs and all("forwards_narrowed" in run for run in runs):
+            narrowed, forwards = sum(r["forwards_narrowed"] for r in runs), sum(r["forwards"] for r in runs)
+            parts.append(f"{_load(load)} load: {narrowed} of {forwards}")
+    if not parts:
+        return ""
+    full = " (`tiers-full`: the same with it off: every forward fills to its caps)"
+    return (
+        "`tiers` narrows a forward to fewer jobs where a deadline needs it (config `narrow_forwards`, on by "
+        f"default){full if 'tiers-full' in artefact['config']['variants'] else ''}; its forwards narrowed, "
+        "over its rounds: " + "; ".join(parts) + "."
+    )
+
+
 def render(artefact: dict[str, Any]) -> str:
     """bench_slo.py, in process."""
-    parts = [_head(artefact, "In process"), _table(artefact), _verdicts(artefact)]
+    parts = [_head(artefact, "In process"), _table(artefact), _narrowed(artefact), _verdicts(artefact)]
     return "\n\n".join(p for p in parts if p) + "\n"
 
 

@@ -243,6 +243,15 @@ class ModelConfig:
         "forward runs packed, whatever it costs (a model measured to gain from packing, or a test of it)",
         (IMAGE, IMAGE_SOURCE),
     )
+    narrow_forwards: bool = _parameter(
+        True,
+        "step engine: where a job with a deadline would be late stepping in forwards as full as the caps "
+        "allow and in time in smaller ones, only it and the jobs before it in order step (the others wait a "
+        "forward), and deadlines are estimated so; only where the engine's cost fit prices the smaller "
+        "forward within 5% per token of the full one (a forward whose time grows with its rows: a "
+        "compute-bound GPU at large sizes); false: every forward fills to its caps",
+        (IMAGE, IMAGE_SOURCE),
+    )
     max_running: int | None = _parameter(
         None,
         "jobs in the step engine's running set (images, or LM requests)",

@@ -318,6 +318,7 @@ class Forward:
     tokens: int = 0  # its jobs' tokens (the sum of their ``tokens``)
     padded_tokens: int = 0  # padding the adapter added to pack rows of different lengths (ForwardResult)
     packing: Packing | None = None  # the packing gate's decision where its jobs were of several sizes
+    narrowed: int = 0  # jobs of its group left out for a deadline (config narrow_forwards)
     span: int = 0  # its number in the stopwatch's spans: its device seconds come as StepReport.timed
 
 

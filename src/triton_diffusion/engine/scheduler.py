@@ -18,13 +18,11 @@ decides and tells it what happened.
   is met: degradation.py); none newly cut, and no step cache given, where the load offered leaves
   headroom (overload.py).
 - Forwards: only jobs of one group share a forward (a latent shape, or any size where the adapter packs
-  rows of different lengths); the group of the best job goes, filled in order within its caps, and no
-  running job starves (forward_choice.py).
-- Packing: where a forward would hold jobs of several sizes, the cost fit decides whether they run
-  packed or by size (forward_choice.py); the decision and its prices go in the forward's report.
-- Caps: a forward holds at most ``max_per_forward`` jobs, ``max_tokens_per_forward`` tokens (the jobs'
-  ``tokens``, where one is set) and, of each shape, its size's cap; the group's job and token caps are
-  lowered after an out-of-memory forward and raised again after enough full forwards (:class:`ForwardCaps`).
+  rows of different lengths); the group of the best job goes, filled in order within its caps, fewer
+  where a deadline needs it (config ``narrow_forwards``), by size where the cost fit prices that cheaper
+  than packed; no running job starves (forward_choice.py). The decisions go in the forward's report.
+- Caps: at most ``max_per_forward`` jobs, ``max_tokens_per_forward`` tokens and, of each shape, its size's
+  cap; lowered after an out-of-memory forward, raised after enough full ones (:class:`ForwardCaps`).
 
 State: the scheduler is the one writer of a job's engine state and of its request's record
 (engine/request_status.py): it takes what the adapter made of a started job (:meth:`started`), applies each
@@ -54,7 +52,7 @@ from triton_diffusion.engine.degradation import (
 )
 from triton_diffusion.engine.estimates import WorkTimes
 from triton_diffusion.engine.forward_caps import EngineLimits, ForwardCaps
-from triton_diffusion.engine.forward_choice import choose_group, fill, gate
+from triton_diffusion.engine.forward_choice import choose_group, fill, gate, narrow, narrow_pays
 from triton_diffusion.engine.jobs import (
     Computed,
     ForwardOutcome,
@@ -98,6 +96,7 @@ class Scheduler:
         self.offered = OfferedLoad()  # the newest arrivals: what they ask of the engine (engine/overload.py)
         self.overloaded = False  # tier_pause deadline: whether the load was shown above capacity (this step)
         self.packing: Packing | None = None  # the packing gate's decision for the last forward chosen
+        self.narrowed = 0  # the jobs it left out for a deadline (config narrow_forwards)
         self.caps = ForwardCaps(limits)
         self.waiting: list[Job] = []
         self.starting: list[Job] = []  # admitted, being started by the adapter
@@ -243,13 +242,14 @@ class Scheduler:
     ) -> float:
         """Seconds until a waiting ``job`` is done with ``steps`` denoising steps, after ``ahead_work``
         token-steps that go before it, beside the running jobs ``behind`` it in order (each sharing its
-        forwards for as many of its steps as it has left), and after ``held_back_s``
-        (:meth:`_held_back_s`)."""
+        forwards for its steps left; none where narrowed forwards, config narrow_forwards, bring it in
+        sooner), and after ``held_back_s`` (:meth:`_held_back_s`)."""
         alongside = sum(j.spec.tokens * min(j.remaining, steps) // max(steps, 1) for j in behind)
-        budget = self._budget(job)
-        return (
-            self.times.finish_in(job.spec.tokens, steps, ahead_work, budget, False, alongside) + held_back_s
-        )
+        budget, tokens = self._budget(job), job.spec.tokens
+        done_in = self.times.finish_in(tokens, steps, ahead_work, budget, False, alongside)
+        if alongside and self.limits.narrow_forwards and narrow_pays(self.times, tokens, tokens + alongside):
+            done_in = min(done_in, self.times.finish_in(tokens, steps, ahead_work, budget, False))  # narrowed
+        return done_in + held_back_s
 
     def _held_back_s(self, job: Job, now: float, behind: tuple[Job, ...]) -> float:
         """A full running set that a waiting ``job`` may not pause anyone in holds it until a running job
@@ -257,9 +257,8 @@ class Scheduler:
         full = len(self.running) + len(self.starting) >= self.limits.max_running
         if not (full and behind) or self._victim(job, now, by_need=False) is not None:
             return 0.0  # it pauses one (tier_pause deadline: where it waits, it is in time waiting)
-        return min(j.remaining for j in behind) * self.times.forward_s(
-            sum(j.spec.tokens for j in self.running)
-        )
+        running_s = self.times.forward_s(sum(j.spec.tokens for j in self.running))
+        return min(j.remaining for j in behind) * running_s
 
     def _cut_steps(self, now: float) -> None:
         """Each waiting job that may run fewer steps gets the most with which it meets its deadline; a
@@ -474,12 +473,15 @@ class Scheduler:
         # that starves later never passes a starved job, which goes within as many steps as are before
         # it: starvation_steps + max_running - 1 at most), then the order.
         members.sort(key=order)
-        taken = fill(group, members, self.caps, self.computed)
+        full = taken = fill(group, members, self.caps, self.computed)
+        if self.limits.narrow_forwards:  # never past the starved, who are first
+            starved = sum(self.step - j.queue.waited_since >= self.limits.starvation_steps for j in full)
+            taken = narrow(full, now, self.times, self.computed, starved)
+        self.narrowed = len(full) - len(taken)
         self.packing = gate(taken, self.times, self.computed, self.limits.packing_gate)
         if self.packing is not None and not self.packing.packed:
-            taken = fill(
-                group, [j for j in members if j.spec.shape == taken[0].spec.shape], self.caps, self.computed
-            )
+            same = [j for j in (members if taken is full else taken) if j.spec.shape == taken[0].spec.shape]
+            taken = fill(group, same, self.caps, self.computed)  # narrowed: none it left out comes back
         return taken
 
     def _forward_key(self, job: Job, now: float) -> tuple:

@@ -209,7 +209,7 @@ class StepEngine:
             self._start(plan.admit)
         batch = scheduler.next_forward()
         if batch:
-            self._forward(batch, scheduler.packing)
+            self._forward(batch, scheduler.packing, scheduler.narrowed)
         self.stopwatch.settle()  # what a decode waited for is passed: the cost model has it while idle
         return self.take_report()
 
@@ -269,7 +269,7 @@ class StepEngine:
         if refused:
             self.scheduler.caches_refused(refused)
 
-    def _forward(self, batch: list[Job], packing: Packing | None = None) -> None:
+    def _forward(self, batch: list[Job], packing: Packing | None = None, narrowed: int = 0) -> None:
         group = forward_group(batch)
 
         def work(part: list[Job]) -> tuple[ForwardResult, float, int]:
@@ -298,7 +298,7 @@ class StepEngine:
                 self._fail(job, failure.request_error("denoising step"))
 
         def done(part: list[Job], ran: tuple[ForwardResult, float, int]) -> None:
-            self._apply(part, *ran, packing)
+            self._apply(part, *ran, packing, narrowed)
 
         isolate(work, batch, done=done, fail=fail, failed=failed)
 
@@ -309,6 +309,7 @@ class StepEngine:
         seconds: float,
         span: int,
         packing: Packing | None = None,
+        narrowed: int = 0,
     ) -> None:
         """One forward's per-job results, applied by the scheduler, then reported; the done decoded."""
         self.forwards += 1
@@ -326,6 +327,7 @@ class StepEngine:
             tokens=tokens,
             padded_tokens=result.padded_tokens,
             packing=packing,
+            narrowed=narrowed,
             span=span,
         )
         self.report.forwards.append(forward)

@@ -530,6 +530,8 @@ class EngineHost:
             if forward.packing is not None:
                 decision = "packed" if forward.packing.packed else "by_size"
                 metrics.increment("triton_diffusion_packing_decisions_total", decision=decision)
+            if forward.narrowed:
+                metrics.increment("triton_diffusion_forwards_narrowed_total")
         for _, seconds in report.timed:  # the device's seconds (on a GPU the host's are its launch)
             metrics.observe(names.step_seconds, seconds)
         for call in report.calls:

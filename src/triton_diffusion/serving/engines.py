@@ -54,6 +54,7 @@ class StepEngineKind:
             max_paused=settings.resolved("max_paused", self.name),
             starvation_steps=config.starvation_steps,
             packing_gate=config.packing_gate,
+            narrow_forwards=config.narrow_forwards and caps is not None,  # images and video (its kinds)
         )
         cohort = settings.resolved("admission_cohort", self.name)
         pacing = AdmissionPacing(cohort, config.admission_max_wait_steps)

@@ -52,6 +52,11 @@ FAMILIES = {
         "Step engine: forwards whose jobs were of several sizes, run packed or by size (the packing gate's "
         "decision, by the engine's cost fit)",
     ),
+    "triton_diffusion_forwards_narrowed_total": (
+        "COUNTER",
+        "Step engine: forwards narrowed for a deadline (fewer jobs than the caps allow: config "
+        "narrow_forwards)",
+    ),
     "triton_diffusion_admission_wait_seconds": (
         "HISTOGRAM",
         "Per request: time execute() waited for room in the engine (running set and waiting room)",
