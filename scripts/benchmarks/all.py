@@ -205,27 +205,21 @@ PLAN = (
     ),
     Take("caches", ("--requests", "16", "--rounds", "5", "--threads", "1", "--out", "{out}/cpu/caches"), 442),
     Take("lora", ("--repeats", "5", "--out", "{out}/cpu/lora"), 39),
-    # Each SLO take runs the tiers with forwards narrowed for deadlines (as served) and without
-    # (tiers-full): narrowing pays only where a forward's time grows with its rows.
     Take(
         "slo",
-        tuple(
-            (
-                "--requests 48 --loads 0.9,1.1 --rounds 5 --variants "
-                "tiers,tiers-full,oldest,fewest_remaining,request --out {out}/cpu/slo"
-            ).split()
-        ),
-        330,
+        ("--requests", "48", "--loads", "0.9,1.1", "--rounds", "5", "--out", "{out}/cpu/slo"),
+        257,
     ),
     # The GPU SLO part's traffic (scripts/gpu/parts.py SLO) at an H100's cost ratios: the real scheduler
     # where a step is as long against its jitter as on a GPU, beside the H200's own runs (docs/gpu/): 281 s
-    # measured (473d43a).
+    # measured with two variants (473d43a). tiers-narrow (config narrow_forwards on): the block counts what it
+    # narrowed where a forward's fixed part dominates.
     Take(
         "slo_sd15",
         tuple(
             (
                 "--device-profile sd15-h100 --height 512 --width 512 --cap 8 --requests 40 --loads 0.7,1.1 "
-                "--rounds 5 --variants tiers,tiers-full,oldest --interactive-steps 4 --background-steps "
+                "--rounds 5 --variants tiers,oldest,tiers-narrow --interactive-steps 4 --background-steps "
                 "16-30 --out {out}/profiles/sd15-h100/slo"
             ).split()
         ),
@@ -234,13 +228,14 @@ PLAN = (
     ),
     # The same traffic at FLUX.1-dev's 1024x1024 cost ratios (the flux1-h100 profile's estimate): a step of
     # 8 rows there is 8 times one of 1, so an interactive job's deadline depends on whom it steps with. 30
-    # requests a run: 1659 s measured with two variants (7c44444).
+    # requests a run: 1659 s measured with two variants (7c44444). tiers-narrow first: its verdicts read
+    # narrowed forwards against the tiers without them, and against first come, first served.
     Take(
         "slo_flux1",
         tuple(
             (
                 "--arch tiny-flux --device-profile flux1-h100 --height 1024 --width 1024 --cap 8 --requests "
-                "30 --loads 0.7,1.1 --rounds 5 --variants tiers,tiers-full,oldest --interactive-steps 4 "
+                "30 --loads 0.7,1.1 --rounds 5 --variants tiers-narrow,tiers,oldest --interactive-steps 4 "
                 "--background-steps 16-30 --out {out}/profiles/flux1-h100/slo"
             ).split()
         ),

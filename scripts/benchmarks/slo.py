@@ -7,10 +7,9 @@ Two classes on one model, Poisson arrivals at --loads of the request-level engin
 
 Variants on the same arrivals, alternating within the run (--rounds rounds per load, the order rotated
 from round to round):
-  tiers             the step engine with tiers and deadlines: the scheduler of engine/scheduler.py (its
-                    forwards narrowed where a deadline needs it, as served: config narrow_forwards)
-  tiers-full        (only when named in --variants) tiers with narrow_forwards off: every forward fills
-                    to its caps
+  tiers             the step engine with tiers and deadlines: the scheduler of engine/scheduler.py
+  tiers-narrow      (only when named in --variants) tiers with forwards narrowed where a deadline needs it
+                    (config narrow_forwards, off by default: engine/forward_choice.py)
   oldest            the step engine, first come first served (every request the same tier, no deadline)
   fewest_remaining  the step engine, shortest remaining work first (no tiers)
   request           the request-level engine (one fused call per compatible group, in arrival order)
@@ -58,8 +57,8 @@ from triton_diffusion.engine.scheduler import EngineLimits
 from triton_diffusion.engine.step_engine import StepEngine
 from triton_diffusion.tiny_models import ARCHITECTURES
 
-VARIANTS = ("tiers", "oldest", "fewest_remaining", "request")  # the default; also "tiers-full"
-TIERED = ("tiers", "tiers-full")
+VARIANTS = ("tiers", "oldest", "fewest_remaining", "request")  # the default; also "tiers-narrow"
+TIERED = ("tiers", "tiers-narrow")
 PRIORITY, DEFAULT = 0, 1
 REASONS_KEPT = 5
 
@@ -117,7 +116,9 @@ def job(bench: Bench, index: int, item: Item, variant: str, submitted: float, st
 def engine_for(bench: Bench, variant: str, max_running: int):
     if variant == "request":
         return RequestEngine(bench.model.run_call, RowCaps(bench.cap), lambda report: None)
-    limits = EngineLimits(max_running, bench.cap, max_paused=max_running, narrow_forwards=variant == "tiers")
+    limits = EngineLimits(
+        max_running, bench.cap, max_paused=max_running, narrow_forwards=variant == "tiers-narrow"
+    )
     policy = make_policy("fewest_remaining" if variant == "fewest_remaining" else "oldest")
     pacing = AdmissionPacing(max(1, bench.cap // 2))
     return StepEngine(bench.adapter, limits, policy, pacing, Service(refuse_late=variant in TIERED))

@@ -10,6 +10,7 @@ from typing import Any
 
 from tables.markdown import number, table
 
+NARROW = "tiers-narrow"  # the variant with narrowed forwards (scripts/benchmarks/slo.py)
 HEADERS = (
     "load",
     "variant",
@@ -135,21 +136,19 @@ def _verdicts(artefact: dict[str, Any]) -> str:
 
 
 def _narrowed(artefact: dict[str, Any]) -> str:
-    """The tiers' forwards narrowed for a deadline (config narrow_forwards), over the rounds at each load,
-    where the artefact counts them."""
+    """The tiers-narrow variant's forwards narrowed for a deadline (config narrow_forwards), over its rounds
+    at each load."""
     parts = []
     for load in artefact["loads"]:
-        runs = [e["runs"]["tiers"] for e in artefact["rounds"] if e["load"] == load and "tiers" in e["runs"]]
+        runs = [e["runs"][NARROW] for e in artefact["rounds"] if e["load"] == load and NARROW in e["runs"]]
         if runs and all("forwards_narrowed" in run for run in runs):
             narrowed, forwards = sum(r["forwards_narrowed"] for r in runs), sum(r["forwards"] for r in runs)
             parts.append(f"{_load(load)} load: {narrowed} of {forwards}")
     if not parts:
         return ""
-    full = " (`tiers-full`: the same with it off: every forward fills to its caps)"
     return (
-        "`tiers` narrows a forward to fewer jobs where a deadline needs it (config `narrow_forwards`, on by "
-        f"default){full if 'tiers-full' in artefact['config']['variants'] else ''}; its forwards narrowed, "
-        "over its rounds: " + "; ".join(parts) + "."
+        f"`{NARROW}` is `tiers` with config `narrow_forwards` on (a forward narrowed to fewer jobs where a "
+        "deadline needs it); its forwards narrowed, over its rounds: " + "; ".join(parts) + "."
     )
 
 

@@ -180,15 +180,16 @@ def test_narrowing_never_leaves_out_a_starved_job_and_keeps_the_urgent_one(starv
     assert (most_waited > 2) == (starvation_steps == 16)
 
 
-def test_config_narrow_forwards_reaches_the_served_engine_on_by_default_for_images_only():
+def test_config_narrow_forwards_reaches_the_served_engine_of_images_off_by_default():
     def limits(config: ModelConfig, images: bool = True) -> EngineLimits:
         settings = ModelSettings("m", Path("."), config, {}, 8, "CPU", 0)
         caps = RowCaps(4, {}) if images else None  # none: the diffusion LM's engine
         return StepEngineKind(FakeAdapter(), caps).build(settings, print).scheduler.limits
 
-    assert limits(ModelConfig()).narrow_forwards is True
-    assert limits(ModelConfig(narrow_forwards=False)).narrow_forwards is False
-    assert limits(ModelConfig(), images=False).narrow_forwards is False  # not its kind's parameter
+    assert limits(ModelConfig()).narrow_forwards is False
+    assert limits(ModelConfig(narrow_forwards=True)).narrow_forwards is True
+    on = ModelConfig(narrow_forwards=True)
+    assert limits(on, images=False).narrow_forwards is False  # not its kind's parameter
 
 
 def test_narrow_keeps_the_starved_and_narrows_only_for_a_job_it_brings_in_time():

@@ -334,10 +334,8 @@ def test_a_job_cut_for_its_deadline_equals_its_pipeline_amid_other_sizes_and_a_l
         request(SIZES[2], 4, 5),
     )
     times = WorkTimes()
-    # The gate and narrowing are off: this test is about the cut amid packed rows, not whether the fit
-    # would pack them or (its one forward measured prices forwards by their tokens) step the cut job alone.
-    limits = EngineLimits(8, 8, packing_gate=False, narrow_forwards=False)
-    engine = StepEngine(adapter, limits, clock=lambda: 0.0, times=times)
+    # The gate is off: this test is about the cut amid packed rows, not whether the fit would pack them.
+    engine = StepEngine(adapter, EngineLimits(8, 8, packing_gate=False), clock=lambda: 0.0, times=times)
     jobs = [job_of(adapter, str(i), RecordingChannel(), r) for i, r in enumerate((cut, lora, other))]
     times.forward_ran(1, jobs[0].spec.tokens, 0.5)
     # 8 steps at 0.5 s a forward take 4 s: past its 2 s, so it is cut (to 3: within 90% of them).

@@ -17,9 +17,9 @@ from tests.unit.test_step_engine import FakeAdapter  # noqa: E402
 
 @pytest.mark.parametrize(
     ("variant", "narrowed", "refuses"),
-    [("tiers", True, True), ("tiers-full", False, True), ("oldest", False, False)],
+    [("tiers-narrow", True, True), ("tiers", False, True), ("oldest", False, False)],
 )
-def test_the_tiers_narrow_forwards_as_served_and_the_full_variant_does_not(variant, narrowed, refuses):
+def test_the_narrow_variant_is_the_tiers_with_forwards_narrowed_and_no_other_is(variant, narrowed, refuses):
     engine = slo.engine_for(SimpleNamespace(adapter=FakeAdapter(), cap=4), variant, 8)
     assert engine.scheduler.limits.narrow_forwards is narrowed
     assert engine.scheduler.service.refuse_late is refuses
@@ -39,34 +39,28 @@ def test_the_verdicts_read_the_first_variant_against_each_other():
         {
             "load": 0.7,
             "round": i + 1,
-            "runs": {"tiers": run(0.9), "tiers-full": run(0.5), "oldest": run(0.6)},
+            "runs": {"tiers-narrow": run(0.9), "tiers": run(0.5), "oldest": run(0.6)},
         }
         for i in range(5)
     ]
-    report = {"loads": [0.7], "rounds": rounds, "config": {"variants": ["tiers", "tiers-full", "oldest"]}}
+    report = {"loads": [0.7], "rounds": rounds, "config": {"variants": ["tiers-narrow", "tiers", "oldest"]}}
     summarize_rounds(report)
     assert set(report["verdicts"]) == {
-        "70% load: tiers vs tiers-full, interactive attainment within the deadline",
-        "70% load: tiers vs oldest, interactive attainment within the deadline",
+        "70% load: tiers-narrow vs tiers, interactive attainment within the deadline",
+        "70% load: tiers-narrow vs oldest, interactive attainment within the deadline",
     }
     assert report["verdicts"][
-        "70% load: tiers vs tiers-full, interactive attainment within the deadline"
+        "70% load: tiers-narrow vs tiers, interactive attainment within the deadline"
     ] == ("90% vs 50% (median round difference +40 points, 90% interval +40 to +40 points: better)")
 
 
-def test_the_block_counts_the_tiers_narrowed_forwards_over_its_rounds():
+def test_the_block_counts_the_narrow_variants_narrowed_forwards_over_its_rounds():
     from tables.slo import _narrowed
 
     def entry(load: float, narrowed: int) -> dict:
-        return {"load": load, "runs": {"tiers": {"forwards": 20, "forwards_narrowed": narrowed}}}
+        return {"load": load, "runs": {"tiers-narrow": {"forwards": 20, "forwards_narrowed": narrowed}}}
 
     rounds = [entry(0.7, 1), entry(0.7, 2), entry(1.1, 5), entry(1.1, 0)]
-    artefact = {"loads": [0.7, 1.1], "rounds": rounds, "config": {"variants": ["tiers", "tiers-full"]}}
+    artefact = {"loads": [0.7, 1.1], "rounds": rounds}
     assert _narrowed(artefact).endswith("over its rounds: 70% load: 3 of 40; 110% load: 5 of 40.")
-    assert "`tiers-full`: the same with it off" in _narrowed(artefact)
-    old = {
-        "loads": [0.7],
-        "rounds": [{"load": 0.7, "runs": {"tiers": {}}}],
-        "config": {"variants": ["tiers"]},
-    }
-    assert _narrowed(old) == ""  # an artefact from before the count
+    assert _narrowed({"loads": [0.7], "rounds": [{"load": 0.7, "runs": {"tiers": {}}}]}) == ""  # none run

@@ -23,7 +23,7 @@ class EngineLimits:
     starvation_steps: int = 16  # a running job not stepped for this many engine steps goes next
     max_tokens_per_forward: int | None = None  # the jobs' tokens in one forward (None: no token bound)
     packing_gate: bool = True  # sizes mixed run by size where the cost fit prices that cheaper (else packed)
-    narrow_forwards: bool = True  # fewer jobs in a forward where a deadline needs it (forward_choice.py)
+    narrow_forwards: bool = False  # fewer jobs in a forward where a deadline needs it (forward_choice.py)
 
     def __post_init__(self) -> None:
         if self.max_running < 1 or self.max_per_forward < 1 or self.starvation_steps < 1:
