@@ -246,11 +246,12 @@ class ModelConfig:
     narrow_forwards: bool = _parameter(
         False,
         "step engine: where a job with a deadline would be late stepping in forwards as full as the caps "
-        "allow and in time in smaller ones, only it and the jobs before it in order step (the others wait a "
-        "forward), and deadlines are estimated so; only where the engine's cost fit prices the smaller "
-        "forward within 5% per token of the full one (a forward whose time grows with its rows: a "
-        "compute-bound GPU at large sizes); false (the default: not yet measured on every benchmark with "
-        "deadlines): every forward fills to its caps",
+        "allow and in time in smaller ones, a forward holds the jobs in order up to the most that keep it in "
+        "time (those left out wait, at most starvation_steps engine steps), and deadline estimates "
+        "(refusals, cuts, pauses) count on it; only where the engine's cost fit prices the smaller forward "
+        "within 5% per token of the full one (a forward whose time grows with its rows: a compute-bound GPU "
+        "at large sizes); false (the default: not yet measured on every benchmark with deadlines): every "
+        "forward fills to its caps",
         (IMAGE, IMAGE_SOURCE),
     )
     max_running: int | None = _parameter(

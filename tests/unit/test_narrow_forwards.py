@@ -16,7 +16,7 @@ import pytest
 from tests.unit.recording import step_as_worker, tracked
 from tests.unit.test_step_engine import FakeAdapter, Host, Spec
 from triton_diffusion.engine.estimates import WorkTimes
-from triton_diffusion.engine.forward_choice import narrow
+from triton_diffusion.engine.forward_choice import narrow, narrow_pays
 from triton_diffusion.engine.jobs import Job, rows_and_tokens
 from triton_diffusion.engine.ordering import AdmissionPacing, Service, make_policy
 from triton_diffusion.engine.planner import RowCaps
@@ -112,21 +112,26 @@ class Modelled:
 
 
 def test_an_urgent_job_steps_in_narrowed_forwards_and_is_in_time_where_full_ones_would_refuse_it():
-    """Compute-bound: 4 steps of full forwards (0.4 s each) take 1.6 s, alone 0.4 s; deadline 1 s."""
+    """Compute-bound: 4 steps of full forwards (0.4 s each) take 1.6 s, alone 0.4 s; deadline 1 s. With
+    narrowing it is answered by its deadline on the modelled clock; without, refused at once."""
     outcomes = {}
     for narrowing in (True, False):
         m = Modelled(COMPUTE_BOUND, narrowing)
         m.busy_with_background()
         urgent = m.job("urgent", PRIORITY, 4, deadline_s=1.0)
         m.engine.add(urgent)
+        answered_at = None
         while m.engine.active:
             m.step()
-        outcomes[narrowing] = (urgent.request.channel.finals, m.forwards_of("urgent"), m.narrowed())
-    finals, forwards, narrowed = outcomes[True]
-    assert finals == [{"out": "out:urgent"}]  # answered, within its deadline on the modelled clock
+            if answered_at is None and urgent.request.channel.finals:
+                answered_at = m.clock.now
+        in_time = answered_at is not None and answered_at <= (urgent.spec.deadline or 0.0)
+        outcomes[narrowing] = (urgent.request.channel.finals, m.forwards_of("urgent"), m.narrowed(), in_time)
+    finals, forwards, narrowed, in_time = outcomes[True]
+    assert finals == [{"out": "out:urgent"}] and in_time
     assert len(forwards) == 4 and any(len(forward) < 4 for forward in forwards) and narrowed > 0
     assert all(forward[0] == "urgent" for forward in forwards)  # the jobs left out are those after it
-    (refused,), forwards, narrowed = outcomes[False]
+    (refused,), forwards, narrowed, _ = outcomes[False]
     assert refused.code is ErrorCode.UNAVAILABLE and "deadline" in refused.message
     assert forwards == [] and narrowed == 0
 
@@ -181,6 +186,8 @@ def test_narrowing_never_leaves_out_a_starved_job_and_keeps_the_urgent_one(starv
 
 
 def test_config_narrow_forwards_reaches_the_served_engine_of_images_off_by_default():
+    """Config to the engine the server builds: off by default, on where set, never on the diffusion LM."""
+
     def limits(config: ModelConfig, images: bool = True) -> EngineLimits:
         settings = ModelSettings("m", Path("."), config, {}, 8, "CPU", 0)
         caps = RowCaps(4, {}) if images else None  # none: the diffusion LM's engine
@@ -194,7 +201,8 @@ def test_config_narrow_forwards_reaches_the_served_engine_of_images_off_by_defau
 
 def test_narrow_keeps_the_starved_and_narrows_only_for_a_job_it_brings_in_time():
     """``narrow`` itself, on a compute-bound line (a job's forward 0.1 s): an urgent job of 4 steps and
-    0.5 s is in time only alone (1 job: 0.4 s, 2: 0.8 s); with two starved jobs to keep, no forward that
+    0.5 s is in time only alone (within 90% of its time left; 1 job: 0.4 s, 2: 0.8 s); with two starved
+    jobs to keep, no forward that
     keeps them brings it in time, so it stays full; one late even alone, or in time full, is not narrowed
     for, nor does one late even alone stop a narrowing for another."""
     times = WorkTimes()
@@ -212,14 +220,52 @@ def test_narrow_keeps_the_starved_and_narrows_only_for_a_job_it_brings_in_time()
     others = [made(f"other{i}") for i in range(3)]
     assert names([made("urgent", 0.5), *others]) == ["urgent"]
     assert names([made("urgent", 1.0), *others]) == ["urgent", "other0"]  # 2 jobs: 0.8 s
+    assert names([made("urgent", 0.85), *others]) == ["urgent"]  # 0.8 s is past 90% of 0.85 s
     assert len(names([made("urgent", 0.5), *others], keep=2)) == 4
     assert len(names([made("hopeless", 0.3), *others])) == 4  # late alone: 0.4 s
     assert names([made("hopeless", 0.3), made("urgent", 1.0), *others[:2]]) == ["hopeless", "urgent"]
     assert len(names([made("relaxed", 10.0), *others])) == 4
     assert len(narrow([made("urgent", 0.5), *others], 1000.0, WorkTimes(), rows_and_tokens, 0)) == 4
+    # A fixed-bound line (1 s + 0.01 s a job): alone 4.04 s, full 4.16 s; late full, in time alone, but a
+    # forward of one costs about 4 times as much per token: not narrowed.
+    fixed = WorkTimes()
+    for tokens in range(1, 5):
+        fixed.forward_ran(tokens, tokens, 1.0 + 0.01 * tokens, tokens)
+    assert len(narrow([made("urgent", 4.6), *others], 1000.0, fixed, rows_and_tokens, 0)) == 4
+
+
+@pytest.mark.parametrize(("dearer", "pays"), [(1.04, True), (1.06, False)])
+def test_narrowing_pays_only_within_its_margin_per_token(dearer, pays):
+    """A forward of 1 token costing ``dearer`` x the per-token price of one of 4 (5% allowed)."""
+    times = WorkTimes()
+    times.forward_ran(1, 1, 0.1 * dearer, 1)
+    times.forward_ran(4, 4, 0.4, 4)
+    assert narrow_pays(times, 1, 4) is pays
+
+
+def test_the_scheduler_keeps_its_starved_jobs_in_a_narrowed_forward():
+    """Two running jobs starved (not stepped for ``starvation_steps``), the first with a deadline met only
+    alone: the scheduler's forward keeps both (and the third), not the first alone."""
+    m = Modelled(COMPUTE_BOUND, narrow=True, starvation_steps=2)
+    jobs = [m.job("starved0", DEFAULT, 20), m.job("starved1", DEFAULT, 20), m.job("other", PRIORITY, 20)]
+    m.engine.add(*jobs)
+    m.step()
+    scheduler = m.engine.scheduler
+    jobs[0].spec = replace(jobs[0].spec, deadline=m.clock.now + 0.1 * jobs[0].remaining / 0.85)
+    jobs[2].spec = replace(jobs[2].spec, deadline=m.clock.now + 60.0)
+    for job in jobs[:2]:
+        job.queue.waited_since = scheduler.step - 2
+    assert {j.request.request_id for j in scheduler.next_forward(m.clock.now)} == {
+        "starved0",
+        "starved1",
+        "other",
+    }
+    jobs[1].queue.waited_since = scheduler.step  # now only the first is starved: it goes alone
+    assert [j.request.request_id for j in scheduler.next_forward(m.clock.now)] == ["starved0"]
 
 
 def test_the_host_counts_narrowed_forwards_in_its_metric():
+    """One count per narrowed forward (whatever it left out), none for a full one."""
     from tests.unit.test_step_engine import RaisingKind
     from triton_diffusion.engine.jobs import Forward, StepReport
     from triton_diffusion.serving.engine_host import EngineHost
@@ -230,8 +276,8 @@ def test_the_host_counts_narrowed_forwards_in_its_metric():
     class Metrics:
         def observe(self, name, value, **labels): ...
 
-        def increment(self, name, *args, **labels):
-            counted.append(name)
+        def increment(self, name, value=1, **labels):
+            counted.extend([name] * value)
 
         set = increment
 

@@ -1,7 +1,7 @@
 """Which running jobs step together in the next forward (the scheduler's :meth:`Scheduler.next_forward`
 calls these in turn): the group that goes (:func:`choose_group`), its jobs in order within the forward's
-caps (:func:`fill`), where a deadline needs it fewer of them (:func:`narrow`), and where they are of
-several sizes whether they run packed (:func:`gate`).
+caps (:func:`fill`), where they are of several sizes whether they run packed (:func:`gate`), and where
+a deadline needs it fewer of them (:func:`narrow`).
 
 - The group: a job not stepped for ``starvation_steps`` engine steps goes first (its group); else the
   policy chooses among the groups of the highest tier running. A job that packs with every size also
@@ -9,22 +9,25 @@ several sizes whether they run packed (:func:`gate`).
   its own jobs go first (adapters/packed_rows.py).
 - The fill: at most the group's jobs and tokens (its caps: forward_caps.py) and, of each shape, its size's
   cap; a job that does not fit is skipped for a smaller one after it, and the first always goes.
-- Narrowing (config ``narrow_forwards``): where a job with a deadline is late stepping in forwards as
-  full as this one and in time in a smaller one, only the jobs before it in order, and it, step: the
-  longest such prefix that keeps every deadline it can. Only where the smaller forward costs at most
-  ``NARROW_MARGIN`` more per token than the full one by the fit (a forward whose time grows with its rows,
-  as a compute-bound GPU's at large sizes): there the rows left out lose little, where a forward's fixed
-  part dominates (a CPU, small sizes) they would lose a step for a few milliseconds.
 - The gate: the cost fit (estimates.py) prices the packed forward (padding included) and one forward per
   size; where by size is cheaper by ``PACK_MARGIN`` and ``PACK_MIN_SAVING_S``, only the first job's size
   steps (the others in later forwards, as without packing); else it runs packed, as before the fit has a
   price. The decision and both prices go in the forward's report.
+- Narrowing (config ``narrow_forwards``), last: where a job with a deadline would not be done within
+  ``CUT_TARGET`` of its time left stepping in forwards as full as this one, and would in a smaller one,
+  only a prefix of the forward's jobs in order steps: the longest that keeps it, and every job with a
+  deadline before it, in time (those left out wait, at most ``starvation_steps``; a job left out may be
+  one that also joins this group). Only where the smaller forward costs at most ``NARROW_MARGIN`` more
+  per token than the full one by the fit (a forward whose time grows with its rows, as a compute-bound
+  GPU's at large sizes): there the rows left out lose little; where a forward's fixed part dominates
+  they would lose a step for a few milliseconds.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
 
+from triton_diffusion.engine.degradation import CUT_TARGET
 from triton_diffusion.engine.estimates import WorkTimes
 from triton_diffusion.engine.forward_caps import ForwardCaps
 from triton_diffusion.engine.jobs import Computed, Job, Packing
@@ -97,31 +100,30 @@ def fill(group: Hashable, members: list[Job], caps: ForwardCaps, computed: Compu
 
 
 def narrow(taken: list[Job], now: float, times: WorkTimes, computed: Computed, keep: int) -> list[Job]:
-    """The jobs of a forward narrowed for a deadline: the longest prefix of ``taken`` (in order, at least
-    its first ``keep``: the starved) in which each job with a deadline that is in time in the shortest
-    prefix holding it is in time, where in the full forward one of them is late. A job is priced as
-    stepping in forwards of its prefix's tokens (padding included) for its steps left, then decoded (the
-    cost line: estimates.py).
-    ``taken`` itself where no deadline needs it, before anything is measured, and where the prefix costs
-    over ``NARROW_MARGIN`` more per token than ``taken``."""
+    """The jobs of a forward narrowed for a deadline: where a job with one is late in the full forward and
+    in time in the shortest prefix of ``taken`` (in order) holding it, the longest prefix (at least the
+    first ``keep``: the starved) in which every such job is in time. A job is priced as stepping in
+    forwards of the prefix's tokens (padding included) for its steps left, then decoded (the cost line:
+    estimates.py), and is in time where that is within ``CUT_TARGET`` of its time left (the estimate is an
+    average). ``taken`` itself where no deadline needs it, before anything is measured, and where the
+    prefix costs over ``NARROW_MARGIN`` more per token than ``taken``."""
     if len(taken) < 2 or not times.measured or all(job.spec.deadline is None for job in taken):
         return taken
     sizes = [computed(taken[: k + 1])[1] for k in range(len(taken))]
     decode = times.finish_s or 0.0
 
-    def late(job: Job, k: int) -> bool:  # in a forward of the first k jobs
+    def late(job: Job, k: int) -> bool:  # in forwards of the first k jobs
         deadline = job.spec.deadline
-        return (
-            deadline is not None and now + job.remaining * times.forward_s(sizes[k - 1]) + decode > deadline
-        )
+        done_in = job.remaining * times.forward_s(sizes[k - 1]) + decode
+        return deadline is not None and done_in > (deadline - now) * CUT_TARGET
 
-    # Those a smaller forward can bring in time (a job late even in the shortest prefix holding it is not
-    # narrowed for; where one late here is, that prefix is in time for all before it, so it fits).
+    # Those a smaller forward can bring in time: not a job late even in the shortest prefix holding it.
     savable = [
         (i, job) for i, job in enumerate(taken) if job.spec.deadline is not None and not late(job, i + 1)
     ]
     if not any(late(job, len(taken)) for _, job in savable):
         return taken
+    # An earlier job's deadline goes first: the longest prefix keeping it may leave out a later one.
     fits = [k for k in range(max(keep, 1), len(taken)) if not any(late(j, k) for i, j in savable if i < k)]
     if not fits or not narrow_pays(times, sizes[max(fits) - 1], sizes[-1]):
         return taken

@@ -449,7 +449,7 @@ class Scheduler:
 
     def next_forward(self, now: float | None = None) -> list[Job]:
         """The jobs of the next forward: one group, filled in order within its caps, by size where the
-        packing gate prices that cheaper (engine/forward_choice.py)."""
+        packing gate prices that cheaper, narrowed where a deadline needs it (engine/forward_choice.py)."""
         now = self.clock() if now is None else now
         with self._lock:
             running = [j for j in self.running if not j.status.ended]  # ended while starting: not run
@@ -469,20 +469,20 @@ class Scheduler:
             for j in running
             if j.run.group == group or (j.run.also_joins is not None and j.run.also_joins == group)
         ]
-        # Starved jobs first, the longest starved first (the one the group was chosen for, so it goes; one
-        # that starves later never passes a starved job, which goes within as many steps as are before
-        # it: starvation_steps + max_running - 1 at most), then the order.
+        # Starved jobs first, the longest starved first (the group's reason: it goes; one starving later never
+        # passes it, so it goes within starvation_steps + max_running - 1 steps at most), then the order.
         members.sort(key=order)
-        full = taken = fill(group, members, self.caps, self.computed)
-        if self.limits.narrow_forwards:  # never past the starved, who are first
-            starved = sum(self.step - j.queue.waited_since >= self.limits.starvation_steps for j in full)
-            taken = narrow(full, now, self.times, self.computed, starved)
-        self.narrowed = len(full) - len(taken)
+        taken = fill(group, members, self.caps, self.computed)
         self.packing = gate(taken, self.times, self.computed, self.limits.packing_gate)
         if self.packing is not None and not self.packing.packed:
-            same = [j for j in (members if taken is full else taken) if j.spec.shape == taken[0].spec.shape]
-            taken = fill(group, same, self.caps, self.computed)  # narrowed: none it left out comes back
-        return taken
+            same = [j for j in members if j.spec.shape == taken[0].spec.shape]
+            taken = fill(group, same, self.caps, self.computed)
+        self.narrowed, narrowed = 0, taken
+        if self.limits.narrow_forwards:  # last, of the jobs that go; never past the starved (first)
+            starved = sum(self.step - j.queue.waited_since >= self.limits.starvation_steps for j in taken)
+            narrowed = narrow(taken, now, self.times, self.computed, starved)
+        self.narrowed = len(taken) - len(narrowed)
+        return narrowed
 
     def _forward_key(self, job: Job, now: float) -> tuple:
         if self.step - job.queue.waited_since >= self.limits.starvation_steps:
