@@ -148,7 +148,9 @@ def _narrowed(artefact: dict[str, Any]) -> str:
         return ""
     return (
         f"`{NARROW}` is `tiers` with config `narrow_forwards` on (a forward narrowed to fewer jobs where a "
-        "deadline needs it); its forwards narrowed, over its rounds: " + "; ".join(parts) + "."
+        "deadline needs it); its forwards narrowed, over its rounds (whole runs, warm-up included): "
+        + "; ".join(parts)
+        + "."
     )
 
 

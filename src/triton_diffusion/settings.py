@@ -247,7 +247,7 @@ class ModelConfig:
         False,
         "step engine: where a job with a deadline would be late stepping in forwards as full as the caps "
         "allow and in time in smaller ones, a forward holds the jobs in order up to the most that keep it in "
-        "time (those left out wait, at most starvation_steps engine steps), and deadline estimates "
+        "time (those left out wait until starved: starvation_steps), and deadline estimates "
         "(refusals, cuts, pauses) count on it; only where the engine's cost fit prices the smaller forward "
         "within 5% per token of the full one (a forward whose time grows with its rows: a compute-bound GPU "
         "at large sizes); false (the default: not yet measured on every benchmark with deadlines): every "

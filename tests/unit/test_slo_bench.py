@@ -84,5 +84,5 @@ def test_the_block_counts_the_narrow_variants_narrowed_forwards_over_its_rounds(
 
     rounds = [entry(0.7, 1), entry(0.7, 2), entry(1.1, 5), entry(1.1, 0)]
     artefact = {"loads": [0.7, 1.1], "rounds": rounds}
-    assert _narrowed(artefact).endswith("over its rounds: 70% load: 3 of 40; 110% load: 5 of 40.")
+    assert _narrowed(artefact).endswith("warm-up included): 70% load: 3 of 40; 110% load: 5 of 40.")
     assert _narrowed({"loads": [0.7], "rounds": [{"load": 0.7, "runs": {"tiers": {}}}]}) == ""  # none run

@@ -16,7 +16,7 @@ a deadline needs it fewer of them (:func:`narrow`).
 - Narrowing (config ``narrow_forwards``), last: where a job with a deadline would not be done within
   ``CUT_TARGET`` of its time left stepping in forwards as full as this one, and would in a smaller one,
   only a prefix of the forward's jobs in order steps: the longest that keeps it, and every job with a
-  deadline before it, in time (those left out wait, at most ``starvation_steps``; a job left out may be
+  deadline before it, in time (those left out wait until starved: ``starvation_steps``; a job left out may be
   one that also joins this group). Only where the smaller forward costs at most ``NARROW_MARGIN`` more
   per token than the full one by the fit (a forward whose time grows with its rows, as a compute-bound
   GPU's at large sizes): there the rows left out lose little; where a forward's fixed part dominates
