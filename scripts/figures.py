@@ -138,6 +138,11 @@ BLOCKS: dict[str, Figure] = {
         "checkpoint_cost.render",
         "bench.py checkpoint-cost --device-profile sd15-h100",
     ),
+    "checkpoint-cost-flux1-h100": Figure(
+        ("docs/profiles/flux1-h100/checkpoint_cost.json",),
+        "checkpoint_cost.render",
+        "bench.py checkpoint-cost --device-profile flux1-h100",
+    ),
     "checkpoint-cost-line": Figure(
         ("docs/cpu/checkpoint_cost.json",), "checkpoint_cost.sentence", "bench.py checkpoint-cost"
     ),

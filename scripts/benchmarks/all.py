@@ -184,8 +184,11 @@ PLAN = (
         MIXED_SIZES_FLUX1_S,
         benchmark="mixed_sizes",
     ),
-    Take("checkpoint_cost", ("--rounds", "15", "--engine-steps", "100", "--out", "{out}/cpu"), 138),
-    # The same at an H100's cost ratios: SD 1.5's forward and decode timed as measured on one.
+    # Engine steps at each interval a round, in alternated blocks of 10 (the writer's work counted in the
+    # block that made it): 15 rounds of 620 steps, about 12 ms each on this CPU.
+    Take("checkpoint_cost", ("--rounds", "15", "--engine-steps", "200", "--out", "{out}/cpu"), 300),
+    # The same at an H100's cost ratios: SD 1.5's forward and decode timed as measured on one (about 70 ms
+    # an engine step).
     Take(
         "checkpoint_cost_sd15",
         (
@@ -196,11 +199,33 @@ PLAN = (
             "--rounds",
             "7",
             "--engine-steps",
-            "30",
+            "60",
             "--out",
             "{out}/profiles/sd15-h100",
         ),
-        118,
+        240,
+        benchmark="checkpoint_cost",
+    ),
+    # And at FLUX.1-dev's (flux1-h100, about 1.3 s an engine step of 8 jobs at 1024x1024): blocks of 5.
+    Take(
+        "checkpoint_cost_flux1",
+        (
+            "--arch",
+            "tiny-flux",
+            "--device-profile",
+            "flux1-h100",
+            "--size",
+            "1024",
+            "--rounds",
+            "5",
+            "--engine-steps",
+            "30",
+            "--block",
+            "5",
+            "--out",
+            "{out}/profiles/flux1-h100",
+        ),
+        1100,
         benchmark="checkpoint_cost",
     ),
     Take("caches", ("--requests", "16", "--rounds", "5", "--threads", "1", "--out", "{out}/cpu/caches"), 442),

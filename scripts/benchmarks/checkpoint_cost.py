@@ -3,15 +3,21 @@ interval asked, side by side, in one process (no Triton), on the tiny SD at 64x6
 ``--arch sd15 --size 512`` in bfloat16: each engine step ends with a device sync, as a step's snapshots do).
 
 A full running set (--running jobs, each of --steps denoising steps, a finished one replaced at once by a
-new one, so every engine step runs a full forward) runs for --engine-steps engine steps per run. Each job
-carries a checkpoint key; every ``interval`` of its steps the engine asks the adapter for a snapshot (CPU
-copies) and the host's part is done as the served host does it: each checkpoint handed to a real
-:class:`CheckpointStore` in a temporary folder, whose writer thread writes it (safetensors, rename,
-one folder fsync per batch) while the engine steps on, and a finished job's checkpoint removed (its
-request answered). The time of an engine step includes the snapshots and the hand-over; the writer's
-work competes for the same cores, as it would served. Variants alternate within each round (off, every 1,
-every 5, off, ...) and every round is kept, so each ratio to ``off`` comes with its spread. Also
-recorded: bytes per checkpoint and checkpoints written.
+new one, so every engine step runs a full forward) is stepped, after a warm-up of a job's lifetime, for
+--engine-steps engine steps at each interval a round. Each job carries a checkpoint key; every
+``interval`` of its steps the engine asks the adapter for a snapshot (CPU copies) and the host's part is
+done as the served host does it: each checkpoint handed to a real :class:`CheckpointStore` in a temporary
+folder, whose writer thread writes it (safetensors, rename, one folder fsync per batch) while the engine
+steps on, and an answered request's checkpoints removed (which the writer does; with checkpoints off,
+there are none to remove). The intervals alternate in
+blocks of --block engine steps (off, every 1, every 5, then rotated: every 1, every 5, off, ...) on the
+same engine and jobs, so a drift of the host's speed over seconds (other tenants on a shared machine moved
+a whole run's step time by half) falls on every interval alike. A block's time holds its steps, with
+the snapshots and the hand-over, and then the wait for whatever the writer has left of its work: that
+work is counted in the block that made it, whether it competed with the engine's
+steps for the cores or not (so the tail of a block's writes is counted whole, disk waits included, where
+served it would overlap later steps). Each round is a fresh engine, and every round is kept, so each
+ratio to ``off`` comes with its spread. Also recorded: bytes per checkpoint and checkpoints written.
 
     .venv/bin/python scripts/bench.py checkpoint-cost --out docs/cpu
     .venv/bin/python scripts/bench.py checkpoint-cost --device-profile sd15-h100 --size 512 \
@@ -21,6 +27,7 @@ recorded: bytes per checkpoint and checkpoints written.
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import tempfile
 import time
@@ -39,6 +46,7 @@ from triton_diffusion.engine.step_engine import StepEngine
 from triton_diffusion.recovery.checkpoint_store import CheckpointStore
 
 DEFAULT_INTERVALS = "0,1,5"
+WRITE_WAIT_S = 60.0  # the longest a block waits for the store's writes
 
 
 def parser() -> argparse.ArgumentParser:
@@ -55,7 +63,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", help="auto: bfloat16 on cuda, float32 on a CPU")
     p.add_argument("--running", type=int, default=8, help="jobs in the running set")
     p.add_argument("--steps", type=int, default=20, help="denoising steps of each job")
-    p.add_argument("--engine-steps", type=int, default=200, help="engine steps per run (after warm-up)")
+    p.add_argument(
+        "--engine-steps", type=int, default=200, help="engine steps at each interval a round (after warm-up)"
+    )
+    p.add_argument("--block", type=int, default=10, help="engine steps a block (the intervals alternate)")
     p.add_argument("--intervals", default=DEFAULT_INTERVALS, help="checkpoint_every_steps values; 0: off")
     p.add_argument("--rounds", type=int, default=5, help="alternated rounds")
     p.add_argument(
@@ -68,9 +79,13 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def one_run(bench: Bench, interval: int, args: argparse.Namespace, folder: Path) -> dict:
-    """A full running set for ``args.engine_steps`` engine steps, checkpoints every ``interval`` steps."""
-    engine = StepEngine(bench.adapter, EngineLimits(args.running, args.running), checkpoint_every=interval)
+def one_round(bench: Bench, intervals: list[int], args: argparse.Namespace, folder: Path) -> list[dict]:
+    """One running set stepped ``args.engine_steps`` engine steps at each interval (after a warm-up of a
+    job's lifetime), in blocks of ``args.block`` steps, the intervals alternated block by block in rotated
+    order; each block ends waiting for the store's writes of its checkpoints, counted in its time. A
+    result per interval: its steps' mean time and checkpoints."""
+    limits = EngineLimits(args.running, args.running)
+    engine = StepEngine(bench.adapter, limits, checkpoint_every=intervals[-1])
     store = CheckpointStore(folder, 2**34, 3600.0)
     made = iter(range(10**9))
 
@@ -81,37 +96,55 @@ def one_run(bench: Bench, interval: int, args: argparse.Namespace, folder: Path)
         job.spec = replace(job.spec, checkpoint_key=f"bench-checkpoint-key-{index:06d}.0")
         engine.add(job)
 
-    for _ in range(args.running):
-        add()
-    step_s: list[float] = []
-    written = 0
-    sizes: list[int] = []
-    warm_up = args.steps  # the first jobs' lifetime: starts and finishes spread out by then
-    for step in range(warm_up + args.engine_steps):
-        started = time.perf_counter()
+    def step() -> tuple[int, list[int]]:
+        """One engine step, its checkpoints handed to the store: their count and sizes."""
         report = engine.step()
+        sizes = []
         for job, checkpoint in report.checkpoints:
             store.put(job.spec.checkpoint_key, "hash", checkpoint)
-            written += 1
             sizes.append(sum(t.numel() * t.element_size() for t in checkpoint.tensors.values()))
         sync(bench.device)
-        if step >= warm_up:
-            step_s.append(time.perf_counter() - started)
-        for finished in report.finished:  # answered: the host removes its checkpoints (recovery/resumes.py)
-            store.remove(finished.job.spec.checkpoint_key)
+        for finished in report.finished:
+            if engine.checkpoint_every:  # answered: its checkpoints removed (recovery/resumes.py)
+                key = (finished.job.spec.checkpoint_key or "").removesuffix(".0")
+                store.remove_request(key)
             add()
         for _ in report.left:
             if _.reason != "finished":
                 add()
+        return len(sizes), sizes
+
+    for _ in range(args.running):
+        add()
+    for _ in range(args.steps):  # the first jobs' lifetime: starts and finishes spread out by then
+        step()
+    store.flush(WRITE_WAIT_S)
+    block = min(args.block, args.engine_steps)
+    seconds = dict.fromkeys(intervals, 0.0)
+    steps = dict.fromkeys(intervals, 0)
+    sizes: dict[int, list[int]] = {interval: [] for interval in intervals}
+    for order in rotated_orders(intervals, math.ceil(args.engine_steps / block)):
+        for interval in order:
+            engine.checkpoint_every = interval  # the engine reads it each step
+            count = min(block, args.engine_steps - steps[interval])
+            started = time.perf_counter()
+            for _ in range(count):
+                sizes[interval].extend(step()[1])
+            # What the writer has left of this block's checkpoints and removals is this block's.
+            store.flush(WRITE_WAIT_S)
+            seconds[interval] += time.perf_counter() - started
+            steps[interval] += count
     store.close()
-    return {
-        "interval": interval,
-        "engine_steps": len(step_s),
-        "step_s_mean": statistics.fmean(step_s),
-        "step_s_median": statistics.median(step_s),
-        "checkpoints": written,
-        "bytes_per_checkpoint": statistics.fmean(sizes) if sizes else 0.0,
-    }
+    return [
+        {
+            "interval": interval,
+            "engine_steps": steps[interval],
+            "step_s_mean": seconds[interval] / steps[interval],
+            "checkpoints": len(sizes[interval]),
+            "bytes_per_checkpoint": statistics.fmean(sizes[interval]) if sizes[interval] else 0.0,
+        }
+        for interval in intervals
+    ]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -132,15 +165,12 @@ def main(argv: list[str] | None = None) -> None:
     runs: list[dict] = []
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        one_run(bench, intervals[-1], args, Path(tmp) / "warm-up")  # the process's first steps: not kept
-        for round_, order in enumerate(rotated_orders(intervals, args.rounds)):
-            for interval in order:
-                folder = Path(tmp) / f"r{round_}-i{interval}"
-                run = {"round": round_, **one_run(bench, interval, args, folder)}
-                runs.append(run)
+        for round_ in range(args.rounds):
+            for run in one_round(bench, intervals, args, Path(tmp) / f"r{round_}"):
+                runs.append({"round": round_, **run})
                 print(
-                    f"round {round_} every {interval or 'off'}: {run['step_s_mean'] * 1000:.2f} ms an engine "
-                    f"step, {run['checkpoints']} checkpoints",
+                    f"round {round_} every {run['interval'] or 'off'}: {run['step_s_mean'] * 1000:.2f} ms an "
+                    f"engine step, {run['checkpoints']} checkpoints",
                     flush=True,
                 )
     summary = []

@@ -86,8 +86,8 @@ MIXED_SIZES = {
 }
 
 # The checkpoint-cost part (issue: a crash loses no work): SD 1.5 at 512x512 bf16, a full running set of 8
-# jobs of 20 steps, checkpoints off / every step / every 5 steps, 3 alternated rounds of 60 engine steps
-# (after a warm-up of 20 each, and one warm-up run): what a checkpoint costs an engine step on a GPU.
+# jobs of 20 steps, checkpoints off / every step / every 5 steps, 3 rounds of 60 engine steps each (after a
+# warm-up of 20), alternated in blocks: what a checkpoint costs an engine step on a GPU.
 CHECKPOINT_COST = {"running": 8, "steps": 20, "engine_steps": 60, "rounds": 3, "intervals": (0, 1, 5)}
 
 
@@ -425,13 +425,13 @@ def slo_command(run: Run) -> list[str]:
 
 def checkpoint_cost_work() -> list[Work]:
     c = CHECKPOINT_COST
-    runs = 1 + c["rounds"] * len(c["intervals"])  # the warm-up run, then every variant in every round
-    per_run = c["steps"] + c["engine_steps"]  # each run's warm-up steps, then the measured ones
+    # Each round: its warm-up steps, then the measured ones of every interval (in alternated blocks).
+    per_round = c["steps"] + c["engine_steps"] * len(c["intervals"])
     return [
         Work("start, imports, SD 1.5's weights built (estimate)", seconds=30),
         Work(
-            f"{runs} runs of {per_run} engine steps, {c['running']} jobs a forward",
-            runs * per_run,
+            f"{c['rounds']} rounds of {per_round} engine steps, {c['running']} jobs a forward",
+            c["rounds"] * per_round,
             c["running"],
         ),
     ]

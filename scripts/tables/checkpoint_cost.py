@@ -16,11 +16,9 @@ def render(artefact: dict[str, Any]) -> str:
     lines = [
         f"{s['arch']} at {s['size']}x{s['size']}{_profile(artefact)}, a full running set of "
         f"{s['running']} jobs of {s['steps']} steps (one finished is replaced at once), "
-        f"{s['engine_steps']} engine steps a run after a warm-up, "
-        f"{s['rounds']} alternated rounds; the checkpoints written by a real checkpoint store on its own "
-        "thread while the engine steps on. Ratio: the mean engine step against the same round's with "
-        "checkpoints off; its reading by the one verdict rule (the median's 90% sign-test interval against "
-        f"the target {TARGET}).",
+        f"{_design(s)} Ratio: the mean engine step against the same round's with checkpoints off; its "
+        "reading by the one verdict rule (the median's 90% sign-test interval against the target "
+        f"{TARGET}).",
         "",
         "| checkpoint_every_steps | engine step ms | / off | bytes a checkpoint | reading |",
         "|---|---|---|---|---|",
@@ -36,6 +34,23 @@ def render(artefact: dict[str, Any]) -> str:
             f"| {row['bytes_per_checkpoint']:.0f} | {found} |"
         )
     return "\n".join(lines)
+
+
+def _design(s: dict[str, Any]) -> str:
+    """How the intervals were alternated: in blocks on one engine a round, or (an artefact from before
+    blocks) a run each."""
+    if "block" not in s:
+        return (
+            f"{s['engine_steps']} engine steps a run after a warm-up, {s['rounds']} alternated rounds; the "
+            "checkpoints written by a real checkpoint store on its own thread while the engine steps on."
+        )
+    return (
+        f"{s['rounds']} rounds, each a fresh engine: after a warm-up, {s['engine_steps']} engine steps at "
+        f"each interval, in blocks of {s['block']} alternated in rotated order; the checkpoints written, "
+        "and an answered request's removed, by a real checkpoint store on its own thread while the engine "
+        "steps on, and what it has left of a block's work when the block ends waited for within the block "
+        "(disk waits included, where served they would overlap later steps)."
+    )
 
 
 def _profile(artefact: dict[str, Any]) -> str:

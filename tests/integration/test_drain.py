@@ -73,8 +73,8 @@ def answer(server: RunningServer, model: str, fields: dict[str, Any]) -> tuple[s
 
 
 def checkpoints_gone(checkpoints: Path, key: str, timeout_s: float = 30.0) -> bool:
-    """Whether the key's checkpoints are gone within ``timeout_s``: they are removed just after the answer
-    goes out (on the thread that sent it), so the client can read the answer before they go."""
+    """Whether the key's checkpoints are gone within ``timeout_s``: they are removed after the answer goes
+    out (the checkpoint store's writer thread deletes them), so the client can read the answer first."""
     deadline = time.monotonic() + timeout_s
     while list(checkpoints.glob(f"{key}*")):
         if time.monotonic() > deadline:

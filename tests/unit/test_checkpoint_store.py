@@ -363,7 +363,42 @@ def test_remove_cancels_a_pending_write(store, monkeypatch):
     assert store.flush(5)
     assert checkpoints(store.directory) == [f"{KEY}.0.safetensors"]
     store.remove(f"{KEY}.0")
-    assert checkpoints(store.directory) == [] and store.bytes_used == 0
+    assert store.flush(5) and checkpoints(store.directory) == [] and store.bytes_used == 0
+
+
+def test_a_removal_returns_at_once_and_the_writer_deletes_after_the_write_under_way(store, monkeypatch):
+    """The thread that answers never waits for the folder or starts a thread: a removal of a key whose
+    write is under way returns while the write is held, and the file goes once it is written."""
+    held = HeldWrites(monkeypatch)
+    store.put(f"{KEY}.0", "h", checkpoint(1))
+    assert held.reached.wait(5)
+
+    def no_thread(*args, **kwargs):
+        raise AssertionError("a removal started a thread")
+
+    monkeypatch.setattr(checkpoint_store.threading, "Thread", no_thread)
+    started = time.monotonic()
+    store.remove_request(KEY)
+    store.remove(f"{KEY}.0")
+    assert time.monotonic() - started < 1.0 and held.replaced == []  # the write is still held
+    held.go.set()
+    assert store.flush(5) and checkpoints(store.directory) == [] and store.bytes_used == 0
+
+
+def test_a_queued_removal_hides_the_checkpoint_and_a_later_put_is_kept(store, monkeypatch):
+    """Until the writer deletes it, a removed checkpoint is not read; a put of the same key after the
+    removal is newer and is written after it."""
+    store.put(f"{KEY}.0", "h", checkpoint(1))
+    store.put(f"{KEY}.1", "h", checkpoint(1))
+    assert store.flush(5)
+    monkeypatch.setattr(checkpoint_store, "BATCH_S", 30.0)  # the writer gathers: the removal waits
+    store.remove_request(KEY)
+    assert store.get(f"{KEY}.0") is None  # the read waits for the removal (it ends the gathering)
+    store.remove(f"{KEY}.1")
+    store.put(f"{KEY}.1", "h", checkpoint(2))
+    stored = store.get(f"{KEY}.1")
+    assert stored is not None and stored.checkpoint.step == 2
+    assert checkpoints(store.directory) == [f"{KEY}.1.safetensors"]
 
 
 def test_flush_waits_for_the_writer(store, monkeypatch):
@@ -470,7 +505,7 @@ def test_a_folder_that_does_not_answer_stalls_no_read_or_removal(store, monkeypa
     def reader() -> None:
         results.append(store.get(key))  # not found: the folder did not answer
         results.append(store.get(key))  # skipped at once: the first call is still stuck
-        store.remove_request("K" * 16)  # skipped too (the TTL clears it)
+        store.remove_request("L" * 16)  # another request's removal: queued for the writer, never waited for
         done.set()
 
     threading.Thread(target=reader, daemon=True).start()

@@ -25,6 +25,7 @@ from triton_diffusion.engine.jobs import (
     JobStart,
     JobStep,
     Left,
+    Packing,
     StepReport,
 )
 from triton_diffusion.engine.ordering import AdmissionPacing, make_policy
@@ -249,6 +250,28 @@ def test_a_failing_forward_is_bisected_and_fails_only_its_culprit():
     got = answers(jobs)
     assert got["j5"][0].code is ErrorCode.INTERNAL and "bad row" in got["j5"][0].message
     assert all(got[f"j{i}"] == [{"out": f"out:j{i}"}] for i in range(8) if i != 5)
+
+
+def test_a_split_forward_reports_the_schedulers_packing_and_narrowing_once():
+    """A forward the isolation rule splits (a failing row) is one decision of the scheduler: its packing
+    and its narrowed count are reported with the first part applied, not once per part."""
+    jobs = [job(f"j{i}", Spec(fail_forward=i == 3)) for i in range(4)]
+    engine = engine_for(FakeAdapter())
+    for j in jobs:
+        engine.add(j)
+    scheduler = engine.engine.scheduler
+    chosen, decision = scheduler.next_forward, Packing(True, 1.0, 2.0)
+
+    def decided(*args, **kwargs):
+        batch = chosen(*args, **kwargs)
+        scheduler.packing, scheduler.narrowed = decision, 2  # as if it packed, leaving two jobs out
+        return batch
+
+    scheduler.next_forward = decided
+    engine.step()
+    forwards = engine.host.reports[-1].forwards
+    assert [f.images for f in forwards] == [2, 1]  # j0 j1; then j2 (j3 failed alone)
+    assert [f.packing for f in forwards] == [decision, None] and [f.narrowed for f in forwards] == [2, 0]
 
 
 def test_out_of_memory_splits_the_forward_and_lowers_the_groups_cap():

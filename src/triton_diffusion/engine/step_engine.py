@@ -298,7 +298,9 @@ class StepEngine:
                 self._fail(job, failure.request_error("denoising step"))
 
         def done(part: list[Job], ran: tuple[ForwardResult, float, int]) -> None:
+            nonlocal packing, narrowed
             self._apply(part, *ran, packing, narrowed)
+            packing, narrowed = None, 0  # decided once a forward: the parts of a split one report it once
 
         isolate(work, batch, done=done, fail=fail, failed=failed)
 

@@ -22,10 +22,14 @@ its images where they were.
   older than ``ttl_s`` are dropped, swept at start and then at most every ``SWEEP_S`` (a file's
   modification time is set to its ``created`` time by the store's clock, so age and order survive a
   restart without reading every header).
-- Bounded in time: a request's read and an answered request's removal run on a thread of their own and
-  wait at most ``FOLDER_S`` for the folder (a hung network volume): past it the read finds nothing (the
-  request starts over) and, while that call is still stuck, later ones skip the folder at once; so do
-  they while a batch of writes has been under way for longer than ``FOLDER_S`` (a write that hangs).
+- Removals on the writer thread too: an answered request's checkpoints (and a pending write of them) are
+  dropped by a call that returns at once; the writer deletes the files with its next batch, before its
+  writes (a put after a removal is newer than it). The thread that answers never touches the folder.
+- Bounded in time: a request's read runs on a thread of its own and waits at most ``FOLDER_S`` for the
+  folder (a hung network volume): past it the read finds nothing (the request starts over) and, while
+  that call is still stuck, later ones skip the folder at once; so do they while a batch of writes and
+  removals has been under way for longer than ``FOLDER_S`` (a write that hangs). A read of a key whose
+  removal is queued waits for it (it finds nothing).
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +71,26 @@ SWEEP_S = 60.0  # at most this long between two sweeps for expired files (a get 
 def valid_key(key: str) -> bool:
     """A request's resume key (16 to 128 of ``[A-Za-z0-9_-]``), optionally ``.<image index>``."""
     return isinstance(key, str) and _KEY.fullmatch(key) is not None
+
+
+def request_of(key: str) -> str:
+    """The resume key of a checkpoint key (``<resume key>`` or ``<resume key>.<image index>``)."""
+    return key.partition(".")[0]
+
+
+@dataclass
+class Removals:
+    """Checkpoints to delete: by key, and every image of a request by its resume key."""
+
+    keys: set[str] = field(default_factory=set)
+    requests: set[str] = field(default_factory=set)
+
+    def __bool__(self) -> bool:
+        return bool(self.keys or self.requests)
+
+    def of(self, key: str) -> bool:
+        """Whether ``key``'s checkpoint is among them."""
+        return key in self.keys or request_of(key) in self.requests
 
 
 class CorruptCheckpoint(Exception):
@@ -96,11 +120,14 @@ class CheckpointStore:
         self.bytes_used = 0  # bytes of checkpoint files in the directory (for a metric)
         self._pending: dict[str, tuple[str, JobCheckpoint, float]] = {}  # key: fields hash, checkpoint, at
         self._writing: frozenset[str] = frozenset()  # the keys of the batch being written now
+        # Removals the writer thread carries out (keys; requests, by resume key), and those it is doing now.
+        self._removals = Removals()
+        self._removing = Removals()
         self._writing_since: float | None = None  # when that batch began (time.monotonic), None: none is
         self._not_kept: dict[str, str] = {}  # key: why its last checkpoint could not be written
         self._closed = False
         self._swept_at = 0.0  # when the last sweep ran, by ``clock``
-        self._waiting = 0  # callers waiting for writes (get, remove, flush): the writer does not gather
+        self._waiting = 0  # callers waiting for the writer (get, flush): it does not gather a batch
         self._changed = threading.Condition()  # guards the pending writes and the key being written
         self._files = threading.RLock()  # guards the directory's files and bytes_used
         self._hung: threading.Thread | None = None  # a folder call that did not return within FOLDER_S
@@ -136,7 +163,13 @@ class CheckpointStore:
             return None
         with self._changed:
             if not self._wait_for_writes(
-                lambda: key not in self._pending and key not in self._writing, FOLDER_S
+                lambda: (
+                    key not in self._pending
+                    and key not in self._writing
+                    and not self._removals.of(key)
+                    and not self._removing.of(key)
+                ),
+                FOLDER_S,
             ):
                 log.warning(
                     "checkpoint %s: its write is still under way after %g s: read as none", key, FOLDER_S
@@ -168,44 +201,30 @@ class CheckpointStore:
             raise CorruptCheckpoint(f"checkpoint {key}: {exc}") from exc
 
     def remove(self, key: str) -> None:
-        """Drop the key's checkpoint, and its pending write (one under way finishes first, then goes)."""
+        """Drop the key's checkpoint and its pending write. Returns at once: the writer thread deletes the
+        file (after a write of it under way; a later put of the key is written after the removal)."""
         self._check(key)
         with self._changed:
             self._pending.pop(key, None)
-            if self._folder_hung(f"checkpoint {key}"):
-                return  # its TTL clears it
-            self._wait_for_writes(
-                lambda: key not in self._writing, FOLDER_S
-            )  # a stuck write: its TTL clears it
-        self._bounded(f"checkpoint {key}", lambda: self._delete_locked(self._path(key)), None)
+            self._removals.keys.add(key)
+            self._changed.notify_all()
 
     def _delete_locked(self, path: Path) -> None:
         with self._files:
             self._delete(path)
 
     def remove_request(self, resume_key: str) -> None:
-        """Drop the checkpoint of every image of a request (``resume_key`` and ``resume_key.<i>``)."""
+        """Drop the checkpoint of every image of a request (``resume_key`` and ``resume_key.<i>``) and their
+        pending writes, as :meth:`remove` does: the caller (the thread that answers) never waits for the
+        folder or spawns a thread, and a hung folder holds up only the writer."""
         self._check(resume_key)
-
-        def of_request(key: str) -> bool:
-            return key == resume_key or (key.startswith(resume_key + ".") and valid_key(key))
-
         with self._changed:
-            for key in [key for key in self._pending if of_request(key)]:
+            for key in [key for key in self._pending if request_of(key) == resume_key]:
                 del self._pending[key]
-            for key in [key for key in self._not_kept if of_request(key)]:
+            for key in [key for key in self._not_kept if request_of(key) == resume_key]:
                 del self._not_kept[key]
-            if self._folder_hung(f"checkpoints of {resume_key}"):
-                return  # the TTL clears them
-            self._wait_for_writes(lambda: not any(map(of_request, self._writing)), FOLDER_S)
-
-        def delete() -> None:
-            with self._files:
-                for path in self._checkpoint_files():
-                    if of_request(path.name[: -len(SUFFIX)]):
-                        self._delete(path)
-
-        self._bounded(f"checkpoints of {resume_key}", delete, None)
+            self._removals.requests.add(resume_key)
+            self._changed.notify_all()
 
     def _folder_hung(self, what: str) -> bool:
         """Whether a folder call is still stuck past FOLDER_S, or a batch of writes has been under way for
@@ -248,7 +267,9 @@ class CheckpointStore:
     def flush(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for every pending write; whether they are all done."""
         with self._changed:
-            return self._wait_for_writes(lambda: not self._pending and not self._writing, timeout_s)
+            return self._wait_for_writes(
+                lambda: not (self._pending or self._writing or self._removals or self._removing), timeout_s
+            )
 
     def close(self, timeout_s: float = 60.0) -> None:
         """Finish the pending writes (up to ``timeout_s``) and stop the writer thread."""
@@ -289,20 +310,22 @@ class CheckpointStore:
     def _write_loop(self) -> None:
         while True:
             with self._changed:
-                self._changed.wait_for(lambda: self._pending or self._closed)
+                self._changed.wait_for(lambda: self._pending or self._removals or self._closed)
                 # Gather what else comes in ``BATCH_S`` (unless someone waits for the writes): a few wakeups
                 # of this thread cost the engine's thread less than one per checkpoint.
                 self._changed.wait_for(lambda: self._closed or self._waiting > 0, BATCH_S)
-                if not self._pending:  # removed while gathering, or closed with nothing left
+                if not self._pending and not self._removals:  # closed with nothing left
                     if self._closed:
                         return
                     continue
                 batch, self._pending = self._pending, {}
+                self._removing, self._removals = self._removals, Removals()
                 self._writing = frozenset(batch)
                 self._writing_since = time.monotonic()
             try:
                 if abs(self.clock() - self._swept_at) >= SWEEP_S:
                     self.sweep()
+                self._remove(self._removing)  # first: a put after a removal is newer than it
                 self._write(batch)
             except Exception as exc:  # lost checkpoints are a slower resume, not a failed request
                 log.exception("checkpoints %s: write failed", ", ".join(batch))
@@ -311,7 +334,18 @@ class CheckpointStore:
             finally:
                 with self._changed:
                     self._writing, self._writing_since = frozenset(), None
+                    self._removing = Removals()
                     self._changed.notify_all()
+
+    def _remove(self, removals: Removals) -> None:
+        """Delete the files of the keys and requests removed (a request's: found in one listing)."""
+        with self._files:
+            for key in removals.keys:
+                self._delete(self._path(key))
+            if removals.requests:
+                for path in self._checkpoint_files():
+                    if request_of(path.name[: -len(SUFFIX)]) in removals.requests:
+                        self._delete(path)
 
     def _write(self, batch: dict[str, tuple[str, JobCheckpoint, float]]) -> None:
         """Each checkpoint of the batch to its file, then one fsync of the directory and one eviction."""

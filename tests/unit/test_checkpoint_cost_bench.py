@@ -1,0 +1,107 @@
+"""The checkpoint-cost benchmark's round (scripts/benchmarks/checkpoint_cost.py): the intervals alternate in
+blocks on one engine, each interval gets its engine steps, checkpoints are taken only in its blocks, and an
+answered request's checkpoints are removed only where checkpoints are on; what the store has left of a
+block's work is done before the block's time ends."""
+
+from __future__ import annotations
+
+import sys
+from argparse import Namespace
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))  # the benchmarks' package
+
+from benchmarks import checkpoint_cost  # noqa: E402
+
+from tests.unit.recording import tracked  # noqa: E402
+from tests.unit.test_step_engine import FakeAdapter, Spec  # noqa: E402
+from triton_diffusion.engine.jobs import Job  # noqa: E402
+from triton_diffusion.recovery.checkpoint_format import JobCheckpoint  # noqa: E402
+
+
+class CheckpointingAdapter(FakeAdapter):
+    def __init__(self, events: list[str]) -> None:
+        super().__init__()
+        self.events = events
+
+    def checkpoint(self, jobs):
+        self.events.extend("checkpoint" for _ in jobs)
+        return [JobCheckpoint(job.run.steps_done, {"latents": torch.zeros(4)}, {}) for job in jobs]
+
+
+class FakeBench:
+    device = "cpu"
+
+    def __init__(self, events: list[str]) -> None:
+        self.adapter = CheckpointingAdapter(events)
+
+    def request(self, index: int, steps: int, guidance: float) -> int:
+        return steps
+
+    def job(self, index: int, steps: int, engine: str) -> Job:
+        return Job(tracked(f"job{index:06d}"), Spec(steps=steps), shape="64x64", tokens=1)
+
+
+def test_a_round_alternates_the_intervals_in_blocks_each_timing_its_own_work(tmp_path, monkeypatch):
+    """Intervals 0, 1 and 3 in blocks of 4 steps after a warm-up of 6: every block is timed from before its
+    first step to after the store has done what its steps left (the flush), at one interval throughout;
+    checkpoints are taken, and answered requests' checkpoints removed, only where the interval is not 0."""
+    events: list[str] = []  # what happened, in order: step@<interval>, checkpoint, remove@<interval>, ...
+    bench = FakeBench(events)
+    real_engine, store_class = checkpoint_cost.StepEngine, checkpoint_cost.CheckpointStore
+    real_remove, real_flush = store_class.remove_request, store_class.flush
+
+    def engine(*args, **kwargs):
+        made = real_engine(*args, **kwargs)
+        real_step = made.step
+
+        def step():
+            events.append(f"step@{made.checkpoint_every}")
+            return real_step()
+
+        made.step = step
+        return made
+
+    def remove_request(store, key):
+        events.append(f"remove@{next(e for e in reversed(events) if e.startswith('step@'))[5:]}")
+        real_remove(store, key)
+
+    def flush(store, timeout_s):
+        done = real_flush(store, timeout_s)
+        events.append("flushed" if done and not store._pending and not store._removals else "not flushed")
+        return done
+
+    def perf_counter() -> float:
+        events.append("time")
+        return 0.0
+
+    monkeypatch.setattr(checkpoint_cost, "StepEngine", engine)
+    monkeypatch.setattr(store_class, "remove_request", remove_request)
+    monkeypatch.setattr(store_class, "flush", flush)
+    monkeypatch.setattr(checkpoint_cost, "time", SimpleNamespace(perf_counter=perf_counter))
+    args = Namespace(running=4, steps=6, engine_steps=12, block=4)
+    runs = checkpoint_cost.one_round(bench, [0, 1, 3], args, tmp_path / "round")
+
+    assert [(run["interval"], run["engine_steps"]) for run in runs] == [(0, 12), (1, 12), (3, 12)]
+    assert runs[0]["checkpoints"] == 0 and runs[1]["checkpoints"] > runs[2]["checkpoints"] > 0
+    # The blocks, after the warm-up's steps (at the last interval) and its flush: rotated orders.
+    timed = events[events.index("flushed") + 1 :]
+    blocks = []
+    while "time" in timed:
+        start = timed.index("time")
+        end = timed.index("time", start + 1)
+        blocks.append(timed[start + 1 : end])
+        timed = timed[end + 1 :]
+    steps = [[e for e in block if e.startswith("step@")] for block in blocks]
+    assert [block[0] for block in steps] == [f"step@{i}" for i in (0, 1, 3, 1, 3, 0, 3, 0, 1)]
+    assert all(block == block[:1] * 4 for block in steps)
+    assert all(block[-1] == "flushed" for block in blocks)  # the store's work is done inside the block
+    for block in blocks:  # checkpoints and removals only where checkpoints are on
+        if block[0] == "step@0":
+            assert not any(e == "checkpoint" or e.startswith("remove") for e in block)
+        if block[0] == "step@1":
+            assert "checkpoint" in block
+    assert "remove@0" not in events and any(e.startswith("remove@") for e in events)
