@@ -3,7 +3,8 @@ interval asked, side by side, in one process (no Triton), on the tiny SD at 64x6
 ``--arch sd15 --size 512`` in bfloat16: each engine step ends with a device sync, as a step's snapshots do).
 
 A full running set (--running jobs, each of --steps denoising steps, a finished one replaced at once by a
-new one, so every engine step runs a full forward) is stepped, after a warm-up of a job's lifetime, for
+new one, so every engine step runs a full forward; the first ones of fewer steps, so that finishes and
+starts spread evenly over the engine steps) is stepped, after a warm-up of a job's lifetime, for
 --engine-steps engine steps at each interval a round. Each job carries a checkpoint key; every
 ``interval`` of its steps the engine asks the adapter for a snapshot (CPU copies) and the host's part is
 done as the served host does it: each checkpoint handed to a real :class:`CheckpointStore` in a temporary
@@ -89,9 +90,9 @@ def one_round(bench: Bench, intervals: list[int], args: argparse.Namespace, fold
     store = CheckpointStore(folder, 2**34, 3600.0)
     made = iter(range(10**9))
 
-    def add() -> None:
+    def add(steps: int = args.steps) -> None:
         index = next(made)
-        values = bench.request(index, args.steps, 7.5)
+        values = bench.request(index, steps, 7.5)
         job = bench.job(index, values, "step")
         job.spec = replace(job.spec, checkpoint_key=f"bench-checkpoint-key-{index:06d}.0")
         engine.add(job)
@@ -114,9 +115,12 @@ def one_round(bench: Bench, intervals: list[int], args: argparse.Namespace, fold
                 add()
         return len(sizes), sizes
 
-    for _ in range(args.running):
-        add()
-    for _ in range(args.steps):  # the first jobs' lifetime: starts and finishes spread out by then
+    # The first jobs' steps spread over 1..--steps, so that their successors (of --steps each) start and
+    # finish spread out evenly over the engine steps, not all in one (a finish's decode and a start's text
+    # encoding then fall on every block alike); the warm-up is the longest's lifetime.
+    for i in range(args.running):
+        add(math.ceil(args.steps * (i + 1) / args.running))
+    for _ in range(args.steps):
         step()
     store.flush(WRITE_WAIT_S)
     block = min(args.block, args.engine_steps)

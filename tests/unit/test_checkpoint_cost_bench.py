@@ -37,8 +37,10 @@ class FakeBench:
 
     def __init__(self, events: list[str]) -> None:
         self.adapter = CheckpointingAdapter(events)
+        self.steps: list[int] = []  # each job's, in the order made
 
     def request(self, index: int, steps: int, guidance: float) -> int:
+        self.steps.append(steps)
         return steps
 
     def job(self, index: int, steps: int, engine: str) -> Job:
@@ -86,6 +88,8 @@ def test_a_round_alternates_the_intervals_in_blocks_each_timing_its_own_work(tmp
     runs = checkpoint_cost.one_round(bench, [0, 1, 3], args, tmp_path / "round")
 
     assert [(run["interval"], run["engine_steps"]) for run in runs] == [(0, 12), (1, 12), (3, 12)]
+    # The first jobs' steps spread (their successors' finishes too), every later one of --steps.
+    assert bench.steps[:4] == [2, 3, 5, 6] and set(bench.steps[4:]) == {6}
     assert runs[0]["checkpoints"] == 0 and runs[1]["checkpoints"] > runs[2]["checkpoints"] > 0
     # The blocks, after the warm-up's steps (at the last interval) and its flush: rotated orders.
     timed = events[events.index("flushed") + 1 :]
