@@ -144,7 +144,13 @@ BLOCKS: dict[str, Figure] = {
         "bench.py checkpoint-cost --device-profile flux1-h100",
     ),
     "checkpoint-cost-line": Figure(
-        ("docs/cpu/checkpoint_cost.json",), "checkpoint_cost.sentence", "bench.py checkpoint-cost"
+        (
+            "docs/cpu/checkpoint_cost.json",
+            "docs/profiles/sd15-h100/checkpoint_cost.json",
+            "docs/profiles/flux1-h100/checkpoint_cost.json",
+        ),
+        "checkpoint_cost.sentence",
+        "bench.py checkpoint-cost",
     ),
     "graphs-cpu": Figure(("docs/cpu/bench_graphs.json",), "engines.graphs"),
     "lora": Figure(("docs/cpu/lora/bench_lora.json",), "engines.ratio_table"),

@@ -74,19 +74,32 @@ def _rounds(artefact: dict[str, Any], interval: int) -> list[float]:
     ]
 
 
-def sentence(artefact: dict[str, Any]) -> str:
+def sentence(artefact: dict[str, Any], *at_profiles: dict[str, Any]) -> str:
     """What checkpoints cost, said where they are turned on: each measured interval's engine step against
-    checkpoints off, with its reading."""
+    checkpoints off, with its reading, on the CPU and at each device profile given."""
+
+    def readings(one: dict[str, Any]) -> str:
+        parts = []
+        for row in one["summary"]:
+            if row["interval"] == 0:
+                continue
+            found = verdict(_rounds(one, row["interval"]), TARGET)
+            steps = f"{row['interval']} step{'s' * (row['interval'] != 1)}"
+            parts.append(f"every {steps}: **{row['ratio_to_off']['median']:.3f}x** ({found})")
+        return "; ".join(parts)
+
     s = artefact["settings"]
-    parts = []
-    for row in artefact["summary"]:
-        if row["interval"] == 0:
-            continue
-        found = verdict(_rounds(artefact, row["interval"]), TARGET)
-        steps = f"{row['interval']} step{'s' * (row['interval'] != 1)}"
-        parts.append(f"every {steps}: **{row['ratio_to_off']['median']:.2f}x** ({found})")
-    return (
+    text = (
         "Checkpoints are **off by default** (no `checkpoint_every_steps`). What they cost, measured on "
         f"{s['arch']} at {s['size']}x{s['size']} with {s['running']} running jobs on a CPU (an engine step "
-        f"with checkpoints against the same round's without, target {TARGET}): " + "; ".join(parts) + "."
+        f"with checkpoints against the same round's without, target {TARGET}): {readings(artefact)}."
     )
+    for one in at_profiles:
+        p = one["settings"]
+        step_ms = next(row["step_ms_median"] for row in one["summary"] if row["interval"] == 0)
+        text += (
+            f" At the `{one['device_profile']}` device profile's cost ratios ({p['arch']} at "
+            f"{p['size']}x{p['size']}, its denoiser and decode waiting the times given for an H100: "
+            f"{step_ms:.0f} ms an engine step): {readings(one)}."
+        )
+    return text
