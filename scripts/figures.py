@@ -180,6 +180,11 @@ BLOCKS: dict[str, Figure] = {
         "goodput.render",
         "bench.py goodput --variants tiers,tiers-room --room 1",
     ),
+    "goodput-narrow": Figure(
+        ("docs/cpu/goodput_narrow/goodput.json",),
+        "goodput.render",
+        "bench.py goodput --variants tiers-room,narrow-room --room 1",
+    ),
     "goodput-mixed-room3": Figure(
         ("docs/cpu/goodput_mixed/goodput.json",),
         "goodput.render",

@@ -344,6 +344,26 @@ PLAN = (
     _door("goodput_room", ("--room", "1"), "goodput_room1"),
     _door("goodput_mixed", ("--room", "1", "--no-deadline-share", "0.3"), "goodput_mixed_room1"),
     _door("goodput_mixed_room3", ("--no-deadline-share", "0.3"), "goodput_mixed"),
+    # Narrowed forwards (config narrow_forwards) on that traffic: tiers-room against the same with it on.
+    Take(
+        "goodput_narrow",
+        (
+            "--variants",
+            "tiers-room,narrow-room",
+            "--room",
+            "1",
+            "--requests",
+            "150",
+            "--loads",
+            "0.5,0.8,1.5,2.0",
+            "--rounds",
+            "5",
+            "--out",
+            "{out}/cpu/goodput_narrow",
+        ),
+        GOODPUT_MIXED_S,
+        benchmark="goodput",
+    ),
     # A step cache for the steps left against tiers without it (tiny FLUX.1: a DiT), on both doors.
     Take(
         "goodput_cache",

@@ -25,6 +25,9 @@ kept beside it):
   tiers-need, degrade-need  tiers-room and degrade-room on models the same but for ``tier_pause``
                 deadline: a higher tier pauses a running job, or skips the admission cohort, only where its
                 deadline needs it or the load is shown above capacity (engine/scheduler.py)
+  narrow-room   tiers-room on a model the same but for ``narrow_forwards``: a forward holds fewer jobs
+                where a deadline needs it and the cost line prices it within 5% a token (engine/
+                forward_choice.py); each run counts the forwards narrowed (the server's metric)
   cache, cache-room  (--variants; a DiT family, e.g. --arch tiny-flux) tiers and tiers-room, plus
                 ``degrade_step_cache`` = --degrade-cache: a started request late for its deadline at full
                 compute is given that step cache for its steps left (engine/degradation.py)
@@ -70,14 +73,15 @@ from triton_diffusion_client import GenerateResult, generate_one
 from verdicts import rotated_orders
 
 from benchmarks.arrivals import poisson_arrivals
-from benchmarks.common import REPO_ROOT, benchmark_parser
+from benchmarks.common import REPO_ROOT, benchmark_parser, metric_delta
 from triton_diffusion.adapters.device_profiles import PROFILES, load_costs, profiles_for
 from triton_diffusion.engine.overload import WINDOW
-from triton_diffusion.serving.server_process import copy_model, start_server
+from triton_diffusion.serving.server_process import RunningServer, copy_model, read_metrics, start_server
 from triton_diffusion.tiny_models import build_missing
 
 VARIANTS = ("fifo", "tiers", "degrade", "tiers-room", "degrade-room")
-KNOWN = (*VARIANTS, "cache", "cache-room", "tiers-need", "degrade-need")
+NARROWED = "triton_diffusion_forwards_narrowed_total"  # the host's count of forwards narrowed
+KNOWN = (*VARIANTS, "cache", "cache-room", "tiers-need", "degrade-need", "narrow-room")
 TIERS = ("priority", "default", "flex")
 WARM_UP_FRACTION = 0.1  # of --requests, where --warm-up does not say how many
 NO_DEADLINE = "_no_deadline"  # a request of the traffic that sends no deadline (--no-deadline-share)
@@ -88,12 +92,14 @@ def models(cap: int, room: float = 3.0, variants: tuple[str, ...] = ()) -> dict[
     its own: no variant's run starts from another's traffic), each with its config's edits beside the
     shared ones: ``deadline_room`` 0 (a request with a deadline waits for room); for a -room variant, room
     for requests with a deadline of ``room`` x the capacity (running set and waiting room: --cap each);
-    for a -need variant, that and ``tier_pause`` deadline."""
+    for a -need variant, that and ``tier_pause`` deadline; for narrow-room, that and ``narrow_forwards``."""
     room_edits = {"deadline_room": str(round(room * 2 * cap))}
 
     def edits(variant: str) -> dict[str, str]:
         if variant.endswith("-need"):
             return {**room_edits, "tier_pause": "deadline"}
+        if variant == "narrow-room":
+            return {**room_edits, "narrow_forwards": "true"}
         return room_edits if variant.endswith("-room") else {"deadline_room": "0"}
 
     return {model_of(variant): edits(variant) for variant in variants}
@@ -418,12 +424,14 @@ def main(argv: list[str] | None = None) -> dict:
             copy_model("text_to_image", repo, name, {**config, **edits})
         server = start_server(repo, Path(tmp) / "tritonserver.log", list(served))
         try:
-            return measure(server.grpc_url, args, config, args.out / "goodput.json")
+            return measure(server.grpc_url, args, config, args.out / "goodput.json", server)
         finally:
             server.stop()
 
 
-def measure(url: str, args: argparse.Namespace, config: dict, path: Path) -> dict:
+def measure(
+    url: str, args: argparse.Namespace, config: dict, path: Path, server: RunningServer | None = None
+) -> dict:
     shares = tuple(float(x) for x in args.tiers.split(","))
     requests = traffic(args.requests, args.steps, shares, args.seed, args.size, args.no_deadline_share)
     least = max(1, round(args.steps * args.least_share))
@@ -502,10 +510,14 @@ def measure(url: str, args: argparse.Namespace, config: dict, path: Path) -> dic
             window_s = arrivals[-1] - arrivals[measured[0]] if len(measured) > 1 else arrivals[-1]
             images: dict[str, dict[int, np.ndarray]] = {}
             for variant in order:
+                before = read_metrics(server) if server is not None else {}
                 results, latency = run(
                     url, requests, arrivals, variant, deadline_s, least, args.degrade_cache
                 )
                 entry = {"load": load, "round": round_index + 1, "variant": variant, "order": order}
+                if server is not None:  # the whole run's, its warm-up arrivals included
+                    after = read_metrics(server)
+                    entry["forwards_narrowed"] = metric_delta(before, after, NARROWED, model_of(variant))
                 entry.update(figures(requests, results, latency, measured, window_s, deadline_s))
                 images[variant] = {i: pixels(results[i]) for i in measured if results[i].ok}
                 report["runs"].append(entry)

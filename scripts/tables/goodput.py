@@ -30,6 +30,7 @@ PAIRS = (
     ("degrade-need", "degrade-room"),
     ("degrade-need", "tiers-need"),
     ("tiers-need", "fifo"),
+    ("narrow-room", "tiers-room"),
 )
 # The variants that degrade: fewer steps (degrade), a step cache for the steps left (cache).
 DEGRADING = ("degrade", ROOM_DEGRADE, "cache", "cache-room", "degrade-need")
@@ -152,6 +153,13 @@ def render(artefact: dict[str, Any]) -> str:
             if any(v.endswith("-need") for v in c["variants"])
             else ""
         )
+        + (
+            "; narrow-room is tiers-room on a model with `narrow_forwards` on (a forward holds fewer jobs "
+            "where a deadline needs it and the engine's cost line prices the smaller forward within 5% a "
+            "token)"
+            if "narrow-room" in c["variants"]
+            else ""
+        )
         + ". Goodput: requests in time per second of the arrival window (refused, expired and late ones "
         "are misses). Ratios: per round, then the median and its 90% sign-test interval (the one verdict "
         "rule).",
@@ -214,11 +222,26 @@ def render(artefact: dict[str, Any]) -> str:
     )
     if c.get("no_deadline_share"):
         lines += ["", _plain(artefact)]
+    if "narrow-room" in c["variants"]:
+        lines += ["", _narrowed(artefact)]
     if not artefact.get("complete", True):
         lines.insert(
             0, "**Incomplete run** (cut short: `complete` is false); the rows below are what it measured.\n"
         )
     return "\n".join(lines)
+
+
+def _narrowed(artefact: dict[str, Any]) -> str:
+    """The forwards narrow-room's model narrowed, per load, summed over its runs (the server's count over
+    each whole run, its warm-up arrivals included)."""
+    counts = []
+    for load in artefact["loads"]:
+        runs = [r for r in artefact["runs"] if r["load"] == load and r["variant"] == "narrow-room"]
+        counts.append(f"{sum(r.get('forwards_narrowed', 0) for r in runs):.0f} at {load:g}x")
+    return (
+        "Forwards narrowed by narrow-room's model (the server's `triton_diffusion_forwards_narrowed_total`, "
+        "over whole runs, warm-up arrivals included, summed over rounds): " + ", ".join(counts) + "."
+    )
 
 
 def _plain(artefact: dict[str, Any]) -> str:

@@ -79,12 +79,38 @@ def test_the_room_is_read_from_the_artefacts_model_edits():
 def test_each_variant_runs_on_a_model_of_its_own():
     from benchmarks.goodput import model_of, models
 
-    variants = ("fifo", "tiers", "degrade", "tiers-room", "degrade-room", "tiers-need", "degrade-need")
+    variants = (
+        "fifo", "tiers", "degrade", "tiers-room", "degrade-room", "tiers-need", "degrade-need", "narrow-room"
+    )  # fmt: skip
     served = models(8, 1.0, variants)
     assert len(served) == len(variants) == len({model_of(v) for v in variants})
     assert served[model_of("degrade")] == {"deadline_room": "0"}
     assert served[model_of("degrade-room")] == {"deadline_room": "16"}
     assert served[model_of("tiers-need")] == {"deadline_room": "16", "tier_pause": "deadline"}
+    assert served[model_of("narrow-room")] == {"deadline_room": "16", "narrow_forwards": "true"}
+
+
+def test_narrow_room_sends_what_tiers_room_sends_and_its_narrowed_forwards_are_summed_per_load():
+    """narrow-room differs from tiers-room by its model only: the client sends the same; the table reads
+    its runs' narrowed forwards, per load, over its rounds (the other variant's not counted)."""
+    from benchmarks.goodput import NARROWED, sent
+    from tables.goodput import _narrowed
+
+    from triton_diffusion.serving.metrics import FAMILIES
+
+    assert NARROWED in FAMILIES  # the count the server exports
+
+    request = {"prompt": "p", "seed": 1, "service_tier": "flex"}
+    assert sent(request, "narrow-room", 1.0, 10) == sent(request, "tiers-room", 1.0, 10)
+    runs = [
+        {"load": 0.8, "variant": "narrow-room", "forwards_narrowed": 3.0},
+        {"load": 0.8, "variant": "tiers-room", "forwards_narrowed": 0.0},
+        {"load": 0.8, "variant": "narrow-room", "forwards_narrowed": 4.0},
+        {"load": 2.0, "variant": "narrow-room", "forwards_narrowed": 0.0},
+        {"load": 2.0, "variant": "tiers-room", "forwards_narrowed": 9.0},
+    ]
+    line = _narrowed({"loads": [0.8, 2.0], "runs": runs})
+    assert line.endswith(": 7 at 0.8x, 0 at 2x.")
 
 
 def test_the_warm_up_is_read_as_a_count_or_from_the_fraction_before_it():
