@@ -184,11 +184,10 @@ PLAN = (
         MIXED_SIZES_FLUX1_S,
         benchmark="mixed_sizes",
     ),
-    # Engine steps at each interval a round, in alternated blocks of 10 (the writer's work counted in the
-    # block that made it): 15 rounds of 620 steps, about 12 ms each on this CPU.
+    # Engine steps at each interval a round, in alternated blocks (the writer's work counted in the block
+    # that made it): 15 rounds of 620 engine steps (docs/cpu/checkpoint_cost.json has the time it took).
     Take("checkpoint_cost", ("--rounds", "15", "--engine-steps", "200", "--out", "{out}/cpu"), 300),
-    # The same at an H100's cost ratios: SD 1.5's forward and decode timed as measured on one (about 70 ms
-    # an engine step).
+    # The same at an H100's cost ratios: SD 1.5's forward and decode timed as measured on one.
     Take(
         "checkpoint_cost_sd15",
         (
@@ -206,7 +205,7 @@ PLAN = (
         240,
         benchmark="checkpoint_cost",
     ),
-    # And at FLUX.1-dev's (flux1-h100, about 1.3 s an engine step of 8 jobs at 1024x1024): blocks of 5.
+    # And at FLUX.1-dev's (flux1-h100: an engine step of 8 jobs at 1024x1024 is seconds long): blocks of 5.
     Take(
         "checkpoint_cost_flux1",
         (

@@ -8,17 +8,20 @@ starts spread evenly over the engine steps) is stepped, after a warm-up of a job
 --engine-steps engine steps at each interval a round. Each job carries a checkpoint key; every
 ``interval`` of its steps the engine asks the adapter for a snapshot (CPU copies) and the host's part is
 done as the served host does it: each checkpoint handed to a real :class:`CheckpointStore` in a temporary
-folder, whose writer thread writes it (safetensors, rename, one folder fsync per batch) while the engine
-steps on, and an answered request's checkpoints removed (which the writer does; with checkpoints off,
-there are none to remove). The intervals alternate in
-blocks of --block engine steps (off, every 1, every 5, then rotated: every 1, every 5, off, ...) on the
-same engine and jobs, so a drift of the host's speed over seconds (other tenants on a shared machine moved
-a whole run's step time by half) falls on every interval alike. A block's time holds its steps, with
-the snapshots and the hand-over, and then the wait for whatever the writer has left of its work: that
-work is counted in the block that made it, whether it competed with the engine's
-steps for the cores or not (so the tail of a block's writes is counted whole, disk waits included, where
-served it would overlap later steps). Each round is a fresh engine, and every round is kept, so each
-ratio to ``off`` comes with its spread. Also recorded: bytes per checkpoint and checkpoints written.
+folder, whose writer thread gathers them for up to ``checkpoint_store.BATCH_S`` and writes them as a batch
+(safetensors, rename, one folder fsync), and an answered request's checkpoints removed (the writer deletes
+them; a request answered in a block with checkpoints off has its removal asked at the start of the next
+block with them on, so the folder holds what it would served).
+
+The intervals alternate in blocks of --block engine steps (off, every 1, every 5, then rotated: every 1,
+every 5, off, ...) on the same engine and jobs, so a drift of the host's speed between runs (other tenants
+on a shared machine) falls on every interval alike. A block's time holds its steps, with the snapshots and
+the hand-over, and then the wait for whatever the writer has left of its work. So what the writer does
+while the engine steps is counted as it competes with the steps for the cores, and what is left at the
+block's end is counted whole, disk waits included, as if the engine waited for it: in a block shorter than
+``BATCH_S`` that is every write. What a block leaves behind for the system (the kernel's writeback of the
+files, memory freed) may fall on the next block. Each round is a fresh engine, and every round is kept, so
+each ratio to ``off`` comes with its spread. Also recorded: bytes per checkpoint and checkpoints written.
 
     .venv/bin/python scripts/bench.py checkpoint-cost --out docs/cpu
     .venv/bin/python scripts/bench.py checkpoint-cost --device-profile sd15-h100 --size 512 \
@@ -44,7 +47,7 @@ from benchmarks.inprocess import Bench, device_and_dtype, sync
 from triton_diffusion.adapters.device_profiles import PROFILES, load_costs
 from triton_diffusion.engine.scheduler import EngineLimits
 from triton_diffusion.engine.step_engine import StepEngine
-from triton_diffusion.recovery.checkpoint_store import CheckpointStore
+from triton_diffusion.recovery.checkpoint_store import BATCH_S, CheckpointStore
 
 DEFAULT_INTERVALS = "0,1,5"
 WRITE_WAIT_S = 60.0  # the longest a block waits for the store's writes
@@ -89,6 +92,7 @@ def one_round(bench: Bench, intervals: list[int], args: argparse.Namespace, fold
     engine = StepEngine(bench.adapter, limits, checkpoint_every=intervals[-1])
     store = CheckpointStore(folder, 2**34, 3600.0)
     made = iter(range(10**9))
+    answered_off: list[str] = []  # the resume keys of requests answered in a block with checkpoints off
 
     def add(steps: int = args.steps) -> None:
         index = next(made)
@@ -105,10 +109,12 @@ def one_round(bench: Bench, intervals: list[int], args: argparse.Namespace, fold
             store.put(job.spec.checkpoint_key, "hash", checkpoint)
             sizes.append(sum(t.numel() * t.element_size() for t in checkpoint.tensors.values()))
         sync(bench.device)
-        for finished in report.finished:
-            if engine.checkpoint_every:  # answered: its checkpoints removed (recovery/resumes.py)
-                key = (finished.job.spec.checkpoint_key or "").removesuffix(".0")
+        for finished in report.finished:  # answered: its checkpoints removed (recovery/resumes.py)
+            key = (finished.job.spec.checkpoint_key or "").removesuffix(".0")
+            if engine.checkpoint_every:
                 store.remove_request(key)
+            else:  # checkpoints off: no store serves it; removed in the next block with them on
+                answered_off.append(key)
             add()
         for _ in report.left:
             if _.reason != "finished":
@@ -132,6 +138,10 @@ def one_round(bench: Bench, intervals: list[int], args: argparse.Namespace, fold
             engine.checkpoint_every = interval  # the engine reads it each step
             count = min(block, args.engine_steps - steps[interval])
             started = time.perf_counter()
+            if interval:  # what a served store would have removed (else the folder, listed each batch, grows)
+                for key in answered_off:
+                    store.remove_request(key)
+                answered_off.clear()
             for _ in range(count):
                 sizes[interval].extend(step()[1])
             # What the writer has left of this block's checkpoints and removals is this block's.
@@ -205,6 +215,7 @@ def main(argv: list[str] | None = None) -> None:
         "device_profile_table": profile,  # the times its stand-ins waited, and where they came from
         "dtype": str(dtype).removeprefix("torch."),
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "store_batch_s": BATCH_S,  # how long the store's writer gathers a batch
         "runs": runs,
         "summary": summary,
         "wall_s": time.perf_counter() - started,

@@ -16,7 +16,7 @@ def render(artefact: dict[str, Any]) -> str:
     lines = [
         f"{s['arch']} at {s['size']}x{s['size']}{_profile(artefact)}, a full running set of "
         f"{s['running']} jobs of {s['steps']} steps (one finished is replaced at once), "
-        f"{_design(s)} Ratio: the mean engine step against the same round's with checkpoints off; its "
+        f"{_design(artefact)} Ratio: the mean engine step against the same round's with checkpoints off; its "
         "reading by the one verdict rule (the median's 90% sign-test interval against the target "
         f"{TARGET}).",
         "",
@@ -36,9 +36,10 @@ def render(artefact: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _design(s: dict[str, Any]) -> str:
+def _design(artefact: dict[str, Any]) -> str:
     """How the intervals were alternated: in blocks on one engine a round, or (an artefact from before
     blocks) a run each."""
+    s = artefact["settings"]
     if "block" not in s:
         return (
             f"{s['engine_steps']} engine steps a run after a warm-up, {s['rounds']} alternated rounds; the "
@@ -47,9 +48,11 @@ def _design(s: dict[str, Any]) -> str:
     return (
         f"{s['rounds']} rounds, each a fresh engine: after a warm-up, {s['engine_steps']} engine steps at "
         f"each interval, in blocks of {s['block']} alternated in rotated order; the checkpoints written, "
-        "and an answered request's removed, by a real checkpoint store on its own thread while the engine "
-        "steps on, and what it has left of a block's work when the block ends waited for within the block "
-        "(disk waits included, where served they would overlap later steps)."
+        "and an answered request's removed, by a real checkpoint store on its own thread, which gathers "
+        f"them for up to {artefact['store_batch_s']:g} s before it writes a batch; what it has left of a "
+        "block's work "
+        "when the block ends is waited for within the block (disk waits included, where served they would "
+        "overlap later steps; in a block shorter than the gathering, every write)."
     )
 
 
@@ -58,10 +61,12 @@ def _profile(artefact: dict[str, Any]) -> str:
     table = artefact.get("device_profile_table")
     if not table:
         return ""
+    decodes = table.get("decodes", {}).get("source", {}).get("artefact")  # a profile's of another's
+    where = table["source"]["artefact"] + (f"; its decodes in {decodes}" if decodes else "")
     return (
         f" under the device profile {artefact['device_profile']} (the denoiser and VAE decode wait the times "
-        f"measured for {table['what']}, in {table['source']['artefact']}, and compute nothing; the rest runs "
-        "at this CPU's speed; latents in float32; adapters/device_profiles.py)"
+        f"given for {table['what']}, in {where}, and compute nothing; the rest runs at this CPU's speed; "
+        "latents in float32; adapters/device_profiles.py)"
     )
 
 
@@ -99,7 +104,7 @@ def sentence(artefact: dict[str, Any], *at_profiles: dict[str, Any]) -> str:
         step_ms = next(row["step_ms_median"] for row in one["summary"] if row["interval"] == 0)
         text += (
             f" At the `{one['device_profile']}` device profile's cost ratios ({p['arch']} at "
-            f"{p['size']}x{p['size']}, its denoiser and decode waiting the times given for an H100: "
-            f"{step_ms:.0f} ms an engine step): {readings(one)}."
+            f"{p['size']}x{p['size']}, its denoiser and decode waiting the times the profile gives for an "
+            f"H100; an engine step with checkpoints off took {step_ms:.0f} ms here): {readings(one)}."
         )
     return text

@@ -48,11 +48,15 @@ class FakeBench:
 
 
 def test_a_round_alternates_the_intervals_in_blocks_each_timing_its_own_work(tmp_path, monkeypatch):
-    """Intervals 0, 1 and 3 in blocks of 4 steps after a warm-up of 6: every block is timed from before its
-    first step to after the store has done what its steps left (the flush), at one interval throughout;
-    checkpoints are taken, and answered requests' checkpoints removed, only where the interval is not 0."""
+    """Intervals 0, 1 and 3, 10 engine steps each in blocks of 4 after a warm-up of 6, on a clock each
+    engine step advances by 1 + the interval then set: every block is timed from before its first step to
+    after the store has done what its steps left (the flush), at one interval throughout, so each
+    interval's mean step is exactly its own; checkpoints are taken, and answered requests' checkpoints
+    removed, only where the interval is not 0 (those answered with it 0 at the next such block's start)."""
     events: list[str] = []  # what happened, in order: step@<interval>, checkpoint, remove@<interval>, ...
     bench = FakeBench(events)
+    clock = [0.0]
+    engines: list = []
     real_engine, store_class = checkpoint_cost.StepEngine, checkpoint_cost.CheckpointStore
     real_remove, real_flush = store_class.remove_request, store_class.flush
 
@@ -62,13 +66,15 @@ def test_a_round_alternates_the_intervals_in_blocks_each_timing_its_own_work(tmp
 
         def step():
             events.append(f"step@{made.checkpoint_every}")
+            clock[0] += 1 + made.checkpoint_every
             return real_step()
 
         made.step = step
+        engines.append(made)
         return made
 
     def remove_request(store, key):
-        events.append(f"remove@{next(e for e in reversed(events) if e.startswith('step@'))[5:]}")
+        events.append(f"remove@{engines[-1].checkpoint_every}")
         real_remove(store, key)
 
     def flush(store, timeout_s):
@@ -78,19 +84,21 @@ def test_a_round_alternates_the_intervals_in_blocks_each_timing_its_own_work(tmp
 
     def perf_counter() -> float:
         events.append("time")
-        return 0.0
+        return clock[0]
 
     monkeypatch.setattr(checkpoint_cost, "StepEngine", engine)
     monkeypatch.setattr(store_class, "remove_request", remove_request)
     monkeypatch.setattr(store_class, "flush", flush)
     monkeypatch.setattr(checkpoint_cost, "time", SimpleNamespace(perf_counter=perf_counter))
-    args = Namespace(running=4, steps=6, engine_steps=12, block=4)
+    args = Namespace(running=4, steps=6, engine_steps=10, block=4)
     runs = checkpoint_cost.one_round(bench, [0, 1, 3], args, tmp_path / "round")
 
-    assert [(run["interval"], run["engine_steps"]) for run in runs] == [(0, 12), (1, 12), (3, 12)]
+    assert [(run["interval"], run["engine_steps"]) for run in runs] == [(0, 10), (1, 10), (3, 10)]
+    assert [run["step_s_mean"] for run in runs] == [1.0, 2.0, 4.0]  # each block's time its own steps'
+    assert runs[0]["checkpoints"] == 0 and runs[1]["checkpoints"] > runs[2]["checkpoints"] > 0
+    assert runs[1]["bytes_per_checkpoint"] == 16  # four float32 latents
     # The first jobs' steps spread (their successors' finishes too), every later one of --steps.
     assert bench.steps[:4] == [2, 3, 5, 6] and set(bench.steps[4:]) == {6}
-    assert runs[0]["checkpoints"] == 0 and runs[1]["checkpoints"] > runs[2]["checkpoints"] > 0
     # The blocks, after the warm-up's steps (at the last interval) and its flush: rotated orders.
     timed = events[events.index("flushed") + 1 :]
     blocks = []
@@ -101,11 +109,14 @@ def test_a_round_alternates_the_intervals_in_blocks_each_timing_its_own_work(tmp
         timed = timed[end + 1 :]
     steps = [[e for e in block if e.startswith("step@")] for block in blocks]
     assert [block[0] for block in steps] == [f"step@{i}" for i in (0, 1, 3, 1, 3, 0, 3, 0, 1)]
-    assert all(block == block[:1] * 4 for block in steps)
+    assert [len(block) for block in steps] == [4] * 6 + [2] * 3  # 10 steps each: the last blocks short
+    assert all(block == block[:1] * len(block) for block in steps)
     assert all(block[-1] == "flushed" for block in blocks)  # the store's work is done inside the block
-    for block in blocks:  # checkpoints and removals only where checkpoints are on
-        if block[0] == "step@0":
+    for block, stepped in zip(blocks, steps, strict=True):  # checkpoints, removals: only with them on
+        if stepped[0] == "step@0":
             assert not any(e == "checkpoint" or e.startswith("remove") for e in block)
-        if block[0] == "step@1":
+        if stepped[0] == "step@1":
             assert "checkpoint" in block
     assert "remove@0" not in events and any(e.startswith("remove@") for e in events)
+    # Requests answered with checkpoints off: removed at the start of the next block with them on.
+    assert any(block[0].startswith("remove@") for block in blocks)

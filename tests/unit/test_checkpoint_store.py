@@ -380,9 +380,87 @@ def test_a_removal_returns_at_once_and_the_writer_deletes_after_the_write_under_
     started = time.monotonic()
     store.remove_request(KEY)
     store.remove(f"{KEY}.0")
-    assert time.monotonic() - started < 1.0 and held.replaced == []  # the write is still held
+    assert time.monotonic() - started < 1.0  # it did not wait for the write held
     held.go.set()
     assert store.flush(5) and checkpoints(store.directory) == [] and store.bytes_used == 0
+
+
+def held_deletes(monkeypatch) -> tuple[threading.Event, threading.Event]:
+    """The store's file deletions held until the first event is set; the second says one was reached."""
+    release, entered = threading.Event(), threading.Event()
+    real = CheckpointStore._delete
+
+    def delete(self, path):
+        entered.set()
+        assert release.wait(10), "the test never released the deletion"
+        real(self, path)
+
+    monkeypatch.setattr(CheckpointStore, "_delete", delete)
+    return release, entered
+
+
+def test_a_removal_alone_wakes_the_writer(store):
+    """Nothing else handed over, nobody flushing: the removal's file goes within the writer's gathering."""
+    store.put(f"{KEY}.0", "h", checkpoint(1))
+    assert store.flush(5)
+    store.remove_request(KEY)
+    deadline = time.monotonic() + 5.0
+    while checkpoints(store.directory) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert checkpoints(store.directory) == []
+
+
+def test_a_read_waits_for_the_removal_under_way_and_finds_nothing(store, monkeypatch):
+    store.put(f"{KEY}.0", "h", checkpoint(1))
+    assert store.flush(5)
+    release, entered = held_deletes(monkeypatch)
+    store.remove_request(KEY)
+    assert entered.wait(5)  # the writer has taken the removal and is deleting the file
+    got: list = []
+    reader = threading.Thread(target=lambda: got.append(store.get(f"{KEY}.0")), daemon=True)
+    reader.start()
+    reader.join(0.3)
+    assert reader.is_alive()  # it waits: the file is still there, being removed
+    release.set()
+    reader.join(5)
+    assert got == [None]
+
+
+def test_a_flush_waits_for_what_was_handed_over_before_it_only(store, monkeypatch):
+    """A drain's flush is not held up by the removals of requests answered while it waits."""
+    store.put("fedcba9876543210-other.0", "h", checkpoint(1))
+    assert store.flush(5)
+    held = HeldWrites(monkeypatch)
+    store.put(f"{KEY}.0", "h", checkpoint(1))
+    assert held.reached.wait(5)  # being written
+    flushed: list[bool] = []
+    flusher = threading.Thread(target=lambda: flushed.append(store.flush(10)), daemon=True)
+    flusher.start()
+    time.sleep(0.1)
+    release, entered = held_deletes(monkeypatch)
+    store.remove_request("fedcba9876543210-other")  # answered meanwhile: its removal is held
+    held.go.set()
+    assert entered.wait(5)
+    flusher.join(2)
+    assert flushed == [True]  # the write before it is done; the removal after it still under way
+    release.set()
+    assert store.flush(5)
+
+
+def test_a_removal_that_fails_loses_no_write_of_its_batch(store, monkeypatch):
+    store.put(f"{KEY}.0", "h", checkpoint(1))
+    assert store.flush(5)
+
+    def unlistable(self):
+        raise OSError("the folder cannot be listed")
+
+    monkeypatch.setattr(checkpoint_store, "BATCH_S", 1.0)  # the removal and the put in one batch
+    monkeypatch.setattr(CheckpointStore, "_remove", lambda self, removals: unlistable(self))
+    store.remove_request("fedcba9876543210-other")
+    store.put(f"{KEY}.1", "h", checkpoint(2))
+    assert store.flush(5)
+    stored = store.get(f"{KEY}.1")
+    assert stored is not None and stored.checkpoint.step == 2 and store.not_kept(KEY) is None
 
 
 def test_a_queued_removal_hides_the_checkpoint_and_a_later_put_is_kept(store, monkeypatch):

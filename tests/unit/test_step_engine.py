@@ -252,10 +252,12 @@ def test_a_failing_forward_is_bisected_and_fails_only_its_culprit():
     assert all(got[f"j{i}"] == [{"out": f"out:j{i}"}] for i in range(8) if i != 5)
 
 
-def test_a_split_forward_reports_the_schedulers_packing_and_narrowing_once():
+@pytest.mark.parametrize(("failing", "images"), [(3, [2, 1]), (0, [1, 2])])
+def test_a_split_forward_reports_the_schedulers_packing_and_narrowing_once(failing, images):
     """A forward the isolation rule splits (a failing row) is one decision of the scheduler: its packing
-    and its narrowed count are reported with the first part applied, not once per part."""
-    jobs = [job(f"j{i}", Spec(fail_forward=i == 3)) for i in range(4)]
+    and its narrowed count are reported with the first part applied, not once per part (nor lost where
+    the first part tried fails)."""
+    jobs = [job(f"j{i}", Spec(fail_forward=i == failing)) for i in range(4)]
     engine = engine_for(FakeAdapter())
     for j in jobs:
         engine.add(j)
@@ -270,7 +272,7 @@ def test_a_split_forward_reports_the_schedulers_packing_and_narrowing_once():
     scheduler.next_forward = decided
     engine.step()
     forwards = engine.host.reports[-1].forwards
-    assert [f.images for f in forwards] == [2, 1]  # j0 j1; then j2 (j3 failed alone)
+    assert [f.images for f in forwards] == images  # the parts applied, in order (the failing one alone)
     assert [f.packing for f in forwards] == [decision, None] and [f.narrowed for f in forwards] == [2, 0]
 
 

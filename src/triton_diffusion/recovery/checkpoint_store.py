@@ -64,7 +64,7 @@ WAIT_S = 10.0
 LEFTOVER_S = 600.0
 BATCH_S = 0.25  # how long the writer gathers checkpoints into one batch when nobody waits for them
 NOT_KEPT_MOST = 4096  # keys whose failed write is remembered for BATCH
-FOLDER_S = 5.0  # how long a request's read or removal waits for the folder (a hung network volume)
+FOLDER_S = 5.0  # how long a request's read waits for the folder (a hung network volume)
 SWEEP_S = 60.0  # at most this long between two sweeps for expired files (a get checks its own file's age)
 
 
@@ -123,6 +123,9 @@ class CheckpointStore:
         # Removals the writer thread carries out (keys; requests, by resume key), and those it is doing now.
         self._removals = Removals()
         self._removing = Removals()
+        # Writes and removals handed over, and of them those done: a flush waits for those before it only.
+        self._queued = 0
+        self._done = 0
         self._writing_since: float | None = None  # when that batch began (time.monotonic), None: none is
         self._not_kept: dict[str, str] = {}  # key: why its last checkpoint could not be written
         self._closed = False
@@ -153,6 +156,7 @@ class CheckpointStore:
             if self._closed:
                 raise RuntimeError("the checkpoint store is closed")
             self._pending[key] = (fields_hash, checkpoint, created)
+            self._queued += 1
             self._changed.notify_all()
 
     def get(self, key: str) -> Stored | None:
@@ -206,7 +210,10 @@ class CheckpointStore:
         self._check(key)
         with self._changed:
             self._pending.pop(key, None)
+            if self._closed or self._folder_hung(f"checkpoint {key}"):
+                return  # its TTL clears it
             self._removals.keys.add(key)
+            self._queued += 1
             self._changed.notify_all()
 
     def _delete_locked(self, path: Path) -> None:
@@ -223,7 +230,10 @@ class CheckpointStore:
                 del self._pending[key]
             for key in [key for key in self._not_kept if request_of(key) == resume_key]:
                 del self._not_kept[key]
+            if self._closed or self._folder_hung(f"checkpoints of {resume_key}"):
+                return  # their TTL clears them
             self._removals.requests.add(resume_key)
+            self._queued += 1
             self._changed.notify_all()
 
     def _folder_hung(self, what: str) -> bool:
@@ -265,11 +275,16 @@ class CheckpointStore:
         return outcome.get("value", default)
 
     def flush(self, timeout_s: float) -> bool:
-        """Wait up to ``timeout_s`` for every pending write; whether they are all done."""
+        """Wait up to ``timeout_s`` for every write and removal handed over before the call (not those
+        that keep coming meanwhile: requests answered while a drain flushes); whether they are all done."""
         with self._changed:
-            return self._wait_for_writes(
-                lambda: not (self._pending or self._writing or self._removals or self._removing), timeout_s
-            )
+            target = self._queued
+
+            def done() -> bool:  # those before it done, or nothing left at all (a put a removal dropped)
+                idle = not (self._pending or self._writing or self._removals or self._removing)
+                return self._done >= target or idle
+
+            return self._wait_for_writes(done, timeout_s)
 
     def close(self, timeout_s: float = 60.0) -> None:
         """Finish the pending writes (up to ``timeout_s``) and stop the writer thread."""
@@ -320,12 +335,16 @@ class CheckpointStore:
                     continue
                 batch, self._pending = self._pending, {}
                 self._removing, self._removals = self._removals, Removals()
+                taking = self._queued  # every one handed over so far is in this batch (or replaced)
                 self._writing = frozenset(batch)
                 self._writing_since = time.monotonic()
             try:
                 if abs(self.clock() - self._swept_at) >= SWEEP_S:
                     self.sweep()
-                self._remove(self._removing)  # first: a put after a removal is newer than it
+                try:  # first: a put after a removal is newer than it
+                    self._remove(self._removing)
+                except Exception:  # a folder that cannot be listed: the TTL clears them; the writes go on
+                    log.exception("checkpoint removals failed")
                 self._write(batch)
             except Exception as exc:  # lost checkpoints are a slower resume, not a failed request
                 log.exception("checkpoints %s: write failed", ", ".join(batch))
@@ -335,6 +354,7 @@ class CheckpointStore:
                 with self._changed:
                     self._writing, self._writing_since = frozenset(), None
                     self._removing = Removals()
+                    self._done = taking
                     self._changed.notify_all()
 
     def _remove(self, removals: Removals) -> None:
