@@ -190,17 +190,11 @@ PLAN = (
     # The same at an H100's cost ratios: SD 1.5's forward and decode timed as measured on one.
     Take(
         "checkpoint_cost_sd15",
-        (
-            "--device-profile",
-            "sd15-h100",
-            "--size",
-            "512",
-            "--rounds",
-            "7",
-            "--engine-steps",
-            "60",
-            "--out",
-            "{out}/profiles/sd15-h100",
+        tuple(
+            (
+                "--device-profile sd15-h100 --size 512 --rounds 7 --engine-steps 60 "
+                "--out {out}/profiles/sd15-h100"
+            ).split()
         ),
         240,
         benchmark="checkpoint_cost",
@@ -208,21 +202,11 @@ PLAN = (
     # And at FLUX.1-dev's (flux1-h100: an engine step of 8 jobs at 1024x1024 is seconds long): blocks of 5.
     Take(
         "checkpoint_cost_flux1",
-        (
-            "--arch",
-            "tiny-flux",
-            "--device-profile",
-            "flux1-h100",
-            "--size",
-            "1024",
-            "--rounds",
-            "5",
-            "--engine-steps",
-            "30",
-            "--block",
-            "5",
-            "--out",
-            "{out}/profiles/flux1-h100",
+        tuple(
+            (
+                "--arch tiny-flux --device-profile flux1-h100 --size 1024 --rounds 5 --engine-steps 30 "
+                "--block 5 --out {out}/profiles/flux1-h100"
+            ).split()
         ),
         1100,
         benchmark="checkpoint_cost",
