@@ -52,7 +52,8 @@ def _design(artefact: dict[str, Any]) -> str:
         f"them for up to {artefact['store_batch_s']:g} s before it writes a batch; what it has left of a "
         "block's work "
         "when the block ends is waited for within the block (disk waits included, where served they would "
-        "overlap later steps; in a block shorter than the gathering, every write)."
+        "overlap later steps; in a block shorter than the gathering, every write); requests answered in a "
+        "block with checkpoints off have their removal made in the next block with them on."
     )
 
 

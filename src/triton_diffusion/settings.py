@@ -249,9 +249,9 @@ class ModelConfig:
         "allow and in time in smaller ones, a forward holds the jobs in order up to the most that keep it in "
         "time (those left out wait until starved: starvation_steps), and deadline estimates "
         "(refusals, cuts, pauses) count on it; only where the engine's cost fit prices the smaller forward "
-        "within 5% per token of the full one (a forward whose time grows with its rows: a compute-bound GPU "
-        "at large sizes); false (the default: through the server on the tiny SD on a CPU it narrowed and "
-        "lost goodput at low load, docs/performance/cpu.md): every forward fills to its caps",
+        "within 5% per token of the full one (where a forward's time grows with its rows); false (the "
+        "default: through the server on the tiny SD on a CPU the fit allowed it, and it narrowed and lost "
+        "goodput at low load, docs/performance/cpu.md): every forward fills to its caps",
         (IMAGE, IMAGE_SOURCE),
     )
     max_running: int | None = _parameter(

@@ -25,6 +25,7 @@ its images where they were.
 - Removals on the writer thread too: an answered request's checkpoints (and a pending write of them) are
   dropped by a call that returns at once; the writer deletes the files with its next batch, before its
   writes (a put after a removal is newer than it). The thread that answers never touches the folder.
+  After close, or while the folder hangs (below), a removal is not queued: the TTL clears those files.
 - Bounded in time: a request's read runs on a thread of its own and waits at most ``FOLDER_S`` for the
   folder (a hung network volume): past it the read finds nothing (the request starts over) and, while
   that call is still stuck, later ones skip the folder at once; so do they while a batch of writes and
@@ -64,7 +65,9 @@ WAIT_S = 10.0
 LEFTOVER_S = 600.0
 BATCH_S = 0.25  # how long the writer gathers checkpoints into one batch when nobody waits for them
 NOT_KEPT_MOST = 4096  # keys whose failed write is remembered for BATCH
-FOLDER_S = 5.0  # how long a request's read waits for the folder (a hung network volume)
+# How long a request's read waits for the folder (a hung network volume); a call stuck longer, or a batch
+# under way longer, marks it hung: reads find nothing and removals are left to the TTL meanwhile.
+FOLDER_S = 5.0
 SWEEP_S = 60.0  # at most this long between two sweeps for expired files (a get checks its own file's age)
 
 
@@ -206,7 +209,8 @@ class CheckpointStore:
 
     def remove(self, key: str) -> None:
         """Drop the key's checkpoint and its pending write. Returns at once: the writer thread deletes the
-        file (after a write of it under way; a later put of the key is written after the removal)."""
+        file (after a write of it under way; a later put of the key is written after the removal); after
+        close or while the folder hangs, its TTL does."""
         self._check(key)
         with self._changed:
             self._pending.pop(key, None)
