@@ -77,7 +77,18 @@ class Verdict:
     def interval(self) -> str:
         if self.low is None or self.high is None:
             return f"{self.rounds} round{'s' * (self.rounds != 1)}: no 90% interval"
-        return f"90% interval {self.low:.3g}-{self.high:.3g}"
+        return f"90% interval {self._shown(self.low)}-{self._shown(self.high)}"
+
+    def _shown(self, value: float) -> str:
+        """``value`` to 3 significant digits, or more where 3 would read as the target's bound (without a
+        target: 1 or 0) though it is not: 1.0151 against "<= 1.02" reads 1.015, not 1.02."""
+        marks = [_parse(self.target)[1]] if self.target and self.target != "-" else [1.0, 0.0]
+        text = f"{value:.3g}"
+        for digits in range(4, 8):
+            if value in marks or float(text) not in marks:
+                break
+            text = f"{value:.{digits}g}"
+        return text
 
     def __str__(self) -> str:
         return f"{self.word} ({self.interval})"

@@ -69,3 +69,14 @@ def test_rotated_orders_put_each_variant_first_equally_often():
     three = rotated_orders(["A", "B", "C"], 3)
     assert [order[0] for order in three] == ["A", "B", "C"]
     assert sorted(map(tuple, three)) == sorted({tuple(o) for o in three})
+
+
+def test_an_interval_bound_near_the_target_never_reads_as_the_target():
+    """3 significant digits, more where 3 would print the target's bound (or 1, or 0, without a target)
+    for a value that is not it: the reader checks the verdict against the printed interval."""
+    ratios = [1.0245, 1.0151, 1.0415, 1.03, 1.01, 1.05, 1.02, 1.026, 1.04, 1.0, 1.06, 1.022, 1.035, 1.012]
+    ratios.append(1.03)
+    found = verdict(ratios, "<= 1.02")
+    assert found.word == "not shown" and found.interval == "90% interval 1.015-1.04"
+    assert verdict([0.9996, 1.0004, 1.0, 0.9998, 1.0002], None).interval == "90% interval 0.9996-1.0004"
+    assert verdict([1.0, 1.1, 1.2, 1.15, 1.05], ">= 1.0").interval == "90% interval 1-1.2"  # it is 1
