@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from triton_diffusion.recovery import checkpoint_store
+from triton_diffusion.recovery import checkpoint_files, checkpoint_store
+from triton_diffusion.recovery.checkpoint_files import SPARE
 from triton_diffusion.recovery.checkpoint_format import JobCheckpoint
 from triton_diffusion.recovery.checkpoint_store import CheckpointStore, CorruptCheckpoint, valid_key
 
@@ -45,25 +46,30 @@ class Clock:
 
 
 class HeldWrites:
-    """``os.replace`` in the store held until released: a write under way, seen from outside."""
+    """``os.rename`` in the store held until released: a write under way, seen from outside."""
 
     def __init__(self, monkeypatch) -> None:
         self.reached = threading.Event()
         self.go = threading.Event()
         self.replaced: list[str] = []
-        real = os.replace
+        real = os.rename
 
-        def replace(source, target) -> None:
+        def rename(source, target) -> None:
             self.reached.set()
             assert self.go.wait(10), "the test never released the write"
             self.replaced.append(Path(target).name)
             real(source, target)
 
-        monkeypatch.setattr(checkpoint_store.os, "replace", replace)
+        monkeypatch.setattr(checkpoint_files.os, "rename", rename)
 
 
 def files(directory: Path) -> list[str]:
-    return sorted(path.name for path in directory.iterdir())
+    """What the folder holds but the store's spares (hidden files it writes into: checkpoint_files.py)."""
+    return sorted(path.name for path in directory.iterdir() if not path.name.startswith(SPARE))
+
+
+def spares(directory: Path) -> list[str]:
+    return sorted(path.name for path in directory.iterdir() if path.name.startswith(SPARE))
 
 
 def checkpoints(directory: Path) -> list[str]:
@@ -111,10 +117,18 @@ def test_a_write_is_atomic_no_partial_file_is_ever_a_checkpoint(store, monkeypat
     held = HeldWrites(monkeypatch)
     store.put(KEY, "h", checkpoint(2))
     assert held.reached.wait(5), "the write did not go through a rename"
-    # Written in full, not yet renamed: the old checkpoint is the key's, the new one hidden.
+    # Written in full under a hidden name, not yet renamed: the old checkpoint is the key's, and it has a
+    # spare name too (checkpoint_files.py: the rename then replaces a name, and the file becomes a spare).
     (temporary,) = [name for name in files(store.directory) if not name.endswith(".safetensors")]
     assert temporary.startswith(".") and not valid_key(temporary.split(".safetensors")[0])
+    assert checkpoint_store.parse((store.directory / temporary).read_bytes(), KEY).checkpoint.step == 2
     assert checkpoints(store.directory) == [f"{KEY}.safetensors"]
+    assert (
+        checkpoint_store.parse((store.directory / f"{KEY}.safetensors").read_bytes(), KEY).checkpoint.step
+        == 1
+    )
+    (spare,) = spares(store.directory)
+    assert os.path.samefile(store.directory / spare, store.directory / f"{KEY}.safetensors")
     assert store.flush(0.1) is False  # the write is under way
     held.go.set()
     assert store.flush(5)
@@ -213,7 +227,7 @@ def test_an_entry_that_is_not_a_regular_file_is_corrupt_never_opened_and_never_f
     def never(path: Path, limit: int) -> bytes:
         raise AssertionError(f"{path.name} was opened")
 
-    monkeypatch.setattr(checkpoint_store, "_read_regular", never)
+    monkeypatch.setattr(checkpoint_store, "read_regular", never)
     path = store.directory / f"{KEY}.0.safetensors"
     if how == "fifo":
         os.mkfifo(path)
@@ -281,7 +295,7 @@ def test_a_file_larger_than_the_bound_is_corrupt(store, clock):
 
 
 def test_the_byte_bound_evicts_the_oldest_first(tmp_path, clock, caplog):
-    size = len(checkpoint_store._serialise(KEY, "h", checkpoint(1), clock.now))
+    size = len(checkpoint_store.serialise(KEY, "h", checkpoint(1), clock.now))
     store = CheckpointStore(tmp_path / "c", int(size * 2.5), 3600.0, clock)
     for i in range(3):
         store.put(f"{KEY}.{i}", "h", checkpoint(1))
@@ -390,24 +404,28 @@ def held_deletes(monkeypatch) -> tuple[threading.Event, threading.Event]:
     release, entered = threading.Event(), threading.Event()
     real = CheckpointStore._delete
 
-    def delete(self, path):
+    def delete(self, path, retire=False):
         entered.set()
         assert release.wait(10), "the test never released the deletion"
-        real(self, path)
+        return real(self, path, retire)
 
     monkeypatch.setattr(CheckpointStore, "_delete", delete)
     return release, entered
 
 
-def test_a_removal_alone_wakes_the_writer(store):
-    """Nothing else handed over, nobody flushing: the removal's file goes within the writer's gathering."""
+@pytest.mark.parametrize("alone", ["removal", "put"])
+def test_a_removal_or_a_put_alone_wakes_the_writer(store, alone):
+    """Nothing else handed over, nobody flushing or reading: it is done within the writer's gathering (a
+    put wakes the writer only when it waits for work)."""
     store.put(f"{KEY}.0", "h", checkpoint(1))
-    assert store.flush(5)
-    store.remove_request(KEY)
+    if alone == "removal":
+        assert store.flush(5)
+        store.remove_request(KEY)
+    want = [] if alone == "removal" else [f"{KEY}.0.safetensors"]
     deadline = time.monotonic() + 5.0
-    while checkpoints(store.directory) and time.monotonic() < deadline:
+    while checkpoints(store.directory) != want and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert checkpoints(store.directory) == []
+    assert checkpoints(store.directory) == want
 
 
 def test_a_read_waits_for_the_removal_under_way_and_finds_nothing(store, monkeypatch):
@@ -493,7 +511,7 @@ def test_flush_waits_for_the_writer(store, monkeypatch):
 
 def test_checkpoints_pending_together_are_written_as_one_batch_with_one_fsync(store, monkeypatch):
     synced: list[Path] = []
-    monkeypatch.setattr(checkpoint_store, "_fsync_directory", synced.append)
+    monkeypatch.setattr(checkpoint_store, "fsync_directory", synced.append)
     held = HeldWrites(monkeypatch)
     store.put(f"{KEY}.0", "h", checkpoint(1))
     assert held.reached.wait(5)  # .0 is being written; the next three wait for it together
@@ -536,16 +554,16 @@ def test_the_writer_lives_on_when_what_it_gathers_is_removed(store, monkeypatch)
 
 
 def test_a_checkpoint_that_cannot_be_serialised_loses_only_itself(store, monkeypatch):
-    real = checkpoint_store._serialise
+    real = checkpoint_store.serialise
 
     def serialise(key, *args):
         if key.endswith(".1"):
             raise TypeError("not a tensor")
         return real(key, *args)
 
-    monkeypatch.setattr(checkpoint_store, "_serialise", serialise)
+    monkeypatch.setattr(checkpoint_store, "serialise", serialise)
     synced: list[Path] = []
-    monkeypatch.setattr(checkpoint_store, "_fsync_directory", synced.append)
+    monkeypatch.setattr(checkpoint_store, "fsync_directory", synced.append)
     for i in range(3):
         store.put(f"{KEY}.{i}", "h", checkpoint(i))
     assert store.flush(5)
@@ -576,7 +594,7 @@ def test_a_folder_that_does_not_answer_stalls_no_read_or_removal(store, monkeypa
     store.put(key, "h", checkpoint(3))
     assert store.flush(10)
     monkeypatch.setattr(checkpoint_store, "FOLDER_S", 0.2)
-    release, entered = hang(monkeypatch, checkpoint_store, "_read_regular")
+    release, entered = hang(monkeypatch, checkpoint_store, "read_regular")
     done = threading.Event()
     results = []
 

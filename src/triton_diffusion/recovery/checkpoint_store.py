@@ -12,20 +12,23 @@ its images where they were.
 - Written by a thread of its own: :meth:`CheckpointStore.put` is called from the engine's host thread,
   which must not wait for a disk. A key's latest pending checkpoint replaces an older pending one (only
   the newest state is worth writing). The writer takes every pending checkpoint at once, a batch: each
-  written to a hidden temporary file in the same directory and ``os.replace``d onto the key's name (a
-  crashed process leaves the old checkpoint or the new one, never half of one; a leftover temporary file
-  is removed at a later start), then one fsync of the directory for the whole batch. Files are not
-  fsynced one by one: checkpoints guard against a stub or server process dying, which the page cache
-  survives; after a host crash a file the disk did not get in full fails its digest, is deleted, and its
-  request starts over (exact, only slower).
+  written in full under a hidden name in the same directory and renamed onto the key's name, so a reader,
+  or a process that dies, finds the old checkpoint or the new one, never half of one (the hidden file is
+  a spare where there is one: recovery/checkpoint_files.py says why; a leftover hidden file is removed at
+  a later start), then one fsync of the directory for the whole batch. Files are not fsynced one by one:
+  checkpoints guard against a stub or server process dying, which the page cache survives; after a host
+  crash a file the disk did not get in full fails its digest, is deleted, and its request starts over
+  (exact, only slower), or, written into a spare, may hold the key's older checkpoint (it resumes from
+  there, exact too).
 - Bounded: after each batch the oldest files go until the directory holds at most ``max_bytes``; files
   older than ``ttl_s`` are dropped, swept at start and then at most every ``SWEEP_S`` (a file's
   modification time is set to its ``created`` time by the store's clock, so age and order survive a
   restart without reading every header).
 - Removals on the writer thread too: an answered request's checkpoints (and a pending write of them) are
   dropped by a call that returns at once; the writer deletes the files with its next batch, before its
-  writes (a put after a removal is newer than it). The thread that answers never touches the folder.
-  After close, or while the folder hangs (below), a removal is not queued: the TTL clears those files.
+  writes (a put after a removal is newer than it), keeping them as spares to write into while there is
+  room (hidden, never read as checkpoints, deleted at close). The thread that answers never touches the
+  folder. After close, or while the folder hangs (below), a removal is not queued: the TTL clears those files.
 - Bounded in time: a request's read runs on a thread of its own and waits at most ``FOLDER_S`` for the
   folder (a hung network volume): past it the read finds nothing (the request starts over) and, while
   that call is still stuck, later ones skip the folder at once; so do they while a batch of writes and
@@ -35,13 +38,10 @@ its images where they were.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
 import re
 import stat
-import struct
 import threading
 import time
 from collections.abc import Callable
@@ -49,16 +49,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import safetensors.torch
-import torch
-
-from triton_diffusion.recovery.checkpoint_format import JobCheckpoint
+from triton_diffusion.recovery.checkpoint_files import (
+    TEMPORARY,
+    FileWriter,
+    fsync_directory,
+    names_other,
+    read_regular,
+)
+from triton_diffusion.recovery.checkpoint_format import JobCheckpoint, Stored, parse, serialise
 
 log = logging.getLogger("triton_diffusion")
 
 SUFFIX = ".safetensors"
 _KEY = re.compile(r"[A-Za-z0-9_-]{16,128}(\.[0-9]{1,9})?")
-_TEMPORARY = ".tmp"  # a temporary file is ``.<key>.<random>.tmp``: hidden, and never ``*.safetensors``
 # Longest a caller waits for a write under way (a stuck disk must not stall the threads that read or
 # answer requests), and the age past which a temporary file is a crash's leftover, not a write under way.
 WAIT_S = 10.0
@@ -100,14 +103,6 @@ class CorruptCheckpoint(Exception):
     """A checkpoint file that does not parse or whose digest does not match (it has been deleted)."""
 
 
-@dataclass(frozen=True)
-class Stored:
-    """A checkpoint read back, with the fields hash of the request that wrote it."""
-
-    fields_hash: str
-    checkpoint: JobCheckpoint
-
-
 class CheckpointStore:
     """Checkpoints in ``directory`` (created if missing), at most ``max_bytes`` of them, each kept
     ``ttl_s`` seconds by ``clock``. Thread-safe; writes happen on its own writer thread."""
@@ -134,11 +129,12 @@ class CheckpointStore:
         self._closed = False
         self._swept_at = 0.0  # when the last sweep ran, by ``clock``
         self._waiting = 0  # callers waiting for the writer (get, flush): it does not gather a batch
+        self._idle = False  # the writer waits for work (a put wakes it), not gathering or writing a batch
         self._changed = threading.Condition()  # guards the pending writes and the key being written
         self._files = threading.RLock()  # guards the directory's files and bytes_used
         self._hung: threading.Thread | None = None  # a folder call that did not return within FOLDER_S
         self._hung_lock = threading.Lock()
-        for leftover in self.directory.glob(f".*{_TEMPORARY}"):  # a write a crash cut short
+        for leftover in self.directory.glob(f".*{TEMPORARY}"):  # a write a crash cut short
             try:  # not another replica's write under way (a folder shared by replicas): old ones only
                 entry = leftover.lstat()
                 if stat.S_ISREG(entry.st_mode) and self.clock() - entry.st_mtime > LEFTOVER_S:
@@ -146,6 +142,7 @@ class CheckpointStore:
             except OSError:  # gone meanwhile, or not ours to remove: never a reason not to load
                 pass
         self.sweep()
+        self._file_writer = FileWriter(self.directory, max_bytes // 4)  # the writer thread's
         self._thread = threading.Thread(target=self._write_loop, name="checkpoint-writer", daemon=True)
         self._thread.start()
 
@@ -160,7 +157,8 @@ class CheckpointStore:
                 raise RuntimeError("the checkpoint store is closed")
             self._pending[key] = (fields_hash, checkpoint, created)
             self._queued += 1
-            self._changed.notify_all()
+            if self._idle:  # wakes the writer only when it waits for work: one wakeup a batch, not a put
+                self._changed.notify_all()
 
     def get(self, key: str) -> Stored | None:
         """The key's checkpoint (after its pending write, if any), or None if there is none or it expired
@@ -184,7 +182,7 @@ class CheckpointStore:
                 return None  # a stuck disk must not stall admission: the request starts over
         return self._bounded(f"checkpoint {key}", lambda: self._read(key), None)
 
-    def _read(self, key: str) -> Stored | None:
+    def _read(self, key: str, again: bool = True) -> Stored | None:
         # The file's I/O without the lock: a read stuck in the kernel must not hold up the writer.
         path = self._path(key)
         try:
@@ -197,11 +195,17 @@ class CheckpointStore:
         if self._expired(entry.st_mtime):
             self._delete_locked(path)
             return None
+        identity = None
         try:
-            return _parse(_read_regular(path, self.max_bytes), key)
+            data, identity = read_regular(path, self.max_bytes)
+            return parse(data, key)
         except FileNotFoundError:  # evicted or expired between the lstat and the open
             return None
         except Exception as exc:
+            # Replaced while it was read (a write, a removal: the file read may since have been written
+            # over as a spare): not damaged, and the key's file now is read instead.
+            if identity is not None and names_other(path, identity):
+                return self._read(key, again=False) if again else None
             with self._files:
                 self._delete(path)
                 self._count()  # damaged from outside: its size then may not be the one counted
@@ -297,6 +301,8 @@ class CheckpointStore:
             self._closed = True
             self._changed.notify_all()
         self._thread.join(timeout_s)
+        if not self._thread.is_alive():  # a writer stuck in the folder may still use its spares
+            self._file_writer.close()
 
     def sweep(self) -> None:
         """Delete the checkpoints older than ``ttl_s`` (at construction, then at most every ``SWEEP_S``
@@ -304,12 +310,9 @@ class CheckpointStore:
         now = self.clock()
         self._swept_at = now
         with self._files:
-            for path in self._checkpoint_files():
-                try:
-                    if self._expired(path.stat().st_mtime, now):
-                        self._delete(path)
-                except FileNotFoundError:
-                    pass
+            for path, entry in self._checkpoint_files():
+                if self._expired(entry.st_mtime, now):
+                    self._delete(path)
             self._count()
 
     def _wait_for_writes(self, predicate: Callable[[], bool], timeout_s: float) -> bool:
@@ -329,7 +332,9 @@ class CheckpointStore:
     def _write_loop(self) -> None:
         while True:
             with self._changed:
+                self._idle = True
                 self._changed.wait_for(lambda: self._pending or self._removals or self._closed)
+                self._idle = False
                 # Gather what else comes in ``BATCH_S`` (unless someone waits for the writes): a few wakeups
                 # of this thread cost the engine's thread less than one per checkpoint.
                 self._changed.wait_for(lambda: self._closed or self._waiting > 0, BATCH_S)
@@ -365,11 +370,11 @@ class CheckpointStore:
         """Delete the files of the keys and requests removed (a request's: found in one listing)."""
         with self._files:
             for key in removals.keys:
-                self._delete(self._path(key))
+                self._delete(self._path(key), retire=True)
             if removals.requests:
-                for path in self._checkpoint_files():
+                for path, _ in self._checkpoint_files():
                     if request_of(path.name[: -len(SUFFIX)]) in removals.requests:
-                        self._delete(path)
+                        self._delete(path, retire=True)
 
     def _write(self, batch: dict[str, tuple[str, JobCheckpoint, float]]) -> None:
         """Each checkpoint of the batch to its file, then one fsync of the directory and one eviction."""
@@ -380,27 +385,22 @@ class CheckpointStore:
                     written.append(self._path(key))
         finally:  # what was written is made durable and counted, whatever failed after it
             if written:
-                _fsync_directory(self.directory)
+                fsync_directory(self.directory)
                 with self._files:
                     self._evict(keep=frozenset(written))
 
     def _write_one(self, key: str, fields_hash: str, checkpoint: JobCheckpoint, created: float) -> bool:
-        """One checkpoint to its file (a temporary one renamed onto it); whether it was written. A failure
-        loses this checkpoint only."""
-        temporary = self.directory / f".{key}.{os.urandom(6).hex()}{_TEMPORARY}"
+        """One checkpoint to its file (recovery/checkpoint_files.py: written in full, then renamed onto the
+        key's name); whether it was written. A failure loses this checkpoint only."""
         try:
-            data = _serialise(key, fields_hash, checkpoint, created)
+            data = serialise(key, fields_hash, checkpoint, created)
             if len(data) > self.max_bytes:
                 return self._lost(key, f"one checkpoint takes {len(data)} bytes, above checkpoint_max_mb")
-            temporary.write_bytes(data)
-            os.utime(temporary, (created, created))  # its age by the store's clock (ttl, eviction)
             # Outside the files' lock: a reader of this key waits for its write, and of another key reads
             # its own file.
-            os.replace(temporary, self._path(key))
+            self._file_writer.write(self._path(key), data, created, key)
         except Exception as exc:  # noqa: BLE001  (one lost checkpoint is a slower resume, not a failure)
             return self._lost(key, f"the write failed ({type(exc).__name__}: {str(exc)[:120]})")
-        finally:
-            temporary.unlink(missing_ok=True)
         with self._changed:
             self._not_kept.pop(key, None)
         return True
@@ -436,20 +436,17 @@ class CheckpointStore:
     def _evict(self, keep: frozenset[Path]) -> None:
         """The oldest checkpoints go until the directory holds at most ``max_bytes`` (``keep``, the ones
         just written, each fits alone and they go last)."""
-        files = []
-        for path in self._checkpoint_files():
-            try:
-                stat = path.stat()
-            except FileNotFoundError:
-                continue
-            files.append((path in keep, stat.st_mtime, path.name, stat.st_size, path))
+        files = [
+            (path in keep, entry.st_mtime, path.name, entry.st_size, path)
+            for path, entry in self._checkpoint_files()
+        ]
         total = sum(size for *_, size, _ in files)
         for _, _, _, size, path in sorted(files):
             if total <= self.max_bytes:
                 break
-            self._delete(path)
-            total -= size
-        self._count()
+            if self._delete(path):
+                total -= size
+        self.bytes_used = total  # counted from the same listing (a second one cost as much again)
 
     # ---- files ------------------------------------------------------------------------------------------
     @staticmethod
@@ -465,115 +462,43 @@ class CheckpointStore:
         a future time must not keep it for ever)."""
         return abs((self.clock() if now is None else now) - mtime) > self.ttl_s
 
-    def _checkpoint_files(self) -> list[Path]:
-        """The regular files named like checkpoints (anything else there is not counted, swept or evicted:
-        a read of its key removes it, or says why it cannot)."""
-        return [
-            p
-            for p in self.directory.glob(f"*{SUFFIX}")
-            if valid_key(p.name[: -len(SUFFIX)]) and _is_regular(p)
-        ]
+    def _checkpoint_files(self) -> list[tuple[Path, os.stat_result]]:
+        """The regular files named like checkpoints, each with its ``lstat`` (anything else there is not
+        counted, swept or evicted: a read of its key removes it, or says why it cannot)."""
+        files = []
+        with os.scandir(self.directory) as listing:
+            for item in listing:
+                if not (item.name.endswith(SUFFIX) and valid_key(item.name[: -len(SUFFIX)])):
+                    continue
+                try:
+                    entry = item.stat(follow_symlinks=False)
+                except FileNotFoundError:  # deleted since the listing
+                    continue
+                if stat.S_ISREG(entry.st_mode):
+                    files.append((Path(item.path), entry))
+        return files
 
-    def _delete(self, path: Path) -> None:
+    def _delete(self, path: Path, retire: bool = False) -> bool:
+        """Whether ``path`` was a regular file now deleted (a directory there, if empty, is removed).
+        ``retire`` (the writer thread's removals): the file may be kept as a spare to write into."""
         try:
             entry = path.lstat()
             if stat.S_ISDIR(entry.st_mode):
                 path.rmdir()  # an empty one; one with files in it is left, and logged
-                return
-            path.unlink()  # a file, or a link itself (never what it points to)
+                return False
+            if retire and stat.S_ISREG(entry.st_mode):
+                self._file_writer.retire(path, entry.st_size)
+            else:
+                path.unlink()  # a file, or a link itself (never what it points to)
         except FileNotFoundError:
-            return
+            return False
         except OSError as exc:
             log.warning("checkpoint %s: could not be removed (%s)", path.name, exc)
-            return
-        if stat.S_ISREG(entry.st_mode):
-            self.bytes_used = max(0, self.bytes_used - entry.st_size)
+            return False
+        if not stat.S_ISREG(entry.st_mode):
+            return False
+        self.bytes_used = max(0, self.bytes_used - entry.st_size)
+        return True
 
     def _count(self) -> None:
-        total = 0
-        for path in self._checkpoint_files():
-            try:
-                total += path.stat().st_size
-            except FileNotFoundError:
-                pass
-        self.bytes_used = total
-
-
-def _is_regular(path: Path) -> bool:
-    try:
-        return stat.S_ISREG(path.lstat().st_mode)
-    except FileNotFoundError:
-        return False
-
-
-def _read_regular(path: Path, limit: int) -> bytes:
-    """The bytes of ``path`` if it is a regular file of at most ``limit`` bytes, else ValueError: opened
-    without following a link and without blocking (a FIFO swapped in since the check cannot hang it)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    try:
-        entry = os.fstat(fd)
-        if not stat.S_ISREG(entry.st_mode):
-            raise ValueError("not a regular file")
-        if entry.st_size > limit:
-            raise ValueError(f"{entry.st_size} bytes, more than checkpoint_max_mb allows")
-        chunks, left = [], entry.st_size
-        while left > 0:
-            chunk = os.read(fd, left)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            left -= len(chunk)
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
-
-
-def _fsync_directory(directory: Path) -> None:
-    """The rename itself made durable (where the platform can open a directory)."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-# ---- the format --------------------------------------------------------------------------------------------
-def _digest(header: dict[str, Any], tensors: dict[str, torch.Tensor]) -> str:
-    """SHA-256 of the header's fields (canonical JSON) and every tensor (name, dtype, shape, bytes) in
-    name order."""
-    digest = hashlib.sha256(json.dumps(header, sort_keys=True).encode())
-    for name in sorted(tensors):
-        tensor = tensors[name].contiguous()
-        digest.update(f"\0{name}\0{tensor.dtype}\0{tuple(tensor.shape)}\0".encode())
-        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
-
-
-def _serialise(key: str, fields_hash: str, checkpoint: JobCheckpoint, created: float) -> bytes:
-    header = {
-        "key": key,
-        "fields_hash": fields_hash,
-        "step": checkpoint.step,
-        "meta": checkpoint.meta,
-        "created": created,
-    }
-    header["sha256"] = _digest(header, checkpoint.tensors)
-    return safetensors.torch.save(checkpoint.tensors, metadata={"checkpoint": json.dumps(header)})
-
-
-def _parse(data: bytes, key: str) -> Stored:
-    """A file's checkpoint; raises (anything) where it does not parse or its digest does not match."""
-    tensors = safetensors.torch.load(data)  # a truncated or malformed file raises here
-    (length,) = struct.unpack("<Q", data[:8])
-    header = json.loads(json.loads(data[8 : 8 + length])["__metadata__"]["checkpoint"])
-    sha256 = header.pop("sha256")
-    if _digest(header, tensors) != sha256:
-        raise ValueError("its digest does not match its contents")
-    if header["key"] != key:
-        raise ValueError(f"it was written for key {header['key']!r}")
-    return Stored(header["fields_hash"], JobCheckpoint(header["step"], tensors, header["meta"]))
+        self.bytes_used = sum(entry.st_size for _, entry in self._checkpoint_files())

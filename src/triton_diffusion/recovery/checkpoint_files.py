@@ -1,0 +1,183 @@
+"""The checkpoint store's file work: a checkpoint written in full into a spare file, renamed onto its key's
+name; a file read back without following a link.
+
+Used by recovery/checkpoint_store.py. The rename makes a write atomic: a reader, or a process that dies,
+finds the old checkpoint or the new one, never half of one.
+
+The hidden file is a spare where there is one: a file a rename replaced, or a removal retired, kept under a
+hidden name and written over in place, rather than a new file each time. Before the rename, the file the key
+names gets a second, spare name (a hard link), so the rename replaces a name, never a file that anything
+still needs. Measured on this project's CPU host (ext4): a new file per checkpoint renamed over the old one
+took most of a batch's time; ext4 (``auto_da_alloc``) starts writing back at once a new file renamed over
+another, and creating a file was up to 0.1 ms a checkpoint on a busy host. A spare's blocks are already
+allocated, so neither happens (``scripts/bench.py checkpoint-cost``).
+
+Spares are at most ``SPARES_MOST`` files and ``spare_bytes`` bytes; they are hidden temporary files
+(``.spare-<random>.tmp``: never a checkpoint's name), deleted at close, and a crash's leftovers are removed
+at a later start like any temporary file. Used by the store's writer thread only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+from pathlib import Path
+
+TEMPORARY = ".tmp"  # a hidden file the store writes is ``.<name>.tmp``: never ``*.safetensors``
+SPARE = ".spare-"
+SPARES_MOST = 64
+
+
+class FileWriter:
+    """Atomic writes into ``directory``, reusing spare files (at most ``spare_bytes`` of them)."""
+
+    def __init__(self, directory: Path, spare_bytes: int) -> None:
+        self.directory = directory
+        self.spare_bytes = spare_bytes
+        self._spares: list[tuple[Path, int]] = []  # a spare file and its size, newest last
+        self._held = 0  # bytes the spares hold
+
+    def write(self, path: Path, data: bytes, created: float, hidden_name: str) -> None:
+        """``data`` to ``path``, its modification time ``created``: into a spare (or a new hidden file
+        ``.<hidden_name>.<random>.tmp``), then renamed onto ``path``; the file it replaces becomes a spare.
+        Raises OSError where it cannot (``path`` then holds what it held)."""
+        temporary, fd = self._open_spare() or self._create(hidden_name)
+        try:
+            try:
+                view = memoryview(data)
+                written = 0
+                while written < len(data):
+                    written += os.pwrite(fd, view[written:], written)
+                os.ftruncate(fd, len(data))
+                os.utime(fd, (created, created))
+            finally:
+                os.close(fd)
+            old = self._link_aside(path)
+        except BaseException:
+            _unlink(temporary)
+            raise
+        try:
+            os.rename(temporary, path)
+        except BaseException:
+            _unlink(temporary)
+            if old is not None:  # still a name of the file at ``path``: never written over
+                _unlink(old[0])
+            raise
+        if old is not None:  # now its only name
+            self._keep(*old)
+
+    def retire(self, path: Path, size: int) -> None:
+        """Remove the regular file at ``path`` (``size`` bytes): kept as a spare while there is room, else
+        deleted. Raises OSError where it cannot be removed."""
+        if len(self._spares) >= SPARES_MOST or self._held + size > self.spare_bytes:
+            path.unlink()
+            return
+        spare = self._spare_name()
+        os.rename(path, spare)  # onto a free name: no write-back forced
+        self._keep(spare, size)
+
+    def close(self) -> None:
+        """Delete the spares."""
+        for spare, _ in self._spares:
+            _unlink(spare)
+        self._spares.clear()
+        self._held = 0
+
+    # ---- spares -------------------------------------------------------------------------------------------
+    def _spare_name(self) -> Path:
+        return self.directory / f"{SPARE}{os.urandom(8).hex()}{TEMPORARY}"
+
+    def _keep(self, spare: Path, size: int) -> None:
+        if len(self._spares) >= SPARES_MOST or self._held + size > self.spare_bytes:
+            _unlink(spare)
+            return
+        self._spares.append((spare, size))
+        self._held += size
+
+    def _open_spare(self) -> tuple[Path, int] | None:
+        """The newest spare opened for writing, or None: a spare gone or changed from outside (a leftover
+        sweep of another store sharing the folder) is dropped."""
+        while self._spares:
+            spare, size = self._spares.pop()
+            self._held -= size
+            try:  # without following a link or blocking on a FIFO: a regular file or nothing
+                fd = os.open(spare, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            except OSError:
+                _unlink(spare)
+                continue
+            entry = os.fstat(fd)
+            # One name only: a file that another name shares (a checkpoint, another store's spare in a
+            # folder replicas share) is never written over.
+            if stat.S_ISREG(entry.st_mode) and entry.st_nlink == 1:
+                return spare, fd
+            os.close(fd)
+            _unlink(spare)
+        return None
+
+    def _create(self, hidden_name: str) -> tuple[Path, int]:
+        temporary = self.directory / f".{hidden_name}.{os.urandom(6).hex()}{TEMPORARY}"
+        return temporary, os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
+
+    def _link_aside(self, path: Path) -> tuple[Path, int] | None:
+        """The file at ``path`` also under a new spare name, with its size (None: nothing there, or a
+        folder without hard links; the rename then replaces the file itself)."""
+        spare = self._spare_name()
+        try:
+            os.link(path, spare, follow_symlinks=False)
+            return spare, os.lstat(spare).st_size
+        except OSError:
+            _unlink(spare)
+            return None
+
+
+def read_regular(path: Path, limit: int) -> tuple[bytes, tuple[int, int]]:
+    """The bytes of ``path`` if it is a regular file of at most ``limit`` bytes, else ValueError: opened
+    without following a link and without blocking (a FIFO swapped in since the check cannot hang it). With
+    the file's identity (device, inode): see :func:`names_other`."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        entry = os.fstat(fd)
+        if not stat.S_ISREG(entry.st_mode):
+            raise ValueError("not a regular file")
+        if entry.st_size > limit:
+            raise ValueError(f"{entry.st_size} bytes, more than checkpoint_max_mb allows")
+        chunks, left = [], entry.st_size
+        while left > 0:
+            chunk = os.read(fd, left)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks), (entry.st_dev, entry.st_ino)
+    finally:
+        os.close(fd)
+
+
+def names_other(path: Path, identity: tuple[int, int]) -> bool:
+    """Whether ``path`` now names another file than the one read (or none): a write or a removal replaced
+    it while it was read, and the file read may since have been written over as a spare."""
+    try:
+        entry = path.lstat()
+    except FileNotFoundError:
+        return True
+    return (entry.st_dev, entry.st_ino) != identity
+
+
+def fsync_directory(directory: Path) -> None:
+    """The renames made durable (where the platform can open a directory)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _unlink(path: Path) -> None:
+    with contextlib.suppress(OSError):  # gone already, or not ours to remove: a leftover at worst
+        path.unlink()

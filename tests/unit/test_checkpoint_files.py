@@ -1,0 +1,140 @@
+"""The checkpoint store's file work (recovery/checkpoint_files.py) through the store: spare files written
+over in place instead of a new file per checkpoint, never one that another name still shares, bounded,
+deleted at close; and a read that a write or removal raced is not taken for damage."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.unit.test_checkpoint_store import KEY, checkpoint, checkpoints, files, spares
+from triton_diffusion.recovery import checkpoint_files, checkpoint_store
+from triton_diffusion.recovery.checkpoint_store import CheckpointStore
+
+
+@pytest.fixture
+def store(tmp_path):
+    store = CheckpointStore(tmp_path / "checkpoints", 1 << 20, 3600.0)
+    yield store
+    store.close()
+
+
+def write(store: CheckpointStore, key: str, step: int) -> None:
+    store.put(key, "h", checkpoint(step))
+    assert store.flush(5)
+
+
+def inode(path: Path) -> int:
+    return path.lstat().st_ino
+
+
+def test_a_replaced_file_becomes_the_spare_the_next_write_goes_into(store):
+    path = store.directory / f"{KEY}.safetensors"
+    write(store, KEY, 1)
+    first = inode(path)
+    write(store, KEY, 2)  # step 1's file: now a spare, under a hidden name only
+    (spare,) = spares(store.directory)
+    assert inode(store.directory / spare) == first and inode(path) != first
+    write(store, KEY, 3)  # written into that spare, which is renamed onto the key: no new file
+    assert inode(path) == first
+    assert len(spares(store.directory)) == 1  # step 2's file, the next spare
+    stored = store.get(KEY)
+    assert stored is not None and stored.checkpoint.step == 3
+    assert checkpoints(store.directory) == [f"{KEY}.safetensors"]
+
+
+def test_a_removed_request_s_files_become_spares_and_close_deletes_them(store):
+    write(store, f"{KEY}.0", 1)
+    write(store, f"{KEY}.1", 1)
+    kept = {inode(store.directory / f"{KEY}.{i}.safetensors") for i in range(2)}
+    store.remove_request(KEY)
+    assert store.flush(5)
+    assert checkpoints(store.directory) == [] and store.get(f"{KEY}.0") is None
+    assert {inode(store.directory / name) for name in spares(store.directory)} == kept
+    other = "O" * 16
+    write(store, other, 4)  # a new request's checkpoint goes into one of them
+    assert inode(store.directory / f"{other}.safetensors") in kept
+    store.close()
+    assert spares(store.directory) == [] and checkpoints(store.directory) == [f"{other}.safetensors"]
+
+
+def test_a_spare_that_another_name_shares_is_never_written_over(store, tmp_path):
+    write(store, KEY, 1)
+    write(store, KEY, 2)
+    (spare,) = spares(store.directory)
+    outside = tmp_path / "outside"  # a second name (another store's spare, a checkpoint): not ours alone
+    os.link(store.directory / spare, outside)
+    before = outside.read_bytes()
+    write(store, KEY, 3)
+    assert outside.read_bytes() == before
+    assert inode(store.directory / f"{KEY}.safetensors") != inode(outside)
+    stored = store.get(KEY)
+    assert stored is not None and stored.checkpoint.step == 3
+
+
+def test_spares_are_bounded_by_a_quarter_of_the_store_s_bytes(tmp_path):
+    size = len(checkpoint_store.serialise(KEY, "h", checkpoint(1), 0.0))
+    small = CheckpointStore(tmp_path / "small", 4 * size - 1, 3600.0)  # room for less than one spare
+    try:
+        write(small, KEY, 1)
+        write(small, KEY, 2)
+        small.remove_request(KEY)
+        assert small.flush(5)
+        assert spares(small.directory) == [] and files(small.directory) == []
+    finally:
+        small.close()
+    many = CheckpointStore(tmp_path / "many", 1 << 30, 3600.0)
+    try:
+        for i in range(checkpoint_files.SPARES_MOST + 5):
+            write(many, f"{KEY}.{i}", 1)
+        many.remove_request(KEY)
+        assert many.flush(5)
+        assert len(spares(many.directory)) == checkpoint_files.SPARES_MOST
+    finally:
+        many.close()
+
+
+def test_a_rename_that_fails_keeps_the_old_checkpoint_and_makes_no_spare_of_it(store, monkeypatch):
+    write(store, KEY, 1)
+    real = os.rename
+
+    def rename(source, target):
+        if Path(target).name == f"{KEY}.safetensors":
+            raise OSError(5, "Input/output error")
+        return real(source, target)
+
+    monkeypatch.setattr(checkpoint_files.os, "rename", rename)
+    write(store, KEY, 2)
+    monkeypatch.setattr(checkpoint_files.os, "rename", real)
+    assert "the write failed" in (store.not_kept(KEY) or "")
+    assert spares(store.directory) == [] and files(store.directory) == [f"{KEY}.safetensors"]
+    write(store, "O" * 16, 3)  # had step 1's file become a spare, this would have written over it
+    stored = store.get(KEY)
+    assert stored is not None and stored.checkpoint.step == 1
+
+
+def test_a_read_that_a_write_raced_reads_the_key_s_new_file(store, monkeypatch):
+    """The file read was replaced while it was read (and may have been written over as a spare since):
+    not damage. The key's file now is read instead, and nothing is deleted."""
+    write(store, KEY, 1)
+    path = store.directory / f"{KEY}.safetensors"
+    real = checkpoint_store.read_regular
+    calls = []
+
+    def read_regular(target, limit):
+        data, identity = real(target, limit)
+        if not calls:  # the first read: its file is replaced, and what it read is torn
+            calls.append(identity)
+            replacement = store.directory / "replacement"
+            replacement.write_bytes(checkpoint_store.serialise(KEY, "h", checkpoint(2), 0.0))
+            os.utime(replacement, (path.stat().st_mtime,) * 2)
+            os.replace(replacement, path)
+            return data[: len(data) // 2], identity
+        return data, identity
+
+    monkeypatch.setattr(checkpoint_store, "read_regular", read_regular)
+    stored = store.get(KEY)
+    assert stored is not None and stored.checkpoint.step == 2
+    assert checkpoints(store.directory) == [f"{KEY}.safetensors"]
