@@ -1,6 +1,7 @@
 """The checkpoint store's file work (recovery/checkpoint_files.py) through the store: spare files written
 over in place instead of a new file per checkpoint, never one that another name still shares, bounded,
-deleted at close; and a read that a write or removal raced is not taken for damage."""
+deleted at close, a dead store's swept once old; and a read that a write or removal raced is not taken for
+damage."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 
 from tests.unit.test_checkpoint_store import KEY, checkpoint, checkpoints, files, spares
 from triton_diffusion.recovery import checkpoint_files, checkpoint_store
-from triton_diffusion.recovery.checkpoint_store import CheckpointStore
+from triton_diffusion.recovery.checkpoint_store import LEFTOVER_S, CheckpointStore
 
 
 @pytest.fixture
@@ -138,3 +139,58 @@ def test_a_read_that_a_write_raced_reads_the_key_s_new_file(store, monkeypatch):
     stored = store.get(KEY)
     assert stored is not None and stored.checkpoint.step == 2
     assert checkpoints(store.directory) == [f"{KEY}.safetensors"]
+
+
+def test_a_read_that_two_writes_raced_is_not_damage_though_the_key_names_its_inode_again(store, monkeypatch):
+    """Two writes during one read: the key is renamed back onto the inode read (a spare), written over. The
+    file's identity (its change time) tells it is another file: the key's file is read again."""
+    write(store, KEY, 1)
+    path = store.directory / f"{KEY}.safetensors"
+    first = inode(path)
+    real = checkpoint_store.read_regular
+    raced = []
+
+    def read_regular(target, limit):
+        data, identity = real(target, limit)
+        if not raced:
+            raced.append(1)
+            write(store, KEY, 2)  # step 1's file becomes a spare
+            write(store, KEY, 3)  # written into it, renamed back onto the key
+            assert inode(path) == first
+            return data[: len(data) // 2], identity  # what a read torn by the rewrite would hold
+        return data, identity
+
+    monkeypatch.setattr(checkpoint_store, "read_regular", read_regular)
+    stored = store.get(KEY)
+    assert stored is not None and stored.checkpoint.step == 3
+    assert checkpoints(store.directory) == [f"{KEY}.safetensors"]
+
+
+def test_a_dead_store_s_spares_are_swept_once_old_and_a_live_store_s_never(tmp_path):
+    clock = [1_000_000.0]
+    store = CheckpointStore(tmp_path / "c", 1 << 20, 3600.0, lambda: clock[0])
+    try:
+        write(store, KEY, 1)
+        write(store, KEY, 2)  # step 1's file: a spare of this store, its time step 1's
+        (own,) = spares(store.directory)
+        dead = store.directory / f"{checkpoint_files.SPARE}0123456789abcdef{checkpoint_files.TEMPORARY}"
+        dead.write_bytes(b"a dead store's spare")
+        os.utime(dead, (clock[0], clock[0]))
+        store.sweep()
+        assert spares(store.directory) == sorted([own, dead.name])  # young: it may be a live store's
+        clock[0] += LEFTOVER_S + 1
+        store.sweep()
+        assert spares(store.directory) == [own]  # its own, however old, stays
+    finally:
+        store.close()
+
+
+def test_a_link_planted_at_a_key_never_becomes_a_spare(store, tmp_path):
+    target = tmp_path / "elsewhere"
+    target.write_bytes(b"not a checkpoint")
+    (store.directory / f"{KEY}.safetensors").symlink_to(target)
+    write(store, KEY, 1)  # the rename replaces the link itself, which is not kept
+    assert spares(store.directory) == []
+    assert target.read_bytes() == b"not a checkpoint"
+    stored = store.get(KEY)
+    assert stored is not None and stored.checkpoint.step == 1

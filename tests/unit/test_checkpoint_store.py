@@ -417,15 +417,44 @@ def held_deletes(monkeypatch) -> tuple[threading.Event, threading.Event]:
 def test_a_removal_or_a_put_alone_wakes_the_writer(store, alone):
     """Nothing else handed over, nobody flushing or reading: it is done within the writer's gathering (a
     put wakes the writer only when it waits for work)."""
+    deadline = time.monotonic() + 5.0
+    while not store._idle and time.monotonic() < deadline:  # it waits for work: the call must wake it
+        time.sleep(0.01)
     store.put(f"{KEY}.0", "h", checkpoint(1))
     if alone == "removal":
         assert store.flush(5)
+        while not store._idle and time.monotonic() < deadline:
+            time.sleep(0.01)
         store.remove_request(KEY)
     want = [] if alone == "removal" else [f"{KEY}.0.safetensors"]
     deadline = time.monotonic() + 5.0
     while checkpoints(store.directory) != want and time.monotonic() < deadline:
         time.sleep(0.02)
     assert checkpoints(store.directory) == want
+
+
+def test_puts_and_removals_while_the_writer_gathers_do_not_wake_it(store, monkeypatch):
+    """Only the first call of a batch wakes the writer: a wakeup per put or removal costs the caller's
+    thread (the engine's, the one that answers) a switch for nothing."""
+    monkeypatch.setattr(checkpoint_store, "BATCH_S", 30.0)  # a gathering no call ends
+    deadline = time.monotonic() + 5.0
+    while not store._idle and time.monotonic() < deadline:
+        time.sleep(0.01)
+    store.put(f"{KEY}.0", "h", checkpoint(1))
+    while store._idle and time.monotonic() < deadline:  # woken: it gathers
+        time.sleep(0.01)
+    assert not store._idle
+    woken = []
+    real = store._changed.notify_all
+    monkeypatch.setattr(store._changed, "notify_all", lambda: (woken.append(1), real())[1])
+    for i in range(1, 6):
+        store.put(f"{KEY}.{i}", "h", checkpoint(1))
+    store.remove(f"{KEY}.5")
+    store.remove_request("R" * 16)
+    assert woken == []
+    monkeypatch.undo()
+    assert store.flush(5)
+    assert len(checkpoints(store.directory)) == 5
 
 
 def test_a_read_waits_for_the_removal_under_way_and_finds_nothing(store, monkeypatch):

@@ -7,14 +7,16 @@ finds the old checkpoint or the new one, never half of one.
 The hidden file is a spare where there is one: a file a rename replaced, or a removal retired, kept under a
 hidden name and written over in place, rather than a new file each time. Before the rename, the file the key
 names gets a second, spare name (a hard link), so the rename replaces a name, never a file that anything
-still needs. Measured on this project's CPU host (ext4): a new file per checkpoint renamed over the old one
-took most of a batch's time; ext4 (``auto_da_alloc``) starts writing back at once a new file renamed over
-another, and creating a file was up to 0.1 ms a checkpoint on a busy host. A spare's blocks are already
-allocated, so neither happens (``scripts/bench.py checkpoint-cost``).
+still needs. Why: ext4 (``auto_da_alloc``) starts writing back at once a new file renamed over another, and
+creating a file allocates an inode; a spare's blocks and inode are already there. What a checkpoint costs
+an engine step, with this and before it: ``scripts/bench.py checkpoint-cost`` (docs/performance/cpu.md).
+The price: data written over in place is not ordered before the rename, so after a host crash (not a
+process's) the checkpoints of the last seconds may be lost, and with them the previous ones, whose files
+had become spares (a file that is not a whole checkpoint of its key fails its digest or its key check).
 
 Spares are at most ``SPARES_MOST`` files and ``spare_bytes`` bytes; they are hidden temporary files
-(``.spare-<random>.tmp``: never a checkpoint's name), deleted at close, and a crash's leftovers are removed
-at a later start like any temporary file. Used by the store's writer thread only.
+(``.spare-<random>.tmp``: never a checkpoint's name), deleted at close; a crash's are leftovers, which the
+store sweeps once they are old (its ``LEFTOVER_S``). Used by the store's writer thread only.
 """
 
 from __future__ import annotations
@@ -77,6 +79,10 @@ class FileWriter:
         os.rename(path, spare)  # onto a free name: no write-back forced
         self._keep(spare, size)
 
+    def owns(self, path: Path) -> bool:
+        """Whether ``path`` is one of its spares (a sweep of leftovers leaves it)."""
+        return any(spare == path for spare, _ in self._spares)
+
     def close(self) -> None:
         """Delete the spares."""
         for spare, _ in self._spares:
@@ -106,10 +112,13 @@ class FileWriter:
             except OSError:
                 _unlink(spare)
                 continue
-            entry = os.fstat(fd)
+            try:
+                entry = os.fstat(fd)
+            except OSError:
+                entry = None
             # One name only: a file that another name shares (a checkpoint, another store's spare in a
             # folder replicas share) is never written over.
-            if stat.S_ISREG(entry.st_mode) and entry.st_nlink == 1:
+            if entry is not None and stat.S_ISREG(entry.st_mode) and entry.st_nlink == 1:
                 return spare, fd
             os.close(fd)
             _unlink(spare)
@@ -125,16 +134,29 @@ class FileWriter:
         spare = self._spare_name()
         try:
             os.link(path, spare, follow_symlinks=False)
-            return spare, os.lstat(spare).st_size
+            entry = os.lstat(spare)
         except OSError:
             _unlink(spare)
             return None
+        if not stat.S_ISREG(entry.st_mode):  # a link, FIFO or device planted there: never a spare
+            _unlink(spare)
+            return None
+        return spare, entry.st_size
 
 
-def read_regular(path: Path, limit: int) -> tuple[bytes, tuple[int, int]]:
+Identity = tuple[int, int, int, int]
+
+
+def identity(entry: os.stat_result) -> Identity:
+    """A file as it is now: device, inode, size and change time (a write, truncate, link, rename or time
+    set changes it, so a spare written over in place is another file, though its inode is the same)."""
+    return entry.st_dev, entry.st_ino, entry.st_size, entry.st_ctime_ns
+
+
+def read_regular(path: Path, limit: int) -> tuple[bytes, Identity]:
     """The bytes of ``path`` if it is a regular file of at most ``limit`` bytes, else ValueError: opened
     without following a link and without blocking (a FIFO swapped in since the check cannot hang it). With
-    the file's identity (device, inode): see :func:`names_other`."""
+    the file's :func:`identity` when it was opened: see :func:`names_other`."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     try:
         entry = os.fstat(fd)
@@ -149,19 +171,19 @@ def read_regular(path: Path, limit: int) -> tuple[bytes, tuple[int, int]]:
                 break
             chunks.append(chunk)
             left -= len(chunk)
-        return b"".join(chunks), (entry.st_dev, entry.st_ino)
+        return b"".join(chunks), identity(entry)
     finally:
         os.close(fd)
 
 
-def names_other(path: Path, identity: tuple[int, int]) -> bool:
+def names_other(path: Path, read: Identity) -> bool:
     """Whether ``path`` now names another file than the one read (or none): a write or a removal replaced
     it while it was read, and the file read may since have been written over as a spare."""
     try:
         entry = path.lstat()
     except FileNotFoundError:
         return True
-    return (entry.st_dev, entry.st_ino) != identity
+    return identity(entry) != read
 
 
 def fsync_directory(directory: Path) -> None:

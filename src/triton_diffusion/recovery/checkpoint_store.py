@@ -17,9 +17,9 @@ its images where they were.
   a spare where there is one: recovery/checkpoint_files.py says why; a leftover hidden file is removed at
   a later start), then one fsync of the directory for the whole batch. Files are not fsynced one by one:
   checkpoints guard against a stub or server process dying, which the page cache survives; after a host
-  crash a file the disk did not get in full fails its digest, is deleted, and its request starts over
-  (exact, only slower), or, written into a spare, may hold the key's older checkpoint (it resumes from
-  there, exact too).
+  crash the checkpoints of the last seconds may be lost (checkpoint_files.py): a file that is not a whole
+  checkpoint of its key fails its digest or its key check, is deleted, and its request starts over
+  (exact, only slower).
 - Bounded: after each batch the oldest files go until the directory holds at most ``max_bytes``; files
   older than ``ttl_s`` are dropped, swept at start and then at most every ``SWEEP_S`` (a file's
   modification time is set to its ``created`` time by the store's clock, so age and order survive a
@@ -27,13 +27,16 @@ its images where they were.
 - Removals on the writer thread too: an answered request's checkpoints (and a pending write of them) are
   dropped by a call that returns at once; the writer deletes the files with its next batch, before its
   writes (a put after a removal is newer than it), keeping them as spares to write into while there is
-  room (hidden, never read as checkpoints, deleted at close). The thread that answers never touches the
-  folder. After close, or while the folder hangs (below), a removal is not queued: the TTL clears those files.
+  room (their bytes stay on disk, hidden and never read as checkpoints, until written over or deleted at
+  close). The thread that answers never touches the folder. After close, or while the folder hangs
+  (below), a removal is not queued: the TTL clears those files.
 - Bounded in time: a request's read runs on a thread of its own and waits at most ``FOLDER_S`` for the
   folder (a hung network volume): past it the read finds nothing (the request starts over) and, while
   that call is still stuck, later ones skip the folder at once; so do they while a batch of writes and
   removals has been under way for longer than ``FOLDER_S`` (a write that hangs). A read of a key whose
-  removal is queued waits for it (it finds nothing).
+  removal is queued waits for it (it finds nothing). A read that fails to parse is damage only where the
+  key still names the file read, unchanged (its identity: checkpoint_files.py); else a write or removal
+  raced it and the key's file now is read once more.
 """
 
 from __future__ import annotations
@@ -63,7 +66,8 @@ log = logging.getLogger("triton_diffusion")
 SUFFIX = ".safetensors"
 _KEY = re.compile(r"[A-Za-z0-9_-]{16,128}(\.[0-9]{1,9})?")
 # Longest a caller waits for a write under way (a stuck disk must not stall the threads that read or
-# answer requests), and the age past which a temporary file is a crash's leftover, not a write under way.
+# answer requests), and the age past which a hidden file is a crash's leftover (a write it cut short, a
+# dead store's spare), not a write under way.
 WAIT_S = 10.0
 LEFTOVER_S = 600.0
 BATCH_S = 0.25  # how long the writer gathers checkpoints into one batch when nobody waits for them
@@ -134,15 +138,8 @@ class CheckpointStore:
         self._files = threading.RLock()  # guards the directory's files and bytes_used
         self._hung: threading.Thread | None = None  # a folder call that did not return within FOLDER_S
         self._hung_lock = threading.Lock()
-        for leftover in self.directory.glob(f".*{TEMPORARY}"):  # a write a crash cut short
-            try:  # not another replica's write under way (a folder shared by replicas): old ones only
-                entry = leftover.lstat()
-                if stat.S_ISREG(entry.st_mode) and self.clock() - entry.st_mtime > LEFTOVER_S:
-                    leftover.unlink(missing_ok=True)
-            except OSError:  # gone meanwhile, or not ours to remove: never a reason not to load
-                pass
-        self.sweep()
         self._file_writer = FileWriter(self.directory, max_bytes // 4)  # the writer thread's
+        self.sweep()
         self._thread = threading.Thread(target=self._write_loop, name="checkpoint-writer", daemon=True)
         self._thread.start()
 
@@ -156,9 +153,7 @@ class CheckpointStore:
             if self._closed:
                 raise RuntimeError("the checkpoint store is closed")
             self._pending[key] = (fields_hash, checkpoint, created)
-            self._queued += 1
-            if self._idle:  # wakes the writer only when it waits for work: one wakeup a batch, not a put
-                self._changed.notify_all()
+            self._handed_over()
 
     def get(self, key: str) -> Stored | None:
         """The key's checkpoint (after its pending write, if any), or None if there is none or it expired
@@ -219,9 +214,18 @@ class CheckpointStore:
         with self._changed:
             self._pending.pop(key, None)
             if self._closed or self._folder_hung(f"checkpoint {key}"):
+                self._changed.notify_all()  # a read waiting for the dropped write goes on
                 return  # its TTL clears it
             self._removals.keys.add(key)
-            self._queued += 1
+            self._handed_over()
+
+    def _handed_over(self) -> None:
+        """One write or removal more for the writer (``_changed`` held). It is woken only where it waits for
+        work: while it gathers or writes a batch, a wakeup per call would cost the callers' threads (the
+        engine's, the one that answers) a thread switch each for nothing. No caller waits for a call to
+        be handed over (they wait for its end)."""
+        self._queued += 1
+        if self._idle:
             self._changed.notify_all()
 
     def _delete_locked(self, path: Path) -> None:
@@ -239,10 +243,10 @@ class CheckpointStore:
             for key in [key for key in self._not_kept if request_of(key) == resume_key]:
                 del self._not_kept[key]
             if self._closed or self._folder_hung(f"checkpoints of {resume_key}"):
+                self._changed.notify_all()  # a read waiting for a dropped write goes on
                 return  # their TTL clears them
             self._removals.requests.add(resume_key)
-            self._queued += 1
-            self._changed.notify_all()
+            self._handed_over()
 
     def _folder_hung(self, what: str) -> bool:
         """Whether a folder call is still stuck past FOLDER_S, or a batch of writes has been under way for
@@ -305,8 +309,8 @@ class CheckpointStore:
             self._file_writer.close()
 
     def sweep(self) -> None:
-        """Delete the checkpoints older than ``ttl_s`` (at construction, then at most every ``SWEEP_S``
-        before a batch), and count the bytes the directory holds."""
+        """Delete the checkpoints older than ``ttl_s`` and the hidden files a crash left (at construction,
+        then at most every ``SWEEP_S`` before a batch), and count the bytes the directory holds."""
         now = self.clock()
         self._swept_at = now
         with self._files:
@@ -314,6 +318,19 @@ class CheckpointStore:
                 if self._expired(entry.st_mtime, now):
                     self._delete(path)
             self._count()
+        # A write a crash cut short, a dead store's spares: old ones only, not its own spares (another
+        # replica's write under way, in a folder replicas share, has written its file since it began).
+        for leftover in self.directory.glob(f".*{TEMPORARY}"):
+            try:
+                entry = leftover.lstat()
+                if (
+                    stat.S_ISREG(entry.st_mode)
+                    and now - entry.st_mtime > LEFTOVER_S
+                    and not self._file_writer.owns(leftover)
+                ):
+                    leftover.unlink(missing_ok=True)
+            except OSError:  # gone meanwhile, or not ours to remove: never a reason not to load
+                pass
 
     def _wait_for_writes(self, predicate: Callable[[], bool], timeout_s: float) -> bool:
         """Wait (holding ``_changed``) up to ``timeout_s`` for ``predicate``; the writer meanwhile writes at
@@ -444,8 +461,8 @@ class CheckpointStore:
         for _, _, _, size, path in sorted(files):
             if total <= self.max_bytes:
                 break
-            if self._delete(path):
-                total -= size
+            self._delete(path)  # or gone already; one it cannot delete is logged (evicting more is no help)
+            total -= size
         self.bytes_used = total  # counted from the same listing (a second one cost as much again)
 
     # ---- files ------------------------------------------------------------------------------------------
@@ -478,27 +495,25 @@ class CheckpointStore:
                     files.append((Path(item.path), entry))
         return files
 
-    def _delete(self, path: Path, retire: bool = False) -> bool:
-        """Whether ``path`` was a regular file now deleted (a directory there, if empty, is removed).
-        ``retire`` (the writer thread's removals): the file may be kept as a spare to write into."""
+    def _delete(self, path: Path, retire: bool = False) -> None:
+        """Delete ``path`` (a directory there, if empty, is removed). ``retire`` (the writer thread's
+        removals): the file may be kept as a spare to write into."""
         try:
             entry = path.lstat()
             if stat.S_ISDIR(entry.st_mode):
                 path.rmdir()  # an empty one; one with files in it is left, and logged
-                return False
+                return
             if retire and stat.S_ISREG(entry.st_mode):
                 self._file_writer.retire(path, entry.st_size)
             else:
                 path.unlink()  # a file, or a link itself (never what it points to)
         except FileNotFoundError:
-            return False
+            return
         except OSError as exc:
             log.warning("checkpoint %s: could not be removed (%s)", path.name, exc)
-            return False
-        if not stat.S_ISREG(entry.st_mode):
-            return False
-        self.bytes_used = max(0, self.bytes_used - entry.st_size)
-        return True
+            return
+        if stat.S_ISREG(entry.st_mode):
+            self.bytes_used = max(0, self.bytes_used - entry.st_size)
 
     def _count(self) -> None:
         self.bytes_used = sum(entry.st_size for _, entry in self._checkpoint_files())
