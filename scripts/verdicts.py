@@ -93,6 +93,19 @@ class Verdict:
     def __str__(self) -> str:
         return f"{self.word} ({self.interval})"
 
+    @classmethod
+    def of(cls, found: dict) -> Verdict:
+        """A verdict as :meth:`as_dict` recorded it in an artefact."""
+        return cls(
+            found["median"],
+            found.get("low"),
+            found.get("high"),
+            found.get("coverage"),
+            found["rounds"],
+            found["verdict"],
+            found.get("target") or "",
+        )
+
     def as_dict(self) -> dict:
         return {
             "median": self.median,

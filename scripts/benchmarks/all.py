@@ -190,11 +190,9 @@ PLAN = (
     # The same at an H100's cost ratios: SD 1.5's forward and decode timed as measured on one.
     Take(
         "checkpoint_cost_sd15",
-        tuple(
-            (
-                "--device-profile sd15-h100 --size 512 --rounds 7 --engine-steps 60 "
-                "--out {out}/profiles/sd15-h100"
-            ).split()
+        (
+            *"--device-profile sd15-h100 --size 512 --rounds 7 --engine-steps 60 --out".split(),
+            "{out}/profiles/sd15-h100",
         ),
         240,
         benchmark="checkpoint_cost",
@@ -209,6 +207,13 @@ PLAN = (
             ).split()
         ),
         1100,
+        benchmark="checkpoint_cost",
+    ),
+    # This store beside b1db203's (a new file per checkpoint renamed over the old one), alternated by round.
+    Take(
+        "checkpoint_cost_against",
+        tuple("--against b1db203 --rounds 10 --out {out}/cpu".split()),
+        420,
         benchmark="checkpoint_cost",
     ),
     Take("caches", ("--requests", "16", "--rounds", "5", "--threads", "1", "--out", "{out}/cpu/caches"), 442),

@@ -26,6 +26,11 @@ each ratio to ``off`` comes with its spread. Also recorded: bytes per checkpoint
     .venv/bin/python scripts/bench.py checkpoint-cost --out docs/cpu
     .venv/bin/python scripts/bench.py checkpoint-cost --device-profile sd15-h100 --size 512 \
         --out docs/profiles/sd15-h100      # at an H100's cost ratios (adapters/device_profiles.py)
+
+``--against REV`` also runs every round with the checkpoint store as commit REV had it (its module read
+from git and run beside this one's, on the same engine code), the two stores alternated round by round in
+rotated order: the artefact ``checkpoint_cost_against.json`` holds each store's runs and, per interval and
+round, this store's ratio to off over REV's, so a change of the store is measured side by side.
 """
 
 from __future__ import annotations
@@ -33,8 +38,11 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
+import types
 from dataclasses import replace
 from pathlib import Path
 
@@ -79,18 +87,59 @@ def parser() -> argparse.ArgumentParser:
         help="torch threads (default: 2 on a CPU, torch's on a GPU; the GPU smoke takes 1: two threads "
         "spinning on a CPU shared with other work made its steps many times slower)",
     )
+    p.add_argument(
+        "--against",
+        metavar="REV",
+        help="also run each round with the checkpoint store of commit REV, alternated (module docstring)",
+    )
     p.add_argument("--out", type=Path, default=REPO_ROOT / "bench_results")
     return p
 
 
-def one_round(bench: Bench, intervals: list[int], args: argparse.Namespace, folder: Path) -> list[dict]:
+STORE_PATH = "src/triton_diffusion/recovery/checkpoint_store.py"
+
+
+def store_at(rev: str) -> type[CheckpointStore]:
+    """The checkpoint store class as commit ``rev`` had it: its module's source from git, run as a module
+    of its own (it imports this tree's other modules, which must still have what it uses)."""
+    show = ["git", "-C", str(REPO_ROOT), "show", f"{rev}:{STORE_PATH}"]
+    source = subprocess.run(show, check=True, capture_output=True, text=True).stdout
+    module = types.ModuleType(f"checkpoint_store_at_{rev}")
+    sys.modules[module.__name__] = module  # its dataclasses look their module up
+    exec(compile(source, f"{rev}:{STORE_PATH}", "exec"), module.__dict__)
+    return module.CheckpointStore
+
+
+def against_rounds(runs: list[dict], interval: int, rev: str) -> list[float]:
+    """Each round's ratio to off at ``interval`` with this store over the same round's with ``rev``'s
+    (below 1: this store costs an engine step less)."""
+
+    def ratio(store: str, round_: int) -> float | None:
+        by = {r["interval"]: r["step_s_mean"] for r in runs if r["round"] == round_ and r["store"] == store}
+        return by[interval] / by[0] if interval in by and 0 in by else None
+
+    ratios = []
+    for round_ in sorted({r["round"] for r in runs}):
+        this, that = ratio("this", round_), ratio(rev, round_)
+        if this is not None and that is not None:
+            ratios.append(this / that)
+    return ratios
+
+
+def one_round(
+    bench: Bench,
+    intervals: list[int],
+    args: argparse.Namespace,
+    folder: Path,
+    store_class: type[CheckpointStore] = CheckpointStore,
+) -> list[dict]:
     """One running set stepped ``args.engine_steps`` engine steps at each interval (after a warm-up of a
     job's lifetime), in blocks of ``args.block`` steps, the intervals alternated block by block in rotated
     order; each block ends waiting for the store's writes of its checkpoints, counted in its time. A
     result per interval: its steps' mean time and checkpoints."""
     limits = EngineLimits(args.running, args.running)
     engine = StepEngine(bench.adapter, limits, checkpoint_every=intervals[-1])
-    store = CheckpointStore(folder, 2**34, 3600.0)
+    store = store_class(folder, 2**34, 3600.0)
     made = iter(range(10**9))
     answered_off: list[str] = []  # the resume keys of requests answered in a block with checkpoints off
 
@@ -176,23 +225,35 @@ def main(argv: list[str] | None = None) -> None:
     bench = Bench(
         args.arch, args.size, args.size, args.running, device, dtype, device_profile=args.device_profile
     )
+    stores = {"this": CheckpointStore}
+    if args.against:
+        stores[args.against] = store_at(args.against)
+    names = list(stores)
     runs: list[dict] = []
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         for round_ in range(args.rounds):
-            for run in one_round(bench, intervals, args, Path(tmp) / f"r{round_}"):
-                runs.append({"round": round_, **run})
-                print(
-                    f"round {round_} every {run['interval'] or 'off'}: {run['step_s_mean'] * 1000:.2f} ms an "
-                    f"engine step, {run['checkpoints']} checkpoints",
-                    flush=True,
-                )
+            for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
+                folder = Path(tmp) / f"r{round_}-{len(runs)}"
+                for run in one_round(bench, intervals, args, folder, stores[name]):
+                    runs.append({"round": round_, "store": name, **run})
+                    print(
+                        f"round {round_} store {name} every {run['interval'] or 'off'}: "
+                        f"{run['step_s_mean'] * 1000:.2f} ms an engine step, "
+                        f"{run['checkpoints']} checkpoints",
+                        flush=True,
+                    )
     summary = []
     for interval in intervals:
-        mine = [r for r in runs if r["interval"] == interval]
+        against = bool(args.against and interval)
+        mine = [r for r in runs if r["interval"] == interval and r["store"] == "this"]
         ratios = [
             r["step_s_mean"]
-            / next(o["step_s_mean"] for o in runs if o["interval"] == 0 and o["round"] == r["round"])
+            / next(
+                o["step_s_mean"]
+                for o in runs
+                if o["interval"] == 0 and o["round"] == r["round"] and o["store"] == "this"
+            )
             for r in mine
         ]
         summary.append(
@@ -206,6 +267,7 @@ def main(argv: list[str] | None = None) -> None:
                     "rounds": ratios,
                 },
                 "bytes_per_checkpoint": statistics.fmean(r["bytes_per_checkpoint"] for r in mine),
+                **({"against": against_rounds(runs, interval, args.against)} if against else {}),
             }
         )
     artefact = {
@@ -221,5 +283,6 @@ def main(argv: list[str] | None = None) -> None:
         "wall_s": time.perf_counter() - started,
         "complete": True,
     }
-    path = artefacts.write(args.out / "checkpoint_cost.json", artefact)
+    name = "checkpoint_cost_against.json" if args.against else "checkpoint_cost.json"
+    path = artefacts.write(args.out / name, artefact)
     print(f"wrote {path}")

@@ -3,6 +3,7 @@ checkpoint interval against checkpoints off, read over rounds by the one verdict
 
 from __future__ import annotations
 
+from statistics import median
 from typing import Any
 
 from verdicts import verdict
@@ -32,6 +33,33 @@ def render(artefact: dict[str, Any]) -> str:
         lines.append(
             f"| {row['interval']} | {row['step_ms_median']:.2f} | **{ratio['median']:.3f}** "
             f"| {row['bytes_per_checkpoint']:.0f} | {found} |"
+        )
+    return "\n".join(lines)
+
+
+def render_against(artefact: dict[str, Any]) -> str:
+    """``checkpoint-cost --against REV``: this commit's store and REV's, alternated round by round."""
+    s = artefact["settings"]
+    rev = s["against"]
+    lines = [
+        f"{s['arch']} at {s['size']}x{s['size']}{_profile(artefact)}, a full running set of "
+        f"{s['running']} jobs of {s['steps']} steps, with the checkpoint store of the commit this was taken "
+        f"at and of commit `{rev}` (its module read from git, run beside the other on the same engine), "
+        f"the two alternated round by round in rotated order; {_design(artefact)} Per round and store, the "
+        f"mean engine step against the same round's with checkpoints off; then the first store's ratio over "
+        f"`{rev}`'s in the same round (below 1: it costs less), read against 1.",
+        "",
+        f"| checkpoint_every_steps | / off, this store | / off, `{rev}` | this / `{rev}` | reading |",
+        "|---|---|---|---|---|",
+    ]
+    for row in artefact["summary"]:
+        if row["interval"] == 0:
+            continue
+        that = _rounds(artefact, row["interval"], rev)
+        found = verdict(row["against"], None, higher_is_better=False)
+        lines.append(
+            f"| {row['interval']} | **{row['ratio_to_off']['median']:.3f}** | **{median(that):.3f}** "
+            f"| **{found.median:.3f}** | {found} |"
         )
     return "\n".join(lines)
 
@@ -71,9 +99,10 @@ def _profile(artefact: dict[str, Any]) -> str:
     )
 
 
-def _rounds(artefact: dict[str, Any], interval: int) -> list[float]:
-    """Each round's mean engine step at ``interval`` over the same round's with checkpoints off."""
-    runs = artefact["runs"]
+def _rounds(artefact: dict[str, Any], interval: int, store: str = "this") -> list[float]:
+    """Each round's mean engine step at ``interval`` over the same round's with checkpoints off, with
+    ``store`` (this commit's, or the commit's an ``--against`` artefact ran beside it)."""
+    runs = [r for r in artefact["runs"] if r.get("store", "this") == store]
     off = {r["round"]: r["step_s_mean"] for r in runs if r["interval"] == 0}
     return [
         r["step_s_mean"] / off[r["round"]] for r in runs if r["interval"] == interval and r["round"] in off

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from verdicts import Verdict
+
 from tables.markdown import number, table
 
 HEADERS = (
@@ -116,12 +118,7 @@ def render(artefact: dict[str, Any]) -> str:
         "steps_saved_per_crash": "steps recomputed per crash saved by checkpoints (none minus checkpoints)",
     }
     lines = [
-        f"{said[name]}: **{number(found['median'])}**, {found['verdict']}"
-        + (
-            f" (90% interval {number(found['low'])}-{number(found['high'])})"
-            if found.get("low") is not None
-            else f" ({found['rounds']} rounds: no 90% interval)"
-        )
+        f"{said[name]}: **{number(found['median'])}**, {Verdict.of(found)}"
         for name, found in read.items()
         if name in said
     ]

@@ -20,6 +20,7 @@ from tests.unit.recording import tracked  # noqa: E402
 from tests.unit.test_step_engine import FakeAdapter, Spec  # noqa: E402
 from triton_diffusion.engine.jobs import Job  # noqa: E402
 from triton_diffusion.recovery.checkpoint_format import JobCheckpoint  # noqa: E402
+from triton_diffusion.recovery.checkpoint_store import CheckpointStore  # noqa: E402
 
 
 class CheckpointingAdapter(FakeAdapter):
@@ -120,3 +121,38 @@ def test_a_round_alternates_the_intervals_in_blocks_each_timing_its_own_work(tmp
     assert "remove@0" not in events and any(e.startswith("remove@") for e in events)
     # Requests answered with checkpoints off: removed at the start of the next block with them on.
     assert any(block[0].startswith("remove@") for block in blocks)
+
+
+def test_against_reads_each_round_s_ratio_to_off_with_one_store_over_the_other():
+    """``--against REV``: per round, this store's step at the interval over off, over REV's the same."""
+    runs = [
+        {"round": r, "store": store, "interval": interval, "step_s_mean": step}
+        for r, factor in ((0, 1.0), (1, 2.0))  # round 1 on a host twice as slow: the ratios do not change
+        for store, steps in (("this", {0: 1.0, 5: 1.01}), ("b1db203", {0: 1.0, 5: 1.04}))
+        for interval, step in ((0, steps[0] * factor), (5, steps[5] * factor))
+    ]
+    ratios = checkpoint_cost.against_rounds(runs, 5, "b1db203")
+    assert len(ratios) == 2 and all(abs(r - 1.01 / 1.04) < 1e-12 for r in ratios)
+    assert checkpoint_cost.against_rounds(runs, 1, "b1db203") == []  # an interval not run: no rounds
+
+
+def test_the_store_of_a_commit_is_loaded_from_git_and_runs_beside_this_one(tmp_path, monkeypatch):
+    asked = []
+
+    def git_show(command, **_):  # the working tree's store stands in for the commit's
+        asked.append(command)
+        return SimpleNamespace(stdout=(checkpoint_cost.REPO_ROOT / checkpoint_cost.STORE_PATH).read_text())
+
+    monkeypatch.setattr(checkpoint_cost.subprocess, "run", git_show)
+    loaded = checkpoint_cost.store_at("b1db203")
+    assert asked == [
+        ["git", "-C", str(checkpoint_cost.REPO_ROOT), "show", f"b1db203:{checkpoint_cost.STORE_PATH}"]
+    ]
+    assert loaded is not CheckpointStore and loaded.__module__ == "checkpoint_store_at_b1db203"
+    store = loaded(tmp_path / "c", 1 << 20, 3600.0)
+    try:
+        store.put("0123456789abcdef", "h", JobCheckpoint(1, {"latents": torch.ones(2)}, {}))
+        stored = store.get("0123456789abcdef")
+        assert stored is not None and stored.checkpoint.step == 1
+    finally:
+        store.close()

@@ -6,13 +6,14 @@ damage."""
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import pytest
 
 from tests.unit.test_checkpoint_store import KEY, checkpoint, checkpoints, files, spares
 from triton_diffusion.recovery import checkpoint_files, checkpoint_store
-from triton_diffusion.recovery.checkpoint_store import LEFTOVER_S, CheckpointStore
+from triton_diffusion.recovery.checkpoint_store import LEFTOVER_S, CheckpointStore, CorruptCheckpoint
 
 
 @pytest.fixture
@@ -111,7 +112,7 @@ def test_a_rename_that_fails_keeps_the_old_checkpoint_and_makes_no_spare_of_it(s
     monkeypatch.setattr(checkpoint_files.os, "rename", real)
     assert "the write failed" in (store.not_kept(KEY) or "")
     assert spares(store.directory) == [] and files(store.directory) == [f"{KEY}.safetensors"]
-    write(store, "O" * 16, 3)  # had step 1's file become a spare, this would have written over it
+    write(store, "O" * 16, 3)  # a write goes on; step 1's file is the key's still
     stored = store.get(KEY)
     assert stored is not None and stored.checkpoint.step == 1
 
@@ -166,7 +167,7 @@ def test_a_read_that_two_writes_raced_is_not_damage_though_the_key_names_its_ino
     assert checkpoints(store.directory) == [f"{KEY}.safetensors"]
 
 
-def test_a_dead_store_s_spares_are_swept_once_old_and_a_live_store_s_never(tmp_path):
+def test_a_dead_store_s_spares_are_swept_once_old_and_the_store_s_own_never(tmp_path):
     clock = [1_000_000.0]
     store = CheckpointStore(tmp_path / "c", 1 << 20, 3600.0, lambda: clock[0])
     try:
@@ -177,7 +178,7 @@ def test_a_dead_store_s_spares_are_swept_once_old_and_a_live_store_s_never(tmp_p
         dead.write_bytes(b"a dead store's spare")
         os.utime(dead, (clock[0], clock[0]))
         store.sweep()
-        assert spares(store.directory) == sorted([own, dead.name])  # young: it may be a live store's
+        assert spares(store.directory) == sorted([own, dead.name])  # young: it may be a live replica's
         clock[0] += LEFTOVER_S + 1
         store.sweep()
         assert spares(store.directory) == [own]  # its own, however old, stays
@@ -194,3 +195,80 @@ def test_a_link_planted_at_a_key_never_becomes_a_spare(store, tmp_path):
     assert target.read_bytes() == b"not a checkpoint"
     stored = store.get(KEY)
     assert stored is not None and stored.checkpoint.step == 1
+
+
+def test_a_damaged_file_is_deleted_only_while_no_write_renames_onto_its_key(store, monkeypatch):
+    """A read finds the key's file damaged; a write of the key, handed over during the read, has its file
+    written and is about to rename it onto the key while the read checks that the key still names the
+    damaged file. The rename waits for the check and the deletion (one lock), so the deletion never takes
+    the new checkpoint."""
+    path = store.directory / f"{KEY}.safetensors"
+    path.write_bytes(b"damaged")
+    written, go, renamed = threading.Event(), threading.Event(), threading.Event()
+    real_utime, real_rename = os.utime, os.rename
+    real_read, real_names_other = checkpoint_store.read_regular, checkpoint_store.names_other
+
+    def utime(target, times):  # the writer's last step before its rename
+        real_utime(target, times)
+        written.set()
+        assert go.wait(10)
+
+    def rename(source, target):
+        real_rename(source, target)
+        if Path(target) == path:
+            renamed.set()
+
+    def read_regular(target, limit):
+        found = real_read(target, limit)
+        store.put(KEY, "h", checkpoint(2))
+        assert written.wait(10)
+        return found
+
+    def names_other(target, seen):
+        other = real_names_other(target, seen)
+        go.set()
+        renamed.wait(2.0)  # without the lock, the rename lands here
+        return other
+
+    monkeypatch.setattr(checkpoint_files.os, "utime", utime)
+    monkeypatch.setattr(checkpoint_files.os, "rename", rename)
+    monkeypatch.setattr(checkpoint_store, "read_regular", read_regular)
+    monkeypatch.setattr(checkpoint_store, "names_other", names_other)
+    with pytest.raises(CorruptCheckpoint):
+        store.get(KEY)
+    monkeypatch.undo()
+    assert store.flush(5)
+    stored = store.get(KEY)
+    assert stored is not None and stored.checkpoint.step == 2
+
+
+def test_eviction_counts_a_file_gone_since_the_listing_and_evicts_no_other_for_it(tmp_path, monkeypatch):
+    size = len(checkpoint_store.serialise(KEY, "h", checkpoint(1), 0.0))
+    store = CheckpointStore(tmp_path / "c", int(size * 2.5), 3600.0)
+    try:
+        write(store, f"{KEY}.0", 1)
+        real = CheckpointStore._checkpoint_files
+        ghost = store.directory / f"{'G' * 16}.safetensors"  # listed, then deleted by another replica
+
+        def listing(self):
+            found = real(self)
+            entry = found[0][1]
+            return [(ghost, os.stat_result((entry.st_mode, 0, 0, 1, 0, 0, size, 0, 0, 0))), *found]
+
+        monkeypatch.setattr(CheckpointStore, "_checkpoint_files", listing)
+        write(store, f"{KEY}.1", 1)  # the ghost's bytes and two files' pass the bound: the ghost goes
+        assert checkpoints(store.directory) == [f"{KEY}.0.safetensors", f"{KEY}.1.safetensors"]
+    finally:
+        store.close()
+
+
+def test_a_file_s_identity_tells_apart_a_rewrite_the_change_time_may_not():
+    """The change time may tick coarsely (older kernels, some NFS): the modification time, set to each
+    checkpoint's own ``created`` to the nanosecond, tells two rewrites within one tick apart."""
+    fields = [0o100644, 7, 1, 1, 0, 0, 100, 0, 0, 0]
+
+    def entry(mtime_ns: int) -> os.stat_result:
+        return os.stat_result(fields, {"st_mtime_ns": mtime_ns, "st_ctime_ns": 5_000_000})
+
+    assert checkpoint_files.identity(entry(1)) == checkpoint_files.identity(entry(1))
+    assert checkpoint_files.identity(entry(2)) != checkpoint_files.identity(entry(1))  # one tick of ctime

@@ -420,11 +420,13 @@ def test_a_removal_or_a_put_alone_wakes_the_writer(store, alone):
     deadline = time.monotonic() + 5.0
     while not store._idle and time.monotonic() < deadline:  # it waits for work: the call must wake it
         time.sleep(0.01)
+    assert store._idle
     store.put(f"{KEY}.0", "h", checkpoint(1))
     if alone == "removal":
         assert store.flush(5)
         while not store._idle and time.monotonic() < deadline:
             time.sleep(0.01)
+        assert store._idle
         store.remove_request(KEY)
     want = [] if alone == "removal" else [f"{KEY}.0.safetensors"]
     deadline = time.monotonic() + 5.0
@@ -440,6 +442,7 @@ def test_puts_and_removals_while_the_writer_gathers_do_not_wake_it(store, monkey
     deadline = time.monotonic() + 5.0
     while not store._idle and time.monotonic() < deadline:
         time.sleep(0.01)
+    assert store._idle
     store.put(f"{KEY}.0", "h", checkpoint(1))
     while store._idle and time.monotonic() < deadline:  # woken: it gathers
         time.sleep(0.01)

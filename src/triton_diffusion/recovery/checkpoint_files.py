@@ -9,10 +9,12 @@ hidden name and written over in place, rather than a new file each time. Before 
 names gets a second, spare name (a hard link), so the rename replaces a name, never a file that anything
 still needs. Why: ext4 (``auto_da_alloc``) starts writing back at once a new file renamed over another, and
 creating a file allocates an inode; a spare's blocks and inode are already there. What a checkpoint costs
-an engine step, with this and before it: ``scripts/bench.py checkpoint-cost`` (docs/performance/cpu.md).
-The price: data written over in place is not ordered before the rename, so after a host crash (not a
-process's) the checkpoints of the last seconds may be lost, and with them the previous ones, whose files
-had become spares (a file that is not a whole checkpoint of its key fails its digest or its key check).
+an engine step, and this store beside the one before it (``--against``): ``scripts/bench.py
+checkpoint-cost`` (docs/performance/cpu.md). The price: data written
+over in place is not ordered before the rename, so after a host crash (not a process's) the checkpoints
+written since the kernel last wrote dirty pages back (30 s by default) may be lost, and with them the
+previous ones, whose files had become spares: a file that is not a whole checkpoint of its key fails its
+digest or its key check; one that is a whole older checkpoint of its key is resumed from (exact too).
 
 Spares are at most ``SPARES_MOST`` files and ``spare_bytes`` bytes; they are hidden temporary files
 (``.spare-<random>.tmp``: never a checkpoint's name), deleted at close; a crash's are leftovers, which the
@@ -24,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import os
 import stat
+import threading
 from pathlib import Path
 
 TEMPORARY = ".tmp"  # a hidden file the store writes is ``.<name>.tmp``: never ``*.safetensors``
@@ -32,11 +35,14 @@ SPARES_MOST = 64
 
 
 class FileWriter:
-    """Atomic writes into ``directory``, reusing spare files (at most ``spare_bytes`` of them)."""
+    """Atomic writes into ``directory``, reusing spare files (at most ``spare_bytes`` of them). ``names``
+    is held while a write changes a checkpoint's name (the link aside and the rename): whoever deletes a
+    checkpoint it found damaged holds it too, so it never deletes one renamed there since it looked."""
 
-    def __init__(self, directory: Path, spare_bytes: int) -> None:
+    def __init__(self, directory: Path, spare_bytes: int, names: threading.RLock) -> None:
         self.directory = directory
         self.spare_bytes = spare_bytes
+        self._names = names
         self._spares: list[tuple[Path, int]] = []  # a spare file and its size, newest last
         self._held = 0  # bytes the spares hold
 
@@ -55,17 +61,18 @@ class FileWriter:
                 os.utime(fd, (created, created))
             finally:
                 os.close(fd)
+        except BaseException:
+            _unlink(temporary)
+            raise
+        with self._names:
             old = self._link_aside(path)
-        except BaseException:
-            _unlink(temporary)
-            raise
-        try:
-            os.rename(temporary, path)
-        except BaseException:
-            _unlink(temporary)
-            if old is not None:  # still a name of the file at ``path``: never written over
-                _unlink(old[0])
-            raise
+            try:
+                os.rename(temporary, path)
+            except BaseException:
+                _unlink(temporary)
+                if old is not None:  # still a name of the file at ``path``: never written over
+                    _unlink(old[0])
+                raise
         if old is not None:  # now its only name
             self._keep(*old)
 
@@ -144,13 +151,15 @@ class FileWriter:
         return spare, entry.st_size
 
 
-Identity = tuple[int, int, int, int]
+Identity = tuple[int, int, int, int, int]
 
 
 def identity(entry: os.stat_result) -> Identity:
-    """A file as it is now: device, inode, size and change time (a write, truncate, link, rename or time
-    set changes it, so a spare written over in place is another file, though its inode is the same)."""
-    return entry.st_dev, entry.st_ino, entry.st_size, entry.st_ctime_ns
+    """A file as it is now: device, inode, size, modification and change time, so that a spare written
+    over in place is another file though its inode is the same (its modification time is set to its
+    checkpoint's own ``created`` time, to the nanosecond; the change time, moved by a write, link or rename,
+    may tick coarsely)."""
+    return entry.st_dev, entry.st_ino, entry.st_size, entry.st_mtime_ns, entry.st_ctime_ns
 
 
 def read_regular(path: Path, limit: int) -> tuple[bytes, Identity]:

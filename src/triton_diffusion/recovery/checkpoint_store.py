@@ -14,12 +14,12 @@ its images where they were.
   the newest state is worth writing). The writer takes every pending checkpoint at once, a batch: each
   written in full under a hidden name in the same directory and renamed onto the key's name, so a reader,
   or a process that dies, finds the old checkpoint or the new one, never half of one (the hidden file is
-  a spare where there is one: recovery/checkpoint_files.py says why; a leftover hidden file is removed at
-  a later start), then one fsync of the directory for the whole batch. Files are not fsynced one by one:
-  checkpoints guard against a stub or server process dying, which the page cache survives; after a host
-  crash the checkpoints of the last seconds may be lost (checkpoint_files.py): a file that is not a whole
-  checkpoint of its key fails its digest or its key check, is deleted, and its request starts over
-  (exact, only slower).
+  a spare where there is one: recovery/checkpoint_files.py says why; a leftover hidden file is removed by
+  a later sweep once old), then one fsync of the directory for the whole batch. Files are not fsynced one
+  by one: checkpoints guard against a stub or server process dying, which the page cache survives; after
+  a host crash the checkpoints of the last half minute may be lost (checkpoint_files.py): a file that is
+  not a whole checkpoint of its key fails its digest or its key check, is deleted, and its request starts
+  over (exact, only slower).
 - Bounded: after each batch the oldest files go until the directory holds at most ``max_bytes``; files
   older than ``ttl_s`` are dropped, swept at start and then at most every ``SWEEP_S`` (a file's
   modification time is set to its ``created`` time by the store's clock, so age and order survive a
@@ -34,9 +34,10 @@ its images where they were.
   folder (a hung network volume): past it the read finds nothing (the request starts over) and, while
   that call is still stuck, later ones skip the folder at once; so do they while a batch of writes and
   removals has been under way for longer than ``FOLDER_S`` (a write that hangs). A read of a key whose
-  removal is queued waits for it (it finds nothing). A read that fails to parse is damage only where the
-  key still names the file read, unchanged (its identity: checkpoint_files.py); else a write or removal
-  raced it and the key's file now is read once more.
+  removal is queued waits for it (it finds nothing). A file that fails to parse, has expired or is not a
+  regular file is deleted only where the key still names it, unchanged (its identity: checkpoint_files.py,
+  checked under the lock the writer's renames take); else a write or removal raced the read, and the
+  key's file now is read once more.
 """
 
 from __future__ import annotations
@@ -55,7 +56,9 @@ from typing import Any
 from triton_diffusion.recovery.checkpoint_files import (
     TEMPORARY,
     FileWriter,
+    Identity,
     fsync_directory,
+    identity,
     names_other,
     read_regular,
 )
@@ -138,7 +141,7 @@ class CheckpointStore:
         self._files = threading.RLock()  # guards the directory's files and bytes_used
         self._hung: threading.Thread | None = None  # a folder call that did not return within FOLDER_S
         self._hung_lock = threading.Lock()
-        self._file_writer = FileWriter(self.directory, max_bytes // 4)  # the writer thread's
+        self._file_writer = FileWriter(self.directory, max_bytes // 4, self._files)  # the writer thread's
         self.sweep()
         self._thread = threading.Thread(target=self._write_loop, name="checkpoint-writer", daemon=True)
         self._thread.start()
@@ -184,27 +187,35 @@ class CheckpointStore:
             entry = path.lstat()
         except FileNotFoundError:
             return None
+        seen = identity(entry)
         if not stat.S_ISREG(entry.st_mode):  # a directory, link, FIFO...: not ours, never opened
-            self._delete_locked(path)
-            raise CorruptCheckpoint(f"checkpoint {key}: not a regular file")
-        if self._expired(entry.st_mtime):
-            self._delete_locked(path)
-            return None
-        identity = None
-        try:
-            data, identity = read_regular(path, self.max_bytes)
-            return parse(data, key)
-        except FileNotFoundError:  # evicted or expired between the lstat and the open
-            return None
-        except Exception as exc:
-            # Replaced while it was read (a write, a removal: the file read may since have been written
-            # over as a spare): not damaged, and the key's file now is read instead.
-            if identity is not None and names_other(path, identity):
-                return self._read(key, again=False) if again else None
-            with self._files:
-                self._delete(path)
-                self._count()  # damaged from outside: its size then may not be the one counted
-            raise CorruptCheckpoint(f"checkpoint {key}: {exc}") from exc
+            if self._delete_unchanged(path, seen):
+                raise CorruptCheckpoint(f"checkpoint {key}: not a regular file")
+        elif self._expired(entry.st_mtime):
+            if self._delete_unchanged(path, seen):
+                return None
+        else:
+            try:
+                data, seen = read_regular(path, self.max_bytes)
+                return parse(data, key)
+            except FileNotFoundError:  # evicted or expired between the lstat and the open
+                return None
+            except Exception as exc:
+                if self._delete_unchanged(path, seen):
+                    raise CorruptCheckpoint(f"checkpoint {key}: {exc}") from exc
+        # The key names another file than the one looked at: a write or removal raced the read (the file
+        # read may since have been written over as a spare). The key's file now is read instead.
+        return self._read(key, again=False) if again else None
+
+    def _delete_unchanged(self, path: Path, seen: Identity) -> bool:
+        """Delete ``path`` if it still names the file ``seen``, under the lock the writer's renames take:
+        never a checkpoint written there since. Whether it did (False: it names another file now)."""
+        with self._files:
+            if names_other(path, seen):
+                return False
+            self._delete(path)
+            self._count()  # damaged or expired from outside: its size may not be the one counted
+            return True
 
     def remove(self, key: str) -> None:
         """Drop the key's checkpoint and its pending write. Returns at once: the writer thread deletes the
@@ -227,10 +238,6 @@ class CheckpointStore:
         self._queued += 1
         if self._idle:
             self._changed.notify_all()
-
-    def _delete_locked(self, path: Path) -> None:
-        with self._files:
-            self._delete(path)
 
     def remove_request(self, resume_key: str) -> None:
         """Drop the checkpoint of every image of a request (``resume_key`` and ``resume_key.<i>``) and their
@@ -309,8 +316,9 @@ class CheckpointStore:
             self._file_writer.close()
 
     def sweep(self) -> None:
-        """Delete the checkpoints older than ``ttl_s`` and the hidden files a crash left (at construction,
-        then at most every ``SWEEP_S`` before a batch), and count the bytes the directory holds."""
+        """Delete the checkpoints older than ``ttl_s`` and the hidden files a crash left, and count the
+        bytes the directory holds: at construction, then on the writer thread at most every ``SWEEP_S``
+        before a batch (the writer thread's spares are read here)."""
         now = self.clock()
         self._swept_at = now
         with self._files:
@@ -325,7 +333,7 @@ class CheckpointStore:
                 entry = leftover.lstat()
                 if (
                     stat.S_ISREG(entry.st_mode)
-                    and now - entry.st_mtime > LEFTOVER_S
+                    and abs(now - entry.st_mtime) > LEFTOVER_S  # a future time too (a clock set back)
                     and not self._file_writer.owns(leftover)
                 ):
                     leftover.unlink(missing_ok=True)
@@ -413,8 +421,8 @@ class CheckpointStore:
             data = serialise(key, fields_hash, checkpoint, created)
             if len(data) > self.max_bytes:
                 return self._lost(key, f"one checkpoint takes {len(data)} bytes, above checkpoint_max_mb")
-            # Outside the files' lock: a reader of this key waits for its write, and of another key reads
-            # its own file.
+            # Outside the files' lock but for its renames: a reader of this key waits for its write, and of
+            # another key reads its own file.
             self._file_writer.write(self._path(key), data, created, key)
         except Exception as exc:  # noqa: BLE001  (one lost checkpoint is a slower resume, not a failure)
             return self._lost(key, f"the write failed ({type(exc).__name__}: {str(exc)[:120]})")
@@ -461,8 +469,8 @@ class CheckpointStore:
         for _, _, _, size, path in sorted(files):
             if total <= self.max_bytes:
                 break
-            self._delete(path)  # or gone already; one it cannot delete is logged (evicting more is no help)
-            total -= size
+            self._delete(path)  # or gone already; one it cannot delete is logged, and its bytes not held
+            total -= size  # against the others (they would all go for it, batch after batch)
         self.bytes_used = total  # counted from the same listing (a second one cost as much again)
 
     # ---- files ------------------------------------------------------------------------------------------
