@@ -45,9 +45,11 @@ def render_against(artefact: dict[str, Any]) -> str:
         f"{s['arch']} at {s['size']}x{s['size']}{_profile(artefact)}, a full running set of "
         f"{s['running']} jobs of {s['steps']} steps, with the checkpoint store of the commit this was taken "
         f"at and of commit `{rev}` (its module read from git, run beside the other on the same engine), "
-        f"the two alternated round by round in rotated order; {_design(artefact)} Per round and store, the "
-        f"mean engine step against the same round's with checkpoints off; then the first store's ratio over "
-        f"`{rev}`'s in the same round (below 1: it costs less), read against 1.",
+        f"the two alternated round by round in rotated order; "
+        f"{_design(artefact, 'each two fresh engines, one per store')} Per round and store, the mean engine "
+        f"step against the same round's with checkpoints off (the two middle columns: medians over rounds); "
+        f"then the first store's ratio over `{rev}`'s in the same round (the median of those quotients, not "
+        f"the quotient of the medians; below 1: it costs less), read against 1.",
         "",
         f"| checkpoint_every_steps | / off, this store | / off, `{rev}` | this / `{rev}` | reading |",
         "|---|---|---|---|---|",
@@ -64,7 +66,7 @@ def render_against(artefact: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _design(artefact: dict[str, Any]) -> str:
+def _design(artefact: dict[str, Any], engines: str = "each a fresh engine") -> str:
     """How the intervals were alternated: in blocks on one engine a round, or (an artefact from before
     blocks) a run each."""
     s = artefact["settings"]
@@ -74,7 +76,7 @@ def _design(artefact: dict[str, Any]) -> str:
             "checkpoints written by a real checkpoint store on its own thread while the engine steps on."
         )
     return (
-        f"{s['rounds']} rounds, each a fresh engine: after a warm-up, {s['engine_steps']} engine steps at "
+        f"{s['rounds']} rounds, {engines}: after a warm-up, {s['engine_steps']} engine steps at "
         f"each interval, in blocks of {s['block']} alternated in rotated order; the checkpoints written, "
         "and an answered request's removed, by a real checkpoint store on its own thread, which gathers "
         f"them for up to {artefact['store_batch_s']:g} s before it writes a batch; what it has left of a "

@@ -182,6 +182,11 @@ def test_a_dead_store_s_spares_are_swept_once_old_and_the_store_s_own_never(tmp_
         clock[0] += LEFTOVER_S + 1
         store.sweep()
         assert spares(store.directory) == [own]  # its own, however old, stays
+        dead.write_bytes(b"a dead store's spare")
+        future = clock[0] + LEFTOVER_S + 1  # its time set ahead (a clock set back since): as old
+        os.utime(dead, (future, future))
+        store.sweep()
+        assert spares(store.directory) == [own]
     finally:
         store.close()
 

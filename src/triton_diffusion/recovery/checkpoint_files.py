@@ -9,12 +9,13 @@ hidden name and written over in place, rather than a new file each time. Before 
 names gets a second, spare name (a hard link), so the rename replaces a name, never a file that anything
 still needs. Why: ext4 (``auto_da_alloc``) starts writing back at once a new file renamed over another, and
 creating a file allocates an inode; a spare's blocks and inode are already there. What a checkpoint costs
-an engine step, and this store beside the one before it (``--against``): ``scripts/bench.py
-checkpoint-cost`` (docs/performance/cpu.md). The price: data written
-over in place is not ordered before the rename, so after a host crash (not a process's) the checkpoints
-written since the kernel last wrote dirty pages back (30 s by default) may be lost, and with them the
-previous ones, whose files had become spares: a file that is not a whole checkpoint of its key fails its
-digest or its key check; one that is a whole older checkpoint of its key is resumed from (exact too).
+an engine step, and this store beside the one before it (``--against``: on this project's CPU host it
+showed no gain or loss): ``scripts/bench.py checkpoint-cost`` (docs/performance/cpu.md). The price: data
+written over in place is not ordered before the rename, so after a host crash (not a process's) the
+checkpoints of about the last half minute (the kernel writes dirty pages back once they are 30 s old, by
+default) may be lost, and with them the previous ones, whose files had become spares: a file that is not
+a whole checkpoint of its key fails its digest or its key check; one that is a whole older checkpoint of
+its key is resumed from (exact too).
 
 Spares are at most ``SPARES_MOST`` files and ``spare_bytes`` bytes; they are hidden temporary files
 (``.spare-<random>.tmp``: never a checkpoint's name), deleted at close; a crash's are leftovers, which the
@@ -157,8 +158,8 @@ Identity = tuple[int, int, int, int, int]
 def identity(entry: os.stat_result) -> Identity:
     """A file as it is now: device, inode, size, modification and change time, so that a spare written
     over in place is another file though its inode is the same (its modification time is set to its
-    checkpoint's own ``created`` time, to the nanosecond; the change time, moved by a write, link or rename,
-    may tick coarsely)."""
+    checkpoint's own ``created`` time, to well under a microsecond; the change time, moved by a write,
+    link or rename, may tick coarsely)."""
     return entry.st_dev, entry.st_ino, entry.st_size, entry.st_mtime_ns, entry.st_ctime_ns
 
 
