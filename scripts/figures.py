@@ -148,7 +148,7 @@ BLOCKS: dict[str, Figure] = {
     "checkpoint-store-against": Figure(
         ("docs/cpu/checkpoint_cost_against.json",),
         "checkpoint_cost.render_against",
-        "bench.py checkpoint-cost --against b1db203",
+        "bench.py checkpoint-cost --against 7153e66",
     ),
     "checkpoint-cost-line": Figure(
         (

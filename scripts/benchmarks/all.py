@@ -209,10 +209,10 @@ PLAN = (
         1100,
         benchmark="checkpoint_cost",
     ),
-    # This store beside b1db203's (a new file per checkpoint renamed over the old one), alternated by round.
+    # This store beside 7153e66's (the serialiser of the safetensors library, an fsync a batch), alternated.
     Take(
         "checkpoint_cost_against",
-        tuple("--against b1db203 --rounds 10 --out {out}/cpu".split()),
+        tuple("--against 7153e66 --rounds 10 --out {out}/cpu".split()),
         420,
         benchmark="checkpoint_cost",
     ),

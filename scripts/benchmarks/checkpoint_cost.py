@@ -9,7 +9,7 @@ starts spread evenly over the engine steps) is stepped, after a warm-up of a job
 ``interval`` of its steps the engine asks the adapter for a snapshot (CPU copies) and the host's part is
 done as the served host does it: each checkpoint handed to a real :class:`CheckpointStore` in a temporary
 folder, whose writer thread gathers them for up to ``checkpoint_store.BATCH_S`` and writes them as a batch
-(safetensors, rename, one folder fsync), and an answered request's checkpoints removed (the writer deletes
+(safetensors, rename), and an answered request's checkpoints removed (the writer deletes
 them; a request answered in a block with checkpoints off has its removal asked at the start of the next
 block with them on, so the folder holds what it would served).
 
@@ -96,17 +96,37 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-STORE_PATH = "src/triton_diffusion/recovery/checkpoint_store.py"
+RECOVERY = "src/triton_diffusion/recovery"
+# The store's modules, each importing those before it: its file's format, its file work, the store.
+STORE_MODULES = ("checkpoint_format", "checkpoint_files", "checkpoint_store")
 
 
 def store_at(rev: str) -> type[CheckpointStore]:
-    """The checkpoint store class as commit ``rev`` had it: its module's source from git, run as a module
-    of its own (it imports this tree's other modules, which must still have what it uses)."""
-    show = ["git", "-C", str(REPO_ROOT), "show", f"{rev}:{STORE_PATH}"]
-    source = subprocess.run(show, check=True, capture_output=True, text=True).stdout
-    module = types.ModuleType(f"checkpoint_store_at_{rev}")
-    sys.modules[module.__name__] = module  # its dataclasses look their module up
-    exec(compile(source, f"{rev}:{STORE_PATH}", "exec"), module.__dict__)
+    """The checkpoint store class as commit ``rev`` had it: the store's modules (those ``rev`` has) from
+    git, each run as a module of its own, importing ``rev``'s modules before it and this tree's others
+    (which must still have what it uses)."""
+    saved: dict[str, types.ModuleType | None] = {}
+    try:
+        for name in STORE_MODULES:
+            path = f"{RECOVERY}/{name}.py"
+            show = ["git", "-C", str(REPO_ROOT), "show", f"{rev}:{path}"]
+            shown = subprocess.run(show, check=False, capture_output=True, text=True)
+            if shown.returncode != 0 and name != "checkpoint_store":  # not a module yet at ``rev``
+                continue
+            if shown.returncode != 0:
+                raise SystemExit(f"{rev}: no {path} ({shown.stderr.strip()})")
+            module = types.ModuleType(f"{name}_at_{rev}")
+            sys.modules[module.__name__] = module  # its dataclasses look their module up
+            exec(compile(shown.stdout, f"{rev}:{path}", "exec"), module.__dict__)
+            real = f"triton_diffusion.recovery.{name}"
+            saved.setdefault(real, sys.modules.get(real))
+            sys.modules[real] = module  # what ``rev``'s modules after it import
+    finally:  # this tree's modules back for everyone else
+        for real, original in saved.items():
+            if original is None:
+                sys.modules.pop(real, None)
+            else:
+                sys.modules[real] = original
     return module.CheckpointStore
 
 

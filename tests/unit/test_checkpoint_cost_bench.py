@@ -139,16 +139,22 @@ def test_against_reads_each_round_s_ratio_to_off_with_one_store_over_the_other()
 def test_the_store_of_a_commit_is_loaded_from_git_and_runs_beside_this_one(tmp_path, monkeypatch):
     asked = []
 
-    def git_show(command, **_):  # the working tree's store stands in for the commit's
+    def git_show(command, **_):  # the working tree's modules stand in for the commit's
         asked.append(command)
-        return SimpleNamespace(stdout=(checkpoint_cost.REPO_ROOT / checkpoint_cost.STORE_PATH).read_text())
+        path = command[-1].split(":", 1)[1]
+        return SimpleNamespace(stdout=(checkpoint_cost.REPO_ROOT / path).read_text(), returncode=0)
 
     monkeypatch.setattr(checkpoint_cost.subprocess, "run", git_show)
+    real = {name: sys.modules[f"triton_diffusion.recovery.{name}"] for name in checkpoint_cost.STORE_MODULES}
     loaded = checkpoint_cost.store_at("b1db203")
-    assert asked == [
-        ["git", "-C", str(checkpoint_cost.REPO_ROOT), "show", f"b1db203:{checkpoint_cost.STORE_PATH}"]
-    ]
+    paths = [f"{checkpoint_cost.RECOVERY}/{name}.py" for name in checkpoint_cost.STORE_MODULES]
+    assert asked == [["git", "-C", str(checkpoint_cost.REPO_ROOT), "show", f"b1db203:{p}"] for p in paths]
     assert loaded is not CheckpointStore and loaded.__module__ == "checkpoint_store_at_b1db203"
+    # The commit's store writes with the commit's format and file work, not this tree's.
+    module = sys.modules[loaded.__module__]
+    assert module.serialise.__module__ == "checkpoint_format_at_b1db203"
+    assert module.FileWriter.__module__ == "checkpoint_files_at_b1db203"
+    assert {name: sys.modules[f"triton_diffusion.recovery.{name}"] for name in real} == real  # put back
     store = loaded(tmp_path / "c", 1 << 20, 3600.0)
     try:
         store.put("0123456789abcdef", "h", JobCheckpoint(1, {"latents": torch.ones(2)}, {}))

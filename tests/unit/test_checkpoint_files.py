@@ -10,6 +10,7 @@ import threading
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.unit.test_checkpoint_store import KEY, checkpoint, checkpoints, files, spares
 from triton_diffusion.recovery import checkpoint_files, checkpoint_store
@@ -45,6 +46,22 @@ def test_a_replaced_file_becomes_the_spare_the_next_write_goes_into(store):
     stored = store.get(KEY)
     assert stored is not None and stored.checkpoint.step == 3
     assert checkpoints(store.directory) == [f"{KEY}.safetensors"]
+
+
+def test_a_smaller_checkpoint_written_into_a_larger_spare_is_cut_to_its_size(store):
+    path = store.directory / f"{KEY}.safetensors"
+    store.put(KEY, "h", checkpoint(1, size=256))
+    assert store.flush(5)
+    large = path.stat().st_size
+    store.put(KEY, "h", checkpoint(2, size=256))  # step 1's file: a spare of the larger size
+    assert store.flush(5)
+    small = checkpoint(3, size=64)
+    store.put(KEY, "h", small)
+    assert store.flush(5)
+    assert path.stat().st_size < large
+    stored = store.get(KEY)  # none of the larger checkpoint's bytes are left after it
+    assert stored is not None and stored.checkpoint.step == 3
+    assert torch.equal(stored.checkpoint.tensors["latents"], small.tensors["latents"])
 
 
 def test_a_removed_request_s_files_become_spares_and_close_deletes_them(store):

@@ -541,9 +541,21 @@ def test_flush_waits_for_the_writer(store, monkeypatch):
         store.put(KEY, "h", checkpoint(2))
 
 
-def test_checkpoints_pending_together_are_written_as_one_batch_with_one_fsync(store, monkeypatch):
-    synced: list[Path] = []
-    monkeypatch.setattr(checkpoint_store, "fsync_directory", synced.append)
+def evictions(monkeypatch) -> list[frozenset[Path]]:
+    """The files each eviction kept (one eviction a batch, after its writes)."""
+    kept: list[frozenset[Path]] = []
+    real = checkpoint_store.CheckpointStore._evict
+
+    def evict(self, keep):
+        kept.append(keep)
+        real(self, keep)
+
+    monkeypatch.setattr(checkpoint_store.CheckpointStore, "_evict", evict)
+    return kept
+
+
+def test_checkpoints_pending_together_are_written_as_one_batch(store, monkeypatch):
+    batches = evictions(monkeypatch)
     held = HeldWrites(monkeypatch)
     store.put(f"{KEY}.0", "h", checkpoint(1))
     assert held.reached.wait(5)  # .0 is being written; the next three wait for it together
@@ -551,7 +563,8 @@ def test_checkpoints_pending_together_are_written_as_one_batch_with_one_fsync(st
         store.put(f"{KEY}.{i}", "h", checkpoint(i))
     held.go.set()
     assert store.flush(5)
-    assert synced == [store.directory] * 2  # one for .0, one for the batch of three
+    path = store._path
+    assert batches == [{path(f"{KEY}.0")}, {path(f"{KEY}.{i}") for i in (1, 2, 3)}]  # .0, then the three
     assert checkpoints(store.directory) == [f"{KEY}.{i}.safetensors" for i in range(4)]
     assert store.bytes_used == sum(p.stat().st_size for p in store.directory.glob("*.safetensors"))
 
@@ -594,13 +607,12 @@ def test_a_checkpoint_that_cannot_be_serialised_loses_only_itself(store, monkeyp
         return real(key, *args)
 
     monkeypatch.setattr(checkpoint_store, "serialise", serialise)
-    synced: list[Path] = []
-    monkeypatch.setattr(checkpoint_store, "fsync_directory", synced.append)
+    batches = evictions(monkeypatch)
     for i in range(3):
         store.put(f"{KEY}.{i}", "h", checkpoint(i))
     assert store.flush(5)
     assert checkpoints(store.directory) == [f"{KEY}.0.safetensors", f"{KEY}.2.safetensors"]
-    assert synced == [store.directory]
+    assert batches == [{store._path(f"{KEY}.0"), store._path(f"{KEY}.2")}]
 
 
 def hang(monkeypatch, owner, name: str) -> tuple[threading.Event, threading.Event]:

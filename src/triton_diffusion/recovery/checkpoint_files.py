@@ -9,9 +9,10 @@ hidden name and written over in place, rather than a new file each time. Before 
 names gets a second, spare name (a hard link), so the rename replaces a name, never a file that anything
 still needs. Why: ext4 (``auto_da_alloc``) starts writing back at once a new file renamed over another, and
 creating a file allocates an inode; a spare's blocks and inode are already there. What a checkpoint costs
-an engine step, and this store beside the one before it (``--against``: on this project's CPU host it
-showed no gain or loss): ``scripts/bench.py checkpoint-cost`` (docs/performance/cpu.md). The price: data
-written over in place is not ordered before the rename, so after a host crash (not a process's) the
+an engine step, and this store beside an earlier one (``--against``): ``scripts/bench.py checkpoint-cost``
+(docs/performance/cpu.md). The price: nothing is synced to disk (data written over in place is not
+ordered before the rename, which an fsync of the folder would not change), so after a host crash (not a
+process's) the
 checkpoints of about the last half minute (the kernel writes dirty pages back once they are 30 s old, by
 default) may be lost, and with them the previous ones, whose files had become spares: a file that is not
 a whole checkpoint of its key fails its digest or its key check; one that is a whole older checkpoint of
@@ -51,14 +52,15 @@ class FileWriter:
         """``data`` to ``path``, its modification time ``created``: into a spare (or a new hidden file
         ``.<hidden_name>.<random>.tmp``), then renamed onto ``path``; the file it replaces becomes a spare.
         Raises OSError where it cannot (``path`` then holds what it held)."""
-        temporary, fd = self._open_spare() or self._create(hidden_name)
+        temporary, fd, size = self._open_spare() or self._create(hidden_name)
         try:
             try:
                 view = memoryview(data)
                 written = 0
                 while written < len(data):
                     written += os.pwrite(fd, view[written:], written)
-                os.ftruncate(fd, len(data))
+                if size > len(data):  # a larger spare's tail cut (a truncation is a syscall of its own)
+                    os.ftruncate(fd, len(data))
                 os.utime(fd, (created, created))
             finally:
                 os.close(fd)
@@ -109,9 +111,9 @@ class FileWriter:
         self._spares.append((spare, size))
         self._held += size
 
-    def _open_spare(self) -> tuple[Path, int] | None:
-        """The newest spare opened for writing, or None: a spare gone or changed from outside (a leftover
-        sweep of another store sharing the folder) is dropped."""
+    def _open_spare(self) -> tuple[Path, int, int] | None:
+        """The newest spare opened for writing, with its size now, or None: a spare gone or changed from
+        outside (a leftover sweep of another store sharing the folder) is dropped."""
         while self._spares:
             spare, size = self._spares.pop()
             self._held -= size
@@ -127,14 +129,15 @@ class FileWriter:
             # One name only: a file that another name shares (a checkpoint, another store's spare in a
             # folder replicas share) is never written over.
             if entry is not None and stat.S_ISREG(entry.st_mode) and entry.st_nlink == 1:
-                return spare, fd
+                return spare, fd, entry.st_size
             os.close(fd)
             _unlink(spare)
         return None
 
-    def _create(self, hidden_name: str) -> tuple[Path, int]:
+    def _create(self, hidden_name: str) -> tuple[Path, int, int]:
         temporary = self.directory / f".{hidden_name}.{os.urandom(6).hex()}{TEMPORARY}"
-        return temporary, os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+        return temporary, os.open(temporary, flags, 0o666), 0
 
     def _link_aside(self, path: Path) -> tuple[Path, int] | None:
         """The file at ``path`` also under a new spare name, with its size (None: nothing there, or a
@@ -194,20 +197,6 @@ def names_other(path: Path, read: Identity) -> bool:
     except FileNotFoundError:
         return True
     return identity(entry) != read
-
-
-def fsync_directory(directory: Path) -> None:
-    """The renames made durable (where the platform can open a directory)."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _unlink(path: Path) -> None:

@@ -35,14 +35,43 @@ class Stored:
 
 
 # ---- the format --------------------------------------------------------------------------------------------
+# The dtypes a checkpoint is written for by :func:`serialise` itself, by their safetensors names (another
+# dtype is written by ``safetensors.torch.save``; both are read by ``safetensors.torch.load``).
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+Row = tuple[str, torch.Tensor, bytes]  # a tensor's name, the tensor and its bytes
+
+
 def digest(header: dict[str, Any], tensors: dict[str, torch.Tensor]) -> str:
     """SHA-256 of the header's fields (canonical JSON) and every tensor (name, dtype, shape, bytes) in
     name order."""
-    sha = hashlib.sha256(json.dumps(header, sort_keys=True).encode())
+    return _digest(header, _rows(tensors))
+
+
+def _rows(tensors: dict[str, torch.Tensor]) -> list[Row]:
+    rows = []
     for name in sorted(tensors):
         tensor = tensors[name].contiguous()
+        rows.append((name, tensor, tensor.reshape(-1).view(torch.uint8).numpy().tobytes()))
+    return rows
+
+
+def _digest(header: dict[str, Any], rows: list[Row]) -> str:
+    sha = hashlib.sha256(json.dumps(header, sort_keys=True).encode())
+    for name, tensor, data in rows:
         sha.update(f"\0{name}\0{tensor.dtype}\0{tuple(tensor.shape)}\0".encode())
-        sha.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+        sha.update(data)
     return sha.hexdigest()
 
 
@@ -54,8 +83,34 @@ def serialise(key: str, fields_hash: str, checkpoint: JobCheckpoint, created: fl
         "meta": checkpoint.meta,
         "created": created,
     }
-    header["sha256"] = digest(header, checkpoint.tensors)
-    return safetensors.torch.save(checkpoint.tensors, metadata={"checkpoint": json.dumps(header)})
+    rows = _rows(checkpoint.tensors)  # each tensor's bytes taken once, for the digest and the file
+    header["sha256"] = _digest(header, rows)
+    metadata = {"checkpoint": json.dumps(header)}
+    if all(tensor.dtype in SAFETENSORS_DTYPES for _, tensor, _ in rows):
+        return _safetensors(rows, metadata)
+    return safetensors.torch.save({name: tensor for name, tensor, _ in rows}, metadata=metadata)
+
+
+def _safetensors(rows: list[Row], metadata: dict[str, str]) -> bytes:
+    """The safetensors file of ``rows``: the header's length (8 bytes, little-endian), the header (JSON:
+    the metadata, then each tensor's dtype, shape and byte range in the data), padded with spaces to a
+    multiple of 8 bytes as the library pads it, then the tensors' bytes. Written here because
+    ``safetensors.torch.save``'s own work per call (a pointer and a reference per tensor, the file built
+    and then copied into ``bytes``) was most of a small checkpoint's serialisation; read back by the library
+    (:func:`parse`), which checks the header and the byte ranges."""
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for name, tensor, data in rows:
+        dtype = SAFETENSORS_DTYPES[tensor.dtype]
+        header[name] = {
+            "dtype": dtype,
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + len(data)],
+        }
+        offset += len(data)
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    return b"".join([struct.pack("<Q", len(encoded)), encoded, *(data for _, _, data in rows)])
 
 
 def parse(data: bytes, key: str) -> Stored:

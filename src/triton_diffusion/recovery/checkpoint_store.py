@@ -15,11 +15,11 @@ its images where they were.
   written in full under a hidden name in the same directory and renamed onto the key's name, so a reader,
   or a process that dies, finds the old checkpoint or the new one, never half of one (the hidden file is
   a spare where there is one: recovery/checkpoint_files.py says why; a leftover hidden file is removed by
-  a later sweep once old), then one fsync of the directory for the whole batch. Files are not fsynced one
-  by one: checkpoints guard against a stub or server process dying, which the page cache survives; after
-  a host crash the checkpoints of the last half minute may be lost (checkpoint_files.py): a file that is
-  not a whole checkpoint of its key fails its digest or its key check, is deleted, and its request starts
-  over (exact, only slower).
+  a later sweep once old). Nothing is fsynced: checkpoints guard against a stub or server process dying,
+  which the page cache survives; after a host crash the checkpoints of the last half minute may be lost
+  (checkpoint_files.py): a file that is not a whole checkpoint of its key fails its digest or its key
+  check, is deleted, and its request starts over (exact, only slower). (An fsync of the folder would make
+  the renames durable but not the bytes written in place into spares, so it would save no checkpoint.)
 - Bounded: after each batch the oldest files go until the directory holds at most ``max_bytes``; files
   older than ``ttl_s`` are dropped, swept at start and then at most every ``SWEEP_S`` (a file's
   modification time is set to its ``created`` time by the store's clock, so age and order survive a
@@ -57,7 +57,6 @@ from triton_diffusion.recovery.checkpoint_files import (
     TEMPORARY,
     FileWriter,
     Identity,
-    fsync_directory,
     identity,
     names_other,
     read_regular,
@@ -402,15 +401,14 @@ class CheckpointStore:
                         self._delete(path, retire=True)
 
     def _write(self, batch: dict[str, tuple[str, JobCheckpoint, float]]) -> None:
-        """Each checkpoint of the batch to its file, then one fsync of the directory and one eviction."""
+        """Each checkpoint of the batch to its file, then one eviction."""
         written = []
         try:
             for key, (fields_hash, checkpoint, created) in batch.items():
                 if self._write_one(key, fields_hash, checkpoint, created):
                     written.append(self._path(key))
-        finally:  # what was written is made durable and counted, whatever failed after it
+        finally:  # what was written is counted, whatever failed after it
             if written:
-                fsync_directory(self.directory)
                 with self._files:
                     self._evict(keep=frozenset(written))
 
