@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from tests.unit.recording import step_as_worker, tracked
+from triton_diffusion.adapters import job_checkpoints as job_checkpoints_module
 from triton_diffusion.adapters import starts
 from triton_diffusion.adapters.image_params import ImageParams
 from triton_diffusion.adapters.job_checkpoints import CheckpointMismatch
@@ -118,8 +119,8 @@ def test_a_job_started_from_a_checkpoint_goes_on_from_its_step():
 # ---- the latent adapters' start (starts.py), its job_checkpoints functions faked --------------------------
 @pytest.fixture
 def job_checkpoints(monkeypatch):
-    """starts.py's restore, checkpoint_refusal and snapshot faked (job states here are strings): what it
-    restored is recorded; a checkpoint whose meta says "bad" does not fit."""
+    """starts.py's restore, and job_checkpoints' refusal and copy, faked (job states here are strings):
+    what it restored is recorded; a checkpoint whose meta says "bad" does not fit."""
     fakes = types.SimpleNamespace(restored=[])
 
     def restore(state: Any, checkpoint: Any) -> None:
@@ -128,10 +129,9 @@ def job_checkpoints(monkeypatch):
         fakes.restored.append((state, checkpoint))
 
     monkeypatch.setattr(starts, "restore", restore)
-    monkeypatch.setattr(
-        starts, "checkpoint_refusal", lambda state: "a step cache" if state == "cached" else None
-    )
-    monkeypatch.setattr(starts, "snapshot", lambda state, step: ("snapshot", state, step))
+    refusal = lambda state: "a step cache" if state == "cached" else None  # noqa: E731
+    monkeypatch.setattr(job_checkpoints_module, "checkpoint_refusal", refusal)
+    monkeypatch.setattr(job_checkpoints_module, "_taken", lambda state, step: ("snapshot", state, step))
     return fakes
 
 

@@ -35,6 +35,7 @@ from triton_diffusion.adapters.job_checkpoints import (
     checkpoint_refusal,
     restore,
     snapshot,
+    snapshot_if_able,
 )
 from triton_diffusion.adapters.step_adapters import step_adapter_for
 from triton_diffusion.engine.jobs import Job
@@ -308,6 +309,16 @@ def test_a_job_with_a_step_cache_is_refused():
     assert checkpoint_refusal(state) is None
     assert "step cache" in (checkpoint_refusal(replace(state, cache=object())) or "")
     assert checkpoint_refusal("not a latent job") is not None
+
+
+def test_the_engine_s_snapshot_is_the_checked_one_or_none_where_it_is_refused():
+    state = scheduler_job("EulerDiscreteScheduler", {})
+    taken, checked = snapshot_if_able(state, 3), snapshot(state, 3)
+    assert taken is not None and (taken.step, taken.meta) == (checked.step, checked.meta)
+    assert taken.tensors.keys() == checked.tensors.keys()
+    assert all(torch.equal(taken.tensors[name], checked.tensors[name]) for name in taken.tensors)
+    assert snapshot_if_able(replace(state, cache=object()), 3) is None
+    assert snapshot_if_able("not a latent job", 3) is None
 
 
 def test_a_snapshot_is_a_copy_and_changes_nothing():

@@ -25,7 +25,7 @@ JSON-serialisable meta; recovery/checkpoint_store.py writes it to disk.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -108,6 +108,18 @@ def snapshot(state: LatentJob, step: int) -> JobCheckpoint:
     refusal = checkpoint_refusal(state)
     if refusal is not None:
         raise ValueError(f"the job cannot be checkpointed: {refusal}")
+    return _taken(state, step)
+
+
+def snapshot_if_able(state: object, step: int) -> JobCheckpoint | None:
+    """:func:`snapshot`, or None where :func:`checkpoint_refusal` gives a reason (checked once: the
+    engine's checkpoints, taken every few steps of every running job)."""
+    if checkpoint_refusal(state) is not None:
+        return None
+    return _taken(cast(LatentJob, state), step)
+
+
+def _taken(state: LatentJob, step: int) -> JobCheckpoint:
     if not 0 <= step <= len(state.timesteps):
         raise ValueError(f"step {step} is outside the job's {len(state.timesteps)} timesteps")
     device = state.latents.device

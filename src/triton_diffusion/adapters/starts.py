@@ -38,9 +38,8 @@ from triton_diffusion.adapters.image_params import (
 )
 from triton_diffusion.adapters.job_checkpoints import (
     CheckpointMismatch,
-    checkpoint_refusal,
     restore,
-    snapshot,
+    snapshot_if_able,
 )
 from triton_diffusion.adapters.lora import LoraSet
 from triton_diffusion.engine.failures import Failure
@@ -192,12 +191,7 @@ class JobStarts:
         """Each job's resumable state now (CPU copies: the host writes them while the jobs step on), or
         None where it cannot be checkpointed exactly (a step cache's state: it would restart from its
         first step), in order (engine/step_engine.py Checkpointing)."""
-        return [
-            None
-            if checkpoint_refusal(job.state) is not None
-            else snapshot(latent_state(job.state), job.run.steps_done)
-            for job in jobs
-        ]
+        return [snapshot_if_able(job.state, job.run.steps_done) for job in jobs]
 
     @torch.no_grad()  # text encoders and the VAE encoder: nothing here is differentiated
     def start_requests(self, requests: list[ImageParams]) -> list[JobStart]:
