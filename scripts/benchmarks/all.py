@@ -212,8 +212,8 @@ PLAN = (
     # This store beside 7153e66's (the serialiser of the safetensors library, an fsync a batch), alternated.
     Take(
         "checkpoint_cost_against",
-        tuple("--against 7153e66 --rounds 10 --out {out}/cpu".split()),
-        420,
+        tuple("--against 7153e66 --rounds 20 --out {out}/cpu".split()),
+        600,
         benchmark="checkpoint_cost",
     ),
     Take("caches", ("--requests", "16", "--rounds", "5", "--threads", "1", "--out", "{out}/cpu/caches"), 442),

@@ -27,10 +27,13 @@ each ratio to ``off`` comes with its spread. Also recorded: bytes per checkpoint
     .venv/bin/python scripts/bench.py checkpoint-cost --device-profile sd15-h100 --size 512 \
         --out docs/profiles/sd15-h100      # at an H100's cost ratios (adapters/device_profiles.py)
 
-``--against REV`` also runs every round with the checkpoint store as commit REV had it (its module read
-from git and run beside this one's, on the same engine code), the two stores alternated round by round in
-rotated order: the artefact ``checkpoint_cost_against.json`` holds each store's runs and, per interval and
-round, this store's ratio to off over REV's, so a change of the store is measured side by side.
+``--against REV`` also runs every interval with the checkpoint store as commit REV had it (its modules read
+from git and run beside this one's, on the same engine code): a round's variants are then checkpoints off
+and each interval with each store, alternated block by block in rotated order on one engine (each store
+in a folder of its own, warmed up in turn, the order of the warm-ups rotated by round), so the two stores
+meet the same drift of the host within a round. The artefact ``checkpoint_cost_against.json`` holds every
+variant's runs and, per interval and round, this store's ratio to off over REV's, so a change of the
+store is measured side by side.
 """
 
 from __future__ import annotations
@@ -130,13 +133,23 @@ def store_at(rev: str) -> type[CheckpointStore]:
     return module.CheckpointStore
 
 
+def off_step(runs: list[dict], round_: int, store: str) -> float:
+    """The round's mean engine step with checkpoints off: one for every store (store None), or, in an
+    artefact from before the stores alternated within a round, ``store``'s own."""
+    return next(
+        r["step_s_mean"]
+        for r in runs
+        if r["round"] == round_ and r["interval"] == 0 and r.get("store") in (None, store)
+    )
+
+
 def against_rounds(runs: list[dict], interval: int, rev: str) -> list[float]:
     """Each round's ratio to off at ``interval`` with this store over the same round's with ``rev``'s
     (below 1: this store costs an engine step less)."""
 
     def ratio(store: str, round_: int) -> float | None:
-        by = {r["interval"]: r["step_s_mean"] for r in runs if r["round"] == round_ and r["store"] == store}
-        return by[interval] / by[0] if interval in by and 0 in by else None
+        by = [r for r in runs if r["round"] == round_ and r["store"] == store and r["interval"] == interval]
+        return by[0]["step_s_mean"] / off_step(runs, round_, store) if by else None
 
     ratios = []
     for round_ in sorted({r["round"] for r in runs}):
@@ -151,17 +164,25 @@ def one_round(
     intervals: list[int],
     args: argparse.Namespace,
     folder: Path,
-    store_class: type[CheckpointStore] = CheckpointStore,
+    stores: dict[str, type[CheckpointStore]] | None = None,
 ) -> list[dict]:
-    """One running set stepped ``args.engine_steps`` engine steps at each interval (after a warm-up of a
-    job's lifetime), in blocks of ``args.block`` steps, the intervals alternated block by block in rotated
-    order; each block ends waiting for the store's writes of its checkpoints, counted in its time. A
-    result per interval: its steps' mean time and checkpoints."""
+    """One running set stepped ``args.engine_steps`` engine steps at each variant (checkpoints off; each
+    interval with each store, by default this tree's only), after a warm-up of a job's lifetime with each
+    store, in blocks of ``args.block`` steps, the variants alternated block by block in rotated order;
+    each block ends waiting for its store's writes, counted in its time. A result per variant: its steps'
+    mean time and checkpoints (off's store: None)."""
+    stores = stores or {"this": CheckpointStore}
+    names = list(stores)
+    variants: list[tuple[int, str | None]] = [(0, None)]
+    variants += [(interval, name) for interval in intervals if interval for name in names]
     limits = EngineLimits(args.running, args.running)
     engine = StepEngine(bench.adapter, limits, checkpoint_every=intervals[-1])
-    store = store_class(folder, 2**34, 3600.0)
+    opened = {name: stores[name](folder / f"store{i}", 2**34, 3600.0) for i, name in enumerate(names)}
+    store = opened[names[0]]  # the store of the block under way (off: the last one's, which gets no work)
     made = iter(range(10**9))
-    answered_off: list[str] = []  # the resume keys of requests answered in a block with checkpoints off
+    # The resume keys of requests answered while a store was not on: removed at its next block (else its
+    # folder, listed each batch, grows; so it holds what it would served).
+    answered: dict[str, list[str]] = {name: [] for name in names}
 
     def add(steps: int = args.steps) -> None:
         index = next(made)
@@ -180,53 +201,64 @@ def one_round(
         sync(bench.device)
         for finished in report.finished:  # answered: its checkpoints removed (recovery/resumes.py)
             key = (finished.job.spec.checkpoint_key or "").removesuffix(".0")
-            if engine.checkpoint_every:
-                store.remove_request(key)
-            else:  # checkpoints off: no store serves it; removed in the next block with them on
-                answered_off.append(key)
+            for name, each in opened.items():
+                if engine.checkpoint_every and each is store:
+                    each.remove_request(key)
+                else:
+                    answered[name].append(key)
             add()
         for _ in report.left:
             if _.reason != "finished":
                 add()
         return len(sizes), sizes
 
+    def removals(name: str) -> None:
+        for key in answered[name]:
+            opened[name].remove_request(key)
+        answered[name].clear()
+
     # The first jobs' steps spread over 1..--steps, so that their successors (of --steps each) start and
     # finish spread out evenly over the engine steps, not all in one (a finish's decode and a start's text
-    # encoding then fall on every block alike); the warm-up is the longest's lifetime.
+    # encoding then fall on every block alike); the warm-up is the longest's lifetime, with each store.
     for i in range(args.running):
         add(math.ceil(args.steps * (i + 1) / args.running))
-    for _ in range(args.steps):
-        step()
-    store.flush(WRITE_WAIT_S)
+    for name in names:
+        store = opened[name]
+        removals(name)
+        for _ in range(args.steps):
+            step()
+        store.flush(WRITE_WAIT_S)
     block = min(args.block, args.engine_steps)
-    seconds = dict.fromkeys(intervals, 0.0)
-    steps = dict.fromkeys(intervals, 0)
-    sizes: dict[int, list[int]] = {interval: [] for interval in intervals}
-    for order in rotated_orders(intervals, math.ceil(args.engine_steps / block)):
-        for interval in order:
+    seconds = dict.fromkeys(variants, 0.0)
+    steps = dict.fromkeys(variants, 0)
+    sizes: dict[tuple[int, str | None], list[int]] = {variant: [] for variant in variants}
+    for order in rotated_orders(variants, math.ceil(args.engine_steps / block)):
+        for variant in order:
+            interval, name = variant
             engine.checkpoint_every = interval  # the engine reads it each step
-            count = min(block, args.engine_steps - steps[interval])
+            count = min(block, args.engine_steps - steps[variant])
             started = time.perf_counter()
-            if interval:  # what a served store would have removed (else the folder, listed each batch, grows)
-                for key in answered_off:
-                    store.remove_request(key)
-                answered_off.clear()
+            if name is not None:
+                store = opened[name]
+                removals(name)
             for _ in range(count):
-                sizes[interval].extend(step()[1])
+                sizes[variant].extend(step()[1])
             # What the writer has left of this block's checkpoints and removals is this block's.
             store.flush(WRITE_WAIT_S)
-            seconds[interval] += time.perf_counter() - started
-            steps[interval] += count
-    store.close()
+            seconds[variant] += time.perf_counter() - started
+            steps[variant] += count
+    for each in opened.values():
+        each.close()
     return [
         {
-            "interval": interval,
-            "engine_steps": steps[interval],
-            "step_s_mean": seconds[interval] / steps[interval],
-            "checkpoints": len(sizes[interval]),
-            "bytes_per_checkpoint": statistics.fmean(sizes[interval]) if sizes[interval] else 0.0,
+            "interval": variant[0],
+            "store": variant[1],
+            "engine_steps": steps[variant],
+            "step_s_mean": seconds[variant] / steps[variant],
+            "checkpoints": len(sizes[variant]),
+            "bytes_per_checkpoint": statistics.fmean(sizes[variant]) if sizes[variant] else 0.0,
         }
-        for interval in intervals
+        for variant in variants
     ]
 
 
@@ -252,30 +284,21 @@ def main(argv: list[str] | None = None) -> None:
     runs: list[dict] = []
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        for round_ in range(args.rounds):
-            for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
-                folder = Path(tmp) / f"r{round_}-{len(runs)}"
-                for run in one_round(bench, intervals, args, folder, stores[name]):
-                    runs.append({"round": round_, "store": name, **run})
-                    print(
-                        f"round {round_} store {name} every {run['interval'] or 'off'}: "
-                        f"{run['step_s_mean'] * 1000:.2f} ms an engine step, "
-                        f"{run['checkpoints']} checkpoints",
-                        flush=True,
-                    )
+        for round_ in range(args.rounds):  # the stores' warm-ups in rotated order too
+            order = names[round_ % len(names) :] + names[: round_ % len(names)]
+            folder = Path(tmp) / f"r{round_}"
+            for run in one_round(bench, intervals, args, folder, {name: stores[name] for name in order}):
+                runs.append({"round": round_, **run})
+                print(
+                    f"round {round_} store {run['store']} every {run['interval'] or 'off'}: "
+                    f"{run['step_s_mean'] * 1000:.2f} ms an engine step, {run['checkpoints']} checkpoints",
+                    flush=True,
+                )
     summary = []
     for interval in intervals:
         against = bool(args.against and interval)
-        mine = [r for r in runs if r["interval"] == interval and r["store"] == "this"]
-        ratios = [
-            r["step_s_mean"]
-            / next(
-                o["step_s_mean"]
-                for o in runs
-                if o["interval"] == 0 and o["round"] == r["round"] and o["store"] == "this"
-            )
-            for r in mine
-        ]
+        mine = [r for r in runs if r["interval"] == interval and r["store"] == ("this" if interval else None)]
+        ratios = [r["step_s_mean"] / off_step(runs, r["round"], "this") for r in mine]
         summary.append(
             {
                 "interval": interval,

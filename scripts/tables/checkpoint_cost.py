@@ -38,16 +38,22 @@ def render(artefact: dict[str, Any]) -> str:
 
 
 def render_against(artefact: dict[str, Any]) -> str:
-    """``checkpoint-cost --against REV``: this commit's store and REV's, alternated round by round."""
+    """``checkpoint-cost --against REV``: this commit's store and REV's, alternated block by block."""
     s = artefact["settings"]
     rev = s["against"]
+    design = _design(
+        artefact,
+        "with checkpoints off and at each interval with each store",
+        "a warm-up with each store in turn",
+    )
     lines = [
         f"{s['arch']} at {s['size']}x{s['size']}{_profile(artefact)}, a full running set of "
         f"{s['running']} jobs of {s['steps']} steps, with the checkpoint store of the commit this was taken "
-        f"at and of commit `{rev}` (its module read from git, run beside the other on the same engine), "
-        f"the two alternated round by round in rotated order; "
-        f"{_design(artefact, 'each two fresh engines, one per store')} Per round and store, the mean engine "
-        f"step against the same round's with checkpoints off (the two middle columns: medians over rounds); "
+        f"at and of commit `{rev}` (its modules read from git, run beside the other's on the same engine, "
+        f"each store in a folder of its own); "
+        f"{design} Per "
+        f"round and store, the mean engine step against the same round's with checkpoints off (the two "
+        f"middle columns: medians over rounds); "
         f"then the first store's ratio over `{rev}`'s in the same round (the median of those quotients, not "
         f"the quotient of the medians; below 1: it costs less), read against 1.",
         "",
@@ -66,7 +72,7 @@ def render_against(artefact: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _design(artefact: dict[str, Any], engines: str = "each a fresh engine") -> str:
+def _design(artefact: dict[str, Any], variants: str = "at each interval", warm_up: str = "a warm-up") -> str:
     """How the intervals were alternated: in blocks on one engine a round, or (an artefact from before
     blocks) a run each."""
     s = artefact["settings"]
@@ -76,14 +82,14 @@ def _design(artefact: dict[str, Any], engines: str = "each a fresh engine") -> s
             "checkpoints written by a real checkpoint store on its own thread while the engine steps on."
         )
     return (
-        f"{s['rounds']} rounds, {engines}: after a warm-up, {s['engine_steps']} engine steps at "
-        f"each interval, in blocks of {s['block']} alternated in rotated order; the checkpoints written, "
+        f"{s['rounds']} rounds, each a fresh engine: after {warm_up}, {s['engine_steps']} engine steps "
+        f"{variants}, in blocks of {s['block']} alternated in rotated order; the checkpoints written, "
         "and an answered request's removed, by a real checkpoint store on its own thread, which gathers "
         f"them for up to {artefact['store_batch_s']:g} s before it writes a batch; what it has left of a "
         "block's work "
         "when the block ends is waited for within the block (disk waits included, where served they would "
         "overlap later steps; in a block shorter than the gathering, every write); requests answered in a "
-        "block with checkpoints off have their removal made in the next block with them on."
+        "block without a store's checkpoints have their removal from it made in its next block."
     )
 
 
@@ -104,10 +110,17 @@ def _profile(artefact: dict[str, Any]) -> str:
 def _rounds(artefact: dict[str, Any], interval: int, store: str = "this") -> list[float]:
     """Each round's mean engine step at ``interval`` over the same round's with checkpoints off, with
     ``store`` (this commit's, or the commit's an ``--against`` artefact ran beside it)."""
-    runs = [r for r in artefact["runs"] if r.get("store", "this") == store]
-    off = {r["round"]: r["step_s_mean"] for r in runs if r["interval"] == 0}
+    runs = artefact["runs"]
+    # One off a round for every store (store None), or, in an artefact of a run per store, each one's own.
+    off = {
+        r["round"]: r["step_s_mean"]
+        for r in runs
+        if r["interval"] == 0 and r.get("store", "this") in (None, store)
+    }
     return [
-        r["step_s_mean"] / off[r["round"]] for r in runs if r["interval"] == interval and r["round"] in off
+        r["step_s_mean"] / off[r["round"]]
+        for r in runs
+        if r["interval"] == interval and r.get("store", "this") == store and r["round"] in off
     ]
 
 

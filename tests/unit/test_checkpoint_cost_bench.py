@@ -124,16 +124,104 @@ def test_a_round_alternates_the_intervals_in_blocks_each_timing_its_own_work(tmp
 
 
 def test_against_reads_each_round_s_ratio_to_off_with_one_store_over_the_other():
-    """``--against REV``: per round, this store's step at the interval over off, over REV's the same."""
-    runs = [
-        {"round": r, "store": store, "interval": interval, "step_s_mean": step}
+    """``--against REV``: per round, this store's step at the interval over off, over REV's the same: one
+    off a round (store None), or, in an artefact of a run per store, each store's own."""
+    shared = [
+        {"round": r, "store": store, "interval": interval, "step_s_mean": step * factor}
         for r, factor in ((0, 1.0), (1, 2.0))  # round 1 on a host twice as slow: the ratios do not change
-        for store, steps in (("this", {0: 1.0, 5: 1.01}), ("b1db203", {0: 1.0, 5: 1.04}))
-        for interval, step in ((0, steps[0] * factor), (5, steps[5] * factor))
+        for store, interval, step in ((None, 0, 1.0), ("this", 5, 1.01), ("b1db203", 5, 1.04))
     ]
-    ratios = checkpoint_cost.against_rounds(runs, 5, "b1db203")
+    ratios = checkpoint_cost.against_rounds(shared, 5, "b1db203")
     assert len(ratios) == 2 and all(abs(r - 1.01 / 1.04) < 1e-12 for r in ratios)
-    assert checkpoint_cost.against_rounds(runs, 1, "b1db203") == []  # an interval not run: no rounds
+    assert checkpoint_cost.against_rounds(shared, 1, "b1db203") == []  # an interval not run: no rounds
+    each = [
+        {"round": 0, "store": store, "interval": interval, "step_s_mean": step}
+        for store, steps in (("this", {0: 1.0, 5: 1.01}), ("b1db203", {0: 2.0, 5: 2.08}))
+        for interval, step in steps.items()
+    ]
+    (ratio,) = checkpoint_cost.against_rounds(each, 5, "b1db203")
+    assert abs(ratio - 1.01 / 1.04) < 1e-12
+
+
+def test_two_stores_alternate_block_by_block_with_off_each_taking_its_own_checkpoints(tmp_path, monkeypatch):
+    """With a second store: off, every 2 with this store and every 2 with the other alternate in blocks in
+    rotated order on one engine; a block's checkpoints go to its own store, which it waits for; every
+    answered request's checkpoints are removed from each store (at its next block, where another was on),
+    once; each store has its own folder."""
+    events: list[str] = []
+    bench = FakeBench(events)
+    real_engine = checkpoint_cost.StepEngine
+    removed: dict[str, list[str]] = {"this": [], "other": []}
+    folders: dict[str, Path] = {}
+
+    def engine(*args, **kwargs):
+        made = real_engine(*args, **kwargs)
+        real_step = made.step
+
+        def step():
+            events.append(f"step@{made.checkpoint_every}")
+            report = real_step()
+            events.extend(f"answered:{f.job.spec.checkpoint_key.removesuffix('.0')}" for f in report.finished)
+            return report
+
+        made.step = step
+        return made
+
+    def recording(name: str) -> type[CheckpointStore]:
+        class Recording(CheckpointStore):
+            def __init__(self, directory, *args) -> None:
+                folders[name] = directory
+                super().__init__(directory, *args)
+
+            def put(self, key, fields_hash, checkpoint) -> None:
+                events.append(f"put:{name}")
+                super().put(key, fields_hash, checkpoint)
+
+            def remove_request(self, resume_key) -> None:
+                removed[name].append(resume_key)
+                super().remove_request(resume_key)
+
+            def flush(self, timeout_s) -> bool:
+                events.append(f"flush:{name}")
+                return super().flush(timeout_s)
+
+        return Recording
+
+    monkeypatch.setattr(checkpoint_cost, "StepEngine", engine)
+    monkeypatch.setattr(
+        checkpoint_cost, "time", SimpleNamespace(perf_counter=lambda: events.append("time") or 0.0)
+    )
+    args = Namespace(running=4, steps=6, engine_steps=8, block=4)
+    stores = {"this": recording("this"), "other": recording("other")}
+    runs = checkpoint_cost.one_round(bench, [0, 2], args, tmp_path / "round", stores)
+
+    assert [(r["interval"], r["store"], r["engine_steps"]) for r in runs] == [
+        (0, None, 8),
+        (2, "this", 8),
+        (2, "other", 8),
+    ]
+    assert runs[0]["checkpoints"] == 0 and runs[1]["checkpoints"] > 0 and runs[2]["checkpoints"] > 0
+    assert folders["this"] != folders["other"]
+    times = [i for i, e in enumerate(events) if e == "time"]  # each block's start and end, after the warm-ups
+    starts, blocks = times[::2], [events[a + 1 : b] for a, b in zip(times[::2], times[1::2], strict=True)]
+    ran = []
+    for block in blocks:
+        (interval,) = {e for e in block if e.startswith("step@")}
+        puts = {e.removeprefix("put:") for e in block if e.startswith("put:")}
+        (flushed,) = [e.removeprefix("flush:") for e in block if e.startswith("flush:")]
+        assert block[-1].startswith("flush:")  # its store's work done inside the block
+        if interval == "step@0":
+            assert not puts
+            ran.append(None)
+        else:
+            assert puts == {flushed}  # its checkpoints, all to the store it waits for
+            ran.append(flushed)
+    assert ran == [None, "this", "other", "this", "other", None]  # rotated
+    for name in ("this", "other"):  # what was answered before its last block: removed from it, once
+        last = starts[len(ran) - 1 - ran[::-1].index(name)]
+        answered = {e.removeprefix("answered:") for e in events[:last] if e.startswith("answered:")}
+        assert answered and answered <= set(removed[name])
+        assert len(set(removed[name])) == len(removed[name])
 
 
 def test_the_store_of_a_commit_is_loaded_from_git_and_runs_beside_this_one(tmp_path, monkeypatch):
