@@ -45,6 +45,27 @@ def rotated_orders(variants: Sequence[T], rounds: int) -> list[list[T]]:
     return [[variants[(r + i) % n] for i in range(n)] for r in range(rounds)]
 
 
+def balanced_orders(variants: Sequence[T], rounds: int) -> list[list[T]]:
+    """The order of the variants in each round, each variant following each other equally often and in
+    each place equally often (a Williams design: over each ``n`` rounds for an even number ``n`` of
+    variants, each ``2n`` for an odd one, the second ``n`` the first reversed). For rounds run back to back
+    (blocks on one engine), where what one leaves behind (a disk's writeback, memory to free) falls on the
+    next: the carry-over then falls on every variant alike, where rotated orders put each variant after
+    the same one nearly always."""
+    n = len(variants)
+    offsets, low, high = [0], 1, n - 1  # 0, 1, n-1, 2, n-2, ...
+    while len(offsets) < n:
+        offsets.append(low)
+        low += 1
+        if len(offsets) < n:
+            offsets.append(high)
+            high -= 1
+    rows = [[(r + offset) % n for offset in offsets] for r in range(n)]
+    if n % 2:
+        rows += [row[::-1] for row in rows]
+    return [[variants[i] for i in rows[r % len(rows)]] for r in range(rounds)]
+
+
 def median_interval(values: Sequence[float], level: float = LEVEL) -> tuple[float, float, float] | None:
     """The sign test's interval for the median: ``(low, high, coverage)``, the k-th lowest and k-th highest
     values for the largest k whose coverage ``1 - 2 P(Binomial(n, 1/2) < k)`` is at least ``level``; None

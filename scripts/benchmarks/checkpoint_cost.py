@@ -13,14 +13,15 @@ folder, whose writer thread gathers them for up to ``checkpoint_store.BATCH_S`` 
 them; a request answered in a block with checkpoints off has its removal asked at the start of the next
 block with them on, so the folder holds what it would served).
 
-The intervals alternate in blocks of --block engine steps (off, every 1, every 5, then rotated: every 1,
-every 5, off, ...) on the same engine and jobs, so a drift of the host's speed between runs (other tenants
-on a shared machine) falls on every interval alike. A block's time holds its steps, with the snapshots and
-the hand-over, and then the wait for whatever the writer has left of its work. So what the writer does
-while the engine steps is counted as it competes with the steps for the cores, and what is left at the
-block's end is counted whole, disk waits included, as if the engine waited for it: in a block shorter than
-``BATCH_S`` that is every write. What a block leaves behind for the system (the kernel's writeback of the
-files, memory freed) may fall on the next block. Each round is a fresh engine, and every round is kept, so
+The intervals alternate in blocks of --block engine steps on the same engine and jobs (off, every 1, every 5,
+then every 1, every 5, off, ...: verdicts.balanced_orders, each interval after each other equally often), so a
+drift of the host's speed between runs (other tenants on a shared machine) falls on every interval alike, and
+so does what a block leaves to the next. A block's time holds its steps, with the snapshots and the hand-over,
+and then the wait for whatever the writer has left of its work. So what the writer does while the engine steps
+is counted as it competes with the steps for the cores, and what is left at the block's end is counted whole,
+disk waits included, as if the engine waited for it: in a block shorter than ``BATCH_S`` that is every write.
+What a block leaves behind for the system (the kernel's writeback of the files, memory freed) may fall on the
+next block: on each interval alike, by the order. Each round is a fresh engine, and every round is kept, so
 each ratio to ``off`` comes with its spread. Also recorded: bytes per checkpoint and checkpoints written.
 
     .venv/bin/python scripts/bench.py checkpoint-cost --out docs/cpu
@@ -29,7 +30,7 @@ each ratio to ``off`` comes with its spread. Also recorded: bytes per checkpoint
 
 ``--against REV`` also runs every interval with the checkpoint store as commit REV had it (its modules read
 from git and run beside this one's, on the same engine code): a round's variants are then checkpoints off
-and each interval with each store, alternated block by block in rotated order on one engine (each store
+and each interval with each store, alternated block by block in that order on one engine (each store
 in a folder of its own, warmed up in turn, the order of the warm-ups rotated by round), so the two stores
 meet the same drift of the host within a round. The artefact ``checkpoint_cost_against.json`` holds every
 variant's runs and, per interval and round, this store's ratio to off over REV's, so a change of the
@@ -51,7 +52,7 @@ from pathlib import Path
 
 import artefacts
 import torch
-from verdicts import rotated_orders
+from verdicts import balanced_orders
 
 from benchmarks.common import REPO_ROOT
 from benchmarks.inprocess import Bench, device_and_dtype, sync
@@ -107,8 +108,10 @@ STORE_MODULES = ("checkpoint_format", "checkpoint_files", "checkpoint_store")
 def store_at(rev: str) -> type[CheckpointStore]:
     """The checkpoint store class as commit ``rev`` had it: the store's modules (those ``rev`` has) from
     git, each run as a module of its own, importing ``rev``'s modules before it and this tree's others
-    (which must still have what it uses)."""
+    (which must still have what it uses, and be loaded already: one loaded while ``rev``'s modules stand
+    in for this tree's would keep them)."""
     saved: dict[str, types.ModuleType | None] = {}
+    loaded = set(sys.modules)
     try:
         for name in STORE_MODULES:
             path = f"{RECOVERY}/{name}.py"
@@ -124,6 +127,9 @@ def store_at(rev: str) -> type[CheckpointStore]:
             real = f"triton_diffusion.recovery.{name}"
             saved.setdefault(real, sys.modules.get(real))
             sys.modules[real] = module  # what ``rev``'s modules after it import
+            new = sorted(m for m in set(sys.modules) - loaded if m.startswith("triton_diffusion."))
+            if new:
+                raise SystemExit(f"{rev}:{path} loads {', '.join(new)}, not loaded before: import it first")
     finally:  # this tree's modules back for everyone else
         for real, original in saved.items():
             if original is None:
@@ -168,7 +174,7 @@ def one_round(
 ) -> list[dict]:
     """One running set stepped ``args.engine_steps`` engine steps at each variant (checkpoints off; each
     interval with each store, by default this tree's only), after a warm-up of a job's lifetime with each
-    store, in blocks of ``args.block`` steps, the variants alternated block by block in rotated order;
+    store, in blocks of ``args.block`` steps, the variants alternated block by block in a balanced order;
     each block ends waiting for its store's writes, counted in its time. A result per variant: its steps'
     mean time and checkpoints (off's store: None)."""
     stores = stores or {"this": CheckpointStore}
@@ -232,7 +238,7 @@ def one_round(
     seconds = dict.fromkeys(variants, 0.0)
     steps = dict.fromkeys(variants, 0)
     sizes: dict[tuple[int, str | None], list[int]] = {variant: [] for variant in variants}
-    for order in rotated_orders(variants, math.ceil(args.engine_steps / block)):
+    for order in balanced_orders(variants, math.ceil(args.engine_steps / block)):
         for variant in order:
             interval, name = variant
             engine.checkpoint_every = interval  # the engine reads it each step
@@ -321,6 +327,7 @@ def main(argv: list[str] | None = None) -> None:
         "dtype": str(dtype).removeprefix("torch."),
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "store_batch_s": BATCH_S,  # how long the store's writer gathers a batch
+        "block_order": "balanced",  # verdicts.balanced_orders (before: rotated orders)
         "runs": runs,
         "summary": summary,
         "wall_s": time.perf_counter() - started,

@@ -83,7 +83,7 @@ def _design(artefact: dict[str, Any], variants: str = "at each interval", warm_u
         )
     return (
         f"{s['rounds']} rounds, each a fresh engine: after {warm_up}, {s['engine_steps']} engine steps "
-        f"{variants}, in blocks of {s['block']} alternated in rotated order; the checkpoints written, "
+        f"{variants}, in blocks of {s['block']} alternated in {_order(artefact)}; the checkpoints written, "
         "and an answered request's removed, by a real checkpoint store on its own thread, which gathers "
         f"them for up to {artefact['store_batch_s']:g} s before it writes a batch; what it has left of a "
         "block's work "
@@ -91,6 +91,15 @@ def _design(artefact: dict[str, Any], variants: str = "at each interval", warm_u
         "overlap later steps; in a block shorter than the gathering, every write); requests answered in a "
         "block without a store's checkpoints have their removal from it made in its next block."
     )
+
+
+def _order(artefact: dict[str, Any]) -> str:
+    if artefact.get("block_order") == "balanced":
+        return (
+            "an order balanced for what a block leaves to the next (each variant after each other equally "
+            "often)"
+        )
+    return "rotated order"
 
 
 def _profile(artefact: dict[str, Any]) -> str:

@@ -10,6 +10,7 @@ from argparse import Namespace
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))  # the benchmarks' package
@@ -100,7 +101,7 @@ def test_a_round_alternates_the_intervals_in_blocks_each_timing_its_own_work(tmp
     assert runs[1]["bytes_per_checkpoint"] == 16  # four float32 latents
     # The first jobs' steps spread (their successors' finishes too), every later one of --steps.
     assert bench.steps[:4] == [2, 3, 5, 6] and set(bench.steps[4:]) == {6}
-    # The blocks, after the warm-up's steps (at the last interval) and its flush: rotated orders.
+    # The blocks, after the warm-up's steps (at the last interval) and its flush: balanced orders.
     timed = events[events.index("flushed") + 1 :]
     blocks = []
     while "time" in timed:
@@ -145,7 +146,7 @@ def test_against_reads_each_round_s_ratio_to_off_with_one_store_over_the_other()
 
 def test_two_stores_alternate_block_by_block_with_off_each_taking_its_own_checkpoints(tmp_path, monkeypatch):
     """With a second store: off, every 2 with this store and every 2 with the other alternate in blocks in
-    rotated order on one engine; a block's checkpoints go to its own store, which it waits for; every
+    a balanced order on one engine; a block's checkpoints go to its own store, which it waits for; every
     answered request's checkpoints are removed from each store (at its next block, where another was on),
     once; each store has its own folder."""
     events: list[str] = []
@@ -216,7 +217,7 @@ def test_two_stores_alternate_block_by_block_with_off_each_taking_its_own_checkp
         else:
             assert puts == {flushed}  # its checkpoints, all to the store it waits for
             ran.append(flushed)
-    assert ran == [None, "this", "other", "this", "other", None]  # rotated
+    assert ran == [None, "this", "other", "this", "other", None]  # balanced_orders' first two
     for name in ("this", "other"):  # what was answered before its last block: removed from it, once
         last = starts[len(ran) - 1 - ran[::-1].index(name)]
         answered = {e.removeprefix("answered:") for e in events[:last] if e.startswith("answered:")}
@@ -243,6 +244,7 @@ def test_the_store_of_a_commit_is_loaded_from_git_and_runs_beside_this_one(tmp_p
     assert module.serialise.__module__ == "checkpoint_format_at_b1db203"
     assert module.FileWriter.__module__ == "checkpoint_files_at_b1db203"
     assert {name: sys.modules[f"triton_diffusion.recovery.{name}"] for name in real} == real  # put back
+
     store = loaded(tmp_path / "c", 1 << 20, 3600.0)
     try:
         store.put("0123456789abcdef", "h", JobCheckpoint(1, {"latents": torch.ones(2)}, {}))
@@ -250,3 +252,22 @@ def test_the_store_of_a_commit_is_loaded_from_git_and_runs_beside_this_one(tmp_p
         assert stored is not None and stored.checkpoint.step == 1
     finally:
         store.close()
+
+
+def test_a_commit_s_store_that_loads_a_module_not_loaded_yet_is_refused(monkeypatch):
+    """Such a module would import the commit's format in place of this tree's for good."""
+    unloaded = "triton_diffusion.codecs.video"
+    monkeypatch.delitem(sys.modules, unloaded, raising=False)
+
+    def git_show(command, **_):
+        path = command[-1].split(":", 1)[1]
+        source = (checkpoint_cost.REPO_ROOT / path).read_text()
+        if path.endswith("checkpoint_store.py"):
+            source += f"\nimport {unloaded}\n"
+        return SimpleNamespace(stdout=source, returncode=0)
+
+    monkeypatch.setattr(checkpoint_cost.subprocess, "run", git_show)
+    real = sys.modules["triton_diffusion.recovery.checkpoint_format"]
+    with pytest.raises(SystemExit, match=unloaded):
+        checkpoint_cost.store_at("b1db203")
+    assert sys.modules["triton_diffusion.recovery.checkpoint_format"] is real

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import struct
+import sys
 
 import pytest
 import safetensors.torch
@@ -28,6 +29,7 @@ def tensors_of(dtype: torch.dtype) -> dict[str, torch.Tensor]:
     if dtype == torch.bool:
         values = values > 0
     return {
+        'scheduler.name "quoted" \\ é': values[:5].to(dtype).clone(),  # escaped in the JSON header
         "latents": values.to(dtype).reshape(2, 3, 4).clone(),
         "scheduler.final": values[7].to(dtype).clone(),
         "scheduler.empty": values[:0].to(dtype).clone(),
@@ -66,9 +68,46 @@ def test_a_checkpoint_reads_back_through_the_library_as_the_library_s_own_file(d
     assert length % 8 == 0
 
 
-def test_a_checkpoint_s_file_is_the_library_s_size_for_the_same_contents():
-    tensors = tensors_of(torch.bfloat16)
-    data = serialise(KEY, "hash", JobCheckpoint(1, tensors, {}), 0.0)
+def header_of(data: bytes) -> tuple[int, dict]:
     (length,) = struct.unpack("<Q", data[:8])
-    payload = sum(t.numel() * t.element_size() for t in tensors.values())
-    assert len(data) == 8 + length + payload  # nothing after the tensors' bytes
+    return length, json.loads(data[8 : 8 + length])
+
+
+def test_a_checkpoint_s_tensors_take_the_bytes_of_the_library_s_file_each_aligned_to_its_dtype():
+    tensors = {
+        **{f"u8.{name}": t for name, t in tensors_of(torch.uint8).items()},
+        **{f"f64.{name}": t for name, t in tensors_of(torch.float64).items()},
+        **{f"bf16.{name}": t for name, t in tensors_of(torch.bfloat16).items()},
+    }
+    data = serialise(KEY, "hash", JobCheckpoint(1, tensors, {}), 0.0)
+    length, header = header_of(data)
+    library = safetensors.torch.save({name: t.contiguous() for name, t in tensors.items()})
+    library_length, _ = header_of(library)
+    assert len(data) - 8 - length == len(library) - 8 - library_length  # the same payload, nothing after
+    for name, entry in header.items():
+        if name != "__metadata__":  # the payload starts 8-aligned: each tensor on a multiple of its size
+            assert entry["data_offsets"][0] % tensors[name].element_size() == 0, name
+
+
+def test_a_tensor_named_as_the_metadata_is_refused():
+    with pytest.raises(ValueError, match="__metadata__"):
+        serialise(KEY, "hash", JobCheckpoint(1, {"__metadata__": torch.zeros(2)}, {}), 0.0)
+
+
+def test_on_a_big_endian_host_the_library_writes_the_file(monkeypatch):
+    written = []
+    real = safetensors.torch.save
+
+    def save(tensors, metadata=None):
+        written.append(sorted(tensors))
+        return real(tensors, metadata=metadata)
+
+    monkeypatch.setattr(safetensors.torch, "save", save)
+    tensors = tensors_of(torch.float32)
+    serialise(KEY, "hash", JobCheckpoint(1, tensors, {}), 0.0)
+    assert written == []  # this host's own bytes are little-endian: written here
+    # Said, not made, big-endian: the library then swaps this host's little-endian bytes, so the file is
+    # not read back here (on a big-endian host its reader swaps them back).
+    monkeypatch.setattr(sys, "byteorder", "big")
+    serialise(KEY, "hash", JobCheckpoint(1, tensors, {}), 0.0)
+    assert written == [sorted(tensors)]

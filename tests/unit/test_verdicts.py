@@ -5,13 +5,14 @@ rounds. The cases the old readings got wrong are here by name."""
 from __future__ import annotations
 
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 
-from verdicts import median_interval, rotated_orders, verdict  # noqa: E402
+from verdicts import balanced_orders, median_interval, rotated_orders, verdict  # noqa: E402
 
 
 def test_the_flux_mixed_sizes_rounds_never_read_as_met_or_within_noise():
@@ -69,6 +70,27 @@ def test_rotated_orders_put_each_variant_first_equally_often():
     three = rotated_orders(["A", "B", "C"], 3)
     assert [order[0] for order in three] == ["A", "B", "C"]
     assert sorted(map(tuple, three)) == sorted({tuple(o) for o in three})
+
+
+def carry_over(orders: list[list[str]]) -> tuple[Counter, Counter]:
+    """How often each variant follows each other within a round, and runs in each place."""
+    follows = Counter((a, b) for order in orders for a, b in zip(order, order[1:], strict=False))
+    places = Counter((i, v) for order in orders for i, v in enumerate(order))
+    return follows, places
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 6])
+def test_balanced_orders_put_each_variant_after_each_other_and_in_each_place_equally_often(n):
+    variants = [chr(ord("A") + i) for i in range(n)]
+    cycle = n if n % 2 == 0 else 2 * n
+    orders = balanced_orders(variants, cycle)
+    follows, places = carry_over(orders)
+    assert set(follows) == {(a, b) for a in variants for b in variants if a != b}
+    assert len(set(follows.values())) == 1 and len(set(places.values())) == 1
+    assert all(sorted(order) == variants for order in orders)
+    assert balanced_orders(variants, 2 * cycle) == orders + orders  # then over again
+    if n > 2:  # what they mend: rotated orders put each variant after the same one nearly always
+        assert len(carry_over(rotated_orders(variants, cycle))[0]) < n * (n - 1)
 
 
 def test_an_interval_bound_near_the_target_never_reads_as_the_target():

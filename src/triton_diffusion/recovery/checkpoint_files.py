@@ -6,17 +6,16 @@ finds the old checkpoint or the new one, never half of one.
 
 The hidden file is a spare where there is one: a file a rename replaced, or a removal retired, kept under a
 hidden name and written over in place, rather than a new file each time. Before the rename, the file the key
-names gets a second, spare name (a hard link), so the rename replaces a name, never a file that anything
-still needs. Why: ext4 (``auto_da_alloc``) starts writing back at once a new file renamed over another, and
-creating a file allocates an inode; a spare's blocks and inode are already there. What a checkpoint costs
-an engine step, and this store beside an earlier one (``--against``): ``scripts/bench.py checkpoint-cost``
-(docs/performance/cpu.md). The price: nothing is synced to disk (data written over in place is not
-ordered before the rename, which an fsync of the folder would not change), so after a host crash (not a
-process's) the
-checkpoints of about the last half minute (the kernel writes dirty pages back once they are 30 s old, by
-default) may be lost, and with them the previous ones, whose files had become spares: a file that is not
-a whole checkpoint of its key fails its digest or its key check; one that is a whole older checkpoint of
-its key is resumed from (exact too).
+names gets a second, spare name (a hard link), so the rename replaces a name, never a file that anything still
+needs. Why: ext4 (``auto_da_alloc``) starts writing back at once a new file renamed over another, and creating
+a file allocates an inode; a spare's blocks and inode are already there. What a checkpoint costs an engine
+step, and this store beside an earlier one (``--against``): ``scripts/bench.py checkpoint-cost``
+(docs/performance/cpu.md). The price: data written over in place is not ordered before the rename (and an
+fsync of the directory, which the store does after a batch with a new file, does not make it durable), so
+after a host crash (not a process's) the checkpoints of about the last half minute (the kernel writes dirty
+pages back once they are 30 s old, by default) may be lost, and with them the previous ones, whose files had
+become spares: a file that is not a whole checkpoint of its key fails its digest or its key check; one that is
+a whole older checkpoint of its key is resumed from (exact too).
 
 Spares are at most ``SPARES_MOST`` files and ``spare_bytes`` bytes; they are hidden temporary files
 (``.spare-<random>.tmp``: never a checkpoint's name), deleted at close; a crash's are leftovers, which the
@@ -48,11 +47,13 @@ class FileWriter:
         self._spares: list[tuple[Path, int]] = []  # a spare file and its size, newest last
         self._held = 0  # bytes the spares hold
 
-    def write(self, path: Path, data: bytes, created: float, hidden_name: str) -> None:
+    def write(self, path: Path, data: bytes, created: float, hidden_name: str) -> bool:
         """``data`` to ``path``, its modification time ``created``: into a spare (or a new hidden file
         ``.<hidden_name>.<random>.tmp``), then renamed onto ``path``; the file it replaces becomes a spare.
-        Raises OSError where it cannot (``path`` then holds what it held)."""
-        temporary, fd, size = self._open_spare() or self._create(hidden_name)
+        Whether it wrote a new file (not a spare). Raises OSError where it cannot (``path`` then holds what
+        it held)."""
+        spare = self._open_spare()
+        temporary, fd, size = spare or self._create(hidden_name)
         try:
             try:
                 view = memoryview(data)
@@ -78,6 +79,7 @@ class FileWriter:
                 raise
         if old is not None:  # now its only name
             self._keep(*old)
+        return spare is None
 
     def retire(self, path: Path, size: int) -> None:
         """Remove the regular file at ``path`` (``size`` bytes): kept as a spare while there is room, else
@@ -197,6 +199,20 @@ def names_other(path: Path, read: Identity) -> bool:
     except FileNotFoundError:
         return True
     return identity(entry) != read
+
+
+def fsync_directory(directory: Path) -> None:
+    """The renames made durable (where the platform can open a directory)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def _unlink(path: Path) -> None:

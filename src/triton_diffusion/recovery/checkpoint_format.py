@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,21 +87,26 @@ def serialise(key: str, fields_hash: str, checkpoint: JobCheckpoint, created: fl
     rows = _rows(checkpoint.tensors)  # each tensor's bytes taken once, for the digest and the file
     header["sha256"] = _digest(header, rows)
     metadata = {"checkpoint": json.dumps(header)}
-    if all(tensor.dtype in SAFETENSORS_DTYPES for _, tensor, _ in rows):
-        return _safetensors(rows, metadata)
+    # Bytes as this host orders them: the library's file on a big-endian host (it swaps them).
+    if sys.byteorder == "little" and all(tensor.dtype in SAFETENSORS_DTYPES for _, tensor, _ in rows):
+        # The wider dtypes first, as the library lays them out: each tensor's bytes aligned to its dtype
+        # (the digest holds them in name order, whatever the file's).
+        return _safetensors(sorted(rows, key=lambda row: (-row[1].element_size(), row[0])), metadata)
     return safetensors.torch.save({name: tensor for name, tensor, _ in rows}, metadata=metadata)
 
 
 def _safetensors(rows: list[Row], metadata: dict[str, str]) -> bytes:
     """The safetensors file of ``rows``: the header's length (8 bytes, little-endian), the header (JSON:
     the metadata, then each tensor's dtype, shape and byte range in the data), padded with spaces to a
-    multiple of 8 bytes as the library pads it, then the tensors' bytes. Written here because
-    ``safetensors.torch.save``'s own work per call (a pointer and a reference per tensor, the file built
-    and then copied into ``bytes``) was most of a small checkpoint's serialisation; read back by the library
-    (:func:`parse`), which checks the header and the byte ranges."""
+    multiple of 8 bytes as the library pads it, then the tensors' bytes. Written here, where
+    ``safetensors.torch.save`` would take each tensor's bytes again (the digest has them) and copy the
+    whole file once more into ``bytes``; read back by the library (:func:`parse`), which checks the header
+    and the byte ranges."""
     header: dict[str, Any] = {"__metadata__": metadata}
     offset = 0
     for name, tensor, data in rows:
+        if name in header:  # the metadata's own name would replace it
+            raise ValueError(f"a tensor named {name!r}")
         dtype = SAFETENSORS_DTYPES[tensor.dtype]
         header[name] = {
             "dtype": dtype,

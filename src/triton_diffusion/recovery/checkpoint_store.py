@@ -15,11 +15,13 @@ its images where they were.
   written in full under a hidden name in the same directory and renamed onto the key's name, so a reader,
   or a process that dies, finds the old checkpoint or the new one, never half of one (the hidden file is
   a spare where there is one: recovery/checkpoint_files.py says why; a leftover hidden file is removed by
-  a later sweep once old). Nothing is fsynced: checkpoints guard against a stub or server process dying,
-  which the page cache survives; after a host crash the checkpoints of the last half minute may be lost
-  (checkpoint_files.py): a file that is not a whole checkpoint of its key fails its digest or its key
-  check, is deleted, and its request starts over (exact, only slower). (An fsync of the folder would make
-  the renames durable but not the bytes written in place into spares, so it would save no checkpoint.)
+  a later sweep once old). A batch that wrote a new file (no spare was free) ends with one fsync of the
+  directory, which on ext4 (data=ordered) makes such a file durable with its rename; a batch written into
+  spares only is not synced, as a directory's fsync would not make bytes written over in place durable.
+  Checkpoints guard against a stub or server process dying, which the page cache survives; after a host
+  crash the checkpoints of the last half minute may be lost (checkpoint_files.py): a file that is not a
+  whole checkpoint of its key fails its digest or its key check, is deleted, and its request starts over
+  (exact, only slower).
 - Bounded: after each batch the oldest files go until the directory holds at most ``max_bytes``; files
   older than ``ttl_s`` are dropped, swept at start and then at most every ``SWEEP_S`` (a file's
   modification time is set to its ``created`` time by the store's clock, so age and order survive a
@@ -57,6 +59,7 @@ from triton_diffusion.recovery.checkpoint_files import (
     TEMPORARY,
     FileWriter,
     Identity,
+    fsync_directory,
     identity,
     names_other,
     read_regular,
@@ -141,6 +144,7 @@ class CheckpointStore:
         self._hung: threading.Thread | None = None  # a folder call that did not return within FOLDER_S
         self._hung_lock = threading.Lock()
         self._file_writer = FileWriter(self.directory, max_bytes // 4, self._files)  # the writer thread's
+        self._new_files = False  # the writer thread's: whether its batch wrote a new file (not a spare)
         self.sweep()
         self._thread = threading.Thread(target=self._write_loop, name="checkpoint-writer", daemon=True)
         self._thread.start()
@@ -401,13 +405,17 @@ class CheckpointStore:
                         self._delete(path, retire=True)
 
     def _write(self, batch: dict[str, tuple[str, JobCheckpoint, float]]) -> None:
-        """Each checkpoint of the batch to its file, then one eviction."""
+        """Each checkpoint of the batch to its file, then, where one went into a new file, one fsync of the
+        directory, and one eviction."""
         written = []
+        self._new_files = False
         try:
             for key, (fields_hash, checkpoint, created) in batch.items():
                 if self._write_one(key, fields_hash, checkpoint, created):
                     written.append(self._path(key))
-        finally:  # what was written is counted, whatever failed after it
+        finally:  # what was written is made durable where it can be and counted, whatever failed after it
+            if self._new_files:
+                fsync_directory(self.directory)
             if written:
                 with self._files:
                     self._evict(keep=frozenset(written))
@@ -421,7 +429,8 @@ class CheckpointStore:
                 return self._lost(key, f"one checkpoint takes {len(data)} bytes, above checkpoint_max_mb")
             # Outside the files' lock but for its renames: a reader of this key waits for its write, and of
             # another key reads its own file.
-            self._file_writer.write(self._path(key), data, created, key)
+            if self._file_writer.write(self._path(key), data, created, key):
+                self._new_files = True
         except Exception as exc:  # noqa: BLE001  (one lost checkpoint is a slower resume, not a failure)
             return self._lost(key, f"the write failed ({type(exc).__name__}: {str(exc)[:120]})")
         with self._changed:
