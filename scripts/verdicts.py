@@ -98,15 +98,19 @@ class Verdict:
     def interval(self) -> str:
         if self.low is None or self.high is None:
             return f"{self.rounds} round{'s' * (self.rounds != 1)}: no 90% interval"
-        return f"90% interval {self._shown(self.low)}-{self._shown(self.high)}"
+        return f"90% interval {self._shown(self.low, low=True)}-{self._shown(self.high, low=False)}"
 
-    def _shown(self, value: float) -> str:
+    def _shown(self, value: float, low: bool) -> str:
         """``value`` to 3 significant digits, or more where 3 would read as the target's bound (without a
-        target: 1 or 0) though it is not: 1.0151 against "<= 1.02" reads 1.015, not 1.02."""
+        target: 1 or 0) though it is not: 1.0151 against "<= 1.02" reads 1.015, not 1.02; or would put the
+        interval's low bound above its median or its high bound below it: 1.007 below a median of 1.009
+        reads 1.007, not 1.01."""
         marks = [_parse(self.target)[1]] if self.target and self.target != "-" else [1.0, 0.0]
         text = f"{value:.3g}"
         for digits in range(4, 8):
-            if value in marks or float(text) not in marks:
+            misread = value not in marks and float(text) in marks
+            crosses = float(text) > self.median if low else float(text) < self.median
+            if not misread and not crosses:
                 break
             text = f"{value:.{digits}g}"
         return text

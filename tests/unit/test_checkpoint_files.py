@@ -1,7 +1,7 @@
 """The checkpoint store's file work (recovery/checkpoint_files.py) through the store: spare files written
 over in place instead of a new file per checkpoint, never one that another name still shares, bounded,
-deleted at close, a dead store's swept once old; and a read that a write or removal raced is not taken for
-damage."""
+deleted at close, a dead store's swept once old, a larger one cut to size, the folder fsynced only after a
+new file; and a read that a write or removal raced is not taken for damage."""
 
 from __future__ import annotations
 
@@ -294,3 +294,15 @@ def test_a_file_s_identity_tells_apart_a_rewrite_the_change_time_may_not():
 
     assert checkpoint_files.identity(entry(1)) == checkpoint_files.identity(entry(1))
     assert checkpoint_files.identity(entry(2)) != checkpoint_files.identity(entry(1))  # one tick of ctime
+
+
+def test_the_folder_is_fsynced_after_a_batch_that_wrote_a_new_file_only(store, monkeypatch):
+    synced: list[Path] = []
+    monkeypatch.setattr(checkpoint_store, "fsync_directory", synced.append)
+    for step in (1, 2, 3):
+        store.put(KEY, "h", checkpoint(step))
+        assert store.flush(5)
+    # Steps 1 and 2 into new files (no spare yet); step 3 into step 1's file, a spare since step 2.
+    assert synced == [store.directory] * 2
+    stored = store.get(KEY)
+    assert stored is not None and stored.checkpoint.step == 3

@@ -569,18 +569,6 @@ def test_checkpoints_pending_together_are_written_as_one_batch(store, monkeypatc
     assert store.bytes_used == sum(p.stat().st_size for p in store.directory.glob("*.safetensors"))
 
 
-def test_the_folder_is_fsynced_after_a_batch_that_wrote_a_new_file_only(store, monkeypatch):
-    synced: list[Path] = []
-    monkeypatch.setattr(checkpoint_store, "fsync_directory", synced.append)
-    for step in (1, 2, 3):
-        store.put(KEY, "h", checkpoint(step))
-        assert store.flush(5)
-    # Steps 1 and 2 into new files (no spare yet); step 3 into step 1's file, a spare since step 2.
-    assert synced == [store.directory] * 2
-    stored = store.get(KEY)
-    assert stored is not None and stored.checkpoint.step == 3
-
-
 def test_expired_checkpoints_are_swept_before_a_batch_at_most_every_sweep_s(store, clock):
     store.put(f"{KEY}.0", "h", checkpoint(1))
     assert store.flush(5)

@@ -72,6 +72,19 @@ def test_rotated_orders_put_each_variant_first_equally_often():
     assert sorted(map(tuple, three)) == sorted({tuple(o) for o in three})
 
 
+def test_an_interval_bound_never_reads_past_the_median_it_holds():
+    """A bound that 3 significant digits would put on the median's other side gets more digits: the
+    tiny SD's checkpoint rounds every 5 steps (15 rounds, median 1.009, low bound 1.007)."""
+    ratios = [0.969, 0.982, 1.005, 1.007, 1.007, 1.007, 1.009, 1.009, 1.017, 1.02, 1.022, 1.03, 1.031, 1.042]
+    found = verdict([*ratios, 1.058], "<= 1.02")
+    assert (found.median, found.low) == (1.009, 1.007)
+    assert "90% interval 1.007-1.03" in str(found)  # not 1.01-1.03 beside a median of 1.009
+    near = [0.99, 0.995, 1.0, 1.005, 1.008, 1.009, 1.01, 1.0112, 1.0113, 1.0113, 1.0113, 1.0114, 1.02, 1.03]
+    high = verdict([*near, 1.04], "<= 1.02")  # a high bound of 1.0114 above a median of 1.0112
+    assert (high.median, high.high) == (1.0112, 1.0114)
+    assert "90% interval 1-1.0114)" in str(high)  # not 1-1.01, nor 1-1.011
+
+
 def carry_over(orders: list[list[str]]) -> tuple[Counter, Counter]:
     """How often each variant follows each other within a round, and runs in each place."""
     follows = Counter((a, b) for order in orders for a, b in zip(order, order[1:], strict=False))
