@@ -2,9 +2,10 @@
 interval, and a verdict from where that interval lies.
 
 Every benchmark that reads a verdict runs its variants in rotated order (:func:`rotated_orders`: A B, B A,
-A B, ... or A B C, B C A, C A B, ...), so drift of the machine during a run falls on each variant alike
-(exactly alike when the rounds are a multiple of the variants), and stores each round's figure (a ratio
-of two variants measured in the same round). From those rounds:
+A B, ... or A B C, B C A, C A B, ...), or, where they run as blocks back to back on one engine
+(checkpoint-cost), in balanced orders (:func:`balanced_orders`), so drift of the machine during a run
+falls on each variant alike (exactly alike when the rounds are a multiple of the variants), and stores
+each round's figure (a ratio of two variants measured in the same round). From those rounds:
 
 - the **median**, and a **90% interval** for it from the sign test (order statistics: the k-th lowest and
   the k-th highest round, k the largest for which the interval covers the median with at least 90%
@@ -46,12 +47,13 @@ def rotated_orders(variants: Sequence[T], rounds: int) -> list[list[T]]:
 
 
 def balanced_orders(variants: Sequence[T], rounds: int) -> list[list[T]]:
-    """The order of the variants in each round, each variant following each other equally often and in
-    each place equally often (a Williams design: over each ``n`` rounds for an even number ``n`` of
-    variants, each ``2n`` for an odd one, the second ``n`` the first reversed). For rounds run back to back
-    (blocks on one engine), where what one leaves behind (a disk's writeback, memory to free) falls on the
-    next: the carry-over then falls on every variant alike, where rotated orders put each variant after
-    the same one nearly always."""
+    """The order of the variants in each round, each variant following each other equally often within
+    the orders and in each place equally often (a Williams design: over each ``n`` rounds for an even
+    number ``n`` of variants, each ``2n`` for an odd one, the second ``n`` the first reversed). For rounds
+    run back to back (blocks on one engine), where what one leaves behind (a disk's writeback, memory to
+    free) falls on the next: within the orders of each whole cycle, that carry-over falls on every variant
+    alike, where rotated orders put each variant after the same one nearly always. Not balanced: the joins
+    between one order and the next (a variant may follow itself there), and a last, partial cycle."""
     n = len(variants)
     offsets, low, high = [0], 1, n - 1  # 0, 1, n-1, 2, n-2, ...
     while len(offsets) < n:
@@ -100,7 +102,13 @@ class Verdict:
             return f"{self.rounds} round{'s' * (self.rounds != 1)}: no 90% interval"
         return f"90% interval {self._shown(self.low, low=True)}-{self._shown(self.high, low=False)}"
 
-    def _shown(self, value: float, low: bool) -> str:
+    @property
+    def shown_median(self) -> str:
+        """The median as the bounds are printed: 3 significant digits, more where 3 would read as the
+        target's bound (without a target: 1 or 0) though it is not: 1.0152 against "<= 1.02" reads 1.015."""
+        return self._shown(self.median, low=None)
+
+    def _shown(self, value: float, low: bool | None) -> str:
         """``value`` to 3 significant digits, or more where 3 would read as the target's bound (without a
         target: 1 or 0) though it is not: 1.0151 against "<= 1.02" reads 1.015, not 1.02; or would put the
         interval's low bound above its median or its high bound below it: 1.007 below a median of 1.009
@@ -109,7 +117,7 @@ class Verdict:
         text = f"{value:.3g}"
         for digits in range(4, 8):
             misread = value not in marks and float(text) in marks
-            crosses = float(text) > self.median if low else float(text) < self.median
+            crosses = low is not None and (float(text) > self.median if low else float(text) < self.median)
             if not misread and not crosses:
                 break
             text = f"{value:.{digits}g}"

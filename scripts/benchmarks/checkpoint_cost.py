@@ -14,15 +14,17 @@ them; a request answered in a block with checkpoints off has its removal asked a
 block with them on, so the folder holds what it would served).
 
 The intervals alternate in blocks of --block engine steps on the same engine and jobs (off, every 1, every 5,
-then every 1, every 5, off, ...: verdicts.balanced_orders, each interval after each other equally often), so a
-drift of the host's speed between runs (other tenants on a shared machine) falls on every interval alike, and
-so does what a block leaves to the next. A block's time holds its steps, with the snapshots and the hand-over,
-and then the wait for whatever the writer has left of its work. So what the writer does while the engine steps
-is counted as it competes with the steps for the cores, and what is left at the block's end is counted whole,
-disk waits included, as if the engine waited for it: in a block shorter than ``BATCH_S`` that is every write.
-What a block leaves behind for the system (the kernel's writeback of the files, memory freed) may fall on the
-next block: on each interval alike, by the order. Each round is a fresh engine, and every round is kept, so
-each ratio to ``off`` comes with its spread. Also recorded: bytes per checkpoint and checkpoints written.
+then every 1, every 5, off, ...: verdicts.balanced_orders: within the orders of each whole cycle, each
+interval after each other equally often), so a drift of the host's speed between runs (other tenants on a
+shared machine) falls on every interval alike, and so, but for the joins between orders, does what a block
+leaves to the next. A block's time holds its steps, with the snapshots and the hand-over, and then the wait
+for whatever the writer has left of its work. So what the writer does while the engine steps is counted as it
+competes with the steps for the cores, and what is left at the block's end is counted whole, disk waits
+included, as if the engine waited for it: in a block shorter than ``BATCH_S`` that is every write. What a
+block leaves behind for the system (the kernel's writeback of the files, memory freed) may fall on the next
+block: on each interval alike within the orders, by their balance. Each round is a fresh engine, and every
+round is kept, so each ratio to ``off`` comes with its spread. Also recorded: bytes per checkpoint and
+checkpoints written.
 
     .venv/bin/python scripts/bench.py checkpoint-cost --out docs/cpu
     .venv/bin/python scripts/bench.py checkpoint-cost --device-profile sd15-h100 --size 512 \
@@ -30,7 +32,7 @@ each ratio to ``off`` comes with its spread. Also recorded: bytes per checkpoint
 
 ``--against REV`` also runs every interval with the checkpoint store as commit REV had it (its modules read
 from git and run beside this one's, on the same engine code): a round's variants are then checkpoints off
-and each interval with each store, alternated block by block in that order on one engine (each store
+and each interval with each store, alternated block by block in balanced orders on one engine (each store
 in a folder of its own, warmed up in turn, the order of the warm-ups rotated by round), so the two stores
 meet the same drift of the host within a round. The artefact ``checkpoint_cost_against.json`` holds every
 variant's runs and, per interval and round, this store's ratio to off over REV's, so a change of the

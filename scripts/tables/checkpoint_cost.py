@@ -96,8 +96,8 @@ def _design(artefact: dict[str, Any], variants: str = "at each interval", warm_u
 def _order(artefact: dict[str, Any]) -> str:
     if artefact.get("block_order") == "balanced":
         return (
-            "an order balanced for what a block leaves to the next (each variant after each other equally "
-            "often)"
+            "orders balanced for what a block leaves to the next (within the orders of each whole cycle, "
+            "each variant after each other equally often; not at the joins between orders)"
         )
     return "rotated order"
 

@@ -69,7 +69,8 @@ def _rounds_row(
     rounds = [r for r in rounds if r is not None]
     found = verdict(rounds, target or None, higher_is_better)
     middle = median(rounds)
-    shown = "inf" if math.isinf(middle) else number(middle)  # a ratio over nothing, not a missed time
+    # A ratio over nothing, not a missed time; else the median as the interval prints its bounds.
+    shown = "inf" if math.isinf(middle) else found.shown_median
     return [what, compared, f"**{shown}**", target or "-", str(found), date]
 
 

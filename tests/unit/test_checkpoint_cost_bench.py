@@ -50,11 +50,12 @@ class FakeBench:
 
 
 def test_a_round_alternates_the_intervals_in_blocks_each_timing_its_own_work(tmp_path, monkeypatch):
-    """Intervals 0, 1 and 3, 10 engine steps each in blocks of 4 after a warm-up of 6, on a clock each
+    """Intervals 0, 1 and 3, 14 engine steps each in blocks of 4 after a warm-up of 6, on a clock each
     engine step advances by 1 + the interval then set: every block is timed from before its first step to
     after the store has done what its steps left (the flush), at one interval throughout, so each
     interval's mean step is exactly its own; checkpoints are taken, and answered requests' checkpoints
-    removed, only where the interval is not 0 (those answered with it 0 at the next such block's start)."""
+    removed, only where the interval is not 0 (those answered with it 0 at the next such block's start);
+    the blocks in balanced orders (the fourth reversed, where rotated orders start over)."""
     events: list[str] = []  # what happened, in order: step@<interval>, checkpoint, remove@<interval>, ...
     bench = FakeBench(events)
     clock = [0.0]
@@ -92,10 +93,10 @@ def test_a_round_alternates_the_intervals_in_blocks_each_timing_its_own_work(tmp
     monkeypatch.setattr(store_class, "remove_request", remove_request)
     monkeypatch.setattr(store_class, "flush", flush)
     monkeypatch.setattr(checkpoint_cost, "time", SimpleNamespace(perf_counter=perf_counter))
-    args = Namespace(running=4, steps=6, engine_steps=10, block=4)
+    args = Namespace(running=4, steps=6, engine_steps=14, block=4)
     runs = checkpoint_cost.one_round(bench, [0, 1, 3], args, tmp_path / "round")
 
-    assert [(run["interval"], run["engine_steps"]) for run in runs] == [(0, 10), (1, 10), (3, 10)]
+    assert [(run["interval"], run["engine_steps"]) for run in runs] == [(0, 14), (1, 14), (3, 14)]
     assert [run["step_s_mean"] for run in runs] == [1.0, 2.0, 4.0]  # each block's time its own steps'
     assert runs[0]["checkpoints"] == 0 and runs[1]["checkpoints"] > runs[2]["checkpoints"] > 0
     assert runs[1]["bytes_per_checkpoint"] == 16  # four float32 latents
@@ -110,8 +111,8 @@ def test_a_round_alternates_the_intervals_in_blocks_each_timing_its_own_work(tmp
         blocks.append(timed[start + 1 : end])
         timed = timed[end + 1 :]
     steps = [[e for e in block if e.startswith("step@")] for block in blocks]
-    assert [block[0] for block in steps] == [f"step@{i}" for i in (0, 1, 3, 1, 3, 0, 3, 0, 1)]
-    assert [len(block) for block in steps] == [4] * 6 + [2] * 3  # 10 steps each: the last blocks short
+    assert [block[0] for block in steps] == [f"step@{i}" for i in (0, 1, 3, 1, 3, 0, 3, 0, 1, 3, 1, 0)]
+    assert [len(block) for block in steps] == [4] * 9 + [2] * 3  # 14 steps each: the last blocks short
     assert all(block == block[:1] * len(block) for block in steps)
     assert all(block[-1] == "flushed" for block in blocks)  # the store's work is done inside the block
     for block, stepped in zip(blocks, steps, strict=True):  # checkpoints, removals: only with them on
@@ -179,6 +180,7 @@ def test_two_stores_alternate_block_by_block_with_off_each_taking_its_own_checkp
                 super().put(key, fields_hash, checkpoint)
 
             def remove_request(self, resume_key) -> None:
+                events.append(f"remove:{name}")
                 removed[name].append(resume_key)
                 super().remove_request(resume_key)
 
@@ -205,17 +207,20 @@ def test_two_stores_alternate_block_by_block_with_off_each_taking_its_own_checkp
     assert folders["this"] != folders["other"]
     times = [i for i, e in enumerate(events) if e == "time"]  # each block's start and end, after the warm-ups
     starts, blocks = times[::2], [events[a + 1 : b] for a, b in zip(times[::2], times[1::2], strict=True)]
+    between = [events[b + 1 : a] for a, b in zip(starts[1:], times[1::2], strict=False)]
+    assert not any(e.startswith("remove:") for gap in between for e in gap)  # removals timed in blocks
     ran = []
     for block in blocks:
         (interval,) = {e for e in block if e.startswith("step@")}
         puts = {e.removeprefix("put:") for e in block if e.startswith("put:")}
+        removes = {e.removeprefix("remove:") for e in block if e.startswith("remove:")}
         (flushed,) = [e.removeprefix("flush:") for e in block if e.startswith("flush:")]
         assert block[-1].startswith("flush:")  # its store's work done inside the block
         if interval == "step@0":
-            assert not puts
+            assert not puts and not removes
             ran.append(None)
         else:
-            assert puts == {flushed}  # its checkpoints, all to the store it waits for
+            assert puts == {flushed} and removes <= {flushed}  # its own store's work only
             ran.append(flushed)
     assert ran == [None, "this", "other", "this", "other", None]  # balanced_orders' first two
     for name in ("this", "other"):  # what was answered before its last block: removed from it, once

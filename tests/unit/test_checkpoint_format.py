@@ -73,7 +73,7 @@ def header_of(data: bytes) -> tuple[int, dict]:
     return length, json.loads(data[8 : 8 + length])
 
 
-def test_a_checkpoint_s_tensors_take_the_bytes_of_the_library_s_file_each_aligned_to_its_dtype():
+def test_a_checkpoint_s_payload_is_the_library_s_size_each_tensor_aligned_to_its_dtype():
     tensors = {
         **{f"u8.{name}": t for name, t in tensors_of(torch.uint8).items()},
         **{f"f64.{name}": t for name, t in tensors_of(torch.float64).items()},

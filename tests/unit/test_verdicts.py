@@ -73,8 +73,9 @@ def test_rotated_orders_put_each_variant_first_equally_often():
 
 
 def test_an_interval_bound_never_reads_past_the_median_it_holds():
-    """A bound that 3 significant digits would put on the median's other side gets more digits: the
-    tiny SD's checkpoint rounds every 5 steps (15 rounds, median 1.009, low bound 1.007)."""
+    """A bound that 3 significant digits would put on the median's other side gets more digits (15 rounds,
+    median 1.009, low bound 1.007, which 3 digits print as 1.01); and the median, printed as the bounds
+    are, never reads as the target's bound though it is not."""
     ratios = [0.969, 0.982, 1.005, 1.007, 1.007, 1.007, 1.009, 1.009, 1.017, 1.02, 1.022, 1.03, 1.031, 1.042]
     found = verdict([*ratios, 1.058], "<= 1.02")
     assert (found.median, found.low) == (1.009, 1.007)
@@ -83,6 +84,8 @@ def test_an_interval_bound_never_reads_past_the_median_it_holds():
     high = verdict([*near, 1.04], "<= 1.02")  # a high bound of 1.0114 above a median of 1.0112
     assert (high.median, high.high) == (1.0112, 1.0114)
     assert "90% interval 1-1.0114)" in str(high)  # not 1-1.01, nor 1-1.011
+    assert verdict([1.0152] * 5, "<= 1.02").shown_median == "1.015"  # not 1.02
+    assert verdict([1.0152] * 5, "<= 1.05").shown_median == "1.02"
 
 
 def carry_over(orders: list[list[str]]) -> tuple[Counter, Counter]:

@@ -16,8 +16,10 @@ its images where they were.
   or a process that dies, finds the old checkpoint or the new one, never half of one (the hidden file is
   a spare where there is one: recovery/checkpoint_files.py says why; a leftover hidden file is removed by
   a later sweep once old). A batch that wrote a new file (no spare was free) ends with one fsync of the
-  directory, which on ext4 (data=ordered) makes such a file durable with its rename; a batch written into
-  spares only is not synced, as a directory's fsync would not make bytes written over in place durable.
+  directory: its renames are made durable, and on ext4 (data=ordered, ``auto_da_alloc``) a new file's
+  bytes too where it replaced the key's previous file (a rename onto a free name forces no write-back of
+  them); a batch written into spares only is not synced, as a directory's fsync would not make bytes
+  written over in place durable.
   Checkpoints guard against a stub or server process dying, which the page cache survives; after a host
   crash the checkpoints of the last half minute may be lost (checkpoint_files.py): a file that is not a
   whole checkpoint of its key fails its digest or its key check, is deleted, and its request starts over
