@@ -129,8 +129,6 @@ BLOCKS: dict[str, Figure] = {
         ("docs/profiles/sd15-h100/busy/crash_soak.json",),
         "crash_soak.render",
         "bench.py crash-soak --device-profile sd15-h100 --load 3",
-        stale="taken before the checkpoint store wrote into spare files (commit 70a6238: before, each"
-        " checkpoint was a new file renamed over the old one) and not taken again since",
     ),
     "checkpoint-cost": Figure(
         ("docs/cpu/checkpoint_cost.json",), "checkpoint_cost.render", "bench.py checkpoint-cost"
