@@ -54,6 +54,10 @@ MIXED_SIZES_FLUX1_S = 1500
 # resends, more than a run's 3 crashes (the client's default is 3: a request queued through every crash
 # would be given up). An estimate: 2557 s was measured on the AMD host for 90 s runs at 2 x (9b2a936).
 CRASH_SOAK_BUSY_S = 4600
+BUSY = (  # the busy soak's settings, on the tiny SD and at the sd15-h100 profile
+    "--rounds 8 --steps 150 --mid-job 75 --duration 140 --crash-every 45 --arrivals-per-round --load 3"
+    " --checkpoint-every 5 --timeout 300 --retries 10"
+)
 # The goodput benchmark's room at the door (tiny SD, 2 variants, 4 loads), on traffic with deadlines and on
 # mixed traffic at the default room and at 3 x: about 7 minutes each with the client that leaked threads;
 # with it fixed, 34 and 38 of the 40 runs of the mixed takes in 424 s (9066962).
@@ -421,23 +425,9 @@ PLAN = (
     Take("dllm", ("--concurrency", "1,4", "--requests-per-client", "3", "--out", "{out}"), 39),
     Take(
         "crash_soak",
-        (
-            "--rounds",
-            "5",
-            "--steps",
-            "150",
-            "--mid-job",
-            "75",
-            "--duration",
-            "75",
-            "--crash-every",
-            "35",
-            "--load",
-            "0.8",
-            "--timeout",
-            "300",
-            "--out",
-            "{out}/cpu",
+        tuple(
+            "--rounds 5 --steps 150 --mid-job 75 --duration 75 --crash-every 35 --load 0.8 --timeout 300"
+            " --out {out}/cpu".split()
         ),
         CRASH_SOAK_S,
     ),
@@ -447,27 +437,9 @@ PLAN = (
     # (a87904f).
     Take(
         "crash_soak_sd15",
-        (
-            "--device-profile",
-            "sd15-h100",
-            "--rounds",
-            "5",
-            "--steps",
-            "150",
-            "--mid-job",
-            "75",
-            "--duration",
-            "105",
-            "--crash-every",
-            "35",
-            "--load",
-            "0.8",
-            "--checkpoint-every",
-            "5",
-            "--timeout",
-            "300",
-            "--out",
-            "{out}/profiles/sd15-h100",
+        tuple(
+            "--device-profile sd15-h100 --rounds 5 --steps 150 --mid-job 75 --duration 105 --crash-every 35"
+            " --load 0.8 --checkpoint-every 5 --timeout 300 --out {out}/profiles/sd15-h100".split()
         ),
         2400,
         benchmark="crash_soak",
@@ -475,33 +447,17 @@ PLAN = (
     # The same with the server busy (arrivals above what it serves, so every run ends with a queue): a
     # crash's recomputed steps then delay every answer after them, where goodput can show what they cost;
     # 8 rounds, so that the 90% interval leaves out the lowest and the highest round (scripts/verdicts.py).
+    # On the tiny SD (its forwards this CPU's) and at the sd15-h100 profile; checkpoints every 5 steps, the
+    # cadence checkpoint_cost measures.
+    Take(
+        "crash_soak_busy",
+        tuple(f"{BUSY} --out {{out}}/cpu/busy".split()),
+        CRASH_SOAK_BUSY_S,
+        benchmark="crash_soak",
+    ),
     Take(
         "crash_soak_sd15_busy",
-        (
-            "--device-profile",
-            "sd15-h100",
-            "--rounds",
-            "8",
-            "--steps",
-            "150",
-            "--mid-job",
-            "75",
-            "--duration",
-            "140",
-            "--crash-every",
-            "45",
-            "--arrivals-per-round",
-            "--load",
-            "3",
-            "--checkpoint-every",
-            "5",
-            "--timeout",
-            "300",
-            "--retries",
-            "10",
-            "--out",
-            "{out}/profiles/sd15-h100/busy",
-        ),
+        tuple(f"--device-profile sd15-h100 {BUSY} --out {{out}}/profiles/sd15-h100/busy".split()),
         CRASH_SOAK_BUSY_S,
         benchmark="crash_soak",
     ),
