@@ -130,6 +130,9 @@ BLOCKS: dict[str, Figure] = {
         "crash_soak.render",
         "bench.py crash-soak --device-profile sd15-h100 --load 3",
     ),
+    "crash-soak-busy": Figure(
+        ("docs/cpu/busy/crash_soak.json",), "crash_soak.render", "bench.py crash-soak --load 3"
+    ),
     "checkpoint-cost": Figure(
         ("docs/cpu/checkpoint_cost.json",), "checkpoint_cost.render", "bench.py checkpoint-cost"
     ),

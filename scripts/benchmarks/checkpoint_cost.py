@@ -54,6 +54,7 @@ from pathlib import Path
 
 import artefacts
 import torch
+from tables.checkpoint_cost import step_ratios
 from verdicts import balanced_orders
 
 from benchmarks.common import REPO_ROOT
@@ -141,30 +142,11 @@ def store_at(rev: str) -> type[CheckpointStore]:
     return module.CheckpointStore
 
 
-def off_step(runs: list[dict], round_: int, store: str) -> float:
-    """The round's mean engine step with checkpoints off: one for every store (store None), or, in an
-    artefact from before the stores alternated within a round, ``store``'s own."""
-    return next(
-        r["step_s_mean"]
-        for r in runs
-        if r["round"] == round_ and r["interval"] == 0 and r.get("store") in (None, store)
-    )
-
-
 def against_rounds(runs: list[dict], interval: int, rev: str) -> list[float]:
     """Each round's ratio to off at ``interval`` with this store over the same round's with ``rev``'s
     (below 1: this store costs an engine step less)."""
-
-    def ratio(store: str, round_: int) -> float | None:
-        by = [r for r in runs if r["round"] == round_ and r["store"] == store and r["interval"] == interval]
-        return by[0]["step_s_mean"] / off_step(runs, round_, store) if by else None
-
-    ratios = []
-    for round_ in sorted({r["round"] for r in runs}):
-        this, that = ratio("this", round_), ratio(rev, round_)
-        if this is not None and that is not None:
-            ratios.append(this / that)
-    return ratios
+    this, that = step_ratios(runs, interval, "this"), step_ratios(runs, interval, rev)
+    return [this[round_] / that[round_] for round_ in sorted(this) if round_ in that]
 
 
 def one_round(
@@ -306,7 +288,7 @@ def main(argv: list[str] | None = None) -> None:
     for interval in intervals:
         against = bool(args.against and interval)
         mine = [r for r in runs if r["interval"] == interval and r["store"] == ("this" if interval else None)]
-        ratios = [r["step_s_mean"] / off_step(runs, r["round"], "this") for r in mine]
+        ratios = list(step_ratios(runs, interval).values())
         summary.append(
             {
                 "interval": interval,

@@ -116,21 +116,25 @@ def _profile(artefact: dict[str, Any]) -> str:
     )
 
 
-def _rounds(artefact: dict[str, Any], interval: int, store: str = "this") -> list[float]:
-    """Each round's mean engine step at ``interval`` over the same round's with checkpoints off, with
-    ``store`` (this commit's, or the commit's an ``--against`` artefact ran beside it)."""
-    runs = artefact["runs"]
-    # One off a round for every store (store None), or, in an artefact of a run per store, each one's own.
-    off = {
-        r["round"]: r["step_s_mean"]
+def step_ratios(runs: list[dict], interval: int, store: str = "this") -> dict[int, float]:
+    """By round, the mean engine step at ``interval`` with ``store`` (this commit's, or the commit's an
+    ``--against`` artefact ran beside it) over the same round's with checkpoints off; a round without both
+    left out (cut short). Off: one a round for every store (store None), or, in an artefact of a run per
+    store, each one's own; a run without a store (an artefact from before ``--against``) is this one's."""
+
+    def of_store(run: dict) -> bool:  # off's store None: shared (an interval's run always names one)
+        return run.get("store", "this") in (None, store)
+
+    off = {r["round"]: r["step_s_mean"] for r in runs if r["interval"] == 0 and of_store(r)}
+    return {
+        r["round"]: r["step_s_mean"] / off[r["round"]]
         for r in runs
-        if r["interval"] == 0 and r.get("store", "this") in (None, store)
+        if r["interval"] == interval and of_store(r) and r["round"] in off
     }
-    return [
-        r["step_s_mean"] / off[r["round"]]
-        for r in runs
-        if r["interval"] == interval and r.get("store", "this") == store and r["round"] in off
-    ]
+
+
+def _rounds(artefact: dict[str, Any], interval: int, store: str = "this") -> list[float]:
+    return list(step_ratios(artefact["runs"], interval, store).values())
 
 
 def sentence(artefact: dict[str, Any], *at_profiles: dict[str, Any]) -> str:

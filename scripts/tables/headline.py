@@ -10,15 +10,22 @@ from typing import Any
 
 from verdicts import verdict
 
+from tables.checkpoint_cost import step_ratios
 from tables.engines import ratio_rounds
 from tables.goodput import ROOM, ROOM_DEGRADE, TARGET_AT_1_5, at_load, goodput_ratios
 from tables.markdown import number, table
 
 
 def _date(artefact: dict[str, Any]) -> str:
-    """Its date, and "stale" when a block that shows it says so (figures.py sets ``_stale``)."""
-    date = str((artefact.get("provenance") or {}).get("date", "?"))[:10]
-    return f"{date}, **stale**" if artefact.get("_stale") else date
+    """Its date and the machine it was measured on (its GPU, else its CPU: the rows of one table come from
+    artefacts taken on different hosts), and "stale" when a block that shows it says so (figures.py sets
+    ``_stale``)."""
+    provenance = artefact.get("provenance") or {}
+    date = str(provenance.get("date", "?"))[:10]
+    machine = provenance.get("machine") or {}
+    where = machine.get("gpu") or machine.get("cpu")
+    measured = f"{date}, {where}" if where else date
+    return f"{measured}, **stale**" if artefact.get("_stale") else measured
 
 
 def _run(artefact: dict[str, Any], engine: str, traffic: str, concurrency: int | None = None) -> dict | None:
@@ -149,17 +156,8 @@ def render(
             )
         )
     gpu = engine_rows(gpu_engines, f"{gpu_engines.get('arch', '?')} {gpu_engines.get('size', '?')}")
-    machine = lambda a: str(((a.get("provenance") or {}).get("machine") or {}).get("cpu", "?"))  # noqa: E731
     return "\n".join(
-        [
-            f"**CPU** ({machine(engines)}; the tiny models)",
-            "",
-            table(headers, cpu),
-            "",
-            f"**GPU** ({((gpu_engines.get('provenance') or {}).get('machine') or {}).get('gpu', '?')})",
-            "",
-            table(headers, gpu),
-        ]
+        ["**CPU** (the tiny models)", "", table(headers, cpu), "", "**GPU**", "", table(headers, gpu)]
     )
 
 
@@ -167,12 +165,5 @@ def checkpoint_rounds(artefact: dict[str, Any]) -> dict[int, list[float]]:
     """Each checkpoint interval's per-round engine step over the same round's with checkpoints off (a
     round without its "off" run, cut short, left out)."""
     runs = artefact.get("runs", [])
-    off = {r["round"]: r["step_s_mean"] for r in runs if r["interval"] == 0}
-    return {
-        interval: [
-            r["step_s_mean"] / off[r["round"]]
-            for r in runs
-            if r["interval"] == interval and r["round"] in off
-        ]
-        for interval in sorted({r["interval"] for r in runs if r["interval"]})
-    }
+    intervals = sorted({r["interval"] for r in runs if r["interval"]})
+    return {interval: list(step_ratios(runs, interval).values()) for interval in intervals}

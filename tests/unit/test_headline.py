@@ -1,0 +1,54 @@
+"""The performance index's headline (scripts/tables/headline.py): each row says when and on which machine
+its artefact was taken, as one table's rows come from takes on different hosts."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))  # the benchmarks' package
+
+from tables.headline import checkpoint_rounds, render  # noqa: E402
+
+
+def provenance(date: str, cpu: str, gpu: str | None = None) -> dict:
+    return {"date": f"{date}T00:00:00+00:00", "machine": {"cpu": cpu, "cores": 2, "gpu": gpu}}
+
+
+def engines(where: dict) -> dict:
+    runs = [
+        {"engine": "step", "traffic": "mixed", "images_per_s": 3.0},
+        {"engine": "request", "traffic": "mixed", "images_per_s": 1.0},
+    ]
+    return {"arch": "tiny-sd", "size": "64x64", "runs": runs, "provenance": where}
+
+
+def checkpoints(where: dict) -> dict:
+    runs = []
+    for round_ in range(5):
+        runs.append({"round": round_, "interval": 0, "store": None, "step_s_mean": 1.0})
+        runs.append({"round": round_, "interval": 5, "store": "this", "step_s_mean": 1.01})
+    return {"runs": runs, "provenance": where}
+
+
+def row(page: str, what: str) -> str:
+    return next(line for line in page.splitlines() if what in line)
+
+
+def test_each_row_names_the_machine_its_own_artefact_was_taken_on():
+    intel = provenance("2026-12-02", "Intel(R) Xeon(R) Processor")
+    amd = provenance("2026-12-05", "AMD EPYC")
+    h100 = provenance("2026-11-27", "Intel(R) Xeon(R) Platinum", "NVIDIA H100 80GB HBM3 x1")
+    page = render(engines(intel), {}, checkpoints(amd), {}, {}, engines(h100), {"runs": []})
+    cpu, gpu = page.split("**GPU**")
+    assert row(cpu, "mixed step counts").endswith("| 2026-12-02, Intel(R) Xeon(R) Processor |")
+    assert row(cpu, "checkpoints every 5 steps").endswith("| 2026-12-05, AMD EPYC |")
+    assert row(gpu, "mixed step counts").endswith("| 2026-11-27, NVIDIA H100 80GB HBM3 x1 |")  # its GPU
+    assert "Intel" not in page.splitlines()[0] and "AMD" not in page.splitlines()[0]  # not one for all
+
+
+def test_a_checkpoint_rows_rounds_are_each_rounds_step_over_its_own_off():
+    artefact = checkpoints(provenance("2026-12-05", "AMD EPYC"))
+    artefact["runs"][1]["step_s_mean"] = 1.5  # round 0's every-5 step
+    artefact["runs"].append({"round": 5, "interval": 5, "store": "this", "step_s_mean": 2.0})  # no off: cut
+    assert checkpoint_rounds(artefact) == {5: [1.5] + [1.01] * 4}
