@@ -45,14 +45,16 @@ CRASH_SOAK_S = 1400
 # requests of 8 steps at 512 to 1024 pixels a side, each forward as long as on an H100 (about 40 to 170 ms
 # a row): an estimate from those times (not yet measured).
 MIXED_SIZES_FLUX1_S = 1500
-# The crash soak at an H100's cost ratios with the server busy (3 x one request at a time: more than the
-# engine serves, so each run ends with a queue and a recomputed step delays every answer after it; at 2 x
-# with crashes this far apart the server caught up between them, a try stopped after one run): 16 runs of
+# The crash soak with the server busy, on the tiny SD and at an H100's cost ratios, each take this limit
+# (3 x one request at a time: more than the engine serves, so each run ends with a queue and a recomputed
+# step delays every answer after it; at 2 x with crashes this far apart the server caught up between them,
+# a try stopped after one run): 16 runs of
 # 140 s of arrivals and the queue they leave, each round's arrivals a draw of their own, a crash at 45, 90
 # and 135 s. Kills at least 45 s apart (the crasher moves one held back): a restart then comes more than
 # 30 s after the one before, so the supervisor's anti-spin wait (serving/supervisor.py) adds to none. 10
 # resends, more than a run's 3 crashes (the client's default is 3: a request queued through every crash
-# would be given up). An estimate: 2557 s was measured on the AMD host for 90 s runs at 2 x (9b2a936).
+# would be given up). Measured on the AMD host: 2757 s at the profile (2d43313), 2675 s on the tiny SD
+# (9b276b0).
 CRASH_SOAK_BUSY_S = 4600
 BUSY = (  # the busy soak's settings, on the tiny SD and at the sd15-h100 profile
     "--rounds 8 --steps 150 --mid-job 75 --duration 140 --crash-every 45 --arrivals-per-round --load 3"
@@ -444,7 +446,7 @@ PLAN = (
         2400,
         benchmark="crash_soak",
     ),
-    # The same with the server busy (arrivals above what it serves, so every run ends with a queue): a
+    # The crash soak with the server busy (arrivals above what it serves, so every run ends with a queue): a
     # crash's recomputed steps then delay every answer after them, where goodput can show what they cost;
     # 8 rounds, so that the 90% interval leaves out the lowest and the highest round (scripts/verdicts.py).
     # On the tiny SD (its forwards this CPU's) and at the sd15-h100 profile; checkpoints every 5 steps, the

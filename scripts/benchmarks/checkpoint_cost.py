@@ -149,6 +149,31 @@ def against_rounds(runs: list[dict], interval: int, rev: str) -> list[float]:
     return [this[round_] / that[round_] for round_ in sorted(this) if round_ in that]
 
 
+def summarise(runs: list[dict], intervals: list[int], against: str | None = None) -> list[dict]:
+    """Per interval (0: off): its median engine step and bytes a checkpoint over rounds, each round's
+    ratio to the same round's off (this store's), and, with ``against``, each round's ratio over that
+    commit's store's."""
+    summary = []
+    for interval in intervals:
+        mine = [r for r in runs if r["interval"] == interval and r["store"] == ("this" if interval else None)]
+        ratios = list(step_ratios(runs, interval).values())
+        summary.append(
+            {
+                "interval": interval,
+                "step_ms_median": statistics.median(r["step_s_mean"] for r in mine) * 1000,
+                "ratio_to_off": {
+                    "median": statistics.median(ratios),
+                    "min": min(ratios),
+                    "max": max(ratios),
+                    "rounds": ratios,
+                },
+                "bytes_per_checkpoint": statistics.fmean(r["bytes_per_checkpoint"] for r in mine),
+                **({"against": against_rounds(runs, interval, against)} if against and interval else {}),
+            }
+        )
+    return summary
+
+
 def one_round(
     bench: Bench,
     intervals: list[int],
@@ -284,25 +309,7 @@ def main(argv: list[str] | None = None) -> None:
                     f"{run['step_s_mean'] * 1000:.2f} ms an engine step, {run['checkpoints']} checkpoints",
                     flush=True,
                 )
-    summary = []
-    for interval in intervals:
-        against = bool(args.against and interval)
-        mine = [r for r in runs if r["interval"] == interval and r["store"] == ("this" if interval else None)]
-        ratios = list(step_ratios(runs, interval).values())
-        summary.append(
-            {
-                "interval": interval,
-                "step_ms_median": statistics.median(r["step_s_mean"] for r in mine) * 1000,
-                "ratio_to_off": {
-                    "median": statistics.median(ratios),
-                    "min": min(ratios),
-                    "max": max(ratios),
-                    "rounds": ratios,
-                },
-                "bytes_per_checkpoint": statistics.fmean(r["bytes_per_checkpoint"] for r in mine),
-                **({"against": against_rounds(runs, interval, args.against)} if against else {}),
-            }
-        )
+    summary = summarise(runs, intervals, args.against)
     artefact = {
         "benchmark": "checkpoint-cost",
         "device": device,

@@ -16,14 +16,13 @@ from tables.goodput import ROOM, ROOM_DEGRADE, TARGET_AT_1_5, at_load, goodput_r
 from tables.markdown import number, table
 
 
-def _date(artefact: dict[str, Any]) -> str:
-    """Its date and the machine it was measured on (its GPU, else its CPU: the rows of one table come from
-    artefacts taken on different hosts), and "stale" when a block that shows it says so (figures.py sets
-    ``_stale``)."""
+def _measured(artefact: dict[str, Any], on: str = "cpu") -> str:
+    """Its date and the machine it was measured on: its ``on``, "cpu" in the CPU table (a CPU take on a
+    host with a GPU names its CPU), "gpu" in the GPU one; the rows of one table come from artefacts taken
+    on different hosts. And "stale" when a block that shows it says so (figures.py sets ``_stale``)."""
     provenance = artefact.get("provenance") or {}
     date = str(provenance.get("date", "?"))[:10]
-    machine = provenance.get("machine") or {}
-    where = machine.get("gpu") or machine.get("cpu")
+    where = (provenance.get("machine") or {}).get(on)
     measured = f"{date}, {where}" if where else date
     return f"{measured}, **stale**" if artefact.get("_stale") else measured
 
@@ -36,7 +35,7 @@ def _run(artefact: dict[str, Any], engine: str, traffic: str, concurrency: int |
     return None
 
 
-def engine_rows(artefact: dict[str, Any], where: str) -> list[list[str]]:
+def engine_rows(artefact: dict[str, Any], where: str, on: str = "cpu") -> list[list[str]]:
     """Step engine against request-level batching from one engines artefact (one run each: no verdict)."""
     rows = []
     closed = [r["concurrency"] for r in artefact.get("runs", []) if r.get("traffic") == "homogeneous"]
@@ -64,9 +63,11 @@ def engine_rows(artefact: dict[str, Any], where: str) -> list[list[str]]:
     for what, compared, value in rows:
         if rounds and "closed loop" in what:
             target = artefact["ratios"][label][1]
-            out.append(_rounds_row(what, compared, rounds, target, _date(artefact), None))
+            out.append(_rounds_row(what, compared, rounds, target, _measured(artefact, on), None))
         else:
-            out.append([what, compared, f"**{number(value)}**", "-", "one run: no verdict", _date(artefact)])
+            out.append(
+                [what, compared, f"**{number(value)}**", "-", "one run: no verdict", _measured(artefact, on)]
+            )
     return out
 
 
@@ -102,7 +103,7 @@ def render(
                     "packed / one shape a forward images/s",
                     ratio["rounds"],
                     target,
-                    _date(mixed),
+                    _measured(mixed),
                     True,
                 )
             )
@@ -115,7 +116,7 @@ def render(
                     "cached / uncached images/s",
                     entry["vs_none"]["rounds"],
                     "",
-                    _date(caches),
+                    _measured(caches),
                     True,
                 )
             )
@@ -128,7 +129,7 @@ def render(
                 "mixed / one adapter a forward images/s",
                 ratio_rounds(lora)[label],
                 target if target != "-" else "",
-                _date(lora),
+                _measured(lora),
                 True,
             )
         )
@@ -139,7 +140,7 @@ def render(
                 "engine step / without",
                 rounds,
                 "<= 1.02",
-                _date(checkpoints),
+                _measured(checkpoints),
                 False,
             )
         )
@@ -151,11 +152,11 @@ def render(
                 "goodput degrade / tiers without it",
                 goodput_ratios(rounds, ROOM_DEGRADE, ROOM),
                 TARGET_AT_1_5,
-                _date(goodput),
+                _measured(goodput),
                 True,
             )
         )
-    gpu = engine_rows(gpu_engines, f"{gpu_engines.get('arch', '?')} {gpu_engines.get('size', '?')}")
+    gpu = engine_rows(gpu_engines, f"{gpu_engines.get('arch', '?')} {gpu_engines.get('size', '?')}", "gpu")
     return "\n".join(
         ["**CPU** (the tiny models)", "", table(headers, cpu), "", "**GPU**", "", table(headers, gpu)]
     )

@@ -1,7 +1,8 @@
 """The checkpoint-cost benchmark's round (scripts/benchmarks/checkpoint_cost.py): the intervals alternate in
 blocks on one engine, each interval gets its engine steps, checkpoints are taken only in its blocks, and an
 answered request's checkpoints are removed only where checkpoints are on; what the store has left of a
-block's work is done before the block's time ends."""
+block's work is done before the block's time ends; the summary and ``--against`` read each round against
+its own."""
 
 from __future__ import annotations
 
@@ -143,6 +144,37 @@ def test_against_reads_each_round_s_ratio_to_off_with_one_store_over_the_other()
     ]
     (ratio,) = checkpoint_cost.against_rounds(each, 5, "b1db203")
     assert abs(ratio - 1.01 / 1.04) < 1e-12
+
+
+def test_a_round_one_store_lacks_is_no_against_round():
+    runs = [
+        {"round": r, "store": store, "interval": interval, "step_s_mean": step}
+        for r in (0, 1)
+        for store, interval, step in ((None, 0, 1.0), ("this", 5, 1.01), ("b1db203", 5, 1.04))
+        if not (r == 1 and store == "b1db203")  # cut short before REV's block in round 1
+    ]
+    assert checkpoint_cost.against_rounds(runs, 5, "b1db203") == [pytest.approx(1.01 / 1.04)]
+
+
+def test_the_summary_reads_each_round_s_step_over_its_own_off_and_its_median_step():
+    """Round 1 on a host twice as slow: its ratio is its own (1.02), not its step over round 0's off."""
+    runs = [
+        {
+            "round": r,
+            "store": store,
+            "interval": interval,
+            "step_s_mean": step * slow,
+            "bytes_per_checkpoint": b,
+        }
+        for r, slow in ((0, 1.0), (1, 2.0), (2, 1.0))
+        for store, interval, step, b in ((None, 0, 0.010, 0.0), ("this", 5, 0.0101 + 0.0001 * r, 6080.0))
+    ]
+    off, every5 = checkpoint_cost.summarise(runs, [0, 5])
+    assert off["ratio_to_off"]["rounds"] == [1.0, 1.0, 1.0]
+    assert every5["ratio_to_off"]["rounds"] == pytest.approx([1.01, 1.02, 1.03])
+    assert every5["ratio_to_off"]["median"] == pytest.approx(1.02)
+    assert every5["step_ms_median"] == pytest.approx(10.3)  # the median of 10.1, 20.4 and 10.3 ms
+    assert every5["bytes_per_checkpoint"] == 6080.0 and "against" not in every5
 
 
 def test_two_stores_alternate_block_by_block_with_off_each_taking_its_own_checkpoints(tmp_path, monkeypatch):

@@ -6,6 +6,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))  # the benchmarks' package
 
 from tables.headline import checkpoint_rounds, render  # noqa: E402
@@ -24,10 +26,12 @@ def engines(where: dict) -> dict:
 
 
 def checkpoints(where: dict) -> dict:
+    """Five rounds, each its own off (1.0, 1.1, ...) and its every-5 step 1% above it."""
     runs = []
     for round_ in range(5):
-        runs.append({"round": round_, "interval": 0, "store": None, "step_s_mean": 1.0})
-        runs.append({"round": round_, "interval": 5, "store": "this", "step_s_mean": 1.01})
+        off = 1.0 + round_ / 10
+        runs.append({"round": round_, "interval": 0, "store": None, "step_s_mean": off})
+        runs.append({"round": round_, "interval": 5, "store": "this", "step_s_mean": off * 1.01})
     return {"runs": runs, "provenance": where}
 
 
@@ -35,10 +39,11 @@ def row(page: str, what: str) -> str:
     return next(line for line in page.splitlines() if what in line)
 
 
-def test_each_row_names_the_machine_its_own_artefact_was_taken_on():
+def test_the_engines_checkpoint_and_gpu_rows_each_name_the_machine_of_their_own_artefact():
     intel = provenance("2026-12-02", "Intel(R) Xeon(R) Processor")
     amd = provenance("2026-12-05", "AMD EPYC")
     h100 = provenance("2026-11-27", "Intel(R) Xeon(R) Platinum", "NVIDIA H100 80GB HBM3 x1")
+    amd["machine"]["gpu"] = "NVIDIA H100 80GB HBM3 x1"  # a CPU take on a host with a GPU: its CPU
     page = render(engines(intel), {}, checkpoints(amd), {}, {}, engines(h100), {"runs": []})
     cpu, gpu = page.split("**GPU**")
     assert row(cpu, "mixed step counts").endswith("| 2026-12-02, Intel(R) Xeon(R) Processor |")
@@ -49,6 +54,10 @@ def test_each_row_names_the_machine_its_own_artefact_was_taken_on():
 
 def test_a_checkpoint_rows_rounds_are_each_rounds_step_over_its_own_off():
     artefact = checkpoints(provenance("2026-12-05", "AMD EPYC"))
-    artefact["runs"][1]["step_s_mean"] = 1.5  # round 0's every-5 step
+    artefact["runs"][3]["step_s_mean"] = 1.65  # round 1's every-5 step: 1.5 x its off (1.1)
     artefact["runs"].append({"round": 5, "interval": 5, "store": "this", "step_s_mean": 2.0})  # no off: cut
-    assert checkpoint_rounds(artefact) == {5: [1.5] + [1.01] * 4}
+    # Another store's run (an --against artefact's): not this store's round.
+    artefact["runs"].append({"round": 2, "interval": 5, "store": "b1db203", "step_s_mean": 9.0})
+    rounds = checkpoint_rounds(artefact)
+    assert list(rounds) == [5]
+    assert rounds[5] == pytest.approx([1.01, 1.5, 1.01, 1.01, 1.01])
