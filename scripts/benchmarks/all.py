@@ -191,8 +191,8 @@ PLAN = (
         benchmark="mixed_sizes",
     ),
     # Engine steps at each interval a round, in alternated blocks (the writer's work counted in the block
-    # that made it): 15 rounds of 620 engine steps (docs/cpu/checkpoint_cost.json has the time it took).
-    Take("checkpoint_cost", ("--rounds", "15", "--engine-steps", "200", "--out", "{out}/cpu"), 300),
+    # that made it): 40 rounds of 620 engine steps (15 rounds took 152 s; their every-5 interval held 1.02).
+    Take("checkpoint_cost", ("--rounds", "40", "--engine-steps", "200", "--out", "{out}/cpu"), 600),
     # The same at an H100's cost ratios: SD 1.5's forward and decode timed as measured on one.
     Take(
         "checkpoint_cost_sd15",
