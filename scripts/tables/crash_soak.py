@@ -22,7 +22,7 @@ HEADERS = (
     "p95 s",
     "steps recomputed per crash",
 )
-RUN_HEADERS = ("round", *HEADERS, "recovery s")
+RUN_HEADERS = ("round", *HEADERS, "span s", "recovery s")
 FIGURES = (
     "offered",
     "completed",
@@ -97,7 +97,8 @@ def render(artefact: dict[str, Any]) -> str:
         f"{_arrivals(settings)} "
         f"{_checkpoints(settings)}. {settings['rounds']} alternated rounds: medians with min-max over "
         "rounds. "
-        "Lost: no answer within the deadline. Goodput: completed images per second of the run. Steps "
+        "Lost: no answer within the deadline. Goodput: completed images over the run's span (from the "
+        f"start of its arrivals to its last answer, or their {settings['duration']:g} s where later). Steps "
         "recomputed: for each request sent again, the step it had reached minus the step it resumed from, "
         "per crash."
     ]
@@ -132,6 +133,7 @@ def render(artefact: dict[str, Any]) -> str:
                 run["round"],
                 f"`{run['variant']}`",
                 *(_value(run.get(name), name) for name in FIGURES),
+                _value(run.get("span_s"), "span_s"),
                 ", ".join(f"{r:g}" for r in recoveries) or "-",
             ]
         )

@@ -103,6 +103,7 @@ def run(variant: str, round_: int, goodput: float, per_crash: float | None) -> d
         "latency_mean_s": 2.0,
         "latency_p95_s": 9.0,
         "steps_recomputed_per_crash": per_crash,
+        "span_s": 97.5,
         "kills": [{"at_s": 60.0, "recovery_s": 14.2}, {"at_s": 120.0, "recovery_s": None}],
         "crash_failure": None,
     }
@@ -152,7 +153,8 @@ def test_the_block_shows_each_variant_and_run():
     assert "0.80 requests/s (50% of one request at a time: 0.62 s alone)" in text
     assert "| `checkpoints` | 40 | 39 | 1 | 0.6 (0.5-0.7) | 3 | 2 | 9 | 1.5 (1-2) |" in text
     assert "| `none` | 40 | 39 | 1 | 0.4 | 3 | 2 | 9 | 8.5 (8-9) |" in text
-    assert "| 1 | `none` | 40 | 39 | 1 | 0.4 | 3 | 2 | 9 | 8 | 14.2 |" in text
+    assert "| 1 | `none` | 40 | 39 | 1 | 0.4 | 3 | 2 | 9 | 8 | 97.5 | 14.2 |" in text
+    assert "over the run's span (from the start of its arrivals to its last answer, or their 240 s" in text
     assert "not run" not in text and "Incomplete" not in text
     assert "each kill once" not in text  # kills at their scheduled times
     assert "Every run the same arrivals." in text  # an artefact from before --arrivals-per-round
