@@ -116,23 +116,15 @@ def _door(name: str, traffic: tuple[str, ...], out: str) -> Take:
 
 PLAN = (
     # The headline: both engines in one process, closed loop and Poisson at 50/80/95% of the request-level
-    # engine's capacity, on the true arrival clock.
+    # engine's capacity, on the true arrival clock; 8 rounds of each traffic, each Poisson round its own
+    # arrivals (docs/cpu/all.json has the seconds each take ran).
     Take(
         "engines",
-        (
-            "--concurrency",
-            "1,4,8",
-            "--requests",
-            "48",
-            "--rounds",
-            "5",
-            "--poisson-requests",
-            "150",
-            "--no-image-mix",
-            "--out",
-            "{out}/cpu",
+        tuple(
+            "--concurrency 1,4,8 --requests 48 --rounds 8 --poisson-requests 150 --no-image-mix "
+            "--out {out}/cpu".split()
         ),
-        99,
+        600,
     ),
     # The same engines through the real server and the project's gRPC client, and the OpenAI front's
     # overhead against gRPC direct (one run each: figures, no verdict).

@@ -94,14 +94,6 @@ def pooled_throughput(runs: Sequence[Any]) -> float:
     return sum(r.images_per_s * r.duration_s for r in runs) / sum(r.duration_s for r in runs)
 
 
-def alternated_rounds(steps: Sequence[Any], requests: Sequence[Any]) -> tuple[float, list[float]]:
-    """The step / request throughput ratio over rounds run alternately (round i of each engine back to
-    back, so both see the machine's speed of that moment): pooled (:func:`pooled_throughput` of each
-    engine) and each round's own ratio, sorted."""
-    each = sorted(s.images_per_s / r.images_per_s for s, r in zip(steps, requests, strict=True))
-    return pooled_throughput(steps) / pooled_throughput(requests), each
-
-
 def step_request_ratios(
     pick: Callable[[str, str], Any | None], top: int, first_step: str
 ) -> dict[str, tuple[float, str]]:

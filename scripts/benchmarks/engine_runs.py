@@ -50,6 +50,7 @@ class Outcome:
     offered_images_per_s: float | None = None  # Poisson: measured requests sent per second
     measured_requests: int | None = None  # those in the statistics (the first 10% of Poisson left out)
     extra: dict = field(default_factory=dict)
+    round: int = 0  # of the benchmark's alternated rounds (--rounds)
 
 
 def run_request_level(

@@ -15,6 +15,10 @@ Traffic (a single-threaded event loop, so nothing but the engines competes for t
                arrival left out (an empty system filling up is not steady state): mean and p95 latency,
                time to the first denoising step, offered against delivered images/s
 
+--rounds N runs each traffic N times (homogeneous at the top concurrency only), the engines alternated,
+each Poisson round on arrivals of its own (seeds --arrival-seed, +1, ...): each ratio is read round by
+round (benchmarks/engine_ratios.py).
+
 The clock is the clients', not the loop's (arrivals.Traffic): the loop looks for arrivals only when it
 is free (the request-level engine between whole pipeline calls, the step engine between steps), but a
 Poisson request's latency runs from its scheduled arrival and a closed-loop client's next request from
@@ -34,28 +38,25 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import random
-import statistics
 import time
 from pathlib import Path
 
 import artefacts
 import torch
+from verdicts import rotated_orders
 
 from benchmarks.arrivals import poisson_arrivals
 from benchmarks.common import (
-    DELIVERED_TARGET,
     MIXED_GUIDANCE,
     MIXED_STEPS,
     POISSON_LOADS,
-    POISSON_TARGETS,
     REPO_ROOT,
-    TARGETS,
     WARM_UP_FRACTION,
-    alternated_rounds,
     benchmark_parser,
     poisson_label,
     pooled_throughput,
 )
+from benchmarks.engine_ratios import ratios
 from benchmarks.engine_runs import (
     IMAGE_STRENGTH,
     STEP_COHORTS,
@@ -198,8 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--rounds",
         type=int,
         default=1,
-        help="homogeneous runs at the top concurrency, the engines alternated (this machine's speed drifts "
-        "by 10%% and more between runs: the throughput ratio is taken round by round, and pooled)",
+        help="runs of each traffic (homogeneous at the top concurrency, mixed, each Poisson load: its own "
+        "arrivals a round), the engines alternated (this machine's speed drifts by 10%% and more between "
+        "runs: each ratio is taken round by round, its median and verdict read from the rounds)",
     )
     parser.add_argument("--no-mixed", action="store_true")
     parser.add_argument(
@@ -303,7 +305,8 @@ def main(argv: list[str] | None = None) -> None:
         """The report so far, rewritten after every measured run."""
         artefacts.write(path, {**report, "runs": [r.__dict__ for r in report["runs"]]})
 
-    def measured(run: Outcome) -> None:
+    def measured(run: Outcome, round_: int = 0) -> None:
+        run.round = round_
         report["runs"].append(run)
         save()
 
@@ -319,7 +322,8 @@ def main(argv: list[str] | None = None) -> None:
                 # Each engine goes first in every other round: a machine slowing down (or warming up)
                 # through the run does not always favour the same engine.
                 for engine in ("request", "step") if round_ % 2 == 0 else ("step", "request"):
-                    measured(run_closed(bench, engine, homogeneous, concurrency, "homogeneous", args.window))
+                    run = run_closed(bench, engine, homogeneous, concurrency, "homogeneous", args.window)
+                    measured(run, round_)
     if not args.no_closed and not args.no_mixed:
         print("[mixed closed loop]", flush=True)
         rng = random.Random(5)
@@ -327,8 +331,9 @@ def main(argv: list[str] | None = None) -> None:
             bench.request(i, rng.choice(MIXED_STEPS), rng.choice(MIXED_GUIDANCE))
             for i in range(args.requests)
         ]
-        for engine in ("request", "step"):
-            measured(run_closed(bench, engine, mixed, top, "mixed", args.window))
+        for round_ in range(args.rounds):
+            for engine in ("request", "step") if round_ % 2 == 0 else ("step", "request"):
+                measured(run_closed(bench, engine, mixed, top, "mixed", args.window), round_)
     # The family's step adapter starts from images (its starter's starts; the adapter's own in a tree before
     # adapters/starts.py was composed).
     starter = getattr(bench.adapter, "starter", bench.adapter)
@@ -352,19 +357,21 @@ def main(argv: list[str] | None = None) -> None:
         )
         poisson = [bench.request(i, args.steps, 7.5) for i in range(args.poisson_requests)]
         for load in loads:
-            for engine in ("request", *STEP_COHORTS):
-                measured(
-                    run_poisson(
+            # Each round its own arrivals (seeds from --arrival-seed on), the same for every engine, the
+            # engines in rotated order.
+            for round_, order in enumerate(rotated_orders(("request", *STEP_COHORTS), args.rounds)):
+                for engine in order:
+                    run = run_poisson(
                         bench,
                         engine,
                         poisson,
                         load * saturated,
-                        args.arrival_seed,
+                        args.arrival_seed + round_,
                         poisson_label(load),
                         args.window,
                         WARM_UP_FRACTION,
                     )
-                )
+                    measured(run, round_)
         print("[stage costs, and what engine_sim.py predicts from them]", flush=True)
         costs = stage_costs(bench, steps=50)
         report["stage_costs"] = {stage: {str(k): v for k, v in by_k.items()} for stage, by_k in costs.items()}
@@ -385,8 +392,7 @@ def main(argv: list[str] | None = None) -> None:
     if not args.no_raw:
         print("[raw pipeline]", flush=True)
         report["raw"] = raw_ceiling(bench, args.steps, max(args.requests // 2, args.cap * 2))
-    report["ratios"] = ratios(report)
-    report["ratio_rounds"] = homogeneous_rounds(report)
+    report["ratios"], report["ratio_rounds"] = ratios(report)
     report["runs"] = [r.__dict__ for r in report["runs"]]
     report["complete"] = True
     artefacts.write(path, report)
@@ -422,100 +428,6 @@ def model_prediction(sim: Path, costs: dict, args, saturated: float, loads: list
                 f"  model {poisson_label(load)} {name:10s}: mean {r['mean']:.3f} s, p95 {r['p95']:.3f} s, "
                 f"first step {r['ttfs']:.3f} s, mean / request {r['mean'] / runs['request']['mean']:.2f}"
             )
-    return out
-
-
-def homogeneous_rounds(report: dict) -> dict[str, list[float]]:
-    """Each alternated round's step / request throughput at the top concurrency (--rounds), under its
-    label in ``ratios``: what scripts/verdicts.py reads its verdict from."""
-    runs = [r for r in report["runs"] if r.traffic == "homogeneous"]
-    if not runs:
-        return {}
-    top = max(r.concurrency for r in runs)
-    at_top = [r for r in runs if r.concurrency == top]
-    steps, requests = ([r for r in at_top if r.engine == engine] for engine in ("step", "request"))
-    _, each = alternated_rounds(steps, requests)
-    return {f"homogeneous c={top}: step / request throughput": each} if len(each) > 1 else {}
-
-
-def ratios(report: dict) -> dict[str, tuple[float, str]]:
-    runs = report["runs"]
-
-    def pick(engine: str, traffic: str, concurrency: int | None = None) -> Outcome | None:
-        found = [r for r in runs if r.engine == engine and r.traffic == traffic]
-        if concurrency is not None:
-            found = [r for r in found if r.concurrency == concurrency]
-        return found[-1] if found else None
-
-    out: dict[str, tuple[float, str]] = {}
-    closed = [r.concurrency for r in runs if r.traffic == "homogeneous"]
-    top = max(closed) if closed else None
-    if top is not None:
-        steps, requests = (
-            [r for r in runs if r.engine == engine and r.traffic == "homogeneous" and r.concurrency == top]
-            for engine in ("step", "request")
-        )
-        pooled, each = alternated_rounds(steps, requests)
-        # With --rounds, the median round (its verdict from the rounds: homogeneous_rounds).
-        value = pooled if len(each) == 1 else statistics.median(each)
-        out[f"homogeneous c={top}: step / request throughput"] = (value, TARGETS["throughput"])
-        if "raw" in report:
-            raw = report["raw"][f"batch{report['cap']}_images_per_s"]
-            out[f"homogeneous c={top}: step / raw batch-{report['cap']} throughput"] = (
-                pooled_throughput(steps) / raw,
-                TARGETS["raw throughput"],
-            )
-    if pick("step", "mixed") and pick("request", "mixed"):
-        out["mixed: step / request throughput"] = (
-            pick("step", "mixed").images_per_s / pick("request", "mixed").images_per_s,
-            TARGETS["mixed throughput"],
-        )
-    for traffic in ("text+image", "text+image poisson80"):
-        step, request = pick("step", traffic), pick("request", traffic)
-        if step and request:
-            out[f"{traffic}: one model (step) / two models (request) throughput"] = (
-                step.images_per_s / request.images_per_s,
-                "-",
-            )
-            out[f"{traffic}: one model (step) / two models (request) p95 latency"] = (
-                step.latency_p95_s / request.latency_p95_s,
-                "-",
-            )
-    if "image_mix_weights" in report:
-        weights = report["image_mix_weights"]
-        out["text+image: resident weights, one model / two models"] = (
-            weights["one_model_mib"] / weights["two_models_mib"],
-            "-",
-        )
-    for load, (latency, first) in POISSON_TARGETS.items():
-        label, percent = poisson_label(load), f"Poisson {round(load * 100)}%"
-        request = pick("request", label)
-        for engine in STEP_COHORTS:
-            step = pick(engine, label)
-            if not (step and request):
-                continue
-            served = engine == "step"
-            out[f"{percent}: {engine} / request mean latency"] = (
-                step.latency_mean_s / request.latency_mean_s,
-                f"<= {latency}" if served else "-",
-            )
-            out[f"{percent}: {engine} / request p95 latency"] = (
-                step.latency_p95_s / request.latency_p95_s,
-                f"<= {latency}" if served else "-",
-            )
-            out[f"{percent}: {engine} / request mean time to first step"] = (
-                step.first_step_mean_s / request.first_step_mean_s,
-                f"<= {first}" if served else "-",
-            )
-            out[f"{percent}: {engine} delivered / offered"] = (
-                step.images_per_s / step.offered_images_per_s,
-                DELIVERED_TARGET if served and load == 0.95 else "-",
-            )
-    if "profile" in report:
-        out["profile: engine's own work / step time"] = (
-            report["profile"]["own_share_of_step"],
-            TARGETS["own work"],
-        )
     return out
 
 

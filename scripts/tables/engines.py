@@ -41,12 +41,13 @@ def _traffic(run: dict[str, Any]) -> str:
 
 def _runs_table(runs: list[dict[str, Any]], variant_key: str, first: str) -> str:
     rows = []
+    rounds = any(run.get("round") for run in runs)  # a take of several rounds names each run's
     for run in runs:
         delivered = number(run.get("images_per_s"))
         per_forward = run.get("mean_rows_per_call", run.get("rows_per_forward"))
         rows.append(
             [
-                _traffic(run),
+                _traffic(run) + (f", round {run.get('round', 0)}" if rounds else ""),
                 run[variant_key],
                 delivered,
                 number(run.get("latency_mean_s")),

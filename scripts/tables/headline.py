@@ -36,8 +36,10 @@ def _run(artefact: dict[str, Any], engine: str, traffic: str, concurrency: int |
 
 
 def engine_rows(artefact: dict[str, Any], where: str, on: str = "cpu") -> list[list[str]]:
-    """Step engine against request-level batching from one engines artefact (one run each: no verdict)."""
-    rows = []
+    """Step engine against request-level batching from one engines artefact: each row read from its
+    rounds where the benchmark ran them (``ratio_rounds``, under the row's label in ``ratios``); a row of
+    one run has no verdict."""
+    rows = []  # what, compared, one run's value, its label in ratios, whether higher is a gain
     closed = [r["concurrency"] for r in artefact.get("runs", []) if r.get("traffic") == "homogeneous"]
     if closed:
         top = max(c for c in closed if c is not None)
@@ -47,23 +49,38 @@ def engine_rows(artefact: dict[str, Any], where: str, on: str = "cpu") -> list[l
         )
         if step and request:
             value = step["images_per_s"] / request["images_per_s"]
-            rows.append([f"{where}: same requests, closed loop c={top}", "step / request images/s", value])
+            label = f"homogeneous c={top}: step / request throughput"
+            rows.append(
+                (
+                    f"{where}: same requests, closed loop c={top}",
+                    "step / request images/s",
+                    value,
+                    label,
+                    True,
+                )
+            )
     step, request = _run(artefact, "step", "mixed"), _run(artefact, "request", "mixed")
     if step and request:
         value = step["images_per_s"] / request["images_per_s"]
-        rows.append([f"{where}: mixed step counts and guidance", "step / request images/s", value])
+        label = "mixed: step / request throughput"
+        rows.append(
+            (f"{where}: mixed step counts and guidance", "step / request images/s", value, label, True)
+        )
     for load in (50, 80, 95):
         step, request = _run(artefact, "step", f"poisson{load}"), _run(artefact, "request", f"poisson{load}")
         if step and request:
             value = step["latency_mean_s"] / request["latency_mean_s"]
-            rows.append([f"{where}: Poisson at {load}% load", "step / request mean latency", value])
-    # The closed loop's alternated rounds, where the benchmark ran them (--rounds), give its verdict.
-    label, rounds = next(iter((artefact.get("ratio_rounds") or {}).items()), (None, None))
+            label = f"Poisson {load}%: step / request mean latency"
+            rows.append(
+                (f"{where}: Poisson at {load}% load", "step / request mean latency", value, label, False)
+            )
+    ratios, rounds = artefact.get("ratios", {}), artefact.get("ratio_rounds") or {}
     out = []
-    for what, compared, value in rows:
-        if rounds and "closed loop" in what:
-            target = artefact["ratios"][label][1]
-            out.append(_rounds_row(what, compared, rounds, target, _measured(artefact, on), None))
+    for what, compared, value, label, higher in rows:
+        if label in rounds:
+            target = ratios[label][1]
+            target = "" if target == "-" else target
+            out.append(_rounds_row(what, compared, rounds[label], target, _measured(artefact, on), higher))
         else:
             out.append(
                 [what, compared, f"**{number(value)}**", "-", "one run: no verdict", _measured(artefact, on)]

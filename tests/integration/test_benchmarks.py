@@ -104,6 +104,8 @@ def test_the_engine_benchmark_runs_both_engines_and_profiles_the_step_engine(tmp
             "4",
             "--poisson-requests",
             "10",
+            "--rounds",
+            "2",
             "--out",
             str(out),
         ],
@@ -112,6 +114,13 @@ def test_the_engine_benchmark_runs_both_engines_and_profiles_the_step_engine(tmp
     )
     report = json.loads((out / "bench_engines.json").read_text())
     traffic = {(r["engine"], r["traffic"]) for r in report["runs"]}
+    # Two rounds of each traffic, each ratio read from both.
+    for kind in ("homogeneous", "mixed", "poisson50", "poisson80", "poisson95"):
+        assert sorted(
+            r["round"] for r in report["runs"] if r["traffic"] == kind and r["engine"] == "step"
+        ) == [0, 1]
+    for label in ("mixed: step / request throughput", "Poisson 80%: step / request mean latency"):
+        assert len(report["ratio_rounds"][label]) == 2
     for engine in ("request", "step"):
         kinds = ("homogeneous", "mixed", "poisson50", "poisson80", "poisson95")
         assert {(engine, kind) for kind in kinds} <= traffic

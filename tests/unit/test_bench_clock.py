@@ -10,7 +10,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))  # the benchmarks' package
 
 from benchmarks.arrivals import Traffic, poisson_arrivals  # noqa: E402
-from benchmarks.common import alternated_rounds, percentile, poisson_label, step_request_ratios  # noqa: E402
+from benchmarks.common import percentile, poisson_label, step_request_ratios  # noqa: E402
 
 
 class FakeTime:
@@ -178,16 +178,3 @@ def test_the_shared_ratios_compare_the_step_engine_with_the_request_level_engine
         "Poisson 80%: step / request p95 latency": (pytest.approx(0.5), "<= 0.7"),
         "Poisson 80%: step / request mean time to first step": (pytest.approx(0.25), "<= 0.3"),
     }
-
-
-def test_alternated_rounds_pool_each_engines_images_over_its_time_and_keep_each_rounds_ratio():
-    class Run:
-        def __init__(self, images_per_s: float, duration_s: float) -> None:
-            self.images_per_s, self.duration_s = images_per_s, duration_s
-
-    # Round 2 ran on a machine twice as slow: it weighs by its longer time, not as one ratio in three.
-    steps = [Run(10.0, 6.4), Run(5.0, 12.8), Run(11.0, 6.0)]
-    requests = [Run(10.0, 6.4), Run(4.0, 16.0), Run(10.0, 6.4)]
-    pooled, each = alternated_rounds(steps, requests)
-    assert pooled == pytest.approx((64 + 64 + 66) / (6.4 + 12.8 + 6.0) / ((64 + 64 + 64) / (6.4 + 16 + 6.4)))
-    assert each == [pytest.approx(1.0), pytest.approx(1.1), pytest.approx(1.25)]

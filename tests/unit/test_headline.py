@@ -61,3 +61,20 @@ def test_a_checkpoint_rows_rounds_are_each_rounds_step_over_its_own_off():
     rounds = checkpoint_rounds(artefact)
     assert list(rounds) == [5]
     assert rounds[5] == pytest.approx([1.01, 1.5, 1.01, 1.01, 1.01])
+
+
+def test_an_engines_row_reads_its_verdict_from_its_own_rounds_where_the_take_ran_them():
+    artefact = engines(provenance("2026-12-05", "AMD EPYC"))
+    artefact["runs"] += [
+        {"engine": "step", "traffic": "poisson80", "latency_mean_s": 0.5},
+        {"engine": "request", "traffic": "poisson80", "latency_mean_s": 1.0},
+    ]
+    label = "Poisson 80%: step / request mean latency"
+    artefact["ratios"] = {label: [0.5, "<= 0.65"], "mixed: step / request throughput": [3.0, ">= 2"]}
+    artefact["ratio_rounds"] = {label: [0.4, 0.5, 0.45, 0.55, 0.6]}  # mixed: one run
+    page = render(artefact, {}, {}, {}, {}, {"runs": []}, {"runs": []})
+    assert "Poisson at 80% load | step / request mean latency | **0.5** | <= 0.65 | met (90% interval" in page
+    assert "step counts and guidance | step / request images/s | **3** | - | one run: no verdict" in page
+    artefact["ratio_rounds"][label] = [0.4, 0.5, 0.45, 0.55, 0.7]  # a round past the target
+    page = render(artefact, {}, {}, {}, {}, {"runs": []}, {"runs": []})
+    assert "| <= 0.65 | not shown (90% interval 0.4-0.7) |" in page

@@ -1,0 +1,123 @@
+"""The in-process engines benchmark's ratios (scripts/benchmarks/engines.py): the step engine over the
+request-level engine for each traffic, and, where it ran rounds (``--rounds``), each round's ratio, from
+the two engines' runs of that round (the same requests; under Poisson the same arrivals, a draw of the
+round's own): what scripts/verdicts.py reads a verdict from. A pure function of the report's runs."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from benchmarks.common import DELIVERED_TARGET, POISSON_TARGETS, TARGETS, poisson_label, pooled_throughput
+from benchmarks.engine_runs import STEP_COHORTS
+
+
+def _by_round(runs: list[Any], engine: str, traffic: str, concurrency: int | None = None) -> dict[int, Any]:
+    """``engine``'s runs of ``traffic`` by round (a run the rounds did not reach: round 0; where several
+    share a round, the last)."""
+    return {
+        getattr(run, "round", 0): run
+        for run in runs
+        if run.engine == engine and run.traffic == traffic and concurrency in (None, run.concurrency)
+    }
+
+
+def per_round(
+    runs: list[Any], over: tuple[str, str], traffic: str, figure: str, concurrency: int | None = None
+) -> list[float]:
+    """Each round's ``figure`` of the engine ``over[0]`` over the engine ``over[1]``'s, in round order;
+    a round one engine lacks is left out."""
+    first, second = (_by_round(runs, engine, traffic, concurrency) for engine in over)
+    return [
+        getattr(first[r], figure) / getattr(second[r], figure)
+        for r in sorted(first.keys() & second.keys())
+        if getattr(second[r], figure)
+    ]
+
+
+def _value(rounds: list[float]) -> float:
+    """A ratio's figure: its one round's, or the median round's (the verdict reads the same rounds)."""
+    return rounds[0] if len(rounds) == 1 else statistics.median(rounds)
+
+
+def ratios(report: dict) -> tuple[dict[str, tuple[float, str]], dict[str, list[float]]]:
+    """``{label: (value, target)}`` and, for each ratio measured over more than one round, ``{label: its
+    rounds}``."""
+    runs = report["runs"]
+    out: dict[str, tuple[float, str]] = {}
+    rounds: dict[str, list[float]] = {}
+
+    def add(label: str, each: list[float], target: str, value: float | None = None) -> None:
+        if not each:
+            return
+        out[label] = (_value(each) if value is None else value, target)
+        if len(each) > 1:
+            rounds[label] = each
+
+    closed = [r.concurrency for r in runs if r.traffic == "homogeneous"]
+    if closed:
+        top = max(closed)
+        steps, requests = (
+            [r for r in runs if r.engine == engine and r.traffic == "homogeneous" and r.concurrency == top]
+            for engine in ("step", "request")
+        )
+        each = per_round(runs, ("step", "request"), "homogeneous", "images_per_s", top)
+        # One round: the pooled ratio (the same as that round's).
+        pooled = pooled_throughput(steps) / pooled_throughput(requests)
+        add(
+            f"homogeneous c={top}: step / request throughput",
+            each,
+            TARGETS["throughput"],
+            None if each[1:] else pooled,
+        )
+        if "raw" in report:
+            raw = report["raw"][f"batch{report['cap']}_images_per_s"]
+            out[f"homogeneous c={top}: step / raw batch-{report['cap']} throughput"] = (
+                pooled_throughput(steps) / raw,
+                TARGETS["raw throughput"],
+            )
+    pair = ("step", "request")
+    add(
+        "mixed: step / request throughput",
+        per_round(runs, pair, "mixed", "images_per_s"),
+        TARGETS["mixed throughput"],
+    )
+    for traffic in ("text+image", "text+image poisson80"):
+        label = f"{traffic}: one model (step) / two models (request)"
+        add(f"{label} throughput", per_round(runs, pair, traffic, "images_per_s"), "-")
+        add(f"{label} p95 latency", per_round(runs, pair, traffic, "latency_p95_s"), "-")
+    if "image_mix_weights" in report:
+        weights = report["image_mix_weights"]
+        out["text+image: resident weights, one model / two models"] = (
+            weights["one_model_mib"] / weights["two_models_mib"],
+            "-",
+        )
+    for load, (latency, first) in POISSON_TARGETS.items():
+        traffic, percent = poisson_label(load), f"Poisson {round(load * 100)}%"
+        for engine in STEP_COHORTS:
+            if not per_round(runs, (engine, "request"), traffic, "latency_mean_s"):
+                continue
+            served = engine == "step"  # the served step engine's targets; its eager cohort's none
+            for figure, said, target in (
+                ("latency_mean_s", "mean latency", f"<= {latency}"),
+                ("latency_p95_s", "p95 latency", f"<= {latency}"),
+                ("first_step_mean_s", "mean time to first step", f"<= {first}"),
+            ):
+                each = per_round(runs, (engine, "request"), traffic, figure)
+                add(f"{percent}: {engine} / request {said}", each, target if served else "-")
+            delivered = [
+                run.images_per_s / run.offered_images_per_s
+                for _, run in sorted(_by_round(runs, engine, traffic).items())
+                if run.offered_images_per_s
+            ]
+            add(
+                f"{percent}: {engine} delivered / offered",
+                delivered,
+                DELIVERED_TARGET if served and load == 0.95 else "-",
+            )
+    if "profile" in report:
+        out["profile: engine's own work / step time"] = (
+            report["profile"]["own_share_of_step"],
+            TARGETS["own work"],
+        )
+    return out, rounds

@@ -1,0 +1,88 @@
+"""The in-process engines benchmark's ratios (scripts/benchmarks/engine_ratios.py): each round's ratio from
+the two engines' runs of that round, for every traffic the rounds ran (closed loop, mixed, each Poisson
+load), with made-up runs; no engine runs."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))  # the benchmarks' package
+
+from benchmarks.engine_ratios import per_round, ratios  # noqa: E402
+from benchmarks.engine_runs import Outcome  # noqa: E402
+from tables.engines import in_process_ratios  # noqa: E402
+
+
+def run(engine: str, traffic: str, round_: int, images_per_s: float, latency: float = 1.0, **more) -> Outcome:
+    concurrency = None if traffic.startswith("poisson") else 8
+    rate = 10.0 if concurrency is None else None
+    return Outcome(
+        engine,
+        traffic,
+        concurrency,
+        rate,
+        requests=40,
+        duration_s=more.pop("duration_s", 4.0),
+        images_per_s=images_per_s,
+        latency_mean_s=latency,
+        latency_p95_s=2 * latency,
+        first_step_mean_s=latency / 4,
+        first_step_p95_s=latency / 2,
+        offered_images_per_s=more.pop("offered", None),
+        round=round_,
+    )
+
+
+def test_each_rounds_ratio_is_its_own_two_runs_not_the_runs_in_list_order():
+    # The step engine's round 1 ran before its round 0 in the list (as rotated orders can put them).
+    runs = [run("step", "mixed", 1, 30.0), run("step", "mixed", 0, 20.0)]
+    runs += [run("request", "mixed", 0, 10.0), run("request", "mixed", 1, 10.0)]
+    assert per_round(runs, ("step", "request"), "mixed", "images_per_s") == [2.0, 3.0]
+
+
+def test_a_round_one_engine_lacks_is_left_out():
+    runs = [run("step", "mixed", r, 20.0 + r) for r in range(3)] + [run("request", "mixed", 0, 10.0)]
+    runs.append(run("request", "mixed", 2, 11.0))  # round 1 cut short before the request engine ran
+    assert per_round(runs, ("step", "request"), "mixed", "images_per_s") == [2.0, 2.0]
+
+
+def test_every_traffic_with_rounds_gets_its_median_and_its_rounds():
+    runs, pairs = [], [(20.0, 10.0), (33.0, 11.0), (24.0, 12.0), (9.0, 10.0), (40.0, 10.0)]
+    for r, (step, request) in enumerate(pairs):
+        runs += [run("step", "homogeneous", r, step), run("request", "homogeneous", r, request)]
+        runs += [run("step", "mixed", r, 2 * step), run("request", "mixed", r, request)]
+        runs.append(run("request", "poisson80", r, 9.0, latency=1.0, offered=10.0))
+        runs.append(run("step", "poisson80", r, 9.5, latency=0.5 + r / 10, offered=10.0))
+        runs.append(run("step-eager", "poisson80", r, 9.0, latency=0.8, offered=10.0))
+    found, rounds = ratios({"runs": runs, "cap": 8})
+    homogeneous = "homogeneous c=8: step / request throughput"
+    assert rounds[homogeneous] == [2.0, 3.0, 2.0, 0.9, 4.0]
+    assert found[homogeneous] == (2.0, ">= 1.0")  # the median round, not the pooled throughput
+    assert rounds["mixed: step / request throughput"] == [4.0, 6.0, 4.0, 1.8, 8.0]
+    mean = "Poisson 80%: step / request mean latency"
+    assert rounds[mean] == pytest.approx([0.5, 0.6, 0.7, 0.8, 0.9])
+    assert found[mean] == (pytest.approx(0.7), "<= 0.65")
+    assert found["Poisson 80%: step-eager / request mean latency"] == (pytest.approx(0.8), "-")  # no target
+    assert rounds["Poisson 80%: step delivered / offered"] == pytest.approx([0.95] * 5)
+    assert "Poisson 50%: step / request mean latency" not in found  # a load not run
+
+
+def test_one_round_reads_the_pooled_throughput_and_keeps_no_rounds():
+    runs = [run("step", "homogeneous", 0, 20.0, duration_s=4.0), run("request", "homogeneous", 0, 10.0)]
+    runs += [run("step", "homogeneous", 0, 30.0, duration_s=2.0)]  # a lower concurrency's, by its round
+    runs[-1].concurrency = 4
+    found, rounds = ratios({"runs": runs, "cap": 8})
+    assert found == {"homogeneous c=8: step / request throughput": (2.0, ">= 1.0")}
+    assert rounds == {}
+
+
+def test_the_block_names_each_runs_round_where_the_take_ran_rounds():
+    runs = [run("step", "mixed", r, 20.0).__dict__ for r in range(2)]
+    found, rounds = ratios({"runs": [run("step", "mixed", 0, 2.0), run("request", "mixed", 0, 1.0)]})
+    text = in_process_ratios({"runs": runs, "ratios": found, "ratio_rounds": rounds})
+    assert "| mixed, c=8, round 0 | step |" in text and "| mixed, c=8, round 1 | step |" in text
+    text = in_process_ratios({"runs": runs[:1], "ratios": found, "ratio_rounds": rounds})
+    assert "| mixed, c=8 | step |" in text  # one round: no round named
