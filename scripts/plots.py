@@ -23,41 +23,53 @@ FOLDER = REPO_ROOT / "docs" / "performance" / "plots"
 KEY = "figures-digest"
 
 
+def _over_rounds(points: dict[float, list[float]]) -> dict[str, list[float]]:
+    """Each x's rounds as their median and their lowest and highest, in x order."""
+    xs = sorted(points)
+    return {
+        "x": xs,
+        "median": [median(points[x]) for x in xs],
+        "low": [min(points[x]) for x in xs],
+        "high": [max(points[x]) for x in xs],
+    }
+
+
 def latency_vs_load(engines: dict[str, Any]) -> dict[str, Any]:
-    """Mean and p95 latency against offered load (share of the request-level engine's capacity)."""
-    series: dict[str, dict[str, list[float]]] = {}
+    """Mean and p95 latency against offered load (share of the request-level engine's capacity), each
+    load's rounds as their median and range."""
+    points: dict[str, dict[float, list[float]]] = {}
     for run in engines.get("runs", []):
         traffic = run.get("traffic", "")
         if not traffic.startswith("poisson") or run.get("engine") not in ("step", "request"):
             continue
-        line = series.setdefault(run["engine"], {"load": [], "mean": [], "p95": []})
-        line["load"].append(int(traffic.removeprefix("poisson")))
-        line["mean"].append(run["latency_mean_s"])
-        line["p95"].append(run["latency_p95_s"])
+        load = int(traffic.removeprefix("poisson"))
+        for figure in ("mean", "p95"):
+            points.setdefault(f"{run['engine']} {figure}", {}).setdefault(load, []).append(
+                run[f"latency_{figure}_s"]
+            )
     return {
         "kind": "lines",
         "x": "offered load, % of request-level capacity",
-        "y": "latency, s",
+        "y": "latency, s (median over rounds; band: their range)",
         "title": f"{engines.get('arch')} {engines.get('size')}: latency against load",
-        "series": series,
+        "series": {name: _over_rounds(by_load) for name, by_load in points.items()},
     }
 
 
 def throughput_vs_concurrency(engines: dict[str, Any]) -> dict[str, Any]:
-    """Images/s against closed-loop clients, both engines."""
-    series: dict[str, dict[str, list[float]]] = {}
+    """Images/s against closed-loop clients, both engines, each concurrency's rounds as their median and
+    range."""
+    points: dict[str, dict[float, list[float]]] = {}
     for run in engines.get("runs", []):
         if run.get("traffic") != "homogeneous" or run.get("engine") not in ("step", "request"):
             continue
-        line = series.setdefault(run["engine"], {"clients": [], "images_per_s": []})
-        line["clients"].append(run["concurrency"])
-        line["images_per_s"].append(run["images_per_s"])
+        points.setdefault(run["engine"], {}).setdefault(run["concurrency"], []).append(run["images_per_s"])
     return {
         "kind": "lines",
         "x": "closed-loop clients",
-        "y": "images/s",
+        "y": "images/s (median over rounds; band: their range)",
         "title": f"{engines.get('arch')}: throughput against concurrency",
-        "series": series,
+        "series": {name: _over_rounds(by_clients) for name, by_clients in points.items()},
     }
 
 
@@ -115,17 +127,9 @@ def draw(data: dict[str, Any], path: Path) -> None:
     figure, axes = plt.subplots(figsize=(9, 4))
     if data["kind"] == "lines":
         for name, line in sorted(data["series"].items()):
-            keys = list(line)
-            xs = line[keys[0]]
-            for key in keys[1:]:
-                order = sorted(range(len(xs)), key=xs.__getitem__)
-                axes.plot(
-                    [xs[i] for i in order],
-                    [line[key][i] for i in order],
-                    marker="o",
-                    linestyle="-" if key in ("mean", "images_per_s") else "--",
-                    label=f"{name} {key}",
-                )
+            style = "--" if name.endswith("p95") else "-"
+            (drawn,) = axes.plot(line["x"], line["median"], marker="o", linestyle=style, label=name)
+            axes.fill_between(line["x"], line["low"], line["high"], color=drawn.get_color(), alpha=0.15)
         axes.set_xlabel(data["x"])
         axes.set_ylabel(data["y"])
         axes.legend()

@@ -124,3 +124,23 @@ def test_a_plot_that_lags_its_artefact_fails_the_check(tmp_path, monkeypatch):
     changed = {"arch": "other", "size": 1, "runs": []}
     monkeypatch.setitem(plots.PLOTS, name, (paths, lambda *_: build(changed)))
     assert plots.write_all(check=True) == [f"docs/performance/plots/{name}.png"]
+
+
+def test_an_engine_plot_draws_each_loads_rounds_as_their_median_and_range():
+    import plots
+
+    runs = [
+        {"engine": "step", "traffic": "poisson80", "latency_mean_s": mean, "latency_p95_s": 2 * mean}
+        for mean in (0.3, 0.1, 0.2)
+    ]
+    runs.append({"engine": "step", "traffic": "poisson50", "latency_mean_s": 0.05, "latency_p95_s": 0.1})
+    runs.append({"engine": "step-eager", "traffic": "poisson50", "latency_mean_s": 9.0, "latency_p95_s": 9.0})
+    series = plots.latency_vs_load({"runs": runs})["series"]
+    assert set(series) == {"step mean", "step p95"}  # the served engines only
+    assert series["step mean"] == {
+        "x": [50, 80],
+        "median": [0.05, 0.2],
+        "low": [0.05, 0.1],
+        "high": [0.05, 0.3],
+    }
+    assert series["step p95"]["median"] == [0.1, 0.4]
