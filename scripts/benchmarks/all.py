@@ -126,27 +126,16 @@ PLAN = (
         ),
         600,
     ),
-    # The same engines through the real server and the project's gRPC client, and the OpenAI front's
-    # overhead against gRPC direct (one run each: figures, no verdict).
+    # The same engines through the real server and the project's gRPC client, 8 rounds of each traffic
+    # (each Poisson round its own arrivals); and the OpenAI front's overhead against gRPC direct (its
+    # runs pooled: figures, no verdict).
     Take(
         "server",
-        (
-            "--concurrency",
-            "1,4,8",
-            "--requests",
-            "48",
-            "--max-batch-size",
-            "8",
-            "--mixed",
-            "--poisson",
-            "--poisson-requests",
-            "120",
-            "--progress",
-            "--openai",
-            "--out",
-            "{out}",
+        tuple(
+            "--concurrency 1,4,8 --requests 48 --max-batch-size 8 --mixed --poisson --poisson-requests 120 "
+            "--rounds 8 --progress --openai --out {out}".split()
         ),
-        118,
+        600,
     ),
     # 16 requests a run. Three takes on the AMD host on 2026-12-05 (16, 64 and 256 requests a run; e1ef6c1,
     # d2d3a9b, bc4d6cd; not kept) read 90% intervals of 0.71-1.11 (64) and 0.82-1.15 (256) for two variants

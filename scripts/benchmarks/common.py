@@ -11,7 +11,7 @@ import os
 import platform
 import statistics
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -94,36 +94,70 @@ def pooled_throughput(runs: Sequence[Any]) -> float:
     return sum(r.images_per_s * r.duration_s for r in runs) / sum(r.duration_s for r in runs)
 
 
+def _by_round(
+    runs: Sequence[Any], name: str, traffic: str, concurrency: int | None, key: str
+) -> dict[int, Any]:
+    """The runs of engine (or variant: ``key``) ``name`` on ``traffic`` by round (a run the rounds did not
+    reach: round 0; where several share a round, the last)."""
+    return {
+        getattr(run, "round", 0): run
+        for run in runs
+        if getattr(run, key) == name and run.traffic == traffic and concurrency in (None, run.concurrency)
+    }
+
+
+def per_round(
+    runs: Sequence[Any],
+    over: tuple[str, str],
+    traffic: str,
+    figure: str,
+    concurrency: int | None = None,
+    key: str = "engine",
+) -> list[float]:
+    """Each round's ``figure`` of the engine ``over[0]`` over the engine ``over[1]``'s (engines told apart
+    by the runs' ``key``), in round order; a round one engine lacks is left out."""
+    first, second = (_by_round(runs, name, traffic, concurrency, key) for name in over)
+    return [
+        getattr(first[r], figure) / getattr(second[r], figure)
+        for r in sorted(first.keys() & second.keys())
+        if getattr(second[r], figure)
+    ]
+
+
+def ratio_value(rounds: list[float]) -> float:
+    """A ratio's figure: its one round's, or the median round's (the verdict reads the same rounds)."""
+    return rounds[0] if len(rounds) == 1 else statistics.median(rounds)
+
+
 def step_request_ratios(
-    pick: Callable[[str, str], Any | None], top: int, first_step: str
-) -> dict[str, tuple[float, str]]:
+    runs: Sequence[Any], top: int, first_step: str, key: str = "engine"
+) -> tuple[dict[str, tuple[float, str]], dict[str, list[float]]]:
     """The step engine over the request-level engine: homogeneous throughput at concurrency ``top``,
-    mixed throughput, and p95 latency and mean time to the first step at 80% Poisson load.
-    ``pick(engine, traffic)`` returns a run (``images_per_s``, ``latency_p95_s`` and the attribute named
-    ``first_step``) or None; rows whose traffic was not run are left out."""
+    mixed throughput, and p95 latency and mean time to the first step at 80% Poisson load, each the median
+    of its rounds (runs with ``images_per_s``, ``latency_p95_s`` and the attribute named ``first_step``;
+    the engine in the attribute ``key``); traffic not run is left out. Returns ``{label: (value,
+    target)}`` and ``{label: its rounds}`` for those measured over more than one round."""
     out: dict[str, tuple[float, str]] = {}
-    step, request = pick("step", "homogeneous"), pick("request", "homogeneous")
-    out[f"homogeneous c={top}: step / request throughput"] = (
-        step.images_per_s / request.images_per_s,
-        TARGETS["throughput"],
-    )
-    if pick("step", "mixed") and pick("request", "mixed"):
-        out["mixed: step / request throughput"] = (
-            pick("step", "mixed").images_per_s / pick("request", "mixed").images_per_s,
-            TARGETS["mixed throughput"],
-        )
-    label = poisson_label(0.8)
-    step80, request80 = pick("step", label), pick("request", label)
-    if step80 and request80:
-        out["Poisson 80%: step / request p95 latency"] = (
-            step80.latency_p95_s / request80.latency_p95_s,
-            TARGETS["poisson p95"],
-        )
-        out["Poisson 80%: step / request mean time to first step"] = (
-            getattr(step80, first_step) / getattr(request80, first_step),
-            TARGETS["poisson first step"],
-        )
-    return out
+    rounds: dict[str, list[float]] = {}
+    pair, label = ("step", "request"), poisson_label(0.8)
+    for name, traffic, figure, concurrency, target in (
+        (f"homogeneous c={top}: step / request throughput", "homogeneous", "images_per_s", top, "throughput"),
+        ("mixed: step / request throughput", "mixed", "images_per_s", None, "mixed throughput"),
+        ("Poisson 80%: step / request p95 latency", label, "latency_p95_s", None, "poisson p95"),
+        (
+            "Poisson 80%: step / request mean time to first step",
+            label,
+            first_step,
+            None,
+            "poisson first step",
+        ),
+    ):
+        each = per_round(runs, pair, traffic, figure, concurrency, key)
+        if each:
+            out[name] = (ratio_value(each), TARGETS[target])
+        if len(each) > 1:
+            rounds[name] = each
+    return out, rounds
 
 
 # Reports

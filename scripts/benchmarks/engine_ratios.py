@@ -5,39 +5,16 @@ round's own): what scripts/verdicts.py reads a verdict from. A pure function of 
 
 from __future__ import annotations
 
-import statistics
-from typing import Any
-
-from benchmarks.common import DELIVERED_TARGET, POISSON_TARGETS, TARGETS, poisson_label, pooled_throughput
+from benchmarks.common import (
+    DELIVERED_TARGET,
+    POISSON_TARGETS,
+    TARGETS,
+    per_round,
+    poisson_label,
+    pooled_throughput,
+    ratio_value,
+)
 from benchmarks.engine_runs import STEP_COHORTS
-
-
-def _by_round(runs: list[Any], engine: str, traffic: str, concurrency: int | None = None) -> dict[int, Any]:
-    """``engine``'s runs of ``traffic`` by round (a run the rounds did not reach: round 0; where several
-    share a round, the last)."""
-    return {
-        getattr(run, "round", 0): run
-        for run in runs
-        if run.engine == engine and run.traffic == traffic and concurrency in (None, run.concurrency)
-    }
-
-
-def per_round(
-    runs: list[Any], over: tuple[str, str], traffic: str, figure: str, concurrency: int | None = None
-) -> list[float]:
-    """Each round's ``figure`` of the engine ``over[0]`` over the engine ``over[1]``'s, in round order;
-    a round one engine lacks is left out."""
-    first, second = (_by_round(runs, engine, traffic, concurrency) for engine in over)
-    return [
-        getattr(first[r], figure) / getattr(second[r], figure)
-        for r in sorted(first.keys() & second.keys())
-        if getattr(second[r], figure)
-    ]
-
-
-def _value(rounds: list[float]) -> float:
-    """A ratio's figure: its one round's, or the median round's (the verdict reads the same rounds)."""
-    return rounds[0] if len(rounds) == 1 else statistics.median(rounds)
 
 
 def ratios(report: dict) -> tuple[dict[str, tuple[float, str]], dict[str, list[float]]]:
@@ -50,7 +27,7 @@ def ratios(report: dict) -> tuple[dict[str, tuple[float, str]], dict[str, list[f
     def add(label: str, each: list[float], target: str, value: float | None = None) -> None:
         if not each:
             return
-        out[label] = (_value(each) if value is None else value, target)
+        out[label] = (ratio_value(each) if value is None else value, target)
         if len(each) > 1:
             rounds[label] = each
 
@@ -105,10 +82,11 @@ def ratios(report: dict) -> tuple[dict[str, tuple[float, str]], dict[str, list[f
             ):
                 each = per_round(runs, (engine, "request"), traffic, figure)
                 add(f"{percent}: {engine} / request {said}", each, target if served else "-")
+            ran = sorted(
+                (r for r in runs if r.engine == engine and r.traffic == traffic), key=lambda r: r.round
+            )
             delivered = [
-                run.images_per_s / run.offered_images_per_s
-                for _, run in sorted(_by_round(runs, engine, traffic).items())
-                if run.offered_images_per_s
+                run.images_per_s / run.offered_images_per_s for run in ran if run.offered_images_per_s
             ]
             add(
                 f"{percent}: {engine} delivered / offered",

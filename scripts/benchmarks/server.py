@@ -28,6 +28,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 import artefacts
+from verdicts import rotated_orders
 
 from benchmarks.common import (
     MIXED_GUIDANCE,
@@ -87,6 +88,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--mixed", action="store_true", help="also mixed steps x guidance traffic")
     parser.add_argument("--poisson", action="store_true", help="also Poisson arrivals at 50/80/95%% load")
     parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="runs of each traffic (closed loop at the top concurrency, mixed, each Poisson load: its own "
+        "arrivals a round), the servers alternated; each ratio is read round by round",
+    )
+    parser.add_argument(
         "--poisson-requests",
         type=int,
         default=400,
@@ -122,6 +130,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.slo:
         parser.error("--slo runs another benchmark: run it through scripts/bench.py")
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
 
     build_missing(WEIGHTS, only=[args.arch])
     weights = WEIGHTS / args.arch
@@ -141,39 +151,37 @@ def main(argv: list[str] | None = None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
 
     names = ["request", "step"] + (["singleton"] if args.singleton else [])
-    variants = {}
+    variants: dict[str, ServerVariant] = {}
     runs: list[RunStats] = []
     try:
-        for name in names:
-            print(f"[{name}] starting the server", flush=True)
-            variant = ServerVariant(
-                name,
-                model,
-                weights,
-                args.max_batch_size,
-                args.queue_delay_us,
-                args.triton_max_batch_size,
-                {**size_edits, **ENGINE_VARIANTS[name]},
-            )
-            variants[name] = variant
-            variant.warm_up(requests[0], args.max_batch_size)
-            for concurrency in concurrencies:
-                runs.append(variant.run(requests, concurrency, None))
-            if args.mixed and name != "singleton":
-                for steps in MIXED_STEPS:
-                    variant.warm_up(dict(mixed[0], num_inference_steps=steps), 2)
-                runs.append(replace(variant.run(mixed, top, None), traffic="mixed"))
-            if name != "step" and not (args.poisson and name == "request"):
-                variants.pop(name).stop()  # kept for the Poisson runs (idle meanwhile): no second start
+        # Each round runs every server's closed loops (every concurrency in the first, the top one after)
+        # and mixed traffic, the servers in rotated order; a server starts once and stays up (idle while
+        # another runs) until its last run.
+        for round_, order in enumerate(rotated_orders(names, args.rounds)):
+            for name in order:
+                if name not in variants:
+                    variants[name] = start_variant(args, name, model, weights, size_edits, requests, mixed)
+                variant = variants[name]
+                for concurrency in concurrencies if round_ == 0 else [top]:
+                    runs.append(replace(variant.run(requests, concurrency, None), round=round_))
+                if args.mixed and name != "singleton":
+                    runs.append(replace(variant.run(mixed, top, None), traffic="mixed", round=round_))
+                last = round_ == args.rounds - 1
+                if last and name != "step" and not (args.poisson and name == "request"):
+                    variants.pop(name).stop()  # kept for the Poisson runs (idle meanwhile): no second start
         if args.poisson:
-            saturated = max(
-                r.requests_per_s for r in runs if r.variant == "request" and r.traffic == "homogeneous"
+            saturated = max(  # the first round's, each concurrency's
+                r.requests_per_s
+                for r in runs
+                if r.variant == "request" and r.traffic == "homogeneous" and r.round == 0
             )
             poisson_requests = make_requests(args.poisson_requests, [shape], True)
             for load in POISSON_LOADS:
-                for name in ("request", "step"):
-                    stats = variants[name].run(poisson_requests, None, load * saturated)
-                    runs.append(replace(stats, traffic=poisson_label(load)))
+                # Each round its own arrivals, the same for both servers, in rotated order.
+                for round_, order in enumerate(rotated_orders(["request", "step"], args.rounds)):
+                    for name in order:
+                        stats = variants[name].run(poisson_requests, None, load * saturated, seed=1 + round_)
+                        runs.append(replace(stats, traffic=poisson_label(load), round=round_))
     finally:
         for variant in variants.values():
             variant.stop()
@@ -200,16 +208,18 @@ def main(argv: list[str] | None = None) -> None:
         "triton_max_batch_size": args.triton_max_batch_size,
         "queue_delay_us": args.queue_delay_us,
         "requests": args.requests,
+        "rounds": args.rounds,
         "runs": [asdict(r) for r in runs],
         "raw": raw,
-        "ratios": ratios(runs, raw, top),
     }
+    report["ratios"], report["ratio_rounds"] = ratios(runs, raw, top)
     if args.sweep:
         report["sweep"] = run_sweep(args, model, weights, size_edits, requests, top)
 
     artefacts.write(args.out / "bench.json", report)
     (args.out / "bench.md").write_text(markdown(report))
-    write_plot([r for r in runs if r.traffic == "homogeneous"], args.out / "bench.png")
+    # The first round's closed loops: the one round that ran every concurrency.
+    write_plot([r for r in runs if r.traffic == "homogeneous" and r.round == 0], args.out / "bench.png")
     print(markdown(report))
     print(f"wrote {args.out}/bench.json, bench.md, bench.png")
 
@@ -389,14 +399,18 @@ def front_ratios(
     }
 
 
-def ratios(runs: list[RunStats], raw: list[dict], top: int) -> dict[str, tuple[float, str]]:
+def ratios(
+    runs: list[RunStats], raw: list[dict], top: int
+) -> tuple[dict[str, tuple[float, str]], dict[str, list[float]]]:
+    """``{label: (value, target)}``, and each ratio's rounds where it has more than one."""
+
     def pick(variant: str, traffic: str = "homogeneous") -> RunStats | None:
         found = [r for r in runs if r.variant == variant and r.traffic == traffic]
         if traffic == "homogeneous":
             found = [r for r in found if r.concurrency == top]
         return found[-1] if found else None
 
-    out = step_request_ratios(pick, top, "first_progress_mean_s")
+    out, rounds = step_request_ratios(runs, top, "first_progress_mean_s", key="variant")
     grpc = [r for r in runs if r.traffic == "grpc"]
     for client, label in FRONT_CLIENT_LABELS.items():
         front = [r for r in runs if r.traffic == client]
@@ -415,7 +429,34 @@ def ratios(runs: list[RunStats], raw: list[dict], top: int) -> dict[str, tuple[f
             "-",
         )
         out["raw batched / raw single (most batching can give)"] = (batched / raw[0]["images_per_s"], "-")
-    return out
+    return out, rounds
+
+
+def start_variant(
+    args: argparse.Namespace,
+    name: str,
+    model: str,
+    weights: Path,
+    size_edits: dict[str, str],
+    requests: list[dict],
+    mixed: list[dict],
+) -> ServerVariant:
+    """A server of engine variant ``name``, warmed up on a full batch (and on each mixed step count)."""
+    print(f"[{name}] starting the server", flush=True)
+    variant = ServerVariant(
+        name,
+        model,
+        weights,
+        args.max_batch_size,
+        args.queue_delay_us,
+        args.triton_max_batch_size,
+        {**size_edits, **ENGINE_VARIANTS[name]},
+    )
+    variant.warm_up(requests[0], args.max_batch_size)
+    if args.mixed and name != "singleton":
+        for steps in MIXED_STEPS:
+            variant.warm_up(dict(mixed[0], num_inference_steps=steps), 2)
+    return variant
 
 
 def run_sweep(

@@ -51,6 +51,7 @@ class RunStats:
     # CPU milliseconds per request of the OpenAI front, the server (Triton and its stubs) and this
     # client, where measured (--openai): on one machine all three share the cores.
     cpu_ms_per_request: dict[str, float] | None = None
+    round: int = 0  # of the benchmark's alternated rounds (--rounds)
 
 
 class MemorySampler:
@@ -105,9 +106,12 @@ def make_requests(
     return requests
 
 
-def drive(url: str, model: str, requests: list[dict], concurrency: int | None, rate: float | None):
+def drive(
+    url: str, model: str, requests: list[dict], concurrency: int | None, rate: float | None, seed: int = 1
+):
     """Closed loop (``concurrency`` workers, each sends its next request when the last one is answered) or
-    open loop (Poisson arrivals at ``rate`` requests/s). Returns the results and the duration.
+    open loop (Poisson arrivals at ``rate`` requests/s, drawn from ``seed``). Returns the results and the
+    duration.
 
     Open loop on the true clock: a request's latency and time to first progress run from its scheduled
     arrival (a thread that starts late is charged its lateness), and the first WARM_UP_FRACTION of the
@@ -139,7 +143,7 @@ def drive(url: str, model: str, requests: list[dict], concurrency: int | None, r
         threads = [threading.Thread(target=worker, args=(session,)) for session in sessions]
     else:
         threads = []
-        arrivals = poisson_arrivals(len(requests), rate)
+        arrivals = poisson_arrivals(len(requests), rate, seed)
         for index, (request, at) in enumerate(zip(requests, arrivals, strict=True)):
 
             def delayed(index: int = index, request: dict = request, at: float = at) -> None:
@@ -349,14 +353,20 @@ class ServerVariant:
         drive(self.server.grpc_url, self.model, [dict(request, seed=i) for i in range(batch)], batch, None)
 
     def run(
-        self, requests: list[dict], concurrency: int | None, rate: float | None, front: str | None = None
+        self,
+        requests: list[dict],
+        concurrency: int | None,
+        rate: float | None,
+        front: str | None = None,
+        seed: int = 1,
     ) -> RunStats:
+        """One run of ``requests`` (Poisson at ``rate``: arrivals drawn from ``seed``)."""
         before = read_metrics(self.server)
         with MemorySampler(self.server.process.pid) as memory:
             if front:  # through the OpenAI front with a client of FRONT_CLIENTS
                 results, duration = drive_front(self.openai_url, self.model, requests, concurrency, front)
             else:
-                results, duration = drive(self.server.grpc_url, self.model, requests, concurrency, rate)
+                results, duration = drive(self.server.grpc_url, self.model, requests, concurrency, rate, seed)
         after = read_metrics(self.server)
         # Images per fused call (request-level) or per forward (step engine).
         prefix = "triton_diffusion_fused_call_rows"

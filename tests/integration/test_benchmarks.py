@@ -30,6 +30,8 @@ def test_bench_writes_its_report(tmp_path):
             "--poisson",
             "--poisson-requests",
             "10",
+            "--rounds",
+            "2",
             "--openai",
             "--out",
             str(out),
@@ -40,19 +42,33 @@ def test_bench_writes_its_report(tmp_path):
     report = json.loads((out / "bench.json").read_text())
     assert (out / "bench.md").read_text().startswith("Machine:")
     assert (out / "bench.png").read_bytes().startswith(b"\x89PNG")
-    poisson = [(engine, f"poisson{load}", None) for load in (50, 80, 95) for engine in ("request", "step")]
-    assert [(r["variant"], r["traffic"], r["concurrency"]) for r in report["runs"]] == [
-        ("request", "homogeneous", 1),
-        ("request", "homogeneous", 2),
-        ("request", "mixed", 2),
-        ("step", "homogeneous", 1),
-        ("step", "homogeneous", 2),
-        ("step", "mixed", 2),
+    # Two rounds, the servers in rotated order: every concurrency in the first, the top one after; each
+    # Poisson load's rounds (arrivals of their own) in rotated order too.
+    orders = (("request", "step"), ("step", "request"))
+    poisson = [
+        (engine, f"poisson{load}", None, round_)
+        for load in (50, 80, 95)
+        for round_, order in enumerate(orders)
+        for engine in order
+    ]
+    assert [(r["variant"], r["traffic"], r["concurrency"], r["round"]) for r in report["runs"]] == [
+        ("request", "homogeneous", 1, 0),
+        ("request", "homogeneous", 2, 0),
+        ("request", "mixed", 2, 0),
+        ("step", "homogeneous", 1, 0),
+        ("step", "homogeneous", 2, 0),
+        ("step", "mixed", 2, 0),
+        ("step", "homogeneous", 2, 1),
+        ("step", "mixed", 2, 1),
+        ("request", "homogeneous", 2, 1),
+        ("request", "mixed", 2, 1),
         *poisson,
         # The OpenAI front's overhead: one server, gRPC direct, the official client and http.client, two
         # rounds each, the second in the reverse order.
-        *[("step", path, 2) for path in ("grpc", "openai", "http", "http", "openai", "grpc")],
+        *[("step", path, 2, 0) for path in ("grpc", "openai", "http", "http", "openai", "grpc")],
     ]
+    for label in ("homogeneous c=2: step / request throughput", "Poisson 80%: step / request p95 latency"):
+        assert len(report["ratio_rounds"][label]) == 2  # each read from its two rounds
     for run in report["runs"]:
         # Poisson: the first 10% of the 10 requests (an empty server filling up) are left out.
         count = 9 if run["traffic"].startswith("poisson") else 4

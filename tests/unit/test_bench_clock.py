@@ -162,19 +162,28 @@ def test_percentile_interpolates_between_ranks():
 
 def test_the_shared_ratios_compare_the_step_engine_with_the_request_level_engine():
     class Run:
-        def __init__(self, images_per_s: float, p95: float, first: float) -> None:
+        def __init__(self, variant: str, traffic: str, images_per_s: float, p95: float, first: float) -> None:
+            self.variant, self.traffic, self.concurrency, self.round = variant, traffic, 16, 0
             self.images_per_s, self.latency_p95_s, self.first_step_mean_s = images_per_s, p95, first
 
-    runs = {
-        ("step", "homogeneous"): Run(9.5, 1.0, 0.1),
-        ("request", "homogeneous"): Run(10.0, 1.0, 0.1),
-        ("step", "poisson80"): Run(8.0, 0.7, 0.1),
-        ("request", "poisson80"): Run(8.0, 1.4, 0.4),
-    }
-    ratios = step_request_ratios(lambda engine, traffic: runs.get((engine, traffic)), 16, "first_step_mean_s")
+    runs = [
+        Run("step", "homogeneous", 9.5, 1.0, 0.1),
+        Run("request", "homogeneous", 10.0, 1.0, 0.1),
+        Run("step", "poisson80", 8.0, 0.7, 0.1),
+        Run("request", "poisson80", 8.0, 1.4, 0.4),
+    ]
+    ratios, rounds = step_request_ratios(runs, 16, "first_step_mean_s", key="variant")
 
     assert ratios == {
         "homogeneous c=16: step / request throughput": (pytest.approx(0.95), ">= 1.0"),
         "Poisson 80%: step / request p95 latency": (pytest.approx(0.5), "<= 0.7"),
         "Poisson 80%: step / request mean time to first step": (pytest.approx(0.25), "<= 0.3"),
     }
+    assert rounds == {}  # one round each: no verdict
+    # A second round (its runs first in the list, as a rotated order puts them): each round its own pair.
+    second = [Run("request", "poisson80", 8.0, 1.0, 0.4), Run("step", "poisson80", 8.0, 0.9, 0.1)]
+    for run in second:
+        run.round = 1
+    ratios, rounds = step_request_ratios(second + runs, 16, "first_step_mean_s", key="variant")
+    assert rounds["Poisson 80%: step / request p95 latency"] == [pytest.approx(0.5), pytest.approx(0.9)]
+    assert ratios["Poisson 80%: step / request p95 latency"][0] == pytest.approx(0.7)  # their median

@@ -11,7 +11,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))  # the benchmarks' package
 
-from benchmarks.engine_ratios import per_round, ratios  # noqa: E402
+from benchmarks.common import per_round  # noqa: E402
+from benchmarks.engine_ratios import ratios  # noqa: E402
 from benchmarks.engine_runs import Outcome  # noqa: E402
 from tables.engines import in_process_ratios  # noqa: E402
 
