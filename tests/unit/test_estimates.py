@@ -92,7 +92,7 @@ def test_a_forward_is_priced_by_its_rows_and_tokens_once_three_pairs_not_on_a_li
     assert (
         times.forward_cost(4, 400) is None
     )  # three on one line (tokens = 100 x rows): rows and tokens unmixed
-    times.forward_ran(2, 800, plane(2, 800), rows=2)  # a packed forward: more tokens for the same rows
+    times.forward_ran(2, 800, plane(2, 800), rows=2)  # more tokens for the same rows (a larger size)
     assert times.forward_cost(4, 1000) == pytest.approx(plane(4, 1000))
     assert times.forward_cost(1, 50) == pytest.approx(plane(1, 50))
     times.forward_ran(1, 100, 1.0)  # without rows: the token line only
@@ -104,7 +104,7 @@ def test_a_calibration_keeps_the_plane_determined_whatever_the_traffic_measures(
     plane = lambda rows, tokens: 0.002 + 0.0001 * tokens + 0.003 * rows  # noqa: E731
     for rows, tokens in ((1, 16), (4, 64), (1, 64), (4, 256)):
         times.calibrated(rows, tokens, plane(rows, tokens))
-    for rows in range(1, MAX_SIZES + 10):  # all-packed traffic: 64 tokens a row, on one line
+    for rows in range(1, MAX_SIZES + 10):  # traffic of one size: 64 tokens a row, on one line
         times.forward_ran(rows, 64 * rows, plane(rows, 64 * rows), rows=rows)
     assert (1, 16) in times.calibration and (1, 16) not in times.by_rows_tokens
     assert times.forward_cost(8, 8 * 16) == pytest.approx(plane(8, 8 * 16))
@@ -158,3 +158,20 @@ def test_a_probe_comes_after_probe_after_idle_refusals_drops_the_estimate_and_a_
     assert [times.probe() for _ in range(PROBE_AFTER)] == [False] * PROBE_AFTER  # counted afresh
     times.forward_ran(1, 1, 0.1)  # a forward measured starts the count again
     assert [times.probe() for _ in range(PROBE_AFTER + 1)] == [False] * PROBE_AFTER + [True]
+
+
+def test_a_packed_forward_is_priced_by_what_packed_forwards_measured_over_the_plane_and_never_bends_it():
+    times = WorkTimes()
+    plane = lambda rows, tokens: 0.002 + 0.0001 * tokens + 0.003 * rows  # noqa: E731
+    for rows, tokens in ((1, 16), (4, 64), (1, 64)):
+        times.forward_ran(rows, tokens, plane(rows, tokens), rows=rows)
+    assert times.forward_cost(8, 512, packed=True) == pytest.approx(plane(8, 512))  # none measured: as one
+    # Packed forwards measured at 1.5x and then 2x the plane's price (their masked attention is slower).
+    times.forward_ran(8, 512, 1.5 * plane(8, 512), rows=8, packed=True)
+    times.forward_ran(8, 384, 2.0 * plane(8, 384), rows=8, packed=True)
+    assert (8, 512) not in times.by_rows_tokens and (8, 384) not in times.by_rows_tokens
+    assert times.packed_factor == pytest.approx(0.8 * 1.5 + 0.2 * 2.0)  # the running average (SMOOTHING)
+    assert times.forward_cost(16, 768) == pytest.approx(plane(16, 768))  # by size: the plane alone
+    assert times.forward_cost(16, 768, packed=True) == pytest.approx(1.6 * plane(16, 768))
+    assert times.describe()["packed_over_plane"] == pytest.approx(1.6)
+    assert {512, 384} <= times.by_tokens.keys()  # the line that deadlines price by counts every forward

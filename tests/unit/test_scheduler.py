@@ -743,6 +743,24 @@ def test_sizes_mixed_run_by_size_only_where_the_fit_prices_that_cheaper_by_the_m
         assert engine.adapter.forwards == [["large"]] * 3 + [["small"]] * 3
 
 
+def test_a_packed_forward_measured_dear_sends_the_next_mixed_forwards_by_size():
+    from triton_diffusion.engine.forward_choice import gate
+
+    # The plane prices packing cheaper (the fixed part saved): the first mixed forward runs packed, and
+    # the engine tells the fit it was.
+    engine = with_plane(packed_engine(budget=None), 0.05, 0.00001, 0.0)
+    times, ran = engine.engine.times, []
+    times.forward_ran = lambda *args: ran.append(args)
+    assert first_forward(engine, gated("large", 8), gated("small", 2)) == ["large", "small"]
+    assert ran and ran[-1][4] is True  # (jobs, tokens, seconds, rows, packed)
+    # Packed forwards measured at three times the plane's price (a slower masked attention): by size.
+    times.packed_factor = 3.0
+    decision = gate([gated("large2", 8), gated("small2", 2)], times, engine.engine.scheduler.computed, True)
+    assert decision is not None and not decision.packed
+    assert decision.packed_s == pytest.approx(3 * (0.05 + 0.00001 * PACKED))
+    assert decision.by_size_s == pytest.approx(2 * 0.05 + 0.00001 * BY_SIZE)
+
+
 def test_before_the_fit_has_a_price_sizes_mixed_run_packed_and_the_jobs_count_it():
     engine = packed_engine(budget=None)
     large, small = gated("large", 8), gated("small", 2)

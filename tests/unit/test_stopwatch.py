@@ -162,7 +162,7 @@ def test_a_forward_that_fails_records_no_span_and_each_half_that_runs_records_it
     engine = engine_for(GpuAdapter(gpu, forward_s=0.2, decode_s=0.01))
     engine.engine.stopwatch = Stopwatch(gpu.event)
     ran: list[tuple[int, float]] = []
-    engine.times.forward_ran = lambda jobs, tokens, seconds, rows=None: ran.append((jobs, seconds))
+    engine.times.forward_ran = lambda jobs, tokens, seconds, *_: ran.append((jobs, seconds))
     engine.add(job("good", Spec(steps=2)), job("bad", Spec(steps=2, fail_forward=True)))
     engine.step()
     gpu.now = gpu.queue_end

@@ -8,11 +8,15 @@ a decode; the work queued ahead of it (jobs that go first) adds forwards where i
 Before anything was measured there is no estimate, and nothing is refused for it.
 
 What one forward costs against another (the packing gate: scheduler.py) is priced by a second fit in two
-variables, ``a + b x tokens + c x rows``: a packed forward computes padding tokens for the same rows, and
-the rows carry what the tokens do not (each row's text tokens, its conditioning). It is fitted by least
-squares to the distinct (rows, tokens) pairs measured, each the running average of its forwards (the
-latest ``MAX_SIZES`` pairs, and a calibration's at load: models/calibration.py), and gives no price until
-the pairs determine it (three, not on one line).
+variables, ``a + b x tokens + c x rows``: the rows carry what the tokens do not (each row's text tokens,
+its conditioning). It is fitted by least squares to the distinct (rows, tokens) pairs measured in
+forwards of one size, each the running average of its forwards (the latest ``MAX_SIZES`` pairs, and a
+calibration's at load: models/calibration.py), and gives no price until the pairs determine it (three,
+not on one line). A packed forward (jobs of several sizes on a padded grid, each row's attention masked
+to its own tokens) may cost more than its rows and tokens say (a masked attention can take a slower
+path): it is priced by the same plane times the running average of what each packed forward measured
+over the plane's price for it (1 until one was measured), so packed forwards never bend the plane that
+prices the forwards by size they are weighed against.
 """
 
 from __future__ import annotations
@@ -49,16 +53,27 @@ class WorkTimes:
     # The line through ``by_tokens`` (fixed, per token), fitted once per change: the scheduler prices
     # every held job at every engine step, and a fit over up to MAX_SIZES points each time adds up.
     _line: tuple[float, float] | None = field(default=None, repr=False)
+    # A packed forward's seconds over the plane's price for its rows and tokens, a running average (None
+    # until a packed forward was measured where the plane had a price).
+    packed_factor: float | None = None
     _idle_refusals: int = field(default=0, repr=False)  # since the last forward measured (probe)
 
-    def forward_ran(self, jobs: int, tokens: int, seconds: float, rows: int | None = None) -> None:
+    def forward_ran(
+        self, jobs: int, tokens: int, seconds: float, rows: int | None = None, packed: bool = False
+    ) -> None:
         """A forward of ``jobs`` jobs, ``rows`` denoiser rows (None: unknown) and ``tokens`` tokens (padding
-        included) took ``seconds``."""
+        included) took ``seconds``; ``packed``: its jobs were of several sizes, packed."""
         tokens = max(tokens, 1)
         _remember(self.by_tokens, tokens, seconds)
         self._line, self._idle_refusals = None, 0
-        if rows is not None:
+        if rows is None:
+            return
+        if not packed:
             _remember(self.by_rows_tokens, (rows, tokens), seconds)
+            return
+        price = self.forward_cost(rows, tokens)
+        if price:
+            self.packed_factor = _blend(self.packed_factor, seconds / price)
 
     def probe(self) -> bool:
         """Asked where the estimate would refuse a newcomer on an idle engine: whether to drop it instead
@@ -80,14 +95,16 @@ class WorkTimes:
         (``forward_cost``) and nothing else; deadlines wait for the traffic's own."""
         self.calibration[rows, max(tokens, 1)] = seconds
 
-    def forward_cost(self, rows: int, tokens: int) -> float | None:
-        """Seconds of a forward of ``rows`` rows and ``tokens`` tokens by the two-variable fit, or None
-        where the pairs measured do not determine it (fewer than three, or all on one line)."""
+    def forward_cost(self, rows: int, tokens: int, packed: bool = False) -> float | None:
+        """Seconds of a forward of ``rows`` rows and ``tokens`` tokens by the two-variable fit (``packed``:
+        times what packed forwards measured over it), or None where the pairs measured do not determine it
+        (fewer than three, or all on one line)."""
         fit = _plane({**self.calibration, **self.by_rows_tokens})
         if fit is None:
             return None
         fixed, per_token, per_row = fit
-        return max(fixed + per_token * tokens + per_row * rows, 0.0)
+        seconds = max(fixed + per_token * tokens + per_row * rows, 0.0)
+        return seconds * (self.packed_factor or 1.0) if packed else seconds
 
     def started(self, jobs: int, seconds: float) -> None:
         self.spent_s += seconds
@@ -112,7 +129,8 @@ class WorkTimes:
         """The cost model as it stands, in milliseconds (MODEL_INFO ``cost_model``, and the metrics): the
         line by tokens that deadlines and the drain price a forward by (None until two token counts were
         measured; with one, forwards are priced in proportion to it), the plane by tokens and rows that
-        the packing gate prices by (None until the pairs measured determine it), a start and a decode per
+        the packing gate prices by (None until the pairs measured determine it) and what a packed forward
+        measured over it (None until one was), a start and a decode per
         job, and how many points each rests on (token counts and (rows, tokens) pairs measured by the
         traffic, pairs from the calibration at load)."""
         by_tokens = dict(self.by_tokens)  # copies: the engine thread adds to these while this reads them
@@ -130,6 +148,7 @@ class WorkTimes:
                 "per_1k_tokens_ms": plane[1] * 1e6,
                 "per_row_ms": plane[2] * 1e3,
             },
+            "packed_over_plane": self.packed_factor,
             "start_ms": None if self.start_s is None else self.start_s * 1e3,
             "decode_ms": None if self.finish_s is None else self.finish_s * 1e3,
             "token_counts_measured": len(by_tokens),

@@ -9,10 +9,11 @@ a deadline needs it fewer of them (:func:`narrow`).
   its own jobs go first (adapters/packed_rows.py).
 - The fill: at most the group's jobs and tokens (its caps: forward_caps.py) and, of each shape, its size's
   cap; a job that does not fit is skipped for a smaller one after it, and the first always goes.
-- The gate: the cost fit (estimates.py) prices the packed forward (padding included) and one forward per
-  size; where by size is cheaper by ``PACK_MARGIN`` and ``PACK_MIN_SAVING_S``, only the first job's size
-  steps (the others in later forwards, as without packing); else it runs packed, as before the fit has a
-  price. The decision and both prices go in the forward's report.
+- The gate: the cost fit (estimates.py) prices the packed forward (padding included, times what packed
+  forwards measured over the fit) and one forward per size; where by size is cheaper by ``PACK_MARGIN``
+  and ``PACK_MIN_SAVING_S``, only the first job's size steps (the others in later forwards, as without
+  packing); else it runs packed, as before the fit has a price. The decision and both prices go in the
+  forward's report.
 - Narrowing (config ``narrow_forwards``), last: where a job with a deadline would not be done within
   ``CUT_TARGET`` of its time left stepping in forwards as full as this one, and would in a smaller one,
   only a prefix of the forward's jobs in order steps: the longest that keeps it, and every job with a
@@ -36,7 +37,7 @@ from triton_diffusion.engine.ordering import Policy
 # How much cheaper the same jobs' forwards by size must be priced than their packed forward for them to run
 # by size, relatively and in seconds: the fit is a plane through noisy timings, and a difference within
 # them (or below a timer's reach: a fake model's) is no reason to leave packing, which the mixed-sizes
-# benchmark measured a gain (tiny FLUX.1) or no loss (tiny SD3).
+# benchmark measured a gain on tiny FLUX.1.
 PACK_MARGIN = 0.05
 PACK_MIN_SAVING_S = 0.001
 # How much more per token a narrowed forward may cost than the full one, by the fit (see the docstring).
@@ -148,7 +149,7 @@ def gate(taken: list[Job], times: WorkTimes, computed: Computed, on: bool) -> Pa
         return None
     if not on:
         return Packing(True)
-    packed = times.forward_cost(*computed(taken))
+    packed = times.forward_cost(*computed(taken), packed=True)
     parts = [times.forward_cost(*computed(jobs)) for jobs in sizes.values()]
     if packed is None or any(part is None for part in parts):
         return Packing(True)

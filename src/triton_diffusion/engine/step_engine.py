@@ -282,8 +282,10 @@ class StepEngine:
             self.spans += 1
             span = self.spans
 
+            packed = len({job.spec.shape for job in part}) > 1  # jobs of several sizes on one grid
+
             def timed(seconds: float) -> None:
-                self.times.forward_ran(len(part), computed, seconds, rows)
+                self.times.forward_ran(len(part), computed, seconds, rows, packed)
                 self.report.timed.append((span, seconds))
 
             return result, self.stopwatch.stop(started, timed), span
