@@ -24,30 +24,22 @@ def ratios(report: dict) -> tuple[dict[str, tuple[float, str]], dict[str, list[f
     out: dict[str, tuple[float, str]] = {}
     rounds: dict[str, list[float]] = {}
 
-    def add(label: str, each: list[float], target: str, value: float | None = None) -> None:
+    def add(label: str, each: list[float], target: str) -> None:
         if not each:
             return
-        out[label] = (ratio_value(each) if value is None else value, target)
+        out[label] = (ratio_value(each), target)
         if len(each) > 1:
             rounds[label] = each
 
     closed = [r.concurrency for r in runs if r.traffic == "homogeneous"]
     if closed:
         top = max(closed)
-        steps, requests = (
-            [r for r in runs if r.engine == engine and r.traffic == "homogeneous" and r.concurrency == top]
-            for engine in ("step", "request")
-        )
         each = per_round(runs, ("step", "request"), "homogeneous", "images_per_s", top)
-        # One round: the pooled ratio (the same as that round's).
-        pooled = pooled_throughput(steps) / pooled_throughput(requests)
-        add(
-            f"homogeneous c={top}: step / request throughput",
-            each,
-            TARGETS["throughput"],
-            None if each[1:] else pooled,
-        )
+        add(f"homogeneous c={top}: step / request throughput", each, TARGETS["throughput"])
         if "raw" in report:
+            steps = [
+                r for r in runs if r.engine == "step" and r.traffic == "homogeneous" and r.concurrency == top
+            ]
             raw = report["raw"][f"batch{report['cap']}_images_per_s"]
             out[f"homogeneous c={top}: step / raw batch-{report['cap']} throughput"] = (
                 pooled_throughput(steps) / raw,

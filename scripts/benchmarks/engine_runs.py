@@ -51,6 +51,7 @@ class Outcome:
     measured_requests: int | None = None  # those in the statistics (the first 10% of Poisson left out)
     extra: dict = field(default_factory=dict)
     round: int = 0  # of the benchmark's alternated rounds (--rounds)
+    arrival_seed: int | None = None  # Poisson: the seed of its arrival times
 
 
 def run_request_level(
@@ -243,6 +244,7 @@ def run_poisson(
     clock = StageClock(bench.device) if timed else None
     rows = drive(bench, engine, traffic, window, clock)
     result = outcome(engine, traffic_name, traffic, None, rate, rows)
+    result.arrival_seed = seed
     if clock is not None:
         result.extra["timeline"] = clock.summary()
         print("    timeline: " + timeline_line(result.extra["timeline"]), flush=True)

@@ -170,18 +170,21 @@ def main(argv: list[str] | None = None) -> None:
                 if last and name != "step" and not (args.poisson and name == "request"):
                     variants.pop(name).stop()  # kept for the Poisson runs (idle meanwhile): no second start
         if args.poisson:
-            saturated = max(  # the first round's, each concurrency's
-                r.requests_per_s
-                for r in runs
-                if r.variant == "request" and r.traffic == "homogeneous" and r.round == 0
+            closed = [r for r in runs if r.variant == "request" and r.traffic == "homogeneous"]
+            saturated = max(  # the best concurrency's, its rounds pooled
+                sum(r.requests for r in at) / sum(r.duration_s for r in at)
+                for at in ([r for r in closed if r.concurrency == c] for c in concurrencies)
             )
             poisson_requests = make_requests(args.poisson_requests, [shape], True)
             for load in POISSON_LOADS:
                 # Each round its own arrivals, the same for both servers, in rotated order.
                 for round_, order in enumerate(rotated_orders(["request", "step"], args.rounds)):
                     for name in order:
-                        stats = variants[name].run(poisson_requests, None, load * saturated, seed=1 + round_)
-                        runs.append(replace(stats, traffic=poisson_label(load), round=round_))
+                        seed = 1 + round_
+                        stats = variants[name].run(poisson_requests, None, load * saturated, seed=seed)
+                        runs.append(
+                            replace(stats, traffic=poisson_label(load), round=round_, arrival_seed=seed)
+                        )
     finally:
         for variant in variants.values():
             variant.stop()
@@ -452,10 +455,14 @@ def start_variant(
         args.triton_max_batch_size,
         {**size_edits, **ENGINE_VARIANTS[name]},
     )
-    variant.warm_up(requests[0], args.max_batch_size)
-    if args.mixed and name != "singleton":
-        for steps in MIXED_STEPS:
-            variant.warm_up(dict(mixed[0], num_inference_steps=steps), 2)
+    try:
+        variant.warm_up(requests[0], args.max_batch_size)
+        if args.mixed and name != "singleton":
+            for steps in MIXED_STEPS:
+                variant.warm_up(dict(mixed[0], num_inference_steps=steps), 2)
+    except BaseException:  # not yet the caller's to stop
+        variant.stop()
+        raise
     return variant
 
 

@@ -52,6 +52,7 @@ class RunStats:
     # client, where measured (--openai): on one machine all three share the cores.
     cpu_ms_per_request: dict[str, float] | None = None
     round: int = 0  # of the benchmark's alternated rounds (--rounds)
+    arrival_seed: int | None = None  # Poisson: the seed of its arrival times
 
 
 class MemorySampler:

@@ -69,6 +69,11 @@ def test_bench_writes_its_report(tmp_path):
     ]
     for label in ("homogeneous c=2: step / request throughput", "Poisson 80%: step / request p95 latency"):
         assert len(report["ratio_rounds"][label]) == 2  # each read from its two rounds
+    # Each Poisson round on arrivals of its own, the same for both servers.
+    seeds = {
+        (r["round"], r["variant"]): r["arrival_seed"] for r in report["runs"] if r["traffic"] == "poisson80"
+    }
+    assert seeds == {(0, "request"): 1, (0, "step"): 1, (1, "request"): 2, (1, "step"): 2}
     for run in report["runs"]:
         # Poisson: the first 10% of the 10 requests (an empty server filling up) are left out.
         count = 9 if run["traffic"].startswith("poisson") else 4
@@ -137,6 +142,11 @@ def test_the_engine_benchmark_runs_both_engines_and_profiles_the_step_engine(tmp
         ) == [0, 1]
     for label in ("mixed: step / request throughput", "Poisson 80%: step / request mean latency"):
         assert len(report["ratio_rounds"][label]) == 2
+    # Each Poisson round on arrivals of its own, the same for every engine.
+    seeds = {
+        (r["round"], r["engine"]): r["arrival_seed"] for r in report["runs"] if r["traffic"] == "poisson80"
+    }
+    assert seeds == {(r, e): 1 + r for r in (0, 1) for e in ("request", "step", "step-eager")}
     for engine in ("request", "step"):
         kinds = ("homogeneous", "mixed", "poisson50", "poisson80", "poisson95")
         assert {(engine, kind) for kind in kinds} <= traffic

@@ -71,7 +71,7 @@ def test_every_traffic_with_rounds_gets_its_median_and_its_rounds():
     assert "Poisson 50%: step / request mean latency" not in found  # a load not run
 
 
-def test_one_round_reads_the_pooled_throughput_and_keeps_no_rounds():
+def test_one_round_reads_its_own_ratio_at_the_top_concurrency_and_keeps_no_rounds():
     runs = [run("step", "homogeneous", 0, 20.0, duration_s=4.0), run("request", "homogeneous", 0, 10.0)]
     runs += [run("step", "homogeneous", 0, 30.0, duration_s=2.0)]  # a lower concurrency's, by its round
     runs[-1].concurrency = 4

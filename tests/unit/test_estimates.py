@@ -166,12 +166,31 @@ def test_a_packed_forward_is_priced_by_what_packed_forwards_measured_over_the_pl
     for rows, tokens in ((1, 16), (4, 64), (1, 64)):
         times.forward_ran(rows, tokens, plane(rows, tokens), rows=rows)
     assert times.forward_cost(8, 512, packed=True) == pytest.approx(plane(8, 512))  # none measured: as one
-    # Packed forwards measured at 1.5x and then 2x the plane's price (their masked attention is slower).
+    # A new grid's first packed forward is its warm-up: left out.
+    times.forward_ran(8, 512, 10 * plane(8, 512), rows=8, packed=True)
+    assert times.packed_factor is None
+    # Then packed forwards measured at 1.5x and 2.5x the plane's price (their masked attention is slower).
     times.forward_ran(8, 512, 1.5 * plane(8, 512), rows=8, packed=True)
-    times.forward_ran(8, 384, 2.0 * plane(8, 384), rows=8, packed=True)
+    times.forward_ran(8, 384, 9.0, rows=8, packed=True)  # (8, 384)'s warm-up
+    times.forward_ran(8, 384, 2.5 * plane(8, 384), rows=8, packed=True)
     assert (8, 512) not in times.by_rows_tokens and (8, 384) not in times.by_rows_tokens
-    assert times.packed_factor == pytest.approx(0.8 * 1.5 + 0.2 * 2.0)  # the running average (SMOOTHING)
+    assert times.packed_factor == pytest.approx((1.5 + 2.5) / 2)  # each pair over the plane, their mean
     assert times.forward_cost(16, 768) == pytest.approx(plane(16, 768))  # by size: the plane alone
-    assert times.forward_cost(16, 768, packed=True) == pytest.approx(1.6 * plane(16, 768))
-    assert times.describe()["packed_over_plane"] == pytest.approx(1.6)
+    assert times.forward_cost(16, 768, packed=True) == pytest.approx(2.0 * plane(16, 768))
+    assert times.describe()["packed_over_plane"] == pytest.approx(2.0)
     assert {512, 384} <= times.by_tokens.keys()  # the line that deadlines price by counts every forward
+    # Against the plane as it is now: measured at twice the old plane, the plane now twice as dear.
+    for rows, tokens in ((1, 16), (4, 64), (1, 64)):
+        times.by_rows_tokens[rows, tokens] = 2 * plane(rows, tokens)
+    assert times.packed_factor == pytest.approx(1.0)
+
+
+def test_forwards_of_one_size_since_the_last_packed_one_are_counted():
+    times = WorkTimes()
+    times.forward_ran(2, 64, 0.01, rows=2)
+    times.forward_ran(2, 64, 0.01, rows=2)
+    assert times.since_packed == 2
+    times.forward_ran(4, 256, 0.02, rows=4, packed=True)
+    assert times.since_packed == 0
+    times.forward_ran(2, 64, 0.01)  # without rows (the request-level engine's): not a forward of the fit
+    assert times.since_packed == 0

@@ -17,7 +17,7 @@ from tests.unit.test_executor import KEY
 from tests.unit.test_step_engine import Engine, FakeAdapter, Host, Spec
 from triton_diffusion.adapters.packed_rows import ANY_SIZE
 from triton_diffusion.engine.estimates import PROBE_AFTER
-from triton_diffusion.engine.jobs import Job, forward_group
+from triton_diffusion.engine.jobs import ForwardResult, Job, forward_group
 from triton_diffusion.engine.ordering import AdmissionPacing, Service, make_policy
 from triton_diffusion.engine.planner import RowCaps
 from triton_diffusion.engine.request_engine import RequestEngine
@@ -743,22 +743,44 @@ def test_sizes_mixed_run_by_size_only_where_the_fit_prices_that_cheaper_by_the_m
         assert engine.adapter.forwards == [["large"]] * 3 + [["small"]] * 3
 
 
-def test_a_packed_forward_measured_dear_sends_the_next_mixed_forwards_by_size():
-    from triton_diffusion.engine.forward_choice import gate
+def test_a_packed_forward_measured_dear_sends_the_next_mixed_forwards_by_size_but_for_a_probe():
+    from triton_diffusion.engine.forward_choice import PACK_PROBE_AFTER, gate
 
     # The plane prices packing cheaper (the fixed part saved): the first mixed forward runs packed, and
-    # the engine tells the fit it was.
-    engine = with_plane(packed_engine(budget=None), 0.05, 0.00001, 0.0)
-    times, ran = engine.engine.times, []
-    times.forward_ran = lambda *args: ran.append(args)
+    # the engine tells the fit it was (its rows padded); a forward of one size is not.
+    engine, ran = padding(with_plane(packed_engine(budget=None), 0.05, 0.00001, 0.0))
+    times = engine.engine.times
     assert first_forward(engine, gated("large", 8), gated("small", 2)) == ["large", "small"]
-    assert ran and ran[-1][4] is True  # (jobs, tokens, seconds, rows, packed)
+    assert ran[-1][4] is True  # (jobs, tokens, seconds, rows, packed)
+    same, same_ran = padding(with_plane(packed_engine(budget=None), 0.05, 0.00001, 0.0))
+    assert first_forward(same, gated("a", 8), gated("b", 8)) == ["a", "b"]
+    assert same_ran[-1][4] is False
     # Packed forwards measured at three times the plane's price (a slower masked attention): by size.
-    times.packed_factor = 3.0
+    times.packed_by_rows_tokens[2, PACKED] = 3 * (0.05 + 0.00001 * PACKED + 0.0)
     decision = gate([gated("large2", 8), gated("small2", 2)], times, engine.engine.scheduler.computed, True)
     assert decision is not None and not decision.packed
     assert decision.packed_s == pytest.approx(3 * (0.05 + 0.00001 * PACKED))
     assert decision.by_size_s == pytest.approx(2 * 0.05 + 0.00001 * BY_SIZE)
+    # After PACK_PROBE_AFTER forwards of one size, one runs packed again, to measure it.
+    times.since_packed = PACK_PROBE_AFTER
+    decision = gate([gated("large3", 8), gated("small3", 2)], times, engine.engine.scheduler.computed, True)
+    assert decision is not None and decision.packed
+
+
+def padding(engine: Engine) -> tuple[Engine, list]:
+    """The engine's adapter reporting the padding its count says a forward computed (as a packing
+    adapter's result does), and the forwards the fit is told of, recorded."""
+    adapter, ran = engine.adapter, []
+    plain = adapter.step
+
+    def step(jobs, previews=None):
+        result = plain(jobs, previews)
+        padded = adapter.computed(jobs)[1] - sum(job.spec.tokens for job in jobs)
+        return ForwardResult(result.steps, result.rows, padded_tokens=padded)
+
+    adapter.step = step
+    engine.engine.times.forward_ran = lambda *args: ran.append(args)
+    return engine, ran
 
 
 def test_before_the_fit_has_a_price_sizes_mixed_run_packed_and_the_jobs_count_it():

@@ -13,10 +13,13 @@ its conditioning). It is fitted by least squares to the distinct (rows, tokens) 
 forwards of one size, each the running average of its forwards (the latest ``MAX_SIZES`` pairs, and a
 calibration's at load: models/calibration.py), and gives no price until the pairs determine it (three,
 not on one line). A packed forward (jobs of several sizes on a padded grid, each row's attention masked
-to its own tokens) may cost more than its rows and tokens say (a masked attention can take a slower
-path): it is priced by the same plane times the running average of what each packed forward measured
-over the plane's price for it (1 until one was measured), so packed forwards never bend the plane that
-prices the forwards by size they are weighed against.
+to its own tokens) may cost more than its rows and tokens say (a masked attention can take another
+path): it is priced by the same plane times the mean of what the packed forwards measured (the running
+average of each (rows, tokens) pair, its first forward left out: a new grid's warm-up) over the plane's
+price for them now (1 until one was measured), so packed forwards never bend the plane that prices the
+forwards by size they are weighed against. Where that sends every forward of mixed sizes by size, no
+packed forward would ever be measured again: the gate packs one after ``PACK_PROBE_AFTER`` forwards of
+one size (forward_choice.py), so a factor measured slow once (a disturbance) is measured again.
 """
 
 from __future__ import annotations
@@ -53,9 +56,11 @@ class WorkTimes:
     # The line through ``by_tokens`` (fixed, per token), fitted once per change: the scheduler prices
     # every held job at every engine step, and a fit over up to MAX_SIZES points each time adds up.
     _line: tuple[float, float] | None = field(default=None, repr=False)
-    # A packed forward's seconds over the plane's price for its rows and tokens, a running average (None
-    # until a packed forward was measured where the plane had a price).
-    packed_factor: float | None = None
+    # Packed forwards' running average seconds by (rows, tokens), the first of each pair left out (a new
+    # grid's warm-up: ``_packed_seen``), and the forwards of one size measured since the last of them.
+    packed_by_rows_tokens: dict[tuple[int, int], float] = field(default_factory=dict)
+    _packed_seen: set[tuple[int, int]] = field(default_factory=set, repr=False)
+    since_packed: int = 0
     _idle_refusals: int = field(default=0, repr=False)  # since the last forward measured (probe)
 
     def forward_ran(
@@ -70,10 +75,28 @@ class WorkTimes:
             return
         if not packed:
             _remember(self.by_rows_tokens, (rows, tokens), seconds)
+            self.since_packed += 1
             return
-        price = self.forward_cost(rows, tokens)
-        if price:
-            self.packed_factor = _blend(self.packed_factor, seconds / price)
+        self.since_packed = 0
+        key = (rows, tokens)
+        if key not in self._packed_seen and len(self._packed_seen) < 16 * MAX_SIZES:
+            self._packed_seen.add(key)  # its first: a new grid's warm-up (bounded: past it, counted)
+            return
+        _remember(self.packed_by_rows_tokens, key, seconds)
+
+    @property
+    def packed_factor(self) -> float | None:
+        """What packed forwards measured over the plane's price for them now, their mean (None until one
+        was measured past its pair's first, or while the plane gives no price)."""
+        fit = _plane({**self.calibration, **self.by_rows_tokens})
+        if fit is None:
+            return None
+        ratios = []
+        for (rows, tokens), seconds in list(self.packed_by_rows_tokens.items()):
+            price = _priced(fit, rows, tokens)
+            if price:
+                ratios.append(seconds / price)
+        return sum(ratios) / len(ratios) if ratios else None
 
     def probe(self) -> bool:
         """Asked where the estimate would refuse a newcomer on an idle engine: whether to drop it instead
@@ -102,8 +125,7 @@ class WorkTimes:
         fit = _plane({**self.calibration, **self.by_rows_tokens})
         if fit is None:
             return None
-        fixed, per_token, per_row = fit
-        seconds = max(fixed + per_token * tokens + per_row * rows, 0.0)
+        seconds = _priced(fit, rows, tokens)
         return seconds * (self.packed_factor or 1.0) if packed else seconds
 
     def started(self, jobs: int, seconds: float) -> None:
@@ -214,6 +236,12 @@ def _line(points: dict[int, float]) -> tuple[float, float]:
     if fixed < 0:
         return 0.0, sum(t * s for t, s in points.items()) / sum(t * t for t in points)
     return fixed, slope
+
+
+def _priced(fit: tuple[float, float, float], rows: int, tokens: int) -> float:
+    """A forward's seconds by the plane ``fit`` (fixed, per token, per row), never below 0."""
+    fixed, per_token, per_row = fit
+    return max(fixed + per_token * tokens + per_row * rows, 0.0)
 
 
 def _blend(old: float | None, new: float) -> float:

@@ -12,7 +12,8 @@ a deadline needs it fewer of them (:func:`narrow`).
 - The gate: the cost fit (estimates.py) prices the packed forward (padding included, times what packed
   forwards measured over the fit) and one forward per size; where by size is cheaper by ``PACK_MARGIN``
   and ``PACK_MIN_SAVING_S``, only the first job's size steps (the others in later forwards, as without
-  packing); else it runs packed, as before the fit has a price. The decision and both prices go in the
+  packing), but for one packed forward after ``PACK_PROBE_AFTER`` of one size (to measure packing
+  again); else it runs packed, as before the fit has a price. The decision and both prices go in the
   forward's report.
 - Narrowing (config ``narrow_forwards``), last: where a job with a deadline would not be done within
   ``CUT_TARGET`` of its time left stepping in forwards as full as this one, and would in a smaller one,
@@ -40,6 +41,10 @@ from triton_diffusion.engine.ordering import Policy
 # benchmark measured a gain on tiny FLUX.1.
 PACK_MARGIN = 0.05
 PACK_MIN_SAVING_S = 0.001
+# Forwards of one size since the last packed one after which a forward the fit sends by size runs packed
+# once: what packed forwards cost is only measured where they run (estimates.py), and a cost measured
+# high once would otherwise hold for good.
+PACK_PROBE_AFTER = 200
 # How much more per token a narrowed forward may cost than the full one, by the fit (see the docstring).
 NARROW_MARGIN = 0.05
 
@@ -155,4 +160,5 @@ def gate(taken: list[Job], times: WorkTimes, computed: Computed, on: bool) -> Pa
         return Packing(True)
     by_size = sum(part for part in parts if part is not None)
     cheaper_by_size = by_size * (1 + PACK_MARGIN) < packed and packed - by_size >= PACK_MIN_SAVING_S
-    return Packing(not cheaper_by_size, packed, by_size)
+    probe = times.since_packed >= PACK_PROBE_AFTER
+    return Packing(not cheaper_by_size or probe, packed, by_size)

@@ -282,7 +282,7 @@ class StepEngine:
             self.spans += 1
             span = self.spans
 
-            packed = len({job.spec.shape for job in part}) > 1  # jobs of several sizes on one grid
+            packed = result.padded_tokens > 0  # sizes on one padded grid (a DiT's size bins pad nothing)
 
             def timed(seconds: float) -> None:
                 self.times.forward_ran(len(part), computed, seconds, rows, packed)
