@@ -92,7 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=1,
         help="runs of each traffic (closed loop at the top concurrency, mixed, each Poisson load: its own "
-        "arrivals a round), the servers alternated; each ratio is read round by round",
+        "arrivals a round), the servers alternated; each ratio is read round by round. Every server "
+        "stays up (idle while another runs) until its last round: on a GPU, each holds its pipeline",
     )
     parser.add_argument(
         "--poisson-requests",

@@ -89,6 +89,16 @@ def _gate_rows(artefact: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
+def _share(summary: dict[str, Any] | None) -> str:
+    """A share's median round, with the rounds' min-max where they differ."""
+    if not summary:
+        return "-"
+    median = percent(summary["median"], 1)
+    if summary["min"] == summary["max"]:
+        return median
+    return f"{median} ({percent(summary['min'], 1)}-{percent(summary['max'], 1)})"
+
+
 def render(artefact: dict[str, Any]) -> str:
     settings = artefact["settings"]
     sizes = ", ".join(settings["sizes"])
@@ -127,8 +137,8 @@ def render(artefact: dict[str, Any]) -> str:
         "ratios to the same round's by-shape run with their min-max over rounds. Forwards per step: the "
         "request-level engine's pipeline calls per engine step. Padded tokens: their share of the tokens "
         "the forwards computed (- where the forwards do not report tokens). Gate, by size: of the "
-        "forwards whose jobs were of several sizes, the share the packing gate ran one size at a time."
-        + ungated
+        "forwards whose jobs were of several sizes, the share the packing gate ran one size at a time "
+        "(the median round's, with the rounds' min-max)." + ungated
     ]
     calibrated = [arch for arch, family in artefact["families"].items() if family.get("calibration")]
     if calibrated:
@@ -167,7 +177,7 @@ def render(artefact: dict[str, Any]) -> str:
             _median(row["forwards_per_step"], 2),
             _median(row["jobs_per_forward"], 2),
             percent(row["padded_share"]["median"], 1) if row.get("tokens_reported") else "-",
-            percent(row["by_size_share"]["median"], 1) if row.get("by_size_share") else "-",
+            _share(row.get("by_size_share")),
         ]
         for row in artefact["summary"]
     ]

@@ -246,3 +246,21 @@ def test_the_benchs_engine_is_the_served_one_built_from_the_models_settings():
     assert engine.scheduler.pacing.cohort == 3  # the bench's (the served default: 2, half the row cap)
     # The served service: its tiers and their aging (a bench job that waits 30 s moves up a tier).
     assert engine.scheduler.service.tiers == config.service_tiers and engine.scheduler.service.aging_s == 30
+
+
+def test_the_gates_share_by_size_shows_its_median_round_and_the_rounds_range():
+    runs = []
+    for r, share in enumerate((0.6, 0.05, 0.9, 0.4, 0.7)):
+        runs += [
+            run("mixed", "by-shape", r, 10.0),
+            {**run("mixed", "packed", r, 10.0), "by_size_share": share},
+        ]
+    settings = {"sizes": {"64x64": {}}, "steps": 8, "guidance_scale": 7.5, "cap": 8, "concurrency": 8}
+    settings |= {"requests": 4, "loads": [], "rounds": 5, "baseline": "by-shape", "targets": {}}
+    settings |= {"variants": ["packed", "by-shape"]}
+    text = render({"settings": settings, "families": {}, "summary": summarise(runs), "complete": True})
+    packed = next(
+        line for line in text.splitlines() if line.startswith("| tiny-flux | mixed | closed, c=8 | packed")
+    )
+    assert packed.endswith("| 60.0% (5.0%-90.0%) |")
+    assert "the median round's, with the rounds' min-max" in text
