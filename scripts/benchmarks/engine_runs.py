@@ -96,6 +96,7 @@ def run_step_engine(
             recorder.render(report)
         else:
             traffic.wait_for_arrival()
+    recorder.ended(engine)
     return recorder.images
 
 

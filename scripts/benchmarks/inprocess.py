@@ -75,6 +75,9 @@ class Recorder:
             self.traffic.done(finished.job.record)
         self.images.extend(forward.images for forward in report.forwards)
 
+    def ended(self, engine: StepEngine) -> None:
+        """The step engine once its run ended (a subclass keeps what it reports of it)."""
+
 
 def timed_median(work, device: str, repeats: int = 7) -> float:
     work()

@@ -10,6 +10,7 @@ from typing import Any
 
 from verdicts import verdict
 
+from tables import mixed_sizes
 from tables.checkpoint_cost import step_ratios
 from tables.engines import ratio_rounds
 from tables.goodput import ROOM, ROOM_DEGRADE, TARGET_AT_1_5, at_load, goodput_ratios
@@ -113,13 +114,12 @@ def render(
     for row in mixed.get("summary", []):
         ratio = row.get("throughput_vs_by_shape")
         if row.get("variant") == "packed" and row.get("load") == "closed" and ratio:
-            target = mixed["settings"]["targets"].get(row["traffic"], "")
             cpu.append(
                 _rounds_row(
                     f"mixed sizes, {row['family']} {row['traffic']} traffic",
                     "packed / one shape a forward images/s",
                     ratio["rounds"],
-                    target,
+                    mixed_sizes.target(mixed, row["family"], row["traffic"]),
                     _measured(mixed),
                     True,
                 )

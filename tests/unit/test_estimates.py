@@ -194,3 +194,30 @@ def test_forwards_of_one_size_since_the_last_packed_one_are_counted():
     assert times.since_packed == 0
     times.forward_ran(2, 64, 0.01)  # without rows (the request-level engine's): not a forward of the fit
     assert times.since_packed == 0
+
+
+def test_the_host_publishes_the_packed_factor_beside_the_forward_cost():
+    """The cost model's metrics (serving/engine_host.py): the plane's parts in seconds, and what packed
+    forwards took over it as its own gauge once one was measured (none before)."""
+    from triton_diffusion.serving.engine_host import EngineHost
+
+    published: dict[tuple, float] = {}
+
+    class Metrics:
+        def set(self, name: str, value: float, **labels: str) -> None:
+            published[(name, *sorted(labels.items()))] = value
+
+    host = object.__new__(EngineHost)  # _record_cost reads nothing but its metrics
+    host.metrics = Metrics()
+    times = WorkTimes()
+    plane = lambda rows, tokens: 0.002 + 0.0001 * tokens + 0.003 * rows  # noqa: E731
+    for rows, tokens in ((1, 16), (4, 64), (1, 64)):
+        times.forward_ran(rows, tokens, plane(rows, tokens), rows=rows)
+    host._record_cost(times.describe())
+    ratio = ("triton_diffusion_packed_forward_cost_ratio",)
+    per_row = ("triton_diffusion_forward_cost_seconds", ("fit", "tokens_and_rows"), ("part", "per_row"))
+    assert published[per_row] == pytest.approx(0.003) and ratio not in published
+    for seconds in (9.0, 1.5 * plane(8, 512)):  # its pair's warm-up, then one measured
+        times.forward_ran(8, 512, seconds, rows=8, packed=True)
+    host._record_cost(times.describe())
+    assert published[ratio] == pytest.approx(1.5)

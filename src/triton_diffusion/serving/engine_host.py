@@ -194,6 +194,8 @@ class EngineHost:
                 seconds = value / 1e3 if part != "per_1k_tokens_ms" else value / 1e6
                 part = "per_token" if part == "per_1k_tokens_ms" else part.removesuffix("_ms")
                 self.metrics.set("triton_diffusion_forward_cost_seconds", seconds, fit=fit, part=part)
+        if cost["packed_over_plane"] is not None:
+            self.metrics.set("triton_diffusion_packed_forward_cost_ratio", cost["packed_over_plane"])
 
     # ---- execute() thread -------------------------------------------------------------------------
     def read(self, tracked: TrackedRequest, parsed: Parsed) -> Admitted | None:

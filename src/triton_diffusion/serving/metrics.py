@@ -85,6 +85,12 @@ SERVICE_FAMILIES = {
         "line deadlines and the drain use; tokens_and_rows: the packing gate's plane) and part (fixed, "
         "per_token, per_row), in seconds; set at most once a second, once the fit is determined",
     ),
+    "triton_diffusion_packed_forward_cost_ratio": (
+        "GAUGE",
+        "Step engine: what forwards of several sizes run packed took over the cost plane's price for their "
+        "rows and tokens (MODEL_INFO cost_model packed_over_plane: the factor the packing gate prices a "
+        "packed forward by); set with the cost model, once a packed forward was measured",
+    ),
 }
 FAMILIES.update(SERVICE_FAMILIES)
 FAMILIES.update(
