@@ -12,7 +12,8 @@ from {4, 8, 16} x guidance from {1, 5, 7.5}, closed loop at the top concurrency)
 arrivals at 50/80/95% of the request-level engine's saturated throughput (mean/p95 latency and time to
 the first step); --sweep the request-level engine's images-per-call x queue-delay grid; --openai the
 OpenAI front's overhead (one step-engine server with the front: closed loop at the top concurrency through
-the official ``openai`` client and through Python's ``http.client`` against gRPC direct, alternated).
+the official ``openai`` client and through Python's ``http.client`` against gRPC direct, in --rounds
+rounds, at least 5, the paths' order rotated each round).
 Writes bench.json, bench.md and bench.png (throughput and p95 latency against concurrency) to --out.
 
 
@@ -28,7 +29,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 import artefacts
-from verdicts import rotated_orders
+from verdicts import MIN_ROUNDS, rotated_orders
 
 from benchmarks.common import (
     MIXED_GUIDANCE,
@@ -40,7 +41,7 @@ from benchmarks.common import (
     machine_description,
     max_sequence_length,
     poisson_label,
-    pooled_throughput,
+    ratio_value,
     step_request_ratios,
 )
 from benchmarks.reports import load_cell, number_cell, ratio_table, write_heatmap, write_plot
@@ -232,8 +233,9 @@ def run_front_overhead(
     args: argparse.Namespace, model: str, weights: Path, size_edits: dict, requests: list[dict], top: int
 ) -> list[RunStats]:
     """One step-engine server with the OpenAI front: gRPC direct and through the front with each client of
-    FRONT_CLIENTS, alternated (two rounds each) at the top concurrency, so all see the same server and the
-    same machine."""
+    FRONT_CLIENTS at the top concurrency, in ``front_rounds(args.rounds)`` rounds, the paths' order
+    rotated each round, so all see the same server and the same machine and each ratio is read from its
+    rounds."""
     print(
         "[openai] the front's overhead: one step-engine server, gRPC direct and through the front", flush=True
     )
@@ -253,19 +255,25 @@ def run_front_overhead(
         for client in FRONT_CLIENTS:  # warm-up
             variant.run(plain[: args.max_batch_size], args.max_batch_size, None, front=client)
         runs = []
-        for round_ in range(2):
-            paths = [None, *FRONT_CLIENTS]  # gRPC direct, then through the front with each client
-            for path in paths if round_ % 2 == 0 else paths[::-1]:  # each order in every other round
+        paths: list[str | None] = [None, *FRONT_CLIENTS]  # gRPC direct, then through the front
+        for round_, order in enumerate(rotated_orders(paths, front_rounds(args.rounds))):
+            for path in order:
                 before = variant.cpu_seconds()
                 stats = variant.run(plain, top, None, front=path)
                 after = variant.cpu_seconds()
                 cpu = {part: 1000 * (after[part] - before[part]) / len(plain) for part in after}
-                runs.append(replace(stats, traffic=path or "grpc", cpu_ms_per_request=cpu))
+                runs.append(replace(stats, traffic=path or "grpc", cpu_ms_per_request=cpu, round=round_))
                 shares = ", ".join(f"{part} {ms:.2f}" for part, ms in cpu.items())
-                print(f"    CPU ms per request: {shares}", flush=True)
+                print(f"    round {round_} {path or 'grpc'}: CPU ms per request: {shares}", flush=True)
         return runs
     finally:
         variant.stop()
+
+
+def front_rounds(rounds: int) -> int:
+    """The front's rounds: the take's (--rounds), and at least the 5 a verdict needs (scripts/verdicts.py):
+    three short closed loops a round."""
+    return max(rounds, MIN_ROUNDS)
 
 
 def run_raw(
@@ -375,32 +383,38 @@ FRONT_CLIENT_LABELS = {"openai": "the official openai client", "http": "http.cli
 
 def front_ratios(
     grpc: list[RunStats], front: list[RunStats], label: str, top: int
-) -> dict[str, tuple[float, str]]:
-    """Through the front with one kind of client against gRPC direct, each path's rounds pooled (images
-    over time, the worst round's p95), and the CPU per request that separates the front's cost and the
-    client's from the server's work (on one machine all share the cores)."""
-
-    def cpu(rs: list[RunStats], part: str) -> float:
-        return sum(r.cpu_ms_per_request[part] for r in rs) / len(rs)
-
-    return {
-        f"OpenAI front ({label}) / gRPC direct throughput, step engine, c={top}": (
-            pooled_throughput(front) / pooled_throughput(grpc),
-            ">= 0.95",
-        ),
-        f"OpenAI front ({label}) / gRPC direct p95 latency, c={top}": (
-            max(r.latency_p95_s for r in front) / max(r.latency_p95_s for r in grpc),
-            "-",
-        ),
-        f"OpenAI front's own CPU / the server's, per request ({label})": (
-            cpu(front, "front") / cpu(front, "server"),
-            "-",
-        ),
-        f"{label}'s CPU over the gRPC client's, per request / the server's": (
-            (cpu(front, "client") - cpu(grpc, "client")) / cpu(front, "server"),
-            "-",
-        ),
+) -> tuple[dict[str, tuple[float, str]], dict[str, list[float]]]:
+    """Through the front with one kind of client against gRPC direct in the same round: throughput and
+    p95 latency, each the median of its rounds (kept for the verdict); and the CPU per request that
+    separates the front's cost and the client's from the server's work (on one machine all share the
+    cores), the median round's (a share, read against no target)."""
+    direct_by_round = {r.round: r for r in grpc}
+    throughput, p95, own, client = [], [], [], []  # one value a round
+    for through in front:
+        direct = direct_by_round.get(through.round)
+        if direct is None:
+            continue
+        cpu, direct_cpu = through.cpu_ms_per_request, direct.cpu_ms_per_request
+        throughput.append(through.images_per_s / direct.images_per_s)
+        p95.append(through.latency_p95_s / direct.latency_p95_s)
+        if cpu["server"] > 0:  # CPU time comes in clock ticks: a short run may show none
+            own.append(cpu["front"] / cpu["server"])
+            client.append((cpu["client"] - direct_cpu["client"]) / cpu["server"])
+    if not throughput:
+        return {}, {}
+    names = {
+        "throughput": f"OpenAI front ({label}) / gRPC direct throughput, step engine, c={top}",
+        "p95": f"OpenAI front ({label}) / gRPC direct p95 latency, c={top}",
     }
+    out = {
+        names["throughput"]: (ratio_value(throughput), ">= 0.95"),
+        names["p95"]: (ratio_value(p95), "-"),
+    }
+    if own:
+        out[f"OpenAI front's own CPU / the server's, per request ({label})"] = (ratio_value(own), "-")
+        out[f"{label}'s CPU over the gRPC client's, per request / the server's"] = (ratio_value(client), "-")
+    rounds = {names["throughput"]: throughput, names["p95"]: p95} if len(throughput) > 1 else {}
+    return out, rounds
 
 
 def ratios(
@@ -419,7 +433,9 @@ def ratios(
     for client, label in FRONT_CLIENT_LABELS.items():
         front = [r for r in runs if r.traffic == client]
         if grpc and front:
-            out.update(front_ratios(grpc, front, label, top))
+            values, each = front_ratios(grpc, front, label, top)
+            out.update(values)
+            rounds.update(each)
     step, request = pick("step"), pick("request")
     if pick("singleton"):
         out[f"homogeneous c={top}: request / singleton throughput"] = (

@@ -91,9 +91,10 @@ def in_process_ratios(artefact: dict[str, Any]) -> str:
 
 
 def openai_front(artefact: dict[str, Any]) -> str:
-    """bench.py --openai: the front against gRPC direct (two rounds, each path pooled: no verdict)."""
+    """bench.py --openai: the front against gRPC direct, each path's ratio read from its rounds where the
+    artefact keeps them (an older take's two pooled rounds: no verdict)."""
     ratios = {k: v for k, v in artefact["ratios"].items() if "OpenAI" in k or "client's CPU" in k}
-    return table(RATIO_HEADERS, ratio_rows(ratios))
+    return table(RATIO_HEADERS, ratio_rows(ratios, artefact.get("ratio_rounds")))
 
 
 def graphs(artefact: dict[str, Any]) -> str:

@@ -87,3 +87,29 @@ def test_the_block_names_each_runs_round_where_the_take_ran_rounds():
     assert "| mixed, c=8, round 0 | step |" in text and "| mixed, c=8, round 1 | step |" in text
     text = in_process_ratios({"runs": runs[:1], "ratios": found, "ratio_rounds": rounds})
     assert "| mixed, c=8 | step |" in text  # one round: no round named
+
+
+def test_the_fronts_ratios_pair_each_round_with_grpc_directs_and_read_a_verdict():
+    """bench.py --openai: each round's front run over gRPC direct's of the same round (not in list order),
+    the median round's value, the rounds kept for the verdict; the front block reads them (an older take
+    without rounds: no verdict)."""
+    from benchmarks.server import front_ratios, front_rounds
+    from benchmarks.servers import RunStats
+    from tables.engines import openai_front
+
+    def stats(path: str, round_: int, images_per_s: float, front_ms: float = 1.0) -> RunStats:
+        cpu = {"front": front_ms, "server": 10.0, "client": 2.0}
+        return RunStats("step", 8, None, 48, 48, 0, 1.0, 48.0, images_per_s, 0.1, 0.1, 0.2, 0.3, None, 100.0,
+                        8.0, traffic=path, cpu_ms_per_request=cpu, round=round_)  # fmt: skip
+
+    grpc = [stats("grpc", r, 50.0 + r) for r in (4, 3, 2, 1, 0)]  # listed out of round order
+    front = [stats("openai", r, 0.98 * (50.0 + r), front_ms=r + 1.0) for r in range(5)]
+    values, rounds = front_ratios(grpc, front, "the official openai client", 8)
+    name = "OpenAI front (the official openai client) / gRPC direct throughput, step engine, c=8"
+    assert rounds[name] == pytest.approx([0.98] * 5) and values[name] == (pytest.approx(0.98), ">= 0.95")
+    own = "OpenAI front's own CPU / the server's, per request (the official openai client)"
+    assert values[own] == (pytest.approx(0.3), "-")  # the median round's share (3 ms / 10 ms)
+    artefact = {"ratios": values, "ratio_rounds": rounds}
+    assert "| >= 0.95 | met (90% interval 0.98-0.98) |" in openai_front(artefact)
+    assert "| >= 0.95 | one run: no verdict |" in openai_front({"ratios": values})
+    assert front_rounds(2) == 5 and front_rounds(8) == 8  # at least the 5 a verdict needs
