@@ -36,15 +36,16 @@ def ratios(report: dict) -> tuple[dict[str, tuple[float, str]], dict[str, list[f
         top = max(closed)
         each = per_round(runs, ("step", "request"), "homogeneous", "images_per_s", top)
         add(f"homogeneous c={top}: step / request throughput", each, TARGETS["throughput"])
-        if "raw" in report:
-            steps = [
-                r for r in runs if r.engine == "step" and r.traffic == "homogeneous" and r.concurrency == top
-            ]
+        top_runs = [r for r in runs if r.traffic == "homogeneous" and r.concurrency == top]
+        steps = [r for r in top_runs if r.engine == "step"]
+        label = f"homogeneous c={top}: step / raw batch-{report['cap']} throughput"
+        if report.get("raw_rounds"):  # diffusers' own pipeline in each round, beside the engines
+            raw_rounds = report["raw_rounds"]
+            ran = sorted((r for r in steps if r.round < len(raw_rounds)), key=lambda r: r.round)
+            add(label, [r.images_per_s / raw_rounds[r.round] for r in ran], TARGETS["raw throughput"])
+        elif "raw" in report:  # an older take: one raw run after every other
             raw = report["raw"][f"batch{report['cap']}_images_per_s"]
-            out[f"homogeneous c={top}: step / raw batch-{report['cap']} throughput"] = (
-                pooled_throughput(steps) / raw,
-                TARGETS["raw throughput"],
-            )
+            out[label] = (pooled_throughput(steps) / raw, TARGETS["raw throughput"])
     pair = ("step", "request")
     add(
         "mixed: step / request throughput",
@@ -85,9 +86,10 @@ def ratios(report: dict) -> tuple[dict[str, tuple[float, str]], dict[str, list[f
                 delivered,
                 DELIVERED_TARGET if served and load == 0.95 else "-",
             )
-    if "profile" in report:
-        out["profile: engine's own work / step time"] = (
-            report["profile"]["own_share_of_step"],
-            TARGETS["own work"],
-        )
+    label = "profile: engine's own work / step time"
+    if report.get("profile_rounds"):  # a profile a round
+        shares = [profile["own_share_of_step"] for profile in report["profile_rounds"]]
+        add(label, shares, TARGETS["own work"])
+    elif "profile" in report:  # an older take: one profile
+        out[label] = (report["profile"]["own_share_of_step"], TARGETS["own work"])
     return out, rounds

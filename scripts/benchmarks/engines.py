@@ -15,9 +15,10 @@ Traffic (a single-threaded event loop, so nothing but the engines competes for t
                arrival left out (an empty system filling up is not steady state): mean and p95 latency,
                time to the first denoising step, offered against delivered images/s
 
---rounds N runs each traffic N times (homogeneous at the top concurrency only), the engines alternated,
-each Poisson round on arrivals of its own (seeds --arrival-seed, +1, ...): each ratio is read round by
-round (benchmarks/engine_ratios.py).
+--rounds N runs each traffic N times (homogeneous at the top concurrency only, with the raw batch --cap
+call in each round), the engines alternated, each Poisson round on arrivals of its own (seeds
+--arrival-seed, +1, ...), and the profile N times: each ratio is read round by round
+(benchmarks/engine_ratios.py).
 
 The clock is the clients', not the loop's (arrivals.Traffic): the loop looks for arrivals only when it
 is free (the request-level engine between whole pipeline calls, the step engine between steps), but a
@@ -163,15 +164,21 @@ def sim_arguments(costs: dict[str, dict[int, float]]) -> str:
 def raw_ceiling(bench: Bench, steps: int, images: int) -> dict:
     out = {}
     for batch in (1, bench.cap):
-        requests = [bench.request(i, steps, 7.5) for i in range(batch)]
-        bench.raw_pipeline_call(requests)  # warm-up
-        calls = max(1, images // batch)
-        started = time.perf_counter()
-        for _ in range(calls):
-            bench.raw_pipeline_call(requests)
-        out[f"batch{batch}_images_per_s"] = calls * batch / (time.perf_counter() - started)
+        out[f"batch{batch}_images_per_s"] = raw_images_per_s(bench, steps, images, batch)
         print(f"  raw batch {batch}: {out[f'batch{batch}_images_per_s']:.2f} images/s", flush=True)
     return out
+
+
+def raw_images_per_s(bench: Bench, steps: int, images: int, batch: int) -> float:
+    """diffusers' own pipeline called with ``batch`` equal requests back to back (after one warm-up call),
+    about ``images`` images in all: images per second."""
+    requests = [bench.request(i, steps, 7.5) for i in range(batch)]
+    bench.raw_pipeline_call(requests)  # warm-up
+    calls = max(1, images // batch)
+    started = time.perf_counter()
+    for _ in range(calls):
+        bench.raw_pipeline_call(requests)
+    return calls * batch / (time.perf_counter() - started)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -199,9 +206,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--rounds",
         type=int,
         default=1,
-        help="runs of each traffic (homogeneous at the top concurrency, mixed, each Poisson load: its own "
-        "arrivals a round), the engines alternated (this machine's speed drifts by 10%% and more between "
-        "runs: each ratio is taken round by round, its median and verdict read from the rounds)",
+        help="runs of each traffic (homogeneous at the top concurrency with the raw batch call beside it, "
+        "mixed, each Poisson load: its own arrivals a round) and of the profile, the engines alternated "
+        "(this machine's speed drifts by 10%% and more between runs: each ratio is taken round by round, "
+        "its median and verdict read from the rounds)",
     )
     parser.add_argument("--no-mixed", action="store_true")
     parser.add_argument(
@@ -296,6 +304,8 @@ def main(argv: list[str] | None = None) -> None:
         "warm_up_fraction": WARM_UP_FRACTION,
         "arrival_seed": args.arrival_seed,
         "runs": [],
+        "raw_rounds": [],  # diffusers' own batch --cap images/s, a round at the top concurrency
+        "profile_rounds": [],  # the step engine at full occupancy, a round
         "complete": False,  # until the last figure: a run cut short keeps what it measured
         "provenance": artefacts.provenance(),
     }
@@ -318,10 +328,18 @@ def main(argv: list[str] | None = None) -> None:
     if not args.no_closed:
         print("[homogeneous closed loop]", flush=True)
         for concurrency in concurrencies:
-            for round_ in range(args.rounds if concurrency == top else 1):
-                # Each engine goes first in every other round: a machine slowing down (or warming up)
-                # through the run does not always favour the same engine.
-                for engine in ("request", "step") if round_ % 2 == 0 else ("step", "request"):
+            # At the top concurrency diffusers' own pipeline runs in each round too (batch --cap calls:
+            # the ceiling), the three in rotated order; elsewhere each engine goes first in every other
+            # round: a machine slowing down (or warming up) through the run does not always favour one.
+            raw = ("raw",) if concurrency == top and not args.no_raw else ()
+            rounds = args.rounds if concurrency == top else 1
+            for round_, order in enumerate(rotated_orders(("request", "step", *raw), rounds)):
+                for engine in order:
+                    if engine == "raw":
+                        each = raw_images_per_s(bench, args.steps, args.requests, args.cap)
+                        report["raw_rounds"].append(each)
+                        print(f"  raw batch {args.cap}, round {round_}: {each:.2f} images/s", flush=True)
+                        continue
                     run = run_closed(bench, engine, homogeneous, concurrency, "homogeneous", args.window)
                     measured(run, round_)
     if not args.no_closed and not args.no_mixed:
@@ -386,8 +404,12 @@ def main(argv: list[str] | None = None) -> None:
         save()
     if args.profile_forwards:
         print("[profile of the step engine at full occupancy]", flush=True)
-        report["profile"] = profile_step_engine(bench, args.steps, args.profile_forwards)
-        print("  " + timeline_line(report["profile"]), flush=True)
+        for round_ in range(args.rounds):
+            report["profile_rounds"].append(profile_step_engine(bench, args.steps, args.profile_forwards))
+            print(f"  round {round_}: " + timeline_line(report["profile_rounds"][-1]), flush=True)
+        # The round at the median of the engine's own share (of two middle rounds, the higher).
+        by_share = sorted(report["profile_rounds"], key=lambda profile: profile["own_share_of_step"])
+        report["profile"] = by_share[len(by_share) // 2]
         save()
     if not args.no_raw:
         print("[raw pipeline]", flush=True)

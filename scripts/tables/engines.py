@@ -81,11 +81,21 @@ def in_process_ratios(artefact: dict[str, Any]) -> str:
     parts = [_runs_table(artefact["runs"], "engine", "first_step_mean_s"), ratio_table(artefact)]
     profile = artefact.get("profile")
     if profile:
+        rounds = len(artefact.get("profile_rounds") or [])
+        which = (
+            f"In the profile at the median of the engine's own share ({rounds} profiles, one a round; of "
+            "the two middle ones, the higher), at full occupancy"
+            if rounds > 1
+            else "At full occupancy"
+        )
         parts.append(
-            f"At full occupancy ({profile['rows_per_forward']} images per forward) a step took "
+            f"{which} ({profile['rows_per_forward']} images per forward) a step took "
             f"{number(profile['step_ms'])} ms: the model forward {number(profile['model_forward_ms'])} ms, "
-            f"row math {number(profile['row_math_ms'])} ms, the engine's own work "
-            f"{number(profile['own_ms'])} ms ({profile['own_share_of_step']:.1%} of the step)."
+            f"the row math around it (guidance, scheduler steps) {number(profile['row_math_ms'])} ms and "
+            f"the engine's bookkeeping {number(profile['own_ms'])} ms: together "
+            f"{profile['own_share_of_step']:.1%} of the step (the ratio row's \"engine's own work\"); "
+            f"starting jobs (text encoding, noise) {number(profile['admission_ms'])} ms and decoding "
+            f"{number(profile['decode_ms'])} ms a step besides."
         )
     return "\n\n".join(parts)
 

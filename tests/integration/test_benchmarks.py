@@ -183,8 +183,14 @@ def test_the_engine_benchmark_runs_both_engines_and_profiles_the_step_engine(tmp
         # Poisson: the first 10% left out, and the rate offered reported beside the one delivered.
         assert run["measured_requests"] == (9 if poisson else 6)
         assert (run["offered_images_per_s"] is not None) == poisson
-    profile = report["profile"]
-    assert 0 < profile["model_forward_ms"] < profile["step_ms"] and 0 <= profile["own_share_of_step"] < 1
+    # A profile a round, and diffusers' own batch call in each round at the top concurrency: each read
+    # from its rounds.
+    assert len(report["profile_rounds"]) == 2 and report["profile"] in report["profile_rounds"]
+    for profile in report["profile_rounds"]:
+        assert 0 < profile["model_forward_ms"] < profile["step_ms"] and 0 <= profile["own_share_of_step"] < 1
+    assert len(report["raw_rounds"]) == 2 and all(each > 0 for each in report["raw_rounds"])
+    for label in ("homogeneous c=2: step / raw batch-2 throughput", "profile: engine's own work / step time"):
+        assert len(report["ratio_rounds"][label]) == 2
     # A forward timed by the engine's stopwatch beside the host's clock around a synced call (the GPU's
     # check: on this CPU both are the host's clock).
     assert set(report["stopwatch_check"]) == {"1", "8"}

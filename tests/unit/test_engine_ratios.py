@@ -113,3 +113,23 @@ def test_the_fronts_ratios_pair_each_round_with_grpc_directs_and_read_a_verdict(
     assert "| >= 0.95 | met (90% interval 0.98-0.98) |" in openai_front(artefact)
     assert "| >= 0.95 | one run: no verdict |" in openai_front({"ratios": values})
     assert front_rounds(2) == 5 and front_rounds(8) == 8  # at least the 5 a verdict needs
+
+
+def test_the_raw_ceiling_and_the_profile_are_read_from_their_rounds():
+    """diffusers' own batch call in each round at the top concurrency: each round's step run over that
+    round's raw figure; a profile a round: the engine's own share from each. An older take (one raw run,
+    one profile) keeps its one value and no rounds (no verdict)."""
+    steps = [run("step", "homogeneous", r, 20.0 + r) for r in (2, 0, 1, 4, 3)]  # out of round order
+    raw_rounds = [40.0, 42.0, 44.0, 46.0, 48.0]
+    profiles = [{"own_share_of_step": share} for share in (0.02, 0.05, 0.03, 0.04, 0.01)]
+    report = {"runs": steps, "cap": 8, "raw_rounds": raw_rounds, "profile_rounds": profiles}
+    found, rounds = ratios(report)
+    raw = "homogeneous c=8: step / raw batch-8 throughput"
+    assert rounds[raw] == pytest.approx([20 / 40, 21 / 42, 22 / 44, 23 / 46, 24 / 48])
+    assert found[raw] == (pytest.approx(0.5), ">= 0.95")
+    own = "profile: engine's own work / step time"
+    assert rounds[own] == [0.02, 0.05, 0.03, 0.04, 0.01] and found[own] == (0.03, "<= 0.03")
+    older = {"runs": steps[:1], "cap": 8, "raw": {"batch8_images_per_s": 44.0}, "profile": profiles[2]}
+    found, rounds = ratios(older)
+    assert found[raw] == (pytest.approx(0.5), ">= 0.95") and found[own] == (0.03, "<= 0.03")
+    assert raw not in rounds and own not in rounds
