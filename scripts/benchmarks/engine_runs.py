@@ -179,6 +179,59 @@ class StageClock:
         }
 
 
+def raw_loop_profile(bench: Bench, steps: int, calls: int) -> dict:
+    """diffusers' own pipeline call at batch --cap (after one warm-up call), timed in place: its text
+    encoding and starting latents, the denoiser, the VAE decode and the postprocessing; the rest of the
+    call, a denoising step, is its loop's own work (guidance, the scheduler's step, the latents'
+    bookkeeping): the work the step engine's row math and bookkeeping do around its forwards."""
+    pipe = bench.pipe
+    denoiser = pipe.unet if getattr(pipe, "unet", None) is not None else pipe.transformer
+    parts = {
+        "start": [(pipe, "encode_prompt"), (pipe, "prepare_latents")],
+        "denoiser": [(denoiser, "forward")],
+        "decode": [(pipe.vae, "decode"), (pipe.image_processor, "postprocess")],
+    }
+    totals = dict.fromkeys(parts, 0.0)
+
+    def timed(part: str, original):
+        def call(*args, **kwargs):
+            sync(bench.device)
+            started = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                sync(bench.device)
+                totals[part] += time.perf_counter() - started
+
+        return call
+
+    requests = [bench.request(i, steps, 7.5) for i in range(bench.cap)]
+    bench.raw_pipeline_call(requests)  # warm-up
+    for part, owners in parts.items():  # instance attributes over the classes' methods, removed after
+        for owner, name in owners:
+            setattr(owner, name, timed(part, getattr(owner, name)))
+    try:
+        sync(bench.device)
+        started = time.perf_counter()
+        for _ in range(calls):
+            bench.raw_pipeline_call(requests)
+        sync(bench.device)
+        total = time.perf_counter() - started
+    finally:
+        for owners in parts.values():
+            for owner, name in owners:
+                delattr(owner, name)
+    per_step = {part: 1000 * seconds / (calls * steps) for part, seconds in totals.items()}
+    return {
+        "images_per_call": bench.cap,
+        "step_ms": 1000 * total / (calls * steps),
+        "start_ms": per_step["start"],
+        "denoiser_ms": per_step["denoiser"],
+        "decode_ms": per_step["decode"],
+        "loop_ms": 1000 * (total - sum(totals.values())) / (calls * steps),
+    }
+
+
 def outcome(
     engine: str,
     traffic_name: str,

@@ -63,6 +63,7 @@ from benchmarks.engine_runs import (
     STEP_COHORTS,
     Outcome,
     StageClock,
+    raw_loop_profile,
     run_closed,
     run_image_mix,
     run_poisson,
@@ -306,6 +307,7 @@ def main(argv: list[str] | None = None) -> None:
         "runs": [],
         "raw_rounds": [],  # diffusers' own batch --cap images/s, a round at the top concurrency
         "profile_rounds": [],  # the step engine at full occupancy, a round
+        "raw_profile_rounds": [],  # diffusers' own call at batch --cap, timed in place, a round
         "complete": False,  # until the last figure: a run cut short keeps what it measured
         "provenance": artefacts.provenance(),
     }
@@ -404,9 +406,22 @@ def main(argv: list[str] | None = None) -> None:
         save()
     if args.profile_forwards:
         print("[profile of the step engine at full occupancy]", flush=True)
+        calls = max(1, args.profile_forwards // args.steps)  # about as many forwards as the engine's
         for round_ in range(args.rounds):
-            report["profile_rounds"].append(profile_step_engine(bench, args.steps, args.profile_forwards))
-            print(f"  round {round_}: " + timeline_line(report["profile_rounds"][-1]), flush=True)
+            # The step engine and diffusers' own call, in turn (each first in every other round).
+            for which in ("engine", "raw") if round_ % 2 == 0 else ("raw", "engine"):
+                if which == "engine":
+                    profile = profile_step_engine(bench, args.steps, args.profile_forwards)
+                    report["profile_rounds"].append(profile)
+                    print(f"  round {round_}: " + timeline_line(profile), flush=True)
+                else:
+                    raw = raw_loop_profile(bench, args.steps, calls)
+                    report["raw_profile_rounds"].append(raw)
+                    print(
+                        f"  round {round_}, diffusers' own call: {raw['step_ms']:.1f} ms a step, its loop's "
+                        f"own work {raw['loop_ms']:.2f} ms",
+                        flush=True,
+                    )
         # The round at the median of the engine's own share (of two middle rounds, the higher).
         by_share = sorted(report["profile_rounds"], key=lambda profile: profile["own_share_of_step"])
         report["profile"] = by_share[len(by_share) // 2]

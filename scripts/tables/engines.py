@@ -97,6 +97,16 @@ def in_process_ratios(artefact: dict[str, Any]) -> str:
             f"starting jobs (text encoding, noise) {number(profile['admission_ms'])} ms and decoding "
             f"{number(profile['decode_ms'])} ms a step besides."
         )
+        raws, profiles = artefact.get("raw_profile_rounds") or [], artefact.get("profile_rounds") or []
+        if profile in profiles and profiles.index(profile) < len(raws):
+            raw = raws[profiles.index(profile)]
+            parts.append(
+                f"diffusers' own call for {raw['images_per_call']} images in the same round, timed in place: "
+                f"{number(raw['step_ms'])} ms a denoising step, the denoiser {number(raw['denoiser_ms'])} ms "
+                f"and the rest of its loop (guidance, the scheduler's step, bookkeeping) "
+                f"{number(raw['loop_ms'])} ms; text encoding and starting latents {number(raw['start_ms'])} "
+                f"ms and decoding {number(raw['decode_ms'])} ms a step besides."
+            )
     return "\n\n".join(parts)
 
 

@@ -189,7 +189,15 @@ def test_the_engine_benchmark_runs_both_engines_and_profiles_the_step_engine(tmp
     for profile in report["profile_rounds"]:
         assert 0 < profile["model_forward_ms"] < profile["step_ms"] and 0 <= profile["own_share_of_step"] < 1
     assert len(report["raw_rounds"]) == 2 and all(each > 0 for each in report["raw_rounds"])
-    for label in ("homogeneous c=2: step / raw batch-2 throughput", "profile: engine's own work / step time"):
+    # diffusers' own call timed in place beside each profile, its methods given back afterwards.
+    assert len(report["raw_profile_rounds"]) == 2
+    for raw in report["raw_profile_rounds"]:
+        assert 0 < raw["denoiser_ms"] < raw["step_ms"] and raw["start_ms"] > 0 and raw["decode_ms"] > 0
+    for label in (
+        "homogeneous c=2: step / raw batch-2 throughput",
+        "profile: engine's own work / step time",
+        "profile: engine's own work / diffusers' loop's own work, a step",
+    ):
         assert len(report["ratio_rounds"][label]) == 2
     # A forward timed by the engine's stopwatch beside the host's clock around a synced call (the GPU's
     # check: on this CPU both are the host's clock).

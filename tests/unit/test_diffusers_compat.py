@@ -4,12 +4,14 @@ scheduler changes while it steps. On a diffusers upgrade these fail by name."""
 
 from __future__ import annotations
 
+import copy
 import importlib
 import inspect
 import re
 from pathlib import Path
 
 import diffusers
+import numpy as np
 import pytest
 import torch
 
@@ -108,3 +110,43 @@ def test_a_scheduler_changes_only_its_named_state_while_it_steps(name, config):
     # The check can tell: every scheduler that keeps a step count or a history changed some of it (DDIM and
     # DDPM keep none: a step reads the timestep alone).
     assert bool(changed) == bool(named), f"{name}: named {sorted(named)}, changed {sorted(changed)}"
+
+
+def value_of(value):
+    """A value as it stands now, numpy arrays by their contents too (a template's write-through shows)."""
+    if isinstance(value, np.ndarray):
+        return ("array", value.dtype.str, value.shape, value.tobytes())
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, tuple(value_of(v) for v in value))
+    return identity(value)
+
+
+@pytest.mark.parametrize(("name", "config"), CONFIGS, ids=[n + ("+" if c else "") for n, c in CONFIGS])
+def test_a_jobs_scheduler_from_its_template_steps_as_a_deep_copy_and_leaves_the_template_alone(name, config):
+    """diffusers_compat.job_scheduler: two jobs' schedulers from one template, each given its timesteps and
+    stepped in turn on inputs of its own, step bit for bit as a deep copy of the template does alone, and
+    the template (tensors and arrays by their contents) is as it was."""
+    try:
+        template = getattr(diffusers, name)(**config)
+    except ImportError as missing:  # LMS needs scipy
+        pytest.skip(str(missing))
+    before = {k: value_of(v) for k, v in vars(template).items()}
+    first, second = diffusers_compat.job_scheduler(template), diffusers_compat.job_scheduler(template)
+    alone = copy.deepcopy(template)
+    xs = {}
+    for key, scheduler, seed in (("first", first, 0), ("second", second, 1), ("alone", alone, 0)):
+        scheduler.set_timesteps(8)
+        generator = torch.Generator().manual_seed(seed)
+        xs[key] = (torch.randn(1, 4, 8, 8, generator=generator), generator)
+    takes_generator = "generator" in inspect.signature(first.step).parameters
+    for t in alone.timesteps[:5]:
+        for key, scheduler in (("first", first), ("second", second), ("alone", alone)):
+            x, generator = xs[key]
+            if hasattr(scheduler, "scale_model_input"):  # flow matching has none
+                x = scheduler.scale_model_input(x, t)
+            kwargs = {"generator": generator} if takes_generator else {}
+            xs[key] = (scheduler.step(torch.tanh(x), t, x, **kwargs).prev_sample, generator)
+        assert torch.equal(xs["first"][0], xs["alone"][0]), f"{name} at {t}"
+    assert not torch.equal(xs["first"][0], xs["second"][0])  # the two jobs' inputs differed
+    after = {k: value_of(v) for k, v in vars(template).items()}
+    assert before.keys() == after.keys() and all(same(before[k], after[k]) for k in before), name

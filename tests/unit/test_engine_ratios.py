@@ -133,3 +133,30 @@ def test_the_raw_ceiling_and_the_profile_are_read_from_their_rounds():
     found, rounds = ratios(older)
     assert found[raw] == (pytest.approx(0.5), ">= 0.95") and found[own] == (0.03, "<= 0.03")
     assert raw not in rounds and own not in rounds
+
+
+def test_the_engines_own_work_and_its_starts_are_read_against_diffusers_own_call_round_by_round():
+    """Each round's profile against diffusers' own call timed in the same round: the row math and the
+    bookkeeping over the rest of diffusers' loop, starting jobs over its encoding and starting latents;
+    the block names the paired round's figures."""
+    profiles = [
+        {"row_math_ms": 0.6, "own_ms": 0.2 + r / 10, "admission_ms": 1.5, "own_share_of_step": 0.03 + r / 100}
+        for r in range(5)
+    ]
+    profiles = [{**p, "rows_per_forward": 8, "step_ms": 21.0, "model_forward_ms": 17.0, "decode_ms": 1.6}
+                for p in profiles]  # fmt: skip
+    raws = [
+        {"images_per_call": 8, "step_ms": 20.0, "denoiser_ms": 17.0, "loop_ms": 0.4, "start_ms": 1.0,
+         "decode_ms": 1.6} for _ in range(5)
+    ]  # fmt: skip
+    report = {"runs": [], "cap": 8, "profile_rounds": profiles, "raw_profile_rounds": raws}
+    found, rounds = ratios(report)
+    work = "profile: engine's own work / diffusers' loop's own work, a step"
+    assert rounds[work] == pytest.approx([2.0, 2.25, 2.5, 2.75, 3.0]) and found[work][1] == "-"
+    starts = "profile: starting jobs / diffusers' encoding and starting latents, a step"
+    assert rounds[starts] == pytest.approx([1.5] * 5)
+    report |= {"profile": profiles[2], **dict(zip(("ratios", "ratio_rounds"), (found, rounds), strict=True))}
+    text = in_process_ratios(report)
+    assert "In the profile at the median of the engine's own share (5 profiles" in text
+    assert "diffusers' own call for 8 images in the same round, timed in place: 20 ms a denoising" in text
+    assert "the rest of its loop (guidance, the scheduler's step, bookkeeping) 0.4 ms" in text

@@ -14,6 +14,7 @@ naming any other attribute that changes.
 
 from __future__ import annotations
 
+import copy
 from typing import Any, NamedTuple
 
 import torch
@@ -164,6 +165,23 @@ def ddim_variance(scheduler: Any, timestep: Any, prev_timestep: Any) -> torch.Te
 def step_state_names(scheduler: Any) -> tuple[str, ...] | None:
     """What ``scheduler`` changes while it steps (:data:`SCHEDULER_STEP_STATE`); None: not named."""
     return SCHEDULER_STEP_STATE.get(type(scheduler).__name__)
+
+
+def job_scheduler(template: Any) -> Any:
+    """A job's own scheduler from a loaded template, as ``copy.deepcopy`` would make it for all the job
+    changes, at a small part of its cost (a deep copy copies every table of the schedule for every job).
+    For a scheduler whose stepping state is named (:data:`SCHEDULER_STEP_STATE`) the copy has its own
+    attributes and its own lists and dicts (what stepping appends to) and shares the template's tensors
+    and config, which ``set_timesteps`` and stepping replace and never write into
+    (tests/unit/test_diffusers_compat.py steps two such copies of every named scheduler against a deep
+    copy and checks the template after). Any other scheduler is deep-copied."""
+    if step_state_names(template) is None:
+        return copy.deepcopy(template)
+    clone = copy.copy(template)
+    for name, value in vars(template).items():
+        if type(value) in (list, dict):
+            setattr(clone, name, copy.copy(value))
+    return clone
 
 
 # ---- hooks ------------------------------------------------------------------------------------------

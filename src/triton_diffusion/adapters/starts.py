@@ -16,7 +16,6 @@ there (``JobStarts.resumed``); ``JobStarts.checkpoint`` takes those checkpoints.
 
 from __future__ import annotations
 
-import copy
 import inspect
 import logging
 from collections.abc import Sequence
@@ -27,6 +26,7 @@ import diffusers
 import torch
 from diffusers.utils.torch_utils import randn_tensor
 
+from triton_diffusion.adapters.diffusers_compat import job_scheduler
 from triton_diffusion.adapters.diffusers_pipeline import row_generator
 from triton_diffusion.adapters.image_params import (
     Conditioning,
@@ -205,7 +205,7 @@ class JobStarts:
         generators = [row_generator(r.seed, r.image_index) for r in requests]
         schedulers, timesteps = [], []
         for request in requests:
-            scheduler = copy.deepcopy(self.adapter.templates[request.scheduler])
+            scheduler = job_scheduler(self.adapter.templates[request.scheduler])
             job_timesteps = self.adapter.set_timesteps(scheduler, request)
             begin = 0
             if request.image is not None:
@@ -407,10 +407,22 @@ class JobStarts:
         stochastic samplers); flow-matching pipelines pass none."""
         if not (self.adapter.scales_model_input or self.adapter.always_passes_step_kwargs):
             return {}
-        accepted = set(inspect.signature(scheduler.step).parameters)
+        accepted = _step_parameters(scheduler)
         kwargs: dict[str, Any] = {}
         if "eta" in accepted:
             kwargs["eta"] = 0.0
         if "generator" in accepted:
             kwargs["generator"] = [generator]
         return kwargs
+
+
+# The arguments each scheduler class's ``step`` takes (a signature costs more than the rest of a job's
+# start around it).
+_STEP_PARAMETERS: dict[type, frozenset[str]] = {}
+
+
+def _step_parameters(scheduler: Any) -> frozenset[str]:
+    found = _STEP_PARAMETERS.get(type(scheduler))
+    if found is None:
+        found = _STEP_PARAMETERS[type(scheduler)] = frozenset(inspect.signature(scheduler.step).parameters)
+    return found
