@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import random
 import statistics
 import time
@@ -73,7 +74,7 @@ from pathlib import Path
 import artefacts
 import torch
 from tables.mixed_sizes import render
-from verdicts import rotated_orders
+from verdicts import balanced_orders
 
 from benchmarks.arrivals import Traffic, poisson_arrivals
 from benchmarks.common import (
@@ -435,6 +436,9 @@ def main(argv: list[str] | None = None) -> None:
             if args.device_profile
             else None,
             "variants": variants,
+            # Each round's order of the variants: balanced for what one run leaves to the next (a
+            # collection before each run besides), where rotated orders put each variant after the same one.
+            "orders": "balanced",
             "baseline": BASELINE,
             "targets": TARGETS,
             **{
@@ -500,9 +504,10 @@ def main(argv: list[str] | None = None) -> None:
             requests = sized_requests(sized.bench, drawn, args.steps)
             closed = {"family": arch, "traffic": kind, "load": "closed"}
             print(f"[{arch} {kind}: closed loop at {args.concurrency}]", flush=True)
-            for round_, order in enumerate(rotated_orders(variants, args.rounds)):
+            for round_, order in enumerate(balanced_orders(variants, args.rounds)):
                 for variant in order:
                     labels = {**closed, "round": round_}
+                    gc.collect()  # the last run's garbage collected before this one, not during it
                     measured(
                         sized.measure(variant, requests[: args.requests], drawn, labels, args.concurrency)
                     )
@@ -518,7 +523,7 @@ def main(argv: list[str] | None = None) -> None:
             poisson = requests[: args.poisson_requests]
             for load in loads:
                 print(f"[{arch} {kind}: Poisson at {load:.0%} of {capacity:.2f} images/s]", flush=True)
-                for round_, order in enumerate(rotated_orders(variants, args.rounds)):
+                for round_, order in enumerate(balanced_orders(variants, args.rounds)):
                     for variant in order:
                         labels = {
                             "family": arch,
@@ -526,6 +531,7 @@ def main(argv: list[str] | None = None) -> None:
                             "load": poisson_label(load),
                             "round": round_,
                         }
+                        gc.collect()
                         measured(sized.measure(variant, poisson, drawn, labels, rate=load * capacity))
     report["complete"] = True
     report["wall_s"] = time.perf_counter() - started

@@ -107,6 +107,17 @@ def _share(summary: dict[str, Any] | None) -> str:
     return f"{median} ({percent(summary['min'], 1)}-{percent(summary['max'], 1)})"
 
 
+def _orders(settings: dict[str, Any]) -> str:
+    """How the variants took turns: orders balanced for what one run leaves to the next (a collection of
+    the last run's garbage before each), or (older takes) rotated."""
+    if settings.get("orders") == "balanced":
+        return (
+            "rounds in orders balanced for what one run leaves to the next (each variant after each "
+            "other equally often in each whole cycle; the garbage collected before each run)"
+        )
+    return "alternated rounds"
+
+
 def render(artefact: dict[str, Any]) -> str:
     settings = artefact["settings"]
     sizes = ", ".join(settings["sizes"])
@@ -141,7 +152,7 @@ def render(artefact: dict[str, Any]) -> str:
         f"{settings['steps']} steps, "
         f"guidance {settings['guidance_scale']}, at most {settings['cap']} jobs a forward or images a call; "
         f"closed loop at {settings['concurrency']} clients ({settings['requests']} requests a run), "
-        f"{poisson}. {settings['rounds']} alternated rounds ({', '.join(variants)} in each): medians, "
+        f"{poisson}. {settings['rounds']} {_orders(settings)} ({', '.join(variants)} in each): medians, "
         "ratios to the same round's by-shape run with their min-max over rounds. Forwards per step: the "
         "request-level engine's pipeline calls per engine step. Padded tokens: their share of the tokens "
         "the forwards computed (- where the forwards do not report tokens). Gate, by size: of the "

@@ -3,6 +3,7 @@
 padded tokens, misses) and how rounds become medians, ratios and readings; and, on tiny-flux, that the
 full-size FLUX.1 swap calibrates the packing gate again."""
 
+import json
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -322,3 +323,39 @@ def test_a_step_run_records_what_its_packed_forwards_took_over_the_plane():
     line = next(line for line in text.splitlines() if "| packed-ungated |" in line)
     assert line.endswith(f"| {figures['packed-ungated']['packed_over_plane']:.2g} |")
     assert next(line for line in text.splitlines() if "| by-shape |" in line).endswith("| - |")
+
+
+def test_the_variants_take_turns_in_balanced_orders_each_run_after_a_collection(monkeypatch, tmp_path):
+    """Each round's variants in the orders verdicts.balanced_orders gives (each variant after each other
+    equally often in a whole cycle: what one run leaves to the next falls on each alike), the garbage
+    collected before each measured run; the block says so (an older, rotated take says "alternated")."""
+    from verdicts import balanced_orders
+
+    measured: list[tuple[int, str]] = []
+    collections: list[int] = []
+
+    class FakeSized:
+        def __init__(self, arch, args, device, dtype) -> None:
+            self.bench = SimpleNamespace(report_header=lambda steps: {}, calibration=None)
+            self.packing_available = True
+
+        def measure(self, variant, requests, sizes, labels, concurrency=None, rate=None) -> dict:
+            if labels["load"] != "warm-up":
+                measured.append((labels["round"], variant))
+                collections.append(len(measured))
+            return {**run("mixed", variant, labels.get("round", -1), 10.0), **labels}
+
+    monkeypatch.setattr(mixed_sizes, "SizedBench", FakeSized)
+    monkeypatch.setattr(mixed_sizes, "sized_requests", lambda bench, sizes, steps: [{}] * len(sizes))
+    monkeypatch.setattr(mixed_sizes.gc, "collect", lambda: collections.append(-1))
+    main(
+        ["--arch", "tiny-flux", "--traffic", "mixed", "--rounds", "6", "--loads", "", "--out", str(tmp_path)]
+    )
+    variants = ["packed", "by-shape", "request"]
+    assert measured == [(r, v) for r, order in enumerate(balanced_orders(variants, 6)) for v in order]
+    assert collections == [x for k in range(1, 19) for x in (-1, k)]  # a collection before each run
+    artefact = json.loads((tmp_path / "mixed_sizes.json").read_text())
+    assert artefact["settings"]["orders"] == "balanced"
+    assert "6 rounds in orders balanced for what one run leaves to the next" in render(artefact)
+    del artefact["settings"]["orders"]
+    assert "6 alternated rounds (packed, by-shape, request in each)" in render(artefact)
