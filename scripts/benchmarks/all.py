@@ -141,9 +141,9 @@ PLAN = (
     # d2d3a9b, bc4d6cd; not kept) read 90% intervals of 0.71-1.11 (64) and 0.82-1.15 (256) for two variants
     # that run the same engine on one size: longer runs no narrower, that host's noise. More rounds instead:
     # 15 (5 took 24 s on the Intel host; docs/cpu/all.json has each take's seconds). Then 18, three whole
-    # cycles of the balanced orders of three variants: with rotated orders, packed always ran after the
-    # request-level engine, and a take read tiny FLUX.1's homogeneous packed / by-shape as a loss
-    # (0.961, 0.899-0.995; at a183190, not kept) where the two run the same code on one size.
+    # cycles of the balanced orders of three variants: with rotated orders packed ran right after the
+    # request-level engine in two rounds of three, and a take (at a183190, not kept) read tiny FLUX.1's
+    # homogeneous packed / by-shape, the same code on one size, as a loss (0.961, 0.899-0.995).
     Take(
         "mixed_sizes",
         ("--rounds", "18", "--requests", "16", "--loads", "", "--out", "{out}/cpu"),

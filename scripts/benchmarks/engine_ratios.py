@@ -92,12 +92,12 @@ def ratios(report: dict) -> tuple[dict[str, tuple[float, str]], dict[str, list[f
         add(label, shares, TARGETS["own work"])
         # The same work in diffusers' own loop, the same round: the engine's row math and bookkeeping a
         # step over the rest of diffusers' call a step (all but starting, the denoiser and decoding).
-        # And starting jobs (text encoding, noise, each job's scheduler) against diffusers' text encoding
-        # and starting latents, a step.
+        # And starting jobs (text encoding, each job's scheduler, noise) against diffusers' own start (its
+        # inputs checked, text encoding, timesteps and step arguments, starting latents), a step.
         pairs = list(zip(report["profile_rounds"], report.get("raw_profile_rounds") or [], strict=False))
         for name, ours, theirs in (
             ("engine's own work / diffusers' loop's own work", ("row_math_ms", "own_ms"), "loop_ms"),
-            ("starting jobs / diffusers' encoding and starting latents", ("admission_ms",), "start_ms"),
+            ("starting jobs / diffusers' start", ("admission_ms",), "start_ms"),
         ):
             each = [sum(e[k] for k in ours) / raw[theirs] for e, raw in pairs if raw[theirs] > 0]
             add(f"profile: {name}, a step", each, "-")

@@ -12,7 +12,9 @@ images of every call or forward.
 
 from __future__ import annotations
 
+import gc
 import io
+import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -180,14 +182,24 @@ class StageClock:
 
 
 def raw_loop_profile(bench: Bench, steps: int, calls: int) -> dict:
-    """diffusers' own pipeline call at batch --cap (after one warm-up call), timed in place: its text
-    encoding and starting latents, the denoiser, the VAE decode and the postprocessing; the rest of the
-    call, a denoising step, is its loop's own work (guidance, the scheduler's step, the latents'
-    bookkeeping): the work the step engine's row math and bookkeeping do around its forwards."""
+    """diffusers' own pipeline call at batch --cap (after one warm-up call), timed in place: its start (the
+    inputs checked, the prompts encoded, the scheduler's timesteps and step arguments, the starting
+    latents: what the step engine's start of a job does), the denoiser, the VAE decode and the
+    postprocessing; the rest of the call, a denoising step, is its loop's own work (guidance, the
+    scheduler's step, the latents' bookkeeping): what the step engine's row math and bookkeeping do
+    around its forwards. Each timed method is wrapped where the call looks it up (an instance attribute
+    over its class's method, or the pipeline module's ``retrieve_timesteps``) and given back after."""
     pipe = bench.pipe
     denoiser = pipe.unet if getattr(pipe, "unet", None) is not None else pipe.transformer
+    module = sys.modules[type(pipe).__module__]
     parts = {
-        "start": [(pipe, "encode_prompt"), (pipe, "prepare_latents")],
+        "start": [
+            (pipe, "check_inputs"),
+            (pipe, "encode_prompt"),
+            (module, "retrieve_timesteps"),
+            (pipe, "prepare_extra_step_kwargs"),
+            (pipe, "prepare_latents"),
+        ],
         "denoiser": [(denoiser, "forward")],
         "decode": [(pipe.vae, "decode"), (pipe.image_processor, "postprocess")],
     }
@@ -207,10 +219,14 @@ def raw_loop_profile(bench: Bench, steps: int, calls: int) -> dict:
 
     requests = [bench.request(i, steps, 7.5) for i in range(bench.cap)]
     bench.raw_pipeline_call(requests)  # warm-up
-    for part, owners in parts.items():  # instance attributes over the classes' methods, removed after
-        for owner, name in owners:
-            setattr(owner, name, timed(part, getattr(owner, name)))
+    wrapped = []  # (owner, name, what it had before, whether that was its own attribute)
     try:
+        for part, owners in parts.items():
+            for owner, name in owners:
+                if hasattr(owner, name):  # a pipeline without one (no separate input check) skips it
+                    original = getattr(owner, name)
+                    wrapped.append((owner, name, original, name in vars(owner)))
+                    setattr(owner, name, timed(part, original))
         sync(bench.device)
         started = time.perf_counter()
         for _ in range(calls):
@@ -218,8 +234,10 @@ def raw_loop_profile(bench: Bench, steps: int, calls: int) -> dict:
         sync(bench.device)
         total = time.perf_counter() - started
     finally:
-        for owners in parts.values():
-            for owner, name in owners:
+        for owner, name, original, own in reversed(wrapped):
+            if own:  # a module's function: put back
+                setattr(owner, name, original)
+            else:  # an instance attribute over the class's method: removed
                 delattr(owner, name)
     per_step = {part: 1000 * seconds / (calls * steps) for part, seconds in totals.items()}
     return {
@@ -229,6 +247,7 @@ def raw_loop_profile(bench: Bench, steps: int, calls: int) -> dict:
         "denoiser_ms": per_step["denoiser"],
         "decode_ms": per_step["decode"],
         "loop_ms": 1000 * (total - sum(totals.values())) / (calls * steps),
+        "timed": [name for _, name, _, _ in wrapped],  # what was found to time, in the parts' order
     }
 
 
@@ -272,7 +291,9 @@ def outcome(
 def run_closed(
     bench: Bench, engine: str, requests: list[dict], concurrency: int, traffic_name: str, window: int
 ) -> Outcome:
-    """``concurrency`` clients, each sending its next request when its last one is answered."""
+    """``concurrency`` clients, each sending its next request when its last one is answered (the last
+    run's garbage collected first, not during this one)."""
+    gc.collect()
     traffic = Traffic(requests, concurrency=concurrency)
     rows = drive(bench, engine, traffic, window)
     return outcome(engine, traffic_name, traffic, concurrency, None, rows)
@@ -288,7 +309,9 @@ def run_poisson(
     window: int,
     warm_up_fraction: float,
 ) -> Outcome:
-    """Poisson arrivals at ``rate``; the same ``seed`` gives both engines the same arrival times."""
+    """Poisson arrivals at ``rate``; the same ``seed`` gives both engines the same arrival times (the last
+    run's garbage collected first)."""
+    gc.collect()
     traffic = Traffic(
         requests, arrivals=poisson_arrivals(len(requests), rate, seed), warm_up_fraction=warm_up_fraction
     )

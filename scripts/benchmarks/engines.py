@@ -37,6 +37,7 @@ Works on CPU (the tiny models) and on a GPU (``--arch sd15 --height 512 --width 
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.util
 import random
 import time
@@ -44,7 +45,7 @@ from pathlib import Path
 
 import artefacts
 import torch
-from verdicts import rotated_orders
+from verdicts import balanced_orders
 
 from benchmarks.arrivals import poisson_arrivals
 from benchmarks.common import (
@@ -171,10 +172,11 @@ def raw_ceiling(bench: Bench, steps: int, images: int) -> dict:
 
 
 def raw_images_per_s(bench: Bench, steps: int, images: int, batch: int) -> float:
-    """diffusers' own pipeline called with ``batch`` equal requests back to back (after one warm-up call),
-    about ``images`` images in all: images per second."""
+    """diffusers' own pipeline called with ``batch`` equal requests back to back (after one warm-up call
+    and a garbage collection), about ``images`` images in all: images per second."""
     requests = [bench.request(i, steps, 7.5) for i in range(batch)]
     bench.raw_pipeline_call(requests)  # warm-up
+    gc.collect()
     calls = max(1, images // batch)
     started = time.perf_counter()
     for _ in range(calls):
@@ -330,13 +332,15 @@ def main(argv: list[str] | None = None) -> None:
     if not args.no_closed:
         print("[homogeneous closed loop]", flush=True)
         for concurrency in concurrencies:
-            # At the top concurrency diffusers' own pipeline runs in each round too (batch --cap calls:
-            # the ceiling), the three in rotated order; elsewhere each engine goes first in every other
-            # round: a machine slowing down (or warming up) through the run does not always favour one.
+            # Each engine goes first in every other round: a machine slowing down (or warming up) through
+            # the run, or what one run leaves to the next, does not always favour one. At the top
+            # concurrency diffusers' own pipeline runs after them in each round (batch --cap calls: the
+            # ceiling), after each engine in turn.
             raw = ("raw",) if concurrency == top and not args.no_raw else ()
             rounds = args.rounds if concurrency == top else 1
-            for round_, order in enumerate(rotated_orders(("request", "step", *raw), rounds)):
-                for engine in order:
+            for round_ in range(rounds):
+                engines = ("request", "step") if round_ % 2 == 0 else ("step", "request")
+                for engine in (*engines, *raw):
                     if engine == "raw":
                         each = raw_images_per_s(bench, args.steps, args.requests, args.cap)
                         report["raw_rounds"].append(each)
@@ -378,8 +382,8 @@ def main(argv: list[str] | None = None) -> None:
         poisson = [bench.request(i, args.steps, 7.5) for i in range(args.poisson_requests)]
         for load in loads:
             # Each round its own arrivals (seeds from --arrival-seed on), the same for every engine, the
-            # engines in rotated order.
-            for round_, order in enumerate(rotated_orders(("request", *STEP_COHORTS), args.rounds)):
+            # engines in orders balanced for what one run leaves to the next (verdicts.balanced_orders).
+            for round_, order in enumerate(balanced_orders(("request", *STEP_COHORTS), args.rounds)):
                 for engine in order:
                     run = run_poisson(
                         bench,

@@ -13,7 +13,8 @@ arrivals at 50/80/95% of the request-level engine's saturated throughput (mean/p
 the first step); --sweep the request-level engine's images-per-call x queue-delay grid; --openai the
 OpenAI front's overhead (one step-engine server with the front: closed loop at the top concurrency through
 the official ``openai`` client and through Python's ``http.client`` against gRPC direct, in --rounds
-rounds, at least 5, the paths' order rotated each round).
+rounds rounded up to whole cycles of six, the paths in orders balanced for what one run leaves to the
+next).
 Writes bench.json, bench.md and bench.png (throughput and p95 latency against concurrency) to --out.
 
 
@@ -29,7 +30,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 import artefacts
-from verdicts import MIN_ROUNDS, rotated_orders
+from verdicts import balanced_orders, rotated_orders
 
 from benchmarks.common import (
     MIXED_GUIDANCE,
@@ -233,9 +234,9 @@ def run_front_overhead(
     args: argparse.Namespace, model: str, weights: Path, size_edits: dict, requests: list[dict], top: int
 ) -> list[RunStats]:
     """One step-engine server with the OpenAI front: gRPC direct and through the front with each client of
-    FRONT_CLIENTS at the top concurrency, in ``front_rounds(args.rounds)`` rounds, the paths' order
-    rotated each round, so all see the same server and the same machine and each ratio is read from its
-    rounds."""
+    FRONT_CLIENTS at the top concurrency, in ``front_rounds(args.rounds)`` rounds, the paths in orders
+    balanced for what one run leaves to the next, so all see the same server and the same machine and
+    each ratio is read from its rounds."""
     print(
         "[openai] the front's overhead: one step-engine server, gRPC direct and through the front", flush=True
     )
@@ -256,7 +257,7 @@ def run_front_overhead(
             variant.run(plain[: args.max_batch_size], args.max_batch_size, None, front=client)
         runs = []
         paths: list[str | None] = [None, *FRONT_CLIENTS]  # gRPC direct, then through the front
-        for round_, order in enumerate(rotated_orders(paths, front_rounds(args.rounds))):
+        for round_, order in enumerate(balanced_orders(paths, front_rounds(args.rounds))):
             for path in order:
                 before = variant.cpu_seconds()
                 stats = variant.run(plain, top, None, front=path)
@@ -271,9 +272,11 @@ def run_front_overhead(
 
 
 def front_rounds(rounds: int) -> int:
-    """The front's rounds: the take's (--rounds), and at least the 5 a verdict needs (scripts/verdicts.py):
-    three short closed loops a round."""
-    return max(rounds, MIN_ROUNDS)
+    """The front's rounds: the take's (--rounds) rounded up to whole cycles of the balanced orders of its
+    three paths (six rounds: each path after each other equally often within them), and at least one
+    cycle, more than the 5 a verdict needs (scripts/verdicts.py): three short closed loops a round."""
+    cycle = 6
+    return max(cycle, -(-rounds // cycle) * cycle)
 
 
 def run_raw(

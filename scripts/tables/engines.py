@@ -94,8 +94,9 @@ def in_process_ratios(artefact: dict[str, Any]) -> str:
             f"the row math around it (guidance, scheduler steps) {number(profile['row_math_ms'])} ms and "
             f"the engine's bookkeeping {number(profile['own_ms'])} ms: together "
             f"{profile['own_share_of_step']:.1%} of the step (the ratio row's \"engine's own work\"); "
-            f"starting jobs (text encoding, noise) {number(profile['admission_ms'])} ms and decoding "
-            f"{number(profile['decode_ms'])} ms a step besides."
+            "starting jobs (text encoding, each job's scheduler, noise) "
+            f"{number(profile['admission_ms'])} ms and decoding {number(profile['decode_ms'])} ms a step "
+            "besides."
         )
         raws, profiles = artefact.get("raw_profile_rounds") or [], artefact.get("profile_rounds") or []
         if profile in profiles and profiles.index(profile) < len(raws):
@@ -104,8 +105,9 @@ def in_process_ratios(artefact: dict[str, Any]) -> str:
                 f"diffusers' own call for {raw['images_per_call']} images in the same round, timed in place: "
                 f"{number(raw['step_ms'])} ms a denoising step, the denoiser {number(raw['denoiser_ms'])} ms "
                 f"and the rest of its loop (guidance, the scheduler's step, bookkeeping) "
-                f"{number(raw['loop_ms'])} ms; text encoding and starting latents {number(raw['start_ms'])} "
-                f"ms and decoding {number(raw['decode_ms'])} ms a step besides."
+                f"{number(raw['loop_ms'])} ms; its start (inputs checked, text encoding, timesteps and step "
+                f"arguments, starting latents) {number(raw['start_ms'])} ms and decoding "
+                f"{number(raw['decode_ms'])} ms a step besides."
             )
     return "\n\n".join(parts)
 

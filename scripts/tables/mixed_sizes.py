@@ -98,7 +98,7 @@ def _gate_rows(artefact: dict[str, Any]) -> list[list[str]]:
 
 
 def _share(summary: dict[str, Any] | None) -> str:
-    """A share's median round, with the rounds' min-max where they differ."""
+    """A share's median over rounds, with the rounds' min-max where they differ."""
     if not summary:
         return "-"
     median = percent(summary["median"], 1)
@@ -112,8 +112,9 @@ def _orders(settings: dict[str, Any]) -> str:
     the last run's garbage before each), or (older takes) rotated."""
     if settings.get("orders") == "balanced":
         return (
-            "rounds in orders balanced for what one run leaves to the next (each variant after each "
-            "other equally often in each whole cycle; the garbage collected before each run)"
+            "rounds in orders balanced for what one run leaves to the next (within the orders of each whole "
+            "cycle, each variant after each other equally often; not at the joins between rounds; the "
+            "garbage collected before each run)"
         )
     return "alternated rounds"
 
@@ -157,9 +158,9 @@ def render(artefact: dict[str, Any]) -> str:
         "request-level engine's pipeline calls per engine step. Padded tokens: their share of the tokens "
         "the forwards computed (- where the forwards do not report tokens). Gate, by size: of the "
         "forwards whose jobs were of several sizes, the share the packing gate ran one size at a time "
-        "(the median round's, with the rounds' min-max). Packed / plane: what the run's packed forwards "
+        "(the median over rounds, with the rounds' min-max). Packed / plane: what the run's packed forwards "
         "took over the cost plane's price for their rows and tokens (the factor the gate prices a packed "
-        "forward by; the median round's; - where none ran)." + ungated
+        "forward by; the median over rounds; - where none ran)." + ungated
     ]
     calibrated = [arch for arch, family in artefact["families"].items() if family.get("calibration")]
     if calibrated:

@@ -13,13 +13,15 @@ import torch
 
 from triton_diffusion.serving.launcher import REPO_ROOT
 
-# The OpenAI front's paths in each of its 5 rounds: gRPC direct, the official client, http.client, rotated.
+# The OpenAI front's paths in each of its 6 rounds (one whole cycle of balanced orders: within it each
+# path runs after each other equally often): gRPC direct, the official client, http.client.
 FRONT_ORDERS = [
     ("grpc", "openai", "http"),
     ("openai", "http", "grpc"),
     ("http", "grpc", "openai"),
-    ("grpc", "openai", "http"),
-    ("openai", "http", "grpc"),
+    ("http", "openai", "grpc"),
+    ("grpc", "http", "openai"),
+    ("openai", "grpc", "http"),
 ]
 
 
@@ -74,7 +76,7 @@ def test_bench_writes_its_report(tmp_path):
         ("request", "mixed", 2, 1),
         *poisson,
         # The OpenAI front's overhead: one server, gRPC direct, the official client and http.client, in
-        # the 5 rounds a verdict needs (more than the take's 2), the order rotated each round.
+        # one whole cycle of balanced orders (more than the take's 2 rounds).
         *[("step", path, 2, round_) for round_, order in enumerate(FRONT_ORDERS) for path in order],
     ]
     for label in ("homogeneous c=2: step / request throughput", "Poisson 80%: step / request p95 latency"):
@@ -103,7 +105,7 @@ def test_bench_writes_its_report(tmp_path):
         direct = {run["round"]: run for run in report["runs"] if run["traffic"] == "grpc"}
         runs = [run for run in report["runs"] if run["traffic"] == traffic]
         each = [run["images_per_s"] / direct[run["round"]]["images_per_s"] for run in runs]
-        assert report["ratio_rounds"][name] == pytest.approx(each) and len(each) == 5
+        assert report["ratio_rounds"][name] == pytest.approx(each) and len(each) == 6
         assert report["ratios"][name][0] == pytest.approx(statistics.median(each))
         # The front's CPU per request over the server's: the median of the path's own runs.
         shares = [run["cpu_ms_per_request"]["front"] / run["cpu_ms_per_request"]["server"] for run in runs]
@@ -112,7 +114,7 @@ def test_bench_writes_its_report(tmp_path):
     # CPU per request of the front, the server and the client, on every path. CPU time comes in clock
     # ticks of 10 ms, and 4 requests of the front (about 1.5 ms each) or of a light client may take less
     # than one: counted over the runs, each part is seen.
-    paths = report["runs"][-15:]
+    paths = report["runs"][-18:]
     assert all(run["cpu_ms_per_request"]["server"] > 0 for run in paths)
     # The front works for the requests that go through it: more of its CPU than on gRPC direct (idle).
     through = sum(run["cpu_ms_per_request"]["front"] for run in paths if run["traffic"] != "grpc")

@@ -123,30 +123,51 @@ def value_of(value):
 
 @pytest.mark.parametrize(("name", "config"), CONFIGS, ids=[n + ("+" if c else "") for n, c in CONFIGS])
 def test_a_jobs_scheduler_from_its_template_steps_as_a_deep_copy_and_leaves_the_template_alone(name, config):
-    """diffusers_compat.job_scheduler: two jobs' schedulers from one template, each given its timesteps and
-    stepped in turn on inputs of its own, step bit for bit as a deep copy of the template does alone, and
-    the template (tensors and arrays by their contents) is as it was."""
+    """diffusers_compat.job_scheduler: two jobs' schedulers from one template, each given its timesteps (8
+    steps) and stepped in turn on inputs of its own, each step bit for bit as a deep copy of the template
+    stepped alone on the same inputs; and the template (its tensors and arrays by their contents) is as it
+    was."""
     try:
         template = getattr(diffusers, name)(**config)
     except ImportError as missing:  # LMS needs scipy
         pytest.skip(str(missing))
     before = {k: value_of(v) for k, v in vars(template).items()}
-    first, second = diffusers_compat.job_scheduler(template), diffusers_compat.job_scheduler(template)
-    alone = copy.deepcopy(template)
+    jobs = {seed: (diffusers_compat.job_scheduler(template), copy.deepcopy(template)) for seed in (0, 1)}
     xs = {}
-    for key, scheduler, seed in (("first", first, 0), ("second", second, 1), ("alone", alone, 0)):
-        scheduler.set_timesteps(8)
-        generator = torch.Generator().manual_seed(seed)
-        xs[key] = (torch.randn(1, 4, 8, 8, generator=generator), generator)
-    takes_generator = "generator" in inspect.signature(first.step).parameters
-    for t in alone.timesteps[:5]:
-        for key, scheduler in (("first", first), ("second", second), ("alone", alone)):
-            x, generator = xs[key]
-            if hasattr(scheduler, "scale_model_input"):  # flow matching has none
-                x = scheduler.scale_model_input(x, t)
-            kwargs = {"generator": generator} if takes_generator else {}
-            xs[key] = (scheduler.step(torch.tanh(x), t, x, **kwargs).prev_sample, generator)
-        assert torch.equal(xs["first"][0], xs["alone"][0]), f"{name} at {t}"
-    assert not torch.equal(xs["first"][0], xs["second"][0])  # the two jobs' inputs differed
+    for seed, pair in jobs.items():
+        for which, scheduler in enumerate(pair):
+            scheduler.set_timesteps(8)
+            generator = torch.Generator().manual_seed(seed)
+            xs[seed, which] = (torch.randn(1, 4, 8, 8, generator=generator), generator)
+    takes_generator = "generator" in inspect.signature(template.step).parameters
+    for t in jobs[0][1].timesteps[:5]:
+        for seed, pair in jobs.items():  # the two jobs in turn, each beside its deep copy
+            for which, scheduler in enumerate(pair):
+                x, generator = xs[seed, which]
+                if hasattr(scheduler, "scale_model_input"):  # flow matching has none
+                    x = scheduler.scale_model_input(x, t)
+                kwargs = {"generator": generator} if takes_generator else {}
+                xs[seed, which] = (scheduler.step(torch.tanh(x), t, x, **kwargs).prev_sample, generator)
+            assert torch.equal(xs[seed, 0][0], xs[seed, 1][0]), f"{name}, job {seed} at {t}"
+    assert not torch.equal(xs[0, 0][0], xs[1, 0][0])  # the two jobs' inputs differed
     after = {k: value_of(v) for k, v in vars(template).items()}
     assert before.keys() == after.keys() and all(same(before[k], after[k]) for k in before), name
+
+
+@pytest.mark.parametrize("name", ["DPMSolverMultistepScheduler", "DEISMultistepScheduler"])
+def test_a_jobs_dynamic_shift_is_its_own_not_the_templates_or_another_jobs(name):
+    """``set_timesteps(mu=...)`` writes the shift into the scheduler's config object: each job's scheduler
+    has its own config, so two jobs with different shifts step as deep copies given the same shifts, and
+    the template's config keeps its own."""
+    config = {"use_dynamic_shifting": True, "use_flow_sigmas": True, "prediction_type": "flow_prediction"}
+    template = getattr(diffusers, name)(**config, time_shift_type="exponential")
+    shift = template.config.flow_shift
+    jobs = {mu: (diffusers_compat.job_scheduler(template), copy.deepcopy(template)) for mu in (0.3, 1.2)}
+    for mu, pair in jobs.items():
+        for scheduler in pair:
+            scheduler.set_timesteps(6, mu=mu)
+    for mu, (job, alone) in jobs.items():
+        assert job.config.flow_shift == pytest.approx(np.exp(mu)), (mu, job.config.flow_shift)
+        assert torch.equal(job.sigmas, alone.sigmas) and torch.equal(job.timesteps, alone.timesteps)
+    assert not torch.equal(jobs[0.3][0].sigmas, jobs[1.2][0].sigmas)
+    assert template.config.flow_shift == shift

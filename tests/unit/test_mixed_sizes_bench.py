@@ -264,7 +264,7 @@ def test_the_gates_share_by_size_shows_its_median_round_and_the_rounds_range():
         line for line in text.splitlines() if line.startswith("| tiny-flux | mixed | closed, c=8 | packed")
     )
     assert packed.endswith("| 60.0% (5.0%-90.0%) | - |")
-    assert "the median round's, with the rounds' min-max" in text
+    assert "the median over rounds, with the rounds' min-max" in text
 
 
 def test_each_family_reads_its_own_target_and_an_older_artefact_the_settings():

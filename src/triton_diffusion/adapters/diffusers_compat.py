@@ -18,6 +18,7 @@ import copy
 from typing import Any, NamedTuple
 
 import torch
+from diffusers.configuration_utils import FrozenDict
 
 # (the class that has it, the private name): each is read below, and only here.
 PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
@@ -43,6 +44,7 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("DPMSolverMultistepScheduler", "_sigma_to_alpha_sigma_t"),
     ("DDIMScheduler", "_get_variance"),
     ("hooks._helpers", "TransformerBlockRegistry"),
+    ("ConfigMixin", "_internal_dict"),
 )
 
 # What each scheduler changes while it steps (read off diffusers 0.42 by stepping each): a checkpoint
@@ -171,8 +173,9 @@ def job_scheduler(template: Any) -> Any:
     """A job's own scheduler from a loaded template, as ``copy.deepcopy`` would make it for all the job
     changes, at a small part of its cost (a deep copy copies every table of the schedule for every job).
     For a scheduler whose stepping state is named (:data:`SCHEDULER_STEP_STATE`) the copy has its own
-    attributes and its own lists and dicts (what stepping appends to) and shares the template's tensors
-    and config, which ``set_timesteps`` and stepping replace and never write into
+    attributes, its own lists and dicts (what stepping appends to) and its own config (``set_timesteps``
+    with ``mu`` writes the shift into the config object: DPM-Solver's, DEIS'), and shares the template's
+    tensors, which ``set_timesteps`` and stepping replace and never write into
     (tests/unit/test_diffusers_compat.py steps two such copies of every named scheduler against a deep
     copy and checks the template after). Any other scheduler is deep-copied."""
     if step_state_names(template) is None:
@@ -181,6 +184,7 @@ def job_scheduler(template: Any) -> Any:
     for name, value in vars(template).items():
         if type(value) in (list, dict):
             setattr(clone, name, copy.copy(value))
+    clone._internal_dict = FrozenDict(template._internal_dict)
     return clone
 
 
