@@ -413,7 +413,8 @@ def main(argv: list[str] | None = None) -> None:
         calls = max(1, args.profile_forwards // args.steps)  # about as many forwards as the engine's
         for round_ in range(args.rounds):
             # The step engine and diffusers' own call, in turn (each first in every other round).
-            for which in ("engine", "raw") if round_ % 2 == 0 else ("raw", "engine"):
+            beside = () if args.no_raw else ("raw",)  # --no-raw: no call of diffusers' own either
+            for which in ("engine", *beside) if round_ % 2 == 0 else (*beside, "engine"):
                 if which == "engine":
                     profile = profile_step_engine(bench, args.steps, args.profile_forwards)
                     report["profile_rounds"].append(profile)

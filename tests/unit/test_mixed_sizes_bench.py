@@ -272,6 +272,7 @@ def test_each_family_reads_its_own_target_and_an_older_artefact_the_settings():
     worse (>= 1.0); an artefact from before the families carried targets reads the settings' one."""
     assert mixed_sizes.family_targets("tiny-flux") == {"mixed": ">= 1.3", "homogeneous": ">= 1.0"}
     assert mixed_sizes.family_targets("tiny-sd3") == {"mixed": ">= 1.0", "homogeneous": ">= 1.0"}
+    assert mixed_sizes.family_targets("tiny-flux-fill")["mixed"] == ">= 1.0"  # FLUX.1 Fill: not asked 1.3x
     runs = []
     for family in ("tiny-flux", "tiny-sd3"):
         for r in range(5):
