@@ -3,6 +3,8 @@ what was measured, and a job's time to finish from its tokens and the token-step
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from triton_diffusion.engine.estimates import MAX_SIZES, PROBE_AFTER, WorkTimes
@@ -198,7 +200,7 @@ def test_forwards_of_one_size_since_the_last_packed_one_are_counted():
 
 def test_the_host_publishes_the_packed_factor_beside_the_forward_cost():
     """The cost model's metrics (serving/engine_host.py): the plane's parts in seconds, and what packed
-    forwards took over it as its own gauge once one was measured (none before)."""
+    forwards took over it as its own gauge once one was measured (none before); NaN once unknown again."""
     from triton_diffusion.serving.engine_host import EngineHost
 
     published: dict[tuple, float] = {}
@@ -207,8 +209,8 @@ def test_the_host_publishes_the_packed_factor_beside_the_forward_cost():
         def set(self, name: str, value: float, **labels: str) -> None:
             published[(name, *sorted(labels.items()))] = value
 
-    host = object.__new__(EngineHost)  # _record_cost reads nothing but its metrics
-    host.metrics = Metrics()
+    host = object.__new__(EngineHost)  # _record_cost reads nothing but its metrics and what it set
+    host.metrics, host._cost_gauges = Metrics(), set()
     times = WorkTimes()
     plane = lambda rows, tokens: 0.002 + 0.0001 * tokens + 0.003 * rows  # noqa: E731
     for rows, tokens in ((1, 16), (4, 64), (1, 64)):
@@ -221,3 +223,8 @@ def test_the_host_publishes_the_packed_factor_beside_the_forward_cost():
         times.forward_ran(8, 512, seconds, rows=8, packed=True)
     host._record_cost(times.describe())
     assert published[ratio] == pytest.approx(1.5)
+    # Unknown again (a plane the fit cannot determine): each gauge it set reads NaN, not its last value.
+    host._record_cost({**times.describe(), "forward_by_tokens_and_rows": None, "packed_over_plane": None})
+    assert math.isnan(published[ratio]) and math.isnan(published[per_row])
+    tokens = ("triton_diffusion_forward_cost_seconds", ("fit", "tokens"), ("part", "per_token"))
+    assert published[tokens] > 0  # the line is still known

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -143,6 +144,7 @@ class EngineHost:
         self.drain = DrainWatch(drain_file, settings.name, settings.instance) if drain_file else None
         self.draining = False  # set on the engine thread, read by execute()
         self._cost_published = 0.0  # when the cost model's metrics were last set (monotonic seconds)
+        self._cost_gauges: set[tuple[str, tuple[tuple[str, str], ...]]] = set()  # those set (_record_cost)
         if self.drain is not None:
             log.info("%s: drains on SIGTERM (drain file %s)", settings.instance or settings.name, drain_file)
         # Where the scheduler refuses late jobs (the step engine with deadline_policy refuse): what reads
@@ -189,13 +191,20 @@ class EngineHost:
         return self.engine.times.describe() if isinstance(self.engine, StepEngine) else None
 
     def _record_cost(self, cost: dict[str, Any]) -> None:
+        values: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
         for fit, name in (("tokens", "forward_by_tokens"), ("tokens_and_rows", "forward_by_tokens_and_rows")):
             for part, value in (cost[name] or {}).items():
                 seconds = value / 1e3 if part != "per_1k_tokens_ms" else value / 1e6
                 part = "per_token" if part == "per_1k_tokens_ms" else part.removesuffix("_ms")
-                self.metrics.set("triton_diffusion_forward_cost_seconds", seconds, fit=fit, part=part)
+                values["triton_diffusion_forward_cost_seconds", (("fit", fit), ("part", part))] = seconds
         if cost["packed_over_plane"] is not None:
-            self.metrics.set("triton_diffusion_packed_forward_cost_ratio", cost["packed_over_plane"])
+            values["triton_diffusion_packed_forward_cost_ratio", ()] = cost["packed_over_plane"]
+        # A gauge set before whose value is unknown now reads NaN (Prometheus' unknown), not its last value.
+        for key in self._cost_gauges - values.keys():
+            values[key] = math.nan
+        self._cost_gauges |= values.keys()
+        for (name, labels), value in values.items():
+            self.metrics.set(name, value, **dict(labels))
 
     # ---- execute() thread -------------------------------------------------------------------------
     def read(self, tracked: TrackedRequest, parsed: Parsed) -> Admitted | None:

@@ -83,13 +83,15 @@ SERVICE_FAMILIES = {
         "GAUGE",
         "Step engine: the cost model a forward is priced by (MODEL_INFO cost_model), by fit (tokens: the "
         "line deadlines and the drain use; tokens_and_rows: the packing gate's plane) and part (fixed, "
-        "per_token, per_row), in seconds; set at most once a second, once the fit is determined",
+        "per_token, per_row), in seconds; set at most once a second, once the fit is determined (NaN if "
+        "it is not any more)",
     ),
     "triton_diffusion_packed_forward_cost_ratio": (
         "GAUGE",
         "Step engine: what forwards of several sizes run packed took over the cost plane's price for their "
         "rows and tokens (MODEL_INFO cost_model packed_over_plane: the factor the packing gate prices a "
-        "packed forward by); set with the cost model, once a packed forward was measured",
+        "packed forward by); set with the cost model, once a packed forward was measured (NaN while the "
+        "plane gives no price)",
     ),
 }
 FAMILIES.update(SERVICE_FAMILIES)
