@@ -41,9 +41,9 @@ GOODPUT_S = 2900
 # The crash soak: 5 rounds of 2 runs of 150-step jobs, 2 crashes a run 35 s apart (a restart more than 30 s
 # after the one before: no anti-spin wait); 13 minutes measured for 60 s runs (--mid-job 75).
 CRASH_SOAK_S = 1400
-# The mixed-sizes benchmark at the flux1-h100 profile: 2 traffic kinds x 5 rounds x 4 variants of 16
-# requests of 8 steps at 512 to 1024 pixels a side, each forward as long as on an H100 (about 40 to 170 ms
-# a row): an estimate from those times (not yet measured).
+# The mixed-sizes benchmark at the flux1-h100 profile: 2 traffic kinds x 8 rounds (two whole cycles of
+# balanced orders for 4 variants) x 4 variants of 16 requests of 8 steps at 512 to 1024 pixels a side, each
+# forward as long as on an H100 (about 40 to 170 ms a row): 5 rounds took 476 s on the AMD host (a7f2bb8).
 MIXED_SIZES_FLUX1_S = 1500
 # The crash soak with the server busy, on the tiny SD and at an H100's cost ratios, each take this limit
 # (3 x one request at a time: more than the engine serves, so each run ends with a queue and a recomputed
@@ -151,7 +151,7 @@ PLAN = (
     ),
     # The same at an H100's cost ratios for FLUX.1-dev, at its sizes: the packing gate where a padded token
     # costs what it would there, and packing without the gate beside it. Both traffic kinds, closed loop,
-    # 5 rounds.
+    # 8 rounds.
     Take(
         "mixed_sizes_flux1",
         (
@@ -164,7 +164,7 @@ PLAN = (
             "--variants",
             "packed,by-shape,request,packed-ungated",
             "--rounds",
-            "5",
+            "8",
             "--requests",
             "16",
             "--loads",
