@@ -33,10 +33,11 @@ class Retry(str, Enum):
     """What a client may do about an error (its :class:`RetryHint`): the protocol, where the words are not.
 
     RESEND: send the same request again (the same fields and resume key) once the server is ready: a
-        draining server refused it, or stopped it unfinished with nothing checkpointed. (A request in
-        flight when the accelerator failed or the engine got stuck gets no hint: it may be the cause, and
-        each resend would restart the model for everyone; nor one refused by a model shutting down: it
-        may be unloaded on purpose, and a client would wait for it in vain.)
+        draining server refused it, or stopped it unfinished with nothing checkpointed, or the model
+        began restarting (the accelerator failed, the engine got stuck) before it was handed to the engine.
+        (A request the engine held then gets no hint: it may be the cause, and each resend would restart
+        the model for everyone; nor one refused by a model shutting down: it may be unloaded on purpose,
+        and a client would wait for it in vain.)
     RESUME: as RESEND, and a checkpoint of it was written under ``resume_key`` at ``step``: the resend
         goes on from there.
     The project's clients do not resend an error without a hint (some still say "retry later": at

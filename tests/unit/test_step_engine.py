@@ -31,7 +31,7 @@ from triton_diffusion.engine.jobs import (
 from triton_diffusion.engine.ordering import AdmissionPacing, make_policy
 from triton_diffusion.engine.request_status import Abort
 from triton_diffusion.engine.step_engine import StepEngine
-from triton_diffusion.errors import ErrorCode, RequestError
+from triton_diffusion.errors import RESEND, ErrorCode, RequestError
 from triton_diffusion.serving.cancellations import ClientAborts
 from triton_diffusion.serving.engine_worker import EngineWorker
 from triton_diffusion.serving.requests import Stage, TrackedRequest
@@ -588,7 +588,10 @@ def test_a_failed_device_stops_the_worker_after_answering_everything_it_held():
             assert final.hint is None, final  # it may be the cause: never a retry hint
         after = job("after")
         assert submit(worker, after) == [-1.0]  # refused at once
-        assert after.request.channel.finals[0].code is ErrorCode.UNAVAILABLE
+        (final,) = after.request.channel.finals
+        # It never ran, so it cannot be the cause: the client may resend it once the model is back.
+        assert final.code is ErrorCode.UNAVAILABLE and final.hint == RESEND, final
+        assert "illegal memory access" in final.message and "had not started" in final.message, final
         assert max(len(f) for f in adapter.forwards) == 1 and len(lost) == 1
     finally:
         worker.close()
@@ -642,7 +645,9 @@ def test_a_stuck_engine_is_noticed_its_requests_answered_and_the_process_asked_t
         assert final.code is ErrorCode.UNAVAILABLE and "restarting" in final.message, final
         assert final.hint is None, final  # it may be the cause: never a retry hint
     late = job("late")
-    assert submit(worker, late) == [-1.0] and late.request.channel.finals[0].code is ErrorCode.UNAVAILABLE
+    assert submit(worker, late) == [-1.0]
+    (final,) = late.request.channel.finals
+    assert final.code is ErrorCode.UNAVAILABLE and final.hint == RESEND and "stuck" in final.message, final
 
 
 def test_a_full_engine_lets_a_request_with_a_deadline_in_without_waiting_up_to_its_room():

@@ -31,7 +31,7 @@ from typing import Protocol
 from triton_diffusion.engine.failures import DeviceLostError, device_lost_error
 from triton_diffusion.engine.jobs import Job, StepReport
 from triton_diffusion.engine.request_status import Abort, AbortSource, Request
-from triton_diffusion.errors import ErrorCode, RequestError
+from triton_diffusion.errors import RESEND, ErrorCode, RequestError
 from triton_diffusion.serving.cancellations import ClientAborts
 from triton_diffusion.serving.requests import Stage, TrackedRequest
 from triton_diffusion.serving.watchdog import StallWatchdog
@@ -108,6 +108,8 @@ class EngineWorker:
         self.restarts = 0
         self._condition = threading.Condition()
         self._closed = False
+        # What a request gets once closed (submit): shutting down, or restarting() once that began.
+        self._refusal = RequestError(ErrorCode.UNAVAILABLE, "the model is shutting down")
         # Every request handed to the engine and not answered yet: the watchdog answers them when the
         # engine thread is stuck, wherever their jobs are (a queue, the adapter's hands, a report). Weak:
         # an answered request must be released (Triton's unload waits for every request of the model, so
@@ -142,7 +144,7 @@ class EngineWorker:
                         break
                     self._condition.wait(remaining)
                 if self._closed:
-                    refused = RequestError(ErrorCode.UNAVAILABLE, "the model is shutting down")
+                    refused = self._refusal
                 if refused is not None:
                     tracked.fail(refused)
                     waited.append(-1.0)
@@ -254,6 +256,7 @@ class EngineWorker:
         log.error("engine: the accelerator failed (%s); answering what it held", error)
         with self._condition:
             self._closed = True  # later submits are refused: nothing can run on this device again
+            self._refusal = restarting(f"the accelerator failed ({error})")
         self._fail_held(device_lost_error(error))
         self.on_device_lost(error)
 
@@ -270,6 +273,7 @@ class EngineWorker:
         (exactly once: a request's answer is claimed under its lock), then the process is asked to exit."""
         with self._condition:
             self._closed = True
+            self._refusal = restarting(f"the engine is stuck ({error})")
             self._condition.notify_all()
             live = [r for r in self._live if r.stage is not Stage.ANSWERED]
         failure = RequestError(ErrorCode.UNAVAILABLE, f"{error}; the model is restarting")
@@ -282,6 +286,15 @@ class EngineWorker:
             answering.join(STALL_ANSWER_S)
         finally:
             self.on_stall(error)
+
+
+def restarting(why: str) -> RequestError:
+    """The answer to a request that waited for room, or came, after the model began restarting for
+    ``why``: it never ran, so it cannot be the cause, and its resend (once the model is ready again) is
+    safe; unlike the requests the engine held (errors.py Retry)."""
+    return RequestError(
+        ErrorCode.UNAVAILABLE, f"{why}; the model is restarting and this request had not started", RESEND
+    )
 
 
 def _fail_each(requests: list[TrackedRequest], error: RequestError) -> None:
