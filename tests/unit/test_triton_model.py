@@ -92,6 +92,25 @@ def test_a_result_cache_hit_reports_its_own_service_not_the_first_requests():
     assert intake.cached(ParsedRequest(0, {}, None, (JobSpec(None),), result_key="other")) is None
 
 
+def test_a_result_cache_hit_reports_its_own_checkpoints_not_the_first_requests():
+    # The first request gave a resume key and resumed from step 7 with a warning; an identical one (the
+    # resume key is in neither cache key) resumed nothing: none of that is its own.
+    counted = SimpleNamespace(increment=lambda *args, **labels: None)
+    intake = Intake("m", ("default",), counted, ResultCache(1 << 20))
+    first = {"engine": "step", "checkpoints": "on", "resumed_from_step": 7, "warnings": ["image 0: stale"]}
+    intake.results.put("key", {"BATCH": batch_output(first)})
+
+    def hit(values: dict) -> dict:
+        parsed = ParsedRequest(0, values, None, (JobSpec(None),), result_key="key")
+        return json.loads(intake.cached(parsed)["BATCH"].reshape(-1)[0])
+
+    without_key = hit({})
+    assert without_key["engine"] == "step" and without_key["result_cache"] == "hit"
+    assert not {"checkpoints", "resumed_from_step", "warnings"} & without_key.keys(), without_key
+    with_key = hit({"resume_key": "k2"})  # its own report: this model keeps no checkpoints
+    assert with_key["checkpoints"] == "off" and "resumed_from_step" not in with_key, with_key
+
+
 def test_an_answer_is_kept_for_the_identical_requests_after_it_unless_degraded():
     intake = Intake("m", ("default",), None, ResultCache(1 << 20))
     answer = {"IMAGE": np.array([[b"png bytes"]], dtype=object)}

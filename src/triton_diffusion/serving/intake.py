@@ -27,6 +27,8 @@ from triton_diffusion.serving.requests import TrackedRequest
 from triton_diffusion.serving.result_cache import ResultCache
 
 RESULT_CACHE_HITS = "triton_diffusion_result_cache_hits_total"
+# BATCH's part on checkpoints (Intake.report): a request's own, never copied from a cached answer.
+CHECKPOINT_REPORT = ("checkpoints", "resumed_from_step", "warnings")
 
 
 class Kept(Protocol):
@@ -81,14 +83,17 @@ class Intake:
 
     def cached(self, parsed: Kept) -> dict[str, Any] | None:
         """The answer of an earlier identical request, with this one's tier in its BATCH (nothing waited or
-        was paused for it); None where there is none."""
+        was paused for it) and its own part on checkpoints (:meth:`report`: nothing resumed for it), not the
+        first one's; None where there is none."""
         answer = self.results.get(parsed.result_key)
         if answer is None:
             return None
         self.metrics.increment(RESULT_CACHE_HITS)
         batch = json.loads(answer["BATCH"].reshape(-1)[0])
         service = {"tier": self.tiers[parsed.jobs[0].tier], "paused_times": 0, "paused_s": 0.0}
-        batch.update(result_cache="hit", service=service)
+        for name in CHECKPOINT_REPORT:
+            batch.pop(name, None)
+        batch.update(self.report(parsed, None, ()), result_cache="hit", service=service)
         return {**answer, "BATCH": np.array([[json.dumps(batch).encode()]], dtype=object)}
 
     def keep(self, parsed: Kept, jobs: Sequence[Job], answer: Mapping[str, np.ndarray]) -> None:
