@@ -464,8 +464,27 @@ def test_chat_and_completion_translation():
         ({"prompt": "x", "stop": ["\n"]}, "stop"),
         ({"prompt": "x", "gen_length": 8}, "gen_length"),
         ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "x", "max_completion_tokens": 0}, "max_completion_tokens"),
     ):
         raises_api_error(400, param, body, LM_MODEL, LIMITS, False, call=text_call)
+
+
+def test_a_text_models_error_names_the_openai_parameter_the_client_sent():
+    too_long = tagged("prompt: is 9000 characters long (allowed: at most 8192)", ErrorCode.INVALID_ARG)
+    too_many = tagged("gen_length: got 9000 (allowed: 1..4096)", ErrorCode.INVALID_ARG)
+    for body, chat, prompt_param, tokens_param in (
+        ({"prompt": "x", "max_tokens": 9000}, False, "prompt", "max_tokens"),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "max_tokens": 9000},
+            True,
+            "messages",
+            "max_tokens",
+        ),
+        ({"prompt": "x", "max_completion_tokens": 9000}, False, "prompt", "max_completion_tokens"),
+    ):
+        names = text_call(body, LM_MODEL, LIMITS, chat=chat).request.openai_names
+        assert from_triton_message(too_long, LM_FIELDS, names).param == prompt_param
+        assert from_triton_message(too_many, LM_FIELDS, names).param == tokens_param
 
 
 def test_video_translation():

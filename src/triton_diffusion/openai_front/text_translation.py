@@ -40,8 +40,6 @@ IGNORED_TEXT_PARAMS = frozenset(
 )
 # Model fields the front sets from OpenAI parameters: a client sends the OpenAI parameter instead.
 TEXT_FIELDS_SET_BY_FRONT = {"prompt": "messages / prompt", "stream": "stream", "gen_length": "max_tokens"}
-# Which model field each OpenAI parameter becomes, so a model's error about the field names it.
-TEXT_OPENAI_NAMES = {"gen_length": "max_tokens", "prompt": "messages"}
 
 
 @dataclass
@@ -161,15 +159,18 @@ def text_call(body: Mapping[str, Any], info: ModelInfo, limits: Limits, chat: bo
     for name in ("temperature", "seed"):
         if body.get(name) is not None:
             parameters[name] = scalar_value(name, body[name])
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    tokens_param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = body.get(tokens_param)
     if max_tokens is not None:
-        gen_length = integer_param("max_tokens", max_tokens, 1, 1 << 20, False)
+        gen_length = integer_param(tokens_param, max_tokens, 1, 1 << 20, False)
         given = parameters.get("block_length"), parameters.get("steps")
         parameters.update(decode_schedule(gen_length, *given, *schedule_defaults(info)))
     # Chat wraps the prompt in the model's chat template; a completion continues the text as it is.
     parameters.setdefault("apply_chat_template", chat)
     parameters["stream"] = stream  # blocks as partial responses only when the client streams
-    request = TritonRequest(info.name, {"PROMPT": prompt.encode("utf-8")}, parameters, TEXT_OPENAI_NAMES)
+    # Which OpenAI parameter each model field came from, so a model's error about the field names it.
+    names = {"gen_length": tokens_param, "prompt": "messages" if chat else "prompt"}
+    request = TritonRequest(info.name, {"PROMPT": prompt.encode("utf-8")}, parameters, names)
     include_usage = bool(options.get("include_usage"))
     tier = parameters.get("service_tier", info.default_service_tier)
     return TextCall(request, stream, include_usage, info.name, tier if isinstance(tier, str) else None)
