@@ -295,11 +295,28 @@ def test_image_generation_translation():
         ({"prompt": "x", "seed": [1]}, "seed", "seed: must be a single value, got list"),
         ({"prompt": "x", "seed": 2**64}, "seed", "allowed: a 64-bit integer at most"),
         ({"prompt": "x", "priority": 1}, "priority", "priority: unknown field"),
+        # Triton's gRPC front reads timeout itself and would refuse these in its own words (a 500):
+        ({"prompt": "x", "timeout": "5000"}, "timeout", "must be an integer, got str"),
+        ({"prompt": "x", "timeout": 5000.0}, "timeout", "must be an integer, got float"),
+        ({"prompt": "x", "timeout": True}, "timeout", "must be an integer, got bool"),
+        ({"prompt": "x", "timeout": -1}, "timeout", "got -1 (allowed: 0.."),
     ],
 )
 def test_image_requests_refused_by_the_front_name_the_parameter(params, param, words):
     error = raises_api_error(400, param, params, {}, IMAGE_MODEL, LIMITS, call=image_call)
     assert words in error.message
+
+
+def test_a_timeout_goes_to_triton_as_an_integer_within_the_models_range():
+    fields = {**IMAGE_MODEL.fields, "timeout": {"type": "integer", "minimum": 1, "maximum": 10**6}}
+    model = ModelInfo(IMAGE_MODEL.name, IMAGE_MODEL.kind, fields, "default")
+    assert (
+        image_call({"prompt": "x", "timeout": 5000}, {}, model, LIMITS).request.parameters["timeout"] == 5000
+    )
+    error = raises_api_error(
+        400, "timeout", {"prompt": "x", "timeout": 10**7}, {}, model, LIMITS, call=image_call
+    )
+    assert "allowed: 1..1000000" in error.message
 
 
 def test_height_width_and_num_frames_are_our_fields_where_size_and_seconds_are_absent():
