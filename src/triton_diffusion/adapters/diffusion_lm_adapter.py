@@ -171,9 +171,12 @@ class DiffusionLMAdapter:
         return starts
 
     @staticmethod
-    def snapshot(request: DecodingRequest) -> tuple[list[int], int] | None:
-        """After a step that completed a block: the text's tokens so far and the block's index."""
-        return (request.tokens(), request.block_index - 1) if request.new_block else None
+    def snapshot(request: DecodingRequest) -> tuple[list[int], int, bool] | None:
+        """After a step that completed a block: the text's tokens so far, the block's index and whether it
+        is the request's last."""
+        if not request.new_block:
+            return None
+        return request.tokens(), request.block_index - 1, request.finished
 
     def step(self, jobs: list[Job], previews: Sequence[bool] | None = None) -> ForwardResult:
         """One padded forward for every job, then one commit step each; a job is done when its request

@@ -169,13 +169,20 @@ class DiffusionLMModel:
 
     # ---- the host's model kind (progress and outputs on the response thread, in order) ---------------
     def progress_outputs(self, record: RequestRecord, stepped: Stepped) -> Mapping[str, Any] | None:
-        # DiffusionLMAdapter.snapshot's: the text's tokens so far and the block's index, or None.
-        snapshot = cast("tuple[list[int], int] | None", stepped.snapshot)
+        # DiffusionLMAdapter.snapshot's: the text's tokens so far, the block's index and whether it is the
+        # last, or None.
+        snapshot = cast("tuple[list[int], int, bool] | None", stepped.snapshot)
         if snapshot is None:
             return None  # no block completed at this step
-        tokens, block = snapshot
-        text = self.lm.tokenizer.decode(tokens, skip_special_tokens=True)
-        new_text, record.state = _new_text(record.state or "", text)  # the text streamed so far
+        tokens, block, last = snapshot
+        # Before the last block, only the text the last token leaves as it was goes: a token after it may
+        # change how it decodes (the tokenizer's clean-up joins " '" and "s" as "'s"), so it waits.
+        decode = self.lm.tokenizer.decode
+        stable = whole = decode(tokens, skip_special_tokens=True)
+        if not last:
+            before = decode(tokens[:-1], skip_special_tokens=True)
+            stable = whole[: len(os.path.commonprefix([whole, before]))]
+        new_text, record.state = _new_text(record.state or "", stable)  # the text streamed so far
         return {
             "TEXT": _array(new_text.encode(), object),
             "BLOCK": _array(block, np.int32),
@@ -209,10 +216,12 @@ def finish_reason(output: DecodingRequest) -> str:
 
 
 def _new_text(sent: str, text: str) -> tuple[str, str]:
-    """What ``text`` adds to what was already streamed, and the streamed text after it. A trailing
-    replacement character may be half of a multi-byte character: it waits for the next block. Should more
-    tokens change earlier text (tokenizer clean-up), only what follows the common part is sent; the FINAL
-    response has the whole text."""
+    """What ``text`` adds to what was already streamed, and the streamed text after it: a client appends
+    each block's text, so only text that extends what it has goes. A trailing replacement character may be
+    half of a multi-byte character: it waits for the next block. Should more tokens have changed text
+    already streamed, nothing goes until the text extends it again; the FINAL response has the whole
+    text."""
     text = text.rstrip("\ufffd")
-    common = len(os.path.commonprefix([sent, text]))
-    return text[common:], text
+    if not text.startswith(sent):
+        return "", sent
+    return text[len(sent) :], text
