@@ -18,6 +18,7 @@ from triton_diffusion.errors import RESEND, ErrorCode, RequestError, tagged_mess
 from triton_diffusion.openai_front.chat import text_chunks
 from triton_diffusion.openai_front.errors import ApiError
 from triton_diffusion.openai_front.image_translation import image_call
+from triton_diffusion.openai_front.images import image_events
 from triton_diffusion.openai_front.limits import Limits
 from triton_diffusion.openai_front.text_translation import TextCall
 from triton_diffusion.openai_front.triton_bridge import ModelInfo, TritonBridge, TritonRequest
@@ -227,3 +228,29 @@ def test_a_resent_chat_stream_never_repeats_or_changes_what_was_sent():
     # A block that came back different cannot be taken back: the stream ends with an error saying why.
     text, errors = streamed_chat(hello, TextResponse("Goodbye", 0), world, TextResponse("Goodbye world."))
     assert text == "Hello" and "block 0 came back different" in errors[0]["error"]["message"]
+
+
+def test_a_stream_triton_ends_without_a_final_response_ends_with_an_error_event():
+    """Not a silent end (HTTP 200, no [DONE], no completed event): the client is told the answer is cut."""
+    text, errors = streamed_chat(TextResponse("Hello", 0), TextResponse(" world.", 1))
+    assert text == "Hello world." and len(errors) == 1, errors
+    assert "without a FINAL response" in errors[0]["error"]["message"]
+
+    class Preview:
+        final = False
+
+        def scalar(self, name: str):
+            return np.array([b"png"], dtype=object) if name == "PREVIEW" else None
+
+    async def nothing_more():
+        for response in ():
+            yield response
+
+    call = image_call({"prompt": "x", "stream": True, "partial_images": 1}, {}, model(), Limits())
+
+    async def read() -> list[bytes]:
+        return [chunk async for chunk in image_events(call, "image_generation", Preview(), nothing_more())]
+
+    events = b"".join(asyncio.run(read())).decode()
+    assert "image_generation.partial_image" in events and "completed" not in events
+    assert "event: error" in events and "without a FINAL response" in events, events

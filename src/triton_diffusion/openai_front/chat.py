@@ -16,7 +16,7 @@ from triton_diffusion.openai_front.disconnects import (
     sse,
     stream_until_disconnected,
 )
-from triton_diffusion.openai_front.errors import ApiError
+from triton_diffusion.openai_front.errors import ApiError, no_final
 from triton_diffusion.openai_front.front_state import FrontState
 from triton_diffusion.openai_front.limits import parse_json_object, read_body
 from triton_diffusion.openai_front.text_translation import (
@@ -116,6 +116,7 @@ async def text_chunks(
                 yield sse(usage_chunk(call, chat, response))
             yield sse("[DONE]")
             return
+        raise no_final()
     except ApiError as error:
         yield error_event(error)
     finally:

@@ -18,7 +18,7 @@ from typing import Any, Protocol, TypeVar
 import anyio
 from starlette.requests import Request
 
-from triton_diffusion.openai_front.errors import ApiError, bad_gateway
+from triton_diffusion.openai_front.errors import ApiError, bad_gateway, no_final
 
 
 class _Response(Protocol):
@@ -88,7 +88,7 @@ async def final_response(request: Request, responses: AsyncGenerator[R, None]) -
             async for response in responses:
                 if response.final:
                     return response
-        raise bad_gateway("Triton ended the stream without a FINAL response")
+        raise no_final()
 
     return await until_disconnected(request, final())
 

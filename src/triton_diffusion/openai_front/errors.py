@@ -86,6 +86,11 @@ def bad_gateway(message: str) -> ApiError:
     return ApiError(502, message, SERVER_ERROR, None, "bad_gateway")
 
 
+def no_final() -> ApiError:
+    """502 for a stream Triton ended without a FINAL response: never a silent end of an answer."""
+    return bad_gateway("Triton ended the stream without a FINAL response")
+
+
 def server_error(message: str) -> ApiError:
     return ApiError(500, message, SERVER_ERROR, None, "server_error")
 

@@ -17,7 +17,7 @@ from triton_diffusion.openai_front.disconnects import (
     sse,
     stream_until_disconnected,
 )
-from triton_diffusion.openai_front.errors import ApiError, bad_request, field_error
+from triton_diffusion.openai_front.errors import ApiError, bad_request, field_error, no_final
 from triton_diffusion.openai_front.front_state import FrontState
 from triton_diffusion.openai_front.image_translation import (
     ImageCall,
@@ -128,6 +128,7 @@ async def image_events(
                 for event in completed_events(prefix, call, response):
                     yield sse(event, event["type"])
                 return
+        raise no_final()
     except ApiError as error:
         yield error_event(error)
     finally:

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from triton_diffusion.openai_front.errors import ApiError, bad_gateway
+from triton_diffusion.openai_front.errors import ApiError, no_final
 from triton_diffusion.openai_front.triton_bridge import ModelInfo, TritonBridge
 from triton_diffusion.openai_front.video_translation import VideoCall
 
@@ -180,7 +180,7 @@ class VideoJobs:
                     if response.final:
                         self._completed(job, bytes(response.outputs["VIDEO"].reshape(-1)[0]))
                         return
-            raise bad_gateway("Triton ended the stream without a FINAL response")
+            raise no_final()
         except ApiError as error:
             self._failed(job, error.code or "failed", error.message, error.param)
         except asyncio.CancelledError:
