@@ -49,6 +49,8 @@ def test_monitoring_and_autoscaling_point_at_the_deployment():
     assert container["args"][0] == "triton-diffusion-serve"
     assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "health"}
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    # Liveness only once the first start loaded every model (/healthz is alive from the launcher's start).
+    assert container["startupProbe"]["httpGet"] == {"path": "/readyz", "port": "health"}
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert ports == {"grpc": 8001, "metrics": 8002, "health": 8003, "openai": 9000}
     assert "--http-address=127.0.0.1" in container["args"]  # HTTP only through the front door
@@ -108,6 +110,14 @@ def test_compose_file_matches_the_compose_specification():
     # Clients reach gRPC and the OpenAI front directly, HTTP only through the front door; metrics and health
     # stay local.
     assert triton["ports"] == ["8001:8001", "9000:9000", "127.0.0.1:8002:8002", "127.0.0.1:8003:8003"]
+    # Each named volume's folder is made in the image and given to its user (uid 1000): Docker creates a
+    # missing one root's, and a model whose checkpoint_dir cannot be written never loads.
+    dockerfile = (DOCKER / "Dockerfile").read_text()
+    made = re.search(r"mkdir -p ([^&]+)&& chown -R triton-server:triton-server ([^\n]+)", dockerfile)
+    assert made, "the Dockerfile makes no folders for the volumes"
+    for volume in triton["volumes"]:
+        target = volume.split(":")[1]
+        assert target in made.group(1).split() and target in made.group(2).split(), target
     front_door = raw["services"]["front-door"]
     assert front_door["ports"] == ["8000:8080"] and front_door["environment"]["TRITON_HTTP"] == "triton:8000"
     for volume in front_door["volumes"]:

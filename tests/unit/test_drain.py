@@ -184,6 +184,22 @@ def test_sigint_never_drains(tmp_path, monkeypatch):
     assert status == [-signal.SIGINT] and events[-1] == ("signal", signal.SIGINT, [])
 
 
+@pytest.mark.parametrize("how", ["sigint", "no drain time"])
+def test_a_stop_without_a_drain_is_not_ready_before_the_signal_goes(tmp_path, monkeypatch, how):
+    # /readyz (and triton_diffusion_up) must not say 200 while the server is going away: a Service
+    # would keep sending it traffic for the whole exit timeout.
+    supervisor, events = supervised(tmp_path, monkeypatch, drain_s=0 if how == "no drain time" else 30)
+    readiness: list[bool] = []
+    monkeypatch.setattr(
+        FakeServer, "poll", lambda server: readiness.append(supervisor.ready()) or server.status
+    )
+    thread, status = run_until_ready(supervisor)
+    readiness.clear()
+    supervisor.stop(signal.SIGINT if how == "sigint" else signal.SIGTERM)
+    thread.join(5)
+    assert status and readiness and not any(readiness[-2:]), readiness
+
+
 class SlowServer(FakeServer):
     """A tritonserver that takes its time to exit after SIGTERM (Triton 2.51 waits for every stub process
     and looks for live models once a second): only a kill ends it."""

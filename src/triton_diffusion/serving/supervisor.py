@@ -246,7 +246,9 @@ class Supervisor:
 
     def _shut_down(self, process: subprocess.Popen) -> int:
         """Drain (SIGTERM, a drain file and time, models that were serving), forward the signal, then wait
-        for the server's exit or every model's finalized mark (:meth:`_end`)."""
+        for the server's exit or every model's finalized mark (:meth:`_end`). Not ready from the first:
+        a stopping server takes no new traffic, drained or not."""
+        self._set_ready(False)
         if (
             self.stop_signal == signal.SIGTERM
             and self.drain_file is not None
