@@ -37,6 +37,22 @@ def test_the_drain_file_travels_in_the_environment_and_a_stale_one_is_removed(tm
     assert list(tmp_path.iterdir()) == []
 
 
+def test_the_drain_file_is_in_a_folder_of_this_users_alone(tmp_path):
+    # In a shared temporary directory another user could otherwise drain this server (every request
+    # refused) or leave a file it cannot remove.
+    folder = drain.private_folder(tmp_path)
+    assert folder.stat().st_mode & 0o777 == 0o700 and folder.stat().st_uid == os.getuid()
+    assert drain.private_folder(tmp_path) == folder  # the same one next time
+    assert drain.drain_path("8123", {}).parent.stat().st_mode & 0o077 == 0
+    folder.chmod(0o777)  # open to others
+    with pytest.raises(RuntimeError, match=drain.ENV):
+        drain.private_folder(tmp_path)
+    folder.rmdir()
+    folder.symlink_to(tmp_path, target_is_directory=True)  # a link someone put there
+    with pytest.raises(RuntimeError, match="a link"):
+        drain.private_folder(tmp_path)
+
+
 def test_the_drain_file_holds_the_drain_deadline(tmp_path):
     path = tmp_path / "d"
     drain.request_drain(path, 30.0, clock=lambda: 1000.0)
@@ -429,7 +445,8 @@ def test_the_launcher_drains_a_fake_servers_model_before_stopping_it(tmp_path):
     ], log
     assert "draining fake" in log and "every model drained" in log
     assert log.count("+ ") == 1  # started once: a stop is no crash, nothing restarts it
-    assert list((tmp_path / "run").iterdir()) == []  # the drain file and its marks are gone
+    (folder,) = (tmp_path / "run").iterdir()  # this user's own folder (drain.private_folder)
+    assert list(folder.iterdir()) == []  # the drain file and its marks are gone
 
 
 def test_the_drain_time_is_a_launcher_option(monkeypatch):

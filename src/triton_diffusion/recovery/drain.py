@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -60,9 +61,26 @@ def drain_file_from_env(environ: Mapping[str, str] | None = None) -> Path | None
 
 def drain_path(http_port: str, environ: Mapping[str, str] | None = None) -> Path:
     """Where the launcher keeps its drain file: the one named in the launcher's own environment, else one
-    per HTTP port in the temporary directory (two servers on one machine never share a port, so never a
-    drain file; a shared volume would drain every replica at once: keep it local to the pod)."""
-    return drain_file_from_env(environ) or Path(tempfile.gettempdir()) / f"triton-diffusion-{http_port}.drain"
+    per HTTP port in this user's own folder of the temporary directory (two servers on one machine never
+    share a port, so never a drain file; a shared volume would drain every replica at once: keep it local
+    to the pod)."""
+    return drain_file_from_env(environ) or private_folder() / f"triton-diffusion-{http_port}.drain"
+
+
+def private_folder(base: Path | None = None) -> Path:
+    """This user's folder for drain files under ``base`` (the temporary directory), made readable and
+    writable by this user only. Anyone who could write there could drain this server (every request
+    refused) or leave a file it cannot remove; so one that is a link, another user's or open to others is
+    refused, naming the environment variable that sets a path instead."""
+    folder = (base or Path(tempfile.gettempdir())) / f"triton-diffusion-{os.getuid()}"
+    folder.mkdir(mode=0o700, exist_ok=True)
+    found = folder.lstat()
+    if stat.S_ISLNK(found.st_mode) or found.st_uid != os.getuid() or found.st_mode & 0o077:
+        raise RuntimeError(
+            f"{folder}: not a folder of this user's alone (a link, another user's, or open to others); "
+            f"remove it, or set {ENV} to a drain file path of your own"
+        )
+    return folder
 
 
 def mark_path(path: Path, model: str, instance: str | None = None, mark: str = "done") -> Path:
