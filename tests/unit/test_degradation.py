@@ -169,6 +169,47 @@ def test_a_cut_is_given_back_when_the_queue_drains_before_the_job_starts():
     assert forwards_of(h, "flex") == 4
 
 
+class ResumeAdapter(CutAdapter):
+    """As the latent loop restores a checkpoint: a job not cut goes on from the steps its checkpoint did."""
+
+    def prepare(self, jobs):
+        done = [0 if job.queue.cut else job.spec.resumed_steps for job in jobs]
+        starts = super().prepare(jobs)
+        return [replace(s, state=[d], steps_done=d) for s, d in zip(starts, done, strict=True)]
+
+
+@pytest.mark.parametrize("allowed", [True, False], ids=["may be cut", "may not"])
+def test_a_job_resumed_from_a_checkpoint_is_priced_at_the_steps_it_leaves(allowed):
+    # A request resent after a crash, its image checkpointed at step 6 of 8: 2 steps (1 s) meet its
+    # deadline where 8 (4 s) would not. Priced at 8, it was cut (and so started over) or refused.
+    h = harness(max_running=4, max_per_forward=4)
+    h.adapter = h.engine.adapter = ResumeAdapter()
+    h.measure(0.5)
+    job = (
+        degradable(h, "resumed", DEFAULT, 8, 1, deadline_s=2.0)
+        if allowed
+        else h.job("resumed", DEFAULT, 8, deadline_s=2.0)
+    )
+    job.spec = replace(job.spec, resumed_steps=6)
+    assert job.remaining == 2
+    h.add(job)
+    h.step(0.1)
+    assert job.queue.cut is None and not job.request.channel.finals, job.request.channel.finals
+    h.drain()
+    assert forwards_of(h, "resumed") == 2 and not isinstance(job.request.channel.finals[0], Exception)
+
+
+def test_a_resumed_jobs_allowance_keeps_only_fewer_steps_than_it_leaves():
+    h = harness()
+    job = degradable(h, "resumed", DEFAULT, 8, 1, deadline_s=2.0)
+    job.spec = replace(job.spec, resumed_steps=5)  # 3 steps left: a cut starts it over with fewer
+    assert job.steps_allowed == ((8, 3), (2, 2), (1, 1)) and job.remaining == 3
+    job.spec = replace(job.spec, resumed_steps=7)  # 1 step left: no cut could save anything
+    assert job.steps_allowed == () and job.remaining == 1
+    job.spec = replace(job.spec, resumed_steps=0)
+    assert job.steps_allowed == allowance(8, 1) and job.remaining == 8
+
+
 @pytest.mark.parametrize("case", ["no deadline", "best effort", "nothing allowed"])
 def test_a_job_is_never_cut_without_a_deadline_an_allowance_or_refusals(case):
     h = harness(max_running=4, max_per_forward=4, refuse_late=case != "best effort")

@@ -25,6 +25,7 @@ from triton_diffusion.engine.jobs import Job, JobSpec, JobStart, Stepped, StepRe
 from triton_diffusion.errors import ErrorCode, RequestError
 from triton_diffusion.models.diffusion_model import DiffusionModel, batch_output
 from triton_diffusion.models.image_fields import TEXT_TO_IMAGE_FIELDS
+from triton_diffusion.recovery.checkpoint_format import JobCheckpoint
 from triton_diffusion.recovery.checkpoint_store import CorruptCheckpoint
 from triton_diffusion.recovery.resumes import Resume, Resumes, fields_hash, model_identity, seed_from_key
 from triton_diffusion.serving.engine_host import EngineHost, RequestRecord
@@ -33,6 +34,12 @@ from triton_diffusion.serving.requests import TrackedRequest
 from triton_diffusion.serving.result_cache import ResultCache
 from triton_diffusion.serving.triton_model import TritonModel
 from triton_diffusion.settings import ModelConfig, ModelSettings
+
+
+def checkpoint(name: str, step: int = 1) -> JobCheckpoint:
+    """A stored checkpoint as the store gives it back (tensors aside): ``name`` tells them apart."""
+    return JobCheckpoint(step, {}, {"name": name})
+
 
 KEY = "client-key_0123456789"
 
@@ -215,14 +222,17 @@ def test_a_request_whose_checkpoints_exist_starts_its_images_from_them_with_thei
     assert [job.checkpoint_key for job in first.jobs] == [f"{KEY}.0", f"{KEY}.1"]
     assert all(spec.resume is None for spec in specs)  # nothing stored yet: a normal start
     hashed = fields_hash("m", first.values)
-    store.put(f"{KEY}.0", hashed, "checkpoint of image 0")  # image 1 has none (it had not reached one)
+    store.put(
+        f"{KEY}.0", hashed, checkpoint("checkpoint of image 0", 3)
+    )  # image 1 has none (it had not reached one)
     _, resume, specs = read(intake, request(progress=True, service_tier="flex"), tracked("resend"))
-    assert [spec.resume for spec in specs] == ["checkpoint of image 0", None]
+    assert [spec.resume for spec in specs] == [checkpoint("checkpoint of image 0", 3), None]
+    assert [spec.resumed_steps for spec in specs] == [3, 0]  # the scheduler prices the steps left
     assert resume is not None and resume.warnings == ()
     # The adapter runs an image from the checkpoint its spec carries; a job cut for its deadline, from
     # its start (the checkpoint is of the longer schedule).
     job = Job.of(tracked("resend"), specs[0])
-    assert as_run(job).resume == "checkpoint of image 0"
+    assert as_run(job).resume == checkpoint("checkpoint of image 0", 3)
     job.queue.cut = StepsCut(2, 2, 4, "deadline")
     assert as_run(job).resume is None and as_run(job).steps == 2
 
@@ -231,7 +241,7 @@ def test_a_resume_key_whose_checkpoint_has_other_fields_is_refused_naming_resume
     store = FakeStore()
     intake = intake_of(store)
     parsed, _, _ = read(intake, request(), tracked("first"))
-    store.put(f"{KEY}.0", fields_hash("m", parsed.values), "checkpoint")
+    store.put(f"{KEY}.0", fields_hash("m", parsed.values), checkpoint("checkpoint"))
     with pytest.raises(RequestError) as refused:
         read(intake, request(guidance_scale=3.0), tracked("changed"))
     assert refused.value.code is ErrorCode.INVALID_ARG
@@ -275,7 +285,7 @@ def test_the_triton_model_has_the_host_read_a_parsed_request_and_not_one_that_fa
     assert nothing is None and failed.channel.finals and intake.resumes.resume_key(failed) is None
     # The host's lookup refuses a request whose key holds another request's checkpoint: that request alone
     # is answered (INVALID_ARG naming resume_key), unwatched; the next one is read as usual.
-    intake.resumes.store.put("other-key_0123456789.0", "another request's hash", "checkpoint")
+    intake.resumes.store.put("other-key_0123456789.0", "another request's hash", checkpoint("checkpoint"))
     refused, nothing = served._read(2, request(prompt="theirs", resume_key="other-key_0123456789"), 0.0)
     (error,) = refused.channel.finals
     assert nothing is None and error.code is ErrorCode.INVALID_ARG and error.message.startswith("resume_key:")
@@ -305,11 +315,11 @@ def test_an_unreadable_checkpoint_starts_its_image_over_with_a_warning():
     store = FakeStore()
     intake = intake_of(store)
     parsed, _, _ = read(intake, request(), tracked("first"))
-    store.put(f"{KEY}.0", fields_hash("m", parsed.values), "checkpoint")
-    store.put(f"{KEY}.1", fields_hash("m", parsed.values), "checkpoint 1")
+    store.put(f"{KEY}.0", fields_hash("m", parsed.values), checkpoint("checkpoint"))
+    store.put(f"{KEY}.1", fields_hash("m", parsed.values), checkpoint("checkpoint 1"))
     store.corrupt.add(f"{KEY}.0")
     _, resume, specs = read(intake, request(), tracked("resend"))
-    assert [spec.resume for spec in specs] == [None, "checkpoint 1"]
+    assert [spec.resume for spec in specs] == [None, checkpoint("checkpoint 1")]
     assert resume is not None
     (warning,) = resume.warnings
     assert warning.startswith("image 0: its checkpoint could not be read (truncated)"), warning
@@ -487,7 +497,7 @@ def test_the_host_reads_keeps_and_answers_from_the_cache_through_its_intake():
     host = EngineHost(Kind(), StepEngineKind(FakeAdapter()), settings, Metrics(), IMAGE_METRICS, print)
     host.intake = Intake("m", config.service_tiers, Metrics(), host.intake.results, Resumes(store, 2))
     parsed = Parsed((JobSpec(Spec(steps=2), checkpoint_key=f"{KEY}.0"),), {"prompt": "a cat"})
-    store.put(f"{KEY}.0", fields_hash("m", parsed.values), "checkpoint of image 0")
+    store.put(f"{KEY}.0", fields_hash("m", parsed.values), checkpoint("checkpoint of image 0"))
     first = tracked("first")
     try:
         admitted = host.read(first, parsed)

@@ -237,7 +237,7 @@ def make_room(
     cuts = room_for(
         lambda freed: after(freed, steps),
         left,
-        [(c.spec.steps_allowed, c.remaining, c.spec.tokens) for c in others],
+        [(c.steps_allowed, c.remaining, c.spec.tokens) for c in others],
         why,
     )
     return [(other, cut) for other, cut in zip(others, cuts, strict=True) if cut is not None]

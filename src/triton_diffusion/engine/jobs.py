@@ -70,6 +70,7 @@ class JobSpec:
     # The checkpoint it starts from (the host's lookup under that key: serving/intake.py), None: from the
     # beginning. Opaque here: the adapter restores it (a checkpoint of another shape starts it over).
     resume: object = field(default=None, compare=False, repr=False)
+    resumed_steps: int = 0  # the denoising steps that checkpoint did: what it leaves is what it costs
     # The num_inference_steps it may run under overload, what it asked first (engine/degradation.py);
     # empty: never fewer than it asked.
     steps_allowed: StepsAllowed = ()
@@ -170,7 +171,21 @@ class Job:
 
     @property
     def remaining(self) -> int:
-        return max(self.planned - self.run.steps_done, 0)
+        """Its denoising steps left: before it starts, those its checkpoint leaves (a cut starts it over)."""
+        done = self.run.steps_done if self.run.total_steps or self.queue.cut else self.spec.resumed_steps
+        return max(self.planned - done, 0)
+
+    @property
+    def steps_allowed(self) -> StepsAllowed:
+        """The steps it may run (engine/degradation.py): its spec's, except where it resumes from a
+        checkpoint: what it asked costs the steps left, and only fewer steps than those may cut it (a cut
+        starts it over); none where no fewer are allowed."""
+        allowed, resumed = self.spec.steps_allowed, self.spec.resumed_steps
+        if not allowed or not resumed:
+            return allowed
+        (asked, denoising), left = allowed[0], max(allowed[0][1] - resumed, 0)
+        fewer = tuple(option for option in allowed[1:] if option[1] < left)
+        return ((asked, left), *fewer) if fewer else ()
 
     def preview_due(self, step: int) -> bool:
         """Whether the job's host wants a snapshot for a preview after denoising step ``step``."""

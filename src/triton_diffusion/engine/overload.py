@@ -81,7 +81,7 @@ class Arrival:
 
 
 def arrival_of(job: Job) -> Arrival:
-    allowed, asked, tokens = job.spec.steps_allowed, job.remaining, job.spec.tokens
+    allowed, asked, tokens = job.steps_allowed, job.remaining, job.spec.tokens
     spare = (asked - allowed[-1][1]) * tokens if allowed and job.spec.deadline is not None else 0
     return Arrival(job.request.entered, job.request.request_id, job.spec.tier, asked * tokens, spare)
 

@@ -266,7 +266,7 @@ class Scheduler:
         it (engine/degradation.py): decided in the order jobs go, each after the work before it."""
         if not self.service.refuse_late or not self.times.measured:
             return
-        if not any(j.spec.steps_allowed and j.spec.deadline is not None for j in self.waiting):
+        if not any(j.steps_allowed and j.spec.deadline is not None for j in self.waiting):
             return
         # With headroom (engine/overload.py) no job is newly cut: one cut before keeps what it needs; with
         # none cut before, the walk below would change nothing (skipped: it prices every held job).
@@ -285,7 +285,7 @@ class Scheduler:
             if id(job) in waiting and job.spec.deadline is not None:
                 behind = tuple(j for key, j in running if key >= mine)
                 held_back = self._held_back_s(job, now, behind)
-                allowed, left = job.spec.steps_allowed, job.spec.deadline - now
+                allowed, left = job.steps_allowed, job.spec.deadline - now
                 done_in = partial(self._finish_in, job, ahead, behind, held_back)
                 if allowed and not headroom:
                     job.queue.cut = cut_for_deadline(allowed, done_in, left, job.queue.cut)

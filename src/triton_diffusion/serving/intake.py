@@ -73,11 +73,12 @@ class Intake:
 
     @staticmethod
     def specs(parsed: Kept, resume: Resume | None) -> list[JobSpec]:
-        """Its job specs, each with the checkpoint its image starts from (where one was found)."""
+        """Its job specs, each with the checkpoint its image starts from (where one was found) and the
+        steps that did: the scheduler prices what it leaves."""
         if resume is None:
             return list(parsed.jobs)
         return [
-            spec if checkpoint is None else replace(spec, resume=checkpoint)
+            spec if checkpoint is None else replace(spec, resume=checkpoint, resumed_steps=checkpoint.step)
             for spec, checkpoint in zip(parsed.jobs, resume.checkpoints, strict=True)
         ]
 
