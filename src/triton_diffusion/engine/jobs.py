@@ -183,8 +183,9 @@ class Job:
         allowed, resumed = self.spec.steps_allowed, self.spec.resumed_steps
         if not allowed or not resumed:
             return allowed
-        (asked, denoising), left = allowed[0], max(allowed[0][1] - resumed, 0)
-        fewer = tuple(option for option in allowed[1:] if option[1] < left)
+        (asked, denoising), fewer = allowed[0], allowed[1:]
+        left = max(denoising - resumed, 0)
+        fewer = tuple(option for option in fewer if option[1] < left)
         return ((asked, left), *fewer) if fewer else ()
 
     def preview_due(self, step: int) -> bool:
