@@ -239,3 +239,26 @@ def test_a_request_cancelled_inside_a_fused_call_leaves_the_engines_table():
     assert [(entry.job.request.request_id, entry.reason) for entry in left] == [("a", "cancelled")]
     assert [finished.job.request.request_id for finished in report.finished] == ["b"]
     assert len(engine.requests) == 0 and not engine.active
+
+
+def test_progress_never_goes_back_when_a_fused_call_is_retried():
+    """A fused call that fails past its first steps is run again from step 1 (bisected, or split out of
+    memory): its requests' clients saw those steps already, so the host sends only steps past them."""
+    from types import SimpleNamespace
+
+    from triton_diffusion.engine.jobs import Job, JobSpec, Stepped
+    from triton_diffusion.serving.engine_host import EngineHost, RequestRecord
+
+    sent: list[int] = []
+    host = object.__new__(EngineHost)  # _stepped reads only these
+    host.names = SimpleNamespace(first_step_on_snapshot=False, first_step="first_step")
+    host.tiers, host.metrics = ("default",), SimpleNamespace(observe=lambda *args, **labels: None)
+    host.responses = SimpleNamespace(submit=lambda tracked, send: send())
+    host.kind = SimpleNamespace(progress_outputs=lambda record, stepped: {"STEP": stepped.step})
+    request = tracked("a")
+    request.progress = lambda outputs: sent.append(outputs["STEP"])
+    job = Job(request, None, RequestRecord(request, SimpleNamespace(progress=True)))
+    job.spec = JobSpec(None)
+    for step in (1, 2, 3, 1, 2, 3, 4, 5):  # steps 1-3, a failure, then the retried call from step 1
+        host._stepped(Stepped(job, step, 5))
+    assert sent == [1, 2, 3, 4, 5]

@@ -93,6 +93,9 @@ class RequestRecord:
     state: str | None = None  # the kind's own per-request state: the LM's text streamed so far
     first_step_seen: bool = False
     deadline_counted: bool = False  # its deadline outcome went into the metrics (once per request)
+    # The last step a progress response went out for: never again one as low (a fused call retried after
+    # a failure, or split out of memory, steps again from its first step; its client saw those already).
+    progress_step: int = 0
 
 
 def record_of(job: Job) -> RequestRecord:
@@ -462,7 +465,8 @@ class EngineHost:
                 self.metrics.observe("triton_diffusion_tier_first_step_seconds", waited, tier=tier)
 
             self.responses.submit(None, observe)
-        if record.parsed.progress:
+        if record.parsed.progress and stepped.step > record.progress_step:
+            record.progress_step = stepped.step
 
             def send() -> None:
                 outputs = self.kind.progress_outputs(record, stepped)
