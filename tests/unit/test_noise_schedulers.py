@@ -572,7 +572,7 @@ def test_the_adapter_step_equals_each_jobs_own_and_a_failing_scheduler_fails_onl
         if i == len(specs) - 1:
             with pytest.raises(IndexError):
                 scheduler.step(predictions[row : row + 1], t, latents, **kwargs)
-            assert result.steps[i].error is not None and result.steps[i].error.startswith("IndexError")
+            assert result.steps[i].error is not None and result.steps[i].error.text.startswith("IndexError")
             break
         x = scheduler.scale_model_input(latents, t)
         inputs += [x] if guidance is None else [x, x]

@@ -240,6 +240,37 @@ def test_every_request_gets_exactly_one_answer_whatever_its_model_kind_raises():
     assert len(requests[0].channel.partials) == Spec().steps  # progress went out for the others
 
 
+def test_a_jobs_own_step_out_of_memory_is_answered_unavailable_as_a_forward_that_fails_alone():
+    """The forward ran, then one job's own scheduler step ran out of memory: that job fails alone, and
+    as out of memory (UNAVAILABLE: a later try may fit), not as a bug (INTERNAL)."""
+    from dataclasses import replace
+
+    from triton_diffusion.adapters.latent_loop import _own_failure
+    from triton_diffusion.engine.failures import Failure
+
+    class OwnStepOutOfMemory(FakeAdapter):
+        def step(self, jobs, previews=None):
+            result = super().step(jobs)
+            oom = Failure.of(SimulatedOutOfMemoryError("the scheduler step's upcast"))
+            steps = [
+                replace(out, error=oom) if job.request.request_id == "oom" else out
+                for out, job in zip(result.steps, jobs, strict=True)
+            ]
+            return replace(result, steps=steps)
+
+    jobs = [job("oom"), job("ok")]
+    engine = engine_for(OwnStepOutOfMemory())
+    for j in jobs:
+        engine.add(j)
+    drain(engine)
+    got = answers(jobs)
+    assert got["ok"] == [{"out": "out:ok"}]
+    (final,) = got["oom"]
+    assert final.code is ErrorCode.UNAVAILABLE and final.message.startswith("denoising step failed"), final
+    # The latent loop's own step keeps the kind of what it raised.
+    assert _own_failure(SimulatedOutOfMemoryError("x")).oom and not _own_failure(IndexError("x")).oom
+
+
 def test_a_failing_forward_is_bisected_and_fails_only_its_culprit():
     adapter = FakeAdapter()
     jobs = [job(f"j{i}", Spec(fail_forward=i == 5)) for i in range(8)]

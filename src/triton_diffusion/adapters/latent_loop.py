@@ -365,7 +365,7 @@ class LatentStepAdapter:
             groups += [([members[k] for k in ks], take_rows(noise, ks)) for ks in by_class.values()]
         if plan is not None:  # nothing below raises for everyone: the caches' staged updates take effect
             self.caches.commit(plan)
-        errors: dict[int, str] = {}
+        errors: dict[int, Failure] = {}
         for j, job_noise in alone:
             error = self._step_alone(states[j], job_noise, job_timesteps[j], self.step_output(jobs[j]))
             if error is not None:
@@ -410,7 +410,7 @@ class LatentStepAdapter:
             parts.append((members, self._guided_noise([states[j] for j in members], torch.cat(taken))))
         return parts
 
-    def _job_step(self, job: Job, error: str | None, reused: int, preview: bool) -> JobStep:
+    def _job_step(self, job: Job, error: Failure | None, reused: int, preview: bool) -> JobStep:
         if error is not None:
             return JobStep(job.run.steps_done, error=error)
         step = job.run.steps_done + 1
@@ -430,7 +430,7 @@ class LatentStepAdapter:
             log.warning("request %s: preview snapshot failed: %s", job.request.request_id, exc)
             return None
 
-    def _blend_source(self, state: LatentJob, i: int) -> str | None:
+    def _blend_source(self, state: LatentJob, i: int) -> Failure | None:
         """StableDiffusionInpaintPipeline after step ``i`` (4-channel UNet): outside the mask the latents
         become the source noised to the next timestep (the clean source after the last step). Returns this
         job's own failure, if any."""
@@ -471,7 +471,7 @@ class LatentStepAdapter:
 
     def _step_together(
         self, states: list[LatentJob], noise: torch.Tensor, timesteps: list[torch.Tensor]
-    ) -> dict[int, str]:
+    ) -> dict[int, Failure]:
         """One scheduler class's jobs in one vectorised call. It is atomic (a raise changes no scheduler), so
         on a failure each job steps alone and only the job whose own step fails fails. Returns those
         failures by position."""
@@ -504,7 +504,7 @@ class LatentStepAdapter:
     @staticmethod
     def _step_alone(
         state: LatentJob, noise: torch.Tensor, timestep: torch.Tensor, output: int = 0
-    ) -> str | None:
+    ) -> Failure | None:
         """One job's own scheduler step (its ``output``-th result becomes the latents). Returns its own
         failure, if any."""
         try:
@@ -534,9 +534,11 @@ class LatentStepAdapter:
         return self.preview_latent(latent_state(job.state).latents, image_params(job).size).clone()
 
 
-def _own_failure(exc: Exception) -> str:
-    """A failure of one job's own math is that job's alone; a lost device is everyone's (the engine answers
-    what it holds and the process restarts)."""
-    if Failure.of(exc).lost:
+def _own_failure(exc: Exception) -> Failure:
+    """A failure of one job's own math is that job's alone (out of memory too: UNAVAILABLE, as a forward
+    that fails alone); a lost device is everyone's (the engine answers what it holds and the process
+    restarts)."""
+    failure = Failure.of(exc)
+    if failure.lost:
         raise exc
-    return f"{type(exc).__name__}: {exc}"
+    return failure

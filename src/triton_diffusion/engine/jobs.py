@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from triton_diffusion.engine.degradation import CacheGiven, StepsAllowed, StepsCut
+from triton_diffusion.engine.failures import Failure
 from triton_diffusion.engine.request_status import Request, RequestStatus
 from triton_diffusion.errors import RequestError
 
@@ -266,7 +267,7 @@ class JobStep:
 
     step: int
     done: bool = False
-    error: str | None = None
+    error: Failure | None = None
     rows_computed: int = 1
     rows_reused: int = 0
     snapshot: object = None

@@ -550,7 +550,7 @@ class Scheduler:
             job.queue.waited_since = self.step
             job.took_part(len(jobs), forward, packed=mixed)
             if out.error is not None:
-                error = RequestError(ErrorCode.INTERNAL, f"denoising step failed: {out.error}")
+                error = out.error.request_error("denoising step")  # out of memory: UNAVAILABLE
                 outcome.failed.append((job, error))
                 continue
             job.reached(out.step, computed=out.rows_computed, reused=out.rows_reused)
