@@ -12,6 +12,7 @@ import logging
 import multiprocessing
 import os
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -744,6 +745,15 @@ def test_video_jobs_drop_finished_ones_for_new_ones_and_refuse_only_for_active_o
         four = jobs.create(call, VIDEO_MODEL, "")
         assert list(jobs.jobs) == [two.id, three.id, four.id]
         await jobs.close()
+
+        # A key making room drops its own finished jobs first, another's only where it holds none.
+        shared = VideoJobs(FakeBridge([VIDEO_MODEL], block=True), limits, clock=lambda: 1000.0)
+        shared.jobs["alices"] = replace(finished("alices", COMPLETED, 10), owner="alice")
+        shared.jobs["bobs"] = replace(finished("bobs", COMPLETED, 20), owner="bob")
+        shared.jobs["bobs-later"] = replace(finished("bobs-later", COMPLETED, 30), owner="bob")
+        shared.create(call, VIDEO_MODEL, "bob")
+        assert list(shared.jobs)[:2] == ["alices", "bobs-later"]  # bob's oldest went, not alice's older one
+        await shared.close()
 
         full = VideoJobs(FakeBridge([VIDEO_MODEL], block=True), VideoLimits(max_jobs=1, max_running=4))
         full.create(call, VIDEO_MODEL, "")

@@ -93,7 +93,7 @@ class VideoJobs:
         self.expire()
         active = sum(1 for job in self.jobs.values() if job.status in (QUEUED, IN_PROGRESS))
         if active < self.limits.max_running:
-            self._make_room(self.limits.max_jobs - 1)
+            self._make_room(self.limits.max_jobs - 1, owner)
         if active >= self.limits.max_running or len(self.jobs) >= self.limits.max_jobs:
             raise ApiError(
                 429,
@@ -145,11 +145,13 @@ class VideoJobs:
             with contextlib.suppress(asyncio.CancelledError):
                 await job.task
 
-    def _make_room(self, keep: int) -> None:
-        """Drop the longest-finished jobs (completed or failed, whoever owns them) until at most ``keep``
-        jobs are held; queued and generating jobs stay."""
+    def _make_room(self, keep: int, owner: str) -> None:
+        """Drop the longest-finished jobs (completed or failed) until at most ``keep`` jobs are held, the
+        ``owner``'s own first: a key making room drops another's results only where it holds none;
+        queued and generating jobs stay."""
         finished = [job for job in self.jobs.values() if job.status in (COMPLETED, FAILED)]
-        finished.sort(key=lambda job: job.completed_at or 0)  # stable: creation order among equals
+        # Stable: creation order among equals.
+        finished.sort(key=lambda job: (not hmac.compare_digest(job.owner, owner), job.completed_at or 0))
         for job in finished[: max(0, len(self.jobs) - keep)]:
             del self.jobs[job.id]
 
