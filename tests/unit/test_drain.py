@@ -472,3 +472,15 @@ def launcher_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_the_supervisors_metrics_count_the_fronts_restarts_where_it_runs_one(tmp_path, monkeypatch):
+    # A front that keeps exiting (a bad key file, a taken port) leaves the pod ready for gRPC: the count
+    # is what an alert reads.
+    restarts = [0]
+    supervisor, _ = supervised(tmp_path, monkeypatch)
+    assert "front_restarts" not in supervisor.metrics_text()  # no front: no such metric
+    supervisor.front_restarts = lambda: restarts[0]
+    restarts[0] = 3
+    assert "\ntriton_diffusion_front_restarts_total 3\n" in supervisor.metrics_text()
+    assert "# TYPE triton_diffusion_front_restarts_total counter" in supervisor.metrics_text()

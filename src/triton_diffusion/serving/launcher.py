@@ -247,6 +247,7 @@ def supervise(
         return subprocess.Popen(command.argv, env=command.env)
 
     http = f"http://127.0.0.1:{_option(extra, 'http-port', '8000')}"
+    front = CompanionProcess(front_argv, "the OpenAI front") if front_argv else None
     supervisor = Supervisor(
         start,
         http,
@@ -256,8 +257,8 @@ def supervise(
         announce=lambda models: print(
             ready_line(extra, models, health_port, front_at), file=sys.stderr, flush=True
         ),
+        front_restarts=(lambda: front.restarts) if front is not None else None,
     )
-    front = CompanionProcess(front_argv, "the OpenAI front") if front_argv else None
 
     def stop(signum: int, _frame: object) -> None:
         if front is not None:

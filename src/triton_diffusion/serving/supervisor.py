@@ -131,8 +131,10 @@ class Supervisor:
         drain_file: Path | None = None,  # also where the models' finalized marks are (drain.py)
         drain_s: float = 30.0,  # 0: SIGTERM does not drain
         announce: Callable[[list[str]], None] | None = None,
+        front_restarts: Callable[[], int] | None = None,  # the OpenAI front's restarts (companion.py)
     ) -> None:
         self.start = start
+        self.front_restarts = front_restarts
         self.announce = announce  # told the models each time the server becomes ready
         self.http_url = http_url.rstrip("/")
         self.interval_s = interval_s
@@ -418,6 +420,12 @@ class Supervisor:
             "# TYPE triton_diffusion_up gauge",
             f"triton_diffusion_up {up}",
         ]
+        if self.front_restarts is not None:  # a front that keeps exiting (a bad key file, a taken port)
+            lines += [
+                "# HELP triton_diffusion_front_restarts_total OpenAI front restarts after it exited",
+                "# TYPE triton_diffusion_front_restarts_total counter",
+                f"triton_diffusion_front_restarts_total {self.front_restarts()}",
+            ]
         return "\n".join(lines) + "\n"
 
     def serve_health(self, port: int, address: str = "0.0.0.0") -> ThreadingHTTPServer:
