@@ -45,12 +45,17 @@ def test_the_drain_file_is_in_a_folder_of_this_users_alone(tmp_path):
     assert drain.private_folder(tmp_path) == folder  # the same one next time
     assert drain.drain_path("8123", {}).parent.stat().st_mode & 0o077 == 0
     folder.chmod(0o777)  # open to others
-    with pytest.raises(RuntimeError, match=drain.ENV):
+    with pytest.raises(RuntimeError, match=f"open to other users; remove it, or set {drain.ENV}"):
         drain.private_folder(tmp_path)
     folder.rmdir()
-    folder.symlink_to(tmp_path, target_is_directory=True)  # a link someone put there
-    with pytest.raises(RuntimeError, match="a link"):
-        drain.private_folder(tmp_path)
+    for planted in ("a link to a folder", "a dangling link", "a file"):
+        if planted == "a file":
+            folder.write_text("")
+        else:
+            folder.symlink_to(tmp_path if planted == "a link to a folder" else tmp_path / "nowhere")
+        with pytest.raises(RuntimeError, match="a link or a file, not a folder"):
+            drain.private_folder(tmp_path)
+        folder.unlink()
 
 
 def test_the_drain_file_holds_the_drain_deadline(tmp_path):
@@ -484,3 +489,43 @@ def test_the_supervisors_metrics_count_the_fronts_restarts_where_it_runs_one(tmp
     restarts[0] = 3
     assert "\ntriton_diffusion_front_restarts_total 3\n" in supervisor.metrics_text()
     assert "# TYPE triton_diffusion_front_restarts_total counter" in supervisor.metrics_text()
+
+
+def test_the_launcher_gives_the_supervisor_its_fronts_restart_count(tmp_path, monkeypatch):
+    """launcher.supervise wires the front it keeps running into the supervisor's metrics."""
+    from triton_diffusion.serving import companion, supervisor
+
+    made: dict = {}
+
+    class Front:
+        restarts = 0
+
+        def __init__(self, argv, name):
+            made["front"] = self
+
+        def start(self): ...
+
+        def stopping(self): ...
+
+        def stop(self): ...
+
+    class Watch:
+        def __init__(self, *args, **kwargs):
+            made["supervisor"] = kwargs
+
+        def stop(self, signum): ...
+
+        def run(self):
+            return 0
+
+    monkeypatch.setattr(companion, "CompanionProcess", Front)
+    monkeypatch.setattr(supervisor, "Supervisor", Watch)
+    monkeypatch.setenv(drain.ENV, str(tmp_path / "triton.drain"))
+    command = launcher.ServerCommand(["tritonserver"], {drain.ENV: str(tmp_path / "triton.drain")})
+    try:
+        assert launcher.supervise(command, [], 0, front_argv=["front"]) == 0
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    made["front"].restarts = 4
+    assert made["supervisor"]["front_restarts"]() == 4

@@ -210,7 +210,7 @@ def test_the_host_publishes_the_packed_factor_beside_the_forward_cost():
             published[(name, *sorted(labels.items()))] = value
 
     host = object.__new__(EngineHost)  # _record_cost reads nothing but its metrics and what it set
-    host.metrics, host._cost_gauges = Metrics(), set()
+    host.metrics, host._cost_parts, host._ratio_set = Metrics(), set(), False
     times = WorkTimes()
     plane = lambda rows, tokens: 0.002 + 0.0001 * tokens + 0.003 * rows  # noqa: E731
     for rows, tokens in ((1, 16), (4, 64), (1, 64)):

@@ -241,9 +241,10 @@ def test_a_request_cancelled_inside_a_fused_call_leaves_the_engines_table():
     assert len(engine.requests) == 0 and not engine.active
 
 
-def test_progress_never_goes_back_when_a_fused_call_is_retried():
+def test_the_host_never_sends_progress_for_a_step_already_sent():
     """A fused call that fails past its first steps is run again from step 1 (bisected, or split out of
-    memory): its requests' clients saw those steps already, so the host sends only steps past them."""
+    memory) and reports those steps again: the host (engine_host.py) sends only steps past the last one
+    sent, as it is handed here step by step."""
     from types import SimpleNamespace
 
     from triton_diffusion.engine.jobs import Job, JobSpec, Stepped

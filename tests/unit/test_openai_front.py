@@ -753,6 +753,8 @@ def test_video_jobs_drop_finished_ones_for_new_ones_and_refuse_only_for_active_o
         shared.jobs["bobs-later"] = replace(finished("bobs-later", COMPLETED, 30), owner="bob")
         shared.create(call, VIDEO_MODEL, "bob")
         assert list(shared.jobs)[:2] == ["alices", "bobs-later"]  # bob's oldest went, not alice's older one
+        shared.create(call, VIDEO_MODEL, "carol")  # carol holds none finished: the longest-finished goes
+        assert list(shared.jobs)[0] == "bobs-later" and "alices" not in shared.jobs
         await shared.close()
 
         full = VideoJobs(FakeBridge([VIDEO_MODEL], block=True), VideoLimits(max_jobs=1, max_running=4))

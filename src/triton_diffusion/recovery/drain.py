@@ -73,13 +73,20 @@ def private_folder(base: Path | None = None) -> Path:
     refused) or leave a file it cannot remove; so one that is a link, another user's or open to others is
     refused, naming the environment variable that sets a path instead."""
     folder = (base or Path(tempfile.gettempdir())) / f"triton-diffusion-{os.getuid()}"
-    folder.mkdir(mode=0o700, exist_ok=True)
+    try:
+        folder.mkdir(mode=0o700)
+    except FileExistsError:
+        pass  # ours from before, or what the checks below refuse
     found = folder.lstat()
-    if stat.S_ISLNK(found.st_mode) or found.st_uid != os.getuid() or found.st_mode & 0o077:
-        raise RuntimeError(
-            f"{folder}: not a folder of this user's alone (a link, another user's, or open to others); "
-            f"remove it, or set {ENV} to a drain file path of your own"
-        )
+    why = None
+    if stat.S_ISLNK(found.st_mode) or not stat.S_ISDIR(found.st_mode):
+        why = "a link or a file, not a folder"
+    elif found.st_uid != os.getuid():
+        why = "another user's"
+    elif found.st_mode & 0o077:
+        why = "open to other users"
+    if why is not None:
+        raise RuntimeError(f"{folder}: {why}; remove it, or set {ENV} to a drain file path of your own")
     return folder
 
 

@@ -147,7 +147,8 @@ class EngineHost:
         self.drain = DrainWatch(drain_file, settings.name, settings.instance) if drain_file else None
         self.draining = False  # set on the engine thread, read by execute()
         self._cost_published = 0.0  # when the cost model's metrics were last set (monotonic seconds)
-        self._cost_gauges: set[tuple[str, tuple[tuple[str, str], ...]]] = set()  # those set (_record_cost)
+        self._cost_parts: set[tuple[str, str]] = set()  # the cost gauges set (_record_cost): fit, part
+        self._ratio_set = False
         if self.drain is not None:
             log.info("%s: drains on SIGTERM (drain file %s)", settings.instance or settings.name, drain_file)
         # Where the scheduler refuses late jobs (the step engine with deadline_policy refuse): what reads
@@ -194,20 +195,22 @@ class EngineHost:
         return self.engine.times.describe() if isinstance(self.engine, StepEngine) else None
 
     def _record_cost(self, cost: dict[str, Any]) -> None:
-        values: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+        seconds: dict[tuple[str, str], float] = {}  # by fit and part
         for fit, name in (("tokens", "forward_by_tokens"), ("tokens_and_rows", "forward_by_tokens_and_rows")):
             for part, value in (cost[name] or {}).items():
-                seconds = value / 1e3 if part != "per_1k_tokens_ms" else value / 1e6
-                part = "per_token" if part == "per_1k_tokens_ms" else part.removesuffix("_ms")
-                values["triton_diffusion_forward_cost_seconds", (("fit", fit), ("part", part))] = seconds
-        if cost["packed_over_plane"] is not None:
-            values["triton_diffusion_packed_forward_cost_ratio", ()] = cost["packed_over_plane"]
+                part_s = value / 1e3 if part != "per_1k_tokens_ms" else value / 1e6
+                seconds[fit, "per_token" if part == "per_1k_tokens_ms" else part.removesuffix("_ms")] = part_s
+        ratio = cost["packed_over_plane"]
         # A gauge set before whose value is unknown now reads NaN (Prometheus' unknown), not its last value.
-        for key in self._cost_gauges - values.keys():
-            values[key] = math.nan
-        self._cost_gauges |= values.keys()
-        for (name, labels), value in values.items():
-            self.metrics.set(name, value, **dict(labels))
+        seconds |= dict.fromkeys(self._cost_parts - seconds.keys(), math.nan)
+        if ratio is None and self._ratio_set:
+            ratio = math.nan
+        self._cost_parts |= seconds.keys()
+        self._ratio_set = self._ratio_set or ratio is not None
+        for (fit, part), value in seconds.items():
+            self.metrics.set("triton_diffusion_forward_cost_seconds", value, fit=fit, part=part)
+        if ratio is not None:
+            self.metrics.set("triton_diffusion_packed_forward_cost_ratio", ratio)
 
     # ---- execute() thread -------------------------------------------------------------------------
     def read(self, tracked: TrackedRequest, parsed: Parsed) -> Admitted | None:
