@@ -43,7 +43,7 @@ GOODPUT_S = 2900
 CRASH_SOAK_S = 1400
 # The mixed-sizes benchmark at the flux1-h100 profile: 2 traffic kinds x 8 rounds (two whole cycles of
 # balanced orders for 4 variants) x 4 variants of 16 requests of 8 steps at 512 to 1024 pixels a side, each
-# forward as long as on an H100 (about 40 to 170 ms a row): 5 rounds took 476 s on the AMD host (a7f2bb8).
+# forward as long as on an H100 (about 40 to 170 ms a row): 8 rounds took 764 s on the AMD host (9189eb9).
 MIXED_SIZES_FLUX1_S = 1500
 # The crash soak with the server busy, on the tiny SD and at an H100's cost ratios, each take this limit
 # (3 x one request at a time: more than the engine serves, so each run ends with a queue and a recomputed

@@ -79,6 +79,7 @@ def test_metric_labels_are_read_from_the_code_that_records_them():
     assert labels["triton_diffusion_requests_failed_total"] == {"code"}
     assert labels["triton_diffusion_cache_rows_total"] == {"method", "outcome"}  # through MetricNames
     assert labels["triton_diffusion_tier_latency_seconds"] == {"tier"}
+    assert labels["triton_diffusion_forward_cost_seconds"] == {"fit", "part"}
 
 
 def test_a_pipe_inside_a_cell_is_escaped_so_the_row_keeps_its_columns():

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -22,7 +23,10 @@ from triton_diffusion.serving.supervisor import Stub, Supervisor
 SRC = Path(__file__).resolve().parents[2] / "src"
 
 
-def test_the_drain_file_travels_in_the_environment_and_a_stale_one_is_removed(tmp_path):
+def test_the_drain_file_travels_in_the_environment_and_a_stale_one_is_removed(
+    tmp_path, tmp_path_factory, monkeypatch
+):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path_factory.mktemp("tmp")))  # not the machine's
     assert drain.drain_file_from_env({}) is None and not drain.is_draining(None)
     path = drain.drain_path("8123", {drain.ENV: str(tmp_path / "d")})
     assert path == tmp_path / "d" == drain.drain_file_from_env({drain.ENV: str(path)})
@@ -37,25 +41,31 @@ def test_the_drain_file_travels_in_the_environment_and_a_stale_one_is_removed(tm
     assert list(tmp_path.iterdir()) == []
 
 
-def test_the_drain_file_is_in_a_folder_of_this_users_alone(tmp_path):
+def test_the_drain_file_is_in_a_folder_of_this_users_alone(tmp_path, monkeypatch, caplog):
     # In a shared temporary directory another user could otherwise drain this server (every request
-    # refused) or leave a file it cannot remove.
+    # refused) or leave a file it cannot remove; nor can what they plant there stop it from starting.
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     folder = drain.private_folder(tmp_path)
+    assert folder.name == f"triton-diffusion-{os.getuid()}"
     assert folder.stat().st_mode & 0o777 == 0o700 and folder.stat().st_uid == os.getuid()
     assert drain.private_folder(tmp_path) == folder  # the same one next time
-    assert drain.drain_path("8123", {}).parent.stat().st_mode & 0o077 == 0
+    assert drain.drain_path("8123", {}).parent == folder
     folder.chmod(0o777)  # open to others
-    with pytest.raises(RuntimeError, match=f"open to other users; remove it, or set {drain.ENV}"):
-        drain.private_folder(tmp_path)
+    planted = ["open to other users"]
+    assert drain.private_folder(tmp_path) != folder
     folder.rmdir()
-    for planted in ("a link to a folder", "a dangling link", "a file"):
-        if planted == "a file":
+    for kind in ("a link to a folder", "a dangling link", "a file"):
+        if kind == "a file":
             folder.write_text("")
         else:
-            folder.symlink_to(tmp_path if planted == "a link to a folder" else tmp_path / "nowhere")
-        with pytest.raises(RuntimeError, match="a link or a file, not a folder"):
-            drain.private_folder(tmp_path)
+            folder.symlink_to(tmp_path if kind == "a link to a folder" else tmp_path / "nowhere")
+        planted.append("a link or a file, not a folder")
+        instead = drain.private_folder(tmp_path)
+        assert instead != folder and instead.parent == tmp_path, kind
+        assert instead.lstat().st_mode & 0o777 == 0o700 and instead.is_dir() and not instead.is_symlink()
         folder.unlink()
+    warned = [r.getMessage() for r in caplog.records if "the drain file goes in" in r.getMessage()]
+    assert [why for why in planted if any(why in w for w in warned)] == planted and len(warned) == 4
 
 
 def test_the_drain_file_holds_the_drain_deadline(tmp_path):

@@ -15,11 +15,16 @@ from triton_diffusion.models.diffusion_lm import DiffusionLMModel
 PIECES = {0: "it", 1: " '", 2: "s", 3: " fine", 4: ".", 5: " '", 6: "m", 7: " here"}
 
 
+SPECIAL = 99  # a special token (not an end of text): it decodes to nothing
+
+
 class CleaningTokenizer:
     """Decodes as transformers' clean_up_tokenization does: " 's" and " 'm" lose their space."""
 
+    all_special_ids = [SPECIAL]
+
     def decode(self, tokens: list[int], skip_special_tokens: bool = True) -> str:
-        text = "".join(PIECES[t] for t in tokens)
+        text = "".join(PIECES[t] for t in tokens if t != SPECIAL)
         return text.replace(" 's", "'s").replace(" 'm", "'m")
 
 
@@ -43,6 +48,8 @@ def streamed(blocks: list[list[int]]) -> list[str]:
         ([[0, 1], [2, 3], [4]], ["it", "'s", " fine."]),
         ([[0], [1], [2], [3, 5], [6, 7]], ["", "it", "", "'s fine", "'m here"]),
         ([[0, 1, 2, 3], [4, 5, 6, 7]], ["it's", " fine.'m here"]),
+        # a special token after " '": " '" still waits, for the "s" that joins it
+        ([[0, 1, SPECIAL], [2, 3], [4]], ["it", "'s", " fine."]),
     ],
 )
 def test_the_blocks_put_together_are_always_a_prefix_of_the_whole_text(blocks, expected):

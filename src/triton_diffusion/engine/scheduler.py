@@ -496,10 +496,10 @@ class Scheduler:
         return (*self.service.key(job, now, self._finish_s), job.queue.arrived)
 
     def _finish_s(self, job: Job) -> float:
-        """The estimated seconds to finish this job alone in its forwards (for its slack): a job not started
-        by the steps it asked (a cut would give it slack, and move it behind the jobs it was cut for)."""
+        """Seconds to finish this job alone in its forwards (its slack): one not started by the steps it asked
+        less its checkpoint's (a cut would give it slack, and move it behind the jobs it was cut for)."""
         started = job.state is not None
-        steps = job.remaining if started else job.spec.planned_steps
+        steps = job.remaining if started else max(job.spec.planned_steps - job.spec.resumed_steps, 0)
         return self.times.finish_in(job.spec.tokens, steps, 0, self._budget(job), started)
 
     def late_jobs(self, seconds: float, now: float | None = None) -> list[Job]:

@@ -89,6 +89,6 @@ def _measure(adapter: LatentStepAdapter, requests: list[ImageParams], times: Wor
         rows, padded = result.rows, result.padded_tokens
         for job, out in zip(jobs, result.steps, strict=True):
             if out.error is not None:
-                raise RuntimeError(out.error)
+                raise RuntimeError(out.error.text)
             job.reached(out.step)
     times.calibrated(rows, sum(job.spec.tokens for job in jobs) + padded, min(seconds))

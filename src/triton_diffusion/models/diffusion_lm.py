@@ -175,12 +175,16 @@ class DiffusionLMModel:
         if snapshot is None:
             return None  # no block completed at this step
         tokens, block, last = snapshot
-        # Before the last block, only the text the last token leaves as it was goes: a token after it may
-        # change how it decodes (the tokenizer's clean-up joins " '" and "s" as "'s"), so it waits.
-        decode = self.lm.tokenizer.decode
-        stable = whole = decode(tokens, skip_special_tokens=True)
+        # Before the last block, only the text the last token of text leaves as it was goes: a token after
+        # it may change how it decodes (the tokenizer's clean-up joins " '" and "s" as "'s"), so it waits.
+        # (Special tokens after it decode to nothing: the last one that decodes to text waits.)
+        tokenizer = self.lm.tokenizer
+        stable = whole = tokenizer.decode(tokens, skip_special_tokens=True)
         if not last:
-            before = decode(tokens[:-1], skip_special_tokens=True)
+            special, k = set(getattr(tokenizer, "all_special_ids", ())), len(tokens)
+            while k and tokens[k - 1] in special:
+                k -= 1
+            before = tokenizer.decode(tokens[: max(k - 1, 0)], skip_special_tokens=True)
             stable = whole[: len(os.path.commonprefix([whole, before]))]
         new_text, record.state = _new_text(record.state or "", stable)  # the text streamed so far
         return {

@@ -34,12 +34,12 @@ _BOOLEANS = {
     "off": False,
 }
 
-# Fields the front never sends for a client: ``describe`` asks a model for its MODEL_INFO (the front's own
-# catalog), not for a result; ``resume_key`` is the front's own (triton_bridge.py): one from a client
-# could name another client's checkpointed job, and resume it.
 # Our fields that Triton's gRPC front reads itself (a request's timeout, in microseconds): a value of
 # another type is refused by Triton in its own words, untagged (a 500), so the front checks it first.
 READ_BY_TRITON = ("timeout",)
+# Fields the front never sends for a client: ``describe`` asks a model for its MODEL_INFO (the front's own
+# catalog), not for a result; ``resume_key`` is the front's own (triton_bridge.py): one from a client
+# could name another client's checkpointed job, and resume it.
 FRONT_ONLY_FIELDS = {
     "describe": "the front asks each model for its catalog itself",
     "resume_key": "the front gives every request its own and resends it after a server restart",
@@ -110,7 +110,9 @@ def model_fields(
         if converted is not None and name in READ_BY_TRITON:
             described = info.fields.get(name) or {}
             low, high = described.get("minimum"), described.get("maximum")
-            converted = integer_param(name, converted, low or 0, high or INT64_RANGE[1], False)
+            low = 0 if low is None else low  # 0: no timeout, to Triton and to the model
+            high = INT64_RANGE[1] if high is None else high
+            converted = integer_param(name, converted, low, high, False)
         if converted is not None:
             fields[name] = converted
     return fields

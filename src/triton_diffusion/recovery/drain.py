@@ -68,11 +68,21 @@ def drain_path(http_port: str, environ: Mapping[str, str] | None = None) -> Path
 
 
 def private_folder(base: Path | None = None) -> Path:
-    """This user's folder for drain files under ``base`` (the temporary directory), made readable and
-    writable by this user only. Anyone who could write there could drain this server (every request
-    refused) or leave a file it cannot remove; so one that is a link, another user's or open to others is
-    refused, naming the environment variable that sets a path instead."""
-    folder = (base or Path(tempfile.gettempdir())) / f"triton-diffusion-{os.getuid()}"
+    """This user's folder for drain files under ``base`` (the temporary directory), readable and writable
+    by this user only: anyone who could write there could drain this server (every request refused) or
+    leave a file it cannot remove. Where the usual one is not that (a link or a file put there, another
+    user's, open to others), a new folder of a random name instead, said in the log."""
+    base = base or Path(tempfile.gettempdir())
+    try:
+        return _own_folder(base / f"triton-diffusion-{os.getuid()}")
+    except RuntimeError as refused:
+        folder = Path(tempfile.mkdtemp(prefix=f"triton-diffusion-{os.getuid()}-", dir=base))
+        log.warning("%s; the drain file goes in %s instead (or set %s)", refused, folder, ENV)
+        return folder
+
+
+def _own_folder(folder: Path) -> Path:
+    """``folder``, made where missing; RuntimeError saying why where it is not this user's alone."""
     try:
         folder.mkdir(mode=0o700)
     except FileExistsError:
@@ -86,7 +96,7 @@ def private_folder(base: Path | None = None) -> Path:
     elif found.st_mode & 0o077:
         why = "open to other users"
     if why is not None:
-        raise RuntimeError(f"{folder}: {why}; remove it, or set {ENV} to a drain file path of your own")
+        raise RuntimeError(f"{folder}: {why}")
     return folder
 
 
