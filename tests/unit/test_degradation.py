@@ -467,3 +467,14 @@ def test_a_bad_degrade_tiers_is_a_load_error_naming_it(text, said):
     with pytest.raises(ValueError, match="degrade") as raised:
         settings({"degrade_tiers": text})
     assert said in str(raised.value)
+
+
+def test_a_resumed_jobs_slack_is_that_of_the_steps_it_leaves():
+    # Its order among jobs of its tier (slack first) as for a job asking the steps its checkpoint leaves.
+    h = harness(max_running=4, max_per_forward=4)
+    h.measure(0.5)
+    resumed = h.job("resumed", DEFAULT, 8, deadline_s=2.0)
+    resumed.spec = replace(resumed.spec, resumed_steps=6)
+    short, full = h.job("short", DEFAULT, 2, deadline_s=2.0), h.job("full", DEFAULT, 8, deadline_s=2.0)
+    scheduler = h.engine.scheduler
+    assert scheduler._finish_s(resumed) == scheduler._finish_s(short) < scheduler._finish_s(full)
