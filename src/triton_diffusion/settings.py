@@ -480,9 +480,15 @@ class ModelConfig:
         return config
 
 
+# The Python backend's own config.pbtxt parameters (its README): read by the backend, not by us.
+BACKEND_PARAMETERS = ("EXECUTION_ENV_PATH", "FORCE_CPU_ONLY_INPUT_TENSORS")
+
+
 def config_parameters(model_config: Mapping[str, Any]) -> dict[str, str]:
-    """``parameters { key: "k" value: { string_value: "v" } }`` as a plain dict."""
-    return {k: v["string_value"] for k, v in model_config.get("parameters", {}).items()}
+    """``parameters { key: "k" value: { string_value: "v" } }`` as a plain dict, without the Python
+    backend's own (BACKEND_PARAMETERS)."""
+    parameters = model_config.get("parameters", {})
+    return {k: v["string_value"] for k, v in parameters.items() if k not in BACKEND_PARAMETERS}
 
 
 @dataclass(frozen=True)
@@ -533,10 +539,19 @@ class ModelSettings:
         return source  # a hub id
 
     def device(self) -> str:
+        """``cuda:{model_instance_device_id}`` for a GPU instance, made this process's current device (each
+        instance has a process of its own, so what names no device, as the check of a lost device, means
+        its GPU); else ``cpu``. A GPU instance without CUDA in torch (a CPU build) is a load error, not a
+        model quietly on the CPU."""
         import torch
 
-        wants_gpu = self.instance_kind in ("GPU", "MODEL")
-        if wants_gpu and torch.cuda.is_available():
+        if self.instance_kind == "GPU" and not torch.cuda.is_available():
+            raise ValueError(
+                f"model {self.name}: instance kind GPU, but torch {torch.__version__} sees no CUDA device "
+                "(a CPU build, or CUDA_VISIBLE_DEVICES); use KIND_CPU or a CUDA build of torch"
+            )
+        if self.instance_kind in ("GPU", "MODEL") and torch.cuda.is_available():
+            torch.cuda.set_device(self.device_id)
             return f"cuda:{self.device_id}"
         return "cpu"
 

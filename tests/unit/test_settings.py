@@ -45,6 +45,37 @@ def test_an_unknown_key_is_a_load_error_with_a_did_you_mean():
         settings({"colour": "blue"})
 
 
+def test_the_python_backends_own_parameters_are_left_to_it():
+    # EXECUTION_ENV_PATH (a conda-pack environment) is read by the Python backend before our code runs.
+    loaded = settings({"EXECUTION_ENV_PATH": "$$TRITON_MODEL_DIRECTORY/env.tar.gz", "max_rows_per_call": "4"})
+    assert loaded.config.max_rows_per_call == 4
+    assert settings({"FORCE_CPU_ONLY_INPUT_TENSORS": "no"}).config == settings({}).config
+
+
+@pytest.mark.parametrize("kind", ["GPU", "CPU", "MODEL"])
+def test_a_gpu_instance_is_its_device_made_current_and_a_gpu_instance_without_cuda_a_load_error(
+    kind, monkeypatch
+):
+    import dataclasses
+
+    import torch
+
+    current: list[int] = []
+    monkeypatch.setattr(torch.cuda, "set_device", current.append)
+    gpu = dataclasses.replace(settings({}), instance_kind=kind, device_id=1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    # Its process's current device: what names none (the lost-device check) means its own GPU.
+    assert gpu.device() == ("cpu" if kind == "CPU" else "cuda:1") and current == (
+        [] if kind == "CPU" else [1]
+    )
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU build of torch
+    if kind == "GPU":
+        with pytest.raises(ValueError, match="instance kind GPU, but torch .* sees no CUDA device"):
+            gpu.device()
+    else:
+        assert gpu.device() == "cpu"
+
+
 def test_a_key_another_kind_reads_is_refused_naming_why():
     with pytest.raises(ValueError, match="'max_prompt_tokens' is not read by this kind of model"):
         settings({"max_prompt_tokens": "10"}, kinds=(IMAGE,))
