@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import hmac
 import inspect
 import json
 import logging
@@ -526,6 +527,14 @@ def test_video_translation():
         video_call({"prompt": "x", "seconds": "1"}, VIDEO_MODEL, False).request.parameters["num_frames"] == 17
     )
     raises_api_error(400, "previews", {"prompt": "x", "previews": 2}, VIDEO_MODEL, False, call=video_call)
+    # A rate past the model's range (MODEL_INFO's maximum) is refused here, not once the job was queued.
+    fields = {**VIDEO_MODEL.fields, "fps": {**VIDEO_MODEL.fields["fps"], "maximum": 60}}
+    capped = ModelInfo(VIDEO_MODEL.name, VIDEO_MODEL.kind, fields, "default")
+    huge = {"prompt": "x", "seconds": "60", "fps": 2**63 - 1}
+    assert "allowed: 1..60" in raises_api_error(400, "fps", huge, capped, False, call=video_call).message
+    assert (
+        video_call({"prompt": "x", "seconds": "1", "fps": 60}, capped, False).request.parameters["fps"] == 60
+    )
     raises_api_error(
         400, "seconds", {"prompt": "x", "seconds": "forever"}, VIDEO_MODEL, True, call=video_call
     )
@@ -550,6 +559,17 @@ def test_api_keys(tmp_path):
     (tmp_path / "empty").write_text("# nothing\n")
     with pytest.raises(ValueError, match="holds no key"):
         load_keys(tmp_path / "empty")
+
+
+def test_a_key_is_compared_by_digests_of_one_length(monkeypatch):
+    # hmac.compare_digest returns at once on inputs of different lengths: comparing the keys themselves
+    # told a key's length by the answer's timing.
+    compared: list[tuple[int, int]] = []
+    real = hmac.compare_digest
+    monkeypatch.setattr(hmac, "compare_digest", lambda a, b: compared.append((len(a), len(b))) or real(a, b))
+    check_bearer("Bearer sk-one", frozenset({"sk-one", "a-much-longer-key-than-that"}))
+    raises_api_error(401, None, "Bearer x", frozenset({"sk-one"}), call=check_bearer)
+    assert compared and set(compared) == {(32, 32)}
 
 
 # ---- video jobs ----------------------------------------------------------------------------------------

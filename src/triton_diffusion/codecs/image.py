@@ -27,6 +27,11 @@ def encode_image(image: Image.Image, image_format: str, encoding: str = "binary"
 
 # Magic numbers of the accepted formats; anything else is tried as base64 text (HTTP generate's JSON).
 _MAGIC = {b"\x89PNG\r\n\x1a\n": "PNG", b"\xff\xd8\xff": "JPEG", b"RIFF": "WEBP"}
+# A progressive JPEG's scans are each decoded over the whole image, and libjpeg limits their number not
+# (libjpeg-turbo leaves it to the application): a small file of thousands of empty scans takes minutes to
+# decode. Encoders write about ten; an SOS marker (FF DA) never occurs inside entropy-coded data (an FF
+# there is followed by 00), so counting them counts the scans (an embedded thumbnail's, too).
+MAX_JPEG_SCANS = 100
 
 
 def _from_base64(data: bytes) -> bytes | None:
@@ -70,6 +75,9 @@ def decode_image(
     sniffed = next((name for magic, name in _MAGIC.items() if data.startswith(magic)), None)
     if sniffed is not None and sniffed not in formats:
         raise invalid_field(field, f"format {sniffed} is not allowed (allowed: {allowed})")
+    scans = data.count(b"\xff\xda") if sniffed == "JPEG" else 0
+    if scans > MAX_JPEG_SCANS:
+        raise invalid_field(field, f"is a JPEG of {scans} scans (allowed: at most {MAX_JPEG_SCANS})")
     try:
         image: Image.Image = Image.open(io.BytesIO(data), formats=formats)
     except Image.DecompressionBombError:  # Pillow's own guard, for sizes far above any sane limit

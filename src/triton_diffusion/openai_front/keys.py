@@ -37,10 +37,11 @@ def check_bearer(authorization: str | None, keys: frozenset[str]) -> None:
     if not keys:
         return
     scheme, token = _bearer(authorization)
-    # Compare against every key in constant time, so the answer's timing tells nothing about a key.
-    matched = False
+    # Compare digests against every key in constant time, so the answer's timing tells nothing about a key
+    # (compare_digest returns at once on inputs of different lengths: digests have one length).
+    digest, matched = hashlib.sha256(token.encode()).digest(), False
     for key in keys:
-        matched |= hmac.compare_digest(token.encode(), key.encode())
+        matched |= hmac.compare_digest(digest, hashlib.sha256(key.encode()).digest())
     if scheme.lower() != "bearer" or not token or not matched:
         message = (
             "missing API key: send Authorization: Bearer <key>" if not token else "incorrect API key provided"

@@ -84,8 +84,12 @@ def video_call(params: Mapping[str, Any], info: ModelInfo, from_form: bool) -> V
 
 def frame_rate(parameters: Mapping[str, Any], info: ModelInfo) -> int:
     """The frames per second that ``seconds`` is counted in: the request's ``fps``, else the model's
-    default (from its MODEL_INFO)."""
+    default (from its MODEL_INFO), within the model's range (a rate past it would count more frames than
+    a request can carry: the model would refuse the fps, but only after the job was queued)."""
     fps = parameters.get("fps", info.default("fps"))
     if isinstance(fps, bool) or not isinstance(fps, int) or fps < 1:
         raise field_error("fps", f"must be a positive integer to count seconds in, got {short_text(fps)}")
+    high = (info.fields.get("fps") or {}).get("maximum")
+    if high is not None and fps > high:
+        raise field_error("fps", f"got {short_text(fps)} (allowed: 1..{high})")
     return fps
