@@ -172,3 +172,23 @@ def test_a_ready_model_without_a_stub_lost_it():
 def test_a_server_ended_by_a_signal_gives_the_shells_exit_code():
     assert launcher.exit_code(0) == 0 and launcher.exit_code(1) == 1
     assert launcher.exit_code(-9) == 137 and launcher.exit_code(-15) == 143  # SIGKILL, SIGTERM
+
+
+@pytest.mark.parametrize("mode", ["explicit", "poll"])
+def test_a_model_control_mode_that_unloads_models_needs_the_supervisor_off(monkeypatch, tmp_path, mode):
+    # Triton 2.51 never says a stub died: the supervisor takes a stub gone for a crash, so an unload
+    # through the model-control API would restart the whole server.
+    monkeypatch.setattr(launcher, "server_command", lambda *args: launcher.ServerCommand(["t"], {}))
+    monkeypatch.setattr(launcher, "supervise", lambda *args: pytest.fail("supervised"))
+    ran: list = []
+
+    def execvpe(*args):  # the process becomes tritonserver: nothing after it runs
+        ran.append(args)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(launcher.os, "execvpe", execvpe)
+    with pytest.raises(SystemExit, match=f"--model-control-mode={mode} needs --no-supervise"):
+        launcher.main(["--model-repository", str(tmp_path), f"--model-control-mode={mode}"])
+    with pytest.raises(SystemExit):
+        launcher.main(["--model-repository", str(tmp_path), "--model-control-mode", mode, "--no-supervise"])
+    assert ran  # unsupervised, as asked

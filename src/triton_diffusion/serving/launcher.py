@@ -334,6 +334,14 @@ def main(argv: list[str] | None = None) -> None:
         extra = [f"--exit-timeout-secs={EXIT_TIMEOUT_S:g}", *extra]
     if known.drain_s < 0:
         parser.error("--drain-s must be 0 or more")
+    mode = _option(extra, "model-control-mode", "none")
+    if mode != "none" and not known.no_supervise:
+        # Triton 2.51 never says a stub died, so the supervisor takes a stub gone for a crash and restarts
+        # the server: an unload through the model-control API would restart it, and every other model.
+        sys.exit(
+            f"triton-diffusion-serve: --model-control-mode={mode} needs --no-supervise (the supervisor "
+            "restarts the server when a model's process goes away, as an unload makes it)"
+        )
     front_argv, front_at = None, None
     if known.openai_port:
         if known.no_supervise:
