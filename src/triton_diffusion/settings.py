@@ -538,30 +538,6 @@ class ModelSettings:
             raise ValueError(f"model {self.name}: model path {path} does not exist (build tiny weights?)")
         return source  # a hub id
 
-    def device(self) -> str:
-        """``cuda:{model_instance_device_id}`` for a GPU instance, made this process's current device (each
-        instance has a process of its own, so what names no device, as the check of a lost device, means
-        its GPU); else ``cpu``. A GPU instance without CUDA in torch (a CPU build) is a load error, not a
-        model quietly on the CPU."""
-        import torch
-
-        if self.instance_kind == "GPU" and not torch.cuda.is_available():
-            raise ValueError(
-                f"model {self.name}: instance kind GPU, but torch {torch.__version__} sees no CUDA device "
-                "(a CPU build, or CUDA_VISIBLE_DEVICES); use KIND_CPU or a CUDA build of torch"
-            )
-        if self.instance_kind in ("GPU", "MODEL") and torch.cuda.is_available():
-            torch.cuda.set_device(self.device_id)
-            return f"cuda:{self.device_id}"
-        return "cpu"
-
-    def torch_dtype(self, device: str):
-        import torch
-
-        if self.config.dtype == "auto":
-            return torch.bfloat16 if device.startswith("cuda") else torch.float32
-        return getattr(torch, self.config.dtype)
-
     def resolved(self, name: str, engine: str = "step") -> Any:
         """Parameter ``name`` for this model on ``engine`` (step or request): config.pbtxt's value, else
         its declared derived default (:class:`Derived`, the diffusion LM's where this is one), capped by

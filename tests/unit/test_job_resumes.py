@@ -516,3 +516,16 @@ def test_the_host_reads_keeps_and_answers_from_the_cache_through_its_intake():
         assert json.loads(hit["BATCH"].reshape(-1)[0])["result_cache"] == "hit"
     finally:
         host.close()
+
+
+@pytest.mark.parametrize("bad", [{"service_tier": "nope"}, {"timeout": -5}])
+def test_a_bad_tier_or_timeout_is_refused_before_a_source_image_is_decoded(bad):
+    model = bare_model()
+
+    def resolve(values):  # what decodes and resizes a source image (image_to_image)
+        raise AssertionError("decoded before the cheap checks")
+
+    model.resolve = resolve
+    with pytest.raises(RequestError) as refused:
+        model.parse(0, request(**bad), tracked("bad"))
+    assert refused.value.code is ErrorCode.INVALID_ARG and refused.value.message.startswith(next(iter(bad)))

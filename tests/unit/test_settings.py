@@ -60,20 +60,21 @@ def test_a_gpu_instance_is_its_device_made_current_and_a_gpu_instance_without_cu
 
     import torch
 
+    from triton_diffusion.adapters.devices import instance_device
+
     current: list[int] = []
     monkeypatch.setattr(torch.cuda, "set_device", current.append)
     gpu = dataclasses.replace(settings({}), instance_kind=kind, device_id=1)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     # Its process's current device: what names none (the lost-device check) means its own GPU.
-    assert gpu.device() == ("cpu" if kind == "CPU" else "cuda:1") and current == (
-        [] if kind == "CPU" else [1]
-    )
+    assert instance_device(gpu) == ("cpu" if kind == "CPU" else "cuda:1")
+    assert current == ([] if kind == "CPU" else [1])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU build of torch
     if kind == "GPU":
         with pytest.raises(ValueError, match="instance kind GPU, but torch .* sees no CUDA device"):
-            gpu.device()
+            instance_device(gpu)
     else:
-        assert gpu.device() == "cpu"
+        assert instance_device(gpu) == "cpu"
 
 
 def test_a_key_another_kind_reads_is_refused_naming_why():

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from triton_diffusion.adapters import diffusers_compat as compat
+from triton_diffusion.adapters.devices import instance_device, instance_dtype
 from triton_diffusion.families import PipelineFacts
 from triton_diffusion.settings import ModelSettings
 
@@ -27,10 +28,10 @@ def load_pipeline(settings: ModelSettings, loader: str = "DiffusionPipeline") ->
     pipeline_class = getattr(diffusers, name, None)
     if pipeline_class is None or not hasattr(pipeline_class, "from_pretrained"):
         raise ValueError(f"model {settings.name}: pipeline_class {name!r} is not a diffusers pipeline class")
-    device = settings.device()
+    device = instance_device(settings)
     pipe = pipeline_class.from_pretrained(
         settings.model_source(),
-        dtype=settings.torch_dtype(device),
+        dtype=instance_dtype(settings, device),
         use_safetensors=True,
         trust_remote_code=settings.config.trust_remote_code,
     )

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from triton_diffusion.adapters.devices import instance_device, instance_dtype
 from triton_diffusion.settings import ModelSettings
 
 MODEL_CLASSES = ("AutoModelForMaskedLM", "AutoModel", "AutoModelForCausalLM")
@@ -120,10 +121,10 @@ def load_masked_lm(settings: ModelSettings) -> LoadedMaskedLM:
         )
     source = settings.model_source()
     remote_code = config.trust_remote_code
-    device = settings.device()
+    device = instance_device(settings)
     model = getattr(transformers, class_name).from_pretrained(
         source,
-        dtype=settings.torch_dtype(device),
+        dtype=instance_dtype(settings, device),
         use_safetensors=True,
         trust_remote_code=remote_code,
     )

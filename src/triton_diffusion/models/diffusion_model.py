@@ -206,13 +206,15 @@ class DiffusionModel:
         """Validate a request and decide its jobs: one per image (or video), each with its params, tier,
         deadline, planned steps, expected shape, step cache and checkpoint key. Reads and changes nothing
         else (the host looks up what the model kept: serving/intake.py)."""
-        values = self.resolve(self.fields.parse(raw))
+        parsed = self.fields.parse(raw)
+        # The cheap checks before resolve decodes a source image: a bad tier or timeout is refused first.
+        service = urgency_of(parsed, tracked, self.settings.config, self.fields)
+        values = self.resolve(parsed)
         seed_given = values.get("seed") is not None
         if not seed_given:  # drawn here so the response can return it; a resend with its key draws the same
             resume_key = values.get("resume_key")
             values["seed"] = seed_from_key(resume_key) if resume_key else random.randrange(2**32)
         key = self.key_for(values)
-        service = urgency_of(values, tracked, self.settings.config, self.fields)
         answer_key = result_key(values, seed_given) if self.settings.config.result_cache_mb > 0 else None
         jobs = tuple(self.job_spec(values, i, key, service) for i in range(self.images_for(values)))
         progress = bool(values.get("progress"))
