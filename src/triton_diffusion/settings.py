@@ -488,6 +488,9 @@ def config_parameters(model_config: Mapping[str, Any]) -> dict[str, str]:
     """``parameters { key: "k" value: { string_value: "v" } }`` as a plain dict, without the Python
     backend's own (BACKEND_PARAMETERS)."""
     parameters = model_config.get("parameters", {})
+    forced = parameters.get("FORCE_CPU_ONLY_INPUT_TENSORS", {}).get("string_value", "yes")
+    if forced.lower() != "yes":  # inputs on a GPU: our parsing reads every input as numpy
+        raise ValueError(f"config parameter FORCE_CPU_ONLY_INPUT_TENSORS: got {forced!r} (allowed: yes)")
     return {k: v["string_value"] for k, v in parameters.items() if k not in BACKEND_PARAMETERS}
 
 

@@ -179,7 +179,11 @@ def test_a_model_control_mode_that_unloads_models_needs_the_supervisor_off(monke
     # Triton 2.51 never says a stub died: the supervisor takes a stub gone for a crash, so an unload
     # through the model-control API would restart the whole server.
     monkeypatch.setattr(launcher, "server_command", lambda *args: launcher.ServerCommand(["t"], {}))
-    monkeypatch.setattr(launcher, "supervise", lambda *args: pytest.fail("supervised"))
+
+    def supervise(*args):
+        raise SystemExit("supervised")
+
+    monkeypatch.setattr(launcher, "supervise", supervise)
     ran: list = []
 
     def execvpe(*args):  # the process becomes tritonserver: nothing after it runs
@@ -187,8 +191,11 @@ def test_a_model_control_mode_that_unloads_models_needs_the_supervisor_off(monke
         raise SystemExit(0)
 
     monkeypatch.setattr(launcher.os, "execvpe", execvpe)
-    with pytest.raises(SystemExit, match=f"--model-control-mode={mode} needs --no-supervise"):
-        launcher.main(["--model-repository", str(tmp_path), f"--model-control-mode={mode}"])
+    for given in ([f"--model-control-mode={mode}"], ["--model-control", mode.upper()]):  # a prefix, any case
+        with pytest.raises(SystemExit, match=f"--model-control-mode={mode} needs --no-supervise"):
+            launcher.main(["--model-repository", str(tmp_path), *given])
+    with pytest.raises(SystemExit, match="supervised"):  # "none" in any case: supervised as always
+        launcher.main(["--model-repository", str(tmp_path), "--model-control-mode=NONE"])
     with pytest.raises(SystemExit):
         launcher.main(["--model-repository", str(tmp_path), "--model-control-mode", mode, "--no-supervise"])
     assert ran  # unsupervised, as asked

@@ -536,6 +536,9 @@ def test_video_translation():
         video_call({"prompt": "x", "seconds": "1", "fps": 60}, capped, False).request.parameters["fps"] == 60
     )
     raises_api_error(
+        400, "fps", {"prompt": "x", "fps": 2**63 - 1}, capped, False, call=video_call
+    )  # no seconds
+    raises_api_error(
         400, "seconds", {"prompt": "x", "seconds": "forever"}, VIDEO_MODEL, True, call=video_call
     )
     raises_api_error(

@@ -49,32 +49,39 @@ def test_the_python_backends_own_parameters_are_left_to_it():
     # EXECUTION_ENV_PATH (a conda-pack environment) is read by the Python backend before our code runs.
     loaded = settings({"EXECUTION_ENV_PATH": "$$TRITON_MODEL_DIRECTORY/env.tar.gz", "max_rows_per_call": "4"})
     assert loaded.config.max_rows_per_call == 4
-    assert settings({"FORCE_CPU_ONLY_INPUT_TENSORS": "no"}).config == settings({}).config
+    assert settings({"FORCE_CPU_ONLY_INPUT_TENSORS": "yes"}).config == settings({}).config
+    with pytest.raises(ValueError, match="FORCE_CPU_ONLY_INPUT_TENSORS: got 'no' \\(allowed: yes\\)"):
+        settings({"FORCE_CPU_ONLY_INPUT_TENSORS": "no"})  # inputs on a GPU: every request would fail
 
 
 @pytest.mark.parametrize("kind", ["GPU", "CPU", "MODEL"])
-def test_a_gpu_instance_is_its_device_made_current_and_a_gpu_instance_without_cuda_a_load_error(
-    kind, monkeypatch
+def test_a_gpu_instances_device_is_the_one_a_lost_device_check_asks_from_any_thread(
+    kind, monkeypatch, caplog
 ):
     import dataclasses
+    import threading
 
     import torch
 
     from triton_diffusion.adapters.devices import instance_device
+    from triton_diffusion.engine import failures
 
-    current: list[int] = []
-    monkeypatch.setattr(torch.cuda, "set_device", current.append)
-    gpu = dataclasses.replace(settings({}), instance_kind=kind, device_id=1)
+    asked: list[object] = []
+    monkeypatch.setattr(failures, "_PROBED", "cuda")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    # Its process's current device: what names none (the lost-device check) means its own GPU.
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: asked.append(device))
+    monkeypatch.setattr(torch, "ones", lambda *args, device=None: asked.append(device) or torch.zeros(1))
+    gpu = dataclasses.replace(settings({}), instance_kind=kind, device_id=1)
     assert instance_device(gpu) == ("cpu" if kind == "CPU" else "cuda:1")
-    assert current == ([] if kind == "CPU" else [1])
+    # The engine thread asks (torch's current device is per thread: a new thread's is cuda:0).
+    thread = threading.Thread(target=failures._device_still_works)
+    thread.start()
+    thread.join()
+    assert asked == (["cuda", "cuda"] if kind == "CPU" else ["cuda:1", "cuda:1"])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU build of torch
-    if kind == "GPU":
-        with pytest.raises(ValueError, match="instance kind GPU, but torch .* sees no CUDA device"):
-            instance_device(gpu)
-    else:
-        assert instance_device(gpu) == "cpu"
+    assert instance_device(gpu) == "cpu"
+    said = "instance kind GPU, but torch" in caplog.text
+    assert said is (kind == "GPU")  # not quietly on the CPU
 
 
 def test_a_key_another_kind_reads_is_refused_naming_why():

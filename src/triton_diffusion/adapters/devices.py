@@ -3,28 +3,34 @@ without waiting for the GPU: the one copy helper of the step adapters and the ve
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import torch
 
+from triton_diffusion.engine.failures import probe_device
+
 if TYPE_CHECKING:
     from triton_diffusion.settings import ModelSettings
 
+log = logging.getLogger("triton_diffusion")
+
 
 def instance_device(settings: ModelSettings) -> str:
-    """``cuda:{model_instance_device_id}`` for a GPU instance, made this process's current device (each
-    instance has a process of its own, so what names no device, as the check of a lost device, means
-    its GPU); else ``cpu``. A GPU instance without CUDA in torch (a CPU build) is a load error, not a
-    model quietly on the CPU."""
+    """``cuda:{model_instance_device_id}`` for a GPU instance, also the device the check of a lost device
+    asks (failures.py: each instance has a process of its own); else ``cpu``. A GPU instance (KIND_GPU, or
+    KIND_AUTO on a machine with GPUs) without CUDA in torch, a CPU build, runs on the CPU and says so."""
     kind, index = settings.instance_kind, settings.device_id
-    if kind == "GPU" and not torch.cuda.is_available():
-        raise ValueError(
-            f"model {settings.name}: instance kind GPU, but torch {torch.__version__} sees no CUDA device "
-            "(a CPU build, or CUDA_VISIBLE_DEVICES); use KIND_CPU or a CUDA build of torch"
-        )
     if kind in ("GPU", "MODEL") and torch.cuda.is_available():
-        torch.cuda.set_device(index)
+        probe_device(f"cuda:{index}")
         return f"cuda:{index}"
+    if kind == "GPU":
+        log.warning(
+            "model %s: instance kind GPU, but torch %s sees no CUDA device (a CPU build, or "
+            "CUDA_VISIBLE_DEVICES): it runs on the CPU",
+            settings.name,
+            torch.__version__,
+        )
     return "cpu"
 
 

@@ -29,9 +29,40 @@ def encode_image(image: Image.Image, image_format: str, encoding: str = "binary"
 _MAGIC = {b"\x89PNG\r\n\x1a\n": "PNG", b"\xff\xd8\xff": "JPEG", b"RIFF": "WEBP"}
 # A progressive JPEG's scans are each decoded over the whole image, and libjpeg limits their number not
 # (libjpeg-turbo leaves it to the application): a small file of thousands of empty scans takes minutes to
-# decode. Encoders write about ten; an SOS marker (FF DA) never occurs inside entropy-coded data (an FF
-# there is followed by 00), so counting them counts the scans (an embedded thumbnail's, too).
+# decode. Encoders write about ten.
 MAX_JPEG_SCANS = 100
+
+
+def jpeg_scans(data: bytes, most: int = MAX_JPEG_SCANS) -> int:
+    """The image's scans (SOS markers), its marker segments walked from SOI to EOI: a segment's payload
+    (an EXIF thumbnail, an ICC profile) is skipped by its length, a scan's entropy-coded data to its next
+    marker (an FF there is followed by 00, or is a restart marker), and what follows EOI (a motion
+    photo's video, a gain map) is not read. Stops counting past ``most``; a malformed stream ends the
+    walk (Pillow judges it)."""
+    i, end, scans = 2, len(data), 0
+    while i + 1 < end and scans <= most:
+        if data[i] != 0xFF:
+            break
+        marker = data[i + 1]
+        if marker == 0xFF:  # fill byte
+            i += 1
+        elif marker == 0xD9:  # EOI
+            break
+        elif 0xD0 <= marker <= 0xD7 or marker == 0x01:  # RSTn, TEM: no length
+            i += 2
+        else:
+            i += 2 + int.from_bytes(data[i + 2 : i + 4], "big")
+            if marker != 0xDA:
+                continue
+            scans += 1
+            while (
+                (j := data.find(b"\xff", i)) != -1
+                and j + 1 < end
+                and (data[j + 1] == 0x00 or 0xD0 <= data[j + 1] <= 0xD7)
+            ):
+                i = j + 2
+            i = end if j == -1 else j
+    return scans
 
 
 def _from_base64(data: bytes) -> bytes | None:
@@ -75,9 +106,8 @@ def decode_image(
     sniffed = next((name for magic, name in _MAGIC.items() if data.startswith(magic)), None)
     if sniffed is not None and sniffed not in formats:
         raise invalid_field(field, f"format {sniffed} is not allowed (allowed: {allowed})")
-    scans = data.count(b"\xff\xda") if sniffed == "JPEG" else 0
-    if scans > MAX_JPEG_SCANS:
-        raise invalid_field(field, f"is a JPEG of {scans} scans (allowed: at most {MAX_JPEG_SCANS})")
+    if sniffed == "JPEG" and jpeg_scans(data) > MAX_JPEG_SCANS:
+        raise invalid_field(field, f"is a JPEG of more than {MAX_JPEG_SCANS} scans (allowed: at most that)")
     try:
         image: Image.Image = Image.open(io.BytesIO(data), formats=formats)
     except Image.DecompressionBombError:  # Pillow's own guard, for sizes far above any sane limit

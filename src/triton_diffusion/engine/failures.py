@@ -67,13 +67,23 @@ def is_device_lost(exc: BaseException) -> bool:
     return candidate and not _device_still_works()
 
 
+# The device this process's model runs on (adapters/devices.py instance_device): the check below asks it
+# by name, whichever thread asks (torch's current device is per thread, and a new thread's is cuda:0).
+_PROBED = "cuda"
+
+
+def probe_device(device: str) -> None:
+    global _PROBED
+    _PROBED = device
+
+
 def _device_still_works() -> bool:
     torch = sys.modules.get("torch")
     if torch is None or not torch.cuda.is_available():
         return False  # no device to ask (a simulated error on a CPU host): trust the error
     try:
-        torch.cuda.synchronize()
-        probe = torch.ones(1, device="cuda") + 1
+        torch.cuda.synchronize(_PROBED)
+        probe = torch.ones(1, device=_PROBED) + 1
         return float(probe.item()) == 2.0
     except Exception:  # noqa: BLE001  (any failure here is the answer)
         return False

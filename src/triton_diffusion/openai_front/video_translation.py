@@ -59,6 +59,8 @@ def video_call(params: Mapping[str, Any], info: ModelInfo, from_form: bool) -> V
     size = parse_size(params.get("size"))
     asked_size = agreed_size(parameters, size)
     seconds_text = params.get("seconds")
+    if "fps" in parameters:  # its range checked here, seconds or not: not once the job was queued
+        frame_rate(parameters, info)
     if seconds_text is not None:
         try:
             seconds = float(seconds_text)
@@ -89,7 +91,9 @@ def frame_rate(parameters: Mapping[str, Any], info: ModelInfo) -> int:
     fps = parameters.get("fps", info.default("fps"))
     if isinstance(fps, bool) or not isinstance(fps, int) or fps < 1:
         raise field_error("fps", f"must be a positive integer to count seconds in, got {short_text(fps)}")
-    high = (info.fields.get("fps") or {}).get("maximum")
-    if high is not None and fps > high:
-        raise field_error("fps", f"got {short_text(fps)} (allowed: 1..{high})")
+    described = info.fields.get("fps") or {}
+    low = 1 if described.get("minimum") is None else described["minimum"]
+    high = described.get("maximum")
+    if fps < low or (high is not None and fps > high):
+        raise field_error("fps", f"got {short_text(fps)} (allowed: {low}..{'' if high is None else high})")
     return fps

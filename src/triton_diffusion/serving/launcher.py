@@ -334,7 +334,15 @@ def main(argv: list[str] | None = None) -> None:
         extra = [f"--exit-timeout-secs={EXIT_TIMEOUT_S:g}", *extra]
     if known.drain_s < 0:
         parser.error("--drain-s must be 0 or more")
-    mode = _option(extra, "model-control-mode", "none")
+    # tritonserver takes any unique prefix of an option's name (getopt_long) and the mode in any case.
+    modes = [
+        value.lower()
+        for i, arg in enumerate(extra)
+        if len(name := arg.split("=", 1)[0]) >= len("--model-cont")
+        and "--model-control-mode".startswith(name)
+        for value in ([arg.split("=", 1)[1]] if "=" in arg else extra[i + 1 : i + 2])
+    ]
+    mode = modes[-1] if modes else "none"
     if mode != "none" and not known.no_supervise:
         # Triton 2.51 never says a stub died, so the supervisor takes a stub gone for a crash and restarts
         # the server: an unload through the model-control API would restart it, and every other model.
